@@ -1,0 +1,24 @@
+"""The op framework: ops, bound arguments, the `tokamax_call` primitive, the registry."""
+
+from tokamax_pass.core.device import Target, current_target
+from tokamax_pass.core.op import BoundArguments, NullConfig, Op, snake_case_name
+from tokamax_pass.core.primitive import METADATA_KEY, tokamax_call_p
+from tokamax_pass.core.registry import Family, register_family
+from tokamax_pass.core.resolution import register_config_source
+from tokamax_pass.core.vjp import AutodiffVjp, VjpOp
+
+__all__ = [
+    "METADATA_KEY",
+    "AutodiffVjp",
+    "BoundArguments",
+    "Family",
+    "NullConfig",
+    "Op",
+    "Target",
+    "VjpOp",
+    "current_target",
+    "register_config_source",
+    "register_family",
+    "snake_case_name",
+    "tokamax_call_p",
+]

@@ -1,0 +1,228 @@
+"""`Op` and `BoundArguments`: the unit everything else tunes, caches and rewrites.
+
+An op family (say `LayerNorm`) is a frozen dataclass whose `bind` validates and
+canonicalizes the user's arguments and whose `_fwd` is the XLA reference. Each
+implementation (a Pallas kernel, a cuDNN call) subclasses the family, names its
+`config_cls`, and overrides `_fwd`, `check_supported`, `_get_heuristics_config`
+and `_get_autotuning_configs`. A user-defined op does the same and works like a
+built-in one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import jax
+
+from tokamax_pass.core import spec
+from tokamax_pass.core.device import Target
+
+
+@dataclasses.dataclass(frozen=True)
+class NullConfig:
+    """The config of an op with nothing to tune."""
+
+
+def snake_case_name(op_or_cls: Op | type[Op]) -> str:
+    """`PallasTritonFlashAttention` -> `pallas_triton_flash_attention` (cache file names)."""
+    cls = op_or_cls if isinstance(op_or_cls, type) else type(op_or_cls)
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", cls.__name__).lower()
+
+
+@dataclasses.dataclass(frozen=True)
+class VmapLevel:
+    """One `jax.vmap` around an op call: which array leaves carry the mapped axis (at 0)."""
+
+    axes: tuple[int | None, ...]
+    size: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Op[C]:
+    """A tunable operation. Frozen, hashable, serializable by import path.
+
+    Attributes:
+      config: a pinned config; `None` resolves one (results, caches, heuristics).
+      vjp: the op that computes this op's gradient; `None` means the default
+        (`_default_vjp`), so the backward pass is found and tuned on its own.
+    """
+
+    config: C | None = None
+    vjp: Op | None = None
+
+    config_cls: ClassVar[type] = NullConfig
+    # Registry name of this implementation (`"xla"`, `"triton"`, ...).
+    implementation: ClassVar[str] = "xla"
+    # Platforms the implementation lowers for; `None` means every platform.
+    platforms: ClassVar[frozenset[str] | None] = None
+
+    # --- what a family or implementation overrides -----------------------------------
+
+    def bind(self, *args: Any, **kwargs: Any) -> BoundArguments:
+        """Validates and canonicalizes arguments (`ValueError` names a bad one).
+
+        The default binds to the signature of `_fwd`; families override it to
+        check shapes and dtypes and then return `BoundArguments(self, {...})`.
+        """
+        signature = _fwd_signature(type(self))
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{type(self).__name__}: {e}") from None
+        bound.apply_defaults()
+        return BoundArguments(self, dict(bound.arguments))
+
+    def _fwd(self, *args: Any, config: C, return_residuals: bool, **kwargs: Any) -> tuple[Any, Any]:
+        """Computes `(out, residuals)`; residuals may be `None` when not asked for."""
+        raise NotImplementedError(f"{type(self).__name__} does not define _fwd")
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        """Raises `NotImplementedError(reason)` when this implementation cannot run `ba`.
+
+        `target=None` checks the inputs only; a target also checks the device.
+        """
+        if target is not None:
+            self.check_supported_target(target)
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> C:
+        if self.config_cls is NullConfig:
+            return NullConfig()  # type: ignore[return-value]
+        raise NotImplementedError(f"{type(self).__name__} has no heuristics config")
+
+    def _get_autotuning_configs(self, ba: BoundArguments) -> set[C]:
+        return set()
+
+    def _default_vjp(self) -> Op:
+        from tokamax_pass.core.vjp import AutodiffVjp
+
+        return AutodiffVjp(forward=self.replace(vjp=None))
+
+    # --- shared behaviour -------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from tokamax_pass.core import primitive
+
+        return primitive.call_ops((self,), args, kwargs, explicit=True)
+
+    def replace(self, **changes: Any) -> Op:
+        return dataclasses.replace(self, **changes)
+
+    def vjp_op(self) -> Op:
+        return self.vjp if self.vjp is not None else self._default_vjp()
+
+    def reference_op(self) -> Op:
+        """The family's XLA reference: the class right under `Op` in the hierarchy."""
+        family = family_class(type(self))
+        return self if type(self) is family else family()
+
+    @classmethod
+    def family_name(cls) -> str:
+        return snake_case_name(family_class(cls))
+
+    def supported_on(self, device: Any) -> bool:
+        """True if this implementation can run on `device` (a `jax.Device` or platform)."""
+        platform = device if isinstance(device, str) else device.platform
+        kind = None if isinstance(device, str) else device.device_kind
+        try:
+            self.check_supported_target(Target({"gpu": "cuda"}.get(platform, platform), kind))
+        except NotImplementedError:
+            return False
+        return True
+
+    def check_supported_target(self, target: Target) -> None:
+        """The device part of `check_supported`, for callers with no arguments yet."""
+        if self.platforms is not None and target.platform not in self.platforms:
+            raise NotImplementedError(
+                f"{type(self).__name__} runs on {sorted(self.platforms)}, not on "
+                f"{target.platform}; use implementation='xla' or None"
+            )
+
+def family_class(cls: type[Op]) -> type[Op]:
+    """The op family of an implementation: the class right under `Op` (or `VjpOp`)."""
+    from tokamax_pass.core.vjp import VjpOp
+
+    for klass in cls.__mro__:
+        if klass is not VjpOp and (Op in klass.__bases__ or VjpOp in klass.__bases__):
+            return klass
+    raise TypeError(f"{cls.__name__} is not an Op subclass")
+
+
+def _fwd_signature(cls: type[Op]) -> inspect.Signature:
+    signature = inspect.signature(cls._fwd)
+    params = [
+        p for name, p in signature.parameters.items()
+        if name not in ("self", "config", "return_residuals")
+    ]
+    return signature.replace(parameters=params)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundArguments:
+    """An op with its canonical arguments: what autotuning tunes and caches key on.
+
+    Array arguments may be concrete arrays, tracers or `jax.ShapeDtypeStruct`s;
+    `vmap` records the `jax.vmap`s around the call (shapes are per call, unbatched).
+    """
+
+    op: Op
+    arguments: Mapping[str, Any]
+    vmap: tuple[VmapLevel, ...] = ()
+
+    @property
+    def abstract_arguments(self) -> dict[str, Any]:
+        return jax.tree.map(
+            lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype) if spec.is_array(v) else v,
+            dict(self.arguments),
+            is_leaf=lambda v: v is None,
+        )
+
+    def arguments_spec(self) -> dict[str, Any]:
+        data: dict[str, Any] = {k: spec.encode(v) for k, v in self.arguments.items()}
+        if self.vmap:
+            data["__vmap__"] = [[list(level.axes), level.size] for level in self.vmap]
+        return data
+
+    @property
+    def cache_key(self) -> str:
+        """Canonical JSON of the argument spec: equal for calls that share a config."""
+        return spec.dumps(self.arguments_spec())
+
+    def to_spec(self) -> dict[str, Any]:
+        return {"op": spec.encode(self.op), "arguments": self.arguments_spec()}
+
+    def to_json(self) -> str:
+        return spec.dumps(self.to_spec())
+
+    @classmethod
+    def from_spec(cls, data: Mapping[str, Any]) -> BoundArguments:
+        if not isinstance(data, Mapping) or "op" not in data or "arguments" not in data:
+            raise spec.SpecError(f"a bound-arguments spec needs 'op' and 'arguments', got {data!r}")
+        op = spec.decode(data["op"])
+        if not isinstance(op, Op):
+            raise spec.SpecError(f"{data['op']!r} does not name an Op")
+        arguments = dict(data["arguments"])
+        vmap = tuple(VmapLevel(tuple(a), s) for a, s in arguments.pop("__vmap__", ()))
+        return cls(op, {k: spec.decode(v) for k, v in arguments.items()}, vmap)
+
+    @classmethod
+    def from_json(cls, text: str) -> BoundArguments:
+        return cls.from_spec(spec.loads(text, what="bound arguments"))
+
+    @property
+    def heuristics_config(self) -> Any:
+        return self.op._get_heuristics_config(self)
+
+    @property
+    def autotuning_configs(self) -> set[Any]:
+        return {self.heuristics_config} | set(self.op._get_autotuning_configs(self))
+
+    def replace(self, **changes: Any) -> BoundArguments:
+        return dataclasses.replace(self, **changes)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={spec.encode(v)!r}" for k, v in self.arguments.items())
+        return f"{type(self.op).__name__}.bind({args})"

@@ -1,0 +1,239 @@
+"""The `tokamax_call` primitive: one op call in a jaxpr, lowered per platform.
+
+An op call binds `tokamax_call` with its candidate implementations and static
+arguments. Each platform's lowering picks the first candidate that runs there,
+resolves its config, lowers it, and stamps the op's JSON spec on every emitted
+instruction as the frontend attribute `tokamax_pass_spec`, so autotuning,
+`inspect` and profiles can recover the call. Under `jax.grad` a `custom_vjp`
+routes the backward pass through the VJP ops, themselves `tokamax_call`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from tokamax_pass.core import device, resolution, spec
+from tokamax_pass.core.op import BoundArguments, Op, VmapLevel
+from tokamax_pass.core.vjp import VjpOp, complete_gradients
+
+METADATA_KEY = "tokamax_pass_spec"
+LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+tokamax_call_p = Primitive("tokamax_call")
+tokamax_call_p.multiple_results = True
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCall:
+    """The static part of one op call: candidates, static arguments, vmaps."""
+
+    candidates: tuple[Op, ...]
+    treedef: Any
+    statics: tuple[tuple[int, Any], ...]
+    num_leaves: int
+    explicit: bool
+    vmap: tuple[VmapLevel, ...] = ()
+    return_residuals: bool = False
+
+    @property
+    def operand_indices(self) -> tuple[int, ...]:
+        static = {i for i, _ in self.statics}
+        return tuple(i for i in range(self.num_leaves) if i not in static)
+
+    def arguments(self, operands: Sequence[Any]) -> dict[str, Any]:
+        leaves: list[Any] = [None] * self.num_leaves
+        for i, value in self.statics:
+            leaves[i] = value
+        for i, value in zip(self.operand_indices, operands, strict=True):
+            leaves[i] = value
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def unbatched(self, avals: Sequence[Any]) -> list[jax.ShapeDtypeStruct]:
+        """Per-call operand shapes: the vmapped axes stripped."""
+        shapes = []
+        for i, aval in enumerate(avals):
+            shape = tuple(aval.shape)
+            for level in self.vmap:
+                if level.axes[i] is not None:
+                    shape = shape[1:]
+            shapes.append(jax.ShapeDtypeStruct(shape, aval.dtype))
+        return shapes
+
+    def bound(self, op: Op, avals: Sequence[Any]) -> BoundArguments:
+        return BoundArguments(op, self.arguments(self.unbatched(avals)), self.vmap)
+
+    def structured_function(self, op: Op, config: Any) -> Callable[..., Any]:
+        """The candidate's computation over the operands, vmaps applied."""
+
+        def fn(*operands: Any) -> Any:
+            arguments = self.arguments(operands)
+            out, residuals = op._fwd(
+                **arguments, config=config, return_residuals=self.return_residuals
+            )
+            if isinstance(op, VjpOp):
+                forward = {k: v for k, v in arguments.items() if k not in ("residuals", "out", "dout")}
+                out = complete_gradients(out, forward)
+            return (out, residuals) if self.return_residuals else out
+
+        for level in reversed(self.vmap):
+            fn = jax.vmap(fn, in_axes=level.axes, axis_size=level.size)
+        return fn
+
+    def flat_function(self, op: Op, config: Any) -> Callable[..., list[Any]]:
+        structured = self.structured_function(op, config)
+        return lambda *operands: jax.tree.leaves(structured(*operands))
+
+    def output_structure(self, avals: Sequence[Any]) -> tuple[Any, tuple[jax.core.ShapedArray, ...]]:
+        return _output_structure(self, tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in avals))
+
+
+@functools.lru_cache(maxsize=4096)
+def _output_structure(call: OpCall, avals: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    reference = call.candidates[0].reference_op()
+    ba = call.bound(reference, avals)
+    config = reference.config or reference._get_heuristics_config(ba)
+    shapes = jax.eval_shape(
+        call.structured_function(reference, config),
+        *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals),
+    )
+    leaves, treedef = jax.tree.flatten(shapes)
+    return treedef, tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in leaves)
+
+
+def _abstract_eval(*avals: Any, call: OpCall) -> tuple[Any, ...]:
+    return call.output_structure(avals)[1]
+
+
+def _batch(operands: Sequence[Any], dims: Sequence[Any], *, call: OpCall) -> tuple[Any, Any]:
+    size = next(x.shape[d] for x, d in zip(operands, dims, strict=True) if d is not None)
+    moved = [
+        x if d is None else jax.numpy.moveaxis(x, d, 0)
+        for x, d in zip(operands, dims, strict=True)
+    ]
+    axes = tuple(None if d is None else 0 for d in dims)
+    batched = dataclasses.replace(call, vmap=(VmapLevel(axes, size), *call.vmap))
+    outs = tokamax_call_p.bind(*moved, call=batched)
+    return outs, [0] * len(outs)
+
+
+def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence[Any]:
+    target = device.lowering_target(platform)
+    candidates = [call.bound(op, ctx.avals_in) for op in call.candidates]
+    choice = resolution.choose(candidates, target, explicit=call.explicit)
+    fn = call.flat_function(choice.op, choice.op.config)
+    with device.lowering_for(target), set_xla_metadata(**{METADATA_KEY: choice.bound.to_json()}):
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
+
+
+tokamax_call_p.def_impl(functools.partial(jax._src.dispatch.apply_primitive, tokamax_call_p))
+tokamax_call_p.def_abstract_eval(_abstract_eval)
+batching.primitive_batchers[tokamax_call_p] = _batch
+for _platform in LOWERING_PLATFORMS:
+    mlir.register_lowering(
+        tokamax_call_p, functools.partial(_lowering, platform=_platform), platform=_platform
+    )
+
+
+def _make_call(bas: Sequence[BoundArguments], explicit: bool) -> tuple[OpCall, list[Any]]:
+    leaves, treedef = jax.tree.flatten(dict(bas[0].arguments), is_leaf=_is_none)
+    statics, operands = [], []
+    names = jax.tree_util.tree_flatten_with_path(dict(bas[0].arguments), is_leaf=_is_none)[0]
+    for i, ((path, _), leaf) in enumerate(zip(names, leaves, strict=True)):
+        if spec.is_array(leaf):
+            operands.append(leaf)
+            continue
+        try:
+            hash(leaf)
+        except TypeError:
+            raise TypeError(
+                f"argument {jax.tree_util.keystr(path)} of {type(bas[0].op).__name__} must be an "
+                f"array or a hashable static value, got {type(leaf).__name__}"
+            ) from None
+        statics.append((i, leaf))
+    call = OpCall(
+        candidates=tuple(ba.op for ba in bas),
+        treedef=treedef,
+        statics=tuple(statics),
+        num_leaves=len(leaves),
+        explicit=explicit,
+    )
+    return call, [jax.numpy.asarray(x) if isinstance(x, np.ndarray) else x for x in operands]
+
+
+def _bind(call: OpCall, operands: Sequence[Any]) -> Any:
+    treedef, _ = call.output_structure(operands)
+    return jax.tree.unflatten(treedef, tokamax_call_p.bind(*operands, call=call))
+
+
+def _cotangents(call: OpCall, operands: Sequence[Any], grads: dict[str, Any]) -> tuple[Any, ...]:
+    grad_leaves = jax.tree.flatten(grads, is_leaf=_is_none)[0]
+    cotangents = []
+    for i, operand in zip(call.operand_indices, operands, strict=True):
+        grad = grad_leaves[i]
+        if grad is None:
+            grad = np.zeros(operand.shape, jax.dtypes.float0)
+        cotangents.append(grad)
+    return tuple(cotangents)
+
+
+def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
+    """Binds the call; its gradient goes through the candidates' VJP ops."""
+
+    @jax.custom_vjp
+    def op_call(*operands: Any) -> Any:
+        return _bind(call, operands)
+
+    def op_call_fwd(*operands: Any) -> tuple[Any, Any]:
+        out, residuals = _bind(dataclasses.replace(call, return_residuals=True), operands)
+        return out, (operands, out, residuals)
+
+    def op_call_bwd(saved: Any, dout: Any) -> tuple[Any, ...]:
+        operands, out, residuals = saved
+        arguments = call.arguments(operands)
+        vjp_ops = tuple(dict.fromkeys(op.vjp_op() for op in call.candidates))
+        grads = call_ops(
+            vjp_ops, (), dict(residuals=residuals, out=out, dout=dout, **arguments),
+            explicit=call.explicit,
+        )
+        return _cotangents(call, operands, grads)
+
+    op_call.defvjp(op_call_fwd, op_call_bwd)
+    return op_call(*operands)
+
+
+def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
+             explicit: bool) -> Any:
+    """Calls the first of `ops` that accepts the arguments (and, if `explicit`, this device).
+
+    `ValueError` from `bind` (bad input) propagates at once; `NotImplementedError`
+    moves on to the next candidate and is re-raised when none is left.
+    """
+    target = device.current_target()
+    bound, reasons = [], []
+    for op in ops:
+        try:
+            ba = op.bind(*args, **kwargs)
+            op.check_supported(ba, target if explicit else None)
+        except NotImplementedError as e:
+            if explicit and len(ops) == 1:
+                raise
+            reasons.append(f"{type(op).__name__}: {e}")
+            continue
+        bound.append(ba)
+    if not bound:
+        raise NotImplementedError("no implementation supports these inputs:\n  " + "\n  ".join(reasons))
+    call, operands = _make_call(bound, explicit)
+    return bind_with_vjp(call, operands)

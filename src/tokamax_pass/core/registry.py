@@ -1,0 +1,78 @@
+"""Op families and their implementations; the `implementation=` rule.
+
+`implementation=None` tries the family's automatic list (GPU kernels first, `xla`
+last, so it always works); a name tries that implementation alone and raises
+its `NotImplementedError` when it cannot run; a sequence tries each in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokamax_pass.core import primitive
+from tokamax_pass.core.op import Op
+
+Implementation = str | Op | Sequence[str | Op] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """An op family: implementation classes by name, and the order `None` tries them."""
+
+    name: str
+    implementations: Mapping[str, type[Op]]
+    automatic: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not self.automatic or self.automatic[-1] != "xla":
+            raise ValueError(f"family {self.name!r}: the automatic list must end with 'xla'")
+        unknown = set(self.automatic) - set(self.implementations)
+        if unknown:
+            raise ValueError(f"family {self.name!r}: unknown automatic names {sorted(unknown)}")
+
+    def resolve(self, implementation: Implementation) -> tuple[tuple[Op, ...], bool]:
+        """`(candidate ops, explicit)` for an `implementation=` argument."""
+        if implementation is None:
+            return tuple(self.implementations[n]() for n in self.automatic), False
+        items = [implementation] if isinstance(implementation, (str, Op)) else list(implementation)
+        if not items:
+            raise ValueError(f"{self.name}: implementation must not be an empty sequence")
+        ops = []
+        for item in items:
+            if isinstance(item, Op):
+                ops.append(item)
+            elif item in self.implementations:
+                ops.append(self.implementations[item]())
+            else:
+                raise ValueError(
+                    f"{self.name}: unknown implementation {item!r}; valid names are "
+                    f"{sorted(self.implementations)} or None"
+                )
+        return tuple(ops), True
+
+    def __call__(self, implementation: Implementation, *args: Any, **kwargs: Any) -> Any:
+        ops, explicit = self.resolve(implementation)
+        return primitive.call_ops(ops, args, kwargs, explicit=explicit)
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> Mapping[str, Family]:
+    return dict(_FAMILIES)
+
+
+def implementations_of(op: Op) -> list[Op]:
+    """Every registered implementation of `op`'s family (for `all_implementations`)."""
+    name = op.family_name()
+    family = _FAMILIES.get(name)
+    if family is None:
+        return [op]
+    return [cls() for cls in family.implementations.values()]

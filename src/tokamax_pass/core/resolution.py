@@ -1,0 +1,99 @@
+"""Which implementation and config an op call gets, and where the choice came from.
+
+Config order, first hit wins: a pinned config -> the registered config sources
+(active `AutotuningResult`s, the user cache, the library cache; registered by
+`tokamax_pass.autotuning`) -> the implementation's heuristics. For
+`implementation=None` the candidates are tried in the family's preference
+order unless a source has measured them on this shape and device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from tokamax_pass.core.device import Target, current_target, lowering_for
+from tokamax_pass.core.op import BoundArguments, NullConfig, Op
+
+
+class ConfigSource(Protocol):
+    """Somewhere configs and implementation timings can be looked up."""
+
+    def find_config(self, ba: BoundArguments, device_kind: str | None) -> tuple[Any, str] | None:
+        """`(config, label)` for `ba.op` on this device kind, or `None` on a miss."""
+
+    def rank(self, candidates: Sequence[BoundArguments], device_kind: str | None) -> list[int] | None:
+        """Indices of `candidates`, fastest first, if this source measured them all."""
+
+
+_SOURCES: list[ConfigSource] = []
+
+
+def register_config_source(source: ConfigSource) -> None:
+    if source not in _SOURCES:
+        _SOURCES.append(source)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The implementation (with its config set) chosen for one op call, and why."""
+
+    bound: BoundArguments
+    source: str
+
+    @property
+    def op(self) -> Op:
+        return self.bound.op
+
+
+def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> tuple[Any, str]:
+    """`(config, source)` for `op` on `ba`; `source` names where it came from."""
+    if op.config is not None:
+        return op.config, "explicit"
+    if op.config_cls is NullConfig:
+        return NullConfig(), "no config"
+    target = target or current_target()
+    for source in _SOURCES:
+        hit = source.find_config(ba.replace(op=op), target.device_kind)
+        if hit is not None:
+            return hit
+    with lowering_for(target):
+        return op._get_heuristics_config(ba.replace(op=op)), "heuristics"
+
+
+def _ranked(candidates: list[BoundArguments], target: Target, explicit: bool) -> list[BoundArguments]:
+    if explicit or len(candidates) < 2:
+        return candidates
+    for source in _SOURCES:
+        order = source.rank(candidates, target.device_kind)
+        if order is not None:
+            return [candidates[i] for i in order]
+    return candidates
+
+
+def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bool) -> Choice:
+    """The first candidate that supports `target`, with its config resolved.
+
+    Raises `NotImplementedError` listing every candidate's reason when none can run.
+    """
+    supported: list[BoundArguments] = []
+    reasons: list[str] = []
+    for ba in candidates:
+        try:
+            ba.op.check_supported(ba, target)
+        except NotImplementedError as e:
+            reasons.append(f"{type(ba.op).__name__}: {e}")
+            continue
+        supported.append(ba)
+    for ba in _ranked(supported, target, explicit):
+        try:
+            config, source = resolve_config(ba.op, ba, target)
+        except NotImplementedError as e:
+            reasons.append(f"{type(ba.op).__name__}: {e}")
+            continue
+        return Choice(ba.replace(op=ba.op.replace(config=config)), source)
+    raise NotImplementedError(
+        f"no implementation can run on {target.platform} ({target.device_kind}):\n  "
+        + "\n  ".join(reasons)
+    )
