@@ -1,6 +1,6 @@
 """The op framework: ops, bound arguments, the `tokamax_call` primitive, the registry."""
 
-from tokamax_pass.core.device import Target, current_target
+from tokamax_pass.core.device import Target, current_target, targeting
 from tokamax_pass.core.op import BoundArguments, NullConfig, Op, snake_case_name
 from tokamax_pass.core.primitive import METADATA_KEY, tokamax_call_p
 from tokamax_pass.core.registry import Family, register_family
@@ -17,6 +17,7 @@ __all__ = [
     "Target",
     "VjpOp",
     "current_target",
+    "targeting",
     "register_config_source",
     "register_family",
     "snake_case_name",

@@ -99,3 +99,17 @@ def lowering_target(platform: str) -> Target:
 def device_kind_key(device_kind: str | None) -> str:
     """File-name form of a device kind: `"NVIDIA H200"` -> `"nvidia_h200"`."""
     return (device_kind or "unknown").lower().replace(" ", "_").replace("/", "_")
+
+
+@contextlib.contextmanager
+def targeting(device_kind: str, platform: str = "cuda") -> Iterator[None]:
+    """Traces and lowers for a device that is not here (`"NVIDIA H200"` from a CPU machine).
+
+    JAX needs an abstract device of that kind to lower Pallas Triton kernels; ops
+    read the device kind from it to pick configs from that device's caches.
+    """
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    mesh = AbstractMesh((1,), ("_target",), abstract_device=AbstractDevice(device_kind, None, platform))
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield

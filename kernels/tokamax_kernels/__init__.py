@@ -1,0 +1,1 @@
+"""Op families and their kernels. Import the public functions from `tokamax_pass`."""

@@ -1,0 +1,27 @@
+"""`layer_norm`: the public function and its implementations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokamax_kernels.layer_norm.base import LayerNorm
+from tokamax_pass.core import Family, register_family
+from tokamax_pass.core.registry import Implementation
+
+FAMILY = register_family(Family(
+    name="layer_norm",
+    implementations={"xla": LayerNorm},
+    automatic=("xla",),
+))
+
+
+def layer_norm(x: Any, scale: Any, offset: Any, *, axis: int = -1, epsilon: float = 1e-6,
+               subtract_mean: bool = True, implementation: Implementation = None) -> Any:
+    """Layer norm (or RMSNorm with `subtract_mean=False`) of `x` over `axis`.
+
+    `scale` and `offset` have the length of that axis, or are `None`.
+    `implementation`: `None` (the fastest that runs here, `"xla"` last), a name
+    from `FAMILY.implementations`, an `Op` instance, or a sequence of those.
+    """
+    return FAMILY(implementation, x, scale, offset, axis=axis, epsilon=epsilon,
+                  subtract_mean=subtract_mean)

@@ -1,0 +1,62 @@
+"""tokamax_pass: fast JAX kernels for Hopper GPUs, autotuned, and the pass that bakes them in.
+
+The ops (`dot_product_attention`, `layer_norm`, `ragged_dot`, `gated_linear_unit`)
+and their implementation classes live in `tokamax_kernels` and are re-exported
+here lazily, so `import tokamax_pass` stays cheap and the framework never
+imports a kernel from inside.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tokamax_pass.core import BoundArguments, NullConfig, Op, snake_case_name
+
+__version__ = "0.1.0"
+
+# Op families, in `tokamax_kernels`; each package's `__all__` lists what it exports.
+_KERNEL_PACKAGES = ("attention", "layer_norm", "ragged_dot", "gated_linear_unit")
+
+# Framework names defined in modules that are imported on first use.
+_LAZY = {
+    "autotune": "tokamax_pass.autotuning",
+    "AutotuningResult": "tokamax_pass.autotuning",
+    "autotuning": None,
+    "benchmarking": None,
+    "optimize": "tokamax_pass.optimize",
+    "export": "tokamax_pass.export",
+    "load_artifact": "tokamax_pass.export",
+    "DISABLE_JAX_EXPORT_CHECKS": "tokamax_pass.export",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = _LAZY[name]
+        if module is None:
+            return importlib.import_module(f"tokamax_pass.{name}")
+        return getattr(importlib.import_module(module), name)
+    for package in _KERNEL_PACKAGES:
+        try:
+            module = importlib.import_module(f"tokamax_kernels.{package}")
+        except ModuleNotFoundError as e:
+            if e.name != f"tokamax_kernels.{package}":
+                raise
+            continue
+        if name in getattr(module, "__all__", ()):
+            return getattr(module, name)
+    raise AttributeError(f"module 'tokamax_pass' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    names = set(globals()) | set(_LAZY)
+    for package in _KERNEL_PACKAGES:
+        try:
+            names |= set(importlib.import_module(f"tokamax_kernels.{package}").__all__)
+        except ModuleNotFoundError:
+            continue
+    return sorted(names)
+
+
+__all__ = ["BoundArguments", "NullConfig", "Op", "snake_case_name", *_LAZY]
