@@ -124,7 +124,11 @@ def encode(value: Any) -> Any:
             "fields": {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)},
         }
     if callable(value):
-        return {"callable": import_path(value)}
+        try:
+            return {"callable": import_path(value)}
+        except SpecError:
+            # Still recorded (for reading), but cannot be imported back.
+            return {"callable": None, "repr": repr(value)}
     raise SpecError(f"cannot serialize {value!r} of type {type(value).__name__}")
 
 
@@ -143,6 +147,11 @@ def decode(value: Any) -> Any:
             cls = import_object(value["dataclass"])
             return cls(**{k: decode(v) for k, v in value["fields"].items()})
         if "callable" in value:
+            if value["callable"] is None:
+                raise SpecError(
+                    f"{value['repr']} was not importable by name when this spec was written; "
+                    "use a module-level function (e.g. jax.nn.gelu) to make it reloadable"
+                )
             return import_object(value["callable"])
         raise SpecError(f"unknown encoded value {value!r}")
     return value

@@ -1,0 +1,1 @@
+"""Subcommands of the `tokamax-pass` command line."""
