@@ -12,7 +12,11 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # Relative tolerance (to the reference's scale) by the dtype the op computes in.
-TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 5e-3}
+TOLERANCE = {
+    jnp.dtype(jnp.float32): 1e-5,
+    jnp.dtype(jnp.bfloat16): 2e-2,
+    jnp.dtype(jnp.float16): 5e-3,
+}
 
 H200 = "NVIDIA H200"
 

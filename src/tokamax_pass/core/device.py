@@ -110,6 +110,7 @@ def targeting(device_kind: str, platform: str = "cuda") -> Iterator[None]:
     """
     from jax.sharding import AbstractDevice, AbstractMesh
 
-    mesh = AbstractMesh((1,), ("_target",), abstract_device=AbstractDevice(device_kind, None, platform))
+    device = AbstractDevice(device_kind, None, platform)
+    mesh = AbstractMesh((1,), ("_target",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
         yield

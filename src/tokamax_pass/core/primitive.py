@@ -23,7 +23,7 @@ from jax.interpreters import batching, mlir
 
 from tokamax_pass.core import device, resolution, spec
 from tokamax_pass.core.op import BoundArguments, Op, VmapLevel
-from tokamax_pass.core.vjp import VjpOp, complete_gradients
+from tokamax_pass.core.vjp import RESERVED_NAMES, VjpOp, complete_gradients
 
 METADATA_KEY = "tokamax_pass_spec"
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -84,7 +84,7 @@ class OpCall:
                 **arguments, config=config, return_residuals=self.return_residuals
             )
             if isinstance(op, VjpOp):
-                forward = {k: v for k, v in arguments.items() if k not in ("residuals", "out", "dout")}
+                forward = {k: v for k, v in arguments.items() if k not in RESERVED_NAMES}
                 out = complete_gradients(out, forward)
             return (out, residuals) if self.return_residuals else out
 
@@ -96,7 +96,7 @@ class OpCall:
         structured = self.structured_function(op, config)
         return lambda *operands: jax.tree.leaves(structured(*operands))
 
-    def output_structure(self, avals: Sequence[Any]) -> tuple[Any, tuple[jax.core.ShapedArray, ...]]:
+    def output_structure(self, avals: Sequence[Any]) -> tuple[Any, tuple[Any, ...]]:
         return _output_structure(self, tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in avals))
 
 
@@ -234,6 +234,7 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
             continue
         bound.append(ba)
     if not bound:
-        raise NotImplementedError("no implementation supports these inputs:\n  " + "\n  ".join(reasons))
+        raise NotImplementedError(
+            "no implementation supports these inputs:\n  " + "\n  ".join(reasons))
     call, operands = _make_call(bound, explicit)
     return bind_with_vjp(call, operands)

@@ -23,7 +23,9 @@ class ConfigSource(Protocol):
     def find_config(self, ba: BoundArguments, device_kind: str | None) -> tuple[Any, str] | None:
         """`(config, label)` for `ba.op` on this device kind, or `None` on a miss."""
 
-    def rank(self, candidates: Sequence[BoundArguments], device_kind: str | None) -> list[int] | None:
+    def rank(
+        self, candidates: Sequence[BoundArguments], device_kind: str | None
+    ) -> list[int] | None:
         """Indices of `candidates`, fastest first, if this source measured them all."""
 
 
@@ -62,7 +64,9 @@ def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> 
         return op._get_heuristics_config(ba.replace(op=op)), "heuristics"
 
 
-def _ranked(candidates: list[BoundArguments], target: Target, explicit: bool) -> list[BoundArguments]:
+def _ranked(
+    candidates: list[BoundArguments], target: Target, explicit: bool
+) -> list[BoundArguments]:
     if explicit or len(candidates) < 2:
         return candidates
     for source in _SOURCES:

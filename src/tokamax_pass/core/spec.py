@@ -119,10 +119,12 @@ def encode(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return {"enum": import_path(type(value)), "name": value.name}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {
-            "dataclass": import_path(type(value)),
-            "fields": {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)},
-        }
+        fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        try:
+            return {"dataclass": import_path(type(value)), "fields": fields}
+        except SpecError:
+            # A class defined inside a function: recorded, but it cannot be loaded back.
+            return {"dataclass": None, "repr": type(value).__qualname__, "fields": fields}
     if callable(value):
         try:
             return {"callable": import_path(value)}
@@ -144,6 +146,11 @@ def decode(value: Any) -> Any:
         if "enum" in value:
             return import_object(value["enum"])[value["name"]]
         if "dataclass" in value:
+            if value["dataclass"] is None:
+                raise SpecError(
+                    f"{value['repr']} was defined inside a function when this spec was written; "
+                    "define it at module level to make it reloadable"
+                )
             cls = import_object(value["dataclass"])
             return cls(**{k: decode(v) for k, v in value["fields"].items()})
         if "callable" in value:

@@ -1,0 +1,205 @@
+"""The op framework with user-defined ops: binding, the primitive, AD, vmap, the registry."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_pass as tokamax
+from conftest import assert_close, random_normal
+from tokamax_pass import core
+from tokamax_pass.core import spec
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleConfig:
+    power: int = 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ScaledSine(tokamax.Op[ScaleConfig]):
+    """A user op: `sin(x) * y * factor ** config.power`, with a config and a search space."""
+
+    config_cls = ScaleConfig
+
+    def bind(self, x, y, *, factor=2.0):
+        if x.shape != y.shape:
+            raise ValueError(f"y must have the shape of x {x.shape}, got {y.shape}")
+        return tokamax.BoundArguments(self, dict(x=x, y=y, factor=float(factor)))
+
+    def _fwd(self, x, y, *, factor, config, return_residuals):
+        return jnp.sin(x) * y * factor**config.power, None
+
+    def _get_heuristics_config(self, ba):
+        return ScaleConfig(power=1)
+
+    def _get_autotuning_configs(self, ba):
+        return {ScaleConfig(power=p) for p in (1, 2, 3)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GpuOnlySine(ScaledSine):
+    """An implementation that exists only for cuda (to test fallback and per-platform lowering)."""
+
+    implementation = "gpu_only"
+    platforms = frozenset({"cuda"})
+
+    def _fwd(self, x, y, *, factor, config, return_residuals):
+        return jnp.sin(x) * y * factor**config.power + 0.0, None
+
+
+FAMILY = core.register_family(core.Family(
+    name="scaled_sine",
+    implementations={"gpu_only": GpuOnlySine, "xla": ScaledSine},
+    automatic=("gpu_only", "xla"),
+))
+
+
+def reference(x, y, factor=2.0, power=1):
+    return np.sin(np.asarray(x, np.float64)) * np.asarray(y, np.float64) * factor**power
+
+
+def test_user_op_forward_jit_grad_vmap():
+    x, y = random_normal(0, (3, 5)), random_normal(1, (3, 5))
+    op = ScaledSine()
+    assert_close(op(x, y), reference(x, y))
+    assert_close(jax.jit(op)(x, y), reference(x, y))
+    dx, dy = jax.grad(lambda x, y: op(x, y).sum(), argnums=(0, 1))(x, y)
+    assert_close(dx, np.cos(np.asarray(x)) * np.asarray(y) * 2.0)
+    assert_close(dy, np.sin(np.asarray(x)) * 2.0)
+    batched = jax.vmap(op, in_axes=(0, None))(jnp.stack([x, 2 * x]), y)
+    assert_close(batched[1], reference(2 * x, y))
+    per_example = jax.jit(jax.vmap(jax.grad(lambda x: op(x, y).sum())))(jnp.stack([x, x]))
+    assert_close(per_example[0], dx)
+
+
+def test_pinned_config_is_used():
+    x, y = random_normal(0, (4,)), random_normal(1, (4,))
+    assert_close(ScaledSine(config=ScaleConfig(power=3))(x, y), reference(x, y, power=3))
+
+
+def test_metadata_is_stamped_and_parses_back():
+    x, y = random_normal(0, (3, 5)), random_normal(1, (3, 5))
+    text = jax.jit(lambda x, y: ScaledSine()(x, y, factor=3.0)).lower(x, y).as_text()
+    payloads = set(re.findall(r'tokamax_pass_spec = "((?:[^"\\]|\\.)*)"', text))
+    assert len(payloads) == 1
+    ba = tokamax.BoundArguments.from_json(payloads.pop().replace("\\22", '"'))
+    assert isinstance(ba.op, ScaledSine)
+    assert ba.op.config == ScaleConfig(power=1)
+    assert ba.arguments["factor"] == 3.0
+    assert ba.arguments["x"] == jax.ShapeDtypeStruct((3, 5), jnp.float32)
+
+
+def test_grad_stamps_the_vjp_op():
+    x, y = random_normal(0, (3,)), random_normal(1, (3,))
+    text = jax.jit(jax.grad(lambda x: ScaledSine()(x, y).sum())).lower(x).as_text()
+    assert "AutodiffVjp" in text.replace("\\22", '"')
+
+
+def test_bound_arguments_json_round_trip_with_vmap():
+    ba = ScaledSine().bind(jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((2, 3), jnp.bfloat16))
+    ba = ba.replace(vmap=(core.op.VmapLevel((0, None), 4),))
+    again = tokamax.BoundArguments.from_json(ba.to_json())
+    assert again == ba
+    assert again.cache_key == ba.cache_key
+    assert '"bf16[2,3]"' in ba.to_json()
+    assert ba.autotuning_configs == {ScaleConfig(1), ScaleConfig(2), ScaleConfig(3)}
+
+
+def test_vmapped_call_records_vmap_levels():
+    x, y = random_normal(0, (2, 3)), random_normal(1, (3,))
+    text = jax.jit(jax.vmap(lambda x: ScaledSine()(x, y))).lower(x).as_text()
+    (payload,) = set(re.findall(r'tokamax_pass_spec = "((?:[^"\\]|\\.)*)"', text))
+    ba = tokamax.BoundArguments.from_json(payload.replace("\\22", '"'))
+    assert ba.arguments["x"].shape == (3,)
+    assert ba.vmap == (core.op.VmapLevel((0, None), 2),)
+
+
+def test_implementation_none_falls_back_on_cpu():
+    x, y = random_normal(0, (4,)), random_normal(1, (4,))
+    assert_close(FAMILY(None, x, y), reference(x, y))
+    text = jax.jit(lambda x, y: FAMILY(None, x, y)).lower(x, y).as_text()
+    assert "GpuOnlySine" not in text and "ScaledSine" in text
+
+
+def test_explicit_unsupported_implementation_raises():
+    x, y = random_normal(0, (4,)), random_normal(1, (4,))
+    with pytest.raises(NotImplementedError, match="cuda"):
+        FAMILY("gpu_only", x, y)
+    with pytest.raises(ValueError, match="valid names are"):
+        FAMILY("nope", x, y)
+    with pytest.raises(ValueError, match="empty"):
+        FAMILY([], x, y)
+
+
+def test_bind_errors_propagate():
+    with pytest.raises(ValueError, match="y must have the shape"):
+        FAMILY(None, jnp.ones(3), jnp.ones(4))
+
+
+def test_each_platform_lowers_its_own_implementation():
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    with core.targeting("NVIDIA H200"):
+        exported = jax.export.export(
+            jax.jit(lambda x, y: FAMILY(None, x, y)), platforms=("cpu", "cuda"))(x, x)
+    text = exported.mlir_module().replace("\\22", '"')
+    assert "GpuOnlySine" in text and "ScaledSine" in text
+    xs = random_normal(0, (4,))
+    assert_close(exported.call(xs, xs), reference(xs, xs))
+
+
+def test_targeting_sets_the_device_kind():
+    with core.targeting("NVIDIA H200"):
+        target = core.current_target()
+    assert target == core.Target("cuda", "NVIDIA H200")
+    assert target.is_hopper and target.is_gpu
+    assert core.current_target().platform == "cpu"
+
+
+def test_spec_encoding():
+    assert spec.array_spec(jax.ShapeDtypeStruct((32, 2048, 16, 64), jnp.bfloat16)) == (
+        "bf16[32,2048,16,64]")
+    assert spec.parse_array_spec("s32[]") == jax.ShapeDtypeStruct((), jnp.int32)
+    assert spec.decode(spec.encode(jax.nn.swish)) is jax.nn.swish
+    assert spec.decode(spec.encode(jax.lax.Precision.HIGHEST)) == jax.lax.Precision.HIGHEST
+    assert spec.decode(spec.encode(jnp.dtype(jnp.bfloat16))) == jnp.dtype(jnp.bfloat16)
+    with pytest.raises(spec.SpecError, match="not importable"):
+        spec.decode(spec.encode(lambda v: v))
+    with pytest.raises(spec.SpecError, match="array spec"):
+        spec.parse_array_spec("q7[1]")
+    with pytest.raises(spec.SpecError, match="newer"):
+        spec.check_schema({"schema_version": spec.SCHEMA_VERSION + 1}, what="file")
+
+
+def test_snake_case_names():
+    assert core.snake_case_name(ScaledSine) == "scaled_sine"
+    assert tokamax.snake_case_name(GpuOnlySine()) == "gpu_only_sine"
+    assert GpuOnlySine.family_name() == "scaled_sine"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TakesOptions(tokamax.Op):
+    def _fwd(self, x, options, *, config, return_residuals):
+        return x * len(options), None
+
+
+def test_unhashable_static_argument_is_a_clear_error():
+    with pytest.raises(TypeError, match="options"):
+        TakesOptions()(jnp.ones(2), {1, 2})
+
+
+def test_local_op_classes_run_but_do_not_reload():
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Local(tokamax.Op):
+        def _fwd(self, x, *, config, return_residuals):
+            return 2 * x, None
+
+    assert_close(Local()(jnp.ones(2)), np.full(2, 2.0))
+    with pytest.raises(spec.SpecError, match="module level"):
+        tokamax.BoundArguments.from_json(Local().bind(jnp.ones(2)).to_json())
