@@ -1,0 +1,93 @@
+"""The gated-linear-unit family: argument checks and the XLA reference.
+
+`activation(x @ w_gate) * (x @ w_up)` over the last axis of `x`. The weights come
+either fused, one (K, 2, N) array (`[:, 0]` gate, `[:, 1]` up), or as a pair
+`(w_gate, w_up)` of (K, N) arrays; `bind` keeps the form given so a kernel can read
+the fused layout directly. No residuals: kernels recompute the two products in
+the backward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_kernels import _validation as v
+from tokamax_kernels.ragged_dot.base import canonical_precision
+from tokamax_pass.core import BoundArguments, NullConfig, Op
+
+_OP = "gated_linear_unit"
+
+
+def split_weights(weights: Any) -> tuple[Any, Any]:
+    """`(w_gate, w_up)`, each (K, N), from either weights form."""
+    if isinstance(weights, tuple):
+        return weights
+    return weights[:, 0], weights[:, 1]
+
+
+def _check_weights(weights: Any, k: int) -> None:
+    if isinstance(weights, (tuple, list)):
+        if len(weights) != 2:
+            raise ValueError(
+                f"{_OP}: weights must be one (K, 2, N) array or a pair (w_gate, w_up), got a "
+                f"sequence of {len(weights)}"
+            )
+        for name, w in zip(("weights[0] (w_gate)", "weights[1] (w_up)"), weights, strict=True):
+            v.require_rank(name, w, (2,), op=_OP)
+            v.require_float(name, w, op=_OP)
+            if w.shape[0] != k:
+                raise ValueError(
+                    f"{_OP}: {name} must have shape ({k}, N) (K = the last axis of x), got "
+                    f"{tuple(w.shape)}"
+                )
+        if weights[0].shape != weights[1].shape or weights[0].dtype != weights[1].dtype:
+            raise ValueError(
+                f"{_OP}: w_gate and w_up must have the same shape and dtype, got "
+                f"{weights[0].dtype}{tuple(weights[0].shape)} and "
+                f"{weights[1].dtype}{tuple(weights[1].shape)}"
+            )
+        return
+    v.require_rank("weights", weights, (3,), op=_OP)
+    v.require_float("weights", weights, op=_OP)
+    if weights.shape[0] != k or weights.shape[1] != 2:
+        raise ValueError(
+            f"{_OP}: fused weights must have shape ({k}, 2, N) (K = the last axis of x; "
+            f"[:, 0] gate, [:, 1] up), got {tuple(weights.shape)}"
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatedLinearUnit(Op[NullConfig]):
+    """The gated linear unit in XLA: both products in float32, the result in x's dtype."""
+
+    def bind(self, x: Any, weights: Any, *, activation: Callable[[Any], Any] | None = None,
+             precision: Any = None) -> BoundArguments:
+        v.require_rank("x", x, range(1, 64), op=_OP)
+        v.require_float("x", x, op=_OP)
+        _check_weights(weights, x.shape[-1])
+        if activation is None:
+            activation = jax.nn.swish
+        if not callable(activation):
+            raise ValueError(
+                f"{_OP}: activation must be callable (e.g. jax.nn.gelu) or None (swish), got "
+                f"{activation!r}"
+            )
+        return BoundArguments(self, dict(
+            x=x, weights=tuple(weights) if isinstance(weights, list) else weights,
+            activation=activation, precision=canonical_precision(precision, op=_OP),
+        ))
+
+    def _fwd(self, x: jax.Array, weights: Any, *, activation: Callable[[Any], Any],
+             precision: Any, config: NullConfig, return_residuals: bool) -> tuple[jax.Array, None]:
+        w_gate, w_up = split_weights(weights)
+
+        def project(w: jax.Array) -> jax.Array:
+            return jnp.matmul(x, w, precision=precision, preferred_element_type=jnp.float32)
+
+        out = activation(project(w_gate)) * project(w_up)
+        return out.astype(x.dtype), None

@@ -1,0 +1,29 @@
+"""`ragged_dot`: the public function and its implementations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokamax_kernels.ragged_dot.base import RaggedDot
+from tokamax_pass.core import Family, register_family
+from tokamax_pass.core.registry import Implementation
+
+FAMILY = register_family(Family(
+    name="ragged_dot",
+    implementations={"xla": RaggedDot},
+    automatic=("xla",),
+))
+
+
+def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
+               preferred_element_type: Any = None, implementation: Implementation = None) -> Any:
+    """Grouped matmul: rows of `lhs` (M, K) in consecutive groups times `rhs[g]` (G, K, N).
+
+    Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M);
+    rows past the sum give zeros, as in `jax.lax.ragged_dot`. The gradients are
+    ragged dots of their own, tuned separately.
+    `implementation`: `None` (the fastest that runs here, `"xla"` last), a name
+    from `FAMILY.implementations`, an `Op` instance, or a sequence of those.
+    """
+    return FAMILY(implementation, lhs, rhs, group_sizes, precision=precision,
+                  preferred_element_type=preferred_element_type)

@@ -1,0 +1,200 @@
+"""The ragged-dot family: argument checks, the XLA reference and the VJP op.
+
+A ragged dot multiplies row groups of `lhs` (M, K) by per-group matrices `rhs`
+(G, K, N): rows `[start_g, start_g + group_sizes[g])` use `rhs[g]`; rows past
+`sum(group_sizes)` give zeros. Its gradients are ragged dots too, so the family
+has three `variant`s and the VJP op calls the family once per gradient: each
+gradient is a `tokamax_call` of its own, found and tuned as its own shape.
+
+  variant    lhs        rhs          out         per group g
+  "forward"  x (M,K)    w (G,K,N)    (M,N)       x_g @ w_g
+  "dlhs"     dy (M,N)   w (G,K,N)    (M,K)       dy_g @ w_g^T
+  "drhs"     x (M,K)    dy (M,N)     (G,K,N)     x_g^T @ dy_g (zeros for empty groups)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.lax import RaggedDotDimensionNumbers
+
+from tokamax_kernels import _validation as v
+from tokamax_pass.core import BoundArguments, NullConfig, Op, Target, VjpOp
+
+_OP = "ragged_dot"
+VARIANTS = ("forward", "dlhs", "drhs")
+
+# `jax.lax.ragged_dot_general` dimension numbers of each variant (lhs rows are ragged).
+_DIMENSION_NUMBERS = {
+    "forward": RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), (0,), (0,)),
+    "dlhs": RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), (0,), (0,)),
+    "drhs": RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), (0,), ()),
+}
+
+
+def canonical_precision(precision: Any, *, op: str) -> Any:
+    """`None`, one `jax.lax.Precision`, or a pair of them (strings like "highest" accepted)."""
+    if precision is None:
+        return None
+    try:
+        if isinstance(precision, (tuple, list)):
+            if len(precision) != 2:
+                raise ValueError
+            return tuple(jax.lax.Precision(p) for p in precision)
+        return jax.lax.Precision(precision)
+    except (ValueError, TypeError, KeyError):
+        raise ValueError(
+            f"{op}: precision must be None, a jax.lax.Precision (or its name, e.g. 'highest') "
+            f"or a pair of them, got {precision!r}"
+        ) from None
+
+
+def canonical_dtype(dtype: Any, *, name: str, op: str) -> np.dtype | None:
+    if dtype is None:
+        return None
+    try:
+        return np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise ValueError(
+            f"{op}: {name} must be None or a dtype (e.g. jnp.float32), got {dtype!r}"
+        ) from None
+
+
+def _require_numeric(name: str, value: Any) -> None:
+    if not jnp.issubdtype(value.dtype, jnp.number):
+        raise ValueError(f"{_OP}: {name} must be a numeric array, got dtype {value.dtype}")
+
+
+def _check_concrete_group_sizes(group_sizes: Any, m: int) -> None:
+    """Negative sizes or a total above M are errors when the sizes are known now."""
+    if isinstance(group_sizes, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+        return
+    sizes = np.asarray(group_sizes)
+    if (sizes < 0).any():
+        raise ValueError(f"{_OP}: group_sizes must be >= 0, got {sizes.tolist()}")
+    if int(sizes.sum()) > m:
+        raise ValueError(
+            f"{_OP}: group_sizes sum to {int(sizes.sum())}, more than the {m} rows of lhs"
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaggedDot(Op[NullConfig]):
+    """The ragged dot (all three variants) by `jax.lax.ragged_dot_general`."""
+
+    def bind(self, lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
+             preferred_element_type: Any = None, variant: str = "forward") -> BoundArguments:
+        if variant not in VARIANTS:
+            raise ValueError(f"{_OP}: variant must be one of {VARIANTS}, got {variant!r}")
+        v.require_rank("lhs", lhs, (2,), op=_OP)
+        v.require_rank("rhs", rhs, (2,) if variant == "drhs" else (3,), op=_OP)
+        v.require_rank("group_sizes", group_sizes, (1,), op=_OP)
+        _require_numeric("lhs", lhs)
+        _require_numeric("rhs", rhs)
+        if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+            raise ValueError(
+                f"{_OP}: group_sizes must be an integer array (e.g. int32), got {group_sizes.dtype}"
+            )
+        m = lhs.shape[0]
+        if variant == "forward" and lhs.shape[1] != rhs.shape[1]:
+            raise ValueError(
+                f"{_OP}: K mismatch: lhs is {tuple(lhs.shape)} (M, K) but rhs is "
+                f"{tuple(rhs.shape)} (G, K, N)"
+            )
+        if variant == "dlhs" and lhs.shape[1] != rhs.shape[2]:
+            raise ValueError(
+                f"{_OP}: N mismatch: lhs (the output cotangent) is {tuple(lhs.shape)} (M, N) but "
+                f"rhs is {tuple(rhs.shape)} (G, K, N)"
+            )
+        if variant == "drhs" and rhs.shape[0] != m:
+            raise ValueError(
+                f"{_OP}: M mismatch: lhs is {tuple(lhs.shape)} (M, K) but rhs (the output "
+                f"cotangent) is {tuple(rhs.shape)} (M, N)"
+            )
+        if variant != "drhs" and group_sizes.shape[0] != rhs.shape[0]:
+            raise ValueError(
+                f"{_OP}: group_sizes must have shape ({rhs.shape[0]},) (one size per group of "
+                f"rhs), got {tuple(group_sizes.shape)}"
+            )
+        _check_concrete_group_sizes(group_sizes, m)
+        return BoundArguments(self, dict(
+            lhs=lhs, rhs=rhs, group_sizes=group_sizes,
+            precision=canonical_precision(precision, op=_OP),
+            preferred_element_type=canonical_dtype(
+                preferred_element_type, name="preferred_element_type", op=_OP),
+            variant=variant,
+        ))
+
+    def _fwd(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, precision: Any,
+             preferred_element_type: Any, variant: str, config: NullConfig,
+             return_residuals: bool) -> tuple[jax.Array, None]:
+        out = jax.lax.ragged_dot_general(
+            lhs, rhs, group_sizes, _DIMENSION_NUMBERS[variant], precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
+        return out, None
+
+    def _default_vjp(self) -> Op:
+        return RaggedDotVjp(inner=self.replace(config=None, vjp=None))
+
+
+# The gradients of each variant, as ragged dots: {argument: (variant, first, second)}, where
+# "dout" is the output cotangent and "lhs"/"rhs" the variant's own operands.
+_GRADIENTS = {
+    "forward": {"lhs": ("dlhs", "dout", "rhs"), "rhs": ("drhs", "lhs", "dout")},
+    "dlhs": {"lhs": ("forward", "dout", "rhs"), "rhs": ("drhs", "dout", "lhs")},
+    "drhs": {"lhs": ("dlhs", "rhs", "dout"), "rhs": ("forward", "lhs", "dout")},
+}
+
+
+def _as_dtype(x: Any, dtype: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return x.astype(dtype)
+    return jax.ShapeDtypeStruct(x.shape, dtype)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaggedDotVjp(VjpOp):
+    """The ragged-dot gradient as two more ragged dots of the family (see `_GRADIENTS`).
+
+    `inner` runs both, each as a nested op call so autotuning finds each gradient as
+    its own shape. The cotangent is cast to the dtype of the operand it multiplies
+    (kernels take one input dtype); each gradient comes out in its argument's dtype.
+    """
+
+    inner: Op = dataclasses.field(default_factory=RaggedDot)
+
+    def reference_op(self) -> Op:
+        return RaggedDotVjp(inner=self.inner.reference_op())
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        for args, kwargs in _gradient_calls(**ba.arguments).values():
+            inner_ba = self.inner.bind(*args, **kwargs)
+            self.inner.check_supported(inner_ba, target)
+
+    def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
+             **forward_arguments: Any) -> tuple[dict[str, Any], None]:
+        calls = _gradient_calls(dout=dout, **forward_arguments)
+        return {name: self.inner(*args, **kwargs) for name, (args, kwargs) in calls.items()}, None
+
+
+def _gradient_calls(*, dout: Any, lhs: Any, rhs: Any, group_sizes: Any, precision: Any,
+                    variant: str, **_: Any) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """`{argument: (args, kwargs)}` of the ragged dots that give each gradient."""
+    operands = {"lhs": lhs, "rhs": rhs, "dout": dout}
+    calls = {}
+    for name, (grad_variant, first, second) in _GRADIENTS[variant].items():
+        a, b = operands[first], operands[second]
+        if first == "dout":
+            a = _as_dtype(a, b.dtype)
+        else:
+            b = _as_dtype(b, a.dtype)
+        calls[name] = ((a, b, group_sizes), dict(
+            precision=precision, preferred_element_type=operands[name].dtype,
+            variant=grad_variant))
+    return calls
