@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Sets up everything on a fresh machine, then runs one job:
+#   ./dev.sh demo    the seed example end to end, with a table of op calls
+#   ./dev.sh test    the CPU test suite, then `bazel test //...`
+# Both create (or reuse) .venv with Python 3.12 and the pinned dependencies.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+find_python() {
+  if command -v pyenv >/dev/null 2>&1 && PYENV_VERSION=3.12.1 pyenv which python3.12 >/dev/null 2>&1; then
+    PYENV_VERSION=3.12.1 pyenv which python3.12
+  elif command -v python3.12 >/dev/null 2>&1; then
+    command -v python3.12
+  else
+    echo "dev.sh: Python 3.12 is needed (jax 0.11.2 does not support older Pythons)" >&2
+    exit 1
+  fi
+}
+
+setup_venv() {
+  if [ ! -x .venv/bin/python ]; then
+    "$(find_python)" -m venv .venv
+  fi
+  local stamp=.venv/.tokamax_pass_installed
+  local want
+  want=$(cat pyproject.toml requirements-pinned.txt | sha256sum | cut -d' ' -f1)
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -r requirements-pinned.txt -e ".[test,bench]"
+    echo "$want" > "$stamp"
+  fi
+}
+
+setup_bazel() {
+  if ! command -v bazel >/dev/null 2>&1; then
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq bazel-bootstrap bazel-rules-java >/dev/null
+  fi
+}
+
+case "${1:-}" in
+  demo)
+    setup_venv
+    shift
+    exec .venv/bin/tokamax-pass demo "$@"
+    ;;
+  test)
+    setup_venv
+    .venv/bin/python -m ruff check src kernels tests benchmarks
+    .venv/bin/python -m pytest -q -n 2 tests
+    setup_bazel
+    bazel test --config=ci //...
+    bazel shutdown
+    ;;
+  *)
+    echo "usage: ./dev.sh demo | ./dev.sh test" >&2
+    exit 2
+    ;;
+esac
