@@ -1,0 +1,51 @@
+"""`dot_product_attention`: the public function and its implementations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokamax_kernels.attention.base import DotProductAttention
+from tokamax_pass.core import Family, register_family
+from tokamax_pass.core.registry import Implementation
+
+# Kernel modules add themselves here in preference order ("mosaic", "triton" first).
+FAMILY = register_family(Family(
+    name="dot_product_attention",
+    implementations={
+        "xla": DotProductAttention,
+    },
+    automatic=("xla",),
+))
+
+
+def dot_product_attention(
+    query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
+    scale: float | None = None, is_causal: bool = False, query_seq_lengths: Any = None,
+    key_value_seq_lengths: Any = None, local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None, precision: Any = None,
+    implementation: Implementation = None,
+) -> Any:
+    """Multi-head attention `softmax(scale * q.k^T + bias, masked) @ v`, layout (B, S, H, D).
+
+    Args:
+      query: (batch, q_seq, heads, head_dim); key, value: (batch, kv_seq, kv_heads,
+        head_dim) with kv_heads dividing heads (GQA/MQA); all one float dtype.
+      bias: float, rank 4, broadcastable to (batch, heads, q_seq, kv_seq).
+      mask: bool (True = attend), rank 4, broadcastable like `bias`.
+      scale: logits scale, default 1/sqrt(head_dim).
+      is_causal: key position <= query position (top-left aligned).
+      query_seq_lengths, key_value_seq_lengths: int (batch,) valid lengths.
+      local_window_size: `w` or `(left, right)`: query i sees keys i-left .. i+right.
+      logits_soft_cap: `cap * tanh(logits / cap)` before masking.
+      precision: matmul precision (`jax.lax.Precision` or its name).
+      implementation: `None` (the fastest that runs here, `"xla"` last), a name from
+        `FAMILY.implementations`, an `Op` instance, or a sequence of those.
+
+    A query row that can attend to nothing returns zeros (see `base.py`).
+    """
+    return FAMILY(
+        implementation, query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+        precision=precision,
+    )

@@ -1,0 +1,256 @@
+"""The dot-product-attention family: argument checks, the XLA reference and its VJP op.
+
+Layout is `(batch, seq, heads, head_dim)` for query, key and value. Key and value
+may have fewer heads than the query (GQA/MQA: query head `h` uses kv head
+`h // (heads_q // heads_kv)`) and a different sequence length (cross attention).
+
+Semantics every implementation follows:
+  logits = scale * (q . k) [+ bias]                         (float32)
+  logits = cap * tanh(logits / cap)        if logits_soft_cap is set
+  logits = where(keep, logits, -inf)
+  out    = softmax(logits) @ v
+`keep` is one boolean of shape (B, H, Sq, Sk), the AND of:
+  * `mask` (True = attend), broadcast to (B, H, Sq, Sk);
+  * `is_causal`: key position <= query position (top-left aligned, as `jax.nn`);
+  * `local_window_size=(left, right)`: query i sees keys i-left .. i+right;
+  * `query_seq_lengths[b]`: query rows at positions >= it see nothing;
+  * `key_value_seq_lengths[b]`: keys at positions >= it are never seen.
+A fully masked query row (nothing to attend to) returns ZEROS, in every
+implementation, and gets zero gradients.
+
+Residual contract (all implementations of the family): `residuals = (lse,)`, `lse`
+float32 of shape (B, H, Sq), the logsumexp over keys of the final (scaled,
+biased, soft-capped, masked) logits; `-inf` for a fully masked row. A backward
+pass must not rely on the lse of fully masked rows (apply `keep` to the
+probabilities), so any forward's residuals work with any backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_kernels import _validation as v
+from tokamax_pass.core import BoundArguments, NullConfig, Op, VjpOp
+
+_OP = "dot_product_attention"
+
+
+def _canonical_precision(precision: Any) -> jax.lax.Precision | None:
+    if precision is None or isinstance(precision, jax.lax.Precision):
+        return precision
+    if isinstance(precision, (tuple, list)) and len(precision) == 2:
+        first, second = (_canonical_precision(p) for p in precision)
+        if first == second:
+            return first
+        raise ValueError(f"{_OP}: precision pairs must be equal, got {precision!r}")
+    try:
+        return jax.lax.Precision(precision)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"{_OP}: precision must be None, a jax.lax.Precision or one of "
+            f"'default', 'high', 'highest'; got {precision!r}"
+        ) from None
+
+
+def _canonical_window(window: Any) -> tuple[int, int] | None:
+    if window is None:
+        return None
+    pair = (window, window) if isinstance(window, int) else window
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in pair)):
+        raise ValueError(
+            f"{_OP}: local_window_size must be an int >= 0 or a pair (left, right) of them, "
+            f"got {window!r}"
+        )
+    return int(pair[0]), int(pair[1])
+
+
+def _check_broadcastable(name: str, value: Any, full: tuple[int, ...]) -> None:
+    v.require_array(name, value, op=_OP)
+    ok = value.ndim == 4 and all(d in (1, f) for d, f in zip(value.shape, full, strict=True))
+    if not ok:
+        raise ValueError(
+            f"{_OP}: {name} must have rank 4 and broadcast to (batch, heads, q_seq, kv_seq) = "
+            f"{full} (each dim 1 or full), got shape {tuple(value.shape)}"
+        )
+
+
+def _check_seq_lengths(name: str, value: Any, batch: int) -> None:
+    if value is None:
+        return
+    v.require_array(name, value, op=_OP)
+    if not jnp.issubdtype(value.dtype, jnp.integer) or tuple(value.shape) != (batch,):
+        raise ValueError(
+            f"{_OP}: {name} must be an integer array of shape (batch,) = ({batch},), "
+            f"got {value.dtype}{list(value.shape)}"
+        )
+
+
+def keep_mask(q_pos: jax.Array, k_pos: jax.Array, *, mask: jax.Array | None, is_causal: bool,
+              local_window_size: tuple[int, int] | None, query_seq_lengths: jax.Array | None,
+              key_value_seq_lengths: jax.Array | None) -> jax.Array | None:
+    """The combined `keep` boolean for query positions `q_pos` x key positions `k_pos`.
+
+    `q_pos`/`k_pos` are int vectors; `mask` is already the matching (B|1, H|1, q, k)
+    block. Returns a (B|1, H|1, q, k) boolean, or `None` when nothing is masked.
+    """
+    qp, kp = q_pos[:, None], k_pos[None, :]
+    keep = None
+
+    def both(a: jax.Array | None, b: jax.Array) -> jax.Array:
+        return b if a is None else jnp.logical_and(a, b)
+
+    if mask is not None:
+        keep = mask
+    if is_causal:
+        keep = both(keep, (kp <= qp)[None, None])
+    if local_window_size is not None:
+        left, right = local_window_size
+        keep = both(keep, ((kp >= qp - left) & (kp <= qp + right))[None, None])
+    if query_seq_lengths is not None:
+        keep = both(keep, (qp[None] < query_seq_lengths[:, None, None])[:, None])
+    if key_value_seq_lengths is not None:
+        keep = both(keep, (kp[None] < key_value_seq_lengths[:, None, None])[:, None])
+    return keep
+
+
+def split_heads(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
+    """(B, H|1, ...) -> (B, Hkv|1, G|1, ...): query heads grouped by their kv head."""
+    if x is None:
+        return None
+    if x.shape[1] == 1:
+        return x[:, :, None]
+    return x.reshape(x.shape[0], num_kv_heads, x.shape[1] // num_kv_heads, *x.shape[2:])
+
+
+def compute_dtype(dtype: Any) -> Any:
+    """float32, or float64 for float64 inputs."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DotProductAttention(Op[NullConfig]):
+    """Multi-head dot-product attention; this class is the XLA reference.
+
+    It materializes the (B, H, Sq, Sk) logits in float32 (float64 for float64
+    inputs); see the module docstring for the semantics and the residual contract.
+    """
+
+    def bind(self, query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
+             scale: float | None = None, is_causal: bool = False,
+             query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
+             local_window_size: int | tuple[int, int] | None = None,
+             logits_soft_cap: float | None = None, precision: Any = None) -> BoundArguments:
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            v.require_rank(name, x, (4,), op=_OP)
+            v.require_float(name, x, op=_OP)
+        if not query.dtype == key.dtype == value.dtype:
+            raise ValueError(f"{_OP}: query, key and value must share a dtype, got "
+                             f"{query.dtype}, {key.dtype}, {value.dtype}")
+        batch, q_len, heads, head_dim = query.shape
+        if key.shape[0] != batch:
+            raise ValueError(f"{_OP}: key batch {key.shape[0]} != query batch {batch}")
+        if key.shape[3] != head_dim:
+            raise ValueError(
+                f"{_OP}: key head_dim {key.shape[3]} != query head_dim {head_dim}")
+        v.require_shape("value", value, key.shape, op=_OP, why="the shape of key")
+        kv_heads = key.shape[2]
+        if heads % kv_heads:
+            raise ValueError(f"{_OP}: key/value heads ({kv_heads}) must divide query heads "
+                             f"({heads}) for GQA/MQA")
+        full = (batch, heads, q_len, key.shape[1])
+        if bias is not None:
+            _check_broadcastable("bias", bias, full)
+            v.require_float("bias", bias, op=_OP)
+        if mask is not None:
+            _check_broadcastable("mask", mask, full)
+            if mask.dtype != jnp.bool_:
+                raise ValueError(f"{_OP}: mask must be a bool array (True = attend), "
+                                 f"got {mask.dtype}")
+        _check_seq_lengths("query_seq_lengths", query_seq_lengths, batch)
+        _check_seq_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+        if scale is None:
+            scale = 1.0 / math.sqrt(head_dim)
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(
+                scale):
+            raise ValueError(f"{_OP}: scale must be a finite Python number, got {scale!r}")
+        if logits_soft_cap is not None and not (
+                isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
+            raise ValueError(f"{_OP}: logits_soft_cap must be None or a number > 0, "
+                             f"got {logits_soft_cap!r}")
+        return BoundArguments(self, dict(
+            query=query, key=key, value=value, bias=bias, mask=mask, scale=float(scale),
+            is_causal=bool(is_causal), query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=_canonical_window(local_window_size),
+            logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+            precision=_canonical_precision(precision),
+        ))
+
+    def _fwd(self, query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+             mask: jax.Array | None, *, scale: float, is_causal: bool,
+             query_seq_lengths: jax.Array | None, key_value_seq_lengths: jax.Array | None,
+             local_window_size: tuple[int, int] | None, logits_soft_cap: float | None,
+             precision: jax.lax.Precision | None, config: NullConfig,
+             return_residuals: bool) -> tuple[jax.Array, Any]:
+        batch, q_len, heads, head_dim = query.shape
+        kv_len, kv_heads = key.shape[1], key.shape[2]
+        dtype = compute_dtype(query.dtype)
+        q = query.reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim)
+        logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, key, precision=precision,
+                            preferred_element_type=dtype) * scale
+        if bias is not None:
+            logits = logits + split_heads(bias, kv_heads).astype(dtype)
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        keep = keep_mask(
+            jnp.arange(q_len), jnp.arange(kv_len), mask=mask,
+            is_causal=is_causal, local_window_size=local_window_size,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
+        if keep is not None:
+            logits = jnp.where(split_heads(keep, kv_heads), logits, -jnp.inf)
+        row_max = jnp.max(logits, axis=-1, keepdims=True)
+        row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+        probs = jnp.exp(logits - row_max)
+        denom = jnp.sum(probs, axis=-1, keepdims=True)
+        safe_denom = jnp.where(denom > 0, denom, 1.0)
+        probs = probs / safe_denom
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(value.dtype), value,
+                         precision=precision, preferred_element_type=dtype)
+        out = out.reshape(batch, q_len, heads, head_dim).astype(query.dtype)
+        if not return_residuals:
+            return out, None
+        lse = jnp.where(denom > 0, row_max + jnp.log(safe_denom), -jnp.inf)[..., 0]
+        return out, (lse.reshape(batch, heads, q_len).astype(jnp.float32),)
+
+    def _default_vjp(self) -> Op:
+        return DotProductAttentionVjp()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DotProductAttentionVjp(VjpOp):
+    """The reference gradient: JAX autodiff of `DotProductAttention._fwd` (materializes SxS).
+
+    Returns gradients for query, key, value and a float bias; mask and sequence
+    lengths get none. It ignores the residuals, so it pairs with any forward.
+    """
+
+    def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
+             query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+             mask: jax.Array | None, **statics: Any) -> tuple[dict[str, Any], None]:
+        del residuals, out, config, return_residuals
+        reference = DotProductAttention()
+
+        def forward(query: jax.Array, key: jax.Array, value: jax.Array,
+                    bias: jax.Array | None) -> jax.Array:
+            return reference._fwd(query, key, value, bias, mask, **statics,
+                                  config=NullConfig(), return_residuals=False)[0]
+
+        _, pullback = jax.vjp(forward, query, key, value, bias)
+        dq, dk, dv, dbias = pullback(dout)
+        return {"query": dq, "key": dk, "value": dv, "bias": dbias}, None
