@@ -1,0 +1,158 @@
+"""The benchmark suite: every workload, every implementation and peer, in one run.
+
+    python -m benchmarks.run [--only SUBSTRING ...] [--modes fwd,fwd+bwd] [--iterations N]
+
+Times each candidate on the device (CUPTI on a GPU, the profiler elsewhere;
+median after warm-up), checks its forward output against a float32 reference,
+prints a table (ms, TFLOP/s or TB/s, % of the H200 ceiling, ratio to the best
+peer), and writes JSON and a PNG chart to `benchmarks/results/<device_kind>/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import sys
+import traceback
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import tokamax_pass as tokamax
+from benchmarks import workloads as wl
+from tokamax_pass import benchmarking
+from tokamax_pass.core.device import device_kind_key
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+MODES = {"fwd": "forward", "fwd+bwd": "forward_and_vjp"}
+
+
+def _relative_error(out: Any, ref: jax.Array) -> float:
+    out = jnp.asarray(out, jnp.float32)
+    return float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+
+
+def _short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def measure(workload: wl.Workload, modes: list[str], iterations: int) -> list[dict[str, Any]]:
+    args = workload.make()
+    ref = jnp.asarray(jax.jit(workload.reference)(*args), jnp.float32)
+    rows = []
+    candidates = [("ours", n, f) for n, f in workload.ours.items()] + [
+        ("peer", n, f) for n, f in workload.peers.items()]
+    for kind, name, fn in candidates:
+        row: dict[str, Any] = {"workload": workload.name, "kind": kind, "implementation": name}
+        try:
+            row["relative_error"] = _relative_error(jax.jit(fn)(*args), ref)
+        except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
+            row["error"] = _short_error(e)
+            rows.extend({**row, "mode": mode} for mode in modes)
+            continue
+        for mode in modes:
+            mode_row = {**row, "mode": mode}
+            try:
+                data = benchmarking.benchmark(fn, *args, mode=MODES[mode], iterations=iterations)
+            except Exception as e:  # noqa: BLE001
+                mode_row["error"] = _short_error(e)
+            else:
+                ms = data.median_evaluation_time_ms
+                rate = workload.work(mode) / (ms * 1e-3) / 1e12
+                mode_row.update(ms=ms, rate=rate, unit=workload.unit, method=data.method,
+                                compile_s=data.compile_time_ms / 1e3)
+            rows.append(mode_row)
+            print(_format_row(mode_row), flush=True)
+    _add_ratios(rows)
+    return rows
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    for mode in {r["mode"] for r in rows}:
+        peers = [r["ms"] for r in rows if r["mode"] == mode and r["kind"] == "peer" and "ms" in r]
+        if not peers:
+            continue
+        best = min(peers)
+        for r in rows:
+            if r["mode"] == mode and "ms" in r:
+                r["vs_best_peer"] = best / r["ms"]
+
+
+def _ceiling(unit: str) -> float:
+    return wl.H200_BF16_TFLOPS if unit == "TFLOP/s" else wl.H200_COPY_TBPS
+
+
+def _format_row(r: dict[str, Any]) -> str:
+    head = f"{r['workload']:<38} {r['mode']:<8} {r['kind']:<5} {r['implementation']:<26}"
+    if "error" in r:
+        return f"{head} FAILED {r['error']}"
+    ratio = f"{r['vs_best_peer']:.2f}x" if "vs_best_peer" in r else "-"
+    percent = 100 * r["rate"] / _ceiling(r["unit"])
+    return (f"{head} {r['ms']:9.3f} ms {r['rate']:8.1f} {r['unit']:<8} "
+            f"{percent:5.1f}% {ratio:>6} err {r['relative_error']:.1e}")
+
+
+def _chart(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart", file=sys.stderr)
+        return
+    groups = sorted({(r["workload"], r["mode"]) for r in rows if "ms" in r})
+    fig, axes = plt.subplots(len(groups), 1, figsize=(10, 2.2 * len(groups)), squeeze=False)
+    for ax, (workload, mode) in zip(axes[:, 0], groups, strict=True):
+        sel = [r for r in rows if r["workload"] == workload and r["mode"] == mode and "ms" in r]
+        colors = ["tab:blue" if r["kind"] == "ours" else "tab:gray" for r in sel]
+        ax.barh([r["implementation"] for r in sel], [r["rate"] for r in sel], color=colors)
+        ax.set_title(f"{workload} {mode} ({sel[0]['unit']}, higher is better)", fontsize=9)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", nargs="*", default=[], help="run workloads whose name has these")
+    parser.add_argument("--modes", default="fwd,fwd+bwd")
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--output", default=None, help="JSON path (default: results/<device>/)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the suite")
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    device = jax.devices()[0]
+    candidates = wl.smoke_workloads() if args.smoke else wl.all_workloads()
+    selected = [w for w in candidates
+                if not args.only or any(s in w.name for s in args.only)]
+    rows: list[dict[str, Any]] = []
+    for workload in selected:
+        try:
+            rows.extend(measure(workload, modes, args.iterations))
+        except Exception:  # noqa: BLE001 - report and go on with the next workload
+            traceback.print_exc()
+    print("\nworkload                               mode     kind  implementation"
+          "                    time        rate       %ceil  vs best peer")
+    for row in rows:
+        print(_format_row(row))
+    out = pathlib.Path(args.output) if args.output else (
+        RESULTS / device_kind_key(device.device_kind) / "benchmark.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "device_kind": device.device_kind,
+        "jax_version": jax.__version__,
+        "tokamax_pass_version": tokamax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "rows": rows,
+    }, indent=1))
+    _chart(rows, out.with_suffix(".png"))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

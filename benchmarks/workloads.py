@@ -1,0 +1,192 @@
+"""Named benchmark workloads: inputs, work (FLOPs or bytes), our ops and the peers.
+
+Each workload makes its inputs once and offers candidate functions of those
+inputs: ours (`tokamax_pass` with each implementation) and peers (JAX, cuDNN,
+the Pallas kernels JAX ships, FlashAttention-3 where installed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import tokamax_pass as tokamax
+
+H200_BF16_TFLOPS = 776.0
+H200_COPY_TBPS = 4.29
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One benchmark problem: `make()` gives the inputs, `work(mode)` its FLOPs or bytes."""
+
+    name: str
+    family: str
+    make: Callable[[], tuple[Any, ...]]
+    work: Callable[[str], float]
+    unit: str  # "TFLOP/s" or "TB/s"
+    reference: Callable[..., Any]
+    ours: dict[str, Callable[..., Any]]
+    peers: dict[str, Callable[..., Any]]
+
+
+def _normal(seed: int, shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+# --- attention -------------------------------------------------------------------------
+
+def _attention_peers(causal: bool, head_dim: int) -> dict[str, Callable[..., Any]]:
+    scale = head_dim**-0.5
+    peers = {
+        "jax.nn xla": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="xla"),
+        "jax.nn cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+    block = pallas_mha.BlockSizes(
+        block_q=64, block_k=64, block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+    peers["jax pallas mha (triton)"] = lambda q, k, v: pallas_mha.mha(
+        q, k, v, None, sm_scale=scale, causal=causal, block_sizes=block)
+    mgpu_config = attention_mgpu.TuningConfig(
+        block_q=128, block_kv=128, max_concurrent_steps=2, causal=causal, compute_wgs_bwd=2,
+        block_q_dkv=128, block_kv_dkv=64, block_q_dq=64, block_kv_dq=128)
+    peers["jax attention_mgpu"] = lambda q, k, v: attention_mgpu.attention(
+        q * jnp.asarray(scale, q.dtype), k, v, mgpu_config)
+    try:
+        from flash_attn3_jax import flash_mha  # optional peer, installed from its wheel
+    except ImportError:
+        pass
+    else:
+        peers["flash-attn3"] = lambda q, k, v: flash_mha(q, k, v, is_causal=causal)
+    return peers
+
+
+def _attention_reference(causal: bool) -> Callable[..., Any]:
+    def reference(q, k, v):
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="xla").astype(jnp.float32)
+    return reference
+
+
+def attention(name: str, b: int, s: int, h: int, d: int, causal: bool) -> Workload:
+    fwd_flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    impls = ("mosaic", "triton", "cudnn", "xla", None)
+    ours = {
+        f"tokamax {impl or 'None'}": functools.partial(
+            lambda q, k, v, impl: tokamax.dot_product_attention(
+                q, k, v, is_causal=causal, implementation=impl), impl=impl)
+        for impl in impls
+    }
+    return Workload(
+        name=name, family="dot_product_attention",
+        make=lambda: tuple(_normal(i, (b, s, h, d)) for i in range(3)),
+        work=lambda mode: fwd_flops * (3.5 if mode == "fwd+bwd" else 1.0),
+        unit="TFLOP/s", reference=_attention_reference(causal), ours=ours,
+        peers=_attention_peers(causal, d),
+    )
+
+
+# --- layer norm ------------------------------------------------------------------------
+
+def _xla_norm(x, scale, offset, subtract_mean):
+    xf = x.astype(jnp.float32)
+    if subtract_mean:
+        xf = xf - xf.mean(-1, keepdims=True)
+    y = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-6) * scale
+    return (y + offset if subtract_mean else y).astype(x.dtype)
+
+
+def norm(name: str, rows: int, cols: int, subtract_mean: bool) -> Workload:
+    bytes_fwd = 2 * rows * cols * 2
+    ours = {
+        f"tokamax {impl or 'None'}": functools.partial(
+            lambda x, s, o, impl: tokamax.layer_norm(
+                x, s, o if subtract_mean else None, subtract_mean=subtract_mean,
+                implementation=impl), impl=impl)
+        for impl in ("triton", "xla", None)
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from jax.experimental.pallas.ops.gpu import layer_norm as pallas_ln
+        from jax.experimental.pallas.ops.gpu import rms_norm as pallas_rms
+    peers = {"xla (f32 math)": lambda x, s, o: _xla_norm(x, s, o, subtract_mean)}
+    if subtract_mean:
+        peers["jax pallas layer_norm"] = lambda x, s, o: pallas_ln.layer_norm(x, s, o, eps=1e-6)
+    else:
+        peers["jax pallas rms_norm"] = lambda x, s, o: pallas_rms.rms_norm(
+            x, s, jnp.zeros_like(o), eps=1e-6)
+    return Workload(
+        name=name, family="layer_norm",
+        make=lambda: (_normal(0, (rows, cols)), _normal(1, (cols,)), _normal(2, (cols,))),
+        work=lambda mode: bytes_fwd * (2.0 if mode == "fwd+bwd" else 1.0),
+        unit="TB/s",
+        reference=lambda x, s, o: _xla_norm(
+            x.astype(jnp.float32), s.astype(jnp.float32), o.astype(jnp.float32), subtract_mean),
+        ours=ours, peers=peers,
+    )
+
+
+# --- ragged dot ------------------------------------------------------------------------
+
+UNEVEN_GROUPS = (2070, 2092, 2015, 2002, 2059, 2064, 2064, 2018)
+
+
+def ragged(name: str, m: int, k: int, n: int, groups: tuple[int, ...]) -> Workload:
+    assert sum(groups) == m
+    group_sizes = jnp.asarray(groups, jnp.int32)
+    ours = {
+        f"tokamax {impl or 'None'}": functools.partial(
+            lambda lhs, rhs, impl: tokamax.ragged_dot(lhs, rhs, group_sizes, implementation=impl),
+            impl=impl)
+        for impl in ("mosaic", "triton", "xla", None)
+    }
+    peers = {"jax.lax.ragged_dot": lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, group_sizes)}
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    peers["jax ragged_dot_mgpu"] = lambda lhs, rhs: ragged_dot_mgpu.ragged_dot(
+        lhs, rhs, group_sizes=group_sizes, block_m=128, block_n=128, block_k=64,
+        max_concurrent_steps=6, grid_block_n=8)
+
+    def reference(lhs, rhs):
+        return jax.lax.ragged_dot(
+            lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes,
+            precision=jax.lax.Precision.HIGHEST)
+
+    return Workload(
+        name=name, family="ragged_dot",
+        make=lambda: (_normal(0, (m, k)), _normal(1, (len(groups), k, n))),
+        work=lambda mode: 2 * m * k * n * (3.0 if mode == "fwd+bwd" else 1.0),
+        unit="TFLOP/s", reference=reference, ours=ours, peers=peers,
+    )
+
+
+def all_workloads() -> list[Workload]:
+    return [
+        attention("attention b32 s2048 h16 d64", 32, 2048, 16, 64, causal=False),
+        attention("attention b4 s8192 h16 d128", 4, 8192, 16, 128, causal=False),
+        attention("attention b4 s8192 h16 d128 causal", 4, 8192, 16, 128, causal=True),
+        norm("layer norm 65536x1024", 65536, 1024, subtract_mean=True),
+        norm("layer norm 65536x4096", 65536, 4096, subtract_mean=True),
+        norm("rms norm 65536x4096", 65536, 4096, subtract_mean=False),
+        ragged("ragged dot m16384 k4096 n4096 g8", 16384, 4096, 4096, UNEVEN_GROUPS),
+    ]
+
+
+def smoke_workloads() -> list[Workload]:
+    """Tiny versions of every workload kind, to check the suite itself on CPU."""
+    return [
+        attention("smoke attention", 1, 32, 2, 16, causal=True),
+        norm("smoke layer norm", 64, 128, subtract_mean=True),
+        ragged("smoke ragged dot", 64, 32, 16, (10, 0, 30, 24)),
+    ]
