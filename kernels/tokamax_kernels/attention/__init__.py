@@ -2,5 +2,17 @@
 
 from tokamax_kernels.attention.api import dot_product_attention
 from tokamax_kernels.attention.base import DotProductAttention, DotProductAttentionVjp
+from tokamax_kernels.attention.xla_chunked import (
+    XlaChunkedConfig,
+    XlaChunkedDotProductAttention,
+    XlaChunkedDotProductAttentionVjp,
+)
 
-__all__ = ["DotProductAttention", "DotProductAttentionVjp", "dot_product_attention"]
+__all__ = [
+    "DotProductAttention",
+    "DotProductAttentionVjp",
+    "XlaChunkedConfig",
+    "XlaChunkedDotProductAttention",
+    "XlaChunkedDotProductAttentionVjp",
+    "dot_product_attention",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax_kernels.attention.base import DotProductAttention
+from tokamax_kernels.attention.xla_chunked import XlaChunkedDotProductAttention
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
@@ -12,6 +13,7 @@ from tokamax_pass.core.registry import Implementation
 FAMILY = register_family(Family(
     name="dot_product_attention",
     implementations={
+        "xla_chunked": XlaChunkedDotProductAttention,
         "xla": DotProductAttention,
     },
     automatic=("xla",),

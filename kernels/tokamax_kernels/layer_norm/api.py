@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax_kernels.layer_norm.base import LayerNorm
+from tokamax_kernels.layer_norm.pallas_triton import PallasTritonLayerNorm
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
 FAMILY = register_family(Family(
     name="layer_norm",
-    implementations={"xla": LayerNorm},
-    automatic=("xla",),
+    implementations={"xla": LayerNorm, "triton": PallasTritonLayerNorm},
+    automatic=("triton", "xla"),
 ))
 
 

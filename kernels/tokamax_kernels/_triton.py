@@ -1,0 +1,44 @@
+"""Small helpers shared by the Pallas Triton kernels: dtype and device checks, sizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
+
+from tokamax_pass.core import current_target
+
+# Dtypes Triton computes with; float64 has no tensor-core or fast path there.
+TRITON_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+# Streaming multiprocessors per device kind: grids are sized to fill them.
+_SM_COUNTS = {"H200": 132, "H100": 132, "H800": 132, "H20": 78, "A100": 108, "L40": 142}
+DEFAULT_SM_COUNT = 132
+
+
+def require_triton_dtype(name: str, value: Any) -> None:
+    """`NotImplementedError` (so `implementation=None` falls back) for non-Triton dtypes."""
+    if value is not None and jnp.dtype(value.dtype) not in TRITON_DTYPES:
+        raise NotImplementedError(
+            f"{name} has dtype {value.dtype}; the Triton kernel handles f16, bf16 and f32"
+        )
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sm_count() -> int:
+    """SMs of the device the program is built for (from its kind; H200 when unknown)."""
+    kind = current_target().device_kind or ""
+    return next((n for key, n in _SM_COUNTS.items() if key in kind), DEFAULT_SM_COUNT)
+
+
+def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
+    """Triton compiler params: passing them is what makes the GPU backend pick Triton."""
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -1,0 +1,338 @@
+"""Memory-efficient attention in plain XLA: online softmax over (q chunk, kv chunk) blocks.
+
+The forward maps over query chunks and scans over key/value chunks with the
+running max / sum / accumulator of the online softmax, so the largest temporary
+is one (B, H, chunk_q, chunk_k) block: the (Sq, Sk) logits never exist. Shapes
+that the chunks do not divide are zero-padded; padded keys are masked out and
+padded query rows sliced off.
+
+Its VJP op is chunked too. Autodiff of the forward would save every block's
+probabilities for the backward pass (the whole Sq x Sk matrix again), so
+`XlaChunkedDotProductAttentionVjp` recomputes each block's probabilities from
+the `lse` residual (FlashAttention-2 style) in one scan over kv chunks with an
+inner scan over q chunks, accumulating dq (and a float bias's gradient) in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_kernels.attention.base import (
+    DotProductAttention,
+    DotProductAttentionVjp,
+    compute_dtype,
+    keep_mask,
+    split_heads,
+)
+from tokamax_pass.core import BoundArguments, Op
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaChunkedConfig:
+    """Query rows and key/value rows per block (any positive sizes; shapes are padded)."""
+
+    chunk_q: int
+    chunk_k: int
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_q", "chunk_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"XlaChunkedConfig: {name} must be a positive int, got {value!r}")
+
+
+_MAX_BLOCK_ELEMENTS = 1 << 24  # one f32 logits block of B*H*chunk_q*chunk_k: 64 MiB
+_CHUNKS = (64, 128, 256, 512, 1024)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def heuristic_config(batch: int, heads: int, q_len: int, kv_len: int) -> XlaChunkedConfig:
+    """Large blocks (few loop steps), capped so one logits block stays <= 64 MiB."""
+    chunk_q, chunk_k = min(_next_pow2(q_len), 512), min(_next_pow2(kv_len), 1024)
+    while batch * heads * chunk_q * chunk_k > _MAX_BLOCK_ELEMENTS and max(chunk_q, chunk_k) > 64:
+        if chunk_k >= chunk_q:
+            chunk_k //= 2
+        else:
+            chunk_q //= 2
+    return XlaChunkedConfig(chunk_q, chunk_k)
+
+
+def _pad_axis(x: jax.Array | None, axis: int, size: int) -> jax.Array | None:
+    """Zero (False) padding of `axis` to `size`; broadcast (size-1) axes stay."""
+    if x is None or x.shape[axis] in (1, size):
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _slice_qk(x: jax.Array | None, q_start: Any, q_size: int, k_start: Any,
+              k_size: int) -> jax.Array | None:
+    """The (B|1, H|1, q, k) block of a broadcastable bias or mask."""
+    if x is None:
+        return None
+    if x.shape[2] != 1:
+        x = jax.lax.dynamic_slice_in_dim(x, q_start, q_size, axis=2)
+    if x.shape[3] != 1:
+        x = jax.lax.dynamic_slice_in_dim(x, k_start, k_size, axis=3)
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """Padded operands and static options shared by the forward and backward passes."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None
+    mask: jax.Array | None
+    q_lengths: jax.Array | None
+    kv_lengths: jax.Array | None
+    statics: dict[str, Any]
+    chunk_q: int
+    chunk_k: int
+    q_len: int
+    kv_len: int
+
+    @property
+    def kv_heads(self) -> int:
+        return self.key.shape[2]
+
+    @property
+    def dtype(self) -> Any:
+        return compute_dtype(self.query.dtype)
+
+    def blocks_of(self, x: jax.Array, chunk: int) -> jax.Array:
+        """(B, n*chunk, ...) -> (n, B, chunk, ...) for scanning."""
+        return jnp.moveaxis(x.reshape(x.shape[0], -1, chunk, *x.shape[2:]), 1, 0)
+
+    def logits(self, iq: Any, ik: Any, q_blk: jax.Array, k_blk: jax.Array
+               ) -> tuple[jax.Array, jax.Array | None]:
+        """Soft-capped logits (B, Hkv, G, cq, ck) of one block, unmasked, and its `keep`."""
+        cq, ck, s = self.chunk_q, self.chunk_k, self.statics
+        logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_blk, k_blk, precision=s["precision"],
+                            preferred_element_type=self.dtype) * s["scale"]
+        bias = _slice_qk(self.bias, iq * cq, cq, ik * ck, ck)
+        if bias is not None:
+            logits = logits + split_heads(bias, self.kv_heads).astype(self.dtype)
+        if s["logits_soft_cap"] is not None:
+            logits = s["logits_soft_cap"] * jnp.tanh(logits / s["logits_soft_cap"])
+        keep = keep_mask(
+            iq * cq + jnp.arange(cq), ik * ck + jnp.arange(ck),
+            mask=_slice_qk(self.mask, iq * cq, cq, ik * ck, ck), is_causal=s["is_causal"],
+            local_window_size=s["local_window_size"], query_seq_lengths=self.q_lengths,
+            key_value_seq_lengths=self.kv_lengths)
+        return logits, None if keep is None else split_heads(keep, self.kv_heads)
+
+
+def _problem(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+             mask: jax.Array | None, query_seq_lengths: jax.Array | None,
+             key_value_seq_lengths: jax.Array | None, config: XlaChunkedConfig,
+             statics: dict[str, Any]) -> _Problem:
+    batch, q_len, heads, _ = query.shape
+    kv_len, kv_heads = key.shape[1], key.shape[2]
+    q_pad = math.ceil(q_len / config.chunk_q) * config.chunk_q
+    k_pad = math.ceil(kv_len / config.chunk_k) * config.chunk_k
+    kv_lengths = key_value_seq_lengths
+    if k_pad != kv_len:  # padded keys must never be attended to
+        full = jnp.full((batch,), kv_len, jnp.int32)
+        kv_lengths = full if kv_lengths is None else jnp.minimum(kv_lengths, full)
+    q_lengths = query_seq_lengths
+    if q_pad != q_len:  # padded query rows attend to nothing (zero probabilities)
+        full = jnp.full((batch,), q_len, jnp.int32)
+        q_lengths = full if q_lengths is None else jnp.minimum(q_lengths, full)
+    query = _pad_axis(query, 1, q_pad).reshape(batch, q_pad, kv_heads, heads // kv_heads, -1)
+    return _Problem(
+        query=query, key=_pad_axis(key, 1, k_pad), value=_pad_axis(value, 1, k_pad),
+        bias=_pad_axis(_pad_axis(bias, 2, q_pad), 3, k_pad),
+        mask=_pad_axis(_pad_axis(mask, 2, q_pad), 3, k_pad),
+        q_lengths=q_lengths, kv_lengths=kv_lengths, statics=statics,
+        chunk_q=config.chunk_q, chunk_k=config.chunk_k, q_len=q_len, kv_len=kv_len)
+
+
+def chunked_forward(pb: _Problem) -> tuple[jax.Array, jax.Array]:
+    """`(out (B, Sq, H, D) in the input dtype, lse (B, H, Sq) float32)`."""
+    batch, q_pad, kv_heads, groups, head_dim = pb.query.shape
+    k_blocks = pb.blocks_of(pb.key, pb.chunk_k)
+    v_blocks = pb.blocks_of(pb.value, pb.chunk_k)
+    stat_shape = (batch, kv_heads, groups, pb.chunk_q)
+
+    def q_chunk(xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        iq, q_blk = xs
+
+        def kv_chunk(carry: Any, xs: Any) -> tuple[Any, None]:
+            row_max, row_sum, acc = carry
+            ik, k_blk, v_blk = xs
+            logits, keep = pb.logits(iq, ik, q_blk, k_blk)
+            if keep is not None:
+                logits = jnp.where(keep, logits, -jnp.inf)
+            new_max = jnp.maximum(row_max, jnp.max(logits, axis=-1))
+            safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+            alpha = jnp.exp(row_max - safe_max)
+            probs = jnp.exp(logits - safe_max[..., None])
+            row_sum = alpha * row_sum + jnp.sum(probs, axis=-1)
+            acc = alpha[..., None] * acc + jnp.einsum(
+                "bhgqk,bkhd->bhgqd", probs.astype(v_blk.dtype), v_blk,
+                precision=pb.statics["precision"], preferred_element_type=pb.dtype)
+            return (new_max, row_sum, acc), None
+
+        init = (jnp.full(stat_shape, -jnp.inf, pb.dtype), jnp.zeros(stat_shape, pb.dtype),
+                jnp.zeros((*stat_shape, head_dim), pb.dtype))
+        n_k = k_blocks.shape[0]
+        (row_max, row_sum, acc), _ = jax.lax.scan(
+            kv_chunk, init, (jnp.arange(n_k), k_blocks, v_blocks))
+        nonempty = row_sum > 0
+        safe_sum = jnp.where(nonempty, row_sum, 1.0)
+        out = acc / safe_sum[..., None]
+        lse = jnp.where(nonempty, row_max + jnp.log(safe_sum), -jnp.inf)
+        return out, lse
+
+    q_blocks = pb.blocks_of(pb.query, pb.chunk_q)
+    out, lse = jax.lax.map(q_chunk, (jnp.arange(q_blocks.shape[0]), q_blocks))
+    # out: (nq, B, Hkv, G, cq, D) -> (B, nq, cq, Hkv, G, D); lse: (nq, B, Hkv, G, cq).
+    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(batch, q_pad, -1, head_dim)
+    lse = jnp.transpose(lse, (1, 2, 3, 0, 4)).reshape(batch, kv_heads * groups, q_pad)
+    return out[:, :pb.q_len].astype(pb.key.dtype), lse[..., :pb.q_len].astype(jnp.float32)
+
+
+def _add_block(acc: jax.Array, block: jax.Array, q_start: Any, k_start: Any) -> jax.Array:
+    """Adds a (B, H, cq, ck) gradient block into a broadcast-shaped accumulator."""
+    axes = tuple(i for i in range(4) if acc.shape[i] == 1 and block.shape[i] != 1)
+    block = jnp.sum(block, axis=axes, keepdims=True)
+    starts = (0, 0, q_start if acc.shape[2] != 1 else 0, k_start if acc.shape[3] != 1 else 0)
+    current = jax.lax.dynamic_slice(acc, starts, block.shape)
+    return jax.lax.dynamic_update_slice(acc, current + block, starts)
+
+
+def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Array
+                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """`(dq, dk, dv, dbias)` from the lse residual; no (Sq, Sk) temporary."""
+    batch, q_pad, kv_heads, groups, head_dim = pb.query.shape
+    cq, ck, s = pb.chunk_q, pb.chunk_k, pb.statics
+    delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)  # (B, Sq, H)
+    delta = _pad_axis(delta, 1, q_pad).reshape(batch, q_pad, kv_heads, groups)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # fully masked rows: probabilities are 0
+    lse = _pad_axis(lse, 2, q_pad).reshape(batch, kv_heads, groups, -1, cq)
+    dout = _pad_axis(dout, 1, q_pad).reshape(pb.query.shape)
+    q_blocks, do_blocks = pb.blocks_of(pb.query, cq), pb.blocks_of(dout, cq)
+    lse_blocks = jnp.moveaxis(lse, 3, 0)  # (nq, B, Hkv, G, cq)
+    delta_blocks = jnp.transpose(
+        delta.reshape(batch, -1, cq, kv_heads, groups), (1, 0, 3, 4, 2))  # (nq, B, Hkv, G, cq)
+    n_q = q_blocks.shape[0]
+    dbias0 = None if pb.bias is None else jnp.zeros(pb.bias.shape, jnp.float32)
+    mm = dict(precision=s["precision"], preferred_element_type=pb.dtype)
+
+    def kv_chunk(carry: Any, xs: Any) -> tuple[Any, Any]:
+        dq_acc, dbias_acc = carry
+        ik, k_blk, v_blk = xs
+
+        def q_chunk(carry: Any, xs: Any) -> tuple[Any, None]:
+            dk, dv, dq_acc, dbias_acc = carry
+            iq, q_blk, do_blk, lse_blk, delta_blk = xs
+            logits, keep = pb.logits(iq, ik, q_blk, k_blk)
+            probs = jnp.exp(logits - lse_blk[..., None])
+            if keep is not None:
+                probs = jnp.where(keep, probs, 0.0)
+            dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", probs.astype(do_blk.dtype), do_blk, **mm)
+            dprobs = jnp.einsum("bqhgd,bkhd->bhgqk", do_blk, v_blk, **mm)
+            dlogits = probs * (dprobs - delta_blk[..., None])
+            if s["logits_soft_cap"] is not None:
+                dlogits = dlogits * (1.0 - jnp.square(logits / s["logits_soft_cap"]))
+            if dbias_acc is not None:
+                block = dlogits.reshape(batch, kv_heads * groups, cq, ck).astype(jnp.float32)
+                dbias_acc = _add_block(dbias_acc, block, iq * cq, ik * ck)
+            dlogits = (dlogits * s["scale"]).astype(q_blk.dtype)
+            dq = jnp.einsum("bhgqk,bkhd->bqhgd", dlogits, k_blk, **mm)
+            dq_acc = dq_acc.at[iq].add(dq.astype(jnp.float32))
+            dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", dlogits, q_blk, **mm)
+            return (dk, dv, dq_acc, dbias_acc), None
+
+        zeros = jnp.zeros((batch, ck, kv_heads, head_dim), pb.dtype)
+        (dk, dv, dq_acc, dbias_acc), _ = jax.lax.scan(
+            q_chunk, (zeros, zeros, dq_acc, dbias_acc),
+            (jnp.arange(n_q), q_blocks, do_blocks, lse_blocks, delta_blocks))
+        return (dq_acc, dbias_acc), (dk, dv)
+
+    dq0 = jnp.zeros(q_blocks.shape, jnp.float32)
+    k_blocks, v_blocks = pb.blocks_of(pb.key, ck), pb.blocks_of(pb.value, ck)
+    (dq, dbias), (dk, dv) = jax.lax.scan(
+        kv_chunk, (dq0, dbias0), (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks))
+    q_len, kv_len = pb.q_len, pb.kv_len
+    dq = jnp.moveaxis(dq, 0, 1).reshape(batch, q_pad, kv_heads * groups, head_dim)[:, :q_len]
+    dk = jnp.moveaxis(dk, 0, 1).reshape(batch, -1, kv_heads, head_dim)[:, :kv_len]
+    dv = jnp.moveaxis(dv, 0, 1).reshape(batch, -1, kv_heads, head_dim)[:, :kv_len]
+    if dbias is not None:
+        dbias = dbias[:, :, :q_len if dbias.shape[2] != 1 else 1,
+                      :kv_len if dbias.shape[3] != 1 else 1]
+    return dq, dk, dv, dbias
+
+
+def _heuristics(ba: BoundArguments) -> XlaChunkedConfig:
+    batch, q_len, heads, _ = ba.arguments["query"].shape
+    return heuristic_config(batch, heads, q_len, ba.arguments["key"].shape[1])
+
+
+def _search_space(ba: BoundArguments) -> set[XlaChunkedConfig]:
+    q_len, kv_len = ba.arguments["query"].shape[1], ba.arguments["key"].shape[1]
+    return {XlaChunkedConfig(cq, ck) for cq in _CHUNKS for ck in _CHUNKS
+            if cq <= _next_pow2(q_len) and ck <= _next_pow2(kv_len)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XlaChunkedDotProductAttention(DotProductAttention):
+    """Online-softmax attention in XLA loops; peak memory O(B*H*chunk_q*chunk_k)."""
+
+    config_cls = XlaChunkedConfig
+    implementation = "xla_chunked"
+
+    def _fwd(self, query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+             mask: jax.Array | None, *, query_seq_lengths: jax.Array | None,
+             key_value_seq_lengths: jax.Array | None, config: XlaChunkedConfig,
+             return_residuals: bool, **statics: Any) -> tuple[jax.Array, Any]:
+        pb = _problem(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+                      config, statics)
+        out, lse = chunked_forward(pb)
+        return out, (lse,) if return_residuals else None
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> XlaChunkedConfig:
+        return _heuristics(ba)
+
+    def _get_autotuning_configs(self, ba: BoundArguments) -> set[XlaChunkedConfig]:
+        return _search_space(ba)
+
+    def _default_vjp(self) -> Op:
+        return XlaChunkedDotProductAttentionVjp()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XlaChunkedDotProductAttentionVjp(DotProductAttentionVjp):
+    """Chunked backward from the family's `(lse,)` residual (pairs with any forward)."""
+
+    config_cls = XlaChunkedConfig
+    implementation = "xla_chunked"
+
+    def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: XlaChunkedConfig,
+             return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
+             bias: jax.Array | None, mask: jax.Array | None,
+             query_seq_lengths: jax.Array | None, key_value_seq_lengths: jax.Array | None,
+             **statics: Any) -> tuple[dict[str, Any], None]:
+        (lse,) = residuals
+        pb = _problem(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+                      config, statics)
+        dq, dk, dv, dbias = chunked_backward(pb, lse, out, dout)
+        return {"query": dq, "key": dk, "value": dv, "bias": dbias}, None
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> XlaChunkedConfig:
+        return _heuristics(ba)
+
+    def _get_autotuning_configs(self, ba: BoundArguments) -> set[XlaChunkedConfig]:
+        return _search_space(ba)

@@ -1,0 +1,217 @@
+"""Layer norm / RMSNorm forward as a Pallas Triton kernel.
+
+Each program normalizes `block_rows` rows of the `(rows, n)` view of `x`. A row
+that fits one `block_n` chunk is read once and kept in registers; a longer row
+is looped over in chunks (sum, centered sum of squares, then the write), so any
+row length works. Statistics are float32; mean and rstd are written as the
+family's residuals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from tokamax_kernels import _triton
+from tokamax_kernels.layer_norm.base import LayerNorm
+from tokamax_pass.core import BoundArguments, Op, Target
+
+# Largest row chunk (elements) kept in registers by one program.
+MAX_BLOCK_ELEMENTS = 16384
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """`block_rows` rows per program, rows read in `block_n`-column chunks (powers of 2)."""
+
+    block_rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        _check_powers_of_2(self, "block_rows", "block_n", "num_warps")
+
+
+def _check_powers_of_2(config: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{type(config).__name__}.{name} must be a power of 2, got {value}")
+
+
+def check_triton_norm_inputs(ba: BoundArguments) -> None:
+    """What the Triton norm kernels cannot do (raised as `NotImplementedError`)."""
+    args = ba.arguments
+    x = args["x"]
+    if args["axis"] != x.ndim - 1:
+        raise NotImplementedError(
+            f"the Triton layer norm normalizes the last axis only, got axis={args['axis']}"
+        )
+    if math.prod(x.shape) == 0:
+        raise NotImplementedError("the Triton layer norm needs a non-empty x")
+    for name in ("x", "scale", "offset"):
+        _triton.require_triton_dtype(name, args[name])
+
+
+def row_chunk(n: int) -> int:
+    """Columns one program holds at once: the whole row when it fits, else a chunk."""
+    return min(_triton.next_power_of_2(n), MAX_BLOCK_ELEMENTS)
+
+
+def _load_rows(ref: Any, r0: Any, c: Any, row_mask: jax.Array, *, n: int, block_n: int,
+               block_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Chunk `c` of rows `[r0, r0 + block_rows)` as float32 (zeros outside the array)."""
+    start = c * block_n
+    cols = start + jnp.arange(block_n)
+    col_mask = cols < n
+    mask = row_mask[:, None] & col_mask[None, :]
+    block = plgpu.load(ref.at[pl.ds(r0, block_rows), pl.ds(start, block_n)], mask=mask, other=0.0)
+    return block.astype(jnp.float32), mask, col_mask
+
+
+def _load_vector(ref: Any, c: Any, col_mask: jax.Array, block_n: int) -> jax.Array:
+    return plgpu.load(ref.at[pl.ds(c * block_n, block_n)], mask=col_mask, other=0.0).astype(
+        jnp.float32)
+
+
+def _fwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int, epsilon: float,
+                subtract_mean: bool, has_scale: bool, has_offset: bool) -> None:
+    it = iter(refs)
+    x_ref = next(it)
+    scale_ref = next(it) if has_scale else None
+    offset_ref = next(it) if has_offset else None
+    y_ref, mean_ref, rstd_ref = it
+    r0 = pl.multiple_of(pl.program_id(0) * block_rows, block_rows)
+    row_mask = r0 + jnp.arange(block_rows) < rows
+    num_chunks = _triton.cdiv(n, block_n)
+    load = functools.partial(_load_rows, x_ref, r0, row_mask=row_mask, n=n, block_n=block_n,
+                             block_rows=block_rows)
+
+    def write(c: Any, x_hat: jax.Array, mask: jax.Array, col_mask: jax.Array) -> None:
+        y = x_hat
+        if scale_ref is not None:
+            y = y * _load_vector(scale_ref, c, col_mask, block_n)[None, :]
+        if offset_ref is not None:
+            y = y + _load_vector(offset_ref, c, col_mask, block_n)[None, :]
+        plgpu.store(y_ref.at[pl.ds(r0, block_rows), pl.ds(c * block_n, block_n)],
+                    y.astype(y_ref.dtype), mask=mask)
+
+    zeros = jnp.zeros((block_rows, block_n), jnp.float32)
+    if num_chunks == 1:
+        x, mask, col_mask = load(0)
+        mean = x.sum(axis=1) / n if subtract_mean else jnp.zeros((block_rows,), jnp.float32)
+        centered = jnp.where(mask, x - mean[:, None], 0.0)
+        rstd = jax.lax.rsqrt((centered * centered).sum(axis=1) / n + epsilon)
+        write(0, centered * rstd[:, None], mask, col_mask)
+    else:
+        if subtract_mean:
+            total = jax.lax.fori_loop(0, num_chunks, lambda c, acc: acc + load(c)[0], zeros)
+            mean = total.sum(axis=1) / n
+        else:
+            mean = jnp.zeros((block_rows,), jnp.float32)
+
+        def square_sum(c: Any, acc: jax.Array) -> jax.Array:
+            x, mask, _ = load(c)
+            centered = jnp.where(mask, x - mean[:, None], 0.0)
+            return acc + centered * centered
+
+        squares = jax.lax.fori_loop(0, num_chunks, square_sum, zeros)
+        rstd = jax.lax.rsqrt(squares.sum(axis=1) / n + epsilon)
+
+        def normalize(c: Any, carry: int) -> int:
+            x, mask, col_mask = load(c)
+            write(c, (x - mean[:, None]) * rstd[:, None], mask, col_mask)
+            return carry
+
+        jax.lax.fori_loop(0, num_chunks, normalize, 0)
+    plgpu.store(mean_ref.at[pl.ds(r0, block_rows)], mean, mask=row_mask)
+    plgpu.store(rstd_ref.at[pl.ds(r0, block_rows)], rstd, mask=row_mask)
+
+
+def layer_norm_forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, *,
+                       epsilon: float, subtract_mean: bool, config: Config,
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(y, mean, rstd)` of `x` normalized over its last axis (mean, rstd in float32)."""
+    *lead, n = x.shape
+    rows = math.prod(lead)
+    kernel = functools.partial(
+        _fwd_kernel, n=n, rows=rows, block_rows=config.block_rows, block_n=config.block_n,
+        epsilon=epsilon, subtract_mean=subtract_mean, has_scale=scale is not None,
+        has_offset=offset is not None,
+    )
+    y, mean, rstd = pl.pallas_call(
+        kernel,
+        grid=(_triton.cdiv(rows, config.block_rows),),
+        out_shape=(
+            jax.ShapeDtypeStruct((rows, n), x.dtype),
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+            jax.ShapeDtypeStruct((rows,), jnp.float32),
+        ),
+        compiler_params=_triton.compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="tokamax_layer_norm_fwd",
+    )(x.reshape(rows, n), *(p for p in (scale, offset) if p is not None))
+    return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasTritonLayerNorm(LayerNorm):
+    """Layer norm / RMSNorm over the last axis as a Pallas Triton kernel (CUDA).
+
+    `interpret=True` runs the kernel in the Pallas interpreter (any platform; tests).
+    """
+
+    interpret: bool = False
+
+    config_cls = Config
+    implementation = "triton"
+    platforms = frozenset({"cuda"})
+
+    def check_supported_target(self, target: Target) -> None:
+        if not self.interpret:
+            super().check_supported_target(target)
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        check_triton_norm_inputs(ba)
+
+    def _fwd(self, x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, *,
+             axis: int, epsilon: float, subtract_mean: bool, config: Config,
+             return_residuals: bool) -> tuple[jax.Array, Any]:
+        y, mean, rstd = layer_norm_forward(
+            x, scale, offset, epsilon=epsilon, subtract_mean=subtract_mean, config=config,
+            interpret=self.interpret,
+        )
+        return y, ((mean, rstd) if return_residuals else None)
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> Config:
+        n = ba.arguments["x"].shape[-1]
+        block_n = row_chunk(n)
+        # Small rows: several per program so each program moves >= ~4K elements.
+        block_rows = max(1, min(16, 4096 // block_n))
+        num_warps = max(4, min(16, block_rows * block_n // 512))
+        return Config(block_rows=block_rows, block_n=block_n, num_warps=num_warps,
+                      num_stages=1 if block_n >= n else 2)
+
+    def _get_autotuning_configs(self, ba: BoundArguments) -> set[Config]:
+        n = ba.arguments["x"].shape[-1]
+        chunks = {row_chunk(n), min(row_chunk(n), 4096)}
+        return {
+            Config(block_rows=r, block_n=b, num_warps=w, num_stages=s)
+            for r, b, w, s in itertools.product((1, 2, 4, 8), chunks, (4, 8, 16), (1, 2))
+            if r * b <= MAX_BLOCK_ELEMENTS
+        }
+
+    def _default_vjp(self) -> Op:
+        from tokamax_kernels.layer_norm.pallas_triton_vjp import PallasTritonLayerNormVjp
+
+        return PallasTritonLayerNormVjp(interpret=self.interpret)
