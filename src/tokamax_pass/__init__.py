@@ -60,3 +60,6 @@ def __dir__() -> list[str]:
 
 
 __all__ = ["BoundArguments", "NullConfig", "Op", "snake_case_name", *_LAZY]
+
+# Registers the autotuning results and caches as a config source (cheap: no compilation).
+import tokamax_pass.autotuning  # noqa: E402, F401

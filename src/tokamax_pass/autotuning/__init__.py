@@ -1,0 +1,34 @@
+"""Autotuning: discover op calls, measure their configs, keep and apply the results.
+
+Importing this package registers the cache stack (active results, user cache,
+library cache) as a config source of `tokamax_pass.core.resolution`.
+"""
+
+from tokamax_pass.autotuning.api import autotune
+from tokamax_pass.autotuning.autotuner import Autotuner
+from tokamax_pass.autotuning.cache import CacheError
+from tokamax_pass.autotuning.cache import save as save_to_cache
+from tokamax_pass.autotuning.discovery import (
+    bound_args_from_json,
+    bound_args_to_json,
+    get_bound_args,
+)
+from tokamax_pass.autotuning.result import AutotuningResult, Measurement, active_results
+from tokamax_pass.core.resolution import register_config_source
+
+from tokamax_pass.autotuning import cache as _cache  # isort: skip
+
+register_config_source(_cache.SOURCE)
+
+__all__ = [
+    "AutotuningResult",
+    "Autotuner",
+    "CacheError",
+    "Measurement",
+    "active_results",
+    "autotune",
+    "bound_args_from_json",
+    "bound_args_to_json",
+    "get_bound_args",
+    "save_to_cache",
+]

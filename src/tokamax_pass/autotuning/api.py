@@ -1,0 +1,101 @@
+"""`autotune`: find the op calls, measure their configs, return an `AutotuningResult`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tokamax_pass.autotuning import cache as cache_lib
+from tokamax_pass.autotuning import discovery
+from tokamax_pass.autotuning.autotuner import Autotuner, candidate_configs
+from tokamax_pass.autotuning.result import AutotuningResult
+from tokamax_pass.core import registry
+from tokamax_pass.core.device import current_target
+from tokamax_pass.core.op import BoundArguments, NullConfig
+
+_log = logging.getLogger("tokamax_pass.autotuning")
+
+
+def _collect(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[BoundArguments]:
+    if isinstance(f, BoundArguments):
+        f = [f]
+    if isinstance(f, (list, tuple)):
+        if args or kwargs:
+            raise TypeError("autotune: a list of BoundArguments takes no further arguments")
+        if not all(isinstance(b, BoundArguments) for b in f):
+            raise TypeError("autotune: a list must hold only BoundArguments (Op.bind(...))")
+        return discovery.dedupe(f)
+    return discovery.get_bound_args(f, *args, **kwargs)
+
+
+def _expand(bound: list[BoundArguments], target: Any) -> list[BoundArguments]:
+    """Each call once per implementation of its family that supports it here."""
+    expanded = []
+    for ba in bound:
+        for op in registry.implementations_of(ba.op):
+            candidate = ba.replace(op=op)
+            try:
+                op.check_supported(candidate, target)
+            except NotImplementedError:
+                continue
+            expanded.append(candidate)
+    return discovery.dedupe(expanded)
+
+
+def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations: bool = False,
+             timeout: float = 600.0, max_workers: int | None = None, cache: bool = False,
+             progress: bool = True, iterations: int = 5, method: str | None = None,
+             **kwargs: Any) -> AutotuningResult:
+    """Measures the configs of every op call in `f(*args, **kwargs)` on the default device.
+
+    Args:
+      f: a callable (plain or jitted; `jax.grad(f)` brings its VJP ops), a
+        `jax.stages.Lowered`, StableHLO text, or a sequence of `BoundArguments`.
+      ignore_cache: tune calls that active results or the caches already answer.
+      all_implementations: time every implementation of each op's family (each
+        with its configs), so `implementation=None` can pick by measurement.
+      timeout: seconds allowed per op for compiling its candidates.
+      max_workers: threads compiling candidates (default: one per CPU).
+      cache: merge the result into the user cache (`result.save_to_cache()`).
+      progress: show a tqdm progress bar.
+      iterations, method: timed runs per config and the timer (`benchmarking`).
+    """
+    target = current_target()
+    bound = _collect(f, args, kwargs)
+    if all_implementations:
+        bound = _expand(bound, target)
+    else:
+        bound = [ba for ba in bound if ba.op.config_cls is not NullConfig]
+    if not ignore_cache:
+        bound = [ba for ba in bound if cache_lib.SOURCE.find_config(ba, target.device_kind) is None]
+    plans = []
+    for ba in bound:
+        try:
+            plans.append((ba, candidate_configs(ba)))
+        except Exception as e:  # noqa: BLE001 - one op's broken search space skips that op only
+            _log.warning("autotune: skipping %r: %s", ba, e)
+    bar = _progress_bar(sum(len(c) for _, c in plans), progress)
+    tuner = Autotuner(timeout=timeout, max_workers=max_workers, iterations=iterations,
+                      method=method, on_config_done=(lambda: bar.update(1)) if bar else None)
+    entries = []
+    try:
+        for ba, configs in plans:
+            if bar is not None:
+                bar.set_postfix_str(type(ba.op).__name__)
+            entries.append(tuner.tune(ba, configs))
+    finally:
+        if bar is not None:
+            bar.close()
+    result = AutotuningResult(target.device_kind, entries)
+    if cache:
+        result.save_to_cache()
+    return result
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled or total == 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="autotuning", unit="config")

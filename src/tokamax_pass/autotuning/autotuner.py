@@ -1,0 +1,233 @@
+"""The `Autotuner`: time every candidate config of one op call, keep every failure.
+
+Candidates are compiled in parallel threads, then timed one at a time on the
+device on the same random inputs. A config that fails (compile error, timeout,
+out of memory, wrong numerics against the family's XLA reference) is recorded
+with its reason instead of raising. A config whose fastest of the first few
+runs is already `early_stop_ratio` times the best median so far stops there.
+
+Inputs: concrete arrays in the `BoundArguments` are used as given (valid
+integer data such as group sizes); abstract ones are random (normal floats,
+ints in [0, 128), fair bools). An op that needs structured inputs defines
+`random_arguments(self, ba, seed) -> dict[str, Any]` returning the arguments
+to time with; the autotuner calls it when present. A VJP op with a `forward`
+op field (like `AutodiffVjp`) gets real residuals from that forward pass.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokamax_pass import benchmarking
+from tokamax_pass.autotuning import keys
+from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.core import spec
+from tokamax_pass.core.op import BoundArguments, NullConfig, Op
+from tokamax_pass.core.vjp import VjpOp
+
+# Allowed max error relative to the reference output's largest magnitude.
+NUMERICS_RTOL = {jnp.dtype(jnp.float32): 1e-2, jnp.dtype(jnp.float64): 1e-6}
+DEFAULT_NUMERICS_RTOL = 6e-2
+
+
+def candidate_configs(ba: BoundArguments) -> list[Any]:
+    """The heuristics config first, then the op's search space (deterministic order)."""
+    if ba.op.config_cls is NullConfig:
+        return [NullConfig()]
+    configs: list[Any] = []
+    try:
+        configs.append(ba.heuristics_config)
+    except NotImplementedError:
+        pass
+    rest = sorted(set(ba.op._get_autotuning_configs(ba)) - set(configs),
+                  key=lambda c: spec.dumps(spec.encode_config(c)))
+    return configs + rest
+
+
+def _operand_shapes(ba: BoundArguments) -> dict[str, Any]:
+    """Abstract arguments with the vmapped axes of `ba.vmap` put back in front."""
+    arguments = dict(ba.arguments)
+    if not ba.vmap:
+        return arguments
+    leaves, treedef = jax.tree.flatten(arguments, is_leaf=lambda v: v is None)
+    operand = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
+    for level in reversed(ba.vmap):
+        for axis, i in zip(level.axes, operand, strict=True):
+            if axis is not None:
+                leaf = leaves[i]
+                leaves[i] = jax.ShapeDtypeStruct((level.size, *leaf.shape), leaf.dtype)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _randomize(arguments: dict[str, Any], seed: int) -> dict[str, Any]:
+    leaves, treedef = jax.tree.flatten(arguments, is_leaf=lambda v: v is None)
+    index = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
+    for i, value in zip(index, benchmarking.random_initialize([leaves[i] for i in index], seed),
+                        strict=True):
+        leaves[i] = value
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def timing_arguments(ba: BoundArguments, seed: int) -> dict[str, Any]:
+    """The arguments every config of `ba` is timed and checked on."""
+    hook = getattr(ba.op, "random_arguments", None)
+    if hook is not None:
+        return dict(hook(ba, seed))
+    arguments = _randomize(_operand_shapes(ba), seed)
+    forward = getattr(ba.op, "forward", None)
+    if isinstance(ba.op, VjpOp) and isinstance(forward, Op) and not ba.vmap:
+        forward_args = {k: v for k, v in arguments.items() if k not in ("residuals", "out", "dout")}
+        reference = forward.reference_op()
+        out, residuals = jax.jit(lambda a: reference._fwd(
+            **a, config=reference._get_heuristics_config(BoundArguments(reference, a)),
+            return_residuals=True))(forward_args)
+        arguments.update(residuals=residuals, out=out)
+    return arguments
+
+
+def _call(op: Op, ba: BoundArguments, arguments: dict[str, Any]) -> Callable[[dict], Any]:
+    """A function of the arguments that calls `op`, vmapped as `ba` was."""
+
+    def fn(args: dict[str, Any]) -> Any:
+        return op(**args)
+
+    if not ba.vmap:
+        return fn
+    leaves, treedef = jax.tree.flatten(arguments, is_leaf=lambda v: v is None)
+    operand = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
+    for level in reversed(ba.vmap):
+        axes: list[Any] = [None] * len(leaves)
+        for axis, i in zip(level.axes, operand, strict=True):
+            axes[i] = axis
+        fn = jax.vmap(fn, in_axes=(jax.tree.unflatten(treedef, axes),), axis_size=level.size)
+    return fn
+
+
+def _describe(kind: str, error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip().splitlines()
+    message = " ".join(text)[:500]
+    if "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower():
+        kind = "out of memory"
+    return f"{kind}: {message}"
+
+
+def numerics_error(actual: Any, expected: Any) -> str | None:
+    """Why `actual` does not match the reference `expected`, or `None`."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a32 = np.asarray(jnp.asarray(a, jnp.float32))
+        e32 = np.asarray(jnp.asarray(e, jnp.float32))
+        if a32.shape != e32.shape:
+            return f"wrong numerics: shape {a32.shape} != reference {e32.shape}"
+        finite = np.isfinite(e32)
+        if not np.array_equal(np.isfinite(a32), finite):
+            return "wrong numerics: non-finite values where the reference is finite (or vice versa)"
+        if not finite.any():
+            continue
+        rtol = NUMERICS_RTOL.get(jnp.dtype(a.dtype), DEFAULT_NUMERICS_RTOL)
+        scale = max(float(np.max(np.abs(e32[finite]))), 1e-6)
+        err = float(np.max(np.abs(a32[finite] - e32[finite])))
+        if err > rtol * scale:
+            return f"wrong numerics: max error {err:.3g} > {rtol:g} x reference scale {scale:.3g}"
+    return None
+
+
+@dataclasses.dataclass
+class Autotuner:
+    """Times the candidate configs of op calls on the default device."""
+
+    timeout: float = 600.0
+    max_workers: int | None = None
+    iterations: int = benchmarking.DEFAULT_ITERATIONS
+    method: str | None = None
+    early_stop_iterations: int = 3
+    early_stop_ratio: float = 1.5
+    check_numerics: bool = True
+    seed: int = 0
+    on_config_done: Callable[[], None] | None = None
+
+    def tune(self, ba: BoundArguments, configs: list[Any] | None = None) -> Entry:
+        """Measures every config of `ba` (default: `candidate_configs(ba)`)."""
+        ba = keys.canonical(ba)
+        configs = candidate_configs(ba) if configs is None else configs
+        arguments = timing_arguments(ba, self.seed)
+        compiled, results = self._compile_all(ba, configs, arguments)
+        expected = self._reference_output(ba, arguments) if self.check_numerics else None
+        best = float("inf")
+        for config in configs:
+            if config not in compiled:
+                self._done()
+                continue
+            measurement = self._measure(*compiled[config], expected, best)
+            results[config] = measurement
+            best = min(best, measurement.median_ms)
+            self._done()
+        return Entry(ba, {c: results[c] for c in configs}, keys.provenance(ba.op))
+
+    def _done(self) -> None:
+        if self.on_config_done is not None:
+            self.on_config_done()
+
+    def _compile_all(self, ba: BoundArguments, configs: list[Any], arguments: dict[str, Any]
+                     ) -> tuple[dict[Any, Any], dict[Any, Measurement]]:
+        def compile_one(config: Any) -> tuple[Any, list[Any]]:
+            fn = _call(ba.op.replace(config=config), ba, arguments)
+            f_std, arrays = benchmarking.standardize_function(fn, arguments, seed=None)
+            return benchmarking.compile_benchmark(f_std, arrays), arrays
+
+        workers = self.max_workers or min(len(configs), os.cpu_count() or 1)
+        executor = concurrent.futures.ThreadPoolExecutor(max(workers, 1))
+        futures = {executor.submit(compile_one, c): c for c in configs}
+        done, pending = concurrent.futures.wait(futures, timeout=self.timeout)
+        executor.shutdown(wait=False, cancel_futures=True)
+        compiled, failed = {}, {}
+        for future in done:
+            config = futures[future]
+            try:
+                compiled[config] = future.result()
+            except Exception as e:  # noqa: BLE001 - every failure is recorded, not raised
+                failed[config] = Measurement(error=_describe("compile error", e))
+        for future in pending:
+            failed[futures[future]] = Measurement(
+                error=f"timeout: not compiled within {self.timeout:g} s")
+        return compiled, failed
+
+    def _reference_output(self, ba: BoundArguments, arguments: dict[str, Any]) -> Any:
+        reference = ba.op.reference_op()
+        try:
+            f_std, arrays = benchmarking.standardize_function(
+                _call(reference, ba, arguments), arguments, seed=None)
+            return jax.jit(f_std)(arrays)
+        except Exception:  # noqa: BLE001 - without a reference, numerics go unchecked
+            return None
+
+    def _measure(self, run: Any, f_args: list[Any], expected: Any, best: float) -> Measurement:
+        """Checks numerics, then times: a few runs, and the rest only if it can still win."""
+        base = dict(lower_time_ms=None, compile_time_ms=None, peak_memory_mb=None)
+        try:
+            out = jax.block_until_ready(run.compiled(f_args))
+            if expected is not None:
+                error = numerics_error(out, expected)
+                if error is not None:
+                    return Measurement(error=error)
+            start = time.perf_counter()
+            first = run(f_args, method=self.method, iterations=self.early_stop_iterations)
+            times = list(first.evaluation_times_ms)
+            base = dict(lower_time_ms=first.lower_time_ms, compile_time_ms=first.compile_time_ms,
+                        peak_memory_mb=first.peak_memory_mb)
+            can_win = min(times) <= self.early_stop_ratio * best
+            if can_win and time.perf_counter() - start < self.timeout:
+                rest = self.iterations - len(times)
+                if rest > 0:
+                    times += run(f_args, method=self.method, iterations=rest).evaluation_times_ms
+        except Exception as e:  # noqa: BLE001 - every failure is recorded, not raised
+            return Measurement(error=_describe("run error", e), **base)
+        return Measurement(evaluation_times_ms=tuple(times), **base)

@@ -1,0 +1,140 @@
+"""Finding the op calls in a program: from a callable, a `Lowered`, StableHLO/HLO text.
+
+Every instruction an op call lowers to carries the frontend attribute
+`tokamax_pass_spec` (the call's `BoundArguments` JSON, config included). Here
+the attribute values are collected, decoded, stripped of their config and
+deduplicated, giving abstract `BoundArguments` (`ShapeDtypeStruct` arguments).
+MLIR text escapes characters as `\\XX` hex pairs (`\\22` is a quote); HLO text
+(`compiled.as_text()`) uses C-style backslash escapes: both are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+from collections.abc import Iterable, Sequence
+from typing import IO, Any
+
+import jax
+
+from tokamax_pass.autotuning import keys
+from tokamax_pass.core import spec
+from tokamax_pass.core.op import BoundArguments
+from tokamax_pass.core.primitive import METADATA_KEY
+
+BOUND_ARGS_FORMAT = "tokamax_pass.BoundArgumentsList"
+# `tokamax_pass_spec = "..."` (MLIR) or `tokamax_pass_spec="..."` (HLO text).
+_ATTRIBUTE = re.compile(METADATA_KEY + r'\s*=\s*"((?:[^"\\]|\\.)*)"')
+_MLIR_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2})")
+
+
+def _unescape(value: str) -> str:
+    if "\\22" in value or "\\5C" in value:
+        return _MLIR_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), value)
+    return json.loads(f'"{value}"')
+
+
+def specs_from_text(text: str) -> list[str]:
+    """The distinct spec JSON strings in StableHLO (MLIR) or HLO text, in program order."""
+    return list(dict.fromkeys(_unescape(m.group(1)) for m in _ATTRIBUTE.finditer(text)))
+
+
+def dedupe(bound: Iterable[BoundArguments]) -> list[BoundArguments]:
+    """Configs stripped (`op.replace(config=None)`), duplicates dropped, order kept."""
+    seen: dict[tuple[str, str], BoundArguments] = {}
+    for ba in bound:
+        ba = ba.replace(op=ba.op.replace(config=None))
+        seen.setdefault(keys.entry_key(ba), ba)
+    return list(seen.values())
+
+
+def bound_args_from_specs(specs: Iterable[str]) -> list[BoundArguments]:
+    return dedupe(BoundArguments.from_json(s) for s in specs)
+
+
+def _lowered_text(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+    if isinstance(f, str):
+        if args or kwargs:
+            raise TypeError("get_bound_args: StableHLO text takes no further arguments")
+        return f
+    if isinstance(f, jax.stages.Lowered):
+        if args or kwargs:
+            raise TypeError("get_bound_args: a Lowered takes no further arguments")
+        return f.as_text()
+    if isinstance(f, jax.stages.Compiled):
+        return f.as_text()
+    if not callable(f):
+        raise TypeError(
+            f"get_bound_args: expected a callable, a jax.stages.Lowered or StableHLO text, "
+            f"got {type(f).__name__}"
+        )
+    jitted = f if hasattr(f, "lower") else jax.jit(f)
+    return jitted.lower(*args, **kwargs).as_text()
+
+
+def get_bound_args(f: Any, *args: Any, **kwargs: Any) -> list[BoundArguments]:
+    """Every distinct op call in `f(*args, **kwargs)`, configs stripped.
+
+    `f` is a callable (plain or jitted; `jax.grad(f)` includes the VJP ops), a
+    `jax.stages.Lowered`, a `jax.stages.Compiled` or StableHLO/HLO text.
+    """
+    return bound_args_from_specs(specs_from_text(_lowered_text(f, args, kwargs)))
+
+
+def _as_list(f_or_list: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[BoundArguments]:
+    if isinstance(f_or_list, BoundArguments):
+        return [f_or_list]
+    if isinstance(f_or_list, (list, tuple)) and all(
+            isinstance(b, BoundArguments) for b in f_or_list):
+        return dedupe(f_or_list)
+    return get_bound_args(f_or_list, *args, **kwargs)
+
+
+def bound_args_to_json(f_or_list: Any, path: str | os.PathLike | IO[str] | None = None,
+                       *args: Any, **kwargs: Any) -> str:
+    """Writes the op calls of `f` (or a list of `BoundArguments`) as a JSON document.
+
+    Returns the JSON text; writes it to `path` (a path or an open file) when given.
+    """
+    bound = _as_list(f_or_list, args, kwargs)
+    text = json.dumps({
+        "format": BOUND_ARGS_FORMAT,
+        "schema_version": spec.SCHEMA_VERSION,
+        "bound_arguments": [
+            ba.replace(op=ba.op.replace(config=None)).to_spec() for ba in bound
+        ],
+    }, indent=1, sort_keys=True)
+    if path is not None:
+        if isinstance(path, (str, os.PathLike)):
+            pathlib.Path(path).write_text(text)
+        else:
+            path.write(text)
+    return text
+
+
+def bound_args_from_json(source: str | os.PathLike | IO[str]) -> list[BoundArguments]:
+    """Reads a list written by `bound_args_to_json` or `xplane_to_bound_args`.
+
+    `source` is a path, an open file or the JSON text itself. A bare JSON list of
+    `{"op": ..., "arguments": ...}` objects is accepted too.
+    """
+    what = "bound-arguments JSON"
+    if hasattr(source, "read"):
+        text = source.read()
+    elif isinstance(source, os.PathLike) or (
+            isinstance(source, str) and not source.lstrip().startswith(("{", "["))):
+        what = f"bound-arguments file {os.fspath(source)!r}"
+        text = pathlib.Path(source).read_text()
+    else:
+        text = source
+    data = spec.loads(text, what=what)
+    if isinstance(data, dict):
+        if data.get("format") != BOUND_ARGS_FORMAT:
+            raise spec.SpecError(f"{what} is not a tokamax_pass bound-arguments list")
+        spec.check_schema(data, what=what)
+        data = data.get("bound_arguments")
+    if not isinstance(data, list):
+        raise spec.SpecError(f"{what} must hold a list of bound arguments")
+    return [BoundArguments.from_spec(item) for item in data]

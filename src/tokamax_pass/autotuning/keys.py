@@ -1,0 +1,93 @@
+"""Cache keys and provenance: what makes two measurements interchangeable.
+
+A measurement is keyed by the op implementation (its import path and fields,
+with `config` and `vjp` stripped), the device kind and the argument spec.
+Provenance records what produced it (library and jax versions, a hash of the
+implementation's source) so a stale entry can be recognized and ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import sys
+from typing import Any
+
+import jax
+
+from tokamax_pass.core import spec
+from tokamax_pass.core.op import BoundArguments, Op
+
+
+def canonical_op(op: Op) -> Op:
+    """The op as a cache key sees it: no pinned config, no custom VJP link."""
+    return op.replace(config=None, vjp=None)
+
+
+def canonical(ba: BoundArguments) -> BoundArguments:
+    return ba.replace(op=canonical_op(ba.op))
+
+
+def op_key(op: Op) -> str:
+    return spec.dumps(spec.encode(canonical_op(op)))
+
+
+def entry_key(ba: BoundArguments) -> tuple[str, str]:
+    """`(op key, argument key)` of a bound call."""
+    return op_key(ba.op), ba.cache_key
+
+
+def library_version() -> str:
+    from tokamax_pass import __version__
+
+    return __version__
+
+
+@functools.cache
+def _module_hash(module_name: str) -> str:
+    module = sys.modules.get(module_name)
+    try:
+        source = inspect.getsource(module) if module is not None else module_name
+    except (OSError, TypeError):
+        source = module_name
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _op_modules(op: Op) -> list[str]:
+    """The modules whose source defines what `op` computes (nested ops included)."""
+    names = [type(op).__module__]
+    for field in dataclasses.fields(op):
+        value = getattr(op, field.name)
+        if isinstance(value, Op) and field.name not in ("vjp", "config"):
+            names.extend(_op_modules(value))
+    return names
+
+
+def source_hash(op: Op) -> str:
+    """A short hash of the source of the op's implementation module(s)."""
+    digest = hashlib.sha256()
+    for name in sorted(set(_op_modules(op))):
+        digest.update(_module_hash(name).encode())
+    return digest.hexdigest()[:16]
+
+
+def provenance(op: Op) -> dict[str, Any]:
+    return {
+        "tokamax_pass": library_version(),
+        "jax": jax.__version__,
+        "source_hash": source_hash(op),
+    }
+
+
+def stale_reason(op: Op, recorded: dict[str, Any] | None) -> str | None:
+    """Why a recorded provenance no longer matches this process, or `None`."""
+    if not recorded:
+        return "it has no provenance"
+    current = provenance(op)
+    for name, label in (("source_hash", "the implementation's source"),
+                        ("tokamax_pass", "the tokamax_pass version"), ("jax", "the jax version")):
+        if recorded.get(name) != current[name]:
+            return f"{label} changed ({recorded.get(name)} -> {current[name]})"
+    return None

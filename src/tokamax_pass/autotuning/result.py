@@ -1,0 +1,292 @@
+"""`AutotuningResult`: measured configs per op call, usable as a context, serializable.
+
+`with result:` pushes the result on a context stack that config resolution reads
+(innermost first) and changes a `jax.make_user_context` value, which is part of
+jit's cache key, so a function jitted outside the block retraces inside it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import io
+import itertools
+import math
+import os
+import statistics
+from collections.abc import Iterator, Mapping
+from typing import IO, Any
+
+import jax
+
+from tokamax_pass.autotuning import keys
+from tokamax_pass.core import spec
+from tokamax_pass.core.op import BoundArguments
+
+FORMAT = "tokamax_pass.AutotuningResult"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One config's outcome: its timings, or why it could not be timed."""
+
+    evaluation_times_ms: tuple[float, ...] = ()
+    lower_time_ms: float | None = None
+    compile_time_ms: float | None = None
+    peak_memory_mb: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.evaluation_times_ms)
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.evaluation_times_ms) if self.ok else math.inf
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "evaluation_times_ms": list(self.evaluation_times_ms),
+            "lower_time_ms": self.lower_time_ms,
+            "compile_time_ms": self.compile_time_ms,
+            "peak_memory_mb": self.peak_memory_mb,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Measurement:
+        return cls(
+            evaluation_times_ms=tuple(float(t) for t in data.get("evaluation_times_ms", ())),
+            lower_time_ms=data.get("lower_time_ms"),
+            compile_time_ms=data.get("compile_time_ms"),
+            peak_memory_mb=data.get("peak_memory_mb"),
+            error=data.get("error"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One op call (config stripped) with a measurement per config and its provenance."""
+
+    bound: BoundArguments
+    data: Mapping[Any, Measurement]
+    provenance: Mapping[str, Any]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return keys.entry_key(self.bound)
+
+    @property
+    def fastest(self) -> tuple[Any, Measurement] | None:
+        """`(config, measurement)` with the lowest median, or `None` when all failed."""
+        ok = [(c, m) for c, m in self.data.items() if m.ok]
+        return min(ok, key=lambda cm: cm[1].median_ms) if ok else None
+
+    @property
+    def best_time_ms(self) -> float:
+        fastest = self.fastest
+        return math.inf if fastest is None else fastest[1].median_ms
+
+    def merged(self, other: Entry) -> Entry:
+        return Entry(other.bound, {**self.data, **other.data}, other.provenance)
+
+    def without_errors(self) -> Entry:
+        return Entry(self.bound, {c: m for c, m in self.data.items() if m.ok}, self.provenance)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **self.bound.to_spec(),
+            "provenance": dict(self.provenance),
+            "configs": [
+                {"config": spec.encode_config(c), **m.to_json()} for c, m in self.data.items()
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Entry:
+        bound = keys.canonical(BoundArguments.from_spec(data))
+        config_cls = bound.op.config_cls
+        measured = {
+            spec.decode_config(config_cls, item["config"]): Measurement.from_json(item)
+            for item in data.get("configs", ())
+        }
+        return cls(bound, measured, dict(data.get("provenance") or {}))
+
+
+_serials = itertools.count()
+_ACTIVE: contextvars.ContextVar[tuple[AutotuningResult, ...]] = contextvars.ContextVar(
+    "tokamax_pass_active_results", default=()
+)
+# Part of jit's cache key: entering or leaving a result retraces jitted functions.
+_JIT_CONTEXT = jax.make_user_context(default_value=())
+
+
+def active_results() -> tuple[AutotuningResult, ...]:
+    """The results of the enclosing `with result:` blocks, innermost first."""
+    return tuple(reversed(_ACTIVE.get()))
+
+
+class AutotuningResult:
+    """The measured configs of a set of op calls on one device kind.
+
+    Iterating yields `(BoundArguments, {config: Measurement})`; `a | b` merges
+    (right wins per config); `with result:` applies its fastest configs.
+    """
+
+    def __init__(self, device_kind: str | None, entries: Any = (), *,
+                 tokamax_pass_version: str | None = None, jax_version: str | None = None):
+        self.device_kind = device_kind
+        self.tokamax_pass_version = tokamax_pass_version or keys.library_version()
+        self.jax_version = jax_version or jax.__version__
+        self._entries: dict[tuple[str, str], Entry] = {}
+        for entry in entries:
+            key = entry.key
+            self._entries[key] = self._entries[key].merged(entry) if key in self._entries else entry
+        self._serial = next(_serials)
+        self._contexts: list[tuple[contextvars.Token, Any]] = []
+
+    # --- lookups ----------------------------------------------------------------------
+
+    @property
+    def entries(self) -> tuple[Entry, ...]:
+        return tuple(self._entries.values())
+
+    def entry(self, ba: BoundArguments) -> Entry | None:
+        return self._entries.get(keys.entry_key(ba))
+
+    def best_config(self, ba: BoundArguments) -> Any | None:
+        entry = self.entry(ba)
+        fastest = None if entry is None else entry.fastest
+        return None if fastest is None else fastest[0]
+
+    def __iter__(self) -> Iterator[tuple[BoundArguments, Mapping[Any, Measurement]]]:
+        return ((e.bound, e.data) for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, ba: BoundArguments) -> bool:
+        return keys.entry_key(ba) in self._entries
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AutotuningResult) and self._to_json() == other._to_json()
+
+    __hash__ = object.__hash__
+
+    def __or__(self, other: AutotuningResult) -> AutotuningResult:
+        if not isinstance(other, AutotuningResult):
+            return NotImplemented
+        if self.device_kind != other.device_kind:
+            raise ValueError(
+                f"cannot merge results for different device kinds ({self.device_kind!r} | "
+                f"{other.device_kind!r}): configs tuned on one device do not carry over"
+            )
+        return AutotuningResult(self.device_kind, [*self.entries, *other.entries])
+
+    def without_errors(self) -> AutotuningResult:
+        return AutotuningResult(self.device_kind, [e.without_errors() for e in self.entries])
+
+    # --- context ----------------------------------------------------------------------
+
+    def __enter__(self) -> AutotuningResult:
+        stack = (*_ACTIVE.get(), self)
+        token = _ACTIVE.set(stack)
+        jit_context = _JIT_CONTEXT(tuple(r._serial for r in stack))
+        jit_context.__enter__()
+        self._contexts.append((token, jit_context))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        token, jit_context = self._contexts.pop()
+        jit_context.__exit__(*exc)
+        _ACTIVE.reset(token)
+
+    # --- serialization ----------------------------------------------------------------
+
+    def _to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "schema_version": spec.SCHEMA_VERSION,
+            "device_kind": self.device_kind,
+            "tokamax_pass_version": self.tokamax_pass_version,
+            "jax_version": self.jax_version,
+            "entries": [e.to_json() for e in self._entries.values()],
+        }
+
+    def dumps(self, *, indent: int | None = 1) -> str:
+        import json
+
+        return json.dumps(self._to_json(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def loads(cls, text: str | bytes, *, what: str = "autotuning result") -> AutotuningResult:
+        data = spec.loads(text, what=what)
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise spec.SpecError(f"{what} is not a tokamax_pass AutotuningResult JSON document")
+        spec.check_schema(data, what=what)
+        try:
+            entries = [Entry.from_json(e) for e in data.get("entries", ())]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise spec.SpecError(f"{what} has a malformed entry: {e!r}") from None
+        return cls(
+            data.get("device_kind"), entries,
+            tokamax_pass_version=data.get("tokamax_pass_version"),
+            jax_version=data.get("jax_version"),
+        )
+
+    def dump(self, path_or_file: str | os.PathLike | IO[str]) -> None:
+        if isinstance(path_or_file, (str, os.PathLike)):
+            with open(path_or_file, "w") as f:
+                f.write(self.dumps())
+        else:
+            path_or_file.write(self.dumps())
+
+    @classmethod
+    def load(cls, path_or_file: str | os.PathLike | IO[str]) -> AutotuningResult:
+        if isinstance(path_or_file, (str, os.PathLike)):
+            with open(path_or_file) as f:
+                return cls.loads(f.read(), what=f"autotuning result {os.fspath(path_or_file)!r}")
+        return cls.loads(path_or_file.read())
+
+    def save_to_cache(self, directory: str | os.PathLike | None = None) -> str:
+        """Merges this result into the user cache for its device kind; returns the file."""
+        from tokamax_pass.autotuning import cache
+
+        return cache.save(self, directory)
+
+    # --- display ----------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        rows = [("op", "arguments", "best config", "median ms", "ok/configs")]
+        for entry in self._entries.values():
+            fastest = entry.fastest
+            arrays = [v for v in entry.bound.arguments_spec().values() if isinstance(v, str)]
+            rows.append((
+                type(entry.bound.op).__name__,
+                " ".join(arrays)[:48],
+                "-" if fastest is None else _config_repr(fastest[0]),
+                "-" if fastest is None else f"{fastest[1].median_ms:.4g}",
+                f"{sum(m.ok for m in entry.data.values())}/{len(entry.data)}",
+            ))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        out = io.StringIO()
+        out.write(f"AutotuningResult(device_kind={self.device_kind!r}, {len(self)} ops)\n")
+        for row in rows:
+            out.write("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + "\n")
+        return out.getvalue().rstrip("\n")
+
+
+def _config_repr(config: Any) -> str:
+    fields = spec.encode_config(config) or {}
+    return ",".join(f"{k}={v}" for k, v in fields.items()) or "{}"
+
+
+def find_in_active(ba: BoundArguments, device_kind: str | None) -> Any | None:
+    """The fastest config for `ba` from the innermost active result that measured it."""
+    for result in active_results():
+        if device_kind is not None and result.device_kind not in (None, device_kind):
+            continue
+        config = result.best_config(ba)
+        if config is not None:
+            return config
+    return None

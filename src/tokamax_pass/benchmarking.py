@@ -1,0 +1,283 @@
+"""Device-time benchmarking: standardize a function, compile it, time it.
+
+Wall-clock timing of `jax.block_until_ready(f(x))` mostly measures Python and
+dispatch overhead, so the default timers read device time: CUPTI on NVIDIA
+GPUs (kernel time only), else the `jax.profiler` trace (the union of the
+intervals of the executable's HLO ops, per run). `wallclock` is the fallback.
+
+    f_std, args = standardize_function(f, kwargs={"x": x, "scale": scale})
+    run = compile_benchmark(f_std, args)
+    data = run(args, iterations=10)     # BenchmarkData
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import inspect
+import re
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokamax_pass.core import spec
+
+Mode = Literal["forward", "vjp", "forward_and_vjp"]
+METHODS = ("cupti", "profiler", "wallclock")
+DEFAULT_ITERATIONS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkData:
+    """Timings of one compiled function, in milliseconds (memory in MB)."""
+
+    lower_time_ms: float
+    compile_time_ms: float
+    evaluation_times_ms: tuple[float, ...]
+    peak_memory_mb: float | None
+    method: str
+
+    @property
+    def median_evaluation_time_ms(self) -> float:
+        return statistics.median(self.evaluation_times_ms)
+
+    @property
+    def min_evaluation_time_ms(self) -> float:
+        return min(self.evaluation_times_ms)
+
+
+def random_array(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """A random array: normal floats, ints in [0, 128), fair bools (never all zeros)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    if dtype == jnp.bool_:
+        return jax.random.bernoulli(key, 0.5, shape)
+    if jnp.issubdtype(dtype, jnp.integer):
+        high = min(128, int(jnp.iinfo(dtype).max) + 1)
+        return jax.random.randint(key, shape, 0, high, jnp.int32).astype(dtype)
+    raise ValueError(f"cannot make random inputs of dtype {dtype}")
+
+
+def random_initialize(arrays: Sequence[Any], seed: int) -> list[Any]:
+    """Concrete arrays stay as given; abstract ones (`ShapeDtypeStruct`) become random."""
+    keys = jax.random.split(jax.random.key(seed), max(len(arrays), 1))
+    return [
+        random_array(k, tuple(a.shape), a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a
+        for k, a in zip(keys, arrays, strict=False)
+    ]
+
+
+def _bind_signature(f: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    try:
+        signature = inspect.signature(f)
+    except (TypeError, ValueError):
+        return args, kwargs
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"standardize_function: {e}") from None
+    bound.apply_defaults()
+    return bound.args, bound.kwargs
+
+
+def standardize_function(
+    f: Callable[..., Any], *args: Any, kwargs: dict[str, Any] | None = None,
+    mode: Mode = "forward", seed: int | None = 0,
+) -> tuple[Callable[[list[Any]], Any], list[Any]]:
+    """`(f_std, arrays)`: `f_std(arrays)` calls `f` with every non-array argument baked in.
+
+    Array leaves of `args`/`kwargs` become the list `arrays`; `ShapeDtypeStruct`s are
+    filled with random values from `seed` (`seed=None` keeps them abstract).
+    `mode="vjp"` times the backward pass alone: the forward runs here, its residuals
+    become inputs of `f_std` together with a random cotangent. `"forward_and_vjp"`
+    times both, with the output as its own cotangent.
+    """
+    if mode not in ("forward", "vjp", "forward_and_vjp"):
+        raise ValueError(f"mode must be 'forward', 'vjp' or 'forward_and_vjp', got {mode!r}")
+    args, kwargs = _bind_signature(f, args, dict(kwargs or {}))
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=lambda v: v is None)
+    array_index = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
+    arrays = [leaves[i] for i in array_index]
+    if seed is not None:
+        arrays = random_initialize(arrays, seed)
+
+    def forward(*xs: Any) -> Any:
+        new_leaves = list(leaves)
+        for i, x in zip(array_index, xs, strict=True):
+            new_leaves[i] = x
+        call_args, call_kwargs = jax.tree.unflatten(treedef, new_leaves)
+        return f(*call_args, **call_kwargs)
+
+    if mode == "forward":
+        return (lambda xs: forward(*xs)), arrays
+    diff = [i for i, a in enumerate(arrays) if jnp.issubdtype(a.dtype, jnp.inexact)]
+    if not diff:
+        raise ValueError(f"mode={mode!r} needs at least one floating-point array argument")
+
+    def forward_diff(xs: list[Any], *diff_xs: Any) -> Any:
+        full = list(xs)
+        for i, x in zip(diff, diff_xs, strict=True):
+            full[i] = x
+        return forward(*full)
+
+    if mode == "forward_and_vjp":
+        def f_std(xs: list[Any]) -> Any:
+            out, pullback = jax.vjp(lambda *d: forward_diff(xs, *d), *(xs[i] for i in diff))
+            return out, pullback(out)
+
+        return f_std, arrays
+    if any(isinstance(a, jax.ShapeDtypeStruct) for a in arrays):
+        raise ValueError("mode='vjp' needs concrete inputs (seed=None is not supported)")
+    out, pullback = jax.vjp(lambda *d: forward_diff(arrays, *d), *(arrays[i] for i in diff))
+    dout = jax.tree.map(
+        lambda o, k: random_array(k, o.shape, o.dtype), out,
+        _split_like(out, 0 if seed is None else seed + 1),
+    )
+    residuals, pullback_tree = jax.tree.flatten(pullback)
+    return (
+        lambda xs: jax.tree.unflatten(pullback_tree, xs[: len(residuals)])(
+            jax.tree.unflatten(jax.tree.structure(out), xs[len(residuals):])
+        ),
+        [*residuals, *jax.tree.leaves(dout)],
+    )
+
+
+def _split_like(tree: Any, seed: int) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(treedef, list(jax.random.split(jax.random.key(seed), len(leaves))))
+
+
+def _platform(args: Sequence[Any]) -> str:
+    for a in args:
+        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
+            return next(iter(a.devices())).platform
+    return jax.default_backend()
+
+
+def _interval_union_ns(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -np.inf
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def _profiler_times(compiled: Any, args: list[Any], iterations: int, module: str) -> list[float]:
+    jax.block_until_ready(compiled(args))  # Warm-up.
+    with tempfile.TemporaryDirectory() as tmp:
+        options = jax.profiler.ProfileOptions()
+        options.python_tracer_level = 0
+        with jax.profiler.trace(tmp, profiler_options=options):
+            for _ in range(iterations):
+                jax.block_until_ready(compiled(args))
+        files = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
+        profile = jax.profiler.ProfileData.from_file(files[0])
+    runs: dict[Any, list[tuple[float, float]]] = {}
+    for plane in profile.planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_op" not in stats or stats.get("hlo_module", module) != module:
+                    continue
+                runs.setdefault(stats.get("run_id"), []).append(
+                    (event.start_ns, event.start_ns + event.duration_ns))
+    if not runs:
+        raise RuntimeError(
+            "the profiler recorded no device time for this function; use method='wallclock'")
+    if len(runs) == 1 and iterations > 1:
+        (intervals,) = runs.values()
+        return [_interval_union_ns(intervals) / 1e6 / iterations] * iterations
+    return [_interval_union_ns(v) / 1e6 for v in list(runs.values())[-iterations:]]
+
+
+def _cupti_times(compiled: Any, args: list[Any], iterations: int) -> list[float]:
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, timings = profiler.Cupti(finalize=False).measure(compiled, iterations=iterations)(args)
+    if timings is None:
+        raise RuntimeError("CUPTI recorded no kernel launches for this function")
+    return [float(t) for t in ([timings] if iterations == 1 else timings)]
+
+
+def _wallclock_times(compiled: Any, args: list[Any], iterations: int) -> list[float]:
+    jax.block_until_ready(compiled(args))  # Warm-up.
+    times = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(args))
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _check_method(method: str | None, platform: str) -> None:
+    if method is not None and method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS} or None, got {method!r}")
+    if method == "cupti" and platform not in ("gpu", "cuda"):
+        raise ValueError(
+            f"method='cupti' times NVIDIA GPU kernels, but these inputs are on {platform}; "
+            "use method=None (the best available), 'profiler' or 'wallclock'"
+        )
+
+
+def compile_benchmark(f_std: Callable[[list[Any]], Any],
+                      args: list[Any]) -> Callable[..., BenchmarkData]:
+    """Jits, lowers and compiles `f_std` for `args`; returns `run(args, *, method, iterations)`."""
+    start = time.perf_counter()
+    lowered = jax.jit(f_std).lower(args)
+    lower_ms = (time.perf_counter() - start) * 1e3
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    compile_ms = (time.perf_counter() - start) * 1e3
+    memory = compiled.memory_analysis()
+    peak = getattr(memory, "peak_memory_in_bytes", None) if memory is not None else None
+    match = re.search(r"HloModule (\S+?),", compiled.as_text() or "")
+    module = match.group(1) if match else ""
+
+    def run(args: list[Any], *, method: str | None = None,
+            iterations: int = DEFAULT_ITERATIONS) -> BenchmarkData:
+        """Times `iterations` runs after a warm-up; `method=None` picks the best available."""
+        if iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {iterations}")
+        platform = _platform(args)
+        _check_method(method, platform)
+        if method is None:
+            method = "cupti" if platform in ("gpu", "cuda") else "profiler"
+            if method == "profiler":
+                try:
+                    times = _profiler_times(compiled, args, iterations, module)
+                except RuntimeError:
+                    method, times = "wallclock", _wallclock_times(compiled, args, iterations)
+                return _data(times, method)
+        if method == "cupti":
+            times = _cupti_times(compiled, args, iterations)
+        elif method == "profiler":
+            times = _profiler_times(compiled, args, iterations, module)
+        else:
+            times = _wallclock_times(compiled, args, iterations)
+        return _data(times, method)
+
+    def _data(times: list[float], method: str) -> BenchmarkData:
+        return BenchmarkData(
+            lower_time_ms=lower_ms, compile_time_ms=compile_ms,
+            evaluation_times_ms=tuple(times),
+            peak_memory_mb=None if peak is None else peak / 1e6, method=method,
+        )
+
+    run.compiled = compiled  # type: ignore[attr-defined]
+    return run
+
+
+def benchmark(f: Callable[..., Any], *args: Any, kwargs: dict[str, Any] | None = None,
+              mode: Mode = "forward", method: str | None = None,
+              iterations: int = DEFAULT_ITERATIONS) -> BenchmarkData:
+    """`standardize_function` + `compile_benchmark` + one run."""
+    f_std, arrays = standardize_function(f, *args, kwargs=kwargs, mode=mode)
+    return compile_benchmark(f_std, arrays)(arrays, method=method, iterations=iterations)
