@@ -2,5 +2,6 @@
 
 from tokamax_kernels.ragged_dot.api import ragged_dot
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
+from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 
-__all__ = ["RaggedDot", "RaggedDotVjp", "ragged_dot"]
+__all__ = ["PallasMosaicGpuRaggedDot", "RaggedDot", "RaggedDotVjp", "ragged_dot"]

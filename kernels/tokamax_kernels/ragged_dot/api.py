@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax_kernels.ragged_dot.base import RaggedDot
+from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
 FAMILY = register_family(Family(
     name="ragged_dot",
-    implementations={"xla": RaggedDot},
-    automatic=("xla",),
+    implementations={"mosaic": PallasMosaicGpuRaggedDot, "xla": RaggedDot},
+    automatic=("mosaic", "xla"),
 ))
 
 

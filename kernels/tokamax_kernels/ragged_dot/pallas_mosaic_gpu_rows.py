@@ -1,0 +1,173 @@
+"""Mosaic GPU kernel for ragged dots whose *rows* are grouped: the forward and the dlhs.
+
+forward: out[r] = lhs[r] @ rhs[g(r)]          lhs (M, K), rhs (G, K, N)  -> (M, N)
+dlhs:    out[r] = dout[r] @ rhs[g(r)].T       dout (M, N), rhs (G, K, N) -> (M, K)
+
+The output is cut into row blocks of `tile_m`; a block that straddles a group boundary
+is computed once per group it touches, and each pass stores only its group's rows.
+Work items are (row block of a group, column tile) pairs, walked by a persistent grid.
+Rows are stored with a ladder of TMA copies of 2^i rows (a TMA box has a static
+size; any row count is a sum of powers of two), so neighbours never overwrite each other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from tokamax_kernels.ragged_dot import pallas_mosaic_gpu_common as common
+
+
+def _row_block(group_sizes_gmem, num_groups: int, m: int, tile_m: int, index):
+    """The `index`-th (group, row block) pair: group id, block, and the group's rows in it.
+
+    Returns `(group, block, lo, hi)` with the group's rows of the block at local
+    offsets `[lo, hi)`. Rows past the last group form a pseudo-group `num_groups`
+    (their output is zeros); an index past every pair gets `lo == hi == 0`. Groups
+    are few, so the search is unrolled into selects.
+    """
+    tile = jnp.int32(tile_m)
+    end = offset = group = block = lo = hi = jnp.int32(0)
+    for i in range(num_groups + 1):
+        start = end
+        end = jnp.int32(m) if i == num_groups else end + group_sizes_gmem[i]
+        first = lax.div(start, tile)
+        count = lax.select(end > start, lax.div(end + tile - 1, tile) - first, jnp.int32(0))
+        mine = (offset <= index) & (index < offset + count)
+        this_block = first + index - offset
+        block_start = this_block * tile
+        group = lax.select(mine, jnp.int32(i), group)
+        block = lax.select(mine, this_block, block)
+        lo = lax.select(mine, jnp.maximum(start - block_start, 0), lo)
+        hi = lax.select(mine, jnp.minimum(end - block_start, tile), hi)
+        offset = offset + count
+    return group, block, lo, hi
+
+
+def _store_rows(src_smem, dst_gmem, lo, hi, max_rows: int):
+    """Copies rows `[lo, hi)` of `src_smem` to the same rows of `dst_gmem` (TMA ladder)."""
+    size = hi - lo
+    start = lo
+    rows = 1 << (max_rows.bit_length() - 1)
+    while rows >= 1:
+        @pl.when((size & rows) != 0)
+        def _(rows=rows, start=start):
+            plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(start, rows)],
+                                    dst_gmem.at[pl.ds(start, rows)])
+
+        start = start + (size & rows)
+        rows //= 2
+
+
+def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                    config: common.Config, transpose_rhs: bool) -> jax.Array:
+    """`lhs (M, C)` times the group's `rhs` matrix: `(C, N)` slices of `rhs (G, C, N)`,
+    or with `transpose_rhs` the transposes of the `(N, C)` slices of `rhs (G, N, C)`."""
+    cfg = config
+    m, c = lhs.shape
+    g = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    dtype = lhs.dtype
+    if c % cfg.tile_k or n % cfg.cta_n or m < cfg.tile_m:
+        raise ValueError(f"shape lhs {lhs.shape} rhs {rhs.shape} does not fit {cfg}")
+    grid_m = pl.cdiv(m, cfg.tile_m) + g  # + g: straddled blocks, zero tail
+    grid_n = n // cfg.cta_n
+    k_steps = c // cfg.tile_k
+    lhs_transforms = common.swizzled(cfg.tile_k, dtype)
+    if transpose_rhs:
+        rhs_spec = plgpu.BlockSpec((cfg.cta_n, cfg.tile_k), lambda k: (0, k),
+                                   transforms=common.swizzled(cfg.tile_k, dtype))
+    else:
+        rhs_spec = plgpu.BlockSpec((cfg.tile_k, cfg.cta_n), lambda k: (k, 0),
+                                   transforms=common.swizzled(cfg.cta_n, dtype))
+    lhs_spec = plgpu.BlockSpec((cfg.tile_m, cfg.tile_k), lambda k: (0, k),
+                               transforms=lhs_transforms)
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_steps,), memory_registers=common.MEMORY_REGISTERS,
+            in_specs=[lhs_spec, rhs_spec], wg_axis="wg",
+            num_compute_wgs=common.NUM_COMPUTE_WGS, max_concurrent_steps=cfg.num_stages,
+            compute_context=compute_context)
+
+    def kernel(sizes_gmem, lhs_gmem, rhs_gmem, out_gmem):
+        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on bodies)
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=pipeline(ignore, ignore).get_allocations(
+                lhs_gmem.at[pl.ds(0, cfg.tile_m)], rhs_gmem.at[0]),
+            out_smem=plgpu.SMEM((common.NUM_COMPUTE_WGS, cfg.tile_m, cfg.epi_n), dtype),
+            collective_axes="wg",
+        )
+        def _scope(allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((grid_m * grid_n,), collective_axes="sm")
+            def _item(info: plgpu.NDLoopInfo):
+                mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n),
+                                            cfg.grid_minor_dim, cfg.grid_tile_width)
+                group, block, lo, hi = _row_block(sizes_gmem, g, m, cfg.tile_m, mi)
+                rows = pl.ds(block * cfg.tile_m, cfg.tile_m)
+                cols = pl.ds(ni * cfg.cta_n, cfg.cta_n)
+                wg_cols = pl.ds(wg * cfg.tile_n, cfg.tile_n)
+
+                def mma(_, lhs_smem, rhs_smem, acc_ref):
+                    if transpose_rhs:
+                        b = rhs_smem.at[wg_cols, :].T
+                    else:
+                        b = rhs_smem.at[:, wg_cols]
+                    plgpu.wgmma(acc_ref, lhs_smem, b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                out_rows = out_gmem.at[pl.ds(block * cfg.tile_m, cfg.tile_m)]
+
+                def store(tile):
+                    """Stores this warpgroup's (tile_m, tile_n) `tile` (rows lo..hi only)."""
+                    for j in range(cfg.tile_n // cfg.epi_n):
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[wg] = tile(j * cfg.epi_n, (j + 1) * cfg.epi_n)
+                        plgpu.commit_smem()
+                        col0 = ni * cfg.cta_n + wg * cfg.tile_n + j * cfg.epi_n
+                        _store_rows(out_smem.at[wg], out_rows.at[:, pl.ds(col0, cfg.epi_n)],
+                                    lo, hi, cfg.tile_m)
+
+                def compute_context(run):
+                    @functools.partial(
+                        pl.run_scoped, acc_ref=plgpu.ACC((cfg.tile_m, cfg.tile_n), jnp.float32))
+                    def _acc(acc_ref):
+                        run(acc_ref)
+                        acc = acc_ref[...].astype(dtype)
+                        store(lambda a, b: acc[:, a:b])
+
+                tail = group == g
+                rhs_g = rhs_gmem.at[jnp.minimum(group, g - 1)]
+                rhs_tile = rhs_g.at[cols, :] if transpose_rhs else rhs_g.at[:, cols]
+
+                @pl.when((hi > lo) & ~tail)
+                def _():
+                    pipeline(mma, compute_context)(
+                        lhs_gmem.at[rows], rhs_tile, allocations=allocs)
+
+                @pl.when((hi > lo) & tail & (wg < common.NUM_COMPUTE_WGS))
+                def _():
+                    store(lambda a, b: jnp.zeros((cfg.tile_m, b - a), dtype))
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m, n), dtype),
+        grid=(common.num_sms(),),
+        grid_names=("sm",),
+        num_threads=common.NUM_COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=common.compiler_params(),
+    )
+    return call(group_sizes.astype(jnp.int32), lhs, rhs)
