@@ -2,6 +2,7 @@
 
 from tokamax_kernels.attention.api import dot_product_attention
 from tokamax_kernels.attention.base import DotProductAttention, DotProductAttentionVjp
+from tokamax_kernels.attention.cudnn import CudnnDotProductAttention, CudnnDotProductAttentionVjp
 from tokamax_kernels.attention.xla_chunked import (
     XlaChunkedConfig,
     XlaChunkedDotProductAttention,
@@ -9,6 +10,8 @@ from tokamax_kernels.attention.xla_chunked import (
 )
 
 __all__ = [
+    "CudnnDotProductAttention",
+    "CudnnDotProductAttentionVjp",
     "DotProductAttention",
     "DotProductAttentionVjp",
     "XlaChunkedConfig",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax_kernels.attention.base import DotProductAttention
+from tokamax_kernels.attention.cudnn import CudnnDotProductAttention
 from tokamax_kernels.attention.xla_chunked import XlaChunkedDotProductAttention
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
@@ -13,10 +14,11 @@ from tokamax_pass.core.registry import Implementation
 FAMILY = register_family(Family(
     name="dot_product_attention",
     implementations={
+        "cudnn": CudnnDotProductAttention,
         "xla_chunked": XlaChunkedDotProductAttention,
         "xla": DotProductAttention,
     },
-    automatic=("xla",),
+    automatic=("cudnn", "cudnn", "xla"),
 ))
 
 

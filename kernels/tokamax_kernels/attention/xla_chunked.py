@@ -159,6 +159,15 @@ def _problem(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array
         chunk_q=config.chunk_q, chunk_k=config.chunk_k, q_len=q_len, kv_len=kv_len)
 
 
+def problem_for(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+                mask: jax.Array | None, *, query_seq_lengths: jax.Array | None,
+                key_value_seq_lengths: jax.Array | None, **statics: Any) -> _Problem:
+    """The chunked problem with the heuristic chunks (for other implementations' lse)."""
+    config = heuristic_config(query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    return _problem(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
+                    config, statics)
+
+
 def chunked_forward(pb: _Problem) -> tuple[jax.Array, jax.Array]:
     """`(out (B, Sq, H, D) in the input dtype, lse (B, H, Sq) float32)`."""
     batch, q_pad, kv_heads, groups, head_dim = pb.query.shape
