@@ -2,18 +2,27 @@
 
 from tokamax_kernels.attention.api import dot_product_attention
 from tokamax_kernels.attention.base import DotProductAttention, DotProductAttentionVjp
-from tokamax_kernels.attention.cudnn import CudnnDotProductAttention, CudnnDotProductAttentionVjp
 from tokamax_kernels.attention.xla_chunked import (
     XlaChunkedConfig,
     XlaChunkedDotProductAttention,
     XlaChunkedDotProductAttentionVjp,
 )
+from tokamax_kernels.attention.pallas_triton import (
+    PallasTritonFlashAttention,
+    PallasTritonFlashAttentionConfig,
+)
+from tokamax_kernels.attention.pallas_triton_vjp import (
+    PallasTritonFlashAttentionVjp,
+    PallasTritonFlashAttentionVjpConfig,
+)
 
 __all__ = [
-    "CudnnDotProductAttention",
-    "CudnnDotProductAttentionVjp",
     "DotProductAttention",
     "DotProductAttentionVjp",
+    "PallasTritonFlashAttention",
+    "PallasTritonFlashAttentionConfig",
+    "PallasTritonFlashAttentionVjp",
+    "PallasTritonFlashAttentionVjpConfig",
     "XlaChunkedConfig",
     "XlaChunkedDotProductAttention",
     "XlaChunkedDotProductAttentionVjp",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax_kernels.attention.base import DotProductAttention
-from tokamax_kernels.attention.cudnn import CudnnDotProductAttention
+from tokamax_kernels.attention.pallas_triton import PallasTritonFlashAttention
 from tokamax_kernels.attention.xla_chunked import XlaChunkedDotProductAttention
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
@@ -14,11 +14,11 @@ from tokamax_pass.core.registry import Implementation
 FAMILY = register_family(Family(
     name="dot_product_attention",
     implementations={
-        "cudnn": CudnnDotProductAttention,
+        "triton": PallasTritonFlashAttention,
         "xla_chunked": XlaChunkedDotProductAttention,
         "xla": DotProductAttention,
     },
-    automatic=("cudnn", "cudnn", "xla"),
+    automatic=("triton", "xla"),
 ))
 
 

@@ -1,0 +1,192 @@
+"""`PallasTritonFlashAttention`: flash attention (forward) as a Pallas Triton kernel.
+
+Supports every option of the family: causal, bool mask, bias, GQA/MQA, cross
+attention, query/key sequence lengths, local windows and soft cap, in f16, bf16 and
+f32, head dims up to 256. Sequence lengths that the blocks do not divide are padded
+(and the padded keys masked); head dims are padded to a power of 2 (at least 16).
+The kernel is in `_pallas_triton_fwd.py`, its gradient in `pallas_triton_vjp.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_kernels.attention import _pallas_triton_common as common
+from tokamax_kernels.attention._pallas_triton_fwd import flash_attention_forward
+from tokamax_kernels.attention.base import DotProductAttention
+from tokamax_pass.core import BoundArguments, Op, Target
+
+_WHAT = "PallasTritonFlashAttention"
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasTritonFlashAttentionConfig:
+    """Forward tiles: `block_q` query rows per program, `block_k` keys per loop step."""
+
+    block_q: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of 2 >= 16, got {value}")
+
+
+def check_inputs(ba: BoundArguments, target: Target | None, what: str) -> None:
+    """What both Triton kernels need of the inputs and the device."""
+    query = ba.arguments["query"]
+    if target is not None and target.platform == "cuda" and not target.is_ampere_or_newer:
+        raise NotImplementedError(f"{what} needs an Ampere or newer GPU, not {target.device_kind}")
+    if jnp.dtype(query.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                      jnp.dtype(jnp.float32)):
+        raise NotImplementedError(f"{what} supports bf16, f16 and f32, not {query.dtype}")
+    if query.shape[-1] > MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"{what} supports head_dim <= {MAX_HEAD_DIM}, got {query.shape[-1]}")
+
+
+def kernel_spec(arguments: dict[str, Any], seq_q: int, seq_k: int) -> common.KernelSpec:
+    """The kernels' static view of the family's arguments."""
+    window = arguments["local_window_size"]
+    left, right = window if window is not None else (None, None)
+    if arguments["is_causal"]:
+        right = 0 if right is None else min(right, 0)
+    return common.KernelSpec(
+        scale=arguments["scale"], left=left, right=right, offset=0,
+        soft_cap=arguments["logits_soft_cap"], seq_q=seq_q, seq_k=seq_k,
+        has_bias=arguments["bias"] is not None, has_mask=arguments["mask"] is not None,
+        has_q_lengths=arguments["query_seq_lengths"] is not None,
+        has_kv_lengths=arguments["key_value_seq_lengths"] is not None,
+        precision=arguments["precision"],
+    )
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    return max(16, common.pl_next_pow2(head_dim))
+
+
+def prepare_pairwise(x: jax.Array | None, seq_q: int, seq_k: int, pad_q: int, pad_k: int,
+                     dtype: Any = None) -> jax.Array | None:
+    """A bias or mask, broadcast along its query/key axes and padded to the kernel tiles."""
+    if x is None:
+        return None
+    x = jnp.broadcast_to(x, (*x.shape[:2], seq_q, seq_k))
+    if dtype is not None:
+        x = x.astype(dtype)
+    return pad_axis(pad_axis(x, 2, pad_q), 3, pad_k)
+
+
+def prepare_qkv(q: jax.Array, k: jax.Array, v: jax.Array, pad_q: int, pad_k: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    d = padded_head_dim(q.shape[-1])
+    q = pad_axis(pad_axis(q, 1, pad_q), 3, d)
+    k = pad_axis(pad_axis(k, 1, pad_k), 3, d)
+    v = pad_axis(pad_axis(v, 1, pad_k), 3, d)
+    return q, k, v
+
+
+def lengths_i32(x: jax.Array | None) -> jax.Array | None:
+    return None if x is None else x.astype(jnp.int32)
+
+
+def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool
+                      ) -> PallasTritonFlashAttentionConfig:
+    """H200 defaults, measured at the benchmark shapes (see the GPU tests)."""
+    if head_dim <= 64:
+        config = PallasTritonFlashAttentionConfig(block_q=128, block_k=64, num_warps=4,
+                                                  num_stages=3)
+    elif head_dim <= 128:
+        config = PallasTritonFlashAttentionConfig(block_q=128, block_k=64, num_warps=8,
+                                                  num_stages=3)
+    else:
+        config = PallasTritonFlashAttentionConfig(block_q=64, block_k=32, num_warps=4,
+                                                  num_stages=2)
+    return dataclasses.replace(
+        config, block_q=common.clamp_block(config.block_q, seq_q),
+        block_k=common.clamp_block(config.block_k, seq_k))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasTritonFlashAttention(DotProductAttention):
+    """Flash attention forward in Pallas Triton; `interpret=True` runs it on CPU."""
+
+    interpret: bool = False
+
+    config_cls: ClassVar[type] = PallasTritonFlashAttentionConfig
+    implementation: ClassVar[str] = "triton"
+    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+
+    def check_supported_target(self, target: Target) -> None:
+        if not self.interpret:
+            super().check_supported_target(target)
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        check_inputs(ba, None if self.interpret else target, _WHAT)
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> PallasTritonFlashAttentionConfig:
+        q, k = ba.arguments["query"], ba.arguments["key"]
+        return heuristics_config(q.shape[-1], q.shape[1], k.shape[1], ba.arguments["is_causal"])
+
+    def _get_autotuning_configs(self, ba: BoundArguments) -> set[PallasTritonFlashAttentionConfig]:
+        q, k = ba.arguments["query"], ba.arguments["key"]
+        configs = set()
+        for bq, bk, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8),
+                                                       (2, 3, 4)):
+            if bq * bk > 128 * 128 or (q.shape[-1] > 128 and bq * bk > 64 * 64):
+                continue
+            configs.add(PallasTritonFlashAttentionConfig(
+                block_q=common.clamp_block(bq, q.shape[1]),
+                block_k=common.clamp_block(bk, k.shape[1]), num_warps=warps,
+                num_stages=stages))
+        return configs
+
+    def _fwd(self, query: jax.Array, key: jax.Array, value: jax.Array, bias: Any, mask: Any, *,
+             scale: float, is_causal: bool, query_seq_lengths: Any, key_value_seq_lengths: Any,
+             local_window_size: Any, logits_soft_cap: Any, precision: Any,
+             config: PallasTritonFlashAttentionConfig, return_residuals: bool
+             ) -> tuple[jax.Array, Any]:
+        arguments = dict(
+            scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+            logits_soft_cap=logits_soft_cap, bias=bias, mask=mask,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            precision=precision)
+        batch, seq_q, heads, head_dim = query.shape
+        seq_k = key.shape[1]
+        block_q = common.clamp_block(config.block_q, seq_q)
+        block_k = common.clamp_block(config.block_k, seq_k)
+        pad_q, pad_k = common.round_up(seq_q, block_q), common.round_up(seq_k, block_k)
+        q, k, v = prepare_qkv(query, key, value, pad_q, pad_k)
+        out, lse = flash_attention_forward(
+            q, k, v, prepare_pairwise(bias, seq_q, seq_k, pad_q, pad_k),
+            prepare_pairwise(mask, seq_q, seq_k, pad_q, pad_k, jnp.int8),
+            lengths_i32(query_seq_lengths), lengths_i32(key_value_seq_lengths),
+            spec=kernel_spec(arguments, seq_q, seq_k), block_q=block_q, block_k=block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+            return_lse=return_residuals, interpret=self.interpret)
+        out = out[:, :seq_q, :, :head_dim]
+        if not return_residuals:
+            return out, None
+        return out, (lse[:, :, :seq_q],)
+
+    def _default_vjp(self) -> Op:
+        from tokamax_kernels.attention.pallas_triton_vjp import PallasTritonFlashAttentionVjp
+
+        return PallasTritonFlashAttentionVjp(interpret=self.interpret)

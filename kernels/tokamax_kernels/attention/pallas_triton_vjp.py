@@ -1,0 +1,155 @@
+"""`PallasTritonFlashAttentionVjp`: the flash-attention gradient as Pallas Triton kernels.
+
+It consumes the family's residuals `(lse,)` with the forward's `out` and the
+cotangent `dout`, and returns dq, dk, dv and (for a float bias) dbias. Two kernels
+(dK/dV over key blocks, dQ over query blocks; `_pallas_triton_bwd.py`) each own
+their outputs: no atomics, so reruns are bitwise identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_kernels.attention import _pallas_triton_common as common
+from tokamax_kernels.attention import pallas_triton as fwd
+from tokamax_kernels.attention._pallas_triton_bwd import flash_attention_backward
+from tokamax_kernels.attention.base import DotProductAttentionVjp
+from tokamax_pass.core import BoundArguments, Target
+
+_WHAT = "PallasTritonFlashAttentionVjp"
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasTritonFlashAttentionVjpConfig:
+    """Tiles of the two backward kernels: dK/dV (`*_dkv`) and dQ (`*_dq`)."""
+
+    block_q_dkv: int = 32
+    block_k_dkv: int = 128
+    num_warps_dkv: int = 4
+    num_stages_dkv: int = 3
+    block_q_dq: int = 128
+    block_k_dq: int = 32
+    num_warps_dq: int = 4
+    num_stages_dq: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of 2 >= 16, got {value}")
+
+
+def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool
+                      ) -> PallasTritonFlashAttentionVjpConfig:
+    """H200 defaults, measured at the benchmark shapes (see the GPU tests)."""
+    if head_dim <= 64:
+        config = PallasTritonFlashAttentionVjpConfig(
+            block_q_dkv=64, block_k_dkv=128, num_warps_dkv=8, num_stages_dkv=3,
+            block_q_dq=128, block_k_dq=64, num_warps_dq=8, num_stages_dq=3)
+    elif head_dim <= 128:
+        config = PallasTritonFlashAttentionVjpConfig(
+            block_q_dkv=64, block_k_dkv=128, num_warps_dkv=8, num_stages_dkv=2,
+            block_q_dq=128, block_k_dq=64, num_warps_dq=8, num_stages_dq=2)
+    else:
+        config = PallasTritonFlashAttentionVjpConfig(
+            block_q_dkv=32, block_k_dkv=32, num_warps_dkv=4, num_stages_dkv=1,
+            block_q_dq=32, block_k_dq=32, num_warps_dq=4, num_stages_dq=1)
+    return clamp(config, seq_q, seq_k)
+
+
+def clamp(config: PallasTritonFlashAttentionVjpConfig, seq_q: int, seq_k: int
+          ) -> PallasTritonFlashAttentionVjpConfig:
+    """`config` with no block longer than the (power-of-2 padded) sequence."""
+    return dataclasses.replace(
+        config,
+        block_q_dkv=common.clamp_block(config.block_q_dkv, seq_q),
+        block_k_dkv=common.clamp_block(config.block_k_dkv, seq_k),
+        block_q_dq=common.clamp_block(config.block_q_dq, seq_q),
+        block_k_dq=common.clamp_block(config.block_k_dq, seq_k))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasTritonFlashAttentionVjp(DotProductAttentionVjp):
+    """dq, dk, dv (and dbias) of flash attention in Pallas Triton; `interpret=True` on CPU."""
+
+    interpret: bool = False
+
+    config_cls: ClassVar[type] = PallasTritonFlashAttentionVjpConfig
+    implementation: ClassVar[str] = "triton"
+    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+
+    def check_supported_target(self, target: Target) -> None:
+        if not self.interpret:
+            super().check_supported_target(target)
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        fwd.check_inputs(ba, None if self.interpret else target, _WHAT)
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> PallasTritonFlashAttentionVjpConfig:
+        q, k = ba.arguments["query"], ba.arguments["key"]
+        return heuristics_config(q.shape[-1], q.shape[1], k.shape[1], ba.arguments["is_causal"])
+
+    def _get_autotuning_configs(self, ba: BoundArguments
+                                ) -> set[PallasTritonFlashAttentionVjpConfig]:
+        q, k = ba.arguments["query"], ba.arguments["key"]
+        configs = set()
+        for (bq1, bk1), (bq2, bk2), warps, stages in itertools.product(
+                ((32, 128), (64, 128), (64, 64), (32, 64)),
+                ((128, 32), (128, 64), (64, 64), (64, 32)), (4, 8), (2, 3)):
+            configs.add(clamp(PallasTritonFlashAttentionVjpConfig(
+                block_q_dkv=bq1, block_k_dkv=bk1, num_warps_dkv=warps, num_stages_dkv=stages,
+                block_q_dq=bq2, block_k_dq=bk2, num_warps_dq=warps, num_stages_dq=stages),
+                q.shape[1], k.shape[1]))
+        return configs
+
+    def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
+             query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+             mask: jax.Array | None, **statics: Any) -> tuple[dict[str, Any], None]:
+        del return_residuals
+        config = clamp(config, query.shape[1], key.shape[1])
+        (lse,) = residuals
+        batch, seq_q, heads, head_dim = query.shape
+        seq_k = key.shape[1]
+        q_lengths = fwd.lengths_i32(statics["query_seq_lengths"])
+        kv_lengths = fwd.lengths_i32(statics["key_value_seq_lengths"])
+        pad_q = common.round_up(seq_q, max(config.block_q_dkv, config.block_q_dq))
+        pad_k = common.round_up(seq_k, max(config.block_k_dkv, config.block_k_dq))
+        q, k, v = fwd.prepare_qkv(query, key, value, pad_q, pad_k)
+        d = q.shape[-1]
+        do = fwd.pad_axis(fwd.pad_axis(dout.astype(query.dtype), 1, pad_q), 3, d)
+        delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32),
+                           dout.astype(jnp.float32))
+        # Rows that see nothing (lse = -inf) or lie past their query length get
+        # lse2 = +inf, so the kernels' p = exp2(s - lse2) is exactly 0 there.
+        empty = ~jnp.isfinite(lse)
+        if q_lengths is not None:
+            empty = empty | (jnp.arange(seq_q)[None, None, :] >= q_lengths[:, None, None])
+        lse2 = jnp.where(empty, jnp.inf, lse * common.LOG2E)
+        lse2 = fwd.pad_axis(lse2, 2, pad_q, jnp.inf)
+        delta = fwd.pad_axis(jnp.where(empty, 0.0, delta), 2, pad_q)
+        spec = fwd.kernel_spec(dict(statics, bias=bias, mask=mask), seq_q, seq_k)
+        dq, dk, dv, dbias = flash_attention_backward(
+            q, k, v, fwd.prepare_pairwise(bias, seq_q, seq_k, pad_q, pad_k),
+            fwd.prepare_pairwise(mask, seq_q, seq_k, pad_q, pad_k, jnp.int8),
+            q_lengths, kv_lengths, do, lse2, delta, spec=spec,
+            blocks_dkv=(config.block_q_dkv, config.block_k_dkv),
+            blocks_dq=(config.block_q_dq, config.block_k_dq),
+            params_dkv=(config.num_warps_dkv, config.num_stages_dkv),
+            params_dq=(config.num_warps_dq, config.num_stages_dq),
+            interpret=self.interpret)
+        grads = {
+            "query": dq[:, :seq_q, :, :head_dim],
+            "key": dk[:, :seq_k, :, :head_dim],
+            "value": dv[:, :seq_k, :, :head_dim],
+        }
+        if bias is not None:
+            dbias = dbias[:, :, :seq_q, :seq_k]
+            axes = tuple(i for i, n in enumerate(bias.shape) if n == 1 and dbias.shape[i] != 1)
+            grads["bias"] = jnp.sum(dbias, axis=axes, keepdims=True).astype(bias.dtype)
+        return grads, None
