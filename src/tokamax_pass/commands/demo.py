@@ -1,0 +1,127 @@
+"""`tokamax-pass demo`: the seed example end to end on this machine, with a table of op calls.
+
+The seed's `loss` (two layer norms, two attentions, implementations `triton`,
+`xla_chunked`, `None`, `mosaic`) under `jax.jit(jax.grad(loss))`. Where an
+implementation cannot run here (no GPU), the demo says why and uses `None`.
+The table lists every op call of the gradient program (forward and VJP ops):
+the implementation chosen, its config, and its device time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import tokamax_pass as tokamax
+from tokamax_pass import benchmarking
+from tokamax_pass.autotuning import autotuner, discovery
+from tokamax_pass.core import BoundArguments, current_target, registry, spec
+
+SEED_IMPLEMENTATIONS = (
+    ("layer_norm", "triton"),
+    ("dot_product_attention", "xla_chunked"),
+    ("layer_norm", None),
+    ("dot_product_attention", "mosaic"),
+)
+# (batch, seq, heads, head_dim): the seed's shape on a GPU, scaled down elsewhere.
+SEED_SHAPE = (32, 2048, 16, 64)
+CPU_SHAPE = (2, 256, 4, 64)
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("demo", help="run the seed example and show its op calls")
+    parser.add_argument("--shape", type=int, nargs=4, metavar=("B", "S", "H", "D"),
+                        help=f"(default: {SEED_SHAPE} on a GPU, {CPU_SHAPE} elsewhere)")
+    parser.add_argument("--iterations", type=int, default=10)
+
+
+def runnable_implementations() -> tuple[list[Any], list[str]]:
+    """The seed's implementations, with `None` for those that cannot run here (and why)."""
+    target = current_target()
+    for family_name in {name for name, _ in SEED_IMPLEMENTATIONS}:
+        getattr(tokamax, family_name)  # imports the op family, which registers it
+    chosen, notes = [], []
+    for family_name, implementation in SEED_IMPLEMENTATIONS:
+        if implementation is not None:
+            (op,), _ = registry.families()[family_name].resolve(implementation)
+            try:
+                op.check_supported_target(target)
+            except NotImplementedError as e:
+                notes.append(f"{family_name} implementation={implementation!r} -> None: {e}")
+                implementation = None
+        chosen.append(implementation)
+    return chosen, notes
+
+
+def seed_loss(implementations: list[Any]):
+    ln_first, attn_first, ln_second, attn_second = implementations
+
+    def loss(x, scale):
+        x = tokamax.layer_norm(x, scale=scale, offset=None, implementation=ln_first)
+        x = tokamax.dot_product_attention(x, x, x, implementation=attn_first)
+        x = tokamax.layer_norm(x, scale=scale, offset=None, implementation=ln_second)
+        x = tokamax.dot_product_attention(x, x, x, implementation=attn_second)
+        return jnp.sum(x)
+
+    return loss
+
+
+def op_calls(f: Any, *args: Any) -> list[BoundArguments]:
+    """Every distinct op call in `f`'s lowered program, with the config it lowered with."""
+    text = jax.jit(f).lower(*args).as_text()
+    return list({ba.to_json(): ba for ba in map(
+        BoundArguments.from_json, discovery.specs_from_text(text))}.values())
+
+
+def op_time_ms(ba: BoundArguments, iterations: int) -> float:
+    arguments = autotuner.timing_arguments(ba, seed=0)
+    data = benchmarking.benchmark(lambda a: ba.op(**a), arguments, iterations=iterations)
+    return data.median_evaluation_time_ms
+
+
+def _config_text(config: Any) -> str:
+    fields = spec.encode_config(config) or {}
+    return ", ".join(f"{k}={v}" for k, v in fields.items()) or "-"
+
+
+def _arrays_text(ba: BoundArguments) -> str:
+    return " ".join(spec.array_spec(v) for v in jax.tree.leaves(dict(ba.arguments))
+                    if spec.is_array(v))[:60]
+
+
+def run(args: argparse.Namespace) -> int:
+    on_gpu = current_target().is_gpu
+    b, s, h, d = args.shape or (SEED_SHAPE if on_gpu else CPU_SHAPE)
+    implementations, notes = runnable_implementations()
+    scale = jax.random.normal(jax.random.key(0), (d,), jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (b, s, h, d), jnp.bfloat16)
+    f_grad = jax.jit(jax.grad(seed_loss(implementations)))
+
+    print(f"tokamax_pass demo on {current_target().device_kind} (x: bf16[{b},{s},{h},{d}])")
+    for note in notes:
+        print(f"  note: {note}")
+    out = jax.block_until_ready(f_grad(x, scale))
+    print(f"  grad: {spec.array_spec(out)}, finite: {bool(jnp.isfinite(out).all())}")
+    total = benchmarking.benchmark(f_grad, x, scale, iterations=args.iterations)
+    print(f"  jax.jit(jax.grad(loss)): {total.median_evaluation_time_ms:.3f} ms "
+          f"({total.method}, median of {args.iterations})\n")
+
+    rows = [("op call", "implementation", "config", "arguments", "ms")]
+    for ba in op_calls(jax.grad(seed_loss(implementations)), x, scale):
+        time_ms = functools.partial(op_time_ms, ba, args.iterations)
+        try:
+            ms = f"{time_ms():.3f}"
+        except Exception as e:  # noqa: BLE001 - show the failure in the table
+            ms = f"failed: {type(e).__name__}"
+        rows.append((type(ba.op).__name__, ba.op.implementation, _config_text(ba.op.config),
+                     _arrays_text(ba), ms))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, row in enumerate(rows):
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+        if i == 0:
+            print("  " + "  ".join("-" * w for w in widths))
+    return 0
