@@ -1,0 +1,324 @@
+"""The Mosaic GPU flash-attention backward kernels for Hopper: dq, then dk and dv.
+
+Both recompute the probabilities from the forward's log-sum-exp `lse` and use
+`delta = rowsum(out * dout)`. Neither uses atomics, so reruns are bitwise identical:
+
+* dq: a block owns `compute_wgs * block_q` query rows of one head; K/V tiles stream in.
+* dk/dv: a block owns `compute_wgs * block_kv` key rows of one K/V head and loops over
+  every query head of its group (GQA) and every query tile; Q, dO, lse, delta stream in.
+Causal blocks skip the tiles above the diagonal (the memory warpgroup never loads them).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from tokamax_kernels.attention._mosaic_gpu_common import (
+    COMPUTE_REGISTERS,
+    LOG2E,
+    MEMORY_REGISTERS,
+    MosaicAttentionVjpConfig,
+    tile_transforms,
+)
+
+_WGMMA = plgpu.Layout.WGMMA
+_PARAMS = plgpu.CompilerParams(approx_math=True)
+
+
+def _causal_mask(x: jax.Array, row0: jax.Array, col0: jax.Array, *, q_on_rows: bool) -> jax.Array:
+    """`x` with the entries where a key comes after its query set to -inf."""
+    rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=_WGMMA) + row0
+    cols = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=_WGMMA) + col0
+    visible = rows >= cols if q_on_rows else cols >= rows
+    return jnp.where(visible, x, -jnp.inf)
+
+
+def _acc(shape: tuple[int, int]) -> jax.Array:
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), _WGMMA)
+
+
+def mosaic_attention_dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool,
+                        config: MosaicAttentionVjpConfig) -> jax.Array:
+    """dq (B, Sq, H, D) in q's dtype."""
+    batch, seq_q, heads, head_dim = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    dtype = q.dtype
+    block_q, block_kv, wgs = config.block_q_dq, config.block_kv_dq, config.compute_wgs
+    stages = max(1, min(config.num_stages, seq_kv // block_kv))
+    qk_scale = scale * LOG2E
+
+    def num_steps(q_end):
+        if not causal:
+            return seq_kv // block_kv
+        return jnp.minimum(lax.div(q_end + block_kv - 1, block_kv), seq_kv // block_kv)
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+             q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+             row_ready, k_ready, v_ready, consumed):
+        b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
+        wg = lax.axis_index("wg")
+        block_steps = num_steps((qi + 1) * (wgs * block_q))
+
+        @pl.when(wg < wgs)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            q_base = qi * (wgs * block_q) + wg * block_q
+            rows = (b, pl.ds(q_base, block_q), h)
+            vec = (b, h, pl.ds(q_base, block_q))
+            my_q, my_do = q_smem.at[wg], do_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, row_ready.at[4 * wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, row_ready.at[4 * wg + 1])
+            plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[wg], row_ready.at[4 * wg + 2])
+            plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[wg], row_ready.at[4 * wg + 3])
+            for i in range(4):
+                plgpu.barrier_wait(row_ready.at[4 * wg + i])
+            lse2 = plgpu.load(lse_smem.at[wg], layout=_WGMMA.reduce(1)) * LOG2E
+            delta_i = plgpu.load(delta_smem.at[wg], layout=_WGMMA.reduce(1))
+            steps = num_steps(q_base + block_q)
+
+            def kv_step(step, dq_acc, *, masked):
+                slot = lax.rem(step, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32)) * qk_scale
+                if masked:
+                    s = _causal_mask(s, q_base, step * block_kv, q_on_rows=True)
+                p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def dp_product(acc_ref):
+                    plgpu.wgmma(acc_ref, my_do, v_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                dp = pl.run_scoped(dp_product, plgpu.ACC((block_q, block_kv), jnp.float32))
+                ds = p * (dp - lax.broadcast_in_dim(delta_i, dp.shape, [0]))
+
+                def dq_product(acc_ref):
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+                dq_acc = pl.run_state(dq_product)(plgpu.ACC.init(dq_acc))
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dq_acc
+
+            def drain_step(step, _):
+                slot = lax.rem(step, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            dq_acc = _acc((block_q, head_dim))
+            if causal:
+                unmasked = jnp.minimum(lax.div(q_base, block_kv), steps)
+                dq_acc = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False),
+                                       dq_acc)
+                dq_acc = lax.fori_loop(unmasked, steps, lambda i, c: kv_step(i, c, masked=True),
+                                       dq_acc)
+                lax.fori_loop(steps, block_steps, drain_step, None)
+            else:
+                dq_acc = lax.fori_loop(0, steps, lambda i, c: kv_step(i, c, masked=False), dq_acc)
+            my_q[...] = (dq_acc * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+            kv_h = lax.div(h, group)
+
+            @pl.loop(0, block_steps)
+            def _(step):
+                slot = lax.rem(step, stages)
+                rows = (b, pl.ds(step * block_kv, block_kv), kv_h)
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+    transforms = tile_transforms(dtype)
+    scratch = [
+        plgpu.SMEM((wgs, block_q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((wgs, block_q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((wgs, block_q), jnp.float32),
+        plgpu.SMEM((wgs, block_q), jnp.float32),
+        plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.Barrier(num_barriers=4 * wgs),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+    ]
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        scratch_types=scratch,
+        grid=(heads, seq_q // (wgs * block_q), batch),
+        grid_names=("heads", "q", "batch"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=_PARAMS,
+    )(q, k, v, dout, lse, delta)
+
+
+def mosaic_attention_dkv(q, k, v, dout, lse, delta, *, scale: float, causal: bool,
+                         config: MosaicAttentionVjpConfig) -> tuple[jax.Array, jax.Array]:
+    """(dk, dv), each (B, Sk, Hkv, D) in k's dtype; GQA groups are summed in registers."""
+    batch, seq_q, heads, head_dim = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    dtype = q.dtype
+    block_q, block_kv, wgs = config.block_q_dkv, config.block_kv_dkv, config.compute_wgs
+    num_q_tiles = seq_q // block_q
+    stages = max(1, min(config.num_stages, num_q_tiles))
+    qk_scale = scale * LOG2E
+
+    def first_tile(kv_base):
+        """The first query tile with a row at or after key `kv_base` (0 unless causal)."""
+        return jnp.minimum(lax.div(kv_base, block_q), num_q_tiles) if causal else 0
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+             k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+             kv_ready, q_ready, do_ready, lse_ready, delta_ready, consumed):
+        b, kv_h, ki = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv")
+        wg = lax.axis_index("wg")
+        block_first = first_tile(ki * (wgs * block_kv))
+        per_head = num_q_tiles - block_first  # streamed tiles per query head
+
+        @pl.when(wg < wgs)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            kv_base = ki * (wgs * block_kv) + wg * block_kv
+            rows = (b, pl.ds(kv_base, block_kv), kv_h)
+            my_k, my_v = k_smem.at[wg], v_smem.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, kv_ready.at[2 * wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, kv_ready.at[2 * wg + 1])
+            plgpu.barrier_wait(kv_ready.at[2 * wg])
+            plgpu.barrier_wait(kv_ready.at[2 * wg + 1])
+            first = first_tile(kv_base)
+            # Query tiles that cross the diagonal of this warpgroup's keys need the mask.
+            masked_end = jnp.minimum(lax.div(kv_base + block_kv + block_q - 2, block_q),
+                                     num_q_tiles)
+
+            def q_step(tile, carry, *, head_step0, masked):
+                dk_acc, dv_acc = carry
+                slot = lax.rem(head_step0 + tile - block_first, stages)
+                plgpu.barrier_wait(q_ready.at[slot])
+
+                def scores_t(acc_ref):
+                    plgpu.wgmma(acc_ref, my_k, q_smem.at[slot].transpose((1, 0)))
+                    return acc_ref[...]
+
+                s_t = pl.run_scoped(scores_t, plgpu.ACC((block_kv, block_q), jnp.float32))
+                s_t = s_t * qk_scale
+                if masked:
+                    s_t = _causal_mask(s_t, kv_base, tile * block_q, q_on_rows=False)
+                plgpu.barrier_wait(lse_ready.at[slot])
+                lse2 = plgpu.load(lse_smem.at[slot], layout=_WGMMA.reduce(0)) * LOG2E
+                p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
+                plgpu.barrier_wait(do_ready.at[slot])
+
+                def dv_and_dp(refs):
+                    dv_ref_, dp_ref_ = refs
+                    plgpu.wgmma(dv_ref_, p_t.astype(dtype), do_smem.at[slot])
+                    plgpu.wgmma(dp_ref_, my_v, do_smem.at[slot].transpose((1, 0)))
+
+                dv_acc, dp_t = pl.run_state(dv_and_dp)(
+                    (plgpu.ACC.init(dv_acc), plgpu.ACC.init(_acc((block_kv, block_q)))))
+                plgpu.barrier_wait(delta_ready.at[slot])
+                delta_t = plgpu.load(delta_smem.at[slot], layout=_WGMMA.reduce(0))
+                ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta_t, dp_t.shape, [1]))
+
+                def dk_product(acc_ref):
+                    plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])
+
+                dk_acc = pl.run_state(dk_product)(plgpu.ACC.init(dk_acc))
+                plgpu.barrier_arrive(consumed.at[slot])
+                return dk_acc, dv_acc
+
+            def skip_step(tile, _, *, head_step0):
+                slot = lax.rem(head_step0 + tile - block_first, stages)
+                for ready in (q_ready, do_ready, lse_ready, delta_ready):
+                    plgpu.barrier_wait(ready.at[slot])
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            def head_loop(g, carry):
+                step0 = g * per_head
+                if causal:
+                    lax.fori_loop(block_first, first,
+                                  lambda t, c: skip_step(t, c, head_step0=step0), None)
+                    carry = lax.fori_loop(
+                        first, masked_end,
+                        lambda t, c: q_step(t, c, head_step0=step0, masked=True), carry)
+                    start = masked_end
+                else:
+                    start = 0
+                return lax.fori_loop(
+                    start, num_q_tiles,
+                    lambda t, c: q_step(t, c, head_step0=step0, masked=False), carry)
+
+            dk_acc, dv_acc = lax.fori_loop(
+                0, group, head_loop, (_acc((block_kv, head_dim)), _acc((block_kv, head_dim))))
+            my_k[...] = (dk_acc * scale).astype(dtype)
+            my_v[...] = dv_acc.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
+            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            @pl.loop(0, group * per_head)
+            def _(step):
+                slot = lax.rem(step, stages)
+                h = kv_h * group + lax.div(step, per_head)
+                tile = block_first + lax.rem(step, per_head)
+                rows = (b, pl.ds(tile * block_q, block_q), h)
+                vec = (b, h, pl.ds(tile * block_q, block_q))
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(consumed.at[slot])
+
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], lse_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot],
+                                        delta_ready.at[slot])
+
+    transforms = tile_transforms(dtype)
+    scratch = [
+        plgpu.SMEM((wgs, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((wgs, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, block_q), jnp.float32),
+        plgpu.SMEM((stages, block_q), jnp.float32),
+        plgpu.Barrier(num_barriers=2 * wgs),
+        *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+    ]
+    kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
+    return plgpu.kernel(
+        body,
+        out_type=(kv_type, kv_type),
+        scratch_types=scratch,
+        grid=(kv_heads, seq_kv // (wgs * block_kv), batch),
+        grid_names=("heads", "kv", "batch"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=_PARAMS,
+    )(q, k, v, dout, lse, delta)

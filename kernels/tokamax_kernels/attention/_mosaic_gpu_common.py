@@ -1,0 +1,120 @@
+"""Shared pieces of the Mosaic GPU (Hopper) attention kernels: configs, limits, SMEM layouts.
+
+The forward kernel and the two backward kernels share one structure: a few compute
+warpgroups (128 threads each, one `wgmma` tile of rows each) and one memory warpgroup
+that streams the other operand's tiles through a ring of SMEM slots with TMA copies.
+Each slot has a "ready" barrier (the TMA completes it) and a "consumed" barrier (every
+compute warpgroup arrives once it is done with the slot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from tokamax_pass.core import Target
+
+# Register budget of the memory warpgroup; the compute warpgroups take the rest.
+MEMORY_REGISTERS = 40
+COMPUTE_REGISTERS = 232
+# Usable shared memory per block on Hopper (227 KiB), minus room for barriers and the
+# 1 KiB alignment of swizzled tiles (Mosaic GPU adds about 2.7 KiB to the tiles' sum).
+SMEM_BYTES = 227 * 1024 - 4096
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+FORWARD_HEAD_DIMS = (64, 128, 256)
+BACKWARD_HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttentionConfig:
+    """Tiles of the forward kernel.
+
+    Attributes:
+      block_q: query rows per compute warpgroup (multiple of 64).
+      block_kv: key/value rows per pipeline step (multiple of 64).
+      num_stages: SMEM slots in the K/V ring (>= 2): how far the TMA runs ahead.
+      compute_wgs: compute warpgroups per block (1 or 2); with 2 they ping-pong
+        (one runs its softmax while the other's `wgmma` runs).
+    """
+
+    block_q: int = 64
+    block_kv: int = 128
+    num_stages: int = 2
+    compute_wgs: int = 2
+
+    def __post_init__(self) -> None:
+        _check_tiles(self.block_q, self.block_kv, self.num_stages, self.compute_wgs)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttentionVjpConfig:
+    """Tiles of the two backward kernels (dq: rows of q per warpgroup, K/V streamed;
+    dk/dv: rows of k/v per warpgroup, Q/dO streamed)."""
+
+    block_q_dq: int = 64
+    block_kv_dq: int = 64
+    block_q_dkv: int = 64
+    block_kv_dkv: int = 64
+    num_stages: int = 2
+    compute_wgs: int = 2
+
+    def __post_init__(self) -> None:
+        _check_tiles(self.block_q_dq, self.block_kv_dq, self.num_stages, self.compute_wgs)
+        _check_tiles(self.block_kv_dkv, self.block_q_dkv, self.num_stages, self.compute_wgs)
+
+
+def _check_tiles(rows: int, streamed: int, stages: int, wgs: int) -> None:
+    if rows % 64 or streamed % 64 or rows <= 0 or streamed <= 0:
+        raise ValueError(f"attention blocks must be positive multiples of 64, got {rows}, {streamed}")
+    if stages < 2:
+        raise ValueError(f"num_stages must be >= 2, got {stages}")
+    if wgs not in (1, 2):
+        raise ValueError(f"compute_wgs must be 1 or 2, got {wgs}")
+
+
+def tile_transforms(dtype: Any) -> tuple[Any, ...]:
+    """SMEM tiling + 128-byte swizzle that `wgmma` and TMA expect for 16-bit tiles."""
+    swizzle = 128
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+def check_target(target: Target | None, what: str) -> None:
+    """Hopper only: `wgmma` and the Mosaic GPU pipeline need sm_90."""
+    if target is None:
+        return
+    if target.platform != "cuda":
+        raise NotImplementedError(f"{what} runs on CUDA GPUs only, not on {target.platform}")
+    if target.device_kind is not None and not target.is_hopper:
+        raise NotImplementedError(
+            f"{what} needs a Hopper GPU (sm_90: wgmma, TMA), got {target.device_kind!r}"
+        )
+
+
+def check_common(q: Any, k: Any, v: Any, *, head_dims: tuple[int, ...], what: str) -> None:
+    """Input limits shared by the forward and backward kernels."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            raise NotImplementedError(f"{what} supports bf16/f16 only, {name} is {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise NotImplementedError(f"{what} needs q, k, v of one dtype, got {q.dtype}, {k.dtype}, "
+                                  f"{v.dtype}")
+    head_dim = q.shape[-1]
+    if head_dim not in head_dims or k.shape[-1] != head_dim or v.shape[-1] != head_dim:
+        raise NotImplementedError(
+            f"{what} supports head dims {head_dims} (equal for q, k, v), got q {q.shape[-1]}, "
+            f"k {k.shape[-1]}, v {v.shape[-1]}"
+        )
+
+
+def check_lengths(seq_q: int, seq_kv: int, q_tile: int, kv_tile: int, what: str) -> None:
+    if seq_q % q_tile:
+        raise NotImplementedError(f"{what}: query length {seq_q} must be a multiple of {q_tile}")
+    if seq_kv % kv_tile:
+        raise NotImplementedError(f"{what}: key length {seq_kv} must be a multiple of {kv_tile}")

@@ -1,0 +1,192 @@
+"""The Mosaic GPU flash-attention forward kernel for Hopper (FlashAttention-3 style).
+
+One block owns `compute_wgs * block_q` query rows of one (batch, head). Each compute
+warpgroup keeps its `block_q` rows of Q in SMEM and an online-softmax accumulator in
+registers; the memory warpgroup streams K and V tiles through a ring of `num_stages`
+SMEM slots. With two compute warpgroups a "schedule" barrier makes them take turns on
+the tensor cores: one issues its `wgmma` while the other runs its softmax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
+
+from tokamax_kernels.attention._mosaic_gpu_common import (
+    COMPUTE_REGISTERS,
+    LN2,
+    LOG2E,
+    MEMORY_REGISTERS,
+    MosaicAttentionConfig,
+    tile_transforms,
+)
+
+
+def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+                             causal: bool, config: MosaicAttentionConfig
+                             ) -> tuple[jax.Array, jax.Array]:
+    """`(out (B, Sq, H, D), lse (B, H, Sq) float32, natural log)` of softmax(scale q k^T) v.
+
+    Shapes must already be checked: Sq a multiple of `compute_wgs * block_q`, Sk a
+    multiple of `block_kv`, H a multiple of K/V's head count. Causal is top-left aligned
+    (key <= query), so no row is fully masked.
+    """
+    batch, seq_q, heads, head_dim = q.shape
+    seq_kv, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    dtype = q.dtype
+    block_q, block_kv, wgs = config.block_q, config.block_kv, config.compute_wgs
+    stages = max(1, min(config.num_stages, seq_kv // block_kv))
+    num_kv_blocks = seq_kv // block_kv
+    qk_scale = scale * LOG2E  # scores are kept in log2 units: exp2 is one instruction
+
+    def num_kv_steps(q_end):
+        """K/V tiles rows below `q_end` see (all of them unless causal)."""
+        if not causal:
+            return num_kv_blocks
+        return jnp.minimum(lax.div(q_end + block_kv - 1, block_kv), num_kv_blocks)
+
+    def body(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
+             q_ready, k_ready, v_ready, k_consumed, v_consumed, schedule):
+        b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
+        wg = lax.axis_index("wg")
+        block_steps = num_kv_steps((qi + 1) * (wgs * block_q))
+
+        def take_turn():
+            if wgs > 1:
+                plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(schedule)
+
+        @pl.when(wg < wgs)
+        def _compute():
+            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            q_base = qi * (wgs * block_q) + wg * block_q
+            my_q = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), h], my_q, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            steps = num_kv_steps(q_base + block_q)
+
+            def kv_step(step, carry, *, masked):
+                acc, m_i, l_i = carry
+                slot = lax.rem(step, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def qk_product(acc_ref):
+                    plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].transpose((1, 0)))
+                    take_turn()  # let the other warpgroup's wgmma go while ours runs
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk_product, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                s = s * qk_scale
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(rows + q_base >= cols + step * block_kv, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                if wgs > 1:
+                    plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(v_ready.at[slot])
+                if wgs > 1:
+                    plgpu.barrier_wait(schedule)
+
+                def pv_product(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_new, l_i
+
+            def drain_step(step, _):
+                """A tile this warpgroup does not need (causal): release it in turn."""
+                slot = lax.rem(step, stages)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                take_turn()
+                take_turn()
+
+            vector = plgpu.Layout.WGMMA.reduce(1)
+            m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), vector)
+            l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), vector)
+            acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                                    plgpu.Layout.WGMMA)
+            carry = (acc, m_i, l_i)
+            if wgs > 1:
+                pl.when(wg == 1)(take_turn)
+            if causal:
+                unmasked = jnp.minimum(lax.div(q_base, block_kv), steps)
+                carry = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False), carry)
+                carry = lax.fori_loop(unmasked, steps, lambda i, c: kv_step(i, c, masked=True),
+                                      carry)
+                lax.fori_loop(steps, block_steps, drain_step, None)
+            else:
+                carry = lax.fori_loop(0, steps, lambda i, c: kv_step(i, c, masked=False), carry)
+            if wgs > 1:
+                pl.when(wg == 0)(take_turn)
+            acc, m_i, l_i = carry
+            acc = acc * lax.broadcast_in_dim(1.0 / l_i, acc.shape, [0])
+            my_q[...] = acc.astype(dtype)
+            lse_smem.at[wg][...] = (m_i + jnp.log2(l_i)) * LN2
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(my_q, out_ref.at[b, pl.ds(q_base, block_q), h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, block_q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == wgs)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+            kv_h = lax.div(h, group)
+
+            @pl.loop(0, block_steps)
+            def _(step):
+                slot = lax.rem(step, stages)
+                rows = (b, pl.ds(step * block_kv, block_kv), kv_h)
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(k_consumed.at[slot])
+
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+                @pl.when(step >= stages)
+                def _():
+                    plgpu.barrier_wait(v_consumed.at[slot])
+
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+    transforms = tile_transforms(dtype)
+    scratch = [
+        plgpu.SMEM((wgs, block_q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((wgs, block_q), jnp.float32),
+        plgpu.Barrier(num_barriers=wgs),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_barriers=stages),
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=wgs),
+    ]
+    out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
+                jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32))
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(heads, seq_q // (wgs * block_q), batch),
+        grid_names=("heads", "q", "batch"),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v)

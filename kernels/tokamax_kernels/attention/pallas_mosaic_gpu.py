@@ -1,0 +1,121 @@
+"""`PallasMosaicGpuFlashAttention`: the Hopper flash-attention forward in Pallas Mosaic GPU.
+
+Supports bf16/f16, head dims 64/128/256, causal or not, GQA/MQA, query lengths that
+are multiples of 128 and key lengths that are multiples of 64. Bias, masks, soft cap,
+local windows and sequence lengths raise `NotImplementedError` (so `implementation=None`
+moves on to the next implementation). The kernel is in `_mosaic_gpu_fwd_kernel.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, ClassVar
+
+import jax
+
+from tokamax_kernels.attention import _mosaic_gpu_common as common
+from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionConfig
+from tokamax_kernels.attention._mosaic_gpu_fwd_kernel import mosaic_attention_forward
+from tokamax_kernels.attention.base import DotProductAttention
+from tokamax_pass.core import BoundArguments, Op, Target
+
+_WHAT = "PallasMosaicGpuFlashAttention"
+# The smallest tiles the kernel runs with: 2 warpgroups x 64 query rows, 64 key rows.
+MIN_Q_MULTIPLE = 128
+MIN_KV_MULTIPLE = 64
+
+
+def check_unsupported_features(arguments: dict[str, Any], what: str) -> None:
+    """The family features the Mosaic kernels do not implement."""
+    for name in ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths",
+                 "local_window_size", "logits_soft_cap"):
+        if arguments.get(name) is not None:
+            raise NotImplementedError(f"{what} does not support {name} (use 'triton' or 'xla')")
+
+
+def forward_smem_bytes(config: MosaicAttentionConfig, head_dim: int, itemsize: int) -> int:
+    q = config.compute_wgs * config.block_q * head_dim * itemsize
+    kv = 2 * config.num_stages * config.block_kv * head_dim * itemsize
+    return q + kv + config.compute_wgs * config.block_q * 4
+
+
+def fits(config: MosaicAttentionConfig, seq_q: int, seq_kv: int, head_dim: int) -> bool:
+    """Whether `config` tiles these lengths and fits in SMEM and registers."""
+    rows = config.compute_wgs * config.block_q
+    # Per-thread f32 registers of the accumulator (block_q x head_dim) and the scores.
+    registers = (config.block_q * head_dim + config.block_q * config.block_kv) // 128
+    return (seq_q % rows == 0 and seq_kv % config.block_kv == 0
+            and forward_smem_bytes(config, head_dim, 2) <= common.SMEM_BYTES
+            and registers <= 192)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasMosaicGpuFlashAttention(DotProductAttention):
+    """Flash attention forward for Hopper GPUs (TMA ring, wgmma, warp specialization)."""
+
+    config_cls: ClassVar[type] = MosaicAttentionConfig
+    implementation: ClassVar[str] = "mosaic"
+    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        common.check_target(target, _WHAT)
+        args = ba.arguments
+        check_unsupported_features(args, _WHAT)
+        q, k, v = args["query"], args["key"], args["value"]
+        common.check_common(q, k, v, head_dims=common.FORWARD_HEAD_DIMS, what=_WHAT)
+        common.check_lengths(q.shape[1], k.shape[1], MIN_Q_MULTIPLE, MIN_KV_MULTIPLE, _WHAT)
+        if self.config is not None and not fits(self.config, q.shape[1], k.shape[1], q.shape[3]):
+            raise NotImplementedError(f"{_WHAT}: config {self.config} does not fit these shapes")
+
+    def _fwd(self, query: jax.Array, key: jax.Array, value: jax.Array, bias: Any, mask: Any, *,
+             scale: float, is_causal: bool, query_seq_lengths: Any, key_value_seq_lengths: Any,
+             local_window_size: Any, logits_soft_cap: Any, precision: Any,
+             config: MosaicAttentionConfig, return_residuals: bool) -> tuple[jax.Array, Any]:
+        del precision  # bf16/f16 operands, f32 accumulation: what every precision gives here
+        check_unsupported_features(dict(
+            bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
+            key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+            logits_soft_cap=logits_soft_cap), _WHAT)
+        out, lse = mosaic_attention_forward(query, key, value, scale=scale, causal=is_causal,
+                                            config=config)
+        return out, ((lse,) if return_residuals else None)
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> MosaicAttentionConfig:
+        q, k = ba.arguments["query"], ba.arguments["key"]
+        seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+        causal = ba.arguments["is_causal"]
+        # Measured on the H200 (FA3-style kernels): d64 likes 128-row query tiles, d128
+        # 64-row tiles with 128-row K/V tiles, d256 is limited by registers to 64 x 64.
+        if head_dim <= 64:
+            preferred = [MosaicAttentionConfig(block_q=128, block_kv=128, num_stages=2)]
+        elif head_dim <= 128:
+            preferred = [MosaicAttentionConfig(block_q=64, block_kv=128,
+                                               num_stages=2 if causal else 3)]
+        else:
+            preferred = [MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)]
+        preferred += [MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=2),
+                      MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)]
+        for config in preferred:
+            if fits(config, seq_q, seq_kv, head_dim):
+                return config
+        return MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)
+
+    def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicAttentionConfig]:
+        q, k = ba.arguments["query"], ba.arguments["key"]
+        seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+        configs = set()
+        for bq, bkv, stages, wgs in itertools.product((64, 128), (64, 128), (2, 3, 4), (1, 2)):
+            config = MosaicAttentionConfig(block_q=bq, block_kv=bkv, num_stages=stages,
+                                           compute_wgs=wgs)
+            if fits(config, seq_q, seq_kv, head_dim):
+                configs.add(config)
+        return configs
+
+    def _default_vjp(self) -> Op:
+        from tokamax_kernels.attention.pallas_mosaic_gpu_vjp import (
+            PallasMosaicGpuFlashAttentionVjp,
+        )
+
+        return PallasMosaicGpuFlashAttentionVjp()

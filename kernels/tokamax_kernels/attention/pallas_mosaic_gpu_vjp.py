@@ -1,0 +1,112 @@
+"""`PallasMosaicGpuFlashAttentionVjp`: the Hopper flash-attention backward (dq, dk, dv).
+
+Uses the family residual `lse` (any forward's), recomputes the probabilities, and runs
+two Mosaic GPU kernels (`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv with
+GQA groups summed inside the kernel. No atomics: reruns are bitwise identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_kernels.attention import _mosaic_gpu_common as common
+from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
+    mosaic_attention_dkv,
+    mosaic_attention_dq,
+)
+from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionVjpConfig
+from tokamax_kernels.attention.base import DotProductAttentionVjp
+from tokamax_kernels.attention.pallas_mosaic_gpu import check_unsupported_features
+from tokamax_pass.core import BoundArguments, Target
+
+_WHAT = "PallasMosaicGpuFlashAttentionVjp"
+
+
+def backward_smem_bytes(config: MosaicAttentionVjpConfig, head_dim: int) -> int:
+    """The larger of the two kernels' SMEM (2-byte tiles, f32 lse/delta vectors)."""
+    wgs, stages = config.compute_wgs, config.num_stages
+    dq = 2 * head_dim * 2 * (wgs * config.block_q_dq + stages * config.block_kv_dq)
+    dkv = 2 * head_dim * 2 * (wgs * config.block_kv_dkv + stages * config.block_q_dkv)
+    return max(dq, dkv) + 8 * max(wgs * config.block_q_dq, stages * config.block_q_dkv)
+
+
+def fits(config: MosaicAttentionVjpConfig, seq_q: int, seq_kv: int, head_dim: int) -> bool:
+    wgs = config.compute_wgs
+    # f32 registers per thread: dk + dv accumulators and the two (kv x q) score tiles.
+    dkv_registers = (2 * config.block_kv_dkv * head_dim
+                     + 2 * config.block_kv_dkv * config.block_q_dkv) // 128
+    dq_registers = (config.block_q_dq * head_dim + 2 * config.block_q_dq * config.block_kv_dq) // 128
+    return (seq_q % (wgs * config.block_q_dq) == 0 and seq_kv % config.block_kv_dq == 0
+            and seq_kv % (wgs * config.block_kv_dkv) == 0 and seq_q % config.block_q_dkv == 0
+            and backward_smem_bytes(config, head_dim) <= common.SMEM_BYTES
+            and max(dkv_registers, dq_registers) <= 192)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
+    """dq, dk, dv of flash attention on Hopper, from the forward's `lse` residual."""
+
+    config_cls: ClassVar[type] = MosaicAttentionVjpConfig
+    implementation: ClassVar[str] = "mosaic"
+    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        common.check_target(target, _WHAT)
+        args = ba.arguments
+        check_unsupported_features(args, _WHAT)
+        q, k, v = args["query"], args["key"], args["value"]
+        common.check_common(q, k, v, head_dims=common.BACKWARD_HEAD_DIMS, what=_WHAT)
+        common.check_lengths(q.shape[1], k.shape[1], 128, 128, _WHAT)
+        residuals = args.get("residuals")
+        if not (isinstance(residuals, tuple) and len(residuals) == 1):
+            raise NotImplementedError(f"{_WHAT} needs the family residuals (lse,)")
+        if self.config is not None and not fits(self.config, q.shape[1], k.shape[1], q.shape[3]):
+            raise NotImplementedError(f"{_WHAT}: config {self.config} does not fit these shapes")
+
+    def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: MosaicAttentionVjpConfig,
+             return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
+             bias: Any, mask: Any, scale: float, is_causal: bool, **unsupported: Any
+             ) -> tuple[dict[str, Any], None]:
+        del return_residuals, unsupported["precision"]
+        check_unsupported_features(dict(bias=bias, mask=mask, **unsupported), _WHAT)
+        (lse,) = residuals
+        dout = dout.astype(query.dtype)
+        # delta_i = sum_d out_id * dout_id = sum_j p_ij dp_ij: the softmax Jacobian's row term.
+        delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
+        kwargs = dict(scale=scale, causal=is_causal, config=config)
+        lse = lse.astype(jnp.float32)
+        dq = mosaic_attention_dq(query, key, value, dout, lse, delta, **kwargs)
+        dk, dv = mosaic_attention_dkv(query, key, value, dout, lse, delta, **kwargs)
+        return {"query": dq, "key": dk, "value": dv}, None
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> MosaicAttentionVjpConfig:
+        q, k = ba.arguments["query"], ba.arguments["key"]
+        seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+        preferred = []
+        if head_dim <= 64:
+            preferred.append(MosaicAttentionVjpConfig(block_q_dq=64, block_kv_dq=128,
+                                                      block_q_dkv=128, block_kv_dkv=64))
+        preferred.append(MosaicAttentionVjpConfig())
+        for config in preferred:
+            if fits(config, seq_q, seq_kv, head_dim):
+                return config
+        return MosaicAttentionVjpConfig(compute_wgs=1)
+
+    def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicAttentionVjpConfig]:
+        q, k = ba.arguments["query"], ba.arguments["key"]
+        seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+        configs = set()
+        for bq, bkv, bq2, bkv2, stages, wgs in itertools.product(
+                (64, 128), (64, 128), (64, 128), (64, 128), (2, 3), (1, 2)):
+            config = MosaicAttentionVjpConfig(block_q_dq=bq, block_kv_dq=bkv, block_q_dkv=bq2,
+                                              block_kv_dkv=bkv2, num_stages=stages,
+                                              compute_wgs=wgs)
+            if fits(config, seq_q, seq_kv, head_dim):
+                configs.add(config)
+        return configs

@@ -1,0 +1,141 @@
+"""CPU tests of the Mosaic GPU attention kernels: lowering for an H200, support checks.
+
+The kernels cannot run here (the Mosaic GPU interpreter is too limited); their numerics
+are checked on the device by `tests/gpu/test_mosaic_attention_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import H200
+
+import tokamax_pass as tokamax
+from tokamax_kernels.attention import (
+    PallasMosaicGpuFlashAttention,
+    PallasMosaicGpuFlashAttentionVjp,
+    dot_product_attention,
+)
+from tokamax_kernels.attention._mosaic_gpu_common import (
+    MosaicAttentionConfig,
+    MosaicAttentionVjpConfig,
+)
+from tokamax_pass import core
+
+
+def _sds(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _export(fn, *args, device_kind=H200):
+    with core.targeting(device_kind):
+        return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS)(*args)
+
+
+def _mosaic(q, k, v, **kwargs):
+    return dot_product_attention(q, k, v, implementation="mosaic", **kwargs)
+
+
+@pytest.mark.parametrize("head_dim,kv_heads,causal", [
+    (64, 4, False), (128, 2, True), (64, 1, True), (256, 4, False),
+])
+def test_forward_lowers_to_mosaic_gpu(head_dim, kv_heads, causal):
+    q = _sds((2, 256, 4, head_dim))
+    kv = _sds((2, 256, kv_heads, head_dim))
+    text = _export(lambda q, k, v: _mosaic(q, k, v, is_causal=causal), q, kv, kv).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 1
+    assert "tokamax_pass_spec" in text and "PallasMosaicGpuFlashAttention" in text
+
+
+@pytest.mark.parametrize("head_dim,kv_heads,causal", [(64, 4, True), (128, 2, False)])
+def test_gradient_lowers_to_three_mosaic_kernels(head_dim, kv_heads, causal):
+    q = _sds((1, 256, 4, head_dim))
+    kv = _sds((1, 256, kv_heads, head_dim))
+
+    def loss(q, k, v):
+        return _mosaic(q, k, v, is_causal=causal).astype(jnp.float32).sum()
+
+    text = _export(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 3  # forward, dq, dk/dv
+    assert "PallasMosaicGpuFlashAttentionVjp" in text
+
+
+def test_automatic_picks_mosaic_for_h200_and_xla_otherwise():
+    q = _sds((1, 256, 2, 64))
+    text = _export(lambda q: dot_product_attention(q, q, q), q).mlir_module()
+    assert "mosaic_gpu_v2" in text
+    mask = _sds((1, 1, 256, 256), jnp.bool_)
+    text = _export(lambda q, m: dot_product_attention(q, q, q, mask=m), q, mask).mlir_module()
+    assert "mosaic_gpu_v2" not in text
+
+
+def test_explicit_configs_lower():
+    q = _sds((1, 512, 2, 128))
+    op = PallasMosaicGpuFlashAttention(
+        config=MosaicAttentionConfig(block_q=128, block_kv=64, compute_wgs=1),
+        vjp=PallasMosaicGpuFlashAttentionVjp(config=MosaicAttentionVjpConfig(
+            block_q_dq=64, block_kv_dq=128, num_stages=3)))
+    text = _export(jax.grad(lambda q: op(q, q, q, is_causal=True).astype(jnp.float32).sum()),
+                   q).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 3
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(logits_soft_cap=30.0), "logits_soft_cap"),
+    (dict(local_window_size=16), "local_window_size"),
+])
+def test_unsupported_features_raise(kwargs, message):
+    q = _sds((1, 256, 2, 64))
+    with pytest.raises(NotImplementedError, match=message):
+        _export(lambda q: _mosaic(q, q, q, **kwargs), q)
+
+
+@pytest.mark.parametrize("shape,dtype,message", [
+    ((1, 256, 2, 64), jnp.float32, "bf16/f16"),
+    ((1, 256, 2, 96), jnp.bfloat16, "head dims"),
+    ((1, 200, 2, 64), jnp.bfloat16, "multiple"),
+])
+def test_unsupported_inputs_raise(shape, dtype, message):
+    q = _sds(shape, dtype)
+    with pytest.raises(NotImplementedError, match=message):
+        _export(lambda q: _mosaic(q, q, q), q)
+
+
+def test_backward_rejects_head_dim_256():
+    q = _sds((1, 256, 2, 256))
+    with pytest.raises(NotImplementedError, match="head dims"):
+        _export(jax.grad(lambda q: _mosaic(q, q, q).astype(jnp.float32).sum()), q)
+
+
+def test_older_gpu_raises():
+    q = _sds((1, 256, 2, 64))
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        _export(lambda q: _mosaic(q, q, q), q, device_kind="NVIDIA A100-SXM4-80GB")
+
+
+def test_cpu_raises_and_none_falls_back_to_xla():
+    q = jax.random.normal(jax.random.key(0), (1, 128, 2, 64), jnp.float32).astype(jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="cuda"):
+        _mosaic(q, q, q)
+    out = dot_product_attention(q, q, q)
+    reference = dot_product_attention(q, q, q, implementation="xla")
+    assert jnp.array_equal(out, reference)
+
+
+def test_bad_configs_are_rejected():
+    with pytest.raises(ValueError, match="multiples of 64"):
+        MosaicAttentionConfig(block_q=96)
+    with pytest.raises(ValueError, match="num_stages"):
+        MosaicAttentionVjpConfig(num_stages=1)
+
+
+def test_heuristics_and_search_space_fit_the_benchmark_shapes():
+    for seq, head_dim, causal in ((2048, 64, False), (8192, 128, False), (8192, 128, True),
+                                  (4096, 256, False)):
+        q = _sds((4, seq, 16, head_dim))
+        ba = PallasMosaicGpuFlashAttention().bind(q, q, q, is_causal=causal)
+        config = ba.heuristics_config
+        assert seq % (config.block_q * config.compute_wgs) == 0
+        assert config in ba.autotuning_configs and len(ba.autotuning_configs) > 3
