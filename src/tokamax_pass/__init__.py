@@ -13,6 +13,11 @@ from typing import Any
 
 from tokamax_pass.core import BoundArguments, NullConfig, Op, snake_case_name
 
+# Imported eagerly: the functions share their modules' names, and a lazy import would
+# leave the package attribute bound to the module (the import system sets it).
+from tokamax_pass.export import DISABLE_JAX_EXPORT_CHECKS, export, inspect, load_artifact
+from tokamax_pass.optimize import optimize
+
 __version__ = "0.1.0"
 
 # Op families, in `tokamax_kernels`; each package's `__all__` lists what it exports.
@@ -24,10 +29,6 @@ _LAZY = {
     "AutotuningResult": "tokamax_pass.autotuning",
     "autotuning": None,
     "benchmarking": None,
-    "optimize": "tokamax_pass.optimize",
-    "export": "tokamax_pass.export",
-    "load_artifact": "tokamax_pass.export",
-    "DISABLE_JAX_EXPORT_CHECKS": "tokamax_pass.export",
 }
 
 
@@ -59,7 +60,10 @@ def __dir__() -> list[str]:
     return sorted(names)
 
 
-__all__ = ["BoundArguments", "NullConfig", "Op", "snake_case_name", *_LAZY]
+__all__ = [
+    "DISABLE_JAX_EXPORT_CHECKS", "BoundArguments", "NullConfig", "Op", "export", "inspect",
+    "load_artifact", "optimize", "snake_case_name", *_LAZY,
+]
 
 # Registers the autotuning results and caches as a config source (cheap: no compilation).
 import tokamax_pass.autotuning  # noqa: E402, F401

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 # Subcommand modules; each defines `add_parser(subparsers)` and `run(args) -> int`.
-COMMANDS = ("demo",)
+COMMANDS = ("demo", "autotune", "cache", "bound-args", "export", "inspect")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

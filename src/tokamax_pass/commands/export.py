@@ -1,0 +1,57 @@
+"""`tokamax-pass export MODULE:FUNCTION --args SPEC... -o DIR`: a tuned StableHLO artifact."""
+
+from __future__ import annotations
+
+import argparse
+
+from tokamax_pass.commands import _target
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "export", help="export a function as a tuned StableHLO artifact",
+        description="Runs the pass on MODULE:FUNCTION for --args shapes (configs from "
+                    "--results, the caches, heuristics) and writes <name>.stablehlo and "
+                    "manifest.json into -o DIR.")
+    _target.add_function_arguments(parser)
+    parser.add_argument("--results", action="append", default=[], metavar="JSON",
+                        help="AutotuningResult JSON whose configs win (repeatable; later wins)")
+    parser.add_argument("--platforms", help="comma-separated, e.g. cpu,cuda (default: cuda "
+                        "with --device-kind, else this machine's backend)")
+    parser.add_argument("--device-kind", help="the GPU to build for, e.g. 'NVIDIA H200'")
+    parser.add_argument("--autotune", choices=("never", "missing", "always"), default="never",
+                        help="measure configs on this machine first (default: never)")
+    parser.add_argument("--name", help="artifact file name (default: the function's name)")
+    parser.add_argument("-o", "--output", required=True, metavar="DIR",
+                        help="directory to write the artifact into")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokamax_pass.export import export
+    from tokamax_pass.optimize import optimize
+
+    fun = _target.load_function(args.function, args.grad)
+    arg_specs = _target.parse_args(args.args)
+    results = [_load_result(path) for path in args.results]
+    optimized = optimize(fun, autotune=args.autotune, results=results or None)
+    try:
+        artifact = export(optimized, *arg_specs, platforms=args.platforms,
+                          device_kind=args.device_kind, name=args.name)
+    except (ValueError, NotImplementedError) as e:
+        raise SystemExit(f"export: {e}") from None
+    directory = artifact.save(args.output)
+    print(f"wrote {directory / artifact.manifest['file']} and {directory / 'manifest.json'}")
+    ops = artifact.manifest["ops"]
+    print(f"{len(ops)} op(s) on {', '.join(artifact.manifest['platforms'])}; kernels: "
+          f"{', '.join(artifact.manifest['custom_calls']) or 'XLA only'}")
+    return 0
+
+
+def _load_result(path: str):
+    from tokamax_pass.autotuning import AutotuningResult
+    from tokamax_pass.core.spec import SpecError
+
+    try:
+        return AutotuningResult.load(path)
+    except (OSError, SpecError) as e:
+        raise SystemExit(f"--results {path}: {e}") from None

@@ -1,0 +1,209 @@
+"""`optimize`: the pass. A drop-in for `jax.jit` that bakes each op's kernel and config in.
+
+Per input signature the wrapped function is traced to a jaxpr, every op call in it
+(at any depth) is resolved for the target (explicit config -> autotuning results ->
+user cache -> library cache -> heuristics, or measured with `autotune=`), the
+decisions are written into the equations and the rewritten jaxpr is evaluated in
+the trace of a `jax.jit`. So the rewrite happens once per signature, inside jit's
+own trace, and a later call with the same signature is exactly a `jax.jit` call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import jax
+from jax.extend.core import jaxpr_as_fun
+
+from tokamax_pass.core import device, spec
+from tokamax_pass.core.op import NullConfig
+from tokamax_pass.pass_.plan import Plan
+from tokamax_pass.pass_.rewrite import Decision, Rewriter, tuning_key
+
+Autotune = Literal["never", "missing", "always"]
+_AUTOTUNE_MODES = ("never", "missing", "always")
+
+
+def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] = (),
+             static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
+             autotune: Autotune = "never", results: Any = None) -> Optimized:
+    """Wraps `fun` like `jax.jit`, with every tokamax_pass op's kernel and config resolved.
+
+    Args:
+      fun: the function (it may call `jax.grad`, `jax.vmap`, `lax.scan`, `shard_map`, ...).
+      static_argnums, static_argnames, donate_argnums: as for `jax.jit`.
+      autotune: `"never"` uses results, caches and heuristics; `"missing"` measures the
+        ops that only have a heuristic config; `"always"` measures every tunable op
+        without an explicit config. Measuring runs on first call per signature.
+      results: an `AutotuningResult` (or a sequence, later ones winning) whose configs
+        take precedence over the caches for this function.
+    """
+    return Optimized(fun, static_argnums=static_argnums, static_argnames=static_argnames,
+                     donate_argnums=donate_argnums, autotune=autotune, results=results)
+
+
+class Optimized:
+    """`optimize(fun)`: call it like `jax.jit(fun)`; `.plan`, `.lower`, `.export` describe it."""
+
+    def __init__(self, fun: Callable[..., Any], *, static_argnums: int | Sequence[int],
+                 static_argnames: str | Sequence[str], donate_argnums: int | Sequence[int],
+                 autotune: Autotune, results: Any) -> None:
+        if not callable(fun):
+            raise TypeError(f"optimize: fun must be callable, got {type(fun).__name__}")
+        if autotune not in _AUTOTUNE_MODES:
+            raise ValueError(
+                f"optimize: autotune must be one of {_AUTOTUNE_MODES}, got {autotune!r}")
+        self.fun = fun
+        self.autotune = autotune
+        self.results = _as_results(results)
+        self._jit_kwargs = dict(static_argnums=static_argnums, static_argnames=static_argnames,
+                                donate_argnums=donate_argnums)
+        self._tuned: list[Any] = []
+        self._tuned_signatures: set[Any] = set()
+        self._jitted = self._jit(platforms=None, record=None)
+        functools.update_wrapper(self, fun)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.autotune != "never":
+            self._autotune_for(args, kwargs)
+        return self._jitted(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"optimize({getattr(self.fun, '__name__', self.fun)!r}, autotune={self.autotune!r})"
+
+    # --- inspection and export --------------------------------------------------------
+
+    def plan(self, *args: Any, **kwargs: Any) -> Plan:
+        """Which implementation and config each op gets for these arguments, and why.
+
+        Arguments may be arrays or `jax.ShapeDtypeStruct`s (statics as values).
+        """
+        if self.autotune != "never":
+            self._autotune_for(args, kwargs)
+        return Plan.from_decisions(self._trace(args, kwargs, platforms=None))
+
+    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
+        """The lowered program (StableHLO with each op's spec as metadata), like `jit.lower`."""
+        if self.autotune != "never":
+            self._autotune_for(args, kwargs)
+        return self._jitted.lower(*args, **kwargs)
+
+    def export(self, *args: Any, platforms: Sequence[str] | None = None,
+               device_kind: str | None = None) -> Any:
+        """A tuned StableHLO artifact; see `tokamax_pass.export`."""
+        from tokamax_pass.export import export
+
+        return export(self, *args, platforms=platforms, device_kind=device_kind)
+
+    def export_with_plan(self, args: Sequence[Any], platforms: Sequence[str]
+                         ) -> tuple[jax.export.Exported, Plan]:
+        """`jax.export` of the rewritten program for `platforms`, with the decisions made."""
+        from tokamax_pass.export import DISABLE_JAX_EXPORT_CHECKS
+
+        if self.autotune != "never":
+            self._autotune_for(tuple(args), {})
+        record: list[Decision] = []
+        jitted = self._jit(platforms=tuple(platforms), record=record)
+        exported = jax.export.export(jitted, platforms=tuple(platforms),
+                                     disabled_checks=DISABLE_JAX_EXPORT_CHECKS)(*args)
+        return exported, Plan.from_decisions(record)
+
+    # --- the pass ---------------------------------------------------------------------
+
+    def _contexts(self) -> list[Any]:
+        # Tuned results first, so the caller's `results=` win over them.
+        return [*self._tuned, *self.results]
+
+    def _jit(self, *, platforms: tuple[str, ...] | None,
+             record: list[Decision] | None) -> Any:
+        return jax.jit(self._body(platforms, record), **self._jit_kwargs)
+
+    def _body(self, platforms: tuple[str, ...] | None,
+              record: list[Decision] | None) -> Callable[..., Any]:
+        fun = self.fun
+
+        @functools.wraps(fun)
+        def body(*args: Any, **kwargs: Any) -> Any:
+            leaves, treedef = jax.tree.flatten((args, kwargs))
+            dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.core.Tracer)]
+
+            def flat_fun(*values: Any) -> Any:
+                filled = list(leaves)
+                for i, value in zip(dynamic, values, strict=True):
+                    filled[i] = value
+                call_args, call_kwargs = jax.tree.unflatten(treedef, filled)
+                return fun(*call_args, **call_kwargs)
+
+            values = [leaves[i] for i in dynamic]
+            jaxpr, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*values)
+            rewriter = Rewriter(_targets(platforms), contexts=self._contexts, record=record,
+                                autotuned=self._was_tuned)
+            outs = jaxpr_as_fun(rewriter.rewrite(jaxpr))(*values)
+            return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+        return body
+
+    def _trace(self, args: Sequence[Any], kwargs: dict[str, Any],
+               platforms: tuple[str, ...] | None) -> list[Decision]:
+        record: list[Decision] = []
+        self._jit(platforms=platforms, record=record).trace(*args, **kwargs)
+        return record
+
+    def _autotune_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Measures the ops this signature needs (once per signature), outside any trace."""
+        signature = _signature(args, kwargs)
+        if signature in self._tuned_signatures:
+            return
+        to_tune, compare = {}, False
+        for decision in self._trace(args, kwargs, platforms=None):
+            if _needs_tuning(decision, self.autotune):
+                to_tune.setdefault(tuning_key(decision.unconfigured), decision.unconfigured)
+                compare = compare or len(decision.alternatives) > 1
+        if to_tune:
+            from tokamax_pass.autotuning import autotune
+
+            self._tuned.append(autotune(
+                list(to_tune.values()), ignore_cache=self.autotune == "always",
+                all_implementations=compare, progress=False,
+            ))
+        self._tuned_signatures.add(signature)
+
+    def _was_tuned(self, ba: Any) -> bool:
+        return any(ba in result for result in self._tuned)
+
+
+def _needs_tuning(decision: Decision, mode: Autotune) -> bool:
+    """`"missing"`: only a heuristic config was found; `"always"`: anything not pinned
+    by the caller, including the choice among `implementation=None` candidates."""
+    if decision.source in ("explicit", "autotuned"):
+        return False
+    if mode == "missing":
+        return decision.source == "heuristics"
+    return (decision.choice.op.config_cls is not NullConfig
+            or len(decision.alternatives) > 1)
+
+
+def _targets(platforms: tuple[str, ...] | None) -> list[device.Target]:
+    if platforms is None:
+        return [device.current_target()]
+    return [device.lowering_target(p) for p in platforms]
+
+
+def _as_results(results: Any) -> tuple[Any, ...]:
+    if results is None:
+        return ()
+    items = tuple(results) if isinstance(results, (list, tuple)) else (results,)
+    for item in items:
+        if not (hasattr(item, "__enter__") and hasattr(item, "__exit__")):
+            raise TypeError(
+                "optimize: results must be an AutotuningResult or a sequence of them, got "
+                f"{type(item).__name__}"
+            )
+    return items
+
+
+def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    leaves, treedef = jax.tree.flatten((tuple(args), kwargs))
+    return treedef, tuple(spec.array_spec(x) if spec.is_array(x) else x for x in leaves)

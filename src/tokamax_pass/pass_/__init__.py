@@ -1,0 +1,1 @@
+"""The pass behind `tokamax_pass.optimize`: jaxpr rewriting, plans, StableHLO inspection."""

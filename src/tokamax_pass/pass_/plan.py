@@ -1,0 +1,104 @@
+"""`Plan`: the table of every op in an optimized program and how it was resolved."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from tokamax_pass.core import spec
+from tokamax_pass.core.op import BoundArguments, NullConfig
+from tokamax_pass.pass_.rewrite import Decision
+
+_COLUMNS = ("path", "platform", "arguments", "implementation", "config", "source")
+
+
+def format_arguments(ba: BoundArguments) -> str:
+    """`x=bf16[32,2048,16,64], scale=f32[64]` (array arguments), `vmap` levels appended."""
+    parts = [f"{name}={spec.encode(value)}" for name, value in ba.arguments.items()
+             if spec.is_array(value)]
+    parts += [f"vmap({level.size})" for level in ba.vmap]
+    return ", ".join(parts)
+
+
+def format_config(config: Any) -> str:
+    if config is None or isinstance(config, NullConfig):
+        return "-"
+    fields = spec.encode_config(config) or {}
+    return f"{type(config).__name__}({', '.join(f'{k}={v}' for k, v in fields.items())})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One op call on one platform: where, on what, which kernel and config, and why."""
+
+    path: str
+    platform: str
+    device_kind: str | None
+    arguments: str
+    implementation: str
+    op: str
+    config: str
+    source: str
+    bound: Mapping[str, Any]  # the full bound-arguments spec (op with config + argument specs)
+
+    @classmethod
+    def from_decision(cls, decision: Decision) -> PlanRow:
+        op = decision.choice.op
+        return cls(
+            path=decision.path,
+            platform=decision.target.platform,
+            device_kind=decision.target.device_kind,
+            arguments=format_arguments(decision.choice.bound),
+            implementation=op.implementation,
+            op=type(op).__name__,
+            config=format_config(op.config),
+            source=decision.source,
+            bound=decision.choice.bound.to_spec(),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PlanRow:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Every op call of a program, in program order (one row per target platform)."""
+
+    rows: tuple[PlanRow, ...]
+
+    @classmethod
+    def from_decisions(cls, decisions: Sequence[Decision]) -> Plan:
+        return cls(tuple(PlanRow.from_decision(d) for d in decisions))
+
+    def __iter__(self) -> Iterator[PlanRow]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> PlanRow:
+        return self.rows[index]
+
+    def __str__(self) -> str:
+        return format_table(
+            _COLUMNS,
+            [[getattr(r, c) if c != "implementation" else f"{r.implementation} ({r.op})"
+              for c in _COLUMNS] for r in self.rows],
+        )
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table, columns padded to their widest cell."""
+    if not rows:
+        return "(no tokamax_pass ops)"
+    cells = [list(columns)] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

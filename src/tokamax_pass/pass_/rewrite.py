@@ -1,0 +1,246 @@
+"""Rewrites a jaxpr so every op call carries the implementation and config chosen for it.
+
+Each `tokamax_call` equation, at any depth (inside `jit`, `custom_vjp`/`custom_jvp`,
+`scan`, `cond`, `while`, `remat`, `shard_map`, ...), is resolved with
+`resolution.choose` for every target platform and its `OpCall` replaced by one whose
+candidates are exactly the chosen ops, configs pinned. Programs traced later (a
+`custom_vjp` forward or backward, traced only when the caller differentiates) are
+wrapped so that they are rewritten the same way, under the same results, when they
+are traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+from jax._src.ad_util import Zero  # the symbolic zero a custom_vjp backward may return
+from jax.extend import linear_util as lu
+from jax.extend.core import Jaxpr, jaxpr_as_fun
+
+from tokamax_pass.core import resolution
+from tokamax_pass.core.device import Target
+from tokamax_pass.core.op import BoundArguments, NullConfig, Op
+from tokamax_pass.core.primitive import OpCall, tokamax_call_p
+from tokamax_pass.core.vjp import AutodiffVjp
+
+# Primitives whose sub-jaxprs are kernel bodies, never holding op calls.
+_OPAQUE = frozenset({"pallas_call", "core_map"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One op call resolved for one target: where it is, what was chosen, from where."""
+
+    path: str
+    target: Target
+    choice: resolution.Choice
+    source: str
+    # Every candidate of an `implementation=None` call, unconfigured (what autotuning compares).
+    alternatives: tuple[BoundArguments, ...]
+
+    @property
+    def unconfigured(self) -> BoundArguments:
+        """The chosen implementation without its config: what autotuning tunes."""
+        return self.choice.bound.replace(op=self.choice.op.replace(config=None))
+
+
+def tuning_key(ba: BoundArguments) -> str:
+    """Identity of an (unconfigured) op on one argument spec."""
+    return ba.replace(op=ba.op.replace(config=None)).to_json()
+
+
+_IMPLEMENTATION_PREFIX = re.compile(r"^(pallas_)?(triton|mosaic_gpu|mosaic|cudnn|xla_chunked|xla)_")
+
+
+def op_label(op: Op) -> str:
+    """The op family as a path element: `layer_norm`, `layer_norm_vjp` for its VJP op
+    (whichever implementation was chosen, so every platform's row has the same path)."""
+    forward = getattr(op, "forward", None)
+    if isinstance(forward, Op):
+        return f"{op_label(forward)}_vjp"
+    return _IMPLEMENTATION_PREFIX.sub("", op.family_name())
+
+
+class Rewriter:
+    """Resolves op calls for `targets` and rewrites jaxprs; one per traced program.
+
+    `contexts` gives the context managers (autotuning results) under which configs
+    are resolved; `record`, when given, collects a `Decision` per op call and target;
+    `autotuned(ba)` tells whether this program's own autotuning measured `ba`.
+    """
+
+    def __init__(self, targets: Sequence[Target], *,
+                 contexts: Callable[[], Sequence[Any]] = tuple,
+                 record: list[Decision] | None = None,
+                 autotuned: Callable[[BoundArguments], bool] = lambda ba: False) -> None:
+        if not targets:
+            raise ValueError("at least one target platform is needed")
+        self.targets = tuple(targets)
+        self._contexts = contexts
+        self._record = record
+        self._autotuned = autotuned
+        self._memo: dict[Any, tuple[OpCall, list[tuple[Target, resolution.Choice, str]],
+                                    tuple[BoundArguments, ...]]] = {}
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Enters the results that configs are resolved under (innermost wins)."""
+        with contextlib.ExitStack() as stack:
+            for context in self._contexts():
+                stack.enter_context(context)
+            yield
+
+    # --- op calls ---------------------------------------------------------------------
+
+    def resolve_call(self, call: OpCall, avals: Sequence[Any], path: str) -> OpCall:
+        key = (call, tuple((tuple(a.shape), a.dtype) for a in avals))
+        if key not in self._memo:
+            self._memo[key] = self._resolve(call, avals)
+        new_call, choices, alternatives = self._memo[key]
+        if self._record is not None:
+            for target, choice, source in choices:
+                self._record.append(Decision(
+                    f"{path}/{op_label(choice.op)}" if path else op_label(choice.op),
+                    target, choice, source, alternatives,
+                ))
+        return new_call
+
+    def _resolve(self, call: OpCall, avals: Sequence[Any]) -> tuple[
+            OpCall, list[tuple[Target, resolution.Choice, str]], tuple[BoundArguments, ...]]:
+        candidates = [call.bound(op, avals) for op in call.candidates]
+        choices = []
+        with self.active():
+            for target in self.targets:
+                choice = resolution.choose(candidates, target, explicit=call.explicit)
+                choice = dataclasses.replace(choice, bound=choice.bound.replace(
+                    op=_pin_forward_config(choice.op, choice.bound, target)))
+                source = choice.source
+                if source not in ("explicit", "no config") and self._autotuned(choice.bound):
+                    source = "autotuned"
+                choices.append((target, choice, source))
+        ops = _ordered_ops(call.candidates, [c.op for _, c, _ in choices])
+        for target, choice, _ in choices:
+            first = next(op for op in ops if _runs_on(op, choice.bound, target))
+            if first != choice.op:
+                raise NotImplementedError(
+                    f"cannot pin {type(choice.op).__name__} for {target.platform} in a program "
+                    f"that also targets {[t.platform for t in self.targets]}: "
+                    f"{type(first).__name__} runs there too and comes first"
+                )
+        alternatives = () if call.explicit else tuple(candidates)
+        return dataclasses.replace(call, candidates=ops, explicit=True), choices, alternatives
+
+    # --- jaxprs -----------------------------------------------------------------------
+
+    def rewrite(self, jaxpr: Jaxpr, path: str = "") -> Jaxpr:
+        """`jaxpr` with every op call resolved (the same object if it holds none)."""
+        eqns = [self._rewrite_eqn(eqn, path) for eqn in jaxpr.eqns]
+        if all(new is old for new, old in zip(eqns, jaxpr.eqns, strict=True)):
+            return jaxpr
+        return jaxpr.replace(eqns=eqns)
+
+    def _rewrite_eqn(self, eqn: Any, path: str) -> Any:
+        if eqn.primitive is tokamax_call_p:
+            call = self.resolve_call(eqn.params["call"], [v.aval for v in eqn.invars], path)
+            return eqn.replace(params={**eqn.params, "call": call})
+        if eqn.primitive.name in _OPAQUE:
+            return eqn
+        sub = path if _is_op_wrapper(eqn) else "/".join(p for p in (path, _label(eqn)) if p)
+        params = {name: self._rewrite_param(name, value, sub)
+                  for name, value in eqn.params.items()}
+        if all(params[name] is value for name, value in eqn.params.items()):
+            return eqn
+        return eqn.replace(params=params)
+
+    def _rewrite_param(self, name: str, value: Any, path: str) -> Any:
+        if isinstance(value, Jaxpr):
+            return self.rewrite(value, path)
+        if isinstance(value, tuple) and value and all(isinstance(v, Jaxpr) for v in value):
+            new = tuple(self.rewrite(v, f"{path}/{name}{i}") for i, v in enumerate(value))
+            return value if all(a is b for a, b in zip(new, value, strict=True)) else new
+        if isinstance(value, lu.WrappedFun):
+            if name in ("fwd_jaxpr_thunk", "jvp_jaxpr_fun"):
+                return self._wrap_thunk(value, path)
+            if name == "bwd":
+                return self._wrap_bwd(value, path)
+        return value
+
+    def _wrap_thunk(self, thunk: lu.WrappedFun, path: str) -> lu.WrappedFun:
+        """A custom_vjp forward / custom_jvp rule thunk whose jaxpr comes back rewritten."""
+
+        def rewritten_thunk(*args: Any) -> Any:
+            jaxpr, *rest = thunk.call_wrapped(*args)
+            return (self.rewrite(jaxpr, path), *rest)
+
+        return lu.wrap_init(rewritten_thunk, debug_info=thunk.debug_info)
+
+    def _wrap_bwd(self, bwd: lu.WrappedFun, path: str) -> lu.WrappedFun:
+        """A custom_vjp backward traced to a jaxpr, rewritten, then evaluated."""
+
+        def rewritten_bwd(*args: Any) -> Any:
+            zeros: dict[int, Any] = {}
+
+            def traced(*inner: Any) -> Any:
+                cts, logs = bwd.call_wrapped(*inner)
+                zeros.update((i, ct) for i, ct in enumerate(cts) if isinstance(ct, Zero))
+                return [ct for ct in cts if not isinstance(ct, Zero)], logs
+
+            closed, shapes = jax.make_jaxpr(traced, return_shape=True)(*args)
+            flat = jaxpr_as_fun(self.rewrite(closed, path))(*args)
+            nonzero, logs = jax.tree.unflatten(jax.tree.structure(shapes), flat)
+            nonzero = iter(nonzero)
+            count = len(zeros) + len(shapes[0])
+            return [zeros[i] if i in zeros else next(nonzero) for i in range(count)], logs
+
+        return lu.wrap_init(rewritten_bwd, debug_info=bwd.debug_info)
+
+
+def _label(eqn: Any) -> str:
+    name = eqn.params.get("name")
+    return f"{eqn.primitive.name}[{name}]" if isinstance(name, str) else eqn.primitive.name
+
+
+def _is_op_wrapper(eqn: Any) -> bool:
+    """The framework's own `custom_vjp` around one op call adds nothing to a path."""
+    body = eqn.params.get("call_jaxpr")
+    return (eqn.primitive.name == "custom_vjp_call" and isinstance(body, Jaxpr)
+            and len(body.eqns) == 1 and body.eqns[0].primitive is tokamax_call_p)
+
+
+def _pin_forward_config(op: Op, ba: BoundArguments, target: Target) -> Op:
+    """An autodiff VJP differentiates its forward op with the forward's config: pin it too."""
+    if not isinstance(op, AutodiffVjp) or op.forward.config is not None:
+        return op
+    if op.forward.config_cls is NullConfig:
+        return op
+    forward_arguments = {k: v for k, v in ba.arguments.items()
+                         if k not in ("residuals", "out", "dout")}
+    forward_ba = BoundArguments(op.forward, forward_arguments, ba.vmap)
+    config, _ = resolution.resolve_config(op.forward, forward_ba, target)
+    return op.replace(forward=op.forward.replace(config=config))
+
+
+def _ordered_ops(candidates: Sequence[Op], chosen: Sequence[Op]) -> tuple[Op, ...]:
+    """The chosen ops without repeats, in the call's candidate (preference) order."""
+
+    def rank(op: Op) -> int:
+        for i, candidate in enumerate(candidates):
+            if type(candidate) is type(op):
+                return i
+        return len(candidates)
+
+    unique = list(dict.fromkeys(chosen))
+    return tuple(sorted(unique, key=rank))
+
+
+def _runs_on(op: Op, ba: BoundArguments, target: Target) -> bool:
+    try:
+        op.check_supported(ba.replace(op=op), target)
+    except NotImplementedError:
+        return False
+    return True
