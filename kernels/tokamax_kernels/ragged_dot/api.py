@@ -6,13 +6,15 @@ from typing import Any
 
 from tokamax_kernels.ragged_dot.base import RaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
+from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
 FAMILY = register_family(Family(
     name="ragged_dot",
-    implementations={"mosaic": PallasMosaicGpuRaggedDot, "xla": RaggedDot},
-    automatic=("mosaic", "xla"),
+    implementations={"mosaic": PallasMosaicGpuRaggedDot, "triton": PallasTritonRaggedDot,
+                     "xla": RaggedDot},
+    automatic=("mosaic", "triton", "xla"),
 ))
 
 

@@ -1,0 +1,249 @@
+"""`PallasTritonRaggedDot`: the ragged dot (forward, dlhs, drhs) as Pallas Triton kernels.
+
+forward / dlhs group their output rows. XLA first lists the work tiles: every
+(group, row block of `block_m` rows) pair a group touches, so a block that
+straddles a group boundary appears once per group, plus the rows past
+`sum(group_sizes)` as a zero "tail" group. The kernel runs over (column tiles,
+work tiles); each program multiplies its row block by its group's matrix
+(float32 accumulation) and stores only its group's rows. Output columns vary
+fastest so the programs in flight share one lhs row block.
+
+drhs contracts over the grouped rows: one program per (column tile, K tile,
+group) walks that group's rows in `block_m` steps (rows of neighbours masked to
+zero) and stores `x_g^T @ dy_g`; an empty group stores zeros. Each output tile
+has one owner and a fixed summation order, so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from tokamax_kernels import _triton
+from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
+from tokamax_pass.core import BoundArguments, Op, Target
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile sizes (powers of 2, >= 16 for tensor cores).
+
+    forward/dlhs: `block_m` output rows, `block_n` output columns, `block_k` contraction
+    step. drhs: `block_m` grouped rows per step (the contraction), `block_k` rows of
+    the (K, N) output tile, `block_n` its columns.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1) or value < (16 if name != "num_warps" else 1):
+                raise ValueError(f"Config.{name} must be a power of 2 (>= 16 for blocks), "
+                                 f"got {value}")
+
+
+def _group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """Start and end rows of each group (clipped to the M rows)."""
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
+
+
+def row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """(4, T) int32 work list: group (G = the zero tail), row block, and the group's
+    rows `[lo, hi)` inside the block; unused entries have `lo == hi == 0`."""
+    g = group_sizes.shape[0]
+    starts, ends = _group_bounds(group_sizes, m)
+    starts = jnp.append(starts, ends[-1] if g else 0)
+    ends = jnp.append(ends, m)
+    first = starts // block_m
+    count = jnp.where(ends > starts, -(-ends // block_m) - first, 0)
+    last = jnp.cumsum(count)
+    num_tiles = _triton.cdiv(m, block_m) + g
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(last, t, side="right"), g).astype(jnp.int32)
+    block = first[group] + t - (last[group] - count[group])
+    valid = t < last[-1]
+    lo = jnp.where(valid, jnp.maximum(starts[group] - block * block_m, 0), 0)
+    hi = jnp.where(valid, jnp.minimum(ends[group] - block * block_m, block_m), 0)
+    return jnp.stack([group, jnp.where(valid, block, 0), lo, hi]).astype(jnp.int32)
+
+
+def _rows_kernel(tiles_ref, lhs_ref, rhs_ref, out_ref, *, m: int, c: int, n: int, g: int,
+                 config: Config, transpose_rhs: bool, exact: bool) -> None:
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    j, t = pl.program_id(0), pl.program_id(1)
+    group, block = tiles_ref[0, t], tiles_ref[1, t]
+    lo, hi = tiles_ref[2, t], tiles_ref[3, t]
+    r0 = pl.multiple_of(block * bm, bm)
+    rows = jnp.arange(bm)
+    cols = j * bn + jnp.arange(bn)
+    in_rows = (r0 + rows < m)[:, None]
+    rhs_g = jnp.minimum(group, g - 1)
+
+    def step(kk: Any, acc: jax.Array) -> jax.Array:
+        ks = kk * bk + jnp.arange(bk)
+        a = plgpu.load(lhs_ref.at[pl.ds(r0, bm), pl.ds(kk * bk, bk)],
+                       mask=in_rows & (ks < c)[None, :], other=0.0)
+        if transpose_rhs:  # rhs[g] is (N, C): load an (bn, bk) tile and contract its columns
+            b = plgpu.load(rhs_ref.at[rhs_g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)],
+                           mask=(cols < n)[:, None] & (ks < c)[None, :], other=0.0)
+        else:
+            b = plgpu.load(rhs_ref.at[rhs_g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
+                           mask=(ks < c)[:, None] & (cols < n)[None, :], other=0.0)
+        return acc + plgpu.dot(a, b, trans_b=transpose_rhs, allow_tf32=not exact)
+
+    active = (hi > lo) & (group < g)
+    steps = jnp.where(active, _triton.cdiv(c, bk), 0)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
+    mask = ((rows >= lo) & (rows < hi))[:, None] & (cols < n)[None, :]
+    plgpu.store(out_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], acc.astype(out_ref.dtype),
+                mask=mask)
+
+
+def _drhs_kernel(bounds_ref, lhs_ref, dout_ref, out_ref, *, k: int, n: int, config: Config,
+                 exact: bool) -> None:
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    j, i, gi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, end = bounds_ref[0, gi], bounds_ref[1, gi]
+    first = (start // bm) * bm
+    ks = i * bk + jnp.arange(bk)
+    cols = j * bn + jnp.arange(bn)
+
+    def step(s: Any, acc: jax.Array) -> jax.Array:
+        r0 = pl.multiple_of(first + s * bm, bm)
+        r = r0 + jnp.arange(bm)
+        mine = ((r >= start) & (r < end))[:, None]
+        a = plgpu.load(lhs_ref.at[pl.ds(r0, bm), pl.ds(i * bk, bk)],
+                       mask=mine & (ks < k)[None, :], other=0.0)
+        b = plgpu.load(dout_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)],
+                       mask=mine & (cols < n)[None, :], other=0.0)
+        return acc + plgpu.dot(a, b, trans_a=True, allow_tf32=not exact)
+
+    steps = jnp.where(end > start, (end - first + bm - 1) // bm, 0)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bk, bn), jnp.float32))
+    plgpu.store(out_ref.at[gi, pl.ds(i * bk, bk), pl.ds(j * bn, bn)], acc.astype(out_ref.dtype),
+                mask=(ks < k)[:, None] & (cols < n)[None, :])
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, variant: str,
+               out_dtype: Any, config: Config, interpret: bool = False) -> jax.Array:
+    """The `variant` ragged dot (shapes as in `ragged_dot/base.py`)."""
+    exact = jnp.dtype(lhs.dtype) == jnp.float32
+    params = _triton.compiler_params(config.num_warps, config.num_stages)
+    call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
+    m = lhs.shape[0]
+    if variant == "drhs":
+        k, n, g = lhs.shape[1], rhs.shape[1], group_sizes.shape[0]
+        bounds = jnp.stack(_group_bounds(group_sizes, m))
+        kernel = functools.partial(_drhs_kernel, k=k, n=n, config=config, exact=exact)
+        return call(
+            kernel,
+            grid=(_triton.cdiv(n, config.block_n), _triton.cdiv(k, config.block_k), g),
+            out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+            name="tokamax_ragged_dot_drhs",
+        )(bounds, lhs, rhs)
+    transpose_rhs = variant == "dlhs"
+    g, c = rhs.shape[0], lhs.shape[1]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tiles = row_tiles(group_sizes, m, config.block_m)
+    kernel = functools.partial(_rows_kernel, m=m, c=c, n=n, g=g, config=config,
+                               transpose_rhs=transpose_rhs, exact=exact)
+    return call(
+        kernel,
+        grid=(_triton.cdiv(n, config.block_n), tiles.shape[1]),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        name=f"tokamax_ragged_dot_{variant}",
+    )(tiles, lhs, rhs)
+
+
+def _output_columns(ba: BoundArguments) -> tuple[int, int, int]:
+    """`(rows, contraction, columns)` of the variant's problem (see `Config`)."""
+    lhs, rhs, variant = (ba.arguments[name] for name in ("lhs", "rhs", "variant"))
+    if variant == "forward":
+        return lhs.shape[0], lhs.shape[1], rhs.shape[2]
+    if variant == "dlhs":
+        return lhs.shape[0], lhs.shape[1], rhs.shape[1]
+    return lhs.shape[1], lhs.shape[0], rhs.shape[1]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasTritonRaggedDot(RaggedDot):
+    """Ragged dot by Pallas Triton kernels (f16/bf16/f32, float32 accumulation; CUDA).
+
+    `interpret=True` runs the kernels in the Pallas interpreter (any platform; tests).
+    """
+
+    interpret: bool = False
+
+    config_cls: ClassVar[type] = Config
+    implementation: ClassVar[str] = "triton"
+    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+
+    def check_supported_target(self, target: Target) -> None:
+        if not self.interpret:
+            super().check_supported_target(target)
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        args = ba.arguments
+        lhs, rhs = args["lhs"], args["rhs"]
+        if ba.vmap:
+            raise NotImplementedError("the Triton ragged dot does not support jax.vmap")
+        for name in ("lhs", "rhs"):
+            _triton.require_triton_dtype(name, args[name])
+        if jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype):
+            raise NotImplementedError(
+                f"the Triton ragged dot needs lhs and rhs of one dtype, got {lhs.dtype} and "
+                f"{rhs.dtype}")
+        out = args["preferred_element_type"]
+        if out is not None and jnp.dtype(out) not in _triton.TRITON_DTYPES:
+            raise NotImplementedError(f"preferred_element_type={out} is not f16/bf16/f32")
+        if 0 in lhs.shape or 0 in rhs.shape or args["group_sizes"].shape[0] == 0:
+            raise NotImplementedError("the Triton ragged dot needs non-empty operands")
+
+    def _fwd(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, precision: Any,
+             preferred_element_type: Any, variant: str, config: Config,
+             return_residuals: bool) -> tuple[jax.Array, None]:
+        del precision  # f16/bf16 products are exact in f32; f32 inputs run at full precision
+        out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+        return ragged_dot(lhs, rhs, group_sizes, variant=variant, out_dtype=out_dtype,
+                          config=config, interpret=self.interpret), None
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> Config:
+        """H200: 128 x 128 tiles, 64-deep steps, 4 stages (f32: half the depth)."""
+        rows, contraction, columns = _output_columns(ba)
+        itemsize = jnp.dtype(ba.arguments["lhs"].dtype).itemsize
+
+        def fit(size: int, most: int) -> int:
+            return max(16, min(most, _triton.next_power_of_2(size)))
+
+        if ba.arguments["variant"] == "drhs":
+            return Config(block_m=fit(contraction, 64 // (itemsize // 2)),
+                          block_n=fit(columns, 128), block_k=fit(rows, 128),
+                          num_warps=8, num_stages=4 if itemsize == 2 else 2)
+        return Config(block_m=fit(rows, 128), block_n=fit(columns, 128),
+                      block_k=fit(contraction, 64 // (itemsize // 2)), num_warps=8,
+                      num_stages=4 if itemsize == 2 else 2)
+
+    def _get_autotuning_configs(self, ba: BoundArguments) -> set[Config]:
+        space = itertools.product((64, 128), (64, 128, 256), (32, 64, 128), (4, 8), (3, 4, 5))
+        return {
+            Config(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in space
+            if bm * bn <= 128 * 256 and bk * (bm + bn) * s * 2 <= 200 * 1024
+        }
+
+    def _default_vjp(self) -> Op:
+        return RaggedDotVjp(inner=self.replace(config=None, vjp=None))
