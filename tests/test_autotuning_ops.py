@@ -65,3 +65,8 @@ FAMILY = register_family(Family(
 
 def chunked_matmul(x: Any, w: Any, *, implementation: Any = None) -> Any:
     return FAMILY(implementation, x, w)
+
+
+def loss(x: Any, w: Any) -> Any:
+    """A module-level function with one tunable op (CLI tests import it by name)."""
+    return jnp.sum(chunked_matmul(x, w, implementation="xla_chunked") ** 2)

@@ -10,8 +10,10 @@ Inputs: concrete arrays in the `BoundArguments` are used as given (valid
 integer data such as group sizes); abstract ones are random (normal floats,
 ints in [0, 128), fair bools). An op that needs structured inputs defines
 `random_arguments(self, ba, seed) -> dict[str, Any]` returning the arguments
-to time with; the autotuner calls it when present. A VJP op with a `forward`
-op field (like `AutodiffVjp`) gets real residuals from that forward pass.
+to time with; the autotuner calls it when present. A VJP op
+op gets real `out` and `residuals` from its forward family's XLA reference (found
+through a `forward` op field, like `AutodiffVjp`'s, or the registered family whose
+VJP op it is).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import numpy as np
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import keys
 from tokamax_pass.autotuning.result import Entry, Measurement
-from tokamax_pass.core import spec
-from tokamax_pass.core.op import BoundArguments, NullConfig, Op
-from tokamax_pass.core.vjp import VjpOp
+from tokamax_pass.core import registry, spec
+from tokamax_pass.core.op import BoundArguments, NullConfig, Op, family_class
+from tokamax_pass.core.vjp import RESERVED_NAMES, VjpOp
 
 # Allowed max error relative to the reference output's largest magnitude.
 NUMERICS_RTOL = {jnp.dtype(jnp.float32): 1e-2, jnp.dtype(jnp.float64): 1e-6}
@@ -77,20 +79,46 @@ def _randomize(arguments: dict[str, Any], seed: int) -> dict[str, Any]:
     return jax.tree.unflatten(treedef, leaves)
 
 
+def forward_reference(op: Op) -> Op | None:
+    """The XLA reference of the forward op whose gradient the VJP op `op` computes."""
+    forward = getattr(op, "forward", None)
+    if isinstance(forward, Op):
+        return forward.reference_op()
+    vjp_family = family_class(type(op))
+    for family in registry.families().values():
+        for cls in family.implementations.values():
+            try:
+                if isinstance(cls().vjp_op(), vjp_family):
+                    return cls().reference_op()
+            except Exception:  # noqa: BLE001 - an op that cannot say is not the one
+                continue
+    return None
+
+
+def _with_real_residuals(ba: BoundArguments, arguments: dict[str, Any]) -> dict[str, Any]:
+    """A VJP op's arguments with `out` and `residuals` from its forward reference."""
+    reference = forward_reference(ba.op)
+    if reference is None or ba.vmap:
+        return arguments
+    forward_args = {k: v for k, v in arguments.items() if k not in RESERVED_NAMES}
+    config = reference._get_heuristics_config(BoundArguments(reference, forward_args))
+
+    def forward(**kwargs: Any) -> Any:
+        return reference._fwd(**kwargs, config=config, return_residuals=True)
+
+    f_std, arrays = benchmarking.standardize_function(forward, kwargs=forward_args, seed=None)
+    out, residuals = jax.jit(f_std)(arrays)
+    return {**arguments, "out": out, "residuals": residuals}
+
+
 def timing_arguments(ba: BoundArguments, seed: int) -> dict[str, Any]:
     """The arguments every config of `ba` is timed and checked on."""
     hook = getattr(ba.op, "random_arguments", None)
     if hook is not None:
         return dict(hook(ba, seed))
     arguments = _randomize(_operand_shapes(ba), seed)
-    forward = getattr(ba.op, "forward", None)
-    if isinstance(ba.op, VjpOp) and isinstance(forward, Op) and not ba.vmap:
-        forward_args = {k: v for k, v in arguments.items() if k not in ("residuals", "out", "dout")}
-        reference = forward.reference_op()
-        out, residuals = jax.jit(lambda a: reference._fwd(
-            **a, config=reference._get_heuristics_config(BoundArguments(reference, a)),
-            return_residuals=True))(forward_args)
-        arguments.update(residuals=residuals, out=out)
+    if isinstance(ba.op, VjpOp):
+        arguments = _with_real_residuals(ba, arguments)
     return arguments
 
 

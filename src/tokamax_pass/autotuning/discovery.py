@@ -4,8 +4,9 @@ Every instruction an op call lowers to carries the frontend attribute
 `tokamax_pass_spec` (the call's `BoundArguments` JSON, config included). Here
 the attribute values are collected, decoded, stripped of their config and
 deduplicated, giving abstract `BoundArguments` (`ShapeDtypeStruct` arguments).
-MLIR text escapes characters as `\\XX` hex pairs (`\\22` is a quote); HLO text
-(`compiled.as_text()`) uses C-style backslash escapes: both are read.
+MLIR text quotes the value and escapes characters as `\\XX` hex pairs (`\\22` is a
+quote); HLO text (`compiled.as_text()`) writes the JSON object bare
+(`tokamax_pass_spec={...}`): both are read.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from tokamax_pass.core.op import BoundArguments
 from tokamax_pass.core.primitive import METADATA_KEY
 
 BOUND_ARGS_FORMAT = "tokamax_pass.BoundArgumentsList"
-# `tokamax_pass_spec = "..."` (MLIR) or `tokamax_pass_spec="..."` (HLO text).
-_ATTRIBUTE = re.compile(METADATA_KEY + r'\s*=\s*"((?:[^"\\]|\\.)*)"')
+# `tokamax_pass_spec = "..."` (MLIR) or `tokamax_pass_spec={...}` (HLO text).
+_ATTRIBUTE = re.compile(METADATA_KEY + r'\s*=\s*(?:"((?:[^"\\]|\\.)*)"|(?=\{))')
+_DECODER = json.JSONDecoder()
 _MLIR_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2})")
 
 
@@ -38,7 +40,14 @@ def _unescape(value: str) -> str:
 
 def specs_from_text(text: str) -> list[str]:
     """The distinct spec JSON strings in StableHLO (MLIR) or HLO text, in program order."""
-    return list(dict.fromkeys(_unescape(m.group(1)) for m in _ATTRIBUTE.finditer(text)))
+    specs: dict[str, None] = {}
+    for match in _ATTRIBUTE.finditer(text):
+        if match.group(1) is not None:
+            specs.setdefault(_unescape(match.group(1)))
+        else:
+            value, _ = _DECODER.raw_decode(text, match.end())
+            specs.setdefault(spec.dumps(value))
+    return list(specs)
 
 
 def dedupe(bound: Iterable[BoundArguments]) -> list[BoundArguments]:

@@ -1,0 +1,49 @@
+"""`tokamax-pass autotune MODULE:FUNCTION --args SPEC... -o result.json` (or a bound-args JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tokamax_pass.commands import _target
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "autotune", help="measure the configs of every op in a function",
+        description="Autotunes the ops of MODULE:FUNCTION called with --args shapes, or of a "
+                    "bound-arguments JSON file (from `tokamax-pass bound-args`).")
+    _target.add_function_arguments(parser, required=False)
+    parser.add_argument("--bound-args", help="a bound-arguments JSON file instead of a function")
+    parser.add_argument("-o", "--output", help="write the AutotuningResult JSON here")
+    parser.add_argument("--all-implementations", action="store_true",
+                        help="time every implementation of each op family")
+    parser.add_argument("--ignore-cache", action="store_true",
+                        help="also tune ops the caches already answer")
+    parser.add_argument("--cache", action="store_true", help="save the result to the user cache")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per op")
+    parser.add_argument("--max-workers", type=int, default=None, help="compile threads")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokamax_pass import autotuning
+
+    if (args.function is None) == (args.bound_args is None):
+        raise SystemExit("give either MODULE:FUNCTION (with --args) or --bound-args FILE")
+    if args.bound_args:
+        target, call_args = autotuning.bound_args_from_json(args.bound_args), []
+    else:
+        target = _target.load_function(args.function, args.grad)
+        call_args = _target.parse_args(args.args)
+    start = time.perf_counter()
+    result = autotuning.autotune(
+        target, *call_args, ignore_cache=args.ignore_cache,
+        all_implementations=args.all_implementations, timeout=args.timeout,
+        max_workers=args.max_workers, cache=args.cache, progress=not args.no_progress)
+    print(result)
+    print(f"autotuning took {time.perf_counter() - start:.1f} s")
+    if args.output:
+        result.dump(args.output)
+        print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,1 @@
+"""Command-line tools that work on artifacts of a run (profiles)."""

@@ -1,0 +1,229 @@
+"""Autotuning on CPU: the seed snippets, a user-defined op, contexts, JSON, discovery."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tokamax_pass as tokamax
+from conftest import assert_close, random_normal
+from test_autotuning_ops import ChunkConfig, ChunkedMatmul, XlaChunkedMatmul, chunked_matmul
+from tokamax_pass.autotuning import discovery, keys
+from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.core import current_target, spec
+
+M, K, N = 16, 64, 32
+
+
+@pytest.fixture(autouse=True)
+def _empty_user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _inputs():
+    return random_normal(0, (M, K)), random_normal(1, (K, N))
+
+
+def _result(times_by_config, op=None, device_kind=None):
+    x, w = _inputs()
+    ba = keys.canonical((op or XlaChunkedMatmul()).bind(jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                       jax.ShapeDtypeStruct(w.shape, w.dtype)))
+    data = {c: Measurement(evaluation_times_ms=(t,)) for c, t in times_by_config.items()}
+    kind = device_kind or current_target().device_kind
+    return tokamax.AutotuningResult(kind, [Entry(ba, data, keys.provenance(ba.op))])
+
+
+def _chosen_configs(f, *args):
+    """The configs stamped on the op calls of `f` when lowered now."""
+    text = jax.jit(f).lower(*args).as_text()
+    return [json.loads(s)["op"]["fields"]["config"] for s in discovery.specs_from_text(text)]
+
+
+def test_user_defined_op_autotune_keeps_failures_and_picks_a_correct_config():
+    x, w = _inputs()
+    result = tokamax.autotune([XlaChunkedMatmul().bind(x, w)], progress=False)
+    [(ba, data)] = list(result)
+    assert type(ba.op) is XlaChunkedMatmul and ba.op.config is None
+    assert set(data) == {ChunkConfig(32), ChunkConfig(64), ChunkConfig(16), ChunkConfig(0),
+                         ChunkConfig(56)}
+    assert data[ChunkConfig(0)].error.startswith("compile error")
+    assert data[ChunkConfig(56)].error.startswith("wrong numerics")
+    best = result.best_config(ba)
+    assert best in {ChunkConfig(16), ChunkConfig(32), ChunkConfig(64)}
+    assert all(m.ok for c, m in data.items() if c.chunk in (16, 32, 64))
+    f = lambda x, w: chunked_matmul(x, w, implementation="xla_chunked")  # noqa: E731
+    with result:
+        assert _chosen_configs(f, x, w) == [{"dataclass": spec.import_path(ChunkConfig),
+                                            "fields": {"chunk": best.chunk}}]
+        assert_close(jax.jit(f)(x, w), x @ w)
+
+
+def test_autotune_skips_cached_ops_unless_ignore_cache():
+    x, w = _inputs()
+    with _result({ChunkConfig(16): 1.0}):
+        assert len(tokamax.autotune([XlaChunkedMatmul().bind(x, w)], progress=False)) == 0
+        tuned = tokamax.autotune([XlaChunkedMatmul().bind(x, w)], ignore_cache=True,
+                                 progress=False)
+    assert len(tuned) == 1
+
+
+def test_function_jitted_outside_retraces_inside_the_context():
+    x, w = _inputs()
+    traces = []
+
+    @jax.jit
+    def f(x, w):
+        traces.append(1)
+        return chunked_matmul(x, w, implementation="xla_chunked")
+
+    f(x, w)
+    result = _result({ChunkConfig(16): 1.0, ChunkConfig(64): 2.0})
+    with result:
+        f(x, w)
+        assert _chosen_configs(f, x, w)[0]["fields"] == {"chunk": 16}
+    assert len(traces) == 2
+    f(x, w)
+    assert len(traces) == 2  # back to the first trace
+    assert _chosen_configs(f, x, w)[0]["fields"] == {"chunk": K // 2}  # heuristics
+
+
+def test_nested_contexts_innermost_wins():
+    x, w = _inputs()
+    f = lambda x, w: chunked_matmul(x, w, implementation="xla_chunked")  # noqa: E731
+    outer, inner = _result({ChunkConfig(16): 1.0}), _result({ChunkConfig(64): 1.0})
+    with outer:
+        with inner:
+            assert _chosen_configs(f, x, w)[0]["fields"] == {"chunk": 64}
+            with outer:
+                assert _chosen_configs(f, x, w)[0]["fields"] == {"chunk": 16}
+            assert _chosen_configs(f, x, w)[0]["fields"] == {"chunk": 64}
+        assert _chosen_configs(f, x, w)[0]["fields"] == {"chunk": 16}
+    assert tokamax.autotuning.active_results() == ()
+
+
+def test_measured_implementations_rank_implementation_none():
+    x, w = _inputs()
+    f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
+    reference = _result({ChunkConfig(16): 2.0}, ChunkedMatmul())  # NullConfig key below
+    ref_entry = reference.entries[0]
+    xla = Entry(ref_entry.bound, {tokamax.NullConfig(): Measurement((1.0,))}, ref_entry.provenance)
+    slow_chunked = _result({ChunkConfig(16): 5.0})
+    fast_chunked = _result({ChunkConfig(16): 0.5})
+
+    def chosen_class():
+        text = jax.jit(f).lower(x, w).as_text()
+        return json.loads(discovery.specs_from_text(text)[0])["op"]["dataclass"].rsplit(".")[-1]
+
+    kind = current_target().device_kind
+    assert chosen_class() == "XlaChunkedMatmul"  # the family's preference order
+    with slow_chunked | tokamax.AutotuningResult(kind, [xla]):
+        assert chosen_class() == "ChunkedMatmul"
+    with fast_chunked | tokamax.AutotuningResult(kind, [xla]):
+        assert chosen_class() == "XlaChunkedMatmul"
+
+
+def test_json_round_trips_paths_and_files(tmp_path):
+    result = _result({ChunkConfig(16): 1.0, ChunkConfig(64): 2.0})
+    assert tokamax.AutotuningResult.loads(result.dumps()) == result
+    path = tmp_path / "r.json"
+    result.dump(path)
+    assert tokamax.AutotuningResult.load(path) == result
+    assert tokamax.AutotuningResult.load(str(path)) == result
+    buffer = io.StringIO()
+    result.dump(buffer)
+    buffer.seek(0)
+    loaded = tokamax.AutotuningResult.load(buffer)
+    assert loaded == result and loaded.best_config(next(iter(loaded))[0]) == ChunkConfig(16)
+
+
+def test_corrupt_and_newer_schema_give_clear_errors(tmp_path):
+    text = _result({ChunkConfig(16): 1.0}).dumps()
+    with pytest.raises(spec.SpecError, match="not valid JSON"):
+        tokamax.AutotuningResult.loads(text[: len(text) // 2])
+    newer = json.loads(text)
+    newer["schema_version"] = spec.SCHEMA_VERSION + 1
+    with pytest.raises(spec.SpecError, match="upgrade tokamax_pass"):
+        tokamax.AutotuningResult.loads(json.dumps(newer))
+    with pytest.raises(spec.SpecError, match="not a tokamax_pass AutotuningResult"):
+        tokamax.AutotuningResult.loads('{"schema_version": 1}')
+
+
+def test_merge_right_wins_and_device_kinds_must_match():
+    a = _result({ChunkConfig(16): 1.0, ChunkConfig(64): 3.0})
+    b = _result({ChunkConfig(64): 0.5})
+    merged = a | b
+    [(ba, data)] = list(merged)
+    assert data[ChunkConfig(64)].median_ms == 0.5 and data[ChunkConfig(16)].median_ms == 1.0
+    assert merged.best_config(ba) == ChunkConfig(64)
+    with pytest.raises(ValueError, match="different device kinds"):
+        a | _result({ChunkConfig(16): 1.0}, device_kind="NVIDIA H200")
+
+
+def test_repr_is_a_table():
+    text = repr(_result({ChunkConfig(16): 1.0, ChunkConfig(0): 2.0}))
+    assert "XlaChunkedMatmul" in text and "chunk=16" in text and "f32[16,64]" in text
+    assert "best config" in text.splitlines()[1]
+
+
+def test_get_bound_args_accepts_callables_lowered_and_text():
+    x, w = _inputs()
+    f = lambda x, w: jnp.sum(chunked_matmul(x, w, implementation="xla_chunked") ** 2)  # noqa: E731
+    forward = tokamax.autotuning.get_bound_args(f, x, w)
+    assert [type(b.op).__name__ for b in forward] == ["XlaChunkedMatmul"]
+    assert forward[0].op.config is None
+    assert forward[0].arguments["x"] == jax.ShapeDtypeStruct((M, K), jnp.float32)
+    lowered = jax.jit(jax.grad(f)).lower(x, w)
+    for source in (lowered, lowered.as_text(), lowered.compile().as_text()):
+        names = sorted(type(b.op).__name__ for b in tokamax.autotuning.get_bound_args(source))
+        assert names == ["AutodiffVjp", "XlaChunkedMatmul"]
+    assert len(tokamax.autotuning.get_bound_args(jax.jit(jax.grad(f)), x, w)) == 2
+
+
+def test_bound_args_json_round_trip(tmp_path):
+    x, w = _inputs()
+    f = jax.grad(lambda x, w: jnp.sum(chunked_matmul(x, w, implementation="xla_chunked")))
+    bound = tokamax.autotuning.get_bound_args(f, x, w)
+    path = tmp_path / "bound_args.json"
+    text = tokamax.autotuning.bound_args_to_json(f, path, x, w)
+    for source in (path, str(path), text, io.StringIO(text)):
+        loaded = tokamax.autotuning.bound_args_from_json(source)
+        assert [b.to_json() for b in loaded] == [b.to_json() for b in bound]
+    with pytest.raises(spec.SpecError, match="not valid JSON"):
+        tokamax.autotuning.bound_args_from_json("[{")
+
+
+def _seed_loss(x, scale):
+    x = tokamax.layer_norm(x, scale=scale, offset=None, implementation=None)
+    x = tokamax.dot_product_attention(x, x, x, implementation="xla_chunked")
+    x = tokamax.layer_norm(x, scale=scale, offset=None, implementation=None)
+    x = tokamax.dot_product_attention(x, x, x, implementation=None)
+    return jnp.sum(x)
+
+
+def _seed_inputs():
+    channels, seq_len, batch_size, num_heads = (16, 64, 2, 2)
+    scale = jax.random.normal(jax.random.key(0), (channels,), dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (batch_size, seq_len, num_heads, channels),
+                          dtype=jnp.bfloat16)
+    return x, scale
+
+
+def test_seed_document_autotuning_snippets():
+    x, scale = _seed_inputs()
+    f_grad = jax.jit(jax.grad(_seed_loss))
+    out = f_grad(x, scale)
+    autotune_result: tokamax.AutotuningResult = tokamax.autotune(f_grad, x, scale, progress=False)
+    names = {type(ba.op).__name__ for ba, _ in autotune_result}
+    assert names == {"XlaChunkedDotProductAttention", "XlaChunkedDotProductAttentionVjp"}
+    assert all(m.ok for _, data in autotune_result for m in data.values())
+    with autotune_result:
+        out_autotuned = f_grad(x, scale)
+    assert_close(out_autotuned, out, jnp.bfloat16)
+    autotune_result_json: str = autotune_result.dumps()
+    autotune_result = tokamax.AutotuningResult.loads(autotune_result_json)
+    with autotune_result:
+        assert_close(f_grad(x, scale), out, jnp.bfloat16)
