@@ -1,0 +1,169 @@
+"""PallasTritonFlashAttention (+ VJP) on CPU: Pallas interpret mode at tiny shapes against
+the float32 HIGHEST XLA reference, forward and gradient; cuda lowering through jax.export."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import H200, assert_close, random_normal, reference_precision
+from tokamax_kernels.attention import (
+    PallasTritonFlashAttention,
+    PallasTritonFlashAttentionConfig,
+    PallasTritonFlashAttentionVjp,
+    PallasTritonFlashAttentionVjpConfig,
+)
+from tokamax_kernels.attention.api import dot_product_attention
+from tokamax_pass import core
+
+FWD_CONFIG = PallasTritonFlashAttentionConfig(block_q=16, block_k=16, num_warps=4, num_stages=2)
+VJP_CONFIG = PallasTritonFlashAttentionVjpConfig(16, 16, 4, 2, 16, 16, 4, 2)
+OP = PallasTritonFlashAttention(
+    interpret=True, config=FWD_CONFIG,
+    vjp=PallasTritonFlashAttentionVjp(interpret=True, config=VJP_CONFIG))
+
+
+def inputs(seq_q=32, seq_k=32, heads=2, kv_heads=2, head_dim=16, dtype=jnp.float32):
+    q = random_normal(0, (1, seq_q, heads, head_dim), dtype)
+    k = random_normal(1, (1, seq_k, kv_heads, head_dim), dtype)
+    v = random_normal(2, (1, seq_k, kv_heads, head_dim), dtype)
+    return q, k, v
+
+
+def check(q, k, v, bias=None, *, grad=True, **options):
+    """Forward and (optionally) the gradient of a nonlinear loss, kernel vs reference."""
+    def loss(impl, q, k, v, bias):
+        out = dot_product_attention(q, k, v, bias, implementation=impl, precision="highest",
+                                    **options)
+        return jnp.sum(jnp.sin(out) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    with reference_precision():
+        out = dot_product_attention(q, k, v, bias, implementation=OP, precision="highest",
+                                    **options)
+        ref = dot_product_attention(q, k, v, bias, implementation="xla", precision="highest",
+                                    **options)
+        assert_close(out, ref, q.dtype, scale_rtol=1e-4 if q.dtype == jnp.float32 else None)
+        if not grad:
+            return
+        argnums = (1, 2, 3) if bias is None else (1, 2, 3, 4)
+        grads = jax.grad(loss, argnums=argnums)(OP, q, k, v, bias)
+        refs = jax.grad(loss, argnums=argnums)("xla", q, k, v, bias)
+    for g, r in zip(grads, refs, strict=True):
+        assert_close(g, r, q.dtype, scale_rtol=1e-4 if q.dtype == jnp.float32 else None)
+
+
+def test_plain_forward_and_gradient():
+    check(*inputs())
+
+
+def test_causal():
+    check(*inputs(), is_causal=True)
+
+
+def test_bias_and_its_gradient_broadcast_over_batch():
+    q, k, v = inputs()
+    check(q, k, v, random_normal(3, (1, 2, 32, 32)))
+
+
+def test_bool_mask_with_fully_masked_rows():
+    q, k, v = inputs()
+    mask = jax.random.bernoulli(jax.random.key(4), 0.6, (1, 1, 32, 32))
+    mask = mask.at[:, :, 5, :].set(False)  # a row that sees nothing: zeros, zero gradient
+    check(q, k, v, mask=mask)
+
+
+def test_gqa_cross_attention_with_unaligned_lengths():
+    # Sq=40 is not a multiple of the 16-row blocks: padded rows and keys must not leak.
+    check(*inputs(seq_q=40, seq_k=48, heads=4, kv_heads=2), is_causal=True)
+
+
+def test_mqa():
+    check(*inputs(heads=4, kv_heads=1))
+
+
+def test_sequence_lengths():
+    check(*inputs(), query_seq_lengths=jnp.array([21]), key_value_seq_lengths=jnp.array([19]))
+
+
+def test_local_window_and_soft_cap():
+    check(*inputs(seq_q=48, seq_k=48, heads=1, kv_heads=1), local_window_size=(9, 4),
+          logits_soft_cap=2.5)
+
+
+def test_soft_cap_with_bias_causal():
+    q, k, v = inputs(heads=1, kv_heads=1)
+    check(q, k, v, random_normal(5, (1, 1, 32, 32)), is_causal=True, logits_soft_cap=3.0)
+
+
+def test_bf16_forward():
+    check(*inputs(dtype=jnp.bfloat16), grad=False)
+
+
+def test_head_dim_not_a_power_of_two():
+    check(*inputs(head_dim=24, heads=1, kv_heads=1), grad=False, is_causal=True)
+
+
+def test_residuals_are_the_family_lse():
+    q, k, v = inputs()
+    ba = OP.bind(q, k, v, is_causal=True)
+    ref = ba.op.reference_op()
+    with reference_precision():
+        _, (lse,) = OP._fwd(**ba.arguments, config=FWD_CONFIG, return_residuals=True)
+        _, (ref_lse,) = ref._fwd(**ba.arguments, config=core.NullConfig(),
+                                 return_residuals=True)
+    assert lse.shape == (1, 2, 32) and lse.dtype == jnp.float32
+    assert_close(lse, ref_lse, scale_rtol=1e-5)
+
+
+def test_triton_without_interpret_on_cpu_raises():
+    q, k, v = inputs()
+    with pytest.raises(NotImplementedError, match="cuda"):
+        dot_product_attention(q, k, v, implementation="triton")
+    # implementation=None moves on to a CPU implementation.
+    assert dot_product_attention(q, k, v).shape == q.shape
+
+
+def test_configs_reject_bad_blocks():
+    with pytest.raises(ValueError, match="block_q"):
+        PallasTritonFlashAttentionConfig(block_q=48)
+    with pytest.raises(ValueError, match="block_k_dq"):
+        PallasTritonFlashAttentionVjpConfig(block_k_dq=8)
+
+
+def test_heuristics_and_search_space():
+    q, k, v = (jax.ShapeDtypeStruct((4, 8192, 16, 128), jnp.bfloat16),) * 3
+    ba = PallasTritonFlashAttention().bind(q, k, v, is_causal=True)
+    config = ba.heuristics_config
+    assert isinstance(config, PallasTritonFlashAttentionConfig)
+    assert len(ba.autotuning_configs) > 10
+    vjp_ba = PallasTritonFlashAttentionVjp().bind((None,), None, None, **ba.arguments)
+    assert isinstance(vjp_ba.heuristics_config, PallasTritonFlashAttentionVjpConfig)
+    assert len(vjp_ba.autotuning_configs) > 10
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_for_cuda_forward_and_gradient(causal):
+    import tokamax_pass
+
+    shapes = [jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16),
+              jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16),
+              jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)]
+
+    def forward(q, k, v):
+        return dot_product_attention(q, k, v, is_causal=causal, implementation="triton")
+
+    def gradient(q, k, v):
+        return jax.grad(lambda *a: forward(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(
+            q, k, v)
+
+    for fn in (forward, gradient):
+        with core.targeting(H200):
+            exported = jax.export.export(
+                jax.jit(fn), platforms=["cuda"],
+                disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(*shapes)
+        text = exported.mlir_module()
+        assert "__gpu$xla.gpu.triton" in text
+        assert core.METADATA_KEY in text
+        if fn is gradient:
+            assert "PallasTritonFlashAttentionVjp" in text
