@@ -6,13 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
+from tokamax_kernels.gated_linear_unit.pallas_triton import PallasTritonGatedLinearUnit
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
 FAMILY = register_family(Family(
     name="gated_linear_unit",
-    implementations={"xla": GatedLinearUnit},
-    automatic=("xla",),
+    implementations={"xla": GatedLinearUnit, "triton": PallasTritonGatedLinearUnit},
+    automatic=("triton", "xla"),
 ))
 
 

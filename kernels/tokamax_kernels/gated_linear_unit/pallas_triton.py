@@ -1,0 +1,194 @@
+"""`PallasTritonGatedLinearUnit`: `activation(x @ w_gate) * (x @ w_up)` in one Triton kernel.
+
+Each program owns a (`block_m`, `block_n`) output tile and walks K in `block_k`
+steps, loading one x tile and the matching gate and up weight tiles, with two
+float32 accumulators; the activation and the product are applied on the
+accumulators, so the (M, N) pre-activations never reach memory. Fused (K, 2, N)
+weights are read in place as a (K, 2N) matrix (gate at column j, up at N + j).
+Edges that blocks do not divide are masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from tokamax_kernels import _triton
+from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
+from tokamax_pass.core import BoundArguments, Op, Target
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Output tile (`block_m` x `block_n`) and contraction step `block_k` (powers of 2 >= 16)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1) or value < (16 if name != "num_warps" else 1):
+                raise ValueError(f"Config.{name} must be a power of 2 (>= 16 for blocks), "
+                                 f"got {value}")
+
+
+def weight_operands(weights: Any) -> tuple[jax.Array, jax.Array, int]:
+    """`(gate matrix, up matrix, column offset of up)`: fused weights as one (K, 2N) view."""
+    if isinstance(weights, tuple):
+        return weights[0], weights[1], 0
+    k, _, n = weights.shape
+    fused = weights.reshape(k, 2 * n)
+    return fused, fused, n
+
+
+def dual_products(x_ref: Any, gate_ref: Any, up_ref: Any, *, m: int, k: int, n: int,
+                  up_offset: int, config: Any, exact: bool) -> tuple[jax.Array, jax.Array]:
+    """`(x @ w_gate, x @ w_up)` float32 tiles of this program (rows i, columns j)."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    j, i = pl.program_id(0), pl.program_id(1)
+    rows = i * bm + jnp.arange(bm)
+    cols = j * bn + jnp.arange(bn)
+
+    def step(kk: Any, acc: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        ks = kk * bk + jnp.arange(bk)
+        k_mask = ks < k
+        a = plgpu.load(x_ref.at[pl.ds(i * bm, bm), pl.ds(kk * bk, bk)],
+                       mask=(rows < m)[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & (cols < n)[None, :]
+        wg = plgpu.load(gate_ref.at[pl.ds(kk * bk, bk), pl.ds(j * bn, bn)], mask=w_mask,
+                        other=0.0)
+        wu = plgpu.load(up_ref.at[pl.ds(kk * bk, bk), pl.ds(up_offset + j * bn, bn)],
+                        mask=w_mask, other=0.0)
+        return (acc[0] + plgpu.dot(a, wg, allow_tf32=not exact),
+                acc[1] + plgpu.dot(a, wu, allow_tf32=not exact))
+
+    zeros = jnp.zeros((bm, bn), jnp.float32)
+    return jax.lax.fori_loop(0, _triton.cdiv(k, bk), step, (zeros, zeros))
+
+
+def tile_mask(config: Any, m: int, n: int) -> jax.Array:
+    j, i = pl.program_id(0), pl.program_id(1)
+    rows = i * config.block_m + jnp.arange(config.block_m)
+    cols = j * config.block_n + jnp.arange(config.block_n)
+    return (rows < m)[:, None] & (cols < n)[None, :]
+
+
+def _fwd_kernel(x_ref, gate_ref, up_ref, out_ref, *, m: int, k: int, n: int, up_offset: int,
+                activation: Callable[[Any], Any], config: Config, exact: bool) -> None:
+    gate, up = dual_products(x_ref, gate_ref, up_ref, m=m, k=k, n=n, up_offset=up_offset,
+                             config=config, exact=exact)
+    out = activation(gate) * up
+    i, j = pl.program_id(1), pl.program_id(0)
+    plgpu.store(out_ref.at[pl.ds(i * config.block_m, config.block_m),
+                           pl.ds(j * config.block_n, config.block_n)],
+                out.astype(out_ref.dtype), mask=tile_mask(config, m, n))
+
+
+def glu_forward(x: jax.Array, weights: Any, *, activation: Callable[[Any], Any], config: Config,
+                interpret: bool = False) -> jax.Array:
+    """The gated linear unit of `x` (..., K) -> (..., N) by the fused Triton kernel."""
+    *lead, k = x.shape
+    m = math.prod(lead)
+    gate, up, up_offset = weight_operands(weights)
+    n = gate.shape[1] - up_offset if up_offset else gate.shape[1]
+    kernel = functools.partial(_fwd_kernel, m=m, k=k, n=n, up_offset=up_offset,
+                               activation=activation, config=config,
+                               exact=jnp.dtype(x.dtype) == jnp.float32)
+    out = pl.pallas_call(
+        kernel,
+        grid=(_triton.cdiv(n, config.block_n), _triton.cdiv(m, config.block_m)),
+        out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+        compiler_params=_triton.compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="tokamax_glu_fwd",
+    )(x.reshape(m, k), gate, up)
+    return out.reshape(*lead, n)
+
+
+def check_triton_glu_inputs(ba: BoundArguments) -> None:
+    """What the Triton GLU kernels cannot do (raised as `NotImplementedError`)."""
+    x, weights = ba.arguments["x"], ba.arguments["weights"]
+    parts = weights if isinstance(weights, tuple) else (weights,)
+    _triton.require_triton_dtype("x", x)
+    for w in parts:
+        _triton.require_triton_dtype("weights", w)
+        if jnp.dtype(w.dtype) != jnp.dtype(x.dtype):
+            raise NotImplementedError(
+                f"the Triton GLU needs weights of x's dtype {x.dtype}, got {w.dtype}")
+    if 0 in x.shape or any(0 in w.shape for w in parts):
+        raise NotImplementedError("the Triton GLU needs non-empty operands")
+    if ba.vmap:
+        raise NotImplementedError("the Triton GLU does not support jax.vmap")
+
+
+def matmul_heuristics(config_cls: type, m: int, n: int, itemsize: int) -> Any:
+    """H200 tiles for a dual-accumulator matmul (two f32 accumulators per program)."""
+    def fit(size: int, most: int) -> int:
+        return max(16, min(most, _triton.next_power_of_2(size)))
+
+    return config_cls(block_m=fit(m, 128), block_n=fit(n, 128 if itemsize == 2 else 64),
+                      block_k=64 if itemsize == 2 else 32, num_warps=8,
+                      num_stages=3 if itemsize == 2 else 2)
+
+
+def matmul_search_space(config_cls: type) -> set[Any]:
+    space = itertools.product((64, 128), (64, 128), (32, 64), (4, 8), (2, 3, 4))
+    return {config_cls(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in space}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasTritonGatedLinearUnit(GatedLinearUnit):
+    """The gated linear unit as one fused Pallas Triton kernel (f16/bf16/f32; CUDA).
+
+    `interpret=True` runs the kernel in the Pallas interpreter (any platform; tests).
+    """
+
+    interpret: bool = False
+
+    config_cls: ClassVar[type] = Config
+    implementation: ClassVar[str] = "triton"
+    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+
+    def check_supported_target(self, target: Target) -> None:
+        if not self.interpret:
+            super().check_supported_target(target)
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        check_triton_glu_inputs(ba)
+
+    def _fwd(self, x: jax.Array, weights: Any, *, activation: Callable[[Any], Any],
+             precision: Any, config: Config, return_residuals: bool) -> tuple[jax.Array, None]:
+        del precision  # f16/bf16 products are exact in f32; f32 inputs run at full precision
+        return glu_forward(x, weights, activation=activation, config=config,
+                           interpret=self.interpret), None
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> Config:
+        x, weights = ba.arguments["x"], ba.arguments["weights"]
+        n = weights[0].shape[1] if isinstance(weights, tuple) else weights.shape[2]
+        return matmul_heuristics(Config, math.prod(x.shape[:-1]), n,
+                                 jnp.dtype(x.dtype).itemsize)
+
+    def _get_autotuning_configs(self, ba: BoundArguments) -> set[Config]:
+        return matmul_search_space(Config)
+
+    def _default_vjp(self) -> Op:
+        from tokamax_kernels.gated_linear_unit.pallas_triton_vjp import (
+            PallasTritonGatedLinearUnitVjp,
+        )
+
+        return PallasTritonGatedLinearUnitVjp(interpret=self.interpret)
