@@ -19,6 +19,7 @@ import re
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -184,7 +185,9 @@ def _profiler_times(compiled: Any, args: list[Any], iterations: int, module: str
     for plane in profile.planes:
         for line in plane.lines:
             for event in line.events:
-                stats = dict(event.stats)
+                with warnings.catch_warnings():  # jaxlib's stats type warns on introspection
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    stats = dict(event.stats)
                 if "hlo_op" not in stats or stats.get("hlo_module", module) != module:
                     continue
                 runs.setdefault(stats.get("run_id"), []).append(
