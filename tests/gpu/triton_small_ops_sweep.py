@@ -1,3 +1,4 @@
+# ruff: noqa: B023, E731  (lambdas are called at once, inside their loop iteration)
 """Device sweep for the Triton layer norm, ragged dot and GLU kernels (run on the H200).
 
 `PYTHONPATH=src:kernels python3 tests/gpu/triton_small_ops_sweep.py OUT_DIR [sections]`
@@ -72,7 +73,7 @@ def layer_norm_section():
     for subtract_mean in (True, False):
         name = "layer_norm" if subtract_mean else "rms_norm"
         with jax.default_matmul_precision("highest"):
-            ref = lambda x, s, o: LayerNorm()(x, s, o, subtract_mean=subtract_mean)  # noqa: E731
+            ref = lambda x, s, o: LayerNorm()(x, s, o, subtract_mean=subtract_mean)
             f32 = [a.astype(jnp.float32) for a in (x, s, o, dy)]
             want_y, want_g = jax.jit(vjp_fn(ref))(*f32)
         xla_fwd = timed(lambda x, s, o: ref(x, s, o), x, s, o)
@@ -82,11 +83,11 @@ def layer_norm_section():
         heur = ln_triton.PallasTritonLayerNorm().bind(x, s, o).heuristics_config
         fwd_configs = {heur} | {
             ln_triton.Config(block_rows=r, block_n=4096, num_warps=w, num_stages=1)
-            for r, w in ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16))}
+            for r, w in ((1, 4), (1, 8), (2, 8), (2, 16))}
         for cfg in sorted(fwd_configs, key=str):
             op = ln_triton.PallasTritonLayerNorm(config=cfg)
             try:
-                f = lambda x, s, o, op=op: op(x, s, o, subtract_mean=subtract_mean)  # noqa: E731
+                f = lambda x, s, o, op=op: op(x, s, o, subtract_mean=subtract_mean)
                 err = rel_err(jax.jit(f)(x, s, o), want_y)
                 ms = timed(f, x, s, o)
                 log(section=name, impl="triton_fwd", config=str(cfg), heuristic=cfg == heur,
@@ -98,9 +99,8 @@ def layer_norm_section():
         bwd_configs = {bheur} | {
             ln_vjp.Config(block_rows=r, block_n=4096, rows_per_program=rpp, num_warps=w,
                           num_stages=st)
-            for r, rpp, w, st in ((1, 128, 8, 2), (1, 128, 16, 2), (2, 128, 16, 2),
-                                  (1, 64, 8, 2), (1, 256, 8, 3), (1, 128, 8, 3),
-                                  (4, 128, 16, 2))}
+            for r, rpp, w, st in ((1, 128, 8, 2), (2, 128, 16, 2), (1, 64, 8, 3),
+                                  (1, 256, 8, 3))}
         for cfg in sorted(bwd_configs, key=str):
             op = ln_triton.PallasTritonLayerNorm(vjp=ln_vjp.PallasTritonLayerNormVjp(config=cfg))
             try:
@@ -142,13 +142,13 @@ def ragged_section():
                                                      (64, 128, 64, 4, 4), (128, 128, 64, 4, 4),
                                                      (256, 128, 64, 8, 3))}
             if variant == "forward":
-                peer = lambda a, b: jax.lax.ragged_dot(a, b, gs)  # noqa: E731
+                peer = lambda a, b: jax.lax.ragged_dot(a, b, gs)
                 ms = timed(peer, a, b)
                 log(section="ragged", groups=label, variant=variant, impl="jax.lax.ragged_dot",
                     ms=ms, tflops=flops / ms / 1e9, err=rel_err(jax.jit(peer)(a, b), want))
             for cfg in sorted(configs, key=str):
                 op = rd_triton.PallasTritonRaggedDot(config=cfg)
-                f = lambda a, b, op=op, v=variant: op(a, b, gs, variant=v)  # noqa: E731
+                f = lambda a, b, op=op, v=variant: op(a, b, gs, variant=v)
                 try:
                     got = jax.jit(f)(a, b)
                     bitwise = bool((got == jax.jit(f)(a, b)).all())
@@ -190,7 +190,7 @@ def glu_section():
         op = glu_triton.PallasTritonGatedLinearUnit(
             config=cfg, vjp=PallasTritonGatedLinearUnitVjp(config=cfg))
         try:
-            f = lambda x, w, op=op: op(x, w)  # noqa: E731
+            f = lambda x, w, op=op: op(x, w)
             err = rel_err(jax.jit(f)(x, w), want_y)
             fwd = timed(f, x, w)
             y, grads = jax.jit(vjp_fn(f))(x, w, dy)
