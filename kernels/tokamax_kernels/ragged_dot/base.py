@@ -15,6 +15,8 @@ gradient is a `tokamax_call` of its own, found and tuned as its own shape.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -82,6 +84,63 @@ def _check_concrete_group_sizes(group_sizes: Any, m: int) -> None:
         )
 
 
+@functools.cache
+def _xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any) -> Callable:
+    """`jax.lax.ragged_dot_general` for `variant`, with batching and gradient rules of its own.
+
+    JAX batches a ragged dot only when all three operands carry the batch axis, so
+    under `jax.vmap` the batch is folded into the groups instead: each batch entry
+    gets its G groups plus one padding group over its rows past the sum (times a
+    zero matrix), and the result is one ragged dot, exact and unbatched at this level.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return jax.lax.ragged_dot_general(
+            lhs, rhs, group_sizes, _DIMENSION_NUMBERS[variant], precision=precision,
+            preferred_element_type=preferred_element_type,
+        )
+
+    @ragged_dot.def_vmap
+    def _fold_batch(axis_size: int, in_batched: Any, lhs: jax.Array, rhs: jax.Array,
+                    group_sizes: jax.Array) -> tuple[jax.Array, bool]:
+        lhs, rhs, group_sizes = (
+            x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            for x, batched in zip((lhs, rhs, group_sizes), in_batched, strict=True)
+        )
+        b, m = lhs.shape[:2]
+        pad = (m - group_sizes.sum(axis=1, keepdims=True)).astype(group_sizes.dtype)
+        sizes = jnp.concatenate([group_sizes, pad], axis=1).reshape(-1)
+        lhs = lhs.reshape(b * m, -1)
+        if variant == "drhs":
+            out = ragged_dot(lhs, rhs.reshape(b * m, -1), sizes)
+            return out.reshape(b, -1, *out.shape[1:])[:, :-1], True
+        rhs = jnp.concatenate([rhs, jnp.zeros_like(rhs[:, :1])], axis=1)
+        out = ragged_dot(lhs, rhs.reshape(-1, *rhs.shape[2:]), sizes)
+        return out.reshape(b, m, -1), True
+
+    # `custom_vmap` has no autodiff: give it the family's own gradients (see `_GRADIENTS`).
+    @jax.custom_vjp
+    def differentiable(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return ragged_dot(lhs, rhs, group_sizes)
+
+    def fwd(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> tuple[jax.Array, Any]:
+        return ragged_dot(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+    def bwd(saved: Any, dout: jax.Array) -> tuple[jax.Array, jax.Array, None]:
+        lhs, rhs, group_sizes = saved
+        calls = _gradient_calls(dout=dout, lhs=lhs, rhs=rhs, group_sizes=group_sizes,
+                                precision=precision, variant=variant)
+        dlhs, drhs = (
+            _xla_ragged_dot(kw["variant"], kw["precision"], kw["preferred_element_type"])(*args)
+            for args, kw in (calls["lhs"], calls["rhs"])
+        )
+        return dlhs, drhs, None
+
+    differentiable.defvjp(fwd, bwd)
+    return differentiable
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RaggedDot(Op[NullConfig]):
     """The ragged dot (all three variants) by `jax.lax.ragged_dot_general`."""
@@ -132,11 +191,8 @@ class RaggedDot(Op[NullConfig]):
     def _fwd(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, precision: Any,
              preferred_element_type: Any, variant: str, config: NullConfig,
              return_residuals: bool) -> tuple[jax.Array, None]:
-        out = jax.lax.ragged_dot_general(
-            lhs, rhs, group_sizes, _DIMENSION_NUMBERS[variant], precision=precision,
-            preferred_element_type=preferred_element_type,
-        )
-        return out, None
+        return _xla_ragged_dot(variant, precision, preferred_element_type)(
+            lhs, rhs, group_sizes), None
 
     def _default_vjp(self) -> Op:
         return RaggedDotVjp(inner=self.replace(config=None, vjp=None))
