@@ -3,15 +3,15 @@
     python -m tokamax_pass.tools.xplane_to_bound_args \\
         --xplane_file=my_model.xplane.pb --output_file=/tmp/bound_args.json
 
-Where the ops survive: `jax.profiler.trace` records the HLO of every program it
-sees compiled into the `/host:metadata` plane (as `HloProto` bytes in the plane's
-event metadata). Compiled HLO keeps each instruction's frontend attributes, so
-every instruction of an op call carries the map entry
-`tokamax_pass_spec -> <BoundArguments JSON>`. `jax.profiler.ProfileData` (no
-TensorFlow) opens and checks the XSpace but does not expose event metadata, so
-the spec strings are read from the protobuf wire form of that map entry (field 1
-= the key, field 2 = the JSON) anywhere in the file. On CPU a program's HLO is
-recorded when it is compiled inside the trace: profile the first call.
+Where the ops survive: `jax.profiler.trace` records the HLO of the programs the
+process has loaded (on CPU also those compiled before the trace) in the
+`/host:metadata` plane, as `HloProto` bytes in the plane's event metadata.
+Compiled HLO keeps each instruction's frontend attributes, so every instruction
+of an op call carries the map entry `tokamax_pass_spec -> <BoundArguments JSON>`.
+`jax.profiler.ProfileData` (no TensorFlow) opens and checks the XSpace but does
+not expose event metadata, so the spec strings are read from the protobuf wire
+form of that map entry (field 1 = the key, field 2 = the JSON) anywhere in the
+file. The list holds every op of those programs, whether or not it ran in the trace.
 """
 
 from __future__ import annotations

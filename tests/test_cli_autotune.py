@@ -1,0 +1,99 @@
+"""`tokamax-pass autotune | cache | bound-args` and the xplane_to_bound_args tool, on CPU."""
+
+from __future__ import annotations
+
+import glob
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tokamax_pass as tokamax
+from tokamax_pass import cli
+from tokamax_pass.autotuning import cache
+from tokamax_pass.tools import xplane_to_bound_args
+
+SHAPES = ["f32[16,64]", "f32[64,32]"]
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path / "user"))
+    cache._USER.invalidate()
+
+
+def test_autotune_command_writes_a_result(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    assert cli.main(["autotune", "test_autotuning_ops:loss", "--args", *SHAPES, "--grad",
+                     "-o", str(out), "--no-progress"]) == 0
+    result = tokamax.AutotuningResult.load(out)
+    [(ba, data)] = list(result)
+    assert type(ba.op).__name__ == "XlaChunkedMatmul" and len(data) == 5
+    printed = capsys.readouterr().out
+    assert "XlaChunkedMatmul" in printed and "autotuning took" in printed
+
+
+def test_bound_args_command_then_autotune_from_the_file(tmp_path):
+    listing = tmp_path / "bound_args.json"
+    assert cli.main(["bound-args", "test_autotuning_ops:loss", "--args", *SHAPES, "--grad",
+                     "-o", str(listing)]) == 0
+    bound = tokamax.autotuning.bound_args_from_json(str(listing))
+    assert sorted(type(b.op).__name__ for b in bound) == ["AutodiffVjp", "XlaChunkedMatmul"]
+    out = tmp_path / "result.json"
+    assert cli.main(["autotune", "--bound-args", str(listing), "-o", str(out),
+                     "--no-progress", "--cache"]) == 0
+    assert len(tokamax.AutotuningResult.load(out)) == 1
+    assert len(cache.read(cache.cache_file(jax.devices()[0].device_kind))) == 1
+
+
+def test_cache_commands(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    cli.main(["autotune", "test_autotuning_ops:loss", "--args", *SHAPES, "-o", str(out),
+              "--no-progress"])
+    folder = tmp_path / "elsewhere"
+    assert cli.main(["cache", "--cache-dir", str(folder), "import", str(out)]) == 0
+    capsys.readouterr()
+    assert cli.main(["cache", "--cache-dir", str(folder), "list"]) == 0
+    assert "1 entries" in capsys.readouterr().out
+    assert cli.main(["cache", "--cache-dir", str(folder), "show"]) == 0
+    assert "XlaChunkedMatmul" in capsys.readouterr().out
+    assert cli.main(["cache", "--cache-dir", str(folder), "clear"]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert list(folder.glob("*.json")) == []
+
+
+def _seed_loss(x, scale):
+    x = tokamax.layer_norm(x, scale=scale, offset=None, implementation=None)
+    x = tokamax.dot_product_attention(x, x, x, implementation="xla_chunked")
+    return jnp.sum(x)
+
+
+def test_xplane_to_bound_args_end_to_end(tmp_path, capsys):
+    x = jax.random.normal(jax.random.key(1), (2, 32, 2, 16), dtype=jnp.bfloat16)
+    scale = jax.random.normal(jax.random.key(0), (16,), dtype=jnp.float32)
+    f_grad = jax.jit(jax.grad(_seed_loss))
+    with jax.profiler.trace(str(tmp_path / "trace")):
+        jax.block_until_ready(f_grad(x, scale))
+    [xplane] = glob.glob(str(tmp_path / "trace" / "**" / "*.xplane.pb"), recursive=True)
+    output = tmp_path / "bound_args.json"
+    assert xplane_to_bound_args.main([f"--xplane_file={xplane}",
+                                      f"--output_file={output}"]) == 0
+    from_profile = tokamax.autotuning.bound_args_from_json(str(output))
+    from_program = tokamax.autotuning.get_bound_args(f_grad, x, scale)
+    # The profile holds every program the process had loaded, so earlier tests' ops too.
+    assert len(from_program) == 4  # layer norm, chunked attention and their VJP ops
+    assert {b.to_json() for b in from_program} <= {b.to_json() for b in from_profile}
+    again = tmp_path / "again.json"
+    assert cli.main(["bound-args", "--xplane_file", xplane, "-o", str(again)]) == 0
+    assert again.read_text() == output.read_text()
+    ours = [b for b in from_profile if b.to_json() in {p.to_json() for p in from_program}]
+    result = tokamax.autotune(ours, progress=False)
+    assert {type(b.op).__name__ for b, _ in result} == {
+        "XlaChunkedDotProductAttention", "XlaChunkedDotProductAttentionVjp"}
+
+
+def test_not_a_profile_is_a_clear_error(tmp_path):
+    bogus = tmp_path / "x.xplane.pb"
+    bogus.write_bytes(b"\xff\xff not a profile")
+    with pytest.raises(ValueError, match="not an XSpace profile"):
+        xplane_to_bound_args.bound_args_from_xplane(bogus)
