@@ -26,6 +26,8 @@ Config = common.Config
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Smallest tiles a kernel can run: contraction step, output rows, output columns per CTA.
 _MIN_TILE_K, _MIN_TILE_M, _MIN_CTA_N = 64, 64, 2 * 64
+# Swizzled TMA tiles of the (M, *) operands need M to be a multiple of the 8-row tiling.
+_ROW_ALIGN = 8
 
 
 def _problem(lhs: Any, rhs: Any, variant: str) -> tuple[int, int, int]:
@@ -79,6 +81,10 @@ class PallasMosaicGpuRaggedDot(RaggedDot):
                 f"Mosaic GPU ragged dot writes {dtype}; preferred_element_type={out_dtype} is not "
                 "supported")
         rows, contraction, columns = _problem(lhs, rhs, variant)
+        if lhs.shape[0] % _ROW_ALIGN:
+            raise NotImplementedError(
+                f"{variant}: M ({lhs.shape[0]}) must be a multiple of {_ROW_ALIGN} (the TMA "
+                "tiling of swizzled row tiles)")
         if columns % _MIN_CTA_N:
             raise NotImplementedError(
                 f"{variant}: output columns ({columns}) must be a multiple of {_MIN_CTA_N}")

@@ -1,0 +1,160 @@
+"""PallasMosaicGpuRaggedDot on CPU: every variant lowers for an H200 (the `mosaic_gpu_v2`
+custom call with its JSON spec), also under `jax.grad`; unsupported inputs and devices
+raise `NotImplementedError` so `implementation=None` falls back; configs and heuristics.
+Numerics run on the GPU (`tests/gpu/test_mosaic_ragged_dot_gpu.py`)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+import tokamax_pass
+from conftest import H200, assert_close, random_normal, reference_precision
+from tokamax_kernels.ragged_dot import PallasMosaicGpuRaggedDot, RaggedDot, ragged_dot
+from tokamax_kernels.ragged_dot import api as ragged_api
+from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import Config
+from tokamax_kernels.ragged_dot.pallas_mosaic_gpu_common import SMEM_BUDGET_BYTES
+
+SIZES = (100, 0, 37, 119)  # uneven, one empty group, rows 256..: past the last group
+M, K, N = 296, 128, 256
+BENCH = dict(m=16384, k=4096, n=4096, g=8)
+
+
+def _target(kind: str = H200):
+    """A GPU to lower for. Auto axes: the family's reference (`ragged_dot_general`, used for
+    output shapes) has no sharding rule under the Explicit axes of `core.targeting`."""
+    return jax.sharding.use_abstract_mesh(AbstractMesh(
+        (1,), ("_target",), axis_types=(AxisType.Auto,),
+        abstract_device=AbstractDevice(kind, None, "cuda")))
+
+
+G = len(SIZES)
+
+
+def _shapes(variant, m=M, k=K, n=N, g=G, dtype=jnp.bfloat16):
+    lhs, rhs = {"forward": ((m, k), (g, k, n)), "dlhs": ((m, n), (g, k, n)),
+                "drhs": ((m, k), (m, n))}[variant]
+    return (jax.ShapeDtypeStruct(lhs, dtype), jax.ShapeDtypeStruct(rhs, dtype),
+            jax.ShapeDtypeStruct((g,), jnp.int32))
+
+
+def _export_text(fn, *args) -> str:
+    with _target():
+        exported = jax.export.export(
+            jax.jit(fn), platforms=["cuda"],
+            disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(*args)
+    return exported.mlir_module()
+
+
+def _specs(text: str) -> list[str]:
+    """The JSON specs stamped on the custom calls (MLIR escapes quotes as \\22)."""
+    found = re.findall(r'tokamax_pass_spec = "((?:[^"\\]|\\.)*)"', text)
+    return [s.replace("\\22", '"') for s in found]
+
+
+@pytest.mark.parametrize("variant", ["forward", "dlhs", "drhs"])
+@pytest.mark.parametrize("shape", ["small", "bench"])
+def test_variant_lowers_to_mosaic_gpu_with_spec(variant, shape):
+    sizes = dict(m=M, k=K, n=N, g=G) if shape == "small" else BENCH
+    op = PallasMosaicGpuRaggedDot()
+    text = _export_text(lambda a, b, s: op(a, b, s, variant=variant), *_shapes(variant, **sizes))
+    assert text.count("mosaic_gpu_v2") == 1
+    specs = _specs(text)
+    assert len(specs) == 1
+    assert "PallasMosaicGpuRaggedDot" in specs[0] and f'"variant":"{variant}"' in specs[0]
+
+
+def test_gradient_lowers_dlhs_and_drhs_kernels():
+    def loss(x, w, s):
+        return ragged_dot(x, w, s, implementation="mosaic").astype(jnp.float32).sum()
+
+    text = _export_text(jax.value_and_grad(loss, argnums=(0, 1)), *_shapes("forward"))
+    assert text.count("mosaic_gpu_v2") == 3  # forward, dlhs, drhs
+    specs = _specs(text)
+    assert all("PallasMosaicGpuRaggedDot" in s for s in specs)
+    for variant in ("forward", "dlhs", "drhs"):
+        assert any(f'"variant":"{variant}"' in s for s in specs), variant
+
+
+def test_none_prefers_mosaic_on_hopper():
+    assert ragged_api.FAMILY.automatic[0] == "mosaic"
+    text = _export_text(lambda a, b, s: ragged_dot(a, b, s), *_shapes("forward"))
+    assert "mosaic_gpu_v2" in text
+
+
+@pytest.mark.parametrize("variant, shapes, why", [
+    ("forward", _shapes("forward", dtype=jnp.float32), "bf16 or f16"),
+    ("forward", _shapes("forward", n=192), "multiple of 128"),
+    ("dlhs", _shapes("dlhs", k=192), "multiple of 128"),
+    ("forward", _shapes("forward", k=96), "multiple of 64"),
+    ("forward", _shapes("forward", m=32), "at least 64"),
+    ("forward", _shapes("forward", m=300), "multiple of 8"),
+    ("drhs", _shapes("drhs", m=300), "multiple of 8"),
+    ("drhs", _shapes("drhs", k=96), "multiple of 64"),
+])
+def test_unsupported_inputs_raise_not_implemented(variant, shapes, why):
+    op = PallasMosaicGpuRaggedDot()
+    with _target(), pytest.raises(NotImplementedError, match=why):
+        jax.eval_shape(lambda a, b, s: op(a, b, s, variant=variant), *shapes)
+
+
+def test_f32_output_and_old_gpus_raise_not_implemented():
+    op = PallasMosaicGpuRaggedDot()
+    args = _shapes("forward")
+    with _target(), pytest.raises(NotImplementedError, match="preferred_element_type"):
+        jax.eval_shape(lambda a, b, s: op(a, b, s, preferred_element_type=jnp.float32), *args)
+    with _target("NVIDIA A100-SXM4-40GB"), pytest.raises(NotImplementedError, match="Hopper"):
+        jax.eval_shape(lambda a, b, s: op(a, b, s), *args)
+
+
+def test_pinned_config_that_does_not_fit_raises():
+    op = PallasMosaicGpuRaggedDot(config=Config(tile_n=256))  # CTA 512 wide, N is 256
+    with _target(), pytest.raises(NotImplementedError, match="does not fit"):
+        jax.eval_shape(lambda a, b, s: op(a, b, s), *_shapes("forward"))
+
+
+def test_on_cpu_mosaic_raises_and_none_falls_back_to_xla():
+    x = random_normal(0, (M, K), jnp.bfloat16)
+    w = random_normal(1, (len(SIZES), K, N), jnp.bfloat16)
+    sizes = jnp.asarray(SIZES, jnp.int32)
+    with pytest.raises(NotImplementedError, match="cuda"):
+        jax.jit(lambda a, b, s: ragged_dot(a, b, s, implementation="mosaic"))(x, w, sizes)
+    out = jax.jit(lambda a, b, s: ragged_dot(a, b, s))(x, w, sizes)
+    with reference_precision():
+        ref = RaggedDot()(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
+    assert_close(out, ref, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("kwargs", [dict(tile_m=96), dict(tile_n=32), dict(tile_k=24),
+                                    dict(epi_n=48), dict(num_stages=1), dict(grid_minor_dim=2),
+                                    dict(grid_tile_width=0)])
+def test_config_validation(kwargs):
+    with pytest.raises(ValueError):
+        Config(**kwargs)
+
+
+@pytest.mark.parametrize("variant", ["forward", "dlhs", "drhs"])
+def test_heuristics_and_search_space_fit_smem(variant):
+    op = PallasMosaicGpuRaggedDot()
+    lhs, rhs, sizes = _shapes(variant, **BENCH)
+    ba = op.bind(lhs, rhs, sizes, variant=variant)
+    config = op._get_heuristics_config(ba)
+    assert (config.tile_m, config.cta_n, config.tile_k, config.num_stages) == (128, 256, 64, 4)
+    assert config.smem_bytes(2) <= SMEM_BUDGET_BYTES
+    space = op._get_autotuning_configs(ba)
+    assert len(space) > 20 and config in space
+    assert all(c.smem_bytes(2) <= SMEM_BUDGET_BYTES and 4096 % c.cta_n == 0 for c in space)
+    small = op.bind(*_shapes(variant, m=96, k=128, n=128, g=3), variant=variant)
+    small_config = op._get_heuristics_config(small)
+    assert small_config.cta_n == 128
+    assert small_config.tile_m == (128 if variant == "drhs" else 64)
+
+
+def test_default_vjp_reuses_the_kernel_without_config():
+    op = PallasMosaicGpuRaggedDot(config=Config(num_stages=3))
+    vjp = op.vjp_op()
+    assert type(vjp.inner) is PallasMosaicGpuRaggedDot and vjp.inner.config is None
