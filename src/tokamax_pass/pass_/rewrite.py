@@ -200,9 +200,17 @@ class Rewriter:
         return lu.wrap_init(rewritten_bwd, debug_info=bwd.debug_info)
 
 
+# Path names for primitives whose internal names differ from the API that makes them.
+_PATH_NAMES = {"remat2": "checkpoint", "custom_vjp_call": "custom_vjp",
+               "custom_jvp_call": "custom_jvp"}
+
+
 def _label(eqn: Any) -> str:
+    kind = _PATH_NAMES.get(eqn.primitive.name, eqn.primitive.name)
     name = eqn.params.get("name")
-    return f"{eqn.primitive.name}[{name}]" if isinstance(name, str) else eqn.primitive.name
+    if name is None and kind == "custom_jvp":
+        name = getattr(eqn.params["call_jaxpr"].debug_info, "func_name", None)
+    return f"{kind}[{name}]" if isinstance(name, str) else kind
 
 
 def _is_op_wrapper(eqn: Any) -> bool:
