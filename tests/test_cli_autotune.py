@@ -41,8 +41,11 @@ def test_bound_args_command_then_autotune_from_the_file(tmp_path):
     assert sorted(type(b.op).__name__ for b in bound) == ["AutodiffVjp", "XlaChunkedMatmul"]
     out = tmp_path / "result.json"
     assert cli.main(["autotune", "--bound-args", str(listing), "-o", str(out),
-                     "--no-progress", "--cache"]) == 0
+                     "--no-progress", "--cache",
+                     "--write-library-cache", str(tmp_path / "lib")]) == 0
     assert len(tokamax.AutotuningResult.load(out)) == 1
+    [shipped] = (tmp_path / "lib").glob("*/xla_chunked_matmul.json")
+    assert len(tokamax.AutotuningResult.load(shipped)) == 1
     assert len(cache.read(cache.cache_file(jax.devices()[0].device_kind))) == 1
 
 

@@ -24,6 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per op")
     parser.add_argument("--max-workers", type=int, default=None, help="compile threads")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--write-library-cache", metavar="DIR",
+                        help="also write the result as library-cache files under DIR (the "
+                             "package's src/tokamax_pass/data/autotuning to ship it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,4 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if args.output:
         result.dump(args.output)
         print(f"wrote {args.output}")
+    if args.write_library_cache:
+        from tokamax_pass.autotuning import cache
+
+        for path in cache.write_library_cache(result, args.write_library_cache):
+            print(f"wrote {path}")
     return 0

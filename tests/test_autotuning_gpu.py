@@ -1,0 +1,46 @@
+"""On the H200 (`pytest -m gpu`): autotune the seed `f_grad` end to end and time it."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tokamax_pass as tokamax
+from tokamax_pass import benchmarking
+
+pytestmark = pytest.mark.gpu
+
+
+def _loss(x, scale):
+    x = tokamax.layer_norm(x, scale=scale, offset=None, implementation="triton")
+    x = tokamax.dot_product_attention(x, x, x, implementation="xla_chunked")
+    x = tokamax.layer_norm(x, scale=scale, offset=None, implementation=None)
+    x = tokamax.dot_product_attention(x, x, x, implementation="mosaic")
+    return jnp.sum(x)
+
+
+def _device_time_ms(f, x, scale) -> float:
+    f_std, args = benchmarking.standardize_function(f, kwargs={"x": x, "scale": scale})
+    run = benchmarking.compile_benchmark(f_std, args)
+    return run(args, iterations=20).median_evaluation_time_ms
+
+
+def test_seed_f_grad_autotunes_and_is_not_slower():
+    channels, seq_len, batch_size, num_heads = (64, 2048, 32, 16)
+    scale = jax.random.normal(jax.random.key(0), (channels,), dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(1), (batch_size, seq_len, num_heads, channels),
+                          dtype=jnp.bfloat16)
+    f_grad = jax.jit(jax.grad(_loss))
+    untuned = _device_time_ms(f_grad, x, scale)
+    start = time.perf_counter()
+    result = tokamax.autotune(f_grad, x, scale, ignore_cache=True)
+    tuning_s = time.perf_counter() - start
+    print(result)
+    with result:
+        tuned = _device_time_ms(f_grad, x, scale)
+    print(f"autotuning took {tuning_s:.1f} s; untuned {untuned:.3f} ms, tuned {tuned:.3f} ms")
+    assert len(result) > 0
+    assert tuned <= untuned * 1.05
