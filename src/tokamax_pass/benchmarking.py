@@ -252,13 +252,16 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
         platform = _platform(args)
         _check_method(method, platform)
         if method is None:
-            method = "cupti" if platform in ("gpu", "cuda") else "profiler"
-            if method == "profiler":
+            # The best timer that works here: CUPTI on GPUs, else the profiler, else wall clock.
+            order = ("cupti", "profiler") if platform in ("gpu", "cuda") else ("profiler",)
+            for name in order:
                 try:
-                    times = _profiler_times(compiled, args, iterations, module)
-                except RuntimeError:
-                    method, times = "wallclock", _wallclock_times(compiled, args, iterations)
-                return _data(times, method)
+                    times = (_cupti_times(compiled, args, iterations) if name == "cupti"
+                             else _profiler_times(compiled, args, iterations, module))
+                except (RuntimeError, ImportError):
+                    continue
+                return _data(times, name)
+            return _data(_wallclock_times(compiled, args, iterations), "wallclock")
         if method == "cupti":
             times = _cupti_times(compiled, args, iterations)
         elif method == "profiler":
