@@ -1,7 +1,7 @@
 """Finding the ops in StableHLO: the `tokamax_pass_spec` frontend attributes a lowering stamps.
 
 Works on MLIR text (`Lowered.as_text()`, `Exported.mlir_module()`, `.mlir` files,
-where strings escape a quote as `\\22`) and on compiled HLO text (`\\"`). Every
+where strings escape a quote as `\\22`) and on HLO text (a bare JSON object). Every
 instruction an op lowered to carries its spec, so specs are grouped: one entry per
 distinct spec, with the number of instructions that carry it.
 """
@@ -9,6 +9,7 @@ distinct spec, with the number of instructions that carry it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -19,7 +20,8 @@ from tokamax_pass.core import spec
 from tokamax_pass.core.primitive import METADATA_KEY
 from tokamax_pass.pass_.plan import format_table
 
-_SPEC_ATTR = re.compile(METADATA_KEY + r'\s*=\s*"((?:[^"\\]|\\.)*)"')
+_SPEC_KEY = re.compile(METADATA_KEY + r"\s*=\s*")
+_MLIR_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
 _CUSTOM_CALL = re.compile(
     r'(?:stablehlo\.custom_call\s+@([\w$.\-]+)|call_target_name\s*=\s*"([^"]+)"|'
     r'custom_call_target="([^"]+)")'
@@ -57,10 +59,29 @@ class FoundOp:
 def find_ops(text: str) -> list[FoundOp]:
     """The distinct op specs stamped in `text`, in order of first appearance."""
     counts: dict[str, int] = {}
-    for match in _SPEC_ATTR.finditer(text):
-        raw = _unescape(match.group(1))
+    for raw in _spec_strings(text):
         counts[raw] = counts.get(raw, 0) + 1
     return [_found(raw, n) for raw, n in counts.items()]
+
+
+def _spec_strings(text: str) -> list[str]:
+    """Each stamped spec's JSON: a quoted MLIR string, or HLO text's bare JSON object."""
+    found = []
+    decoder = json.JSONDecoder()
+    for match in _SPEC_KEY.finditer(text):
+        start = match.end()
+        if text.startswith('"', start):
+            quoted = _MLIR_STRING.match(text, start)
+            if quoted is not None:
+                found.append(spec.dumps(spec.loads(_unescape(quoted.group(1)),
+                                                   what=f"a {METADATA_KEY} attribute")))
+        elif text.startswith("{", start):
+            try:
+                data, _ = decoder.raw_decode(text, start)
+            except json.JSONDecodeError:
+                continue
+            found.append(spec.dumps(data))
+    return found
 
 
 def _found(raw: str, count: int) -> FoundOp:
