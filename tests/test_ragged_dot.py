@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from conftest import assert_close, random_normal
+from conftest import H200, assert_close, random_normal
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
 from tokamax_pass.core import AutodiffVjp
 
@@ -271,3 +271,24 @@ def test_bad_arguments_raise_value_errors_naming_them(args, kwargs, match):
 def test_public_function_raises_for_bad_input():
     with pytest.raises(ValueError, match="K mismatch"):
         tokamax.ragged_dot(jnp.ones((M, K)), jnp.ones((3, K + 1, N)), jnp.ones((3,), jnp.int32))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_export_for_cuda_lowers_each_gradient_with_a_kernel_that_runs_there(batched):
+    # The VJP checks its inner op on both gradients (and their vmaps) before it is chosen.
+    # An Auto-axis mesh: under an Explicit one jax.lax.ragged_dot cannot infer shardings.
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("_target",), axis_types=(jax.sharding.AxisType.Auto,),
+        abstract_device=jax.sharding.AbstractDevice(H200, None, "cuda"))
+    grad = jax.grad(lambda a, b, gs: tokamax.ragged_dot(a, b, gs).astype(jnp.float32).sum(),
+                    argnums=(0, 1))
+    lhs = jax.ShapeDtypeStruct((2, 64, 32) if batched else (64, 32), jnp.bfloat16)
+    args = (lhs, jax.ShapeDtypeStruct((4, 32, 16), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4,), jnp.int32))
+    f = jax.vmap(grad, in_axes=(0, None, None)) if batched else grad
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(
+            jax.jit(f), platforms=["cuda"], disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS,
+        )(*args)
+    variants = {ba.arguments.get("variant") for ba in _specs(exported.mlir_module())}
+    assert {"forward", "dlhs", "drhs"} <= variants

@@ -229,8 +229,9 @@ class RaggedDotVjp(VjpOp):
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
+        # Each gradient runs under the same vmaps as this call.
         for args, kwargs in _gradient_calls(**ba.arguments).values():
-            inner_ba = self.inner.bind(*args, **kwargs)
+            inner_ba = self.inner.bind(*args, **kwargs).replace(vmap=ba.vmap)
             self.inner.check_supported(inner_ba, target)
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
