@@ -9,9 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import H200
 
 import tokamax_pass as tokamax
+from conftest import H200
 from tokamax_kernels.attention import (
     PallasMosaicGpuFlashAttention,
     PallasMosaicGpuFlashAttentionVjp,
@@ -76,7 +76,7 @@ def test_explicit_configs_lower():
     op = PallasMosaicGpuFlashAttention(
         config=MosaicAttentionConfig(block_q=128, block_kv=64, compute_wgs=1),
         vjp=PallasMosaicGpuFlashAttentionVjp(config=MosaicAttentionVjpConfig(
-            block_q_dq=64, block_kv_dq=128, num_stages=3)))
+            block_q_dq=64, block_kv_dq=128, compute_wgs=1)))
     text = _export(jax.grad(lambda q: op(q, q, q, is_causal=True).astype(jnp.float32).sum()),
                    q).mlir_module()
     assert text.count("mosaic_gpu_v2") == 3
@@ -138,4 +138,4 @@ def test_heuristics_and_search_space_fit_the_benchmark_shapes():
         ba = PallasMosaicGpuFlashAttention().bind(q, q, q, is_causal=causal)
         config = ba.heuristics_config
         assert seq % (config.block_q * config.compute_wgs) == 0
-        assert config in ba.autotuning_configs and len(ba.autotuning_configs) > 3
+        assert config in ba.autotuning_configs and len(ba.autotuning_configs) >= 2

@@ -8,6 +8,7 @@ phase, not the run) and appends JSON lines to `$OUT/mosaic_attention.jsonl`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -15,7 +16,9 @@ import sys
 import time
 
 OUT = os.environ.get("OUT", "/tmp")
-PHASES = {"small": 95, "bench_d64": 62, "bench_d128": 62, "bench_d128_causal": 62}
+PHASES = {"small": 95, "bench_d64": 62, "bench_d128": 62, "bench_d128_causal": 62,
+          "compile_d128": 70, "run_d128": 45, "run_d128_wgs1": 45, "quick_d128": 60,
+          "quick_d128_causal": 60}
 
 
 def _log(record: dict) -> None:
@@ -96,8 +99,8 @@ def phase_small() -> None:
             op = Fwd()
             ba = op.bind(q, k, v, is_causal=causal)
             config = op._get_heuristics_config(ba)
-            out, lse = jax.jit(lambda q, k, v: mosaic_attention_forward(
-                q, k, v, scale=d ** -0.5, causal=causal, config=config))(q, k, v)
+            out, lse = jax.jit(functools.partial(
+                mosaic_attention_forward, scale=d ** -0.5, causal=causal, config=config))(q, k, v)
             case.update(config=str(config), out=_rel(np, out, out_r),
                         lse=float(np.max(np.abs(np.asarray(lse) - np.asarray(lse_r)))))
             if backward:
@@ -138,7 +141,7 @@ def _bench(name, b, s, h, d, causal, fwd_configs, bwd_configs) -> None:
             rec.update(ms=round(med, 4), min_ms=round(best, 4),
                        tflops=round(n * flops / med / 1e9, 1))
             res = res if isinstance(res, tuple) else (res,)
-            rec["rel_err"] = [round(_rel(np, a[:1], r), 5) for a, r in zip(res, ref)]
+            rec["rel_err"] = [round(_rel(np, a[:1], r), 5) for a, r in zip(res, ref, strict=False)]
             if mode == "fwd+bwd" and impl.startswith("mosaic"):
                 again = f(*args)
                 rec["bitwise_rerun"] = all(bool(np.array_equal(np.asarray(a), np.asarray(c)))
@@ -179,11 +182,86 @@ def _configs():
     return F, B
 
 
+def phase_d128(name: str) -> None:
+    """Compile (no run) or run the three d128 kernels one by one, logging after each step."""
+    jax, jnp, np, DPA, Fwd, Vjp = _setup()
+    from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
+        mosaic_attention_dkv,
+        mosaic_attention_dq,
+    )
+    from tokamax_kernels.attention._mosaic_gpu_fwd_kernel import mosaic_attention_forward
+    F, B = _configs()
+    causal = True
+    q, k, v, do = _inputs(jax, jnp, 2, 256, 256, 4, 2, 128, jnp.bfloat16)
+    fcfg = F(block_q=64, block_kv=128)
+    bcfg = B(compute_wgs=1) if name.endswith("wgs1") else B()
+    kw = dict(scale=128 ** -0.5, causal=causal)
+    lse = jnp.zeros((2, 4, 256), jnp.float32)
+    fns = {"fwd": (jax.jit(functools.partial(mosaic_attention_forward, config=fcfg, **kw)),
+                   (q, k, v)),
+           "dq": (jax.jit(functools.partial(mosaic_attention_dq, config=bcfg, **kw)),
+                  (q, k, v, do, lse, lse)),
+           "dkv": (jax.jit(functools.partial(mosaic_attention_dkv, config=bcfg, **kw)),
+                   (q, k, v, do, lse, lse))}
+    if name == "compile_d128":
+        for key, (f, args) in fns.items():
+            t0 = time.time()
+            f.lower(*args).compile()
+            _log(dict(phase=name, kernel=key, compile_s=round(time.time() - t0, 1)))
+        return
+    out_r, lse_r, grads_r = _reference(jax, jnp, DPA, q, k, v, do, causal)
+    t0 = time.time()
+    out, lse = jax.block_until_ready(fns["fwd"][0](q, k, v))
+    _log(dict(phase=name, kernel="fwd", out=_rel(np, out, out_r), s=round(time.time() - t0, 1)))
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+    for key in ("dq", "dkv"):
+        t0 = time.time()
+        res = jax.block_until_ready(fns[key][0](q, k, v, do, lse, delta))
+        res = res if isinstance(res, tuple) else (res,)
+        want = grads_r[:1] if key == "dq" else grads_r[1:]
+        _log(dict(phase=name, kernel=key, s=round(time.time() - t0, 1),
+                  err=[_rel(np, a, b) for a, b in zip(res, want, strict=True)]))
+
+
+def _quick(name: str) -> None:
+    jax, jnp, np, DPA, Fwd, Vjp = _setup()
+    causal = name.endswith("causal")
+    b, s, h, d = 4, 8192, 16, 128
+    q, k, v, do = _inputs(jax, jnp, b, s, s, h, h, d, jnp.bfloat16)
+    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+
+    def cudnn(q, k, v, is_causal=causal):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal, implementation="cudnn")
+
+    for impl, mode, f, args in (
+            ("cudnn", "fwd", jax.jit(cudnn), (q, k, v)),
+            ("mosaic", "fwd", jax.jit(lambda q, k, v: Fwd()(q, k, v, is_causal=causal)),
+             (q, k, v)),
+            ("cudnn", "fwd+bwd", _fwd_bwd(jax, cudnn, causal), (q, k, v, do)),
+            ("mosaic", "fwd+bwd", _fwd_bwd(jax, Fwd(), causal), (q, k, v, do))):
+        rec = dict(phase=name, impl=impl, mode=mode)
+        try:
+            t0 = time.time()
+            _, med, best = _time(jax, np, f, args)
+            n = 1 if mode == "fwd" else 3.5
+            rec.update(ms=round(med, 4), min_ms=round(best, 4),
+                       tflops=round(n * flops / med / 1e9, 1), s=round(time.time() - t0, 1))
+        except Exception as e:  # noqa: BLE001
+            rec["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        _log(rec)
+
+
 def main(argv: list[str]) -> None:
     if argv and argv[0] == "--phase":
         name = argv[1]
         if name == "small":
             phase_small()
+            return
+        if name.endswith("d128") and name.split("_")[0] in ("compile", "run") or "wgs1" in name:
+            phase_d128(name)
+            return
+        if name.startswith("quick"):
+            _quick(name)
             return
         F, B = _configs()
         if name == "bench_d64":

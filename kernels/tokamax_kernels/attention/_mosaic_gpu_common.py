@@ -71,7 +71,8 @@ class MosaicAttentionVjpConfig:
 
 def _check_tiles(rows: int, streamed: int, stages: int, wgs: int) -> None:
     if rows % 64 or streamed % 64 or rows <= 0 or streamed <= 0:
-        raise ValueError(f"attention blocks must be positive multiples of 64, got {rows}, {streamed}")
+        raise ValueError(
+            f"attention blocks must be positive multiples of 64, got {rows}, {streamed}")
     if stages < 2:
         raise ValueError(f"num_stages must be >= 2, got {stages}")
     if wgs not in (1, 2):

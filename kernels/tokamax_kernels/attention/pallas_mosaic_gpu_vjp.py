@@ -40,7 +40,8 @@ def fits(config: MosaicAttentionVjpConfig, seq_q: int, seq_kv: int, head_dim: in
     # f32 registers per thread: dk + dv accumulators and the two (kv x q) score tiles.
     dkv_registers = (2 * config.block_kv_dkv * head_dim
                      + 2 * config.block_kv_dkv * config.block_q_dkv) // 128
-    dq_registers = (config.block_q_dq * head_dim + 2 * config.block_q_dq * config.block_kv_dq) // 128
+    dq_registers = (config.block_q_dq * head_dim
+                    + 2 * config.block_q_dq * config.block_kv_dq) // 128
     return (seq_q % (wgs * config.block_q_dq) == 0 and seq_kv % config.block_kv_dq == 0
             and seq_kv % (wgs * config.block_kv_dkv) == 0 and seq_q % config.block_q_dkv == 0
             and backward_smem_bytes(config, head_dim) <= common.SMEM_BYTES
