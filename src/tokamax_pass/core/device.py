@@ -108,9 +108,10 @@ def targeting(device_kind: str, platform: str = "cuda") -> Iterator[None]:
     JAX needs an abstract device of that kind to lower Pallas Triton kernels; ops
     read the device kind from it to pick configs from that device's caches.
     """
-    from jax.sharding import AbstractDevice, AbstractMesh
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     device = AbstractDevice(device_kind, None, platform)
-    mesh = AbstractMesh((1,), ("_target",), abstract_device=device)
+    # Auto axes: ops whose shape rules do not support explicit sharding still trace.
+    mesh = AbstractMesh((1,), ("_target",), axis_types=(AxisType.Auto,), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
         yield
