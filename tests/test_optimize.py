@@ -375,8 +375,11 @@ def _per_call_seconds(fn, *args, calls=300, repeats=15):
 def test_cached_call_costs_what_jit_costs(xs):
     x, scale = xs
     optimized, jitted = tk.optimize(square_loss), jax.jit(square_loss)
-    ratios = []
-    for _ in range(3):  # interleaved, so both see the same machine load
-        ratios.append(_per_call_seconds(optimized, x, scale) / _per_call_seconds(jitted, x, scale))
-    print(f"optimize / jax.jit per-call time: {min(ratios):.3f} (all: {ratios})")
-    assert min(ratios) < 1.05
+    best_optimized = best_jit = float("inf")
+    for _ in range(4):  # interleaved, so both see the same machine load; best of each
+        best_optimized = min(best_optimized, _per_call_seconds(optimized, x, scale))
+        best_jit = min(best_jit, _per_call_seconds(jitted, x, scale))
+    ratio = best_optimized / best_jit
+    print(f"per call: optimize {best_optimized * 1e6:.1f} us, jax.jit {best_jit * 1e6:.1f} us, "
+          f"ratio {ratio:.3f}")
+    assert ratio < 1.05

@@ -212,4 +212,5 @@ def _as_results(results: Any) -> tuple[Any, ...]:
 
 def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     leaves, treedef = jax.tree.flatten((tuple(args), kwargs))
-    return treedef, tuple(spec.array_spec(x) if spec.is_array(x) else x for x in leaves)
+    return treedef, tuple((tuple(x.shape), str(x.dtype)) if spec.is_array(x) else x
+                          for x in leaves)
