@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from tokamax_pass.core import spec
 
@@ -40,6 +41,10 @@ def require_shape(name: str, value: Any, shape: tuple[int, ...], *, op: str, why
 
 
 def canonical_axis(axis: int, ndim: int, *, op: str, name: str = "axis") -> int:
-    if not isinstance(axis, int) or not -ndim <= axis < ndim:
+    if isinstance(axis, np.integer):
+        axis = int(axis)
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise ValueError(f"{op}: {name} must be an integer, got {axis!r}")
+    if not -ndim <= axis < ndim:
         raise ValueError(f"{op}: {name}={axis!r} is out of range for an array of rank {ndim}")
     return axis % ndim

@@ -197,6 +197,26 @@ class RaggedDot(Op[NullConfig]):
     def _default_vjp(self) -> Op:
         return RaggedDotVjp(inner=self.replace(config=None, vjp=None))
 
+    def random_arguments(self, ba: BoundArguments, seed: int) -> dict[str, Any]:
+        """Autotuning inputs: normal operands and uneven group sizes that fill all M rows.
+
+        Uniform-ish but uneven sizes (as a MoE router gives) keep timings honest: random
+        small integers would leave most rows outside every group.
+        """
+        arguments = dict(ba.arguments)
+        lead = [[level.size for level in ba.vmap if level.axes[i] is not None] for i in range(3)]
+        keys = jax.random.split(jax.random.key(seed), 3)
+        for i, name in enumerate(("lhs", "rhs")):
+            shape = (*lead[i], *arguments[name].shape)
+            arguments[name] = jax.random.normal(keys[i], shape).astype(arguments[name].dtype)
+        m, groups = arguments["lhs"].shape[-2], arguments["group_sizes"].shape[0]
+        weights = jax.random.uniform(keys[2], (groups,), minval=0.5, maxval=1.5)
+        sizes = np.floor(np.asarray(weights) / float(weights.sum()) * m).astype(np.int64)
+        sizes[0] += m - sizes.sum()
+        group_sizes = jnp.asarray(sizes, arguments["group_sizes"].dtype)
+        arguments["group_sizes"] = jnp.broadcast_to(group_sizes, (*lead[2], groups))
+        return arguments
+
 
 # The gradients of each variant, as ragged dots: {argument: (variant, first, second)}, where
 # "dout" is the output cotangent and "lhs"/"rhs" the variant's own operands.
