@@ -357,6 +357,22 @@ def test_autotune_missing_measures_and_is_used(xs, tmp_path, monkeypatch):
     assert given._tuned == []
 
 
+def test_autotune_always_measures_even_cached_configs(xs, tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path))
+    x, scale = xs
+    result = _result((_square_bound(x, scale), ChunkConfig(4)))
+    optimized = tk.optimize(square_loss, autotune="always")
+    with result:  # an active result does not stop "always" from measuring
+        (row,) = optimized.plan(x, scale)
+    # Whichever implementation measured fastest is chosen; only the chunked one has a config.
+    assert (row.op, row.source) in {("ChunkedSquare", "autotuned"), ("Square", "no config")}
+    (tuned,) = optimized._tuned
+    measured = {type(ba.op).__name__: set(data) for ba, data in tuned}
+    assert measured["ChunkedSquare"] == {ChunkConfig(1), ChunkConfig(2), ChunkConfig(4)}
+    assert "Square" in measured  # implementation=None: the XLA reference is timed too
+    assert_close(optimized(x, scale), jax.jit(square_loss)(x, scale))
+
+
 # --- cost of a cached call -------------------------------------------------------------------
 
 

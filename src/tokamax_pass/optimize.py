@@ -35,8 +35,9 @@ def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] = (
       fun: the function (it may call `jax.grad`, `jax.vmap`, `lax.scan`, `shard_map`, ...).
       static_argnums, static_argnames, donate_argnums: as for `jax.jit`.
       autotune: `"never"` uses results, caches and heuristics; `"missing"` measures the
-        ops that only have a heuristic config; `"always"` measures every tunable op
-        without an explicit config. Measuring runs on first call per signature.
+        configs of ops that only have a heuristic one; `"always"` measures every op not
+        pinned by the caller, and for `implementation=None` every implementation, so the
+        fastest is chosen. Measuring runs on first call per signature.
       results: an `AutotuningResult` (or a sequence, later ones winning) whose configs
         take precedence over the caches for this function.
     """
@@ -166,7 +167,7 @@ class Optimized:
         for decision in self._trace(args, kwargs, platforms=None):
             if _needs_tuning(decision, self.autotune):
                 to_tune.setdefault(tuning_key(decision.unconfigured), decision.unconfigured)
-                compare = compare or len(decision.alternatives) > 1
+                compare = compare or (self.autotune == "always" and len(decision.alternatives) > 1)
         if to_tune:
             from tokamax_pass.autotuning import autotune
 
