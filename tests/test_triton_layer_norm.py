@@ -18,10 +18,10 @@ from tokamax_pass import core
 # (forward config, backward config): the row in one block; rows looped in chunks that
 # do not divide n; row blocks that do not divide the row count.
 CONFIGS = {
-    "one_block": (Config(block_rows=4, block_n=64, num_warps=4, num_stages=1),
+    "one_block": (Config(block_rows=4, block_n=64, rows_per_program=4, num_warps=4, num_stages=1),
                   VjpConfig(block_rows=2, block_n=64, rows_per_program=8, num_warps=4,
                             num_stages=2)),
-    "chunked": (Config(block_rows=2, block_n=16, num_warps=4, num_stages=2),
+    "chunked": (Config(block_rows=2, block_n=16, rows_per_program=4, num_warps=4, num_stages=2),
                 VjpConfig(block_rows=4, block_n=16, rows_per_program=8, num_warps=4,
                           num_stages=2)),
 }
@@ -110,7 +110,7 @@ def test_unsupported_inputs_raise_not_implemented():
 
 def test_configs_must_be_powers_of_two():
     with pytest.raises(ValueError, match="power of 2"):
-        Config(block_rows=3, block_n=64, num_warps=4, num_stages=1)
+        Config(block_rows=3, block_n=64, rows_per_program=3, num_warps=4, num_stages=1)
     with pytest.raises(ValueError, match="multiple of"):
         VjpConfig(block_rows=4, block_n=64, rows_per_program=6, num_warps=4, num_stages=1)
 

@@ -82,8 +82,10 @@ def layer_norm_section():
             fwd_bwd_ms=xla_all)
         heur = ln_triton.PallasTritonLayerNorm().bind(x, s, o).heuristics_config
         fwd_configs = {heur} | {
-            ln_triton.Config(block_rows=r, block_n=4096, num_warps=w, num_stages=1)
-            for r, w in ((1, 4), (1, 8), (2, 8), (2, 16))}
+            ln_triton.Config(block_rows=r, block_n=4096, rows_per_program=rpp, num_warps=w,
+                             num_stages=st)
+            for r, rpp, w, st in ((1, 4, 8, 2), (1, 8, 8, 2), (1, 8, 8, 3), (1, 16, 8, 3),
+                                  (1, 8, 4, 3), (2, 16, 16, 3), (1, 32, 8, 3), (1, 8, 16, 2))}
         for cfg in sorted(fwd_configs, key=str):
             op = ln_triton.PallasTritonLayerNorm(config=cfg)
             try:
@@ -99,8 +101,7 @@ def layer_norm_section():
         bwd_configs = {bheur} | {
             ln_vjp.Config(block_rows=r, block_n=4096, rows_per_program=rpp, num_warps=w,
                           num_stages=st)
-            for r, rpp, w, st in ((1, 128, 8, 2), (2, 128, 16, 2), (1, 64, 8, 3),
-                                  (1, 256, 8, 3))}
+            for r, rpp, w, st in ((1, 256, 16, 3), (1, 128, 16, 3))}
         for cfg in sorted(bwd_configs, key=str):
             op = ln_triton.PallasTritonLayerNorm(vjp=ln_vjp.PallasTritonLayerNormVjp(config=cfg))
             try:

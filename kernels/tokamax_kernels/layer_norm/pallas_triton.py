@@ -30,15 +30,27 @@ MAX_BLOCK_ELEMENTS = 16384
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """`block_rows` rows per program, rows read in `block_n`-column chunks (powers of 2)."""
+    """Rows are normalized `block_rows` at a time, read in `block_n`-column chunks (powers
+    of 2); each program walks `rows_per_program` rows, so with `num_stages` > 1 Triton
+    prefetches the next rows while the current ones are reduced."""
 
     block_rows: int
     block_n: int
+    rows_per_program: int
     num_warps: int
     num_stages: int
 
     def __post_init__(self) -> None:
         _check_powers_of_2(self, "block_rows", "block_n", "num_warps")
+        _check_multiple(self)
+
+
+def _check_multiple(config: Any) -> None:
+    if config.rows_per_program < config.block_rows or config.rows_per_program % config.block_rows:
+        raise ValueError(
+            f"{type(config).__name__}.rows_per_program ({config.rows_per_program}) must be a "
+            f"multiple of block_rows ({config.block_rows})"
+        )
 
 
 def _check_powers_of_2(config: Any, *names: str) -> None:
@@ -83,14 +95,34 @@ def _load_vector(ref: Any, c: Any, col_mask: jax.Array, block_n: int) -> jax.Arr
         jnp.float32)
 
 
-def _fwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int, epsilon: float,
-                subtract_mean: bool, has_scale: bool, has_offset: bool) -> None:
+def _fwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
+                rows_per_program: int, epsilon: float, subtract_mean: bool, has_scale: bool,
+                has_offset: bool) -> None:
     it = iter(refs)
     x_ref = next(it)
     scale_ref = next(it) if has_scale else None
     offset_ref = next(it) if has_offset else None
     y_ref, mean_ref, rstd_ref = it
-    r0 = pl.multiple_of(pl.program_id(0) * block_rows, block_rows)
+    first_row = pl.program_id(0) * rows_per_program
+
+    def step(i: Any, carry: int) -> int:
+        r0 = pl.multiple_of(first_row + i * block_rows, block_rows)
+        _normalize_rows(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, r0, n=n,
+                        rows=rows, block_rows=block_rows, block_n=block_n, epsilon=epsilon,
+                        subtract_mean=subtract_mean)
+        return carry
+
+    steps = rows_per_program // block_rows
+    if steps == 1:
+        step(0, 0)
+    else:
+        jax.lax.fori_loop(0, steps, step, 0)
+
+
+def _normalize_rows(x_ref: Any, scale_ref: Any, offset_ref: Any, y_ref: Any, mean_ref: Any,
+                    rstd_ref: Any, r0: Any, *, n: int, rows: int, block_rows: int, block_n: int,
+                    epsilon: float, subtract_mean: bool) -> None:
+    """Normalizes rows `[r0, r0 + block_rows)` and writes their mean and rstd."""
     row_mask = r0 + jnp.arange(block_rows) < rows
     num_chunks = _triton.cdiv(n, block_n)
     load = functools.partial(_load_rows, x_ref, r0, row_mask=row_mask, n=n, block_n=block_n,
@@ -145,12 +177,12 @@ def layer_norm_forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array 
     rows = math.prod(lead)
     kernel = functools.partial(
         _fwd_kernel, n=n, rows=rows, block_rows=config.block_rows, block_n=config.block_n,
-        epsilon=epsilon, subtract_mean=subtract_mean, has_scale=scale is not None,
-        has_offset=offset is not None,
+        rows_per_program=config.rows_per_program, epsilon=epsilon, subtract_mean=subtract_mean,
+        has_scale=scale is not None, has_offset=offset is not None,
     )
     y, mean, rstd = pl.pallas_call(
         kernel,
-        grid=(_triton.cdiv(rows, config.block_rows),),
+        grid=(_triton.cdiv(rows, config.rows_per_program),),
         out_shape=(
             jax.ShapeDtypeStruct((rows, n), x.dtype),
             jax.ShapeDtypeStruct((rows,), jnp.float32),
@@ -199,15 +231,16 @@ class PallasTritonLayerNorm(LayerNorm):
         # Small rows: several per program so each program moves >= ~4K elements.
         block_rows = max(1, min(16, 4096 // block_n))
         num_warps = max(4, min(16, block_rows * block_n // 512))
-        return Config(block_rows=block_rows, block_n=block_n, num_warps=num_warps,
-                      num_stages=1 if block_n >= n else 2)
+        return Config(block_rows=block_rows, block_n=block_n, rows_per_program=block_rows,
+                      num_warps=num_warps, num_stages=1 if block_n >= n else 2)
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[Config]:
         n = ba.arguments["x"].shape[-1]
         chunks = {row_chunk(n), min(row_chunk(n), 4096)}
         return {
-            Config(block_rows=r, block_n=b, num_warps=w, num_stages=s)
-            for r, b, w, s in itertools.product((1, 2, 4, 8), chunks, (4, 8, 16), (1, 2))
+            Config(block_rows=r, block_n=b, rows_per_program=r * p, num_warps=w, num_stages=s)
+            for r, b, p, w, s in itertools.product((1, 2, 4), chunks, (1, 4, 16), (4, 8, 16),
+                                                   (1, 2, 3))
             if r * b <= MAX_BLOCK_ELEMENTS
         }
 

@@ -28,6 +28,7 @@ from tokamax_kernels import _triton
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_kernels.layer_norm.pallas_triton import (
     MAX_BLOCK_ELEMENTS,
+    _check_multiple,
     _check_powers_of_2,
     _load_rows,
     _load_vector,
@@ -49,11 +50,7 @@ class Config:
 
     def __post_init__(self) -> None:
         _check_powers_of_2(self, "block_rows", "block_n", "num_warps")
-        if self.rows_per_program < self.block_rows or self.rows_per_program % self.block_rows:
-            raise ValueError(
-                f"Config.rows_per_program ({self.rows_per_program}) must be a multiple of "
-                f"block_rows ({self.block_rows})"
-            )
+        _check_multiple(self)
 
 
 def _bwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,

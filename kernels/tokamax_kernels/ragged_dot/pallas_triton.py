@@ -105,7 +105,7 @@ def _rows_kernel(tiles_ref, lhs_ref, rhs_ref, out_ref, *, m: int, c: int, n: int
         return acc + plgpu.dot(a, b, trans_b=transpose_rhs, allow_tf32=not exact)
 
     active = (hi > lo) & (group < g)
-    steps = jnp.where(active, _triton.cdiv(c, bk), 0)
+    steps = active.astype(jnp.int32) * _triton.cdiv(c, bk)  # int32, like the loop start
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
     mask = ((rows >= lo) & (rows < hi))[:, None] & (cols < n)[None, :]
     plgpu.store(out_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], acc.astype(out_ref.dtype),
