@@ -1,0 +1,1 @@
+"""Example models used by the docs, the Bazel rule and the tests."""
