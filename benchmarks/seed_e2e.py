@@ -1,0 +1,95 @@
+"""The seed model end to end on the device: plain JAX vs tokamax_pass, untuned and tuned.
+
+    python -m benchmarks.seed_e2e [--artifact DIR] [--output FILE]
+
+Times `grad(loss)` of the seed model (layer norm -> attention -> layer norm ->
+attention; x bf16[32,2048,16,64]) as
+  - plain JAX: XLA layer norm (f32 math) + `jax.nn.dot_product_attention(cudnn)`,
+  - `jax.jit(jax.grad(loss))` with every tokamax implementation `None`,
+  - `tokamax.optimize(jax.grad(loss))` (the shipped cache, then heuristics),
+  - the same after `tokamax.autotune` (its wall time reported),
+and, with `--artifact`, checks that an artifact exported on a CPU machine for cuda
+gives the in-process result here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import tokamax_pass as tokamax
+from examples import seed_model
+from tokamax_pass import benchmarking
+
+SHAPE = (32, 2048, 16, 64)
+
+
+def plain_jax_loss(x: jax.Array, scale: jax.Array) -> jax.Array:
+    def norm(x):
+        xf = x.astype(jnp.float32)
+        xf = xf - xf.mean(-1, keepdims=True)
+        return (xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-6) * scale).astype(
+            x.dtype)
+
+    x = norm(x)
+    x = jax.nn.dot_product_attention(x, x, x, implementation="cudnn")
+    x = norm(x)
+    x = jax.nn.dot_product_attention(x, x, x, implementation="cudnn")
+    return jnp.sum(x.astype(jnp.float32))
+
+
+def device_ms(f, *args, iterations: int = 20) -> float:
+    return benchmarking.benchmark(f, *args, iterations=iterations).median_evaluation_time_ms
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--artifact", help="an artifact directory exported for cuda")
+    parser.add_argument("--output", default="seed_e2e.json")
+    args = parser.parse_args(argv)
+    x = jax.random.normal(jax.random.key(1), SHAPE, jnp.bfloat16)
+    scale = jax.random.normal(jax.random.key(0), (SHAPE[-1],), jnp.float32)
+    results: dict[str, object] = {"device_kind": jax.devices()[0].device_kind}
+
+    plain = jax.jit(jax.grad(plain_jax_loss))
+    ours_jit = jax.jit(seed_model.loss_grad)
+    ours_optimized = tokamax.optimize(seed_model.loss_grad)
+    results["plain_jax_cudnn_ms"] = device_ms(plain, x, scale)
+    results["tokamax_jit_none_ms"] = device_ms(ours_jit, x, scale)
+    results["tokamax_optimize_ms"] = device_ms(ours_optimized, x, scale)
+    results["plan"] = str(ours_optimized.plan(x, scale))
+    reference = np.asarray(plain(x, scale), np.float32)
+    ours = np.asarray(ours_optimized(x, scale), np.float32)
+    results["relative_difference_vs_plain"] = float(
+        np.linalg.norm(ours - reference) / np.linalg.norm(reference))
+
+    start = time.perf_counter()
+    tuned = tokamax.autotune(seed_model.loss_grad, x, scale, progress=False)
+    results["autotune_s"] = time.perf_counter() - start
+    results["autotune_result"] = repr(tuned)
+    with tuned:
+        results["tokamax_tuned_ms"] = device_ms(jax.jit(seed_model.loss_grad), x, scale)
+
+    if args.artifact:
+        loaded = tokamax.load_artifact(args.artifact)
+        exported = np.asarray(loaded(x, scale), np.float32)
+        in_process = np.asarray(ours_jit(x, scale), np.float32)
+        results["artifact_max_abs_difference"] = float(np.max(np.abs(exported - in_process)))
+        results["artifact_bitwise_equal"] = bool(np.array_equal(exported, in_process))
+        results["artifact_ms"] = device_ms(loaded, x, scale)
+
+    for key, value in results.items():
+        print(f"{key}: {value}")
+    pathlib.Path(args.output).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
