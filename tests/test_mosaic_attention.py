@@ -39,7 +39,7 @@ def _mosaic(q, k, v, **kwargs):
 
 
 @pytest.mark.parametrize("head_dim,kv_heads,causal", [
-    (64, 4, False), (128, 2, True), (64, 1, True), (256, 4, False),
+    (64, 4, False), (128, 4, True), (256, 4, False),
 ])
 def test_forward_lowers_to_mosaic_gpu(head_dim, kv_heads, causal):
     q = _sds((2, 256, 4, head_dim))
@@ -49,7 +49,7 @@ def test_forward_lowers_to_mosaic_gpu(head_dim, kv_heads, causal):
     assert "tokamax_pass_spec" in text and "PallasMosaicGpuFlashAttention" in text
 
 
-@pytest.mark.parametrize("head_dim,kv_heads,causal", [(64, 4, True), (128, 2, False)])
+@pytest.mark.parametrize("head_dim,kv_heads,causal", [(64, 4, True), (128, 4, False)])
 def test_gradient_lowers_to_three_mosaic_kernels(head_dim, kv_heads, causal):
     q = _sds((1, 256, 4, head_dim))
     kv = _sds((1, 256, kv_heads, head_dim))
@@ -101,6 +101,12 @@ def test_unsupported_inputs_raise(shape, dtype, message):
     q = _sds(shape, dtype)
     with pytest.raises(NotImplementedError, match=message):
         _export(lambda q: _mosaic(q, q, q), q)
+
+
+def test_gqa_is_refused_for_now():
+    q, kv = _sds((1, 256, 4, 64)), _sds((1, 256, 2, 64))
+    with pytest.raises(NotImplementedError, match="GQA"):
+        _export(lambda q, k: _mosaic(q, k, k), q, kv)
 
 
 def test_backward_rejects_head_dim_256():

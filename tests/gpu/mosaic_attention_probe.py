@@ -17,8 +17,8 @@ import time
 
 OUT = os.environ.get("OUT", "/tmp")
 PHASES = {"small": 95, "bench_d64": 62, "bench_d128": 62, "bench_d128_causal": 62,
-          "compile_d128": 70, "run_d128": 45, "run_d128_wgs1": 45, "quick_d128": 60,
-          "quick_d128_causal": 60}
+          "compile_d128": 60, "run_d128": 40, "run_d128_wgs1": 40, "quick_d128": 45,
+          "quick_d128_causal": 55}
 
 
 def _log(record: dict) -> None:

@@ -1,9 +1,10 @@
 """`PallasMosaicGpuFlashAttention`: the Hopper flash-attention forward in Pallas Mosaic GPU.
 
-Supports bf16/f16, head dims 64/128/256, causal or not, GQA/MQA, query lengths that
-are multiples of 128 and key lengths that are multiples of 64. Bias, masks, soft cap,
-local windows and sequence lengths raise `NotImplementedError` (so `implementation=None`
-moves on to the next implementation). The kernel is in `_mosaic_gpu_fwd_kernel.py`.
+Supports bf16/f16, head dims 64/128/256, causal or not, query lengths that are
+multiples of 128 and key lengths that are multiples of 64. GQA/MQA is implemented in
+the kernels but refused for now (a hang was seen on the H200; see `check_heads`).
+Bias, masks, soft cap, local windows and sequence lengths raise `NotImplementedError`
+(so `implementation=None` moves on to the next implementation). Kernels: `_mosaic_gpu_*.py`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         check_unsupported_features(args, _WHAT)
         q, k, v = args["query"], args["key"], args["value"]
         common.check_common(q, k, v, head_dims=common.FORWARD_HEAD_DIMS, what=_WHAT)
+        common.check_heads(q, k, _WHAT)
         common.check_lengths(q.shape[1], k.shape[1], MIN_Q_MULTIPLE, MIN_KV_MULTIPLE, _WHAT)
         if self.config is not None and not fits(self.config, q.shape[1], k.shape[1], q.shape[3]):
             raise NotImplementedError(f"{_WHAT}: config {self.config} does not fit these shapes")

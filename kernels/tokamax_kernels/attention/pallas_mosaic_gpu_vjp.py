@@ -63,6 +63,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         check_unsupported_features(args, _WHAT)
         q, k, v = args["query"], args["key"], args["value"]
         common.check_common(q, k, v, head_dims=common.BACKWARD_HEAD_DIMS, what=_WHAT)
+        common.check_heads(q, k, _WHAT)
         common.check_lengths(q.shape[1], k.shape[1], 128, 128, _WHAT)
         residuals = args.get("residuals")
         if not (isinstance(residuals, tuple) and len(residuals) == 1):
