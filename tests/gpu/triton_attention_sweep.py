@@ -43,18 +43,14 @@ SHAPES = {
     "b4_s8192_h16_d128_causal": (4, 8192, 16, 128, True),
 }
 FWD = {
-    64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3),
-         (128, 32, 4, 4), (128, 128, 4, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-          (128, 32, 4, 3), (64, 128, 4, 2)],
+    64: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
 }
 BWD = {  # ((dkv bq, bk, warps, stages), (dq bq, bk, warps, stages))
     64: [((64, 128, 8, 3), (128, 64, 8, 3)), ((32, 128, 4, 3), (128, 32, 4, 3)),
-         ((64, 64, 4, 3), (64, 64, 4, 3)), ((64, 128, 4, 2), (128, 64, 4, 2)),
-         ((32, 64, 4, 4), (64, 32, 4, 4)), ((128, 128, 8, 2), (128, 128, 8, 2))],
+         ((64, 64, 4, 3), (64, 64, 4, 3)), ((64, 128, 4, 2), (128, 64, 4, 2))],
     128: [((64, 128, 8, 2), (128, 64, 8, 2)), ((32, 128, 4, 2), (128, 32, 4, 2)),
-          ((64, 64, 4, 2), (64, 64, 4, 2)), ((64, 128, 8, 3), (128, 64, 8, 3)),
-          ((32, 64, 4, 3), (64, 32, 4, 3)), ((128, 64, 8, 2), (64, 128, 8, 2))],
+          ((64, 64, 4, 2), (64, 64, 4, 2)), ((64, 128, 8, 3), (128, 64, 8, 3))],
 }
 
 
@@ -139,7 +135,7 @@ def run_shape(name, results):
     q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
     spec = spec_for(s, d, causal)
     fl = flops(b, s, h, d, causal)
-    iters = 10 if s >= 8192 else 20
+    iters = 8 if s >= 8192 else 15
     row: dict = {"shape": name, "fwd": {}, "fwd_lse": {}, "bwd": {}}
 
     def cudnn(q, k, v):
@@ -156,9 +152,8 @@ def run_shape(name, results):
             row[label] = {"ms": ms, "tflops": mult * fl / ms / 1e9}
         except Exception as e:  # noqa: BLE001
             row[label] = f"{type(e).__name__}: {str(e)[:200]}"
-    cfgs = FWD[d] if not causal else FWD[d][:5]
-    fns = {("fwd", c): fwd_fn(spec, c, False) for c in cfgs}
-    fns.update({("fwd_lse", c): fwd_fn(spec, c, True) for c in cfgs})
+    cfgs = FWD[d] if not causal else FWD[d][:3]
+    fns = {("fwd_lse", c): fwd_fn(spec, c, True) for c in cfgs}
     compiled = compile_all(fns, (q, k, v))
     for (kind, c), exe in compiled.items():
         if time.time() - START > BUDGET_S:
@@ -171,7 +166,10 @@ def run_shape(name, results):
     ok = {c: r for c, r in row["fwd_lse"].items() if isinstance(r, dict)}
     best_fwd = eval(min(ok, key=lambda c: ok[c]["ms"]))  # noqa: S307 - our own tuple repr
     out, lse = jax.jit(fwd_fn(spec, best_fwd, True))(q, k, v)
-    pairs = BWD[d] if not causal else BWD[d][:4]
+    plain = jax.jit(fwd_fn(spec, best_fwd, False)).lower(q, k, v).compile()
+    ms, _ = time_kernels(plain, (q, k, v), iters)
+    row["fwd"][str(best_fwd)] = {"ms": ms, "tflops": fl / ms / 1e9}
+    pairs = BWD[d] if not causal else BWD[d][:3]
     bargs = (q, k, v, out, do, lse)
     compiled = compile_all({p: bwd_fn(spec, p) for p in pairs}, bargs)
     for p, exe in compiled.items():
@@ -198,7 +196,7 @@ def run_shape(name, results):
         ref = reference(q[one], k[one], v[one], do[one], causal)
         row["best"] = {
             "fwd": best_fwd, "bwd": pair, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "bwd_per": per,
-            "fwd_tflops": fl / min(r["ms"] for r in ok.values() if True) / 1e9,
+            "fwd_tflops": row["fwd"][str(best_fwd)]["tflops"],
             "fwdbwd_tflops": 3.5 * fl / (fwd_ms + bwd_ms) / 1e9, "bitwise_rerun": bitwise,
             "rel_err": {n: rel_err(x[one], r) for n, x, r in
                         zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref, strict=True)},
