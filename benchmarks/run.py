@@ -48,17 +48,15 @@ def measure(workload: wl.Workload, modes: list[str], iterations: int) -> list[di
         ("peer", n, f) for n, f in workload.peers.items()]
     for kind, name, fn in candidates:
         row: dict[str, Any] = {"workload": workload.name, "kind": kind, "implementation": name}
-        try:
-            row["relative_error"] = _relative_error(jax.jit(fn)(*args), ref)
-        except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
-            row["error"] = _short_error(e)
-            rows.extend({**row, "mode": mode} for mode in modes)
-            continue
         for mode in modes:
             mode_row = {**row, "mode": mode}
             try:
-                data = benchmarking.benchmark(fn, *args, mode=MODES[mode], iterations=iterations)
-            except Exception as e:  # noqa: BLE001
+                f_std, arrays = benchmarking.standardize_function(fn, *args, mode=MODES[mode])
+                run = benchmarking.compile_benchmark(f_std, arrays)
+                if mode == "fwd":
+                    mode_row["relative_error"] = _relative_error(run.compiled(arrays), ref)
+                data = run(arrays, iterations=iterations)
+            except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
                 mode_row["error"] = _short_error(e)
             else:
                 ms = data.median_evaluation_time_ms
@@ -92,8 +90,9 @@ def _format_row(r: dict[str, Any]) -> str:
         return f"{head} FAILED {r['error']}"
     ratio = f"{r['vs_best_peer']:.2f}x" if "vs_best_peer" in r else "-"
     percent = 100 * r["rate"] / _ceiling(r["unit"])
+    error = f"err {r['relative_error']:.1e}" if "relative_error" in r else ""
     return (f"{head} {r['ms']:9.3f} ms {r['rate']:8.1f} {r['unit']:<8} "
-            f"{percent:5.1f}% {ratio:>6} err {r['relative_error']:.1e}")
+            f"{percent:5.1f}% {ratio:>6} {error}")
 
 
 def _chart(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
@@ -116,6 +115,16 @@ def _chart(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def _write(out: pathlib.Path, device: Any, rows: list[dict[str, Any]]) -> None:
+    out.write_text(json.dumps({
+        "device_kind": device.device_kind,
+        "jax_version": jax.__version__,
+        "tokamax_pass_version": tokamax.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "rows": rows,
+    }, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", nargs="*", default=[], help="run workloads whose name has these")
@@ -129,26 +138,20 @@ def main(argv: list[str] | None = None) -> int:
     candidates = wl.smoke_workloads() if args.smoke else wl.all_workloads()
     selected = [w for w in candidates
                 if not args.only or any(s in w.name for s in args.only)]
+    out = pathlib.Path(args.output) if args.output else (
+        RESULTS / device_kind_key(device.device_kind) / "benchmark.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for workload in selected:
         try:
             rows.extend(measure(workload, modes, args.iterations))
         except Exception:  # noqa: BLE001 - report and go on with the next workload
             traceback.print_exc()
+        _write(out, device, rows)  # after each workload, so a cut-short run keeps its rows
     print("\nworkload                               mode     kind  implementation"
           "                    time        rate       %ceil  vs best peer")
     for row in rows:
         print(_format_row(row))
-    out = pathlib.Path(args.output) if args.output else (
-        RESULTS / device_kind_key(device.device_kind) / "benchmark.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "device_kind": device.device_kind,
-        "jax_version": jax.__version__,
-        "tokamax_pass_version": tokamax.__version__,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "rows": rows,
-    }, indent=1))
     _chart(rows, out.with_suffix(".png"))
     print(f"wrote {out}")
     return 0
