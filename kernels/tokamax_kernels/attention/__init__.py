@@ -2,11 +2,9 @@
 
 from tokamax_kernels.attention.api import dot_product_attention
 from tokamax_kernels.attention.base import DotProductAttention, DotProductAttentionVjp
-from tokamax_kernels.attention.xla_chunked import (
-    XlaChunkedConfig,
-    XlaChunkedDotProductAttention,
-    XlaChunkedDotProductAttentionVjp,
-)
+from tokamax_kernels.attention.cudnn import CudnnDotProductAttention, CudnnDotProductAttentionVjp
+from tokamax_kernels.attention.pallas_mosaic_gpu import PallasMosaicGpuFlashAttention
+from tokamax_kernels.attention.pallas_mosaic_gpu_vjp import PallasMosaicGpuFlashAttentionVjp
 from tokamax_kernels.attention.pallas_triton import (
     PallasTritonFlashAttention,
     PallasTritonFlashAttentionConfig,
@@ -15,10 +13,19 @@ from tokamax_kernels.attention.pallas_triton_vjp import (
     PallasTritonFlashAttentionVjp,
     PallasTritonFlashAttentionVjpConfig,
 )
+from tokamax_kernels.attention.xla_chunked import (
+    XlaChunkedConfig,
+    XlaChunkedDotProductAttention,
+    XlaChunkedDotProductAttentionVjp,
+)
 
 __all__ = [
+    "CudnnDotProductAttention",
+    "CudnnDotProductAttentionVjp",
     "DotProductAttention",
     "DotProductAttentionVjp",
+    "PallasMosaicGpuFlashAttention",
+    "PallasMosaicGpuFlashAttentionVjp",
     "PallasTritonFlashAttention",
     "PallasTritonFlashAttentionConfig",
     "PallasTritonFlashAttentionVjp",

@@ -42,8 +42,21 @@ from tokamax_pass.core import BoundArguments, NullConfig, Op, Target
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def _require_cudnn_library() -> None:
+    """cuDNN attention lowers only where the cuDNN library loads (not on a CPU-only machine
+    exporting for cuda): elsewhere `None` moves on to a kernel that lowers anywhere."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    try:
+        fused_attention_stablehlo.check_cudnn_version()
+    except RuntimeError as e:
+        raise NotImplementedError(f"cuDNN attention cannot be lowered here: {e}") from None
+
+
 def _check(ba: BoundArguments, target: Target | None, *, backward: bool) -> None:
     a = ba.arguments
+    if target is not None:
+        _require_cudnn_library()
     if jnp.dtype(a["query"].dtype) not in _CUDNN_DTYPES:
         raise NotImplementedError(f"cuDNN attention needs bf16/f16 inputs, got {a['query'].dtype}")
     if a["logits_soft_cap"] is not None:
