@@ -57,37 +57,42 @@ def main(argv: list[str] | None = None) -> int:
     x = jax.random.normal(jax.random.key(1), SHAPE, jnp.bfloat16)
     scale = jax.random.normal(jax.random.key(0), (SHAPE[-1],), jnp.float32)
     results: dict[str, object] = {"device_kind": jax.devices()[0].device_kind}
+    output = pathlib.Path(args.output)
+
+    def record(key: str, value: object) -> None:  # written at once: a cut-short run keeps it
+        results[key] = value
+        print(f"{key}: {value}", flush=True)
+        output.write_text(json.dumps(results, indent=1))
 
     plain = jax.jit(jax.grad(plain_jax_loss))
     ours_jit = jax.jit(seed_model.loss_grad)
     ours_optimized = tokamax.optimize(seed_model.loss_grad)
-    results["plain_jax_cudnn_ms"] = device_ms(plain, x, scale)
-    results["tokamax_jit_none_ms"] = device_ms(ours_jit, x, scale)
-    results["tokamax_optimize_ms"] = device_ms(ours_optimized, x, scale)
-    results["plan"] = str(ours_optimized.plan(x, scale))
+    record("plain_jax_cudnn_ms", device_ms(plain, x, scale))
+    record("tokamax_jit_none_ms", device_ms(ours_jit, x, scale))
+    record("tokamax_optimize_ms", device_ms(ours_optimized, x, scale))
+    record("plan", str(ours_optimized.plan(x, scale)))
     reference = np.asarray(plain(x, scale), np.float32)
     ours = np.asarray(ours_optimized(x, scale), np.float32)
-    results["relative_difference_vs_plain"] = float(
-        np.linalg.norm(ours - reference) / np.linalg.norm(reference))
-
-    start = time.perf_counter()
-    tuned = tokamax.autotune(seed_model.loss_grad, x, scale, progress=False)
-    results["autotune_s"] = time.perf_counter() - start
-    results["autotune_result"] = repr(tuned)
-    with tuned:
-        results["tokamax_tuned_ms"] = device_ms(jax.jit(seed_model.loss_grad), x, scale)
+    record("relative_difference_vs_plain",
+           float(np.linalg.norm(ours - reference) / np.linalg.norm(reference)))
 
     if args.artifact:
         loaded = tokamax.load_artifact(args.artifact)
         exported = np.asarray(loaded(x, scale), np.float32)
         in_process = np.asarray(ours_jit(x, scale), np.float32)
-        results["artifact_max_abs_difference"] = float(np.max(np.abs(exported - in_process)))
-        results["artifact_bitwise_equal"] = bool(np.array_equal(exported, in_process))
-        results["artifact_ms"] = device_ms(loaded, x, scale)
+        record("artifact_max_abs_difference", float(np.max(np.abs(exported - in_process))))
+        record("artifact_relative_difference",
+               float(np.linalg.norm(exported - in_process) / np.linalg.norm(in_process)))
+        record("artifact_bitwise_equal", bool(np.array_equal(exported, in_process)))
+        record("artifact_ms", device_ms(loaded, x, scale))
 
-    for key, value in results.items():
-        print(f"{key}: {value}")
-    pathlib.Path(args.output).write_text(json.dumps(results, indent=1))
+    start = time.perf_counter()
+    tuned = tokamax.autotune(seed_model.loss_grad, x, scale, progress=False)
+    record("autotune_s", time.perf_counter() - start)
+    record("autotune_result", repr(tuned))
+    with tuned:
+        record("tokamax_tuned_ms", device_ms(jax.jit(seed_model.loss_grad), x, scale))
+
     return 0
 
 
