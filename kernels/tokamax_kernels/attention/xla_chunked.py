@@ -291,9 +291,11 @@ def _heuristics(ba: BoundArguments) -> XlaChunkedConfig:
 
 
 def _search_space(ba: BoundArguments) -> set[XlaChunkedConfig]:
+    """Power-of-two chunks from 64 to 1024, none beyond the (rounded-up) sequence."""
     q_len, kv_len = ba.arguments["query"].shape[1], ba.arguments["key"].shape[1]
-    return {XlaChunkedConfig(cq, ck) for cq in _CHUNKS for ck in _CHUNKS
-            if cq <= _next_pow2(q_len) and ck <= _next_pow2(kv_len)}
+    q_chunks = {min(c, _next_pow2(q_len)) for c in _CHUNKS}
+    k_chunks = {min(c, _next_pow2(kv_len)) for c in _CHUNKS}
+    return {XlaChunkedConfig(cq, ck) for cq in q_chunks for ck in k_chunks}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
