@@ -141,6 +141,12 @@ class DotProductAttention(Op[NullConfig]):
     inputs); see the module docstring for the semantics and the residual contract.
     """
 
+    def partition_rule(self, ba: BoundArguments) -> Any:
+        """How a call splits over devices (`tokamax_pass.core.sharding`)."""
+        from tokamax_kernels.attention.sharding import partition_rule
+
+        return partition_rule(ba)
+
     def bind(self, query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
              scale: float | None = None, is_causal: bool = False,
              query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,

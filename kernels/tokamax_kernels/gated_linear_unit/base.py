@@ -65,6 +65,12 @@ def _check_weights(weights: Any, k: int) -> None:
 class GatedLinearUnit(Op[NullConfig]):
     """The gated linear unit in XLA: both products in float32, the result in x's dtype."""
 
+    def partition_rule(self, ba: BoundArguments) -> Any:
+        """How a call splits over devices (`tokamax_pass.core.sharding`)."""
+        from tokamax_kernels.gated_linear_unit.sharding import partition_rule
+
+        return partition_rule(ba)
+
     def bind(self, x: Any, weights: Any, *, activation: Callable[[Any], Any] | None = None,
              precision: Any = None) -> BoundArguments:
         v.require_rank("x", x, range(1, 64), op=_OP)

@@ -23,6 +23,12 @@ class LayerNorm(Op[NullConfig]):
     of the family returns them alike so forward and backward can be chosen apart.
     """
 
+    def partition_rule(self, ba: BoundArguments) -> Any:
+        """How a call splits over devices (`tokamax_pass.core.sharding`)."""
+        from tokamax_kernels.layer_norm.sharding import partition_rule
+
+        return partition_rule(ba)
+
     def bind(self, x: Any, scale: Any = None, offset: Any = None, *, axis: int = -1,
              epsilon: float = 1e-6, subtract_mean: bool = True) -> BoundArguments:
         v.require_rank("x", x, range(1, 64), op=_OP)

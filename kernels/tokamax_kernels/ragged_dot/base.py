@@ -145,6 +145,12 @@ def _xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any) -
 class RaggedDot(Op[NullConfig]):
     """The ragged dot (all three variants) by `jax.lax.ragged_dot_general`."""
 
+    def partition_rule(self, ba: BoundArguments) -> Any:
+        """How a call splits over devices (`tokamax_pass.core.sharding`)."""
+        from tokamax_kernels.ragged_dot.sharding import partition_rule
+
+        return partition_rule(ba)
+
     def bind(self, lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
              preferred_element_type: Any = None, variant: str = "forward") -> BoundArguments:
         if variant not in VARIANTS:

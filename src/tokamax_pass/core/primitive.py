@@ -21,7 +21,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from tokamax_pass.core import device, resolution, spec
+from tokamax_pass.core import device, resolution, sharding, spec
 from tokamax_pass.core.op import BoundArguments, Op, VmapLevel
 from tokamax_pass.core.vjp import RESERVED_NAMES, VjpOp, complete_gradients
 
@@ -47,6 +47,8 @@ class OpCall:
     explicit: bool
     vmap: tuple[VmapLevel, ...] = ()
     return_residuals: bool = False
+    # For a VJP call: the forward op whose partition rule (see `sharding`) it follows.
+    partition_as: Op | None = None
 
     @property
     def operand_indices(self) -> tuple[int, ...]:
@@ -147,7 +149,8 @@ for _platform in LOWERING_PLATFORMS:
     )
 
 
-def _make_call(bas: Sequence[BoundArguments], explicit: bool) -> tuple[OpCall, list[Any]]:
+def _make_call(bas: Sequence[BoundArguments], explicit: bool,
+               partition_as: Op | None = None) -> tuple[OpCall, list[Any]]:
     leaves, treedef = jax.tree.flatten(dict(bas[0].arguments), is_leaf=_is_none)
     statics, operands = [], []
     names = jax.tree_util.tree_flatten_with_path(dict(bas[0].arguments), is_leaf=_is_none)[0]
@@ -169,13 +172,16 @@ def _make_call(bas: Sequence[BoundArguments], explicit: bool) -> tuple[OpCall, l
         statics=tuple(statics),
         num_leaves=len(leaves),
         explicit=explicit,
+        partition_as=partition_as,
     )
     return call, [jax.numpy.asarray(x) if isinstance(x, np.ndarray) else x for x in operands]
 
 
 def _bind(call: OpCall, operands: Sequence[Any]) -> Any:
+    """Binds the call, per device when its operands are sharded (`sharding.bind`)."""
     treedef, _ = call.output_structure(operands)
-    return jax.tree.unflatten(treedef, tokamax_call_p.bind(*operands, call=call))
+    flat = sharding.bind(call, operands, lambda *xs: tokamax_call_p.bind(*xs, call=call))
+    return jax.tree.unflatten(treedef, flat)
 
 
 def _cotangents(call: OpCall, operands: Sequence[Any], grads: dict[str, Any]) -> tuple[Any, ...]:
@@ -206,7 +212,7 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
         vjp_ops = tuple(dict.fromkeys(op.vjp_op() for op in call.candidates))
         grads = call_ops(
             vjp_ops, (), dict(residuals=residuals, out=out, dout=dout, **arguments),
-            explicit=call.explicit,
+            explicit=call.explicit, partition_as=call.candidates[0],
         )
         return _cotangents(call, operands, grads)
 
@@ -215,7 +221,7 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
 
 
 def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
-             explicit: bool) -> Any:
+             explicit: bool, partition_as: Op | None = None) -> Any:
     """Calls the first of `ops` that accepts the arguments (and, if `explicit`, this device).
 
     `ValueError` from `bind` (bad input) propagates at once; `NotImplementedError`
@@ -236,5 +242,5 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
     if not bound:
         raise NotImplementedError(
             "no implementation supports these inputs:\n  " + "\n  ".join(reasons))
-    call, operands = _make_call(bound, explicit)
+    call, operands = _make_call(bound, explicit, partition_as)
     return bind_with_vjp(call, operands)

@@ -1,0 +1,372 @@
+"""Op calls on more than one device: each family's partition rule, applied by JAX.
+
+A kernel custom call compiled for global shapes cannot be split by XLA, so an op
+call over sharded operands is rebound per device with local shapes, through one
+of JAX's own mechanisms, chosen by what the trace can see:
+
+  inside `jax.shard_map`            nothing to do: operands are already per device
+  shardings in the avals (Explicit) `jax.shard_map` with the avals' specs
+  a concrete mesh (`jax.set_mesh`)  `custom_partitioning`: Shardy propagates the
+                                    family's factor rule and the partition callback
+                                    sees the real shardings at compile time
+  only an abstract mesh (export)    `jax.shard_map` over that mesh; mesh axis i goes
+                                    to the family's i-th factor (data -> batch,
+                                    model -> heads), else to the first that divides
+
+Each family declares, per call, which dims of which arrays are "batch-like"
+factors (split with no communication) in a `PartitionRule`; dims without a factor
+are gathered (with a one-time warning naming them). Outputs may be partial sums
+over a factor (a ragged dot's weight gradient over sharded rows): those are
+`psum`med. A single device (or the one-device mesh of `core.targeting`) binds the
+call as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax._src import mesh as mesh_lib
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+_log = logging.getLogger("tokamax_pass.sharding")
+_WARNED: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The factor of each dim of one array (`None`: not partitionable, gathered), and the
+    factors over which the array is a partial sum (outputs only)."""
+
+    factors: tuple[str | None, ...]
+    summed: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionRule:
+    """How one op call partitions.
+
+    Attributes:
+      arguments: argument name -> `Dims` (or a pytree of them, like the argument);
+        arrays left out are replicated.
+      out, residuals: `Dims` pytrees like the op's output and residuals.
+      order: the factors in preference order (for meshes with no shardings to read).
+      localize: `(arguments, shard) -> arguments` run on each device's block before
+        the call (a ragged dot turns global group sizes into the block's own).
+    """
+
+    arguments: Mapping[str, Any]
+    out: Any
+    residuals: Any = None
+    order: tuple[str, ...] = ()
+    localize: Callable[[dict[str, Any], Shard], dict[str, Any]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Which block of each factor this device holds (inside the per-device function)."""
+
+    axes: Mapping[str, tuple[str, ...]]
+    sizes: Mapping[str, int]
+
+    def count(self, factor: str) -> int:
+        return math.prod(self.sizes[a] for a in self.axes.get(factor, ()))
+
+    def index(self, factor: str) -> Any:
+        axes = self.axes.get(factor, ())
+        return jax.lax.axis_index(axes) if axes else 0
+
+
+def _is_dims(value: Any) -> bool:
+    return value is None or isinstance(value, Dims)
+
+
+def _by_path(tree: Any) -> dict[str, Dims]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_dims)[0]
+    return {jax.tree_util.keystr(p): d for p, d in leaves if d is not None}
+
+
+def _leaf_dims(tree: Any, rule_tree: Any, ndims: Sequence[int], *,
+               none_leaves: bool = True, summed: tuple[str, ...] = ()) -> list[Dims]:
+    """`Dims` for each leaf of `tree` (`None`s count as leaves if `none_leaves`, as in
+    `OpCall`'s flattening of the arguments)."""
+    rule = _by_path(rule_tree)
+    is_leaf = (lambda v: v is None) if none_leaves else None
+    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    dims = [rule.get(jax.tree_util.keystr(p)) for p, _ in paths]
+    return [d if d is not None and len(d.factors) == n else Dims((None,) * n, summed)
+            for d, n in zip(dims, ndims, strict=True)]
+
+
+def _call_rule(call: Any, avals: Sequence[Any]) -> tuple[PartitionRule, list[Dims], list[Dims]]:
+    """The rule of `call` and the `Dims` of each operand and each flat output, or `None`."""
+    from tokamax_pass.core.vjp import VjpOp
+
+    shapes = call.unbatched(avals)
+    arguments = call.arguments(shapes)
+    forward = call.partition_as
+    if forward is None and isinstance(call.candidates[0], VjpOp):
+        return None
+    if forward is None:
+        forward = call.candidates[0]
+        fwd_arguments = arguments
+    else:
+        fwd_arguments = {k: v for k, v in arguments.items()
+                         if k not in ("residuals", "out", "dout")}
+    rule_fn = getattr(forward.reference_op(), "partition_rule", None)
+    if rule_fn is None:
+        return None
+    from tokamax_pass.core.op import BoundArguments
+
+    rule = rule_fn(BoundArguments(forward, fwd_arguments))
+    if rule is None:
+        return None
+    summed: tuple[str, ...] = ()
+    if call.partition_as is None:
+        arg_rule = rule.arguments
+        out_rule = (rule.out, rule.residuals) if call.return_residuals else rule.out
+    else:  # a VJP call: gradients shaped like the forward's arguments
+        arg_rule = {**rule.arguments, "residuals": rule.residuals, "out": rule.out,
+                    "dout": rule.out}
+        out_rule = _gradient_dims(rule.arguments)
+        summed = _every_factor(rule.arguments)
+    leaf_dims = _leaf_dims(arguments, arg_rule, [
+        0 if not hasattr(v, "shape") else len(v.shape)
+        for v in jax.tree.leaves(arguments, is_leaf=lambda v: v is None)])
+    operand_dims = [leaf_dims[i] for i in call.operand_indices]
+    treedef, out_avals = call.output_structure(avals)
+    placeholder = jax.tree.unflatten(treedef, list(range(len(out_avals))))
+    out_dims = _leaf_dims(placeholder, out_rule, [a.ndim for a in out_avals], none_leaves=False,
+                          summed=summed)
+    return rule, operand_dims, out_dims
+
+
+def _every_factor(arguments: Mapping[str, Any]) -> tuple[str, ...]:
+    return tuple(sorted({f for d in _by_path(arguments).values() for f in d.factors
+                         if f is not None}))
+
+
+def _gradient_dims(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """An argument's gradient splits like the argument and is a partial sum over every
+    factor the argument does not carry (each block of that factor used all of it)."""
+    every = set(_every_factor(arguments))
+
+    def grad(d: Dims | None) -> Dims | None:
+        if d is None:
+            return None
+        return Dims(d.factors, tuple(sorted(every - set(d.factors))))
+
+    return {k: jax.tree.map(grad, v, is_leaf=_is_dims) for k, v in arguments.items()}
+
+
+# --- which mesh axes each factor gets ---------------------------------------------------------
+
+def _factor_sizes(shapes: Sequence[Sequence[int]], dims: Sequence[Dims]) -> dict[str, list[int]]:
+    sizes: dict[str, list[int]] = {}
+    for shape, d in zip(shapes, dims, strict=True):
+        for size, factor in zip(shape, d.factors, strict=True):
+            if factor is not None:
+                sizes.setdefault(factor, []).append(size)
+    return sizes
+
+
+def _divides(count: int, sizes: Sequence[int]) -> bool:
+    return all(s % count == 0 for s in sizes)
+
+
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def assignment_from_specs(specs: Sequence[PartitionSpec | None], shapes: Sequence[Sequence[int]],
+                          dims: Sequence[Dims], mesh_sizes: Mapping[str, int],
+                          what: str) -> dict[str, tuple[str, ...]]:
+    """Factor -> mesh axes read from the operands' shardings (first operand wins).
+
+    A sharded dim whose factor is `None`, cannot take those axes, or disagrees with
+    an earlier operand is gathered; a one-time warning names it.
+    """
+    sizes = _factor_sizes(shapes, dims)
+    assignment: dict[str, tuple[str, ...]] = {}
+    used: set[str] = set()
+    dropped = []
+    for index, (spec, shape, d) in enumerate(zip(specs, shapes, dims, strict=True)):
+        entries = tuple(spec or ()) + (None,) * (len(shape) - len(tuple(spec or ())))
+        for dim, (entry, factor) in enumerate(zip(entries, d.factors, strict=True)):
+            axes = _spec_axes(entry)
+            if not axes:
+                continue
+            if factor in assignment and assignment[factor] == axes:
+                continue
+            count = math.prod(mesh_sizes[a] for a in axes)
+            if (factor is None or factor in assignment or used & set(axes)
+                    or not _divides(count, sizes[factor])):
+                dropped.append(f"operand {index} dim {dim} ({'/'.join(axes)})")
+                continue
+            assignment[factor] = axes
+            used |= set(axes)
+    if dropped:
+        message = (f"{what}: cannot partition {', '.join(dropped)} without communication; "
+                   "gathering them (see README, 'More than one device')")
+        warn_once(message, message)
+    return assignment
+
+
+def assignment_by_order(order: Sequence[str], shapes: Sequence[Sequence[int]],
+                        dims: Sequence[Dims], mesh_sizes: Mapping[str, int]
+                        ) -> dict[str, tuple[str, ...]]:
+    """Factor -> mesh axes when no sharding is visible: mesh axis i goes to factor i, else
+    to the first factor (in `order`) that it still divides; otherwise it is unused."""
+    sizes = _factor_sizes(shapes, dims)
+    factors = [f for f in order if f in sizes] + [f for f in sizes if f not in order]
+    assignment: dict[str, tuple[str, ...]] = {}
+    for i, (axis, size) in enumerate(mesh_sizes.items()):
+        if size == 1:
+            continue
+        preferred = factors[i:i + 1] + factors
+        for factor in preferred:
+            axes = assignment.get(factor, ()) + (axis,)
+            if _divides(math.prod(mesh_sizes[a] for a in axes), sizes[factor]):
+                assignment[factor] = axes
+                break
+    return assignment
+
+
+def _spec(d: Dims, assignment: Mapping[str, tuple[str, ...]]) -> PartitionSpec:
+    entries = []
+    for factor in d.factors:
+        axes = assignment.get(factor, ()) if factor is not None else ()
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*entries)
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        _log.warning(message)
+
+
+# --- the per-device function -----------------------------------------------------------------
+
+def _local_function(call: Any, rule: PartitionRule, out_dims: Sequence[Dims],
+                    assignment: Mapping[str, tuple[str, ...]], mesh_sizes: Mapping[str, int],
+                    bind: Callable[..., Sequence[Any]]) -> Callable[..., list[Any]]:
+    shard = Shard(dict(assignment), dict(mesh_sizes))
+
+    def local(*operands: Any) -> list[Any]:
+        if rule.localize is not None:
+            arguments = rule.localize(call.arguments(operands), shard)
+            leaves = jax.tree.leaves(arguments, is_leaf=lambda v: v is None)
+            operands = [leaves[i] for i in call.operand_indices]
+        outs = list(bind(*operands))
+        for i, d in enumerate(out_dims):
+            axes = tuple(a for f in d.summed for a in assignment.get(f, ()))
+            if axes:
+                outs[i] = jax.lax.psum(outs[i], axes)
+        return outs
+
+    return local
+
+
+def _mode() -> str:
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty or abstract.size == 1:
+        return "single"
+    if abstract.manual_axes:
+        return "manual"
+    # A concrete mesh in context (`jax.set_mesh`) means devices exist: custom_partitioning
+    # can run; JAX offers no public way to read it while tracing.
+    concrete = mesh_lib.get_concrete_mesh()
+    if concrete is not None and not concrete.empty:
+        return "concrete"
+    return "abstract"
+
+
+def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[Any]]
+         ) -> Sequence[Any]:
+    """Binds `call` on `operands`, per device when they are (or may be) sharded."""
+    explicit_specs = [getattr(jax.typeof(x).sharding, "spec", None) for x in operands]
+    explicit = any(s is not None and any(e is not None for e in s) for s in explicit_specs)
+    mode = _mode()
+    if call.vmap or (mode in ("single", "manual") and not explicit):
+        return bind_local(*operands)
+    found = _call_rule(call, [jax.typeof(x) for x in operands])
+    if found is None:
+        return bind_local(*operands)
+    rule, operand_dims, out_dims = found
+    what = call.candidates[0].family_name()
+    shapes = [x.shape for x in operands]
+    if mode == "concrete" and not explicit:
+        out_shapes = [a.shape for a in call.output_structure(operands)[1]]
+        return _custom_partitioned(call, rule, operand_dims, out_dims, bind_local, what,
+                                   shapes, out_shapes)(*operands)
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    if explicit:
+        assignment = assignment_from_specs(explicit_specs, shapes, operand_dims, sizes, what)
+    else:
+        assignment = assignment_by_order(rule.order, shapes, operand_dims, sizes)
+    in_specs = tuple(_spec(d, assignment) for d in operand_dims)
+    out_specs = [_spec(Dims(tuple(None if f in d.summed else f for f in d.factors)), assignment)
+                 for d in out_dims]
+    if explicit:
+        operands = [jax.sharding.reshard(x, s) for x, s in zip(operands, in_specs, strict=True)]
+    local = _local_function(call, rule, out_dims, assignment, sizes, bind_local)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)(*operands)
+
+
+def _custom_partitioned(call: Any, rule: PartitionRule, operand_dims: Sequence[Dims],
+                        out_dims: Sequence[Dims], bind_local: Callable[..., Sequence[Any]],
+                        what: str, shapes: Sequence[Sequence[int]],
+                        out_shapes: Sequence[Sequence[int]]) -> Callable[..., Any]:
+    """`custom_partitioning` of the call: Shardy propagates the factor rule; the partition
+    callback reads the real shardings and lowers the per-device call."""
+
+    @custom_partitioning
+    def partitioned(*operands: Any) -> list[Any]:
+        return list(bind_local(*operands))
+
+    def partition(mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        specs = [getattr(a.sharding, "spec", None) for a in arg_shapes]
+        assignment = assignment_from_specs(
+            specs, [a.shape for a in arg_shapes], operand_dims, sizes, what)
+        arg_shardings = tuple(NamedSharding(mesh, _spec(d, assignment)) for d in operand_dims)
+        out_shardings = [
+            NamedSharding(mesh, _spec(Dims(tuple(None if f in d.summed else f
+                                                 for f in d.factors)), assignment))
+            for d in out_dims]
+        local = _local_function(call, rule, out_dims, assignment, sizes, bind_local)
+        return mesh, local, out_shardings, arg_shardings
+
+    partitioned.def_partition(partition=partition,
+                              sharding_rule=_sdy_rule(operand_dims, out_dims, shapes, out_shapes))
+    return partitioned
+
+
+def _sdy_rule(operand_dims: Sequence[Dims], out_dims: Sequence[Dims],
+              shapes: Sequence[Sequence[int]], out_shapes: Sequence[Sequence[int]]) -> str:
+    """The einsum-like Shardy rule: a factor shared by the dims of equal size that carry it
+    (GQA kv heads are a factor of their own), every other dim a fresh factor."""
+    names: dict[tuple[str, int], str] = {}
+    fresh = iter(f"u{i}" for i in range(1_000_000))
+
+    def name(factor: str | None, size: int) -> str:
+        if factor is None or size == 1:
+            return next(fresh)
+        return names.setdefault((factor, size), f"f{len(names)}")
+
+    def operand(d: Dims, shape: Sequence[int]) -> str:
+        return " ".join(name(f, n) for f, n in zip(d.factors, shape, strict=True))
+
+    ins = [operand(d, s) for d, s in zip(operand_dims, shapes, strict=True)]
+    outs = [operand(d, s) for d, s in zip(out_dims, out_shapes, strict=True)]
+    return ", ".join(ins) + " -> " + ", ".join(outs)

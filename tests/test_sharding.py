@@ -1,0 +1,242 @@
+"""Ops over 8 fake CPU devices: partitioned with no gather of the sharded operands, equal to
+the unsharded op forward and backward; the GPU kernels exported per device (abstract H200 mesh).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tokamax_pass as tk
+from conftest import H200, assert_close, random_normal, reference_precision
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+
+ROWS = ("data", "model")
+
+
+def _mesh(axis_type=AxisType.Auto):
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+
+
+def _layer_norm(x, scale, offset):
+    return tk.layer_norm(x, scale, offset, implementation="xla")
+
+
+def _glu(x, w):
+    return tk.gated_linear_unit(x, w, implementation="xla")
+
+
+def _attention(q, k, v, bias, mask, q_len, kv_len):
+    return tk.dot_product_attention(q, k, v, bias, mask, query_seq_lengths=q_len,
+                                    key_value_seq_lengths=kv_len, implementation="xla")
+
+
+def _ragged(lhs, rhs, sizes):
+    return tk.ragged_dot(lhs, rhs, sizes, implementation="xla")
+
+
+def _cases():
+    """(name, function, inputs, specs, differentiable argnums)."""
+    b, s, h, d = 8, 16, 4, 8
+    q, k, v = (random_normal(i, shape) for i, shape in
+               enumerate([(b, s, h, d), (b, s, 2, d), (b, s, 2, d)]))
+    bias = random_normal(3, (b, h, s, s))
+    mask = jax.random.bernoulli(jax.random.key(4), 0.8, (b, 1, s, s))
+    lengths = jnp.array([16, 9, 12, 16, 5, 16, 11, 7], jnp.int32)
+    attn_spec = P("data", None, "model", None)
+    sizes = jnp.array([10, 0, 23, 17], jnp.int32)  # 50 of 64 rows: the tail gives zeros
+    return [
+        ("layer_norm", _layer_norm,
+         (random_normal(5, (8, 4, 32)), random_normal(6, (32,)), random_normal(7, (32,))),
+         (P("data", "model", None), P(), P()), (0, 1, 2)),
+        ("gated_linear_unit", _glu, (random_normal(8, (16, 4, 24)), random_normal(9, (24, 2, 8))),
+         (P("data", "model", None), P()), (0, 1)),
+        ("attention", _attention, (q, k, v, bias, mask, lengths, lengths),
+         (attn_spec, attn_spec, attn_spec, P("data", "model"), P("data"), P("data"), P("data")),
+         (0, 1, 2, 3)),
+        ("ragged_dot", _ragged, (random_normal(10, (64, 16)), random_normal(11, (4, 16, 8)), sizes),
+         (P(ROWS, None), P(), P()), (0, 1)),
+    ]
+
+
+CASES = {name: rest for name, *rest in _cases()}
+
+
+def _loss(fn, argnums):
+    def loss(*args):
+        return jnp.sum(jnp.sin(fn(*args).astype(jnp.float32)))
+    return jax.grad(loss, argnums=argnums)
+
+
+def _put(mesh, inputs, specs):
+    return [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(inputs, specs, strict=True)]
+
+
+def _gathers(hlo: str) -> list[str]:
+    return [line.strip()[:160] for line in hlo.splitlines() if "all-gather" in line]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_jit_with_sharded_inputs_partitions_without_gathering(name):
+    fn, inputs, specs, argnums = CASES[name]
+    with reference_precision():
+        expected, expected_grads = fn(*inputs), _loss(fn, argnums)(*inputs)
+    mesh = _mesh()
+    sharded = _put(mesh, inputs, specs)
+    with jax.set_mesh(mesh), reference_precision():
+        out = jax.jit(fn)(*sharded)
+        grads = jax.jit(_loss(fn, argnums))(*sharded)
+        forward_hlo = jax.jit(fn).lower(*sharded).compile().as_text()
+        backward_hlo = jax.jit(_loss(fn, argnums)).lower(*sharded).compile().as_text()
+        jaxpr = str(jax.make_jaxpr(fn)(*sharded))
+    assert "custom_partitioning" in jaxpr
+    assert_close(out, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert_close(g, e)
+    assert out.sharding.spec[0] is not None  # the rows stay split
+    assert _gathers(forward_hlo) == [] and _gathers(backward_hlo) == []
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "attention"])
+def test_explicit_mesh_uses_shard_map(name):
+    fn, inputs, specs, argnums = CASES[name]
+    with reference_precision():
+        expected, expected_grads = fn(*inputs), _loss(fn, argnums)(*inputs)
+    mesh = _mesh(AxisType.Explicit)
+    sharded = _put(mesh, inputs, specs)
+    with jax.set_mesh(mesh), reference_precision():
+        out = jax.jit(fn)(*sharded)
+        grads = jax.jit(_loss(fn, argnums))(*sharded)
+        hlo = jax.jit(_loss(fn, argnums)).lower(*sharded).compile().as_text()
+        jaxpr = str(jax.make_jaxpr(fn)(*sharded))
+    assert "shard_map" in jaxpr
+    assert_close(out, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert_close(g, e)
+    assert _gathers(hlo) == []
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "attention", "gated_linear_unit"])
+def test_inside_shard_map_ops_see_blocks(name):
+    fn, inputs, specs, argnums = CASES[name]
+    with reference_precision():
+        expected, expected_grads = fn(*inputs), _loss(fn, argnums)(*inputs)
+    mesh = _mesh()
+    out_spec = specs[0]
+
+    def blocks(*args):
+        return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_spec,
+                             check_vma=False)(*args)
+
+    def loss(*args):  # the sum over blocks, so gradients of replicated inputs add up
+        return jnp.sum(jnp.sin(blocks(*args).astype(jnp.float32)))
+
+    with reference_precision():
+        out = jax.jit(blocks)(*inputs)
+        grads = jax.jit(jax.grad(loss, argnums=argnums))(*inputs)
+        jaxpr = str(jax.make_jaxpr(blocks)(*inputs))
+    assert "custom_partitioning" not in jaxpr  # already per device: bound as is
+    assert re.search(r"tokamax_call\[", jaxpr)
+    assert_close(out, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert_close(g, e)
+
+
+def test_sequence_sharded_attention_gathers_with_a_warning(caplog):
+    fn, inputs, _, argnums = CASES["attention"]
+    mesh = _mesh()
+    seq = P("data", "model", None, None)  # sequence split over "model": must be gathered
+    specs = (seq, seq, seq, P("data"), P("data"), P("data"), P("data"))
+    sharded = _put(mesh, inputs, specs)
+    with reference_precision():
+        expected = fn(*inputs)
+    with jax.set_mesh(mesh), reference_precision(), caplog.at_level(logging.WARNING):
+        out = jax.jit(fn)(*sharded)
+    assert_close(out, expected)
+    assert any("cannot partition" in r.message and "model" in r.message for r in caplog.records)
+
+
+def test_ragged_dot_local_group_sizes():
+    from tokamax_kernels.ragged_dot.sharding import local_group_sizes
+
+    sizes = jnp.array([10, 0, 23, 17], jnp.int32)
+    blocks = [np.asarray(local_group_sizes(sizes, r, 16)) for r in range(0, 64, 16)]
+    assert [b.tolist() for b in blocks] == [[10, 0, 6, 0], [0, 0, 16, 0], [0, 0, 1, 15],
+                                            [0, 0, 0, 2]]
+
+
+# --- GPU kernels, exported for an 8-device abstract H200 mesh ------------------------------------
+
+ABSTRACT = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2,
+                        abstract_device=AbstractDevice(H200, None, "cuda"))
+KERNEL_CALLS = {"triton": "__gpu$xla.gpu.triton", "mosaic": "mosaic_gpu_v2"}
+
+
+def _export(fn, *shapes_specs_dtypes):
+    with jax.sharding.use_abstract_mesh(ABSTRACT):
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(ABSTRACT, spec))
+                for shape, spec, dtype in shapes_specs_dtypes]
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                     disabled_checks=tk.DISABLE_JAX_EXPORT_CHECKS)(*args)
+    return exported.mlir_module()
+
+
+def _kernel_operand_shapes(text: str, implementation: str) -> list[list[str]]:
+    """The operand types of each kernel custom call, e.g. `["2x128x2x64xbf16", ...]`."""
+    target = re.escape(KERNEL_CALLS[implementation])
+    calls = [line for line in text.splitlines()
+             if re.search(f"custom_call @{target}\\b|call_target_name = \"{target}\"", line)]
+    operands = [re.search(r":\s*\(([^)]*)\)\s*->", line).group(1) for line in calls]
+    return [re.findall(r"tensor<([^>]*)>", types) for types in operands]
+
+
+BF16 = jnp.bfloat16
+EXPORTS = {
+    "layer_norm": (lambda impl: lambda x, s: tk.layer_norm(x, s, None, implementation=impl),
+                   [((8, 4, 256), P("data", "model", None), BF16), ((256,), P(), BF16)],
+                   "4x256xbf16", ("triton",)),
+    "gated_linear_unit": (
+        lambda impl: lambda x, w: tk.gated_linear_unit(x, w, implementation=impl),
+        [((512, 256), P(ROWS, None), BF16), ((256, 2, 128), P(), BF16)],
+        "64x256xbf16", ("triton",)),
+    "attention": (
+        lambda impl: lambda q, k, v: tk.dot_product_attention(q, k, v, implementation=impl),
+        [((8, 256, 4, 64), P("data", None, "model", None), BF16),
+         ((8, 256, 4, 64), P("data", None, "model", None), BF16),
+         ((8, 256, 4, 64), P("data", None, "model", None), BF16)],
+        "2x256x2x64xbf16", ("triton", "mosaic")),
+    "ragged_dot": (
+        lambda impl: lambda a, b, s: tk.ragged_dot(a, b, s, implementation=impl),
+        [((512, 128), P(ROWS, None), BF16), ((4, 128, 256), P(), BF16),
+         ((4,), P(), jnp.int32)],
+        "64x128xbf16", ("triton", "mosaic")),
+}
+
+
+@pytest.mark.parametrize("name,implementation", [
+    (name, impl) for name, (*_, impls) in EXPORTS.items() for impl in impls])
+def test_cuda_export_puts_kernels_in_manual_computation_with_local_shapes(name, implementation):
+    make, args, local_shape, _ = EXPORTS[name]
+    fn = make(implementation)
+    text = _export(fn, *args)
+    assert "sdy.manual_computation" in text
+    forward = _kernel_operand_shapes(text, implementation)
+    assert len(forward) == 1 and local_shape in forward[0], forward
+    float_args = tuple(i for i, (_, _, dtype) in enumerate(args) if dtype == BF16)
+
+    def loss(*xs):
+        return jnp.sum(fn(*xs).astype(jnp.float32))
+
+    grad_text = _export(jax.grad(loss, argnums=float_args), *args)
+    shapes = _kernel_operand_shapes(grad_text, implementation)
+    assert len(shapes) >= 2  # forward + backward kernels, all on per-device blocks
+    global_shape = "x".join(map(str, args[0][0])) + "x"
+    assert not any(t.startswith(global_shape) for types in shapes for t in types), shapes
