@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.custom_partitioning import custom_partitioning
 
 import tokamax_pass as tokamax
 from conftest import assert_close, random_normal
@@ -203,3 +204,28 @@ def test_local_op_classes_run_but_do_not_reload():
     assert_close(Local()(jnp.ones(2)), np.full(2, 2.0))
     with pytest.raises(spec.SpecError, match="module level"):
         tokamax.BoundArguments.from_json(Local().bind(jnp.ones(2)).to_json())
+
+
+@custom_partitioning
+def _partitioned_sine(x):
+    return jnp.sin(x)
+
+
+_partitioned_sine.def_partition(
+    partition=lambda mesh, args, result: (mesh, jnp.sin, args[0].sharding, (args[0].sharding,)),
+    sharding_rule="i -> i",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PartitionedSine(tokamax.Op):
+    """Lowers through `custom_partitioning`, as cuDNN attention does."""
+
+    def _fwd(self, x, *, config, return_residuals):
+        return _partitioned_sine(x), None
+
+
+def test_kernels_that_lower_through_custom_partitioning():
+    x = random_normal(0, (4,))
+    assert_close(jax.jit(PartitionedSine())(x), np.sin(np.asarray(x)))
+    assert_close(jax.jit(lambda x: PartitionedSine()(x) * 2)(x), 2 * np.sin(np.asarray(x)))

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import sharding_impls
 from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -131,7 +132,26 @@ def _batch(operands: Sequence[Any], dims: Sequence[Any], *, call: OpCall) -> tup
     return outs, [0] * len(outs)
 
 
+def _with_device_assignment(ctx: Any, platform: str) -> Any:
+    """`ctx` with the local device assigned when jit lowers a one-device program without it.
+
+    Some kernels lower through `custom_partitioning` (cuDNN attention does), which needs the
+    device assignment that jit leaves out of one-device lowerings nested in other rules.
+    """
+    axis_context = ctx.module_context.axis_context
+    if not (isinstance(axis_context, sharding_impls.ShardingContext)
+            and axis_context.device_assignment is None and axis_context.num_devices == 1):
+        return ctx
+    try:
+        local = (jax.devices(platform)[0],)
+    except RuntimeError:  # lowering for a platform that is not here (export)
+        return ctx
+    axis_context = dataclasses.replace(axis_context, device_assignment=local)
+    return ctx.replace(module_context=ctx.module_context.replace(axis_context=axis_context))
+
+
 def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence[Any]:
+    ctx = _with_device_assignment(ctx, platform)
     target = device.lowering_target(platform)
     candidates = [call.bound(op, ctx.avals_in) for op in call.candidates]
     choice = resolution.choose(candidates, target, explicit=call.explicit)
