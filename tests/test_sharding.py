@@ -164,6 +164,17 @@ def test_sequence_sharded_attention_gathers_with_a_warning(caplog):
     assert any("cannot partition" in r.message and "model" in r.message for r in caplog.records)
 
 
+def test_discovery_finds_the_per_device_calls():
+    fn, inputs, specs, argnums = CASES["layer_norm"]
+    mesh = _mesh(AxisType.Explicit)  # shard_map: the per-device specs are in the lowering
+    with jax.set_mesh(mesh):
+        found = tk.autotuning.discovery.get_bound_args(_loss(fn, argnums), *_put(mesh, inputs,
+                                                                                  specs))
+    shapes = {tuple(ba.arguments["x"].shape) for ba in found}
+    assert shapes == {(2, 2, 32)}  # (8, 4, 32) over data=4, model=2
+    assert len(found) == 2  # the forward and its VJP op
+
+
 def test_ragged_dot_local_group_sizes():
     from tokamax_kernels.ragged_dot.sharding import local_group_sizes
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokamax_pass.autotuning import cache as cache_lib
-from tokamax_pass.autotuning import discovery
+from tokamax_pass.autotuning import discovery, distributed
 from tokamax_pass.autotuning.autotuner import Autotuner, candidate_configs
 from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import registry
@@ -60,7 +60,22 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
       cache: merge the result into the user cache (`result.save_to_cache()`).
       progress: show a tqdm progress bar.
       iterations, method: timed runs per config and the timer (`benchmarking`).
+
+    In a multi-process run (`jax.distributed`) process 0 tunes and every process
+    returns its result, so all compile the same kernels (`distributed.tune_once`).
     """
+    result = distributed.tune_once(lambda: _autotune_here(
+        f, args, kwargs, ignore_cache=ignore_cache, all_implementations=all_implementations,
+        timeout=timeout, max_workers=max_workers, progress=progress, iterations=iterations,
+        method=method))
+    if cache:
+        result.save_to_cache()
+    return result
+
+
+def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignore_cache: bool,
+                   all_implementations: bool, timeout: float, max_workers: int | None,
+                   progress: bool, iterations: int, method: str | None) -> AutotuningResult:
     target = current_target()
     bound = _collect(f, args, kwargs)
     if all_implementations:
@@ -87,10 +102,7 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
     finally:
         if bar is not None:
             bar.close()
-    result = AutotuningResult(target.device_kind, entries)
-    if cache:
-        result.save_to_cache()
-    return result
+    return AutotuningResult(target.device_kind, entries)
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:
