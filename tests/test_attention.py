@@ -21,6 +21,7 @@ from tokamax_kernels.attention import (
     dot_product_attention,
 )
 from tokamax_kernels.attention.api import FAMILY
+from tokamax_kernels.attention.cudnn import _nonempty_rows
 
 B, H, D = 2, 4, 16
 # LLVM optimization off: halves XLA's CPU compile time, the bulk of this file's runtime.
@@ -430,6 +431,23 @@ def test_cudnn_rejects_what_it_cannot_do(dtype, options, reason):
     op.check_supported(op.bind(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
                                v.astype(jnp.bfloat16), is_causal=True,
                                local_window_size=(2, 1)), None)
+
+
+@pytest.mark.parametrize("options", [
+    dict(is_causal=True, local_window_size=(2, 0)),
+    dict(local_window_size=(1, 3), key_value_seq_lengths=jnp.array([40, 4])),
+    dict(is_causal=True, query_seq_lengths=jnp.array([30, 9]),
+         key_value_seq_lengths=jnp.array([0, 24])),
+    dict(mask=_mask((B, 1, 48, 40)), is_causal=True, key_value_seq_lengths=jnp.array([7, 40])),
+])
+def test_cudnn_zeroes_exactly_the_rows_with_nothing_to_attend(options):
+    """cuDNN's output is masked by this row predicate (it cannot run on CPU itself)."""
+    q, k, v = _inputs(sq=48, sk=40, dtype=jnp.bfloat16)
+    ba = CudnnDotProductAttention().bind(q, k, v, **options)
+    rows = np.asarray(_nonempty_rows(dict(ba.arguments)))
+    expected = _keep(B, H, 48, 40, **options).any(-1).transpose(0, 2, 1)[..., None]
+    assert not expected.all() and expected.any()
+    np.testing.assert_array_equal(np.broadcast_to(rows, expected.shape), expected)
 
 
 @pytest.mark.gpu

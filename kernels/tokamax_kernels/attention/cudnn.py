@@ -7,8 +7,9 @@ with a right part unless causal, and (backward only) a bias with an odd
 sequence length.
 
 Fully masked rows: cuDNN turns a bool mask into a large negative bias, so a
-row the mask empties would average the values; `_fwd` zeroes such rows to keep
-the family's contract.
+row the mask empties would average the values, and what it returns for rows
+that causal/window/length masks empty is not documented; `_fwd` zeroes every
+row with nothing to attend to, keeping the family's contract.
 
 Residuals: `jax.nn` exposes cuDNN's logsumexp only cast to the output dtype
 (bf16 loses ~3 digits), which a foreign backward would turn into visible errors.
@@ -75,22 +76,34 @@ def _check(ba: BoundArguments, target: Target | None, *, backward: bool) -> None
         raise NotImplementedError("cuDNN attention's backward with a bias needs even seq lengths")
 
 
-def _nonempty_rows(a: dict[str, Any]) -> jax.Array | None:
-    """(B|1, Sq, H|1, 1) True where a query row attends to some key; `None` if all do.
+def _nonempty_rows(a: dict[str, Any]) -> jax.Array:
+    """(B|1, Sq, 1|H, 1) True where a query row attends to at least one key.
 
-    Only a bool mask can empty a row that cuDNN would not already zero: causal,
-    window and length masks leave every valid query row its own diagonal key or
-    are handled by cuDNN's padding mask.
+    Without a bool mask this is O(B * Sq) arithmetic on the allowed key range
+    [lo, hi] of each row (causal, window, lengths); with one, the row-wise OR of
+    the combined mask (the size of the mask itself).
     """
-    mask = a["mask"]
-    if mask is None:
-        return None
     q_len, kv_len = a["query"].shape[1], a["key"].shape[1]
-    keep = keep_mask(jnp.arange(q_len), jnp.arange(kv_len), mask=mask,
-                     is_causal=a["is_causal"], local_window_size=a["local_window_size"],
-                     query_seq_lengths=a["query_seq_lengths"],
-                     key_value_seq_lengths=a["key_value_seq_lengths"])
-    return jnp.transpose(jnp.any(keep, axis=-1), (0, 2, 1))[..., None]
+    if a["mask"] is not None:
+        keep = keep_mask(jnp.arange(q_len), jnp.arange(kv_len), mask=a["mask"],
+                         is_causal=a["is_causal"], local_window_size=a["local_window_size"],
+                         query_seq_lengths=a["query_seq_lengths"],
+                         key_value_seq_lengths=a["key_value_seq_lengths"])
+        return jnp.transpose(jnp.any(keep, axis=-1), (0, 2, 1))[..., None]
+    row = jnp.arange(q_len)
+    lo, hi = jnp.zeros_like(row), jnp.full_like(row, kv_len - 1)
+    if a["is_causal"]:
+        hi = jnp.minimum(hi, row)
+    if a["local_window_size"] is not None:
+        left, right = a["local_window_size"]
+        lo, hi = jnp.maximum(lo, row - left), jnp.minimum(hi, row + right)
+    hi = hi[None]
+    if a["key_value_seq_lengths"] is not None:
+        hi = jnp.minimum(hi, a["key_value_seq_lengths"][:, None] - 1)
+    nonempty = lo[None] <= hi
+    if a["query_seq_lengths"] is not None:
+        nonempty = nonempty & (row[None] < a["query_seq_lengths"][:, None])
+    return nonempty[:, :, None, None]
 
 
 def _cudnn_forward(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
@@ -110,8 +123,7 @@ def _cudnn_forward(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax
         query, key, value, full_seq(bias), full_seq(a["mask"]), scale=a["scale"],
         is_causal=a["is_causal"], query_seq_lengths=lengths[0],
         key_value_seq_lengths=lengths[1], local_window_size=window, implementation="cudnn")
-    nonempty = _nonempty_rows(a)
-    return out if nonempty is None else jnp.where(nonempty, out, jnp.zeros((), out.dtype))
+    return jnp.where(_nonempty_rows(a), out, jnp.zeros((), out.dtype))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
