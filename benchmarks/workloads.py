@@ -122,11 +122,13 @@ def norm(name: str, rows: int, cols: int, subtract_mean: bool) -> Workload:
         from jax.experimental.pallas.ops.gpu import layer_norm as pallas_ln
         from jax.experimental.pallas.ops.gpu import rms_norm as pallas_rms
     peers = {"xla (f32 math)": lambda x, s, o: _xla_norm(x, s, o, subtract_mean)}
+    # JAX's Pallas norms take (batch, seq, features): give them one batch of all rows.
     if subtract_mean:
-        peers["jax pallas layer_norm"] = lambda x, s, o: pallas_ln.layer_norm(x, s, o, eps=1e-6)
+        peers["jax pallas layer_norm"] = lambda x, s, o: pallas_ln.layer_norm(
+            x[None], s, o, eps=1e-6)[0]
     else:
         peers["jax pallas rms_norm"] = lambda x, s, o: pallas_rms.rms_norm(
-            x, s, jnp.zeros_like(o), eps=1e-6)
+            x[None], s, jnp.zeros_like(o), eps=1e-6)[0]
     return Workload(
         name=name, family="layer_norm",
         make=lambda: (_normal(0, (rows, cols)), _normal(1, (cols,)), _normal(2, (cols,))),
