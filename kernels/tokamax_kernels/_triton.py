@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
-from tokamax_pass.core import current_target
+from tokamax_pass.core import Target, current_target
 
 # Dtypes Triton computes with; float64 has no tensor-core or fast path there.
 TRITON_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -15,6 +16,24 @@ TRITON_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 # Streaming multiprocessors per device kind: grids are sized to fill them.
 _SM_COUNTS = {"H200": 132, "H100": 132, "H800": 132, "H20": 78, "A100": 108, "L40": 142}
 DEFAULT_SM_COUNT = 132
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TritonKernel:
+    """Mixin of the Pallas Triton implementations (listed before the family class).
+
+    They run on CUDA GPUs, or on any platform in the Pallas interpreter with
+    `interpret=True` (how the CPU tests run them).
+    """
+
+    interpret: bool = False
+
+    implementation: ClassVar[str] = "triton"
+    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+
+    def check_supported_target(self, target: Target) -> None:
+        if not self.interpret:
+            super().check_supported_target(target)  # type: ignore[misc]
 
 
 def require_triton_dtype(name: str, value: Any) -> None:

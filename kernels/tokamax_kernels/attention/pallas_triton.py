@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from tokamax_kernels._triton import TritonKernel
 from tokamax_kernels.attention import _pallas_triton_common as common
 from tokamax_kernels.attention._pallas_triton_fwd import flash_attention_forward
 from tokamax_kernels.attention.base import DotProductAttention
@@ -130,18 +131,10 @@ def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasTritonFlashAttention(DotProductAttention):
+class PallasTritonFlashAttention(TritonKernel, DotProductAttention):
     """Flash attention forward in Pallas Triton; `interpret=True` runs it on CPU."""
 
-    interpret: bool = False
-
     config_cls: ClassVar[type] = PallasTritonFlashAttentionConfig
-    implementation: ClassVar[str] = "triton"
-    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
-
-    def check_supported_target(self, target: Target) -> None:
-        if not self.interpret:
-            super().check_supported_target(target)
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from tokamax_kernels._triton import TritonKernel
 from tokamax_kernels.attention import _pallas_triton_common as common
 from tokamax_kernels.attention import pallas_triton as fwd
 from tokamax_kernels.attention._pallas_triton_bwd import flash_attention_backward
@@ -80,18 +81,10 @@ def clamp(config: PallasTritonFlashAttentionVjpConfig, seq_q: int, seq_k: int
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasTritonFlashAttentionVjp(DotProductAttentionVjp):
+class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
     """dq, dk, dv (and dbias) of flash attention in Pallas Triton; `interpret=True` on CPU."""
 
-    interpret: bool = False
-
     config_cls: ClassVar[type] = PallasTritonFlashAttentionVjpConfig
-    implementation: ClassVar[str] = "triton"
-    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
-
-    def check_supported_target(self, target: Target) -> None:
-        if not self.interpret:
-            super().check_supported_target(target)
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
+from tokamax_kernels._triton import TritonKernel
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_pass.core import BoundArguments, Op, Target
 
@@ -154,21 +155,13 @@ def matmul_search_space(config_cls: type) -> set[Any]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasTritonGatedLinearUnit(GatedLinearUnit):
+class PallasTritonGatedLinearUnit(TritonKernel, GatedLinearUnit):
     """The gated linear unit as one fused Pallas Triton kernel (f16/bf16/f32; CUDA).
 
     `interpret=True` runs the kernel in the Pallas interpreter (any platform; tests).
     """
 
-    interpret: bool = False
-
     config_cls: ClassVar[type] = Config
-    implementation: ClassVar[str] = "triton"
-    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
-
-    def check_supported_target(self, target: Target) -> None:
-        if not self.interpret:
-            super().check_supported_target(target)
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

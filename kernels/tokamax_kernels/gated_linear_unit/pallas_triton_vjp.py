@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
+from tokamax_kernels._triton import TritonKernel
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_triton import (
     Config,
@@ -84,21 +85,13 @@ def glu_backward(x: jax.Array, weights: Any, dy: jax.Array, *, activation: Calla
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasTritonGatedLinearUnitVjp(VjpOp):
+class PallasTritonGatedLinearUnitVjp(TritonKernel, VjpOp):
     """The gated-linear-unit gradient (Triton pre-activation gradients + XLA matmuls)."""
 
-    interpret: bool = False
-
     config_cls: ClassVar[type] = Config
-    implementation: ClassVar[str] = "triton"
-    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
 
     def reference_op(self) -> Op:
         return AutodiffVjp(forward=GatedLinearUnit())
-
-    def check_supported_target(self, target: Target) -> None:
-        if not self.interpret:
-            super().check_supported_target(target)
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
+from tokamax_kernels._triton import TritonKernel
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_pass.core import BoundArguments, Op, Target
 
@@ -196,21 +197,13 @@ def layer_norm_forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array 
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasTritonLayerNorm(LayerNorm):
+class PallasTritonLayerNorm(TritonKernel, LayerNorm):
     """Layer norm / RMSNorm over the last axis as a Pallas Triton kernel (CUDA).
 
     `interpret=True` runs the kernel in the Pallas interpreter (any platform; tests).
     """
 
-    interpret: bool = False
-
     config_cls = Config
-    implementation = "triton"
-    platforms = frozenset({"cuda"})
-
-    def check_supported_target(self, target: Target) -> None:
-        if not self.interpret:
-            super().check_supported_target(target)
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

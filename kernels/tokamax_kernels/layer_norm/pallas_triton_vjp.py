@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
+from tokamax_kernels._triton import TritonKernel
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_kernels.layer_norm.pallas_triton import (
     MAX_BLOCK_ELEMENTS,
@@ -184,21 +185,13 @@ def layer_norm_backward(x: jax.Array, dy: jax.Array, mean: jax.Array, rstd: jax.
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasTritonLayerNormVjp(VjpOp):
+class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
     """The gradient of `LayerNorm` (any implementation's residuals) as a Triton kernel."""
 
-    interpret: bool = False
-
     config_cls = Config
-    implementation = "triton"
-    platforms = frozenset({"cuda"})
 
     def reference_op(self) -> Op:
         return AutodiffVjp(forward=LayerNorm())
-
-    def check_supported_target(self, target: Target) -> None:
-        if not self.interpret:
-            super().check_supported_target(target)
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
+from tokamax_kernels._triton import TritonKernel
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
 from tokamax_pass.core import BoundArguments, Op, Target
 
@@ -182,21 +183,13 @@ def _output_columns(ba: BoundArguments) -> tuple[int, int, int]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PallasTritonRaggedDot(RaggedDot):
+class PallasTritonRaggedDot(TritonKernel, RaggedDot):
     """Ragged dot by Pallas Triton kernels (f16/bf16/f32, float32 accumulation; CUDA).
 
     `interpret=True` runs the kernels in the Pallas interpreter (any platform; tests).
     """
 
-    interpret: bool = False
-
     config_cls: ClassVar[type] = Config
-    implementation: ClassVar[str] = "triton"
-    platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
-
-    def check_supported_target(self, target: Target) -> None:
-        if not self.interpret:
-            super().check_supported_target(target)
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
