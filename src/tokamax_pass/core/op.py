@@ -11,6 +11,7 @@ built-in one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from collections.abc import Mapping
@@ -41,6 +42,21 @@ class VmapLevel:
     size: int
 
 
+class _OpOrClassMethod:
+    """A method that also works on the class, as on a default-constructed instance.
+
+    `PallasTritonRaggedDot.bind(lhs, rhs, group_sizes)` is how the Tokamax documents
+    bind an implementation; on an instance it is the ordinary bound method.
+    """
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+        functools.update_wrapper(self, function)
+
+    def __get__(self, op: Op | None, cls: type[Op]) -> Any:
+        return functools.partial(self.function, cls() if op is None else op)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Op[C]:
     """A tunable operation. Frozen, hashable, serializable by import path.
@@ -60,8 +76,14 @@ class Op[C]:
     # Platforms the implementation lowers for; `None` means every platform.
     platforms: ClassVar[frozenset[str] | None] = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "bind" in cls.__dict__ and not isinstance(cls.__dict__["bind"], _OpOrClassMethod):
+            cls.bind = _OpOrClassMethod(cls.__dict__["bind"])
+
     # --- what a family or implementation overrides -----------------------------------
 
+    @_OpOrClassMethod
     def bind(self, *args: Any, **kwargs: Any) -> BoundArguments:
         """Validates and canonicalizes arguments (`ValueError` names a bad one).
 
@@ -226,3 +248,4 @@ class BoundArguments:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={spec.encode(v)!r}" for k, v in self.arguments.items())
         return f"{type(self.op).__name__}.bind({args})"
+
