@@ -3,14 +3,16 @@
 The seed's `loss` (two layer norms, two attentions, implementations `triton`,
 `xla_chunked`, `None`, `mosaic`) under `jax.jit(jax.grad(loss))`. Where an
 implementation cannot run here (no GPU), the demo says why and uses `None`.
-The table lists every op call of the gradient program (forward and VJP ops):
-the implementation chosen, its config, and its device time.
+It then runs the gradient through `tokamax.optimize` and `tokamax.autotune`, and
+lists every op call of the gradient program (forward and VJP ops): the
+implementation chosen, its config, and its device time.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import time
 from typing import Any
 
 import jax
@@ -37,6 +39,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--shape", type=int, nargs=4, metavar=("B", "S", "H", "D"),
                         help=f"(default: {SEED_SHAPE} on a GPU, {CPU_SHAPE} elsewhere)")
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--no-autotune", dest="autotune", action="store_false",
+                        help="skip autotuning the gradient program")
 
 
 def runnable_implementations() -> tuple[list[Any], list[str]]:
@@ -108,7 +112,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"  grad: {spec.array_spec(out)}, finite: {bool(jnp.isfinite(out).all())}")
     total = benchmarking.benchmark(f_grad, x, scale, iterations=args.iterations)
     print(f"  jax.jit(jax.grad(loss)): {total.median_evaluation_time_ms:.3f} ms "
-          f"({total.method}, median of {args.iterations})\n")
+          f"({total.method}, median of {args.iterations})")
+
+    optimized = tokamax.optimize(jax.grad(seed_loss(implementations)))
+    same = bool(jnp.array_equal(optimized(x, scale), out))
+    time_ms = benchmarking.benchmark(optimized, x, scale, iterations=args.iterations)
+    print(f"  tokamax.optimize(jax.grad(loss)): {time_ms.median_evaluation_time_ms:.3f} ms "
+          f"(same result as jax.jit: {same})")
+    if args.autotune:
+        start = time.perf_counter()
+        result = tokamax.autotune(f_grad, x, scale, progress=False)
+        seconds = time.perf_counter() - start
+        with result:
+            tuned = benchmarking.benchmark(f_grad, x, scale, iterations=args.iterations)
+        print(f"  tokamax.autotune: {len(list(result))} op calls tuned in {seconds:.1f} s; "
+              f"tuned: {tuned.median_evaluation_time_ms:.3f} ms")
+    print()
 
     rows = [("op call", "implementation", "config", "arguments", "ms")]
     for ba in op_calls(jax.grad(seed_loss(implementations)), x, scale):
