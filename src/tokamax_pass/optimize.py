@@ -1,11 +1,13 @@
 """`optimize`: the pass. A drop-in for `jax.jit` that bakes each op's kernel and config in.
 
-Per input signature the wrapped function is traced to a jaxpr, every op call in it
-(at any depth) is resolved for the target (explicit config -> autotuning results ->
-user cache -> library cache -> heuristics, or measured with `autotune=`), the
-decisions are written into the equations and the rewritten jaxpr is evaluated in
-the trace of a `jax.jit`. So the rewrite happens once per signature, inside jit's
-own trace, and a later call with the same signature is exactly a `jax.jit` call.
+Per input signature the wrapped function is traced to a jaxpr with partitioning off
+(every op call a plain `tokamax_call`), and the jaxpr is evaluated in the trace of a
+`jax.jit` with every op call (at any depth) re-bound resolved for the target
+(explicit config -> autotuning results -> user cache -> library cache -> heuristics,
+or measured with `autotune=`) and partitioned per device as `core.sharding` decides:
+under a mesh each device's call is resolved for the shapes that device sees. So the
+rewrite happens once per signature, inside jit's own trace, and a later call with
+the same signature is exactly a `jax.jit` call.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
-from jax.extend.core import jaxpr_as_fun
 
 from tokamax_pass.core import device, spec
 from tokamax_pass.core.op import NullConfig
+from tokamax_pass.pass_ import emit
 from tokamax_pass.pass_.plan import Plan
 from tokamax_pass.pass_.rewrite import Decision, Rewriter, tuning_key
 
@@ -123,12 +125,12 @@ class Optimized:
         # Tuned results first, so the caller's `results=` win over them.
         return [*self._tuned, *self.results]
 
-    def _jit(self, *, platforms: tuple[str, ...] | None,
-             record: list[Decision] | None) -> Any:
-        return jax.jit(self._body(platforms, record), **self._jit_kwargs)
+    def _jit(self, *, platforms: tuple[str, ...] | None, record: list[Decision] | None,
+             rewriters: list[Rewriter] | None = None) -> Any:
+        return jax.jit(self._body(platforms, record, rewriters), **self._jit_kwargs)
 
-    def _body(self, platforms: tuple[str, ...] | None,
-              record: list[Decision] | None) -> Callable[..., Any]:
+    def _body(self, platforms: tuple[str, ...] | None, record: list[Decision] | None,
+              rewriters: list[Rewriter] | None = None) -> Callable[..., Any]:
         fun = self.fun
 
         @functools.wraps(fun)
@@ -144,18 +146,28 @@ class Optimized:
                 return fun(*call_args, **call_kwargs)
 
             values = [leaves[i] for i in dynamic]
-            jaxpr, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*values)
+            jaxpr, out_shape = emit.trace_plain(
+                jax.make_jaxpr(flat_fun, return_shape=True), *values)
             rewriter = Rewriter(_targets(platforms), contexts=self._contexts, record=record,
                                 autotuned=self._was_tuned)
-            outs = jaxpr_as_fun(rewriter.rewrite(jaxpr))(*values)
+            if rewriters is not None:
+                rewriters.append(rewriter)
+            outs = emit.emit(rewriter, jaxpr, values)
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
         return body
 
     def _trace(self, args: Sequence[Any], kwargs: dict[str, Any],
                platforms: tuple[str, ...] | None) -> list[Decision]:
+        """The decisions for these arguments. Calls partitioned by `custom_partitioning`
+        (a `jax.set_mesh` mesh) are resolved per device when the program is compiled: then
+        it is compiled, and they are recorded with the shapes each device sees."""
         record: list[Decision] = []
-        self._jit(platforms=platforms, record=record).trace(*args, **kwargs)
+        rewriters: list[Rewriter] = []
+        traced = self._jit(platforms=platforms, record=record,
+                           rewriters=rewriters).trace(*args, **kwargs)
+        if any(r.deferred for r in rewriters):
+            traced.lower().compile()
         return record
 
     def _autotune_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:

@@ -6,7 +6,10 @@ the attribute values are collected, decoded, stripped of their config and
 deduplicated, giving abstract `BoundArguments` (`ShapeDtypeStruct` arguments).
 MLIR text quotes the value and escapes characters as `\\XX` hex pairs (`\\22` is a
 quote); HLO text (`compiled.as_text()`) writes the JSON object bare
-(`tokamax_pass_spec={...}`): both are read.
+(`tokamax_pass_spec={...}`): both are read. Under a `jax.set_mesh` mesh an op call
+is a `custom_partitioning` whose per-device call is lowered only when the program is
+compiled (and its attribute does not survive into the compiled HLO): a callable's
+program is then compiled, and the specs of the calls lowered meanwhile are read.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import jax
 from tokamax_pass.autotuning import keys
 from tokamax_pass.core import spec
 from tokamax_pass.core.op import BoundArguments
-from tokamax_pass.core.primitive import METADATA_KEY
+from tokamax_pass.core.primitive import METADATA_KEY, recording_lowerings
 
 BOUND_ARGS_FORMAT = "tokamax_pass.BoundArgumentsList"
+_PARTITIONED_CALL = "CustomSPMDPartitioning"  # the custom call of `custom_partitioning`
 # `tokamax_pass_spec = "..."` (MLIR) or `tokamax_pass_spec={...}` (HLO text).
 _ATTRIBUTE = re.compile(METADATA_KEY + r'\s*=\s*(?:"((?:[^"\\]|\\.)*)"|(?=\{))')
 _DECODER = json.JSONDecoder()
@@ -63,24 +67,41 @@ def bound_args_from_specs(specs: Iterable[str]) -> list[BoundArguments]:
     return dedupe(BoundArguments.from_json(s) for s in specs)
 
 
-def _lowered_text(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+def _program_specs(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[str]:
     if isinstance(f, str):
         if args or kwargs:
             raise TypeError("get_bound_args: StableHLO text takes no further arguments")
-        return f
+        return specs_from_text(f)
     if isinstance(f, jax.stages.Lowered):
         if args or kwargs:
             raise TypeError("get_bound_args: a Lowered takes no further arguments")
-        return f.as_text()
+        return specs_from_text(f.as_text())
     if isinstance(f, jax.stages.Compiled):
-        return f.as_text()
+        return specs_from_text(f.as_text())
     if not callable(f):
         raise TypeError(
             f"get_bound_args: expected a callable, a jax.stages.Lowered or StableHLO text, "
             f"got {type(f).__name__}"
         )
-    jitted = f if hasattr(f, "lower") else jax.jit(f)
-    return jitted.lower(*args, **kwargs).as_text()
+    with recording_lowerings() as lowered_specs:
+        lowered = _fresh_jit(f, args, kwargs).lower(*args, **kwargs)
+        text = lowered.as_text()
+        if _PARTITIONED_CALL not in text:
+            return specs_from_text(text)
+        lowered.compile()
+    return specs_from_text(text) + lowered_specs
+
+
+def _fresh_jit(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """`f` under a new `jax.jit` (arguments with no array inside static), so its program is
+    lowered and compiled afresh: one compiled from a cache would lower no call."""
+
+    def static(value: Any) -> bool:
+        return not any(spec.is_array(leaf) for leaf in jax.tree.leaves(value))
+
+    return jax.jit(lambda *a, **k: f(*a, **k),
+                   static_argnums=[i for i, a in enumerate(args) if static(a)],
+                   static_argnames=[k for k, v in kwargs.items() if static(v)])
 
 
 def get_bound_args(f: Any, *args: Any, **kwargs: Any) -> list[BoundArguments]:
@@ -89,7 +110,7 @@ def get_bound_args(f: Any, *args: Any, **kwargs: Any) -> list[BoundArguments]:
     `f` is a callable (plain or jitted; `jax.grad(f)` includes the VJP ops), a
     `jax.stages.Lowered`, a `jax.stages.Compiled` or StableHLO/HLO text.
     """
-    return bound_args_from_specs(specs_from_text(_lowered_text(f, args, kwargs)))
+    return bound_args_from_specs(_program_specs(f, args, kwargs))
 
 
 def _as_list(f_or_list: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[BoundArguments]:

@@ -10,9 +10,10 @@ routes the backward pass through the VJP ops, themselves `tokamax_call`s.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -31,6 +32,9 @@ LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 tokamax_call_p = Primitive("tokamax_call")
 tokamax_call_p.multiple_results = True
+# Lists collecting the spec of every call lowered while `recording_lowerings` is active
+# (module-level, not per thread: XLA may run partition callbacks on its own threads).
+_RECORDERS: list[list[str]] = []
 
 
 def _is_none(value: Any) -> bool:
@@ -156,7 +160,10 @@ def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence
     candidates = [call.bound(op, ctx.avals_in) for op in call.candidates]
     choice = resolution.choose(candidates, target, explicit=call.explicit)
     fn = call.flat_function(choice.op, choice.op.config)
-    with device.lowering_for(target), set_xla_metadata(**{METADATA_KEY: choice.bound.to_json()}):
+    encoded = choice.bound.to_json()
+    for recorder in _RECORDERS:
+        recorder.append(encoded)
+    with device.lowering_for(target), set_xla_metadata(**{METADATA_KEY: encoded}):
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 
@@ -197,11 +204,37 @@ def _make_call(bas: Sequence[BoundArguments], explicit: bool,
     return call, [jax.numpy.asarray(x) if isinstance(x, np.ndarray) else x for x in operands]
 
 
+@contextlib.contextmanager
+def recording_lowerings() -> Iterator[list[str]]:
+    """Collects the spec JSON of every op call lowered inside, including the per-device
+    calls that `custom_partitioning` lowers when the program is compiled (their specs
+    do not survive into the compiled HLO)."""
+    recorder: list[str] = []
+    _RECORDERS.append(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDERS.remove(recorder)
+
+
+def bind_partitioned(call: OpCall, operands: Sequence[Any],
+                     bind_local: Callable[..., Sequence[Any]] | None = None,
+                     bind_global: Callable[..., Sequence[Any]] | None = None) -> list[Any]:
+    """Binds `call` (flat results), per device when its operands are sharded (`sharding.bind`).
+
+    `bind_local` binds a per-device call and `bind_global` the unpartitioned one that
+    `custom_partitioning` traces; both default to binding `call` as is. The pass passes
+    its own, so each device's call is resolved for the shapes that device sees.
+    """
+    def plain(*xs: Any) -> Sequence[Any]:
+        return tokamax_call_p.bind(*xs, call=call)
+
+    return list(sharding.bind(call, operands, bind_local or plain, bind_global))
+
+
 def _bind(call: OpCall, operands: Sequence[Any]) -> Any:
-    """Binds the call, per device when its operands are sharded (`sharding.bind`)."""
     treedef, _ = call.output_structure(operands)
-    flat = sharding.bind(call, operands, lambda *xs: tokamax_call_p.bind(*xs, call=call))
-    return jax.tree.unflatten(treedef, flat)
+    return jax.tree.unflatten(treedef, bind_partitioned(call, operands))
 
 
 def _cotangents(call: OpCall, operands: Sequence[Any], grads: dict[str, Any]) -> tuple[Any, ...]:

@@ -18,15 +18,19 @@ factors (split with no communication) in a `PartitionRule`; dims without a facto
 are gathered (with a one-time warning naming them). Outputs may be partial sums
 over a factor (a ragged dot's weight gradient over sharded rows): those are
 `psum`med. A single device (or the one-device mesh of `core.targeting`) binds the
-call as before.
+call as before, and so does any call traced under `partitioning(False)`: the pass
+traces a program that way to see every op call as a plain `tokamax_call`, then
+re-binds each resolved call here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -36,6 +40,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 _log = logging.getLogger("tokamax_pass.sharding")
 _WARNED: set[str] = set()
+_ENABLED = contextvars.ContextVar("tokamax_pass_partitioning", default=True)
+
+
+@contextlib.contextmanager
+def partitioning(enabled: bool) -> Iterator[None]:
+    """Whether `bind` partitions op calls traced inside (it does by default)."""
+    token = _ENABLED.set(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,9 +304,16 @@ def _mode() -> str:
     return "abstract"
 
 
-def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[Any]]
-         ) -> Sequence[Any]:
-    """Binds `call` on `operands`, per device when they are (or may be) sharded."""
+def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[Any]],
+         bind_global: Callable[..., Sequence[Any]] | None = None) -> Sequence[Any]:
+    """Binds `call` on `operands`, per device when they are (or may be) sharded.
+
+    `bind_local` binds the call on operands as one device sees them; `bind_global`
+    (default `bind_local`) binds the unpartitioned call that `custom_partitioning`
+    traces for its global shapes but only runs on one device.
+    """
+    if not _ENABLED.get():
+        return bind_local(*operands)
     explicit_specs = [getattr(jax.typeof(x).sharding, "spec", None) for x in operands]
     explicit = any(s is not None and any(e is not None for e in s) for s in explicit_specs)
     mode = _mode()
@@ -305,8 +327,8 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
     shapes = [x.shape for x in operands]
     if mode == "concrete" and not explicit:
         out_shapes = [a.shape for a in call.output_structure(operands)[1]]
-        return _custom_partitioned(call, rule, operand_dims, out_dims, bind_local, what,
-                                   shapes, out_shapes)(*operands)
+        return _custom_partitioned(call, rule, operand_dims, out_dims, bind_local,
+                                   bind_global or bind_local, what, shapes, out_shapes)(*operands)
     mesh = jax.sharding.get_abstract_mesh()
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     if explicit:
@@ -325,14 +347,15 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
 
 def _custom_partitioned(call: Any, rule: PartitionRule, operand_dims: Sequence[Dims],
                         out_dims: Sequence[Dims], bind_local: Callable[..., Sequence[Any]],
-                        what: str, shapes: Sequence[Sequence[int]],
+                        bind_global: Callable[..., Sequence[Any]], what: str,
+                        shapes: Sequence[Sequence[int]],
                         out_shapes: Sequence[Sequence[int]]) -> Callable[..., Any]:
     """`custom_partitioning` of the call: Shardy propagates the factor rule; the partition
     callback reads the real shardings and lowers the per-device call."""
 
     @custom_partitioning
     def partitioned(*operands: Any) -> list[Any]:
-        return list(bind_local(*operands))
+        return list(bind_global(*operands))
 
     def partition(mesh: Any, arg_shapes: Any, result_shape: Any) -> Any:
         sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))

@@ -6,7 +6,8 @@ Each `tokamax_call` equation, at any depth (inside `jit`, `custom_vjp`/`custom_j
 candidates are exactly the chosen ops, configs pinned. Programs traced later (a
 `custom_vjp` forward or backward, traced only when the caller differentiates) are
 wrapped so that they are rewritten the same way, under the same results, when they
-are traced.
+are traced. `bind_call` binds one call resolved, per device when it is partitioned
+(the pass's evaluation of a program, `emit`, binds every call with it).
 """
 
 from __future__ import annotations
@@ -18,18 +19,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-from jax._src.ad_util import Zero  # the symbolic zero a custom_vjp backward may return
 from jax.extend import linear_util as lu
-from jax.extend.core import Jaxpr, jaxpr_as_fun
+from jax.extend.core import Jaxpr
 
 from tokamax_pass.core import resolution
 from tokamax_pass.core.device import Target
 from tokamax_pass.core.op import BoundArguments, NullConfig, Op
-from tokamax_pass.core.primitive import OpCall, tokamax_call_p
+from tokamax_pass.core.primitive import OpCall, bind_partitioned, tokamax_call_p
 from tokamax_pass.core.vjp import AutodiffVjp
-
-# Primitives whose sub-jaxprs are kernel bodies, never holding op calls.
-_OPAQUE = frozenset({"pallas_call", "core_map"})
+from tokamax_pass.pass_ import emit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +84,9 @@ class Rewriter:
         self._autotuned = autotuned
         self._memo: dict[Any, tuple[OpCall, list[tuple[Target, resolution.Choice, str]],
                                     tuple[BoundArguments, ...]]] = {}
+        # Set when a call is partitioned by `custom_partitioning`: its per-device calls
+        # are resolved (and recorded) only when the program is compiled.
+        self.deferred = False
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -97,18 +98,38 @@ class Rewriter:
 
     # --- op calls ---------------------------------------------------------------------
 
-    def resolve_call(self, call: OpCall, avals: Sequence[Any], path: str) -> OpCall:
+    def resolve_call(self, call: OpCall, avals: Sequence[Any], path: str, *,
+                     record: bool = True) -> OpCall:
         key = (call, tuple((tuple(a.shape), a.dtype) for a in avals))
         if key not in self._memo:
             self._memo[key] = self._resolve(call, avals)
         new_call, choices, alternatives = self._memo[key]
-        if self._record is not None:
+        if record and self._record is not None:
             for target, choice, source in choices:
                 self._record.append(Decision(
                     f"{path}/{op_label(choice.op)}" if path else op_label(choice.op),
                     target, choice, source, alternatives,
                 ))
         return new_call
+
+    def bind_call(self, call: OpCall, operands: Sequence[Any], path: str) -> list[Any]:
+        """Binds `call` resolved, per device when its operands are sharded.
+
+        Each device's call is resolved (and recorded) for the shapes it sees: at trace
+        time under `shard_map`, or when the program is compiled under
+        `custom_partitioning` (then `deferred` is set: the plan needs a compile).
+        """
+
+        def local(*xs: Any) -> Sequence[Any]:
+            resolved = self.resolve_call(call, [jax.typeof(x) for x in xs], path)
+            return tokamax_call_p.bind(*xs, call=resolved)
+
+        def unpartitioned(*xs: Any) -> Sequence[Any]:
+            self.deferred = True
+            resolved = self.resolve_call(call, [jax.typeof(x) for x in xs], path, record=False)
+            return tokamax_call_p.bind(*xs, call=resolved)
+
+        return bind_partitioned(call, operands, local, unpartitioned)
 
     def _resolve(self, call: OpCall, avals: Sequence[Any]) -> tuple[
             OpCall, list[tuple[Target, resolution.Choice, str]], tuple[BoundArguments, ...]]:
@@ -139,18 +160,18 @@ class Rewriter:
 
     def rewrite(self, jaxpr: Jaxpr, path: str = "") -> Jaxpr:
         """`jaxpr` with every op call resolved (the same object if it holds none)."""
-        eqns = [self._rewrite_eqn(eqn, path) for eqn in jaxpr.eqns]
+        eqns = [self.rewrite_eqn(eqn, path) for eqn in jaxpr.eqns]
         if all(new is old for new, old in zip(eqns, jaxpr.eqns, strict=True)):
             return jaxpr
         return jaxpr.replace(eqns=eqns)
 
-    def _rewrite_eqn(self, eqn: Any, path: str) -> Any:
+    def rewrite_eqn(self, eqn: Any, path: str) -> Any:
         if eqn.primitive is tokamax_call_p:
             call = self.resolve_call(eqn.params["call"], [v.aval for v in eqn.invars], path)
             return eqn.replace(params={**eqn.params, "call": call})
-        if eqn.primitive.name in _OPAQUE:
+        if eqn.primitive.name in emit.OPAQUE:
             return eqn
-        sub = path if _is_op_wrapper(eqn) else "/".join(p for p in (path, _label(eqn)) if p)
+        sub = path if is_op_wrapper(eqn) else "/".join(p for p in (path, path_label(eqn)) if p)
         params = {name: self._rewrite_param(name, value, sub)
                   for name, value in eqn.params.items()}
         if all(params[name] is value for name, value in eqn.params.items()):
@@ -165,39 +186,10 @@ class Rewriter:
             return value if all(a is b for a, b in zip(new, value, strict=True)) else new
         if isinstance(value, lu.WrappedFun):
             if name in ("fwd_jaxpr_thunk", "jvp_jaxpr_fun"):
-                return self._wrap_thunk(value, path)
+                return emit.wrap_thunk(self, value, path)
             if name == "bwd":
-                return self._wrap_bwd(value, path)
+                return emit.wrap_bwd(self, value, path)
         return value
-
-    def _wrap_thunk(self, thunk: lu.WrappedFun, path: str) -> lu.WrappedFun:
-        """A custom_vjp forward / custom_jvp rule thunk whose jaxpr comes back rewritten."""
-
-        def rewritten_thunk(*args: Any) -> Any:
-            jaxpr, *rest = thunk.call_wrapped(*args)
-            return (self.rewrite(jaxpr, path), *rest)
-
-        return lu.wrap_init(rewritten_thunk, debug_info=thunk.debug_info)
-
-    def _wrap_bwd(self, bwd: lu.WrappedFun, path: str) -> lu.WrappedFun:
-        """A custom_vjp backward traced to a jaxpr, rewritten, then evaluated."""
-
-        def rewritten_bwd(*args: Any) -> Any:
-            zeros: dict[int, Any] = {}
-
-            def traced(*inner: Any) -> Any:
-                cts, logs = bwd.call_wrapped(*inner)
-                zeros.update((i, ct) for i, ct in enumerate(cts) if isinstance(ct, Zero))
-                return [ct for ct in cts if not isinstance(ct, Zero)], logs
-
-            closed, shapes = jax.make_jaxpr(traced, return_shape=True)(*args)
-            flat = jaxpr_as_fun(self.rewrite(closed, path))(*args)
-            nonzero, logs = jax.tree.unflatten(jax.tree.structure(shapes), flat)
-            nonzero = iter(nonzero)
-            count = len(zeros) + len(shapes[0])
-            return [zeros[i] if i in zeros else next(nonzero) for i in range(count)], logs
-
-        return lu.wrap_init(rewritten_bwd, debug_info=bwd.debug_info)
 
 
 # Path names for primitives whose internal names differ from the API that makes them.
@@ -205,7 +197,7 @@ _PATH_NAMES = {"remat2": "checkpoint", "custom_vjp_call": "custom_vjp",
                "custom_jvp_call": "custom_jvp"}
 
 
-def _label(eqn: Any) -> str:
+def path_label(eqn: Any) -> str:
     kind = _PATH_NAMES.get(eqn.primitive.name, eqn.primitive.name)
     name = eqn.params.get("name")
     if name is None and kind == "custom_jvp":
@@ -213,7 +205,7 @@ def _label(eqn: Any) -> str:
     return f"{kind}[{name}]" if isinstance(name, str) else kind
 
 
-def _is_op_wrapper(eqn: Any) -> bool:
+def is_op_wrapper(eqn: Any) -> bool:
     """The framework's own `custom_vjp` around one op call adds nothing to a path."""
     body = eqn.params.get("call_jaxpr")
     return (eqn.primitive.name == "custom_vjp_call" and isinstance(body, Jaxpr)

@@ -1,0 +1,147 @@
+"""Re-emits a jaxpr traced with partitioning off, each op call bound through the pass.
+
+`optimize` traces the user's function under `sharding.partitioning(False)`, so every
+op call is a plain `tokamax_call` equation (not hidden in a `custom_partitioning`
+whose per-device call is only built at compile time). Evaluating that jaxpr here,
+in the trace of a `jax.jit`, binds each call through `Rewriter.bind_call`:
+partitioned per device as `sharding.bind` decides (each device's call resolved for
+the shapes it sees), or bound as is. Sub-jaxprs holding op calls (`jit`, `scan`,
+`cond`, `while`, `remat`, `custom_vjp`/`custom_jvp`) are traced again the same way;
+`custom_vjp`/`custom_jvp` rules traced later are wrapped to be re-emitted too.
+`shard_map` bodies are already per device: they are rewritten in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jax._src import source_info_util
+from jax._src.ad_util import Zero  # the symbolic zero a custom_vjp backward may return
+from jax._src.interpreters import partial_eval as pe
+from jax.extend import linear_util as lu
+from jax.extend.core import Jaxpr, Literal
+
+from tokamax_pass.core import sharding
+from tokamax_pass.core.primitive import tokamax_call_p
+
+if TYPE_CHECKING:
+    from tokamax_pass.pass_.rewrite import Rewriter
+
+# Primitives whose sub-jaxprs are kernel bodies, never holding op calls.
+OPAQUE = frozenset({"pallas_call", "core_map"})
+# Primitives whose rules hold op calls traced only when called.
+_RULES = frozenset({"custom_vjp_call", "custom_jvp_call"})
+
+
+def holds_calls(jaxpr: Jaxpr) -> bool:
+    """Whether `jaxpr` (at any depth) holds an op call or a custom rule that may."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is tokamax_call_p or eqn.primitive.name in _RULES:
+            return True
+        if eqn.primitive.name not in OPAQUE and any(
+                holds_calls(j) for j in jax.extend.core.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def trace_plain(fn: Any, *args: Any) -> Any:
+    """`fn(*args)` with every op call bound as a plain `tokamax_call`."""
+    with sharding.partitioning(False):
+        return fn(*args)
+
+
+def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") -> list[Any]:
+    """Evaluates `jaxpr` on `args` in the current trace, op calls bound by `rewriter`."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for var, value in zip(jaxpr.all_invars, [*jaxpr.consts, *args], strict=True):
+        env[var] = value
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+              eqn.ctx.manager):
+            if eqn.primitive is tokamax_call_p:
+                outs = rewriter.bind_call(eqn.params["call"], invals, path)
+            else:
+                params = _params(rewriter, eqn, path)
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        for var, value in zip(eqn.outvars, outs, strict=True):
+            env[var] = value
+    return [read(v) for v in jaxpr.outvars]
+
+
+def retrace(rewriter: Rewriter, jaxpr: Jaxpr, path: str) -> Jaxpr:
+    """`jaxpr` traced again with its op calls re-emitted (the same object if it holds none)."""
+    if not holds_calls(jaxpr):
+        return jaxpr
+
+    def fn(*args: Any) -> list[Any]:
+        return emit(rewriter, jaxpr, args, path)
+
+    new, _, consts = pe.trace_to_jaxpr_dynamic(
+        lu.wrap_init(fn, debug_info=jaxpr.debug_info), jaxpr.in_avals)
+    return new.with_consts(consts) if consts else new
+
+
+def _params(rewriter: Rewriter, eqn: Any, path: str) -> dict[str, Any]:
+    from tokamax_pass.pass_.rewrite import is_op_wrapper, path_label
+
+    if eqn.primitive.name in OPAQUE:
+        return eqn.params
+    if eqn.primitive.name == "shard_map":  # already per device: rewrite in place
+        return rewriter.rewrite_eqn(eqn, path).params
+    sub = path if is_op_wrapper(eqn) else "/".join(p for p in (path, path_label(eqn)) if p)
+    return {name: _param(rewriter, name, value, sub) for name, value in eqn.params.items()}
+
+
+def _param(rewriter: Rewriter, name: str, value: Any, path: str) -> Any:
+    if isinstance(value, Jaxpr):
+        return retrace(rewriter, value, path)
+    if isinstance(value, tuple) and value and all(isinstance(v, Jaxpr) for v in value):
+        return tuple(retrace(rewriter, v, f"{path}/{name}{i}") for i, v in enumerate(value))
+    if isinstance(value, lu.WrappedFun):
+        if name in ("fwd_jaxpr_thunk", "jvp_jaxpr_fun"):
+            return wrap_thunk(rewriter, value, path)
+        if name == "bwd":
+            return wrap_bwd(rewriter, value, path)
+    return value
+
+
+def wrap_thunk(rewriter: Rewriter, thunk: lu.WrappedFun, path: str) -> lu.WrappedFun:
+    """A custom_vjp forward / custom_jvp rule thunk whose jaxpr comes back re-emitted."""
+
+    def emitted_thunk(*args: Any) -> Any:
+        jaxpr, consts, *rest = trace_plain(thunk.call_wrapped, *args)
+        new = retrace(rewriter, jaxpr.with_consts(consts) if consts else jaxpr, path)
+        return (new, new.consts, *rest)
+
+    return lu.wrap_init(emitted_thunk, debug_info=thunk.debug_info)
+
+
+def wrap_bwd(rewriter: Rewriter, bwd: lu.WrappedFun, path: str) -> lu.WrappedFun:
+    """A custom_vjp backward traced with partitioning off, then re-emitted."""
+
+    def emitted_bwd(*args: Any) -> Any:
+        zeros: dict[int, Any] = {}
+
+        def traced(*inner: Any) -> Any:
+            cts, logs = bwd.call_wrapped(*inner)
+            zeros.update((i, ct) for i, ct in enumerate(cts) if isinstance(ct, Zero))
+            return [ct for ct in cts if not isinstance(ct, Zero)], logs
+
+        closed, shapes = trace_plain(jax.make_jaxpr(traced, return_shape=True), *args)
+        flat = emit(rewriter, closed, args, path)
+        nonzero, logs = jax.tree.unflatten(jax.tree.structure(shapes), flat)
+        nonzero = iter(nonzero)
+        count = len(zeros) + len(shapes[0])
+        return [zeros[i] if i in zeros else next(nonzero) for i in range(count)], logs
+
+    return lu.wrap_init(emitted_bwd, debug_info=bwd.debug_info)
