@@ -184,6 +184,65 @@ def test_ragged_dot_local_group_sizes():
                                             [0, 0, 0, 2]]
 
 
+# --- expert parallelism: ragged_dot with rhs split over its groups ------------------------------
+
+# 8 groups over data=4 (2 per device): uneven, empty ones, a device with no rows at all.
+EXPERT_SIZES = jnp.array([10, 0, 23, 3, 0, 0, 17, 5], jnp.int32)
+
+
+def _expert_inputs():
+    return random_normal(20, (64, 16)), random_normal(21, (8, 16, 8)), EXPERT_SIZES
+
+
+@pytest.mark.parametrize("lhs_spec", [P(), P("model", None)], ids=["rows_replicated",
+                                                                  "rows_sharded"])
+def test_ragged_dot_expert_parallel_under_set_mesh(lhs_spec):
+    fn, argnums = _ragged, (0, 1)
+    inputs = _expert_inputs()
+    with reference_precision():
+        expected, expected_grads = fn(*inputs), _loss(fn, argnums)(*inputs)
+    mesh = _mesh()
+    sharded = _put(mesh, inputs, (lhs_spec, P("data", None, None), P()))
+    with jax.set_mesh(mesh), reference_precision():
+        out = jax.jit(fn)(*sharded)
+        grads = jax.jit(_loss(fn, argnums))(*sharded)
+        hlos = [jax.jit(f).lower(*sharded).compile().as_text() for f in (fn, _loss(fn, argnums))]
+    assert_close(out, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert_close(g, e)
+    assert grads[1].sharding.spec[0] == "data"  # drhs stays with each device's experts
+    assert all(_gathers(hlo) == [] for hlo in hlos)
+    assert all("all-reduce" in hlo for hlo in hlos)  # the psum over the expert axis
+
+
+def test_ragged_dot_expert_parallel_inside_shard_map():
+    from tokamax_kernels.ragged_dot.sharding import expert_parallel_ragged_dot
+
+    inputs = _expert_inputs()
+    with reference_precision():
+        expected, expected_grads = _ragged(*inputs), _loss(_ragged, (0, 1))(*inputs)
+    experts = jax.shard_map(
+        lambda a, b, s: expert_parallel_ragged_dot(a, b, s, axis_name="data",
+                                                   implementation="xla"),
+        mesh=_mesh(), in_specs=(P(), P("data"), P()), out_specs=P(), check_vma=False)
+    with reference_precision():
+        out = jax.jit(experts)(*inputs)
+        grads = jax.jit(_loss(experts, (0, 1)))(*inputs)
+        hlo = jax.jit(_loss(experts, (0, 1))).lower(*inputs).compile().as_text()
+    assert_close(out, expected)
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert_close(g, e)
+    assert _gathers(hlo) == []
+
+
+def test_ragged_dot_expert_block():
+    from tokamax_kernels.ragged_dot.sharding import expert_block
+
+    blocks = [expert_block(EXPERT_SIZES, first, 2) for first in range(0, 8, 2)]
+    assert [(int(o), s.tolist()) for o, s in blocks] == [
+        (0, [10, 0]), (10, [23, 3]), (36, [0, 0]), (36, [17, 5])]
+
+
 # --- GPU kernels, exported for an 8-device abstract H200 mesh ------------------------------------
 
 ABSTRACT = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2,

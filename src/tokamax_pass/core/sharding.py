@@ -70,9 +70,12 @@ class PartitionRule:
       arguments: argument name -> `Dims` (or a pytree of them, like the argument);
         arrays left out are replicated.
       out, residuals: `Dims` pytrees like the op's output and residuals.
-      order: the factors in preference order (for meshes with no shardings to read).
+      order: the factors in preference order (for meshes with no shardings to read);
+        a factor left out is split only where an operand's sharding asks for it.
       localize: `(arguments, shard) -> arguments` run on each device's block before
         the call (a ragged dot turns global group sizes into the block's own).
+      restore: `(outputs, arguments, shard) -> outputs` run on the call's (structured)
+        outputs, before partial sums are summed; `arguments` as before `localize`.
     """
 
     arguments: Mapping[str, Any]
@@ -80,6 +83,7 @@ class PartitionRule:
     residuals: Any = None
     order: tuple[str, ...] = ()
     localize: Callable[[dict[str, Any], Shard], dict[str, Any]] | None = None
+    restore: Callable[[Any, dict[str, Any], Shard], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,10 +241,10 @@ def assignment_from_specs(specs: Sequence[PartitionSpec | None], shapes: Sequenc
 def assignment_by_order(order: Sequence[str], shapes: Sequence[Sequence[int]],
                         dims: Sequence[Dims], mesh_sizes: Mapping[str, int]
                         ) -> dict[str, tuple[str, ...]]:
-    """Factor -> mesh axes when no sharding is visible: mesh axis i goes to factor i, else
-    to the first factor (in `order`) that it still divides; otherwise it is unused."""
+    """Factor -> mesh axes when no sharding is visible: mesh axis i goes to factor i of
+    `order`, else to the first one that it still divides; otherwise it is unused."""
     sizes = _factor_sizes(shapes, dims)
-    factors = [f for f in order if f in sizes] + [f for f in sizes if f not in order]
+    factors = [f for f in order if f in sizes]
     assignment: dict[str, tuple[str, ...]] = {}
     for i, (axis, size) in enumerate(mesh_sizes.items()):
         if size == 1:
@@ -276,11 +280,15 @@ def _local_function(call: Any, rule: PartitionRule, out_dims: Sequence[Dims],
     shard = Shard(dict(assignment), dict(mesh_sizes))
 
     def local(*operands: Any) -> list[Any]:
+        arguments = call.arguments(operands)
         if rule.localize is not None:
-            arguments = rule.localize(call.arguments(operands), shard)
-            leaves = jax.tree.leaves(arguments, is_leaf=lambda v: v is None)
+            leaves = jax.tree.leaves(rule.localize(arguments, shard), is_leaf=lambda v: v is None)
             operands = [leaves[i] for i in call.operand_indices]
         outs = list(bind(*operands))
+        if rule.restore is not None:
+            treedef = call.output_structure(operands)[0]
+            restored = rule.restore(jax.tree.unflatten(treedef, outs), arguments, shard)
+            outs = jax.tree.leaves(restored)
         for i, d in enumerate(out_dims):
             axes = tuple(a for f in d.summed for a in assignment.get(f, ()))
             if axes:
