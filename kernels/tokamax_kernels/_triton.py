@@ -36,6 +36,28 @@ class TritonKernel:
             super().check_supported_target(target)  # type: ignore[misc]
 
 
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tiles of a Triton matmul kernel (powers of 2; blocks >= 16 for tensor cores).
+
+    `block_m` x `block_n` is a program's output tile and `block_k` its contraction step,
+    unless a kernel says otherwise (the ragged dot's drhs variant does).
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value & (value - 1) or value < (16 if name != "num_warps" else 1):
+                raise ValueError(f"{type(self).__name__}.{name} must be a power of 2 "
+                                 f"(>= 16 for blocks), got {value}")
+
+
 def require_triton_dtype(name: str, value: Any) -> None:
     """`NotImplementedError` (so `implementation=None` falls back) for non-Triton dtypes."""
     if value is not None and jnp.dtype(value.dtype) not in TRITON_DTYPES:

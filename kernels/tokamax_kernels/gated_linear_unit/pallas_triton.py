@@ -23,27 +23,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
-from tokamax_kernels._triton import TritonKernel
+from tokamax_kernels._triton import MatmulConfig, TritonKernel
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_pass.core import BoundArguments, Op, Target
 
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Output tile (`block_m` x `block_n`) and contraction step `block_k` (powers of 2 >= 16)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if value & (value - 1) or value < (16 if name != "num_warps" else 1):
-                raise ValueError(f"Config.{name} must be a power of 2 (>= 16 for blocks), "
-                                 f"got {value}")
+# Output tile `block_m` x `block_n` over the rows of x and the columns of each weight.
+Config = MatmulConfig
 
 
 def weight_operands(weights: Any) -> tuple[jax.Array, jax.Array, int]:

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
-from tokamax_kernels._triton import TritonKernel
+from tokamax_kernels._triton import MatmulConfig, TritonKernel
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
 from tokamax_pass.core import BoundArguments, Op, Target
 
@@ -35,27 +35,10 @@ from tokamax_pass.core import BoundArguments, Op, Target
 _SMEM_BYTES = 220 * 1024
 
 
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Tile sizes (powers of 2, >= 16 for tensor cores).
-
-    forward/dlhs: `block_m` output rows, `block_n` output columns, `block_k` contraction
-    step. drhs: `block_m` grouped rows per step (the contraction), `block_k` rows of
-    the (K, N) output tile, `block_n` its columns.
-    """
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-    def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if value & (value - 1) or value < (16 if name != "num_warps" else 1):
-                raise ValueError(f"Config.{name} must be a power of 2 (>= 16 for blocks), "
-                                 f"got {value}")
+# forward/dlhs: `block_m` output rows, `block_n` output columns, `block_k` contraction
+# step. drhs: `block_m` grouped rows per step (the contraction), `block_k` rows of the
+# (K, N) output tile, `block_n` its columns.
+Config = MatmulConfig
 
 
 def _group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
