@@ -227,3 +227,19 @@ def test_seed_document_autotuning_snippets():
     autotune_result = tokamax.AutotuningResult.loads(autotune_result_json)
     with autotune_result:
         assert_close(f_grad(x, scale), out, jnp.bfloat16)
+
+
+def test_search_space_is_pruned_around_the_heuristics():
+    from tokamax_pass.autotuning.autotuner import _distance, candidate_configs
+
+    ba = tokamax.PallasTritonLayerNorm.bind(
+        jax.ShapeDtypeStruct((65536, 4096), jnp.bfloat16), None, None)
+    with tokamax.core.targeting("NVIDIA H200"):
+        heuristics = ba.heuristics_config
+        everything = candidate_configs(ba)
+        pruned = candidate_configs(ba, max_configs=8)
+    assert len(everything) > 8 and len(pruned) == 8
+    assert pruned[0] == everything[0] == heuristics
+    left_out = set(everything) - set(pruned)
+    assert max(_distance(c, heuristics) for c in pruned) <= min(
+        _distance(c, heuristics) for c in left_out)

@@ -16,6 +16,10 @@ from tokamax_pass.core.op import BoundArguments, NullConfig
 
 _log = logging.getLogger("tokamax_pass.autotuning")
 
+# Configs timed per op by default: the heuristics config and its nearest neighbours.
+# (The Triton layer norm searches about 80 configs; 16 bounds its compiles and timings.)
+DEFAULT_MAX_CONFIGS = 16
+
 
 def _collect(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[BoundArguments]:
     if isinstance(f, BoundArguments):
@@ -46,7 +50,7 @@ def _expand(bound: list[BoundArguments], target: Any) -> list[BoundArguments]:
 def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations: bool = False,
              timeout: float = 600.0, max_workers: int | None = None, cache: bool = False,
              progress: bool = True, iterations: int = 5, method: str | None = None,
-             **kwargs: Any) -> AutotuningResult:
+             max_configs: int | None = DEFAULT_MAX_CONFIGS, **kwargs: Any) -> AutotuningResult:
     """Measures the configs of every op call in `f(*args, **kwargs)` on the default device.
 
     Args:
@@ -60,6 +64,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
       cache: merge the result into the user cache (`result.save_to_cache()`).
       progress: show a tqdm progress bar.
       iterations, method: timed runs per config and the timer (`benchmarking`).
+      max_configs: configs timed per op, the heuristics config and those nearest it
+        (`None`: the whole search space).
 
     In a multi-process run (`jax.distributed`) process 0 tunes and every process
     returns its result, so all compile the same kernels (`distributed.tune_once`).
@@ -67,7 +73,7 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
     result = distributed.tune_once(lambda: _autotune_here(
         f, args, kwargs, ignore_cache=ignore_cache, all_implementations=all_implementations,
         timeout=timeout, max_workers=max_workers, progress=progress, iterations=iterations,
-        method=method))
+        method=method, max_configs=max_configs))
     if cache:
         result.save_to_cache()
     return result
@@ -75,7 +81,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
 
 def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignore_cache: bool,
                    all_implementations: bool, timeout: float, max_workers: int | None,
-                   progress: bool, iterations: int, method: str | None) -> AutotuningResult:
+                   progress: bool, iterations: int, method: str | None,
+                   max_configs: int | None) -> AutotuningResult:
     target = current_target()
     bound = _collect(f, args, kwargs)
     if all_implementations:
@@ -87,7 +94,7 @@ def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignor
     plans = []
     for ba in bound:
         try:
-            plans.append((ba, candidate_configs(ba)))
+            plans.append((ba, candidate_configs(ba, max_configs)))
         except Exception as e:  # noqa: BLE001 - one op's broken search space skips that op only
             _log.warning("autotune: skipping %r: %s", ba, e)
     bar = _progress_bar(sum(len(c) for _, c in plans), progress)

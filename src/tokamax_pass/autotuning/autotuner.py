@@ -41,8 +41,23 @@ NUMERICS_RTOL = {jnp.dtype(jnp.float32): 1e-2, jnp.dtype(jnp.float64): 1e-6}
 DEFAULT_NUMERICS_RTOL = 6e-2
 
 
-def candidate_configs(ba: BoundArguments) -> list[Any]:
-    """The heuristics config first, then the op's search space (deterministic order)."""
+def _distance(config: Any, anchor: Any) -> float:
+    """How far `config` is from `anchor`: log2 steps over numeric fields, 1 per other change."""
+    total = 0.0
+    for field in dataclasses.fields(config):
+        a, b = getattr(config, field.name), getattr(anchor, field.name)
+        numeric = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (a, b))
+        total += abs(np.log2(a) - np.log2(b)) if numeric else float(a != b)
+    return total
+
+
+def candidate_configs(ba: BoundArguments, max_configs: int | None = None) -> list[Any]:
+    """The heuristics config first, then the op's search space (deterministic order).
+
+    `max_configs` prunes by the heuristics: the configs nearest the heuristics config
+    are kept (tiles and stages a few power-of-2 steps away are where a better config
+    usually is), so tuning costs a bounded number of compiles per op.
+    """
     if ba.op.config_cls is NullConfig:
         return [NullConfig()]
     configs: list[Any] = []
@@ -52,6 +67,8 @@ def candidate_configs(ba: BoundArguments) -> list[Any]:
         pass
     rest = sorted(set(ba.op._get_autotuning_configs(ba)) - set(configs),
                   key=lambda c: spec.dumps(spec.encode_config(c)))
+    if max_configs is not None and configs and len(configs) + len(rest) > max_configs:
+        rest = sorted(rest, key=lambda c: _distance(c, configs[0]))[: max_configs - 1]
     return configs + rest
 
 

@@ -23,6 +23,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cache", action="store_true", help="save the result to the user cache")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per op")
     parser.add_argument("--max-workers", type=int, default=None, help="compile threads")
+    parser.add_argument("--max-configs", type=int, default=None,
+                        help="configs timed per op, nearest the heuristics (default: "
+                             "autotune's; 0: the whole search space)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--write-library-cache", metavar="DIR",
                         help="also write the result as library-cache files under DIR (the "
@@ -43,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     result = autotuning.autotune(
         target, *call_args, ignore_cache=args.ignore_cache,
         all_implementations=args.all_implementations, timeout=args.timeout,
-        max_workers=args.max_workers, cache=args.cache, progress=not args.no_progress)
+        max_workers=args.max_workers, cache=args.cache, progress=not args.no_progress,
+        **({} if args.max_configs is None else {"max_configs": args.max_configs or None}))
     print(result)
     print(f"autotuning took {time.perf_counter() - start:.1f} s")
     if args.output:
