@@ -246,7 +246,7 @@ def test_rewritten_program_pins_every_call(xs):
 
     def walk(j):
         for eqn in j.eqns:
-            if eqn.primitive is tk.core.tokamax_call_p:
+            if tk.core.primitive.is_tokamax_call(eqn.primitive):
                 calls.append(eqn.params["call"])
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 walk(sub)

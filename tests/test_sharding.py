@@ -310,3 +310,24 @@ def test_cuda_export_puts_kernels_in_manual_computation_with_local_shapes(name, 
     assert len(shapes) >= 2  # forward + backward kernels, all on per-device blocks
     global_shape = "x".join(map(str, args[0][0])) + "x"
     assert not any(t.startswith(global_shape) for types in shapes for t in types), shapes
+
+
+def test_plain_jit_with_sharded_inputs_partitions_at_lowering():
+    """No mesh in context: the call is partitioned when jit lowers it for 8 devices."""
+    x, scale = random_normal(20, (8, 4, 32)), random_normal(21, (32,))
+    op = tk.PallasTritonLayerNorm(interpret=True)  # a kernel XLA cannot split by itself
+
+    def fn(x, scale):
+        return op(x, scale, None)
+
+    xs = jax.device_put(x, NamedSharding(_mesh(), P("data", "model", None)))
+    grad = _loss(fn, (0, 1))
+    with tk.core.sharding.partitioning(False):  # what plain jit did before: gather
+        assert _gathers(jax.jit(lambda x, s: fn(x, s)).lower(xs, scale).compile().as_text())
+    out, grads = jax.jit(fn)(xs, scale), jax.jit(grad)(xs, scale)
+    assert_close(out, fn(x, scale))
+    for g, e in zip(grads, grad(x, scale), strict=True):
+        assert_close(g, e)
+    assert out.sharding.spec[:2] == ("data", "model")
+    assert _gathers(jax.jit(fn).lower(xs, scale).compile().as_text()) == []
+    assert _gathers(jax.jit(grad).lower(xs, scale).compile().as_text()) == []

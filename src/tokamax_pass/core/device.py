@@ -87,6 +87,17 @@ def current_target() -> Target:
     return Target(platform, _local_device_kind(platform))
 
 
+def abstract_only() -> bool:
+    """True while tracing for devices that are not here: an abstract mesh with no concrete
+    mesh behind it (`targeting`, or `jax.export` over an `AbstractMesh`)."""
+    from jax._src import mesh as mesh_lib
+
+    if jax.sharding.get_abstract_mesh().empty:
+        return False
+    concrete = mesh_lib.get_concrete_mesh()
+    return concrete is None or concrete.empty
+
+
 def lowering_target(platform: str) -> Target:
     """The target of a lowering for `platform` (one of possibly several export platforms)."""
     platform = _canonical_platform(platform)

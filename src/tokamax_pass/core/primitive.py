@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import sharding_impls
+from jax._src import dispatch
 from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -31,7 +31,26 @@ METADATA_KEY = "tokamax_pass_spec"
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 tokamax_call_p = Primitive("tokamax_call")
-tokamax_call_p.multiple_results = True
+# The same call in programs built on real devices. JAX lowers a program holding it with
+# its device assignment and mesh, which kernels built on `custom_partitioning` (cuDNN
+# attention) and partitioning at lowering (`sharding.partitioned_at_lowering`) need.
+# Programs traced for an abstract device (export for a GPU that is not here) use
+# `tokamax_call_p`: JAX refuses such primitives without devices.
+tokamax_call_on_devices_p = Primitive("tokamax_call")
+dispatch.prim_requires_devices_during_lowering.add(tokamax_call_on_devices_p)
+PRIMITIVES = (tokamax_call_p, tokamax_call_on_devices_p)
+for _primitive in PRIMITIVES:
+    _primitive.multiple_results = True
+
+
+def is_tokamax_call(primitive: Any) -> bool:
+    return primitive in PRIMITIVES
+
+
+def bind_call(call: OpCall, *operands: Any) -> Sequence[Any]:
+    """Binds the primitive that suits where the program is being built (see above)."""
+    primitive = tokamax_call_p if device.abstract_only() else tokamax_call_on_devices_p
+    return primitive.bind(*operands, call=call)
 # Lists collecting the spec of every call lowered while `recording_lowerings` is active
 # (module-level, not per thread: XLA may run partition callbacks on its own threads).
 _RECORDERS: list[list[str]] = []
@@ -132,30 +151,15 @@ def _batch(operands: Sequence[Any], dims: Sequence[Any], *, call: OpCall) -> tup
     ]
     axes = tuple(None if d is None else 0 for d in dims)
     batched = dataclasses.replace(call, vmap=(VmapLevel(axes, size), *call.vmap))
-    outs = tokamax_call_p.bind(*moved, call=batched)
+    outs = bind_call(batched, *moved)
     return outs, [0] * len(outs)
 
 
-def _with_device_assignment(ctx: Any, platform: str) -> Any:
-    """`ctx` with the local device assigned when jit lowers a one-device program without it.
-
-    Some kernels lower through `custom_partitioning` (cuDNN attention does), which needs the
-    device assignment that jit leaves out of one-device lowerings nested in other rules.
-    """
-    axis_context = ctx.module_context.axis_context
-    if not (isinstance(axis_context, sharding_impls.ShardingContext)
-            and axis_context.device_assignment is None and axis_context.num_devices == 1):
-        return ctx
-    try:
-        local = (jax.devices(platform)[0],)
-    except RuntimeError:  # lowering for a platform that is not here (export)
-        return ctx
-    axis_context = dataclasses.replace(axis_context, device_assignment=local)
-    return ctx.replace(module_context=ctx.module_context.replace(axis_context=axis_context))
-
-
 def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence[Any]:
-    ctx = _with_device_assignment(ctx, platform)
+    partitioned = sharding.partitioned_at_lowering(
+        ctx, call, lambda *xs: bind_call(call, *xs))
+    if partitioned is not None:
+        return mlir.lower_fun(partitioned, multiple_results=True)(ctx, *operands)
     target = device.lowering_target(platform)
     candidates = [call.bound(op, ctx.avals_in) for op in call.candidates]
     choice = resolution.choose(candidates, target, explicit=call.explicit)
@@ -167,13 +171,13 @@ def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
 
 
-tokamax_call_p.def_impl(functools.partial(jax._src.dispatch.apply_primitive, tokamax_call_p))
-tokamax_call_p.def_abstract_eval(_abstract_eval)
-batching.primitive_batchers[tokamax_call_p] = _batch
-for _platform in LOWERING_PLATFORMS:
-    mlir.register_lowering(
-        tokamax_call_p, functools.partial(_lowering, platform=_platform), platform=_platform
-    )
+for _primitive in PRIMITIVES:
+    _primitive.def_impl(functools.partial(dispatch.apply_primitive, _primitive))
+    _primitive.def_abstract_eval(_abstract_eval)
+    batching.primitive_batchers[_primitive] = _batch
+    for _platform in LOWERING_PLATFORMS:
+        mlir.register_lowering(
+            _primitive, functools.partial(_lowering, platform=_platform), platform=_platform)
 
 
 def _make_call(bas: Sequence[BoundArguments], explicit: bool,
@@ -227,7 +231,7 @@ def bind_partitioned(call: OpCall, operands: Sequence[Any],
     its own, so each device's call is resolved for the shapes that device sees.
     """
     def plain(*xs: Any) -> Sequence[Any]:
-        return tokamax_call_p.bind(*xs, call=call)
+        return bind_call(call, *xs)
 
     return list(sharding.bind(call, operands, bind_local or plain, bind_global))
 

@@ -12,6 +12,8 @@ of JAX's own mechanisms, chosen by what the trace can see:
   only an abstract mesh (export)    `jax.shard_map` over that mesh; mesh axis i goes
                                     to the family's i-th factor (data -> batch,
                                     model -> heads), else to the first that divides
+  no mesh, but jit spans devices    `custom_partitioning` chosen when the call is
+                                    lowered (`partitioned_at_lowering`)
 
 Each family declares, per call, which dims of which arrays are "batch-like"
 factors (split with no communication) in a `PartitionRule`; dims without a factor
@@ -35,6 +37,7 @@ from typing import Any
 
 import jax
 from jax._src import mesh as mesh_lib
+from jax._src import sharding_impls
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -351,6 +354,30 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
     local = _local_function(call, rule, out_dims, assignment, sizes, bind_local)
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)(*operands)
+
+
+def partitioned_at_lowering(ctx: Any, call: Any, bind_local: Callable[..., Sequence[Any]]
+                            ) -> Callable[..., Any] | None:
+    """The call through `custom_partitioning`, when `jax.jit` lowers it for several devices.
+
+    Plain `jax.jit` over sharded inputs, with no mesh in context, shows no sharding while
+    tracing; only its lowering knows the program spans several devices. Then the call is
+    partitioned here instead of gathered. `None`: lower the call as it is (one device, a
+    per-device call inside `shard_map` or a partition callback, an export, a vmapped call).
+    """
+    axis_context = ctx.module_context.axis_context
+    if (not _ENABLED.get() or call.vmap or ctx.module_context.lowering_parameters.for_export
+            or not isinstance(axis_context, sharding_impls.ShardingContext)
+            or axis_context.num_devices < 2 or axis_context.abstract_mesh is None):
+        return None
+    found = _call_rule(call, ctx.avals_in)
+    if found is None:
+        return None
+    rule, operand_dims, out_dims = found
+    return _custom_partitioned(
+        call, rule, operand_dims, out_dims, bind_local, bind_local,
+        call.candidates[0].family_name(), [a.shape for a in ctx.avals_in],
+        [a.shape for a in ctx.avals_out])
 
 
 def _custom_partitioned(call: Any, rule: PartitionRule, operand_dims: Sequence[Dims],

@@ -24,7 +24,7 @@ from jax.extend import linear_util as lu
 from jax.extend.core import Jaxpr, Literal
 
 from tokamax_pass.core import sharding
-from tokamax_pass.core.primitive import tokamax_call_p
+from tokamax_pass.core.primitive import is_tokamax_call
 
 if TYPE_CHECKING:
     from tokamax_pass.pass_.rewrite import Rewriter
@@ -38,7 +38,7 @@ _RULES = frozenset({"custom_vjp_call", "custom_jvp_call"})
 def holds_calls(jaxpr: Jaxpr) -> bool:
     """Whether `jaxpr` (at any depth) holds an op call or a custom rule that may."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive is tokamax_call_p or eqn.primitive.name in _RULES:
+        if is_tokamax_call(eqn.primitive) or eqn.primitive.name in _RULES:
             return True
         if eqn.primitive.name not in OPAQUE and any(
                 holds_calls(j) for j in jax.extend.core.jaxprs_in_params(eqn.params)):
@@ -66,7 +66,7 @@ def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") 
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
               eqn.ctx.manager):
-            if eqn.primitive is tokamax_call_p:
+            if is_tokamax_call(eqn.primitive):
                 outs = rewriter.bind_call(eqn.params["call"], invals, path)
             else:
                 params = _params(rewriter, eqn, path)

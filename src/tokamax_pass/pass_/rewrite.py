@@ -25,7 +25,7 @@ from jax.extend.core import Jaxpr
 from tokamax_pass.core import resolution
 from tokamax_pass.core.device import Target
 from tokamax_pass.core.op import BoundArguments, NullConfig, Op
-from tokamax_pass.core.primitive import OpCall, bind_partitioned, tokamax_call_p
+from tokamax_pass.core.primitive import OpCall, bind_call, bind_partitioned, is_tokamax_call
 from tokamax_pass.core.vjp import AutodiffVjp
 from tokamax_pass.pass_ import emit
 
@@ -122,12 +122,12 @@ class Rewriter:
 
         def local(*xs: Any) -> Sequence[Any]:
             resolved = self.resolve_call(call, [jax.typeof(x) for x in xs], path)
-            return tokamax_call_p.bind(*xs, call=resolved)
+            return bind_call(resolved, *xs)
 
         def unpartitioned(*xs: Any) -> Sequence[Any]:
             self.deferred = True
             resolved = self.resolve_call(call, [jax.typeof(x) for x in xs], path, record=False)
-            return tokamax_call_p.bind(*xs, call=resolved)
+            return bind_call(resolved, *xs)
 
         return bind_partitioned(call, operands, local, unpartitioned)
 
@@ -166,7 +166,7 @@ class Rewriter:
         return jaxpr.replace(eqns=eqns)
 
     def rewrite_eqn(self, eqn: Any, path: str) -> Any:
-        if eqn.primitive is tokamax_call_p:
+        if is_tokamax_call(eqn.primitive):
             call = self.resolve_call(eqn.params["call"], [v.aval for v in eqn.invars], path)
             return eqn.replace(params={**eqn.params, "call": call})
         if eqn.primitive.name in emit.OPAQUE:
@@ -209,7 +209,7 @@ def is_op_wrapper(eqn: Any) -> bool:
     """The framework's own `custom_vjp` around one op call adds nothing to a path."""
     body = eqn.params.get("call_jaxpr")
     return (eqn.primitive.name == "custom_vjp_call" and isinstance(body, Jaxpr)
-            and len(body.eqns) == 1 and body.eqns[0].primitive is tokamax_call_p)
+            and len(body.eqns) == 1 and is_tokamax_call(body.eqns[0].primitive))
 
 
 def _pin_forward_config(op: Op, ba: BoundArguments, target: Target) -> Op:
