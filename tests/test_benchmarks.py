@@ -2,6 +2,7 @@
 
 import json
 
+import tokamax_pass as tokamax
 from benchmarks import run
 
 
@@ -14,3 +15,20 @@ def test_smoke_suite_writes_results(tmp_path):
                                              "smoke ragged dot"}
     assert all(r["relative_error"] < 2e-2 and r["ms"] > 0 for r in ours)
     assert all("vs_best_peer" in r for r in ours)
+
+
+def test_library_cache_tuning_writes_files_the_cache_reads(tmp_path):
+    from benchmarks import tune_library_cache
+    from tokamax_pass.autotuning import cache
+
+    assert tune_library_cache.main(["--smoke", "--only", "layer norm", "--output",
+                                    str(tmp_path)]) == 0
+    files = list(tmp_path.glob("*/*.json"))
+    assert files
+    folder = files[0].parent
+    result = None
+    for f in files:
+        loaded = tokamax.AutotuningResult.load(f)
+        result = loaded if result is None else result | loaded
+    assert {type(entry.bound.op).__name__ for entry in result.entries} >= {"LayerNorm"}
+    assert cache.device_kind_key(result.device_kind) == folder.name
