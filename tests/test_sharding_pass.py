@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import tokamax_pass as tk
 from conftest import assert_close, random_normal, reference_precision
 from tokamax_pass.core import BoundArguments, Family, NullConfig, Op, register_family
-from tokamax_pass.core.sharding import Dims, PartitionRule
+from tokamax_pass.core.partition_rules import Dims, PartitionRule
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 

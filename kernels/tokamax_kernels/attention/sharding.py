@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax_pass.core import BoundArguments
-from tokamax_pass.core.sharding import Dims, PartitionRule
+from tokamax_pass.core.partition_rules import Dims, PartitionRule
 
 
 def _broadcast(x: Any, factors: tuple[str | None, ...]) -> Dims | None:

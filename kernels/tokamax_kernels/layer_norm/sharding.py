@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tokamax_pass.core import BoundArguments
-from tokamax_pass.core.sharding import Dims, PartitionRule
+from tokamax_pass.core.partition_rules import Dims, PartitionRule
 
 
 def partition_rule(ba: BoundArguments) -> PartitionRule:

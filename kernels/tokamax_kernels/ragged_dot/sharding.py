@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_pass.core import BoundArguments
-from tokamax_pass.core.sharding import Dims, PartitionRule, Shard
+from tokamax_pass.core.partition_rules import Dims, PartitionRule, Shard
 
 _ROW_ARGUMENTS = ("lhs", "out", "dout")  # row-major arrays of a call (or of its VJP call)
 

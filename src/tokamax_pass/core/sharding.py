@@ -29,9 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
-import logging
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -39,10 +36,20 @@ import jax
 from jax._src import mesh as mesh_lib
 from jax._src import sharding_impls
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
-_log = logging.getLogger("tokamax_pass.sharding")
-_WARNED: set[str] = set()
+from tokamax_pass.core.partition_rules import (
+    Dims,
+    PartitionRule,
+    Shard,
+    assignment_by_order,
+    assignment_from_specs,
+    every_factor,
+    gradient_dims,
+    leaf_dims,
+    spec_for,
+)
+
 _ENABLED = contextvars.ContextVar("tokamax_pass_partitioning", default=True)
 
 
@@ -54,75 +61,6 @@ def partitioning(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _ENABLED.reset(token)
-
-
-@dataclasses.dataclass(frozen=True)
-class Dims:
-    """The factor of each dim of one array (`None`: not partitionable, gathered), and the
-    factors over which the array is a partial sum (outputs only)."""
-
-    factors: tuple[str | None, ...]
-    summed: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class PartitionRule:
-    """How one op call partitions.
-
-    Attributes:
-      arguments: argument name -> `Dims` (or a pytree of them, like the argument);
-        arrays left out are replicated.
-      out, residuals: `Dims` pytrees like the op's output and residuals.
-      order: the factors in preference order (for meshes with no shardings to read);
-        a factor left out is split only where an operand's sharding asks for it.
-      localize: `(arguments, shard) -> arguments` run on each device's block before
-        the call (a ragged dot turns global group sizes into the block's own).
-      restore: `(outputs, arguments, shard) -> outputs` run on the call's (structured)
-        outputs, before partial sums are summed; `arguments` as before `localize`.
-    """
-
-    arguments: Mapping[str, Any]
-    out: Any
-    residuals: Any = None
-    order: tuple[str, ...] = ()
-    localize: Callable[[dict[str, Any], Shard], dict[str, Any]] | None = None
-    restore: Callable[[Any, dict[str, Any], Shard], Any] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    """Which block of each factor this device holds (inside the per-device function)."""
-
-    axes: Mapping[str, tuple[str, ...]]
-    sizes: Mapping[str, int]
-
-    def count(self, factor: str) -> int:
-        return math.prod(self.sizes[a] for a in self.axes.get(factor, ()))
-
-    def index(self, factor: str) -> Any:
-        axes = self.axes.get(factor, ())
-        return jax.lax.axis_index(axes) if axes else 0
-
-
-def _is_dims(value: Any) -> bool:
-    return value is None or isinstance(value, Dims)
-
-
-def _by_path(tree: Any) -> dict[str, Dims]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_dims)[0]
-    return {jax.tree_util.keystr(p): d for p, d in leaves if d is not None}
-
-
-def _leaf_dims(tree: Any, rule_tree: Any, ndims: Sequence[int], *,
-               none_leaves: bool = True, summed: tuple[str, ...] = ()) -> list[Dims]:
-    """`Dims` for each leaf of `tree` (`None`s count as leaves if `none_leaves`, as in
-    `OpCall`'s flattening of the arguments)."""
-    rule = _by_path(rule_tree)
-    is_leaf = (lambda v: v is None) if none_leaves else None
-    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-    dims = [rule.get(jax.tree_util.keystr(p)) for p, _ in paths]
-    return [d if d is not None and len(d.factors) == n else Dims((None,) * n, summed)
-            for d, n in zip(dims, ndims, strict=True)]
 
 
 def _call_rule(call: Any, avals: Sequence[Any]) -> tuple[PartitionRule, list[Dims], list[Dims]]:
@@ -155,127 +93,18 @@ def _call_rule(call: Any, avals: Sequence[Any]) -> tuple[PartitionRule, list[Dim
     else:  # a VJP call: gradients shaped like the forward's arguments
         arg_rule = {**rule.arguments, "residuals": rule.residuals, "out": rule.out,
                     "dout": rule.out}
-        out_rule = _gradient_dims(rule.arguments)
-        summed = _every_factor(rule.arguments)
-    leaf_dims = _leaf_dims(arguments, arg_rule, [
+        out_rule = gradient_dims(rule.arguments)
+        summed = every_factor(rule.arguments)
+    dims_of_leaves = leaf_dims(arguments, arg_rule, [
         0 if not hasattr(v, "shape") else len(v.shape)
         for v in jax.tree.leaves(arguments, is_leaf=lambda v: v is None)])
-    operand_dims = [leaf_dims[i] for i in call.operand_indices]
+    operand_dims = [dims_of_leaves[i] for i in call.operand_indices]
     treedef, out_avals = call.output_structure(avals)
     placeholder = jax.tree.unflatten(treedef, list(range(len(out_avals))))
-    out_dims = _leaf_dims(placeholder, out_rule, [a.ndim for a in out_avals], none_leaves=False,
+    out_dims = leaf_dims(placeholder, out_rule, [a.ndim for a in out_avals], none_leaves=False,
                           summed=summed)
     return rule, operand_dims, out_dims
 
-
-def _every_factor(arguments: Mapping[str, Any]) -> tuple[str, ...]:
-    return tuple(sorted({f for d in _by_path(arguments).values() for f in d.factors
-                         if f is not None}))
-
-
-def _gradient_dims(arguments: Mapping[str, Any]) -> dict[str, Any]:
-    """An argument's gradient splits like the argument and is a partial sum over every
-    factor the argument does not carry (each block of that factor used all of it)."""
-    every = set(_every_factor(arguments))
-
-    def grad(d: Dims | None) -> Dims | None:
-        if d is None:
-            return None
-        return Dims(d.factors, tuple(sorted(every - set(d.factors))))
-
-    return {k: jax.tree.map(grad, v, is_leaf=_is_dims) for k, v in arguments.items()}
-
-
-# --- which mesh axes each factor gets ---------------------------------------------------------
-
-def _factor_sizes(shapes: Sequence[Sequence[int]], dims: Sequence[Dims]) -> dict[str, list[int]]:
-    sizes: dict[str, list[int]] = {}
-    for shape, d in zip(shapes, dims, strict=True):
-        for size, factor in zip(shape, d.factors, strict=True):
-            if factor is not None:
-                sizes.setdefault(factor, []).append(size)
-    return sizes
-
-
-def _divides(count: int, sizes: Sequence[int]) -> bool:
-    return all(s % count == 0 for s in sizes)
-
-
-def _spec_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def assignment_from_specs(specs: Sequence[PartitionSpec | None], shapes: Sequence[Sequence[int]],
-                          dims: Sequence[Dims], mesh_sizes: Mapping[str, int],
-                          what: str) -> dict[str, tuple[str, ...]]:
-    """Factor -> mesh axes read from the operands' shardings (first operand wins).
-
-    A sharded dim whose factor is `None`, cannot take those axes, or disagrees with
-    an earlier operand is gathered; a one-time warning names it.
-    """
-    sizes = _factor_sizes(shapes, dims)
-    assignment: dict[str, tuple[str, ...]] = {}
-    used: set[str] = set()
-    dropped = []
-    for index, (spec, shape, d) in enumerate(zip(specs, shapes, dims, strict=True)):
-        entries = tuple(spec or ()) + (None,) * (len(shape) - len(tuple(spec or ())))
-        for dim, (entry, factor) in enumerate(zip(entries, d.factors, strict=True)):
-            axes = _spec_axes(entry)
-            if not axes:
-                continue
-            if factor in assignment and assignment[factor] == axes:
-                continue
-            count = math.prod(mesh_sizes[a] for a in axes)
-            if (factor is None or factor in assignment or used & set(axes)
-                    or not _divides(count, sizes[factor])):
-                dropped.append(f"operand {index} dim {dim} ({'/'.join(axes)})")
-                continue
-            assignment[factor] = axes
-            used |= set(axes)
-    if dropped:
-        message = (f"{what}: cannot partition {', '.join(dropped)} without communication; "
-                   "gathering them (see README, 'More than one device')")
-        warn_once(message, message)
-    return assignment
-
-
-def assignment_by_order(order: Sequence[str], shapes: Sequence[Sequence[int]],
-                        dims: Sequence[Dims], mesh_sizes: Mapping[str, int]
-                        ) -> dict[str, tuple[str, ...]]:
-    """Factor -> mesh axes when no sharding is visible: mesh axis i goes to factor i of
-    `order`, else to the first one that it still divides; otherwise it is unused."""
-    sizes = _factor_sizes(shapes, dims)
-    factors = [f for f in order if f in sizes]
-    assignment: dict[str, tuple[str, ...]] = {}
-    for i, (axis, size) in enumerate(mesh_sizes.items()):
-        if size == 1:
-            continue
-        preferred = factors[i:i + 1] + factors
-        for factor in preferred:
-            axes = assignment.get(factor, ()) + (axis,)
-            if _divides(math.prod(mesh_sizes[a] for a in axes), sizes[factor]):
-                assignment[factor] = axes
-                break
-    return assignment
-
-
-def _spec(d: Dims, assignment: Mapping[str, tuple[str, ...]]) -> PartitionSpec:
-    entries = []
-    for factor in d.factors:
-        axes = assignment.get(factor, ()) if factor is not None else ()
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return PartitionSpec(*entries)
-
-
-def warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        _log.warning(message)
-
-
-# --- the per-device function -----------------------------------------------------------------
 
 def _local_function(call: Any, rule: PartitionRule, out_dims: Sequence[Dims],
                     assignment: Mapping[str, tuple[str, ...]], mesh_sizes: Mapping[str, int],
@@ -346,8 +175,8 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
         assignment = assignment_from_specs(explicit_specs, shapes, operand_dims, sizes, what)
     else:
         assignment = assignment_by_order(rule.order, shapes, operand_dims, sizes)
-    in_specs = tuple(_spec(d, assignment) for d in operand_dims)
-    out_specs = [_spec(Dims(tuple(None if f in d.summed else f for f in d.factors)), assignment)
+    in_specs = tuple(spec_for(d, assignment) for d in operand_dims)
+    out_specs = [spec_for(Dims(tuple(None if f in d.summed else f for f in d.factors)), assignment)
                  for d in out_dims]
     if explicit:
         operands = [jax.sharding.reshard(x, s) for x, s in zip(operands, in_specs, strict=True)]
@@ -397,9 +226,9 @@ def _custom_partitioned(call: Any, rule: PartitionRule, operand_dims: Sequence[D
         specs = [getattr(a.sharding, "spec", None) for a in arg_shapes]
         assignment = assignment_from_specs(
             specs, [a.shape for a in arg_shapes], operand_dims, sizes, what)
-        arg_shardings = tuple(NamedSharding(mesh, _spec(d, assignment)) for d in operand_dims)
+        arg_shardings = tuple(NamedSharding(mesh, spec_for(d, assignment)) for d in operand_dims)
         out_shardings = [
-            NamedSharding(mesh, _spec(Dims(tuple(None if f in d.summed else f
+            NamedSharding(mesh, spec_for(Dims(tuple(None if f in d.summed else f
                                                  for f in d.factors)), assignment))
             for d in out_dims]
         local = _local_function(call, rule, out_dims, assignment, sizes, bind_local)
