@@ -229,3 +229,15 @@ def test_kernels_that_lower_through_custom_partitioning():
     x = random_normal(0, (4,))
     assert_close(jax.jit(PartitionedSine())(x), np.sin(np.asarray(x)))
     assert_close(jax.jit(lambda x: PartitionedSine()(x) * 2)(x), 2 * np.sin(np.asarray(x)))
+
+
+def test_second_order_gradients():
+    x, y = random_normal(0, (6,)), random_normal(1, (6,))
+
+    def first(x):
+        return jax.grad(lambda x: ScaledSine()(x, y).sum())(x)  # 2 y cos(x)
+
+    second = jax.grad(lambda x: jnp.sum(first(x) ** 2))(x)
+    xn, yn = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    assert_close(first(x), 2 * yn * np.cos(xn))
+    assert_close(second, -8 * yn**2 * np.sin(xn) * np.cos(xn))

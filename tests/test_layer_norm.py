@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from conftest import assert_close, random_normal
+from conftest import assert_close, random_normal, reference_precision
 from tokamax_kernels.layer_norm.base import LayerNorm
 
 EPS = 1e-6
@@ -163,3 +163,21 @@ def test_bad_arguments_raise_value_errors_naming_them(args, kwargs, match):
 def test_public_function_raises_for_bad_input():
     with pytest.raises(ValueError, match="scale must have shape"):
         tokamax.layer_norm(jnp.ones((2, 4)), jnp.ones((3,)), None)
+
+
+def test_second_order_gradient_matches_reference():
+    x, scale = random_normal(40, (4, 16)), random_normal(41, (16,))
+
+    def reference(x):
+        centered = x - x.mean(-1, keepdims=True)
+        y = centered * jax.lax.rsqrt((centered**2).mean(-1, keepdims=True) + 1e-6) * scale
+        return jnp.sum(jnp.sin(y))
+
+    def ours(x):
+        return jnp.sum(jnp.sin(tokamax.layer_norm(x, scale, None)))
+
+    def curvature(f):
+        return jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2))(x)
+
+    with reference_precision():
+        assert_close(curvature(ours), curvature(reference), scale_rtol=1e-4)

@@ -21,7 +21,7 @@ import numpy as np
 from jax._src import dispatch
 from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 
 from tokamax_pass.core import device, resolution, sharding, spec
 from tokamax_pass.core.op import BoundArguments, Op, VmapLevel
@@ -143,6 +143,18 @@ def _abstract_eval(*avals: Any, call: OpCall) -> tuple[Any, ...]:
     return call.output_structure(avals)[1]
 
 
+def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, call: OpCall) -> tuple[Any, Any]:
+    """Forward-mode derivative, which second-order gradients need (they differentiate the
+    forward pass of `bind_with_vjp`): the call's own outputs, with tangents from autodiff
+    of the family's XLA reference (kernels have no autodiff of their own)."""
+    outs = bind_call(call, *primals)
+    reference = call.candidates[0].reference_op()
+    config = reference.config or reference._get_heuristics_config(call.bound(reference, primals))
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    _, out_tangents = jax.jvp(call.flat_function(reference, config), list(primals), tangents)
+    return outs, out_tangents
+
+
 def _batch(operands: Sequence[Any], dims: Sequence[Any], *, call: OpCall) -> tuple[Any, Any]:
     size = next(x.shape[d] for x, d in zip(operands, dims, strict=True) if d is not None)
     moved = [
@@ -175,6 +187,7 @@ for _primitive in PRIMITIVES:
     _primitive.def_impl(functools.partial(dispatch.apply_primitive, _primitive))
     _primitive.def_abstract_eval(_abstract_eval)
     batching.primitive_batchers[_primitive] = _batch
+    ad.primitive_jvps[_primitive] = _jvp
     for _platform in LOWERING_PLATFORMS:
         mlir.register_lowering(
             _primitive, functools.partial(_lowering, platform=_platform), platform=_platform)
@@ -269,7 +282,7 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
         vjp_ops = tuple(dict.fromkeys(op.vjp_op() for op in call.candidates))
         grads = call_ops(
             vjp_ops, (), dict(residuals=residuals, out=out, dout=dout, **arguments),
-            explicit=call.explicit, partition_as=call.candidates[0],
+            explicit=call.explicit, partition_as=call.candidates[0], through_vjp_ops=False,
         )
         return _cotangents(call, operands, grads)
 
@@ -278,11 +291,13 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
 
 
 def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
-             explicit: bool, partition_as: Op | None = None) -> Any:
+             explicit: bool, partition_as: Op | None = None, through_vjp_ops: bool = True) -> Any:
     """Calls the first of `ops` that accepts the arguments (and, if `explicit`, this device).
 
     `ValueError` from `bind` (bad input) propagates at once; `NotImplementedError`
-    moves on to the next candidate and is re-raised when none is left.
+    moves on to the next candidate and is re-raised when none is left. The call's
+    gradient goes through its VJP ops unless `through_vjp_ops=False` (a VJP op's own
+    call: its derivative, for second-order gradients, is the primitive's JVP rule).
     """
     target = device.current_target()
     bound, reasons = [], []
@@ -300,4 +315,4 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
         raise NotImplementedError(
             "no implementation supports these inputs:\n  " + "\n  ".join(reasons))
     call, operands = _make_call(bound, explicit, partition_as)
-    return bind_with_vjp(call, operands)
+    return bind_with_vjp(call, operands) if through_vjp_ops else _bind(call, operands)
