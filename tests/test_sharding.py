@@ -331,3 +331,23 @@ def test_plain_jit_with_sharded_inputs_partitions_at_lowering():
     assert out.sharding.spec[:2] == ("data", "model")
     assert _gathers(jax.jit(fn).lower(xs, scale).compile().as_text()) == []
     assert _gathers(jax.jit(grad).lower(xs, scale).compile().as_text()) == []
+
+
+def test_inside_shard_map_with_the_default_vma_checks():
+    """Operands varying over different manual axes are `pcast` alike; a replicated input's
+    gradient is summed over the devices."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    x, scale = random_normal(30, (16, 32)), random_normal(31, (32,))
+
+    def loss(fn):
+        return jax.grad(lambda x, s: jnp.sum(jnp.sin(fn(x, s))), argnums=(0, 1))
+
+    def per_device(x, s):
+        return tk.layer_norm(x, s, None)
+
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P()),
+                            out_specs=P("data"))
+    assert_close(jax.jit(sharded)(x, scale), per_device(x, scale))
+    for got, want in zip(jax.jit(loss(sharded))(x, scale), loss(per_device)(x, scale),
+                         strict=True):
+        assert_close(got, want)

@@ -140,7 +140,27 @@ def _output_structure(call: OpCall, avals: tuple[Any, ...]) -> tuple[Any, tuple[
 
 
 def _abstract_eval(*avals: Any, call: OpCall) -> tuple[Any, ...]:
-    return call.output_structure(avals)[1]
+    # Inside `jax.shard_map`, outputs vary over the manual axes their operands vary over.
+    varying = _varying_axes(avals)
+    outs = call.output_structure(avals)[1]
+    if not varying:
+        return outs
+    mesh = next(a.sharding.mesh for a in avals if hasattr(a, "mat") and a.mat.varying)
+    return tuple(a.update(
+        sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[None] * a.ndim)),
+        manual_axis_type=a.mat.update(varying=varying)) for a in outs)
+
+
+def _varying_axes(avals: Sequence[Any]) -> frozenset[Any]:
+    return frozenset().union(*(a.mat.varying for a in avals if hasattr(a, "mat")))
+
+
+def _uniformly_varying(operands: Sequence[Any]) -> list[Any]:
+    """Inside `jax.shard_map`, operands `pvary`'d to every manual axis any of them varies
+    over, as JAX's own ops do: a replicated input's gradient is then summed over devices."""
+    varying = _varying_axes([jax.typeof(x) for x in operands])
+    return [x if jax.typeof(x).mat.varying == varying else jax.lax.pcast(
+        x, tuple(sorted(varying - jax.typeof(x).mat.varying)), to="varying") for x in operands]
 
 
 def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, call: OpCall) -> tuple[Any, Any]:
@@ -315,4 +335,5 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
         raise NotImplementedError(
             "no implementation supports these inputs:\n  " + "\n  ".join(reasons))
     call, operands = _make_call(bound, explicit, partition_as)
+    operands = _uniformly_varying(operands)
     return bind_with_vjp(call, operands) if through_vjp_ops else _bind(call, operands)
