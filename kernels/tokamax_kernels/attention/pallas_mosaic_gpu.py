@@ -35,6 +35,18 @@ def check_unsupported_features(arguments: dict[str, Any], what: str) -> None:
             raise NotImplementedError(f"{what} does not support {name} (use 'triton' or 'xla')")
 
 
+def check_inputs(arguments: dict[str, Any], target: Target | None, *,
+                 head_dims: tuple[int, ...], q_multiple: int, kv_multiple: int,
+                 what: str) -> None:
+    """The checks the forward and backward kernels share (`NotImplementedError`)."""
+    common.check_target(target, what)
+    check_unsupported_features(arguments, what)
+    q, k, v = arguments["query"], arguments["key"], arguments["value"]
+    common.check_common(q, k, v, head_dims=head_dims, what=what)
+    common.check_heads(q, k, what)
+    common.check_lengths(q.shape[1], k.shape[1], q_multiple, kv_multiple, what)
+
+
 def forward_smem_bytes(config: MosaicAttentionConfig, head_dim: int, itemsize: int) -> int:
     q = config.compute_wgs * config.block_q * head_dim * itemsize
     kv = 2 * config.num_stages * config.block_kv * head_dim * itemsize
@@ -61,13 +73,10 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
-        common.check_target(target, _WHAT)
         args = ba.arguments
-        check_unsupported_features(args, _WHAT)
-        q, k, v = args["query"], args["key"], args["value"]
-        common.check_common(q, k, v, head_dims=common.FORWARD_HEAD_DIMS, what=_WHAT)
-        common.check_heads(q, k, _WHAT)
-        common.check_lengths(q.shape[1], k.shape[1], MIN_Q_MULTIPLE, MIN_KV_MULTIPLE, _WHAT)
+        check_inputs(args, target, head_dims=common.FORWARD_HEAD_DIMS,
+                     q_multiple=MIN_Q_MULTIPLE, kv_multiple=MIN_KV_MULTIPLE, what=_WHAT)
+        q, k = args["query"], args["key"]
         if self.config is not None and not fits(self.config, q.shape[1], k.shape[1], q.shape[3]):
             raise NotImplementedError(f"{_WHAT}: config {self.config} does not fit these shapes")
 

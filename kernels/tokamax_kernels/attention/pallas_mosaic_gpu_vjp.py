@@ -21,7 +21,7 @@ from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
 )
 from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionVjpConfig
 from tokamax_kernels.attention.base import DotProductAttentionVjp
-from tokamax_kernels.attention.pallas_mosaic_gpu import check_unsupported_features
+from tokamax_kernels.attention.pallas_mosaic_gpu import check_inputs, check_unsupported_features
 from tokamax_pass.core import BoundArguments, Target
 
 _WHAT = "PallasMosaicGpuFlashAttentionVjp"
@@ -58,13 +58,10 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
-        common.check_target(target, _WHAT)
         args = ba.arguments
-        check_unsupported_features(args, _WHAT)
-        q, k, v = args["query"], args["key"], args["value"]
-        common.check_common(q, k, v, head_dims=common.BACKWARD_HEAD_DIMS, what=_WHAT)
-        common.check_heads(q, k, _WHAT)
-        common.check_lengths(q.shape[1], k.shape[1], 128, 128, _WHAT)
+        check_inputs(args, target, head_dims=common.BACKWARD_HEAD_DIMS, q_multiple=128,
+                     kv_multiple=128, what=_WHAT)
+        q, k = args["query"], args["key"]
         residuals = args.get("residuals")
         if not (isinstance(residuals, tuple) and len(residuals) == 1):
             raise NotImplementedError(f"{_WHAT} needs the family residuals (lse,)")
