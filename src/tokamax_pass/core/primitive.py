@@ -51,6 +51,8 @@ def bind_call(call: OpCall, *operands: Any) -> Sequence[Any]:
     """Binds the primitive that suits where the program is being built (see above)."""
     primitive = tokamax_call_p if device.abstract_only() else tokamax_call_on_devices_p
     return primitive.bind(*operands, call=call)
+
+
 # Lists collecting the spec of every call lowered while `recording_lowerings` is active
 # (module-level, not per thread: XLA may run partition callbacks on its own threads).
 _RECORDERS: list[list[str]] = []
