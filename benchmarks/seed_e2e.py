@@ -8,8 +8,9 @@ attention; x bf16[32,2048,16,64]) as
   - `jax.jit(jax.grad(loss))` with every tokamax implementation `None`,
   - `tokamax.optimize(jax.grad(loss))` (the shipped cache, then heuristics),
   - the same after `tokamax.autotune` (its wall time reported),
-and, with `--artifact`, checks that an artifact exported on a CPU machine for cuda
-gives the in-process result here.
+the forward+backward of one attention and one layer norm (plain against ours), and,
+with `--artifact`, checks that an artifact exported on a CPU machine for cuda gives
+the in-process result here (in process with the kernels the artifact names).
 """
 
 from __future__ import annotations
@@ -31,22 +32,45 @@ from tokamax_pass import benchmarking
 SHAPE = (32, 2048, 16, 64)
 
 
-def plain_jax_loss(x: jax.Array, scale: jax.Array) -> jax.Array:
-    def norm(x):
-        xf = x.astype(jnp.float32)
-        xf = xf - xf.mean(-1, keepdims=True)
-        return (xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-6) * scale).astype(
-            x.dtype)
+def plain_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf - xf.mean(-1, keepdims=True)
+    return (xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
 
-    x = norm(x)
-    x = jax.nn.dot_product_attention(x, x, x, implementation="cudnn")
-    x = norm(x)
-    x = jax.nn.dot_product_attention(x, x, x, implementation="cudnn")
+
+def plain_attention(x: jax.Array) -> jax.Array:
+    return jax.nn.dot_product_attention(x, x, x, implementation="cudnn")
+
+
+def plain_jax_loss(x: jax.Array, scale: jax.Array) -> jax.Array:
+    x = plain_attention(plain_norm(x, scale))
+    x = plain_attention(plain_norm(x, scale))
     return jnp.sum(x.astype(jnp.float32))
 
 
 def device_ms(f, *args, iterations: int = 20) -> float:
     return benchmarking.benchmark(f, *args, iterations=iterations).median_evaluation_time_ms
+
+
+def components(x: jax.Array, scale: jax.Array) -> dict[str, float]:
+    """Device ms of one layer's forward+backward, plain JAX against ours (`None`)."""
+    def grad_ms(f, *args):
+        return device_ms(jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)))), *args)
+
+    return {
+        "attention_plain_cudnn_ms": grad_ms(plain_attention, x),
+        "attention_ours_ms": grad_ms(lambda x: tokamax.dot_product_attention(x, x, x), x),
+        "layer_norm_plain_xla_ms": grad_ms(plain_norm, x, scale),
+        "layer_norm_ours_ms": grad_ms(
+            lambda x, s: tokamax.layer_norm(x, scale=s, offset=None), x, scale),
+    }
+
+
+def artifact_kernels(directory: str) -> dict[str, str]:
+    """{op name: implementation} of the artifact's cuda forward ops, from its manifest."""
+    ops = json.loads((pathlib.Path(directory) / "manifest.json").read_text())["ops"]
+    return {op["path"].rsplit("/", 1)[-1]: op["implementation"] for op in ops
+            if op["platform"] == "cuda" and not op["path"].endswith("_vjp")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,10 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     record("relative_difference_vs_plain",
            float(np.linalg.norm(ours - reference) / np.linalg.norm(reference)))
 
+    record("components", components(x, scale))
+
     if args.artifact:
+        # In process with the kernels the artifact chose (a CPU machine cannot lower
+        # cuDNN, so its `None` picked other kernels than this GPU's `None` does).
+        kernels = artifact_kernels(args.artifact)
+        record("artifact_kernels", kernels)
+        pinned = jax.jit(jax.grad(seed_model.make_loss(
+            attention=kernels["dot_product_attention"], norm=kernels["layer_norm"])))
         loaded = tokamax.load_artifact(args.artifact)
         exported = np.asarray(loaded(x, scale), np.float32)
-        in_process = np.asarray(ours_jit(x, scale), np.float32)
+        in_process = np.asarray(pinned(x, scale), np.float32)
         record("artifact_max_abs_difference", float(np.max(np.abs(exported - in_process))))
         record("artifact_relative_difference",
                float(np.linalg.norm(exported - in_process) / np.linalg.norm(in_process)))

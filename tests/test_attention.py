@@ -444,7 +444,7 @@ def test_cudnn_zeroes_exactly_the_rows_with_nothing_to_attend(options):
     """cuDNN's output is masked by this row predicate (it cannot run on CPU itself)."""
     q, k, v = _inputs(sq=48, sk=40, dtype=jnp.bfloat16)
     ba = CudnnDotProductAttention().bind(q, k, v, **options)
-    rows = np.asarray(_nonempty_rows(dict(ba.arguments)))
+    rows = np.asarray(_nonempty_rows(48, 40, dict(ba.arguments)))
     expected = _keep(B, H, 48, 40, **options).any(-1).transpose(0, 2, 1)[..., None]
     assert not expected.all() and expected.any()
     np.testing.assert_array_equal(np.broadcast_to(rows, expected.shape), expected)

@@ -1,4 +1,4 @@
-"""cuDNN fused attention through `jax.nn.dot_product_attention(implementation="cudnn")`.
+"""cuDNN fused attention: the fused forward and backward kernels that `jax.nn` uses.
 
 What cuDNN cannot express raises `NotImplementedError` in `check_supported`, so
 `implementation=None` moves on: float32/float64 inputs, a logits soft cap, head
@@ -11,14 +11,13 @@ row the mask empties would average the values, and what it returns for rows
 that causal/window/length masks empty is not documented; `_fwd` zeroes every
 row with nothing to attend to, keeping the family's contract.
 
-Residuals: `jax.nn` exposes cuDNN's logsumexp only cast to the output dtype
-(bf16 loses ~3 digits), which a foreign backward would turn into visible errors.
-So the `(lse,)` residual is computed exactly by the chunked XLA logsumexp
-(`xla_chunked`, no Sq x Sk temporary), and only when residuals are asked for.
-The default backward, `CudnnDotProductAttentionVjp`, ignores it and re-runs
-`jax.vjp` of the cuDNN forward to use cuDNN's fused backward kernel; under
-`jax.jit` the unused lse computation is then dead code that XLA removes. The
-price is one recomputed cuDNN forward in the backward pass.
+Residuals: the forward returns cuDNN's own float32 softmax statistics as the family's
+`(lse,)` residual, and `CudnnDotProductAttentionVjp` hands them (from any forward of
+the family) with the output to cuDNN's fused backward kernel, as `jax.nn`'s own
+custom VJP does, so no forward is recomputed. Both custom calls are reached through
+`jax._src.cudnn.fused_attention_stablehlo` (private API of the pinned jax), because
+`jax.nn` returns the statistics only cast to the output dtype and takes no
+residuals in its backward.
 
 `jax.nn`'s cuDNN path needs the CUDA plugin even to lower, so its cuda lowering
 is tested on the GPU only (`pytest -m gpu`).
@@ -31,8 +30,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax._src.cudnn import fused_attention_stablehlo as fused
 
-from tokamax_kernels.attention import xla_chunked
 from tokamax_kernels.attention.base import (
     DotProductAttention,
     DotProductAttentionVjp,
@@ -46,10 +45,8 @@ _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 def _require_cudnn_library() -> None:
     """cuDNN attention lowers only where the cuDNN library loads (not on a CPU-only machine
     exporting for cuda): elsewhere `None` moves on to a kernel that lowers anywhere."""
-    from jax._src.cudnn import fused_attention_stablehlo
-
     try:
-        fused_attention_stablehlo.check_cudnn_version()
+        fused.check_cudnn_version()
     except RuntimeError as e:
         raise NotImplementedError(f"cuDNN attention cannot be lowered here: {e}") from None
 
@@ -76,14 +73,13 @@ def _check(ba: BoundArguments, target: Target | None, *, backward: bool) -> None
         raise NotImplementedError("cuDNN attention's backward with a bias needs even seq lengths")
 
 
-def _nonempty_rows(a: dict[str, Any]) -> jax.Array:
+def _nonempty_rows(q_len: int, kv_len: int, a: dict[str, Any]) -> jax.Array:
     """(B|1, Sq, 1|H, 1) True where a query row attends to at least one key.
 
     Without a bool mask this is O(B * Sq) arithmetic on the allowed key range
     [lo, hi] of each row (causal, window, lengths); with one, the row-wise OR of
     the combined mask (the size of the mask itself).
     """
-    q_len, kv_len = a["query"].shape[1], a["key"].shape[1]
     if a["mask"] is not None:
         keep = keep_mask(jnp.arange(q_len), jnp.arange(kv_len), mask=a["mask"],
                          is_causal=a["is_causal"], local_window_size=a["local_window_size"],
@@ -106,24 +102,79 @@ def _nonempty_rows(a: dict[str, Any]) -> jax.Array:
     return nonempty[:, :, None, None]
 
 
-def _cudnn_forward(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
-                   a: dict[str, Any]) -> jax.Array:
-    batch, q_len, _, _ = query.shape
-    kv_len = key.shape[1]
+def _full_bias(bias: jax.Array | None, mask: jax.Array | None, query: jax.Array,
+               key: jax.Array) -> jax.Array | None:
+    """The bias operand of cuDNN's custom calls: `bias` plus the bool mask as a large
+    negative number (as `jax.nn` combines them), broadcast to (.., Sq, Sk)."""
+    combined = fused.combine_bias_and_mask(bias, mask, query.dtype)
+    if combined is None:
+        return None
+    return jnp.broadcast_to(combined, (*combined.shape[:2], query.shape[1], key.shape[1]))
 
-    def full_seq(x: jax.Array | None) -> jax.Array | None:  # cuDNN needs (.., Sq, Sk) biases
-        return None if x is None else jnp.broadcast_to(x, (*x.shape[:2], q_len, kv_len))
 
-    lengths = [a["query_seq_lengths"], a["key_value_seq_lengths"]]
-    lengths = [None if x is None else x.astype(jnp.int32) for x in lengths]
-    window = a["local_window_size"]
-    if window is not None and a["is_causal"]:
-        window = (window[0], 0)
-    out = jax.nn.dot_product_attention(
-        query, key, value, full_seq(bias), full_seq(a["mask"]), scale=a["scale"],
-        is_causal=a["is_causal"], query_seq_lengths=lengths[0],
-        key_value_seq_lengths=lengths[1], local_window_size=window, implementation="cudnn")
-    return jnp.where(_nonempty_rows(a), out, jnp.zeros((), out.dtype))
+@dataclasses.dataclass(frozen=True)
+class _CudnnCall:
+    """The operands and parameters of cuDNN's forward and backward custom calls, prepared
+    as `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention` prepares them.
+
+    Calling the two custom calls directly (private API of the pinned jax 0.11.2) lets the
+    forward hand cuDNN's float32 softmax statistics (the natural-log logsumexp of the
+    scaled logits, shape (B, H, Sq)) out as the family's `(lse,)` residual, and the
+    backward take them back: no forward is recomputed in the backward pass.
+    """
+
+    operands: tuple[jax.Array, ...]
+    params: dict[str, Any]
+
+    @classmethod
+    def prepare(cls, query: jax.Array, key: jax.Array, value: jax.Array,
+                bias: jax.Array | None, a: dict[str, Any]) -> _CudnnCall:
+        batch, q_len, kv_len = query.shape[0], query.shape[1], key.shape[1]
+        lengths = [a["query_seq_lengths"], a["key_value_seq_lengths"]]
+        padded = any(x is not None for x in lengths)
+        if padded:
+            lengths = [jnp.full((batch,), n, jnp.int32) if x is None else x.astype(jnp.int32)
+                       for x, n in zip(lengths, (q_len, kv_len), strict=True)]
+        mask_type = {(False, False): fused.MaskType.NO_MASK,
+                     (False, True): fused.MaskType.CAUSAL,
+                     (True, False): fused.MaskType.PADDING,
+                     (True, True): fused.MaskType.PADDING_CAUSAL}[padded, a["is_causal"]]
+        window = a["local_window_size"]
+        full_bias = _full_bias(bias, a["mask"], query, key)
+        unused = jnp.zeros(0, query.dtype)
+        operands = (query, key, value, unused if full_bias is None else full_bias,
+                    *(unused if x is None else x for x in lengths), unused, unused, unused,
+                    unused)
+        params = dict(
+            scale=a["scale"], seed=42, dropout_rate=0.0,
+            variadic_args=(full_bias is not None, bias is not None),
+            mask_type=mask_type, layout=fused.AttentionLayout.BTNH.value,
+            sliding_window_length=None if window is None else window[0] + 1)
+        return cls(operands, params)
+
+    def forward(self) -> tuple[jax.Array, jax.Array]:
+        """(out, softmax statistics (B, H, Sq) float32)."""
+        return fused._dot_product_attention_fwd(
+            *self.operands, **self.params, cudnn_version=fused.check_cudnn_version(),
+            return_residual=True)
+
+    def backward(self, lse: jax.Array, out: jax.Array,
+                 dout: jax.Array) -> tuple[jax.Array, ...]:
+        """(dq, dk, dv) and, when the bias is differentiable, d(full bias)."""
+        return tuple(fused._dot_product_attention_bwd_p_wrapper.bind(
+            *self.operands, lse, out, dout, **self.params))
+
+
+def _rows_may_be_empty(a: dict[str, Any]) -> bool:
+    """Whether any query row can have nothing to attend to (causal alone never empties a
+    row: top-left aligned, every row sees key 0), so `_nonempty_rows` can be skipped."""
+    return any(a[name] is not None for name in (
+        "mask", "local_window_size", "query_seq_lengths", "key_value_seq_lengths"))
+
+
+def _nonempty_lse_rows(nonempty: jax.Array) -> jax.Array:
+    """`_nonempty_rows` as (B|1, H|1, Sq), the layout of the lse residual."""
+    return jnp.transpose(nonempty[..., 0], (0, 2, 1))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -141,11 +192,12 @@ class CudnnDotProductAttention(DotProductAttention):
              mask: jax.Array | None, *, config: NullConfig, return_residuals: bool,
              **statics: Any) -> tuple[jax.Array, Any]:
         arguments = dict(mask=mask, **statics)
-        out = _cudnn_forward(query, key, value, bias, arguments)
-        if not return_residuals:
-            return out, None
-        pb = xla_chunked.problem_for(query, key, value, bias, mask, **statics)
-        return out, (xla_chunked.chunked_forward(pb)[1],)
+        out, stats = _CudnnCall.prepare(query, key, value, bias, arguments).forward()
+        if _rows_may_be_empty(arguments):
+            nonempty = _nonempty_rows(query.shape[1], key.shape[1], arguments)
+            out = jnp.where(nonempty, out, jnp.zeros((), out.dtype))
+            stats = jnp.where(_nonempty_lse_rows(nonempty), stats, -jnp.inf)
+        return out, (stats,) if return_residuals else None
 
     def _default_vjp(self) -> Op:
         return CudnnDotProductAttentionVjp()
@@ -153,7 +205,7 @@ class CudnnDotProductAttention(DotProductAttention):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CudnnDotProductAttentionVjp(DotProductAttentionVjp):
-    """cuDNN's fused backward, by `jax.vjp` of the cuDNN forward (ignores the residuals)."""
+    """cuDNN's fused backward, fed with the forward's `(lse,)` residual and output."""
 
     implementation = "cudnn"
     platforms = frozenset({"cuda"})
@@ -165,12 +217,20 @@ class CudnnDotProductAttentionVjp(DotProductAttentionVjp):
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
              **statics: Any) -> tuple[dict[str, Any], None]:
-        del residuals, out, config, return_residuals
-
-        def forward(query: jax.Array, key: jax.Array, value: jax.Array,
-                    bias: jax.Array | None) -> jax.Array:
-            return _cudnn_forward(query, key, value, bias, statics)
-
-        _, pullback = jax.vjp(forward, query, key, value, bias)
-        dq, dk, dv, dbias = pullback(dout)
+        del config, return_residuals
+        (lse,) = residuals
+        # A fully masked row has zero output and gets zero gradients: its cotangent is
+        # dropped, and an lse of +inf turns its probabilities into zeros (its own -inf
+        # would give NaN against masked logits).
+        if _rows_may_be_empty(statics):
+            nonempty = _nonempty_rows(query.shape[1], key.shape[1], statics)
+            dout = jnp.where(nonempty, dout, jnp.zeros((), dout.dtype))
+            lse = jnp.where(_nonempty_lse_rows(nonempty), lse, jnp.inf)
+        call = _CudnnCall.prepare(query, key, value, bias, statics)
+        dq, dk, dv, *dfull_bias = call.backward(lse.astype(jnp.float32), out, dout)
+        dbias = None
+        if bias is not None:
+            _, pullback = jax.vjp(
+                lambda b: _full_bias(b, statics["mask"], query, key), bias)
+            (dbias,) = pullback(dfull_bias[0])
         return {"query": dq, "key": dk, "value": dv, "bias": dbias}, None
