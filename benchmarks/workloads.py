@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -108,12 +109,17 @@ def _xla_norm(x, scale, offset, subtract_mean):
     return (y + offset if subtract_mean else y).astype(x.dtype)
 
 
-def norm(name: str, rows: int, cols: int, subtract_mean: bool) -> Workload:
-    bytes_fwd = 2 * rows * cols * 2
+def norm(name: str, shape: tuple[int, ...], subtract_mean: bool, offset: bool = True,
+         param_dtype: Any = jnp.bfloat16) -> Workload:
+    """Normalizes the last axis of `shape`. `offset=False`: scale only (the seed model's
+    layer norm, with a float32 scale); the peers get a zero offset."""
+    cols = shape[-1]
+    bytes_fwd = 2 * math.prod(shape) * 2
+    with_offset = subtract_mean and offset
     ours = {
         f"tokamax {impl or 'None'}": functools.partial(
             lambda x, s, o, impl: tokamax.layer_norm(
-                x, s, o if subtract_mean else None, subtract_mean=subtract_mean,
+                x, s, o if with_offset else None, subtract_mean=subtract_mean,
                 implementation=impl), impl=impl)
         for impl in ("triton", "xla", None)
     }
@@ -125,13 +131,15 @@ def norm(name: str, rows: int, cols: int, subtract_mean: bool) -> Workload:
     # JAX's Pallas norms take (batch, seq, features): give them one batch of all rows.
     if subtract_mean:
         peers["jax pallas layer_norm"] = lambda x, s, o: pallas_ln.layer_norm(
-            x[None], s, o, eps=1e-6)[0]
+            x.reshape(1, -1, cols), s, o, eps=1e-6).reshape(x.shape)
     else:
         peers["jax pallas rms_norm"] = lambda x, s, o: pallas_rms.rms_norm(
-            x[None], s, jnp.zeros_like(o), eps=1e-6)[0]
+            x.reshape(1, -1, cols), s, jnp.zeros_like(o), eps=1e-6).reshape(x.shape)
     return Workload(
         name=name, family="layer_norm",
-        make=lambda: (_normal(0, (rows, cols)), _normal(1, (cols,)), _normal(2, (cols,))),
+        make=lambda: (_normal(0, shape), _normal(1, (cols,), param_dtype),
+                      _normal(2, (cols,), param_dtype) if with_offset
+                      else jnp.zeros((cols,), param_dtype)),
         work=lambda mode: bytes_fwd * (2.0 if mode == "fwd+bwd" else 1.0),
         unit="TB/s",
         reference=lambda x, s, o: _xla_norm(
@@ -177,12 +185,15 @@ def all_workloads() -> list[Workload]:
     """The benchmark workloads, most important first (a cut-short run keeps those)."""
     return [
         attention("attention b32 s2048 h16 d64", 32, 2048, 16, 64, causal=False),
-        norm("layer norm 65536x4096", 65536, 4096, subtract_mean=True),
-        norm("rms norm 65536x4096", 65536, 4096, subtract_mean=False),
+        norm("layer norm 65536x4096", (65536, 4096), subtract_mean=True),
+        norm("rms norm 65536x4096", (65536, 4096), subtract_mean=False),
         ragged("ragged dot m16384 k4096 n4096 g8", 16384, 4096, 4096, UNEVEN_GROUPS),
         attention("attention b4 s8192 h16 d128", 4, 8192, 16, 128, causal=False),
         attention("attention b4 s8192 h16 d128 causal", 4, 8192, 16, 128, causal=True),
-        norm("layer norm 65536x1024", 65536, 1024, subtract_mean=True),
+        norm("layer norm 65536x1024", (65536, 1024), subtract_mean=True),
+        norm("layer norm 32x2048x16x64 no offset (seed)", (32, 2048, 16, 64),
+             subtract_mean=True, offset=False, param_dtype=jnp.float32),
+        attention("attention b16 s4096 h8 d256", 16, 4096, 8, 256, causal=False),
     ]
 
 
@@ -190,6 +201,6 @@ def smoke_workloads() -> list[Workload]:
     """Tiny versions of every workload kind, to check the suite itself on CPU."""
     return [
         attention("smoke attention", 1, 32, 2, 16, causal=True),
-        norm("smoke layer norm", 64, 128, subtract_mean=True),
+        norm("smoke layer norm", (64, 128), subtract_mean=True),
         ragged("smoke ragged dot", 64, 32, 16, (10, 0, 30, 24)),
     ]

@@ -80,6 +80,13 @@ def row_chunk(n: int) -> int:
     return min(_triton.next_power_of_2(n), MAX_BLOCK_ELEMENTS)
 
 
+def block_rows_choices(block_n: int) -> tuple[int, ...]:
+    """Rows per block for a search space: blocks of 1K-16K elements, one row at least
+    (a 64-wide row needs 16-256 rows per block to keep the memory system busy)."""
+    return tuple(sorted({max(1, e // block_n) for e in (1024, 2048, 4096, 8192, 16384)
+                         if max(1, e // block_n) * block_n <= MAX_BLOCK_ELEMENTS}))
+
+
 def _load_rows(ref: Any, r0: Any, c: Any, row_mask: jax.Array, *, n: int, block_n: int,
                block_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Chunk `c` of rows `[r0, r0 + block_rows)` as float32 (zeros outside the array)."""
@@ -234,9 +241,9 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
         chunks = {row_chunk(n), min(row_chunk(n), 4096)}
         return {
             Config(block_rows=r, block_n=b, rows_per_program=r * p, num_warps=w, num_stages=s)
-            for r, b, p, w, s in itertools.product((1, 2, 4), chunks, (1, 4, 16), (4, 8, 16),
-                                                   (1, 2, 3))
-            if r * b <= MAX_BLOCK_ELEMENTS
+            for b in chunks
+            for r, p, w, s in itertools.product(block_rows_choices(b), (1, 4, 16), (4, 8, 16),
+                                                (1, 2, 3))
         }
 
     def _default_vjp(self) -> Op:
