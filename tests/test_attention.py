@@ -469,3 +469,21 @@ def test_cudnn_on_gpu_matches_reference_and_lowers_for_cuda():
             jax.jit(lambda q, k, v: dot_product_attention(q, k, v, implementation="cudnn")),
             platforms=["cuda"])(q, k, v)
     assert "cudnn" in exported.mlir_module() and "tokamax_pass_spec" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_none_tries_cudnn_first_on_hopper_up_to_head_dim_256(monkeypatch, head_dim):
+    """cuDNN is a candidate at trace time for every head dim a GPU can run (256 on
+    Hopper): a candidate dropped at trace time is never reconsidered at lowering."""
+    from tokamax_kernels.attention import cudnn
+
+    monkeypatch.setattr(cudnn, "_require_cudnn_library", lambda: None)  # a CPU machine
+    x = jax.ShapeDtypeStruct((2, 128, 2, head_dim), jnp.bfloat16)
+
+    def f(q):
+        return dot_product_attention(q, q, q).astype(jnp.float32).sum()
+
+    with tokamax.core.targeting(H200):
+        plan = tokamax.optimize(jax.grad(f)).plan(x)
+    assert [row.op for row in plan] == [
+        "CudnnDotProductAttention", "CudnnDotProductAttentionVjp"]

@@ -60,7 +60,9 @@ def _check(ba: BoundArguments, target: Target | None, *, backward: bool) -> None
     if a["logits_soft_cap"] is not None:
         raise NotImplementedError("cuDNN attention has no logits soft cap")
     head_dim = a["query"].shape[-1]
-    max_dim = 256 if target is not None and target.is_hopper else 128
+    # At trace time (no target) only what no GPU supports is rejected: candidates dropped
+    # there are never reconsidered at lowering, where a Hopper target allows 256.
+    max_dim = 128 if target is not None and not target.is_hopper else 256
     if head_dim % 8 or head_dim > max_dim:
         raise NotImplementedError(
             f"cuDNN attention needs head_dim a multiple of 8 and <= {max_dim}, got {head_dim}")
