@@ -12,7 +12,7 @@ import pytest
 import tokamax_pass as tokamax
 from conftest import assert_close, random_normal
 from test_autotuning_ops import ChunkConfig, ChunkedMatmul, XlaChunkedMatmul, chunked_matmul
-from tokamax_pass.autotuning import discovery, keys
+from tokamax_pass.autotuning import cache, discovery, keys
 from tokamax_pass.autotuning.result import Entry, Measurement
 from tokamax_pass.core import current_target, spec
 
@@ -124,6 +124,15 @@ def test_measured_implementations_rank_implementation_none():
         assert chosen_class() == "ChunkedMatmul"
     with fast_chunked | tokamax.AutotuningResult(kind, [xla]):
         assert chosen_class() == "XlaChunkedMatmul"
+    # Within the noise margin of the fastest, the family's order wins.
+    tie = _result({ChunkConfig(16): 1.0 * (1 + cache.TIE_MARGIN / 2)})
+    with tie | tokamax.AutotuningResult(kind, [xla]):
+        assert chosen_class() == "XlaChunkedMatmul"
+
+
+def test_ranking_keeps_the_given_order_within_the_tie_margin():
+    assert cache._rank_by_time([1.0, 1.03, 0.99, 2.0, 1.5]) == [0, 1, 2, 4, 3]
+    assert cache._rank_by_time([3.0, 1.0]) == [1, 0]
 
 
 def test_json_round_trips_paths_and_files(tmp_path):
