@@ -252,3 +252,15 @@ def test_search_space_is_pruned_around_the_heuristics():
     left_out = set(everything) - set(pruned)
     assert max(_distance(c, heuristics) for c in pruned) <= min(
         _distance(c, heuristics) for c in left_out)
+
+
+def test_all_implementations_tunes_every_vjp_op_the_backward_can_pick():
+    """`None` ranks a backward pass's VJP ops by measurement too, so tuning with
+    `all_implementations` measures the VJP op of every forward implementation."""
+    q = random_normal(0, (1, 32, 2, 16))
+    f = jax.grad(lambda q: tokamax.dot_product_attention(q, q, q, is_causal=True).sum())
+    result = tokamax.autotune(f, q, all_implementations=True, ignore_cache=True,
+                              progress=False, max_configs=2, iterations=1)
+    ops = {type(ba.op).__name__ for ba, _ in result}
+    assert {"XlaChunkedDotProductAttentionVjp", "DotProductAttentionVjp"} <= ops
+    assert {"XlaChunkedDotProductAttention", "DotProductAttention"} <= ops

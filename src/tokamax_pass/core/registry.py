@@ -70,9 +70,29 @@ def families() -> Mapping[str, Family]:
 
 
 def implementations_of(op: Op) -> list[Op]:
-    """Every registered implementation of `op`'s family (for `all_implementations`)."""
-    name = op.family_name()
-    family = _FAMILIES.get(name)
-    if family is None:
-        return [op]
-    return [cls() for cls in family.implementations.values()]
+    """Every registered implementation of `op`'s family (for `all_implementations`).
+
+    A VJP op's alternatives are the VJP ops of its forward family's implementations:
+    the candidates `implementation=None` ranks for the backward pass.
+    """
+    family = _FAMILIES.get(op.family_name())
+    if family is not None:
+        return [cls() for cls in family.implementations.values()]
+    for family in _FAMILIES.values():
+        vjps = list(dict.fromkeys(_vjp_op_or_none(cls) for cls in family.implementations.values()))
+        if any(_same_kind(v, op) for v in vjps if v is not None):
+            return [v for v in vjps if v is not None]
+    return [op]
+
+
+def _vjp_op_or_none(cls: type[Op]) -> Op | None:
+    try:
+        return cls().vjp_op()
+    except Exception:  # noqa: BLE001 - an implementation that cannot say has no VJP op here
+        return None
+
+
+def _same_kind(a: Op, b: Op) -> bool:
+    """Same op class (and, for an autodiff VJP, the same forward class), configs aside."""
+    forward_a, forward_b = getattr(a, "forward", None), getattr(b, "forward", None)
+    return type(a) is type(b) and type(forward_a) is type(forward_b)
