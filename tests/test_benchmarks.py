@@ -3,7 +3,7 @@
 import json
 
 import tokamax_pass as tokamax
-from benchmarks import run
+from benchmarks import optimize_overhead, run
 
 
 def test_smoke_suite_writes_results(tmp_path):
@@ -32,3 +32,9 @@ def test_library_cache_tuning_writes_files_the_cache_reads(tmp_path):
         result = loaded if result is None else result | loaded
     assert {type(entry.bound.op).__name__ for entry in result.entries} >= {"LayerNorm"}
     assert cache.device_kind_key(result.device_kind) == folder.name
+
+
+def test_optimize_overhead_reports_both_wrappers(capsys):
+    assert optimize_overhead.main(["--calls", "20", "--rounds", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "jax.jit" in text and "tokamax.optimize" in text and "optimize / jit:" in text

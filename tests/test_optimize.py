@@ -399,3 +399,10 @@ def test_cached_call_costs_what_jit_costs(xs):
     print(f"per call: optimize {best_optimized * 1e6:.1f} us, jax.jit {best_jit * 1e6:.1f} us, "
           f"ratio {ratio:.3f}")
     assert ratio < 1.05
+
+
+def test_cached_calls_dispatch_straight_to_jit():
+    """With `autotune="never"` a call is jit's own C++ dispatch: no Python frame of ours."""
+    f = tk.optimize(lambda x: x * 2)
+    assert type(f).__call__ is f._jitted
+    assert type(f._jitted).__name__ == "PjitFunction"
