@@ -44,8 +44,9 @@ def measure(workload: wl.Workload, modes: list[str], iterations: int) -> list[di
     args = workload.make()
     ref = jnp.asarray(jax.jit(workload.reference)(*args), jnp.float32)
     rows = []
-    candidates = [("ours", n, f) for n, f in workload.ours.items()] + [
-        ("peer", n, f) for n, f in workload.peers.items()]
+    # Peers first: each of our rows then prints with its ratio to the best peer.
+    candidates = [("peer", n, f) for n, f in workload.peers.items()] + [
+        ("ours", n, f) for n, f in workload.ours.items()]
     for kind, name, fn in candidates:
         row: dict[str, Any] = {"workload": workload.name, "kind": kind, "implementation": name}
         for mode in modes:
@@ -64,8 +65,8 @@ def measure(workload: wl.Workload, modes: list[str], iterations: int) -> list[di
                 mode_row.update(ms=ms, rate=rate, unit=workload.unit, method=data.method,
                                 compile_s=data.compile_time_ms / 1e3)
             rows.append(mode_row)
+            _add_ratios(rows)
             print(_format_row(mode_row), flush=True)
-    _add_ratios(rows)
     return rows
 
 
