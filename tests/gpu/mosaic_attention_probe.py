@@ -18,7 +18,7 @@ import time
 OUT = os.environ.get("OUT", "/tmp")
 PHASES = {"small": 95, "bench_d64": 62, "bench_d128": 62, "bench_d128_causal": 62,
           "compile_d128": 60, "run_d128": 40, "run_d128_wgs1": 40, "quick_d128": 45,
-          "quick_d128_causal": 55}
+          "quick_d128_causal": 55, "heads_gqa": 40, "heads_mha": 40}
 
 
 def _log(record: dict) -> None:
@@ -115,6 +115,39 @@ def phase_small() -> None:
         except Exception as e:  # noqa: BLE001 - report and go on to the next case
             case["error"] = f"{type(e).__name__}: {str(e)[:600]}"
         _log(case)
+
+
+def phase_heads(name: str) -> None:
+    """Each kernel alone at the shape where GQA was seen to hang (B=2, S=256, H=4, D=128),
+    with Hkv=2 (`heads_gqa`) or 4 (`heads_mha`): a line after each compile and each run,
+    so the last line names the kernel (and the stage) that does not finish."""
+    jax, jnp, np, DPA, Fwd, Vjp = _setup()
+    from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
+        mosaic_attention_dkv,
+        mosaic_attention_dq,
+    )
+    from tokamax_kernels.attention._mosaic_gpu_fwd_kernel import mosaic_attention_forward
+    F, B = _configs()
+    kv_heads = 2 if name == "heads_gqa" else 4
+    q, k, v, do = _inputs(jax, jnp, 2, 256, 256, 4, kv_heads, 128, jnp.bfloat16)
+    statics = dict(scale=128 ** -0.5, causal=False)
+
+    def step(kernel: str, f, *args):
+        t0 = time.time()
+        compiled = jax.jit(f).lower(*args).compile()
+        _log(dict(phase=name, kernel=kernel, compiled_s=round(time.time() - t0, 1)))
+        t0 = time.time()
+        out = jax.block_until_ready(compiled(*args))
+        _log(dict(phase=name, kernel=kernel, ran_s=round(time.time() - t0, 2)))
+        return out
+
+    out, lse = step("forward", functools.partial(
+        mosaic_attention_forward, config=F(block_q=64, block_kv=128), **statics), q, k, v)
+    delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+    step("dq", functools.partial(mosaic_attention_dq, config=B(), **statics),
+         q, k, v, do, lse, delta)
+    step("dkv", functools.partial(mosaic_attention_dkv, config=B(), **statics),
+         q, k, v, do, lse, delta)
 
 
 def _time(jax, np, f, args, iterations=10):
@@ -262,6 +295,9 @@ def main(argv: list[str]) -> None:
             return
         if name.startswith("quick"):
             _quick(name)
+            return
+        if name.startswith("heads"):
+            phase_heads(name)
             return
         F, B = _configs()
         if name == "bench_d64":
