@@ -119,3 +119,20 @@ def test_clear_removes_files():
     _result(16).save_to_cache()
     assert len(cache.clear()) == 1
     assert _resolve() == (ChunkConfig(32), "heuristics")
+
+
+def test_shipped_library_caches_are_fresh():
+    """Every entry shipped as package data still matches its kernel's source: editing a
+    kernel means retuning it on the device (`python -m benchmarks.tune_library_cache`)
+    or dropping its entries, never shipping entries every user would see reported."""
+    import pathlib
+
+    import tokamax_kernels  # noqa: F401 - registers the op families the entries name
+
+    folder = pathlib.Path(tokamax.__file__).parent / "data" / "autotuning"
+    files = sorted(folder.glob("*/*.json"))
+    assert files, "no library cache is shipped"
+    for path in files:
+        for entry in tokamax.AutotuningResult.load(path).entries:
+            reason = keys.stale_reason(entry.bound.op, entry.provenance)
+            assert reason is None, f"{path.name}: {entry.bound!r}: {reason}"
