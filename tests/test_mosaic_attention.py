@@ -103,12 +103,6 @@ def test_unsupported_inputs_raise(shape, dtype, message):
         _export(lambda q: _mosaic(q, q, q), q)
 
 
-def test_gqa_is_refused_for_now():
-    q, kv = _sds((1, 256, 4, 64)), _sds((1, 256, 2, 64))
-    with pytest.raises(NotImplementedError, match="GQA"):
-        _export(lambda q, k: _mosaic(q, k, k), q, kv)
-
-
 def test_backward_rejects_head_dim_256():
     q = _sds((1, 256, 2, 256))
     with pytest.raises(NotImplementedError, match="head dims"):

@@ -9,6 +9,7 @@ import pytest
 import tokamax_pass
 from conftest import H200, assert_close, random_normal, reference_precision
 from tokamax_kernels.layer_norm import api
+from tokamax_kernels.layer_norm import pallas_triton as ln_triton
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_kernels.layer_norm.pallas_triton import Config, PallasTritonLayerNorm
 from tokamax_kernels.layer_norm.pallas_triton_vjp import Config as VjpConfig
@@ -62,6 +63,23 @@ def test_forward_and_gradient_match_reference(name, subtract_mean, with_params):
             assert got is None
         else:
             assert_close(got, want)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_exact_tiling_without_masks_matches_reference(name):
+    """16 rows of 64: every config's blocks tile the array, so the kernels drop masks."""
+    x, scale, offset, ct = _inputs(shape=(2, 8, 64))
+    op = _op(name)
+    fwd, bwd = CONFIGS[name]
+    assert all(ln_triton.is_exact(16, 64, c.rows_per_program, c.block_n) for c in (fwd, bwd))
+    with reference_precision():
+        expected = LayerNorm()(x, scale, offset)
+        expected_grads = jax.grad(lambda *a: (LayerNorm()(*a) * ct).sum(), argnums=(0, 1, 2))(
+            x, scale, offset)
+    assert_close(op(x, scale, offset), expected)
+    grads = jax.grad(lambda *a: (op(*a) * ct).sum(), argnums=(0, 1, 2))(x, scale, offset)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert_close(got, want)
 
 
 def test_bf16_matches_float32_reference():

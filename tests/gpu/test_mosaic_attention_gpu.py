@@ -42,6 +42,8 @@ def _reference(q, k, v, do, causal):
     ((2, 384, 384, 4, 4, 128), True), ((1, 256, 512, 2, 2, 64), True),
     ((1, 512, 256, 2, 2, 128), False),
     ((1, 1024, 1024, 2, 2, 128), False),
+    ((2, 256, 256, 4, 2, 128), False), ((2, 256, 256, 4, 2, 64), True),
+    ((1, 512, 512, 4, 1, 64), False),
 ])
 def test_forward_and_gradients_match_reference(shape, causal):
     q, k, v, do = _inputs(*shape)

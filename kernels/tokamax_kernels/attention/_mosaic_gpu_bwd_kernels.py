@@ -4,8 +4,8 @@ Both recompute the probabilities from the forward's log-sum-exp `lse` and use
 `delta = rowsum(out * dout)`. Neither uses atomics, so reruns are bitwise identical:
 
 * dq: a block owns `compute_wgs * block_q` query rows of one head; K/V tiles stream in.
-* dk/dv: a block owns `compute_wgs * block_kv` key rows of one K/V head and loops over
-  every query head of its group (GQA) and every query tile; Q, dO, lse, delta stream in.
+* dk/dv: a block owns `compute_wgs * block_kv` key rows and one query head (GQA/MQA
+  shares of a K/V head are summed outside); Q, dO, lse, delta tiles stream in.
 Causal blocks skip the tiles above the diagonal (the memory warpgroup never loads them).
 """
 
@@ -174,7 +174,11 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool
 
 def mosaic_attention_dkv(q, k, v, dout, lse, delta, *, scale: float, causal: bool,
                          config: MosaicAttentionVjpConfig) -> tuple[jax.Array, jax.Array]:
-    """(dk, dv), each (B, Sk, Hkv, D) in k's dtype; GQA groups are summed in registers."""
+    """(dk, dv), each (B, Sk, Hkv, D) in k's dtype.
+
+    The grid runs over query heads: each block writes one query head's share of dk/dv,
+    and the GQA/MQA shares of a K/V head are summed in float32 outside the kernel.
+    """
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -191,19 +195,18 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, *, scale: float, causal: boo
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
              k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
              kv_ready, q_ready, do_ready, lse_ready, delta_ready, consumed):
-        b, kv_h, ki = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv")
+        b, h, ki = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv")
         wg = lax.axis_index("wg")
         block_first = first_tile(ki * (wgs * block_kv))
-        per_head = num_q_tiles - block_first  # streamed tiles per query head
 
         @pl.when(wg < wgs)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             kv_base = ki * (wgs * block_kv) + wg * block_kv
-            rows = (b, pl.ds(kv_base, block_kv), kv_h)
+            kv_rows = (b, pl.ds(kv_base, block_kv), lax.div(h, group))
             my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], my_k, kv_ready.at[2 * wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], my_v, kv_ready.at[2 * wg + 1])
+            plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], my_k, kv_ready.at[2 * wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], my_v, kv_ready.at[2 * wg + 1])
             plgpu.barrier_wait(kv_ready.at[2 * wg])
             plgpu.barrier_wait(kv_ready.at[2 * wg + 1])
             first = first_tile(kv_base)
@@ -211,9 +214,9 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, *, scale: float, causal: boo
             masked_end = jnp.minimum(lax.div(kv_base + block_kv + block_q - 2, block_q),
                                      num_q_tiles)
 
-            def q_step(tile, carry, *, head_step0, masked):
+            def q_step(tile, carry, *, masked):
                 dk_acc, dv_acc = carry
-                slot = lax.rem(head_step0 + tile - block_first, stages)
+                slot = lax.rem(tile - block_first, stages)
                 plgpu.barrier_wait(q_ready.at[slot])
 
                 def scores_t(acc_ref):
@@ -247,45 +250,37 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, *, scale: float, causal: boo
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk_acc, dv_acc
 
-            def skip_step(tile, _, *, head_step0):
-                slot = lax.rem(head_step0 + tile - block_first, stages)
+            def skip_step(tile, _):
+                slot = lax.rem(tile - block_first, stages)
                 for ready in (q_ready, do_ready, lse_ready, delta_ready):
                     plgpu.barrier_wait(ready.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
-            def head_loop(g, carry):
-                step0 = g * per_head
-                if causal:
-                    lax.fori_loop(block_first, first,
-                                  lambda t, c: skip_step(t, c, head_step0=step0), None)
-                    carry = lax.fori_loop(
-                        first, masked_end,
-                        lambda t, c: q_step(t, c, head_step0=step0, masked=True), carry)
-                    start = masked_end
-                else:
-                    start = 0
-                return lax.fori_loop(
-                    start, num_q_tiles,
-                    lambda t, c: q_step(t, c, head_step0=step0, masked=False), carry)
-
-            dk_acc, dv_acc = lax.fori_loop(
-                0, group, head_loop, (_acc((block_kv, head_dim)), _acc((block_kv, head_dim))))
+            carry = (_acc((block_kv, head_dim)), _acc((block_kv, head_dim)))
+            start = 0
+            if causal:
+                lax.fori_loop(block_first, first, skip_step, None)
+                carry = lax.fori_loop(first, masked_end,
+                                      lambda t, c: q_step(t, c, masked=True), carry)
+                start = masked_end
+            dk_acc, dv_acc = lax.fori_loop(start, num_q_tiles,
+                                           lambda t, c: q_step(t, c, masked=False), carry)
             my_k[...] = (dk_acc * scale).astype(dtype)
             my_v[...] = dv_acc.astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[rows])
-            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[rows])
+            out_rows = (b, pl.ds(kv_base, block_kv), h)
+            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[out_rows])
+            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[out_rows])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
         def _memory():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-            @pl.loop(0, group * per_head)
+            @pl.loop(0, num_q_tiles - block_first)
             def _(step):
                 slot = lax.rem(step, stages)
-                h = kv_h * group + lax.div(step, per_head)
-                tile = block_first + lax.rem(step, per_head)
+                tile = block_first + step
                 rows = (b, pl.ds(tile * block_q, block_q), h)
                 vec = (b, h, pl.ds(tile * block_q, block_q))
 
@@ -311,14 +306,22 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, *, scale: float, causal: boo
         *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
     ]
-    kv_type = jax.ShapeDtypeStruct(k.shape, dtype)
-    return plgpu.kernel(
+    per_query_head = jax.ShapeDtypeStruct((batch, seq_kv, heads, head_dim), dtype)
+    dk, dv = plgpu.kernel(
         body,
-        out_type=(kv_type, kv_type),
+        out_type=(per_query_head, per_query_head),
         scratch_types=scratch,
-        grid=(kv_heads, seq_kv // (wgs * block_kv), batch),
+        grid=(heads, seq_kv // (wgs * block_kv), batch),
         grid_names=("heads", "kv", "batch"),
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=_PARAMS,
     )(q, k, v, dout, lse, delta)
+    if group == 1:
+        return dk, dv
+
+    def sum_group(x):
+        x = x.reshape(batch, seq_kv, kv_heads, group, head_dim).astype(jnp.float32)
+        return x.sum(axis=3).astype(dtype)
+
+    return sum_group(dk), sum_group(dv)

@@ -114,18 +114,6 @@ def check_common(q: Any, k: Any, v: Any, *, head_dims: tuple[int, ...], what: st
         )
 
 
-def check_heads(q: Any, k: Any, what: str) -> None:
-    """GQA/MQA is written in the kernels but disabled: on the H200 two small GQA runs
-    (B=2, S=256, H=4, Hkv=2, D=128) did not finish within their probe's time limit.
-    CPU analysis (the Mosaic GPU interpreter, the lowered IR) found no deadlock; only the
-    dk/dv kernel's control flow depends on the group size. `tests/gpu/
-    mosaic_attention_probe.py heads_gqa heads_mha` times each kernel alone to settle it."""
-    if q.shape[2] != k.shape[2]:
-        raise NotImplementedError(
-            f"{what}: GQA/MQA ({q.shape[2]} query heads, {k.shape[2]} kv heads) is disabled "
-            "until a hang seen on the H200 is fixed; use 'triton' or 'xla'")
-
-
 def check_lengths(seq_q: int, seq_kv: int, q_tile: int, kv_tile: int, what: str) -> None:
     if seq_q % q_tile:
         raise NotImplementedError(f"{what}: query length {seq_q} must be a multiple of {q_tile}")

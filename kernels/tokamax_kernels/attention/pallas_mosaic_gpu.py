@@ -1,8 +1,7 @@
 """`PallasMosaicGpuFlashAttention`: the Hopper flash-attention forward in Pallas Mosaic GPU.
 
-Supports bf16/f16, head dims 64/128/256, causal or not, query lengths that are
-multiples of 128 and key lengths that are multiples of 64. GQA/MQA is implemented in
-the kernels but refused for now (a hang was seen on the H200; see `check_heads`).
+Supports bf16/f16, head dims 64/128/256, causal or not, GQA/MQA, query lengths that are
+multiples of 128 and key lengths that are multiples of 64.
 Bias, masks, soft cap, local windows and sequence lengths raise `NotImplementedError`
 (so `implementation=None` moves on to the next implementation). Kernels: `_mosaic_gpu_*.py`.
 """
@@ -43,7 +42,6 @@ def check_inputs(arguments: dict[str, Any], target: Target | None, *,
     check_unsupported_features(arguments, what)
     q, k, v = arguments["query"], arguments["key"], arguments["value"]
     common.check_common(q, k, v, head_dims=head_dims, what=what)
-    common.check_heads(q, k, what)
     common.check_lengths(q.shape[1], k.shape[1], q_multiple, kv_multiple, what)
 
 

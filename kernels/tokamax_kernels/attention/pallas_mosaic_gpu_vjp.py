@@ -1,8 +1,8 @@
 """`PallasMosaicGpuFlashAttentionVjp`: the Hopper flash-attention backward (dq, dk, dv).
 
 Uses the family residual `lse` (any forward's), recomputes the probabilities, and runs
-two Mosaic GPU kernels (`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv with
-GQA groups summed inside the kernel. No atomics: reruns are bitwise identical.
+two Mosaic GPU kernels (`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv per
+query head (GQA/MQA shares summed after it). No atomics: reruns are bitwise identical.
 """
 
 from __future__ import annotations

@@ -87,20 +87,45 @@ def block_rows_choices(block_n: int) -> tuple[int, ...]:
                          if max(1, e // block_n) * block_n <= MAX_BLOCK_ELEMENTS}))
 
 
-def _load_rows(ref: Any, r0: Any, c: Any, row_mask: jax.Array, *, n: int, block_n: int,
-               block_rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Chunk `c` of rows `[r0, r0 + block_rows)` as float32 (zeros outside the array)."""
+def row_mask_of(r0: Any, *, rows: int, block_rows: int, exact: bool) -> jax.Array | None:
+    """Which of rows `[r0, r0 + block_rows)` exist (`None`: all of them, no mask needed)."""
+    return None if exact else r0 + jnp.arange(block_rows) < rows
+
+
+def is_exact(rows: int, n: int, rows_per_program: int, block_n: int) -> bool:
+    """Whether the blocks tile `(rows, n)` exactly: loads and stores then need no masks,
+    which lets Triton issue full-width vector accesses."""
+    return rows % rows_per_program == 0 and n % block_n == 0
+
+
+def masked(mask: jax.Array | None, x: jax.Array) -> jax.Array:
+    """`x` with zeros where `mask` is False (`None` masks nothing)."""
+    return x if mask is None else jnp.where(mask, x, 0.0)
+
+
+def masked_load(ref: Any, mask: jax.Array | None) -> jax.Array:
+    """A masked load (zeros outside the mask), or a plain one when `mask` is None."""
+    return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0)
+
+
+def _load_rows(ref: Any, r0: Any, c: Any, row_mask: jax.Array | None, *, n: int,
+               block_n: int, block_rows: int) -> tuple[jax.Array, Any, Any]:
+    """Chunk `c` of rows `[r0, r0 + block_rows)` as float32 (zeros outside the array).
+
+    `row_mask` None means the blocks tile the array exactly: no masks at all.
+    """
     start = c * block_n
-    cols = start + jnp.arange(block_n)
-    col_mask = cols < n
-    mask = row_mask[:, None] & col_mask[None, :]
-    block = plgpu.load(ref.at[pl.ds(r0, block_rows), pl.ds(start, block_n)], mask=mask, other=0.0)
+    if row_mask is None:
+        mask = col_mask = None
+    else:
+        col_mask = start + jnp.arange(block_n) < n
+        mask = row_mask[:, None] & col_mask[None, :]
+    block = masked_load(ref.at[pl.ds(r0, block_rows), pl.ds(start, block_n)], mask)
     return block.astype(jnp.float32), mask, col_mask
 
 
-def _load_vector(ref: Any, c: Any, col_mask: jax.Array, block_n: int) -> jax.Array:
-    return plgpu.load(ref.at[pl.ds(c * block_n, block_n)], mask=col_mask, other=0.0).astype(
-        jnp.float32)
+def _load_vector(ref: Any, c: Any, col_mask: jax.Array | None, block_n: int) -> jax.Array:
+    return masked_load(ref.at[pl.ds(c * block_n, block_n)], col_mask).astype(jnp.float32)
 
 
 def _fwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
@@ -112,12 +137,13 @@ def _fwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
     offset_ref = next(it) if has_offset else None
     y_ref, mean_ref, rstd_ref = it
     first_row = pl.program_id(0) * rows_per_program
+    exact = is_exact(rows, n, rows_per_program, block_n)
 
     def step(i: Any, carry: int) -> int:
         r0 = pl.multiple_of(first_row + i * block_rows, block_rows)
         _normalize_rows(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, r0, n=n,
                         rows=rows, block_rows=block_rows, block_n=block_n, epsilon=epsilon,
-                        subtract_mean=subtract_mean)
+                        subtract_mean=subtract_mean, exact=exact)
         return carry
 
     steps = rows_per_program // block_rows
@@ -129,9 +155,9 @@ def _fwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
 
 def _normalize_rows(x_ref: Any, scale_ref: Any, offset_ref: Any, y_ref: Any, mean_ref: Any,
                     rstd_ref: Any, r0: Any, *, n: int, rows: int, block_rows: int, block_n: int,
-                    epsilon: float, subtract_mean: bool) -> None:
+                    epsilon: float, subtract_mean: bool, exact: bool) -> None:
     """Normalizes rows `[r0, r0 + block_rows)` and writes their mean and rstd."""
-    row_mask = r0 + jnp.arange(block_rows) < rows
+    row_mask = row_mask_of(r0, rows=rows, block_rows=block_rows, exact=exact)
     num_chunks = _triton.cdiv(n, block_n)
     load = functools.partial(_load_rows, x_ref, r0, row_mask=row_mask, n=n, block_n=block_n,
                              block_rows=block_rows)
@@ -149,7 +175,7 @@ def _normalize_rows(x_ref: Any, scale_ref: Any, offset_ref: Any, y_ref: Any, mea
     if num_chunks == 1:
         x, mask, col_mask = load(0)
         mean = x.sum(axis=1) / n if subtract_mean else jnp.zeros((block_rows,), jnp.float32)
-        centered = jnp.where(mask, x - mean[:, None], 0.0)
+        centered = masked(mask, x - mean[:, None])
         rstd = jax.lax.rsqrt((centered * centered).sum(axis=1) / n + epsilon)
         write(0, centered * rstd[:, None], mask, col_mask)
     else:
@@ -161,7 +187,7 @@ def _normalize_rows(x_ref: Any, scale_ref: Any, offset_ref: Any, y_ref: Any, mea
 
         def square_sum(c: Any, acc: jax.Array) -> jax.Array:
             x, mask, _ = load(c)
-            centered = jnp.where(mask, x - mean[:, None], 0.0)
+            centered = masked(mask, x - mean[:, None])
             return acc + centered * centered
 
         squares = jax.lax.fori_loop(0, num_chunks, square_sum, zeros)

@@ -34,7 +34,11 @@ from tokamax_kernels.layer_norm.pallas_triton import (
     _load_vector,
     block_rows_choices,
     check_triton_norm_inputs,
+    is_exact,
+    masked,
+    masked_load,
     row_chunk,
+    row_mask_of,
 )
 from tokamax_pass.core import AutodiffVjp, BoundArguments, Op, Target, VjpOp
 
@@ -66,23 +70,25 @@ def _bwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
     program = pl.program_id(0)
     first_row = program * rows_per_program
     num_chunks = _triton.cdiv(n, block_n)
+    exact = is_exact(rows, n, rows_per_program, block_n)
     zeros = jnp.zeros((block_rows, block_n), jnp.float32)
 
     def row_block(i: Any) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
         r0 = pl.multiple_of(first_row + i * block_rows, block_rows)
-        row_mask = r0 + jnp.arange(block_rows) < rows
+        row_mask = row_mask_of(r0, rows=rows, block_rows=block_rows, exact=exact)
         stats = pl.ds(r0, block_rows)
-        mean = plgpu.load(mean_ref.at[stats], mask=row_mask, other=0.0)
-        rstd = plgpu.load(rstd_ref.at[stats], mask=row_mask, other=0.0)
+        mean = masked_load(mean_ref.at[stats], row_mask)
+        rstd = masked_load(rstd_ref.at[stats], row_mask)
         return r0, row_mask, mean, rstd
 
-    def chunk(r0: Any, row_mask: jax.Array, mean: jax.Array, rstd: jax.Array, c: Any) -> tuple:
+    def chunk(r0: Any, row_mask: jax.Array | None, mean: jax.Array, rstd: jax.Array,
+              c: Any) -> tuple:
         """x_hat, dy and g = dy * scale of one chunk (zeros outside the array)."""
         load = functools.partial(_load_rows, r0=r0, c=c, row_mask=row_mask, n=n,
                                  block_n=block_n, block_rows=block_rows)
         x, mask, col_mask = load(x_ref)
         dy, _, _ = load(dy_ref)
-        x_hat = jnp.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        x_hat = masked(mask, (x - mean[:, None]) * rstd[:, None])
         g = dy if scale_ref is None else dy * _load_vector(scale_ref, c, col_mask, block_n)[None]
         return x_hat, dy, g, mask, col_mask
 
@@ -139,11 +145,12 @@ def _bwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
         def write(c: Any, carry: int) -> int:
             x_hat, dy, g, mask, col_mask = chunk(r0, row_mask, mean, rstd, c)
             store_dx(r0, c, dx_of(x_hat, g, rstd, c1, c2), mask)
+            partial_mask = None if col_mask is None else col_mask[None]
             for ref, value in ((dscale_ref, dy * x_hat), (doffset_ref, dy)):
                 if ref is not None:
-                    old = plgpu.load(partial_ref(ref, c), mask=col_mask[None], other=0.0)
+                    old = masked_load(partial_ref(ref, c), partial_mask)
                     plgpu.store(partial_ref(ref, c), old + value.sum(axis=0)[None],
-                                mask=col_mask[None])
+                                mask=partial_mask)
             return carry
 
         jax.lax.fori_loop(0, num_chunks, write, 0)
