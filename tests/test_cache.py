@@ -136,3 +136,14 @@ def test_shipped_library_caches_are_fresh():
         for entry in tokamax.AutotuningResult.load(path).entries:
             reason = keys.stale_reason(entry.bound.op, entry.provenance)
             assert reason is None, f"{path.name}: {entry.bound!r}: {reason}"
+
+
+def test_source_hash_covers_the_kernel_modules_an_implementation_calls():
+    """Editing a kernel body (not only the implementation class's module) stales entries."""
+    from tokamax_kernels.attention import PallasMosaicGpuFlashAttentionVjp
+
+    modules = keys._op_modules(PallasMosaicGpuFlashAttentionVjp())
+    assert {"tokamax_kernels.attention._mosaic_gpu_bwd_kernels",
+            "tokamax_kernels.attention._mosaic_gpu_common",
+            "tokamax_kernels.attention.pallas_mosaic_gpu_vjp"} <= set(modules)
+    assert "tokamax_kernels.attention.base" not in modules  # the family class, not a kernel

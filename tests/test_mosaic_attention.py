@@ -39,7 +39,7 @@ def _mosaic(q, k, v, **kwargs):
 
 
 @pytest.mark.parametrize("head_dim,kv_heads,causal", [
-    (64, 4, False), (128, 4, True), (256, 4, False),
+    (64, 4, False), (128, 4, True), (256, 4, False), (64, 2, True), (128, 1, False),
 ])
 def test_forward_lowers_to_mosaic_gpu(head_dim, kv_heads, causal):
     q = _sds((2, 256, 4, head_dim))
@@ -49,7 +49,9 @@ def test_forward_lowers_to_mosaic_gpu(head_dim, kv_heads, causal):
     assert "tokamax_pass_spec" in text and "PallasMosaicGpuFlashAttention" in text
 
 
-@pytest.mark.parametrize("head_dim,kv_heads,causal", [(64, 4, True), (128, 4, False)])
+@pytest.mark.parametrize("head_dim,kv_heads,causal", [
+    (64, 4, True), (128, 4, False), (64, 2, False), (128, 1, True),
+])
 def test_gradient_lowers_to_three_mosaic_kernels(head_dim, kv_heads, causal):
     q = _sds((1, 256, 4, head_dim))
     kv = _sds((1, 256, kv_heads, head_dim))
@@ -60,6 +62,23 @@ def test_gradient_lowers_to_three_mosaic_kernels(head_dim, kv_heads, causal):
     text = _export(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv).mlir_module()
     assert text.count("mosaic_gpu_v2") == 3  # forward, dq, dk/dv
     assert "PallasMosaicGpuFlashAttentionVjp" in text
+
+
+@pytest.mark.parametrize("lengths", ["query", "key_value", "both"])
+def test_sequence_lengths_lower_forward_and_gradient(lengths):
+    q, kv = _sds((2, 256, 4, 64)), _sds((2, 256, 2, 64))
+    seq_lengths = _sds((2,), jnp.int32)
+
+    def loss(q, k, v, n):
+        kwargs = {}
+        if lengths in ("query", "both"):
+            kwargs["query_seq_lengths"] = n
+        if lengths in ("key_value", "both"):
+            kwargs["key_value_seq_lengths"] = n
+        return _mosaic(q, k, v, is_causal=True, **kwargs).astype(jnp.float32).sum()
+
+    text = _export(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, seq_lengths).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 3
 
 
 def test_automatic_picks_mosaic_for_h200_and_xla_otherwise():

@@ -18,7 +18,8 @@ import time
 OUT = os.environ.get("OUT", "/tmp")
 PHASES = {"small": 95, "bench_d64": 62, "bench_d128": 62, "bench_d128_causal": 62,
           "compile_d128": 60, "run_d128": 40, "run_d128_wgs1": 40, "quick_d128": 45,
-          "quick_d128_causal": 55, "heads_gqa": 40, "heads_mha": 40}
+          "quick_d128_causal": 55, "heads_gqa": 40, "heads_mha": 40,
+          "op_gqa": 60}
 
 
 def _log(record: dict) -> None:
@@ -148,6 +149,37 @@ def phase_heads(name: str) -> None:
          q, k, v, do, lse, delta)
     step("dkv", functools.partial(mosaic_attention_dkv, config=B(), **statics),
          q, k, v, do, lse, delta)
+
+
+def phase_op_gqa() -> None:
+    """The GQA shape through the op (forward alone, then forward + VJP) and through the
+    three kernels in one jitted program: the kernels alone finish (`heads_gqa`), so the
+    last line says which combination does not."""
+    jax, jnp, np, DPA, Fwd, Vjp = _setup()
+    from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
+        mosaic_attention_dkv,
+        mosaic_attention_dq,
+    )
+    from tokamax_kernels.attention._mosaic_gpu_fwd_kernel import mosaic_attention_forward
+    F, B = _configs()
+    q, k, v, do = _inputs(jax, jnp, 2, 256, 256, 4, 2, 128, jnp.bfloat16)
+    statics = dict(scale=128 ** -0.5, causal=False)
+
+    def one_program(q, k, v, do):
+        out, lse = mosaic_attention_forward(q, k, v, config=F(block_q=64, block_kv=128),
+                                            **statics)
+        delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+        dq = mosaic_attention_dq(q, k, v, do, lse, delta, config=B(), **statics)
+        return out, dq, *mosaic_attention_dkv(q, k, v, do, lse, delta, config=B(), **statics)
+
+    stages = [("op_forward", jax.jit(Fwd()), (q, k, v)),
+              ("kernels_one_program", jax.jit(one_program), (q, k, v, do)),
+              ("op_forward_and_vjp", _fwd_bwd(jax, Fwd(), False), (q, k, v, do))]
+    for stage, f, args in stages:
+        _log(dict(phase="op_gqa", stage=stage, started=True))
+        t0 = time.time()
+        jax.block_until_ready(f(*args))
+        _log(dict(phase="op_gqa", stage=stage, done_s=round(time.time() - t0, 1)))
 
 
 def _time(jax, np, f, args, iterations=10):
@@ -298,6 +330,9 @@ def main(argv: list[str]) -> None:
             return
         if name.startswith("heads"):
             phase_heads(name)
+            return
+        if name == "op_gqa":
+            phase_op_gqa()
             return
         F, B = _configs()
         if name == "bench_d64":

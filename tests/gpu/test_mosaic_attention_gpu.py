@@ -21,19 +21,19 @@ def _inputs(b, sq, sk, h, hk, d):
             random_normal(3, (b, sq, h, d), jnp.bfloat16))
 
 
-def _mosaic_fwd_bwd(causal):
+def _mosaic_fwd_bwd(causal, **kwargs):
     def f(q, k, v, do):
         out, pullback = jax.vjp(lambda q, k, v: dot_product_attention(
-            q, k, v, is_causal=causal, implementation="mosaic"), q, k, v)
+            q, k, v, is_causal=causal, implementation="mosaic", **kwargs), q, k, v)
         return (out, *pullback(do))
     return jax.jit(f)
 
 
-def _reference(q, k, v, do, causal):
+def _reference(q, k, v, do, causal, **kwargs):
     args = [x.astype(jnp.float32) for x in (q, k, v)]
     with reference_precision():
         out, pullback = jax.vjp(lambda q, k, v: DotProductAttention()(
-            q, k, v, is_causal=causal), *args)
+            q, k, v, is_causal=causal, **kwargs), *args)
         return (out, *pullback(do.astype(jnp.float32)))
 
 
@@ -42,8 +42,9 @@ def _reference(q, k, v, do, causal):
     ((2, 384, 384, 4, 4, 128), True), ((1, 256, 512, 2, 2, 64), True),
     ((1, 512, 256, 2, 2, 128), False),
     ((1, 1024, 1024, 2, 2, 128), False),
-    ((2, 256, 256, 4, 2, 128), False), ((2, 256, 256, 4, 2, 64), True),
-    ((1, 512, 512, 4, 1, 64), False),
+    pytest.param((2, 256, 256, 4, 2, 128), False, id="gqa-d128"),
+    pytest.param((2, 256, 256, 4, 2, 64), True, id="gqa-d64-causal"),
+    pytest.param((1, 512, 512, 4, 1, 64), False, id="mqa-d64"),
 ])
 def test_forward_and_gradients_match_reference(shape, causal):
     q, k, v, do = _inputs(*shape)
@@ -52,6 +53,22 @@ def test_forward_and_gradients_match_reference(shape, causal):
                                strict=True):
         assert_close(got, want, jnp.bfloat16), name
     again = _mosaic_fwd_bwd(causal)(q, k, v, do)
+    assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
+
+
+@pytest.mark.parametrize("kv_heads", [pytest.param(4, id="mha"), pytest.param(2, id="gqa")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequence_lengths_match_reference(causal, kv_heads):
+    """Lengths off the tile grid and a batch with no keys at all (zeros)."""
+    q, k, v, do = _inputs(3, 256, 384, 4, kv_heads, 64)
+    lengths = dict(query_seq_lengths=jnp.array([256, 100, 7], jnp.int32),
+                   key_value_seq_lengths=jnp.array([384, 130, 0], jnp.int32))
+    results = _mosaic_fwd_bwd(causal, **lengths)(q, k, v, do)
+    want = _reference(q, k, v, do, causal, **lengths)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), results, want, strict=True):
+        assert_close(got, ref, jnp.bfloat16), name
+    assert not np.any(np.asarray(results[0][2], np.float32))  # no keys: zero output
+    again = _mosaic_fwd_bwd(causal, **lengths)(q, k, v, do)
     assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
 
 

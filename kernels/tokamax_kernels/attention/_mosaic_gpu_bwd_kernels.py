@@ -22,6 +22,7 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     LOG2E,
     MEMORY_REGISTERS,
     MosaicAttentionVjpConfig,
+    mask_scores,
     tile_transforms,
 )
 
@@ -29,21 +30,13 @@ _WGMMA = plgpu.Layout.WGMMA
 _PARAMS = plgpu.CompilerParams(approx_math=True)
 
 
-def _causal_mask(x: jax.Array, row0: jax.Array, col0: jax.Array, *, q_on_rows: bool) -> jax.Array:
-    """`x` with the entries where a key comes after its query set to -inf."""
-    rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=_WGMMA) + row0
-    cols = plgpu.broadcasted_iota(jnp.int32, x.shape, 1, layout=_WGMMA) + col0
-    visible = rows >= cols if q_on_rows else cols >= rows
-    return jnp.where(visible, x, -jnp.inf)
-
-
 def _acc(shape: tuple[int, int]) -> jax.Array:
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), _WGMMA)
 
 
-def mosaic_attention_dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool,
-                        config: MosaicAttentionVjpConfig) -> jax.Array:
-    """dq (B, Sq, H, D) in q's dtype."""
+def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: float,
+                        causal: bool, config: MosaicAttentionVjpConfig) -> jax.Array:
+    """dq (B, Sq, H, D) in q's dtype; `kv_lengths` (B,) int32 as in the forward."""
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -51,17 +44,26 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool
     block_q, block_kv, wgs = config.block_q_dq, config.block_kv_dq, config.compute_wgs
     stages = max(1, min(config.num_stages, seq_kv // block_kv))
     qk_scale = scale * LOG2E
+    has_lengths = kv_lengths is not None
 
-    def num_steps(q_end):
-        if not causal:
-            return seq_kv // block_kv
-        return jnp.minimum(lax.div(q_end + block_kv - 1, block_kv), seq_kv // block_kv)
-
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-             q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-             row_ready, k_ready, v_ready, consumed):
+    def body(*refs):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+        lengths_ref = refs.pop(0) if has_lengths else None
+        (dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+         row_ready, k_ready, v_ready, consumed) = refs
         b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
         wg = lax.axis_index("wg")
+        kv_len = lengths_ref[b] if has_lengths else None
+
+        def num_steps(q_end):
+            """K/V tiles that rows below `q_end` see."""
+            steps = seq_kv // block_kv
+            if causal:
+                steps = jnp.minimum(lax.div(q_end + block_kv - 1, block_kv), steps)
+            if has_lengths:
+                steps = jnp.minimum(lax.div(kv_len + block_kv - 1, block_kv), steps)
+            return steps
+
         block_steps = num_steps((qi + 1) * (wgs * block_q))
 
         @pl.when(wg < wgs)
@@ -91,7 +93,7 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool
 
                 s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32)) * qk_scale
                 if masked:
-                    s = _causal_mask(s, q_base, step * block_kv, q_on_rows=True)
+                    s = mask_scores(s, q_base, step * block_kv, causal=causal, kv_len=kv_len)
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
                 plgpu.barrier_wait(v_ready.at[slot])
 
@@ -115,16 +117,17 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
-            dq_acc = _acc((block_q, head_dim))
+            # Tiles before `unmasked` need no mask; the rest cross the diagonal or the length.
+            unmasked = jnp.minimum(lax.div(kv_len, block_kv), steps) if has_lengths else steps
             if causal:
-                unmasked = jnp.minimum(lax.div(q_base, block_kv), steps)
-                dq_acc = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False),
-                                       dq_acc)
+                unmasked = jnp.minimum(lax.div(q_base, block_kv), unmasked)
+            dq_acc = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False),
+                                   _acc((block_q, head_dim)))
+            if causal or has_lengths:
                 dq_acc = lax.fori_loop(unmasked, steps, lambda i, c: kv_step(i, c, masked=True),
                                        dq_acc)
+            if causal:
                 lax.fori_loop(steps, block_steps, drain_step, None)
-            else:
-                dq_acc = lax.fori_loop(0, steps, lambda i, c: kv_step(i, c, masked=False), dq_acc)
             my_q[...] = (dq_acc * scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
@@ -169,15 +172,17 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, *, scale: float, causal: bool
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=_PARAMS,
-    )(q, k, v, dout, lse, delta)
+    )(q, k, v, dout, lse, delta, *([kv_lengths] if has_lengths else []))
 
 
-def mosaic_attention_dkv(q, k, v, dout, lse, delta, *, scale: float, causal: bool,
-                         config: MosaicAttentionVjpConfig) -> tuple[jax.Array, jax.Array]:
+def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: float,
+                         causal: bool, config: MosaicAttentionVjpConfig
+                         ) -> tuple[jax.Array, jax.Array]:
     """(dk, dv), each (B, Sk, Hkv, D) in k's dtype.
 
     The grid runs over query heads: each block writes one query head's share of dk/dv,
-    and the GQA/MQA shares of a K/V head are summed in float32 outside the kernel.
+    and the GQA/MQA shares of a K/V head are summed in float32 outside the kernel. With
+    `kv_lengths` every tile is masked by the length (keys past it get zero gradients).
     """
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -187,16 +192,20 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, *, scale: float, causal: boo
     num_q_tiles = seq_q // block_q
     stages = max(1, min(config.num_stages, num_q_tiles))
     qk_scale = scale * LOG2E
+    has_lengths = kv_lengths is not None
 
     def first_tile(kv_base):
         """The first query tile with a row at or after key `kv_base` (0 unless causal)."""
         return jnp.minimum(lax.div(kv_base, block_q), num_q_tiles) if causal else 0
 
-    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-             k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-             kv_ready, q_ready, do_ready, lse_ready, delta_ready, consumed):
+    def body(*refs):
+        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+        lengths_ref = refs.pop(0) if has_lengths else None
+        (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+         kv_ready, q_ready, do_ready, lse_ready, delta_ready, consumed) = refs
         b, h, ki = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv")
         wg = lax.axis_index("wg")
+        kv_len = lengths_ref[b] if has_lengths else None
         block_first = first_tile(ki * (wgs * block_kv))
 
         @pl.when(wg < wgs)
@@ -225,8 +234,9 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, *, scale: float, causal: boo
 
                 s_t = pl.run_scoped(scores_t, plgpu.ACC((block_kv, block_q), jnp.float32))
                 s_t = s_t * qk_scale
-                if masked:
-                    s_t = _causal_mask(s_t, kv_base, tile * block_q, q_on_rows=False)
+                if masked or has_lengths:
+                    s_t = mask_scores(s_t, kv_base, tile * block_q, causal=masked,
+                                      kv_len=kv_len, q_on_rows=False)
                 plgpu.barrier_wait(lse_ready.at[slot])
                 lse2 = plgpu.load(lse_smem.at[slot], layout=_WGMMA.reduce(0)) * LOG2E
                 p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
@@ -316,7 +326,7 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, *, scale: float, causal: boo
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=_PARAMS,
-    )(q, k, v, dout, lse, delta)
+    )(q, k, v, dout, lse, delta, *([kv_lengths] if has_lengths else []))
     if group == 1:
         return dk, dv
 

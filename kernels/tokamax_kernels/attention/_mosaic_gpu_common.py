@@ -86,6 +86,44 @@ def tile_transforms(dtype: Any) -> tuple[Any, ...]:
             plgpu.SwizzleTransform(swizzle))
 
 
+def mask_scores(s: Any, row0: Any, col0: Any, *, causal: bool, kv_len: Any,
+                q_on_rows: bool = True) -> Any:
+    """Scores tile `s` (WGMMA layout, first row `row0`, first column `col0`) with -inf
+    where the key is hidden: after its query (causal, top-left aligned) or at or after
+    `kv_len` (when not None). `q_on_rows=False` for transposed tiles (keys on rows)."""
+    def positions(axis: int, start: Any) -> Any:
+        return plgpu.broadcasted_iota(jnp.int32, s.shape, axis, layout=plgpu.Layout.WGMMA) + start
+
+    q_axis, k_axis = (0, 1) if q_on_rows else (1, 0)
+    q0, k0 = (row0, col0) if q_on_rows else (col0, row0)
+    keys = positions(k_axis, k0)
+    keep = positions(q_axis, q0) >= keys if causal else None
+    if kv_len is not None:
+        keep = keys < kv_len if keep is None else keep & (keys < kv_len)
+    return s if keep is None else jnp.where(keep, s, -jnp.inf)
+
+
+def kernel_lengths(key_value_seq_lengths: Any, seq_kv: int) -> Any:
+    """Key lengths as the kernels take them: (B,) int32 clipped to [0, Sk], or None."""
+    if key_value_seq_lengths is None:
+        return None
+    return jnp.clip(key_value_seq_lengths, 0, seq_kv).astype(jnp.int32)
+
+
+def visible_rows(query_seq_lengths: Any, key_value_seq_lengths: Any, seq_q: int) -> Any:
+    """(B, Sq) or (B, 1) bool: the query rows that see at least one key (None: all).
+
+    The kernels leave the other rows undefined (forward) or need them to contribute
+    nothing (backward); causal attention alone never empties a row (key 0 is visible)."""
+    visible = None
+    if query_seq_lengths is not None:
+        visible = jnp.arange(seq_q)[None, :] < query_seq_lengths[:, None]
+    if key_value_seq_lengths is not None:
+        has_keys = (key_value_seq_lengths > 0)[:, None]
+        visible = has_keys if visible is None else visible & has_keys
+    return visible
+
+
 def check_target(target: Target | None, what: str) -> None:
     """Hopper only: `wgmma` and the Mosaic GPU pipeline need sm_90."""
     if target is None:

@@ -21,18 +21,22 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     LOG2E,
     MEMORY_REGISTERS,
     MosaicAttentionConfig,
+    mask_scores,
     tile_transforms,
 )
 
 
-def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
+                             kv_lengths: jax.Array | None = None, *, scale: float,
                              causal: bool, config: MosaicAttentionConfig
                              ) -> tuple[jax.Array, jax.Array]:
     """`(out (B, Sq, H, D), lse (B, H, Sq) float32, natural log)` of softmax(scale q k^T) v.
 
     Shapes must already be checked: Sq a multiple of `compute_wgs * block_q`, Sk a
     multiple of `block_kv`, H a multiple of K/V's head count. Causal is top-left aligned
-    (key <= query), so no row is fully masked.
+    (key <= query). `kv_lengths` (B,) int32 in [0, Sk], when given, hides keys at and
+    after it; tiles past it are never loaded. A row that sees no key (length 0) comes
+    out undefined: the caller masks it.
     """
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -42,17 +46,28 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale:
     stages = max(1, min(config.num_stages, seq_kv // block_kv))
     num_kv_blocks = seq_kv // block_kv
     qk_scale = scale * LOG2E  # scores are kept in log2 units: exp2 is one instruction
+    has_lengths = kv_lengths is not None
 
-    def num_kv_steps(q_end):
-        """K/V tiles rows below `q_end` see (all of them unless causal)."""
-        if not causal:
-            return num_kv_blocks
-        return jnp.minimum(lax.div(q_end + block_kv - 1, block_kv), num_kv_blocks)
-
-    def body(q_ref, k_ref, v_ref, out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem,
-             q_ready, k_ready, v_ready, k_consumed, v_consumed, schedule):
+    def body(*refs):
+        q_ref, k_ref, v_ref, *refs = refs
+        lengths_ref = refs.pop(0) if has_lengths else None
+        (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready,
+         k_consumed, v_consumed, schedule) = refs
         b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
         wg = lax.axis_index("wg")
+        kv_len = lengths_ref[b] if has_lengths else None
+        # K/V tiles wholly before the key length (all of them without lengths).
+        full_tiles = lax.div(kv_len, block_kv) if has_lengths else num_kv_blocks
+
+        def num_kv_steps(q_end):
+            """K/V tiles that rows below `q_end` see."""
+            steps = num_kv_blocks
+            if causal:
+                steps = jnp.minimum(lax.div(q_end + block_kv - 1, block_kv), steps)
+            if has_lengths:
+                steps = jnp.minimum(lax.div(kv_len + block_kv - 1, block_kv), steps)
+            return steps
+
         block_steps = num_kv_steps((qi + 1) * (wgs * block_q))
 
         def take_turn():
@@ -83,9 +98,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale:
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 s = s * qk_scale
                 if masked:
-                    rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                    cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(rows + q_base >= cols + step * block_kv, s, -jnp.inf)
+                    s = mask_scores(s, q_base, step * block_kv, causal=causal, kv_len=kv_len)
                 m_new = jnp.maximum(m_i, s.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -124,14 +137,16 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale:
             carry = (acc, m_i, l_i)
             if wgs > 1:
                 pl.when(wg == 1)(take_turn)
+            # Tiles before `unmasked` need no mask; the rest cross the diagonal or the length.
+            unmasked = jnp.minimum(full_tiles, steps) if has_lengths else steps
             if causal:
-                unmasked = jnp.minimum(lax.div(q_base, block_kv), steps)
-                carry = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False), carry)
+                unmasked = jnp.minimum(lax.div(q_base, block_kv), unmasked)
+            carry = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False), carry)
+            if causal or has_lengths:
                 carry = lax.fori_loop(unmasked, steps, lambda i, c: kv_step(i, c, masked=True),
                                       carry)
+            if causal:
                 lax.fori_loop(steps, block_steps, drain_step, None)
-            else:
-                carry = lax.fori_loop(0, steps, lambda i, c: kv_step(i, c, masked=False), carry)
             if wgs > 1:
                 pl.when(wg == 0)(take_turn)
             acc, m_i, l_i = carry
@@ -189,4 +204,4 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale:
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v)
+    )(q, k, v, *([kv_lengths] if has_lengths else []))

@@ -1,8 +1,8 @@
 """`PallasMosaicGpuFlashAttention`: the Hopper flash-attention forward in Pallas Mosaic GPU.
 
-Supports bf16/f16, head dims 64/128/256, causal or not, GQA/MQA, query lengths that are
-multiples of 128 and key lengths that are multiples of 64.
-Bias, masks, soft cap, local windows and sequence lengths raise `NotImplementedError`
+Supports bf16/f16, head dims 64/128/256, causal or not, GQA/MQA, per-batch query and
+key/value sequence lengths, query lengths that are multiples of 128 and key lengths that
+are multiples of 64. Bias, masks, soft cap and local windows raise `NotImplementedError`
 (so `implementation=None` moves on to the next implementation). Kernels: `_mosaic_gpu_*.py`.
 """
 
@@ -13,6 +13,7 @@ import itertools
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from tokamax_kernels.attention import _mosaic_gpu_common as common
 from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionConfig
@@ -28,8 +29,7 @@ MIN_KV_MULTIPLE = 64
 
 def check_unsupported_features(arguments: dict[str, Any], what: str) -> None:
     """The family features the Mosaic kernels do not implement."""
-    for name in ("bias", "mask", "query_seq_lengths", "key_value_seq_lengths",
-                 "local_window_size", "logits_soft_cap"):
+    for name in ("bias", "mask", "local_window_size", "logits_soft_cap"):
         if arguments.get(name) is not None:
             raise NotImplementedError(f"{what} does not support {name} (use 'triton' or 'xla')")
 
@@ -84,11 +84,16 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
              config: MosaicAttentionConfig, return_residuals: bool) -> tuple[jax.Array, Any]:
         del precision  # bf16/f16 operands, f32 accumulation: what every precision gives here
         check_unsupported_features(dict(
-            bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+            bias=bias, mask=mask, local_window_size=local_window_size,
             logits_soft_cap=logits_soft_cap), _WHAT)
-        out, lse = mosaic_attention_forward(query, key, value, scale=scale, causal=is_causal,
-                                            config=config)
+        lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])
+        out, lse = mosaic_attention_forward(query, key, value, lengths, scale=scale,
+                                            causal=is_causal, config=config)
+        # The family contract for rows that see no key: zero output, lse -inf.
+        visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1])
+        if visible is not None:
+            out = jnp.where(visible[:, :, None, None], out, jnp.zeros((), out.dtype))
+            lse = jnp.where(visible[:, None, :], lse, -jnp.inf)
         return out, ((lse,) if return_residuals else None)
 
     def _get_heuristics_config(self, ba: BoundArguments) -> MosaicAttentionConfig:

@@ -70,18 +70,23 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: MosaicAttentionVjpConfig,
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
-             bias: Any, mask: Any, scale: float, is_causal: bool, **unsupported: Any
-             ) -> tuple[dict[str, Any], None]:
+             bias: Any, mask: Any, scale: float, is_causal: bool, query_seq_lengths: Any,
+             key_value_seq_lengths: Any, **unsupported: Any) -> tuple[dict[str, Any], None]:
         del return_residuals, unsupported["precision"]
         check_unsupported_features(dict(bias=bias, mask=mask, **unsupported), _WHAT)
         (lse,) = residuals
         dout = dout.astype(query.dtype)
         # delta_i = sum_d out_id * dout_id = sum_j p_ij dp_ij: the softmax Jacobian's row term.
         delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
-        kwargs = dict(scale=scale, causal=is_causal, config=config)
         lse = lse.astype(jnp.float32)
-        dq = mosaic_attention_dq(query, key, value, dout, lse, delta, **kwargs)
-        dk, dv = mosaic_attention_dkv(query, key, value, dout, lse, delta, **kwargs)
+        visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1])
+        if visible is not None:
+            # An lse of +inf makes every probability of a row that sees nothing zero.
+            lse = jnp.where(visible[:, None, :], lse, jnp.inf)
+        lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])
+        kwargs = dict(scale=scale, causal=is_causal, config=config)
+        dq = mosaic_attention_dq(query, key, value, dout, lse, delta, lengths, **kwargs)
+        dk, dv = mosaic_attention_dkv(query, key, value, dout, lse, delta, lengths, **kwargs)
         return {"query": dq, "key": dk, "value": dv}, None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> MosaicAttentionVjpConfig:

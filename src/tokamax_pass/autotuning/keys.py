@@ -55,9 +55,29 @@ def _module_hash(module_name: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
+def _helper_modules(module_name: str) -> set[str]:
+    """`module_name` and, transitively, the modules of its package it takes functions or
+    submodules from: a kernel's implementation module and the kernel bodies it calls."""
+    package = module_name.rpartition(".")[0]
+    found, todo = set(), [module_name]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        module = sys.modules.get(name)
+        for value in vars(module).values() if module is not None else ():
+            source = (value.__name__ if inspect.ismodule(value)
+                      else value.__module__ if inspect.isfunction(value) else None)
+            if source and source.rpartition(".")[0] == package and source != "__main__":
+                todo.append(source)
+    return found
+
+
 def _op_modules(op: Op) -> list[str]:
-    """The modules whose source defines what `op` computes (nested ops included)."""
-    names = [type(op).__module__]
+    """The modules whose source defines what `op` computes (nested ops and the kernel
+    modules of its package that it calls included)."""
+    names = sorted(_helper_modules(type(op).__module__))
     for field in dataclasses.fields(op):
         value = getattr(op, field.name)
         if isinstance(value, Op) and field.name not in ("vjp", "config"):
