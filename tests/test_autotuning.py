@@ -264,3 +264,20 @@ def test_all_implementations_tunes_every_vjp_op_the_backward_can_pick():
     ops = {type(ba.op).__name__ for ba, _ in result}
     assert {"XlaChunkedDotProductAttentionVjp", "DotProductAttentionVjp"} <= ops
     assert {"XlaChunkedDotProductAttention", "DotProductAttention"} <= ops
+
+
+def test_several_calls_compile_together_then_time_in_order():
+    """Calls of one wave are compiled in one pool before any is timed; each keeps its
+    own failures, and entries come back in the order of the calls."""
+    from tokamax_pass.autotuning.autotuner import Autotuner
+
+    x, w = _inputs()
+    wide = random_normal(2, (K, 2 * N))
+    calls = [keys.canonical(XlaChunkedMatmul().bind(x, w)),
+             keys.canonical(XlaChunkedMatmul().bind(x, wide))]
+    entries = Autotuner(iterations=2).tune_many([(ba, None) for ba in calls])
+    assert [entry.bound for entry in entries] == calls
+    for entry in entries:
+        assert entry.data[ChunkConfig(0)].error.startswith("compile error")
+        assert entry.data[ChunkConfig(56)].error.startswith("wrong numerics")
+        assert entry.data[ChunkConfig(16)].ok

@@ -59,7 +59,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
       ignore_cache: tune calls that active results or the caches already answer.
       all_implementations: time every implementation of each op's family (each
         with its configs), so `implementation=None` can pick by measurement.
-      timeout: seconds allowed per op for compiling its candidates.
+      timeout: seconds allowed per op call for compiling its candidates (calls compiled
+        together share their allowance).
       max_workers: threads compiling candidates (default: one per CPU).
       cache: merge the result into the user cache (`result.save_to_cache()`).
       progress: show a tqdm progress bar.
@@ -99,17 +100,25 @@ def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignor
             _log.warning("autotune: skipping %r: %s", ba, e)
     bar = _progress_bar(sum(len(c) for _, c in plans), progress)
     tuner = Autotuner(timeout=timeout, max_workers=max_workers, iterations=iterations,
-                      method=method, on_config_done=(lambda: bar.update(1)) if bar else None)
-    entries = []
+                      method=method, on_config_done=_advance(bar))
     try:
-        for ba, configs in plans:
-            if bar is not None:
-                bar.set_postfix_str(type(ba.op).__name__)
-            entries.append(tuner.tune(ba, configs))
+        entries = tuner.tune_many(plans)
     finally:
         if bar is not None:
             bar.close()
     return AutotuningResult(target.device_kind, entries)
+
+
+def _advance(bar: Any) -> Any:
+    """A callback moving the progress bar one config on, naming the op being timed."""
+    if bar is None:
+        return None
+
+    def advance(ba: BoundArguments) -> None:
+        bar.set_postfix_str(type(ba.op).__name__, refresh=False)
+        bar.update(1)
+
+    return advance
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:

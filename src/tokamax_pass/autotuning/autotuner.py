@@ -22,7 +22,7 @@ import concurrent.futures
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -196,6 +196,43 @@ def numerics_error(actual: Any, expected: Any) -> str | None:
     return None
 
 
+# Op calls prepared and compiled together before their candidates are timed (bounds the
+# device memory their inputs and references hold at once).
+OPS_PER_WAVE = 8
+
+
+@dataclasses.dataclass
+class _Job:
+    """One op call on its way to the timer: its inputs, reference and compiling candidates."""
+
+    ba: BoundArguments
+    configs: list[Any]
+    arguments: dict[str, Any]
+    reference: concurrent.futures.Future | None = None
+    compiles: dict[concurrent.futures.Future, Any] = dataclasses.field(default_factory=dict)
+    deadline: float = 0.0
+    compiled: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    failed: dict[Any, Measurement] = dataclasses.field(default_factory=dict)
+    expected: Any = None
+
+    def collect(self, timeout: float) -> None:
+        """Waits for the compiles (until the deadline) and the reference; records failures."""
+        done, pending = concurrent.futures.wait(
+            self.compiles, timeout=max(0.0, self.deadline - time.monotonic()))
+        for future in done:
+            config = self.compiles[future]
+            try:
+                self.compiled[config] = future.result()
+            except Exception as e:  # noqa: BLE001 - every failure is recorded, not raised
+                self.failed[config] = Measurement(error=_describe("compile error", e))
+        for future in pending:
+            future.cancel()
+            self.failed[self.compiles[future]] = Measurement(
+                error=f"timeout: not compiled within {timeout:g} s per op call")
+        if self.reference is not None:
+            self.expected = self.reference.result()
+
+
 @dataclasses.dataclass
 class Autotuner:
     """Times the candidate configs of op calls on the default device."""
@@ -208,53 +245,70 @@ class Autotuner:
     early_stop_ratio: float = 1.5
     check_numerics: bool = True
     seed: int = 0
-    on_config_done: Callable[[], None] | None = None
+    on_config_done: Callable[[BoundArguments], None] | None = None
 
     def tune(self, ba: BoundArguments, configs: list[Any] | None = None) -> Entry:
         """Measures every config of `ba` (default: `candidate_configs(ba)`)."""
-        ba = keys.canonical(ba)
-        configs = candidate_configs(ba) if configs is None else configs
-        arguments = timing_arguments(ba, self.seed)
-        compiled, results = self._compile_all(ba, configs, arguments)
-        expected = self._reference_output(ba, arguments) if self.check_numerics else None
-        best = float("inf")
-        for config in configs:
-            if config not in compiled:
-                self._done()
-                continue
-            measurement = self._measure(*compiled[config], expected, best)
-            results[config] = measurement
-            best = min(best, measurement.median_ms)
-            self._done()
-        return Entry(ba, {c: results[c] for c in configs}, keys.provenance(ba.op))
+        return self.tune_many([(ba, configs)])[0]
 
-    def _done(self) -> None:
-        if self.on_config_done is not None:
-            self.on_config_done()
+    def tune_many(self, plans: Sequence[tuple[BoundArguments, list[Any] | None]]
+                  ) -> list[Entry]:
+        """Measures the configs of several op calls: per wave of `OPS_PER_WAVE` calls, the
+        inputs, references and candidates of all of them are prepared and compiled in one
+        thread pool, then every candidate is timed, one at a time. Compiling (which can run
+        XLA's own autotuning on the device) never overlaps a timing."""
+        entries = []
+        for first in range(0, len(plans), OPS_PER_WAVE):
+            jobs = self._compile_wave(plans[first:first + OPS_PER_WAVE])
+            entries.extend(self._time(job) for job in jobs)
+        return entries
 
-    def _compile_all(self, ba: BoundArguments, configs: list[Any], arguments: dict[str, Any]
-                     ) -> tuple[dict[Any, Any], dict[Any, Measurement]]:
-        def compile_one(config: Any) -> tuple[Any, list[Any]]:
-            fn = _call(ba.op.replace(config=config), ba, arguments)
-            f_std, arrays = benchmarking.standardize_function(fn, arguments, seed=None)
-            return benchmarking.compile_benchmark(f_std, arrays), arrays
-
-        workers = self.max_workers or min(len(configs), os.cpu_count() or 1)
+    def _compile_wave(self, plans: Sequence[tuple[BoundArguments, list[Any] | None]]
+                      ) -> list[_Job]:
+        canonical = [keys.canonical(ba) for ba, _ in plans]
+        config_lists = [candidate_configs(ba) if configs is None else configs
+                        for ba, (_, configs) in zip(canonical, plans, strict=True)]
+        total = sum(len(c) for c in config_lists)
+        workers = self.max_workers or min(max(total, 1), os.cpu_count() or 1)
         executor = concurrent.futures.ThreadPoolExecutor(max(workers, 1))
-        futures = {executor.submit(compile_one, c): c for c in configs}
-        done, pending = concurrent.futures.wait(futures, timeout=self.timeout)
-        executor.shutdown(wait=False, cancel_futures=True)
-        compiled, failed = {}, {}
-        for future in done:
-            config = futures[future]
-            try:
-                compiled[config] = future.result()
-            except Exception as e:  # noqa: BLE001 - every failure is recorded, not raised
-                failed[config] = Measurement(error=_describe("compile error", e))
-        for future in pending:
-            failed[futures[future]] = Measurement(
-                error=f"timeout: not compiled within {self.timeout:g} s")
-        return compiled, failed
+        # The calls share the pool, so the wave gets `timeout` per call in all.
+        deadline = time.monotonic() + self.timeout * len(plans)
+        try:
+            inputs = [executor.submit(timing_arguments, ba, self.seed) for ba in canonical]
+            jobs = []
+            for ba, configs, arguments in zip(canonical, config_lists, inputs, strict=True):
+                job = _Job(ba, configs, arguments.result(), deadline=deadline)
+                job.reference = (executor.submit(self._reference_output, ba, job.arguments)
+                                 if self.check_numerics else None)
+                job.compiles = {executor.submit(self._compile_one, ba, c, job.arguments): c
+                                for c in configs}
+                jobs.append(job)
+            for job in jobs:
+                job.collect(self.timeout)
+        finally:
+            executor.shutdown(wait=False, cancel_futures=True)
+        return jobs
+
+    @staticmethod
+    def _compile_one(ba: BoundArguments, config: Any, arguments: dict[str, Any]
+                     ) -> tuple[Any, list[Any]]:
+        fn = _call(ba.op.replace(config=config), ba, arguments)
+        f_std, arrays = benchmarking.standardize_function(fn, arguments, seed=None)
+        return benchmarking.compile_benchmark(f_std, arrays), arrays
+
+    def _time(self, job: _Job) -> Entry:
+        results, best = dict(job.failed), float("inf")
+        for config in job.configs:
+            if config in job.compiled:
+                measurement = self._measure(*job.compiled[config], job.expected, best)
+                results[config] = measurement
+                best = min(best, measurement.median_ms)
+            self._done(job.ba)
+        return Entry(job.ba, {c: results[c] for c in job.configs}, keys.provenance(job.ba.op))
+
+    def _done(self, ba: BoundArguments) -> None:
+        if self.on_config_done is not None:
+            self.on_config_done(ba)
 
     def _reference_output(self, ba: BoundArguments, arguments: dict[str, Any]) -> Any:
         reference = ba.op.reference_op()
