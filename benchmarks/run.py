@@ -4,8 +4,9 @@
 
 Times each candidate on the device (CUPTI on a GPU, the profiler elsewhere;
 median after warm-up), checks its forward output against a float32 reference,
-prints a table (ms, TFLOP/s or TB/s, % of the H200 ceiling, ratio to the best
-peer), and writes JSON and a PNG chart to `benchmarks/results/<device_kind>/`.
+prints a table (ms, TFLOP/s or TB/s, % of the H200's nominal ceiling, ratio to the
+best peer, % of the workload's measured ceiling: a copy for the norms, a dense matmul
+for the ragged dot), and writes JSON and a PNG chart to `benchmarks/results/<device_kind>/`.
 """
 
 from __future__ import annotations
@@ -44,17 +45,19 @@ def measure(workload: wl.Workload, modes: list[str], iterations: int) -> list[di
     args = workload.make()
     ref = jnp.asarray(jax.jit(workload.reference)(*args), jnp.float32)
     rows = []
-    # Peers first: each of our rows then prints with its ratio to the best peer.
-    candidates = [("peer", n, f) for n, f in workload.peers.items()] + [
+    # Ceilings and peers first: each of our rows then prints with its ratios to them.
+    candidates = [("ceiling", n, f) for n, f in workload.ceilings.items()] + [
+        ("peer", n, f) for n, f in workload.peers.items()] + [
         ("ours", n, f) for n, f in workload.ours.items()]
     for kind, name, fn in candidates:
         row: dict[str, Any] = {"workload": workload.name, "kind": kind, "implementation": name}
-        for mode in modes:
+        for mode in modes if kind != "ceiling" else [m for m in modes if m == "fwd"]:
             mode_row = {**row, "mode": mode}
             try:
-                f_std, arrays = benchmarking.standardize_function(fn, *args, mode=MODES[mode])
+                inputs = fn.prepare(*args) if isinstance(fn, wl.Prepared) else args
+                f_std, arrays = benchmarking.standardize_function(fn, *inputs, mode=MODES[mode])
                 run = benchmarking.compile_benchmark(f_std, arrays)
-                if mode == "fwd":
+                if mode == "fwd" and kind != "ceiling":
                     mode_row["relative_error"] = _relative_error(run.compiled(arrays), ref)
                 data = run(arrays, iterations=iterations)
             except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
@@ -71,14 +74,19 @@ def measure(workload: wl.Workload, modes: list[str], iterations: int) -> list[di
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """`vs_best_peer` (the best peer's time over this row's) and `of_ceiling` (this row's
+    rate over the best ceiling's, forward only) on every timed row but the ceilings."""
     for mode in {r["mode"] for r in rows}:
-        peers = [r["ms"] for r in rows if r["mode"] == mode and r["kind"] == "peer" and "ms" in r]
-        if not peers:
-            continue
-        best = min(peers)
-        for r in rows:
-            if r["mode"] == mode and "ms" in r:
-                r["vs_best_peer"] = best / r["ms"]
+        timed = [r for r in rows if r["mode"] == mode and "ms" in r]
+        peers = [r["ms"] for r in timed if r["kind"] == "peer"]
+        ceiling = max((r["rate"] for r in timed if r["kind"] == "ceiling"), default=None)
+        for r in timed:
+            if r["kind"] == "ceiling":
+                continue
+            if peers:
+                r["vs_best_peer"] = min(peers) / r["ms"]
+            if ceiling:
+                r["of_ceiling"] = r["rate"] / ceiling
 
 
 def _ceiling(unit: str) -> float:
@@ -86,14 +94,15 @@ def _ceiling(unit: str) -> float:
 
 
 def _format_row(r: dict[str, Any]) -> str:
-    head = f"{r['workload']:<38} {r['mode']:<8} {r['kind']:<5} {r['implementation']:<26}"
+    head = f"{r['workload']:<38} {r['mode']:<8} {r['kind']:<7} {r['implementation']:<26}"
     if "error" in r:
         return f"{head} FAILED {r['error']}"
     ratio = f"{r['vs_best_peer']:.2f}x" if "vs_best_peer" in r else "-"
     percent = 100 * r["rate"] / _ceiling(r["unit"])
     error = f"err {r['relative_error']:.1e}" if "relative_error" in r else ""
+    of_ceiling = f"{100 * r['of_ceiling']:.0f}% of ceiling" if "of_ceiling" in r else ""
     return (f"{head} {r['ms']:9.3f} ms {r['rate']:8.1f} {r['unit']:<8} "
-            f"{percent:5.1f}% {ratio:>6} {error}")
+            f"{percent:5.1f}% {ratio:>6} {error} {of_ceiling}").rstrip()
 
 
 def _chart(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
@@ -108,7 +117,8 @@ def _chart(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(len(groups), 1, figsize=(10, 2.2 * len(groups)), squeeze=False)
     for ax, (workload, mode) in zip(axes[:, 0], groups, strict=True):
         sel = [r for r in rows if r["workload"] == workload and r["mode"] == mode and "ms" in r]
-        colors = ["tab:blue" if r["kind"] == "ours" else "tab:gray" for r in sel]
+        colors = [{"ours": "tab:blue", "ceiling": "tab:olive"}.get(r["kind"], "tab:gray")
+                  for r in sel]
         ax.barh([r["implementation"] for r in sel], [r["rate"] for r in sel], color=colors)
         ax.set_title(f"{workload} {mode} ({sel[0]['unit']}, higher is better)", fontsize=9)
         ax.tick_params(labelsize=7)
@@ -149,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # noqa: BLE001 - report and go on with the next workload
             traceback.print_exc()
         _write(out, device, rows)  # after each workload, so a cut-short run keeps its rows
-    print("\nworkload                               mode     kind  implementation"
+    print("\nworkload                               mode     kind    implementation"
           "                    time        rate       %ceil  vs best peer")
     for row in rows:
         print(_format_row(row))

@@ -38,3 +38,24 @@ def test_optimize_overhead_reports_both_wrappers(capsys):
     assert optimize_overhead.main(["--calls", "20", "--rounds", "1"]) == 0
     text = capsys.readouterr().out
     assert "jax.jit" in text and "tokamax.optimize" in text and "optimize / jit:" in text
+
+
+def test_ceilings_and_prepared_peers(tmp_path):
+    """The norm's copy ceiling runs (interpreted on CPU) and gives our rows their share of
+    it; a `Prepared` peer gets its converted inputs."""
+    import jax.numpy as jnp
+
+    from benchmarks import workloads as wl
+
+    seen = []
+    workload = wl.norm("tiny norm", (64, 128), subtract_mean=True)
+    workload.peers["float16 peer"] = wl.Prepared(
+        lambda x, s, o: seen.append(x.dtype) or x.astype(jnp.float32),
+        lambda x, s, o: (x.astype(jnp.float16), s, o))
+    rows = run.measure(workload, ["fwd"], iterations=2)
+    ceiling = [r for r in rows if r["kind"] == "ceiling"]
+    assert [r["implementation"] for r in ceiling] == ["copy (pallas triton)"]
+    assert "ms" in ceiling[0] and "relative_error" not in ceiling[0]
+    assert jnp.float16 in seen
+    ours = [r for r in rows if r["kind"] == "ours" and "ms" in r]
+    assert ours and all(r["of_ceiling"] > 0 for r in ours)
