@@ -139,17 +139,18 @@ def timing_arguments(ba: BoundArguments, seed: int) -> dict[str, Any]:
     return arguments
 
 
-def _call(op: Op, ba: BoundArguments, arguments: dict[str, Any]) -> Callable[[dict], Any]:
-    """A function of the arguments that calls `op`, vmapped as `ba` was."""
+def call_op(op: Op, vmap: Any, arguments: dict[str, Any]) -> Callable[[dict], Any]:
+    """A function of the arguments that calls `op`, vmapped as the op call was
+    (`vmap`: its `BoundArguments.vmap` levels)."""
 
     def fn(args: dict[str, Any]) -> Any:
         return op(**args)
 
-    if not ba.vmap:
+    if not vmap:
         return fn
     leaves, treedef = jax.tree.flatten(arguments, is_leaf=lambda v: v is None)
     operand = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
-    for level in reversed(ba.vmap):
+    for level in reversed(vmap):
         axes: list[Any] = [None] * len(leaves)
         for axis, i in zip(level.axes, operand, strict=True):
             axes[i] = axis
@@ -292,7 +293,7 @@ class Autotuner:
     @staticmethod
     def _compile_one(ba: BoundArguments, config: Any, arguments: dict[str, Any]
                      ) -> tuple[Any, list[Any]]:
-        fn = _call(ba.op.replace(config=config), ba, arguments)
+        fn = call_op(ba.op.replace(config=config), ba.vmap, arguments)
         f_std, arrays = benchmarking.standardize_function(fn, arguments, seed=None)
         return benchmarking.compile_benchmark(f_std, arrays), arrays
 
@@ -314,7 +315,7 @@ class Autotuner:
         reference = ba.op.reference_op()
         try:
             f_std, arrays = benchmarking.standardize_function(
-                _call(reference, ba, arguments), arguments, seed=None)
+                call_op(reference, ba.vmap, arguments), arguments, seed=None)
             return jax.jit(f_std)(arrays)
         except Exception:  # noqa: BLE001 - without a reference, numerics go unchecked
             return None
