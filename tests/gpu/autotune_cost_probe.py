@@ -1,9 +1,9 @@
 """Device probe: where autotuning the seed-usage `f_grad` spends its time (issue 5).
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:. python3 tests/gpu/autotune_cost_probe.py
+  PYTHONPATH=src:kernels:. python3 tests/gpu/autotune_cost_probe.py [ALONE]
 For each op call of `tests/test_autotuning_gpu.py`'s `f_grad` it prints a JSON line: the
-lowering and compile times of its first four candidates one at a time (XLA's in-process
+lowering and compile times of its first ALONE (default 4) candidates one at a time (XLA's in-process
 GEMM autotuning cache cold for each), their compile again with XLA's GEMM autotuning off
 (`xla_gpu_autotune_level=0`), and the wall time of compiling the other candidates at once
 on 16 threads. Together they say which of lowering, XLA compiling, XLA's GEMM autotuning
@@ -16,6 +16,7 @@ import concurrent.futures
 import json
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -48,7 +49,7 @@ def _compile_all(ba, configs, arguments, threads: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(alone: int) -> None:
     channels, seq_len, batch_size, num_heads = (64, 2048, 32, 16)
     scale = jax.random.normal(jax.random.key(0), (channels,), dtype=jnp.float32)
     x = jax.random.normal(jax.random.key(1), (batch_size, seq_len, num_heads, channels),
@@ -58,7 +59,7 @@ def main() -> None:
         configs = candidate_configs(ba, 16)
         arguments = timing_arguments(ba, 0)
         lower_s, compile_s, no_gemm_tuning_s = [], [], []
-        for config in configs[:4]:
+        for config in configs[:alone]:
             start = time.perf_counter()
             lowered = _lowered(ba, config, arguments)
             lower_s.append(time.perf_counter() - start)
@@ -72,9 +73,9 @@ def main() -> None:
               "lower_s_alone": round(statistics.median(lower_s), 2),
               "compile_s_alone": round(statistics.median(compile_s), 2),
               "compile_s_without_gemm_autotuning": round(statistics.median(no_gemm_tuning_s), 2),
-              "others": len(configs[4:]),
-              "others_on_16_threads_s": round(_compile_all(ba, configs[4:], arguments, 16), 1)})
+              "others": len(configs[alone:]),
+              "others_on_16_threads_s": round(_compile_all(ba, configs[alone:], arguments, 16), 1)})
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
