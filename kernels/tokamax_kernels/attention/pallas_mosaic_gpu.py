@@ -119,8 +119,10 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicAttentionConfig]:
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+        wg_choices = common.compute_wg_choices(q.shape[0] * q.shape[2], seq_q)
         configs = set()
-        for bq, bkv, stages, wgs in itertools.product((64, 128), (64, 128), (2, 3, 4), (1, 2)):
+        for bq, bkv, stages, wgs in itertools.product((64, 128), (64, 128), (2, 3, 4),
+                                                      wg_choices):
             config = MosaicAttentionConfig(block_q=bq, block_kv=bkv, num_stages=stages,
                                            compute_wgs=wgs)
             if fits(config, seq_q, seq_kv, head_dim):

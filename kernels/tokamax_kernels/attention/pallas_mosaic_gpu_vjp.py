@@ -105,9 +105,10 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicAttentionVjpConfig]:
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+        wg_choices = common.compute_wg_choices(q.shape[0] * q.shape[2], seq_q, seq_kv)
         configs = set()
         for bq, bkv, bq2, bkv2, stages, wgs in itertools.product(
-                (64, 128), (64, 128), (64, 128), (64, 128), (2, 3), (1, 2)):
+                (64, 128), (64, 128), (64, 128), (64, 128), (2, 3), wg_choices):
             config = MosaicAttentionVjpConfig(block_q_dq=bq, block_kv_dq=bkv, block_q_dkv=bq2,
                                               block_kv_dkv=bkv2, num_stages=stages,
                                               compute_wgs=wgs)
