@@ -281,3 +281,38 @@ def test_several_calls_compile_together_then_time_in_order():
         assert entry.data[ChunkConfig(0)].error.startswith("compile error")
         assert entry.data[ChunkConfig(56)].error.startswith("wrong numerics")
         assert entry.data[ChunkConfig(16)].ok
+
+
+def test_worker_processes_lower_candidates_with_the_same_outcomes(monkeypatch):
+    """Candidates exported by worker processes compile and time like local ones; one a
+    worker cannot export (chunk 0 raises) falls back to local lowering and its error."""
+    from tokamax_pass.autotuning import lowering
+    from tokamax_pass.autotuning.autotuner import Autotuner
+
+    exported = []
+    original = lowering.deserialized
+    monkeypatch.setattr(lowering, "deserialized",
+                        lambda blob: exported.append(blob) or original(blob))
+    x, w = _inputs()
+    ba = keys.canonical(XlaChunkedMatmul().bind(x, w))
+    [entry] = Autotuner(iterations=2, lowering_processes=2).tune_many([(ba, None)])
+    assert len(exported) == 4  # chunks 16, 32, 56, 64; chunk 0 fails in the worker too
+    assert entry.data[ChunkConfig(0)].error.startswith("compile error")
+    assert entry.data[ChunkConfig(56)].error.startswith("wrong numerics")
+    assert all(entry.data[ChunkConfig(c)].ok for c in (16, 32, 64))
+
+
+def test_a_worker_exports_a_mosaic_kernel_for_the_h200():
+    """What a worker runs: the export of a Mosaic GPU candidate from this CPU machine."""
+    from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
+    from tokamax_pass.autotuning import lowering
+
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    op = PallasMosaicGpuFlashAttention()
+    with tokamax.core.targeting("NVIDIA H200"):
+        ba = keys.canonical(op.bind(q, q, q))
+        config = ba.heuristics_config
+    blob = lowering.export_candidate(op.replace(config=config), ba.vmap, dict(ba.arguments),
+                                     "cuda", "NVIDIA H200")
+    text = jax.export.deserialize(bytearray(blob)).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 1

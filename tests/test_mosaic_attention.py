@@ -170,3 +170,10 @@ def test_one_compute_warpgroup_is_tuned_only_when_two_leave_sms_idle():
         q = _sds((batch, 2048, heads, 64))
         configs = PallasMosaicGpuFlashAttention().bind(q, q, q).autotuning_configs
         assert {c.compute_wgs for c in configs} == wgs
+
+
+def test_negative_scale_lowers():
+    """A scale <= 0 cannot ride in the exponent's FMA (the max would flip): its path lowers."""
+    q = _sds((1, 256, 2, 64))
+    text = _export(lambda q: _mosaic(q, q, q, scale=-0.125, is_causal=True), q).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 1

@@ -79,6 +79,17 @@ def test_sequence_lengths_match_reference(causal, kv_heads):
     assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
 
 
+@pytest.mark.parametrize("scale", [0.3, -0.125])
+def test_explicit_scales_match_reference(scale):
+    """Positive scales ride in the exponent's FMA; negative ones take the plain path."""
+    q, k, v, _ = _inputs(1, 256, 256, 2, 2, 64)
+    out = dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="mosaic")
+    with reference_precision():
+        want = DotProductAttention()(*(x.astype(jnp.float32) for x in (q, k, v)), scale=scale,
+                                     is_causal=True)
+    assert_close(out, want, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_head_dim_256_forward(causal):
     q, k, v, _ = _inputs(1, 256, 256, 2, 2, 256)

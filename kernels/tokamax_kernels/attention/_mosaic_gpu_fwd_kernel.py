@@ -46,6 +46,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
     stages = max(1, min(config.num_stages, seq_kv // block_kv))
     num_kv_blocks = seq_kv // block_kv
     qk_scale = scale * LOG2E  # scores are kept in log2 units: exp2 is one instruction
+    fold_scale = qk_scale > 0
     has_lengths = kv_lengths is not None
 
     def body(*refs):
@@ -96,12 +97,19 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
 
                 s = pl.run_scoped(qk_product, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_consumed.at[slot])
-                s = s * qk_scale
+                if not fold_scale:
+                    s = s * qk_scale
                 if masked:
                     s = mask_scores(s, q_base, step * block_kv, causal=causal, kv_len=kv_len)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
+                if fold_scale:
+                    # A positive scale commutes with the max, so it rides in exp2's FMA:
+                    # one instruction per score instead of a multiply and a subtract.
+                    m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+                    p = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                else:
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)

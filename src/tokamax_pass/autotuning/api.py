@@ -50,7 +50,8 @@ def _expand(bound: list[BoundArguments], target: Any) -> list[BoundArguments]:
 def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations: bool = False,
              timeout: float = 600.0, max_workers: int | None = None, cache: bool = False,
              progress: bool = True, iterations: int = 5, method: str | None = None,
-             max_configs: int | None = DEFAULT_MAX_CONFIGS, **kwargs: Any) -> AutotuningResult:
+             max_configs: int | None = DEFAULT_MAX_CONFIGS,
+             lowering_processes: int | None = None, **kwargs: Any) -> AutotuningResult:
     """Measures the configs of every op call in `f(*args, **kwargs)` on the default device.
 
     Args:
@@ -62,6 +63,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
       timeout: seconds allowed per op call for compiling its candidates (calls compiled
         together share their allowance).
       max_workers: threads compiling candidates (default: one per CPU).
+      lowering_processes: worker processes exporting candidates, so Pallas kernels lower
+        in parallel (default: up to 8 when a wave has 32 candidates or more; 0: none).
       cache: merge the result into the user cache (`result.save_to_cache()`).
       progress: show a tqdm progress bar.
       iterations, method: timed runs per config and the timer (`benchmarking`).
@@ -74,7 +77,7 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
     result = distributed.tune_once(lambda: _autotune_here(
         f, args, kwargs, ignore_cache=ignore_cache, all_implementations=all_implementations,
         timeout=timeout, max_workers=max_workers, progress=progress, iterations=iterations,
-        method=method, max_configs=max_configs))
+        method=method, max_configs=max_configs, lowering_processes=lowering_processes))
     if cache:
         result.save_to_cache()
     return result
@@ -83,7 +86,7 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
 def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignore_cache: bool,
                    all_implementations: bool, timeout: float, max_workers: int | None,
                    progress: bool, iterations: int, method: str | None,
-                   max_configs: int | None) -> AutotuningResult:
+                   max_configs: int | None, lowering_processes: int | None) -> AutotuningResult:
     target = current_target()
     bound = _collect(f, args, kwargs)
     if all_implementations:
@@ -100,7 +103,8 @@ def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignor
             _log.warning("autotune: skipping %r: %s", ba, e)
     bar = _progress_bar(sum(len(c) for _, c in plans), progress)
     tuner = Autotuner(timeout=timeout, max_workers=max_workers, iterations=iterations,
-                      method=method, on_config_done=_advance(bar))
+                      method=method, on_config_done=_advance(bar),
+                      lowering_processes=lowering_processes)
     try:
         entries = tuner.tune_many(plans)
     finally:

@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax_pass import benchmarking
-from tokamax_pass.autotuning import keys
+from tokamax_pass.autotuning import keys, lowering
 from tokamax_pass.autotuning.result import Entry, Measurement
 from tokamax_pass.core import registry, spec
+from tokamax_pass.core.device import current_target
 from tokamax_pass.core.op import BoundArguments, NullConfig, Op, family_class
 from tokamax_pass.core.vjp import RESERVED_NAMES, VjpOp
 
@@ -247,6 +248,8 @@ class Autotuner:
     check_numerics: bool = True
     seed: int = 0
     on_config_done: Callable[[BoundArguments], None] | None = None
+    # Processes exporting candidates (`lowering.py`); None: some on waves big enough.
+    lowering_processes: int | None = None
 
     def tune(self, ba: BoundArguments, configs: list[Any] | None = None) -> Entry:
         """Measures every config of `ba` (default: `candidate_configs(ba)`)."""
@@ -270,8 +273,11 @@ class Autotuner:
         config_lists = [candidate_configs(ba) if configs is None else configs
                         for ba, (_, configs) in zip(canonical, plans, strict=True)]
         total = sum(len(c) for c in config_lists)
-        workers = self.max_workers or min(max(total, 1), os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+        workers = self.max_workers or min(max(total, 1), cpus)
         executor = concurrent.futures.ThreadPoolExecutor(max(workers, 1))
+        processes = lowering.process_count(self.lowering_processes, total, cpus)
+        exporters = lowering.ExportWorkers(processes) if processes else None
         # The calls share the pool, so the wave gets `timeout` per call in all.
         deadline = time.monotonic() + self.timeout * len(plans)
         try:
@@ -281,20 +287,33 @@ class Autotuner:
                 job = _Job(ba, configs, arguments.result(), deadline=deadline)
                 job.reference = (executor.submit(self._reference_output, ba, job.arguments)
                                  if self.check_numerics else None)
-                job.compiles = {executor.submit(self._compile_one, ba, c, job.arguments): c
-                                for c in configs}
+                job.compiles = {
+                    executor.submit(self._compile_one, ba, c, job.arguments, exporters): c
+                    for c in configs}
                 jobs.append(job)
             for job in jobs:
                 job.collect(self.timeout)
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
+            if exporters is not None:
+                exporters.close()
         return jobs
 
     @staticmethod
-    def _compile_one(ba: BoundArguments, config: Any, arguments: dict[str, Any]
-                     ) -> tuple[Any, list[Any]]:
-        fn = call_op(ba.op.replace(config=config), ba.vmap, arguments)
-        f_std, arrays = benchmarking.standardize_function(fn, arguments, seed=None)
+    def _compile_one(ba: BoundArguments, config: Any, arguments: dict[str, Any],
+                     workers: lowering.ExportWorkers | None) -> tuple[Any, list[Any]]:
+        op = ba.op.replace(config=config)
+        f_std, arrays = benchmarking.standardize_function(
+            call_op(op, ba.vmap, arguments), arguments, seed=None)
+        if workers is not None:
+            try:
+                blob = workers.export(
+                    op, ba.vmap, lowering.abstract(arguments),
+                    jax.export.default_export_platform(), current_target().device_kind)
+            except Exception:  # noqa: BLE001 - not exportable there: lower it here
+                pass
+            else:
+                f_std = lowering.deserialized(blob)
         return benchmarking.compile_benchmark(f_std, arrays), arrays
 
     def _time(self, job: _Job) -> Entry:

@@ -1,0 +1,142 @@
+"""Autotuning candidates lowered in worker processes.
+
+Lowering a Pallas kernel is Python work, and threads share one interpreter lock:
+sixteen threads lowering Mosaic GPU kernels take about as long as one. Worker
+processes (`python -m tokamax_pass.autotuning.lowering`, JAX on the CPU only, so they
+never touch the accelerator) export each candidate for the target platform with
+`jax.export`, as `tokamax_pass.export` does for artifacts; the tuning process
+deserializes it and compiles it, which releases the lock. Workers are plain
+subprocesses talking pickles over pipes, not `multiprocessing` ones, so the user's
+main module is never re-run in them. A candidate a worker cannot export (an op that
+needs the real device to lower, such as cuDNN's) is lowered in the tuning process as
+before. The `lower_time_ms` of an exported candidate counts only the tuning process's
+share (lowering the deserialized call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from tokamax_pass.core import spec
+from tokamax_pass.core.device import targeting
+from tokamax_pass.core.op import Op
+
+# Candidates in a wave from which worker processes pay for their start (importing JAX
+# and the kernels, a few seconds each, in parallel).
+MIN_CANDIDATES = 32
+MAX_PROCESSES = 8
+
+
+def abstract(arguments: dict[str, Any]) -> dict[str, Any]:
+    """`arguments` with every array replaced by its shape and dtype (what lowering needs)."""
+    return jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype) if spec.is_array(v) else v,
+        arguments, is_leaf=lambda v: v is None)
+
+
+def export_candidate(op: Op, vmap: Any, arguments: dict[str, Any], platform: str,
+                     device_kind: str | None) -> bytes:
+    """The serialized `jax.export` of `op` called on `arguments` (abstract), in the
+    standardized form the autotuner compiles. Runs in a worker."""
+    from tokamax_pass import DISABLE_JAX_EXPORT_CHECKS, benchmarking
+    from tokamax_pass.autotuning.autotuner import call_op
+
+    f_std, specs = benchmarking.standardize_function(call_op(op, vmap, arguments), arguments,
+                                                     seed=None)
+    target = (targeting(device_kind) if device_kind and platform != "cpu"
+              else contextlib.nullcontext())
+    with target:
+        exported = jax.export.export(jax.jit(f_std), platforms=[platform],
+                                     disabled_checks=DISABLE_JAX_EXPORT_CHECKS)(specs)
+    return exported.serialize()
+
+
+def deserialized(blob: bytes) -> Callable[[list[Any]], Any]:
+    """The standardized function `f_std(arrays)` of an exported candidate."""
+    exported = jax.export.deserialize(bytearray(blob))
+    return lambda arrays: exported.call(arrays)
+
+
+def process_count(requested: int | None, candidates: int, cpus: int) -> int:
+    """Workers for a wave: `requested` if given, else enough to pay off on big waves."""
+    if requested is not None:
+        return requested
+    return min(MAX_PROCESSES, max(1, cpus // 2)) if candidates >= MIN_CANDIDATES else 0
+
+
+class ExportWorkers:
+    """A few worker processes; `export(...)` runs `export_candidate` in an idle one."""
+
+    def __init__(self, processes: int) -> None:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu",
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self._workers = [
+            subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env)
+            for _ in range(processes)]
+        self._idle: queue.Queue[subprocess.Popen] = queue.Queue()
+        for worker in self._workers:
+            self._idle.put(worker)
+        self._alive = len(self._workers)
+        self._lock = threading.Lock()
+
+    def export(self, *request: Any) -> bytes:
+        """`export_candidate(*request)` in a worker; raises what it raised there."""
+        worker = self._take()
+        try:
+            pickle.dump(request, worker.stdin)
+            worker.stdin.flush()
+            ok, payload = pickle.load(worker.stdout)
+        except (OSError, EOFError, pickle.PickleError):
+            with self._lock:
+                self._alive -= 1
+            raise
+        self._idle.put(worker)
+        if not ok:
+            raise RuntimeError(f"the export worker failed: {payload}")
+        return payload
+
+    def _take(self) -> subprocess.Popen:
+        while True:
+            with self._lock:
+                if not self._alive:
+                    raise RuntimeError("every export worker has exited")
+            with contextlib.suppress(queue.Empty):
+                return self._idle.get(timeout=1.0)
+
+    def close(self) -> None:
+        for worker in self._workers:
+            with contextlib.suppress(OSError):
+                worker.stdin.close()
+            worker.terminate()
+
+
+def _serve() -> None:
+    """A worker's loop: read a pickled request, answer `(ok, blob or error)`."""
+    requests, answers = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed goes to stderr, not into the answers
+    while True:
+        try:
+            request = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            answer = (True, export_candidate(*request))
+        except Exception as e:  # noqa: BLE001 - the tuning process lowers it itself
+            answer = (False, f"{type(e).__name__}: {e}"[:500])
+        pickle.dump(answer, answers)
+        answers.flush()
+
+
+if __name__ == "__main__":
+    _serve()
