@@ -1,13 +1,15 @@
 """Tunes the benchmark workloads and writes the library cache shipped for this device kind.
 
     python -m benchmarks.tune_library_cache [--only SUBSTRING ...] [--output DIR]
+    python -m benchmarks.tune_library_cache --stale   # retune only the stale shipped entries
 
 Every op call of each workload's gradient program (forward and VJP ops) is timed with
 every implementation of its family and their configs (`all_implementations=True`),
 so `implementation=None` picks by measurement and every implementation gets its
 best config. Results merge into `DIR/<device_kind>/<implementation>.json` (default:
 the package's `src/tokamax_pass/data/autotuning`), which `tokamax_pass` reads as the
-library cache.
+library cache. `--stale` retunes just the shipped entries whose kernel source changed
+(the same op calls, the same implementation), so a kernel edit costs its own retuning.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import jax.numpy as jnp
 
 import tokamax_pass as tokamax
 from benchmarks import workloads as wl
-from tokamax_pass.autotuning import cache
+from tokamax_pass.autotuning import cache, keys
+from tokamax_pass.autotuning.autotuner import Autotuner, candidate_configs
+from tokamax_pass.core.device import device_kind_key
 
 PACKAGE_CACHE = pathlib.Path(tokamax.__file__).parent / "data" / "autotuning"
 
@@ -36,23 +40,62 @@ def gradient_program(workload: wl.Workload) -> tuple[Any, tuple[Any, ...]]:
     return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums), args
 
 
+LIBRARY_MAX_CONFIGS = 16
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--only", nargs="*", default=[], help="workloads whose name has these")
     parser.add_argument("--output", default=str(PACKAGE_CACHE), help="the data/autotuning dir")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
+    parser.add_argument("--stale", action="store_true",
+                        help="retune only the shipped entries whose provenance is stale")
     args = parser.parse_args(argv)
+    if args.stale:
+        return retune_stale(pathlib.Path(args.output))
     candidates = wl.smoke_workloads() if args.smoke else wl.all_workloads()
     for workload in candidates:
         if args.only and not any(s in workload.name for s in args.only):
             continue
         program, inputs = gradient_program(workload)
         start = time.perf_counter()
-        result = tokamax.autotune(program, *inputs, all_implementations=True, progress=False)
+        # Shipped once for every user: a wider search than `autotune`'s default.
+        result = tokamax.autotune(program, *inputs, all_implementations=True,
+                                  max_configs=LIBRARY_MAX_CONFIGS, progress=False)
         seconds = time.perf_counter() - start
         written = cache.write_library_cache(result, args.output)
         print(f"{workload.name}: {len(list(result))} op calls tuned in {seconds:.1f} s -> "
               f"{', '.join(pathlib.Path(w).name for w in written)}", flush=True)
+    return 0
+
+
+def stale_calls(folder: pathlib.Path) -> list[Any]:
+    """The op calls (`BoundArguments`) of the entries in `folder` that are stale here."""
+    import tokamax_kernels  # noqa: F401 - registers the op families the entries name
+
+    calls = []
+    for path in sorted(folder.glob("*.json")):
+        for entry in tokamax.AutotuningResult.load(path).entries:
+            if keys.stale_reason(entry.bound.op, entry.provenance) is not None:
+                calls.append(entry.bound)
+    return calls
+
+
+def retune_stale(output: pathlib.Path) -> int:
+    folder = output / device_kind_key(jax.devices()[0].device_kind)
+    calls = stale_calls(folder)
+    if not calls:
+        print(f"{folder}: every entry is fresh")
+        return 0
+    start = time.perf_counter()
+    # The tuner itself, not `autotune`: calls without configs (XLA, cuDNN) are retimed
+    # too, since the library ranks implementations by these times.
+    entries = Autotuner().tune_many(
+        [(ba, candidate_configs(ba, LIBRARY_MAX_CONFIGS)) for ba in calls])
+    result = tokamax.AutotuningResult(jax.devices()[0].device_kind, entries)
+    written = cache.write_library_cache(result, output)
+    print(f"{len(calls)} stale op calls retuned in {time.perf_counter() - start:.1f} s -> "
+          f"{', '.join(pathlib.Path(w).name for w in written)}", flush=True)
     return 0
 
 

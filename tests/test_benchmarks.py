@@ -34,6 +34,24 @@ def test_library_cache_tuning_writes_files_the_cache_reads(tmp_path):
     assert cache.device_kind_key(result.device_kind) == folder.name
 
 
+def test_stale_retuning_retunes_exactly_the_stale_entries(tmp_path, capsys):
+    from benchmarks import tune_library_cache
+
+    assert tune_library_cache.main(["--smoke", "--only", "layer norm", "--output",
+                                    str(tmp_path)]) == 0
+    assert tune_library_cache.main(["--stale", "--output", str(tmp_path)]) == 0
+    assert "every entry is fresh" in capsys.readouterr().out
+    path = next(tmp_path.glob("*/layer_norm.json"))
+    data = json.loads(path.read_text())
+    data["entries"][0]["provenance"]["source_hash"] = "0" * 16  # as if its kernel changed
+    path.write_text(json.dumps(data))
+    folder = path.parent
+    assert len(tune_library_cache.stale_calls(folder)) == 1
+    assert tune_library_cache.main(["--stale", "--output", str(tmp_path)]) == 0
+    assert "1 stale op calls retuned" in capsys.readouterr().out
+    assert tune_library_cache.stale_calls(folder) == []
+
+
 def test_optimize_overhead_reports_both_wrappers(capsys):
     assert optimize_overhead.main(["--calls", "20", "--rounds", "1"]) == 0
     text = capsys.readouterr().out

@@ -17,8 +17,10 @@ from tokamax_pass.core.op import BoundArguments, NullConfig
 _log = logging.getLogger("tokamax_pass.autotuning")
 
 # Configs timed per op by default: the heuristics config and its nearest neighbours.
-# (The Triton layer norm searches about 80 configs; 16 bounds its compiles and timings.)
-DEFAULT_MAX_CONFIGS = 16
+# (The Triton layer norm searches about 130 configs. On the H200 each op of the seed
+# f_grad had its best config among the 8 nearest; candidates compile at once and XLA's
+# GEMM autotuning serializes them, so every extra config costs wall time.)
+DEFAULT_MAX_CONFIGS = 8
 
 
 def _collect(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[BoundArguments]:

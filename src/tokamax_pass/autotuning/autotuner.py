@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -235,6 +236,13 @@ class _Job:
             self.expected = self.reference.result()
 
 
+def _round_robin(jobs: Sequence[_Job]) -> Iterator[tuple[_Job, Any]]:
+    """Each call's candidates in turn (heuristics configs first), so a call whose compiles
+    are slow or serialize (XLA's own GEMM autotuning takes the device) starts early."""
+    for row in itertools.zip_longest(*([(job, c) for c in job.configs] for job in jobs)):
+        yield from (pair for pair in row if pair is not None)
+
+
 @dataclasses.dataclass
 class Autotuner:
     """Times the candidate configs of op calls on the default device."""
@@ -287,10 +295,11 @@ class Autotuner:
                 job = _Job(ba, configs, arguments.result(), deadline=deadline)
                 job.reference = (executor.submit(self._reference_output, ba, job.arguments)
                                  if self.check_numerics else None)
-                job.compiles = {
-                    executor.submit(self._compile_one, ba, c, job.arguments, exporters): c
-                    for c in configs}
                 jobs.append(job)
+            for job, config in _round_robin(jobs):
+                future = executor.submit(self._compile_one, job.ba, config, job.arguments,
+                                         exporters)
+                job.compiles[future] = config
             for job in jobs:
                 job.collect(self.timeout)
         finally:
