@@ -11,7 +11,13 @@ import pytest
 
 import tokamax_pass as tokamax
 from conftest import assert_close, random_normal
-from test_autotuning_ops import ChunkConfig, ChunkedMatmul, XlaChunkedMatmul, chunked_matmul
+from test_autotuning_ops import (
+    ChunkConfig,
+    ChunkedMatmul,
+    SlowLoweringMatmul,
+    XlaChunkedMatmul,
+    chunked_matmul,
+)
 from tokamax_pass.autotuning import cache, discovery, keys
 from tokamax_pass.autotuning.result import Entry, Measurement
 from tokamax_pass.core import current_target, spec
@@ -294,12 +300,31 @@ def test_worker_processes_lower_candidates_with_the_same_outcomes(monkeypatch):
     monkeypatch.setattr(lowering, "deserialized",
                         lambda blob: exported.append(blob) or original(blob))
     x, w = _inputs()
-    ba = keys.canonical(XlaChunkedMatmul().bind(x, w))
-    [entry] = Autotuner(iterations=2, lowering_processes=2).tune_many([(ba, None)])
-    assert len(exported) == 4  # chunks 16, 32, 56, 64; chunk 0 fails in the worker too
-    assert entry.data[ChunkConfig(0)].error.startswith("compile error")
-    assert entry.data[ChunkConfig(56)].error.startswith("wrong numerics")
-    assert all(entry.data[ChunkConfig(c)].ok for c in (16, 32, 64))
+    slow = keys.canonical(SlowLoweringMatmul().bind(x, w))
+    fast = keys.canonical(XlaChunkedMatmul().bind(x, w))
+    entries = Autotuner(iterations=2, lowering_processes=2).tune_many([(slow, None),
+                                                                       (fast, None)])
+    # Only the slow-lowering op's candidates go to the workers: chunks 16, 32, 56, 64
+    # (chunk 0 fails in the worker too, then locally).
+    assert len(exported) == 4
+    for entry in entries:
+        assert entry.data[ChunkConfig(0)].error.startswith("compile error")
+        assert entry.data[ChunkConfig(56)].error.startswith("wrong numerics")
+        assert all(entry.data[ChunkConfig(c)].ok for c in (16, 32, 64))
+
+
+def test_mosaic_gpu_ops_are_declared_slow_to_lower():
+    from tokamax_kernels.attention import (
+        PallasMosaicGpuFlashAttention,
+        PallasMosaicGpuFlashAttentionVjp,
+        PallasTritonFlashAttention,
+    )
+    from tokamax_kernels.ragged_dot import PallasMosaicGpuRaggedDot
+
+    assert PallasMosaicGpuFlashAttention.slow_lowering
+    assert PallasMosaicGpuFlashAttentionVjp.slow_lowering
+    assert PallasMosaicGpuRaggedDot.slow_lowering
+    assert not PallasTritonFlashAttention.slow_lowering
 
 
 def test_a_worker_exports_a_mosaic_kernel_for_the_h200():

@@ -56,6 +56,14 @@ class XlaChunkedMatmul(ChunkedMatmul):
         return {ChunkConfig(k), ChunkConfig(k // 4), ChunkConfig(0), ChunkConfig(k - 8)}
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlowLoweringMatmul(XlaChunkedMatmul):
+    """`XlaChunkedMatmul` declared slow to lower, as Mosaic GPU kernels are: the autotuner
+    sends its candidates to worker processes."""
+
+    slow_lowering = True
+
+
 FAMILY = register_family(Family(
     name="chunked_matmul",
     implementations={"xla": ChunkedMatmul, "xla_chunked": XlaChunkedMatmul},

@@ -68,6 +68,7 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
     config_cls: ClassVar[type] = MosaicAttentionConfig
     implementation: ClassVar[str] = "mosaic"
     platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+    slow_lowering: ClassVar[bool] = True
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

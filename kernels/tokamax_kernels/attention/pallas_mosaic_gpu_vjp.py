@@ -55,6 +55,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
     config_cls: ClassVar[type] = MosaicAttentionVjpConfig
     implementation: ClassVar[str] = "mosaic"
     platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+    slow_lowering: ClassVar[bool] = True
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

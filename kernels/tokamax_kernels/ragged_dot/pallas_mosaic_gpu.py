@@ -60,6 +60,7 @@ class PallasMosaicGpuRaggedDot(RaggedDot):
     config_cls: ClassVar[type] = Config
     implementation: ClassVar[str] = "mosaic"
     platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+    slow_lowering: ClassVar[bool] = True
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

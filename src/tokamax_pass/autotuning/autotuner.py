@@ -281,10 +281,12 @@ class Autotuner:
         config_lists = [candidate_configs(ba) if configs is None else configs
                         for ba, (_, configs) in zip(canonical, plans, strict=True)]
         total = sum(len(c) for c in config_lists)
+        slow = sum(len(c) for ba, c in zip(canonical, config_lists, strict=True)
+                   if ba.op.slow_lowering)
         cpus = os.cpu_count() or 1
         workers = self.max_workers or min(max(total, 1), cpus)
         executor = concurrent.futures.ThreadPoolExecutor(max(workers, 1))
-        processes = lowering.process_count(self.lowering_processes, total, cpus)
+        processes = lowering.process_count(self.lowering_processes, slow, cpus)
         exporters = lowering.ExportWorkers(processes) if processes else None
         # The calls share the pool, so the wave gets `timeout` per call in all.
         deadline = time.monotonic() + self.timeout * len(plans)
@@ -314,7 +316,7 @@ class Autotuner:
         op = ba.op.replace(config=config)
         f_std, arrays = benchmarking.standardize_function(
             call_op(op, ba.vmap, arguments), arguments, seed=None)
-        if workers is not None:
+        if workers is not None and op.slow_lowering:
             try:
                 blob = workers.export(
                     op, ba.vmap, lowering.abstract(arguments),

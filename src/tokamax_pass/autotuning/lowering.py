@@ -1,7 +1,9 @@
 """Autotuning candidates lowered in worker processes.
 
 Lowering a Pallas kernel is Python work, and threads share one interpreter lock:
-sixteen threads lowering Mosaic GPU kernels take about as long as one. Worker
+sixteen threads lowering Mosaic GPU kernels take about as long as one. The candidates of
+ops declared slow to lower (`Op.slow_lowering`: the Mosaic GPU kernels) go to workers;
+the rest lower in the tuning process, where they never wait for a worker to start. Worker
 processes (`python -m tokamax_pass.autotuning.lowering`, JAX on the CPU only, so they
 never touch the accelerator) export each candidate for the target platform with
 `jax.export`, as `tokamax_pass.export` does for artifacts; the tuning process
@@ -31,9 +33,10 @@ from tokamax_pass.core import spec
 from tokamax_pass.core.device import targeting
 from tokamax_pass.core.op import Op
 
-# Candidates in a wave from which worker processes pay for their start (importing JAX
-# and the kernels, a few seconds each, in parallel).
-MIN_CANDIDATES = 32
+# Slow-lowering candidates (`Op.slow_lowering`) in a wave from which worker processes pay
+# for their start (importing JAX and the kernels, a few seconds, in parallel with the
+# wave's other work); the other candidates always lower in the tuning process.
+MIN_CANDIDATES = 8
 MAX_PROCESSES = 8
 
 

@@ -75,6 +75,10 @@ class Op[C]:
     implementation: ClassVar[str] = "xla"
     # Platforms the implementation lowers for; `None` means every platform.
     platforms: ClassVar[frozenset[str] | None] = None
+    # Whether tracing and lowering one call holds the Python interpreter for long (Pallas
+    # Mosaic GPU kernels: 0.3-0.6 s each); the autotuner lowers such candidates in
+    # worker processes instead of one thread at a time.
+    slow_lowering: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
