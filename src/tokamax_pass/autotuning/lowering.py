@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 
-from tokamax_pass.core import spec
 from tokamax_pass.core.device import targeting
 from tokamax_pass.core.op import Op
 
@@ -38,13 +37,6 @@ from tokamax_pass.core.op import Op
 # wave's other work); the other candidates always lower in the tuning process.
 MIN_CANDIDATES = 8
 MAX_PROCESSES = 8
-
-
-def abstract(arguments: dict[str, Any]) -> dict[str, Any]:
-    """`arguments` with every array replaced by its shape and dtype (what lowering needs)."""
-    return jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype) if spec.is_array(v) else v,
-        arguments, is_leaf=lambda v: v is None)
 
 
 def export_candidate(op: Op, vmap: Any, arguments: dict[str, Any], platform: str,
