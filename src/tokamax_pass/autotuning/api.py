@@ -65,8 +65,9 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
       timeout: seconds allowed per op call for compiling its candidates (calls compiled
         together share their allowance).
       max_workers: threads compiling candidates (default: one per CPU).
-      lowering_processes: worker processes exporting candidates, so Pallas kernels lower
-        in parallel (default: up to 8 when a wave has 32 candidates or more; 0: none).
+      lowering_processes: worker processes exporting the candidates of ops that are slow
+        to lower (`Op.slow_lowering`: Mosaic GPU kernels), so they lower in parallel
+        (default: up to 8 when a wave has 8 such candidates or more; 0: none).
       cache: merge the result into the user cache (`result.save_to_cache()`).
       progress: show a tqdm progress bar.
       iterations, method: timed runs per config and the timer (`benchmarking`).
