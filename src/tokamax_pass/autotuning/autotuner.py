@@ -258,6 +258,8 @@ class Autotuner:
     on_config_done: Callable[[BoundArguments], None] | None = None
     # Processes exporting candidates (`lowering.py`); None: some on waves big enough.
     lowering_processes: int | None = None
+    # Export workers started by the caller (and closed by it); None: per wave, as above.
+    exporters: lowering.ExportWorkers | None = None
 
     def tune(self, ba: BoundArguments, configs: list[Any] | None = None) -> Entry:
         """Measures every config of `ba` (default: `candidate_configs(ba)`)."""
@@ -286,8 +288,11 @@ class Autotuner:
         cpus = os.cpu_count() or 1
         workers = self.max_workers or min(max(total, 1), cpus)
         executor = concurrent.futures.ThreadPoolExecutor(max(workers, 1))
-        processes = lowering.process_count(self.lowering_processes, slow, cpus)
-        exporters = lowering.ExportWorkers(processes) if processes else None
+        exporters = owned = None
+        if self.exporters is not None:
+            exporters = self.exporters
+        elif processes := lowering.process_count(self.lowering_processes, slow, cpus):
+            exporters = owned = lowering.ExportWorkers(processes)
         # The calls share the pool, so the wave gets `timeout` per call in all.
         deadline = time.monotonic() + self.timeout * len(plans)
         try:
@@ -302,8 +307,8 @@ class Autotuner:
                 job.collect(self.timeout)
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
-            if exporters is not None:
-                exporters.close()
+            if owned is not None:
+                owned.close()
         return jobs
 
     def _prepare(self, ba: BoundArguments) -> tuple[list[Any], Any]:

@@ -69,6 +69,17 @@ def process_count(requested: int | None, candidates: int, cpus: int) -> int:
     return min(MAX_PROCESSES, max(1, cpus // 2)) if candidates >= MIN_CANDIDATES else 0
 
 
+def start_early(requested: int | None) -> ExportWorkers | None:
+    """Workers started before `autotune` traces the function, so they have imported JAX
+    and the kernels by the time the first candidate needs them: `requested` of them when
+    given, by default some on a GPU (where Mosaic GPU kernels are slow to lower)."""
+    if requested is None:
+        if jax.default_backend() != "gpu":
+            return None
+        requested = min(MAX_PROCESSES, max(1, (os.cpu_count() or 1) // 2))
+    return ExportWorkers(requested) if requested > 0 else None
+
+
 class ExportWorkers:
     """A few worker processes; `export(...)` runs `export_candidate` in an idle one."""
 
