@@ -313,6 +313,36 @@ def test_worker_processes_lower_candidates_with_the_same_outcomes(monkeypatch):
         assert all(entry.data[ChunkConfig(c)].ok for c in (16, 32, 64))
 
 
+def test_autotune_starts_requested_workers_before_tracing(monkeypatch):
+    """`autotune(lowering_processes=N)` starts the workers first and lends them to every
+    wave; they export the slow-lowering op's candidates and are closed at the end."""
+    from tokamax_pass.autotuning import lowering
+
+    started, closed, exported = [], [], []
+    original_init, original_close = lowering.ExportWorkers.__init__, lowering.ExportWorkers.close
+    original_deserialized = lowering.deserialized
+
+    def init(self, processes):
+        started.append(processes)
+        original_init(self, processes)
+
+    def close(self):
+        closed.append(True)
+        original_close(self)
+
+    monkeypatch.setattr(lowering.ExportWorkers, "__init__", init)
+    monkeypatch.setattr(lowering.ExportWorkers, "close", close)
+    monkeypatch.setattr(lowering, "deserialized",
+                        lambda blob: exported.append(blob) or original_deserialized(blob))
+    x, w = _inputs()
+    result = tokamax.autotune([SlowLoweringMatmul().bind(x, w)], lowering_processes=2,
+                              iterations=2, progress=False)
+    assert started == [2] and closed == [True] and len(exported) == 4
+    assert len(result) == 1
+    assert lowering.start_early(None) is None  # on a CPU backend nothing starts by default
+    assert lowering.start_early(0) is None
+
+
 def test_mosaic_gpu_ops_are_declared_slow_to_lower():
     from tokamax_kernels.attention import (
         PallasMosaicGpuFlashAttention,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokamax_pass.autotuning import cache as cache_lib
-from tokamax_pass.autotuning import discovery, distributed
+from tokamax_pass.autotuning import discovery, distributed, lowering
 from tokamax_pass.autotuning.autotuner import Autotuner, candidate_configs
 from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import registry
@@ -91,6 +91,23 @@ def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignor
                    progress: bool, iterations: int, method: str | None,
                    max_configs: int | None, lowering_processes: int | None) -> AutotuningResult:
     target = current_target()
+    exporters = lowering.start_early(lowering_processes)
+    try:
+        return _tune(f, args, kwargs, target, ignore_cache=ignore_cache,
+                     all_implementations=all_implementations, timeout=timeout,
+                     max_workers=max_workers, progress=progress, iterations=iterations,
+                     method=method, max_configs=max_configs,
+                     lowering_processes=lowering_processes, exporters=exporters)
+    finally:
+        if exporters is not None:
+            exporters.close()
+
+
+def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
+          ignore_cache: bool, all_implementations: bool, timeout: float,
+          max_workers: int | None, progress: bool, iterations: int, method: str | None,
+          max_configs: int | None, lowering_processes: int | None,
+          exporters: lowering.ExportWorkers | None) -> AutotuningResult:
     bound = _collect(f, args, kwargs)
     if all_implementations:
         bound = _expand(bound, target)
@@ -107,7 +124,7 @@ def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignor
     bar = _progress_bar(sum(len(c) for _, c in plans), progress)
     tuner = Autotuner(timeout=timeout, max_workers=max_workers, iterations=iterations,
                       method=method, on_config_done=_advance(bar),
-                      lowering_processes=lowering_processes)
+                      lowering_processes=lowering_processes, exporters=exporters)
     try:
         entries = tuner.tune_many(plans)
     finally:

@@ -206,20 +206,21 @@ OPS_PER_WAVE = 8
 
 @dataclasses.dataclass
 class _Job:
-    """One op call on its way to the timer: its inputs, reference and compiling candidates."""
+    """One op call on its way to the timer: its compiling candidates, and its inputs and
+    reference output being prepared meanwhile."""
 
     ba: BoundArguments
     configs: list[Any]
-    arguments: dict[str, Any]
-    reference: concurrent.futures.Future | None = None
+    prepared: concurrent.futures.Future
     compiles: dict[concurrent.futures.Future, Any] = dataclasses.field(default_factory=dict)
     deadline: float = 0.0
     compiled: dict[Any, Any] = dataclasses.field(default_factory=dict)
     failed: dict[Any, Measurement] = dataclasses.field(default_factory=dict)
+    arrays: list[Any] = dataclasses.field(default_factory=list)
     expected: Any = None
 
     def collect(self, timeout: float) -> None:
-        """Waits for the compiles (until the deadline) and the reference; records failures."""
+        """Waits for the compiles (until the deadline) and the inputs; records failures."""
         done, pending = concurrent.futures.wait(
             self.compiles, timeout=max(0.0, self.deadline - time.monotonic()))
         for future in done:
@@ -232,8 +233,7 @@ class _Job:
             future.cancel()
             self.failed[self.compiles[future]] = Measurement(
                 error=f"timeout: not compiled within {timeout:g} s per op call")
-        if self.reference is not None:
-            self.expected = self.reference.result()
+        self.arrays, self.expected = self.prepared.result()
 
 
 def _round_robin(jobs: Sequence[_Job]) -> Iterator[tuple[_Job, Any]]:
@@ -258,6 +258,8 @@ class Autotuner:
     on_config_done: Callable[[BoundArguments], None] | None = None
     # Processes exporting candidates (`lowering.py`); None: some on waves big enough.
     lowering_processes: int | None = None
+    # Export workers started by the caller (and closed by it); None: per wave, as above.
+    exporters: lowering.ExportWorkers | None = None
 
     def tune(self, ba: BoundArguments, configs: list[Any] | None = None) -> Entry:
         """Measures every config of `ba` (default: `candidate_configs(ba)`)."""
@@ -286,52 +288,63 @@ class Autotuner:
         cpus = os.cpu_count() or 1
         workers = self.max_workers or min(max(total, 1), cpus)
         executor = concurrent.futures.ThreadPoolExecutor(max(workers, 1))
-        processes = lowering.process_count(self.lowering_processes, slow, cpus)
-        exporters = lowering.ExportWorkers(processes) if processes else None
+        exporters = owned = None
+        if self.exporters is not None:
+            exporters = self.exporters
+        elif processes := lowering.process_count(self.lowering_processes, slow, cpus):
+            exporters = owned = lowering.ExportWorkers(processes)
         # The calls share the pool, so the wave gets `timeout` per call in all.
         deadline = time.monotonic() + self.timeout * len(plans)
         try:
-            inputs = [executor.submit(timing_arguments, ba, self.seed) for ba in canonical]
-            jobs = []
-            for ba, configs, arguments in zip(canonical, config_lists, inputs, strict=True):
-                job = _Job(ba, configs, arguments.result(), deadline=deadline)
-                job.reference = (executor.submit(self._reference_output, ba, job.arguments)
-                                 if self.check_numerics else None)
-                jobs.append(job)
+            # Inputs and references first, then every candidate: candidates compile from
+            # abstract shapes, so none waits for another call's random inputs.
+            jobs = [_Job(ba, configs, executor.submit(self._prepare, ba), deadline=deadline)
+                    for ba, configs in zip(canonical, config_lists, strict=True)]
             for job, config in _round_robin(jobs):
-                future = executor.submit(self._compile_one, job.ba, config, job.arguments,
-                                         exporters)
+                future = executor.submit(self._compile_one, job.ba, config, exporters)
                 job.compiles[future] = config
             for job in jobs:
                 job.collect(self.timeout)
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
-            if exporters is not None:
-                exporters.close()
+            if owned is not None:
+                owned.close()
         return jobs
 
+    def _prepare(self, ba: BoundArguments) -> tuple[list[Any], Any]:
+        """The flat input arrays every config of `ba` is timed on, and the reference output
+        (None when numerics go unchecked)."""
+        arguments = timing_arguments(ba, self.seed)
+        _, arrays = benchmarking.standardize_function(
+            call_op(ba.op, ba.vmap, arguments), arguments, seed=None)
+        expected = self._reference_output(ba, arguments) if self.check_numerics else None
+        return arrays, expected
+
     @staticmethod
-    def _compile_one(ba: BoundArguments, config: Any, arguments: dict[str, Any],
-                     workers: lowering.ExportWorkers | None) -> tuple[Any, list[Any]]:
+    def _compile_one(ba: BoundArguments, config: Any,
+                     workers: lowering.ExportWorkers | None) -> Any:
+        """`compile_benchmark`'s runner of one candidate, compiled for `ba`'s shapes."""
         op = ba.op.replace(config=config)
-        f_std, arrays = benchmarking.standardize_function(
+        arguments = _operand_shapes(ba)
+        f_std, specs = benchmarking.standardize_function(
             call_op(op, ba.vmap, arguments), arguments, seed=None)
         if workers is not None and op.slow_lowering:
             try:
-                blob = workers.export(
-                    op, ba.vmap, lowering.abstract(arguments),
-                    jax.export.default_export_platform(), current_target().device_kind)
+                blob = workers.export(op, ba.vmap, arguments,
+                                      jax.export.default_export_platform(),
+                                      current_target().device_kind)
             except Exception:  # noqa: BLE001 - not exportable there: lower it here
                 pass
             else:
                 f_std = lowering.deserialized(blob)
-        return benchmarking.compile_benchmark(f_std, arrays), arrays
+        return benchmarking.compile_benchmark(f_std, specs)
 
     def _time(self, job: _Job) -> Entry:
         results, best = dict(job.failed), float("inf")
         for config in job.configs:
             if config in job.compiled:
-                measurement = self._measure(*job.compiled[config], job.expected, best)
+                measurement = self._measure(job.compiled[config], job.arrays, job.expected,
+                                            best)
                 results[config] = measurement
                 best = min(best, measurement.median_ms)
             self._done(job.ba)

@@ -29,7 +29,6 @@ from typing import Any
 
 import jax
 
-from tokamax_pass.core import spec
 from tokamax_pass.core.device import targeting
 from tokamax_pass.core.op import Op
 
@@ -38,13 +37,6 @@ from tokamax_pass.core.op import Op
 # wave's other work); the other candidates always lower in the tuning process.
 MIN_CANDIDATES = 8
 MAX_PROCESSES = 8
-
-
-def abstract(arguments: dict[str, Any]) -> dict[str, Any]:
-    """`arguments` with every array replaced by its shape and dtype (what lowering needs)."""
-    return jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype) if spec.is_array(v) else v,
-        arguments, is_leaf=lambda v: v is None)
 
 
 def export_candidate(op: Op, vmap: Any, arguments: dict[str, Any], platform: str,
@@ -75,6 +67,17 @@ def process_count(requested: int | None, candidates: int, cpus: int) -> int:
     if requested is not None:
         return requested
     return min(MAX_PROCESSES, max(1, cpus // 2)) if candidates >= MIN_CANDIDATES else 0
+
+
+def start_early(requested: int | None) -> ExportWorkers | None:
+    """Workers started before `autotune` traces the function, so they have imported JAX
+    and the kernels by the time the first candidate needs them: `requested` of them when
+    given, by default some on a GPU (where Mosaic GPU kernels are slow to lower)."""
+    if requested is None:
+        if jax.default_backend() != "gpu":
+            return None
+        requested = min(MAX_PROCESSES, max(1, (os.cpu_count() or 1) // 2))
+    return ExportWorkers(requested) if requested > 0 else None
 
 
 class ExportWorkers:
