@@ -272,6 +272,32 @@ def test_all_implementations_tunes_every_vjp_op_the_backward_can_pick():
     assert {"XlaChunkedDotProductAttention", "DotProductAttention"} <= ops
 
 
+def test_untimed_programs_compile_without_xla_gemm_autotuning(monkeypatch):
+    """A VJP call's residuals and the reference outputs run once: they skip XLA's GEMM
+    autotuning (which serializes with the candidates' compiles on a GPU); the candidates,
+    which are timed, keep it."""
+    from tokamax_pass.autotuning import autotuner
+
+    options = []
+    original_jit = jax.jit
+
+    def jit(fun, **kwargs):
+        options.append(kwargs.get("compiler_options"))
+        return original_jit(fun, **kwargs)
+
+    monkeypatch.setattr(jax, "jit", jit)
+    q = random_normal(0, (1, 32, 2, 16))
+    f = jax.grad(lambda q: tokamax.dot_product_attention(
+        q, q, q, implementation="xla_chunked").sum())
+    result = tokamax.autotune(f, q, ignore_cache=True, progress=False, max_configs=2,
+                              iterations=1)
+    assert {type(ba.op).__name__ for ba, _ in result} == {
+        "XlaChunkedDotProductAttention", "XlaChunkedDotProductAttentionVjp"}
+    untimed = [o for o in options if o == autotuner.UNTIMED_COMPILER_OPTIONS]
+    assert len(untimed) == 3  # two references and the VJP call's residuals
+    assert None in options  # the candidates
+
+
 def test_several_calls_compile_together_then_time_in_order():
     """Calls of one wave are compiled in one pool before any is timed; each keeps its
     own failures, and entries come back in the order of the calls."""

@@ -41,6 +41,10 @@ from tokamax_pass.core.vjp import RESERVED_NAMES, VjpOp
 # Allowed max error relative to the reference output's largest magnitude.
 NUMERICS_RTOL = {jnp.dtype(jnp.float32): 1e-2, jnp.dtype(jnp.float64): 1e-6}
 DEFAULT_NUMERICS_RTOL = 6e-2
+# Compiler options of the programs that run once and are never timed (a VJP call's
+# residuals, the reference outputs): XLA's GEMM autotuning, which runs on the device
+# and serializes with the candidates' compiles, would only make them compile slower.
+UNTIMED_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 
 
 def _distance(config: Any, anchor: Any) -> float:
@@ -126,8 +130,12 @@ def _with_real_residuals(ba: BoundArguments, arguments: dict[str, Any]) -> dict[
         return reference._fwd(**kwargs, config=config, return_residuals=True)
 
     f_std, arrays = benchmarking.standardize_function(forward, kwargs=forward_args, seed=None)
-    out, residuals = jax.jit(f_std)(arrays)
+    out, residuals = _run_untimed(f_std, arrays)
     return {**arguments, "out": out, "residuals": residuals}
+
+
+def _run_untimed(f_std: Callable[[Any], Any], arrays: Any) -> Any:
+    return jax.jit(f_std, compiler_options=UNTIMED_COMPILER_OPTIONS)(arrays)
 
 
 def timing_arguments(ba: BoundArguments, seed: int) -> dict[str, Any]:
@@ -359,7 +367,7 @@ class Autotuner:
         try:
             f_std, arrays = benchmarking.standardize_function(
                 call_op(reference, ba.vmap, arguments), arguments, seed=None)
-            return jax.jit(f_std)(arrays)
+            return _run_untimed(f_std, arrays)
         except Exception:  # noqa: BLE001 - without a reference, numerics go unchecked
             return None
 
