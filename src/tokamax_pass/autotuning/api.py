@@ -67,7 +67,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
       max_workers: threads compiling candidates (default: one per CPU).
       lowering_processes: worker processes exporting the candidates of ops that are slow
         to lower (`Op.slow_lowering`: Mosaic GPU kernels), so they lower in parallel
-        (default: up to 8 when a wave has 8 such candidates or more; 0: none).
+        (default: up to 8, started before `f` is traced on a GPU and elsewhere for a
+        wave of 8 such candidates or more; 12 or 16 were no faster on the H200; 0: none).
       cache: merge the result into the user cache (`result.save_to_cache()`).
       progress: show a tqdm progress bar.
       iterations, method: timed runs per config and the timer (`benchmarking`).
