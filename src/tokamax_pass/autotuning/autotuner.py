@@ -1,7 +1,8 @@
 """The `Autotuner`: time every candidate config of one op call, keep every failure.
 
-Candidates are compiled in parallel threads, then timed one at a time on the
-device on the same random inputs. A config that fails (compile error, timeout,
+Candidates are compiled from abstract shapes in parallel threads while the inputs
+and the reference output are prepared, then timed one at a time on the device on
+the same random inputs. A config that fails (compile error, timeout,
 out of memory, wrong numerics against the family's XLA reference) is recorded
 with its reason instead of raising. A config whose fastest of the first few
 runs is already `early_stop_ratio` times the best median so far stops there.
@@ -11,9 +12,10 @@ integer data such as group sizes); abstract ones are random (normal floats,
 ints in [0, 128), fair bools). An op that needs structured inputs defines
 `random_arguments(self, ba, seed) -> dict[str, Any]` returning the arguments
 to time with; the autotuner calls it when present. A VJP op
-op gets real `out` and `residuals` from its forward family's XLA reference (found
+gets real `out` and `residuals` from its forward family's XLA reference (found
 through a `forward` op field, like `AutodiffVjp`'s, or the registered family whose
-VJP op it is).
+VJP op it is). Those residuals and the reference outputs run once and are never
+timed, so they compile without XLA's GEMM autotuning.
 """
 
 from __future__ import annotations
