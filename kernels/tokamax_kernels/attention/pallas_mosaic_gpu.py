@@ -101,9 +101,12 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
         causal = ba.arguments["is_causal"]
-        # Measured on the H200: 64-row query tiles with 128-row K/V tiles lead at d64
-        # (424 vs 391 TFLOP/s for 128 x 64) and d128; d256 fits only 64 x 64 (registers).
-        if head_dim <= 128:
+        # Measured on the H200: at d64 128 x 128 tiles lead (448 TFLOP/s against 424 for
+        # 64 x 128, `fwd_variant_ab.jsonl`); 64-row query tiles with 128-row K/V tiles
+        # lead at d128; d256 fits only 64 x 64 (registers).
+        if head_dim <= 64 and not causal:
+            preferred = [MosaicAttentionConfig(block_q=128, block_kv=128, num_stages=2)]
+        elif head_dim <= 128:
             preferred = [MosaicAttentionConfig(block_q=64, block_kv=128,
                                                num_stages=2 if causal or head_dim <= 64 else 3)]
         else:
