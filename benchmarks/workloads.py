@@ -117,6 +117,25 @@ def attention(name: str, b: int, s: int, h: int, d: int, causal: bool) -> Worklo
     )
 
 
+def self_attention(name: str, b: int, s: int, h: int, d: int) -> Workload:
+    """`attention(x, x, x)`: one array as query, key and value (the seed model's calls).
+
+    Our backward sees the sharing (`shared_inputs`) and computes `dq + dk + dv` in one
+    kernel; the peers get the same array three times and add three gradients."""
+    base = attention(name, b, s, h, d, causal=False)
+
+    def on_one_array(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if isinstance(fn, Prepared):
+            return Prepared(fn.fn, lambda x: fn.prepare(x, x, x))
+        return lambda x: fn(x, x, x)
+
+    return dataclasses.replace(
+        base, make=lambda: (_normal(0, (b, s, h, d)),),
+        reference=on_one_array(base.reference),
+        ours={k: on_one_array(f) for k, f in base.ours.items()},
+        peers={k: on_one_array(f) for k, f in base.peers.items()})
+
+
 # --- layer norm ------------------------------------------------------------------------
 
 def _xla_norm(x, scale, offset, subtract_mean):
@@ -206,6 +225,7 @@ def all_workloads() -> list[Workload]:
     """The benchmark workloads, most important first (a cut-short run keeps those)."""
     return [
         attention("attention b32 s2048 h16 d64", 32, 2048, 16, 64, causal=False),
+        self_attention("self-attention x,x,x b32 s2048 h16 d64 (seed)", 32, 2048, 16, 64),
         norm("layer norm 65536x4096", (65536, 4096), subtract_mean=True),
         norm("rms norm 65536x4096", (65536, 4096), subtract_mean=False),
         ragged("ragged dot m16384 k4096 n4096 g8", 16384, 4096, 4096, UNEVEN_GROUPS),
@@ -215,6 +235,7 @@ def all_workloads() -> list[Workload]:
         norm("layer norm 32x2048x16x64 no offset (seed)", (32, 2048, 16, 64),
              subtract_mean=True, offset=False, param_dtype=jnp.float32),
         attention("attention b16 s4096 h8 d256", 16, 4096, 8, 256, causal=False),
+        self_attention("self-attention x,x,x b4 s8192 h16 d128", 4, 8192, 16, 128),
     ]
 
 
@@ -222,6 +243,7 @@ def smoke_workloads() -> list[Workload]:
     """Tiny versions of every workload kind, to check the suite itself on CPU."""
     return [
         attention("smoke attention", 1, 32, 2, 16, causal=True),
+        self_attention("smoke self-attention", 1, 32, 2, 16),
         norm("smoke layer norm", (64, 128), subtract_mean=True),
         ragged("smoke ragged dot", 64, 32, 16, (10, 0, 30, 24)),
     ]

@@ -397,3 +397,23 @@ def test_a_worker_exports_a_mosaic_kernel_for_the_h200():
                                      "cuda", "NVIDIA H200")
     text = jax.export.deserialize(bytearray(blob)).mlir_module()
     assert text.count("mosaic_gpu_v2") == 1
+
+
+def test_shared_inputs_are_timed_on_one_array():
+    """A VJP call whose forward got one array as query, key and value is timed and
+    checked with one array under the three names, its gradient summed into the first."""
+    from tokamax_pass.autotuning import autotuner
+
+    x = random_normal(0, (1, 64, 2, 16))
+    f = jax.grad(lambda x: tokamax.dot_product_attention(
+        x, x, x, implementation="xla_chunked").sum())
+    (vjp_ba,) = [ba for ba in tokamax.autotuning.get_bound_args(f, x)
+                 if "shared_inputs" in ba.arguments]
+    arguments = autotuner.timing_arguments(vjp_ba, seed=3)
+    assert arguments["key"] is arguments["query"] and arguments["value"] is arguments["query"]
+    result = tokamax.autotune(f, x, ignore_cache=True, progress=False, max_configs=2,
+                              iterations=1)
+    (entry,) = [e for e in result.entries
+                if type(e.bound.op).__name__ == "XlaChunkedDotProductAttentionVjp"]
+    assert entry.bound.arguments["shared_inputs"] == (("key", "query", "value"),)
+    assert entry.data and all(m.ok for m in entry.data.values())  # numerics agree

@@ -241,3 +241,48 @@ def test_second_order_gradients():
     xn, yn = np.asarray(x, np.float64), np.asarray(y, np.float64)
     assert_close(first(x), 2 * yn * np.cos(xn))
     assert_close(second, -8 * yn**2 * np.sin(xn) * np.cos(xn))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SummedSineVjp(core.VjpOp):
+    """A VJP of `ScaledSine` that computes `dx + dy` itself when x and y are one array."""
+
+    accepts_shared_inputs = True
+
+    def _fwd(self, residuals, out, dout, *, x, y, factor, config, return_residuals,
+             shared_inputs=()):
+        dx, dy = dout * jnp.cos(x) * y * factor, dout * jnp.sin(x) * factor
+        if shared_inputs:
+            return {"x": dx + dy}, None
+        return {"x": dx, "y": dy}, None
+
+
+def _vjp_calls(jaxpr):
+    return [e.params["call"] for e in jaxpr.eqns if core.primitive.is_tokamax_call(e.primitive)
+            and isinstance(e.params["call"].candidates[0], core.VjpOp)]
+
+
+@pytest.mark.parametrize("vjp", [None, SummedSineVjp()], ids=["autodiff", "summed"])
+def test_one_array_under_two_names_gets_one_summed_gradient(vjp):
+    """f(x, x): the VJP call is told the names share an array (`shared_inputs`), and
+    the gradient is the sum autodiff would form, whether the VJP op sums it or not."""
+    x = random_normal(0, (16,))
+    op = ScaledSine(vjp=vjp)
+    grad = jax.grad(lambda x: op(x, x).sum())
+    xn = np.asarray(x, np.float64)
+    assert_close(grad(x), 2.0 * (np.cos(xn) * xn + np.sin(xn)))
+    (call,) = _vjp_calls(jax.make_jaxpr(grad)(x))
+    assert dict(call.statics)  # the group is static: part of the call's cache key
+    assert call.arguments([None] * len(call.operand_indices))["shared_inputs"] == (("x", "y"),)
+    (call,) = _vjp_calls(jax.make_jaxpr(jax.grad(lambda x: op(x, x + 0.0).sum()))(x))
+    assert "shared_inputs" not in call.arguments([None] * len(call.operand_indices))
+
+
+@pytest.mark.parametrize("groups,message", [
+    ((("x", "z"),), "unknown"), ((("x",),), "two or more"), ("xy", "two or more"),
+    ((("x", "y"),), "different shapes"),
+])
+def test_vjp_bind_rejects_bad_shared_inputs(groups, message):
+    x, y = random_normal(0, (4,)), random_normal(1, (5,))
+    with pytest.raises(ValueError, match=message):
+        SummedSineVjp().bind(None, x, x, shared_inputs=groups, x=x, y=y, factor=2.0)

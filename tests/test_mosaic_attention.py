@@ -18,6 +18,7 @@ from tokamax_kernels.attention import (
     dot_product_attention,
 )
 from tokamax_kernels.attention import _mosaic_gpu_common as common
+from tokamax_kernels.attention import pallas_mosaic_gpu_vjp as vjp_module
 from tokamax_kernels.attention._mosaic_gpu_common import (
     MosaicAttentionConfig,
     MosaicAttentionVjpConfig,
@@ -63,6 +64,36 @@ def test_gradient_lowers_to_three_mosaic_kernels(head_dim, kv_heads, causal):
     text = _export(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv).mlir_module()
     assert text.count("mosaic_gpu_v2") == 3  # forward, dq, dk/dv
     assert "PallasMosaicGpuFlashAttentionVjp" in text
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_self_attention_gradient_lowers_to_one_backward_kernel(head_dim):
+    """attention(x, x, x): dq + dk + dv come from one kernel (the shared-input VJP)."""
+    x = _sds((1, 256, 2, head_dim))
+
+    def loss(x, causal=False):
+        return _mosaic(x, x, x, is_causal=causal).astype(jnp.float32).sum()
+
+    text = _export(jax.grad(loss), x).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 2  # forward, dx
+    assert "shared_inputs" in text
+    causal = _export(jax.grad(lambda x: loss(x, causal=True)), x).mlir_module()
+    assert causal.count("mosaic_gpu_v2") == 3  # causal keeps dq and dk/dv
+
+
+def test_shared_kernel_configs_tune_its_own_tiles():
+    x = _sds((32, 2048, 16, 64))
+    vjp = PallasMosaicGpuFlashAttentionVjp()
+    forward = PallasMosaicGpuFlashAttention().bind(x, x, x).arguments
+    ba = vjp.bind((_sds((32, 16, 2048), jnp.float32),), x, x,
+                  shared_inputs=(("key", "query", "value"),), **forward)
+    assert vjp_module.runs_shared_kernel(ba.arguments)
+    assert ba.heuristics_config == MosaicAttentionVjpConfig(block_q_dkv=64, block_kv_dkv=64)
+    configs = ba.autotuning_configs
+    dq_fields = {(c.block_q_dq, c.block_kv_dq) for c in configs}
+    assert dq_fields == {(64, 64)} and {c.num_stages for c in configs} == {2, 3}
+    assert all(vjp_module.shared_fits(c, 2048, 64) for c in configs)
+    assert not vjp_module.runs_shared_kernel({**ba.arguments, "is_causal": True})
 
 
 @pytest.mark.parametrize("lengths", ["query", "key_value", "both"])

@@ -63,6 +63,34 @@ def test_forward_and_gradients_match_reference(shape, causal):
     assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
 
 
+@functools.cache
+def _self_attention_fwd_bwd(implementation):
+    """attention(x, x, x) and its one gradient: the shared-input backward kernel."""
+    def f(x, do):
+        out, pullback = jax.vjp(lambda x: dot_product_attention(
+            x, x, x, implementation=implementation), x)
+        return (out, *pullback(do))
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("shape", [(2, 256, 4, 64), (1, 512, 2, 128), (32, 2048, 16, 64)],
+                         ids=["d64", "d128", "seed"])
+def test_self_attention_matches_reference(shape):
+    x, do = random_normal(0, shape, jnp.bfloat16), random_normal(1, shape, jnp.bfloat16)
+    results = _self_attention_fwd_bwd("mosaic")(x, do)
+    hlo = _self_attention_fwd_bwd("mosaic").lower(x, do).as_text()
+    assert "shared_inputs" in hlo and hlo.count("mosaic_gpu_v2") == 2  # forward, dx
+    b = min(shape[0], 2)  # the f32 reference of the seed shape on two of its batches
+    with reference_precision():
+        f32 = x[:b].astype(jnp.float32)
+        out, pullback = jax.vjp(lambda x: DotProductAttention()(x, x, x), f32)
+        want = (out, *pullback(do[:b].astype(jnp.float32)))
+    for name, got, ref in zip(("out", "dx"), results, want, strict=True):
+        assert_close(got[:b], ref, jnp.bfloat16), name
+    again = _self_attention_fwd_bwd("mosaic")(x, do)
+    assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
+
+
 @pytest.mark.parametrize("kv_heads", [pytest.param(4, id="mha"), pytest.param(2, id="gqa")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sequence_lengths_match_reference(causal, kv_heads):

@@ -2,13 +2,16 @@
 
 Uses the family residual `lse` (any forward's), recomputes the probabilities, and runs
 two Mosaic GPU kernels (`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv per
-query head (GQA/MQA shares summed after it). No atomics: reruns are bitwise identical.
+query head (GQA/MQA shares summed after it). Self-attention on one array
+(`attention(x, x, x)`, non-causal, no lengths) runs one kernel for `dq + dk + dv`
+instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -20,6 +23,7 @@ from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
     mosaic_attention_dq,
 )
 from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionVjpConfig
+from tokamax_kernels.attention._mosaic_gpu_shared_bwd_kernel import mosaic_attention_shared_dx
 from tokamax_kernels.attention.base import DotProductAttentionVjp
 from tokamax_kernels.attention.pallas_mosaic_gpu import check_inputs, check_unsupported_features
 from tokamax_pass.core import BoundArguments, Target
@@ -35,6 +39,30 @@ def backward_smem_bytes(config: MosaicAttentionVjpConfig, head_dim: int) -> int:
     return max(dq, dkv) + 8 * max(wgs * config.block_q_dq, stages * config.block_q_dkv)
 
 
+_QKV = frozenset({"query", "key", "value"})
+
+
+def runs_shared_kernel(arguments: Mapping[str, Any]) -> bool:
+    """True when query, key and value are one array (`shared_inputs`) and nothing else
+    (causal, lengths) needs the general kernels: then one kernel computes their summed
+    gradient."""
+    return (any(_QKV <= set(group) for group in arguments.get("shared_inputs", ()))
+            and not arguments["is_causal"] and arguments["query_seq_lengths"] is None
+            and arguments["key_value_seq_lengths"] is None)
+
+
+def shared_fits(config: MosaicAttentionVjpConfig, seq: int, head_dim: int) -> bool:
+    """The shared kernel's limits: its own rows and streamed rows are the dk/dv fields."""
+    wgs, stages = config.compute_wgs, config.num_stages
+    smem = 2 * head_dim * 2 * (wgs * config.block_kv_dkv + stages * config.block_q_dkv)
+    # f32 registers per thread: the accumulator and four (rows x streamed) tiles.
+    registers = (config.block_kv_dkv * head_dim
+                 + 4 * config.block_kv_dkv * config.block_q_dkv) // 128
+    return (seq % (wgs * config.block_kv_dkv) == 0 and seq % config.block_q_dkv == 0
+            and smem + 8 * (wgs * config.block_kv_dkv + stages * config.block_q_dkv)
+            <= common.SMEM_BYTES and registers <= 192)
+
+
 def fits(config: MosaicAttentionVjpConfig, seq_q: int, seq_kv: int, head_dim: int) -> bool:
     wgs = config.compute_wgs
     # f32 registers per thread: dk + dv accumulators and the two (kv x q) score tiles.
@@ -48,11 +76,19 @@ def fits(config: MosaicAttentionVjpConfig, seq_q: int, seq_kv: int, head_dim: in
             and max(dkv_registers, dq_registers) <= 192)
 
 
+def _config_fits(config: MosaicAttentionVjpConfig, arguments: Mapping[str, Any]) -> bool:
+    q, k = arguments["query"], arguments["key"]
+    if runs_shared_kernel(arguments):
+        return shared_fits(config, q.shape[1], q.shape[3])
+    return fits(config, q.shape[1], k.shape[1], q.shape[3])
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
     """dq, dk, dv of flash attention on Hopper, from the forward's `lse` residual."""
 
     config_cls: ClassVar[type] = MosaicAttentionVjpConfig
+    accepts_shared_inputs: ClassVar[bool] = True
     implementation: ClassVar[str] = "mosaic"
     platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
     slow_lowering: ClassVar[bool] = True
@@ -62,17 +98,17 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         args = ba.arguments
         check_inputs(args, target, head_dims=common.BACKWARD_HEAD_DIMS, q_multiple=128,
                      kv_multiple=128, what=_WHAT)
-        q, k = args["query"], args["key"]
         residuals = args.get("residuals")
         if not (isinstance(residuals, tuple) and len(residuals) == 1):
             raise NotImplementedError(f"{_WHAT} needs the family residuals (lse,)")
-        if self.config is not None and not fits(self.config, q.shape[1], k.shape[1], q.shape[3]):
+        if self.config is not None and not _config_fits(self.config, args):
             raise NotImplementedError(f"{_WHAT}: config {self.config} does not fit these shapes")
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: MosaicAttentionVjpConfig,
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
              bias: Any, mask: Any, scale: float, is_causal: bool, query_seq_lengths: Any,
-             key_value_seq_lengths: Any, **unsupported: Any) -> tuple[dict[str, Any], None]:
+             key_value_seq_lengths: Any, shared_inputs: Any = (), **unsupported: Any
+             ) -> tuple[dict[str, Any], None]:
         del return_residuals, unsupported["precision"]
         check_unsupported_features(dict(bias=bias, mask=mask, **unsupported), _WHAT)
         (lse,) = residuals
@@ -84,6 +120,11 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         if visible is not None:
             # An lse of +inf makes every probability of a row that sees nothing zero.
             lse = jnp.where(visible[:, None, :], lse, jnp.inf)
+        if runs_shared_kernel(dict(shared_inputs=shared_inputs, is_causal=is_causal,
+                                   query_seq_lengths=query_seq_lengths,
+                                   key_value_seq_lengths=key_value_seq_lengths)):
+            dx = mosaic_attention_shared_dx(query, dout, lse, delta, scale=scale, config=config)
+            return {"query": dx}, None
         lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])
         kwargs = dict(scale=scale, causal=is_causal, config=config)
         dq = mosaic_attention_dq(query, key, value, dout, lse, delta, lengths, **kwargs)
@@ -93,6 +134,14 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
     def _get_heuristics_config(self, ba: BoundArguments) -> MosaicAttentionVjpConfig:
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+        if runs_shared_kernel(ba.arguments):
+            # 64 x 64 tiles led at d64 and d128 on the H200 (`shared_dx.jsonl`): larger
+            # ones spill registers (1.4-2.3x slower).
+            for config in (MosaicAttentionVjpConfig(block_q_dkv=64, block_kv_dkv=64),
+                           MosaicAttentionVjpConfig(block_q_dkv=64, block_kv_dkv=64,
+                                                    compute_wgs=1)):
+                if shared_fits(config, seq_q, head_dim):
+                    return config
         preferred = []
         if head_dim <= 64:
             # The seed f_grad's d64 backward on the H200 (four autotunes, session 5):
@@ -109,6 +158,13 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
         wg_choices = common.compute_wg_choices(q.shape[0] * q.shape[2], seq_q, seq_kv)
+        if runs_shared_kernel(ba.arguments):
+            # The dq fields do not apply: keep them at their defaults.
+            return {config for bq, bkv, stages, wgs in itertools.product(
+                        (64, 128), (64, 128), (2, 3), wg_choices)
+                    if shared_fits(config := MosaicAttentionVjpConfig(
+                        block_q_dkv=bq, block_kv_dkv=bkv, num_stages=stages,
+                        compute_wgs=wgs), seq_q, head_dim)}
         configs = set()
         for bq, bkv, bq2, bkv2, stages, wgs in itertools.product(
                 (64, 128), (64, 128), (64, 128), (64, 128), (2, 3), wg_choices):

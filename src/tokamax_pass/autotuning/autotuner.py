@@ -14,7 +14,8 @@ ints in [0, 128), fair bools). An op that needs structured inputs defines
 to time with; the autotuner calls it when present. A VJP op
 gets real `out` and `residuals` from its forward family's XLA reference (found
 through a `forward` op field, like `AutodiffVjp`'s, or the registered family whose
-VJP op it is). Those residuals and the reference outputs run once and are never
+VJP op it is), and the same array for the argument names grouped in its
+`shared_inputs`. Those residuals and the reference outputs run once and are never
 timed, so they compile without XLA's GEMM autotuning.
 """
 
@@ -147,6 +148,9 @@ def timing_arguments(ba: BoundArguments, seed: int) -> dict[str, Any]:
         return dict(hook(ba, seed))
     arguments = _randomize(_operand_shapes(ba), seed)
     if isinstance(ba.op, VjpOp):
+        # Names the forward call got one array under stay one array (`shared_inputs`).
+        for first, *rest in arguments.get("shared_inputs", ()):
+            arguments.update(dict.fromkeys(rest, arguments[first]))
         arguments = _with_real_residuals(ba, arguments)
     return arguments
 

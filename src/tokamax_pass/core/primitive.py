@@ -25,7 +25,12 @@ from jax.interpreters import ad, batching, mlir
 
 from tokamax_pass.core import device, resolution, sharding, spec
 from tokamax_pass.core.op import BoundArguments, Op, VmapLevel
-from tokamax_pass.core.vjp import RESERVED_NAMES, VjpOp, complete_gradients
+from tokamax_pass.core.vjp import (
+    RESERVED_NAMES,
+    VjpOp,
+    complete_gradients,
+    shared_input_groups,
+)
 
 METADATA_KEY = "tokamax_pass_spec"
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -108,12 +113,15 @@ class OpCall:
 
         def fn(*operands: Any) -> Any:
             arguments = self.arguments(operands)
+            shared = arguments.get("shared_inputs", ()) if isinstance(op, VjpOp) else ()
+            if shared and not op.accepts_shared_inputs:
+                del arguments["shared_inputs"]
             out, residuals = op._fwd(
                 **arguments, config=config, return_residuals=self.return_residuals
             )
             if isinstance(op, VjpOp):
                 forward = {k: v for k, v in arguments.items() if k not in RESERVED_NAMES}
-                out = complete_gradients(out, forward)
+                out = complete_gradients(out, forward, shared)
             return (out, residuals) if self.return_residuals else out
 
         for level in reversed(self.vmap):
@@ -288,7 +296,9 @@ def _cotangents(call: OpCall, operands: Sequence[Any], grads: dict[str, Any]) ->
 
 
 def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
-    """Binds the call; its gradient goes through the candidates' VJP ops."""
+    """Binds the call; its gradient goes through the candidates' VJP ops, told which
+    arguments were one array (`shared_inputs`, see `core.vjp`)."""
+    shared = shared_input_groups(call.arguments(operands))
 
     @jax.custom_vjp
     def op_call(*operands: Any) -> Any:
@@ -302,8 +312,9 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
         operands, out, residuals = saved
         arguments = call.arguments(operands)
         vjp_ops = tuple(dict.fromkeys(op.vjp_op() for op in call.candidates))
+        extra = {"shared_inputs": shared} if shared else {}
         grads = call_ops(
-            vjp_ops, (), dict(residuals=residuals, out=out, dout=dout, **arguments),
+            vjp_ops, (), dict(residuals=residuals, out=out, dout=dout, **arguments, **extra),
             explicit=call.explicit, partition_as=call.candidates[0], through_vjp_ops=False,
         )
         return _cotangents(call, operands, grads)

@@ -3,12 +3,18 @@
 A VJP op is called with the forward's residuals, its output, the output's
 cotangent and the forward's arguments, and returns the gradients as a dict
 keyed by argument name (a missing name means a zero gradient).
+
+When the forward call got one array under several names (`attention(x, x, x)`),
+the VJP call also gets `shared_inputs`, those names grouped (`(("query", "key",
+"value"),)`), and its gradients come out summed into each group's first name (the
+others zero): what autodiff adds up anyway. An op that can compute the sum directly
+sets `accepts_shared_inputs` and receives the groups in `_fwd`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -16,19 +22,26 @@ import jax.numpy as jnp
 from tokamax_pass.core import spec
 from tokamax_pass.core.op import BoundArguments, Op
 
-RESERVED_NAMES = ("residuals", "out", "dout")
+RESERVED_NAMES = ("residuals", "out", "dout", "shared_inputs")
+SharedInputs = tuple[tuple[str, ...], ...]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VjpOp(Op):
     """Base of every VJP op: binds `(residuals, out, dout, **forward_arguments)`."""
 
-    def bind(self, residuals: Any, out: Any, dout: Any, **forward_arguments: Any) -> BoundArguments:
+    # True if `_fwd` takes `shared_inputs` and returns each group's summed gradient.
+    accepts_shared_inputs: ClassVar[bool] = False
+
+    def bind(self, residuals: Any, out: Any, dout: Any, shared_inputs: SharedInputs = (),
+             **forward_arguments: Any) -> BoundArguments:
         clash = set(RESERVED_NAMES) & set(forward_arguments)
         if clash:
             raise ValueError(f"forward arguments may not be named {sorted(clash)}")
+        shared_inputs = _check_shared_inputs(shared_inputs, forward_arguments)
+        extra = {"shared_inputs": shared_inputs} if shared_inputs else {}
         return BoundArguments(
-            self, {"residuals": residuals, "out": out, "dout": dout, **forward_arguments}
+            self, {"residuals": residuals, "out": out, "dout": dout, **forward_arguments, **extra}
         )
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
@@ -37,6 +50,35 @@ class VjpOp(Op):
 
     def _default_vjp(self) -> Op:
         return AutodiffVjp(forward=self.replace(vjp=None))
+
+
+def _check_shared_inputs(groups: Any, forward_arguments: dict[str, Any]) -> SharedInputs:
+    """`groups` as a tuple of name tuples, each name a forward argument of one shape."""
+    try:
+        groups = tuple(tuple(str(name) for name in group) for group in groups)
+    except TypeError:
+        raise ValueError(
+            f"shared_inputs must be groups of argument names, got {groups!r}") from None
+    for group in groups:
+        unknown = [name for name in group if name not in forward_arguments]
+        if len(group) < 2 or unknown:
+            raise ValueError(f"shared_inputs group {group!r} must name two or more forward "
+                             f"arguments (unknown: {unknown})")
+        shapes = {getattr(forward_arguments[name], "shape", None) for name in group}
+        if len(shapes) != 1:
+            raise ValueError(f"shared_inputs group {group!r} names arguments of different "
+                             f"shapes {sorted(map(str, shapes))}: they cannot be one array")
+    return groups
+
+
+def shared_input_groups(arguments: dict[str, Any]) -> SharedInputs:
+    """Groups of top-level argument names bound to one array object (the same traced
+    value), in argument order: what a VJP call gets as `shared_inputs`."""
+    by_identity: dict[int, list[str]] = {}
+    for name, value in arguments.items():
+        if spec.is_array(value):
+            by_identity.setdefault(id(value), []).append(name)
+    return tuple(tuple(names) for names in by_identity.values() if len(names) > 1)
 
 
 def differentiable(value: Any) -> bool:
@@ -77,9 +119,12 @@ class AutodiffVjp(VjpOp):
         return jax.tree.unflatten(treedef, grad_leaves), None
 
 
-def complete_gradients(grads: dict[str, Any], forward_arguments: dict[str, Any]) -> dict[str, Any]:
+def complete_gradients(grads: dict[str, Any], forward_arguments: dict[str, Any],
+                       shared_inputs: SharedInputs = ()) -> dict[str, Any]:
     """`grads` with the forward arguments' structure: zeros where a float input got no
-    gradient, `None` for inputs that have none (ints, bools, statics)."""
+    gradient, `None` for inputs that have none (ints, bools, statics); each group of
+    `shared_inputs` summed into its first name (see the module docstring)."""
+    grads = _sum_shared(dict(grads or {}), forward_arguments, shared_inputs)
 
     def complete(arg: Any, grad: Any) -> Any:
         if not differentiable(arg):
@@ -97,3 +142,18 @@ def complete_gradients(grads: dict[str, Any], forward_arguments: dict[str, Any])
             grad = jax.tree.map(lambda _: None, arg, is_leaf=lambda v: v is None)
         result[name] = jax.tree.map(complete, arg, grad, is_leaf=lambda v: v is None)
     return result
+
+
+def _sum_shared(grads: dict[str, Any], forward_arguments: dict[str, Any],
+                shared_inputs: SharedInputs) -> dict[str, Any]:
+    for first, *rest in shared_inputs:
+        if not differentiable(forward_arguments[first]):
+            continue
+        dtype = forward_arguments[first].dtype
+        wide = jnp.promote_types(dtype, jnp.float32)
+        parts = [grads.get(name) for name in (first, *rest)]
+        parts = [p.astype(wide) for p in parts if p is not None]
+        grads[first] = sum(parts[1:], parts[0]).astype(dtype) if parts else None
+        for name in rest:
+            grads[name] = None
+    return grads
