@@ -91,6 +91,29 @@ def test_self_attention_matches_reference(shape):
     assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
 
 
+def test_self_attention_wide_lse_range_takes_the_exact_path():
+    """Head 1 mixes rows of norm ~8 and ~48: its lse spans far more than
+    `FACTORED_LSE_RANGE`, so its probabilities take the second exp2 (head 0 the factors)."""
+    x = random_normal(0, (1, 256, 2, 64))
+    row_scale = jnp.where(jnp.arange(256) % 3 == 0, 6.0, 1.0)[:, None]
+    x = x.at[0, :, 1].multiply(row_scale).astype(jnp.bfloat16)
+    do = random_normal(1, x.shape, jnp.bfloat16)
+    lse2 = DotProductAttention()._fwd(
+        x.astype(jnp.float32), x.astype(jnp.float32), x.astype(jnp.float32), None, None,
+        scale=0.125, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+        local_window_size=None, logits_soft_cap=None, precision=None, config=None,
+        return_residuals=True)[1][0] * np.log2(np.e)
+    spans = np.ptp(np.asarray(lse2), axis=-1)[0]
+    assert spans[0] < 64 < spans[1]
+    results = _self_attention_fwd_bwd("mosaic")(x, do)
+    with reference_precision():
+        out, pullback = jax.vjp(lambda x: DotProductAttention()(x, x, x), x.astype(jnp.float32))
+        want = (out, *pullback(do.astype(jnp.float32)))
+    for head in (0, 1):
+        for name, got, ref in zip(("out", "dx"), results, want, strict=True):
+            assert_close(got[:, :, head], ref[:, :, head], jnp.bfloat16), (name, head)
+
+
 @pytest.mark.parametrize("kv_heads", [pytest.param(4, id="mha"), pytest.param(2, id="gqa")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sequence_lengths_match_reference(causal, kv_heads):

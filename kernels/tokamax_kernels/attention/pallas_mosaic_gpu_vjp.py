@@ -59,7 +59,7 @@ def shared_fits(config: MosaicAttentionVjpConfig, seq: int, head_dim: int) -> bo
     registers = (config.block_kv_dkv * head_dim
                  + 4 * config.block_kv_dkv * config.block_q_dkv) // 128
     return (seq % (wgs * config.block_kv_dkv) == 0 and seq % config.block_q_dkv == 0
-            and smem + 8 * (wgs * config.block_kv_dkv + stages * config.block_q_dkv)
+            and smem + 12 * (wgs * config.block_kv_dkv + stages * config.block_q_dkv)
             <= common.SMEM_BYTES and registers <= 192)
 
 
