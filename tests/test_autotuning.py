@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,25 @@ def test_measured_implementations_rank_implementation_none():
 def test_ranking_keeps_the_given_order_within_the_tie_margin():
     assert cache._rank_by_time([1.0, 1.03, 0.99, 2.0, 1.5]) == [0, 1, 2, 4, 3]
     assert cache._rank_by_time([3.0, 1.0]) == [1, 0]
+    assert cache._rank_by_time([math.inf, 2.0, 1.0]) == [2, 1, 0]  # failed everywhere: last
+
+
+def test_a_candidate_that_failed_every_config_ranks_last():
+    """The family's first choice failed every config (out of memory, say): `None` takes
+    the measured one instead of falling back to the family order."""
+    x, w = _inputs()
+    f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
+    reference = _result({ChunkConfig(16): 2.0}, ChunkedMatmul()).entries[0]
+    xla = Entry(reference.bound, {tokamax.NullConfig(): Measurement((3.0,))},
+                reference.provenance)
+    chunked = _result({ChunkConfig(16): 1.0}).entries[0]
+    failed_chunked = Entry(chunked.bound, {ChunkConfig(16): Measurement(error="out of memory")},
+                           chunked.provenance)
+    kind = current_target().device_kind
+    with tokamax.AutotuningResult(kind, [xla, failed_chunked]):
+        text = jax.jit(f).lower(x, w).as_text()
+    chosen = json.loads(discovery.specs_from_text(text)[0])["op"]["dataclass"]
+    assert chosen.rsplit(".")[-1] == "ChunkedMatmul"
 
 
 def test_json_round_trips_paths_and_files(tmp_path):

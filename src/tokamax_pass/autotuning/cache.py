@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import logging
+import math
 import os
 import pathlib
 import tempfile
@@ -249,7 +250,9 @@ class CacheStack:
             for ba in candidates:
                 entry = lookup(ba)
                 times.append(None if entry is None else entry.best_time_ms)
-            if all(t is not None and t < float("inf") for t in times):
+            # A candidate that failed every config (out of memory, say) ranks last; one
+            # that was never measured leaves the order to the next layer.
+            if all(t is not None for t in times) and min(times) < math.inf:
                 return _rank_by_time(times)
         return None
 
