@@ -5,7 +5,7 @@ cotangent and the forward's arguments, and returns the gradients as a dict
 keyed by argument name (a missing name means a zero gradient).
 
 When the forward call got one array under several names (`attention(x, x, x)`),
-the VJP call also gets `shared_inputs`, those names grouped (`(("query", "key",
+the VJP call also gets `shared_inputs`, those names grouped (`(("key", "query",
 "value"),)`), and its gradients come out summed into each group's first name (the
 others zero): what autodiff adds up anyway. An op that can compute the sum directly
 sets `accepts_shared_inputs` and receives the groups in `_fwd`.
@@ -73,7 +73,7 @@ def _check_shared_inputs(groups: Any, forward_arguments: dict[str, Any]) -> Shar
 
 def shared_input_groups(arguments: dict[str, Any]) -> SharedInputs:
     """Groups of top-level argument names bound to one array object (the same traced
-    value), in argument order: what a VJP call gets as `shared_inputs`."""
+    value), in the arguments' pytree (alphabetical) order: a VJP call's `shared_inputs`."""
     by_identity: dict[int, list[str]] = {}
     for name, value in arguments.items():
         if spec.is_array(value):
