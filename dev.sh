@@ -50,6 +50,7 @@ case "${1:-}" in
     setup_venv
     .venv/bin/python -m ruff check src kernels tests benchmarks
     .venv/bin/python -m pytest -q -n 2 tests
+    .venv/bin/python -m benchmarks.models --smoke
     setup_bazel
     bazel test --config=ci //...
     bazel shutdown

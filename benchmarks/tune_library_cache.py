@@ -2,6 +2,7 @@
 
     python -m benchmarks.tune_library_cache [--only SUBSTRING ...] [--output DIR]
     python -m benchmarks.tune_library_cache --stale   # retune only the stale shipped entries
+    python -m benchmarks.tune_library_cache --merge RESULT.json ...   # ship dumped results
 
 Every op call of each workload's gradient program (forward and VJP ops) is timed with
 every implementation of its family and their configs (`all_implementations=True`),
@@ -10,6 +11,8 @@ best config. Results merge into `DIR/<device_kind>/<implementation>.json` (defau
 the package's `src/tokamax_pass/data/autotuning`), which `tokamax_pass` reads as the
 library cache. `--stale` retunes just the shipped entries whose kernel source changed
 (the same op calls, the same implementation), so a kernel edit costs its own retuning.
+`--merge` ships autotuning results dumped elsewhere (the model suite's `--tuned-dir`
+on the device), failures dropped, so `None` knows the models' own shapes.
 """
 
 from __future__ import annotations
@@ -50,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
     parser.add_argument("--stale", action="store_true",
                         help="retune only the shipped entries whose provenance is stale")
+    parser.add_argument("--merge", nargs="+", metavar="RESULT",
+                        help="autotuning result files (AutotuningResult.dump) to ship")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, pathlib.Path(args.output))
     if args.stale:
         return retune_stale(pathlib.Path(args.output))
     candidates = wl.smoke_workloads() if args.smoke else wl.all_workloads()
@@ -65,6 +72,21 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - start
         written = cache.write_library_cache(result, args.output)
         print(f"{workload.name}: {len(list(result))} op calls tuned in {seconds:.1f} s -> "
+              f"{', '.join(pathlib.Path(w).name for w in written)}", flush=True)
+    return 0
+
+
+def merge(paths: list[str], output: pathlib.Path) -> int:
+    """Writes the fresh, successful measurements of dumped results into the library cache."""
+    import tokamax_kernels  # noqa: F401 - registers the op families the entries name
+
+    for path in paths:
+        result = tokamax.AutotuningResult.load(path).without_errors()
+        fresh = [e for e in result.entries
+                 if e.data and keys.stale_reason(e.bound.op, e.provenance) is None]
+        written = cache.write_library_cache(
+            tokamax.AutotuningResult(result.device_kind, fresh), output)
+        print(f"{path}: {len(fresh)} of {len(result)} entries shipped -> "
               f"{', '.join(pathlib.Path(w).name for w in written)}", flush=True)
     return 0
 

@@ -186,6 +186,35 @@ def norm(name: str, shape: tuple[int, ...], subtract_mean: bool, offset: bool = 
     )
 
 
+# --- gated linear unit -----------------------------------------------------------------
+
+
+def glu(name: str, m: int, k: int, n: int) -> Workload:
+    """SwiGLU on fused (K, 2, N) weights; the peer is the jnp expression a user writes."""
+    ours = {
+        f"tokamax {impl or 'None'}": functools.partial(
+            lambda x, w, impl: tokamax.gated_linear_unit(x, w, implementation=impl), impl=impl)
+        for impl in ("triton", "xla", None)
+    }
+    peers = {"jnp swish(x @ w[:, 0]) * (x @ w[:, 1])":
+             lambda x, w: jax.nn.swish(x @ w[:, 0]) * (x @ w[:, 1])}
+
+    def reference(x, w):
+        x, w = x.astype(jnp.float32), w.astype(jnp.float32)
+        hi = jax.lax.Precision.HIGHEST
+        return jax.nn.swish(jnp.matmul(x, w[:, 0], precision=hi)) * jnp.matmul(
+            x, w[:, 1], precision=hi)
+
+    return Workload(
+        name=name, family="gated_linear_unit",
+        make=lambda: (_normal(0, (m, k)), _normal(1, (k, 2, n)) / math.sqrt(k)),
+        work=lambda mode: 2 * m * k * 2 * n * (3.0 if mode == "fwd+bwd" else 1.0),
+        unit="TFLOP/s", reference=reference, ours=ours, peers=peers,
+        ceilings={"dense matmul (xla)": lambda x, w: ceilings.dense_matmul_xla(
+            x, w.reshape(1, k, 2 * n))},
+    )
+
+
 # --- ragged dot ------------------------------------------------------------------------
 
 UNEVEN_GROUPS = (2070, 2092, 2015, 2002, 2059, 2064, 2064, 2018)
@@ -224,6 +253,9 @@ def ragged(name: str, m: int, k: int, n: int, groups: tuple[int, ...]) -> Worklo
 def all_workloads() -> list[Workload]:
     """The benchmark workloads, most important first (a cut-short run keeps those)."""
     return [
+        glu("glu 16384x2048x5632 (llama)", 16384, 2048, 5632),
+        norm("rms norm 16384x2048 f32 scale (llama)", (4, 4096, 2048), subtract_mean=False,
+             offset=False, param_dtype=jnp.float32),
         attention("attention b32 s2048 h16 d64", 32, 2048, 16, 64, causal=False),
         self_attention("self-attention x,x,x b32 s2048 h16 d64 (seed)", 32, 2048, 16, 64),
         norm("layer norm 65536x4096", (65536, 4096), subtract_mean=True),
@@ -246,4 +278,5 @@ def smoke_workloads() -> list[Workload]:
         self_attention("smoke self-attention", 1, 32, 2, 16),
         norm("smoke layer norm", (64, 128), subtract_mean=True),
         ragged("smoke ragged dot", 64, 32, 16, (10, 0, 30, 24)),
+        glu("smoke glu", 64, 32, 48),
     ]

@@ -57,3 +57,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def measured(device_kind: str, times: dict, *args, **kwargs):
+    """An `AutotuningResult` for `device_kind` timing each op of `times` (`{op: ms}`) on
+    `op.bind(*args, **kwargs)` with its heuristics config: evidence for `None` to act on."""
+    from tokamax_pass import AutotuningResult, core
+    from tokamax_pass.autotuning import keys
+    from tokamax_pass.autotuning.result import Entry, Measurement
+
+    entries = []
+    for op, ms in times.items():
+        bound = keys.canonical(op.bind(*args, **kwargs))
+        with core.targeting(device_kind):
+            config = bound.heuristics_config
+        entries.append(Entry(bound, {config: Measurement((ms,))}, keys.provenance(bound.op)))
+    return AutotuningResult(device_kind, entries)

@@ -112,35 +112,69 @@ def test_nested_contexts_innermost_wins():
     assert tokamax.autotuning.active_results() == ()
 
 
-def test_measured_implementations_rank_implementation_none():
+def _chosen_class(f, *args):
+    text = jax.jit(f).lower(*args).as_text()
+    return json.loads(discovery.specs_from_text(text)[0])["op"]["dataclass"].rsplit(".")[-1]
+
+
+def _xla_entry(time_ms, shape=(M, K, N)):
+    m, k, n = shape
+    bound = keys.canonical(ChunkedMatmul().bind(jax.ShapeDtypeStruct((m, k), jnp.float32),
+                                                jax.ShapeDtypeStruct((k, n), jnp.float32)))
+    return Entry(bound, {tokamax.NullConfig(): Measurement((time_ms,))},
+                 keys.provenance(bound.op))
+
+
+def _chunked_entry(time_ms, shape=(M, K, N), dtype=jnp.float32):
+    m, k, n = shape
+    bound = keys.canonical(XlaChunkedMatmul().bind(jax.ShapeDtypeStruct((m, k), dtype),
+                                                   jax.ShapeDtypeStruct((k, n), dtype)))
+    return Entry(bound, {ChunkConfig(16): Measurement((time_ms,))}, keys.provenance(bound.op))
+
+
+def test_implementation_none_runs_a_kernel_only_where_measured_faster():
     x, w = _inputs()
     f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
-    reference = _result({ChunkConfig(16): 2.0}, ChunkedMatmul())  # NullConfig key below
-    ref_entry = reference.entries[0]
-    xla = Entry(ref_entry.bound, {tokamax.NullConfig(): Measurement((1.0,))}, ref_entry.provenance)
-    slow_chunked = _result({ChunkConfig(16): 5.0})
-    fast_chunked = _result({ChunkConfig(16): 0.5})
-
-    def chosen_class():
-        text = jax.jit(f).lower(x, w).as_text()
-        return json.loads(discovery.specs_from_text(text)[0])["op"]["dataclass"].rsplit(".")[-1]
-
     kind = current_target().device_kind
-    assert chosen_class() == "XlaChunkedMatmul"  # the family's preference order
-    with slow_chunked | tokamax.AutotuningResult(kind, [xla]):
-        assert chosen_class() == "ChunkedMatmul"
-    with fast_chunked | tokamax.AutotuningResult(kind, [xla]):
-        assert chosen_class() == "XlaChunkedMatmul"
-    # Within the noise margin of the fastest, the family's order wins.
-    tie = _result({ChunkConfig(16): 1.0 * (1 + cache.TIE_MARGIN / 2)})
-    with tie | tokamax.AutotuningResult(kind, [xla]):
-        assert chosen_class() == "XlaChunkedMatmul"
+    # Nothing measured: the plain-JAX path, although the kernel comes first in the family.
+    assert _chosen_class(f, x, w) == "ChunkedMatmul"
+    with tokamax.AutotuningResult(kind, [_chunked_entry(0.5)]):  # the xla path unmeasured
+        assert _chosen_class(f, x, w) == "ChunkedMatmul"
+    with tokamax.AutotuningResult(kind, [_chunked_entry(5.0), _xla_entry(1.0)]):
+        assert _chosen_class(f, x, w) == "ChunkedMatmul"
+    with tokamax.AutotuningResult(kind, [_chunked_entry(0.5), _xla_entry(1.0)]):
+        assert _chosen_class(f, x, w) == "XlaChunkedMatmul"
+    # Faster, but within the noise margin: the plain path stays.
+    within = 1.0 - cache.TIE_MARGIN / 2
+    with tokamax.AutotuningResult(kind, [_chunked_entry(within), _xla_entry(1.0)]):
+        assert _chosen_class(f, x, w) == "ChunkedMatmul"
+
+
+def test_a_measured_neighbouring_shape_stands_in_for_an_unmeasured_one():
+    x, w = _inputs()
+    f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
+    kind = current_target().device_kind
+    near, far = (M * 2, K, N), (M * 4, K, N)
+    with tokamax.AutotuningResult(kind, [_chunked_entry(0.5, near), _xla_entry(1.0, near)]):
+        assert _chosen_class(f, x, w) == "XlaChunkedMatmul"
+    with tokamax.AutotuningResult(kind, [_chunked_entry(0.5, far), _xla_entry(1.0, far)]):
+        assert _chosen_class(f, x, w) == "ChunkedMatmul"  # beyond MAX_RATIO: not a neighbour
+    # The nearest neighbour decides: a slow kernel next door outweighs a fast one farther.
+    with tokamax.AutotuningResult(kind, [
+            _chunked_entry(0.5, (M * 2, K * 2, N)), _xla_entry(1.0, (M * 2, K * 2, N)),
+            _chunked_entry(3.0, near), _xla_entry(1.0, near)]):
+        assert _chosen_class(f, x, w) == "ChunkedMatmul"
+    # Another dtype is another kind of call, never a neighbour.
+    bf16 = _chunked_entry(0.5, near, jnp.bfloat16)
+    with tokamax.AutotuningResult(kind, [bf16, _xla_entry(1.0, near)]):
+        assert _chosen_class(f, x, w) == "ChunkedMatmul"
 
 
 def test_ranking_keeps_the_given_order_within_the_tie_margin():
-    assert cache._rank_by_time([1.0, 1.03, 0.99, 2.0, 1.5]) == [0, 1, 2, 4, 3]
-    assert cache._rank_by_time([3.0, 1.0]) == [1, 0]
-    assert cache._rank_by_time([math.inf, 2.0, 1.0]) == [2, 1, 0]  # failed everywhere: last
+    times = [1.0, 1.03, 0.99, 2.0, 1.5]
+    assert cache._rank_by_time(range(5), times) == [0, 1, 2, 4, 3]
+    assert cache._rank_by_time([0, 1], [3.0, 1.0]) == [1, 0]
+    assert cache._rank_by_time([0, 1, 2], [math.inf, 2.0, 1.0]) == [2, 1, 0]  # failed: last
 
 
 def test_a_candidate_that_failed_every_config_ranks_last():

@@ -6,11 +6,14 @@ import json
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tk
-from conftest import H200, assert_close, random_normal, reference_precision
+from conftest import H200, assert_close, measured, random_normal, reference_precision
 from test_optimize import ChunkConfig, _result, _square_bound
+from tokamax_kernels.layer_norm.base import LayerNorm
+from tokamax_kernels.layer_norm.pallas_triton import PallasTritonLayerNorm
 from tokamax_pass.cli import main
 
 MODEL = textwrap.dedent("""
@@ -58,9 +61,16 @@ def test_export_for_cpu_and_h200_with_results(model, tmp_path, capsys):
     x, scale = random_normal(0, (8, 16)), random_normal(1, (16,))
     tuned = tmp_path / "tuned.json"
     _result((_square_bound(x, scale), ChunkConfig(4))).dump(str(tuned))
+    # The H200 measured the Triton norm faster at this shape: `None` takes it for cuda.
+    x64 = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    scale64 = jax.ShapeDtypeStruct((64,), jnp.float32)
+    h200 = tmp_path / "h200.json"
+    measured(H200, {PallasTritonLayerNorm(): 1.0, LayerNorm(): 2.0}, x64, scale64,
+             None).dump(str(h200))
     out = tmp_path / "both"
     assert main(["export", "cli_model:loss", "--args", "f32[8,64]", "f32[64]",
-                 "--platforms", "cpu,cuda", "--device-kind", H200, "-o", str(out)]) == 0
+                 "--platforms", "cpu,cuda", "--device-kind", H200, "--results", str(h200),
+                 "-o", str(out)]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["device_kinds"] == {"cpu": "cpu", "cuda": H200}
     assert {(op["platform"], op["implementation"]) for op in manifest["ops"]} == {

@@ -12,7 +12,7 @@ import pytest
 from jax.experimental.custom_partitioning import custom_partitioning
 
 import tokamax_pass as tokamax
-from conftest import assert_close, random_normal
+from conftest import assert_close, measured, random_normal
 from tokamax_pass import core
 from tokamax_pass.core import spec
 
@@ -146,7 +146,15 @@ def test_bind_errors_propagate():
 
 def test_each_platform_lowers_its_own_implementation():
     x = jax.ShapeDtypeStruct((4,), jnp.float32)
-    with core.targeting("NVIDIA H200"):
+    # `None` runs the GPU kernel where a measurement says it wins, the XLA path elsewhere.
+    evidence = measured("NVIDIA H200", {GpuOnlySine(): 1.0, ScaledSine(): 2.0}, x, x)
+    for implementation, gpu_kernel in ((None, False), (("gpu_only", "xla"), True)):
+        with core.targeting("NVIDIA H200"):
+            exported = jax.export.export(jax.jit(lambda x, y, i=implementation: FAMILY(
+                i, x, y)), platforms=("cpu", "cuda"))(x, x)
+        text = exported.mlir_module().replace("\\22", '"')
+        assert ("GpuOnlySine" in text) == gpu_kernel and "ScaledSine" in text
+    with evidence, core.targeting("NVIDIA H200"):
         exported = jax.export.export(
             jax.jit(lambda x, y: FAMILY(None, x, y)), platforms=("cpu", "cuda"))(x, x)
     text = exported.mlir_module().replace("\\22", '"')

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from conftest import H200
+from conftest import H200, measured
 from tokamax_kernels.attention import (
+    CudnnDotProductAttention,
+    DotProductAttention,
     PallasMosaicGpuFlashAttention,
     PallasMosaicGpuFlashAttentionVjp,
     dot_product_attention,
@@ -113,9 +115,14 @@ def test_sequence_lengths_lower_forward_and_gradient(lengths):
     assert text.count("mosaic_gpu_v2") == 3
 
 
-def test_automatic_picks_mosaic_for_h200_and_xla_otherwise():
+def test_automatic_picks_mosaic_for_h200_where_measured_faster_and_xla_otherwise():
     q = _sds((1, 256, 2, 64))
-    text = _export(lambda q: dot_product_attention(q, q, q), q).mlir_module()
+    f = lambda q: dot_product_attention(q, q, q)  # noqa: E731
+    assert "mosaic_gpu_v2" not in _export(f, q).mlir_module()  # unmeasured: plain paths
+    evidence = measured(H200, {PallasMosaicGpuFlashAttention(): 1.0, DotProductAttention(): 3.0,
+                               CudnnDotProductAttention(): 2.0}, q, q, q)
+    with evidence:
+        text = _export(f, q).mlir_module()
     assert "mosaic_gpu_v2" in text
     mask = _sds((1, 1, 256, 256), jnp.bool_)
     text = _export(lambda q, m: dot_product_attention(q, q, q, mask=m), q, mask).mlir_module()

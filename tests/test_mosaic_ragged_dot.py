@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import tokamax_pass
-from conftest import H200, assert_close, random_normal, reference_precision
+from conftest import H200, assert_close, measured, random_normal, reference_precision
 from tokamax_kernels.ragged_dot import PallasMosaicGpuRaggedDot, RaggedDot, ragged_dot
 from tokamax_kernels.ragged_dot import api as ragged_api
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import Config
@@ -80,10 +80,21 @@ def test_gradient_lowers_dlhs_and_drhs_kernels():
         assert any(f'"variant":"{variant}"' in s for s in specs), variant
 
 
-def test_none_prefers_mosaic_on_hopper():
+def test_none_prefers_mosaic_on_hopper_where_measured_faster():
     assert ragged_api.FAMILY.automatic[0] == "mosaic"
-    text = _export_text(lambda a, b, s: ragged_dot(a, b, s), *_shapes("forward"))
-    assert "mosaic_gpu_v2" in text
+    f = lambda a, b, s: ragged_dot(a, b, s)  # noqa: E731
+    assert "mosaic_gpu_v2" not in _export_text(f, *_shapes("forward"))  # unmeasured
+    with _target():
+        evidence = measured(H200, {PallasMosaicGpuRaggedDot(): 1.0, RaggedDot(): 4.0},
+                            *_shapes("forward"))
+    with evidence:
+        assert "mosaic_gpu_v2" in _export_text(f, *_shapes("forward"))
+    # A measured neighbour (twice the rows) stands in for this shape too.
+    with _target():
+        evidence = measured(H200, {PallasMosaicGpuRaggedDot(): 1.0, RaggedDot(): 4.0},
+                            *_shapes("forward", m=2 * M))
+    with evidence:
+        assert "mosaic_gpu_v2" in _export_text(f, *_shapes("forward"))
 
 
 @pytest.mark.parametrize("variant, shapes, why", [

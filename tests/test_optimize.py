@@ -49,6 +49,9 @@ def _chunked(fn, x, chunk):
 class ChunkedSquare(Square):
     config_cls = ChunkConfig
     implementation = "chunked"
+    # A user's op may declare its kernel safe to run unmeasured; these tests exercise
+    # config resolution, not the choice of implementation.
+    plain_jax_path = True
 
     def check_supported(self, ba, target):
         super().check_supported(ba, target)
@@ -72,6 +75,7 @@ class ChunkedSquare(Square):
 class ChunkedSquareVjp(VjpOp):
     config_cls = ChunkConfig
     implementation = "chunked"
+    plain_jax_path = True
 
     def _fwd(self, residuals, out, dout, *, config, return_residuals, x, scale):
         dx = _chunked(lambda c: c, 2 * x * scale * dout, config.chunk)

@@ -147,6 +147,20 @@ class DotProductAttention(Op[NullConfig]):
 
         return partition_rule(ba)
 
+    def similarity_arguments(self, arguments: Any) -> dict[str, Any]:
+        """Batch and heads merged (their split does not matter to a kernel), the head dim
+        and GQA group exact (they do), the scale and soft cap's value dropped."""
+        query, key = arguments["query"], arguments["key"]
+        batch, q_len, heads, head_dim = query.shape
+        kv_len, kv_heads = key.shape[1], key.shape[2]
+        return {
+            **arguments,
+            "query": jax.ShapeDtypeStruct((batch * heads, q_len), query.dtype),
+            "key": jax.ShapeDtypeStruct((kv_len,), key.dtype), "value": None,
+            "head_dim": head_dim, "group": heads // kv_heads, "scale": None,
+            "logits_soft_cap": arguments["logits_soft_cap"] is not None,
+        }
+
     def bind(self, query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,
              scale: float | None = None, is_causal: bool = False,
              query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
@@ -245,6 +259,8 @@ class DotProductAttentionVjp(VjpOp):
     Returns gradients for query, key, value and a float bias; mask and sequence
     lengths get none. It ignores the residuals, so it pairs with any forward.
     """
+
+    forward_family = DotProductAttention
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,

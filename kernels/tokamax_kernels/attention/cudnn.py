@@ -184,6 +184,7 @@ class CudnnDotProductAttention(DotProductAttention):
     """cuDNN flash attention (NVIDIA GPUs, bf16/f16); see the module docstring."""
 
     implementation = "cudnn"
+    plain_jax_path = True  # jax.nn.dot_product_attention(implementation="cudnn")
     platforms = frozenset({"cuda"})
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
@@ -210,6 +211,7 @@ class CudnnDotProductAttentionVjp(DotProductAttentionVjp):
     """cuDNN's fused backward, fed with the forward's `(lse,)` residual and output."""
 
     implementation = "cudnn"
+    plain_jax_path = True  # jax.nn.dot_product_attention(implementation="cudnn")
     platforms = frozenset({"cuda"})
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:

@@ -89,6 +89,7 @@ class PallasTritonGatedLinearUnitVjp(TritonKernel, VjpOp):
     """The gated-linear-unit gradient (Triton pre-activation gradients + XLA matmuls)."""
 
     config_cls: ClassVar[type] = Config
+    forward_family = GatedLinearUnit
 
     def reference_op(self) -> Op:
         return AutodiffVjp(forward=GatedLinearUnit())

@@ -196,6 +196,7 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
     """The gradient of `LayerNorm` (any implementation's residuals) as a Triton kernel."""
 
     config_cls = Config
+    forward_family = LayerNorm
 
     def reference_op(self) -> Op:
         return AutodiffVjp(forward=LayerNorm())

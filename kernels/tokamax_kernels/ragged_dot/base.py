@@ -250,6 +250,12 @@ class RaggedDotVjp(VjpOp):
 
     inner: Op = dataclasses.field(default_factory=RaggedDot)
 
+    forward_family = RaggedDot
+
+    @property
+    def runs_without_evidence(self) -> bool:
+        return self.inner.runs_without_evidence
+
     def reference_op(self) -> Op:
         return RaggedDotVjp(inner=self.inner.reference_op())
 

@@ -11,10 +11,10 @@ skipped; a corrupt file is reported and left in place, never overwritten.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.resources
 import logging
-import math
 import os
 import pathlib
 import tempfile
@@ -24,7 +24,7 @@ from typing import Any
 
 import filelock
 
-from tokamax_pass.autotuning import keys
+from tokamax_pass.autotuning import keys, neighbours
 from tokamax_pass.autotuning.result import AutotuningResult, Entry, active_results
 from tokamax_pass.core import spec
 from tokamax_pass.core.device import device_kind_key
@@ -216,59 +216,97 @@ def _fresh(entry: Entry | None, label: str) -> Entry | None:
 Lookup = Callable[[BoundArguments], Entry | None]
 
 
-def layers(device_kind: str | None, *, caches: bool = True) -> list[tuple[str, Lookup]]:
-    """`(label, lookup)` for each source in resolution order."""
-    found: list[tuple[str, Lookup]] = [
-        ("autotuning result", r.entry) for r in active_results()
-        if device_kind is None or r.device_kind in (None, device_kind)
-    ]
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One source of measurements in resolution order: its label, its result, and a
+    lookup that ignores (and reports) stale entries."""
+
+    label: str
+    result: AutotuningResult
+    lookup: Lookup
+
+
+def layers(device_kind: str | None, *, caches: bool = True) -> list[Layer]:
+    """Each source of measurements, in resolution order."""
+    found = [Layer("autotuning result", r, r.entry) for r in active_results()
+             if device_kind is None or r.device_kind in (None, device_kind)]
     if caches:
-        user = _USER.result(device_kind)
-        if user is not None:
-            found.append(("user cache", lambda ba: _fresh(user.entry(ba), "user cache")))
-        library = library_result(device_kind)
-        if library is not None:
-            found.append(("library cache", lambda ba: _fresh(library.entry(ba), "library cache")))
+        for label, result in (("user cache", _USER.result(device_kind)),
+                              ("library cache", library_result(device_kind))):
+            if result is not None:
+                found.append(Layer(label, result, functools.partial(_fresh_entry, result, label)))
     return found
+
+
+def _fresh_entry(result: AutotuningResult, label: str, ba: BoundArguments) -> Entry | None:
+    return _fresh(result.entry(ba), label)
 
 
 class CacheStack:
     """The `ConfigSource` registered with `core.resolution`: results, user and library caches."""
 
     def find_config(self, ba: BoundArguments, device_kind: str | None) -> tuple[Any, str] | None:
-        for label, lookup in layers(device_kind):
-            entry = lookup(ba)
+        for layer in layers(device_kind):
+            entry = layer.lookup(ba)
             fastest = None if entry is None else entry.fastest
             if fastest is not None:
-                return fastest[0], label
+                return fastest[0], layer.label
         return None
 
     def rank(self, candidates: Sequence[BoundArguments],
              device_kind: str | None) -> list[int] | None:
-        for _, lookup in layers(device_kind):
-            times = []
-            for ba in candidates:
-                entry = lookup(ba)
-                times.append(None if entry is None else entry.best_time_ms)
-            # A candidate that failed every config (out of memory, say) ranks last; one
-            # that was never measured leaves the order to the next layer.
-            if all(t is not None for t in times) and min(times) < math.inf:
-                return _rank_by_time(times)
-        return None
+        stack = layers(device_kind)
+        exact = [_first_time(ba, stack) for ba in candidates]
+        order = rank_with_evidence(candidates, exact)
+        if order is not None:
+            return order
+        return rank_with_evidence(candidates, neighbours.nearest_times(candidates, stack))
 
 
-# Timings this close to the fastest are a tie (H200 run-to-run noise is ~4%): ties keep the
-# family's automatic order, which prefers kernels whose backward pass is fast too (a
-# forward-only timing says nothing about the residuals a training step needs).
+def _first_time(ba: BoundArguments, stack: Sequence[Layer]) -> float | None:
+    for layer in stack:
+        entry = layer.lookup(ba)
+        if entry is not None:
+            return entry.best_time_ms
+    return None
+
+
+# Timings this close are a tie (H200 run-to-run noise is ~4%). A kernel displaces the
+# plain-JAX paths (`Op.runs_without_evidence`) only when measured faster by more than this;
+# among kernels, and among plain paths, ties keep the family's automatic order.
 TIE_MARGIN = 0.05
 
 
-def _rank_by_time(times: Sequence[float]) -> list[int]:
-    """Candidate indices: those within `TIE_MARGIN` of the fastest in their given order,
-    then the rest fastest first."""
-    best = min(times)
-    ties = [i for i, t in enumerate(times) if t <= best * (1 + TIE_MARGIN)]
-    rest = sorted((i for i, t in enumerate(times) if t > best * (1 + TIE_MARGIN)),
+def rank_with_evidence(candidates: Sequence[BoundArguments],
+                       times: Sequence[float | None]) -> list[int] | None:
+    """Indices of the candidates `implementation=None` may use, best first, or `None`
+    when the measurements cannot compare them with the plain-JAX paths.
+
+    A kernel (an implementation that does not run without evidence) is listed only when
+    it was measured more than `TIE_MARGIN` faster than every plain-JAX candidate; the
+    plain-JAX candidates follow (measured ones fastest first), so the call never runs a
+    kernel that was measured slower, or not measured, on this shape.
+    """
+    plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
+    if not plain:
+        measured = [i for i, t in enumerate(times) if t is not None]
+        return _rank_by_time(measured, times) if len(measured) == len(times) else None
+    if any(times[i] is None for i in plain):
+        return None
+    best_plain = min(times[i] for i in plain)
+    winners = [i for i, ba in enumerate(candidates) if not ba.op.runs_without_evidence
+               and times[i] is not None and times[i] < best_plain * (1 - TIE_MARGIN)]
+    return _rank_by_time(winners, times) + _rank_by_time(plain, times)
+
+
+def _rank_by_time(indices: Sequence[int], times: Sequence[float]) -> list[int]:
+    """`indices`: those within `TIE_MARGIN` of the fastest in their given order, then the
+    rest fastest first."""
+    if not indices:
+        return []
+    best = min(times[i] for i in indices)
+    ties = [i for i in indices if times[i] <= best * (1 + TIE_MARGIN)]
+    rest = sorted((i for i in indices if times[i] > best * (1 + TIE_MARGIN)),
                   key=lambda i: times[i])
     return ties + rest
 

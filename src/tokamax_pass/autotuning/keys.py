@@ -111,3 +111,30 @@ def stale_reason(op: Op, recorded: dict[str, Any] | None) -> str | None:
         if recorded.get(name) != current[name]:
             return f"{label} changed ({recorded.get(name)} -> {current[name]})"
     return None
+
+
+def similarity(ba: BoundArguments) -> tuple[str, tuple[int, ...]]:
+    """`(category, sizes)`: calls of one category differ only in array sizes, so a
+    measurement at one stands in for its neighbours (see `cache.nearest_measured`).
+
+    The category holds the op (config stripped), every static argument and each
+    array's dtype and rank, after the op's `similarity_arguments` dropped what its speed
+    does not depend on; `sizes` lists the arrays' dimensions and the vmap sizes.
+    """
+    sizes: list[int] = []
+
+    def strip(value: Any) -> Any:
+        if spec.is_array(value):
+            sizes.extend(int(d) for d in value.shape)
+            return f"{jax.numpy.dtype(value.dtype).name}[rank {len(value.shape)}]"
+        if isinstance(value, (tuple, list)):
+            return [strip(v) for v in value]
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in sorted(value.items())}
+        return spec.encode(value)
+
+    arguments = strip(ba.op.similarity_arguments(dict(ba.arguments)))
+    vmap = [list(level.axes) for level in ba.vmap]
+    sizes.extend(level.size for level in ba.vmap)
+    category = spec.dumps({"op": op_key(ba.op), "arguments": arguments, "vmap": vmap})
+    return category, tuple(sizes)

@@ -79,6 +79,11 @@ class Op[C]:
     # Mosaic GPU kernels: 0.3-0.6 s each); the autotuner lowers such candidates in
     # worker processes instead of one thread at a time.
     slow_lowering: ClassVar[bool] = False
+    # Whether `implementation=None` may pick this implementation without a measurement:
+    # true for the XLA reference and for plain JAX's own fused paths (`jax.nn`'s cuDNN
+    # attention), which is what a user runs without us. Kernels stay false: they displace
+    # these only where a measurement at the shape (or a measured neighbour) says they win.
+    plain_jax_path: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -122,6 +127,15 @@ class Op[C]:
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[C]:
         return set()
 
+    def similarity_arguments(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The arguments as far as this op's speed depends on them, for matching a call
+        with measurements at neighbouring shapes (`autotuning.keys.similarity`).
+
+        Families override it to drop what does not matter to a kernel (a scale's dtype,
+        an absent offset) and to merge axes whose split does not matter (leading axes).
+        """
+        return dict(arguments)
+
     def _default_vjp(self) -> Op:
         from tokamax_pass.core.vjp import AutodiffVjp
 
@@ -139,6 +153,11 @@ class Op[C]:
 
     def vjp_op(self) -> Op:
         return self.vjp if self.vjp is not None else self._default_vjp()
+
+    @property
+    def runs_without_evidence(self) -> bool:
+        """True for the implementations `None` picks when nothing was measured."""
+        return self.implementation == "xla" or self.plain_jax_path
 
     def reference_op(self) -> Op:
         """The family's XLA reference: the class right under `Op` in the hierarchy."""

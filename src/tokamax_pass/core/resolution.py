@@ -2,9 +2,13 @@
 
 Config order, first hit wins: a pinned config -> the registered config sources
 (active `AutotuningResult`s, the user cache, the library cache; registered by
-`tokamax_pass.autotuning`) -> the implementation's heuristics. For
-`implementation=None` the candidates are tried in the family's preference
-order unless a source has measured them on this shape and device.
+`tokamax_pass.autotuning`) -> the implementation's heuristics.
+
+For `implementation=None` the promise is never to be slower than plain JAX: a kernel
+runs only where a source measured it faster than the plain-JAX paths (the XLA
+reference, `jax.nn`'s cuDNN attention) on this shape, or on a measured neighbouring
+shape (`autotuning.neighbours`); everywhere else the plain-JAX paths run, in the
+family's order.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ class ConfigSource(Protocol):
     def rank(
         self, candidates: Sequence[BoundArguments], device_kind: str | None
     ) -> list[int] | None:
-        """Indices of `candidates`, fastest first, if this source measured them all."""
+        """Indices of the candidates to try, best first, if this source measured enough
+        to compare them; candidates left out must not run."""
 
 
 _SOURCES: list[ConfigSource] = []
@@ -67,13 +72,18 @@ def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> 
 def _ranked(
     candidates: list[BoundArguments], target: Target, explicit: bool
 ) -> list[BoundArguments]:
-    if explicit or len(candidates) < 2:
+    """The candidates `implementation=None` may use, best first (see the module docstring).
+
+    With no measurement to go on, only the plain-JAX paths (`Op.runs_without_evidence`)
+    remain: a kernel runs only where it was measured faster at this shape or a neighbour.
+    """
+    if explicit:
         return candidates
     for source in _SOURCES:
         order = source.rank(candidates, target.device_kind)
         if order is not None:
             return [candidates[i] for i in order]
-    return candidates
+    return [ba for ba in candidates if ba.op.runs_without_evidence] or candidates
 
 
 def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bool) -> Choice:

@@ -32,6 +32,19 @@ class VjpOp(Op):
 
     # True if `_fwd` takes `shared_inputs` and returns each group's summed gradient.
     accepts_shared_inputs: ClassVar[bool] = False
+    # The forward op family whose `similarity_arguments` this VJP op's speed follows.
+    forward_family: ClassVar[type[Op] | None] = None
+
+    def similarity_arguments(self, arguments: Any) -> dict[str, Any]:
+        """The forward arguments, as the forward family compares them (residuals, output
+        and cotangent follow from those)."""
+        forward = {k: val for k, val in arguments.items() if k not in RESERVED_NAMES}
+        shared = arguments.get("shared_inputs")
+        family = self.forward_family
+        if family is None and isinstance(getattr(self, "forward", None), Op):
+            family = type(self.forward)
+        found = family().similarity_arguments(forward) if family is not None else forward
+        return {**found, "shared_inputs": shared} if shared else found
 
     def bind(self, residuals: Any, out: Any, dout: Any, shared_inputs: SharedInputs = (),
              **forward_arguments: Any) -> BoundArguments:

@@ -1,0 +1,110 @@
+"""Decoder language models: Llama-3-style dense, Mixtral-style MoE, Gemma-2-style.
+
+Each is `init(key, config) -> params` and `loss(ops, params, batch) -> scalar`, one
+training step being `jax.grad(loss)` over the parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.models import blocks
+from benchmarks.models.blocks import AttentionShape, Params
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Sizes of a decoder. `experts > 0` makes each MLP a top-`top_k` mixture of experts;
+    `soft_cap`/`window` give Gemma-2's attention (windowed layers alternate with global
+    ones) and `final_soft_cap` its capped logits."""
+
+    layers: int
+    batch: int
+    seq: int
+    width: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp: int
+    vocab: int
+    experts: int = 0
+    top_k: int = 2
+    activation: str = "silu"
+    soft_cap: float | None = None
+    window: int | None = None
+    final_soft_cap: float | None = None
+
+    @property
+    def attention(self) -> AttentionShape:
+        return AttentionShape(self.width, self.heads, self.kv_heads, self.head_dim)
+
+
+_ACTIVATIONS = {"silu": jax.nn.swish, "gelu": jax.nn.gelu}
+
+
+def init(key: jax.Array, c: DecoderConfig) -> Params:
+    keys = jax.random.split(key, c.layers + 2)
+    layers = []
+    for layer_key in keys[:c.layers]:
+        ka, kn1, kn2, kg, kd, kr = jax.random.split(layer_key, 6)
+        layer = {"attention": blocks.init_attention(ka, c.attention),
+                 "attention_norm": blocks.norm_scale(kn1, c.width),
+                 "mlp_norm": blocks.norm_scale(kn2, c.width)}
+        if c.experts:
+            layer["router"] = blocks.normal(kr, (c.width, c.experts), c.width, jnp.float32)
+            layer["gate_up"] = blocks.normal(kg, (c.experts, c.width, 2 * c.mlp), c.width)
+            layer["down"] = blocks.normal(kd, (c.experts, c.mlp, c.width), c.mlp)
+        else:
+            layer["gate_up"] = blocks.normal(kg, (c.width, 2, c.mlp), c.width)
+            layer["down"] = blocks.normal(kd, (c.mlp, c.width), c.mlp)
+        layers.append(layer)
+    return {"embed": blocks.normal(keys[-2], (c.vocab, c.width), 1),
+            "layers": layers,
+            "final_norm": blocks.norm_scale(keys[-1], c.width),
+            "head": blocks.normal(jax.random.fold_in(keys[-1], 1), (c.width, c.vocab), c.width)}
+
+
+def _moe(ops, p: Params, h: jax.Array, c: DecoderConfig) -> jax.Array:
+    """Top-k routing; tokens sorted by expert; SwiGLU experts as two ragged dots."""
+    b, s, w = h.shape
+    x = h.reshape(b * s, w)
+    router_logits = x.astype(jnp.float32) @ p["router"]
+    weights, experts = jax.lax.top_k(jax.nn.softmax(router_logits, axis=-1), c.top_k)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    flat_experts = experts.reshape(-1)
+    order = jnp.argsort(flat_experts)
+    rows = x[order // c.top_k]
+    group_sizes = jnp.bincount(flat_experts, length=c.experts).astype(jnp.int32)
+    gate_up = ops.ragged_dot(rows, p["gate_up"], group_sizes)
+    hidden = (_ACTIVATIONS[c.activation](gate_up[:, :c.mlp].astype(jnp.float32))
+              * gate_up[:, c.mlp:].astype(jnp.float32)).astype(x.dtype)
+    out_sorted = ops.ragged_dot(hidden, p["down"], group_sizes)
+    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
+    out = out.reshape(b * s, c.top_k, w).astype(jnp.float32)
+    return jnp.einsum("tkw,tk->tw", out, weights).astype(h.dtype).reshape(b, s, w)
+
+
+def _mlp(ops, p: Params, h: jax.Array, c: DecoderConfig) -> jax.Array:
+    if c.experts:
+        return _moe(ops, p, h, c)
+    return ops.glu(h, p["gate_up"], _ACTIVATIONS[c.activation]) @ p["down"]
+
+
+def loss(ops, params: Params, batch: dict[str, jax.Array], c: DecoderConfig) -> jax.Array:
+    x = params["embed"][batch["tokens"]]
+    for i, p in enumerate(params["layers"]):
+        window = c.window if c.window is not None and i % 2 == 0 else None
+        h = ops.rms_norm(x, p["attention_norm"])
+        x = x + blocks.attention_block(ops, p["attention"], h, c.attention, causal=True,
+                                       window=window, soft_cap=c.soft_cap)
+        x = x + _mlp(ops, p, ops.rms_norm(x, p["mlp_norm"]), c)
+    h = ops.rms_norm(x, params["final_norm"])
+    return blocks.cross_entropy(h @ params["head"], batch["labels"], c.final_soft_cap)
+
+
+def make_batch(key: jax.Array, c: DecoderConfig) -> dict[str, jax.Array]:
+    return blocks.token_batch(key, c.batch, c.seq, c.vocab)
+

@@ -1,0 +1,132 @@
+"""The switch every model is written against: plain JAX, or the kernel library.
+
+`PLAIN` is what a user writes without us: jnp norms, `jax.nn.dot_product_attention`
+(cuDNN on a GPU, where it supports the options; a jnp attention where it does not,
+as for Gemma-2's logit soft cap), `jax.lax.ragged_dot` for the experts, and the GLU
+as `activation(h @ w[:, 0]) * (h @ w[:, 1])`. `Library(tokamax_pass)` calls our ops
+with `implementation=None`; `Library(tokamax)` calls the upstream wheel's ops the same
+way, where it is installed. Both take the same parameters, so one model definition
+serves all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _jnp_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                   window: int | None, soft_cap: float | None) -> jax.Array:
+    """Attention as a user writes it in jnp when `jax.nn` cannot (soft cap): float32
+    logits, the cap, the masks, softmax, bf16 probabilities into the second product."""
+    b, t, n, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, d)
+    logits = jnp.einsum("bthgd,bshd->bhgts", q, k, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(d)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    rows, cols = jnp.arange(t)[:, None], jnp.arange(k.shape[1])[None, :]
+    keep = jnp.ones((t, k.shape[1]), bool)
+    if causal:
+        keep &= cols <= rows
+    if window is not None:
+        keep &= rows - cols <= window
+    logits = jnp.where(keep, logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgts,bshd->bthgd", probs, v)
+    return out.reshape(b, t, n, d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    """Plain JAX: what the model costs without a kernel library."""
+
+    name: str = "plain"
+
+    def rms_norm(self, x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+    def layer_norm(self, x: jax.Array, scale: jax.Array, offset: jax.Array,
+                   eps: float = 1e-6) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        centered = xf - jnp.mean(xf, axis=-1, keepdims=True)
+        y = centered * jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + eps)
+        return (y * scale.astype(jnp.float32) + offset.astype(jnp.float32)).astype(x.dtype)
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                  window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+        if soft_cap is not None:
+            return _jnp_attention(q, k, v, causal=causal, window=window, soft_cap=soft_cap)
+        cudnn = _on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal,
+            local_window_size=None if window is None else (window, 0),
+            implementation="cudnn" if cudnn else None)
+
+    def glu(self, h: jax.Array, w: jax.Array,
+            activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        return activation(h @ w[:, 0]) * (h @ w[:, 1])
+
+    def ragged_dot(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """A kernel library's ops, every implementation `None` (ours, or upstream Tokamax)."""
+
+    module: ModuleType
+    name: str
+
+    def rms_norm(self, x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+        return self.module.layer_norm(x, scale, None, epsilon=eps, subtract_mean=False)
+
+    def layer_norm(self, x: jax.Array, scale: jax.Array, offset: jax.Array,
+                   eps: float = 1e-6) -> jax.Array:
+        return self.module.layer_norm(x, scale, offset, epsilon=eps)
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                  window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+        extra: dict[str, Any] = {}
+        if window is not None:
+            extra["local_window_size"] = (window, 0)
+        if soft_cap is not None:
+            extra["logits_soft_cap"] = soft_cap
+        return self.module.dot_product_attention(q, k, v, is_causal=causal, **extra)
+
+    def glu(self, h: jax.Array, w: jax.Array,
+            activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        return self.module.gated_linear_unit(h, w, activation=activation)
+
+    def ragged_dot(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return self.module.ragged_dot(x, w, group_sizes)
+
+
+def variants(upstream: bool = False) -> dict[str, Any]:
+    """`{"plain": Plain(), "ours": Library(tokamax_pass)}`, and with `upstream` the
+    `tokamax` wheel's ops as `"upstream"` where it is installed."""
+    import tokamax_pass
+
+    found: dict[str, Any] = {"plain": Plain(), "ours": Library(tokamax_pass, "ours")}
+    if not upstream:
+        return found
+    try:
+        import tokamax  # the upstream wheel, a peer where installed
+    except ImportError:
+        return found
+    if getattr(tokamax, "__name__", "") == "tokamax" and tokamax is not tokamax_pass:
+        found["upstream"] = Library(tokamax, "upstream")
+    return found

@@ -1,0 +1,246 @@
+"""Times one training step of each model for every variant, or checks them on CPU.
+
+Variants: `plain` (plain JAX), `ours` (our ops, `implementation=None`, under `jax.jit`),
+`optimize` (`tokamax_pass.optimize`), `tuned` (after `autotune(..., all_implementations=True,
+ignore_cache=True)`, its wall time recorded), and `upstream` (the Tokamax wheel, where
+installed). Device time (CUPTI on a GPU), median of `--iterations` runs after warm-up;
+every variant of a model in one process, its ratio to plain JAX beside it. Results go to
+`benchmarks/results/<device_kind>/models.json` (and `.png`), written after every number
+so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import jax
+import numpy as np
+
+import tokamax_pass as tokamax
+from benchmarks.models import MODELS, Model, ops
+from tokamax_pass import benchmarking
+from tokamax_pass.autotuning import cache
+from tokamax_pass.core.device import device_kind_key
+
+RESULTS = pathlib.Path(__file__).parent.parent / "results"
+VARIANTS = ("plain", "ours", "optimize", "tuned", "upstream")
+# Smoke tolerance: bf16 models whose roundings differ in place (relative norm of the
+# difference, per gradient leaf and for the loss).
+SMOKE_TOLERANCE = 3e-2
+
+
+def _inputs(model: Model, smoke: bool) -> tuple[Any, Any]:
+    config = model.sized(smoke)
+    return (model.init(jax.random.key(0), config),
+            model.make_batch(jax.random.key(1), config))
+
+
+def _relative(a: Any, b: Any) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / (scale if scale > 0 else 1.0))
+
+
+def smoke(names: list[str]) -> list[str]:
+    """Runs each model tiny on this machine; our loss and gradients must match plain JAX's.
+
+    Returns the failures (empty when all match).
+    """
+    variants = ops.variants()
+    failures = []
+    for name in names:
+        model = MODELS[name]
+        params, batch = _inputs(model, smoke=True)
+        outputs = {}
+        for variant in ("plain", "ours"):
+            step = jax.jit(jax.value_and_grad(model.loss_fn(variants[variant], smoke=True)))
+            outputs[variant] = step(params, batch)
+        (loss_plain, grad_plain), (loss_ours, grad_ours) = outputs["plain"], outputs["ours"]
+        errors = {"loss": _relative(loss_ours, loss_plain)}
+        for (path, g_ours), g_plain in zip(jax.tree_util.tree_leaves_with_path(grad_ours),
+                                           jax.tree.leaves(grad_plain), strict=True):
+            errors[jax.tree_util.keystr(path)] = _relative(g_ours, g_plain)
+        worst = max(errors, key=errors.get)
+        finite = all(math.isfinite(e) for e in errors.values())
+        ok = finite and errors[worst] <= SMOKE_TOLERANCE
+        print(f"{name}: loss {float(loss_plain):.4f} (plain) vs {float(loss_ours):.4f} (ours); "
+              f"worst gradient difference {errors[worst]:.2e} at {worst}: "
+              f"{'ok' if ok else 'MISMATCH'}", flush=True)
+        if not ok:
+            failures.append(f"{name}: {worst} differs by {errors[worst]:.2e}")
+    return failures
+
+
+def _device_ms(step: Any, params: Any, batch: Any, iterations: int) -> dict[str, float]:
+    data = benchmarking.benchmark(step, params, batch, iterations=iterations)
+    return {"ms": data.median_evaluation_time_ms, "compile_s": data.compile_time_ms / 1e3,
+            "method": data.method}
+
+
+def time_model(model: Model, variants: list[str], iterations: int, record: Any, *,
+               tuned_dir: str | None = None, tiny: bool = False) -> None:
+    """Times each variant's training step; `record(key, value)` stores each number.
+
+    `tuned_dir`: where the `tuned` variant's autotuning result is dumped
+    (`<model>_tuned.json`, for the library cache). `tiny`: the smoke sizes.
+    """
+    switch = ops.variants(upstream="upstream" in variants)
+    params, batch = _inputs(model, smoke=tiny)
+    grad = {name: jax.grad(model.loss_fn(lib, smoke=tiny)) for name, lib in switch.items()}
+    steps = {"plain": lambda: jax.jit(grad["plain"]),
+             "ours": lambda: jax.jit(grad["ours"]),
+             "optimize": lambda: tokamax.optimize(grad["ours"])}
+    if "upstream" in switch:
+        steps["upstream"] = lambda: jax.jit(grad["upstream"])
+    for variant in variants:
+        try:
+            if variant == "tuned":
+                _time_tuned(model, grad["ours"], params, batch, iterations, record, tuned_dir)
+            elif variant not in steps:
+                record(variant, {"skipped": "not installed"})
+            else:
+                record(variant, _device_ms(steps[variant](), params, batch, iterations))
+            if variant == "optimize":
+                record("optimize_plan", str(tokamax.optimize(grad["ours"]).plan(params, batch)))
+        except Exception as e:  # noqa: BLE001 - a failing variant is a result
+            traceback.print_exc()
+            record(variant, {"error": f"{type(e).__name__}: {str(e)[:300]}"})
+
+
+def _time_tuned(model: Model, step: Any, params: Any, batch: Any, iterations: int,
+                record: Any, tuned_dir: str | None) -> None:
+    """`autotune(..., all_implementations=True)` from an empty user cache (its wall time
+    recorded), then the step under the result."""
+    with tempfile.TemporaryDirectory() as empty:
+        previous = os.environ.get(cache.ENV_CACHE_DIR)
+        os.environ[cache.ENV_CACHE_DIR] = empty
+        try:
+            start = time.perf_counter()
+            result = tokamax.autotune(step, params, batch, all_implementations=True,
+                                      ignore_cache=True, progress=False)
+            record("autotune_s", time.perf_counter() - start)
+            record("autotune_op_calls", len(result))
+            if tuned_dir:
+                path = pathlib.Path(tuned_dir) / f"{model.name}_tuned.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                result.dump(path)
+            with result:
+                record("tuned", _device_ms(jax.jit(step), params, batch, iterations))
+        finally:
+            if previous is None:
+                os.environ.pop(cache.ENV_CACHE_DIR, None)
+            else:
+                os.environ[cache.ENV_CACHE_DIR] = previous
+
+
+def _chart(results: dict[str, Any], path: pathlib.Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(results["models"])
+    fig, ax = plt.subplots(figsize=(2 + 2.2 * len(names), 4))
+    width = 0.8 / len(VARIANTS)
+    for j, variant in enumerate(VARIANTS):
+        speedups = []
+        for name in names:
+            row = results["models"][name]
+            plain, this = row.get("plain", {}).get("ms"), row.get(variant, {}).get("ms")
+            speedups.append(plain / this if plain and this else 0.0)
+        ax.bar([i + j * width for i in range(len(names))], speedups, width, label=variant)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    ax.set_ylabel("training step speed vs plain JAX (x)")
+    ax.set_title(f"Model suite, {results['device_kind']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _summary(results: dict[str, Any]) -> str:
+    lines = [f"{'model':10s} " + " ".join(f"{v:>16s}" for v in VARIANTS)]
+    for name, row in results["models"].items():
+        plain = row.get("plain", {}).get("ms")
+        cells = []
+        for variant in VARIANTS:
+            ms = row.get(variant, {}).get("ms")
+            cells.append(f"{ms:8.2f} ({plain / ms:4.2f}x)" if ms and plain else f"{'-':>16s}")
+        lines.append(f"{name:10s} " + " ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", choices=sorted(MODELS), help="models to run")
+    parser.add_argument("--list", action="store_true", help="print the model names and exit")
+    parser.add_argument("--smoke", action="store_true",
+                        help="run every model tiny here and check ours against plain JAX")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--output", help="results JSON (default: results/<device>/models.json)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="time the smoke sizes (to check the timing path on any machine)")
+    parser.add_argument("--tuned-dir", metavar="DIR",
+                        help="dump each model's `tuned` autotuning result here "
+                        "(`python -m benchmarks.tune_library_cache --merge` ships them)")
+    args = parser.parse_args(argv)
+    names = args.only or list(MODELS)
+    if args.list:
+        for name in MODELS:
+            print(f"{name}: {MODELS[name].description}")
+        return 0
+    if args.smoke:
+        failures = smoke(names)
+        for failure in failures:
+            print(f"FAILED {failure}", file=sys.stderr)
+        return 1 if failures else 0
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    device_kind = jax.devices()[0].device_kind
+    output = pathlib.Path(args.output) if args.output else (
+        RESULTS / device_kind_key(device_kind) / "models.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "device_kind": device_kind, "jax": jax.__version__,
+        "date": datetime.date.today().isoformat(), "iterations": args.iterations,
+        "timer": "device time (CUPTI on a GPU), median after warm-up", "models": {}}
+    for name in names:
+        row: dict[str, Any] = {"description": MODELS[name].description,
+                               "config": repr(MODELS[name].config)}
+        results["models"][name] = row
+
+        def record(key: str, value: Any, row: dict[str, Any] = row, name: str = name) -> None:
+            row[key] = value
+            plain = row.get("plain", {}).get("ms") if isinstance(row.get("plain"), dict) else None
+            if isinstance(value, dict) and "ms" in value and plain:
+                value["vs_plain"] = plain / value["ms"]
+            shown = value if not isinstance(value, str) else value[:2000]
+            print(f"{name} {key}: {shown}", flush=True)
+            output.write_text(json.dumps(results, indent=1, default=str))
+
+        time_model(MODELS[name], variants, args.iterations, record, tuned_dir=args.tuned_dir,
+                   tiny=args.tiny)
+        jax.clear_caches()
+    _chart(results, output.with_suffix(".png"))
+    print(_summary(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Measurements at neighbouring shapes: what `implementation=None` knows off the exact shape.
+
+A cache holds timings at the shapes someone measured. A call at another shape of the
+same kind (`keys.similarity`: the same op, static arguments, dtypes and ranks) borrows
+the timings of the nearest measured shape whose every size is within `MAX_RATIO` of its
+own, provided that shape timed all the call's plain-JAX candidates (so a kernel is only
+ever compared with what it would displace). Farther away, nothing is borrowed and the
+plain-JAX paths run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from tokamax_pass.autotuning import keys
+from tokamax_pass.core.op import BoundArguments
+
+# A neighbour's sizes may differ from the call's by at most this factor, each size alone.
+MAX_RATIO = 2.0
+
+Sizes = tuple[int, ...]
+# category -> {sizes: best time (ms)}, for one result.
+_Index = dict[str, dict[Sizes, float]]
+_INDEXES: OrderedDict[int, _Index] = OrderedDict()
+_MAX_INDEXES = 64
+
+
+def _index(layer: Any) -> _Index:
+    """The fresh entries of a layer's result by similarity category (built once per result)."""
+    serial = layer.result._serial
+    if serial in _INDEXES:
+        _INDEXES.move_to_end(serial)
+        return _INDEXES[serial]
+    index: _Index = {}
+    for entry in layer.result.entries:
+        if keys.stale_reason(entry.bound.op, entry.provenance) is not None and (
+                layer.label != "autotuning result"):
+            continue
+        try:
+            category, sizes = keys.similarity(entry.bound)
+        except Exception:  # noqa: BLE001 - an entry of an op that cannot say is never a neighbour
+            continue
+        index.setdefault(category, {})[sizes] = entry.best_time_ms
+    _INDEXES[serial] = index
+    if len(_INDEXES) > _MAX_INDEXES:
+        _INDEXES.popitem(last=False)
+    return index
+
+
+def distance(a: Sizes, b: Sizes) -> float:
+    """Sum of |log2| size ratios; `inf` when ranks differ or a size is beyond `MAX_RATIO`."""
+    if len(a) != len(b):
+        return math.inf
+    total = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x == y:
+            continue
+        if min(x, y) <= 0:
+            return math.inf
+        step = abs(math.log2(x / y))
+        if step > math.log2(MAX_RATIO):
+            return math.inf
+        total += step
+    return total
+
+
+def nearest_times(candidates: Sequence[BoundArguments],
+                  stack: Sequence[Any]) -> list[float | None]:
+    """Each candidate's best time at the nearest neighbouring shape where every plain-JAX
+    candidate was measured (`None` for a candidate not measured there; all `None` when
+    no such shape is near)."""
+    keyed = [keys.similarity(ba) for ba in candidates]
+    measured: list[dict[Sizes, float]] = [{} for _ in candidates]
+    for layer in stack:
+        index = _index(layer)
+        for found, (category, _) in zip(measured, keyed, strict=True):
+            for sizes, time in index.get(category, {}).items():
+                found.setdefault(sizes, time)  # an earlier layer wins
+    plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
+    required = plain or range(len(candidates))
+    sites = set.intersection(*(set(measured[i]) for i in required)) if required else set()
+    best, best_distance = None, math.inf
+    for sizes in sorted(sites):
+        d = max(distance(keyed[i][1], sizes) for i in required)
+        if d < best_distance:
+            best, best_distance = sizes, d
+    if best is None:
+        return [None] * len(candidates)
+    return [found.get(best) for found in measured]

@@ -1,0 +1,46 @@
+"""The model suite on CPU: every model tiny, ours against plain JAX, and the timing path."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+
+from benchmarks.models import MODELS, ops, run
+
+
+def test_list_names_every_model(capsys):
+    assert run.main(["--list"]) == 0
+    listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == ["llama", "mixtral", "gemma2", "encoder"] == list(MODELS)
+
+
+def test_smoke_catches_a_wrong_op(monkeypatch):
+    """The smoke check is what CI runs on every model; here it must fail when one of our
+    ops computes something else (attention with its scale dropped, a norm off by 1%)."""
+    assert run.smoke(["llama"]) == []
+    original = ops.Library.attention
+
+    def unscaled(self, q, k, v, **kwargs):
+        return original(self, q * jnp.sqrt(q.shape[-1]).astype(q.dtype), k, v, **kwargs)
+
+    monkeypatch.setattr(ops.Library, "attention", unscaled)
+    assert run.smoke(["llama"]) != []
+    monkeypatch.setattr(ops.Library, "attention", original)
+    monkeypatch.setattr(ops.Library, "layer_norm",
+                        lambda self, x, s, o, eps=1e-6: ops.Plain().layer_norm(x, s * 1.01, o))
+    assert run.smoke(["encoder"]) != []
+
+
+def test_tiny_timing_writes_every_variant_and_the_tuned_result(tmp_path):
+    out = tmp_path / "models.json"
+    assert run.main(["--tiny", "--only", "encoder", "--iterations", "2", "--output", str(out),
+                     "--variants", "plain,ours,optimize,tuned", "--tuned-dir",
+                     str(tmp_path / "tuned")]) == 0
+    row = json.loads(out.read_text())["models"]["encoder"]
+    for variant in ("plain", "ours", "optimize", "tuned"):
+        assert row[variant]["ms"] > 0 and row[variant]["vs_plain"] > 0, variant
+    assert row["autotune_op_calls"] >= 4  # norms and attention, forward and backward
+    assert "layer_norm" in row["optimize_plan"]
+    assert (tmp_path / "tuned" / "encoder_tuned.json").exists()
+    assert out.with_suffix(".png").exists()
