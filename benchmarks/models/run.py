@@ -88,11 +88,15 @@ def _device_ms(step: Any, params: Any, batch: Any, iterations: int) -> dict[str,
 
 
 def time_model(model: Model, variants: list[str], iterations: int, record: Any, *,
-               tuned_dir: str | None = None, tiny: bool = False) -> None:
-    """Times each variant's training step; `record(key, value)` stores each number.
+               tuned_dir: str | None = None, ship_dir: str | None = None,
+               tiny: bool = False) -> None:
+    """Times each variant's training step, in the order given; `record(key, value)`
+    stores each number.
 
     `tuned_dir`: where the `tuned` variant's autotuning result is dumped
-    (`<model>_tuned.json`, for the library cache). `tiny`: the smoke sizes.
+    (`<model>_tuned.json`). `ship_dir`: a `data/autotuning` folder the tuned result is
+    also written to as library-cache files, so the variants timed after `tuned` run
+    with the cache that ships. `tiny`: the smoke sizes.
     """
     switch = ops.variants(upstream="upstream" in variants)
     params, batch = _inputs(model, smoke=tiny)
@@ -105,7 +109,8 @@ def time_model(model: Model, variants: list[str], iterations: int, record: Any, 
     for variant in variants:
         try:
             if variant == "tuned":
-                _time_tuned(model, grad["ours"], params, batch, iterations, record, tuned_dir)
+                _time_tuned(model, grad["ours"], params, batch, iterations, record, tuned_dir,
+                            ship_dir)
             elif variant not in steps:
                 record(variant, {"skipped": "not installed"})
             else:
@@ -118,7 +123,7 @@ def time_model(model: Model, variants: list[str], iterations: int, record: Any, 
 
 
 def _time_tuned(model: Model, step: Any, params: Any, batch: Any, iterations: int,
-                record: Any, tuned_dir: str | None) -> None:
+                record: Any, tuned_dir: str | None, ship_dir: str | None) -> None:
     """`autotune(..., all_implementations=True)` from an empty user cache (its wall time
     recorded), then the step under the result."""
     with tempfile.TemporaryDirectory() as empty:
@@ -134,6 +139,8 @@ def _time_tuned(model: Model, step: Any, params: Any, batch: Any, iterations: in
                 path = pathlib.Path(tuned_dir) / f"{model.name}_tuned.json"
                 path.parent.mkdir(parents=True, exist_ok=True)
                 result.dump(path)
+            if ship_dir:
+                cache.write_library_cache(result.without_errors(), ship_dir)
             with result:
                 record("tuned", _device_ms(jax.jit(step), params, batch, iterations))
         finally:
@@ -194,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="results JSON (default: results/<device>/models.json)")
     parser.add_argument("--tiny", action="store_true",
                         help="time the smoke sizes (to check the timing path on any machine)")
+    parser.add_argument("--ship-tuned", metavar="DIR",
+                        help="also write each `tuned` result into this data/autotuning "
+                        "folder (the package's: variants after `tuned` then use it)")
     parser.add_argument("--tuned-dir", metavar="DIR",
                         help="dump each model's `tuned` autotuning result here "
                         "(`python -m benchmarks.tune_library_cache --merge` ships them)")
@@ -235,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             output.write_text(json.dumps(results, indent=1, default=str))
 
         time_model(MODELS[name], variants, args.iterations, record, tuned_dir=args.tuned_dir,
-                   tiny=args.tiny)
+                   ship_dir=args.ship_tuned, tiny=args.tiny)
         jax.clear_caches()
     _chart(results, output.with_suffix(".png"))
     print(_summary(results))
