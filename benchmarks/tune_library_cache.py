@@ -3,6 +3,7 @@
     python -m benchmarks.tune_library_cache [--only SUBSTRING ...] [--output DIR]
     python -m benchmarks.tune_library_cache --stale   # retune only the stale shipped entries
     python -m benchmarks.tune_library_cache --merge RESULT.json ...   # ship dumped results
+    python -m benchmarks.tune_library_cache --drop-stale   # no device: forget stale entries
 
 Every op call of each workload's gradient program (forward and VJP ops) is timed with
 every implementation of its family and their configs (`all_implementations=True`),
@@ -13,6 +14,8 @@ library cache. `--stale` retunes just the shipped entries whose kernel source ch
 (the same op calls, the same implementation), so a kernel edit costs its own retuning.
 `--merge` ships autotuning results dumped elsewhere (the model suite's `--tuned-dir`
 on the device), failures dropped, so `None` knows the models' own shapes.
+`--drop-stale` (any machine, for the H200 cache unless `--device-kind`) deletes the stale
+entries instead: `None` then runs the plain-JAX path on their shapes until they are retuned.
 """
 
 from __future__ import annotations
@@ -55,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="retune only the shipped entries whose provenance is stale")
     parser.add_argument("--merge", nargs="+", metavar="RESULT",
                         help="autotuning result files (AutotuningResult.dump) to ship")
+    parser.add_argument("--drop-stale", action="store_true",
+                        help="delete the stale entries of the shipped cache (no device needed)")
+    parser.add_argument("--device-kind", default="NVIDIA H200",
+                        help="the cache --drop-stale edits")
     args = parser.parse_args(argv)
+    if args.drop_stale:
+        return drop_stale(pathlib.Path(args.output) / device_kind_key(args.device_kind))
     if args.merge:
         return merge(args.merge, pathlib.Path(args.output))
     if args.stale:
@@ -101,6 +110,20 @@ def stale_calls(folder: pathlib.Path) -> list[Any]:
             if keys.stale_reason(entry.bound.op, entry.provenance) is not None:
                 calls.append(entry.bound)
     return calls
+
+
+def drop_stale(folder: pathlib.Path) -> int:
+    """Rewrites each file of `folder` without its stale entries."""
+    import tokamax_kernels  # noqa: F401 - registers the op families the entries name
+
+    for path in sorted(folder.glob("*.json")):
+        result = tokamax.AutotuningResult.load(path)
+        fresh = [e for e in result.entries
+                 if keys.stale_reason(e.bound.op, e.provenance) is None]
+        if len(fresh) < len(result):
+            path.write_text(tokamax.AutotuningResult(result.device_kind, fresh).dumps())
+            print(f"{path.name}: dropped {len(result) - len(fresh)} stale of {len(result)}")
+    return 0
 
 
 def retune_stale(output: pathlib.Path) -> int:

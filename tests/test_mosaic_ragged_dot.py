@@ -97,6 +97,33 @@ def test_none_prefers_mosaic_on_hopper_where_measured_faster():
         assert "mosaic_gpu_v2" in _export_text(f, *_shapes("forward"))
 
 
+def test_none_backward_runs_mosaic_where_its_gradient_calls_were_measured_faster():
+    """The ragged-dot VJP makes two nested ragged dots; their measurements decide it."""
+    def loss(x, w, s):
+        return ragged_dot(x, w, s).astype(jnp.float32).sum()
+
+    f = jax.value_and_grad(loss, argnums=(0, 1))
+    assert "mosaic_gpu_v2" not in _export_text(f, *_shapes("forward"))
+    times = {}
+    with _target():
+        for variant in ("forward", "dlhs", "drhs"):
+            # The gradients ask for their operand's dtype; the forward call, for nothing.
+            kw = dict(variant=variant) if variant == "forward" else dict(
+                variant=variant, preferred_element_type=jnp.bfloat16)
+            evidence = measured(H200, {PallasMosaicGpuRaggedDot(): 1.0, RaggedDot(): 4.0},
+                                *_shapes(variant), **kw)
+            times = evidence if not times else times | evidence
+    with times:
+        text = _export_text(f, *_shapes("forward"))
+    assert text.count("mosaic_gpu_v2") == 3  # forward, dlhs, drhs
+    # A gradient measured slower than XLA keeps the whole backward on XLA.
+    with _target():
+        slow = measured(H200, {PallasMosaicGpuRaggedDot(): 9.0, RaggedDot(): 4.0},
+                        *_shapes("drhs"), variant="drhs", preferred_element_type=jnp.bfloat16)
+    with times | slow:
+        assert _export_text(f, *_shapes("forward")).count("mosaic_gpu_v2") == 1
+
+
 @pytest.mark.parametrize("variant, shapes, why", [
     ("forward", _shapes("forward", dtype=jnp.float32), "bf16 or f16"),
     ("forward", _shapes("forward", n=192), "multiple of 128"),

@@ -237,6 +237,10 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
     """
 
     config_cls = Config
+    # In a model, XLA's norm fuses the residual add before it (one pass over x fewer than
+    # this kernel after a separate add); alone, Triton's RMSNorm measured 1.04x XLA's
+    # forward at 16384x2048 while the Llama step ran 1.5% slower with it.
+    kernel_margin = 0.25
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

@@ -259,6 +259,12 @@ class RaggedDotVjp(VjpOp):
     def reference_op(self) -> Op:
         return RaggedDotVjp(inner=self.inner.reference_op())
 
+    def evidence_calls(self, ba: BoundArguments) -> list[BoundArguments]:
+        """The gradients' own ragged dots: a VJP is as fast as they are measured."""
+        arguments = {k: val for k, val in ba.arguments.items() if k not in ("residuals", "out")}
+        return [self.inner.bind(*args, **kwargs).replace(vmap=ba.vmap)
+                for args, kwargs in _gradient_calls(**arguments).values()]
+
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
         # Each gradient runs under the same vmaps as this call.

@@ -256,11 +256,31 @@ class CacheStack:
     def rank(self, candidates: Sequence[BoundArguments],
              device_kind: str | None) -> list[int] | None:
         stack = layers(device_kind)
-        exact = [_first_time(ba, stack) for ba in candidates]
+        slots = _evidence_slots(candidates)
+        exact = _summed([[_first_time(ba, stack) for ba in slot] for slot in slots])
         order = rank_with_evidence(candidates, exact)
         if order is not None:
             return order
-        return rank_with_evidence(candidates, neighbours.nearest_times(candidates, stack))
+        near = _summed([neighbours.nearest_times(slot, stack) for slot in slots])
+        return rank_with_evidence(candidates, near)
+
+
+def _evidence_slots(candidates: Sequence[BoundArguments]) -> list[list[BoundArguments]]:
+    """The calls measured for each candidate, slot by slot: `[candidates]` for ops measured
+    as themselves; for ops made of nested calls (`Op.evidence_calls`), one slot per nested
+    call (the ragged-dot VJP: its dlhs calls, then its drhs calls)."""
+    expanded = [ba.op.evidence_calls(ba) or [ba] for ba in candidates]
+    if len({len(calls) for calls in expanded}) != 1:
+        return [list(candidates)]
+    return [list(slot) for slot in zip(*expanded, strict=True)]
+
+
+def _summed(times_by_slot: Sequence[Sequence[float | None]]) -> list[float | None]:
+    """Each candidate's time over all slots; `None` where a slot was not measured."""
+    totals: list[float | None] = []
+    for times in zip(*times_by_slot, strict=True):
+        totals.append(None if any(t is None for t in times) else sum(times))
+    return totals
 
 
 def _first_time(ba: BoundArguments, stack: Sequence[Layer]) -> float | None:
@@ -271,9 +291,10 @@ def _first_time(ba: BoundArguments, stack: Sequence[Layer]) -> float | None:
     return None
 
 
-# Timings this close are a tie (H200 run-to-run noise is ~4%). A kernel displaces the
-# plain-JAX paths (`Op.runs_without_evidence`) only when measured faster by more than this;
-# among kernels, and among plain paths, ties keep the family's automatic order.
+# Timings this close are a tie (H200 run-to-run noise is ~4%): among kernels, and among
+# plain paths, ties keep the family's automatic order. A kernel displaces the plain-JAX
+# paths (`Op.runs_without_evidence`) only when measured faster by more than its
+# `Op.kernel_margin` (this, or more for ops XLA fuses with their neighbours).
 TIE_MARGIN = 0.05
 
 
@@ -283,7 +304,8 @@ def rank_with_evidence(candidates: Sequence[BoundArguments],
     when the measurements cannot compare them with the plain-JAX paths.
 
     A kernel (an implementation that does not run without evidence) is listed only when
-    it was measured more than `TIE_MARGIN` faster than every plain-JAX candidate; the
+    it was measured faster than every plain-JAX candidate by more than its
+    `kernel_margin`; the
     plain-JAX candidates follow (measured ones fastest first), so the call never runs a
     kernel that was measured slower, or not measured, on this shape.
     """
@@ -295,7 +317,8 @@ def rank_with_evidence(candidates: Sequence[BoundArguments],
         return None
     best_plain = min(times[i] for i in plain)
     winners = [i for i, ba in enumerate(candidates) if not ba.op.runs_without_evidence
-               and times[i] is not None and times[i] < best_plain * (1 - TIE_MARGIN)]
+               and times[i] is not None
+               and times[i] < best_plain * (1 - max(ba.op.kernel_margin, TIE_MARGIN))]
     return _rank_by_time(winners, times) + _rank_by_time(plain, times)
 
 

@@ -84,6 +84,11 @@ class Op[C]:
     # attention), which is what a user runs without us. Kernels stay false: they displace
     # these only where a measurement at the shape (or a measured neighbour) says they win.
     plain_jax_path: ClassVar[bool] = False
+    # How much faster than the plain-JAX paths this kernel must be measured, on its own,
+    # for `None` to pick it. Memory-bound ops that XLA fuses with their neighbours in a
+    # program (a norm with the residual add before it) need more: alone, the plain path
+    # pays passes over memory that it does not pay inside a program.
+    kernel_margin: ClassVar[float] = 0.05
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -135,6 +140,11 @@ class Op[C]:
         an absent offset) and to merge axes whose split does not matter (leading axes).
         """
         return dict(arguments)
+
+    def evidence_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
+        """The op calls whose measured times add up to this call's time, for an op that
+        only makes nested op calls (`None`: the call is measured as itself)."""
+        return None
 
     def _default_vjp(self) -> Op:
         from tokamax_pass.core.vjp import AutodiffVjp
