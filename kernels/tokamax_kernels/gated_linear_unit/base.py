@@ -121,15 +121,15 @@ class GatedLinearUnit(Op[NullConfig]):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GatedLinearUnitVjp(VjpOp):
-    """The GLU gradient in XLA, with no more passes over memory than autodiff of the plain
-    expression makes.
+    """The GLU gradient in XLA: what autodiff of the plain expression computes.
 
     The products are recomputed (XLA merges them with the forward's when both are in
-    one program). The activation's and the product's gradients come out of one
-    elementwise fusion; for fused weights it writes `[dgate | dup]` as one (..., 2N)
-    array, which feeds two GEMMs (`dx` over 2N, `dweights` as a (K, 2N) view). Autodiff
-    of the sliced single product would instead add two padded arrays, one more pass
-    over (..., 2N) (3% of the GLU's time on the H200 at 16384x2048x5632).
+    one program); `dgate` and `dup` come out of one elementwise fusion in the products'
+    dtype and feed two GEMMs each, per gate and up weights, as in
+    `activation(x @ w[:, 0]) * (x @ w[:, 1])`. (Autodiff of the forward's single sliced
+    product instead adds two padded (..., 2N) arrays; concatenating `[dgate | dup]` in
+    float32 costs two more passes: 0.97x and 0.89x the jnp expression's forward+backward
+    on the H200 at 16384x2048x5632.)
     """
 
     forward_family = GatedLinearUnit
@@ -141,28 +141,21 @@ class GatedLinearUnitVjp(VjpOp):
         fused = not isinstance(weights, tuple)
         if fused:
             k, _, n = weights.shape
-            w_gate_up = weights.reshape(k, 2 * n)
-            both = jnp.matmul(x, w_gate_up, precision=precision)
+            both = jnp.matmul(x, weights.reshape(k, 2 * n), precision=precision)
             gate, up = both[..., :n], both[..., n:]
+            w_gate, w_up = weights[:, 0], weights[:, 1]
         else:
-            gate = jnp.matmul(x, weights[0], precision=precision)
-            up = jnp.matmul(x, weights[1], precision=precision)
+            w_gate, w_up = weights
+            gate = jnp.matmul(x, w_gate, precision=precision)
+            up = jnp.matmul(x, w_up, precision=precision)
         wide = jnp.promote_types(gate.dtype, jnp.float32)
         activated, activation_vjp = jax.vjp(activation, gate.astype(wide))
         dy = dout.astype(wide)
         (dgate,) = activation_vjp(dy * up.astype(wide))
-        dup = dy * activated
-
-        def backward(d: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-            """`(dx, dw)` of `x @ w` for the cotangent `d` (the product's dtype)."""
-            d = d.astype(gate.dtype)
-            dx = jnp.matmul(d, w.T, precision=precision)
-            dw = jnp.einsum("...k,...n->kn", x, d, precision=precision)
-            return dx, dw
-
-        if fused:
-            dx, dw = backward(jnp.concatenate([dgate, dup], axis=-1), w_gate_up)
-            return {"x": dx, "weights": dw.reshape(k, 2, n)}, None
-        dx_gate, dw_gate = backward(dgate, weights[0])
-        dx_up, dw_up = backward(dup, weights[1])
-        return {"x": dx_gate + dx_up, "weights": (dw_gate, dw_up)}, None
+        dgate, dup = dgate.astype(gate.dtype), (dy * activated).astype(gate.dtype)
+        dx = (jnp.matmul(dgate, w_gate.T, precision=precision)
+              + jnp.matmul(dup, w_up.T, precision=precision))
+        dw_gate = jnp.einsum("...k,...n->kn", x, dgate, precision=precision)
+        dw_up = jnp.einsum("...k,...n->kn", x, dup, precision=precision)
+        dweights = jnp.stack([dw_gate, dw_up], axis=1) if fused else (dw_gate, dw_up)
+        return {"x": dx, "weights": dweights}, None
