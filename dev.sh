@@ -51,6 +51,7 @@ case "${1:-}" in
     .venv/bin/python -m ruff check src kernels tests benchmarks
     .venv/bin/python -m pytest -q -n 2 tests
     .venv/bin/python -m benchmarks.models --smoke
+    .venv/bin/python -m benchmarks.report --check
     setup_bazel
     bazel test --config=ci //...
     bazel shutdown

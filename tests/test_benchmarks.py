@@ -78,3 +78,18 @@ def test_ceilings_and_prepared_peers(tmp_path):
     assert jnp.float16 in seen
     ours = [r for r in rows if r["kind"] == "ours" and "ms" in r]
     assert ours and all(r["of_ceiling"] > 0 for r in ours)
+
+
+def test_report_check_fails_when_the_readme_differs_from_the_results(tmp_path, capsys):
+    from benchmarks import report
+
+    readme = tmp_path / "README.md"
+    readme.write_text(report.README.read_text())
+    assert report.main(["--check"], readme=readme) == 0
+    text = readme.read_text()
+    table = text[text.index(report.BEGIN):text.index(report.END)]
+    plain_ms = table.split("| llama | ")[1].split(" ms")[0]
+    readme.write_text(text.replace(f"| llama | {plain_ms} ms", "| llama | 1.00 ms"))
+    assert report.main(["--check"], readme=readme) == 1
+    assert report.main([], readme=readme) == 0  # rewriting restores the measured numbers
+    assert report.main(["--check"], readme=readme) == 0
