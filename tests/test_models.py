@@ -44,3 +44,16 @@ def test_tiny_timing_writes_every_variant_and_the_tuned_result(tmp_path):
     assert "layer_norm" in row["optimize_plan"]
     assert (tmp_path / "tuned" / "encoder_tuned.json").exists()
     assert out.with_suffix(".png").exists()
+
+
+def test_ablation_swaps_exactly_the_named_op_family():
+    from benchmarks.models import ablation
+
+    model = MODELS["mixtral"]
+    params, batch = run._inputs(model, smoke=True)
+    assert ablation._families_called(model, params, batch) == [
+        "rms_norm", "attention", "ragged_dot"]
+    ours = ops.variants()["ours"]
+    swapped = ops.Swapped(ours, frozenset({"ragged_dot"}))
+    assert swapped.ragged_dot.__self__ == ops.Plain() and swapped.attention.__self__ is ours
+    assert swapped.name == "ours with plain ragged_dot"

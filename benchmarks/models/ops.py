@@ -130,3 +130,19 @@ def variants(upstream: bool = False) -> dict[str, Any]:
     if getattr(tokamax, "__name__", "") == "tokamax" and tokamax is not tokamax_pass:
         found["upstream"] = Library(tokamax, "upstream")
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Swapped:
+    """`base`'s ops with the ones named in `plain_ops` taken from plain JAX instead: one
+    model with one op family swapped, to see what that op costs in the whole step."""
+
+    base: Any
+    plain_ops: frozenset[str]
+
+    @property
+    def name(self) -> str:
+        return f"{self.base.name} with plain {'+'.join(sorted(self.plain_ops))}"
+
+    def __getattr__(self, op: str) -> Any:
+        return getattr(Plain() if op in self.plain_ops else self.base, op)

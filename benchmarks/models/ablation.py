@@ -1,0 +1,74 @@
+"""Which op costs what inside a model: ours with one op family at a time swapped back to
+plain JAX, timed in alternating rounds in one process.
+
+    python -m benchmarks.models.ablation --only llama [--rounds 2] [--output FILE]
+
+Prints and writes (JSON lines) the device time of plain JAX, ours (`None`), and ours with
+each op family (`rms_norm`, `layer_norm`, `attention`, `glu`, `ragged_dot`) that the model
+calls taken from plain JAX; the op whose swap closes the gap is where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import jax
+
+from benchmarks.models import MODELS, ops, run
+
+OP_FAMILIES = ("rms_norm", "layer_norm", "attention", "glu", "ragged_dot")
+
+
+def _families_called(model, params, batch) -> list[str]:
+    """The op families the model calls (traced once with a recording switch)."""
+    called: set[str] = set()
+
+    class Recording(ops.Plain):
+        def __getattribute__(self, name):
+            if name in OP_FAMILIES:
+                called.add(name)
+            return super().__getattribute__(name)
+
+    jax.eval_shape(model.loss_fn(Recording(), smoke=True), params, batch)
+    return [f for f in OP_FAMILIES if f in called]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", default=["llama"], choices=sorted(MODELS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--tiny", action="store_true", help="the smoke sizes (any machine)")
+    parser.add_argument("--output", default="ablation.jsonl")
+    args = parser.parse_args(argv)
+    ours = ops.variants()["ours"]
+    with open(args.output, "w") as out:
+        for name in args.only:
+            model = MODELS[name]
+            params, batch = run._inputs(model, smoke=args.tiny)
+            small = run._inputs(model, smoke=True)
+            variants = {"plain": ops.Plain(), "ours": ours}
+            for family in _families_called(model, *small):
+                variants[f"ours, plain {family}"] = ops.Swapped(ours, frozenset({family}))
+            steps = {v: jax.jit(jax.grad(model.loss_fn(o, smoke=args.tiny)))
+                     for v, o in variants.items()}
+            times: dict[str, list[float]] = {v: [] for v in steps}
+            for _ in range(args.rounds):
+                for variant, step in steps.items():
+                    times[variant].append(
+                        run._device_ms(step, params, batch, args.iterations)["ms"])
+            plain = statistics.median(times["plain"])
+            for variant, ms in times.items():
+                row = {"model": name, "variant": variant, "ms": ms,
+                       "vs_plain": plain / statistics.median(ms)}
+                out.write(json.dumps(row) + "\n")
+                print(f"{name:8s} {variant:28s} " + " ".join(f"{t:8.2f}" for t in ms)
+                      + f"  ({row['vs_plain']:.3f}x)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
