@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +39,7 @@ MATRIX = [(impl, reduction, dtype) for impl in ("xla", "xla_chunked tiles")
           for reduction in ("sum", "mean", "none") for dtype in (jnp.float32, jnp.bfloat16)]
 
 
+@functools.partial(jax.jit, static_argnums=(3, 4))
 def reference(x, labels, weights, reduction, cap=None):
     """optax-style softmax cross entropy of float32 HIGHEST logits; labels < 0 ignored."""
     logits = jnp.matmul(x.astype(jnp.float32), weights.astype(jnp.float32), precision="highest")
@@ -125,15 +128,21 @@ def test_vmap_over_sequences(implementation):
                    implementation=impl)
 
     out = jax.vmap(per_example, in_axes=(0, 0, None))(x, labels, weights)
-    want = jnp.stack([reference(x[i], labels[i], weights, "mean") for i in range(3)])
+    def per_example_reference(x, labels, weights):
+        return reference(x, labels, weights, "mean")
+
+    want = jax.vmap(per_example_reference, in_axes=(0, 0, None))(x, labels, weights)
     assert_close(out, want)
+    assert_close(out[1], reference(x[1], labels[1], weights, "mean"))
     cotangent = random_normal(6, (3,))
-    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(
-        jax.vmap(per_example, in_axes=(0, 0, None))(x, labels, w) * cotangent),
-        argnums=(0, 1)))(x, weights)
-    want_grads = jax.grad(lambda x, w: sum(
-        reference(x[i], labels[i], w, "mean") * cotangent[i] for i in range(3)),
-        argnums=(0, 1))(x, weights)
+
+    def total(fn, x, weights):
+        return jnp.sum(jax.vmap(fn, in_axes=(0, 0, None))(x, labels, weights) * cotangent)
+
+    grads = jax.jit(jax.grad(functools.partial(total, per_example), argnums=(0, 1)))(
+        x, weights)
+    want_grads = jax.grad(functools.partial(total, per_example_reference), argnums=(0, 1))(
+        x, weights)
     for got, expected in zip(grads, want_grads, strict=True):
         assert_close(got, expected)
 
