@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from conftest import assert_close, random_normal
+from conftest import assert_close, measured, random_normal
 from tokamax_kernels.linear_softmax_cross_entropy_loss import (
     LinearSoftmaxCrossEntropyLoss,
     LinearSoftmaxCrossEntropyLossVjp,
@@ -169,6 +169,33 @@ def test_none_runs_the_xla_reference_without_measurements():
     assert "LinearSoftmaxCrossEntropyLoss" in str(f.plan(x, labels, weights))
     assert "XlaChunked" not in str(f.plan(x, labels, weights))
     assert_close(f(x, labels, weights), reference(x, labels, weights, "mean"))
+
+
+def test_none_runs_xla_chunked_where_measured_faster():
+    x, labels, weights = inputs(jnp.float32, seed=8)
+    evidence = measured("cpu", {XlaChunkedLinearSoftmaxCrossEntropyLoss(): 1.0,
+                                LinearSoftmaxCrossEntropyLoss(): 2.0},
+                        x, labels, weights, reduction="mean")
+    with evidence:
+        f = tokamax.optimize(lambda x, lab, w: lce(x, lab, w, reduction="mean"))
+        assert "XlaChunkedLinearSoftmaxCrossEntropyLoss" in str(f.plan(x, labels, weights))
+        assert_close(f(x, labels, weights), reference(x, labels, weights, "mean"))
+
+
+def test_gradient_exports_for_cpu_and_cuda():
+    """Plain XLA loops: the forward and backward lower for a GPU that is not here too."""
+    x = jax.ShapeDtypeStruct((B, S, H), jnp.bfloat16)
+    weights = jax.ShapeDtypeStruct((H, V), jnp.bfloat16)
+    labels = jax.ShapeDtypeStruct((B, S), jnp.int32)
+
+    def loss(x, labels, weights):
+        return lce(x, labels, weights, reduction="mean", implementation="xla_chunked")
+
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 2))),
+                                 platforms=("cpu", "cuda"))(x, labels, weights)
+    text = exported.mlir_module()
+    assert "XlaChunkedLinearSoftmaxCrossEntropyLossVjp" in text
+    assert exported.platforms == ("cpu", "cuda")
 
 
 def _temp_bytes(fn, *args) -> int:
