@@ -123,6 +123,12 @@ class LinearSoftmaxCrossEntropyLoss(Op[NullConfig]):
         return {**arguments, "x": jax.ShapeDtypeStruct((tokens, x.shape[-1]), x.dtype),
                 "labels": jax.ShapeDtypeStruct((tokens,), labels.dtype)}
 
+    def partition_rule(self, ba: BoundArguments) -> Any:
+        """How a call splits over devices (`tokamax_pass.core.sharding`)."""
+        from tokamax_kernels.linear_softmax_cross_entropy_loss.sharding import partition_rule
+
+        return partition_rule(ba)
+
     def bind(self, x: Any, labels: Any, weights: Any, *, reduction: str = "sum",
              logits_soft_cap: float | None = None, precision: Any = None) -> BoundArguments:
         v.require_rank("x", x, range(1, 64), op=_OP)
