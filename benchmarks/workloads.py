@@ -250,10 +250,54 @@ def ragged(name: str, m: int, k: int, n: int, groups: tuple[int, ...]) -> Worklo
     )
 
 
+# --- linear softmax cross entropy (LM head + loss) --------------------------------------
+
+
+def _plain_lce(x: jax.Array, labels: jax.Array, w: jax.Array) -> jax.Array:
+    """What a user writes: bf16 `x @ w`, then optax's integer-label softmax cross entropy
+    (`softmax_cross_entropy_with_integer_labels`, written out: optax is not a dependency)
+    in float32, ignored labels (< 0) masked out of a mean."""
+    logits = (x @ w).astype(jnp.float32)
+    logits = logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    label_logits = jnp.take_along_axis(logits, jnp.maximum(labels, 0)[..., None], axis=-1)
+    losses = jnp.log(jnp.sum(jnp.exp(logits), axis=-1)) - label_logits[..., 0]
+    counted = labels >= 0
+    return jnp.sum(jnp.where(counted, losses, 0.0)) / jnp.maximum(jnp.sum(counted), 1)
+
+
+def lce(name: str, tokens: int, h: int, v: int) -> Workload:
+    """The LM head and its mean loss over `tokens` tokens (one in eight ignored); the peer
+    is the plain JAX expression, which materializes the (tokens, v) logits."""
+    ours = {
+        f"tokamax {impl or 'None'}": functools.partial(
+            lambda x, labels, w, impl: tokamax.linear_softmax_cross_entropy_loss(
+                x, labels, w, reduction="mean", implementation=impl), impl=impl)
+        for impl in ("xla_chunked", "xla", None)
+    }
+
+    def make() -> tuple[jax.Array, ...]:
+        labels = jax.random.randint(jax.random.key(2), (tokens,), 0, v)
+        ignored = jax.random.bernoulli(jax.random.key(3), 0.125, (tokens,))
+        return (_normal(0, (tokens, h)), jnp.where(ignored, -1, labels),
+                _normal(1, (h, v)) / math.sqrt(h))
+
+    def reference(x, labels, w):
+        with jax.default_matmul_precision("highest"):
+            return _plain_lce(x.astype(jnp.float32), labels, w.astype(jnp.float32))
+
+    return Workload(
+        name=name, family="linear_softmax_cross_entropy_loss", make=make,
+        work=lambda mode: 2 * tokens * h * v * (3.0 if mode == "fwd+bwd" else 1.0),
+        unit="TFLOP/s", reference=reference, ours=ours,
+        peers={"plain jax (optax-style)": _plain_lce},
+    )
+
+
 def all_workloads() -> list[Workload]:
     """The benchmark workloads, most important first (a cut-short run keeps those)."""
     return [
         glu("glu 16384x2048x5632 (llama)", 16384, 2048, 5632),
+        lce("lce 16384x4096x128256 (llama 3, liger)", 16384, 4096, 128256),
         norm("rms norm 16384x2048 f32 scale (llama)", (4, 4096, 2048), subtract_mean=False,
              offset=False, param_dtype=jnp.float32),
         attention("attention b32 s2048 h16 d64", 32, 2048, 16, 64, causal=False),
@@ -268,6 +312,7 @@ def all_workloads() -> list[Workload]:
              subtract_mean=True, offset=False, param_dtype=jnp.float32),
         attention("attention b16 s4096 h8 d256", 16, 4096, 8, 256, causal=False),
         self_attention("self-attention x,x,x b4 s8192 h16 d128", 4, 8192, 16, 128),
+        lce("lce 8192x2304x256000 (gemma 2 2b, cce)", 8192, 2304, 256000),
     ]
 
 
@@ -279,4 +324,5 @@ def smoke_workloads() -> list[Workload]:
         norm("smoke layer norm", (64, 128), subtract_mean=True),
         ragged("smoke ragged dot", 64, 32, 16, (10, 0, 30, 24)),
         glu("smoke glu", 64, 32, 48),
+        lce("smoke lce", 64, 32, 96),
     ]

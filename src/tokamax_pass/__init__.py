@@ -1,9 +1,9 @@
 """tokamax_pass: fast JAX kernels for Hopper GPUs, autotuned, and the pass that bakes them in.
 
-The ops (`dot_product_attention`, `layer_norm`, `ragged_dot`, `gated_linear_unit`)
-and their implementation classes live in `tokamax_kernels` and are re-exported
-here lazily, so `import tokamax_pass` stays cheap and the framework never
-imports a kernel from inside.
+The ops (`dot_product_attention`, `layer_norm`, `ragged_dot`, `gated_linear_unit`,
+`linear_softmax_cross_entropy_loss`) and their implementation classes live in
+`tokamax_kernels` and are re-exported here lazily, so `import tokamax_pass` stays
+cheap and the framework never imports a kernel from inside.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from tokamax_pass.optimize import optimize
 __version__ = "0.1.0"
 
 # Op families, in `tokamax_kernels`; each package's `__all__` lists what it exports.
-_KERNEL_PACKAGES = ("attention", "layer_norm", "ragged_dot", "gated_linear_unit")
+_KERNEL_PACKAGES = ("attention", "layer_norm", "ragged_dot", "gated_linear_unit",
+                    "linear_softmax_cross_entropy_loss")
 
 # Framework names defined in modules that are imported on first use.
 _LAZY = {

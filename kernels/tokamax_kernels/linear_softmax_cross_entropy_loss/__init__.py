@@ -1,0 +1,18 @@
+"""Linear softmax cross entropy: the LM head and its loss, without the logits in memory."""
+
+from tokamax_kernels.linear_softmax_cross_entropy_loss.api import linear_softmax_cross_entropy_loss
+from tokamax_kernels.linear_softmax_cross_entropy_loss.base import (
+    LinearSoftmaxCrossEntropyLoss,
+    LinearSoftmaxCrossEntropyLossVjp,
+)
+from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
+    XlaChunkedLinearSoftmaxCrossEntropyLoss,
+    XlaChunkedLinearSoftmaxCrossEntropyLossVjp,
+    XlaChunkedLossConfig,
+)
+
+__all__ = [
+    "LinearSoftmaxCrossEntropyLoss", "LinearSoftmaxCrossEntropyLossVjp", "XlaChunkedLossConfig",
+    "XlaChunkedLinearSoftmaxCrossEntropyLoss", "XlaChunkedLinearSoftmaxCrossEntropyLossVjp",
+    "linear_softmax_cross_entropy_loss",
+]

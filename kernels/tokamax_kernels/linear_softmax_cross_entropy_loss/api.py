@@ -1,0 +1,48 @@
+"""`linear_softmax_cross_entropy_loss`: the public function and its implementations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokamax_kernels.linear_softmax_cross_entropy_loss.base import LinearSoftmaxCrossEntropyLoss
+from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
+    XlaChunkedLinearSoftmaxCrossEntropyLoss,
+)
+from tokamax_pass.core import Family, register_family
+from tokamax_pass.core.registry import Implementation
+
+# `None` runs `xla_chunked` only where a measurement at the shape (or a neighbour) shows
+# it faster than `xla`; explicitly, `implementation="xla_chunked"` bounds the memory.
+FAMILY = register_family(Family(
+    name="linear_softmax_cross_entropy_loss",
+    implementations={"xla_chunked": XlaChunkedLinearSoftmaxCrossEntropyLoss,
+                     "xla": LinearSoftmaxCrossEntropyLoss},
+    automatic=("xla_chunked", "xla"),
+))
+
+
+def linear_softmax_cross_entropy_loss(
+    x: Any, labels: Any, weights: Any, *, reduction: str = "sum",
+    logits_soft_cap: float | None = None, precision: Any = None,
+    implementation: Implementation = None,
+) -> Any:
+    """Softmax cross entropy of the logits `x @ weights` against integer `labels`.
+
+    Args:
+      x: (..., H) float tokens.
+      labels: (...) integer class ids in [0, V); a negative label ignores its token
+        (no loss, not counted by "mean"). Concrete labels >= V are a ValueError; traced
+        ones give a NaN loss.
+      weights: (H, V), x's dtype.
+      reduction: "sum" (default), "mean" (over the labels >= 0; 0 when there are none)
+        or "none" (float32 per-token losses, labels' shape, 0 where ignored).
+      logits_soft_cap: if set, logits -> cap * tanh(logits / cap) (Gemma 2).
+      precision: of the GEMMs (`jax.lax.Precision` or its name, or a pair).
+      implementation: `None` (plain XLA unless a measurement favours another), "xla"
+        (the logits materialized), "xla_chunked" (tiles of logits only: memory bounded
+        by the tile), an `Op` instance, or a sequence of those.
+
+    Returns the float32 loss; differentiable in `x` and `weights`.
+    """
+    return FAMILY(implementation, x, labels, weights, reduction=reduction,
+                  logits_soft_cap=logits_soft_cap, precision=precision)
