@@ -88,6 +88,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_triton_layer_norm.py",),
     ),
     Mutation(
+        "triton gated linear unit kernel drops the activation",
+        "kernels/tokamax_kernels/gated_linear_unit/pallas_triton.py",
+        "out = activation(gate) * up",
+        "out = gate * up",
+        ("tests/test_triton_glu.py::test_forward_and_gradient_match_reference",),
+    ),
+    Mutation(
+        "triton ragged dot ends each group one row late",
+        "kernels/tokamax_kernels/ragged_dot/pallas_triton.py",
+        "ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)",
+        "ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)) + 1, m)",
+        ("tests/test_triton_ragged_dot.py::test_variants_match_reference",),
+    ),
+    Mutation(
         "vmapped ragged-dot drhs reverses the cotangent's rows",
         "kernels/tokamax_kernels/ragged_dot/base.py",
         "out = ragged_dot(lhs, rhs.reshape(b * m, -1), sizes)",
