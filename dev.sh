@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh machine, then runs one job:
 #   ./dev.sh demo    the seed example end to end, with a table of op calls
-#   ./dev.sh test    the CPU test suite, then `bazel test //...`
+#   ./dev.sh test    the CPU test suite, the mutation check, then `bazel test //...`
 # Both create (or reuse) .venv with Python 3.12 and the pinned dependencies.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -50,6 +50,8 @@ case "${1:-}" in
     setup_venv
     .venv/bin/python -m ruff check src kernels tests benchmarks
     .venv/bin/python -m pytest -q -n 2 tests
+    # Deliberate breakages (tests/mutation/mutations.py), each of which a test must catch.
+    .venv/bin/python tests/mutation/run_mutations.py --jobs 2
     .venv/bin/python -m benchmarks.models --smoke
     .venv/bin/python -m benchmarks.report --check
     setup_bazel

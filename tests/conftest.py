@@ -4,7 +4,19 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+FAKE_DEVICES = 8
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _with_fake_devices(flags: str) -> str:
+    """`flags` (an `XLA_FLAGS` value) with the host platform's device count set to
+    `FAKE_DEVICES`, whatever it said before: the sharding tests need 8 CPU devices, and a
+    `setdefault` left them out whenever `XLA_FLAGS` was already set."""
+    kept = [f for f in flags.split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    return " ".join([*kept, f"{_DEVICE_COUNT_FLAG}={FAKE_DEVICES}"])
+
+
+os.environ["XLA_FLAGS"] = _with_fake_devices(os.environ.get("XLA_FLAGS", ""))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -43,11 +55,43 @@ def reference_precision():
     return jax.default_matmul_precision("highest")
 
 
+def per_batch_element(fn, *arrays):
+    """`fn(*arrays)` computed one batch element (leading axis) at a time, concatenated.
+
+    A float32 attention reference materializes S x S logits per head: at the benchmark
+    shapes one batch element fits where the whole batch may not, and every element is
+    still compared (a kernel that mixes up batch elements must fail)."""
+    jitted = jax.jit(fn)
+    parts = [jitted(*(x[i:i + 1] for x in arrays)) for i in range(arrays[0].shape[0])]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+
+
 def gpu_available() -> bool:
     try:
         return bool(jax.devices("cuda"))
     except RuntimeError:
         return False
+
+
+@pytest.fixture(autouse=True)
+def user_cache_dir(tmp_path_factory, monkeypatch):
+    """Every test reads and writes a fresh, empty user autotuning cache, never the real one
+    (whose entries would answer `autotune` and `implementation=None` differently per machine)."""
+    from tokamax_pass.autotuning import cache
+
+    path = tmp_path_factory.mktemp("user_cache")
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(path))
+    return path
+
+
+@pytest.fixture
+def fake_devices() -> None:
+    """Fails (never skips) a test that needs `FAKE_DEVICES` devices where there are fewer."""
+    if jax.device_count() < FAKE_DEVICES:
+        pytest.fail(
+            f"needs {FAKE_DEVICES} devices, found {jax.device_count()} "
+            f"({jax.default_backend()}): conftest sets {_DEVICE_COUNT_FLAG}={FAKE_DEVICES} in "
+            "XLA_FLAGS before JAX starts; on an accelerator host run with JAX_PLATFORMS=cpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -70,13 +70,18 @@ def test_user_op_forward_jit_grad_vmap():
     op = ScaledSine()
     assert_close(op(x, y), reference(x, y))
     assert_close(jax.jit(op)(x, y), reference(x, y))
-    dx, dy = jax.grad(lambda x, y: op(x, y).sum(), argnums=(0, 1))(x, y)
-    assert_close(dx, np.cos(np.asarray(x)) * np.asarray(y) * 2.0)
-    assert_close(dy, np.sin(np.asarray(x)) * 2.0)
+    ct = random_normal(2, (3, 5))  # a random cotangent
+    dx, dy = jax.grad(lambda x, y: jnp.sum(op(x, y) * ct), argnums=(0, 1))(x, y)
+    assert_close(dx, np.cos(np.asarray(x)) * np.asarray(y) * 2.0 * np.asarray(ct))
+    assert_close(dy, np.sin(np.asarray(x)) * 2.0 * np.asarray(ct))
     batched = jax.vmap(op, in_axes=(0, None))(jnp.stack([x, 2 * x]), y)
     assert_close(batched[1], reference(2 * x, y))
-    per_example = jax.jit(jax.vmap(jax.grad(lambda x: op(x, y).sum())))(jnp.stack([x, x]))
-    assert_close(per_example[0], dx)
+    cts = random_normal(3, (2, 3, 5))  # one per batch element
+    per_example = jax.jit(jax.vmap(jax.grad(lambda x, ct: jnp.sum(op(x, y) * ct))))(
+        jnp.stack([x, 2 * x]), cts)
+    for i, xi in enumerate((x, 2 * x)):
+        assert_close(per_example[i], np.cos(np.asarray(xi)) * np.asarray(y) * 2.0
+                     * np.asarray(cts[i]))
 
 
 def test_pinned_config_is_used():
@@ -276,9 +281,10 @@ def test_one_array_under_two_names_gets_one_summed_gradient(vjp):
     the gradient is the sum autodiff would form, whether the VJP op sums it or not."""
     x = random_normal(0, (16,))
     op = ScaledSine(vjp=vjp)
-    grad = jax.grad(lambda x: op(x, x).sum())
+    ct = random_normal(1, (16,))  # a random cotangent
+    grad = jax.grad(lambda x: jnp.sum(op(x, x) * ct))
     xn = np.asarray(x, np.float64)
-    assert_close(grad(x), 2.0 * (np.cos(xn) * xn + np.sin(xn)))
+    assert_close(grad(x), 2.0 * (np.cos(xn) * xn + np.sin(xn)) * np.asarray(ct))
     (call,) = _vjp_calls(jax.make_jaxpr(grad)(x))
     assert dict(call.statics)  # the group is static: part of the call's cache key
     assert call.arguments([None] * len(call.operand_indices))["shared_inputs"] == (("x", "y"),)

@@ -87,15 +87,26 @@ def test_forward_and_gradients_match_reference(dtype, form, activation):
 
 def test_rank_one_x_and_vmap():
     x, fused = _inputs((4,), jnp.float32)
+    dout = random_normal(2, (4, N))  # random cotangents, one per batch element
+    batched_weights = jnp.stack([fused, 2 * fused])
+    dout2 = random_normal(3, (2, N))
+
+    def vmapped_over_weights(w):
+        return jax.vmap(tokamax.gated_linear_unit, in_axes=(None, 0))(x[0], w)
+
     with jax.default_matmul_precision("highest"):
         out = jax.vmap(lambda x: tokamax.gated_linear_unit(x, fused))(x)
-        batched_weights = jnp.stack([fused, 2 * fused])
-        out2 = jax.vmap(tokamax.gated_linear_unit, in_axes=(None, 0))(x[0], batched_weights)
-        dx = jax.vmap(jax.grad(lambda x: tokamax.gated_linear_unit(x, fused).sum()))(x)
+        out2 = vmapped_over_weights(batched_weights)
+        dx = jax.vmap(jax.grad(lambda x, ct: jnp.sum(tokamax.gated_linear_unit(x, fused) * ct)))(
+            x, dout)
+        dweights = jax.grad(lambda w: jnp.sum(vmapped_over_weights(w) * dout2))(batched_weights)
     assert_close(out, reference(x, fused[:, 0], fused[:, 1]))
     for i, w in enumerate((fused, 2 * fused)):
         assert_close(out2[i], reference(x[0], w[:, 0], w[:, 1]))
-    want = reference_grads(x, fused[:, 0], fused[:, 1], jnp.ones((4, N)), jax.nn.swish)[0]
+        _, want_dgate, want_dup = reference_grads(x[0], w[:, 0], w[:, 1], dout2[i], jax.nn.swish)
+        assert_close(dweights[i, :, 0], want_dgate)
+        assert_close(dweights[i, :, 1], want_dup)
+    want = reference_grads(x, fused[:, 0], fused[:, 1], dout, jax.nn.swish)[0]
     assert_close(dx, want)
 
 

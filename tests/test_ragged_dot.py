@@ -99,13 +99,14 @@ def test_preferred_element_type_gives_f32_out_and_input_dtype_grads():
     out = tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
     assert out.dtype == jnp.float32
     assert_close(out, ref_forward(lhs, rhs, sizes), jnp.bfloat16)
+    dout = random_normal(2, (M, N))
     dlhs, drhs = jax.grad(
-        lambda a, b: tokamax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32)
-        .sum(), argnums=(0, 1))(lhs, rhs)
-    ones = np.ones((M, N))
+        lambda a, b: jnp.sum(tokamax.ragged_dot(
+            a, b, group_sizes, preferred_element_type=jnp.float32) * dout), argnums=(0, 1))(
+                lhs, rhs)
     assert dlhs.dtype == jnp.bfloat16 and drhs.dtype == jnp.bfloat16
-    assert_close(dlhs, ref_dlhs(ones, rhs, sizes), jnp.bfloat16)
-    assert_close(drhs, ref_drhs(lhs, ones, sizes), jnp.bfloat16)
+    assert_close(dlhs, ref_dlhs(dout, rhs, sizes), jnp.bfloat16)
+    assert_close(drhs, ref_drhs(lhs, dout, sizes), jnp.bfloat16)
 
 
 def test_gradients_are_separate_ragged_dot_calls_with_their_own_specs():
@@ -179,17 +180,18 @@ def test_vmap_and_vmap_of_grad(in_axes):
     group_sizes = jnp.asarray([[3, 7, 2], [0, 12, 0], [5, 0, 1]], jnp.int32)
     args = [x if axis == 0 else x[1] for x, axis in zip((lhs, rhs, group_sizes), in_axes,
                                                         strict=True)]
+    dout = random_normal(2, (b, M, N))  # a random cotangent per batch element
     with jax.default_matmul_precision("highest"):
         out = jax.vmap(tokamax.ragged_dot, in_axes)(*args)
         grads = jax.vmap(jax.grad(
-            lambda a, b, gs: tokamax.ragged_dot(a, b, gs).sum(), argnums=(0, 1)), in_axes)(*args)
-    ones = np.ones((M, N))
+            lambda a, b, gs, ct: jnp.sum(tokamax.ragged_dot(a, b, gs) * ct), argnums=(0, 1)),
+            (*in_axes, 0))(*args, dout)
     for i in range(b):
         a, w, gs = (x[i] if axis == 0 else x for x, axis in zip(args, in_axes, strict=True))
         gs = np.asarray(gs)
         assert_close(out[i], ref_forward(a, w, gs))
-        assert_close(grads[0][i], ref_dlhs(ones, w, gs))
-        assert_close(grads[1][i], ref_drhs(a, ones, gs))
+        assert_close(grads[0][i], ref_dlhs(dout[i], w, gs))
+        assert_close(grads[1][i], ref_drhs(a, dout[i], gs))
 
 
 def test_nested_vmap_and_grad_of_vmap():
@@ -198,15 +200,19 @@ def test_nested_vmap_and_grad_of_vmap():
     group_sizes = jnp.asarray([[2, 2, 8], [1, 0, 4]], jnp.int32)
     inner = jax.vmap(tokamax.ragged_dot, in_axes=(0, None, None))
     f = jax.vmap(inner, in_axes=(None, 0, 0))
+    dout = random_normal(2, (2, 2, M, N))  # random cotangent of out[i, j]
     with jax.default_matmul_precision("highest"):
         out = f(lhs[0], rhs, group_sizes)
-        dlhs = jax.grad(lambda a: f(a, rhs, group_sizes).sum())(lhs[0])
+        dlhs, drhs = jax.grad(lambda a, b: jnp.sum(f(a, b, group_sizes) * dout),
+                              argnums=(0, 1))(lhs[0], rhs)
     for i in range(2):
         gs = np.asarray(group_sizes[i])
         for j in range(2):
             assert_close(out[i, j], ref_forward(lhs[0, j], rhs[i], gs))
-    want = sum(ref_dlhs(np.ones((M, N)), rhs[i], np.asarray(group_sizes[i])) for i in range(2))
+        want_drhs = sum(ref_drhs(lhs[0, j], dout[i, j], gs) for j in range(2))
+        assert_close(drhs[i], want_drhs)
     for j in range(2):
+        want = sum(ref_dlhs(dout[i, j], rhs[i], np.asarray(group_sizes[i])) for i in range(2))
         assert_close(dlhs[j], want)
 
 
@@ -214,11 +220,11 @@ def test_reference_is_differentiable_by_autodiff_vjp():
     sizes = GROUP_SIZES["empty_groups_sum_below_m"]
     lhs, rhs, group_sizes = _inputs(sizes)
     op = RaggedDot(vjp=AutodiffVjp(forward=RaggedDot()))
-    dlhs, drhs = jax.grad(lambda a, b: op(a, b, group_sizes, precision="highest").sum(),
+    dout = random_normal(2, (M, N))
+    dlhs, drhs = jax.grad(lambda a, b: jnp.sum(op(a, b, group_sizes, precision="highest") * dout),
                           argnums=(0, 1))(lhs, rhs)
-    ones = np.ones((M, N))
-    assert_close(dlhs, ref_dlhs(ones, rhs, sizes))
-    assert_close(drhs, ref_drhs(lhs, ones, sizes))
+    assert_close(dlhs, ref_dlhs(dout, rhs, sizes))
+    assert_close(drhs, ref_drhs(lhs, dout, sizes))
 
 
 def test_explicit_implementation_and_custom_vjp_inner():
@@ -228,9 +234,10 @@ def test_explicit_implementation_and_custom_vjp_inner():
     assert RaggedDot().vjp_op() == RaggedDotVjp(inner=RaggedDot())
     out = tokamax.ragged_dot(lhs, rhs, group_sizes, precision="highest", implementation=op)
     assert_close(out, ref_forward(lhs, rhs, sizes))
-    dlhs = jax.grad(lambda a: tokamax.ragged_dot(
-        a, rhs, group_sizes, precision="highest", implementation="xla").sum())(lhs)
-    assert_close(dlhs, ref_dlhs(np.ones((M, N)), rhs, sizes))
+    dout = random_normal(2, (M, N))
+    dlhs = jax.grad(lambda a: jnp.sum(tokamax.ragged_dot(
+        a, rhs, group_sizes, precision="highest", implementation=op) * dout))(lhs)
+    assert_close(dlhs, ref_dlhs(dout, rhs, sizes))
     with pytest.raises(ValueError, match="unknown implementation"):
         tokamax.ragged_dot(lhs, rhs, group_sizes, implementation="nope")
 

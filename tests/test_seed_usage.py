@@ -3,6 +3,8 @@
 Only `import tokamax` reads `import tokamax_pass as tokamax`, shapes are scaled down
 for CPU, and the GPU-only implementations (`triton`, `mosaic`) raise
 `NotImplementedError` here, as the documents say they must where they cannot run.
+Every test runs with an empty temporary user cache (the conftest's `user_cache_dir`), so
+`autotune` must measure each op call itself; the tests check what it returned.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ def cpu_loss(x, scale):
     return jnp.sum(x)
 
 
+def tuned_calls(result: tokamax.AutotuningResult) -> dict[str, list]:
+    """`{op class name: [Entry, ...]}` of `result`; every entry has a working config."""
+    calls: dict[str, list] = {}
+    for entry in result.entries:
+        assert entry.fastest is not None, f"every config failed: {entry}"
+        assert entry.best_time_ms > 0
+        calls.setdefault(type(entry.bound.op).__name__, []).append(entry)
+    return calls
+
+
 def seed_inputs():
     channels, seq_len, batch_size, num_heads = (16, 64, 2, 2)  # (64, 2048, 32, 16) on a GPU
     scale = jax.random.normal(jax.random.key(0), (channels,), dtype=jnp.float32)
@@ -59,6 +71,11 @@ def test_document_1_gradient_autotuning_serialization_and_benchmarking():
     out = f_grad(x, scale)
 
     autotune_result: tokamax.AutotuningResult = tokamax.autotune(f_grad, x, scale)
+    # The tunable calls of the gradient: the chunked attention forward and its VJP.
+    calls = tuned_calls(autotune_result)
+    assert set(calls) == {"XlaChunkedDotProductAttention", "XlaChunkedDotProductAttentionVjp"}
+    for (entry,) in calls.values():
+        assert entry.bound.arguments["query"].shape == x.shape
     with autotune_result:
         out_autotuned = f_grad(x, scale)
     assert_close(out_autotuned, out, jnp.bfloat16)
@@ -66,6 +83,7 @@ def test_document_1_gradient_autotuning_serialization_and_benchmarking():
     autotune_result_json: str = autotune_result.dumps()
     autotune_result = tokamax.AutotuningResult.loads(autotune_result_json)
     assert autotune_result.dumps() == autotune_result_json
+    assert set(tuned_calls(autotune_result)) == set(calls)
 
     f_grad_exported = export.export(f_grad, disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS)(
         jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -88,6 +106,9 @@ def test_document_2_callable_with_keyword_arguments():
     args = {"x": x, "scale": scale}
     f = jax.jit(cpu_loss)
     autotune_result: tokamax.AutotuningResult = tokamax.autotune(f, **args)
+    (entry,) = tuned_calls(autotune_result)["XlaChunkedDotProductAttention"]
+    assert entry.bound.arguments["query"].shape == x.shape
+    assert set(tuned_calls(autotune_result)) == {"XlaChunkedDotProductAttention"}
     with autotune_result:
         out_autotuned = f(**args)
     assert_close(out_autotuned, cpu_loss(**args), jnp.bfloat16)
@@ -105,6 +126,10 @@ def test_document_2_bound_arguments_and_merging(tmp_path):
 
     autotune_result: tokamax.AutotuningResult = tokamax.autotune(
         [ragged_dot_ba, attention_ba], all_implementations=True)
+    # Every implementation that runs here, of both families: ragged dot's one (XLA) and
+    # attention's XLA and chunked ones.
+    assert set(tuned_calls(autotune_result)) == {
+        "RaggedDot", "DotProductAttention", "XlaChunkedDotProductAttention"}
     with autotune_result:
         out = jax.jit(lambda q, k, v: tokamax.dot_product_attention(q, k, v))(q, k, v)
     assert_close(out, tokamax.dot_product_attention(q, k, v, implementation="xla"))
@@ -114,6 +139,7 @@ def test_document_2_bound_arguments_and_merging(tmp_path):
     tokamax.autotune([attention_ba]).dump(str(path_to_file_2))
     autotune_result_1 = tokamax.AutotuningResult.load(path_to_file_1)
     autotune_result_2 = tokamax.AutotuningResult.load(path_to_file_2)
+    assert set(tuned_calls(autotune_result_2)) == {"XlaChunkedDotProductAttention"}
     merged_results = autotune_result_1 | autotune_result_2
     with merged_results:
         assert_close(tokamax.ragged_dot(x, y, group), jax.lax.ragged_dot(

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import tokamax_pass as tk
 from conftest import H200, assert_close, random_normal, reference_precision
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+pytestmark = pytest.mark.usefixtures("fake_devices")  # fails, never skips, without 8
 
 ROWS = ("data", "model")
 

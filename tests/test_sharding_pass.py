@@ -18,7 +18,7 @@ from conftest import assert_close, random_normal, reference_precision
 from tokamax_pass.core import BoundArguments, Family, NullConfig, Op, register_family
 from tokamax_pass.core.partition_rules import Dims, PartitionRule
 
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+pytestmark = pytest.mark.usefixtures("fake_devices")  # fails, never skips, without 8
 
 
 def _mesh():

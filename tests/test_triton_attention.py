@@ -24,19 +24,25 @@ OP = PallasTritonFlashAttention(
     vjp=PallasTritonFlashAttentionVjp(interpret=True, config=VJP_CONFIG))
 
 
+BATCH = 2  # batch > 1: a kernel that mixes up batch elements must fail
+
+
 def inputs(seq_q=32, seq_k=32, heads=2, kv_heads=2, head_dim=16, dtype=jnp.float32):
-    q = random_normal(0, (1, seq_q, heads, head_dim), dtype)
-    k = random_normal(1, (1, seq_k, kv_heads, head_dim), dtype)
-    v = random_normal(2, (1, seq_k, kv_heads, head_dim), dtype)
+    q = random_normal(0, (BATCH, seq_q, heads, head_dim), dtype)
+    k = random_normal(1, (BATCH, seq_k, kv_heads, head_dim), dtype)
+    v = random_normal(2, (BATCH, seq_k, kv_heads, head_dim), dtype)
     return q, k, v
 
 
 def check(q, k, v, bias=None, *, grad=True, **options):
-    """Forward and (optionally) the gradient of a nonlinear loss, kernel vs reference."""
+    """Forward and (optionally) the gradient of a nonlinear loss with a random cotangent,
+    kernel vs reference."""
+    cotangent = random_normal(7, q.shape)
+
     def loss(impl, q, k, v, bias):
         out = dot_product_attention(q, k, v, bias, implementation=impl, precision="highest",
                                     **options)
-        return jnp.sum(jnp.sin(out) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+        return jnp.sum(jnp.sin(out) * cotangent)
 
     with reference_precision():
         out = dot_product_attention(q, k, v, bias, implementation=OP, precision="highest",
@@ -66,10 +72,15 @@ def test_bias_and_its_gradient_broadcast_over_batch():
     check(q, k, v, random_normal(3, (1, 2, 32, 32)))
 
 
+def test_per_batch_bias_and_its_gradient_broadcast_over_heads():
+    q, k, v = inputs()
+    check(q, k, v, random_normal(3, (BATCH, 1, 32, 32)))
+
+
 def test_bool_mask_with_fully_masked_rows():
     q, k, v = inputs()
-    mask = jax.random.bernoulli(jax.random.key(4), 0.6, (1, 1, 32, 32))
-    mask = mask.at[:, :, 5, :].set(False)  # a row that sees nothing: zeros, zero gradient
+    mask = jax.random.bernoulli(jax.random.key(4), 0.6, (BATCH, 1, 32, 32))
+    mask = mask.at[0, :, 5, :].set(False)  # a row that sees nothing: zeros, zero gradient
     check(q, k, v, mask=mask)
 
 
@@ -83,7 +94,8 @@ def test_mqa():
 
 
 def test_sequence_lengths():
-    check(*inputs(), query_seq_lengths=jnp.array([21]), key_value_seq_lengths=jnp.array([19]))
+    check(*inputs(), query_seq_lengths=jnp.array([21, 30]),
+          key_value_seq_lengths=jnp.array([19, 11]))
 
 
 def test_local_window_and_soft_cap():
@@ -93,7 +105,8 @@ def test_local_window_and_soft_cap():
 
 def test_soft_cap_with_bias_causal():
     q, k, v = inputs(heads=1, kv_heads=1)
-    check(q, k, v, random_normal(5, (1, 1, 32, 32)), is_causal=True, logits_soft_cap=3.0)
+    # Per batch element, broadcast over heads and query rows.
+    check(q, k, v, random_normal(5, (BATCH, 1, 1, 32)), is_causal=True, logits_soft_cap=3.0)
 
 
 def test_bf16_forward():
@@ -112,7 +125,7 @@ def test_residuals_are_the_family_lse():
         _, (lse,) = OP._fwd(**ba.arguments, config=FWD_CONFIG, return_residuals=True)
         _, (ref_lse,) = ref._fwd(**ba.arguments, config=core.NullConfig(),
                                  return_residuals=True)
-    assert lse.shape == (1, 2, 32) and lse.dtype == jnp.float32
+    assert lse.shape == (BATCH, 2, 32) and lse.dtype == jnp.float32
     assert_close(lse, ref_lse, scale_rtol=1e-5)
 
 

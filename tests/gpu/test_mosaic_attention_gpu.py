@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_close, random_normal, reference_precision
+from conftest import assert_close, per_batch_element, random_normal, reference_precision
 from tokamax_kernels.attention import DotProductAttention, dot_product_attention
 
 pytestmark = pytest.mark.gpu
@@ -80,13 +80,15 @@ def test_self_attention_matches_reference(shape):
     results = _self_attention_fwd_bwd("mosaic")(x, do)
     hlo = _self_attention_fwd_bwd("mosaic").lower(x, do).as_text()
     assert "shared_inputs" in hlo and hlo.count("mosaic_gpu_v2") == 2  # forward, dx
-    b = min(shape[0], 2)  # the f32 reference of the seed shape on two of its batches
-    with reference_precision():
-        f32 = x[:b].astype(jnp.float32)
-        out, pullback = jax.vjp(lambda x: DotProductAttention()(x, x, x), f32)
-        want = (out, *pullback(do[:b].astype(jnp.float32)))
+    def reference(x, do):
+        out, pullback = jax.vjp(lambda x: DotProductAttention()(x, x, x), x)
+        return (out, *pullback(do))
+
+    with reference_precision():  # every batch element, one at a time (S x S logits)
+        want = per_batch_element(reference, x.astype(jnp.float32), do.astype(jnp.float32))
     for name, got, ref in zip(("out", "dx"), results, want, strict=True):
-        assert_close(got[:b], ref, jnp.bfloat16), name
+        for i in range(shape[0]):
+            assert_close(got[i], ref[i], jnp.bfloat16), (name, i)
     again = _self_attention_fwd_bwd("mosaic")(x, do)
     assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
 
@@ -154,9 +156,11 @@ def test_head_dim_256_forward(causal):
 @pytest.mark.parametrize("b,s,h,d,causal", [
     (32, 2048, 16, 64, False), (4, 8192, 16, 128, False), (4, 8192, 16, 128, True),
 ])
-def test_benchmark_shapes_match_reference_on_first_batch(b, s, h, d, causal):
+def test_benchmark_shapes_match_reference_on_every_batch_element(b, s, h, d, causal):
     q, k, v, do = _inputs(b, s, s, h, h, d)
     results = _mosaic_fwd_bwd(causal)(q, k, v, do)
-    want = _reference(*(x[:1] for x in (q, k, v, do)), causal)
-    for got, ref in zip(results, want, strict=True):
-        assert_close(got[:1], ref, jnp.bfloat16)
+    with reference_precision():  # every batch element, one at a time (S x S logits)
+        want = per_batch_element(lambda *a: _reference(*a, causal), q, k, v, do)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), results, want, strict=True):
+        for i in range(b):
+            assert_close(got[i], ref[i], jnp.bfloat16), (name, i)

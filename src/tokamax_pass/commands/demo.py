@@ -5,7 +5,8 @@ The seed's `loss` (two layer norms, two attentions, implementations `triton`,
 implementation cannot run here (no GPU), the demo says why and uses `None`.
 It then runs the gradient through `tokamax.optimize` and `tokamax.autotune`, and
 lists every op call of the gradient program (forward and VJP ops): the
-implementation chosen, its config, and its device time.
+implementation chosen, its config, and its device time. It exits with status 1 when
+any op call fails to run.
 """
 
 from __future__ import annotations
@@ -130,12 +131,14 @@ def run(args: argparse.Namespace) -> int:
     print()
 
     rows = [("op call", "implementation", "config", "arguments", "ms")]
+    failed = []
     for ba in op_calls(jax.grad(seed_loss(implementations)), x, scale):
         time_ms = functools.partial(op_time_ms, ba, args.iterations)
         try:
             ms = f"{time_ms():.3f}"
         except Exception as e:  # noqa: BLE001 - show the failure in the table
             ms = f"failed: {type(e).__name__}"
+            failed.append(f"{type(ba.op).__name__}: {type(e).__name__}: {e}")
         rows.append((type(ba.op).__name__, ba.op.implementation, _config_text(ba.op.config),
                      _arrays_text(ba), ms))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -143,4 +146,9 @@ def run(args: argparse.Namespace) -> int:
         print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
         if i == 0:
             print("  " + "  ".join("-" * w for w in widths))
+    if failed:
+        print(f"\n  {len(failed)} op call{'s' * (len(failed) > 1)} failed:")
+        for line in failed:
+            print(f"    {line[:300]}")
+        return 1
     return 0

@@ -1,0 +1,133 @@
+"""Deliberate breakages of the library that the CPU test suite must catch.
+
+Each `Mutation` replaces one snippet of one source file (it must occur there exactly
+`count` times, once unless said) in a temporary copy of the repository, then runs a
+few chosen tests against the copy: at least one of them must fail. `run_mutations.py`
+applies them; the list is short and each test selection small, so the check runs in CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_TRITON_FWD = "kernels/tokamax_kernels/attention/_pallas_triton_fwd.py"
+_TRITON_BWD = "kernels/tokamax_kernels/attention/_pallas_triton_bwd.py"
+_TRITON_ATTENTION_TESTS = "tests/test_triton_attention.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    """`original` (found exactly `count` times) -> `replacement` in `path` (relative to the
+    repository root); one of `tests` (pytest node ids, relative to the root) must fail on
+    the mutated copy."""
+
+    name: str
+    path: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.original == self.replacement:
+            raise ValueError(f"mutation {self.name!r}: replacement equals original")
+        if not self.tests:
+            raise ValueError(f"mutation {self.name!r}: tests must name at least one test")
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "triton attention forward reads K/V of batch 0 for every batch element",
+        _TRITON_FWD,
+        "lambda i, b, h: (b, 0, h // group, 0))",  # the key and the value block specs
+        "lambda i, b, h: (0, 0, h // group, 0))",
+        (f"{_TRITON_ATTENTION_TESTS}::test_plain_forward_and_gradient",),
+        count=2,
+    ),
+    Mutation(
+        "triton attention forward takes the bias of batch 0 for every batch element",
+        _TRITON_FWD,
+        "lambda i, b, h, bb=bb, hb=hb: (b if bb > 1 else 0,",
+        "lambda i, b, h, bb=bb, hb=hb: (0,",
+        (f"{_TRITON_ATTENTION_TESTS}::test_per_batch_bias_and_its_gradient_broadcast_over_heads",
+         f"{_TRITON_ATTENTION_TESTS}::test_soft_cap_with_bias_causal"),
+    ),
+    Mutation(
+        "triton attention forward uses the key length of batch 0 for every batch element",
+        _TRITON_FWD,
+        "kv_len = jnp.minimum(kvlen_ref[b], spec.seq_k)",
+        "kv_len = jnp.minimum(kvlen_ref[0], spec.seq_k)",
+        (f"{_TRITON_ATTENTION_TESTS}::test_sequence_lengths",),
+    ),
+    Mutation(
+        "triton attention dK/dV kernel reads Q of batch 0",
+        _TRITON_BWD,
+        "q_group = pl.BlockSpec((None, seq_q, group, head_dim), lambda j, b, h: (b, 0, h, 0))",
+        "q_group = pl.BlockSpec((None, seq_q, group, head_dim), lambda j, b, h: (0, 0, h, 0))",
+        (f"{_TRITON_ATTENTION_TESTS}::test_plain_forward_and_gradient",),
+    ),
+    Mutation(
+        "triton attention dQ kernel reads K/V of batch 0",
+        _TRITON_BWD,
+        "head_dim), lambda i, b, h: (b, 0, h // group, 0))",
+        "head_dim), lambda i, b, h: (0, 0, h // group, 0))",
+        (f"{_TRITON_ATTENTION_TESTS}::test_plain_forward_and_gradient",),
+    ),
+    Mutation(
+        "triton attention drops the softmax scale",
+        "kernels/tokamax_kernels/attention/pallas_triton.py",
+        'scale=arguments["scale"], left=left',
+        "scale=1.0, left=left",
+        (f"{_TRITON_ATTENTION_TESTS}::test_plain_forward_and_gradient",),
+    ),
+    Mutation(
+        "triton layer norm drops the scale",
+        "kernels/tokamax_kernels/layer_norm/pallas_triton.py",
+        "            y = y * _load_vector(scale_ref, c, col_mask, block_n)[None, :]\n",
+        "            y = y * 1.0\n",
+        ("tests/test_triton_layer_norm.py",),
+    ),
+    Mutation(
+        "triton gated linear unit kernel drops the activation",
+        "kernels/tokamax_kernels/gated_linear_unit/pallas_triton.py",
+        "out = activation(gate) * up",
+        "out = gate * up",
+        ("tests/test_triton_glu.py::test_forward_and_gradient_match_reference",),
+    ),
+    Mutation(
+        "triton ragged dot ends each group one row late",
+        "kernels/tokamax_kernels/ragged_dot/pallas_triton.py",
+        "ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)",
+        "ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)) + 1, m)",
+        ("tests/test_triton_ragged_dot.py::test_variants_match_reference",),
+    ),
+    Mutation(
+        "vmapped ragged-dot drhs reverses the cotangent's rows",
+        "kernels/tokamax_kernels/ragged_dot/base.py",
+        "out = ragged_dot(lhs, rhs.reshape(b * m, -1), sizes)",
+        "out = ragged_dot(lhs, rhs[:, ::-1].reshape(b * m, -1), sizes)",
+        ("tests/test_ragged_dot.py::test_vmap_and_vmap_of_grad",),
+    ),
+    Mutation(
+        "gated linear unit VJP multiplies dgate by the up weights (transposed roles)",
+        "kernels/tokamax_kernels/gated_linear_unit/base.py",
+        "dx = (jnp.matmul(dgate, w_gate.T, precision=precision)",
+        "dx = (jnp.matmul(dgate, w_up.T, precision=precision)",
+        ("tests/test_gated_linear_unit.py::test_rank_one_x_and_vmap",),
+    ),
+    Mutation(
+        "an op's explicit config is ignored",
+        "src/tokamax_pass/core/resolution.py",
+        '    if op.config is not None:\n        return op.config, "explicit"',
+        '    if False:\n        return op.config, "explicit"',
+        ("tests/test_core.py::test_pinned_config_is_used",),
+    ),
+    Mutation(
+        "configs from autotuning results and the caches are ignored",
+        "src/tokamax_pass/core/resolution.py",
+        "hit = source.find_config(ba.replace(op=op), target.device_kind)",
+        "hit = None",
+        ("tests/test_cache.py"
+         "::test_resolution_order_result_then_user_then_library_then_heuristics",),
+    ),
+)
