@@ -32,6 +32,10 @@ class Target:
         return self.platform in ("cuda", "rocm")
 
     @property
+    def is_tpu(self) -> bool:
+        return self.platform == "tpu"
+
+    @property
     def is_hopper(self) -> bool:
         kind = self.device_kind or ""
         return self.platform == "cuda" and any(k in kind for k in _HOPPER_KINDS)
@@ -112,16 +116,23 @@ def device_kind_key(device_kind: str | None) -> str:
     return (device_kind or "unknown").lower().replace(" ", "_").replace("/", "_")
 
 
+def platform_of_kind(device_kind: str) -> str:
+    """The platform of a device kind: `"tpu"` for TPU kinds (`"TPU v5 lite"`, `"TPU v5p"`,
+    `"TPU v6 lite"`, `"TPU7x"`), else `"cuda"` (`"NVIDIA H200"`)."""
+    return "tpu" if device_kind.upper().startswith("TPU") else "cuda"
+
+
 @contextlib.contextmanager
-def targeting(device_kind: str, platform: str = "cuda") -> Iterator[None]:
-    """Traces and lowers for a device that is not here (`"NVIDIA H200"` from a CPU machine).
+def targeting(device_kind: str, platform: str | None = None) -> Iterator[None]:
+    """Traces and lowers for a device that is not here (`"NVIDIA H200"` or `"TPU v6 lite"`
+    from a CPU machine); `platform` defaults to the kind's (`platform_of_kind`).
 
     JAX needs an abstract device of that kind to lower Pallas Triton kernels; ops
-    read the device kind from it to pick configs from that device's caches.
+    read the device kind from it to pick kernels and configs for that device.
     """
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-    device = AbstractDevice(device_kind, None, platform)
+    device = AbstractDevice(device_kind, None, platform or platform_of_kind(device_kind))
     # Auto axes: ops whose shape rules do not support explicit sharding still trace.
     mesh = AbstractMesh((1,), ("_target",), axis_types=(AxisType.Auto,), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
