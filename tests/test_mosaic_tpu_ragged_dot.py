@@ -194,3 +194,11 @@ def test_seed_snippet_binds_on_cpu():
     x, w = _operands("forward", jnp.bfloat16)
     ba = tokamax.PallasMosaicTpuRaggedDot.bind(x, w, jnp.asarray(SIZES))
     assert isinstance(ba.op, PallasMosaicTpuRaggedDot) and ba.arguments["variant"] == "forward"
+
+
+def test_autotune_without_a_tpu_says_timing_needs_the_device():
+    import tokamax_pass as tokamax
+
+    ba = tokamax.PallasMosaicTpuRaggedDot.bind(*_operands("forward"), jnp.asarray(SIZES))
+    with pytest.raises(RuntimeError, match=r"runs on \['tpu'\], not on cpu.*Timing needs"):
+        tokamax.autotune([ba], progress=False)

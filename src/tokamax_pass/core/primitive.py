@@ -325,7 +325,8 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
 
 def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
              explicit: bool, partition_as: Op | None = None, through_vjp_ops: bool = True) -> Any:
-    """Calls the first of `ops` that accepts the arguments (and, if `explicit`, this device).
+    """Calls the first of `ops` that accepts the arguments (and, if `explicit`, this device;
+    when tracing for devices that are not here, the device is checked at lowering).
 
     `ValueError` from `bind` (bad input) propagates at once; `NotImplementedError`
     moves on to the next candidate and is re-raised when none is left. The call's
@@ -333,11 +334,15 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
     call: its derivative, for second-order gradients, is the primitive's JVP rule).
     """
     target = device.current_target()
+    # Traced for devices that are not here (an export, maybe for several platforms at
+    # once), a list of implementations keeps those that run on another platform: each
+    # platform's lowering picks its own ("mosaic" = the Mosaic GPU and TPU kernels).
+    device_check = explicit and not (len(ops) > 1 and device.abstract_only())
     bound, reasons = [], []
     for op in ops:
         try:
             ba = op.bind(*args, **kwargs)
-            op.check_supported(ba, target if explicit else None)
+            op.check_supported(ba, target if device_check else None)
         except NotImplementedError as e:
             if explicit and len(ops) == 1:
                 raise

@@ -230,12 +230,23 @@ def _ordered_ops(candidates: Sequence[Op], chosen: Sequence[Op]) -> tuple[Op, ..
 
     def rank(op: Op) -> int:
         for i, candidate in enumerate(candidates):
+            if _kind(candidate) == _kind(op):
+                return i
+        for i, candidate in enumerate(candidates):
             if type(candidate) is type(op):
                 return i
         return len(candidates)
 
     unique = list(dict.fromkeys(chosen))
     return tuple(sorted(unique, key=rank))
+
+
+def _kind(op: Op) -> tuple[type, ...]:
+    """An op's class and the classes of the ops it holds (a VJP op's `inner`), configs
+    aside: `RaggedDotVjp(inner=<Mosaic TPU>)` and `RaggedDotVjp(inner=<XLA>)` differ."""
+    nested = (getattr(op, f.name) for f in dataclasses.fields(op)
+              if f.name not in ("config", "vjp"))
+    return (type(op), *(type(value) for value in nested if isinstance(value, Op)))
 
 
 def _runs_on(op: Op, ba: BoundArguments, target: Target) -> bool:
