@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from jax.experimental.pallas import tpu as pltpu
 
@@ -78,10 +78,17 @@ class MosaicTpuKernel:
         if not self.interpret:
             super().check_supported_target(target)  # type: ignore[misc]
 
-    def pallas_interpret(self) -> Any:
-        """`pallas_call(interpret=...)`: the TPU interpreter (uninitialized memory reads
-        as NaN, so a kernel that reads what it never wrote fails its tests) or off."""
-        return True if self.interpret else False
+    def pallas_interpret(self) -> bool:
+        """`pallas_call(interpret=...)`: Pallas's interpreter, which runs TPU grid specs
+        (scalar prefetch, VMEM scratch) on any backend and fills outputs, scratch and
+        padding with NaN, so a kernel that reads what it never wrote fails its tests.
+
+        Not the TPU interpreter (`pltpu.InterpretParams`): it runs kernels through
+        ordered `io_callback`s, whose effect tokens a `tokamax_call` lowering does not
+        thread. Tests run the kernel functions alone under it as well: it also models
+        when TPU output blocks are written back.
+        """
+        return self.interpret
 
 
 def compiler_params(semantics: Sequence[str], vmem_bytes: int) -> pltpu.CompilerParams:

@@ -70,8 +70,9 @@ def _dkv_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse2_ref, de
         q, do = q_ref[...], do_ref[...]
         p, ds = _tile_grads(spec, q, k_ref[...], v_ref[...], do, lse2_ref[...], delta_ref[...],
                             i * block_q, j * block_k, q_len, kv_len)
-        dv_acc[...] += tpu.dot(spec, p.astype(do.dtype), do, (0, 0))
-        dk_acc[...] += tpu.dot(spec, ds.astype(q.dtype), q, (0, 0))
+        # p^T and ds^T: float32 tiles transposed (a 32-bit transpose), then cast for the MXU.
+        dv_acc[...] += tpu.dot(spec, p.T.astype(do.dtype), do, (1, 0))
+        dk_acc[...] += tpu.dot(spec, ds.T.astype(q.dtype), q, (1, 0))
 
     @pl.when(t == pl.num_programs(3) - 1)
     def _store():
@@ -117,7 +118,8 @@ def flash_attention_backward(q: jax.Array, k: jax.Array, v: jax.Array, do: jax.A
     scalars = (q_len, kv_len)
     operands = (q, k, v, do, lse2, delta)
 
-    # dK/dV: the innermost axis walks (query head in the group, query block).
+    # dK/dV: the innermost axis walks (query head in the group, query block); `lax.div`
+    # and `lax.rem`, not `//` and `%` (see `_mosaic_tpu_fwd_kernel`'s docstring).
     def dkv_q_index(b, hk, j, t, q_len, kv_len):
         lo, hi = _visible_q_blocks(spec, j, block_k, block_q, num_qb, q_len[b], kv_len[b])
         head, i = hk * group + lax.div(t, num_qb), lax.rem(t, num_qb)

@@ -58,11 +58,7 @@ def _problem(lhs: Any, rhs: Any, variant: str) -> tuple[int, int, int]:
     forward/dlhs: M, the contracted axis, the output columns. drhs: M (contracted),
     K and N (the output tile).
     """
-    if variant == "forward":
-        return lhs.shape[0], lhs.shape[1], rhs.shape[2]
-    if variant == "dlhs":
-        return lhs.shape[0], lhs.shape[1], rhs.shape[1]
-    return lhs.shape[0], lhs.shape[1], rhs.shape[1]
+    return lhs.shape[0], lhs.shape[1], rhs.shape[2 if variant == "forward" else 1]
 
 
 def _vmem_bytes(config: Config, rows: int, contraction: int, columns: int, variant: str,
@@ -138,16 +134,18 @@ class PallasMosaicTpuRaggedDot(MosaicTpuKernel, RaggedDot):
         """Tiles two MXUs wide (256 on v4/v5, 512 on v6e: each weight tile feeds the MXU
         twice per row block), 256 rows (a row block straddling a group boundary is
         computed once per group, so taller blocks waste more), and the deepest
-        contraction step of 512/256/128 that divides the contraction and fits VMEM."""
+        contraction step of 512/256/128 that divides the contraction and fits VMEM.
+        drhs: a (2 MXU)^2 output tile over 256-row steps (its blocks are small)."""
         args = ba.arguments
         variant = args["variant"]
         rows, contraction, columns = _problem(args["lhs"], args["rhs"], variant)
         itemsize = jnp.dtype(args["lhs"].dtype).itemsize
         gen = _pallas_tpu.current_generation()
         wide = 2 * gen.mxu
+        if variant == "drhs":  # the contraction is M, walked in block_m steps: any M fits
+            return Config(block_m=256, block_k=wide, block_n=wide)
         for block_k in (512, 256, 128):
-            config = (Config(block_m=256, block_k=wide, block_n=wide) if variant == "drhs"
-                      else Config(block_m=256, block_k=block_k, block_n=wide))
+            config = Config(block_m=256, block_k=block_k, block_n=wide)
             if _fits(config, rows, contraction, columns, variant, itemsize, gen.vmem_budget()):
                 return config
         raise NotImplementedError(

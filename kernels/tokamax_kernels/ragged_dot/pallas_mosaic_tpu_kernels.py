@@ -163,9 +163,11 @@ def _drhs_kernel(tiles_ref, lhs_ref, dout_ref, out_ref, acc_ref) -> None:
         # Rows of other groups (and past M, where the block reads padding) count as zero.
         rows = jax.lax.broadcasted_iota(jnp.int32, (lhs_ref.shape[0], 1), 0)
         mine = (rows >= lo) & (rows < hi)
-        x = jnp.where(mine, lhs_ref[...], jnp.zeros((), lhs_ref.dtype))
+        # x^T as an explicit transpose of a float32 tile, a form Mosaic lowers on every
+        # generation (32-bit transposes), then back to the input dtype for the MXU.
+        x = jnp.where(mine, lhs_ref[...].astype(jnp.float32), 0.0).T.astype(lhs_ref.dtype)
         dy = jnp.where(mine, dout_ref[...], jnp.zeros((), dout_ref.dtype))
-        acc_ref[...] += _dot(x, dy, (0, 0))
+        acc_ref[...] += _dot(x, dy, (1, 0))
 
     @pl.when(tiles_ref[5, t] == 1)
     def _store():
