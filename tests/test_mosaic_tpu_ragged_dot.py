@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from conftest import assert_close, random_normal, reference_precision
+from conftest import assert_close, measured, random_normal, reference_precision
 from tokamax_kernels.ragged_dot import api as ragged_api
 from tokamax_kernels.ragged_dot.base import RaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import Config, PallasMosaicTpuRaggedDot
@@ -166,26 +166,41 @@ def test_lowers_for_tpu_forward_and_gradients(dtype):
         assert f"variant\\22:\\22{variant}" in text.replace(" ", "")
 
 
+TPU_ARGS = (jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4,), jnp.int32))
+
+
 def _export_for_tpu(implementation):
     def f(lhs, rhs, sizes):
         return ragged_api.ragged_dot(lhs, rhs, sizes, implementation=implementation)
 
-    args = (jax.ShapeDtypeStruct((256, 256), jnp.bfloat16),
-            jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16),
-            jax.ShapeDtypeStruct((4,), jnp.int32))
     with core.targeting("TPU v5p"):
-        return jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+        return jax.export.export(jax.jit(f), platforms=["tpu"])(*TPU_ARGS).mlir_module()
 
 
 def test_mosaic_names_the_platforms_kernel_and_gpu_kernels_refuse_a_tpu():
     assert "tpu_custom_call" in _export_for_tpu("mosaic")  # the GPU kernel steps aside
     assert "tpu_custom_call" in _export_for_tpu("mosaic_tpu")
-    assert "tpu_custom_call" not in _export_for_tpu(None)  # unmeasured: jax.lax.ragged_dot
     for name in ("triton", "mosaic_gpu"):
         with pytest.raises(NotImplementedError, match=r"\['cuda'\], not on tpu"):
             _export_for_tpu(name)
     with pytest.raises(ValueError, match="mosaic_tpu"):
         _export_for_tpu("mosaic_tpuu")
+
+
+def test_none_runs_the_tpu_kernel_only_where_measured_faster():
+    assert "tpu_custom_call" not in _export_for_tpu(None)
+    faster = measured("TPU v5p", {PallasMosaicTpuRaggedDot(): 1.0, RaggedDot(): 3.0}, *TPU_ARGS)
+    with faster:
+        assert "tpu_custom_call" in _export_for_tpu(None)
+    slower = measured("TPU v5p", {PallasMosaicTpuRaggedDot(): 3.0, RaggedDot(): 1.0}, *TPU_ARGS)
+    with slower:
+        assert "tpu_custom_call" not in _export_for_tpu(None)
+    other_tpu = measured("TPU v6 lite", {PallasMosaicTpuRaggedDot(): 1.0, RaggedDot(): 3.0},
+                         *TPU_ARGS)
+    with other_tpu:  # a measurement on another generation is no evidence for this one
+        assert "tpu_custom_call" not in _export_for_tpu(None)
 
 
 def test_seed_snippet_binds_on_cpu():
