@@ -137,7 +137,7 @@ class Rewriter:
         choices = []
         with self.active():
             for target in self.targets:
-                choice = resolution.choose(candidates, target, explicit=call.explicit)
+                choice = call.choose(candidates, target)
                 choice = dataclasses.replace(choice, bound=choice.bound.replace(
                     op=_pin_forward_config(choice.op, choice.bound, target)))
                 source = choice.source
