@@ -143,3 +143,11 @@ def test_seed_snippet_binds_on_cpu():
     assert type(ba.op) is tokamax.PallasMosaicTpuFlashAttention
     with pytest.raises(NotImplementedError, match="tpu"):
         tokamax.PallasMosaicTpuAttention()(q, k, v)  # on CPU only with interpret=True
+
+
+@pytest.mark.parametrize("name", ["cudnn", "triton", "mosaic_gpu"])
+def test_gpu_implementations_refuse_a_tpu(name):
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    with core.targeting("TPU v5 lite"), pytest.raises(NotImplementedError, match="not on tpu"):
+        jax.export.export(jax.jit(lambda q: api.dot_product_attention(
+            q, q, q, implementation=name)), platforms=["tpu"])(q)

@@ -85,7 +85,7 @@ def _fits(config: Config, rows: int, contraction: int, columns: int, variant: st
 class PallasMosaicTpuRaggedDot(MosaicTpuKernel, RaggedDot):
     """Ragged dot on TPUs by Pallas Mosaic TPU kernels (bf16/f32, float32 accumulation).
 
-    `interpret=True` runs the kernels in the Pallas TPU interpreter (any platform; tests).
+    `interpret=True` runs the kernels in the Pallas interpreter (any platform; tests).
     """
 
     config_cls: ClassVar[type] = Config
