@@ -158,3 +158,30 @@ def test_gpu_implementations_refuse_a_tpu(name):
     with core.targeting("TPU v5 lite"), pytest.raises(NotImplementedError, match="not on tpu"):
         jax.export.export(jax.jit(lambda q: api.dot_product_attention(
             q, q, q, implementation=name)), platforms=["tpu"])(q)
+
+
+class _UnderTpuInterpreter(PallasMosaicTpuFlashAttentionVjp):
+    """The VJP op with its kernels under `pltpu.InterpretParams` (called directly: the
+    TPU interpreter's ordered callbacks cannot run inside a `tokamax_call` lowering)."""
+
+    def pallas_interpret(self):
+        return pltpu.InterpretParams()
+
+
+def test_backward_kernels_in_the_tpu_interpreter():
+    """dK/dV keeps its output block in VMEM across the query heads and blocks of its inner
+    grid axis: the TPU interpreter models that residency (Pallas's own does not)."""
+    q, k, v = _inputs()
+    dout = random_normal(3, q.shape)
+    options = dict(DotProductAttention().bind(q, k, v, **OPTIONS["lengths_causal"]).arguments)
+    statics = {n: options[n] for n in options if n not in ("query", "key", "value")}
+    with reference_precision():
+        out, residuals = DotProductAttention()._fwd(q, k, v, **statics, config=None,
+                                                     return_residuals=True)
+        want = jax.vjp(lambda q, k, v: DotProductAttention()(q, k, v, **OPTIONS["lengths_causal"]),
+                       q, k, v)[1](dout)
+    grads, _ = _UnderTpuInterpreter(interpret=True)._fwd(
+        residuals, out, dout, query=q, key=k, value=v, **statics, config=BLOCKS,
+        return_residuals=False)
+    for name, w in zip(("query", "key", "value"), want, strict=True):
+        assert_close(grads[name], w)
