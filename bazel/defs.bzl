@@ -37,8 +37,11 @@ tokamax_stablehlo = rule(
         "arg_specs": attr.string_list(mandatory = True, doc = "Array specs, e.g. 'bf16[8,128]'"),
         "srcs": attr.label_list(allow_files = [".py"], doc = "Python files the function needs"),
         "results": attr.label(allow_single_file = [".json"], doc = "AutotuningResult JSON"),
-        "platforms": attr.string_list(doc = "Export platforms, e.g. ['cpu', 'cuda']"),
-        "device_kind": attr.string(doc = "GPU target when exporting from a machine without it"),
+        "platforms": attr.string_list(doc = "Export platforms, e.g. ['cpu', 'cuda', 'tpu']"),
+        "device_kind": attr.string(
+            doc = "Target device(s) when exporting from a machine without them, one per " +
+                  "platform, comma-separated: 'NVIDIA H200' or 'NVIDIA H200,TPU v6 lite'",
+        ),
         "_python": attr.label(
             default = "//bazel:python3.sh",
             executable = True,

@@ -403,11 +403,12 @@ def test_bad_input_raises_value_error_naming_it(match, build):
             dot_product_attention(*args, **kwargs, implementation=implementation)
 
 
-def test_gpu_only_implementations_raise_on_cpu():
+def test_accelerator_only_implementations_raise_on_cpu():
     q, k, v = _inputs(dtype=jnp.bfloat16)
-    gpu_only = [name for name in ("cudnn", "triton", "mosaic") if name in FAMILY.implementations]
-    assert "cudnn" in gpu_only
-    for name in gpu_only:
+    names = ("cudnn", "triton", "mosaic", "mosaic_gpu", "mosaic_tpu")
+    accelerator_only = [n for n in names if n in FAMILY.implementations or n in FAMILY.aliases]
+    assert {"cudnn", "mosaic", "mosaic_tpu"} <= set(accelerator_only)
+    for name in accelerator_only:
         with pytest.raises(NotImplementedError):
             dot_product_attention(q, k, v, implementation=name)
     with pytest.raises(ValueError, match="xla_chunked"):

@@ -97,16 +97,17 @@ class Artifact:
 
 
 def export(fun: Callable[..., Any], *arg_specs: Any, platforms: Sequence[str] | None = None,
-           device_kind: str | None = None, name: str | None = None) -> Artifact:
+           device_kind: str | Sequence[str] | None = None, name: str | None = None) -> Artifact:
     """Exports `fun` (a function or `optimize(...)`) with every op resolved and pinned.
 
     Args:
       fun: the function; a plain function is wrapped with `optimize` first.
       *arg_specs: one per positional argument: arrays, `jax.ShapeDtypeStruct`s or spec
         strings like `"bf16[32,2048,16,64]"` (pytrees of them; statics as values).
-      platforms: e.g. `("cpu", "cuda")`: each platform's lowering gets its own kernels in
-        one artifact. Default: `("cuda",)` with `device_kind`, else this machine's backend.
-      device_kind: the GPU the artifact is for (`"NVIDIA H200"`) when it is not here: its
+      platforms: e.g. `("cpu", "cuda", "tpu")`: each platform's lowering gets its own kernels
+        in one artifact. Default: the platforms of `device_kind`, else this machine's backend.
+      device_kind: the device the artifact is for when it is not here (`"NVIDIA H200"`,
+        `"TPU v6 lite"`), or one per platform (a sequence, or kinds joined by commas): its
         caches and heuristics pick the configs, and its abstract device lets JAX lower
         the Triton kernels.
       name: the artifact's file name; default the function's name.
@@ -193,7 +194,8 @@ def check_compatible(manifest: Mapping[str, Any], dev: jax.Device) -> None:
 # --- helpers -----------------------------------------------------------------------------
 
 def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: Any,
-              kinds: Mapping[str, str | None], device_kind: str | None) -> dict[str, Any]:
+              kinds: Mapping[str, str | None],
+              device_kind: str | Sequence[str] | None) -> dict[str, Any]:
     import jaxlib
 
     import tokamax_pass
@@ -208,7 +210,8 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
         "file": f"{name}{_SUFFIX}",
         "function": function,
         "platforms": list(exported.platforms),
-        "device_kind": device_kind,
+        "device_kind": (device_kind if device_kind is None or isinstance(device_kind, str)
+                        else ",".join(device_kind)),
         "device_kinds": dict(kinds),
         "in_specs": [spec.array_spec(a) for a in exported.in_avals],
         "out_specs": [spec.array_spec(a) for a in exported.out_avals],
@@ -223,18 +226,21 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
     }
 
 
-def _platforms(platforms: Sequence[str] | str | None, device_kind: str | None) -> tuple[str, ...]:
+def _platforms(platforms: Sequence[str] | str | None,
+               device_kind: str | Sequence[str] | None) -> tuple[str, ...]:
+    kinds = device.kinds_by_platform(device_kind) if device_kind else {}
     if platforms is None:
-        return ("cuda",) if device_kind else (device.current_target().platform,)
+        return tuple(kinds) or (device.current_target().platform,)
     if isinstance(platforms, str):
         platforms = platforms.split(",")
     result = tuple({"gpu": "cuda"}.get(p.strip().lower(), p.strip().lower()) for p in platforms)
     unknown = [p for p in result if p not in ("cpu", "cuda", "rocm", "tpu")]
     if not result or unknown:
         raise ValueError(f"export: platforms must name cpu, cuda, rocm or tpu, got {platforms!r}")
-    if device_kind and "cuda" not in result:
-        raise ValueError(f"export: device_kind={device_kind!r} names a GPU, but platforms="
-                         f"{list(result)} has no 'cuda'")
+    for platform, kind in kinds.items():
+        if platform not in result:
+            raise ValueError(f"export: device_kind names {kind!r}, a {platform} device, but "
+                             f"platforms={list(result)} has no {platform!r}")
     return result
 
 

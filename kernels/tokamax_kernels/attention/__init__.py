@@ -5,6 +5,11 @@ from tokamax_kernels.attention.base import DotProductAttention, DotProductAttent
 from tokamax_kernels.attention.cudnn import CudnnDotProductAttention, CudnnDotProductAttentionVjp
 from tokamax_kernels.attention.pallas_mosaic_gpu import PallasMosaicGpuFlashAttention
 from tokamax_kernels.attention.pallas_mosaic_gpu_vjp import PallasMosaicGpuFlashAttentionVjp
+from tokamax_kernels.attention.pallas_mosaic_tpu import (
+    PallasMosaicTpuAttention,
+    PallasMosaicTpuFlashAttention,
+)
+from tokamax_kernels.attention.pallas_mosaic_tpu_vjp import PallasMosaicTpuFlashAttentionVjp
 from tokamax_kernels.attention.pallas_triton import (
     PallasTritonFlashAttention,
     PallasTritonFlashAttentionConfig,
@@ -26,6 +31,9 @@ __all__ = [
     "DotProductAttentionVjp",
     "PallasMosaicGpuFlashAttention",
     "PallasMosaicGpuFlashAttentionVjp",
+    "PallasMosaicTpuAttention",
+    "PallasMosaicTpuFlashAttention",
+    "PallasMosaicTpuFlashAttentionVjp",
     "PallasTritonFlashAttention",
     "PallasTritonFlashAttentionConfig",
     "PallasTritonFlashAttentionVjp",

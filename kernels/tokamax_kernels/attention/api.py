@@ -7,6 +7,7 @@ from typing import Any
 from tokamax_kernels.attention.base import DotProductAttention
 from tokamax_kernels.attention.cudnn import CudnnDotProductAttention
 from tokamax_kernels.attention.pallas_mosaic_gpu import PallasMosaicGpuFlashAttention
+from tokamax_kernels.attention.pallas_mosaic_tpu import PallasMosaicTpuFlashAttention
 from tokamax_kernels.attention.pallas_triton import PallasTritonFlashAttention
 from tokamax_kernels.attention.xla_chunked import XlaChunkedDotProductAttention
 from tokamax_pass.core import Family, register_family
@@ -18,13 +19,15 @@ from tokamax_pass.core.registry import Implementation
 FAMILY = register_family(Family(
     name="dot_product_attention",
     implementations={
-        "mosaic": PallasMosaicGpuFlashAttention,
+        "mosaic_gpu": PallasMosaicGpuFlashAttention,
+        "mosaic_tpu": PallasMosaicTpuFlashAttention,
         "triton": PallasTritonFlashAttention,
         "cudnn": CudnnDotProductAttention,
         "xla_chunked": XlaChunkedDotProductAttention,
         "xla": DotProductAttention,
     },
-    automatic=("cudnn", "mosaic", "triton", "xla"),
+    automatic=("cudnn", "mosaic_gpu", "mosaic_tpu", "triton", "xla"),
+    aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu")},
 ))
 
 
@@ -49,7 +52,8 @@ def dot_product_attention(
       logits_soft_cap: `cap * tanh(logits / cap)` before masking.
       precision: matmul precision (`jax.lax.Precision` or its name).
       implementation: `None` (the fastest that runs here, `"xla"` last), a name from
-        `FAMILY.implementations`, an `Op` instance, or a sequence of those.
+        `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
+        TPU), an `Op` instance, or a sequence of those.
 
     A query row that can attend to nothing returns zeros (see `base.py`).
     """

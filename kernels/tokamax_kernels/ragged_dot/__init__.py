@@ -3,8 +3,10 @@
 from tokamax_kernels.ragged_dot.api import ragged_dot
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
+from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
 
 __all__ = [
-    "PallasMosaicGpuRaggedDot", "PallasTritonRaggedDot", "RaggedDot", "RaggedDotVjp", "ragged_dot",
+    "PallasMosaicGpuRaggedDot", "PallasMosaicTpuRaggedDot", "PallasTritonRaggedDot", "RaggedDot",
+    "RaggedDotVjp", "ragged_dot",
 ]

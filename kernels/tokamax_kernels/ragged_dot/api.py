@@ -6,15 +6,18 @@ from typing import Any
 
 from tokamax_kernels.ragged_dot.base import RaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
+from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
 FAMILY = register_family(Family(
     name="ragged_dot",
-    implementations={"mosaic": PallasMosaicGpuRaggedDot, "triton": PallasTritonRaggedDot,
-                     "xla": RaggedDot},
-    automatic=("mosaic", "triton", "xla"),
+    implementations={"mosaic_gpu": PallasMosaicGpuRaggedDot,
+                     "mosaic_tpu": PallasMosaicTpuRaggedDot,
+                     "triton": PallasTritonRaggedDot, "xla": RaggedDot},
+    automatic=("mosaic_gpu", "mosaic_tpu", "triton", "xla"),
+    aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu")},
 ))
 
 
@@ -26,7 +29,8 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
     rows past the sum give zeros, as in `jax.lax.ragged_dot`. The gradients are
     ragged dots of their own, tuned separately.
     `implementation`: `None` (the fastest that runs here, `"xla"` last), a name
-    from `FAMILY.implementations`, an `Op` instance, or a sequence of those.
+    from `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
+    TPU), an `Op` instance, or a sequence of those.
     """
     return FAMILY(implementation, lhs, rhs, group_sizes, precision=precision,
                   preferred_element_type=preferred_element_type)

@@ -113,6 +113,7 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
     if all_implementations:
         bound = _expand(bound, target)
     else:
+        _require_device(bound, target)
         bound = [ba for ba in bound if ba.op.config_cls is not NullConfig]
     if not ignore_cache:
         bound = [ba for ba in bound if cache_lib.SOURCE.find_config(ba, target.device_kind) is None]
@@ -132,6 +133,20 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
         if bar is not None:
             bar.close()
     return AutotuningResult(target.device_kind, entries)
+
+
+def _require_device(bound: Sequence[BoundArguments], target: Any) -> None:
+    """A `RuntimeError` for a call whose implementation cannot run on this machine's device
+    (`PallasMosaicTpuRaggedDot` bound on a CPU machine): timing a kernel needs its device,
+    and tuning nothing would look like success."""
+    for ba in bound:
+        try:
+            ba.op.check_supported_target(target)
+        except NotImplementedError as e:
+            raise RuntimeError(
+                f"autotune: cannot time {type(ba.op).__name__} here: {e}. Timing needs the "
+                f"device it runs on: run autotune there (its result can be dumped and loaded "
+                f"anywhere), or pass all_implementations=True to tune what runs here") from None
 
 
 def _advance(bar: Any) -> Any:

@@ -52,11 +52,17 @@ def runnable_implementations() -> tuple[list[Any], list[str]]:
     chosen, notes = [], []
     for family_name, implementation in SEED_IMPLEMENTATIONS:
         if implementation is not None:
-            (op,), _ = registry.families()[family_name].resolve(implementation)
-            try:
-                op.check_supported_target(target)
-            except NotImplementedError as e:
-                notes.append(f"{family_name} implementation={implementation!r} -> None: {e}")
+            # A name may stand for several implementations ("mosaic": one per platform).
+            ops, _ = registry.families()[family_name].resolve(implementation)
+            reasons = []
+            for op in ops:
+                try:
+                    op.check_supported_target(target)
+                except NotImplementedError as e:
+                    reasons.append(str(e))
+            if len(reasons) == len(ops):
+                notes.append(f"{family_name} implementation={implementation!r} -> None: "
+                             + "; ".join(reasons))
                 implementation = None
         chosen.append(implementation)
     return chosen, notes

@@ -16,9 +16,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _target.add_function_arguments(parser)
     parser.add_argument("--results", action="append", default=[], metavar="JSON",
                         help="AutotuningResult JSON whose configs win (repeatable; later wins)")
-    parser.add_argument("--platforms", help="comma-separated, e.g. cpu,cuda (default: cuda "
-                        "with --device-kind, else this machine's backend)")
-    parser.add_argument("--device-kind", help="the GPU to build for, e.g. 'NVIDIA H200'")
+    parser.add_argument("--platforms", help="comma-separated, e.g. cpu,cuda,tpu (default: the "
+                        "platforms of --device-kind, else this machine's backend)")
+    parser.add_argument("--device-kind", help="the device(s) to build for, one per platform, "
+                        "comma-separated, e.g. 'NVIDIA H200' or 'NVIDIA H200,TPU v6 lite'")
     parser.add_argument("--autotune", choices=("never", "missing", "always"), default="never",
                         help="measure configs on this machine first (default: never)")
     parser.add_argument("--name", help="artifact file name (default: the function's name)")

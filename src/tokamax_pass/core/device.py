@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import jax
 
@@ -30,6 +30,10 @@ class Target:
     @property
     def is_gpu(self) -> bool:
         return self.platform in ("cuda", "rocm")
+
+    @property
+    def is_tpu(self) -> bool:
+        return self.platform == "tpu"
 
     @property
     def is_hopper(self) -> bool:
@@ -98,13 +102,21 @@ def abstract_only() -> bool:
     return concrete is None or concrete.empty
 
 
+# Device kinds named by `targeting` for platforms other than the abstract device's (an
+# export for "cuda" and "tpu" at once from a CPU machine): {platform: device kind}.
+_OTHER_KINDS: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
+    "tokamax_pass_other_kinds", default=()
+)
+
+
 def lowering_target(platform: str) -> Target:
     """The target of a lowering for `platform` (one of possibly several export platforms)."""
     platform = _canonical_platform(platform)
     device = _abstract_device()
     if device is not None and _canonical_platform(device.platform) == platform:
         return Target(platform, device.device_kind)
-    return Target(platform, _local_device_kind(platform))
+    named = dict(_OTHER_KINDS.get()).get(platform)
+    return Target(platform, named or _local_device_kind(platform))
 
 
 def device_kind_key(device_kind: str | None) -> str:
@@ -112,17 +124,52 @@ def device_kind_key(device_kind: str | None) -> str:
     return (device_kind or "unknown").lower().replace(" ", "_").replace("/", "_")
 
 
-@contextlib.contextmanager
-def targeting(device_kind: str, platform: str = "cuda") -> Iterator[None]:
-    """Traces and lowers for a device that is not here (`"NVIDIA H200"` from a CPU machine).
+def platform_of_kind(device_kind: str) -> str:
+    """The platform of a device kind: `"tpu"` for TPU kinds (`"TPU v5 lite"`, `"TPU v5p"`,
+    `"TPU v6 lite"`, `"TPU7x"`), else `"cuda"` (`"NVIDIA H200"`)."""
+    return "tpu" if device_kind.upper().startswith("TPU") else "cuda"
 
-    JAX needs an abstract device of that kind to lower Pallas Triton kernels; ops
-    read the device kind from it to pick configs from that device's caches.
+
+def kinds_by_platform(device_kinds: str | Sequence[str]) -> dict[str, str]:
+    """`{platform: kind}` of one or several device kinds (`"NVIDIA H200,TPU v6 lite"` or a
+    sequence); `ValueError` when two name one platform."""
+    if isinstance(device_kinds, str):
+        device_kinds = [k for k in device_kinds.split(",") if k.strip()]
+    kinds: dict[str, str] = {}
+    for kind in (k.strip() for k in device_kinds):
+        platform = platform_of_kind(kind)
+        if platform in kinds:
+            raise ValueError(f"device_kind names two {platform} devices ({kinds[platform]!r} and "
+                             f"{kind!r}); give at most one per platform")
+        kinds[platform] = kind
+    if not kinds:
+        raise ValueError("device_kind must name a device kind, e.g. 'NVIDIA H200'")
+    return kinds
+
+
+@contextlib.contextmanager
+def targeting(device_kind: str | Sequence[str], platform: str | None = None) -> Iterator[None]:
+    """Traces and lowers for devices that are not here (`"NVIDIA H200"`, `"TPU v6 lite"`, or
+    both: one kind per platform) from a CPU machine; `platform` defaults to the kind's
+    (`platform_of_kind`).
+
+    JAX needs an abstract device to lower Pallas Triton kernels: the GPU's when one is
+    named, else the first kind's. Ops read the device kind of the platform they are
+    lowered for to pick kernels and configs for that device.
     """
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-    device = AbstractDevice(device_kind, None, platform)
+    if platform is not None and isinstance(device_kind, str):
+        kinds = {_canonical_platform(platform): device_kind}
+    else:
+        kinds = kinds_by_platform(device_kind)
+    first = "cuda" if "cuda" in kinds else next(iter(kinds))
+    device = AbstractDevice(kinds[first], None, first)
     # Auto axes: ops whose shape rules do not support explicit sharding still trace.
     mesh = AbstractMesh((1,), ("_target",), axis_types=(AxisType.Auto,), abstract_device=device)
-    with jax.sharding.use_abstract_mesh(mesh):
-        yield
+    token = _OTHER_KINDS.set(tuple((p, k) for p, k in kinds.items() if p != first))
+    try:
+        with jax.sharding.use_abstract_mesh(mesh):
+            yield
+    finally:
+        _OTHER_KINDS.reset(token)

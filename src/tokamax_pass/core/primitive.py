@@ -80,6 +80,19 @@ class OpCall:
     return_residuals: bool = False
     # For a VJP call: the forward op whose partition rule (see `sharding`) it follows.
     partition_as: Op | None = None
+    # Why implementations named for this call were left out when it was traced (shown
+    # when no candidate can run on a platform it is lowered for).
+    rejected: tuple[str, ...] = ()
+
+    def choose(self, candidates: Sequence[BoundArguments], target: Any) -> resolution.Choice:
+        """`resolution.choose` for this call; failing, it also says why the implementations
+        left out at trace time could not run."""
+        try:
+            return resolution.choose(candidates, target, explicit=self.explicit)
+        except NotImplementedError as e:
+            if not self.rejected:
+                raise
+            raise NotImplementedError("\n  ".join((str(e), *self.rejected))) from None
 
     @property
     def operand_indices(self) -> tuple[int, ...]:
@@ -204,7 +217,7 @@ def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence
         return mlir.lower_fun(partitioned, multiple_results=True)(ctx, *operands)
     target = device.lowering_target(platform)
     candidates = [call.bound(op, ctx.avals_in) for op in call.candidates]
-    choice = resolution.choose(candidates, target, explicit=call.explicit)
+    choice = call.choose(candidates, target)
     fn = call.flat_function(choice.op, choice.op.config)
     encoded = choice.bound.to_json()
     for recorder in _RECORDERS:
@@ -223,8 +236,8 @@ for _primitive in PRIMITIVES:
             _primitive, functools.partial(_lowering, platform=_platform), platform=_platform)
 
 
-def _make_call(bas: Sequence[BoundArguments], explicit: bool,
-               partition_as: Op | None = None) -> tuple[OpCall, list[Any]]:
+def _make_call(bas: Sequence[BoundArguments], explicit: bool, partition_as: Op | None = None,
+               rejected: Sequence[str] = ()) -> tuple[OpCall, list[Any]]:
     leaves, treedef = jax.tree.flatten(dict(bas[0].arguments), is_leaf=_is_none)
     statics, operands = [], []
     names = jax.tree_util.tree_flatten_with_path(dict(bas[0].arguments), is_leaf=_is_none)[0]
@@ -247,6 +260,7 @@ def _make_call(bas: Sequence[BoundArguments], explicit: bool,
         num_leaves=len(leaves),
         explicit=explicit,
         partition_as=partition_as,
+        rejected=tuple(rejected),
     )
     return call, [jax.numpy.asarray(x) if isinstance(x, np.ndarray) else x for x in operands]
 
@@ -325,7 +339,8 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
 
 def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
              explicit: bool, partition_as: Op | None = None, through_vjp_ops: bool = True) -> Any:
-    """Calls the first of `ops` that accepts the arguments (and, if `explicit`, this device).
+    """Calls the first of `ops` that accepts the arguments (and, if `explicit`, this device;
+    when tracing for devices that are not here, the device is checked at lowering).
 
     `ValueError` from `bind` (bad input) propagates at once; `NotImplementedError`
     moves on to the next candidate and is re-raised when none is left. The call's
@@ -333,11 +348,15 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
     call: its derivative, for second-order gradients, is the primitive's JVP rule).
     """
     target = device.current_target()
+    # Traced for devices that are not here (an export, maybe for several platforms at
+    # once), a list of implementations keeps those that run on another platform: each
+    # platform's lowering picks its own ("mosaic" = the Mosaic GPU and TPU kernels).
+    device_check = explicit and not (len(ops) > 1 and device.abstract_only())
     bound, reasons = [], []
     for op in ops:
         try:
             ba = op.bind(*args, **kwargs)
-            op.check_supported(ba, target if explicit else None)
+            op.check_supported(ba, target if device_check else None)
         except NotImplementedError as e:
             if explicit and len(ops) == 1:
                 raise
@@ -347,6 +366,6 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
     if not bound:
         raise NotImplementedError(
             "no implementation supports these inputs:\n  " + "\n  ".join(reasons))
-    call, operands = _make_call(bound, explicit, partition_as)
+    call, operands = _make_call(bound, explicit, partition_as, reasons if explicit else ())
     operands = _uniformly_varying(operands)
     return bind_with_vjp(call, operands) if through_vjp_ops else _bind(call, operands)

@@ -2,7 +2,9 @@
 
 `implementation=None` tries the family's automatic list (GPU kernels first, `xla`
 last, so it always works); a name tries that implementation alone and raises
-its `NotImplementedError` when it cannot run; a sequence tries each in order.
+its `NotImplementedError` when it cannot run; a sequence tries each in order. An
+alias names several implementations, tried in order (`"mosaic"`: the Mosaic GPU and
+the Mosaic TPU kernel, so each platform gets its own).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ Implementation = str | Op | Sequence[str | Op] | None
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """An op family: implementation classes by name, and the order `None` tries them."""
+    """An op family: implementation classes by name, the order `None` tries them, and
+    aliases (a name for several implementations, e.g. one per platform)."""
 
     name: str
     implementations: Mapping[str, type[Op]]
     automatic: tuple[str, ...]
+    aliases: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.automatic or self.automatic[-1] != "xla":
@@ -31,6 +35,10 @@ class Family:
         unknown = set(self.automatic) - set(self.implementations)
         if unknown:
             raise ValueError(f"family {self.name!r}: unknown automatic names {sorted(unknown)}")
+        for alias, names in self.aliases.items():
+            if alias in self.implementations or not set(names) <= set(self.implementations):
+                raise ValueError(f"family {self.name!r}: alias {alias!r} must be a new name for "
+                                 f"implementations, got {names!r}")
 
     def resolve(self, implementation: Implementation) -> tuple[tuple[Op, ...], bool]:
         """`(candidate ops, explicit)` for an `implementation=` argument."""
@@ -45,10 +53,12 @@ class Family:
                 ops.append(item)
             elif item in self.implementations:
                 ops.append(self.implementations[item]())
+            elif item in self.aliases:
+                ops.extend(self.implementations[name]() for name in self.aliases[item])
             else:
                 raise ValueError(
                     f"{self.name}: unknown implementation {item!r}; valid names are "
-                    f"{sorted(self.implementations)} or None"
+                    f"{sorted([*self.implementations, *self.aliases])} or None"
                 )
         return tuple(ops), True
 

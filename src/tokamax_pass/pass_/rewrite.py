@@ -137,7 +137,7 @@ class Rewriter:
         choices = []
         with self.active():
             for target in self.targets:
-                choice = resolution.choose(candidates, target, explicit=call.explicit)
+                choice = call.choose(candidates, target)
                 choice = dataclasses.replace(choice, bound=choice.bound.replace(
                     op=_pin_forward_config(choice.op, choice.bound, target)))
                 source = choice.source
@@ -230,12 +230,23 @@ def _ordered_ops(candidates: Sequence[Op], chosen: Sequence[Op]) -> tuple[Op, ..
 
     def rank(op: Op) -> int:
         for i, candidate in enumerate(candidates):
+            if _kind(candidate) == _kind(op):
+                return i
+        for i, candidate in enumerate(candidates):
             if type(candidate) is type(op):
                 return i
         return len(candidates)
 
     unique = list(dict.fromkeys(chosen))
     return tuple(sorted(unique, key=rank))
+
+
+def _kind(op: Op) -> tuple[type, ...]:
+    """An op's class and the classes of the ops it holds (a VJP op's `inner`), configs
+    aside: `RaggedDotVjp(inner=<Mosaic TPU>)` and `RaggedDotVjp(inner=<XLA>)` differ."""
+    nested = (getattr(op, f.name) for f in dataclasses.fields(op)
+              if f.name not in ("config", "vjp"))
+    return (type(op), *(type(value) for value in nested if isinstance(value, Op)))
 
 
 def _runs_on(op: Op, ba: BoundArguments, target: Target) -> bool:
