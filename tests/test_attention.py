@@ -373,14 +373,15 @@ def test_metadata_round_trip():
 
 
 BAD_INPUTS = [
-    ("query", lambda q, k, v: ((q[0], k, v), {})),
+    ("query must have rank >= 3", lambda q, k, v: ((q[0, 0], k, v), {})),
+    ("same leading batch axes", lambda q, k, v: ((q[0], k, v), {})),
     ("query, key and value must share a dtype", lambda q, k, v: (
         (q, k.astype(jnp.bfloat16), v), {})),
     ("key head_dim", lambda q, k, v: ((q, k[..., :8], v[..., :8]), {})),
     ("value", lambda q, k, v: ((q, k, v[:, :8]), {})),
     ("must divide query heads", lambda q, k, v: ((q, k[:, :, :3], v[:, :, :3]), {})),
     ("bias", lambda q, k, v: ((q, k, v), dict(bias=jnp.ones((B, H, 16, 5))))),
-    ("bias", lambda q, k, v: ((q, k, v), dict(bias=jnp.ones((16, 16))))),
+    ("bias", lambda q, k, v: ((q, k, v), dict(bias=jnp.ones((3, 16, 16))))),
     ("mask", lambda q, k, v: ((q, k, v), dict(mask=jnp.ones((B, 1, 16, 16))))),
     ("mask", lambda q, k, v: ((q, k, v), dict(mask=jnp.ones((B, 3, 16, 16), bool)))),
     ("query_seq_lengths", lambda q, k, v: ((q, k, v), dict(query_seq_lengths=jnp.ones(B)))),
