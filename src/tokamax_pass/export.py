@@ -198,15 +198,11 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
 
     import tokamax_pass
 
-    try:
-        function = spec.import_path(optimized.fun)
-    except spec.SpecError:
-        function = repr(optimized.fun)
     return {
         "schema_version": spec.SCHEMA_VERSION,
         "name": name,
         "file": f"{name}{_SUFFIX}",
-        "function": function,
+        "function": function_name(optimized.fun),
         "platforms": list(exported.platforms),
         "device_kind": device_kind,
         "device_kinds": dict(kinds),
@@ -221,6 +217,17 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
             "calling_convention": exported.calling_convention_version,
         },
     }
+
+
+def function_name(fun: Any) -> str:
+    """`module.qualname` of an exported function (`functools.partial(...)` around one):
+    the same for every export of one program, unlike a repr holding an address."""
+    target = getattr(fun, "__wrapped__", fun)
+    if isinstance(target, functools.partial):
+        return f"functools.partial({function_name(target.func)})"
+    module = getattr(target, "__module__", None) or type(target).__module__
+    qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+    return f"{module}.{qualname}"
 
 
 def _platforms(platforms: Sequence[str] | str | None, device_kind: str | None) -> tuple[str, ...]:
