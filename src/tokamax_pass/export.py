@@ -21,24 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.export import DisabledSafetyCheck
 
 from tokamax_pass.core import device, spec
+from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax_pass.pass_.inspection import Inspection, custom_call_targets, inspect_path
-
-# Custom calls whose targets jax.export does not consider stable: the Triton
-# kernels (Triton IR has no compatibility guarantee) and cuDNN attention.
-_UNSTABLE_TARGETS = (
-    "__gpu$xla.gpu.triton",
-    "__cudnn$fmhaSoftmax",
-    "__cudnn$fmhaScaleBiasSoftmax",
-    "__cudnn$fmhaSoftmaxBackward",
-    "__cudnn$fmhaScaleBiasSoftmaxBackward",
-)
-
-DISABLE_JAX_EXPORT_CHECKS: tuple[DisabledSafetyCheck, ...] = tuple(
-    DisabledSafetyCheck.custom_call(target) for target in _UNSTABLE_TARGETS
-)
+from tokamax_pass.version import __version__
 
 MANIFEST = "manifest.json"
 _SUFFIX = ".stablehlo"
@@ -162,12 +149,10 @@ def load_artifact(directory: str | os.PathLike[str] | Artifact, *, check: bool =
 
 def check_compatible(manifest: Mapping[str, Any], dev: jax.Device) -> None:
     """Raises `ArtifactMismatchError` unless the artifact may run on `dev` here."""
-    import tokamax_pass
-
     override = "; pass check=False (CLI: --no-check) to run it anyway"
     versions = manifest.get("versions", {})
     for package, installed in (("jax", jax.__version__),
-                               ("tokamax_pass", tokamax_pass.__version__)):
+                               ("tokamax_pass", __version__)):
         made = versions.get(package)
         if made is None or _version_tuple(made) > _version_tuple(installed):
             raise ArtifactMismatchError(
@@ -196,8 +181,6 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
               kinds: Mapping[str, str | None], device_kind: str | None) -> dict[str, Any]:
     import jaxlib
 
-    import tokamax_pass
-
     return {
         "schema_version": spec.SCHEMA_VERSION,
         "name": name,
@@ -211,7 +194,7 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
         "ops": [row.to_dict() for row in plan],
         "custom_calls": custom_call_targets(exported.mlir_module()),
         "versions": {
-            "tokamax_pass": tokamax_pass.__version__,
+            "tokamax_pass": __version__,
             "jax": jax.__version__,
             "jaxlib": jaxlib.__version__,
             "calling_convention": exported.calling_convention_version,

@@ -20,6 +20,7 @@ import jax
 
 from tokamax_pass.core import device, spec
 from tokamax_pass.core.op import NullConfig
+from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax_pass.pass_ import emit
 from tokamax_pass.pass_.plan import Plan
 from tokamax_pass.pass_.rewrite import Decision, Rewriter, tuning_key
@@ -109,8 +110,6 @@ class Optimized:
     def export_with_plan(self, args: Sequence[Any], platforms: Sequence[str]
                          ) -> tuple[jax.export.Exported, Plan]:
         """`jax.export` of the rewritten program for `platforms`, with the decisions made."""
-        from tokamax_pass.export import DISABLE_JAX_EXPORT_CHECKS
-
         if self.autotune != "never":
             self._autotune_for(tuple(args), {})
         record: list[Decision] = []

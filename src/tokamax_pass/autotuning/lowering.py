@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 
+from tokamax_pass.core import spec
 from tokamax_pass.core.device import targeting
 from tokamax_pass.core.op import Op
 
@@ -43,13 +44,31 @@ MAX_PROCESSES = 8
 WORKER_COMMAND = (sys.executable, "-m", "tokamax_pass.autotuning.export_worker")
 
 
+def call_op(op: Op, vmap: Any, arguments: dict[str, Any]) -> Callable[[dict], Any]:
+    """A function of the arguments that calls `op`, vmapped as the op call was
+    (`vmap`: its `BoundArguments.vmap` levels)."""
+
+    def fn(args: dict[str, Any]) -> Any:
+        return op(**args)
+
+    if not vmap:
+        return fn
+    leaves, treedef = jax.tree.flatten(arguments, is_leaf=lambda v: v is None)
+    operand = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
+    for level in reversed(vmap):
+        axes: list[Any] = [None] * len(leaves)
+        for axis, i in zip(level.axes, operand, strict=True):
+            axes[i] = axis
+        fn = jax.vmap(fn, in_axes=(jax.tree.unflatten(treedef, axes),), axis_size=level.size)
+    return fn
+
+
 def export_candidate(op: Op, vmap: Any, arguments: dict[str, Any], platform: str,
                      device_kind: str | None) -> bytes:
     """The serialized `jax.export` of `op` called on `arguments` (abstract), in the
     standardized form the autotuner compiles. Runs in a worker."""
-    from tokamax_pass import DISABLE_JAX_EXPORT_CHECKS, benchmarking
-    from tokamax_pass.autotuning.autotuner import call_op
-
+    from tokamax_pass import benchmarking
+    from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
     f_std, specs = benchmarking.standardize_function(call_op(op, vmap, arguments), arguments,
                                                      seed=None)
     target = (targeting(device_kind) if device_kind and platform != "cpu"
