@@ -24,8 +24,6 @@ KNOWN_CIRCLES = [
      "tokamax_pass.core.sharding", "tokamax_pass.core.vjp"],
     # `AutotuningResult.save_to_cache` writes through the cache, which reads results.
     ["tokamax_pass.autotuning.cache", "tokamax_pass.autotuning.result"],
-    # `Optimized.export` makes an artifact; `export(f)` optimizes `f` first.
-    ["tokamax_pass.export", "tokamax_pass.optimize"],
 ]
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import jax
 
+from tokamax_pass.artifact import make_artifact
 from tokamax_pass.core import device, spec
 from tokamax_pass.core.op import NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
@@ -101,11 +102,10 @@ class Optimized:
         return self._jitted.lower(*args, **kwargs)
 
     def export(self, *args: Any, platforms: Sequence[str] | None = None,
-               device_kind: str | None = None) -> Any:
+               device_kind: str | None = None, name: str | None = None) -> Any:
         """A tuned StableHLO artifact; see `tokamax_pass.export`."""
-        from tokamax_pass.export import export
-
-        return export(self, *args, platforms=platforms, device_kind=device_kind)
+        return make_artifact(self, args, platforms=platforms, device_kind=device_kind,
+                             name=name)
 
     def export_with_plan(self, args: Sequence[Any], platforms: Sequence[str]
                          ) -> tuple[jax.export.Exported, Plan]:
