@@ -32,11 +32,15 @@ setup_venv() {
 }
 
 setup_bazel() {
-  if ! command -v bazel >/dev/null 2>&1; then
+  local missing
+  missing=$(bazel/missing_debian_packages.sh | tr '\n' ' ')
+  if [ -n "$missing" ]; then
     local sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "dev.sh: installing the Debian packages bazel test needs: $missing" >&2
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq bazel-bootstrap bazel-rules-java >/dev/null
+    # shellcheck disable=SC2086  # one word per package
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
   fi
 }
 

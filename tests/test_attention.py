@@ -373,14 +373,15 @@ def test_metadata_round_trip():
 
 
 BAD_INPUTS = [
-    ("query", lambda q, k, v: ((q[0], k, v), {})),
+    ("query must have rank >= 3", lambda q, k, v: ((q[0, 0], k, v), {})),
+    ("same leading batch axes", lambda q, k, v: ((q[0], k, v), {})),
     ("query, key and value must share a dtype", lambda q, k, v: (
         (q, k.astype(jnp.bfloat16), v), {})),
     ("key head_dim", lambda q, k, v: ((q, k[..., :8], v[..., :8]), {})),
     ("value", lambda q, k, v: ((q, k, v[:, :8]), {})),
     ("must divide query heads", lambda q, k, v: ((q, k[:, :, :3], v[:, :, :3]), {})),
     ("bias", lambda q, k, v: ((q, k, v), dict(bias=jnp.ones((B, H, 16, 5))))),
-    ("bias", lambda q, k, v: ((q, k, v), dict(bias=jnp.ones((16, 16))))),
+    ("bias", lambda q, k, v: ((q, k, v), dict(bias=jnp.ones((3, 16, 16))))),
     ("mask", lambda q, k, v: ((q, k, v), dict(mask=jnp.ones((B, 1, 16, 16))))),
     ("mask", lambda q, k, v: ((q, k, v), dict(mask=jnp.ones((B, 3, 16, 16), bool)))),
     ("query_seq_lengths", lambda q, k, v: ((q, k, v), dict(query_seq_lengths=jnp.ones(B)))),
@@ -488,3 +489,33 @@ def test_none_tries_cudnn_first_on_hopper_up_to_head_dim_256(monkeypatch, head_d
         plan = tokamax.optimize(jax.grad(f)).plan(x)
     assert [row.op for row in plan] == [
         "CudnnDotProductAttention", "CudnnDotProductAttentionVjp"]
+
+
+@pytest.mark.parametrize("sq,sk", [(0, 12), (12, 0), (0, 0)])
+@pytest.mark.parametrize("impl", ["xla", "xla_chunked", None])
+def test_empty_sequences(impl, sq, sk):
+    """No query rows: an empty output; no keys: every row attends to nothing -> zeros.
+    Gradients have the inputs' shapes and are zero (kernels decline, see below)."""
+    q, k, v = _inputs(sq=sq, sk=sk)
+    bias = random_normal(7, (B, 1, sq, sk))
+
+    def loss(q, k, v, bias):
+        out = dot_product_attention(q, k, v, bias, is_causal=True, implementation=impl)
+        return jnp.sum(out * 2.0), out
+
+    (_, out), grads = fast_jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
+        q, k, v, bias)
+    assert out.shape == q.shape and not np.any(np.asarray(out))
+    for grad, x in zip(grads, (q, k, v, bias), strict=True):
+        assert grad.shape == x.shape and not np.any(np.asarray(grad))
+
+
+def test_kernels_decline_empty_sequences():
+    from tokamax_kernels.attention import PallasTritonFlashAttention
+
+    q, k, v = _inputs(sq=0, sk=8)
+    for op in (PallasTritonFlashAttention(interpret=True), CudnnDotProductAttention()):
+        with pytest.raises(NotImplementedError, match="empty sequence"):
+            op.check_supported(op.bind(q, k, v), None)
+    XlaChunkedDotProductAttention().check_supported(
+        XlaChunkedDotProductAttention().bind(q, k, v), None)

@@ -471,3 +471,21 @@ def test_shared_inputs_are_timed_on_one_array():
                 if type(e.bound.op).__name__ == "XlaChunkedDotProductAttentionVjp"]
     assert entry.bound.arguments["shared_inputs"] == (("key", "query", "value"),)
     assert entry.data and all(m.ok for m in entry.data.values())  # numerics agree
+
+
+def test_export_workers_start_without_warnings():
+    """A worker as `ExportWorkers` starts it, every warning an error: it starts, serves
+    until stdin closes and exits cleanly, printing nothing (it used to print runpy's
+    "found in sys.modules" RuntimeWarning, once per worker)."""
+    import os
+    import subprocess
+    import sys
+
+    from tokamax_pass.autotuning import lowering
+
+    command = [lowering.WORKER_COMMAND[0], "-W", "error", *lowering.WORKER_COMMAND[1:]]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run(command, input=b"", capture_output=True, env=env, timeout=120,
+                          check=False)
+    assert done.returncode == 0 and done.stderr == b"" and done.stdout == b"", done.stderr

@@ -95,6 +95,27 @@ def test_xplane_to_bound_args_end_to_end(tmp_path, capsys):
         "XlaChunkedDotProductAttention", "XlaChunkedDotProductAttentionVjp"}
 
 
+def test_xplane_skips_op_calls_it_cannot_load(tmp_path):
+    """A profile of a process that ran an op defined inside a function (it cannot be
+    imported back by name): that call is skipped with a warning, the others are kept."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Local(tokamax.Op):
+        def _fwd(self, x, *, config, return_residuals):
+            return 2 * x, None
+
+    x = jax.random.normal(jax.random.key(2), (4, 16))
+    scale = jax.random.normal(jax.random.key(3), (16,))
+    with jax.profiler.trace(str(tmp_path / "trace")):
+        jax.block_until_ready(jax.jit(lambda x: Local()(x))(x))
+        jax.block_until_ready(jax.jit(lambda x, s: tokamax.layer_norm(x, s, None))(x, scale))
+    [xplane] = glob.glob(str(tmp_path / "trace" / "**" / "*.xplane.pb"), recursive=True)
+    with pytest.warns(UserWarning, match="cannot be loaded here.*Local"):
+        bound = xplane_to_bound_args.bound_args_from_xplane(xplane)
+    assert "LayerNorm" in {type(b.op).__name__ for b in bound}
+
+
 def test_not_a_profile_is_a_clear_error(tmp_path):
     bogus = tmp_path / "x.xplane.pb"
     bogus.write_bytes(b"\xff\xff not a profile")

@@ -102,3 +102,57 @@ def test_errors(model, tmp_path):
               "--results", str(tmp_path / "missing.json"), "-o", str(tmp_path)])
     with pytest.raises(SystemExit, match="inspect: .* neither a file nor"):
         main(["inspect", str(tmp_path / "nothing")])
+
+
+@pytest.fixture
+def working_directory(tmp_path, monkeypatch):
+    """A folder holding `my_model.py`, made the working directory, and a `sys.path`
+    without it (as the console script starts; restored afterwards)."""
+    import os
+    import sys
+
+    (tmp_path / "my_model.py").write_text(MODEL)
+    (tmp_path / "broken_model.py").write_text("import not_a_module_anywhere\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd())])
+    for name in ("my_model", "broken_model"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return tmp_path
+
+
+def test_cli_imports_from_the_working_directory(working_directory, capsys):
+    assert main(["export", "my_model:loss", "--args", "f32[8,32]", "f32[32]",
+                 "-o", str(working_directory / "art")]) == 0
+    manifest = json.loads((working_directory / "art" / "manifest.json").read_text())
+    assert manifest["function"] == "my_model.loss"
+
+
+@pytest.mark.parametrize("target,match", [
+    ("no_such_model:loss", r"cannot import 'no_such_model' .*ModuleNotFoundError"),
+    ("broken_model:loss", r"cannot import 'broken_model' .*not_a_module_anywhere"),
+    ("my_model:nothing", r"cannot import 'my_model:nothing': .* has no 'nothing'"),
+])
+def test_cli_import_errors_are_one_line(working_directory, target, match):
+    with pytest.raises(SystemExit, match=match) as error:
+        main(["export", target, "--args", "f32[8]", "-o", str(working_directory / "art")])
+    assert "\n" not in str(error.value)
+
+
+def _make_loss(power):
+    def loss(x, scale):
+        return jnp.sum(tk.layer_norm(x, scale, None) ** power)
+    return loss
+
+
+def test_exporting_a_program_twice_is_byte_identical(tmp_path):
+    """The manifest names a local function by module and qualified name, not its repr."""
+    dirs = []
+    for i in range(2):
+        tk.export(_make_loss(2), "f32[8,32]", "f32[32]").save(tmp_path / str(i))
+        dirs.append(tmp_path / str(i))
+    files = sorted(p.name for p in dirs[0].iterdir())
+    assert files == ["loss.stablehlo", "manifest.json"]
+    for name in files:
+        assert (dirs[0] / name).read_bytes() == (dirs[1] / name).read_bytes(), name
+    manifest = json.loads((dirs[0] / "manifest.json").read_text())
+    assert manifest["function"] == "test_cli_export._make_loss.<locals>.loss"

@@ -105,8 +105,16 @@ def test_jit_with_sharded_inputs_partitions_without_gathering(name):
     assert _gathers(forward_hlo) == [] and _gathers(backward_hlo) == []
 
 
-@pytest.mark.parametrize("name", ["layer_norm", "attention"])
+def _spec(x):
+    """`x`'s PartitionSpec as a tuple with one entry per dim."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_explicit_mesh_uses_shard_map(name):
+    """`jax.make_mesh`'s default axes: the operands' types carry their shardings, so the
+    call is split by them in `shard_map` (no gather); outputs and gradients keep them."""
     fn, inputs, specs, argnums = CASES[name]
     with reference_precision():
         expected, expected_grads = fn(*inputs), _loss(fn, argnums)(*inputs)
@@ -115,13 +123,36 @@ def test_explicit_mesh_uses_shard_map(name):
     with jax.set_mesh(mesh), reference_precision():
         out = jax.jit(fn)(*sharded)
         grads = jax.jit(_loss(fn, argnums))(*sharded)
+        optimized = tk.optimize(_loss(fn, argnums))(*sharded)
         hlo = jax.jit(_loss(fn, argnums)).lower(*sharded).compile().as_text()
         jaxpr = str(jax.make_jaxpr(fn)(*sharded))
     assert "shard_map" in jaxpr
     assert_close(out, expected)
-    for g, e in zip(grads, expected_grads, strict=True):
-        assert_close(g, e)
     assert _gathers(hlo) == []
+    assert _spec(out)[0] is not None  # the rows stay split, as on the Auto path
+    for i, g, o, e in zip(argnums, grads, optimized, expected_grads, strict=True):
+        assert_close(g, e)
+        assert_close(o, e)
+        assert _spec(g) == _spec(sharded[i]) == _spec(o), (i, _spec(g), _spec(o))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_explicit_mesh_with_replicated_operands(name):
+    """Replicated operands under Explicit axes: a replicated call, forward and gradient
+    (`jax.lax.ragged_dot_general` used to fail here for want of an `out_sharding`)."""
+    fn, inputs, _, argnums = CASES[name]
+    with reference_precision():
+        expected, expected_grads = fn(*inputs), _loss(fn, argnums)(*inputs)
+    mesh = _mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh), reference_precision():
+        out = jax.jit(fn)(*inputs)
+        grads = jax.jit(_loss(fn, argnums))(*inputs)
+        optimized = tk.optimize(_loss(fn, argnums))(*inputs)
+    assert_close(out, expected)
+    assert all(entry is None for entry in _spec(out))
+    for g, o, e in zip(grads, optimized, expected_grads, strict=True):
+        assert_close(g, e)
+        assert_close(o, e)
 
 
 @pytest.mark.parametrize("name", ["layer_norm", "attention", "gated_linear_unit"])
@@ -194,14 +225,15 @@ def _expert_inputs():
     return random_normal(20, (64, 16)), random_normal(21, (8, 16, 8)), EXPERT_SIZES
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 @pytest.mark.parametrize("lhs_spec", [P(), P("model", None)], ids=["rows_replicated",
                                                                   "rows_sharded"])
-def test_ragged_dot_expert_parallel_under_set_mesh(lhs_spec):
+def test_ragged_dot_expert_parallel_under_set_mesh(lhs_spec, axis_type):
     fn, argnums = _ragged, (0, 1)
     inputs = _expert_inputs()
     with reference_precision():
         expected, expected_grads = fn(*inputs), _loss(fn, argnums)(*inputs)
-    mesh = _mesh()
+    mesh = _mesh(axis_type)
     sharded = _put(mesh, inputs, (lhs_spec, P("data", None, None), P()))
     with jax.set_mesh(mesh), reference_precision():
         out = jax.jit(fn)(*sharded)
@@ -216,7 +248,7 @@ def test_ragged_dot_expert_parallel_under_set_mesh(lhs_spec):
 
 
 def test_ragged_dot_expert_parallel_inside_shard_map():
-    from tokamax_kernels.ragged_dot.sharding import expert_parallel_ragged_dot
+    from tokamax_kernels.ragged_dot.expert_parallel import expert_parallel_ragged_dot
 
     inputs = _expert_inputs()
     with reference_precision():
@@ -245,14 +277,16 @@ def test_ragged_dot_expert_block():
 
 # --- GPU kernels, exported for an 8-device abstract H200 mesh ------------------------------------
 
-ABSTRACT = AbstractMesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2,
+def _abstract_mesh(axis_type):
+    return AbstractMesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2,
                         abstract_device=AbstractDevice(H200, None, "cuda"))
 KERNEL_CALLS = {"triton": "__gpu$xla.gpu.triton", "mosaic": "mosaic_gpu_v2"}
 
 
-def _export(fn, *shapes_specs_dtypes):
-    with jax.sharding.use_abstract_mesh(ABSTRACT):
-        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(ABSTRACT, spec))
+def _export(fn, *shapes_specs_dtypes, axis_type=AxisType.Auto):
+    mesh = _abstract_mesh(axis_type)
+    with jax.sharding.use_abstract_mesh(mesh):
+        args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
                 for shape, spec, dtype in shapes_specs_dtypes]
         exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
                                      disabled_checks=tk.DISABLE_JAX_EXPORT_CHECKS)(*args)
@@ -291,12 +325,14 @@ EXPORTS = {
 }
 
 
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 @pytest.mark.parametrize("name,implementation", [
     (name, impl) for name, (*_, impls) in EXPORTS.items() for impl in impls])
-def test_cuda_export_puts_kernels_in_manual_computation_with_local_shapes(name, implementation):
+def test_cuda_export_puts_kernels_in_manual_computation_with_local_shapes(
+        name, implementation, axis_type):
     make, args, local_shape, _ = EXPORTS[name]
     fn = make(implementation)
-    text = _export(fn, *args)
+    text = _export(fn, *args, axis_type=axis_type)
     assert "sdy.manual_computation" in text
     forward = _kernel_operand_shapes(text, implementation)
     assert len(forward) == 1 and local_shape in forward[0], forward
@@ -305,7 +341,7 @@ def test_cuda_export_puts_kernels_in_manual_computation_with_local_shapes(name, 
     def loss(*xs):
         return jnp.sum(fn(*xs).astype(jnp.float32))
 
-    grad_text = _export(jax.grad(loss, argnums=float_args), *args)
+    grad_text = _export(jax.grad(loss, argnums=float_args), *args, axis_type=axis_type)
     shapes = _kernel_operand_shapes(grad_text, implementation)
     assert len(shapes) >= 2  # forward + backward kernels, all on per-device blocks
     global_shape = "x".join(map(str, args[0][0])) + "x"

@@ -17,8 +17,7 @@ from tokamax_pass.core import BoundArguments, NullConfig, Op, snake_case_name
 # leave the package attribute bound to the module (the import system sets it).
 from tokamax_pass.export import DISABLE_JAX_EXPORT_CHECKS, export, inspect, load_artifact
 from tokamax_pass.optimize import optimize
-
-__version__ = "0.1.0"
+from tokamax_pass.version import __version__
 
 # Op families, in `tokamax_kernels`; each package's `__all__` lists what it exports.
 _KERNEL_PACKAGES = ("attention", "layer_norm", "ragged_dot", "gated_linear_unit",
@@ -63,7 +62,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DISABLE_JAX_EXPORT_CHECKS", "BoundArguments", "NullConfig", "Op", "export", "inspect",
-    "load_artifact", "optimize", "snake_case_name", *_LAZY,
+    "__version__", "load_artifact", "optimize", "snake_case_name", *_LAZY,
 ]
 
 # Registers the autotuning results and caches as a config source (cheap: no compilation).

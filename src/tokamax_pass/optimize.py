@@ -18,8 +18,10 @@ from typing import Any, Literal
 
 import jax
 
+from tokamax_pass.artifact import make_artifact
 from tokamax_pass.core import device, spec
 from tokamax_pass.core.op import NullConfig
+from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax_pass.pass_ import emit
 from tokamax_pass.pass_.plan import Plan
 from tokamax_pass.pass_.rewrite import Decision, Rewriter, tuning_key
@@ -100,17 +102,15 @@ class Optimized:
         return self._jitted.lower(*args, **kwargs)
 
     def export(self, *args: Any, platforms: Sequence[str] | None = None,
-               device_kind: str | None = None) -> Any:
+               device_kind: str | Sequence[str] | None = None,
+               name: str | None = None) -> Any:
         """A tuned StableHLO artifact; see `tokamax_pass.export`."""
-        from tokamax_pass.export import export
-
-        return export(self, *args, platforms=platforms, device_kind=device_kind)
+        return make_artifact(self, args, platforms=platforms, device_kind=device_kind,
+                             name=name)
 
     def export_with_plan(self, args: Sequence[Any], platforms: Sequence[str]
                          ) -> tuple[jax.export.Exported, Plan]:
         """`jax.export` of the rewritten program for `platforms`, with the decisions made."""
-        from tokamax_pass.export import DISABLE_JAX_EXPORT_CHECKS
-
         if self.autotune != "never":
             self._autotune_for(tuple(args), {})
         record: list[Decision] = []

@@ -1,4 +1,5 @@
-"""Shared pieces of the Mosaic GPU (Hopper) attention kernels: configs, limits, SMEM layouts.
+"""Shared pieces of the Mosaic GPU (Hopper) attention kernels: configs, limits, SMEM
+layouts, input checks.
 
 The forward kernel and the two backward kernels share one structure: a few compute
 warpgroups (128 threads each, one `wgmma` tile of rows each) and one memory warpgroup
@@ -169,3 +170,21 @@ def check_lengths(seq_q: int, seq_kv: int, q_tile: int, kv_tile: int, what: str)
         raise NotImplementedError(f"{what}: query length {seq_q} must be a multiple of {q_tile}")
     if seq_kv % kv_tile:
         raise NotImplementedError(f"{what}: key length {seq_kv} must be a multiple of {kv_tile}")
+
+
+def check_unsupported_features(arguments: dict[str, Any], what: str) -> None:
+    """The family features the Mosaic kernels do not implement."""
+    for name in ("bias", "mask", "local_window_size", "logits_soft_cap"):
+        if arguments.get(name) is not None:
+            raise NotImplementedError(f"{what} does not support {name} (use 'triton' or 'xla')")
+
+
+def check_inputs(arguments: dict[str, Any], target: Target | None, *,
+                 head_dims: tuple[int, ...], q_multiple: int, kv_multiple: int,
+                 what: str) -> None:
+    """The checks the forward and backward kernels share (`NotImplementedError`)."""
+    check_target(target, what)
+    check_unsupported_features(arguments, what)
+    q, k, v = arguments["query"], arguments["key"], arguments["value"]
+    check_common(q, k, v, head_dims=head_dims, what=what)
+    check_lengths(q.shape[1], k.shape[1], q_multiple, kv_multiple, what)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokamax_kernels.attention import layout
 from tokamax_kernels.attention.base import DotProductAttention
 from tokamax_kernels.attention.cudnn import CudnnDotProductAttention
 from tokamax_kernels.attention.pallas_mosaic_gpu import PallasMosaicGpuFlashAttention
@@ -38,16 +39,21 @@ def dot_product_attention(
     logits_soft_cap: float | None = None, precision: Any = None,
     implementation: Implementation = None,
 ) -> Any:
-    """Multi-head attention `softmax(scale * q.k^T + bias, masked) @ v`, layout (B, S, H, D).
+    """Multi-head attention `softmax(scale * q.k^T + bias, masked) @ v`, a drop-in for
+    `jax.nn.dot_product_attention` (layout `(..., seq, heads, head_dim)`).
 
     Args:
-      query: (batch, q_seq, heads, head_dim); key, value: (batch, kv_seq, kv_heads,
-        head_dim) with kv_heads dividing heads (GQA/MQA); all one float dtype.
-      bias: float, rank 4, broadcastable to (batch, heads, q_seq, kv_seq).
-      mask: bool (True = attend), rank 4, broadcastable like `bias`.
+      query: (*batch, q_seq, heads, head_dim); key, value: (*batch, kv_seq, kv_heads,
+        head_dim) with kv_heads dividing heads (GQA/MQA); all one float dtype. `*batch`
+        is any number of leading axes, none included (`(T, N, H)` as under a per-example
+        `jax.vmap`); a missing leading axis counts as 1, as in `jax.nn`.
+      bias: float, broadcastable to (*batch, heads, q_seq, kv_seq); leading dims may be
+        left out (`(q_seq, kv_seq)`, `(1, 1, kv_seq)`, ...).
+      mask: bool (True = attend), broadcastable like `bias`.
       scale: logits scale, default 1/sqrt(head_dim).
       is_causal: key position <= query position (top-left aligned).
-      query_seq_lengths, key_value_seq_lengths: int (batch,) valid lengths.
+      query_seq_lengths, key_value_seq_lengths: int, shape `batch` (`(1,)` or `()` without
+        a batch axis): valid lengths.
       local_window_size: `w` or `(left, right)`: query i sees keys i-left .. i+right.
       logits_soft_cap: `cap * tanh(logits / cap)` before masking.
       precision: matmul precision (`jax.lax.Precision` or its name).
@@ -55,11 +61,18 @@ def dot_product_attention(
         `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
         TPU), an `Op` instance, or a sequence of those.
 
-    A query row that can attend to nothing returns zeros (see `base.py`).
+    Returns an array of the query's shape. A query row that can attend to nothing
+    returns zeros (see `base.py`).
     """
-    return FAMILY(
-        implementation, query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+    arrays = dict(query=query, key=key, value=value, bias=bias, mask=mask,
+                  query_seq_lengths=query_seq_lengths,
+                  key_value_seq_lengths=key_value_seq_lengths)
+    out_shape = None
+    if layout.needs_folding(query, key, value, bias, mask):
+        arrays, out_shape = layout.fold(**arrays)
+    out = FAMILY(
+        implementation, **arrays, scale=scale, is_causal=is_causal,
         local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
         precision=precision,
     )
+    return out if out_shape is None else out.reshape(out_shape)

@@ -16,7 +16,9 @@ Semantics every implementation follows:
   * `query_seq_lengths[b]`: query rows at positions >= it see nothing;
   * `key_value_seq_lengths[b]`: keys at positions >= it are never seen.
 A fully masked query row (nothing to attend to) returns ZEROS, in every
-implementation, and gets zero gradients.
+implementation, and gets zero gradients. Empty sequences follow: no query rows give
+an empty output, no keys give zeros. The XLA implementations compute them; kernels
+raise `NotImplementedError` (nothing to launch), so `None` moves on to `xla`.
 
 Residual contract (all implementations of the family): `residuals = (lse,)`, `lse`
 float32 of shape (B, H, Sq), the logsumexp over keys of the final (scaled,
@@ -91,6 +93,19 @@ def _check_seq_lengths(name: str, value: Any, batch: int) -> None:
         )
 
 
+# The implementations that compute empty sequences (XLA; kernels have no grid to launch).
+_EMPTY_SEQUENCE_IMPLEMENTATIONS = ("xla", "xla_chunked")
+
+
+def check_nonempty_sequences(op: Op, ba: BoundArguments) -> None:
+    """`NotImplementedError` for a kernel asked to attend over an empty sequence."""
+    q_len, kv_len = ba.arguments["query"].shape[1], ba.arguments["key"].shape[1]
+    if (q_len == 0 or kv_len == 0) and op.implementation not in _EMPTY_SEQUENCE_IMPLEMENTATIONS:
+        raise NotImplementedError(
+            f"{type(op).__name__}: an empty sequence (q_seq={q_len}, kv_seq={kv_len}) has "
+            f"nothing to launch; implementation='xla' (or None) computes it")
+
+
 def keep_mask(q_pos: jax.Array, k_pos: jax.Array, *, mask: jax.Array | None, is_causal: bool,
               local_window_size: tuple[int, int] | None, query_seq_lengths: jax.Array | None,
               key_value_seq_lengths: jax.Array | None) -> jax.Array | None:
@@ -146,6 +161,10 @@ class DotProductAttention(Op[NullConfig]):
         from tokamax_kernels.attention.sharding import partition_rule
 
         return partition_rule(ba)
+
+    def check_supported(self, ba: BoundArguments, target: Any) -> None:
+        super().check_supported(ba, target)
+        check_nonempty_sequences(self, ba)
 
     def similarity_arguments(self, arguments: Any) -> dict[str, Any]:
         """Batch and heads merged (their split does not matter to a kernel), the head dim
@@ -234,7 +253,7 @@ class DotProductAttention(Op[NullConfig]):
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths)
         if keep is not None:
             logits = jnp.where(split_heads(keep, kv_heads), logits, -jnp.inf)
-        row_max = jnp.max(logits, axis=-1, keepdims=True)
+        row_max = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)  # kv_len may be 0
         row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
         probs = jnp.exp(logits - row_max)
         denom = jnp.sum(probs, axis=-1, keepdims=True)
@@ -261,6 +280,10 @@ class DotProductAttentionVjp(VjpOp):
     """
 
     forward_family = DotProductAttention
+
+    def check_supported(self, ba: BoundArguments, target: Any) -> None:
+        super().check_supported(ba, target)
+        check_nonempty_sequences(self, ba)
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,

@@ -16,9 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_kernels.attention import _mosaic_gpu_common as common
-from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionConfig
+from tokamax_kernels.attention._mosaic_gpu_common import (
+    MosaicAttentionConfig,
+    check_inputs,
+    check_unsupported_features,
+)
 from tokamax_kernels.attention._mosaic_gpu_fwd_kernel import mosaic_attention_forward
 from tokamax_kernels.attention.base import DotProductAttention
+from tokamax_kernels.attention.pallas_mosaic_gpu_vjp import PallasMosaicGpuFlashAttentionVjp
 from tokamax_pass.core import BoundArguments, Op, Target
 
 _WHAT = "PallasMosaicGpuFlashAttention"
@@ -27,22 +32,8 @@ MIN_Q_MULTIPLE = 128
 MIN_KV_MULTIPLE = 64
 
 
-def check_unsupported_features(arguments: dict[str, Any], what: str) -> None:
-    """The family features the Mosaic kernels do not implement."""
-    for name in ("bias", "mask", "local_window_size", "logits_soft_cap"):
-        if arguments.get(name) is not None:
-            raise NotImplementedError(f"{what} does not support {name} (use 'triton' or 'xla')")
 
 
-def check_inputs(arguments: dict[str, Any], target: Target | None, *,
-                 head_dims: tuple[int, ...], q_multiple: int, kv_multiple: int,
-                 what: str) -> None:
-    """The checks the forward and backward kernels share (`NotImplementedError`)."""
-    common.check_target(target, what)
-    check_unsupported_features(arguments, what)
-    q, k, v = arguments["query"], arguments["key"], arguments["value"]
-    common.check_common(q, k, v, head_dims=head_dims, what=what)
-    common.check_lengths(q.shape[1], k.shape[1], q_multiple, kv_multiple, what)
 
 
 def forward_smem_bytes(config: MosaicAttentionConfig, head_dim: int, itemsize: int) -> int:
@@ -132,8 +123,4 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         return configs
 
     def _default_vjp(self) -> Op:
-        from tokamax_kernels.attention.pallas_mosaic_gpu_vjp import (
-            PallasMosaicGpuFlashAttentionVjp,
-        )
-
         return PallasMosaicGpuFlashAttentionVjp()

@@ -22,10 +22,13 @@ from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
     mosaic_attention_dkv,
     mosaic_attention_dq,
 )
-from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionVjpConfig
+from tokamax_kernels.attention._mosaic_gpu_common import (
+    MosaicAttentionVjpConfig,
+    check_inputs,
+    check_unsupported_features,
+)
 from tokamax_kernels.attention._mosaic_gpu_shared_bwd_kernel import mosaic_attention_shared_dx
 from tokamax_kernels.attention.base import DotProductAttentionVjp
-from tokamax_kernels.attention.pallas_mosaic_gpu import check_inputs, check_unsupported_features
 from tokamax_pass.core import BoundArguments, Target
 
 _WHAT = "PallasMosaicGpuFlashAttentionVjp"

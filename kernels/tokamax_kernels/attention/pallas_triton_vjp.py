@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from tokamax_kernels._triton import TritonKernel
 from tokamax_kernels.attention import _pallas_triton_common as common
-from tokamax_kernels.attention import pallas_triton as fwd
 from tokamax_kernels.attention._pallas_triton_bwd import flash_attention_backward
 from tokamax_kernels.attention.base import DotProductAttentionVjp
 from tokamax_pass.core import BoundArguments, Target
@@ -88,7 +87,7 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
-        fwd.check_inputs(ba, None if self.interpret else target, _WHAT)
+        common.check_inputs(ba, None if self.interpret else target, _WHAT)
 
     def _get_heuristics_config(self, ba: BoundArguments) -> PallasTritonFlashAttentionVjpConfig:
         q, k = ba.arguments["query"], ba.arguments["key"]
@@ -115,13 +114,13 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         (lse,) = residuals
         batch, seq_q, heads, head_dim = query.shape
         seq_k = key.shape[1]
-        q_lengths = fwd.lengths_i32(statics["query_seq_lengths"])
-        kv_lengths = fwd.lengths_i32(statics["key_value_seq_lengths"])
+        q_lengths = common.lengths_i32(statics["query_seq_lengths"])
+        kv_lengths = common.lengths_i32(statics["key_value_seq_lengths"])
         pad_q = common.round_up(seq_q, max(config.block_q_dkv, config.block_q_dq))
         pad_k = common.round_up(seq_k, max(config.block_k_dkv, config.block_k_dq))
-        q, k, v = fwd.prepare_qkv(query, key, value, pad_q, pad_k)
+        q, k, v = common.prepare_qkv(query, key, value, pad_q, pad_k)
         d = q.shape[-1]
-        do = fwd.pad_axis(fwd.pad_axis(dout.astype(query.dtype), 1, pad_q), 3, d)
+        do = common.pad_axis(common.pad_axis(dout.astype(query.dtype), 1, pad_q), 3, d)
         delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32),
                            dout.astype(jnp.float32))
         # Rows that see nothing (lse = -inf) or lie past their query length get
@@ -130,12 +129,12 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         if q_lengths is not None:
             empty = empty | (jnp.arange(seq_q)[None, None, :] >= q_lengths[:, None, None])
         lse2 = jnp.where(empty, jnp.inf, lse * common.LOG2E)
-        lse2 = fwd.pad_axis(lse2, 2, pad_q, jnp.inf)
-        delta = fwd.pad_axis(jnp.where(empty, 0.0, delta), 2, pad_q)
-        spec = fwd.kernel_spec(dict(statics, bias=bias, mask=mask), seq_q, seq_k)
+        lse2 = common.pad_axis(lse2, 2, pad_q, jnp.inf)
+        delta = common.pad_axis(jnp.where(empty, 0.0, delta), 2, pad_q)
+        spec = common.kernel_spec(dict(statics, bias=bias, mask=mask), seq_q, seq_k)
         dq, dk, dv, dbias = flash_attention_backward(
-            q, k, v, fwd.prepare_pairwise(bias, seq_q, seq_k, pad_q, pad_k),
-            fwd.prepare_pairwise(mask, seq_q, seq_k, pad_q, pad_k, jnp.int8),
+            q, k, v, common.prepare_pairwise(bias, seq_q, seq_k, pad_q, pad_k),
+            common.prepare_pairwise(mask, seq_q, seq_k, pad_q, pad_k, jnp.int8),
             q_lengths, kv_lengths, do, lse2, delta, spec=spec,
             blocks_dkv=(config.block_q_dkv, config.block_k_dkv),
             blocks_dq=(config.block_q_dq, config.block_k_dq),

@@ -29,7 +29,7 @@ from tokamax_kernels.attention.base import (
     keep_mask,
     split_heads,
 )
-from tokamax_pass.core import BoundArguments, Op
+from tokamax_pass.core import BoundArguments, NullConfig, Op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,6 +296,11 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     return dq, dk, dv, dbias
 
 
+def _empty(query: jax.Array, key: jax.Array) -> bool:
+    """No query rows or no keys: no chunk to loop over (the reference computes it)."""
+    return query.shape[1] == 0 or key.shape[1] == 0
+
+
 def _sizes(ba: BoundArguments) -> tuple[int, int, int, int]:
     """(batch, heads, q_len, kv_len) of a bound call."""
     batch, q_len, heads, _ = ba.arguments["query"].shape
@@ -313,6 +318,11 @@ class XlaChunkedDotProductAttention(DotProductAttention):
              mask: jax.Array | None, *, query_seq_lengths: jax.Array | None,
              key_value_seq_lengths: jax.Array | None, config: XlaChunkedConfig,
              return_residuals: bool, **statics: Any) -> tuple[jax.Array, Any]:
+        if _empty(query, key):
+            return DotProductAttention._fwd(
+                self, query, key, value, bias, mask, query_seq_lengths=query_seq_lengths,
+                key_value_seq_lengths=key_value_seq_lengths, config=NullConfig(),
+                return_residuals=return_residuals, **statics)
         pb = _problem(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
                       config, statics)
         out, lse = chunked_forward(pb)
@@ -340,6 +350,12 @@ class XlaChunkedDotProductAttentionVjp(DotProductAttentionVjp):
              bias: jax.Array | None, mask: jax.Array | None,
              query_seq_lengths: jax.Array | None, key_value_seq_lengths: jax.Array | None,
              **statics: Any) -> tuple[dict[str, Any], None]:
+        if _empty(query, key):
+            return DotProductAttentionVjp._fwd(
+                self, residuals, out, dout, config=NullConfig(),
+                return_residuals=return_residuals, query=query, key=key, value=value,
+                bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
+                key_value_seq_lengths=key_value_seq_lengths, **statics)
         (lse,) = residuals
         pb = _problem(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
                       config, statics)

@@ -24,8 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import TritonKernel
-from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
-from tokamax_kernels.gated_linear_unit.pallas_triton import (
+from tokamax_kernels.gated_linear_unit._pallas_triton_common import (
     Config,
     check_triton_glu_inputs,
     dual_products,
@@ -34,6 +33,7 @@ from tokamax_kernels.gated_linear_unit.pallas_triton import (
     tile_mask,
     weight_operands,
 )
+from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_pass.core import AutodiffVjp, BoundArguments, Op, Target, VjpOp
 
 

@@ -22,11 +22,21 @@ from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import TritonKernel
+from tokamax_kernels.layer_norm._pallas_triton_common import (
+    block_rows_choices,
+    check_multiple,
+    check_powers_of_2,
+    check_triton_norm_inputs,
+    is_exact,
+    load_rows,
+    load_vector,
+    masked,
+    row_chunk,
+    row_mask_of,
+)
 from tokamax_kernels.layer_norm.base import LayerNorm
+from tokamax_kernels.layer_norm.pallas_triton_vjp import PallasTritonLayerNormVjp
 from tokamax_pass.core import BoundArguments, Op, Target
-
-# Largest row chunk (elements) kept in registers by one program.
-MAX_BLOCK_ELEMENTS = 16384
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,90 +52,30 @@ class Config:
     num_stages: int
 
     def __post_init__(self) -> None:
-        _check_powers_of_2(self, "block_rows", "block_n", "num_warps")
-        _check_multiple(self)
+        check_powers_of_2(self, "block_rows", "block_n", "num_warps")
+        check_multiple(self)
 
 
-def _check_multiple(config: Any) -> None:
-    if config.rows_per_program < config.block_rows or config.rows_per_program % config.block_rows:
-        raise ValueError(
-            f"{type(config).__name__}.rows_per_program ({config.rows_per_program}) must be a "
-            f"multiple of block_rows ({config.block_rows})"
-        )
 
 
-def _check_powers_of_2(config: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{type(config).__name__}.{name} must be a power of 2, got {value}")
 
 
-def check_triton_norm_inputs(ba: BoundArguments) -> None:
-    """What the Triton norm kernels cannot do (raised as `NotImplementedError`)."""
-    args = ba.arguments
-    x = args["x"]
-    if args["axis"] != x.ndim - 1:
-        raise NotImplementedError(
-            f"the Triton layer norm normalizes the last axis only, got axis={args['axis']}"
-        )
-    if math.prod(x.shape) == 0:
-        raise NotImplementedError("the Triton layer norm needs a non-empty x")
-    for name in ("x", "scale", "offset"):
-        _triton.require_triton_dtype(name, args[name])
 
 
-def row_chunk(n: int) -> int:
-    """Columns one program holds at once: the whole row when it fits, else a chunk."""
-    return min(_triton.next_power_of_2(n), MAX_BLOCK_ELEMENTS)
 
 
-def block_rows_choices(block_n: int) -> tuple[int, ...]:
-    """Rows per block for a search space: blocks of 1K-16K elements, one row at least
-    (a 64-wide row needs 16-256 rows per block to keep the memory system busy)."""
-    return tuple(sorted({max(1, e // block_n) for e in (1024, 2048, 4096, 8192, 16384)
-                         if max(1, e // block_n) * block_n <= MAX_BLOCK_ELEMENTS}))
 
 
-def row_mask_of(r0: Any, *, rows: int, block_rows: int, exact: bool) -> jax.Array | None:
-    """Which of rows `[r0, r0 + block_rows)` exist (`None`: all of them, no mask needed)."""
-    return None if exact else r0 + jnp.arange(block_rows) < rows
 
 
-def is_exact(rows: int, n: int, rows_per_program: int, block_n: int) -> bool:
-    """Whether the blocks tile `(rows, n)` exactly: loads and stores then need no masks,
-    which lets Triton issue full-width vector accesses."""
-    return rows % rows_per_program == 0 and n % block_n == 0
 
 
-def masked(mask: jax.Array | None, x: jax.Array) -> jax.Array:
-    """`x` with zeros where `mask` is False (`None` masks nothing)."""
-    return x if mask is None else jnp.where(mask, x, 0.0)
 
 
-def masked_load(ref: Any, mask: jax.Array | None) -> jax.Array:
-    """A masked load (zeros outside the mask), or a plain one when `mask` is None."""
-    return plgpu.load(ref, mask=mask, other=None if mask is None else 0.0)
 
 
-def _load_rows(ref: Any, r0: Any, c: Any, row_mask: jax.Array | None, *, n: int,
-               block_n: int, block_rows: int) -> tuple[jax.Array, Any, Any]:
-    """Chunk `c` of rows `[r0, r0 + block_rows)` as float32 (zeros outside the array).
-
-    `row_mask` None means the blocks tile the array exactly: no masks at all.
-    """
-    start = c * block_n
-    if row_mask is None:
-        mask = col_mask = None
-    else:
-        col_mask = start + jnp.arange(block_n) < n
-        mask = row_mask[:, None] & col_mask[None, :]
-    block = masked_load(ref.at[pl.ds(r0, block_rows), pl.ds(start, block_n)], mask)
-    return block.astype(jnp.float32), mask, col_mask
 
 
-def _load_vector(ref: Any, c: Any, col_mask: jax.Array | None, block_n: int) -> jax.Array:
-    return masked_load(ref.at[pl.ds(c * block_n, block_n)], col_mask).astype(jnp.float32)
 
 
 def _fwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
@@ -159,15 +109,15 @@ def _normalize_rows(x_ref: Any, scale_ref: Any, offset_ref: Any, y_ref: Any, mea
     """Normalizes rows `[r0, r0 + block_rows)` and writes their mean and rstd."""
     row_mask = row_mask_of(r0, rows=rows, block_rows=block_rows, exact=exact)
     num_chunks = _triton.cdiv(n, block_n)
-    load = functools.partial(_load_rows, x_ref, r0, row_mask=row_mask, n=n, block_n=block_n,
+    load = functools.partial(load_rows, x_ref, r0, row_mask=row_mask, n=n, block_n=block_n,
                              block_rows=block_rows)
 
     def write(c: Any, x_hat: jax.Array, mask: jax.Array, col_mask: jax.Array) -> None:
         y = x_hat
         if scale_ref is not None:
-            y = y * _load_vector(scale_ref, c, col_mask, block_n)[None, :]
+            y = y * load_vector(scale_ref, c, col_mask, block_n)[None, :]
         if offset_ref is not None:
-            y = y + _load_vector(offset_ref, c, col_mask, block_n)[None, :]
+            y = y + load_vector(offset_ref, c, col_mask, block_n)[None, :]
         plgpu.store(y_ref.at[pl.ds(r0, block_rows), pl.ds(c * block_n, block_n)],
                     y.astype(y_ref.dtype), mask=mask)
 
@@ -280,6 +230,4 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
         }
 
     def _default_vjp(self) -> Op:
-        from tokamax_kernels.layer_norm.pallas_triton_vjp import PallasTritonLayerNormVjp
-
         return PallasTritonLayerNormVjp(interpret=self.interpret)

@@ -26,20 +26,20 @@ from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import TritonKernel
-from tokamax_kernels.layer_norm.base import LayerNorm
-from tokamax_kernels.layer_norm.pallas_triton import (
-    _check_multiple,
-    _check_powers_of_2,
-    _load_rows,
-    _load_vector,
+from tokamax_kernels.layer_norm._pallas_triton_common import (
     block_rows_choices,
+    check_multiple,
+    check_powers_of_2,
     check_triton_norm_inputs,
     is_exact,
+    load_rows,
+    load_vector,
     masked,
     masked_load,
     row_chunk,
     row_mask_of,
 )
+from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_pass.core import AutodiffVjp, BoundArguments, Op, Target, VjpOp
 
 
@@ -54,8 +54,8 @@ class Config:
     num_stages: int
 
     def __post_init__(self) -> None:
-        _check_powers_of_2(self, "block_rows", "block_n", "num_warps")
-        _check_multiple(self)
+        check_powers_of_2(self, "block_rows", "block_n", "num_warps")
+        check_multiple(self)
 
 
 def _bwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
@@ -84,12 +84,12 @@ def _bwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
     def chunk(r0: Any, row_mask: jax.Array | None, mean: jax.Array, rstd: jax.Array,
               c: Any) -> tuple:
         """x_hat, dy and g = dy * scale of one chunk (zeros outside the array)."""
-        load = functools.partial(_load_rows, r0=r0, c=c, row_mask=row_mask, n=n,
+        load = functools.partial(load_rows, r0=r0, c=c, row_mask=row_mask, n=n,
                                  block_n=block_n, block_rows=block_rows)
         x, mask, col_mask = load(x_ref)
         dy, _, _ = load(dy_ref)
         x_hat = masked(mask, (x - mean[:, None]) * rstd[:, None])
-        g = dy if scale_ref is None else dy * _load_vector(scale_ref, c, col_mask, block_n)[None]
+        g = dy if scale_ref is None else dy * load_vector(scale_ref, c, col_mask, block_n)[None]
         return x_hat, dy, g, mask, col_mask
 
     def store_dx(r0: Any, c: Any, dx: jax.Array, mask: jax.Array) -> None:

@@ -13,7 +13,8 @@ row 0, the group sizes become its groups' own (rows of other groups fall past th
 sum and give zeros), and the result is rolled back; the partial results are `psum`med
 over the expert axes. In the gradient, `drhs` stays on each device's own groups and
 `dlhs` is `psum`med the same way. A sharded K or N dim is gathered. Inside
-`jax.shard_map`, `expert_parallel_ragged_dot` does the same on per-device blocks.
+`jax.shard_map`, `expert_parallel.expert_parallel_ragged_dot` does the same on
+per-device blocks.
 """
 
 from __future__ import annotations
@@ -44,22 +45,6 @@ def expert_block(group_sizes: Any, first_group: Any, groups: int) -> tuple[Any, 
     before = jnp.arange(group_sizes.shape[0]) < first_group
     offset = jnp.sum(jnp.where(before, group_sizes, 0))
     return offset, jax.lax.dynamic_slice_in_dim(group_sizes, first_group, groups)
-
-
-def expert_parallel_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, axis_name: Any,
-                               **kwargs: Any) -> Any:
-    """`tokamax_pass.ragged_dot` inside `jax.shard_map` with `rhs` split over its groups.
-
-    Each device passes its own block of `rhs` ((G/E, K, N), blocks in the order of
-    `axis_name`), all rows of `lhs` and the global `group_sizes` (G,); the result
-    (M, N) is the whole ragged dot on every device (one `psum` over `axis_name`).
-    """
-    from tokamax_kernels.ragged_dot.api import ragged_dot
-
-    groups = rhs.shape[0]
-    offset, sizes = expert_block(group_sizes, jax.lax.axis_index(axis_name) * groups, groups)
-    out = ragged_dot(jnp.roll(lhs, -offset, axis=0), rhs, sizes, **kwargs)
-    return jax.lax.psum(jnp.roll(out, offset, axis=0), axis_name)
 
 
 def _experts(arguments: dict[str, Any], shard: Shard) -> tuple[Any, Any]:

@@ -35,6 +35,7 @@ import numpy as np
 
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import keys, lowering
+from tokamax_pass.autotuning.lowering import call_op
 from tokamax_pass.autotuning.result import Entry, Measurement
 from tokamax_pass.core import registry, spec
 from tokamax_pass.core.device import current_target
@@ -153,25 +154,6 @@ def timing_arguments(ba: BoundArguments, seed: int) -> dict[str, Any]:
             arguments.update(dict.fromkeys(rest, arguments[first]))
         arguments = _with_real_residuals(ba, arguments)
     return arguments
-
-
-def call_op(op: Op, vmap: Any, arguments: dict[str, Any]) -> Callable[[dict], Any]:
-    """A function of the arguments that calls `op`, vmapped as the op call was
-    (`vmap`: its `BoundArguments.vmap` levels)."""
-
-    def fn(args: dict[str, Any]) -> Any:
-        return op(**args)
-
-    if not vmap:
-        return fn
-    leaves, treedef = jax.tree.flatten(arguments, is_leaf=lambda v: v is None)
-    operand = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
-    for level in reversed(vmap):
-        axes: list[Any] = [None] * len(leaves)
-        for axis, i in zip(level.axes, operand, strict=True):
-            axes[i] = axis
-        fn = jax.vmap(fn, in_axes=(jax.tree.unflatten(treedef, axes),), axis_size=level.size)
-    return fn
 
 
 def _describe(kind: str, error: BaseException) -> str:

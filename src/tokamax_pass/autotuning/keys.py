@@ -19,6 +19,7 @@ import jax
 
 from tokamax_pass.core import spec
 from tokamax_pass.core.op import BoundArguments, Op
+from tokamax_pass.version import __version__
 
 
 def canonical_op(op: Op) -> Op:
@@ -40,8 +41,6 @@ def entry_key(ba: BoundArguments) -> tuple[str, str]:
 
 
 def library_version() -> str:
-    from tokamax_pass import __version__
-
     return __version__
 
 

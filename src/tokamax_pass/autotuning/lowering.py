@@ -4,7 +4,7 @@ Lowering a Pallas kernel is Python work, and threads share one interpreter lock:
 sixteen threads lowering Mosaic GPU kernels take about as long as one. The candidates of
 ops declared slow to lower (`Op.slow_lowering`: the Mosaic GPU kernels) go to workers;
 the rest lower in the tuning process, where they never wait for a worker to start. Worker
-processes (`python -m tokamax_pass.autotuning.lowering`, JAX on the CPU only, so they
+processes (`python -m tokamax_pass.autotuning.export_worker`, JAX on the CPU only, so they
 never touch the accelerator) export each candidate for the target platform with
 `jax.export`, as `tokamax_pass.export` does for artifacts; the tuning process
 deserializes it and compiles it, which releases the lock. Workers are plain
@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 
+from tokamax_pass.core import spec
 from tokamax_pass.core.device import targeting
 from tokamax_pass.core.op import Op
 
@@ -37,15 +38,37 @@ from tokamax_pass.core.op import Op
 # wave's other work); the other candidates always lower in the tuning process.
 MIN_CANDIDATES = 8
 MAX_PROCESSES = 8
+# A worker's command line. Its own module, which the package never imports: run as
+# `-m` a module the package imported first would warn in every worker (runpy's
+# "found in sys.modules" RuntimeWarning) and exist twice.
+WORKER_COMMAND = (sys.executable, "-m", "tokamax_pass.autotuning.export_worker")
+
+
+def call_op(op: Op, vmap: Any, arguments: dict[str, Any]) -> Callable[[dict], Any]:
+    """A function of the arguments that calls `op`, vmapped as the op call was
+    (`vmap`: its `BoundArguments.vmap` levels)."""
+
+    def fn(args: dict[str, Any]) -> Any:
+        return op(**args)
+
+    if not vmap:
+        return fn
+    leaves, treedef = jax.tree.flatten(arguments, is_leaf=lambda v: v is None)
+    operand = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
+    for level in reversed(vmap):
+        axes: list[Any] = [None] * len(leaves)
+        for axis, i in zip(level.axes, operand, strict=True):
+            axes[i] = axis
+        fn = jax.vmap(fn, in_axes=(jax.tree.unflatten(treedef, axes),), axis_size=level.size)
+    return fn
 
 
 def export_candidate(op: Op, vmap: Any, arguments: dict[str, Any], platform: str,
                      device_kind: str | None) -> bytes:
     """The serialized `jax.export` of `op` called on `arguments` (abstract), in the
     standardized form the autotuner compiles. Runs in a worker."""
-    from tokamax_pass import DISABLE_JAX_EXPORT_CHECKS, benchmarking
-    from tokamax_pass.autotuning.autotuner import call_op
-
+    from tokamax_pass import benchmarking
+    from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
     f_std, specs = benchmarking.standardize_function(call_op(op, vmap, arguments), arguments,
                                                      seed=None)
     target = (targeting(device_kind) if device_kind and platform != "cpu"
@@ -87,7 +110,7 @@ class ExportWorkers:
         env = {**os.environ, "JAX_PLATFORMS": "cpu",
                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self._workers = [
-            subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+            subprocess.Popen(WORKER_COMMAND, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
             for _ in range(processes)]
         self._idle: queue.Queue[subprocess.Popen] = queue.Queue()
@@ -125,24 +148,3 @@ class ExportWorkers:
             with contextlib.suppress(OSError):
                 worker.stdin.close()
             worker.terminate()
-
-
-def _serve() -> None:
-    """A worker's loop: read a pickled request, answer `(ok, blob or error)`."""
-    requests, answers = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # anything printed goes to stderr, not into the answers
-    while True:
-        try:
-            request = pickle.load(requests)
-        except EOFError:
-            return
-        try:
-            answer = (True, export_candidate(*request))
-        except Exception as e:  # noqa: BLE001 - the tuning process lowers it itself
-            answer = (False, f"{type(e).__name__}: {e}"[:500])
-        pickle.dump(answer, answers)
-        answers.flush()
-
-
-if __name__ == "__main__":
-    _serve()

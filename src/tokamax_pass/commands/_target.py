@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,11 +24,26 @@ def add_function_arguments(parser: argparse.ArgumentParser, *, required: bool = 
 
 
 def load_function(target: str, grad: bool = False) -> Callable[..., Any]:
+    """`MODULE:FUNCTION` imported from the working directory first, as `python -m` would
+    (the console script does not put it on `sys.path`); a one-line `SystemExit` saying
+    what could not be imported and why."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise SystemExit(f"expected MODULE:FUNCTION, got {target!r}")
-    obj: Any = importlib.import_module(module_name)
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may raise anything while it imports
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        raise SystemExit(f"cannot import {module_name!r} (from {target!r}, working directory "
+                         f"{cwd}): {reason}") from None
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise SystemExit(f"cannot import {target!r}: {module_name!r} "
+                             f"({getattr(obj, '__file__', None) or module_name}) has no "
+                             f"{attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise SystemExit(f"{target} is not callable")

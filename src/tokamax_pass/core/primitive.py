@@ -154,10 +154,11 @@ def _output_structure(call: OpCall, avals: tuple[Any, ...]) -> tuple[Any, tuple[
     reference = call.candidates[0].reference_op()
     ba = call.bound(reference, avals)
     config = reference.config or reference._get_heuristics_config(ba)
-    shapes = jax.eval_shape(
-        call.structured_function(reference, config),
-        *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals),
-    )
+    with sharding.meshless():
+        shapes = jax.eval_shape(
+            call.structured_function(reference, config),
+            *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals),
+        )
     leaves, treedef = jax.tree.flatten(shapes)
     return treedef, tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in leaves)
 
@@ -218,12 +219,18 @@ def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence
     target = device.lowering_target(platform)
     candidates = [call.bound(op, ctx.avals_in) for op in call.candidates]
     choice = call.choose(candidates, target)
-    fn = call.flat_function(choice.op, choice.op.config)
+    body = call.flat_function(choice.op, choice.op.config)
     encoded = choice.bound.to_json()
     for recorder in _RECORDERS:
         recorder.append(encoded)
+
+    def fn(*xs: Any) -> list[Any]:
+        with sharding.meshless():  # not partitioned: the body traces as on one device
+            return body(*xs)
+
     with device.lowering_for(target), set_xla_metadata(**{METADATA_KEY: encoded}):
-        return mlir.lower_fun(fn, multiple_results=True)(ctx, *operands)
+        return mlir.lower_fun(fn, multiple_results=True)(
+            sharding.without_explicit_shardings(ctx), *operands)
 
 
 for _primitive in PRIMITIVES:

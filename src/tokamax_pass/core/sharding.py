@@ -130,6 +130,50 @@ def _local_function(call: Any, rule: PartitionRule, out_dims: Sequence[Dims],
     return local
 
 
+def _explicit_axes() -> bool:
+    """Whether the mesh in context has Explicit axes (`jax.make_mesh`'s default): then
+    operand types carry their shardings, and unsharded operands are replicated."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types
+
+
+def meshless() -> contextlib.AbstractContextManager[Any]:
+    """A context without the mesh, where a mesh with Explicit axes is in context.
+
+    What a call computes on its operands as given (its output shapes, its body on one
+    device or per device) does not depend on the mesh; under Explicit axes, though, some
+    JAX ops (`jax.lax.ragged_dot_general`) refuse to trace without an `out_sharding`.
+    The sharding of a call is this module's job (`bind`), not its body's.
+    """
+    if not _explicit_axes():
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+
+
+def without_explicit_shardings(ctx: Any) -> Any:
+    """A lowering context whose avals carry no mesh with Explicit axes, for lowering a
+    call that is not partitioned: its body then traces as on one device (some JAX ops,
+    such as `jax.lax.ragged_dot_general`, cannot infer their output sharding there)."""
+    avals = list(ctx.avals_in) + list(ctx.avals_out)
+    if not any(_has_explicit_mesh(a) for a in avals):
+        return ctx
+    with meshless():
+        return ctx.replace(avals_in=[_plain(a) for a in ctx.avals_in],
+                           avals_out=[_plain(a) for a in ctx.avals_out])
+
+
+def _has_explicit_mesh(aval: Any) -> bool:
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    return mesh is not None and not mesh.empty and (
+        jax.sharding.AxisType.Explicit in mesh.axis_types)
+
+
+def _plain(aval: Any) -> Any:
+    if not _has_explicit_mesh(aval):
+        return aval
+    return jax.core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
 def _mode() -> str:
     abstract = jax.sharding.get_abstract_mesh()
     if abstract.empty or abstract.size == 1:
@@ -158,6 +202,8 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
     explicit = any(s is not None and any(e is not None for e in s) for s in explicit_specs)
     mode = _mode()
     if call.vmap or (mode in ("single", "manual") and not explicit):
+        return bind_local(*operands)
+    if not explicit and _explicit_axes():  # replicated operands: a replicated call
         return bind_local(*operands)
     found = _call_rule(call, [jax.typeof(x) for x in operands])
     if found is None:

@@ -91,9 +91,26 @@ def retrace(rewriter: Rewriter, jaxpr: Jaxpr, path: str) -> Jaxpr:
     return new.with_consts(consts) if consts else new
 
 
-def _params(rewriter: Rewriter, eqn: Any, path: str) -> dict[str, Any]:
-    from tokamax_pass.pass_.rewrite import is_op_wrapper, path_label
+_PATH_NAMES = {"remat2": "checkpoint", "custom_vjp_call": "custom_vjp",
+               "custom_jvp_call": "custom_jvp"}
 
+
+def path_label(eqn: Any) -> str:
+    kind = _PATH_NAMES.get(eqn.primitive.name, eqn.primitive.name)
+    name = eqn.params.get("name")
+    if name is None and kind == "custom_jvp":
+        name = getattr(eqn.params["call_jaxpr"].debug_info, "func_name", None)
+    return f"{kind}[{name}]" if isinstance(name, str) else kind
+
+
+def is_op_wrapper(eqn: Any) -> bool:
+    """The framework's own `custom_vjp` around one op call adds nothing to a path."""
+    body = eqn.params.get("call_jaxpr")
+    return (eqn.primitive.name == "custom_vjp_call" and isinstance(body, Jaxpr)
+            and len(body.eqns) == 1 and is_tokamax_call(body.eqns[0].primitive))
+
+
+def _params(rewriter: Rewriter, eqn: Any, path: str) -> dict[str, Any]:
     if eqn.primitive.name in OPAQUE:
         return eqn.params
     if eqn.primitive.name == "shard_map":  # already per device: rewrite in place

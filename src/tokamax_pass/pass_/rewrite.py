@@ -171,7 +171,8 @@ class Rewriter:
             return eqn.replace(params={**eqn.params, "call": call})
         if eqn.primitive.name in emit.OPAQUE:
             return eqn
-        sub = path if is_op_wrapper(eqn) else "/".join(p for p in (path, path_label(eqn)) if p)
+        sub = path if emit.is_op_wrapper(eqn) else "/".join(
+            p for p in (path, emit.path_label(eqn)) if p)
         params = {name: self._rewrite_param(name, value, sub)
                   for name, value in eqn.params.items()}
         if all(params[name] is value for name, value in eqn.params.items()):
@@ -193,25 +194,6 @@ class Rewriter:
 
 
 # Path names for primitives whose internal names differ from the API that makes them.
-_PATH_NAMES = {"remat2": "checkpoint", "custom_vjp_call": "custom_vjp",
-               "custom_jvp_call": "custom_jvp"}
-
-
-def path_label(eqn: Any) -> str:
-    kind = _PATH_NAMES.get(eqn.primitive.name, eqn.primitive.name)
-    name = eqn.params.get("name")
-    if name is None and kind == "custom_jvp":
-        name = getattr(eqn.params["call_jaxpr"].debug_info, "func_name", None)
-    return f"{kind}[{name}]" if isinstance(name, str) else kind
-
-
-def is_op_wrapper(eqn: Any) -> bool:
-    """The framework's own `custom_vjp` around one op call adds nothing to a path."""
-    body = eqn.params.get("call_jaxpr")
-    return (eqn.primitive.name == "custom_vjp_call" and isinstance(body, Jaxpr)
-            and len(body.eqns) == 1 and is_tokamax_call(body.eqns[0].primitive))
-
-
 def _pin_forward_config(op: Op, ba: BoundArguments, target: Target) -> Op:
     """An autodiff VJP differentiates its forward op with the forward's config: pin it too."""
     if not isinstance(op, AutodiffVjp) or op.forward.config is not None:

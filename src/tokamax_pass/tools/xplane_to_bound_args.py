@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import warnings
 from collections.abc import Sequence
 
 import jax
 
 from tokamax_pass.autotuning import discovery
+from tokamax_pass.core import spec
 from tokamax_pass.core.op import BoundArguments
 from tokamax_pass.core.primitive import METADATA_KEY
 
@@ -56,13 +58,23 @@ def specs_from_xspace(data: bytes) -> list[str]:
 
 
 def bound_args_from_xplane(path: str | pathlib.Path) -> list[BoundArguments]:
-    """Every distinct op call (config stripped) recorded in an `.xplane.pb` file."""
+    """Every distinct op call (config stripped) recorded in an `.xplane.pb` file.
+
+    A profile holds every program the process had loaded; a call whose op cannot be
+    loaded here (a class defined inside a function) is skipped with a warning."""
     data = pathlib.Path(path).read_bytes()
     try:
         jax.profiler.ProfileData.from_serialized_xspace(data)
     except Exception as e:  # noqa: BLE001 - any parse failure means "not a profile"
         raise ValueError(f"{path} is not an XSpace profile (.xplane.pb): {e}") from None
-    return discovery.bound_args_from_specs(specs_from_xspace(data))
+    bound = []
+    for encoded in specs_from_xspace(data):
+        try:
+            bound.append(BoundArguments.from_json(encoded))
+        except spec.SpecError as e:  # one unloadable op (a local class) spoils nothing else
+            warnings.warn(f"{path}: skipped an op call that cannot be loaded here: {e}",
+                          stacklevel=2)
+    return discovery.dedupe(bound)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

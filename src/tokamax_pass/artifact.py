@@ -1,0 +1,253 @@
+"""Tuned StableHLO artifacts: the serialized program plus its manifest, and their checks.
+
+`make_artifact(optimized, ...)` serializes an optimized program with `jax.export`; the
+artifact's `manifest.json` records every op with its kernel and config, the device kind
+it was tuned for and the versions that made it. `load_artifact(directory)` checks those
+before it runs anything: a tuned artifact is guaranteed only on the device it was tuned
+for. `tokamax_pass.export` (the function) optimizes a plain function first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from tokamax_pass.core import device, spec
+from tokamax_pass.pass_.inspection import Inspection, custom_call_targets, inspect_path
+from tokamax_pass.version import __version__
+
+MANIFEST = "manifest.json"
+_SUFFIX = ".stablehlo"
+
+__all__ = [
+    "Artifact", "ArtifactMismatchError", "LoadedArtifact", "check_compatible",
+    "function_name", "inspect", "load_artifact", "make_artifact",
+]
+
+
+class ArtifactMismatchError(RuntimeError):
+    """An artifact made for another device or by newer software than is here."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifact:
+    """A tuned program: serialized `jax.export.Exported` bytes plus its manifest."""
+
+    name: str
+    serialized: bytes
+    manifest: Mapping[str, Any]
+
+    @functools.cached_property
+    def exported(self) -> jax.export.Exported:
+        return jax.export.deserialize(bytearray(self.serialized))
+
+    def __call__(self, *args: Any) -> Any:
+        """Runs the program (no device check; `load_artifact` checks)."""
+        return self.exported.call(*args)
+
+    def mlir_text(self) -> str:
+        return self.exported.mlir_module()
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Writes `<name>.stablehlo` and `manifest.json` into `directory` (made if needed)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_atomic(directory / f"{self.name}{_SUFFIX}", self.serialized)
+        manifest = json.dumps(dict(self.manifest), indent=2, sort_keys=True) + "\n"
+        _write_atomic(directory / MANIFEST, manifest.encode())
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> Artifact:
+        """Reads an artifact directory written by `save` (no compatibility checks)."""
+        directory = Path(directory)
+        manifest_path = directory / MANIFEST
+        if not manifest_path.is_file():
+            raise FileNotFoundError(f"{directory} is not a tokamax_pass artifact: no {MANIFEST}")
+        manifest = spec.loads(manifest_path.read_text(), what=str(manifest_path))
+        spec.check_schema(manifest, what=str(manifest_path))
+        program = directory / manifest["file"]
+        if not program.is_file():
+            raise FileNotFoundError(f"{manifest_path} names {manifest['file']}, which is missing")
+        return cls(manifest["name"], program.read_bytes(), manifest)
+
+
+def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
+                  platforms: Sequence[str] | None = None,
+                  device_kind: str | Sequence[str] | None = None,
+                  name: str | None = None) -> Artifact:
+    """The artifact of an `Optimized` program; see `tokamax_pass.export` for the arguments."""
+    platforms = _platforms(platforms, device_kind)
+    args = tuple(_abstract(a) for a in arg_specs)
+    with device.targeting(device_kind) if device_kind else contextlib.nullcontext():
+        exported, plan = optimized.export_with_plan(args, platforms)
+        kinds = {p: device.lowering_target(p).device_kind for p in platforms}
+    name = name or _safe_name(getattr(optimized.fun, "__name__", "exported"))
+    manifest = _manifest(name, optimized, exported, plan, kinds, device_kind)
+    return Artifact(name, bytes(exported.serialize()), manifest)
+
+
+def inspect(source: str | os.PathLike[str] | Artifact) -> Inspection:
+    """The ops, kernels and configs in an artifact (object or directory), a `.stablehlo`
+    file, a `.mlir`/lowered-text file, or StableHLO text itself."""
+    if isinstance(source, Artifact):
+        return Inspection.from_text(source.mlir_text(), manifest=source.manifest)
+    return inspect_path(source, load_artifact_dir=Artifact.load, deserialize=_deserialize_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedArtifact:
+    """A checked artifact, callable like the exported function."""
+
+    artifact: Artifact
+
+    def __call__(self, *args: Any) -> Any:
+        return self.artifact.exported.call(*args)
+
+    @property
+    def manifest(self) -> Mapping[str, Any]:
+        return self.artifact.manifest
+
+
+def load_artifact(directory: str | os.PathLike[str] | Artifact, *, check: bool = True,
+                  device: jax.Device | None = None) -> LoadedArtifact:
+    """Loads a saved artifact after checking it suits `device` (default: the first device).
+
+    Raises `ArtifactMismatchError` when the artifact was made for another platform or
+    device kind, or with a newer jax or tokamax_pass than is installed; `check=False`
+    skips the checks (the program may then fail or run slower than tuned).
+    """
+    artifact = directory if isinstance(directory, Artifact) else Artifact.load(directory)
+    if check:
+        check_compatible(artifact.manifest, device or jax.devices()[0])
+    return LoadedArtifact(artifact)
+
+
+def check_compatible(manifest: Mapping[str, Any], dev: jax.Device) -> None:
+    """Raises `ArtifactMismatchError` unless the artifact may run on `dev` here."""
+    override = "; pass check=False (CLI: --no-check) to run it anyway"
+    versions = manifest.get("versions", {})
+    for package, installed in (("jax", jax.__version__),
+                               ("tokamax_pass", __version__)):
+        made = versions.get(package)
+        if made is None or _version_tuple(made) > _version_tuple(installed):
+            raise ArtifactMismatchError(
+                f"artifact {manifest.get('name')!r} was exported with {package} {made}, "
+                f"newer than the installed {installed}; upgrade {package}{override}"
+            )
+    platform = {"gpu": "cuda"}.get(dev.platform, dev.platform)
+    platforms = list(manifest.get("platforms", ()))
+    if platform not in platforms:
+        raise ArtifactMismatchError(
+            f"artifact {manifest.get('name')!r} was exported for {platforms}, not for "
+            f"{platform} ({dev.device_kind}); re-export with --platforms {platform}{override}"
+        )
+    wanted = manifest.get("device_kinds", {}).get(platform)
+    if wanted is not None and wanted != dev.device_kind:
+        raise ArtifactMismatchError(
+            f"artifact {manifest.get('name')!r} was tuned for {wanted!r}, but this device is "
+            f"{dev.device_kind!r}: its kernels and configs are guaranteed only on {wanted!r}; "
+            f"re-export with --device-kind {dev.device_kind!r}{override}"
+        )
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: Any,
+              kinds: Mapping[str, str | None],
+              device_kind: str | Sequence[str] | None) -> dict[str, Any]:
+    import jaxlib
+
+    return {
+        "schema_version": spec.SCHEMA_VERSION,
+        "name": name,
+        "file": f"{name}{_SUFFIX}",
+        "function": function_name(optimized.fun),
+        "platforms": list(exported.platforms),
+        "device_kind": (device_kind if device_kind is None or isinstance(device_kind, str)
+                        else ",".join(device_kind)),
+        "device_kinds": dict(kinds),
+        "in_specs": [spec.array_spec(a) for a in exported.in_avals],
+        "out_specs": [spec.array_spec(a) for a in exported.out_avals],
+        "ops": [row.to_dict() for row in plan],
+        "custom_calls": custom_call_targets(exported.mlir_module()),
+        "versions": {
+            "tokamax_pass": __version__,
+            "jax": jax.__version__,
+            "jaxlib": jaxlib.__version__,
+            "calling_convention": exported.calling_convention_version,
+        },
+    }
+
+
+def function_name(fun: Any) -> str:
+    """`module.qualname` of an exported function (`functools.partial(...)` around one):
+    the same for every export of one program, unlike a repr holding an address."""
+    target = getattr(fun, "__wrapped__", fun)
+    if isinstance(target, functools.partial):
+        return f"functools.partial({function_name(target.func)})"
+    module = getattr(target, "__module__", None) or type(target).__module__
+    qualname = getattr(target, "__qualname__", None) or type(target).__qualname__
+    return f"{module}.{qualname}"
+
+
+def _platforms(platforms: Sequence[str] | str | None,
+               device_kind: str | Sequence[str] | None) -> tuple[str, ...]:
+    kinds = device.kinds_by_platform(device_kind) if device_kind else {}
+    if platforms is None:
+        return tuple(kinds) or (device.current_target().platform,)
+    if isinstance(platforms, str):
+        platforms = platforms.split(",")
+    result = tuple({"gpu": "cuda"}.get(p.strip().lower(), p.strip().lower()) for p in platforms)
+    unknown = [p for p in result if p not in ("cpu", "cuda", "rocm", "tpu")]
+    if not result or unknown:
+        raise ValueError(f"export: platforms must name cpu, cuda, rocm or tpu, got {platforms!r}")
+    for platform, kind in kinds.items():
+        if platform not in result:
+            raise ValueError(f"export: device_kind names {kind!r}, a {platform} device, but "
+                             f"platforms={list(result)} has no {platform!r}")
+    return result
+
+
+def _abstract(arg: Any) -> Any:
+    def leaf(x: Any) -> Any:
+        if isinstance(x, str):
+            return spec.parse_array_spec(x)
+        if spec.is_array(x) and not isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return x
+
+    return jax.tree.map(leaf, arg)
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "exported"
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+
+def _deserialize_text(data: bytes) -> str:
+    return jax.export.deserialize(bytearray(data)).mlir_module()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,33 @@
+"""An export worker's loop (`python -m tokamax_pass.autotuning.export_worker`).
+
+`lowering.ExportWorkers` starts these: each reads pickled `export_candidate` requests on
+stdin and answers `(ok, blob or error)` on stdout until stdin closes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+
+from tokamax_pass.autotuning.lowering import export_candidate
+
+
+def serve() -> None:
+    """Read a pickled request, answer `(ok, blob or error)`, until stdin closes."""
+    requests, answers = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed goes to stderr, not into the answers
+    while True:
+        try:
+            request = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            answer = (True, export_candidate(*request))
+        except Exception as e:  # noqa: BLE001 - the tuning process lowers it itself
+            answer = (False, f"{type(e).__name__}: {e}"[:500])
+        pickle.dump(answer, answers)
+        answers.flush()
+
+
+if __name__ == "__main__":
+    serve()

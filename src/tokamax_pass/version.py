@@ -1,0 +1,4 @@
+"""The library version, in a module of its own so that any module can read it without
+importing the package (whose `__init__` imports the framework)."""
+
+__version__ = "0.1.0"
