@@ -1,11 +1,13 @@
-"""Writes the README's model table from the results files, or checks that it matches them.
+"""Writes the README's measured tables from the results files, or checks they match them.
 
-    python -m benchmarks.report           # rewrite the table between the README's markers
+    python -m benchmarks.report           # rewrite the tables between the README's markers
     python -m benchmarks.report --check   # exit 1 when the README differs (CI runs this)
 
-Each row comes from one run of `python -m benchmarks.models` (every variant of a model
-in one process) named in `MODEL_ROWS`; every number in the table is read from that file,
-and a variant that did not run says so instead of a number.
+Three tables, each between its markers (`<!-- report:NAME -->` ... `<!-- /report:NAME -->`):
+`models` (one run of `python -m benchmarks.models` per row, `MODEL_ROWS`), `ops` (one run
+of `python -m benchmarks.run` per row, `OP_ROWS`: ratios only to peers measured in that
+run, and the peers of the family that did not run named) and `seed` (`seed_e2e.json`).
+Every number is read from the file the row names.
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results" / "nvidia_h200"
 BEGIN, END = "<!-- report:models -->", "<!-- /report:models -->"
+
+# (results file, workload) per row of the op table, in the README's order.
+OP_ROWS = (
+    ("benchmark_glu.json", "glu 16384x2048x5632 (llama)"),
+    ("benchmark_llama_glu_norm.json", "rms norm 16384x2048 f32 scale (llama)"),
+    ("benchmark.json", "attention b32 s2048 h16 d64"),
+    ("benchmark_self_attention_d64.json", "self-attention x,x,x b32 s2048 h16 d64 (seed)"),
+    ("benchmark.json", "attention b4 s8192 h16 d128"),
+    ("benchmark.json", "attention b4 s8192 h16 d128 causal"),
+    ("benchmark_self_attention_d128.json", "self-attention x,x,x b4 s8192 h16 d128"),
+    ("benchmark.json", "attention b16 s4096 h8 d256"),
+    ("benchmark.json", "ragged dot m16384 k4096 n4096 g8"),
+    ("benchmark_norms.json", "layer norm 65536x4096"),
+    ("benchmark_norms.json", "rms norm 65536x4096"),
+    ("benchmark_norms.json", "layer norm 65536x1024"),
+    ("benchmark_norms.json", "layer norm 32x2048x16x64 no offset (seed)"),
+)
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
@@ -63,13 +82,95 @@ def model_table() -> str:
     return intro + "\n\n" + "\n".join(lines)
 
 
+def _family(workload: str) -> str:
+    """`attention`, `layer`, `rms`, `ragged`, `glu`: workloads whose peers are the same."""
+    return workload.split()[0].removeprefix("self-")
+
+
+def _rows(file: str) -> list[dict[str, Any]]:
+    return json.loads((RESULTS / file).read_text())["rows"]
+
+
+def _rate(row: dict[str, Any]) -> str:
+    return f"{row['rate']:.{0 if row['unit'] == 'TFLOP/s' else 2}f} {row['unit']}"
+
+
+def _date(file: str) -> str:
+    return json.loads((RESULTS / file).read_text())["date"][:10]
+
+
+def op_table() -> str:
+    """Per workload and mode: ours `None`, our fastest implementation, the best peer of the
+    same run and the ratio, and the family's peers that did not run in that run."""
+    known: dict[str, set[str]] = {}
+    for file, _ in OP_ROWS:
+        for row in _rows(file):
+            if row["kind"] == "peer":
+                known.setdefault(_family(row["workload"]), set()).add(row["implementation"])
+    lines = ["| workload | mode | ours `None` | our fastest | best peer in the run | "
+             "`None` / best peer | peers that did not run | run | file |", "|" + "---|" * 9]
+    for file, workload in OP_ROWS:
+        rows = [r for r in _rows(file) if r["workload"] == workload]
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            timed = [r for r in rows if r["mode"] == mode and "rate" in r]
+            ours = {r["implementation"]: r for r in timed if r["kind"] == "ours"}
+            peers = [r for r in timed if r["kind"] == "peer"]
+            none = ours.get("tokamax None")
+            if none is None:
+                continue
+            fastest = max((r for n, r in ours.items() if n != "tokamax None"),
+                          key=lambda r: r["rate"])
+            best = max(peers, key=lambda r: r["rate"]) if peers else None
+            missing = sorted(known.get(_family(workload), set())
+                             - {r["implementation"] for r in peers})
+            lines.append(
+                f"| {workload} | {mode} | {_rate(none)} | "
+                f"{fastest['implementation'].removeprefix('tokamax ')} {_rate(fastest)} | "
+                + (f"{best['implementation']} {_rate(best)} | {none['rate'] / best['rate']:.2f}x"
+                   if best else "- | -")
+                + f" | {', '.join(missing) or '-'} | {_date(file)} | `{file}` |")
+    return ("H200, bf16, device time (CUPTI), median of 10-20 after warm-up; TFLOP/s (attention "
+            "counts `4*b*h*s^2*d` forward, 3.5x that forward+backward, half for causal; "
+            "ragged dot and GLU `2*m*k*n`, 3x forward+backward) or TB/s (norms: bytes read "
+            "and written). The ratio compares only with peers timed in the same run. Runs "
+            "before 2026-12-01 measured `None` under the previous rule (kernels first, "
+            "measured or not); today's `None` runs those kernels only where the shipped "
+            "cache says they win.\n\n"
+            + "\n".join(lines))
+
+
+def seed_table() -> str:
+    """The seed model end to end, from `seed_e2e.json`."""
+    data = json.loads((RESULTS / "seed_e2e.json").read_text())
+    plain = data["plain_jax_cudnn_ms"]
+    tuned_ops = data["autotune_result"].split(",", 1)[1].split(")", 1)[0].strip()
+    rows = [("plain JAX (XLA norm + `jax.nn` cuDNN attention)", plain),
+            ("`jax.jit`, every implementation `None`", data["tokamax_jit_none_ms"]),
+            ("`optimize`", data["tokamax_optimize_ms"]),
+            (f"after `autotune` ({data['autotune_s']:.1f} s; it tuned {tuned_ops}: the "
+             "shipped cache held every call)", data["tokamax_tuned_ms"]),
+            ("the artifact exported on a CPU machine for cuda", data["artifact_ms"])]
+    lines = ["| variant | ms | vs plain JAX |", "|---|---|---|"]
+    lines += [f"| {name} | {ms:.2f} | {plain / ms:.3f}x |" for name, ms in rows]
+    return ("`grad(loss)` of the seed model (bf16[32,2048,16,64], f32[64]), one run "
+            "(`seed_e2e.json`, `python -m benchmarks.seed_e2e --artifact DIR`); the "
+            f"artifact's output is bitwise equal to in process: "
+            f"{data['artifact_bitwise_equal']}.\n\n" + "\n".join(lines))
+
+
+TABLES = {"models": model_table, "ops": op_table, "seed": seed_table}
+
+
 def rendered(readme: str) -> str:
-    """`readme` with the text between the markers replaced by the current table."""
-    if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"README.md lacks the markers {BEGIN} ... {END}")
-    head, rest = readme.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{model_table()}\n{END}{tail}"
+    """`readme` with the text between each table's markers replaced by the current table."""
+    for name, table in TABLES.items():
+        begin, end = f"<!-- report:{name} -->", f"<!-- /report:{name} -->"
+        if begin not in readme or end not in readme:
+            raise SystemExit(f"README.md lacks the markers {begin} ... {end}")
+        head, rest = readme.split(begin, 1)
+        _, tail = rest.split(end, 1)
+        readme = f"{head}{begin}\n{table()}\n{end}{tail}"
+    return readme
 
 
 def main(argv: list[str] | None = None, readme: pathlib.Path = README) -> int:
@@ -81,10 +182,10 @@ def main(argv: list[str] | None = None, readme: pathlib.Path = README) -> int:
     wanted = rendered(current)
     if args.check:
         if wanted != current:
-            print("README.md's model table differs from the results files: run "
+            print("README.md's tables differ from the results files: run "
                   "`python -m benchmarks.report`", file=sys.stderr)
             return 1
-        print("README.md's model table matches the results files")
+        print("README.md's tables match the results files")
         return 0
     readme.write_text(wanted)
     return 0
