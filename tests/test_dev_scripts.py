@@ -23,15 +23,17 @@ def _path_with(folder: pathlib.Path | None) -> dict[str, str]:
 
 def test_missing_debian_packages_checks_each_package(tmp_path):
     """Each package is checked by what it provides: a `bazel` binary alone is not enough."""
-    script = ROOT / "bazel" / "missing_debian_packages.sh"
+    # bash by its path: the PATH below leaves out every folder that holds a real `bazel`,
+    # which on a machine with Debian's bazel-bootstrap includes /usr/bin.
+    script = [shutil.which("bash"), ROOT / "bazel" / "missing_debian_packages.sh"]
     rules_java = ["bazel-rules-java"] if not os.path.isdir("/usr/share/bazel/rules/java") else []
-    without_bazel = _run([script], env=_path_with(None))
+    without_bazel = _run(script, env=_path_with(None))
     assert without_bazel.returncode == 0, without_bazel.stderr
     assert without_bazel.stdout.split() == ["bazel-bootstrap", *rules_java]
     fake = tmp_path / "bazel"
     fake.write_text("#!/bin/sh\nexit 0\n")
     fake.chmod(0o755)
-    with_bazel = _run([script], env=_path_with(tmp_path))
+    with_bazel = _run(script, env=_path_with(tmp_path))
     assert with_bazel.returncode == 0 and with_bazel.stdout.split() == rules_java
 
 

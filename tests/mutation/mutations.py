@@ -75,7 +75,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "triton attention drops the softmax scale",
-        "kernels/tokamax_kernels/attention/pallas_triton.py",
+        "kernels/tokamax_kernels/attention/_pallas_triton_common.py",
         'scale=arguments["scale"], left=left',
         "scale=1.0, left=left",
         (f"{_TRITON_ATTENTION_TESTS}::test_plain_forward_and_gradient",),
@@ -83,7 +83,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "triton layer norm drops the scale",
         "kernels/tokamax_kernels/layer_norm/pallas_triton.py",
-        "            y = y * _load_vector(scale_ref, c, col_mask, block_n)[None, :]\n",
+        "            y = y * load_vector(scale_ref, c, col_mask, block_n)[None, :]\n",
         "            y = y * 1.0\n",
         ("tests/test_triton_layer_norm.py",),
     ),
