@@ -57,7 +57,8 @@ def dot_product_attention(
       local_window_size: `w` or `(left, right)`: query i sees keys i-left .. i+right.
       logits_soft_cap: `cap * tanh(logits / cap)` before masking.
       precision: matmul precision (`jax.lax.Precision` or its name).
-      implementation: `None` (the fastest that runs here, `"xla"` last), a name from
+      implementation: `None` (the plain-JAX path, unless a measurement shows a
+        kernel faster here: see `tokamax_pass.core.resolution`), a name from
         `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
         TPU), an `Op` instance, or a sequence of those.
 

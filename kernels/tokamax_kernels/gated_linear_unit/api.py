@@ -24,7 +24,8 @@ def gated_linear_unit(x: Any, weights: Any, *, activation: Callable[[Any], Any] 
     `weights`: one fused (K, 2, N) array (`[:, 0]` gate, `[:, 1]` up) or a pair
     `(w_gate, w_up)` of (K, N) arrays. `activation` defaults to `jax.nn.swish`
     (SwiGLU); use a module-level function so the op's spec can be read back.
-    `implementation`: `None` (the fastest that runs here, `"xla"` last), a name
+    `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
+    here: see `tokamax_pass.core.resolution`), a name
     from `FAMILY.implementations`, an `Op` instance, or a sequence of those.
     """
     return FAMILY(implementation, x, weights, activation=activation, precision=precision)

@@ -28,7 +28,8 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
     Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M);
     rows past the sum give zeros, as in `jax.lax.ragged_dot`. The gradients are
     ragged dots of their own, tuned separately.
-    `implementation`: `None` (the fastest that runs here, `"xla"` last), a name
+    `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
+    here: see `tokamax_pass.core.resolution`), a name
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
     TPU), an `Op` instance, or a sequence of those.
     """
