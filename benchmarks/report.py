@@ -7,7 +7,11 @@ Three tables, each between its markers (`<!-- report:NAME -->` ... `<!-- /report
 `models` (one run of `python -m benchmarks.models` per row, `MODEL_ROWS`), `ops` (one run
 of `python -m benchmarks.run` per row, `OP_ROWS`: ratios only to peers measured in that
 run, and the peers of the family that did not run named) and `seed` (`seed_e2e.json`).
-Every number is read from the file the row names.
+Every number is read from the file the row names. A figure quoted in the prose is written
+`<!--fig FILE PATH FORMAT-->value<!--/fig-->`: the value at PATH in the results file
+(dotted keys and list indices; `[key=value;...]` picks the one list item that matches,
+`~` standing for a space), in
+Python's FORMAT, so it is rewritten and checked with the tables.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import sys
 from typing import Any
 
@@ -159,6 +164,32 @@ def seed_table() -> str:
 
 
 TABLES = {"models": model_table, "ops": op_table, "seed": seed_table}
+FIGURE = re.compile(r"<!--fig (\S+) (\S+) ([^\s>-]+)-->(.*?)<!--/fig-->", re.S)
+
+
+def _load(file: str) -> Any:
+    text = (RESULTS / file).read_text()
+    if file.endswith(".jsonl"):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text)
+
+
+def figure(file: str, path: str, fmt: str) -> str:
+    """The value at `path` in a results file, formatted (see the module docstring)."""
+    value = _load(file)
+    for part in re.findall(r"\[[^\]]*\]|[^.\[\]]+", path):
+        if part.startswith("["):
+            conditions = dict(c.replace("~", " ").split("=", 1) for c in part[1:-1].split(";"))
+            matches = [row for row in value
+                       if all(str(row.get(k)) == v for k, v in conditions.items())]
+            if len(matches) != 1:
+                raise SystemExit(f"{file}: {part} matches {len(matches)} rows, not one")
+            value = matches[0]
+        elif isinstance(value, list):
+            value = value[int(part)]
+        else:
+            value = value[part]
+    return format(value, fmt)
 
 
 def rendered(readme: str) -> str:
@@ -170,7 +201,8 @@ def rendered(readme: str) -> str:
         head, rest = readme.split(begin, 1)
         _, tail = rest.split(end, 1)
         readme = f"{head}{begin}\n{table()}\n{end}{tail}"
-    return readme
+    return FIGURE.sub(lambda m: f"<!--fig {m[1]} {m[2]} {m[3]}-->{figure(m[1], m[2], m[3])}"
+                      "<!--/fig-->", readme)
 
 
 def main(argv: list[str] | None = None, readme: pathlib.Path = README) -> int:

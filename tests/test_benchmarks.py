@@ -93,3 +93,19 @@ def test_report_check_fails_when_the_readme_differs_from_the_results(tmp_path, c
     assert report.main(["--check"], readme=readme) == 1
     assert report.main([], readme=readme) == 0  # rewriting restores the measured numbers
     assert report.main(["--check"], readme=readme) == 0
+
+
+def test_report_rewrites_and_checks_the_figures_quoted_in_prose(tmp_path):
+    from benchmarks import report
+
+    readme = tmp_path / "README.md"
+    text = report.README.read_text()
+    marker = '<!--fig models_llama.json models.llama.ours.vs_plain .3f-->'
+    assert marker in text
+    value = report.figure("models_llama.json", "models.llama.ours.vs_plain", ".3f")
+    readme.write_text(text.replace(f"{marker}{value}<!--/fig-->", f"{marker}1.234<!--/fig-->"))
+    assert report.main(["--check"], readme=readme) == 1
+    assert report.main([], readme=readme) == 0
+    assert f"{marker}{value}<!--/fig-->" in readme.read_text()
+    ablation = report.figure("ablation_llama.jsonl", "[variant=ours;model=llama].vs_plain", ".3f")
+    assert float(ablation) > 0
