@@ -163,7 +163,27 @@ def seed_table() -> str:
             f"{data['artifact_bitwise_equal']}.\n\n" + "\n".join(lines))
 
 
-TABLES = {"models": model_table, "ops": op_table, "seed": seed_table}
+def tpu_roofline_table() -> str:
+    """What the TPU kernels should approach per generation, from the public figures in
+    `tokamax_kernels._pallas_tpu.GENERATIONS` (specifications, not measurements)."""
+    from tokamax_kernels._pallas_tpu import GENERATIONS
+
+    flops = 2 * 16384 * 4096 * 4096  # the ragged dot m16384 k4096 n4096; = attention
+    assert flops == 4 * 32 * 16 * 2048**2 * 64  # b32 s2048 h16 d64's forward
+    lines = ["| TPU | device kind | bf16 peak | HBM | ridge (FLOP/byte) | ragged dot "
+             "m16384 k4096 n4096 at peak | attention b32 s2048 h16 d64 fwd at peak |",
+             "|" + "---|" * 7]
+    for gen in GENERATIONS:
+        ms = flops / (gen.bf16_tflops * 1e12) * 1e3
+        lines.append(f"| {gen.name} | `{gen.device_kinds[0]}` | {gen.bf16_tflops:.0f} TFLOP/s "
+                     f"| {gen.hbm_gb_per_s / 1e3:.2f} TB/s "
+                     f"| {gen.bf16_tflops * 1e3 / gen.hbm_gb_per_s:.0f} | {ms:.2f} ms "
+                     f"| {ms:.2f} ms |")
+    return "\n".join(lines)
+
+
+TABLES = {"models": model_table, "ops": op_table, "seed": seed_table,
+          "tpu": tpu_roofline_table}
 FIGURE = re.compile(r"<!--fig (\S+) (\S+) ([^\s>-]+)-->(.*?)<!--/fig-->", re.S)
 
 
