@@ -192,6 +192,10 @@ class DotProductAttention(Op[NullConfig]):
             raise ValueError(f"{_OP}: query, key and value must share a dtype, got "
                              f"{query.dtype}, {key.dtype}, {value.dtype}")
         batch, q_len, heads, head_dim = query.shape
+        if not heads or not head_dim or not key.shape[2]:
+            raise ValueError(f"{_OP}: query and key need at least one head and a head_dim of "
+                             f"at least 1, got query {tuple(query.shape)}, key "
+                             f"{tuple(key.shape)} (batch, seq, heads, head_dim)")
         if key.shape[0] != batch:
             raise ValueError(f"{_OP}: key batch {key.shape[0]} != query batch {batch}")
         if key.shape[3] != head_dim:

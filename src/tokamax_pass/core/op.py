@@ -259,8 +259,15 @@ class BoundArguments:
         op = spec.decode(data["op"])
         if not isinstance(op, Op):
             raise spec.SpecError(f"{data['op']!r} does not name an Op")
+        if not isinstance(data["arguments"], Mapping):
+            raise spec.SpecError(f"a bound-arguments spec's 'arguments' must be an object, got "
+                                 f"{data['arguments']!r}")
         arguments = dict(data["arguments"])
-        vmap = tuple(VmapLevel(tuple(a), s) for a, s in arguments.pop("__vmap__", ()))
+        try:
+            vmap = tuple(VmapLevel(tuple(a), int(s)) for a, s in arguments.pop("__vmap__", ()))
+        except (TypeError, ValueError):
+            raise spec.SpecError(f"a bound-arguments spec's '__vmap__' must be [[axes, size], "
+                                 f"...], got {data['arguments'].get('__vmap__')!r}") from None
         return cls(op, {k: spec.decode(v) for k, v in arguments.items()}, vmap)
 
     @classmethod
