@@ -25,7 +25,12 @@ from typing import Any
 import filelock
 
 from tokamax_pass.autotuning import keys, neighbours
-from tokamax_pass.autotuning.result import AutotuningResult, Entry, active_results
+from tokamax_pass.autotuning.result import (
+    AutotuningResult,
+    Entry,
+    active_results,
+    register_cache_writer,
+)
 from tokamax_pass.core import spec
 from tokamax_pass.core.device import device_kind_key
 from tokamax_pass.core.op import BoundArguments, snake_case_name
@@ -335,3 +340,4 @@ def _rank_by_time(indices: Sequence[int], times: Sequence[float]) -> list[int]:
 
 
 SOURCE = CacheStack()
+register_cache_writer(save)

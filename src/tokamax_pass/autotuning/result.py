@@ -14,7 +14,7 @@ import itertools
 import math
 import os
 import statistics
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 import jax
@@ -119,6 +119,15 @@ _ACTIVE: contextvars.ContextVar[tuple[AutotuningResult, ...]] = contextvars.Cont
 )
 # Part of jit's cache key: entering or leaving a result retraces jitted functions.
 _JIT_CONTEXT = jax.make_user_context(default_value=())
+
+
+# `autotuning.cache.save`, registered when the cache module is imported (it reads
+# results, so this module cannot import it back without an import circle).
+_CACHE_WRITER: list[Callable[..., str]] = []
+
+
+def register_cache_writer(save: Callable[..., str]) -> None:
+    _CACHE_WRITER[:] = [save]
 
 
 def active_results() -> tuple[AutotuningResult, ...]:
@@ -250,9 +259,7 @@ class AutotuningResult:
 
     def save_to_cache(self, directory: str | os.PathLike | None = None) -> str:
         """Merges this result into the user cache for its device kind; returns the file."""
-        from tokamax_pass.autotuning import cache
-
-        return cache.save(self, directory)
+        return _CACHE_WRITER[0](self, directory)
 
     # --- display ----------------------------------------------------------------------
 

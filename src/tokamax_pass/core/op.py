@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import inspect
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import jax
@@ -26,6 +26,21 @@ from tokamax_pass.core.device import Target
 @dataclasses.dataclass(frozen=True)
 class NullConfig:
     """The config of an op with nothing to tune."""
+
+
+@dataclasses.dataclass
+class _Hooks:
+    """What `Op` uses from the modules built on it, which fill it in when they are imported
+    (`tokamax_pass.core` imports them all): `Op` never imports them back, so the core has no
+    import circle. `call_ops` binds the primitive (`core.primitive`); `autodiff_vjp` and
+    `vjp_base` are `core.vjp`'s `AutodiffVjp` and `VjpOp`."""
+
+    call_ops: Callable[..., Any] | None = None
+    autodiff_vjp: type | None = None
+    vjp_base: type | None = None
+
+
+HOOKS = _Hooks()
 
 
 def snake_case_name(op_or_cls: Op | type[Op]) -> str:
@@ -147,16 +162,12 @@ class Op[C]:
         return None
 
     def _default_vjp(self) -> Op:
-        from tokamax_pass.core.vjp import AutodiffVjp
-
-        return AutodiffVjp(forward=self.replace(vjp=None))
+        return HOOKS.autodiff_vjp(forward=self.replace(vjp=None))
 
     # --- shared behaviour -------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from tokamax_pass.core import primitive
-
-        return primitive.call_ops((self,), args, kwargs, explicit=True)
+        return HOOKS.call_ops((self,), args, kwargs, explicit=True)
 
     def replace(self, **changes: Any) -> Op:
         return dataclasses.replace(self, **changes)
@@ -198,8 +209,7 @@ class Op[C]:
 
 def family_class(cls: type[Op]) -> type[Op]:
     """The op family of an implementation: the class right under `Op` (or `VjpOp`)."""
-    from tokamax_pass.core.vjp import VjpOp
-
+    VjpOp = HOOKS.vjp_base  # noqa: N806 - the class, by the name it has everywhere else
     for klass in cls.__mro__:
         if klass is not VjpOp and (Op in klass.__bases__ or VjpOp in klass.__bases__):
             return klass

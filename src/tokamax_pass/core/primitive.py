@@ -24,7 +24,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from tokamax_pass.core import device, resolution, sharding, spec
-from tokamax_pass.core.op import BoundArguments, Op, VmapLevel
+from tokamax_pass.core.op import HOOKS, BoundArguments, Op, VmapLevel
 from tokamax_pass.core.vjp import (
     RESERVED_NAMES,
     VjpOp,
@@ -376,3 +376,6 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
     call, operands = _make_call(bound, explicit, partition_as, reasons if explicit else ())
     operands = _uniformly_varying(operands)
     return bind_with_vjp(call, operands) if through_vjp_ops else _bind(call, operands)
+
+
+HOOKS.call_ops = call_ops

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_pass.core import spec
-from tokamax_pass.core.op import BoundArguments, Op
+from tokamax_pass.core.op import HOOKS, BoundArguments, Op
 
 RESERVED_NAMES = ("residuals", "out", "dout", "shared_inputs")
 SharedInputs = tuple[tuple[str, ...], ...]
@@ -170,3 +170,7 @@ def _sum_shared(grads: dict[str, Any], forward_arguments: dict[str, Any],
         for name in rest:
             grads[name] = None
     return grads
+
+
+HOOKS.vjp_base = VjpOp
+HOOKS.autodiff_vjp = AutodiffVjp
