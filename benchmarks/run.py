@@ -66,7 +66,8 @@ def measure(workload: wl.Workload, modes: list[str], iterations: int) -> list[di
                 ms = data.median_evaluation_time_ms
                 rate = workload.work(mode) / (ms * 1e-3) / 1e12
                 mode_row.update(ms=ms, rate=rate, unit=workload.unit, method=data.method,
-                                compile_s=data.compile_time_ms / 1e3)
+                                compile_s=data.compile_time_ms / 1e3,
+                                temp_memory_mb=data.temp_memory_mb)
             rows.append(mode_row)
             _add_ratios(rows)
             print(_format_row(mode_row), flush=True)

@@ -298,6 +298,7 @@ def all_workloads() -> list[Workload]:
     return [
         glu("glu 16384x2048x5632 (llama)", 16384, 2048, 5632),
         lce("lce 16384x4096x128256 (llama 3, liger)", 16384, 4096, 128256),
+        lce("lce 16384x2048x32000 (llama model)", 16384, 2048, 32000),
         norm("rms norm 16384x2048 f32 scale (llama)", (4, 4096, 2048), subtract_mean=False,
              offset=False, param_dtype=jnp.float32),
         attention("attention b32 s2048 h16 d64", 32, 2048, 16, 64, causal=False),

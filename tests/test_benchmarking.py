@@ -29,6 +29,7 @@ def test_seed_document_benchmarking_snippet():
     assert len(bench.evaluation_times_ms) == benchmarking.DEFAULT_ITERATIONS
     assert all(t > 0 for t in bench.evaluation_times_ms)
     assert bench.lower_time_ms > 0 and bench.compile_time_ms > 0 and bench.peak_memory_mb > 0
+    assert bench.temp_memory_mb >= 0
     assert min(bench.evaluation_times_ms) <= bench.median_evaluation_time_ms
     assert len(run(args, iterations=10).evaluation_times_ms) == 10
     assert_close(jax.jit(f_std)(args), f(x, scale), jnp.bfloat16)

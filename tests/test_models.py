@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 
 from benchmarks.models import MODELS, ops, run
@@ -52,8 +53,30 @@ def test_ablation_swaps_exactly_the_named_op_family():
     model = MODELS["mixtral"]
     params, batch = run._inputs(model, smoke=True)
     assert ablation._families_called(model, params, batch) == [
-        "rms_norm", "attention", "ragged_dot"]
+        "rms_norm", "attention", "ragged_dot", "lm_head_loss"]
     ours = ops.variants()["ours"]
     swapped = ops.Swapped(ours, frozenset({"ragged_dot"}))
     assert swapped.ragged_dot.__self__ == ops.Plain() and swapped.attention.__self__ is ours
     assert swapped.name == "ours with plain ragged_dot"
+
+
+def test_breakdown_sorts_kernels_into_categories():
+    from benchmarks.models import breakdown
+
+    assert breakdown.category("cudnn_generated_fort_native_sdpa_sm90", "custom-call.3") == (
+        "attention")
+    assert breakdown.category("nvjet_tst_128x256", "dot.12") == "gemm"
+    assert breakdown.category("loop_multiply_fusion", "multiply_fusion.4") == "xla fusion"
+    assert breakdown.category("sort_kernel", "sort.1") == "other"
+
+
+def test_breakdown_profiles_a_tiny_step():
+    from benchmarks.models import breakdown
+
+    model = MODELS["llama"]
+    params, batch = run._inputs(model, smoke=True)
+    step = jax.jit(jax.grad(model.loss_fn(ops.Plain(), smoke=True)))
+    found = breakdown.profile_step(step, (params, batch), steps=1)
+    assert found["busy_ms"] > 0 and found["categories_ms"]["gemm"] > 0
+    assert abs(sum(found["categories_ms"].values()) - found["busy_ms"]) < 1e-6
+    assert found["top_kernels"][0]["ms"] >= found["top_kernels"][-1]["ms"]

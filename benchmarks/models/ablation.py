@@ -4,8 +4,9 @@ plain JAX, timed in alternating rounds in one process.
     python -m benchmarks.models.ablation --only llama [--rounds 2] [--output FILE]
 
 Prints and writes (JSON lines) the device time of plain JAX, ours (`None`), and ours with
-each op family (`rms_norm`, `layer_norm`, `attention`, `glu`, `ragged_dot`) that the model
-calls taken from plain JAX; the op whose swap closes the gap is where the time goes.
+each op family (`rms_norm`, `layer_norm`, `attention`, `glu`, `ragged_dot`,
+`lm_head_loss`) that the model calls taken from plain JAX; the op whose swap closes the
+gap is where the time goes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 
 from benchmarks.models import MODELS, ops, run
 
-OP_FAMILIES = ("rms_norm", "layer_norm", "attention", "glu", "ragged_dot")
+OP_FAMILIES = ("rms_norm", "layer_norm", "attention", "glu", "ragged_dot", "lm_head_loss")
 
 
 def _families_called(model, params, batch) -> list[str]:

@@ -102,7 +102,7 @@ def loss(ops, params: Params, batch: dict[str, jax.Array], c: DecoderConfig) -> 
                                        window=window, soft_cap=c.soft_cap)
         x = x + _mlp(ops, p, ops.rms_norm(x, p["mlp_norm"]), c)
     h = ops.rms_norm(x, params["final_norm"])
-    return blocks.cross_entropy(h @ params["head"], batch["labels"], c.final_soft_cap)
+    return ops.lm_head_loss(h, params["head"], batch["labels"], c.final_soft_cap)
 
 
 def make_batch(key: jax.Array, c: DecoderConfig) -> dict[str, jax.Array]:

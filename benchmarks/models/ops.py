@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from benchmarks.models import blocks
+
 
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
@@ -83,6 +85,12 @@ class Plain:
     def ragged_dot(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return jax.lax.ragged_dot(x, w, group_sizes)
 
+    def lm_head_loss(self, h: jax.Array, head: jax.Array, labels: jax.Array,
+                     soft_cap: float | None = None) -> jax.Array:
+        """The LM head and its mean loss: bf16 logits `h @ head`, then optax-style
+        float32 softmax cross entropy (the logits materialized)."""
+        return blocks.cross_entropy(h @ head, labels, soft_cap)
+
 
 @dataclasses.dataclass(frozen=True)
 class Library:
@@ -113,6 +121,16 @@ class Library:
 
     def ragged_dot(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return self.module.ragged_dot(x, w, group_sizes)
+
+    def lm_head_loss(self, h: jax.Array, head: jax.Array, labels: jax.Array,
+                     soft_cap: float | None = None) -> jax.Array:
+        """`linear_softmax_cross_entropy_loss`, or plain JAX's head where the library
+        lacks the op or the soft cap (upstream Tokamax 0.0.17 has no soft cap)."""
+        op = getattr(self.module, "linear_softmax_cross_entropy_loss", None)
+        extra = {} if soft_cap is None else {"logits_soft_cap": soft_cap}
+        if op is None or (soft_cap is not None and self.name != "ours"):
+            return Plain().lm_head_loss(h, head, labels, soft_cap)
+        return op(h, labels, head, reduction="mean", **extra)
 
 
 def variants(upstream: bool = False) -> dict[str, Any]:

@@ -36,13 +36,18 @@ DEFAULT_ITERATIONS = 5
 
 @dataclasses.dataclass(frozen=True)
 class BenchmarkData:
-    """Timings of one compiled function, in milliseconds (memory in MB)."""
+    """Timings of one compiled function, in milliseconds (memory in MB).
+
+    `peak_memory_mb`: the compiled program's peak device memory; `temp_memory_mb`: its
+    temporaries alone, the memory beyond its inputs and outputs (XLA's memory analysis).
+    """
 
     lower_time_ms: float
     compile_time_ms: float
     evaluation_times_ms: tuple[float, ...]
     peak_memory_mb: float | None
     method: str
+    temp_memory_mb: float | None = None
 
     @property
     def median_evaluation_time_ms(self) -> float:
@@ -241,6 +246,7 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
     compile_ms = (time.perf_counter() - start) * 1e3
     memory = compiled.memory_analysis()
     peak = getattr(memory, "peak_memory_in_bytes", None) if memory is not None else None
+    temp = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
     match = re.search(r"HloModule (\S+?),", compiled.as_text() or "")
     module = match.group(1) if match else ""
 
@@ -275,6 +281,7 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
             lower_time_ms=lower_ms, compile_time_ms=compile_ms,
             evaluation_times_ms=tuple(times),
             peak_memory_mb=None if peak is None else peak / 1e6, method=method,
+            temp_memory_mb=None if temp is None else temp / 1e6,
         )
 
     run.compiled = compiled  # type: ignore[attr-defined]
