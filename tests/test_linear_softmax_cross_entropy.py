@@ -18,7 +18,10 @@ from tokamax_kernels.linear_softmax_cross_entropy_loss import (
     XlaChunkedLinearSoftmaxCrossEntropyLossVjp,
     XlaChunkedLossConfig,
 )
-from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import search_space
+from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
+    heuristic_config,
+    search_space,
+)
 from tokamax_pass.core import BoundArguments
 from tokamax_pass.core.op import VmapLevel
 
@@ -263,7 +266,11 @@ def test_heuristics_and_search_space():
     assert ba.heuristics_config == XlaChunkedLossConfig(B * S, V)  # clamped to the shape
     configs = search_space(16384, 128256)
     assert XlaChunkedLossConfig(1024, 4096) in configs
-    assert all(c.block_tokens * c.block_vocab <= 1 << 24 for c in configs)
+    assert all(c.block_tokens * c.block_vocab <= 1 << 25 for c in configs)
+    # The heuristic: vocabulary blocks of 4096, as many tokens as a 128 MiB tile holds.
+    assert heuristic_config(16384, 128256) == XlaChunkedLossConfig(8192, 4096)
+    assert heuristic_config(4096, 32000) == XlaChunkedLossConfig(4096, 4096)
+    assert heuristic_config(16384, 32000) in configs
     vjp = XlaChunkedLinearSoftmaxCrossEntropyLossVjp()
     vjp_ba = vjp.bind((jnp.zeros((B, S)),), jnp.zeros(()), jnp.ones(()), x=x, labels=labels,
                       weights=weights, reduction="sum", logits_soft_cap=None, precision=None)

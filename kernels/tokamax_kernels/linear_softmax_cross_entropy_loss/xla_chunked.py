@@ -49,9 +49,10 @@ class XlaChunkedLossConfig:
                     f"XlaChunkedLossConfig: {name} must be a positive int, got {value!r}")
 
 
-# One float32 tile of logits at most 64 MiB: a few of them live at once per loop step.
-_MAX_TILE_ELEMENTS = 1 << 24
-_TOKEN_BLOCKS = (256, 512, 1024, 2048)
+# One float32 tile of logits at most 128 MiB (a few live at once per loop step): tiles
+# that large keep every GEMM of a step big enough to run at cuBLAS's full rate.
+_MAX_TILE_ELEMENTS = 1 << 25
+_TOKEN_BLOCKS = (1024, 2048, 4096, 8192, 16384, 32768)
 _VOCAB_BLOCKS = (1024, 2048, 4096, 8192)
 
 
@@ -61,9 +62,11 @@ def _sizes(ba: BoundArguments) -> tuple[int, int]:
 
 
 def heuristic_config(tokens: int, vocab: int) -> XlaChunkedLossConfig:
-    """1024 x 4096 tiles (clamped to the shape): each step's GEMMs are large enough to keep
-    a GPU busy (1024 x H x 4096), and a float32 tile is 16 MiB."""
-    return XlaChunkedLossConfig(min(1024, tokens), min(4096, vocab))
+    """Vocabulary blocks of 4096 and as many tokens per tile as the tile cap allows (all of
+    them up to 8192; clamped to the shape): the backward's three GEMMs per step are then
+    (tokens x H x 4096)-sized, and each weights block is read once per token block."""
+    block_vocab = min(4096, vocab)
+    return XlaChunkedLossConfig(min(_MAX_TILE_ELEMENTS // block_vocab, tokens), block_vocab)
 
 
 def search_space(tokens: int, vocab: int) -> set[XlaChunkedLossConfig]:
