@@ -26,9 +26,9 @@ from tokamax_kernels.linear_softmax_cross_entropy_loss import (
 )
 from tokamax_pass import benchmarking
 
-SHAPES = ((16384, 4096, 128256), (16384, 2048, 32000), (8192, 2304, 256000))
+SHAPES = ((16384, 4096, 128256), (16384, 2048, 32000))
 SMALL = ((64, 32, 300),)
-TILES = ((16384, 2048), (16384, 4096), (8192, 4096), (4096, 8192), (8192, 2048), (1024, 4096))
+TILES = ((16384, 2048), (16384, 4096), (8192, 4096), (4096, 8192), (1024, 4096))
 
 
 def _inputs(tokens: int, h: int, v: int) -> tuple[jax.Array, ...]:
