@@ -265,12 +265,12 @@ def test_heuristics_and_search_space():
     ba = XlaChunkedLinearSoftmaxCrossEntropyLoss.bind(x, labels, weights)
     assert ba.heuristics_config == XlaChunkedLossConfig(B * S, V)  # clamped to the shape
     configs = search_space(16384, 128256)
-    assert XlaChunkedLossConfig(1024, 4096) in configs
-    assert all(c.block_tokens * c.block_vocab <= 1 << 25 for c in configs)
-    # The heuristic: vocabulary blocks of 4096, as many tokens as a 128 MiB tile holds.
-    assert heuristic_config(16384, 128256) == XlaChunkedLossConfig(8192, 4096)
-    assert heuristic_config(4096, 32000) == XlaChunkedLossConfig(4096, 4096)
-    assert heuristic_config(16384, 32000) in configs
+    assert XlaChunkedLossConfig(16384, 4096) in configs and len(configs) == 7
+    assert all(c.block_tokens * c.block_vocab <= 1 << 26 for c in configs)
+    # The heuristic: vocabulary blocks of 2048, up to 16384 tokens (the H200 sweep's best).
+    assert heuristic_config(16384, 128256) == XlaChunkedLossConfig(16384, 2048)
+    assert heuristic_config(4096, 1000) == XlaChunkedLossConfig(4096, 1000)
+    assert heuristic_config(65536, 32000) in configs
     vjp = XlaChunkedLinearSoftmaxCrossEntropyLossVjp()
     vjp_ba = vjp.bind((jnp.zeros((B, S)),), jnp.zeros(()), jnp.ones(()), x=x, labels=labels,
                       weights=weights, reduction="sum", logits_soft_cap=None, precision=None)

@@ -49,11 +49,13 @@ class XlaChunkedLossConfig:
                     f"XlaChunkedLossConfig: {name} must be a positive int, got {value!r}")
 
 
-# One float32 tile of logits at most 128 MiB (a few live at once per loop step): tiles
-# that large keep every GEMM of a step big enough to run at cuBLAS's full rate.
-_MAX_TILE_ELEMENTS = 1 << 25
-_TOKEN_BLOCKS = (1024, 2048, 4096, 8192, 16384, 32768)
-_VOCAB_BLOCKS = (1024, 2048, 4096, 8192)
+# One float32 tile of logits at most 256 MiB (a few live at once per loop step): tiles
+# that large keep every GEMM of a step big enough to run at cuBLAS's full rate. On the
+# H200 (`benchmarks/results/nvidia_h200/lce_chunk_sweep.jsonl`) 16384-token tiles ran
+# 1.3x faster than 1024-token ones at 16384 x 4096 x 128256.
+_MAX_TILE_ELEMENTS = 1 << 26
+_TOKEN_BLOCKS = (4096, 8192, 16384, 32768)
+_VOCAB_BLOCKS = (2048, 4096)
 
 
 def _sizes(ba: BoundArguments) -> tuple[int, int]:
@@ -62,11 +64,10 @@ def _sizes(ba: BoundArguments) -> tuple[int, int]:
 
 
 def heuristic_config(tokens: int, vocab: int) -> XlaChunkedLossConfig:
-    """Vocabulary blocks of 4096 and as many tokens per tile as the tile cap allows (all of
-    them up to 8192; clamped to the shape): the backward's three GEMMs per step are then
-    (tokens x H x 4096)-sized, and each weights block is read once per token block."""
-    block_vocab = min(4096, vocab)
-    return XlaChunkedLossConfig(min(_MAX_TILE_ELEMENTS // block_vocab, tokens), block_vocab)
+    """Vocabulary blocks of 2048 and up to 16384 tokens per tile (clamped to the shape):
+    the fastest or within 1% of it in the H200 sweep at 16384 x 4096 x 128256 and
+    16384 x 2048 x 32000, with the least memory (a 128 MiB float32 tile)."""
+    return XlaChunkedLossConfig(min(16384, tokens), min(2048, vocab))
 
 
 def search_space(tokens: int, vocab: int) -> set[XlaChunkedLossConfig]:
