@@ -110,13 +110,20 @@ def _iota(shape: tuple[int, int], axis: int, start: Any) -> jax.Array:
     return start + lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
+def _zero_past(a: jax.Array, axis: int, start: Any, size: int) -> jax.Array:
+    """Block `a` (starting at index `start` along `axis`) with the entries at `size` and
+    past zeroed. The select runs on a float32 copy (a form Mosaic lowers on every
+    generation, whatever the packing of `a`'s dtype); the result has `a`'s dtype."""
+    kept = _iota(a.shape, axis, start) < size
+    return jnp.where(kept, a.astype(jnp.float32), 0.0).astype(a.dtype)
+
+
 def _accumulate_logits(tl: Tiling, x_ref: Any, w_ref: Any, acc_ref: Any, h: Any) -> None:
     """`acc += x @ w` for H block `h` (`acc` zeroed at the first), H's tail zeroed."""
     x, w = x_ref[...], w_ref[...]
     if tl.hidden % tl.block_h:
-        zero = jnp.zeros((), x.dtype)
-        x = jnp.where(_iota(x.shape, 1, h * tl.block_h) < tl.hidden, x, zero)
-        w = jnp.where(_iota(w.shape, 0, h * tl.block_h) < tl.hidden, w, zero)
+        x = _zero_past(x, 1, h * tl.block_h, tl.hidden)
+        w = _zero_past(w, 0, h * tl.block_h, tl.hidden)
 
     @pl.when(h == 0)
     def _zero():
@@ -215,9 +222,8 @@ def _dx_kernel(labels_ref, lse_ref, g_ref, x_ref, w_ref, dx_ref, acc_ref, dl_ref
     def _dx():
         j = k - tl.nh
         w = w_ref[...]  # w[j, v]
-        if tl.vocab % tl.block_v:  # columns past V multiply dlogits' zeros: no NaN there
-            w = jnp.where(_iota(w.shape, 1, v * tl.block_v) < tl.vocab, w,
-                          jnp.zeros((), w.dtype))
+        if tl.vocab % tl.block_v:  # columns past V meet dlogits' zeros: no NaN there
+            w = _zero_past(w, 1, v * tl.block_v, tl.vocab)
 
         @pl.when(v == 0)
         def _zero():
@@ -284,7 +290,7 @@ def _dw_kernel(labels_ref, lse_ref, g_ref, x_ref, w_ref, dw_ref, acc_ref, dl_ref
         # every generation), rows past T zeroed, back in the inputs' dtype for the MXU.
         x = x_ref[...].astype(jnp.float32)
         if tl.tokens % tl.block_t:
-            x = jnp.where(_iota(x.shape, 0, t * tl.block_t) < tl.tokens, x, 0.0)
+            x = _zero_past(x, 0, t * tl.block_t, tl.tokens)
         x_t = x.T.astype(tl.dtype)
 
         @pl.when(t == 0)
