@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import jax
@@ -102,7 +103,8 @@ def _fits(tl: Tiling, backward: bool, gen: TpuGeneration) -> bool:
 def _model_seconds(tl: Tiling, backward: bool, gen: TpuGeneration) -> float:
     """A roofline estimate: the padded tiles' FLOPs at the MXU peak or their HBM traffic
     (x read once per vocabulary block, w once per token block) at the HBM bandwidth,
-    whichever is longer, plus a fixed cost per grid step. The backward runs it twice."""
+    whichever is longer, plus a fixed cost per grid step. The backward is two kernels
+    (dx, dweights), each with twice the forward's FLOPs and grid steps."""
     padded_t, padded_v = tl.nt * tl.block_t, tl.nv * tl.block_v
     flops = 2 * padded_t * tl.hidden * padded_v * (2 if backward else 1)
     traffic = (tl.nv * tl.tokens + tl.nt * tl.vocab) * tl.hidden * tl.itemsize
@@ -112,13 +114,12 @@ def _model_seconds(tl: Tiling, backward: bool, gen: TpuGeneration) -> float:
     return seconds * (2 if backward else 1)
 
 
-def _search_space(ba: BoundArguments) -> set[MosaicTpuLossConfig]:
-    return {MosaicTpuLossConfig(bt, bv, bh) for bt, bv, bh in
-            itertools.product(_TOKEN_BLOCKS, _VOCAB_BLOCKS, _H_BLOCKS)}
+_SEARCH_SPACE = frozenset(MosaicTpuLossConfig(bt, bv, bh) for bt, bv, bh in
+                          itertools.product(_TOKEN_BLOCKS, _VOCAB_BLOCKS, _H_BLOCKS))
 
 
 def _fitting(ba: BoundArguments, backward: bool,
-             configs: set[MosaicTpuLossConfig]) -> dict[MosaicTpuLossConfig, Tiling]:
+             configs: Iterable[MosaicTpuLossConfig]) -> dict[MosaicTpuLossConfig, Tiling]:
     """The configs whose tiles (clamped to the call, one config per distinct tiling)
     fit the generation's VMEM budget."""
     gen = _pallas_tpu.current_generation()
@@ -140,7 +141,7 @@ def heuristics_config(ba: BoundArguments, backward: bool) -> MosaicTpuLossConfig
     gen = _pallas_tpu.current_generation()
     configs = {MosaicTpuLossConfig(bt, bv, _HEURISTIC_H_BLOCK)
                for bt, bv in itertools.product(_TOKEN_BLOCKS, _VOCAB_BLOCKS)}
-    candidates = _fitting(ba, backward, configs) or _fitting(ba, backward, _search_space(ba))
+    candidates = _fitting(ba, backward, configs) or _fitting(ba, backward, _SEARCH_SPACE)
     if not candidates:
         tokens, hidden, vocab, _ = _sizes(ba)
         raise NotImplementedError(
@@ -200,7 +201,7 @@ class PallasMosaicTpuLinearSoftmaxCrossEntropyLoss(MosaicTpuKernel, LinearSoftma
         return heuristics_config(ba, backward=False)
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicTpuLossConfig]:
-        return set(_fitting(ba, False, _search_space(ba)))
+        return set(_fitting(ba, False, _SEARCH_SPACE))
 
     def _default_vjp(self) -> Op:
         return PallasMosaicTpuLinearSoftmaxCrossEntropyLossVjp(interpret=self.interpret)
@@ -238,4 +239,4 @@ class PallasMosaicTpuLinearSoftmaxCrossEntropyLossVjp(MosaicTpuKernel,
         return heuristics_config(ba, backward=True)
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicTpuLossConfig]:
-        return set(_fitting(ba, True, _search_space(ba)))
+        return set(_fitting(ba, True, _SEARCH_SPACE))
