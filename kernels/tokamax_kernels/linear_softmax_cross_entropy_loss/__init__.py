@@ -5,6 +5,11 @@ from tokamax_kernels.linear_softmax_cross_entropy_loss.base import (
     LinearSoftmaxCrossEntropyLoss,
     LinearSoftmaxCrossEntropyLossVjp,
 )
+from tokamax_kernels.linear_softmax_cross_entropy_loss.pallas_mosaic_tpu import (
+    MosaicTpuLossConfig,
+    PallasMosaicTpuLinearSoftmaxCrossEntropyLoss,
+    PallasMosaicTpuLinearSoftmaxCrossEntropyLossVjp,
+)
 from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
     XlaChunkedLinearSoftmaxCrossEntropyLoss,
     XlaChunkedLinearSoftmaxCrossEntropyLossVjp,
@@ -14,5 +19,7 @@ from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
 __all__ = [
     "LinearSoftmaxCrossEntropyLoss", "LinearSoftmaxCrossEntropyLossVjp", "XlaChunkedLossConfig",
     "XlaChunkedLinearSoftmaxCrossEntropyLoss", "XlaChunkedLinearSoftmaxCrossEntropyLossVjp",
-    "linear_softmax_cross_entropy_loss",
+    "linear_softmax_cross_entropy_loss", "MosaicTpuLossConfig",
+    "PallasMosaicTpuLinearSoftmaxCrossEntropyLoss",
+    "PallasMosaicTpuLinearSoftmaxCrossEntropyLossVjp",
 ]

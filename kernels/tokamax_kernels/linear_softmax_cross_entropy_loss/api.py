@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax_kernels.linear_softmax_cross_entropy_loss.base import LinearSoftmaxCrossEntropyLoss
+from tokamax_kernels.linear_softmax_cross_entropy_loss.pallas_mosaic_tpu import (
+    PallasMosaicTpuLinearSoftmaxCrossEntropyLoss,
+)
 from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
     XlaChunkedLinearSoftmaxCrossEntropyLoss,
 )
@@ -15,9 +18,11 @@ from tokamax_pass.core.registry import Implementation
 # it faster than `xla`; explicitly, `implementation="xla_chunked"` bounds the memory.
 FAMILY = register_family(Family(
     name="linear_softmax_cross_entropy_loss",
-    implementations={"xla_chunked": XlaChunkedLinearSoftmaxCrossEntropyLoss,
+    implementations={"mosaic_tpu": PallasMosaicTpuLinearSoftmaxCrossEntropyLoss,
+                     "xla_chunked": XlaChunkedLinearSoftmaxCrossEntropyLoss,
                      "xla": LinearSoftmaxCrossEntropyLoss},
-    automatic=("xla_chunked", "xla"),
+    automatic=("mosaic_tpu", "xla_chunked", "xla"),
+    aliases={"mosaic": ("mosaic_tpu",)},
 ))
 
 
@@ -40,7 +45,8 @@ def linear_softmax_cross_entropy_loss(
       precision: of the GEMMs (`jax.lax.Precision` or its name, or a pair).
       implementation: `None` (plain XLA unless a measurement favours another), "xla"
         (the logits materialized), "xla_chunked" (tiles of logits only: memory bounded
-        by the tile), an `Op` instance, or a sequence of those.
+        by the tile), "mosaic_tpu" (Pallas kernels on TPUs; "mosaic": the platform's
+        Mosaic kernel), an `Op` instance, or a sequence of those.
 
     Returns the float32 loss; differentiable in `x` and `weights`.
     """
