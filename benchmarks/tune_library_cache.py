@@ -39,11 +39,16 @@ PACKAGE_CACHE = pathlib.Path(tokamax.__file__).parent / "data" / "autotuning"
 
 
 def gradient_program(workload: wl.Workload) -> tuple[Any, tuple[Any, ...]]:
-    """`jax.grad` of the workload's `implementation=None` call, and its inputs."""
+    """`jax.grad` of the workload's `implementation=None` call (the sum of all its outputs:
+    a norm with a residual returns two), and its inputs."""
     args = workload.make()
     fn = workload.ours["tokamax None"]
     argnums = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
-    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=argnums), args
+
+    def loss(*a: Any) -> jax.Array:
+        return sum(jnp.sum(out.astype(jnp.float32)) for out in jax.tree.leaves(fn(*a)))
+
+    return jax.grad(loss, argnums=argnums), args
 
 
 LIBRARY_MAX_CONFIGS = 16

@@ -186,6 +186,41 @@ def norm(name: str, shape: tuple[int, ...], subtract_mean: bool, offset: bool = 
     )
 
 
+def norm_residual(name: str, shape: tuple[int, ...], subtract_mean: bool,
+                  param_dtype: Any = jnp.bfloat16) -> Workload:
+    """A transformer's pre-norm residual step over the last axis of `shape`: `s = x + h`,
+    `y = norm(s)` with a scale (no offset), both outputs kept. The peer is the plain-JAX
+    expression a user writes, which XLA fuses: the add, then the jnp norm."""
+    cols = shape[-1]
+    # Forward: read h and x, write y and s; the backward about as much (s, dy, ds -> dS).
+    bytes_fwd = 4 * math.prod(shape) * 2
+    ours = {
+        f"tokamax {impl or 'None'}": functools.partial(
+            lambda h, x, s, impl: tokamax.layer_norm(
+                h, s, None, subtract_mean=subtract_mean, residual=x, implementation=impl),
+            impl=impl)
+        for impl in ("triton", "xla", None)
+    }
+
+    def plain(h, x, scale):
+        s = x + h
+        return _xla_norm(s, scale, 0.0, subtract_mean), s
+
+    def reference(h, x, scale):
+        s = x.astype(jnp.float32) + h.astype(jnp.float32)
+        return _xla_norm(s, scale.astype(jnp.float32), 0.0, subtract_mean), s
+
+    return Workload(
+        name=name, family="layer_norm",
+        make=lambda: (_normal(0, shape), _normal(1, shape), _normal(2, (cols,), param_dtype)),
+        work=lambda mode: bytes_fwd * (2.0 if mode == "fwd+bwd" else 1.0),
+        unit="TB/s", reference=reference, ours=ours,
+        peers={"jnp x + h, then rms norm" if not subtract_mean else "jnp x + h, then layer norm":
+               plain},
+        ceilings={"copy (pallas triton)": lambda h, x, s: ceilings.triton_copy(x)},
+    )
+
+
 # --- gated linear unit -----------------------------------------------------------------
 
 
@@ -301,6 +336,8 @@ def all_workloads() -> list[Workload]:
         lce("lce 16384x2048x32000 (llama model)", 16384, 2048, 32000),
         norm("rms norm 16384x2048 f32 scale (llama)", (4, 4096, 2048), subtract_mean=False,
              offset=False, param_dtype=jnp.float32),
+        norm_residual("rms norm + residual 16384x2048 f32 scale (llama)", (4, 4096, 2048),
+                      subtract_mean=False, param_dtype=jnp.float32),
         attention("attention b32 s2048 h16 d64", 32, 2048, 16, 64, causal=False),
         self_attention("self-attention x,x,x b32 s2048 h16 d64 (seed)", 32, 2048, 16, 64),
         norm("layer norm 65536x4096", (65536, 4096), subtract_mean=True),
@@ -323,6 +360,8 @@ def smoke_workloads() -> list[Workload]:
         attention("smoke attention", 1, 32, 2, 16, causal=True),
         self_attention("smoke self-attention", 1, 32, 2, 16),
         norm("smoke layer norm", (64, 128), subtract_mean=True),
+        norm_residual("smoke rms norm + residual", (64, 128), subtract_mean=False,
+                      param_dtype=jnp.float32),
         ragged("smoke ragged dot", 64, 32, 16, (10, 0, 30, 24)),
         glu("smoke glu", 64, 32, 48),
         lce("smoke lce", 64, 32, 96),

@@ -12,7 +12,7 @@ def test_smoke_suite_writes_results(tmp_path):
     data = json.loads(out.read_text())
     ours = [r for r in data["rows"] if r["kind"] == "ours" and "ms" in r]
     assert {r["workload"] for r in ours} == {"smoke attention", "smoke self-attention",
-                                             "smoke layer norm",
+                                             "smoke layer norm", "smoke rms norm + residual",
                                              "smoke ragged dot", "smoke glu", "smoke lce"}
     assert all(r["relative_error"] < 2e-2 and r["ms"] > 0 for r in ours)
     assert all("vs_best_peer" in r for r in ours)
@@ -33,6 +33,23 @@ def test_library_cache_tuning_writes_files_the_cache_reads(tmp_path):
         result = loaded if result is None else result | loaded
     assert {type(entry.bound.op).__name__ for entry in result.entries} >= {"LayerNorm"}
     assert cache.device_kind_key(result.device_kind) == folder.name
+
+
+def test_library_cache_tuning_of_a_two_output_workload(tmp_path):
+    """The norm with a residual returns `(y, s)`: its gradient program sums both, and the
+    forward and VJP calls are tuned with the residual in their arguments."""
+    from benchmarks import tune_library_cache
+    from tokamax_pass.autotuning import cache
+
+    assert tune_library_cache.main(["--smoke", "--only", "residual", "--output",
+                                    str(tmp_path)]) == 0
+    files = sorted(tmp_path.glob("*/*.json"))
+    assert {f.name for f in files} == {"layer_norm.json", "autodiff_vjp.json"}
+    for f in files:
+        result = tokamax.AutotuningResult.load(f)
+        (entry,) = result.entries
+        assert entry.bound.arguments["residual"].shape == (64, 128)
+        assert cache.device_kind_key(result.device_kind) == f.parent.name
 
 
 def test_stale_retuning_retunes_exactly_the_stale_entries(tmp_path, capsys):

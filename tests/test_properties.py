@@ -63,6 +63,23 @@ def test_layer_norm_bind(shape, dtype, scale, axis, epsilon):
     assert ba.arguments["axis"] == axis % len(shape) and ba.arguments["epsilon"] >= 0
 
 
+@settings(max_examples=150)
+@given(shape=st.lists(SIZE, min_size=1, max_size=3), dtype=FLOATS,
+       residual_shape=st.none() | st.lists(SIZE, min_size=0, max_size=3),
+       residual_dtype=DTYPES)
+def test_layer_norm_residual_bind(shape, dtype, residual_shape, residual_dtype):
+    """A residual of another shape or dtype than x is a ValueError naming `residual`."""
+    shape = tuple(shape)
+    residual = _sds(shape if residual_shape is None else residual_shape, residual_dtype)
+    try:
+        ba = LayerNorm().bind(_sds(shape, dtype), None, None, residual=residual)
+    except ACCEPTED as e:
+        assert "residual" in str(e), e
+        assert residual.shape != shape or jnp.dtype(residual.dtype) != jnp.dtype(dtype)
+        return
+    assert ba.arguments["residual"] is residual
+
+
 @settings(max_examples=250)
 @given(m=SIZE, k=SIZE, n=SIZE, g=st.integers(0, 4), lhs_dtype=DTYPES, rhs_dtype=DTYPES,
        sizes_dtype=st.sampled_from([jnp.int32, jnp.float32]), rank=st.integers(1, 4),
@@ -226,6 +243,38 @@ def test_layer_norm_matches_reference(rows, features, subtract_mean, with_scale,
     want = (xd - mean) / np.sqrt(((xd - mean) ** 2).mean(-1, keepdims=True) + 1e-6)
     want = want * (1 if scale is None else scale) + (0 if offset is None else offset)
     np.testing.assert_allclose(np.asarray(out), want, rtol=2e-4, atol=2e-4)
+
+
+@settings(max_examples=25)
+@given(rows=st.integers(1, 6), features=st.integers(1, 9), subtract_mean=st.booleans(),
+       with_scale=st.booleans(), seed=st.integers(0, 2**16))
+def test_layer_norm_with_residual_matches_reference(rows, features, subtract_mean, with_scale,
+                                                    seed):
+    """`layer_norm(h, residual=x)` is `(norm(x + h), x + h)`, forward and gradient."""
+    rng = np.random.default_rng(seed)
+    h, x, dy, ds = (rng.standard_normal((2, rows, features)).astype(np.float32)
+                    for _ in range(4))
+    scale = rng.standard_normal(features).astype(np.float32) if with_scale else None
+
+    def loss(h, x):
+        y, s = tokamax.layer_norm(h, scale, None, subtract_mean=subtract_mean, residual=x,
+                                  implementation="xla")
+        return jnp.sum(y * dy) + jnp.sum(s * ds), (y, s)
+
+    (_, (y, s)), (dh, dx) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(h, x)
+    sd = x.astype(np.float64) + h
+    mean = sd.mean(-1, keepdims=True) if subtract_mean else 0.0
+    rstd = 1 / np.sqrt(((sd - mean) ** 2).mean(-1, keepdims=True) + 1e-6)
+    x_hat = (sd - mean) * rstd
+    np.testing.assert_allclose(np.asarray(s), sd, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y), x_hat * (1 if scale is None else scale),
+                               rtol=2e-4, atol=2e-4)
+    g = dy * (1 if scale is None else scale)  # the norm's VJP in float64, plus ds
+    want = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdims=True)
+                   - (g.mean(-1, keepdims=True) if subtract_mean else 0.0)) + ds
+    tolerance = 2e-4 * max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(np.asarray(dh), want, atol=tolerance)
+    np.testing.assert_array_equal(np.asarray(dh), np.asarray(dx))
 
 
 @settings(max_examples=25)

@@ -30,6 +30,13 @@ def _layer_norm(x, scale, offset):
     return tk.layer_norm(x, scale, offset, implementation="xla")
 
 
+def _layer_norm_residual(h, x, scale, offset):
+    """Both outputs of the pre-norm residual step, as one array (their product, so each
+    gets its own cotangent); the residual splits like the input."""
+    y, s = tk.layer_norm(h, scale, offset, residual=x, implementation="xla")
+    return y * s
+
+
 def _glu(x, w):
     return tk.gated_linear_unit(x, w, implementation="xla")
 
@@ -57,6 +64,10 @@ def _cases():
         ("layer_norm", _layer_norm,
          (random_normal(5, (8, 4, 32)), random_normal(6, (32,)), random_normal(7, (32,))),
          (P("data", "model", None), P(), P()), (0, 1, 2)),
+        ("layer_norm_residual", _layer_norm_residual,
+         (random_normal(12, (8, 4, 32)), random_normal(13, (8, 4, 32)), random_normal(14, (32,)),
+          random_normal(15, (32,))),
+         (P("data", "model", None), P("data", "model", None), P(), P()), (0, 1, 2, 3)),
         ("gated_linear_unit", _glu, (random_normal(8, (16, 4, 24)), random_normal(9, (24, 2, 8))),
          (P("data", "model", None), P()), (0, 1)),
         ("attention", _attention, (q, k, v, bias, mask, lengths, lengths),
@@ -155,7 +166,8 @@ def test_explicit_mesh_with_replicated_operands(name):
         assert_close(o, e)
 
 
-@pytest.mark.parametrize("name", ["layer_norm", "attention", "gated_linear_unit"])
+@pytest.mark.parametrize("name", ["layer_norm", "layer_norm_residual", "attention",
+                                  "gated_linear_unit"])
 def test_inside_shard_map_ops_see_blocks(name):
     fn, inputs, specs, argnums = CASES[name]
     with reference_precision():
@@ -307,6 +319,12 @@ EXPORTS = {
     "layer_norm": (lambda impl: lambda x, s: tk.layer_norm(x, s, None, implementation=impl),
                    [((8, 4, 256), P("data", "model", None), BF16), ((256,), P(), BF16)],
                    "4x256xbf16", ("triton",)),
+    "layer_norm_residual": (
+        lambda impl: lambda h, x, s: jnp.multiply(*tk.layer_norm(
+            h, s, None, residual=x, implementation=impl)),
+        [((8, 4, 256), P("data", "model", None), BF16),
+         ((8, 4, 256), P("data", "model", None), BF16), ((256,), P(), BF16)],
+        "4x256xbf16", ("triton",)),
     "gated_linear_unit": (
         lambda impl: lambda x, w: tk.gated_linear_unit(x, w, implementation=impl),
         [((512, 256), P(ROWS, None), BF16), ((256, 2, 128), P(), BF16)],

@@ -72,3 +72,33 @@ def test_gated_linear_unit():
     op = PallasTritonGatedLinearUnit()
     _check(op, GatedLinearUnit(), (_normal(0, (m, k)), _normal(1, (k, 2, n), 1 / 64)),
            _normal(2, (m, n)))
+
+
+@pytest.mark.parametrize("subtract_mean", [True, False])
+@pytest.mark.parametrize("n", [2048, 4096, 20_000])
+def test_layer_norm_with_residual(subtract_mean, n):
+    """`(y, s) = layer_norm(h, residual=x)`: both outputs and the one gradient of h and x,
+    with random cotangents for y and s; `s` is bitwise plain JAX's `x + h`."""
+    rows = {20_000: 1024}.get(n, 16384)
+    h, x, dy, ds = (_normal(i, (rows, n)) for i in (0, 4, 3, 5))
+    scale = 1 + _normal(1, (n,), 0.1).astype(jnp.float32)
+
+    def run(op, h, x, scale):
+        out, pullback = jax.vjp(
+            lambda h, x, scale: op(h, scale, None, subtract_mean=subtract_mean, residual=x),
+            h, x, scale)
+        return out, pullback((dy.astype(out[0].dtype), ds.astype(out[1].dtype)))
+
+    got = jax.jit(lambda *a: run(PallasTritonLayerNorm(), *a))(h, x, scale)
+    again = jax.jit(lambda *a: run(PallasTritonLayerNorm(), *a))(h, x, scale)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(lambda *a: run(LayerNorm(), *a))(h.astype(jnp.float32),
+                                                       x.astype(jnp.float32), scale)
+    (y, s), (dh, dx, dscale) = got
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(x + h))
+    np.testing.assert_array_equal(np.asarray(dh), np.asarray(dx))
+    for g, w, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(again),
+                       strict=True):
+        assert g.shape == w.shape
+        assert _rel_err(g, w) < 1e-2
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))

@@ -17,13 +17,17 @@ FAMILY = register_family(Family(
 
 
 def layer_norm(x: Any, scale: Any, offset: Any, *, axis: int = -1, epsilon: float = 1e-6,
-               subtract_mean: bool = True, implementation: Implementation = None) -> Any:
+               subtract_mean: bool = True, residual: Any = None,
+               implementation: Implementation = None) -> Any:
     """Layer norm (or RMSNorm with `subtract_mean=False`) of `x` over `axis`.
 
     `scale` and `offset` have the length of that axis, or are `None`.
+    `residual`: `None`, or an array of `x`'s shape and dtype for a transformer's pre-norm
+    residual step, `s = residual + x; y = norm(s)` in one pass: the call then returns
+    `(y, s)`, `s` rounded to `x`'s dtype as plain JAX rounds it, both differentiable.
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
     here: see `tokamax_pass.core.resolution`), a name
     from `FAMILY.implementations`, an `Op` instance, or a sequence of those.
     """
     return FAMILY(implementation, x, scale, offset, axis=axis, epsilon=epsilon,
-                  subtract_mean=subtract_mean)
+                  subtract_mean=subtract_mean, residual=residual)

@@ -5,6 +5,10 @@ that fits one `block_n` chunk is read once and kept in registers; a longer row
 is looped over in chunks (sum, centered sum of squares, then the write), so any
 row length works. Statistics are float32; mean and rstd are written as the
 family's residuals.
+
+With a `residual`, each load reads both inputs and forms `s = x + residual` rounded to
+x's dtype (as plain JAX does); the pass that writes `y` writes `s` beside it. A row in
+one chunk thus reads each input once and writes each output once.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from tokamax_kernels.layer_norm._pallas_triton_common import (
     load_rows,
     load_vector,
     masked,
+    residual_aware_margin,
     row_chunk,
     row_mask_of,
 )
@@ -80,20 +85,23 @@ class Config:
 
 def _fwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
                 rows_per_program: int, epsilon: float, subtract_mean: bool, has_scale: bool,
-                has_offset: bool) -> None:
+                has_offset: bool, has_residual: bool) -> None:
     it = iter(refs)
     x_ref = next(it)
+    residual_ref = next(it) if has_residual else None
     scale_ref = next(it) if has_scale else None
     offset_ref = next(it) if has_offset else None
-    y_ref, mean_ref, rstd_ref = it
+    y_ref = next(it)
+    s_ref = next(it) if has_residual else None
+    mean_ref, rstd_ref = it
     first_row = pl.program_id(0) * rows_per_program
     exact = is_exact(rows, n, rows_per_program, block_n)
 
     def step(i: Any, carry: int) -> int:
         r0 = pl.multiple_of(first_row + i * block_rows, block_rows)
-        _normalize_rows(x_ref, scale_ref, offset_ref, y_ref, mean_ref, rstd_ref, r0, n=n,
-                        rows=rows, block_rows=block_rows, block_n=block_n, epsilon=epsilon,
-                        subtract_mean=subtract_mean, exact=exact)
+        _normalize_rows(x_ref, residual_ref, scale_ref, offset_ref, y_ref, s_ref, mean_ref,
+                        rstd_ref, r0, n=n, rows=rows, block_rows=block_rows, block_n=block_n,
+                        epsilon=epsilon, subtract_mean=subtract_mean, exact=exact)
         return carry
 
     steps = rows_per_program // block_rows
@@ -103,23 +111,39 @@ def _fwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
         jax.lax.fori_loop(0, steps, step, 0)
 
 
-def _normalize_rows(x_ref: Any, scale_ref: Any, offset_ref: Any, y_ref: Any, mean_ref: Any,
-                    rstd_ref: Any, r0: Any, *, n: int, rows: int, block_rows: int, block_n: int,
-                    epsilon: float, subtract_mean: bool, exact: bool) -> None:
-    """Normalizes rows `[r0, r0 + block_rows)` and writes their mean and rstd."""
+def _normalize_rows(x_ref: Any, residual_ref: Any, scale_ref: Any, offset_ref: Any, y_ref: Any,
+                    s_ref: Any, mean_ref: Any, rstd_ref: Any, r0: Any, *, n: int, rows: int,
+                    block_rows: int, block_n: int, epsilon: float, subtract_mean: bool,
+                    exact: bool) -> None:
+    """Normalizes rows `[r0, r0 + block_rows)` (of `x + residual` with a residual, writing
+    that sum too) and writes their mean and rstd."""
     row_mask = row_mask_of(r0, rows=rows, block_rows=block_rows, exact=exact)
     num_chunks = _triton.cdiv(n, block_n)
-    load = functools.partial(load_rows, x_ref, r0, row_mask=row_mask, n=n, block_n=block_n,
-                             block_rows=block_rows)
+    load_x = functools.partial(load_rows, x_ref, r0, row_mask=row_mask, n=n, block_n=block_n,
+                               block_rows=block_rows)
+    if residual_ref is None:
+        load = load_x
+    else:
+        load_residual = functools.partial(load_rows, residual_ref, r0, row_mask=row_mask, n=n,
+                                          block_n=block_n, block_rows=block_rows)
 
-    def write(c: Any, x_hat: jax.Array, mask: jax.Array, col_mask: jax.Array) -> None:
+        def load(c: Any) -> tuple[jax.Array, Any, Any]:
+            x, mask, col_mask = load_x(c)
+            # Rounded to the inputs' dtype before the statistics, as `norm(x + residual)`.
+            s = (x + load_residual(c)[0]).astype(s_ref.dtype).astype(jnp.float32)
+            return s, mask, col_mask
+
+    def write(c: Any, x_hat: jax.Array, x: jax.Array, mask: jax.Array,
+              col_mask: jax.Array) -> None:
         y = x_hat
         if scale_ref is not None:
             y = y * load_vector(scale_ref, c, col_mask, block_n)[None, :]
         if offset_ref is not None:
             y = y + load_vector(offset_ref, c, col_mask, block_n)[None, :]
-        plgpu.store(y_ref.at[pl.ds(r0, block_rows), pl.ds(c * block_n, block_n)],
-                    y.astype(y_ref.dtype), mask=mask)
+        block = (pl.ds(r0, block_rows), pl.ds(c * block_n, block_n))
+        plgpu.store(y_ref.at[block], y.astype(y_ref.dtype), mask=mask)
+        if s_ref is not None:
+            plgpu.store(s_ref.at[block], x.astype(s_ref.dtype), mask=mask)
 
     zeros = jnp.zeros((block_rows, block_n), jnp.float32)
     if num_chunks == 1:
@@ -127,7 +151,7 @@ def _normalize_rows(x_ref: Any, scale_ref: Any, offset_ref: Any, y_ref: Any, mea
         mean = x.sum(axis=1) / n if subtract_mean else jnp.zeros((block_rows,), jnp.float32)
         centered = masked(mask, x - mean[:, None])
         rstd = jax.lax.rsqrt((centered * centered).sum(axis=1) / n + epsilon)
-        write(0, centered * rstd[:, None], mask, col_mask)
+        write(0, centered * rstd[:, None], x, mask, col_mask)
     else:
         if subtract_mean:
             total = jax.lax.fori_loop(0, num_chunks, lambda c, acc: acc + load(c)[0], zeros)
@@ -145,7 +169,7 @@ def _normalize_rows(x_ref: Any, scale_ref: Any, offset_ref: Any, y_ref: Any, mea
 
         def normalize(c: Any, carry: int) -> int:
             x, mask, col_mask = load(c)
-            write(c, (x - mean[:, None]) * rstd[:, None], mask, col_mask)
+            write(c, (x - mean[:, None]) * rstd[:, None], x, mask, col_mask)
             return carry
 
         jax.lax.fori_loop(0, num_chunks, normalize, 0)
@@ -155,28 +179,32 @@ def _normalize_rows(x_ref: Any, scale_ref: Any, offset_ref: Any, y_ref: Any, mea
 
 def layer_norm_forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, *,
                        epsilon: float, subtract_mean: bool, config: Config,
-                       interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`(y, mean, rstd)` of `x` normalized over its last axis (mean, rstd in float32)."""
+                       interpret: bool = False, residual: jax.Array | None = None
+                       ) -> tuple[jax.Array, jax.Array | None, jax.Array, jax.Array]:
+    """`(y, s, mean, rstd)` of `s = x + residual` (just `x`, and `s` None, without a
+    residual) normalized over its last axis (mean, rstd in float32)."""
     *lead, n = x.shape
     rows = math.prod(lead)
     kernel = functools.partial(
         _fwd_kernel, n=n, rows=rows, block_rows=config.block_rows, block_n=config.block_n,
         rows_per_program=config.rows_per_program, epsilon=epsilon, subtract_mean=subtract_mean,
         has_scale=scale is not None, has_offset=offset is not None,
+        has_residual=residual is not None,
     )
-    y, mean, rstd = pl.pallas_call(
+    block = jax.ShapeDtypeStruct((rows, n), x.dtype)
+    stats = jax.ShapeDtypeStruct((rows,), jnp.float32)
+    outs = pl.pallas_call(
         kernel,
         grid=(_triton.cdiv(rows, config.rows_per_program),),
-        out_shape=(
-            jax.ShapeDtypeStruct((rows, n), x.dtype),
-            jax.ShapeDtypeStruct((rows,), jnp.float32),
-            jax.ShapeDtypeStruct((rows,), jnp.float32),
-        ),
+        out_shape=(block, stats, stats) if residual is None else (block, block, stats, stats),
         compiler_params=_triton.compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="tokamax_layer_norm_fwd",
-    )(x.reshape(rows, n), *(p for p in (scale, offset) if p is not None))
-    return y.reshape(x.shape), mean.reshape(lead), rstd.reshape(lead)
+    )(*(a.reshape(rows, n) for a in (x, residual) if a is not None),
+      *(p for p in (scale, offset) if p is not None))
+    y, *s, mean, rstd = outs
+    s = s[0].reshape(x.shape) if s else None
+    return y.reshape(x.shape), s, mean.reshape(lead), rstd.reshape(lead)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,7 +218,8 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
     # In a model XLA fuses the norm with its neighbours (the residual add before it, the
     # gradient's add into the residual stream after it), which a kernel cannot: alone at
     # the Llama shape (16384x2048) this kernel measured 10% faster than XLA's forward and
-    # its VJP 30% faster, yet the Llama step ran 1-1.5% slower with them (H200).
+    # its VJP 30% faster, yet the Llama step ran 1-1.5% slower with them (H200). With a
+    # `residual` both sides do the add, so such calls need only the default margin.
     kernel_margin = 0.4
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
@@ -199,12 +228,16 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
 
     def _fwd(self, x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, *,
              axis: int, epsilon: float, subtract_mean: bool, config: Config,
-             return_residuals: bool) -> tuple[jax.Array, Any]:
-        y, mean, rstd = layer_norm_forward(
+             return_residuals: bool, residual: jax.Array | None = None) -> tuple[Any, Any]:
+        y, s, mean, rstd = layer_norm_forward(
             x, scale, offset, epsilon=epsilon, subtract_mean=subtract_mean, config=config,
-            interpret=self.interpret,
+            interpret=self.interpret, residual=residual,
         )
-        return y, ((mean, rstd) if return_residuals else None)
+        out = y if residual is None else (y, s)
+        return out, ((mean, rstd) if return_residuals else None)
+
+    def kernel_margin_for(self, ba: BoundArguments) -> float:
+        return residual_aware_margin(ba, self.kernel_margin)
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
         """H200, 65536x4096 bf16: one row per program and one warp per 4K-element block

@@ -9,6 +9,10 @@ column sums for dscale/doffset; it writes them as one row of a
 `(programs, n)` float32 partial, which XLA sums. No atomics: reruns are bitwise
 identical. Rows longer than `block_n` are looped over in chunks (row sums first,
 then dx), with the partial row updated in place by its owning program.
+
+With a `residual`, the forward returned `(y, s)`: the kernel normalizes `s` (the saved
+output, so nothing is recomputed) and adds `ds` as it writes, `dx + ds` being the one
+gradient of both `x` and `residual`; it is returned for both, with no further pass.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from tokamax_kernels.layer_norm._pallas_triton_common import (
     load_vector,
     masked,
     masked_load,
+    residual_aware_margin,
     row_chunk,
     row_mask_of,
 )
@@ -59,11 +64,12 @@ class Config:
 
 
 def _bwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
-                rows_per_program: int, subtract_mean: bool, has_scale: bool,
+                rows_per_program: int, subtract_mean: bool, has_scale: bool, has_ds: bool,
                 want_dscale: bool, want_doffset: bool) -> None:
     it = iter(refs)
     x_ref, dy_ref, mean_ref, rstd_ref = next(it), next(it), next(it), next(it)
     scale_ref = next(it) if has_scale else None
+    ds_ref = next(it) if has_ds else None
     dx_ref = next(it)
     dscale_ref = next(it) if want_dscale else None
     doffset_ref = next(it) if want_doffset else None
@@ -93,8 +99,10 @@ def _bwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
         return x_hat, dy, g, mask, col_mask
 
     def store_dx(r0: Any, c: Any, dx: jax.Array, mask: jax.Array) -> None:
-        plgpu.store(dx_ref.at[pl.ds(r0, block_rows), pl.ds(c * block_n, block_n)],
-                    dx.astype(dx_ref.dtype), mask=mask)
+        block = (pl.ds(r0, block_rows), pl.ds(c * block_n, block_n))
+        if ds_ref is not None:  # the cotangent of the sum s, added in float32
+            dx = dx + masked_load(ds_ref.at[block], mask).astype(jnp.float32)
+        plgpu.store(dx_ref.at[block], dx.astype(dx_ref.dtype), mask=mask)
 
     def dx_of(x_hat: jax.Array, g: jax.Array, rstd: jax.Array, c1: jax.Array,
               c2: jax.Array) -> jax.Array:
@@ -161,16 +169,21 @@ def _bwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
 
 def layer_norm_backward(x: jax.Array, dy: jax.Array, mean: jax.Array, rstd: jax.Array,
                         scale: jax.Array | None, *, subtract_mean: bool, want_dscale: bool,
-                        want_doffset: bool, config: Config, interpret: bool = False
+                        want_doffset: bool, config: Config, interpret: bool = False,
+                        ds: jax.Array | None = None
                         ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """`(dx, dscale, doffset)` in float32 sums (dscale/doffset `None` unless asked for)."""
+    """`(dx, dscale, doffset)` in float32 sums (dscale/doffset `None` unless asked for).
+
+    `x` is the array that was normalized; `ds`, an extra cotangent of it (the residual
+    sum's, which the forward also returned), is added to `dx`."""
     *_, n = x.shape
     rows = math.prod(x.shape[:-1])
     programs = _triton.cdiv(rows, config.rows_per_program)
     kernel = functools.partial(
         _bwd_kernel, n=n, rows=rows, block_rows=config.block_rows, block_n=config.block_n,
         rows_per_program=config.rows_per_program, subtract_mean=subtract_mean,
-        has_scale=scale is not None, want_dscale=want_dscale, want_doffset=want_doffset,
+        has_scale=scale is not None, has_ds=ds is not None, want_dscale=want_dscale,
+        want_doffset=want_doffset,
     )
     partial = jax.ShapeDtypeStruct((programs, n), jnp.float32)
     out_shape = [jax.ShapeDtypeStruct((rows, n), x.dtype)]
@@ -183,7 +196,8 @@ def layer_norm_backward(x: jax.Array, dy: jax.Array, mean: jax.Array, rstd: jax.
         interpret=interpret,
         name="tokamax_layer_norm_bwd",
     )(x.reshape(rows, n), dy.reshape(rows, n), mean.reshape(rows).astype(jnp.float32),
-      rstd.reshape(rows).astype(jnp.float32), *([] if scale is None else [scale]))
+      rstd.reshape(rows).astype(jnp.float32), *([] if scale is None else [scale]),
+      *([] if ds is None else [ds.reshape(rows, n)]))
     dx, *sums = outs
     sums = [s.sum(axis=0) for s in sums]
     dscale = sums.pop(0) if want_dscale else None
@@ -205,19 +219,28 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
         check_triton_norm_inputs(ba)
-        _triton.require_triton_dtype("dout", ba.arguments["dout"])
+        for dout in jax.tree.leaves(ba.arguments["dout"]):  # (dy, ds) with a residual
+            _triton.require_triton_dtype("dout", dout)
+
+    def kernel_margin_for(self, ba: BoundArguments) -> float:
+        return residual_aware_margin(ba, self.kernel_margin)
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Config,
              return_residuals: bool, x: jax.Array, scale: jax.Array | None,
              offset: jax.Array | None, axis: int, epsilon: float,
-             subtract_mean: bool) -> tuple[dict[str, Any], None]:
+             subtract_mean: bool, residual: jax.Array | None = None
+             ) -> tuple[dict[str, Any], None]:
         mean, rstd = residuals
+        # With a residual the forward normalized s = x + residual, its second output.
+        (normalized, dy, ds) = (x, dout, None) if residual is None else (out[1], *dout)
         dx, dscale, doffset = layer_norm_backward(
-            x, dout, mean, rstd, scale, subtract_mean=subtract_mean,
+            normalized, dy, mean, rstd, scale, subtract_mean=subtract_mean,
             want_dscale=scale is not None, want_doffset=offset is not None, config=config,
-            interpret=self.interpret,
+            interpret=self.interpret, ds=ds,
         )
         grads = {"x": dx}
+        if residual is not None:
+            grads["residual"] = dx
         if scale is not None:
             grads["scale"] = dscale.astype(scale.dtype)
         if offset is not None:

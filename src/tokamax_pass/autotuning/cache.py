@@ -299,7 +299,7 @@ def _first_time(ba: BoundArguments, stack: Sequence[Layer]) -> float | None:
 # Timings this close are a tie (H200 run-to-run noise is ~4%): among kernels, and among
 # plain paths, ties keep the family's automatic order. A kernel displaces the plain-JAX
 # paths (`Op.runs_without_evidence`) only when measured faster by more than its
-# `Op.kernel_margin` (this, or more for ops XLA fuses with their neighbours).
+# `Op.kernel_margin_for` the call (this, or more for ops XLA fuses with their neighbours).
 TIE_MARGIN = 0.05
 
 
@@ -310,9 +310,9 @@ def rank_with_evidence(candidates: Sequence[BoundArguments],
 
     A kernel (an implementation that does not run without evidence) is listed only when
     it was measured faster than every plain-JAX candidate by more than its
-    `kernel_margin`; the
-    plain-JAX candidates follow (measured ones fastest first), so the call never runs a
-    kernel that was measured slower, or not measured, on this shape.
+    `kernel_margin_for` the call; the plain-JAX candidates follow (measured ones fastest
+    first), so the call never runs a kernel that was measured slower, or not measured, on
+    this shape.
     """
     plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
     if not plain:
@@ -323,7 +323,7 @@ def rank_with_evidence(candidates: Sequence[BoundArguments],
     best_plain = min(times[i] for i in plain)
     winners = [i for i, ba in enumerate(candidates) if not ba.op.runs_without_evidence
                and times[i] is not None
-               and times[i] < best_plain * (1 - max(ba.op.kernel_margin, TIE_MARGIN))]
+               and times[i] < best_plain * (1 - max(ba.op.kernel_margin_for(ba), TIE_MARGIN))]
     return _rank_by_time(winners, times) + _rank_by_time(plain, times)
 
 

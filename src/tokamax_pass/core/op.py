@@ -156,6 +156,11 @@ class Op[C]:
         """
         return dict(arguments)
 
+    def kernel_margin_for(self, ba: BoundArguments) -> float:
+        """`kernel_margin` for the call `ba`: an op whose plain-JAX path fuses with its
+        neighbours only for some calls (a norm not given its residual add) overrides it."""
+        return self.kernel_margin
+
     def evidence_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
         """The op calls whose measured times add up to this call's time, for an op that
         only makes nested op calls (`None`: the call is measured as itself)."""
