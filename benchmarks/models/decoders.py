@@ -93,15 +93,26 @@ def _mlp(ops, p: Params, h: jax.Array, c: DecoderConfig) -> jax.Array:
     return ops.glu(h, p["gate_up"], _ACTIVATIONS[c.activation]) @ p["down"]
 
 
+def _pre_norm(ops, x: jax.Array, pending: jax.Array | None,
+              scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(rms_norm(x + pending), x + pending)`: the residual add of the block before, fused
+    into the next norm (`pending` is None before the first block)."""
+    if pending is None:
+        return ops.rms_norm(x, scale), x
+    return ops.add_rms_norm(x, pending, scale)
+
+
 def loss(ops, params: Params, batch: dict[str, jax.Array], c: DecoderConfig) -> jax.Array:
     x = params["embed"][batch["tokens"]]
+    pending = None  # the last block's output, not yet added to the residual stream x
     for i, p in enumerate(params["layers"]):
         window = c.window if c.window is not None and i % 2 == 0 else None
-        h = ops.rms_norm(x, p["attention_norm"])
-        x = x + blocks.attention_block(ops, p["attention"], h, c.attention, causal=True,
-                                       window=window, soft_cap=c.soft_cap)
-        x = x + _mlp(ops, p, ops.rms_norm(x, p["mlp_norm"]), c)
-    h = ops.rms_norm(x, params["final_norm"])
+        h, x = _pre_norm(ops, x, pending, p["attention_norm"])
+        pending = blocks.attention_block(ops, p["attention"], h, c.attention, causal=True,
+                                         window=window, soft_cap=c.soft_cap)
+        h, x = _pre_norm(ops, x, pending, p["mlp_norm"])
+        pending = _mlp(ops, p, h, c)
+    h, _ = _pre_norm(ops, x, pending, params["final_norm"])
     return ops.lm_head_loss(h, params["head"], batch["labels"], c.final_soft_cap)
 
 

@@ -61,6 +61,12 @@ class Plain:
         y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
         return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
+    def add_rms_norm(self, x: jax.Array, h: jax.Array, scale: jax.Array,
+                     eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
+        """The pre-norm residual step: `(rms_norm(x + h), x + h)`."""
+        x = x + h
+        return self.rms_norm(x, scale, eps), x
+
     def layer_norm(self, x: jax.Array, scale: jax.Array, offset: jax.Array,
                    eps: float = 1e-6) -> jax.Array:
         xf = x.astype(jnp.float32)
@@ -101,6 +107,16 @@ class Library:
 
     def rms_norm(self, x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
         return self.module.layer_norm(x, scale, None, epsilon=eps, subtract_mean=False)
+
+    def add_rms_norm(self, x: jax.Array, h: jax.Array, scale: jax.Array,
+                     eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
+        """`layer_norm(h, ..., residual=x)`, the residual add fused into the norm (plain
+        JAX's add where the library has no `residual`, as upstream Tokamax 0.0.17)."""
+        if self.name != "ours":
+            x = x + h
+            return self.rms_norm(x, scale, eps), x
+        return self.module.layer_norm(h, scale, None, epsilon=eps, subtract_mean=False,
+                                      residual=x)
 
     def layer_norm(self, x: jax.Array, scale: jax.Array, offset: jax.Array,
                    eps: float = 1e-6) -> jax.Array:
