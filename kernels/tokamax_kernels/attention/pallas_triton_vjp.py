@@ -1,9 +1,10 @@
 """`PallasTritonFlashAttentionVjp`: the flash-attention gradient as Pallas Triton kernels.
 
 It consumes the family's residuals `(lse,)` with the forward's `out` and the
-cotangent `dout` (and, where lse was an output, its cotangent in `delta`), and returns dq, dk, dv and (for a float bias) dbias. Two kernels
-(dK/dV over key blocks, dQ over query blocks; `_pallas_triton_bwd.py`) each own
-their outputs: no atomics, so reruns are bitwise identical.
+cotangent `dout` (and, where lse was an output, its cotangent in `delta`), and
+returns dq, dk, dv and (for a float bias) dbias. Two kernels (dK/dV over key blocks,
+dQ over query blocks; `_pallas_triton_bwd.py`) each own their outputs: no atomics,
+so reruns are bitwise identical.
 """
 
 from __future__ import annotations
