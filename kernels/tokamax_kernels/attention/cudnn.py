@@ -225,10 +225,10 @@ class CudnnDotProductAttentionVjp(DotProductAttentionVjp):
         _check(ba, target, backward=True)
         if ba.arguments.get("dresiduals") is not None:
             raise NotImplementedError(
-                "cuDNN attention's backward cannot differentiate through the logsumexp that "
-                "return_residual=True returns (its fused kernel takes no lse cotangent); use "
-                "implementation=None or 'xla'/'triton'/'mosaic' for the backward, or "
-                "jax.lax.stop_gradient(lse) to keep cuDNN")
+                "cuDNN attention's backward cannot differentiate through the lse that "
+                "return_residual=True returns (its fused kernel takes no lse cotangent): wrap "
+                "lse in jax.lax.stop_gradient to keep cuDNN, or use implementation=None "
+                "(another backward then runs) or another implementation")
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
