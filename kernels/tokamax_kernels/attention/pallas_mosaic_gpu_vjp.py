@@ -1,8 +1,8 @@
 """`PallasMosaicGpuFlashAttentionVjp`: the Hopper flash-attention backward (dq, dk, dv).
 
 Uses the family residual `lse` (any forward's; an lse output's cotangent enters `delta`),
-recomputes the probabilities, and runs
-two Mosaic GPU kernels (`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv per
+recomputes the probabilities, and runs two Mosaic GPU kernels
+(`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv per
 query head (GQA/MQA shares summed after it). Self-attention on one array
 (`attention(x, x, x)`, non-causal, no lengths) runs one kernel for `dq + dk + dv`
 instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
