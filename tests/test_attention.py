@@ -519,3 +519,30 @@ def test_kernels_decline_empty_sequences():
             op.check_supported(op.bind(q, k, v), None)
     XlaChunkedDotProductAttention().check_supported(
         XlaChunkedDotProductAttention().bind(q, k, v), None)
+
+
+def _lse_loss(implementation):
+    def f(q):
+        out, lse = dot_product_attention(q, q, q, implementation=implementation,
+                                         return_residual=True)
+        return out.astype(jnp.float32).sum() + lse.astype(jnp.float32).sum()
+    return f
+
+
+def test_cudnn_backward_takes_no_lse_cotangent_and_none_moves_on(monkeypatch):
+    """cuDNN's fused backward computes delta itself: a gradient through lse moves `None`
+    on to another backward; `implementation="cudnn"` says why and what to do. A loss that
+    uses only the output keeps cuDNN's backward (the lse cotangent is a symbolic zero)."""
+    from tokamax_kernels.attention import cudnn
+
+    monkeypatch.setattr(cudnn, "_require_cudnn_library", lambda: None)  # a CPU machine
+    x = jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.bfloat16)
+    with tokamax.core.targeting(H200):
+        plan = tokamax.optimize(jax.grad(_lse_loss(None))).plan(x)
+        assert [row.op for row in plan] == ["CudnnDotProductAttention", "DotProductAttentionVjp"]
+        out_only = tokamax.optimize(jax.grad(lambda q: dot_product_attention(
+            q, q, q, return_residual=True)[0].astype(jnp.float32).sum())).plan(x)
+        assert [row.op for row in out_only] == [
+            "CudnnDotProductAttention", "CudnnDotProductAttentionVjp"]
+        with pytest.raises(NotImplementedError, match="return_residual"):
+            jax.jit(jax.grad(_lse_loss("cudnn"))).trace(x)

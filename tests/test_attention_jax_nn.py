@@ -263,3 +263,157 @@ def test_bad_layouts_raise_value_error_naming_the_argument(match, shapes):
         args["query_seq_lengths"] = jnp.full(shapes["query_seq_lengths"], T, jnp.int32)
     with pytest.raises(ValueError, match=match):
         dot_product_attention(**args, implementation="xla")
+
+
+# --- return_residual=True: (output, lse) as jax.nn returns them ---------------------------
+
+def _masked_lse(dtype):
+    """What jax.nn's xla implementation returns as the lse of a row that sees nothing."""
+    return jax.nn.dot_product_attention(
+        jnp.ones((1, 1, 1, 8), dtype), jnp.ones((1, 1, 1, 8), dtype),
+        jnp.ones((1, 1, 1, 8), dtype), mask=jnp.zeros((1, 1, 1, 1), bool),
+        return_residual=True, implementation="xla")[1][0, 0, 0]
+
+
+def _reference_with_lse(q, k, v, bias, mask, **options):
+    """jax.nn's xla attention and its lse, float32 at HIGHEST, with the lse's gradient
+    (jax.nn stops it): the logsumexp of jax.nn's own masked logits."""
+    from jax._src.nn.functions import _apply_masks  # jax.nn's masking, pinned jax 0.11.2
+
+    q, k, v, bias = (None if x is None else x.astype(jnp.float32) for x in (q, k, v, bias))
+    out = _reference(q, k, v, bias, mask, **options)
+    with reference_precision():
+        logits = jnp.einsum("BTNH,BSNH->BNTS", q, k) / np.sqrt(q.shape[-1])
+    if bias is not None:
+        logits = logits + bias
+    window = options.get("local_window_size")
+    logits = _apply_masks(logits, mask, options.get("is_causal", False),
+                          options.get("query_seq_lengths"), options.get("key_value_seq_lengths"),
+                          (window, window) if isinstance(window, int) else window)
+    return out, jnp.swapaxes(jax.nn.logsumexp(logits, axis=-1), 1, 2)
+
+
+def _assert_lse_close(lse, expected, dtype):
+    """Equal where jax.nn's lse says a row sees nothing, close (relative to the finite
+    values' scale) everywhere else."""
+    masked = np.asarray(expected <= _masked_lse(jnp.float32) / 2)
+    assert lse.dtype == dtype and lse.shape == expected.shape
+    assert np.all(np.asarray(lse)[masked] == np.asarray(_masked_lse(dtype))), "masked rows"
+    assert_close(jnp.where(masked, 0.0, lse.astype(jnp.float32)),
+                 jnp.where(masked, 0.0, expected), dtype)
+
+
+RESIDUAL_RUNS = [("xla", mode) for mode in ("none", "padding", "custom", ("bias", "causal"),
+                                              ("causal", "sliding_window"))]
+RESIDUAL_RUNS += [(impl, mode) for impl in ("default", "xla_chunked", "triton")
+                  for mode in (("custom", "padding"), ("bias", "causal"))]
+
+
+def _mask_options(mask_mode, dtype, B):
+    """`(bias, mask, options)` of a mask mode; "custom" hides every key from query row 1."""
+    mask_mode = (mask_mode,) if isinstance(mask_mode, str) else mask_mode
+    bias = mask = None
+    options = dict(is_causal="causal" in mask_mode)
+    if "padding" in mask_mode:
+        options["query_seq_lengths"] = jnp.array([T // 2, T - 3], dtype=jnp.int32)
+        options["key_value_seq_lengths"] = jnp.array([S // 4, S // 2], dtype=jnp.int32)
+    if "custom" in mask_mode:
+        mask = jax.random.bernoulli(jax.random.key(60), 0.7, (B, 1, T, S)).at[:, :, 1].set(False)
+    if "bias" in mask_mode:
+        bias = random_normal(61, (1, N, T, S), dtype)
+    if "sliding_window" in mask_mode:
+        options["local_window_size"] = (3, 2) if options["is_causal"] else (3, 0)
+    return bias, mask, options
+
+
+@pytest.mark.parametrize("impl,mask_mode", RESIDUAL_RUNS, ids=str)
+def test_return_residual_matches_jax_nn(impl, mask_mode):
+    """Forward: the output and lse (shape BTN, the inputs' dtype, natural log, jax.nn's value
+    for rows that see nothing) against jax.nn's xla; gradient of a loss using both outputs
+    (random cotangents) against the float32 reference with lse's gradient."""
+    dtype = jnp.float32 if impl == "triton" else jnp.bfloat16
+    B = 2
+    q = random_normal(62, (B, T, N, H), dtype)
+    k, v = random_normal(63, (B, S, N, H), dtype), random_normal(64, (B, S, N, H), dtype)
+    dout, dlse = random_normal(65, q.shape, dtype), random_normal(66, (B, T, N), dtype)
+    bias, mask, options = _mask_options(mask_mode, dtype, B)
+
+    out_nn, lse_nn = jax.nn.dot_product_attention(
+        q, k, v, bias, mask, **options, implementation="xla", return_residual=True)
+    out_ref, lse_ref = _reference_with_lse(q, k, v, bias, mask, **options)
+    np.testing.assert_array_equal(lse_nn == _masked_lse(dtype), lse_ref <= -1e38)
+
+    def loss(sdpa, q, k, v, bias):
+        out, lse = sdpa(q, k, v, bias, mask, **options)
+        # A row that sees nothing: our output is zeros where jax.nn's averages the values.
+        seen = lse_ref > -1e38
+        out = jnp.where(seen[..., None], out, 0.0)
+        return (jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+                + jnp.sum(jnp.where(seen, lse, 0.0).astype(jnp.float32) * dlse), (out, lse))
+
+    ours = functools.partial(_ours(impl), return_residual=True)
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    (_, (out, lse)), grads = fast_jit(jax.value_and_grad(
+        functools.partial(loss, ours), argnums, has_aux=True))(q, k, v, bias)
+    (_, _), grads_ref = fast_jit(jax.value_and_grad(
+        functools.partial(loss, _reference_with_lse), argnums, has_aux=True))(q, k, v, bias)
+    assert out.shape == q.shape and out.dtype == dtype
+    _assert_lse_close(lse, lse_ref, dtype)
+    assert lse.dtype == lse_nn.dtype
+    _assert_lse_close(lse, lse_nn.astype(jnp.float32), dtype)
+    assert_close(out, jnp.where(lse_ref[..., None] > -1e38, out_ref, 0.0), dtype)
+    for actual, expected in zip(grads, grads_ref, strict=True):
+        assert_close(actual, expected, dtype)
+
+
+def test_return_residual_gradient_of_lse_alone_and_of_out_alone():
+    """Only lse in the loss (the output's cotangent is a symbolic zero), and only the
+    output: the latter is the ordinary gradient, with no lse cotangent in the VJP call."""
+    q = random_normal(70, (2, T, N, H))
+    k, v = random_normal(71, (2, S, 2, H)), random_normal(72, (2, S, 2, H))
+    dlse = random_normal(73, (2, T, N))
+    ours = functools.partial(dot_product_attention, implementation=IMPLEMENTATIONS["triton"],
+                             is_causal=True, return_residual=True)
+    grads = jax.grad(lambda q, k: jnp.sum(ours(q, k, v)[1] * dlse), (0, 1))(q, k)
+    v_ref = jnp.repeat(v, 2, axis=2)
+    grads_ref = jax.grad(lambda q, k: jnp.sum(_reference_with_lse(
+        q, jnp.repeat(k, 2, axis=2), v_ref, None, None, is_causal=True)[1] * dlse), (0, 1))(q, k)
+    for actual, expected in zip(grads, grads_ref, strict=True):
+        assert_close(actual, expected)
+
+    def out_loss(q):
+        return jnp.sum(ours(q, k, v)[0] * q)
+
+    plain = jax.grad(lambda q: jnp.sum(dot_product_attention(
+        q, k, v, is_causal=True, implementation=IMPLEMENTATIONS["triton"]) * q))(q)
+    assert_close(jax.grad(out_loss)(q), plain, scale_rtol=1e-6)
+    vjp_calls = [eqn.params["call"] for eqn in jax.make_jaxpr(jax.grad(out_loss))(q).eqns
+                 if eqn.primitive.name == "tokamax_call"]
+    assert vjp_calls and not any(
+        "dresiduals" in call.arguments([None] * len(call.operand_indices))
+        for call in vjp_calls)
+
+
+@pytest.mark.parametrize("use_vmap", [False, True])
+def test_return_residual_without_batch_axis(use_vmap):
+    """(T, N, H) inputs give a (T, N) lse, as jax.nn; under a per-example vmap (B, T, N)."""
+    shape = (2, T, N, H) if use_vmap else (T, N, H)
+    q, k, v = (random_normal(80 + i, shape, jnp.bfloat16) for i in range(3))
+    mask = jnp.tril(jnp.ones((T, S), bool)).at[4].set(False)[None]  # (1, T, S); row 4 empty
+    ours = functools.partial(dot_product_attention, mask=mask, implementation="xla_chunked",
+                             return_residual=True)
+    theirs = functools.partial(jax.nn.dot_product_attention, mask=mask, implementation="xla",
+                               return_residual=True)
+    if use_vmap:
+        ours, theirs = jax.vmap(ours), jax.vmap(theirs)
+    (out, lse), (out_nn, lse_nn) = ours(q, k, v), theirs(q, k, v)
+    assert lse.shape == lse_nn.shape == shape[:-1] and lse.dtype == lse_nn.dtype
+    _assert_lse_close(lse, lse_nn.astype(jnp.float32), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[..., 4, :, :], 0.0)
+    assert_close(out.at[..., 4, :, :].set(0), out_nn.at[..., 4, :, :].set(0), jnp.bfloat16)
+
+
+def test_return_residual_must_be_a_bool():
+    q = random_normal(90, (T, N, H))
+    with pytest.raises(TypeError, match="return_residual must be a bool"):
+        dot_product_attention(q, q, q, return_residual="yes")

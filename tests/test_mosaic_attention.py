@@ -215,3 +215,18 @@ def test_negative_scale_lowers():
     q = _sds((1, 256, 2, 64))
     text = _export(lambda q: _mosaic(q, q, q, scale=-0.125, is_causal=True), q).mlir_module()
     assert text.count("mosaic_gpu_v2") == 1
+
+
+def test_gradient_through_lse_lowers_to_three_mosaic_kernels():
+    """`return_residual=True` with lse in the loss: the lse cotangent enters the backward's
+    delta (XLA), so the same three kernels run; the VJP call carries `dresiduals`."""
+    q = _sds((1, 256, 4, 64))
+    kv = _sds((1, 256, 2, 64))
+
+    def loss(q, k, v):
+        out, lse = _mosaic(q, k, v, is_causal=True, return_residual=True)
+        return out.astype(jnp.float32).sum() + (lse.astype(jnp.float32) ** 2).sum()
+
+    text = _export(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv).mlir_module()
+    assert text.count("mosaic_gpu_v2") == 3
+    assert "PallasMosaicGpuFlashAttentionVjp" in text and "dresiduals" in text

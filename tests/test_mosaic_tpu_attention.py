@@ -185,3 +185,41 @@ def test_backward_kernels_in_the_tpu_interpreter():
         return_residuals=False)
     for name, w in zip(("query", "key", "value"), want, strict=True):
         assert_close(grads[name], w)
+
+
+@pytest.mark.parametrize("name", ["causal", "lengths_causal"])
+def test_gradient_through_lse_matches_reference(name):
+    """`return_residual=True` with both outputs in the loss (random cotangents): the lse
+    cotangent enters the kernels' delta."""
+    q, k, v = _inputs()
+    ct, ct_lse = random_normal(3, q.shape), random_normal(4, q.shape[:-1])
+    rows = np.ones(q.shape[:-1], bool)
+    if name == "lengths_causal":
+        rows[1, 17:] = False  # past the query length: no row to differentiate
+
+    def loss(impl, q, k, v):
+        out, lse = api.dot_product_attention(q, k, v, implementation=impl,
+                                             return_residual=True, **GRADIENT_OPTIONS[name])
+        return (out * ct).sum() + jnp.where(rows, lse * ct_lse, 0.0).sum()
+
+    with reference_precision():
+        want = jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(lambda *a: loss(_op(), *a), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w)
+
+
+def test_gradient_through_lse_lowers_for_tpu():
+    def f(q, k, v):
+        def loss(q, k, v):
+            out, lse = api.dot_product_attention(q, k, v, is_causal=True, implementation="mosaic",
+                                                 return_residual=True)
+            return out.astype(jnp.float32).sum() + lse.astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    q = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 1024, 2, 128), jnp.bfloat16)
+    with core.targeting("TPU v6 lite"):
+        text = jax.export.export(jax.jit(f), platforms=["tpu"])(q, kv, kv).mlir_module()
+    assert text.count("tpu_custom_call") == 3
+    assert "PallasMosaicTpuFlashAttentionVjp" in text and "dresiduals" in text

@@ -293,3 +293,46 @@ def test_ragged_dot_matches_reference(sizes, extra_rows, k, n, seed):
         want[start:start + size] = lhs[start:start + size].astype(np.float64) @ rhs[g]
         start += size
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=25)
+@given(batch=st.lists(st.integers(1, 2), max_size=2), t=st.integers(1, 7), s=st.integers(1, 7),
+       kv_heads=st.integers(1, 2), group=st.integers(1, 2), causal=st.booleans(),
+       implementation=st.sampled_from(["xla", "xla_chunked"]), seed=st.integers(0, 2**16))
+def test_attention_residual_matches_reference(batch, t, s, kv_heads, group, causal,
+                                              implementation, seed):
+    """`return_residual=True` with any leading batch axes (none too): the output and lse
+    (shape `(*batch, T, N)`, natural log) against a float64 reference; a row whose mask
+    hides every key gets zeros and `jax.nn`'s masked lse, `-0.7 * float32 max`."""
+    rng = np.random.default_rng(seed)
+    n, d = kv_heads * group, 4
+    q = rng.standard_normal((*batch, t, n, d)).astype(np.float32)
+    k, v = (rng.standard_normal((*batch, s, kv_heads, d)).astype(np.float32) for _ in range(2))
+    mask = rng.random((t, s)) < 0.6
+    out, lse = tokamax.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                             implementation=implementation,
+                                             return_residual=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:-1] and lse.dtype == np.float32
+    keep = mask & (np.tril(np.ones((t, s), bool)) if causal else True)
+    kd = np.repeat(k.astype(np.float64), group, axis=-2)
+    vd = np.repeat(v.astype(np.float64), group, axis=-2)
+    logits = np.einsum("...tnd,...snd->...nts", q.astype(np.float64), kd) / np.sqrt(d)
+    logits = np.where(keep, logits, -np.inf)
+    seen = keep.any(-1)  # (t,)
+    peak = np.where(seen[:, None], logits.max(-1, keepdims=True, initial=-np.inf), 0.0)
+    total = np.exp(logits - peak).sum(-1, keepdims=True)
+    want_lse = np.where(seen, (peak + np.log(np.where(seen[:, None], total, 1.0)))[..., 0],
+                        -0.7 * float(np.finfo(np.float32).max))
+    probs = np.exp(logits - peak) / np.where(total > 0, total, 1.0)
+    want = np.einsum("...nts,...snd->...tnd", probs, vd)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(lse), np.swapaxes(want_lse, -1, -2), rtol=1e-5,
+                               atol=1e-5)
+
+
+@settings(max_examples=20)
+@given(value=st.one_of(st.none(), st.integers(0, 1), st.text(max_size=3), st.floats()))
+def test_attention_return_residual_takes_only_a_bool(value):
+    q = jnp.ones((2, 3, 1, 4), jnp.float32)
+    with pytest.raises(TypeError, match="return_residual"):
+        tokamax.dot_product_attention(q, q, q, implementation="xla", return_residual=value)

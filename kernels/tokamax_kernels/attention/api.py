@@ -37,7 +37,7 @@ def dot_product_attention(
     scale: float | None = None, is_causal: bool = False, query_seq_lengths: Any = None,
     key_value_seq_lengths: Any = None, local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None, precision: Any = None,
-    implementation: Implementation = None,
+    implementation: Implementation = None, return_residual: bool = False,
 ) -> Any:
     """Multi-head attention `softmax(scale * q.k^T + bias, masked) @ v`, a drop-in for
     `jax.nn.dot_product_attention` (layout `(..., seq, heads, head_dim)`).
@@ -61,19 +61,42 @@ def dot_product_attention(
         kernel faster here: see `tokamax_pass.core.resolution`), a name from
         `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
         TPU), an `Op` instance, or a sequence of those.
+      return_residual: also return `lse`, the logsumexp (natural log) over keys of each
+        query row's final (scaled, biased, soft-capped, masked) logits, as `jax.nn` does:
+        shape `(*batch, q_seq, heads)` (the query's shape without head_dim), the inputs'
+        dtype. Unlike `jax.nn` (whose `xla` path stops its gradient and whose `cudnn`
+        path drops it), lse is differentiable: d lse / d logits = softmax probabilities.
+        Every implementation returns it; cuDNN's backward cannot take its gradient, so a
+        gradient through lse moves `None` on to another backward (and raises
+        `NotImplementedError` for `implementation="cudnn"`).
 
-    Returns an array of the query's shape. A query row that can attend to nothing
-    returns zeros (see `base.py`).
+    Returns the output, an array of the query's shape, or `(output, lse)` with
+    `return_residual=True`.
+
+    A query row that can attend to nothing (its mask, window and lengths hide every key)
+    returns ZEROS in every implementation, and gets zero gradients (see `base.py`), as
+    cuDNN and flash kernels do; `jax.nn`'s `xla` implementation averages the values
+    there instead (rows past `query_seq_lengths` aside, which it zeroes too). Such a
+    row's lse is `jax.nn`'s: `-0.7 * float32 max` (the logsumexp of a row of only
+    masked logits) cast to the dtype (`-inf` in float16); it gets no gradient.
     """
     arrays = dict(query=query, key=key, value=value, bias=bias, mask=mask,
                   query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths)
+    if not isinstance(return_residual, bool):
+        raise TypeError(f"dot_product_attention: return_residual must be a bool, got "
+                        f"{return_residual!r}")
     out_shape = None
     if layout.needs_folding(query, key, value, bias, mask):
         arrays, out_shape = layout.fold(**arrays)
-    out = FAMILY(
+    result = FAMILY(
         implementation, **arrays, scale=scale, is_causal=is_causal,
         local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
-        precision=precision,
+        precision=precision, return_residuals=return_residual,
     )
-    return out if out_shape is None else out.reshape(out_shape)
+    out, residuals = result if return_residual else (result, None)
+    out = out if out_shape is None else out.reshape(out_shape)
+    if residuals is None:
+        return out
+    (lse,) = residuals
+    return out, layout.lse_as_jax_nn(lse, out.shape, out.dtype)

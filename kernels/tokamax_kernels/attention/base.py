@@ -25,6 +25,12 @@ float32 of shape (B, H, Sq), the logsumexp over keys of the final (scaled,
 biased, soft-capped, masked) logits; `-inf` for a fully masked row. A backward
 pass must not rely on the lse of fully masked rows (apply `keep` to the
 probabilities), so any forward's residuals work with any backward.
+
+Gradient through lse (`dot_product_attention(..., return_residual=True)`): every VJP
+op of the family takes the lse cotangent `dresiduals = (dlse,)`, shape (B, H, Sq). As
+d lse / d logits = softmax probabilities, the flash backward's
+`dlogits = P * (dP - delta)`, `delta = rowsum(dout * out)`, just uses
+`delta - dlse`; a fully masked row still gets zero gradients.
 """
 
 from __future__ import annotations
@@ -280,10 +286,12 @@ class DotProductAttentionVjp(VjpOp):
     """The reference gradient: JAX autodiff of `DotProductAttention._fwd` (materializes SxS).
 
     Returns gradients for query, key, value and a float bias; mask and sequence
-    lengths get none. It ignores the residuals, so it pairs with any forward.
+    lengths get none. It ignores the residuals, so it pairs with any forward; a
+    `dresiduals = (dlse,)` cotangent is differentiated through the reference's lse.
     """
 
     forward_family = DotProductAttention
+    accepts_residual_cotangents = True
 
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
         super().check_supported(ba, target)
@@ -291,15 +299,18 @@ class DotProductAttentionVjp(VjpOp):
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
-             mask: jax.Array | None, **statics: Any) -> tuple[dict[str, Any], None]:
+             mask: jax.Array | None, dresiduals: Any = None,
+             **statics: Any) -> tuple[dict[str, Any], None]:
         del residuals, out, config, return_residuals
         reference = DotProductAttention()
+        with_lse = dresiduals is not None
 
         def forward(query: jax.Array, key: jax.Array, value: jax.Array,
-                    bias: jax.Array | None) -> jax.Array:
-            return reference._fwd(query, key, value, bias, mask, **statics,
-                                  config=NullConfig(), return_residuals=False)[0]
+                    bias: jax.Array | None) -> Any:
+            out, lse = reference._fwd(query, key, value, bias, mask, **statics,
+                                      config=NullConfig(), return_residuals=with_lse)
+            return (out, lse) if with_lse else out
 
         _, pullback = jax.vjp(forward, query, key, value, bias)
-        dq, dk, dv, dbias = pullback(dout)
+        dq, dk, dv, dbias = pullback((dout, dresiduals) if with_lse else dout)
         return {"query": dq, "key": dk, "value": dv, "bias": dbias}, None

@@ -19,6 +19,12 @@ custom VJP does, so no forward is recomputed. Both custom calls are reached thro
 `jax.nn` returns the statistics only cast to the output dtype and takes no
 residuals in its backward.
 
+The lse as an output (`return_residual=True`): the forward returns it like every
+implementation. cuDNN's fused backward computes `delta = rowsum(dout * out)` itself and
+takes no lse cotangent (`jax.nn`'s cuDNN path drops that cotangent silently), so
+`CudnnDotProductAttentionVjp` raises `NotImplementedError` for a gradient through lse:
+`implementation=None` moves on to a backward that takes it.
+
 `jax.nn`'s cuDNN path needs the CUDA plugin even to lower, so its cuda lowering
 is tested on the GPU only (`pytest -m gpu`).
 """
@@ -217,6 +223,12 @@ class CudnnDotProductAttentionVjp(DotProductAttentionVjp):
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
         _check(ba, target, backward=True)
+        if ba.arguments.get("dresiduals") is not None:
+            raise NotImplementedError(
+                "cuDNN attention's backward cannot differentiate through the lse that "
+                "return_residual=True returns (its fused kernel takes no lse cotangent): wrap "
+                "lse in jax.lax.stop_gradient to keep cuDNN, or use implementation=None "
+                "(another backward then runs) or another implementation")
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,

@@ -7,6 +7,10 @@ of leading batch axes. The family's ops see exactly one batch axis and rank-4 bi
 mask, so the public function folds the leading batch axes (none, one or several) into
 one, gives bias and mask the matching rank-4 form, and reshapes the output back to the
 query's shape. Rank-4 calls pass through untouched.
+
+`return_residual=True` also returns the logsumexp of each query row's logits; the
+family keeps it as `(B, N, T)` float32 with `-inf` for a row that sees nothing, and
+`lse_as_jax_nn` gives it `jax.nn`'s form (see there).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tokamax_kernels import _validation as v
 
@@ -111,3 +117,22 @@ def fold(query: Any, key: Any, value: Any, bias: Any, mask: Any, query_seq_lengt
         x = _array(name, x)
         folded[name] = None if x is None else _fold_lengths(name, x, batch)
     return folded, tuple(int(d) for d in query.shape)
+
+
+def lse_as_jax_nn(lse: jax.Array, query_shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """The family's lse residual in the form `jax.nn.dot_product_attention(...,
+    return_residual=True)` returns (its `xla` implementation, jax 0.11.2):
+
+    * layout `(*batch, T, N)`, the query's shape without head_dim (`(T, N)` unbatched);
+    * natural log, in the inputs' dtype (computed in float32, as `jax.nn` does);
+    * a row that sees nothing at `jax.nn`'s masked logit, `-0.7 * float32 max` (the
+      logsumexp of a row of only masked logits), cast to the dtype (`-inf` in float16).
+
+    Only a transpose, a select and a cast: no pass over the logits. The gradient flows
+    back to the family's lse (none to rows that see nothing).
+    """
+    logits_dtype = jnp.promote_types(dtype, jnp.float32)
+    masked = -0.7 * min(float(jnp.finfo(logits_dtype).max), float(np.finfo(np.float32).max))
+    lse = jnp.swapaxes(lse, 1, 2).astype(logits_dtype)
+    lse = jnp.where(jnp.isneginf(lse), jnp.asarray(masked, logits_dtype), lse)
+    return lse.astype(dtype).reshape(query_shape[:-1])

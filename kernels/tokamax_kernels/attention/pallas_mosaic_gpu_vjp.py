@@ -1,7 +1,8 @@
 """`PallasMosaicGpuFlashAttentionVjp`: the Hopper flash-attention backward (dq, dk, dv).
 
-Uses the family residual `lse` (any forward's), recomputes the probabilities, and runs
-two Mosaic GPU kernels (`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv per
+Uses the family residual `lse` (any forward's; an lse output's cotangent enters `delta`),
+recomputes the probabilities, and runs two Mosaic GPU kernels
+(`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv per
 query head (GQA/MQA shares summed after it). Self-attention on one array
 (`attention(x, x, x)`, non-causal, no lengths) runs one kernel for `dq + dk + dv`
 instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
@@ -110,14 +111,16 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: MosaicAttentionVjpConfig,
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
              bias: Any, mask: Any, scale: float, is_causal: bool, query_seq_lengths: Any,
-             key_value_seq_lengths: Any, shared_inputs: Any = (), **unsupported: Any
-             ) -> tuple[dict[str, Any], None]:
+             key_value_seq_lengths: Any, shared_inputs: Any = (), dresiduals: Any = None,
+             **unsupported: Any) -> tuple[dict[str, Any], None]:
         del return_residuals, unsupported["precision"]
         check_unsupported_features(dict(bias=bias, mask=mask, **unsupported), _WHAT)
         (lse,) = residuals
         dout = dout.astype(query.dtype)
         # delta_i = sum_d out_id * dout_id = sum_j p_ij dp_ij: the softmax Jacobian's row term.
         delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
+        if dresiduals is not None:  # the lse output's cotangent: d lse / d logits = p
+            delta = delta - dresiduals[0].astype(jnp.float32)
         lse = lse.astype(jnp.float32)
         visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1])
         if visible is not None:

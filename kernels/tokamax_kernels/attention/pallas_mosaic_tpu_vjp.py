@@ -1,8 +1,9 @@
 """`PallasMosaicTpuFlashAttentionVjp`: the flash-attention gradient as Pallas Mosaic TPU kernels.
 
 It takes the family's residuals `(lse,)` with the forward's `out` and the cotangent
-`dout` and returns dq, dk and dv from two kernels (`_mosaic_tpu_bwd_kernels.py`):
-dK/dV over key blocks (summing a GQA group's query heads) and dQ over query blocks.
+`dout` (and, where lse was an output, its cotangent in `delta`) and returns dq, dk and
+dv from two kernels (`_mosaic_tpu_bwd_kernels.py`): dK/dV over key blocks (summing a
+GQA group's query heads) and dQ over query blocks.
 Same inputs as the forward kernel (no bias or mask); any forward's residuals work.
 """
 
@@ -52,7 +53,7 @@ class PallasMosaicTpuFlashAttentionVjp(MosaicTpuKernel, DotProductAttentionVjp):
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              query: jax.Array, key: jax.Array, value: jax.Array, bias: Any, mask: Any,
-             **statics: Any) -> tuple[dict[str, Any], None]:
+             dresiduals: Any = None, **statics: Any) -> tuple[dict[str, Any], None]:
         del return_residuals, bias, mask  # None: `check_inputs`
         (lse,) = residuals
         batch, seq_q, _, _ = query.shape
@@ -61,6 +62,8 @@ class PallasMosaicTpuFlashAttentionVjp(MosaicTpuKernel, DotProductAttentionVjp):
         pad_q, pad_k = round_up(seq_q, blocks.block_q), round_up(seq_k, blocks.block_k)
         q_len = tpu.lengths(statics["query_seq_lengths"], batch, seq_q)
         delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
+        if dresiduals is not None:  # the lse output's cotangent (see `base`)
+            delta = delta - dresiduals[0].astype(jnp.float32)
         # Rows that see nothing (lse = -inf) or lie past their query length get
         # lse2 = +inf, so the kernels' p = exp2(s - lse2) is exactly 0 there.
         empty = ~jnp.isfinite(lse) | (jnp.arange(seq_q)[None, None, :] >= q_len[:, None, None])

@@ -1,9 +1,10 @@
 """`PallasTritonFlashAttentionVjp`: the flash-attention gradient as Pallas Triton kernels.
 
 It consumes the family's residuals `(lse,)` with the forward's `out` and the
-cotangent `dout`, and returns dq, dk, dv and (for a float bias) dbias. Two kernels
-(dK/dV over key blocks, dQ over query blocks; `_pallas_triton_bwd.py`) each own
-their outputs: no atomics, so reruns are bitwise identical.
+cotangent `dout` (and, where lse was an output, its cotangent in `delta`), and
+returns dq, dk, dv and (for a float bias) dbias. Two kernels (dK/dV over key blocks,
+dQ over query blocks; `_pallas_triton_bwd.py`) each own their outputs: no atomics,
+so reruns are bitwise identical.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
-             mask: jax.Array | None, **statics: Any) -> tuple[dict[str, Any], None]:
+             mask: jax.Array | None, dresiduals: Any = None,
+             **statics: Any) -> tuple[dict[str, Any], None]:
         del return_residuals
         config = clamp(config, query.shape[1], key.shape[1])
         (lse,) = residuals
@@ -123,6 +125,8 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         do = common.pad_axis(common.pad_axis(dout.astype(query.dtype), 1, pad_q), 3, d)
         delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32),
                            dout.astype(jnp.float32))
+        if dresiduals is not None:  # the lse output's cotangent (see `base`)
+            delta = delta - dresiduals[0].astype(jnp.float32)
         # Rows that see nothing (lse = -inf) or lie past their query length get
         # lse2 = +inf, so the kernels' p = exp2(s - lse2) is exactly 0 there.
         empty = ~jnp.isfinite(lse)

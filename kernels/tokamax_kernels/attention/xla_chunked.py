@@ -233,12 +233,16 @@ def _add_block(acc: jax.Array, block: jax.Array, q_start: Any, k_start: Any) -> 
     return jax.lax.dynamic_update_slice(acc, current + block, starts)
 
 
-def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Array
+def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Array,
+                     dlse: jax.Array | None = None
                      ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """`(dq, dk, dv, dbias)` from the lse residual; no (Sq, Sk) temporary."""
+    """`(dq, dk, dv, dbias)` from the lse residual; no (Sq, Sk) temporary. `dlse` (B, H, Sq),
+    the cotangent of lse as an output, enters as `delta - dlse` (see `base`)."""
     batch, q_pad, kv_heads, groups, head_dim = pb.query.shape
     cq, ck, s = pb.chunk_q, pb.chunk_k, pb.statics
     delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)  # (B, Sq, H)
+    if dlse is not None:
+        delta = delta - jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)
     delta = _pad_axis(delta, 1, q_pad).reshape(batch, q_pad, kv_heads, groups)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # fully masked rows: probabilities are 0
     lse = _pad_axis(lse, 2, q_pad).reshape(batch, kv_heads, groups, -1, cq)
@@ -349,17 +353,19 @@ class XlaChunkedDotProductAttentionVjp(DotProductAttentionVjp):
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
              bias: jax.Array | None, mask: jax.Array | None,
              query_seq_lengths: jax.Array | None, key_value_seq_lengths: jax.Array | None,
-             **statics: Any) -> tuple[dict[str, Any], None]:
+             dresiduals: Any = None, **statics: Any) -> tuple[dict[str, Any], None]:
         if _empty(query, key):
             return DotProductAttentionVjp._fwd(
                 self, residuals, out, dout, config=NullConfig(),
                 return_residuals=return_residuals, query=query, key=key, value=value,
                 bias=bias, mask=mask, query_seq_lengths=query_seq_lengths,
-                key_value_seq_lengths=key_value_seq_lengths, **statics)
+                key_value_seq_lengths=key_value_seq_lengths, dresiduals=dresiduals,
+                **statics)
         (lse,) = residuals
         pb = _problem(query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths,
                       config, statics)
-        dq, dk, dv, dbias = chunked_backward(pb, lse, out, dout)
+        dlse = None if dresiduals is None else dresiduals[0]
+        dq, dk, dv, dbias = chunked_backward(pb, lse, out, dout, dlse)
         return {"query": dq, "key": dk, "value": dv, "bias": dbias}, None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> XlaChunkedConfig:

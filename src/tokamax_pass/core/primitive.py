@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import dispatch
+from jax.custom_derivatives import SymbolicZero
 from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -316,38 +317,70 @@ def _cotangents(call: OpCall, operands: Sequence[Any], grads: dict[str, Any]) ->
     return tuple(cotangents)
 
 
+def _instantiated(cotangent: Any) -> Any:
+    """A cotangent with its symbolic zeros made arrays."""
+    return jax.tree.map(
+        lambda c: jax.numpy.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c,
+        cotangent, is_leaf=lambda c: isinstance(c, SymbolicZero))
+
+
+def _all_symbolic_zeros(cotangent: Any) -> bool:
+    return all(isinstance(c, SymbolicZero) for c in jax.tree.leaves(
+        cotangent, is_leaf=lambda c: isinstance(c, SymbolicZero)))
+
+
 def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
     """Binds the call; its gradient goes through the candidates' VJP ops, told which
-    arguments were one array (`shared_inputs`, see `core.vjp`)."""
+    arguments were one array (`shared_inputs`, see `core.vjp`).
+
+    A call with `return_residuals` set returns `(out, residuals)`: the residuals are
+    outputs the caller may differentiate. Their cotangent reaches the VJP ops as
+    `dresiduals`, left out when it is a symbolic zero (the caller used only `out`), so
+    such a backward pass is the ordinary one and any VJP op can run it.
+    """
     shared = shared_input_groups(call.arguments(operands))
+    residual_outputs = call.return_residuals
 
     @jax.custom_vjp
     def op_call(*operands: Any) -> Any:
         return _bind(call, operands)
 
     def op_call_fwd(*operands: Any) -> tuple[Any, Any]:
+        if residual_outputs:  # `symbolic_zeros=True` wraps each primal
+            operands = tuple(p.value for p in operands)
         out, residuals = _bind(dataclasses.replace(call, return_residuals=True), operands)
-        return out, (operands, out, residuals)
+        primal_out = (out, residuals) if residual_outputs else out
+        return primal_out, (operands, out, residuals)
 
-    def op_call_bwd(saved: Any, dout: Any) -> tuple[Any, ...]:
+    def op_call_bwd(saved: Any, cotangent: Any) -> tuple[Any, ...]:
         operands, out, residuals = saved
         arguments = call.arguments(operands)
         vjp_ops = tuple(dict.fromkeys(op.vjp_op() for op in call.candidates))
-        extra = {"shared_inputs": shared} if shared else {}
+        extra: dict[str, Any] = {"shared_inputs": shared} if shared else {}
+        dout = cotangent
+        if residual_outputs:
+            dout, dresiduals = cotangent
+            dout = _instantiated(dout)
+            if not _all_symbolic_zeros(dresiduals):
+                extra["dresiduals"] = _instantiated(dresiduals)
         grads = call_ops(
             vjp_ops, (), dict(residuals=residuals, out=out, dout=dout, **arguments, **extra),
             explicit=call.explicit, partition_as=call.candidates[0], through_vjp_ops=False,
         )
         return _cotangents(call, operands, grads)
 
-    op_call.defvjp(op_call_fwd, op_call_bwd)
+    op_call.defvjp(op_call_fwd, op_call_bwd, symbolic_zeros=residual_outputs)
     return op_call(*operands)
 
 
 def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
-             explicit: bool, partition_as: Op | None = None, through_vjp_ops: bool = True) -> Any:
+             explicit: bool, partition_as: Op | None = None, through_vjp_ops: bool = True,
+             return_residuals: bool = False) -> Any:
     """Calls the first of `ops` that accepts the arguments (and, if `explicit`, this device;
     when tracing for devices that are not here, the device is checked at lowering).
+
+    `return_residuals=True` returns `(out, residuals)`, the residuals differentiable (see
+    `bind_with_vjp`); the candidates of one call share the family's residual form.
 
     `ValueError` from `bind` (bad input) propagates at once; `NotImplementedError`
     moves on to the next candidate and is re-raised when none is left. The call's
@@ -374,6 +407,7 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
         raise NotImplementedError(
             "no implementation supports these inputs:\n  " + "\n  ".join(reasons))
     call, operands = _make_call(bound, explicit, partition_as, reasons if explicit else ())
+    call = dataclasses.replace(call, return_residuals=return_residuals)
     operands = _uniformly_varying(operands)
     return bind_with_vjp(call, operands) if through_vjp_ops else _bind(call, operands)
 

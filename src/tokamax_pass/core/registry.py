@@ -63,9 +63,13 @@ class Family:
                 )
         return tuple(ops), True
 
-    def __call__(self, implementation: Implementation, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, implementation: Implementation, *args: Any,
+                 return_residuals: bool = False, **kwargs: Any) -> Any:
+        """Calls the family; `return_residuals=True` returns `(out, residuals)` with the
+        residuals in the family's own form, differentiable (`primitive.bind_with_vjp`)."""
         ops, explicit = self.resolve(implementation)
-        return primitive.call_ops(ops, args, kwargs, explicit=explicit)
+        return primitive.call_ops(ops, args, kwargs, explicit=explicit,
+                                  return_residuals=return_residuals)
 
 
 _FAMILIES: dict[str, Family] = {}

@@ -9,6 +9,12 @@ the VJP call also gets `shared_inputs`, those names grouped (`(("key", "query",
 "value"),)`), and its gradients come out summed into each group's first name (the
 others zero): what autodiff adds up anyway. An op that can compute the sum directly
 sets `accepts_shared_inputs` and receives the groups in `_fwd`.
+
+When the forward call returned its residuals as outputs (`call_ops(...,
+return_residuals=True)`) and they were differentiated, the VJP call also gets their
+cotangent, `dresiduals` (the residuals' structure). Only an op that sets
+`accepts_residual_cotangents` takes it; others raise `NotImplementedError`, so
+`implementation=None` moves on to one that does.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import jax.numpy as jnp
 from tokamax_pass.core import spec
 from tokamax_pass.core.op import HOOKS, BoundArguments, Op
 
-RESERVED_NAMES = ("residuals", "out", "dout", "shared_inputs")
+RESERVED_NAMES = ("residuals", "out", "dout", "shared_inputs", "dresiduals")
 SharedInputs = tuple[tuple[str, ...], ...]
 
 
@@ -32,6 +38,8 @@ class VjpOp(Op):
 
     # True if `_fwd` takes `shared_inputs` and returns each group's summed gradient.
     accepts_shared_inputs: ClassVar[bool] = False
+    # True if `_fwd` takes `dresiduals`, the cotangent of residuals returned as outputs.
+    accepts_residual_cotangents: ClassVar[bool] = False
     # The forward op family whose `similarity_arguments` this VJP op's speed follows.
     forward_family: ClassVar[type[Op] | None] = None
 
@@ -47,12 +55,19 @@ class VjpOp(Op):
         return {**found, "shared_inputs": shared} if shared else found
 
     def bind(self, residuals: Any, out: Any, dout: Any, shared_inputs: SharedInputs = (),
-             **forward_arguments: Any) -> BoundArguments:
+             dresiduals: Any = None, **forward_arguments: Any) -> BoundArguments:
         clash = set(RESERVED_NAMES) & set(forward_arguments)
         if clash:
             raise ValueError(f"forward arguments may not be named {sorted(clash)}")
         shared_inputs = _check_shared_inputs(shared_inputs, forward_arguments)
-        extra = {"shared_inputs": shared_inputs} if shared_inputs else {}
+        extra: dict[str, Any] = {"shared_inputs": shared_inputs} if shared_inputs else {}
+        if dresiduals is not None:
+            if not self.accepts_residual_cotangents:
+                raise NotImplementedError(
+                    f"{type(self).__name__} cannot differentiate through the forward's "
+                    f"residuals (returned as outputs); stop their gradient with "
+                    f"jax.lax.stop_gradient or use an implementation whose VJP op can")
+            extra["dresiduals"] = dresiduals
         return BoundArguments(
             self, {"residuals": residuals, "out": out, "dout": dout, **forward_arguments, **extra}
         )
