@@ -9,9 +9,9 @@ of `python -m benchmarks.run` per row, `OP_ROWS`: ratios only to peers measured 
 run, and the peers of the family that did not run named) and `seed` (`seed_e2e.json`).
 Every number is read from the file the row names. A figure quoted in the prose is written
 `<!--fig FILE PATH FORMAT-->value<!--/fig-->`: the value at PATH in the results file
-(dotted keys and list indices; `[key=value;...]` picks the one list item that matches,
-`~` standing for a space), in
-Python's FORMAT, so it is rewritten and checked with the tables.
+(dotted keys and list indices, `~` standing for a space; `[key=value;...]` picks the one
+list item that matches), in Python's FORMAT, so it is rewritten and checked with the
+tables.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ BEGIN, END = "<!-- report:models -->", "<!-- /report:models -->"
 OP_ROWS = (
     ("benchmark_glu.json", "glu 16384x2048x5632 (llama)"),
     ("benchmark_llama_glu_norm.json", "rms norm 16384x2048 f32 scale (llama)"),
+    ("benchmark_norm_residual.json", "rms norm + residual 16384x2048 f32 scale (llama)"),
+    ("benchmark_lce.json", "lce 16384x2048x32000 (llama model)"),
+    ("benchmark_lce.json", "lce 16384x4096x128256 (llama 3, liger)"),
+    ("benchmark_lce.json", "lce 8192x2304x256000 (gemma 2 2b, cce)"),
     ("benchmark.json", "attention b32 s2048 h16 d64"),
     ("benchmark_self_attention_d64.json", "self-attention x,x,x b32 s2048 h16 d64 (seed)"),
     ("benchmark.json", "attention b4 s8192 h16 d128"),
@@ -47,8 +51,8 @@ OP_ROWS = (
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
-    "llama": "models_llama.json",
-    "mixtral": "models_llama_mixtral.json",
+    "llama": "models_llama_mixtral_s8.json",
+    "mixtral": "models_llama_mixtral_s8.json",
     "gemma2": "models_gemma2_encoder_llama.json",
     "encoder": "models_gemma2_encoder_llama.json",
 }
@@ -88,7 +92,10 @@ def model_table() -> str:
 
 
 def _family(workload: str) -> str:
-    """`attention`, `layer`, `rms`, `ragged`, `glu`: workloads whose peers are the same."""
+    """`attention`, `layer`, `rms`, `ragged`, `glu`, `lce`, `residual norm`: workloads
+    whose peers are the same."""
+    if "+ residual" in workload:
+        return "residual norm"
     return workload.split()[0].removeprefix("self-")
 
 
@@ -208,7 +215,7 @@ def figure(file: str, path: str, fmt: str) -> str:
         elif isinstance(value, list):
             value = value[int(part)]
         else:
-            value = value[part]
+            value = value[part.replace("~", " ")]
     return format(value, fmt)
 
 
