@@ -5,19 +5,25 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax_kernels.linear_softmax_cross_entropy_loss.base import LinearSoftmaxCrossEntropyLoss
+from tokamax_kernels.linear_softmax_cross_entropy_loss.pallas_mosaic_gpu import (
+    PallasMosaicGpuLinearSoftmaxCrossEntropyLoss,
+)
 from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
     XlaChunkedLinearSoftmaxCrossEntropyLoss,
 )
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
-# `None` runs `xla_chunked` only where a measurement at the shape (or a neighbour) shows
-# it faster than `xla`; explicitly, `implementation="xla_chunked"` bounds the memory.
+# `None` runs `mosaic_gpu` or `xla_chunked` only where a measurement at the shape (or a
+# neighbour) shows it faster than `xla`; explicitly, `implementation="mosaic"` (Hopper) or
+# `"xla_chunked"` bounds the memory.
 FAMILY = register_family(Family(
     name="linear_softmax_cross_entropy_loss",
-    implementations={"xla_chunked": XlaChunkedLinearSoftmaxCrossEntropyLoss,
+    implementations={"mosaic_gpu": PallasMosaicGpuLinearSoftmaxCrossEntropyLoss,
+                     "xla_chunked": XlaChunkedLinearSoftmaxCrossEntropyLoss,
                      "xla": LinearSoftmaxCrossEntropyLoss},
-    automatic=("xla_chunked", "xla"),
+    automatic=("mosaic_gpu", "xla_chunked", "xla"),
+    aliases={"mosaic": ("mosaic_gpu",)},
 ))
 
 
@@ -40,7 +46,9 @@ def linear_softmax_cross_entropy_loss(
       precision: of the GEMMs (`jax.lax.Precision` or its name, or a pair).
       implementation: `None` (plain XLA unless a measurement favours another), "xla"
         (the logits materialized), "xla_chunked" (tiles of logits only: memory bounded
-        by the tile), an `Op` instance, or a sequence of those.
+        by the tile), "mosaic" (Hopper GPUs: the logits tiles stay in registers; the
+        backward holds one vocabulary chunk of dlogits), an `Op` instance, or a
+        sequence of those.
 
     Returns the float32 loss; differentiable in `x` and `weights`.
     """
