@@ -17,7 +17,7 @@ import sys
 import time
 
 # name -> timeout in seconds.
-PHASES = {"numerics": 90, "bench_8b": 100, "bench_32k": 70}
+PHASES = {"numerics": 90, "bench_8b": 100, "bench_32k": 70, "sweep": 200}
 BENCH_SHAPES = {"bench_8b": (16384, 4096, 128256), "bench_32k": (16384, 2048, 32000)}
 NUMERICS_SHAPES = ((2, 300, 512, 4096), (1, 1000, 1024, 32000))
 
@@ -97,6 +97,39 @@ def _bench(out: str, phase: str) -> None:
         _log(out, record)
 
 
+def _sweep(out: str) -> None:
+    """Forward configs of the search space, and backward chunkings, at Llama 3's head."""
+    from tokamax_kernels.linear_softmax_cross_entropy_loss import (
+        MosaicGpuLossConfig,
+        PallasMosaicGpuLinearSoftmaxCrossEntropyLoss,
+        PallasMosaicGpuLinearSoftmaxCrossEntropyLossVjp,
+    )
+    from tokamax_kernels.linear_softmax_cross_entropy_loss import _mosaic_gpu_common as common
+    from tokamax_pass.benchmarking import benchmark
+
+    tokens, h, v = BENCH_SHAPES["bench_8b"]
+    x, labels, w = _inputs((tokens,), h, v)
+    flops = 2 * tokens * h * v
+    runs = [("forward", config, None) for config in sorted(
+        common.search_space(h, v, backward=False), key=repr)]
+    runs += [("forward_and_vjp", None, MosaicGpuLossConfig(chunk_vocab=c, num_stages=s))
+             for c, s in ((1024, 3), (2048, 3), (4096, 3), (2048, 2))]
+    runs += [("forward_and_vjp", None, MosaicGpuLossConfig(chunk_vocab=1024,
+                                                           dx_token_chunk=128))]
+    for mode, forward, backward in runs:
+        op = PallasMosaicGpuLinearSoftmaxCrossEntropyLoss(
+            config=forward, vjp=PallasMosaicGpuLinearSoftmaxCrossEntropyLossVjp(config=backward))
+        record = {"phase": "sweep", "mode": mode, "forward": repr(forward),
+                  "backward": repr(backward)}
+        try:
+            ms = benchmark(_loss(op), x, labels, w, mode=mode, method="cupti",
+                           iterations=3).median_evaluation_time_ms
+            record.update(ms=ms, tflops=flops * (1 if mode == "forward" else 3) / ms / 1e9)
+        except Exception as e:  # noqa: BLE001 - a failing config is a result
+            record["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        _log(out, record)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -104,7 +137,12 @@ def main() -> None:
     parser.add_argument("phases", nargs="*", default=list(PHASES))
     args = parser.parse_args()
     if args.inner:
-        _numerics(args.out) if args.inner == "numerics" else _bench(args.out, args.inner)
+        if args.inner == "numerics":
+            _numerics(args.out)
+        elif args.inner == "sweep":
+            _sweep(args.out)
+        else:
+            _bench(args.out, args.inner)
         return
     for phase in args.phases:
         start = time.time()

@@ -51,6 +51,11 @@ class MosaicGpuLossConfig:
       num_stages: SMEM slots in the x / weights ring (>= 2): how far the TMA runs ahead.
       chunk_vocab: the backward's vocabulary chunk (a multiple of block_vocab): its
         dlogits (tokens, chunk_vocab) is the largest temporary of the backward.
+      dx_token_chunk: 0 (default): dx is accumulated in float32 over the vocabulary chunks
+        (a tokens x H float32 temporary, one logits recompute). N > 0 (a multiple of
+        block_tokens): the vocabulary pass computes dweights only and a second pass over
+        chunks of N tokens computes dx from (N, V) dlogits slabs: no float32 accumulator,
+        one more logits recompute (slower: for the least memory).
     """
 
     block_tokens: int = 128
@@ -58,13 +63,15 @@ class MosaicGpuLossConfig:
     block_h: int = 64
     num_stages: int = 3
     chunk_vocab: int = 2048
+    dx_token_chunk: int = 0
 
     def __post_init__(self) -> None:
         for name in dataclasses.fields(self):
             value = getattr(self, name.name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(
-                    f"MosaicGpuLossConfig: {name.name} must be a positive int, got {value!r}")
+            lowest = 0 if name.name == "dx_token_chunk" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < lowest:
+                raise ValueError(f"MosaicGpuLossConfig: {name.name} must be an int >= "
+                                 f"{lowest}, got {value!r}")
         rows = NUM_COMPUTE_WGS * ROWS_PER_WG
         if self.block_tokens % rows:
             raise ValueError(f"MosaicGpuLossConfig: block_tokens={self.block_tokens} must be "
@@ -80,6 +87,9 @@ class MosaicGpuLossConfig:
         if self.chunk_vocab % self.block_vocab:
             raise ValueError(f"MosaicGpuLossConfig: chunk_vocab={self.chunk_vocab} must be a "
                              f"multiple of block_vocab={self.block_vocab}")
+        if self.dx_token_chunk % self.block_tokens:
+            raise ValueError(f"MosaicGpuLossConfig: dx_token_chunk={self.dx_token_chunk} must "
+                             f"be a multiple of block_tokens={self.block_tokens}")
 
     @property
     def tiles(self) -> _Tiles:
