@@ -1,10 +1,11 @@
 """The Mosaic GPU LM-head loss (`implementation="mosaic"`).
 
 On CPU: the forward and the gradient lower for an H200 through `jax.export` (the
-`mosaic_gpu_v2` custom calls, with their JSON specs) at several shapes; unsupported
-inputs and devices raise `NotImplementedError`; configs and heuristics. Pallas Mosaic GPU
-has no CPU interpreter that runs these kernels in jax 0.11.2 (TMA, barriers and `wgmma`
-are outside `plgpu`'s GPU interpret mode), so numerics run on the GPU:
+`mosaic_gpu_v2` custom calls, with their JSON specs) at several shapes; the kernels run
+in Pallas's GPU interpret mode (`plgpu.force_gpu_interpret_mode`, about 5 s a kernel
+call at these small shapes) for the loss and its gradients against the float32 HIGHEST
+reference; unsupported inputs and devices raise `NotImplementedError`; configs and
+heuristics. On the GPU, at larger shapes:
 
     PYTHONPATH=src:kernels:. python -m pytest -m gpu \
         tests/test_mosaic_linear_softmax_cross_entropy.py
@@ -15,9 +16,11 @@ temporary memory against the `xla` implementation's at 16384 x 4096 x 128256).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -182,7 +185,7 @@ def test_vocab_splits_fill_the_sms_without_empty_splits():
         assert 1 <= splits <= blocks and (splits - 1) * per < blocks
 
 
-# --- on the GPU ------------------------------------------------------------------------
+# --- numerics: the float32 HIGHEST reference ------------------------------------------
 
 def _reference(x, labels, w, reduction, cap):
     logits = jnp.matmul(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
@@ -225,6 +228,59 @@ def _check(implementation, lead, h, v, dtype, reduction, cap, seed=0):
 
 
 SMALL_OP = Op(config=SMALL_CHUNKS, vjp=Vjp(config=SMALL_CHUNKS))
+# Interpret-mode tiles: 128-wide vocabulary blocks, 256-wide backward chunks (V=320: two,
+# the last starting early), dx over 128-token chunks when two_pass.
+INTERPRET = MosaicGpuLossConfig(block_tokens=128, block_vocab=128, block_h=64, num_stages=2,
+                                chunk_vocab=256)
+
+
+def _interpreted(lead, h, v, reduction, cap, backward_config, seed):
+    """The op's forward and VJP computations (`_fwd`: no platform check) with the kernels in
+    GPU interpret mode, against the reference, forward and gradients."""
+    x, labels, w = _inputs(lead, h, v, jnp.bfloat16, seed)
+    statics = dict(reduction=reduction, logits_soft_cap=cap, precision=None)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out, residuals = Op()._fwd(x, labels, w, **statics, config=INTERPRET,
+                                   return_residuals=True)
+        cotangent = random_normal(seed + 7, out.shape)
+        grads, _ = Vjp()._fwd(residuals, out, cotangent, config=backward_config,
+                              return_residuals=False, x=x, labels=labels, weights=w, **statics)
+    assert_close(out, _reference(x, labels, w, reduction, cap), jnp.bfloat16)
+    wants = jax.grad(lambda x, w: jnp.sum(_reference(x, labels, w, reduction, cap)
+                                          * cotangent), argnums=(0, 1))(
+        x.astype(jnp.float32), w.astype(jnp.float32))
+    for got, want in zip((grads["x"], grads["weights"]), wants, strict=True):
+        assert got.dtype == jnp.bfloat16
+        assert_close(got, want, jnp.bfloat16)
+    assert not np.any(np.asarray(grads["x"], np.float32)[np.asarray(labels) < 0])
+
+
+@pytest.mark.parametrize("reduction, cap, two_pass", [("sum", None, False),
+                                                      ("mean", 2.0, True),
+                                                      ("none", None, True)])
+def test_interpreted_kernels_match_reference(reduction, cap, two_pass):
+    # 150 tokens (padded to 152; the last token block and dx chunk start early), V=320 (the
+    # last vocabulary block and backward chunk start early).
+    config = dataclasses.replace(INTERPRET, dx_token_chunk=128 if two_pass else 0)
+    _interpreted((2, 75), 64, 320, reduction, cap, config, seed=31)
+
+
+def test_interpreted_few_tokens_and_vmap():
+    """60 tokens (padded to a block); `jax.vmap` runs the kernels once per example."""
+    x, labels, w = _inputs((2, 60), 64, 128, jnp.bfloat16, seed=41)
+
+    def per_example(x, labels):
+        out, _ = Op()._fwd(x, labels, w, reduction="mean", logits_soft_cap=None,
+                           precision=None, config=INTERPRET, return_residuals=False)
+        return out
+
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        out = jax.vmap(per_example)(x, labels)
+    want = jax.vmap(lambda x, lab: _reference(x, lab, w, "mean", None))(x, labels)
+    assert_close(out, want, jnp.bfloat16)
+
+
+# --- on the GPU ------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
