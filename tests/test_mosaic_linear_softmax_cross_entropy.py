@@ -45,8 +45,9 @@ SMALL_CHUNKS = MosaicGpuLossConfig(block_tokens=128, block_vocab=256, block_h=64
                                    num_stages=3, chunk_vocab=512)
 # dx from a second pass over 128-token chunks: 300 tokens (304 padded) take three.
 TWO_PASS = MosaicGpuLossConfig(chunk_vocab=512, dx_token_chunk=128)
-# The least memory: 1024-wide vocabulary chunks, dx over 128-token chunks.
-LEAST_MEMORY = MosaicGpuLossConfig(chunk_vocab=1024, dx_token_chunk=128)
+# The least memory: 512-wide vocabulary chunks, dx over 128-token chunks (at 1024 and 128:
+# 79 MiB on the H200, 1/101 of xla's).
+LEAST_MEMORY = MosaicGpuLossConfig(chunk_vocab=512, dx_token_chunk=128)
 
 
 def _target(kind: str = H200):
@@ -167,12 +168,12 @@ def test_config_validation(kwargs):
 @pytest.mark.parametrize("backward", [False, True])
 def test_heuristics_and_search_space_fit(shape, backward):
     tokens, h, v = shape
-    config = common.heuristic_config(h, v, backward=backward)
+    config = common.heuristic_config(h, v)
     assert common.fits(config, h, v, backward=backward)
     assert config.smem_bytes(2, backward=backward) <= common.SMEM_BYTES
     if shape != (300, 64, 64):
         assert (config.block_tokens, config.block_vocab, config.block_h) == (128, 256, 64)
-        assert config.num_stages == (3 if backward else 4)
+        assert config.num_stages == 3
     space = common.search_space(h, v, backward=backward)
     assert space and all(common.fits(c, h, v, backward=backward) for c in space)
 

@@ -83,7 +83,7 @@ class PallasMosaicGpuLinearSoftmaxCrossEntropyLoss(LinearSoftmaxCrossEntropyLoss
         return reduce_losses(losses, labels, reduction), (lse,) if return_residuals else None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> MosaicGpuLossConfig:
-        return common.heuristic_config(*ba.arguments["weights"].shape, backward=False)
+        return common.heuristic_config(*ba.arguments["weights"].shape)
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicGpuLossConfig]:
         return common.search_space(*ba.arguments["weights"].shape, backward=False)

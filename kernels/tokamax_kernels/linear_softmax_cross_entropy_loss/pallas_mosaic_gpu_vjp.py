@@ -156,7 +156,7 @@ class PallasMosaicGpuLinearSoftmaxCrossEntropyLossVjp(LinearSoftmaxCrossEntropyL
         return {"x": dx.reshape(x.shape), "weights": dweights}, None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> MosaicGpuLossConfig:
-        return common.heuristic_config(*ba.arguments["weights"].shape, backward=True)
+        return common.heuristic_config(*ba.arguments["weights"].shape)
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicGpuLossConfig]:
         return common.search_space(*ba.arguments["weights"].shape, backward=True)
