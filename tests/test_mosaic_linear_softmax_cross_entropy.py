@@ -267,18 +267,24 @@ def test_interpreted_kernels_match_reference(reduction, cap, two_pass):
 
 
 def test_interpreted_few_tokens_and_vmap():
-    """60 tokens (padded to a block); `jax.vmap` runs the kernels once per example."""
+    """60 tokens a sequence (padded to a block). `jax.vmap` with shared weights folds the
+    sequences into one launch; with per-sequence weights it launches once per sequence."""
     x, labels, w = _inputs((2, 60), 64, 128, jnp.bfloat16, seed=41)
+    ws = jnp.stack([w, (w.astype(jnp.float32) * -1.5).astype(w.dtype)])
 
-    def per_example(x, labels):
+    def per_example(x, labels, w):
         out, _ = Op()._fwd(x, labels, w, reduction="mean", logits_soft_cap=None,
                            precision=None, config=INTERPRET, return_residuals=False)
         return out
 
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-        out = jax.vmap(per_example)(x, labels)
-    want = jax.vmap(lambda x, lab: _reference(x, lab, w, "mean", None))(x, labels)
-    assert_close(out, want, jnp.bfloat16)
+    def reference(x, labels, w):
+        return _reference(x, labels, w, "mean", None)
+
+    for weights, axis in ((w, None), (ws, 0)):
+        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+            out = jax.vmap(per_example, in_axes=(0, 0, axis))(x, labels, weights)
+        want = jax.vmap(reference, in_axes=(0, 0, axis))(x, labels, weights)
+        assert_close(out, want, jnp.bfloat16)
 
 
 # --- on the GPU ------------------------------------------------------------------------

@@ -209,3 +209,25 @@ def map_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
         return outs, jax.tree.map(lambda _: True, outs)
 
     return mapped
+
+
+def fold_tokens(fn: Callable[..., Any], per_token: int) -> Callable[..., Any]:
+    """`fn` whose first `per_token` arguments and every output are per-token arrays (tokens
+    on the leading axis), the rest shared: under a `jax.vmap` that maps only per-token
+    arguments, the batch folds into the tokens (one kernel launch); otherwise `map_batch`."""
+    mapped = jax.custom_batching.custom_vmap(fn)
+    fallback = map_batch(fn)
+
+    @mapped.def_vmap
+    def _rule(axis_size: int, in_batched: Any, *args: Any) -> tuple[Any, Any]:
+        if any(in_batched[per_token:]):
+            outs = jax.vmap(fallback, in_axes=[0 if b else None for b in in_batched])(*args)
+            return outs, jax.tree.map(lambda _: True, outs)
+        tokens = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+                  for a, b in zip(args[:per_token], in_batched, strict=False)]
+        flat = [a.reshape(-1, *a.shape[2:]) for a in tokens]
+        outs = mapped(*flat, *args[per_token:])
+        outs = jax.tree.map(lambda o: o.reshape(axis_size, -1, *o.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return mapped

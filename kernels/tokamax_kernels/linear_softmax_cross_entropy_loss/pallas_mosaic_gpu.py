@@ -7,7 +7,8 @@ label's logit; the loss and its reduction are a few XLA element-wise ops on thos
 `PallasMosaicGpuLinearSoftmaxCrossEntropyLossVjp` (vocabulary chunks of dlogits from a
 kernel, then cuBLAS GEMMs). bf16/f16 inputs, the default precision, H a multiple of 64,
 V >= 64 and a multiple of 8; any token count, any V tail, soft cap, every reduction,
-ignored labels and `jax.vmap` (one kernel launch per batch entry).
+ignored labels and `jax.vmap` (the forward folds a batch of tokens into one launch when
+the weights are shared; the backward launches once per batch entry).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def mosaic_lse_and_label_logits(x: jax.Array, labels: jax.Array, weights: jax.Ar
         lse = jax.nn.logsumexp(lse, axis=0) if splits > 1 else lse[0]
         return lse[:tokens], jnp.sum(label_logit, axis=0)[:tokens]
 
-    return common.map_batch(run)(x, labels, weights)
+    return common.fold_tokens(run, per_token=2)(x, labels, weights)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
