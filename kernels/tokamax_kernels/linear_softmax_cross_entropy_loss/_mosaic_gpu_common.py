@@ -19,7 +19,7 @@ from jax import lax
 
 from tokamax_kernels.linear_softmax_cross_entropy_loss._mosaic_gpu_kernels import (
     NUM_COMPUTE_WGS,
-    _Tiles,
+    Tiles,
 )
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu_common import num_sms
 from tokamax_pass.core import BoundArguments, Target
@@ -92,8 +92,8 @@ class MosaicGpuLossConfig:
                              f"be a multiple of block_tokens={self.block_tokens}")
 
     @property
-    def tiles(self) -> _Tiles:
-        return _Tiles(self.block_tokens, self.block_vocab, self.block_h, self.num_stages)
+    def tiles(self) -> Tiles:
+        return Tiles(self.block_tokens, self.block_vocab, self.block_h, self.num_stages)
 
     def smem_bytes(self, itemsize: int, *, backward: bool) -> int:
         """The ring's SMEM, plus the backward's output tile."""

@@ -18,8 +18,9 @@ Sizes the blocks do not divide are not padded: the last block starts early (`siz
 block`) and repeats rows or columns of the block before it. Repeated rows are computed
 and stored twice with the same values; repeated columns are masked where they would be
 counted twice (the forward's statistics) and recomputed identically where they are
-stored (dlogits). The caller guarantees tokens >= block_tokens and the chunk (or V)
->= block_vocab.
+stored (dlogits). The caller guarantees tokens >= block_tokens and a multiple of 8, and
+a vocabulary (or chunk) >= block_vocab and a multiple of 64: Mosaic GPU tiles the whole
+x and weights arrays as the swizzled TMA tiles are tiled.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ LN2 = math.log(2.0)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Tiles:
+class Tiles:
     """The static tiling of one kernel launch."""
 
     block_tokens: int
@@ -95,16 +96,17 @@ def _logits(acc: jax.Array, dtype: Any, cap: float | None) -> tuple[jax.Array, A
 
 
 def _vocab_loop_kernel(
-    x: jax.Array, weights: jax.Array, row_inputs: list[jax.Array], *, tiles: _Tiles,
+    x: jax.Array, weights: jax.Array, row_inputs: list[jax.Array], *, tiles: Tiles,
     vocab_blocks: int, vocab_splits: int, out_type: Any, scratch: list[Any],
     compute: Callable[..., None],
 ) -> Any:
     """A kernel over (token block, vocabulary split) whose compute warpgroups call
-    `compute(refs, wg, t0, v_begin, v_count, tile_logits)`; `tile_logits(v)` runs the
-    K-loop of vocabulary block `v` (in order: the memory warpgroup streams blocks
-    `v_begin ... v_begin + v_count - 1`) and returns the float32 accumulator.
-    `row_inputs` are (tokens,) vectors the compute warpgroups read (SMEM copies of their
-    rows are made by `compute` itself)."""
+    `compute(refs, extra, wg, t0, v_begin, v_count, column0, tile_logits)`: `refs` are the
+    kernel's operands and outputs, `extra` the refs of `scratch`, `t0` the block's first
+    token, `column0(v)` vocabulary block v's first column, and `tile_logits(v)` runs the
+    K-loop of block `v` (in order: the memory warpgroup streams blocks `v_begin ...
+    v_begin + v_count - 1`) and returns this warpgroup's float32 accumulator.
+    `row_inputs` are per-token vectors (or scalars) `compute` reads itself."""
     tokens, hidden = x.shape
     vocab = weights.shape[1]
     bt, bv, bh, stages = tiles.block_tokens, tiles.block_vocab, tiles.block_h, tiles.num_stages
@@ -206,7 +208,7 @@ def _load_rows(src_gmem: Any, dst_smem: Any, barrier: Any) -> None:
 
 
 def forward_stats(x: jax.Array, labels: jax.Array, weights: jax.Array, *,
-                  cap: float | None, tiles: _Tiles, vocab_splits: int
+                  cap: float | None, tiles: Tiles, vocab_splits: int
                   ) -> tuple[jax.Array, jax.Array]:
     """`(lse, label_logit)`, each (vocab_splits, tokens) float32: per split of the
     vocabulary blocks, the natural-log logsumexp of each token's soft-capped logits and
@@ -264,7 +266,7 @@ def forward_stats(x: jax.Array, labels: jax.Array, weights: jax.Array, *,
 
 def dlogits_chunk(x: jax.Array, labels: jax.Array, lse: jax.Array, g: jax.Array,
                   weights_chunk: jax.Array, first_class: jax.Array, first_fresh: jax.Array,
-                  *, cap: float | None, tiles: _Tiles, vocab_splits: int) -> jax.Array:
+                  *, cap: float | None, tiles: Tiles, vocab_splits: int) -> jax.Array:
     """(T, C) dlogits of the chunk `weights_chunk` (H, C) of the vocabulary, in x's dtype.
 
     `first_class`: the class id of the chunk's column 0 (int32 scalar); columns before
