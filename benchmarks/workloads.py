@@ -307,7 +307,7 @@ def lce(name: str, tokens: int, h: int, v: int) -> Workload:
         f"tokamax {impl or 'None'}": functools.partial(
             lambda x, labels, w, impl: tokamax.linear_softmax_cross_entropy_loss(
                 x, labels, w, reduction="mean", implementation=impl), impl=impl)
-        for impl in ("xla_chunked", "xla", None)
+        for impl in ("mosaic", "xla_chunked", "xla", None)
     }
 
     def make() -> tuple[jax.Array, ...]:

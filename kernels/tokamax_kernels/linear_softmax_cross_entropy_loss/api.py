@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax_kernels.linear_softmax_cross_entropy_loss.base import LinearSoftmaxCrossEntropyLoss
+from tokamax_kernels.linear_softmax_cross_entropy_loss.pallas_mosaic_gpu import (
+    PallasMosaicGpuLinearSoftmaxCrossEntropyLoss,
+)
 from tokamax_kernels.linear_softmax_cross_entropy_loss.pallas_mosaic_tpu import (
     PallasMosaicTpuLinearSoftmaxCrossEntropyLoss,
 )
@@ -14,15 +17,17 @@ from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
-# `None` runs `xla_chunked` only where a measurement at the shape (or a neighbour) shows
-# it faster than `xla`; explicitly, `implementation="xla_chunked"` bounds the memory.
+# `None` runs `mosaic_gpu`, `mosaic_tpu` or `xla_chunked` only where a measurement at the
+# shape (or a neighbour) shows it faster than `xla`; explicitly, `implementation="mosaic"`
+# (Hopper or TPU) or `"xla_chunked"` bounds the memory.
 FAMILY = register_family(Family(
     name="linear_softmax_cross_entropy_loss",
-    implementations={"mosaic_tpu": PallasMosaicTpuLinearSoftmaxCrossEntropyLoss,
+    implementations={"mosaic_gpu": PallasMosaicGpuLinearSoftmaxCrossEntropyLoss,
+                     "mosaic_tpu": PallasMosaicTpuLinearSoftmaxCrossEntropyLoss,
                      "xla_chunked": XlaChunkedLinearSoftmaxCrossEntropyLoss,
                      "xla": LinearSoftmaxCrossEntropyLoss},
-    automatic=("mosaic_tpu", "xla_chunked", "xla"),
-    aliases={"mosaic": ("mosaic_tpu",)},
+    automatic=("mosaic_gpu", "mosaic_tpu", "xla_chunked", "xla"),
+    aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu")},
 ))
 
 
@@ -45,8 +50,10 @@ def linear_softmax_cross_entropy_loss(
       precision: of the GEMMs (`jax.lax.Precision` or its name, or a pair).
       implementation: `None` (plain XLA unless a measurement favours another), "xla"
         (the logits materialized), "xla_chunked" (tiles of logits only: memory bounded
-        by the tile), "mosaic_tpu" (Pallas kernels on TPUs; "mosaic": the platform's
-        Mosaic kernel), an `Op` instance, or a sequence of those.
+        by the tile), "mosaic_gpu" (Hopper: the logits tiles stay in registers; the
+        backward holds one vocabulary chunk of dlogits), "mosaic_tpu" (Pallas kernels on
+        TPUs), "mosaic" (the platform's Mosaic kernel), an `Op` instance, or a sequence
+        of those.
 
     Returns the float32 loss; differentiable in `x` and `weights`.
     """
