@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from tokamax_kernels.gated_linear_unit._grouped import gate_up_weights
@@ -67,7 +68,7 @@ def _primitives(jaxpr: Any) -> set[str]:
     found = set()
     for eqn in jaxpr.eqns:
         found.add(eqn.primitive.name)
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             found |= _primitives(sub)
     return found
 
