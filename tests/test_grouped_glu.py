@@ -23,7 +23,7 @@ from tokamax_kernels.ragged_dot.base import RaggedDot
 
 glu = tokamax.gated_linear_unit
 SIZES = (37, 0, 61, 50)  # uneven, one empty group; 148 of 160 rows: the tail gives zeros
-M, K, N = 160, 48, 40
+M, K, N, G = 160, 48, 40, len(SIZES)
 
 
 def reference(x, weights, sizes, activation):
@@ -44,7 +44,7 @@ def reference(x, weights, sizes, activation):
     return jnp.concatenate(rows)
 
 
-def inputs(fused, dtype, seed=0, m=M, k=K, n=N, g=len(SIZES)):
+def inputs(fused, dtype, seed=0, m=M, k=K, n=N, g=G):
     x = random_normal(seed, (m, k), dtype)
     if fused:
         weights = (random_normal(seed + 1, (g, k, 2, n)) / np.sqrt(k)).astype(dtype)

@@ -39,7 +39,7 @@ glu = tokamax.gated_linear_unit
 Op, Vjp = PallasMosaicGpuGatedLinearUnit, PallasMosaicGpuGatedLinearUnitVjp
 # 200 rows (a multiple of 8, not of 64): uneven groups, an empty one, 24 tail rows.
 SIZES = (70, 0, 51, 55)
-M, K, N = 200, 128, 128
+M, K, N, G = 200, 128, 128, len(SIZES)
 SMALL = Config(tile_m=64, tile_n=64, tile_k=64, num_stages=2, epi_n=64, grid_tile_width=1)
 BENCH = (32768, 2048, 5632, 8)  # Mixtral-style experts: M, K, N, G
 
@@ -50,7 +50,7 @@ def _target(kind: str = H200):
         abstract_device=AbstractDevice(kind, None, "cuda")))
 
 
-def _shapes(m=M, k=K, n=N, g=len(SIZES), fused=True, dtype=jnp.bfloat16):
+def _shapes(m=M, k=K, n=N, g=G, fused=True, dtype=jnp.bfloat16):
     x = jax.ShapeDtypeStruct((m, k), dtype)
     w = (jax.ShapeDtypeStruct((g, k, 2, n), dtype) if fused
          else (jax.ShapeDtypeStruct((g, k, n), dtype),) * 2)
@@ -67,7 +67,8 @@ def _export_text(fn, *args) -> str:
 
 def _kernel_specs(text: str) -> list[str]:
     """The op names in the JSON specs stamped on the Mosaic GPU custom calls."""
-    calls = [line for line in text.splitlines() if "mosaic_gpu_v2" in line and "custom_call" in line]
+    calls = [line for line in text.splitlines()
+             if "mosaic_gpu_v2" in line and "custom_call" in line]
     return [re.search(r"tokamax_kernels\.[\w.]+\.(\w+)\\22", c).group(1) for c in calls]
 
 
@@ -76,7 +77,7 @@ def _kernel_specs(text: str) -> list[str]:
 @pytest.mark.parametrize("fused, activation", [(True, jax.nn.swish), (False, jax.nn.gelu)])
 @pytest.mark.parametrize("shape", ["small", "bench"])
 def test_forward_lowers_to_one_kernel(fused, activation, shape):
-    m, k, n, g = BENCH if shape == "bench" else (M, K, N, len(SIZES))
+    m, k, n, g = BENCH if shape == "bench" else (M, K, N, G)
     text = _export_text(
         lambda x, w, s: glu(x, w, group_sizes=s, activation=activation, implementation="mosaic"),
         *_shapes(m, k, n, g, fused))
