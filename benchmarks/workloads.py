@@ -285,6 +285,37 @@ def ragged(name: str, m: int, k: int, n: int, groups: tuple[int, ...]) -> Worklo
     )
 
 
+def moe_glu(name: str, m: int, k: int, n: int, groups: tuple[int, ...]) -> Workload:
+    """MoE expert GEMMs with SwiGLU: grouped fused (G, K, 2, N) weights; the peer is
+    `jax.lax.ragged_dot` over the (G, K, 2N) view, then the activation expression."""
+    assert sum(groups) == m
+    group_sizes = jnp.asarray(groups, jnp.int32)
+    g = len(groups)
+    ours = {
+        f"tokamax {impl or 'None'}": functools.partial(
+            lambda x, w, impl: tokamax.gated_linear_unit(x, w, group_sizes=group_sizes,
+                                                         implementation=impl), impl=impl)
+        for impl in ("mosaic_gpu", "xla", None)
+    }
+
+    def plain(x, w):
+        both = jax.lax.ragged_dot(x, w.reshape(g, k, 2 * n), group_sizes)
+        return jax.nn.swish(both[:, :n]) * both[:, n:]
+
+    def reference(x, w):
+        both = jax.lax.ragged_dot(x.astype(jnp.float32), w.reshape(g, k, 2 * n).astype(
+            jnp.float32), group_sizes, precision=jax.lax.Precision.HIGHEST)
+        return jax.nn.swish(both[:, :n]) * both[:, n:]
+
+    return Workload(
+        name=name, family="gated_linear_unit",
+        make=lambda: (_normal(0, (m, k)), _normal(1, (g, k, 2, n)) / math.sqrt(k)),
+        work=lambda mode: 2 * m * k * 2 * n * (3.0 if mode == "fwd+bwd" else 1.0),
+        unit="TFLOP/s", reference=reference, ours=ours,
+        peers={"jax.lax.ragged_dot, then swish(gate) * up": plain},
+    )
+
+
 # --- linear softmax cross entropy (LM head + loss) --------------------------------------
 
 
@@ -343,6 +374,8 @@ def all_workloads() -> list[Workload]:
         norm("layer norm 65536x4096", (65536, 4096), subtract_mean=True),
         norm("rms norm 65536x4096", (65536, 4096), subtract_mean=False),
         ragged("ragged dot m16384 k4096 n4096 g8", 16384, 4096, 4096, UNEVEN_GROUPS),
+        moe_glu("moe glu m32768 k2048 n5632 g8", 32768, 2048, 5632,
+                tuple(2 * size for size in UNEVEN_GROUPS)),
         attention("attention b4 s8192 h16 d128", 4, 8192, 16, 128, causal=False),
         attention("attention b4 s8192 h16 d128 causal", 4, 8192, 16, 128, causal=True),
         norm("layer norm 65536x1024", (65536, 1024), subtract_mean=True),
@@ -364,5 +397,6 @@ def smoke_workloads() -> list[Workload]:
                       param_dtype=jnp.float32),
         ragged("smoke ragged dot", 64, 32, 16, (10, 0, 30, 24)),
         glu("smoke glu", 64, 32, 48),
+        moe_glu("smoke moe glu", 64, 32, 48, (10, 0, 30, 24)),
         lce("smoke lce", 64, 32, 96),
     ]

@@ -13,7 +13,8 @@ def test_smoke_suite_writes_results(tmp_path):
     ours = [r for r in data["rows"] if r["kind"] == "ours" and "ms" in r]
     assert {r["workload"] for r in ours} == {"smoke attention", "smoke self-attention",
                                              "smoke layer norm", "smoke rms norm + residual",
-                                             "smoke ragged dot", "smoke glu", "smoke lce"}
+                                             "smoke ragged dot", "smoke glu", "smoke moe glu",
+                                             "smoke lce"}
     assert all(r["relative_error"] < 2e-2 and r["ms"] > 0 for r in ours)
     assert all("vs_best_peer" in r for r in ours)
 

@@ -124,6 +124,22 @@ def test_gated_linear_unit_bind(x_shape, k, n, dtype, fused, pair_k):
         assert _names_an_argument(e, ("x", "weights", "w_gate", "w_up")), e
 
 
+@settings(max_examples=150)
+@given(x_rank=st.integers(1, 3), m=SIZE, k=SIZE, n=SIZE, g=st.integers(0, 4), dtype=DTYPES,
+       w_dtype=DTYPES, sizes_dtype=DTYPES, fused=st.booleans(), grouped_weights=st.booleans(),
+       sizes_g=st.integers(0, 4), w_k=SIZE)
+def test_grouped_gated_linear_unit_bind(x_rank, m, k, n, g, dtype, w_dtype, sizes_dtype, fused,
+                                        grouped_weights, sizes_g, w_k):
+    x = _sds((*(m,) * (x_rank - 1), k), dtype)
+    lead = (g, w_k) if grouped_weights else (w_k,)
+    weights = (_sds((*lead, 2, n), w_dtype) if fused
+               else (_sds((*lead, n), w_dtype), _sds((*lead, n), w_dtype)))
+    try:
+        GatedLinearUnit().bind(x, weights, group_sizes=_sds((sizes_g,), sizes_dtype))
+    except ACCEPTED as e:
+        assert _names_an_argument(e, ("x", "weights", "w_gate", "w_up", "group_sizes")), e
+
+
 # --- user data as text: array specs, results, caches, bound-argument lists ---------------
 
 SPEC_TEXT = st.one_of(
@@ -291,6 +307,27 @@ def test_ragged_dot_matches_reference(sizes, extra_rows, k, n, seed):
     start = 0
     for g, size in enumerate(sizes):
         want[start:start + size] = lhs[start:start + size].astype(np.float64) @ rhs[g]
+        start += size
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=20)
+@given(sizes=st.lists(st.integers(0, 5), min_size=1, max_size=4), extra_rows=st.integers(0, 3),
+       k=st.integers(1, 6), n=st.integers(1, 6), fused=st.booleans(), seed=st.integers(0, 2**16))
+def test_grouped_gated_linear_unit_matches_reference(sizes, extra_rows, k, n, fused, seed):
+    rng = np.random.default_rng(seed)
+    m, g = sum(sizes) + extra_rows, len(sizes)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((g, k, 2, n)).astype(np.float32)
+    weights = w if fused else (w[:, :, 0], w[:, :, 1])
+    out = tokamax.gated_linear_unit(x, weights, group_sizes=jnp.asarray(sizes, jnp.int32),
+                                    implementation="xla", precision=jax.lax.Precision.HIGHEST)
+    want = np.zeros((m, n))
+    start = 0
+    for group, size in enumerate(sizes):
+        rows = x[start:start + size].astype(np.float64)
+        gate, up = rows @ w[group, :, 0], rows @ w[group, :, 1]
+        want[start:start + size] = gate / (1 + np.exp(-gate)) * up
         start += size
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-4, atol=1e-4)
 

@@ -41,6 +41,10 @@ def _glu(x, w):
     return tk.gated_linear_unit(x, w, implementation="xla")
 
 
+def _grouped_glu(x, w, sizes):
+    return tk.gated_linear_unit(x, w, group_sizes=sizes, implementation="xla")
+
+
 def _attention(q, k, v, bias, mask, q_len, kv_len):
     return tk.dot_product_attention(q, k, v, bias, mask, query_seq_lengths=q_len,
                                     key_value_seq_lengths=kv_len, implementation="xla")
@@ -74,6 +78,9 @@ def _cases():
          (attn_spec, attn_spec, attn_spec, P("data", "model"), P("data"), P("data"), P("data")),
          (0, 1, 2, 3)),
         ("ragged_dot", _ragged, (random_normal(10, (64, 16)), random_normal(11, (4, 16, 8)), sizes),
+         (P(ROWS, None), P(), P()), (0, 1)),
+        ("grouped_gated_linear_unit", _grouped_glu,
+         (random_normal(16, (64, 16)), random_normal(17, (4, 16, 2, 8)), sizes),
          (P(ROWS, None), P(), P()), (0, 1)),
     ]
 

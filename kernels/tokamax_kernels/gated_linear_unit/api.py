@@ -6,26 +6,37 @@ from collections.abc import Callable
 from typing import Any
 
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
+from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu import PallasMosaicGpuGatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_triton import PallasTritonGatedLinearUnit
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
 FAMILY = register_family(Family(
     name="gated_linear_unit",
-    implementations={"xla": GatedLinearUnit, "triton": PallasTritonGatedLinearUnit},
-    automatic=("triton", "xla"),
+    implementations={"mosaic_gpu": PallasMosaicGpuGatedLinearUnit,
+                     "triton": PallasTritonGatedLinearUnit, "xla": GatedLinearUnit},
+    automatic=("mosaic_gpu", "triton", "xla"),
+    aliases={"mosaic": ("mosaic_gpu",)},
 ))
 
 
-def gated_linear_unit(x: Any, weights: Any, *, activation: Callable[[Any], Any] | None = None,
+def gated_linear_unit(x: Any, weights: Any, *, group_sizes: Any = None,
+                      activation: Callable[[Any], Any] | None = None,
                       precision: Any = None, implementation: Implementation = None) -> Any:
     """`activation(x @ w_gate) * (x @ w_up)`: x (..., K) -> (..., N).
 
     `weights`: one fused (K, 2, N) array (`[:, 0]` gate, `[:, 1]` up) or a pair
     `(w_gate, w_up)` of (K, N) arrays. `activation` defaults to `jax.nn.swish`
     (SwiGLU); use a module-level function so the op's spec can be read back.
+
+    `group_sizes` (G,) int32 (MoE expert GEMMs): the rows of x (M, K) come in consecutive
+    groups, group g multiplying its rows by its own weights, fused (G, K, 2, N) or a pair
+    of (G, K, N); rows past `sum(group_sizes)` give zeros, as in `jax.lax.ragged_dot`.
+    `"mosaic_gpu"` fuses the activation into the ragged dot's epilogue (Hopper, bf16/f16).
+
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
     here: see `tokamax_pass.core.resolution`), a name
     from `FAMILY.implementations`, an `Op` instance, or a sequence of those.
     """
-    return FAMILY(implementation, x, weights, activation=activation, precision=precision)
+    return FAMILY(implementation, x, weights, group_sizes=group_sizes, activation=activation,
+                  precision=precision)

@@ -5,6 +5,11 @@ either fused, one (K, 2, N) array (`[:, 0]` gate, `[:, 1]` up), or as a pair
 `(w_gate, w_up)` of (K, N) arrays; `bind` keeps the form given so a kernel can read
 the fused layout directly. No residuals: kernels recompute the two products in
 the backward pass.
+
+With `group_sizes` (MoE expert GEMMs) the rows of x are grouped and each group has its
+own weights, (G, K, 2, N) or a pair of (G, K, N): see `_grouped.py`. Such calls keep
+the pre-activations as residuals (as autodiff of the plain expression does) and run the
+gradient's GEMMs as ragged dots. Calls without `group_sizes` are unchanged by them.
 """
 
 from __future__ import annotations
@@ -12,14 +17,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from tokamax_kernels import _validation as v
-from tokamax_kernels.ragged_dot.base import canonical_precision
-from tokamax_pass.core import BoundArguments, NullConfig, Op, VjpOp
+from tokamax_kernels.gated_linear_unit._grouped import (
+    abstract_gradient_calls,
+    check_grouped,
+    grouped_backward,
+    grouped_forward,
+)
+from tokamax_kernels.ragged_dot.base import RaggedDot, canonical_precision
+from tokamax_pass.core import BoundArguments, NullConfig, Op, Target, VjpOp
 
 _OP = "gated_linear_unit"
 
@@ -71,7 +82,14 @@ class GatedLinearUnit(Op[NullConfig]):
     runs GEMMs of that dtype too; fused (K, 2, N) weights take one (K, 2N) GEMM. The
     activation and the product are computed in float32 inside XLA's elementwise fusion,
     which costs no extra pass over memory.
+
+    With `group_sizes`: `jax.lax.ragged_dot` (one over the (G, K, 2N) view of fused
+    weights) and the same float32 activation; the gradient is `GatedLinearUnitVjp`'s.
     """
+
+    # Whether an implementation computes grouped calls (`group_sizes`). The XLA
+    # reference (this class) always does; a kernel says so here.
+    grouped: ClassVar[bool] = False
 
     def similarity_arguments(self, arguments: Any) -> dict[str, Any]:
         """Rows x K: how x's leading axes split does not change the GEMMs' speed."""
@@ -85,11 +103,27 @@ class GatedLinearUnit(Op[NullConfig]):
 
         return partition_rule(ba)
 
-    def bind(self, x: Any, weights: Any, *, activation: Callable[[Any], Any] | None = None,
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        if "group_sizes" not in ba.arguments:
+            return
+        if not (self.grouped or type(self) is GatedLinearUnit):
+            raise NotImplementedError(
+                f"{type(self).__name__} has no grouped form (group_sizes); use "
+                "implementation='xla' or 'mosaic_gpu'")
+        if ba.vmap:
+            raise NotImplementedError("the grouped gated linear unit does not support jax.vmap")
+
+    def bind(self, x: Any, weights: Any, *, group_sizes: Any = None,
+             activation: Callable[[Any], Any] | None = None,
              precision: Any = None) -> BoundArguments:
         v.require_rank("x", x, range(1, 64), op=_OP)
         v.require_float("x", x, op=_OP)
-        _check_weights(weights, x.shape[-1])
+        weights = tuple(weights) if isinstance(weights, list) else weights
+        if group_sizes is None:
+            _check_weights(weights, x.shape[-1])
+        else:
+            check_grouped(x, weights, group_sizes)
         if activation is None:
             activation = jax.nn.swish
         if not callable(activation):
@@ -97,13 +131,20 @@ class GatedLinearUnit(Op[NullConfig]):
                 f"{_OP}: activation must be callable (e.g. jax.nn.gelu) or None (swish), got "
                 f"{activation!r}"
             )
+        # Calls without group_sizes keep the arguments (and so the cache keys) they had.
+        grouped = {} if group_sizes is None else {"group_sizes": group_sizes}
         return BoundArguments(self, dict(
-            x=x, weights=tuple(weights) if isinstance(weights, list) else weights,
+            x=x, weights=weights, **grouped,
             activation=activation, precision=canonical_precision(precision, op=_OP),
         ))
 
     def _fwd(self, x: jax.Array, weights: Any, *, activation: Callable[[Any], Any],
-             precision: Any, config: NullConfig, return_residuals: bool) -> tuple[jax.Array, None]:
+             precision: Any, config: NullConfig, return_residuals: bool,
+             group_sizes: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        if group_sizes is not None:
+            out, residuals = grouped_forward(x, weights, group_sizes, activation=activation,
+                                             precision=precision)
+            return out, residuals if return_residuals else None
         if isinstance(weights, tuple):
             gate = jnp.matmul(x, weights[0], precision=precision)
             up = jnp.matmul(x, weights[1], precision=precision)
@@ -130,13 +171,50 @@ class GatedLinearUnitVjp(VjpOp):
     product instead adds two padded (..., 2N) arrays; concatenating `[dgate | dup]` in
     float32 costs two more passes: 0.97x and 0.89x the jnp expression's forward+backward
     on the H200 at 16384x2048x5632.)
+
+    With `group_sizes`: `dgate` and `dup` from the forward's residuals (no GEMM is
+    recomputed), then the ragged dots autodiff of the plain expression runs, each a call
+    of `ragged_dot_op()` (the `ragged_dot` family's XLA op here) so each is found, tuned
+    and cached as its own shape.
     """
 
     forward_family = GatedLinearUnit
 
+    def ragged_dot_op(self) -> Op:
+        """The `ragged_dot` op that runs a grouped call's gradient GEMMs."""
+        return RaggedDot()
+
+    def evidence_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
+        """A grouped call's gradient ragged dots: it is as fast as they are measured."""
+        if "group_sizes" not in ba.arguments:
+            return None
+        op, arguments = self.ragged_dot_op(), ba.arguments
+        return [op.bind(*args, **kwargs).replace(vmap=ba.vmap)
+                for _, args, kwargs in abstract_gradient_calls(
+                    arguments["x"], arguments["weights"], arguments["group_sizes"],
+                    arguments["precision"])]
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        evidence = self.evidence_calls(ba)
+        if evidence is None:
+            return
+        if ba.vmap:
+            raise NotImplementedError("the grouped gated linear unit does not support jax.vmap")
+        if ba.arguments["residuals"] is None:
+            raise NotImplementedError(
+                "the grouped gated-linear-unit gradient needs the forward's residuals")
+        for call in evidence:
+            call.op.check_supported(call, target)
+
     def _fwd(self, residuals: Any, out: Any, dout: jax.Array, *, config: Any,
              return_residuals: bool, x: jax.Array, weights: Any,
-             activation: Callable[[Any], Any], precision: Any) -> tuple[dict[str, Any], None]:
+             activation: Callable[[Any], Any], precision: Any,
+             group_sizes: jax.Array | None = None) -> tuple[dict[str, Any], None]:
+        if group_sizes is not None:
+            return grouped_backward(self.ragged_dot_op(), residuals, dout, x=x, weights=weights,
+                                    group_sizes=group_sizes, activation=activation,
+                                    precision=precision), None
         del residuals, out, config, return_residuals
         fused = not isinstance(weights, tuple)
         if fused:

@@ -1,0 +1,205 @@
+"""The grouped gated linear unit (`gated_linear_unit(..., group_sizes=...)`, MoE expert
+GEMMs) by the `xla` implementation: forward and gradients of x and the weights against a
+per-group float32 HIGHEST reference (uneven and empty groups, rows past the last group,
+swish and gelu, fused and pair weights, bf16 and f32, random cotangents); its gradient
+runs through the `ragged_dot` family; bad input names the argument; implementations
+without a grouped form step aside; calls without `group_sizes` are unchanged."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_pass as tokamax
+from conftest import assert_close, random_normal
+from tokamax_kernels.gated_linear_unit import (
+    GatedLinearUnit,
+    GatedLinearUnitVjp,
+    PallasTritonGatedLinearUnit,
+)
+from tokamax_kernels.ragged_dot.base import RaggedDot
+
+glu = tokamax.gated_linear_unit
+SIZES = (37, 0, 61, 50)  # uneven, one empty group; 148 of 160 rows: the tail gives zeros
+M, K, N, G = 160, 48, 40, len(SIZES)
+
+
+def reference(x, weights, sizes, activation):
+    """Group by group in float32 at HIGHEST precision; zeros past the last group."""
+    x = x.astype(jnp.float32)
+    if isinstance(weights, tuple):
+        w_gate, w_up = (w.astype(jnp.float32) for w in weights)
+    else:
+        w_gate, w_up = weights[:, :, 0].astype(jnp.float32), weights[:, :, 1].astype(jnp.float32)
+    rows, start = [], 0
+    for g, size in enumerate(sizes):
+        xg = x[start:start + size]
+        gate = jnp.matmul(xg, w_gate[g], precision="highest")
+        up = jnp.matmul(xg, w_up[g], precision="highest")
+        rows.append(activation(gate) * up)
+        start += size
+    rows.append(jnp.zeros((x.shape[0] - start, w_gate.shape[2]), jnp.float32))
+    return jnp.concatenate(rows)
+
+
+def inputs(fused, dtype, seed=0, m=M, k=K, n=N, g=G):
+    x = random_normal(seed, (m, k), dtype)
+    if fused:
+        weights = (random_normal(seed + 1, (g, k, 2, n)) / np.sqrt(k)).astype(dtype)
+    else:
+        weights = tuple((random_normal(seed + i, (g, k, n)) / np.sqrt(k)).astype(dtype)
+                        for i in (1, 2))
+    return x, weights
+
+
+def check_against_reference(fn, x, weights, sizes, activation, dtype, seed=0):
+    """`fn(x, weights)` and its gradients against the reference, random cotangent."""
+    out = jax.jit(fn)(x, weights)
+    want = reference(x, weights, sizes, activation)
+    assert out.dtype == dtype and out.shape == want.shape
+    assert_close(out, want, dtype)
+    start = sum(sizes)
+    assert not np.any(np.asarray(out[start:], np.float32))
+    cotangent = random_normal(seed + 7, want.shape)
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * cotangent),
+                             argnums=(0, 1)))(x, weights)
+    wide = jax.tree.map(lambda a: a.astype(jnp.float32), (x, weights))
+    wants = jax.grad(lambda x, w: jnp.sum(reference(x, w, sizes, activation) * cotangent),
+                     argnums=(0, 1))(*wide)
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(wants), strict=True):
+        assert got.dtype == dtype
+        assert_close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("activation", [jax.nn.swish, jax.nn.gelu])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_xla_matches_reference(fused, activation, dtype):
+    x, weights = inputs(fused, dtype, seed=3)
+    sizes = jnp.array(SIZES, jnp.int32)
+
+    def fn(x, w):
+        return glu(x, w, group_sizes=sizes, activation=activation, implementation="xla",
+                   precision="highest" if dtype == jnp.float32 else None)
+
+    check_against_reference(fn, x, weights, SIZES, activation, dtype, seed=3)
+
+
+def test_none_runs_xla_on_cpu_with_traced_group_sizes():
+    x, weights = inputs(True, jnp.bfloat16, seed=5)
+
+    def fn(x, w, sizes):
+        return glu(x, w, group_sizes=sizes)
+
+    sizes = jnp.array(SIZES, jnp.int32)
+    assert_close(jax.jit(fn)(x, weights, sizes), reference(x, weights, SIZES, jax.nn.swish),
+                 jnp.bfloat16)
+
+
+def test_xla_forward_is_the_plain_expression():
+    """One (G, K, 2N) ragged dot for fused weights, as `ragged_dot` then the activation."""
+    x, weights = inputs(True, jnp.bfloat16, seed=9)
+    sizes = jnp.array(SIZES, jnp.int32)
+    g, k, _, n = weights.shape
+    both = jax.lax.ragged_dot(x, weights.reshape(g, k, 2 * n), sizes)
+    plain = (jax.nn.swish(both[:, :n].astype(jnp.float32))
+             * both[:, n:].astype(jnp.float32)).astype(x.dtype)
+    out = glu(x, weights, group_sizes=sizes, implementation="xla")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+    text = jax.export.export(
+        jax.jit(lambda x, w, s: glu(x, w, group_sizes=s, implementation="xla")),
+        platforms=["cuda"])(x, weights, sizes).mlir_module()
+    assert text.count("stablehlo.composite \"chlo.ragged_dot\"") == 1
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_gradient_runs_ragged_dot_family_calls(fused):
+    """The backward's GEMMs are `ragged_dot` op calls (dlhs, drhs): `None` can run measured
+    kernels for them. Fused weights: one of each; a pair: two of each."""
+    x, weights = inputs(fused, jnp.bfloat16, seed=11)
+    sizes = jnp.array(SIZES, jnp.int32)
+    ba = GatedLinearUnitVjp().bind(
+        (jax.ShapeDtypeStruct((M, 2 * N), x.dtype) if fused
+         else (jax.ShapeDtypeStruct((M, N), x.dtype),) * 2),
+        jax.ShapeDtypeStruct((M, N), x.dtype), jax.ShapeDtypeStruct((M, N), x.dtype),
+        x=x, weights=weights, group_sizes=sizes, activation=jax.nn.swish, precision=None)
+    calls = GatedLinearUnitVjp().evidence_calls(ba)
+    variants = [c.arguments["variant"] for c in calls]
+    assert variants == (["dlhs", "drhs"] if fused else ["dlhs", "dlhs", "drhs", "drhs"])
+    assert all(isinstance(c.op, RaggedDot) for c in calls)
+    if fused:
+        assert calls[0].arguments["rhs"].shape == (len(SIZES), K, 2 * N)
+    grad = jax.jit(jax.grad(lambda x, w, s: jnp.sum(glu(x, w, group_sizes=s).astype(
+        jnp.float32)), argnums=(0, 1)))
+    text = jax.export.export(grad, platforms=["cuda"])(x, weights, sizes).mlir_module()
+    composites = [line for line in text.splitlines()
+                  if 'stablehlo.composite "chlo.ragged_dot"' in line]
+    ragged_dot_calls = [line for line in composites if "ragged_dot.base.RaggedDot\\22" in line]
+    assert len(composites) == (1 if fused else 2) + len(calls)
+    assert len(ragged_dot_calls) == len(calls)
+
+
+def test_dense_calls_keep_their_arguments():
+    """No `group_sizes` key: dense calls keep their cache keys and residual-free forward."""
+    x = jax.ShapeDtypeStruct((4, 8, 16), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((16, 2, 24), jnp.bfloat16)
+    ba = GatedLinearUnit().bind(x, w)
+    assert "group_sizes" not in ba.arguments
+    assert "group_sizes" not in ba.cache_key
+
+
+BAD = [
+    # (x shape, weights, group sizes, what the message names)
+    ((M, K), ("fused", (K, 2, N)), ((4,), jnp.int32), "weights"),
+    ((M, K), ("pair", (K, N)), ((4,), jnp.int32), "w_gate"),
+    ((M, K), ("fused", (4, K, 2, N)), ((3,), jnp.int32), "group_sizes"),
+    ((M, K), ("fused", (4, K + 1, 2, N)), ((4,), jnp.int32), "K = the last axis of x"),
+    ((M, K), ("fused", (4, K, 3, N)), ((4,), jnp.int32), "(G, K, 2, N)"),
+    ((M, K), ("fused", (4, K, 2, N)), ((4,), jnp.float32), "group_sizes must be an integer"),
+    ((M, K), ("fused", (4, K, 2, N)), ((4, 1), jnp.int32), "group_sizes"),
+    ((2, M, K), ("fused", (4, K, 2, N)), ((4,), jnp.int32), "x"),
+]
+
+
+@pytest.mark.parametrize("x_shape, weights, sizes, names", BAD)
+def test_bad_input_names_the_argument(x_shape, weights, sizes, names):
+    x = jax.ShapeDtypeStruct(x_shape, jnp.bfloat16)
+    form, shape = weights
+    w = (jax.ShapeDtypeStruct(shape, jnp.bfloat16) if form == "fused"
+         else (jax.ShapeDtypeStruct(shape, jnp.bfloat16),) * 2)
+    gs = jax.ShapeDtypeStruct(*sizes)
+    with pytest.raises(ValueError, match=names.replace("(", r"\(").replace(")", r"\)")):
+        jax.eval_shape(lambda x, w, s: glu(x, w, group_sizes=s), x, w, gs)
+
+
+def test_concrete_bad_group_sizes_and_mixed_dtypes():
+    x, weights = inputs(True, jnp.bfloat16)
+    with pytest.raises(ValueError, match="group_sizes must be >= 0"):
+        glu(x, weights, group_sizes=jnp.array([5, -1, 3, 0], jnp.int32))
+    with pytest.raises(ValueError, match="group_sizes sum to 161"):
+        glu(x, weights, group_sizes=jnp.array([100, 61, 0, 0], jnp.int32))
+    with pytest.raises(ValueError, match="one dtype"):
+        glu(x.astype(jnp.float32), weights, group_sizes=jnp.array(SIZES, jnp.int32))
+    with pytest.raises(ValueError, match="group_sizes must be an int32 array"):
+        glu(x, weights, group_sizes=list(SIZES))
+
+
+def test_triton_has_no_grouped_form_and_none_steps_past_it():
+    x, weights = inputs(True, jnp.bfloat16)
+    sizes = jnp.array(SIZES, jnp.int32)
+    triton = PallasTritonGatedLinearUnit(interpret=True)  # runs here: only the form is missing
+    with pytest.raises(NotImplementedError, match="no grouped form"):
+        glu(x, weights, group_sizes=sizes, implementation=triton)
+    want = glu(x, weights, group_sizes=sizes, implementation="xla")
+    got = glu(x, weights, group_sizes=sizes, implementation=(triton, "xla"))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_vmap_is_not_supported():
+    x, weights = inputs(True, jnp.bfloat16)
+    sizes = jnp.array(SIZES, jnp.int32)
+    with pytest.raises(NotImplementedError, match="vmap"):
+        jax.vmap(lambda x: glu(x, weights, group_sizes=sizes, implementation="xla"))(
+            jnp.stack([x, x]))
