@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_kernels.attention import _mosaic_gpu_common as common
+from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
     mosaic_attention_dkv,
     mosaic_attention_dq,
@@ -48,11 +49,13 @@ _QKV = frozenset({"query", "key", "value"})
 
 def runs_shared_kernel(arguments: Mapping[str, Any]) -> bool:
     """True when query, key and value are one array (`shared_inputs`) and nothing else
-    (causal, lengths) needs the general kernels: then one kernel computes their summed
-    gradient."""
+    (causal, lengths, a local window, a soft cap) needs the general kernels: then one
+    kernel computes their summed gradient."""
     return (any(_QKV <= set(group) for group in arguments.get("shared_inputs", ()))
             and not arguments["is_causal"] and arguments["query_seq_lengths"] is None
-            and arguments["key_value_seq_lengths"] is None)
+            and arguments["key_value_seq_lengths"] is None
+            and arguments.get("local_window_size") is None
+            and arguments.get("logits_soft_cap") is None)
 
 
 def shared_fits(config: MosaicAttentionVjpConfig, seq: int, head_dim: int) -> bool:
@@ -111,10 +114,12 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: MosaicAttentionVjpConfig,
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
              bias: Any, mask: Any, scale: float, is_causal: bool, query_seq_lengths: Any,
-             key_value_seq_lengths: Any, shared_inputs: Any = (), dresiduals: Any = None,
+             key_value_seq_lengths: Any, local_window_size: Any, logits_soft_cap: Any,
+             shared_inputs: Any = (), dresiduals: Any = None,
              **unsupported: Any) -> tuple[dict[str, Any], None]:
         del return_residuals, unsupported["precision"]
         check_unsupported_features(dict(bias=bias, mask=mask, **unsupported), _WHAT)
+        window = _window.bounds(local_window_size, is_causal)
         (lse,) = residuals
         dout = dout.astype(query.dtype)
         # delta_i = sum_d out_id * dout_id = sum_j p_ij dp_ij: the softmax Jacobian's row term.
@@ -122,17 +127,21 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         if dresiduals is not None:  # the lse output's cotangent: d lse / d logits = p
             delta = delta - dresiduals[0].astype(jnp.float32)
         lse = lse.astype(jnp.float32)
-        visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1])
+        visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1],
+                                      window, key.shape[1])
         if visible is not None:
             # An lse of +inf makes every probability of a row that sees nothing zero.
             lse = jnp.where(visible[:, None, :], lse, jnp.inf)
         if runs_shared_kernel(dict(shared_inputs=shared_inputs, is_causal=is_causal,
                                    query_seq_lengths=query_seq_lengths,
-                                   key_value_seq_lengths=key_value_seq_lengths)):
+                                   key_value_seq_lengths=key_value_seq_lengths,
+                                   local_window_size=local_window_size,
+                                   logits_soft_cap=logits_soft_cap)):
             dx = mosaic_attention_shared_dx(query, dout, lse, delta, scale=scale, config=config)
             return {"query": dx}, None
         lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])
-        kwargs = dict(scale=scale, causal=is_causal, config=config)
+        kwargs = dict(scale=scale, causal=is_causal, config=config, window=window,
+                      soft_cap=logits_soft_cap)
         dq = mosaic_attention_dq(query, key, value, dout, lse, delta, lengths, **kwargs)
         dk, dv = mosaic_attention_dkv(query, key, value, dout, lse, delta, lengths, **kwargs)
         return {"query": dq, "key": dk, "value": dv}, None
