@@ -20,9 +20,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax._src import core as jax_core
-from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret, shared_memory
 from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
 from jax._src.pallas.mosaic_gpu.core import WGMMAAbstractAccumulatorRef
+from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret, shared_memory
 from jax._src.state import discharge
 from jax._src.state import primitives as state_primitives
 from jax._src.state.types import AbstractRef
@@ -87,24 +87,19 @@ def _as_run_scoped(eqn: jax_core.JaxprEqn) -> jax_core.JaxprEqn:
                               outvars=[outvars[v] for v in scoped_eqn.outvars])
 
 
-def _with_register_lhs(eqn: jax_core.JaxprEqn) -> jax_core.JaxprEqn:
+def _with_register_lhs(eqn: jax_core.JaxprEqn) -> list[jax_core.JaxprEqn]:
     """A `wgmma` whose left operand is a register value, as what it computes, `acc += a @ b`
     in float32 (the interpreter's `wgmma` reads both operands from SMEM)."""
     params = eqn.params
-    trees = [params[f"{x}_transforms_tree"] for x in ("acc", "a", "b")]
-    counts = [0 if tree is None else tree.num_leaves for tree in trees]
+    if params["acc_transforms_tree"] is not None:
+        raise NotImplementedError("interpret shim: a transformed accumulator")
+    b_tree = params["b_transforms_tree"] or jax.tree.structure(())
 
-    def multiply_add(acc, a, b, *leaves):
-        acc_leaves, b_leaves = leaves[:counts[0]], leaves[counts[0] + counts[1]:]
-        if counts[0]:
-            raise NotImplementedError("interpret shim: a transformed accumulator")
-        b_value = (b if trees[2] is None else None)
-        b_value = state_primitives.get_p.bind(b, *b_leaves, tree=trees[2] or
-                                              jax.tree.structure(()))
+    def multiply_add(acc, a, b, *b_leaves):
+        b_value = state_primitives.get_p.bind(b, *b_leaves, tree=b_tree)
         total = state_primitives.ref_get(acc, ()) + jnp.dot(
             a, b_value, preferred_element_type=jnp.float32)
         state_primitives.ref_swap(acc, (), total)
-        del acc_leaves
 
     traced = jax.make_jaxpr(multiply_add)(*(v.aval for v in eqn.invars)).jaxpr
     rename = dict(zip(traced.invars, eqn.invars, strict=True))

@@ -44,8 +44,12 @@ def _div(x: Any, y: int) -> Any:
     return lax.div(x, jnp.int32(y)) if isinstance(x, jax.Array) else x // y
 
 
-def _ordered(first: Any, full_first: Any, full_end: Any, end: Any) -> TileRange:
-    end = jnp.maximum(end, first)
+def _ordered(first: Any, full_first: Any, full_end: Any, end: Any, limit: Any) -> TileRange:
+    """The four runs inside `[0, limit)`, each tile in exactly one: rows that see nothing
+    get an empty range at or before `limit` (a kernel streaming the tiles of several row
+    runs through one ring must never be told to skip a tile past the last one loaded)."""
+    first = jnp.minimum(first, limit)
+    end = jnp.clip(end, first, limit)
     full_first = jnp.clip(full_first, first, end)
     return TileRange(first, full_first, jnp.clip(full_end, full_first, end), end)
 
@@ -59,11 +63,12 @@ def kv_tiles(window: tuple[int, int], row0: Any, rows: int, tile: int, num_tiles
     first = _div(jnp.maximum(row0 - left, 0), tile)
     full_first = _div(jnp.maximum(last - left + tile - 1, 0), tile)
     full_end = _div(jnp.maximum(row0 + right + 1, 0), tile)
-    end = jnp.minimum(_div(jnp.maximum(last + right + tile, 0), tile), num_tiles)
+    end = _div(jnp.maximum(last + right + tile, 0), tile)
+    limit = num_tiles
     if kv_len is not None:
-        end = jnp.minimum(end, _div(kv_len + tile - 1, tile))
+        limit = jnp.minimum(limit, _div(kv_len + tile - 1, tile))
         full_end = jnp.minimum(full_end, _div(kv_len, tile))
-    return _ordered(first, full_first, full_end, end)
+    return _ordered(first, full_first, full_end, end, limit)
 
 
 def q_tiles(window: tuple[int, int], col0: Any, cols: int, tile: int, num_tiles: int
@@ -75,8 +80,8 @@ def q_tiles(window: tuple[int, int], col0: Any, cols: int, tile: int, num_tiles:
     first = _div(jnp.maximum(col0 - right, 0), tile)
     full_first = _div(jnp.maximum(last - right + tile - 1, 0), tile)
     full_end = _div(jnp.maximum(col0 + left + 1, 0), tile)
-    end = jnp.minimum(_div(jnp.maximum(last + left + tile, 0), tile), num_tiles)
-    return _ordered(first, full_first, full_end, end)
+    end = _div(jnp.maximum(last + left + tile, 0), tile)
+    return _ordered(first, full_first, full_end, end, num_tiles)
 
 
 def visible_below(window: tuple[int, int] | None, kv_len: Any) -> Any:

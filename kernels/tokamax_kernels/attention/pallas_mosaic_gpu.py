@@ -54,6 +54,16 @@ def fits(config: MosaicAttentionConfig, seq_q: int, seq_kv: int, head_dim: int) 
             and registers <= 192)
 
 
+def _narrow_for_window(preferred: list[MosaicAttentionConfig], window: Any
+                       ) -> list[MosaicAttentionConfig]:
+    """With a local window of at most 64 keys a row, 64-key tiles first: a row's keys then
+    span at most two tiles, and a 128-key tile would be mostly masked (not measured)."""
+    if window is None or sum(window) + 1 > 64:
+        return preferred
+    narrow = [dataclasses.replace(c, block_kv=64) for c in preferred]
+    return list(dict.fromkeys(narrow + preferred))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasMosaicGpuFlashAttention(DotProductAttention):
     """Flash attention forward for Hopper GPUs (TMA ring, wgmma, warp specialization)."""
@@ -107,6 +117,7 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
             preferred = [MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)]
         preferred += [MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=2),
                       MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)]
+        preferred = _narrow_for_window(preferred, ba.arguments["local_window_size"])
         for config in preferred:
             if fits(config, seq_q, seq_kv, head_dim):
                 return config

@@ -6,6 +6,17 @@ recomputes the probabilities, and runs two Mosaic GPU kernels
 query head (GQA/MQA shares summed after it). Self-attention on one array
 (`attention(x, x, x)`, non-causal, no lengths) runs one kernel for `dq + dk + dv`
 instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
+Logits soft cap and local windows run in the general kernels (tiles outside a window are
+never loaded).
+
+Head dim 256 has no backward here (`NotImplementedError`, so `None` moves on), from the
+register budget on paper: `wgmma` gives each compute warpgroup at least 64 rows, and the
+dk/dv kernel keeps dk and dv for them in registers, 2 x 64 x 256 float32 over 128
+threads = 256 registers a thread before its two 64 x 64 score tiles (+64): over the
+255-register hardware limit (the compute warpgroups get 232). The dq kernel alone would
+fit (64 x 256 + 2 x 64 x 64 -> 192 registers, and with one compute warpgroup 192 KiB of
+SMEM: Q and dO 64 KiB, a 2-slot K/V ring 128 KiB). A d256 backward needs dk and dv split
+into two kernels (or head-dim halves), each recomputing the scores.
 """
 
 from __future__ import annotations
@@ -103,6 +114,11 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
         args = ba.arguments
+        if args["query"].shape[-1] == 256:
+            raise NotImplementedError(
+                f"{_WHAT}: head dim 256 has no Mosaic GPU backward (dk and dv of 64 key rows "
+                "need 256 registers a thread, over the limit: see the module docstring); "
+                "use implementation='triton' or None")
         check_inputs(args, target, head_dims=common.BACKWARD_HEAD_DIMS, q_multiple=128,
                      kv_multiple=128, what=_WHAT)
         residuals = args.get("residuals")
