@@ -1,7 +1,8 @@
 """CPU tests of the Mosaic GPU attention kernels: lowering for an H200, support checks.
 
-The kernels cannot run here (the Mosaic GPU interpreter is too limited); their numerics
-are checked on the device by `tests/gpu/test_mosaic_attention_gpu.py`.
+Their numerics are checked on the device by `tests/gpu/test_mosaic_attention_gpu.py`, and
+on CPU in GPU interpret mode for soft cap and local windows by
+`tests/test_mosaic_attention_window_softcap.py`.
 """
 
 from __future__ import annotations
@@ -140,14 +141,12 @@ def test_explicit_configs_lower():
     assert text.count("mosaic_gpu_v2") == 3
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(logits_soft_cap=30.0), "logits_soft_cap"),
-    (dict(local_window_size=16), "local_window_size"),
-])
-def test_unsupported_features_raise(kwargs, message):
+@pytest.mark.parametrize("name", ["bias", "mask"])
+def test_unsupported_features_raise(name):
     q = _sds((1, 256, 2, 64))
-    with pytest.raises(NotImplementedError, match=message):
-        _export(lambda q: _mosaic(q, q, q, **kwargs), q)
+    extra = _sds((1, 2, 256, 256), jnp.bfloat16 if name == "bias" else jnp.bool_)
+    with pytest.raises(NotImplementedError, match=name):
+        _export(lambda q, x: _mosaic(q, q, q, **{name: x}), q, extra)
 
 
 @pytest.mark.parametrize("shape,dtype,message", [
@@ -163,7 +162,7 @@ def test_unsupported_inputs_raise(shape, dtype, message):
 
 def test_backward_rejects_head_dim_256():
     q = _sds((1, 256, 2, 256))
-    with pytest.raises(NotImplementedError, match="head dims"):
+    with pytest.raises(NotImplementedError, match="head dim 256 has no Mosaic GPU backward"):
         _export(jax.grad(lambda q: _mosaic(q, q, q).astype(jnp.float32).sum()), q)
 
 

@@ -17,6 +17,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_common import (
     COMPUTE_REGISTERS,
     LOG2E,
@@ -34,9 +35,22 @@ def _acc(shape: tuple[int, int]) -> jax.Array:
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), _WGMMA)
 
 
+def _scores_in_log2(s: jax.Array, qk_scale: float, scale: float, soft_cap: float | None
+                    ) -> tuple[jax.Array, jax.Array | None]:
+    """Raw `q . k` scores as the (soft-capped) logits in log2 units, and the cap's
+    `tanh(scale * s / cap)` (None without a cap) for the derivative."""
+    if soft_cap is None:
+        return s * qk_scale, None
+    capped = jnp.tanh(s * (scale / soft_cap))
+    return capped * (soft_cap * LOG2E), capped
+
+
 def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: float,
-                        causal: bool, config: MosaicAttentionVjpConfig) -> jax.Array:
-    """dq (B, Sq, H, D) in q's dtype; `kv_lengths` (B,) int32 as in the forward."""
+                        causal: bool, config: MosaicAttentionVjpConfig,
+                        window: tuple[int, int] | None = None,
+                        soft_cap: float | None = None) -> jax.Array:
+    """dq (B, Sq, H, D) in q's dtype; `kv_lengths` (B,) int32, `window`, `soft_cap` as in
+    the forward (a block streams only the K/V tiles its rows see)."""
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -45,6 +59,7 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
     stages = max(1, min(config.num_stages, seq_kv // block_kv))
     qk_scale = scale * LOG2E
     has_lengths = kv_lengths is not None
+    num_kv_blocks = seq_kv // block_kv
 
     def body(*refs):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
@@ -65,6 +80,15 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
             return steps
 
         block_steps = num_steps((qi + 1) * (wgs * block_q))
+        block_first = 0
+        if window is not None:  # the tiles any row of the block sees
+            block_tiles = _window.kv_tiles(window, qi * (wgs * block_q), wgs * block_q,
+                                           block_kv, num_kv_blocks, kv_len)
+            block_first, block_steps = block_tiles.first, block_tiles.end
+
+        def slot_of(step):
+            """The ring slot of K/V tile `step` (the block's first tile takes slot 0)."""
+            return lax.rem(step if window is None else step - block_first, stages)
 
         @pl.when(wg < wgs)
         def _compute():
@@ -84,17 +108,21 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
             steps = num_steps(q_base + block_q)
 
             def kv_step(step, dq_acc, *, masked):
-                slot = lax.rem(step, stages)
+                slot = slot_of(step)
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].transpose((1, 0)))
                     return acc_ref[...]
 
-                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32)) * qk_scale
+                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+                s, capped = _scores_in_log2(s, qk_scale, scale, soft_cap)
                 if masked:
-                    s = mask_scores(s, q_base, step * block_kv, causal=causal, kv_len=kv_len)
+                    s = mask_scores(s, q_base, step * block_kv, causal=causal, kv_len=kv_len,
+                                    window=window)
                 p = jnp.exp2(s - lax.broadcast_in_dim(lse2, s.shape, [0]))
+                # The soft cap's derivative rides on p: d(capped)/d(scaled) = 1 - tanh^2.
+                p_ds = p if capped is None else p * (1.0 - capped * capped)
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 def dp_product(acc_ref):
@@ -102,7 +130,7 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
                     return acc_ref[...]
 
                 dp = pl.run_scoped(dp_product, plgpu.ACC((block_q, block_kv), jnp.float32))
-                ds = p * (dp - lax.broadcast_in_dim(delta_i, dp.shape, [0]))
+                ds = p_ds * (dp - lax.broadcast_in_dim(delta_i, dp.shape, [0]))
 
                 def dq_product(acc_ref):
                     plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
@@ -112,22 +140,37 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
                 return dq_acc
 
             def drain_step(step, _):
-                slot = lax.rem(step, stages)
+                slot = slot_of(step)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
-            # Tiles before `unmasked` need no mask; the rest cross the diagonal or the length.
-            unmasked = jnp.minimum(lax.div(kv_len, block_kv), steps) if has_lengths else steps
-            if causal:
-                unmasked = jnp.minimum(lax.div(q_base, block_kv), unmasked)
-            dq_acc = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False),
-                                   _acc((block_q, head_dim)))
-            if causal or has_lengths:
-                dq_acc = lax.fori_loop(unmasked, steps, lambda i, c: kv_step(i, c, masked=True),
-                                       dq_acc)
-            if causal:
-                lax.fori_loop(steps, block_steps, drain_step, None)
+            def masked_step(i, c):
+                return kv_step(i, c, masked=True)
+
+            if window is not None:
+                tiles = _window.kv_tiles(window, q_base, block_q, block_kv, num_kv_blocks,
+                                         kv_len)
+                lax.fori_loop(block_first, tiles.first, drain_step, None)
+                dq_acc = lax.fori_loop(tiles.first, tiles.full_first, masked_step,
+                                       _acc((block_q, head_dim)))
+                dq_acc = lax.fori_loop(tiles.full_first, tiles.full_end,
+                                       lambda i, c: kv_step(i, c, masked=False), dq_acc)
+                dq_acc = lax.fori_loop(tiles.full_end, tiles.end, masked_step, dq_acc)
+                lax.fori_loop(tiles.end, block_steps, drain_step, None)
+            else:
+                # Tiles before `unmasked` need no mask; the rest cross the diagonal or the
+                # length.
+                unmasked = (jnp.minimum(lax.div(kv_len, block_kv), steps) if has_lengths
+                            else steps)
+                if causal:
+                    unmasked = jnp.minimum(lax.div(q_base, block_kv), unmasked)
+                dq_acc = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False),
+                                       _acc((block_q, head_dim)))
+                if causal or has_lengths:
+                    dq_acc = lax.fori_loop(unmasked, steps, masked_step, dq_acc)
+                if causal:
+                    lax.fori_loop(steps, block_steps, drain_step, None)
             my_q[...] = (dq_acc * scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
@@ -138,12 +181,12 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
             kv_h = lax.div(h, group)
 
-            @pl.loop(0, block_steps)
+            @pl.loop(block_first, block_steps)
             def _(step):
-                slot = lax.rem(step, stages)
+                slot = slot_of(step)
                 rows = (b, pl.ds(step * block_kv, block_kv), kv_h)
 
-                @pl.when(step >= stages)
+                @pl.when(step >= block_first + stages)
                 def _():
                     plgpu.barrier_wait(consumed.at[slot])
 
@@ -176,9 +219,11 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
 
 
 def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: float,
-                         causal: bool, config: MosaicAttentionVjpConfig
-                         ) -> tuple[jax.Array, jax.Array]:
-    """(dk, dv), each (B, Sk, Hkv, D) in k's dtype.
+                         causal: bool, config: MosaicAttentionVjpConfig,
+                         window: tuple[int, int] | None = None,
+                         soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """(dk, dv), each (B, Sk, Hkv, D) in k's dtype; `window` and `soft_cap` as in the
+    forward (a block streams only the query tiles that see its keys).
 
     The grid runs over query heads: each block writes one query head's share of dk/dv,
     and the GQA/MQA shares of a K/V head are summed in float32 outside the kernel. With
@@ -207,6 +252,11 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
         wg = lax.axis_index("wg")
         kv_len = lengths_ref[b] if has_lengths else None
         block_first = first_tile(ki * (wgs * block_kv))
+        block_end = num_q_tiles
+        if window is not None:  # the query tiles that see any key of the block
+            block_tiles = _window.q_tiles(window, ki * (wgs * block_kv), wgs * block_kv,
+                                          block_q, num_q_tiles)
+            block_first, block_end = block_tiles.first, block_tiles.end
 
         @pl.when(wg < wgs)
         def _compute():
@@ -233,18 +283,28 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
                     return acc_ref[...]
 
                 s_t = pl.run_scoped(scores_t, plgpu.ACC((block_kv, block_q), jnp.float32))
-                s_t = s_t * qk_scale
+                s_t, capped = _scores_in_log2(s_t, qk_scale, scale, soft_cap)
                 if masked or has_lengths:
-                    s_t = mask_scores(s_t, kv_base, tile * block_q, causal=masked,
-                                      kv_len=kv_len, q_on_rows=False)
+                    if window is None:
+                        s_t = mask_scores(s_t, kv_base, tile * block_q, causal=masked,
+                                          kv_len=kv_len, q_on_rows=False)
+                    else:
+                        s_t = mask_scores(s_t, kv_base, tile * block_q, causal=False,
+                                          kv_len=kv_len, q_on_rows=False,
+                                          window=window if masked else None)
                 plgpu.barrier_wait(lse_ready.at[slot])
                 lse2 = plgpu.load(lse_smem.at[slot], layout=_WGMMA.reduce(0)) * LOG2E
                 p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse2, s_t.shape, [1]))
+                p16_t = None
+                if capped is not None:  # d(capped)/d(scaled) = 1 - tanh^2, on p for ds
+                    p16_t = p_t.astype(dtype)
+                    p_t = p_t * (1.0 - capped * capped)
                 plgpu.barrier_wait(do_ready.at[slot])
 
                 def dv_and_dp(refs):
                     dv_ref_, dp_ref_ = refs
-                    plgpu.wgmma(dv_ref_, p_t.astype(dtype), do_smem.at[slot])
+                    plgpu.wgmma(dv_ref_, p_t.astype(dtype) if p16_t is None else p16_t,
+                                do_smem.at[slot])
                     plgpu.wgmma(dp_ref_, my_v, do_smem.at[slot].transpose((1, 0)))
 
                 dv_acc, dp_t = pl.run_state(dv_and_dp)(
@@ -260,6 +320,9 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk_acc, dv_acc
 
+            def masked_step(tile, carry):
+                return q_step(tile, carry, masked=True)
+
             def skip_step(tile, _):
                 slot = lax.rem(tile - block_first, stages)
                 for ready in (q_ready, do_ready, lse_ready, delta_ready):
@@ -268,13 +331,22 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
 
             carry = (_acc((block_kv, head_dim)), _acc((block_kv, head_dim)))
             start = 0
-            if causal:
-                lax.fori_loop(block_first, first, skip_step, None)
-                carry = lax.fori_loop(first, masked_end,
-                                      lambda t, c: q_step(t, c, masked=True), carry)
-                start = masked_end
-            dk_acc, dv_acc = lax.fori_loop(start, num_q_tiles,
-                                           lambda t, c: q_step(t, c, masked=False), carry)
+            if window is not None:
+                tiles = _window.q_tiles(window, kv_base, block_kv, block_q, num_q_tiles)
+                lax.fori_loop(block_first, tiles.first, skip_step, None)
+                carry = lax.fori_loop(tiles.first, tiles.full_first, masked_step, carry)
+                carry = lax.fori_loop(tiles.full_first, tiles.full_end,
+                                      lambda t, c: q_step(t, c, masked=False), carry)
+                carry = lax.fori_loop(tiles.full_end, tiles.end, masked_step, carry)
+                lax.fori_loop(tiles.end, block_end, skip_step, None)
+                dk_acc, dv_acc = carry
+            else:
+                if causal:
+                    lax.fori_loop(block_first, first, skip_step, None)
+                    carry = lax.fori_loop(first, masked_end, masked_step, carry)
+                    start = masked_end
+                dk_acc, dv_acc = lax.fori_loop(start, num_q_tiles,
+                                               lambda t, c: q_step(t, c, masked=False), carry)
             my_k[...] = (dk_acc * scale).astype(dtype)
             my_v[...] = dv_acc.astype(dtype)
             plgpu.commit_smem()
@@ -287,7 +359,7 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
         def _memory():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-            @pl.loop(0, num_q_tiles - block_first)
+            @pl.loop(0, block_end - block_first)
             def _(step):
                 slot = lax.rem(step, stages)
                 tile = block_first + step

@@ -18,6 +18,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from tokamax_kernels._triton import sm_count
+from tokamax_kernels.attention import _window
 from tokamax_pass.core import Target
 
 # Register budget of the memory warpgroup; the compute warpgroups take the rest.
@@ -100,10 +101,11 @@ def tile_transforms(dtype: Any) -> tuple[Any, ...]:
 
 
 def mask_scores(s: Any, row0: Any, col0: Any, *, causal: bool, kv_len: Any,
-                q_on_rows: bool = True) -> Any:
+                q_on_rows: bool = True, window: tuple[int, int] | None = None) -> Any:
     """Scores tile `s` (WGMMA layout, first row `row0`, first column `col0`) with -inf
-    where the key is hidden: after its query (causal, top-left aligned) or at or after
-    `kv_len` (when not None). `q_on_rows=False` for transposed tiles (keys on rows)."""
+    where the key is hidden: after its query (causal, top-left aligned), outside the
+    local `window` `(left, right)` (when not None), or at or after `kv_len` (when not
+    None). `q_on_rows=False` for transposed tiles (keys on rows)."""
     def positions(axis: int, start: Any) -> Any:
         return plgpu.broadcasted_iota(jnp.int32, s.shape, axis, layout=plgpu.Layout.WGMMA) + start
 
@@ -111,6 +113,10 @@ def mask_scores(s: Any, row0: Any, col0: Any, *, causal: bool, kv_len: Any,
     q0, k0 = (row0, col0) if q_on_rows else (col0, row0)
     keys = positions(k_axis, k0)
     keep = positions(q_axis, q0) >= keys if causal else None
+    if window is not None:
+        offsets = keys - positions(q_axis, q0)
+        in_window = (offsets >= -window[0]) & (offsets <= window[1])
+        keep = in_window if keep is None else keep & in_window
     if kv_len is not None:
         keep = keys < kv_len if keep is None else keep & (keys < kv_len)
     return s if keep is None else jnp.where(keep, s, -jnp.inf)
@@ -123,17 +129,27 @@ def kernel_lengths(key_value_seq_lengths: Any, seq_kv: int) -> Any:
     return jnp.clip(key_value_seq_lengths, 0, seq_kv).astype(jnp.int32)
 
 
-def visible_rows(query_seq_lengths: Any, key_value_seq_lengths: Any, seq_q: int) -> Any:
-    """(B, Sq) or (B, 1) bool: the query rows that see at least one key (None: all).
+def visible_rows(query_seq_lengths: Any, key_value_seq_lengths: Any, seq_q: int,
+                 window: tuple[int, int] | None = None, seq_kv: int = 0) -> Any:
+    """(B, Sq), (B, 1) or (1, Sq) bool: the query rows that see at least one key (None:
+    all).
 
     The kernels leave the other rows undefined (forward) or need them to contribute
-    nothing (backward); causal attention alone never empties a row (key 0 is visible)."""
+    nothing (backward); causal attention alone never empties a row (key 0 is visible).
+    A local `window` (`_window.bounds`, over `seq_kv` keys) empties the rows at and after
+    `kv_len + left`."""
     visible = None
     if query_seq_lengths is not None:
         visible = jnp.arange(seq_q)[None, :] < query_seq_lengths[:, None]
     if key_value_seq_lengths is not None:
         has_keys = (key_value_seq_lengths > 0)[:, None]
         visible = has_keys if visible is None else visible & has_keys
+    if window is not None:
+        kv_len = seq_kv if key_value_seq_lengths is None else key_value_seq_lengths[:, None]
+        below = _window.visible_below(window, kv_len)
+        if key_value_seq_lengths is not None or seq_q > below:
+            seen = jnp.arange(seq_q)[None, :] < below
+            visible = seen if visible is None else visible & seen
     return visible
 
 
@@ -174,7 +190,7 @@ def check_lengths(seq_q: int, seq_kv: int, q_tile: int, kv_tile: int, what: str)
 
 def check_unsupported_features(arguments: dict[str, Any], what: str) -> None:
     """The family features the Mosaic kernels do not implement."""
-    for name in ("bias", "mask", "local_window_size", "logits_soft_cap"):
+    for name in ("bias", "mask"):
         if arguments.get(name) is not None:
             raise NotImplementedError(f"{what} does not support {name} (use 'triton' or 'xla')")
 

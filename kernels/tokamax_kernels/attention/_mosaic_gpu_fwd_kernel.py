@@ -15,6 +15,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_common import (
     COMPUTE_REGISTERS,
     LN2,
@@ -28,8 +29,9 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
 
 def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
                              kv_lengths: jax.Array | None = None, *, scale: float,
-                             causal: bool, config: MosaicAttentionConfig
-                             ) -> tuple[jax.Array, jax.Array]:
+                             causal: bool, config: MosaicAttentionConfig,
+                             window: tuple[int, int] | None = None,
+                             soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """`(out (B, Sq, H, D), lse (B, H, Sq) float32, natural log)` of softmax(scale q k^T) v.
 
     Shapes must already be checked: Sq a multiple of `compute_wgs * block_q`, Sk a
@@ -37,6 +39,10 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
     (key <= query). `kv_lengths` (B,) int32 in [0, Sk], when given, hides keys at and
     after it; tiles past it are never loaded. A row that sees no key (length 0) comes
     out undefined: the caller masks it.
+
+    `window` (`_window.bounds`: causal folded in) limits each query to keys
+    `i - left .. i + right`: a block loads only the K/V tiles its rows see. `soft_cap`
+    replaces the scaled scores by `cap * tanh(scores / cap)` before the mask.
     """
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
@@ -46,6 +52,10 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
     stages = max(1, min(config.num_stages, seq_kv // block_kv))
     num_kv_blocks = seq_kv // block_kv
     qk_scale = scale * LOG2E  # scores are kept in log2 units: exp2 is one instruction
+    if soft_cap is not None:
+        # The capped score in log2 units is (cap * log2 e) * tanh(qk * scale / cap): the
+        # tanh takes the softmax scale, and the cap's positive factor folds like the scale.
+        qk_scale = soft_cap * LOG2E
     fold_scale = qk_scale > 0
     # P converted to 16 bits before its row sum: the order ptxas keeps a 128-row tile in
     # registers with (d64 128x128 tiles on the H200: 1.53 -> 1.23 ms); 64-row tiles run
@@ -74,6 +84,15 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
             return steps
 
         block_steps = num_kv_steps((qi + 1) * (wgs * block_q))
+        block_first = 0
+        if window is not None:  # the tiles any row of the block sees
+            block_tiles = _window.kv_tiles(window, qi * (wgs * block_q), wgs * block_q,
+                                           block_kv, num_kv_blocks, kv_len)
+            block_first, block_steps = block_tiles.first, block_tiles.end
+
+        def slot_of(step):
+            """The ring slot of K/V tile `step` (the block's first tile takes slot 0)."""
+            return lax.rem(step if window is None else step - block_first, stages)
 
         def take_turn():
             if wgs > 1:
@@ -91,7 +110,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
 
             def kv_step(step, carry, *, masked):
                 acc, m_i, l_i = carry
-                slot = lax.rem(step, stages)
+                slot = slot_of(step)
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk_product(acc_ref):
@@ -101,22 +120,28 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
 
                 s = pl.run_scoped(qk_product, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_consumed.at[slot])
+                if soft_cap is not None:
+                    s = jnp.tanh(s * (scale / soft_cap))
                 if not fold_scale:
                     s = s * qk_scale
                 if masked:
-                    s = mask_scores(s, q_base, step * block_kv, causal=causal, kv_len=kv_len)
+                    s = mask_scores(s, q_base, step * block_kv, causal=causal, kv_len=kv_len,
+                                    window=window)
                 # A positive scale commutes with the max, so it rides in exp2's FMA: one
                 # instruction per score instead of a multiply and a subtract.
                 def scaled(x):
                     return x * qk_scale if fold_scale else x
 
                 m_new = jnp.maximum(m_i, scaled(s.max(axis=1)))
+                # A window can hide a whole tile from some rows before they see any key:
+                # their max stays -inf, and exp2(-inf - -inf) would be NaN. Offset by 0.
+                m_off = m_new if window is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
 
                 def probabilities():
-                    return jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    return jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_off, s.shape, [0]))
 
                 if convert_first:
-                    alpha = jnp.exp2(m_i - m_new)
+                    alpha = jnp.exp2(m_i - m_off)
                     p = probabilities()
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     l_i = l_i * alpha
@@ -124,7 +149,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
                     l_i = l_i + p.sum(axis=1)
                 else:
                     p = probabilities()
-                    alpha = jnp.exp2(m_i - m_new)
+                    alpha = jnp.exp2(m_i - m_off)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     l_i = l_i * alpha + p.sum(axis=1)
                     p16 = p.astype(dtype)
@@ -143,8 +168,8 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
                 return acc, m_new, l_i
 
             def drain_step(step, _):
-                """A tile this warpgroup does not need (causal): release it in turn."""
-                slot = lax.rem(step, stages)
+                """A tile this warpgroup does not need (causal, window): release it in turn."""
+                slot = slot_of(step)
                 plgpu.barrier_wait(k_ready.at[slot])
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -160,16 +185,31 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
             carry = (acc, m_i, l_i)
             if wgs > 1:
                 pl.when(wg == 1)(take_turn)
-            # Tiles before `unmasked` need no mask; the rest cross the diagonal or the length.
-            unmasked = jnp.minimum(full_tiles, steps) if has_lengths else steps
-            if causal:
-                unmasked = jnp.minimum(lax.div(q_base, block_kv), unmasked)
-            carry = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False), carry)
-            if causal or has_lengths:
-                carry = lax.fori_loop(unmasked, steps, lambda i, c: kv_step(i, c, masked=True),
+
+            def masked_step(i, c):
+                return kv_step(i, c, masked=True)
+
+            if window is not None:
+                tiles = _window.kv_tiles(window, q_base, block_q, block_kv, num_kv_blocks,
+                                         kv_len)
+                lax.fori_loop(block_first, tiles.first, drain_step, None)
+                carry = lax.fori_loop(tiles.first, tiles.full_first, masked_step, carry)
+                carry = lax.fori_loop(tiles.full_first, tiles.full_end,
+                                      lambda i, c: kv_step(i, c, masked=False), carry)
+                carry = lax.fori_loop(tiles.full_end, tiles.end, masked_step, carry)
+                lax.fori_loop(tiles.end, block_steps, drain_step, None)
+            else:
+                # Tiles before `unmasked` need no mask; the rest cross the diagonal or the
+                # length.
+                unmasked = jnp.minimum(full_tiles, steps) if has_lengths else steps
+                if causal:
+                    unmasked = jnp.minimum(lax.div(q_base, block_kv), unmasked)
+                carry = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False),
                                       carry)
-            if causal:
-                lax.fori_loop(steps, block_steps, drain_step, None)
+                if causal or has_lengths:
+                    carry = lax.fori_loop(unmasked, steps, masked_step, carry)
+                if causal:
+                    lax.fori_loop(steps, block_steps, drain_step, None)
             if wgs > 1:
                 pl.when(wg == 0)(take_turn)
             acc, m_i, l_i = carry
@@ -186,18 +226,18 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
             kv_h = lax.div(h, group)
 
-            @pl.loop(0, block_steps)
+            @pl.loop(block_first, block_steps)
             def _(step):
-                slot = lax.rem(step, stages)
+                slot = slot_of(step)
                 rows = (b, pl.ds(step * block_kv, block_kv), kv_h)
 
-                @pl.when(step >= stages)
+                @pl.when(step >= block_first + stages)
                 def _():
                     plgpu.barrier_wait(k_consumed.at[slot])
 
                 plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
 
-                @pl.when(step >= stages)
+                @pl.when(step >= block_first + stages)
                 def _():
                     plgpu.barrier_wait(v_consumed.at[slot])
 

@@ -2,8 +2,9 @@
 
 Supports bf16/f16, head dims 64/128/256, causal or not, GQA/MQA, per-batch query and
 key/value sequence lengths, query lengths that are multiples of 128 and key lengths that
-are multiples of 64. Bias, masks, soft cap and local windows raise `NotImplementedError`
-(so `implementation=None` moves on to the next implementation). Kernels: `_mosaic_gpu_*.py`.
+are multiples of 64, logits soft cap, local windows (K/V tiles outside a block's window
+are never loaded). Bias and masks raise `NotImplementedError` (so `implementation=None`
+moves on to the next implementation). Kernels: `_mosaic_gpu_*.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_kernels.attention import _mosaic_gpu_common as common
+from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_common import (
     MosaicAttentionConfig,
     check_inputs,
@@ -52,6 +54,16 @@ def fits(config: MosaicAttentionConfig, seq_q: int, seq_kv: int, head_dim: int) 
             and registers <= 192)
 
 
+def _narrow_for_window(preferred: list[MosaicAttentionConfig], window: Any
+                       ) -> list[MosaicAttentionConfig]:
+    """With a local window of at most 64 keys a row, 64-key tiles first: a row's keys then
+    span at most two tiles, and a 128-key tile would be mostly masked (not measured)."""
+    if window is None or sum(window) + 1 > 64:
+        return preferred
+    narrow = [dataclasses.replace(c, block_kv=64) for c in preferred]
+    return list(dict.fromkeys(narrow + preferred))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasMosaicGpuFlashAttention(DotProductAttention):
     """Flash attention forward for Hopper GPUs (TMA ring, wgmma, warp specialization)."""
@@ -75,14 +87,15 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
              local_window_size: Any, logits_soft_cap: Any, precision: Any,
              config: MosaicAttentionConfig, return_residuals: bool) -> tuple[jax.Array, Any]:
         del precision  # bf16/f16 operands, f32 accumulation: what every precision gives here
-        check_unsupported_features(dict(
-            bias=bias, mask=mask, local_window_size=local_window_size,
-            logits_soft_cap=logits_soft_cap), _WHAT)
+        check_unsupported_features(dict(bias=bias, mask=mask), _WHAT)
         lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])
+        window = _window.bounds(local_window_size, is_causal)
         out, lse = mosaic_attention_forward(query, key, value, lengths, scale=scale,
-                                            causal=is_causal, config=config)
+                                            causal=is_causal, config=config, window=window,
+                                            soft_cap=logits_soft_cap)
         # The family contract for rows that see no key: zero output, lse -inf.
-        visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1])
+        visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1],
+                                      window, key.shape[1])
         if visible is not None:
             out = jnp.where(visible[:, :, None, None], out, jnp.zeros((), out.dtype))
             lse = jnp.where(visible[:, None, :], lse, -jnp.inf)
@@ -104,6 +117,7 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
             preferred = [MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)]
         preferred += [MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=2),
                       MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)]
+        preferred = _narrow_for_window(preferred, ba.arguments["local_window_size"])
         for config in preferred:
             if fits(config, seq_q, seq_kv, head_dim):
                 return config

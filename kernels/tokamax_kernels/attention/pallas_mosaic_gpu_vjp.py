@@ -6,6 +6,17 @@ recomputes the probabilities, and runs two Mosaic GPU kernels
 query head (GQA/MQA shares summed after it). Self-attention on one array
 (`attention(x, x, x)`, non-causal, no lengths) runs one kernel for `dq + dk + dv`
 instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
+Logits soft cap and local windows run in the general kernels (tiles outside a window are
+never loaded).
+
+Head dim 256 has no backward here (`NotImplementedError`, so `None` moves on), from the
+register budget on paper: `wgmma` gives each compute warpgroup at least 64 rows, and the
+dk/dv kernel keeps dk and dv for them in registers, 2 x 64 x 256 float32 over 128
+threads = 256 registers a thread before its two 64 x 64 score tiles (+64): over the
+255-register hardware limit (the compute warpgroups get 232). The dq kernel alone would
+fit (64 x 256 + 2 x 64 x 64 -> 192 registers, and with one compute warpgroup 192 KiB of
+SMEM: Q and dO 64 KiB, a 2-slot K/V ring 128 KiB). A d256 backward needs dk and dv split
+into two kernels (or head-dim halves), each recomputing the scores.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_kernels.attention import _mosaic_gpu_common as common
+from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
     mosaic_attention_dkv,
     mosaic_attention_dq,
@@ -48,11 +60,13 @@ _QKV = frozenset({"query", "key", "value"})
 
 def runs_shared_kernel(arguments: Mapping[str, Any]) -> bool:
     """True when query, key and value are one array (`shared_inputs`) and nothing else
-    (causal, lengths) needs the general kernels: then one kernel computes their summed
-    gradient."""
+    (causal, lengths, a local window, a soft cap) needs the general kernels: then one
+    kernel computes their summed gradient."""
     return (any(_QKV <= set(group) for group in arguments.get("shared_inputs", ()))
             and not arguments["is_causal"] and arguments["query_seq_lengths"] is None
-            and arguments["key_value_seq_lengths"] is None)
+            and arguments["key_value_seq_lengths"] is None
+            and arguments.get("local_window_size") is None
+            and arguments.get("logits_soft_cap") is None)
 
 
 def shared_fits(config: MosaicAttentionVjpConfig, seq: int, head_dim: int) -> bool:
@@ -100,6 +114,11 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
         args = ba.arguments
+        if args["query"].shape[-1] == 256:
+            raise NotImplementedError(
+                f"{_WHAT}: head dim 256 has no Mosaic GPU backward (dk and dv of 64 key rows "
+                "need 256 registers a thread, over the limit: see the module docstring); "
+                "use implementation='triton' or None")
         check_inputs(args, target, head_dims=common.BACKWARD_HEAD_DIMS, q_multiple=128,
                      kv_multiple=128, what=_WHAT)
         residuals = args.get("residuals")
@@ -111,10 +130,12 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: MosaicAttentionVjpConfig,
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
              bias: Any, mask: Any, scale: float, is_causal: bool, query_seq_lengths: Any,
-             key_value_seq_lengths: Any, shared_inputs: Any = (), dresiduals: Any = None,
+             key_value_seq_lengths: Any, local_window_size: Any, logits_soft_cap: Any,
+             shared_inputs: Any = (), dresiduals: Any = None,
              **unsupported: Any) -> tuple[dict[str, Any], None]:
         del return_residuals, unsupported["precision"]
         check_unsupported_features(dict(bias=bias, mask=mask, **unsupported), _WHAT)
+        window = _window.bounds(local_window_size, is_causal)
         (lse,) = residuals
         dout = dout.astype(query.dtype)
         # delta_i = sum_d out_id * dout_id = sum_j p_ij dp_ij: the softmax Jacobian's row term.
@@ -122,17 +143,21 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         if dresiduals is not None:  # the lse output's cotangent: d lse / d logits = p
             delta = delta - dresiduals[0].astype(jnp.float32)
         lse = lse.astype(jnp.float32)
-        visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1])
+        visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1],
+                                      window, key.shape[1])
         if visible is not None:
             # An lse of +inf makes every probability of a row that sees nothing zero.
             lse = jnp.where(visible[:, None, :], lse, jnp.inf)
         if runs_shared_kernel(dict(shared_inputs=shared_inputs, is_causal=is_causal,
                                    query_seq_lengths=query_seq_lengths,
-                                   key_value_seq_lengths=key_value_seq_lengths)):
+                                   key_value_seq_lengths=key_value_seq_lengths,
+                                   local_window_size=local_window_size,
+                                   logits_soft_cap=logits_soft_cap)):
             dx = mosaic_attention_shared_dx(query, dout, lse, delta, scale=scale, config=config)
             return {"query": dx}, None
         lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])
-        kwargs = dict(scale=scale, causal=is_causal, config=config)
+        kwargs = dict(scale=scale, causal=is_causal, config=config, window=window,
+                      soft_cap=logits_soft_cap)
         dq = mosaic_attention_dq(query, key, value, dout, lse, delta, lengths, **kwargs)
         dk, dv = mosaic_attention_dkv(query, key, value, dout, lse, delta, lengths, **kwargs)
         return {"query": dq, "key": dk, "value": dv}, None
