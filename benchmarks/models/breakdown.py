@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import re
 import sys
-import tempfile
-import warnings
 from typing import Any
 
 import jax
 
 from benchmarks.models import MODELS, ops, run
+from tokamax_pass import benchmarking
 
 # First match wins; tested against the kernel's name and its HLO op's name together.
 CATEGORIES = (
@@ -44,37 +42,16 @@ def category(kernel: str, hlo_op: str) -> str:
     return "other"
 
 
-def _kernel_events(profile: Any, module_prefix: str) -> list[tuple[str, str, float, float]]:
-    """(kernel name, hlo op, start ns, duration ns) of every device event of the module."""
-    events = []
-    for plane in profile.planes:
-        for line in plane.lines:
-            for event in line.events:
-                with warnings.catch_warnings():  # jaxlib's stats type warns on introspection
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    stats = dict(event.stats)
-                if "hlo_op" not in stats or not str(stats.get("hlo_module", "")).startswith(
-                        module_prefix):
-                    continue
-                events.append((event.name, str(stats["hlo_op"]), event.start_ns,
-                               event.duration_ns))
-    return events
-
-
 def profile_step(step: Any, args: tuple, steps: int) -> dict[str, Any]:
     """Per-step device time of `step(*args)` (a jitted function), by category and kernel."""
     compiled = step.lower(*args).compile()
     module = compiled.as_text().split("HloModule ", 1)[-1].split(",", 1)[0].split(" ", 1)[0]
     jax.block_until_ready(compiled(*args))
     jax.block_until_ready(compiled(*args))
-    with tempfile.TemporaryDirectory() as tmp:
-        options = jax.profiler.ProfileOptions()
-        options.python_tracer_level = 0
-        with jax.profiler.trace(tmp, profiler_options=options):
-            for _ in range(steps):
-                jax.block_until_ready(compiled(*args))
-        files = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
-        events = _kernel_events(jax.profiler.ProfileData.from_file(files[0]), module)
+    events = [(name, str(stats["hlo_op"]), start, duration)
+              for name, stats, start, duration in benchmarking.traced_hlo_ops(
+                  lambda: compiled(*args), steps)
+              if str(stats.get("hlo_module", "")).startswith(module)]
     if not events:
         raise RuntimeError(f"the profiler recorded no device kernels of {module}")
     per_kernel: dict[tuple[str, str], float] = collections.defaultdict(float)

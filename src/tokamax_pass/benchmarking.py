@@ -176,27 +176,36 @@ def _interval_union_ns(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _profiler_times(compiled: Any, args: list[Any], iterations: int, module: str) -> list[float]:
-    jax.block_until_ready(compiled(args))  # Warm-up.
+def traced_hlo_ops(run: Callable[[], Any], iterations: int) -> list[tuple[str, dict, float, float]]:
+    """`run()` `iterations` times under `jax.profiler`: `(event name, stats, start ns,
+    duration ns)` of every traced event that names an HLO op (`stats["hlo_op"]`, with
+    `hlo_module` and `run_id` where the profiler records them)."""
     with tempfile.TemporaryDirectory() as tmp:
         options = jax.profiler.ProfileOptions()
         options.python_tracer_level = 0
         with jax.profiler.trace(tmp, profiler_options=options):
             for _ in range(iterations):
-                jax.block_until_ready(compiled(args))
+                jax.block_until_ready(run())
         files = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
         profile = jax.profiler.ProfileData.from_file(files[0])
-    runs: dict[Any, list[tuple[float, float]]] = {}
+    events = []
     for plane in profile.planes:
         for line in plane.lines:
             for event in line.events:
                 with warnings.catch_warnings():  # jaxlib's stats type warns on introspection
                     warnings.simplefilter("ignore", DeprecationWarning)
                     stats = dict(event.stats)
-                if "hlo_op" not in stats or stats.get("hlo_module", module) != module:
-                    continue
-                runs.setdefault(stats.get("run_id"), []).append(
-                    (event.start_ns, event.start_ns + event.duration_ns))
+                if "hlo_op" in stats:
+                    events.append((event.name, stats, event.start_ns, event.duration_ns))
+    return events
+
+
+def _profiler_times(compiled: Any, args: list[Any], iterations: int, module: str) -> list[float]:
+    jax.block_until_ready(compiled(args))  # Warm-up.
+    runs: dict[Any, list[tuple[float, float]]] = {}
+    for _, stats, start, duration in traced_hlo_ops(lambda: compiled(args), iterations):
+        if stats.get("hlo_module", module) == module:
+            runs.setdefault(stats.get("run_id"), []).append((start, start + duration))
     if not runs:
         raise RuntimeError(
             "the profiler recorded no device time for this function; use method='wallclock'")
