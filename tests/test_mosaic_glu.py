@@ -247,3 +247,17 @@ def test_gpu_small_config_and_reruns_are_bitwise_equal():
     assert_close(out, reference(x, weights, sizes, jax.nn.swish), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(fn(x, weights), np.float32),
                                   np.asarray(out, np.float32))
+
+
+def test_an_explicit_triton_backward_for_a_grouped_call_raises_naming_the_fix():
+    x = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2, 64, 2, 128), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((2,), jnp.int32)
+    op = tokamax.GatedLinearUnit(vjp=tokamax.PallasTritonGatedLinearUnitVjp())
+
+    def loss(x, w, sizes):
+        out = tokamax.gated_linear_unit(x, w, group_sizes=sizes, implementation=op)
+        return out.astype(jnp.float32).sum()
+
+    with _target(), pytest.raises(NotImplementedError, match="no grouped form"):
+        jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(x, w, sizes)

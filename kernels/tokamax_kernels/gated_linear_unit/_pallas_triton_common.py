@@ -61,6 +61,10 @@ def tile_mask(config: Any, m: int, n: int) -> jax.Array:
 
 def check_triton_glu_inputs(ba: BoundArguments) -> None:
     """What the Triton GLU kernels cannot do (raised as `NotImplementedError`)."""
+    if "group_sizes" in ba.arguments:
+        raise NotImplementedError(
+            "the Triton GLU has no grouped form (group_sizes); use implementation='xla', "
+            "'mosaic_gpu' or None")
     x, weights = ba.arguments["x"], ba.arguments["weights"]
     parts = weights if isinstance(weights, tuple) else (weights,)
     _triton.require_triton_dtype("x", x)
