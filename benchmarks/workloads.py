@@ -58,7 +58,7 @@ def _normal(seed: int, shape: tuple[int, ...], dtype: Any = jnp.bfloat16) -> jax
 
 # --- attention -------------------------------------------------------------------------
 
-def _attention_peers(causal: bool, head_dim: int) -> dict[str, Callable[..., Any]]:
+def _attention_peers(causal: bool, head_dim: int, gqa: bool) -> dict[str, Callable[..., Any]]:
     scale = head_dim**-0.5
     peers = {
         "jax.nn xla": lambda q, k, v: jax.nn.dot_product_attention(
@@ -66,6 +66,14 @@ def _attention_peers(causal: bool, head_dim: int) -> dict[str, Callable[..., Any
         "jax.nn cudnn": lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"),
     }
+    try:
+        from flash_attn3_jax import flash_mha  # optional peer, installed from its wheel
+    except ImportError:
+        flash_mha = None
+    if flash_mha is not None:
+        peers["flash-attn3"] = lambda q, k, v: flash_mha(q, k, v, is_causal=causal)
+    if gqa:  # JAX's Pallas kernels take one head count for q, k and v
+        return peers
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from jax.experimental.pallas.ops.gpu import attention as pallas_mha
@@ -82,38 +90,87 @@ def _attention_peers(causal: bool, head_dim: int) -> dict[str, Callable[..., Any
         lambda q, k, v: attention_mgpu.attention(q, k, v, mgpu_config),
         lambda q, k, v: ((q * scale).astype(jnp.float16), k.astype(jnp.float16),
                          v.astype(jnp.float16)))
-    try:
-        from flash_attn3_jax import flash_mha  # optional peer, installed from its wheel
-    except ImportError:
-        pass
-    else:
-        peers["flash-attn3"] = lambda q, k, v: flash_mha(q, k, v, is_causal=causal)
     return peers
 
 
-def _attention_reference(causal: bool) -> Callable[..., Any]:
+def _capped_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+                      window: int | None, soft_cap: float | None) -> jax.Array:
+    """Attention written out in jnp (float32 logits, the cap, the masks, softmax, the
+    probabilities in the inputs' dtype): what a user writes where `jax.nn` has no soft
+    cap, and, in float32, the reference."""
+    b, t, n, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, n // kv_heads, d)
+    logits = jnp.einsum("bthgd,bshd->bhgts", q, k, preferred_element_type=jnp.float32)
+    logits = logits / math.sqrt(d)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    rows, cols = jnp.arange(t)[:, None], jnp.arange(k.shape[1])[None, :]
+    keep = jnp.ones((t, k.shape[1]), bool)
+    if causal:
+        keep &= cols <= rows
+    if window is not None:
+        keep &= rows - cols <= window
+    probs = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhgts,bshd->bthgd", probs, v).reshape(b, t, n, d)
+
+
+def _attention_reference(causal: bool, window: int | None,
+                         soft_cap: float | None) -> Callable[..., Any]:
     def reference(q, k, v):
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
-        return jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="xla").astype(jnp.float32)
+        with jax.default_matmul_precision("highest"):
+            return _capped_attention(q, k, v, causal=causal, window=window, soft_cap=soft_cap)
     return reference
 
 
-def attention(name: str, b: int, s: int, h: int, d: int, causal: bool) -> Workload:
-    fwd_flops = 4 * b * h * s * s * d / (2 if causal else 1)
+def _attended_pairs(s: int, causal: bool, window: int | None) -> int:
+    """(query, key) pairs a head computes: all, the causal half, or a causal window."""
+    if not causal:
+        return s * s
+    if window is None or window >= s:
+        return s * (s + 1) // 2
+    return window * (window + 1) // 2 + (s - window) * (window + 1)
+
+
+def attention(name: str, b: int, s: int, h: int, d: int, causal: bool, *,
+              kv_heads: int | None = None, window: int | None = None,
+              soft_cap: float | None = None) -> Workload:
+    """Attention of (b, s, h, d) queries on `kv_heads` key/value heads (GQA when fewer than
+    `h`); `window` (keys at most `window` back, causal) and `soft_cap` are Gemma-2's
+    options. FLOPs count only the attended pairs (causal at about half)."""
+    kv_heads = kv_heads or h
+    if window is not None and not causal:
+        raise ValueError("attention workload: a window is benchmarked with causal=True")
+    fwd_flops = 4 * b * h * d * _attended_pairs(s, causal, window)
+    extra: dict[str, Any] = {}
+    if window is not None:
+        extra["local_window_size"] = (window, 0)
+    if soft_cap is not None:
+        extra["logits_soft_cap"] = soft_cap
     impls = ("mosaic", "triton", "cudnn", "xla", None)
     ours = {
         f"tokamax {impl or 'None'}": functools.partial(
             lambda q, k, v, impl: tokamax.dot_product_attention(
-                q, k, v, is_causal=causal, implementation=impl), impl=impl)
+                q, k, v, is_causal=causal, implementation=impl, **extra), impl=impl)
         for impl in impls
     }
+    if soft_cap is None and window is None:
+        peers = _attention_peers(causal, d, gqa=kv_heads != h)
+    else:
+        peers = {"jnp (soft cap and masks written out)": functools.partial(
+            _capped_attention, causal=causal, window=window, soft_cap=soft_cap)}
+        if soft_cap is None:
+            peers["jax.nn cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, local_window_size=(window, 0),
+                implementation="cudnn")
+    shapes = ((b, s, h, d), (b, s, kv_heads, d), (b, s, kv_heads, d))
     return Workload(
         name=name, family="dot_product_attention",
-        make=lambda: tuple(_normal(i, (b, s, h, d)) for i in range(3)),
+        make=lambda: tuple(_normal(i, shape) for i, shape in enumerate(shapes)),
         work=lambda mode: fwd_flops * (3.5 if mode == "fwd+bwd" else 1.0),
-        unit="TFLOP/s", reference=_attention_reference(causal), ours=ours,
-        peers=_attention_peers(causal, d),
+        unit="TFLOP/s", reference=_attention_reference(causal, window, soft_cap), ours=ours,
+        peers=peers,
     )
 
 
@@ -302,6 +359,12 @@ def moe_glu(name: str, m: int, k: int, n: int, groups: tuple[int, ...]) -> Workl
         both = jax.lax.ragged_dot(x, w.reshape(g, k, 2 * n), group_sizes)
         return jax.nn.swish(both[:, :n]) * both[:, n:]
 
+    def ragged_then_activation(x, w):  # the MoE model's form before the grouped GLU
+        both = tokamax.ragged_dot(x, w.reshape(g, k, 2 * n), group_sizes)
+        return jax.nn.swish(both[:, :n]) * both[:, n:]
+
+    ours["tokamax ragged_dot None, then swish(gate) * up"] = ragged_then_activation
+
     def reference(x, w):
         both = jax.lax.ragged_dot(x.astype(jnp.float32), w.reshape(g, k, 2 * n).astype(
             jnp.float32), group_sizes, precision=jax.lax.Precision.HIGHEST)
@@ -382,6 +445,12 @@ def all_workloads() -> list[Workload]:
         norm("layer norm 32x2048x16x64 no offset (seed)", (32, 2048, 16, 64),
              subtract_mean=True, offset=False, param_dtype=jnp.float32),
         attention("attention b16 s4096 h8 d256", 16, 4096, 8, 256, causal=False),
+        attention("attention gqa b4 s4096 hq32 hkv8 d128 causal", 4, 4096, 32, 128,
+                  causal=True, kv_heads=8),
+        attention("attention soft cap 50 window 4096 b4 s8192 h16 d128 causal", 4, 8192, 16,
+                  128, causal=True, window=4096, soft_cap=50.0),
+        attention("attention soft cap 50 window 4096 b2 s8192 hq8 hkv4 d256 causal (gemma 2)",
+                  2, 8192, 8, 256, causal=True, kv_heads=4, window=4096, soft_cap=50.0),
         self_attention("self-attention x,x,x b4 s8192 h16 d128", 4, 8192, 16, 128),
         lce("lce 8192x2304x256000 (gemma 2 2b, cce)", 8192, 2304, 256000),
     ]
@@ -391,6 +460,8 @@ def smoke_workloads() -> list[Workload]:
     """Tiny versions of every workload kind, to check the suite itself on CPU."""
     return [
         attention("smoke attention", 1, 32, 2, 16, causal=True),
+        attention("smoke gqa soft cap window attention", 2, 32, 4, 16, causal=True,
+                  kv_heads=2, window=8, soft_cap=20.0),
         self_attention("smoke self-attention", 1, 32, 2, 16),
         norm("smoke layer norm", (64, 128), subtract_mean=True),
         norm_residual("smoke rms norm + residual", (64, 128), subtract_mean=False,

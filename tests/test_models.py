@@ -80,3 +80,19 @@ def test_breakdown_profiles_a_tiny_step():
     assert found["busy_ms"] > 0 and found["categories_ms"]["gemm"] > 0
     assert abs(sum(found["categories_ms"].values()) - found["busy_ms"]) < 1e-6
     assert found["top_kernels"][0]["ms"] >= found["top_kernels"][-1]["ms"]
+
+
+def test_set_overrides_config_fields_by_their_type():
+    def error(message):
+        raise ValueError(message)
+
+    model = run.resized(MODELS["llama"], ["width=4096", "soft_cap=30", "window=None"], error)
+    assert model.config.width == 4096 and model.config.soft_cap == 30.0
+    assert model.config.window is None and model.config.mlp == MODELS["llama"].config.mlp
+    for bad in (["widht=4096"], ["width"], ["width=wide"]):
+        try:
+            run.resized(MODELS["llama"], bad, error)
+        except ValueError as e:
+            assert bad[0].split("=")[0] in str(e)
+        else:
+            raise AssertionError(f"--set {bad} was accepted")

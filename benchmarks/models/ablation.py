@@ -4,9 +4,9 @@ plain JAX, timed in alternating rounds in one process.
     python -m benchmarks.models.ablation --only llama [--rounds 2] [--output FILE]
 
 Prints and writes (JSON lines) the device time of plain JAX, ours (`None`), and ours with
-each op family (`rms_norm`, `add_rms_norm`, `layer_norm`, `attention`, `glu`, `ragged_dot`,
-`lm_head_loss`) that the model calls taken from plain JAX; the op whose swap closes the
-gap is where the time goes.
+each op family (`rms_norm`, `add_rms_norm`, `layer_norm`, `attention`, `glu`, `moe_glu`,
+`ragged_dot`, `lm_head_loss`) that the model calls taken from plain JAX; the op whose swap
+closes the gap is where the time goes.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import jax
 
 from benchmarks.models import MODELS, ops, run
 
-OP_FAMILIES = ("rms_norm", "add_rms_norm", "layer_norm", "attention", "glu", "ragged_dot",
-               "lm_head_loss")
+OP_FAMILIES = ("rms_norm", "add_rms_norm", "layer_norm", "attention", "glu", "moe_glu",
+               "ragged_dot", "lm_head_loss")
 
 
 def _families_called(model, params, batch) -> list[str]:

@@ -68,7 +68,8 @@ def init(key: jax.Array, c: DecoderConfig) -> Params:
 
 
 def _moe(ops, p: Params, h: jax.Array, c: DecoderConfig) -> jax.Array:
-    """Top-k routing; tokens sorted by expert; SwiGLU experts as two ragged dots."""
+    """Top-k routing; tokens sorted by expert; SwiGLU experts: the grouped gate/up GLU, then
+    the down ragged dot."""
     b, s, w = h.shape
     x = h.reshape(b * s, w)
     router_logits = x.astype(jnp.float32) @ p["router"]
@@ -78,9 +79,7 @@ def _moe(ops, p: Params, h: jax.Array, c: DecoderConfig) -> jax.Array:
     order = jnp.argsort(flat_experts)
     rows = x[order // c.top_k]
     group_sizes = jnp.bincount(flat_experts, length=c.experts).astype(jnp.int32)
-    gate_up = ops.ragged_dot(rows, p["gate_up"], group_sizes)
-    hidden = (_ACTIVATIONS[c.activation](gate_up[:, :c.mlp].astype(jnp.float32))
-              * gate_up[:, c.mlp:].astype(jnp.float32)).astype(x.dtype)
+    hidden = ops.moe_glu(rows, p["gate_up"], group_sizes, _ACTIVATIONS[c.activation])
     out_sorted = ops.ragged_dot(hidden, p["down"], group_sizes)
     out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
     out = out.reshape(b * s, c.top_k, w).astype(jnp.float32)

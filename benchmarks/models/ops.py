@@ -50,6 +50,14 @@ def _jnp_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     return out.reshape(b, t, n, d)
 
 
+def _activation_product(both: jax.Array, activation: Callable[[jax.Array], jax.Array]
+                        ) -> jax.Array:
+    """`activation(gate) * up` of `[gate | up]` along the last axis, in float32."""
+    n = both.shape[-1] // 2
+    gate, up = both[..., :n].astype(jnp.float32), both[..., n:].astype(jnp.float32)
+    return (activation(gate) * up).astype(both.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Plain:
     """Plain JAX: what the model costs without a kernel library."""
@@ -90,6 +98,12 @@ class Plain:
 
     def ragged_dot(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return jax.lax.ragged_dot(x, w, group_sizes)
+
+    def moe_glu(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        """The experts' gate/up products: one ragged dot over (E, K, 2N) weights, then
+        `activation(gate) * up` in float32, cast back."""
+        return _activation_product(self.ragged_dot(x, w, group_sizes), activation)
 
     def lm_head_loss(self, h: jax.Array, head: jax.Array, labels: jax.Array,
                      soft_cap: float | None = None) -> jax.Array:
@@ -137,6 +151,18 @@ class Library:
 
     def ragged_dot(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
         return self.module.ragged_dot(x, w, group_sizes)
+
+    def moe_glu(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                activation: Callable[[jax.Array], jax.Array]) -> jax.Array:
+        """The grouped `gated_linear_unit` (the activation in the expert GEMMs' epilogue
+        where a kernel runs it), or the library's ragged dot and the activation where it
+        has no grouped GLU (upstream Tokamax 0.0.17)."""
+        if self.name != "ours":
+            return _activation_product(self.ragged_dot(x, w, group_sizes), activation)
+        experts, k, both = w.shape
+        return self.module.gated_linear_unit(
+            x, w.reshape(experts, k, 2, both // 2), group_sizes=group_sizes,
+            activation=activation)
 
     def lm_head_loss(self, h: jax.Array, head: jax.Array, labels: jax.Array,
                      soft_cap: float | None = None) -> jax.Array:

@@ -12,6 +12,7 @@ so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -150,6 +151,27 @@ def _time_tuned(model: Model, step: Any, params: Any, batch: Any, iterations: in
                 os.environ[cache.ENV_CACHE_DIR] = previous
 
 
+def resized(model: Model, overrides: list[str], error: Any) -> Model:
+    """`model` with `FIELD=VALUE` overrides of its benchmark config, each value parsed as
+    the field's current value's type (`None` allowed); `error(message)` on a bad one."""
+    changes: dict[str, Any] = {}
+    fields = {f.name for f in dataclasses.fields(model.config)}
+    for item in overrides:
+        field, sep, text = item.partition("=")
+        if not sep or field not in fields:
+            error(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        current = getattr(model.config, field)
+        if text == "None":
+            changes[field] = None
+            continue
+        kind = float if current is None else type(current)
+        try:
+            changes[field] = kind(text)
+        except ValueError:
+            error(f"--set {item!r}: {field} takes a {kind.__name__}")
+    return dataclasses.replace(model, config=dataclasses.replace(model.config, **changes))
+
+
 def _chart(results: dict[str, Any], path: pathlib.Path) -> None:
     try:
         import matplotlib
@@ -199,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--output", help="results JSON (default: results/<device>/models.json)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="override config fields of every model run (`width=4096 "
+                        "mlp=14336`): the same models at sizes the suite does not hold")
     parser.add_argument("--tiny", action="store_true",
                         help="time the smoke sizes (to check the timing path on any machine)")
     parser.add_argument("--ship-tuned", metavar="DIR",
@@ -230,9 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         "device_kind": device_kind, "jax": jax.__version__,
         "date": datetime.date.today().isoformat(), "iterations": args.iterations,
         "timer": "device time (CUPTI on a GPU), median after warm-up", "models": {}}
-    for name in names:
-        row: dict[str, Any] = {"description": MODELS[name].description,
-                               "config": repr(MODELS[name].config)}
+    models = {name: resized(MODELS[name], args.set, parser.error) for name in names}
+    for name, model in models.items():
+        row: dict[str, Any] = {"description": model.description, "config": repr(model.config)}
         results["models"][name] = row
 
         def record(key: str, value: Any, row: dict[str, Any] = row, name: str = name) -> None:
@@ -244,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} {key}: {shown}", flush=True)
             output.write_text(json.dumps(results, indent=1, default=str))
 
-        time_model(MODELS[name], variants, args.iterations, record, tuned_dir=args.tuned_dir,
+        time_model(model, variants, args.iterations, record, tuned_dir=args.tuned_dir,
                    ship_dir=args.ship_tuned, tiny=args.tiny)
         jax.clear_caches()
     _chart(results, output.with_suffix(".png"))

@@ -1,7 +1,11 @@
 """Dot-product attention (multi-head, GQA/MQA, cross attention, masks, soft cap)."""
 
 from tokamax_kernels.attention.api import dot_product_attention
-from tokamax_kernels.attention.base import DotProductAttention, DotProductAttentionVjp
+from tokamax_kernels.attention.base import (
+    DotProductAttention,
+    DotProductAttentionVjp,
+    XlaDotProductAttentionVjp,
+)
 from tokamax_kernels.attention.cudnn import CudnnDotProductAttention, CudnnDotProductAttentionVjp
 from tokamax_kernels.attention.pallas_mosaic_gpu import PallasMosaicGpuFlashAttention
 from tokamax_kernels.attention.pallas_mosaic_gpu_vjp import PallasMosaicGpuFlashAttentionVjp
@@ -41,5 +45,6 @@ __all__ = [
     "XlaChunkedConfig",
     "XlaChunkedDotProductAttention",
     "XlaChunkedDotProductAttentionVjp",
+    "XlaDotProductAttentionVjp",
     "dot_product_attention",
 ]

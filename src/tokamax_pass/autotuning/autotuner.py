@@ -195,30 +195,27 @@ def numerics_error(actual: Any, expected: Any) -> str | None:
     return None
 
 
-# Op calls prepared and compiled together before their candidates are timed (bounds the
-# device memory their inputs and references hold at once).
+# Op calls whose inputs and reference outputs are on the device at once (bounds the
+# device memory they hold). Candidates of all calls compile together regardless.
 OPS_PER_WAVE = 8
 
 
 @dataclasses.dataclass
 class _Job:
     """One op call on its way to the timer: its compiling candidates, and its inputs and
-    reference output being prepared meanwhile."""
+    reference output (prepared for the wave it is timed in)."""
 
     ba: BoundArguments
     configs: list[Any]
-    prepared: concurrent.futures.Future
     compiles: dict[concurrent.futures.Future, Any] = dataclasses.field(default_factory=dict)
-    deadline: float = 0.0
     compiled: dict[Any, Any] = dataclasses.field(default_factory=dict)
     failed: dict[Any, Measurement] = dataclasses.field(default_factory=dict)
-    arrays: list[Any] = dataclasses.field(default_factory=list)
-    expected: Any = None
+    prepared: concurrent.futures.Future | None = None
 
-    def collect(self, timeout: float) -> None:
-        """Waits for the compiles (until the deadline) and the inputs; records failures."""
+    def collect(self, deadline: float, timeout: float) -> None:
+        """Waits for the compiles (until the deadline); records failures."""
         done, pending = concurrent.futures.wait(
-            self.compiles, timeout=max(0.0, self.deadline - time.monotonic()))
+            self.compiles, timeout=max(0.0, deadline - time.monotonic()))
         for future in done:
             config = self.compiles[future]
             try:
@@ -229,7 +226,6 @@ class _Job:
             future.cancel()
             self.failed[self.compiles[future]] = Measurement(
                 error=f"timeout: not compiled within {timeout:g} s per op call")
-        self.arrays, self.expected = self.prepared.result()
 
 
 def _round_robin(jobs: Sequence[_Job]) -> Iterator[tuple[_Job, Any]]:
@@ -252,9 +248,9 @@ class Autotuner:
     check_numerics: bool = True
     seed: int = 0
     on_config_done: Callable[[BoundArguments], None] | None = None
-    # Processes exporting candidates (`lowering.py`); None: some on waves big enough.
+    # Processes exporting candidates (`lowering.py`); None: some when enough are slow.
     lowering_processes: int | None = None
-    # Export workers started by the caller (and closed by it); None: per wave, as above.
+    # Export workers started by the caller (and closed by it); None: per call, as above.
     exporters: lowering.ExportWorkers | None = None
 
     def tune(self, ba: BoundArguments, configs: list[Any] | None = None) -> Entry:
@@ -263,24 +259,36 @@ class Autotuner:
 
     def tune_many(self, plans: Sequence[tuple[BoundArguments, list[Any] | None]]
                   ) -> list[Entry]:
-        """Measures the configs of several op calls: per wave of `OPS_PER_WAVE` calls, the
-        inputs, references and candidates of all of them are prepared and compiled in one
-        thread pool, then every candidate is timed, one at a time. Compiling (which can run
-        XLA's own autotuning on the device) never overlaps a timing."""
-        entries = []
-        for first in range(0, len(plans), OPS_PER_WAVE):
-            jobs = self._compile_wave(plans[first:first + OPS_PER_WAVE])
-            entries.extend(self._time(job) for job in jobs)
+        """Measures the configs of several op calls. Every candidate of every call
+        compiles first, in one thread pool (with the first wave's inputs and references
+        prepared meanwhile); then, `OPS_PER_WAVE` calls at a time, inputs and references
+        are prepared and every candidate is timed, one at a time. Compiling (which can
+        run XLA's own autotuning on the device) never overlaps a timing, and no wave
+        waits on another's slowest compile."""
+        canonical = [keys.canonical(ba) for ba, _ in plans]
+        jobs = [_Job(ba, candidate_configs(ba) if configs is None else configs)
+                for ba, (_, configs) in zip(canonical, plans, strict=True)]
+        waves = [jobs[i:i + OPS_PER_WAVE] for i in range(0, len(jobs), OPS_PER_WAVE)]
+        entries: list[Entry] = []
+        with concurrent.futures.ThreadPoolExecutor(OPS_PER_WAVE) as preparer:
+            self._compile_all(jobs, first_wave=waves[0] if waves else [], preparer=preparer)
+            for wave in waves:
+                for job in wave:
+                    if job.prepared is None:
+                        job.prepared = preparer.submit(self._prepare, job.ba)
+                for job in wave:
+                    arrays, expected = job.prepared.result()
+                    job.prepared = None  # inputs and programs go once the call is timed
+                    entries.append(self._time(job, arrays, expected))
+                    job.compiled.clear()
         return entries
 
-    def _compile_wave(self, plans: Sequence[tuple[BoundArguments, list[Any] | None]]
-                      ) -> list[_Job]:
-        canonical = [keys.canonical(ba) for ba, _ in plans]
-        config_lists = [candidate_configs(ba) if configs is None else configs
-                        for ba, (_, configs) in zip(canonical, plans, strict=True)]
-        total = sum(len(c) for c in config_lists)
-        slow = sum(len(c) for ba, c in zip(canonical, config_lists, strict=True)
-                   if ba.op.slow_lowering)
+    def _compile_all(self, jobs: Sequence[_Job], first_wave: Sequence[_Job],
+                     preparer: concurrent.futures.Executor) -> None:
+        """Compiles every candidate of `jobs` (the first wave's inputs prepared meanwhile:
+        candidates compile from abstract shapes, so none waits for them)."""
+        total = sum(len(job.configs) for job in jobs)
+        slow = sum(len(job.configs) for job in jobs if job.ba.op.slow_lowering)
         cpus = os.cpu_count() or 1
         workers = self.max_workers or min(max(total, 1), cpus)
         executor = concurrent.futures.ThreadPoolExecutor(max(workers, 1))
@@ -289,23 +297,20 @@ class Autotuner:
             exporters = self.exporters
         elif processes := lowering.process_count(self.lowering_processes, slow, cpus):
             exporters = owned = lowering.ExportWorkers(processes)
-        # The calls share the pool, so the wave gets `timeout` per call in all.
-        deadline = time.monotonic() + self.timeout * len(plans)
+        # The calls share the pool, so they get `timeout` per call in all.
+        deadline = time.monotonic() + self.timeout * len(jobs)
         try:
-            # Inputs and references first, then every candidate: candidates compile from
-            # abstract shapes, so none waits for another call's random inputs.
-            jobs = [_Job(ba, configs, executor.submit(self._prepare, ba), deadline=deadline)
-                    for ba, configs in zip(canonical, config_lists, strict=True)]
+            for job in first_wave:
+                job.prepared = preparer.submit(self._prepare, job.ba)
             for job, config in _round_robin(jobs):
                 future = executor.submit(self._compile_one, job.ba, config, exporters)
                 job.compiles[future] = config
             for job in jobs:
-                job.collect(self.timeout)
+                job.collect(deadline, self.timeout)
         finally:
             executor.shutdown(wait=False, cancel_futures=True)
             if owned is not None:
                 owned.close()
-        return jobs
 
     def _prepare(self, ba: BoundArguments) -> tuple[list[Any], Any]:
         """The flat input arrays every config of `ba` is timed on, and the reference output
@@ -335,12 +340,11 @@ class Autotuner:
                 f_std = lowering.deserialized(blob)
         return benchmarking.compile_benchmark(f_std, specs)
 
-    def _time(self, job: _Job) -> Entry:
+    def _time(self, job: _Job, arrays: list[Any], expected: Any) -> Entry:
         results, best = dict(job.failed), float("inf")
         for config in job.configs:
             if config in job.compiled:
-                measurement = self._measure(job.compiled[config], job.arrays, job.expected,
-                                            best)
+                measurement = self._measure(job.compiled[config], arrays, expected, best)
                 results[config] = measurement
                 best = min(best, measurement.median_ms)
             self._done(job.ba)
