@@ -276,8 +276,10 @@ class Autotuner:
                 for job in wave:
                     if job.prepared is None:
                         job.prepared = preparer.submit(self._prepare, job.ba)
-                for job in wave:
-                    arrays, expected = job.prepared.result()
+                # Every input and reference of the wave is ready before any timing: their
+                # device work would otherwise run under the timer.
+                inputs = [job.prepared.result() for job in wave]
+                for job, (arrays, expected) in zip(wave, inputs, strict=True):
                     job.prepared = None  # inputs and programs go once the call is timed
                     entries.append(self._time(job, arrays, expected))
                     job.compiled.clear()
