@@ -228,18 +228,20 @@ def test_bad_residual_raises_value_error_naming_it(residual, match):
         api.layer_norm(jnp.ones((4, 64)), None, None, residual=residual)
 
 
-def test_kernel_margin_is_the_default_with_a_residual():
-    """The 0.4 margin covers the residual add XLA fuses into its norm; a call given the
-    residual does that add on both sides, so a kernel 20% faster wins there only."""
+def test_kernel_margins_hold_with_a_residual():
+    """A Triton norm measured alone must beat XLA's by 40% (forward) or 50% (gradient, as
+    XLA's reruns the forward it merges in a model), with a residual or without: on the
+    H200 the residual norm alone ran 1.31x XLA's forward yet 0.97x forward+backward, and
+    the Llama step 0.97x with it. A 1.3x faster forward loses; a 2x faster one wins."""
     x = jax.ShapeDtypeStruct((16384, 2048), jnp.bfloat16)
-    for kernel in (PallasTritonLayerNorm(), PallasTritonLayerNormVjp()):
-        assert kernel.kernel_margin_for(_bind(kernel, x)) == 0.4
-        assert kernel.kernel_margin_for(_bind(kernel, x, residual=x)) == core.Op.kernel_margin
+    for kernel, margin in ((PallasTritonLayerNorm(), 0.4), (PallasTritonLayerNormVjp(), 0.5)):
+        for residual in (None, x):
+            assert kernel.kernel_margin_for(_bind(kernel, x, residual=residual)) == margin
     for residual in (None, x):
         candidates = [_bind(PallasTritonLayerNorm(), x, residual=residual),
                       _bind(LayerNorm(), x, residual=residual)]
-        order = cache.rank_with_evidence(candidates, [0.8, 1.0])
-        assert order == ([0, 1] if residual is not None else [1])
+        assert cache.rank_with_evidence(candidates, [0.066, 0.0864]) == [1]
+        assert cache.rank_with_evidence(candidates, [0.04, 0.0864]) == [0, 1]
 
 
 def _bind(op, x, residual=None):

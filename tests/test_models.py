@@ -53,7 +53,7 @@ def test_ablation_swaps_exactly_the_named_op_family():
     model = MODELS["mixtral"]
     params, batch = run._inputs(model, smoke=True)
     assert ablation._families_called(model, params, batch) == [
-        "rms_norm", "add_rms_norm", "attention", "ragged_dot", "lm_head_loss"]
+        "rms_norm", "add_rms_norm", "attention", "moe_glu", "ragged_dot", "lm_head_loss"]
     ours = ops.variants()["ours"]
     swapped = ops.Swapped(ours, frozenset({"ragged_dot"}))
     assert swapped.ragged_dot.__self__ == ops.Plain() and swapped.attention.__self__ is ours

@@ -166,13 +166,14 @@ class Library:
 
     def lm_head_loss(self, h: jax.Array, head: jax.Array, labels: jax.Array,
                      soft_cap: float | None = None) -> jax.Array:
-        """`linear_softmax_cross_entropy_loss`, or plain JAX's head where the library
-        lacks the op or the soft cap (upstream Tokamax 0.0.17 has no soft cap)."""
-        op = getattr(self.module, "linear_softmax_cross_entropy_loss", None)
-        extra = {} if soft_cap is None else {"logits_soft_cap": soft_cap}
-        if op is None or (soft_cap is not None and self.name != "ours"):
+        """Our `linear_softmax_cross_entropy_loss`, or plain JAX's head for another library
+        (upstream Tokamax 0.0.17's op of that name takes other arguments: called as ours,
+        it failed on the H200)."""
+        if self.name != "ours":
             return Plain().lm_head_loss(h, head, labels, soft_cap)
-        return op(h, labels, head, reduction="mean", **extra)
+        extra = {} if soft_cap is None else {"logits_soft_cap": soft_cap}
+        return self.module.linear_softmax_cross_entropy_loss(
+            h, labels, head, reduction="mean", **extra)
 
 
 def variants(upstream: bool = False) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
-from tokamax_pass.core import BoundArguments, Op
+from tokamax_pass.core import BoundArguments
 
 # Largest row chunk (elements) kept in registers by one program.
 MAX_BLOCK_ELEMENTS = 16384
@@ -44,13 +44,6 @@ def check_triton_norm_inputs(ba: BoundArguments) -> None:
         raise NotImplementedError("the Triton layer norm needs a non-empty x")
     for name in ("x", "scale", "offset"):
         _triton.require_triton_dtype(name, args[name])
-
-
-def residual_aware_margin(ba: BoundArguments, fused_margin: float) -> float:
-    """The Triton norms' `kernel_margin` for one call: `fused_margin` covers the residual
-    add XLA fuses into its norm and a lone kernel cannot; a call given the `residual`
-    does that add itself, so it needs only the default margin."""
-    return Op.kernel_margin if ba.arguments.get("residual") is not None else fused_margin
 
 
 def row_chunk(n: int) -> int:

@@ -35,7 +35,6 @@ from tokamax_kernels.layer_norm._pallas_triton_common import (
     load_rows,
     load_vector,
     masked,
-    residual_aware_margin,
     row_chunk,
     row_mask_of,
 )
@@ -218,8 +217,10 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
     # In a model XLA fuses the norm with its neighbours (the residual add before it, the
     # gradient's add into the residual stream after it), which a kernel cannot: alone at
     # the Llama shape (16384x2048) this kernel measured 10% faster than XLA's forward and
-    # its VJP 30% faster, yet the Llama step ran 1-1.5% slower with them (H200). With a
-    # `residual` both sides do the add, so such calls need only the default margin.
+    # its VJP 30% faster, yet the Llama step ran 1-1.5% slower with them (H200). Calls
+    # given the `residual` too: alone 1.31x XLA's forward, yet forward+backward 0.97x
+    # (`benchmark_norm_residual.json`) and the Llama step 0.97x plain JAX with them
+    # (session 9's first run of record).
     kernel_margin = 0.4
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
@@ -235,9 +236,6 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
         )
         out = y if residual is None else (y, s)
         return out, ((mean, rstd) if return_residuals else None)
-
-    def kernel_margin_for(self, ba: BoundArguments) -> float:
-        return residual_aware_margin(ba, self.kernel_margin)
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
         """H200, 65536x4096 bf16: one row per program and one warp per 4K-element block
