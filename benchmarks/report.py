@@ -51,10 +51,10 @@ OP_ROWS = (
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
-    "llama": "models_llama_mixtral_s8.json",
-    "mixtral": "models_llama_mixtral_s8.json",
-    "gemma2": "models_gemma2_encoder_llama.json",
-    "encoder": "models_gemma2_encoder_llama.json",
+    "llama": "models_llama_mixtral_s9.json",
+    "mixtral": "models_llama_mixtral_s9.json",
+    "gemma2": "models_all_s9_run3.json",
+    "encoder": "models_all_s9_run3.json",
 }
 VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"), ("tuned", "tuned"),
             ("upstream", "upstream Tokamax 0.0.17"))
