@@ -14,6 +14,7 @@ def test_smoke_suite_writes_results(tmp_path):
     assert {r["workload"] for r in ours} == {"smoke attention", "smoke self-attention",
                                              "smoke layer norm", "smoke rms norm + residual",
                                              "smoke ragged dot", "smoke glu", "smoke moe glu",
+                                             "smoke gqa soft cap window attention",
                                              "smoke lce"}
     assert all(r["relative_error"] < 2e-2 and r["ms"] > 0 for r in ours)
     assert all("vs_best_peer" in r for r in ours)

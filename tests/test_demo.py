@@ -25,7 +25,7 @@ def test_demo_runs_every_op_call(capsys):
     assert tuned and int(tuned.group(1)) >= 2, out  # the chunked attention and its VJP
     assert "failed" not in out, out
     rows = _op_rows(out)
-    for op in ("LayerNorm", "XlaChunkedDotProductAttention", "DotProductAttentionVjp",
+    for op in ("LayerNorm", "XlaChunkedDotProductAttention", "XlaDotProductAttentionVjp",
                "XlaChunkedDotProductAttentionVjp"):
         assert op in rows, out
     for op, ms in rows.items():

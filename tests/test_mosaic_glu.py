@@ -98,8 +98,25 @@ def test_gradient_lowers_forward_kernel_and_mosaic_ragged_dots(fused):
     assert "chlo.ragged_dot" not in text
 
 
-def test_none_lowers_xla_where_nothing_is_measured():
-    text = _export_text(lambda x, w, s: glu(x, w, group_sizes=s), *_shapes(*BENCH))
+def test_none_lowers_xla_where_nothing_is_measured(monkeypatch, tmp_path):
+    from tokamax_pass.autotuning import cache
+
+    def none_text():
+        cache.library_result.cache_clear()
+        cache._USER.invalidate()
+        return _export_text(lambda x, w, s: glu(x, w, group_sizes=s), *_shapes(*BENCH))
+
+    # The shipped H200 cache measured the kernel at the Mixtral shape: None runs it.
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path / "user"))
+    assert "mosaic_gpu_v2" in none_text()
+    # With nothing measured, the plain ragged dot.
+    monkeypatch.setattr(cache, "library_cache_dir", lambda kind: tmp_path / "none")
+    try:
+        text = none_text()
+    finally:
+        monkeypatch.undo()
+        cache.library_result.cache_clear()
+        cache._USER.invalidate()
     assert "mosaic_gpu_v2" not in text and 'stablehlo.composite "chlo.ragged_dot"' in text
 
 
