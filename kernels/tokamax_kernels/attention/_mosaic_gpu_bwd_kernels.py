@@ -23,8 +23,9 @@ take 128, and 256 for dk + dv, over the hardware's 255:
 
 A warpgroup that shares its rows' SMEM tiles waits at a barrier for the other before
 writing its half of the result over them (the other may still be reading the scores'
-operands), and again before the TMA stores (they need the whole, contiguous tile). The split costs score recomputation: the dk/dv kernel does 1.5x the `wgmma`
-work of an unsplit one, the split dq kernel 5/3x.
+operands), and again before the TMA stores (they need the whole, contiguous tile). The
+split costs score recomputation: the dk/dv kernel does 1.5x the `wgmma` work of an
+unsplit one, the split dq kernel 5/3x.
 """
 
 from __future__ import annotations

@@ -78,7 +78,9 @@ class MosaicAttentionConfig:
 @dataclasses.dataclass(frozen=True)
 class MosaicAttentionVjpConfig:
     """Tiles of the two backward kernels (dq: rows of q per warpgroup, K/V streamed;
-    dk/dv: rows of k/v per warpgroup, Q/dO streamed)."""
+    dk/dv: rows of k/v per warpgroup, Q/dO streamed). At head dim 256 two warpgroups
+    share their rows and split the head dim (`splits_head_dim`): always in the dk/dv
+    kernel, and in the dq kernel with `compute_wgs=2` (1: one warpgroup, whole width)."""
 
     block_q_dq: int = 64
     block_kv_dq: int = 64

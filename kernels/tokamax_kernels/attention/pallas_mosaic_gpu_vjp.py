@@ -4,7 +4,7 @@ Uses the family residual `lse` (any forward's; an lse output's cotangent enters 
 recomputes the probabilities, and runs two Mosaic GPU kernels
 (`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv per
 query head (GQA/MQA shares summed after it). Self-attention on one array
-(`attention(x, x, x)`, non-causal, no lengths) runs one kernel for `dq + dk + dv`
+(`attention(x, x, x)`, non-causal, no lengths, below d256) runs one kernel for `dq + dk + dv`
 instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
 Logits soft cap and local windows run in the general kernels (tiles outside a window are
 never loaded).
@@ -22,9 +22,9 @@ tile once for both halves (SMEM: K, V 64 KiB + a 2-slot Q/dO ring 128 KiB = 192 
 recompute the scores as often. At d256 `compute_wgs` picks the dq kernel's form (the
 dk/dv kernel always runs the two halves): 1 holds its 64 x 256 whole in one warpgroup
 (192 registers, 192 KiB SMEM), 2 splits the head dim of shared rows as dk/dv does (rows
-of their own would need 256 KiB), ping-ponging at 5/3 the `wgmma` work. Every d256 config is 64 x 64 tiles with 2 stages (larger ones
-overflow registers or SMEM); none is measured on the device yet (`None` ranks a kernel
-on measurements only).
+of their own would need 256 KiB), ping-ponging at 5/3 the `wgmma` work. Every d256
+config is 64 x 64 tiles with 2 stages (larger ones overflow registers or SMEM); none is
+measured on the device yet (`None` ranks a kernel on measurements only).
 """
 
 from __future__ import annotations
