@@ -8,24 +8,10 @@ Both recompute the probabilities from the forward's log-sum-exp `lse` and use
   shares of a K/V head are summed outside); Q, dO, lse, delta tiles stream in.
 Causal blocks skip the tiles above the diagonal (the memory warpgroup never loads them).
 
-Head dim 256 (`splits_head_dim`) splits the accumulated columns in halves of 128, each
-half recomputing the full-width scores (`q k^T` and `do v^T` need every column), so an
-accumulator stays at 64 x 128 float32 (64 registers a thread) where the whole width would
-take 128, and 256 for dk + dv, over the hardware's 255:
-
-* dk/dv always splits: two compute warpgroups share the block's 64 key rows and one K/V
-  copy in SMEM, each accumulating `dv[:, half] += p^T do[:, half]` and
-  `dk[:, half] += ds^T q[:, half]` (whatever `compute_wgs`, which picks the dq kernel's
-  form at d256). SMEM: K, V 64 KiB + a 2-slot Q/dO ring 128 KiB.
-* dq splits only with two compute warpgroups (they share 64 query rows, as above); one
-  warpgroup holds the whole 64 x 256 (192 registers with the score tiles), and two
-  warpgroups with rows of their own would need 256 KiB of SMEM.
-
-A warpgroup that shares its rows' SMEM tiles waits at a barrier for the other before
-writing its half of the result over them (the other may still be reading the scores'
-operands), and again before the TMA stores (they need the whole, contiguous tile). The
-split costs score recomputation: the dk/dv kernel does 1.5x the `wgmma` work of an
-unsplit one, the split dq kernel 5/3x.
+Head dim 256 (`splits_head_dim`) splits the accumulated columns in halves of 128 between
+two warpgroups sharing their rows (`_mosaic_gpu_head_split.py`): always in the dk/dv
+kernel (dk + dv whole would take 256 registers a thread, over the hardware's 255), and in
+the dq kernel with `compute_wgs=2` (one warpgroup holds its 64 x 256 whole).
 """
 
 from __future__ import annotations
@@ -46,6 +32,13 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     splits_head_dim,
     tile_transforms,
 )
+from tokamax_kernels.attention._mosaic_gpu_head_split import (
+    columns,
+    own_tile,
+    store,
+    wait_for_both,
+    written_barrier,
+)
 
 _WGMMA = plgpu.Layout.WGMMA
 _PARAMS = plgpu.CompilerParams(approx_math=True)
@@ -63,43 +56,6 @@ def _scores_in_log2(s: jax.Array, qk_scale: float, scale: float, soft_cap: float
         return s * qk_scale, None
     capped = jnp.tanh(s * (scale / soft_cap))
     return capped * (soft_cap * LOG2E), capped
-
-
-def _columns(ref, half, width: int):
-    """`ref`'s columns that a split warpgroup owns (`half` of them, `width` wide), or all
-    of `ref` without a split (`half` None)."""
-    return ref if half is None else ref.at[:, pl.ds(half * width, width)]
-
-
-def _mine(ref, wg, split: bool):
-    """The warpgroup's own row tile of `ref`, or the one tile (no leading axis) that split
-    warpgroups share (a constant index would not survive `pl.run_state`'s lowering)."""
-    return ref if split else ref.at[wg]
-
-
-def _written_barrier(split_warpgroups: bool) -> list:
-    """The barrier two warpgroups sharing their rows' SMEM tiles meet at before writing."""
-    return [plgpu.Barrier(num_arrivals=2)] if split_warpgroups else []
-
-
-def _wait_for_both(written: list) -> None:
-    """Both warpgroups got here (no-op without a split)."""
-    for barrier in written:
-        plgpu.barrier_arrive(barrier)
-        plgpu.barrier_wait(barrier)
-
-
-def _store(written: list, wg, copies: list) -> None:
-    """TMA stores `(smem, gmem)` of a block's results once written and fenced. A TMA store
-    needs a contiguous SMEM tile, not a half: split warpgroups first wait for each other's
-    halves, then take one store each (warpgroup `i` the `i`-th)."""
-    _wait_for_both(written)
-    for i, (smem, gmem) in enumerate(copies):
-        if written:
-            pl.when(wg == i)(lambda smem=smem, gmem=gmem: plgpu.copy_smem_to_gmem(smem, gmem))
-        else:
-            plgpu.copy_smem_to_gmem(smem, gmem)
-    plgpu.wait_smem_to_gmem(0)
 
 
 def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: float,
@@ -160,8 +116,8 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
             rows = (b, pl.ds(q_base, block_q), h)
             vec = (b, h, pl.ds(q_base, block_q))
             mine = 0 if split else wg  # this warpgroup's row barriers
-            my_q, my_do = _mine(q_smem, wg, split), _mine(do_smem, wg, split)
-            my_lse, my_delta = _mine(lse_smem, wg, split), _mine(delta_smem, wg, split)
+            my_q, my_do = own_tile(q_smem, wg, split), own_tile(do_smem, wg, split)
+            my_lse, my_delta = own_tile(lse_smem, wg, split), own_tile(delta_smem, wg, split)
 
             def load_rows():
                 plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, row_ready.at[4 * mine])
@@ -205,7 +161,7 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
                 ds = p_ds * (dp - lax.broadcast_in_dim(delta_i, dp.shape, [0]))
 
                 def dq_product(acc_ref):
-                    plgpu.wgmma(acc_ref, ds.astype(dtype), _columns(k_smem.at[slot], half, width))
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), columns(k_smem.at[slot], half, width))
 
                 dq_acc = pl.run_state(dq_product)(plgpu.ACC.init(dq_acc))
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -243,10 +199,10 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
                     dq_acc = lax.fori_loop(unmasked, steps, masked_step, dq_acc)
                 if causal:
                     lax.fori_loop(steps, block_steps, drain_step, None)
-            _wait_for_both(written)  # the other warpgroup is done reading Q
-            _columns(my_q, half, width)[...] = (dq_acc * scale).astype(dtype)
+            wait_for_both(written)  # the other warpgroup is done reading Q
+            columns(my_q, half, width)[...] = (dq_acc * scale).astype(dtype)
             plgpu.commit_smem()
-            _store(written, wg, [(my_q, dq_ref.at[rows])])
+            store(written, wg, [(my_q, dq_ref.at[rows])])
 
         @pl.when(wg == wgs)
         def _memory():
@@ -277,7 +233,7 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-        *_written_barrier(split),
+        *written_barrier(split),
     ]
     return plgpu.kernel(
         body,
@@ -345,7 +301,7 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
             half = wg if split else None
             kv_rows = (b, pl.ds(kv_base, block_kv), lax.div(h, group))
             mine = 0 if split else wg  # this warpgroup's K/V barriers
-            my_k, my_v = _mine(k_smem, wg, split), _mine(v_smem, wg, split)
+            my_k, my_v = own_tile(k_smem, wg, split), own_tile(v_smem, wg, split)
 
             def load_rows():
                 plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], my_k, kv_ready.at[2 * mine])
@@ -393,7 +349,7 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
                 def dv_and_dp(refs):
                     dv_ref_, dp_ref_ = refs
                     plgpu.wgmma(dv_ref_, p_t.astype(dtype) if p16_t is None else p16_t,
-                                _columns(do_smem.at[slot], half, width))
+                                columns(do_smem.at[slot], half, width))
                     plgpu.wgmma(dp_ref_, my_v, do_smem.at[slot].transpose((1, 0)))
 
                 dv_acc, dp_t = pl.run_state(dv_and_dp)(
@@ -403,7 +359,7 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta_t, dp_t.shape, [1]))
 
                 def dk_product(acc_ref):
-                    plgpu.wgmma(acc_ref, ds_t.astype(dtype), _columns(q_smem.at[slot], half, width))
+                    plgpu.wgmma(acc_ref, ds_t.astype(dtype), columns(q_smem.at[slot], half, width))
 
                 dk_acc = pl.run_state(dk_product)(plgpu.ACC.init(dk_acc))
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -436,12 +392,12 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
                     start = masked_end
                 dk_acc, dv_acc = lax.fori_loop(start, num_q_tiles,
                                                lambda t, c: q_step(t, c, masked=False), carry)
-            _wait_for_both(written)  # the other warpgroup is done reading K and V
-            _columns(my_k, half, width)[...] = (dk_acc * scale).astype(dtype)
-            _columns(my_v, half, width)[...] = dv_acc.astype(dtype)
+            wait_for_both(written)  # the other warpgroup is done reading K and V
+            columns(my_k, half, width)[...] = (dk_acc * scale).astype(dtype)
+            columns(my_v, half, width)[...] = dv_acc.astype(dtype)
             plgpu.commit_smem()
             out_rows = (b, pl.ds(kv_base, block_kv), h)
-            _store(written, wg, [(my_k, dk_ref.at[out_rows]), (my_v, dv_ref.at[out_rows])])
+            store(written, wg, [(my_k, dk_ref.at[out_rows]), (my_v, dv_ref.at[out_rows])])
 
         @pl.when(wg == wgs)
         def _memory():
@@ -475,7 +431,7 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
         plgpu.Barrier(num_barriers=2 * (1 if split else wgs)),
         *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-        *_written_barrier(split),
+        *written_barrier(split),
     ]
     per_query_head = jax.ShapeDtypeStruct((batch, seq_kv, heads, head_dim), dtype)
     dk, dv = plgpu.kernel(
