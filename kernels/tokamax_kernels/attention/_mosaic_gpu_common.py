@@ -39,7 +39,8 @@ WHOLE_HEAD_DIM = 128
 def splits_head_dim(head_dim: int) -> bool:
     """Whether the backward kernels split this head dim in two halves of columns (d256):
     dk and dv of 64 key rows at d256 would take 256 float32 registers a thread, over the
-    hardware's 255, so each warpgroup (or grid block) accumulates one half."""
+    hardware's 255, so each of two warpgroups accumulates one half
+    (`_mosaic_gpu_head_split.py`)."""
     return head_dim > WHOLE_HEAD_DIM
 
 

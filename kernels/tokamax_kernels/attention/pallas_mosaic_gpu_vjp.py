@@ -10,7 +10,7 @@ Logits soft cap and local windows run in the general kernels (tiles outside a wi
 never loaded).
 
 Head dim 256 (Gemma-2 style, with soft cap and windows) splits the head dim in halves
-(`_mosaic_gpu_bwd_kernels.py`), from the register budget: `wgmma` gives each compute
+(`_mosaic_gpu_head_split.py`), from the register budget: `wgmma` gives each compute
 warpgroup at least 64 rows, and dk and dv for them whole would be 2 x 64 x 256 float32
 over 128 threads = 256 registers a thread before the two 64 x 64 score tiles (+64), over
 the 255-register hardware limit (the compute warpgroups get 232). Split, the dk/dv kernel
@@ -56,8 +56,8 @@ _WHAT = "PallasMosaicGpuFlashAttentionVjp"
 
 
 def _row_tiles(config: MosaicAttentionVjpConfig, head_dim: int) -> int:
-    """Row tiles a block holds: one a compute warpgroup, or one shared by the warpgroups
-    that split a d256 head dim (and one for the single warpgroup of its dq kernel)."""
+    """Row tiles a block holds in SMEM: one per compute warpgroup, or at d256 one (shared
+    by the warpgroups that split the head dim, or the dq kernel's single warpgroup's)."""
     return 1 if common.splits_head_dim(head_dim) else config.compute_wgs
 
 
