@@ -2,7 +2,8 @@
 
 Their numerics are checked on the device by `tests/gpu/test_mosaic_attention_gpu.py`, and
 on CPU in GPU interpret mode for soft cap and local windows by
-`tests/test_mosaic_attention_window_softcap.py`.
+`tests/test_mosaic_attention_window_softcap.py` and for head dim 256 (forward and
+backward) by `tests/test_mosaic_attention_d256.py`.
 """
 
 from __future__ import annotations
@@ -158,12 +159,6 @@ def test_unsupported_inputs_raise(shape, dtype, message):
     q = _sds(shape, dtype)
     with pytest.raises(NotImplementedError, match=message):
         _export(lambda q: _mosaic(q, q, q), q)
-
-
-def test_backward_rejects_head_dim_256():
-    q = _sds((1, 256, 2, 256))
-    with pytest.raises(NotImplementedError, match="head dim 256 has no Mosaic GPU backward"):
-        _export(jax.grad(lambda q: _mosaic(q, q, q).astype(jnp.float32).sum()), q)
 
 
 def test_older_gpu_raises():

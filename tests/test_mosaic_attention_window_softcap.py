@@ -1,7 +1,7 @@
 """Logits soft cap and local windows in the Mosaic GPU attention kernels, on CPU.
 
 The forward and both backward kernels run in Pallas's GPU interpret mode
-(`_mosaic_gpu_interpret.interpret_mode`, a few seconds a kernel call at these shapes)
+(`_mosaic_attention_interpreted.interpreted`, a few seconds a kernel call at these shapes)
 against the float32 HIGHEST reference, forward and gradients, with random cotangents;
 they lower for an H200 through `jax.export`; the window's tile ranges are checked against
 brute force. On the GPU: `tests/gpu/test_mosaic_attention_gpu.py`.
@@ -17,10 +17,9 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from _mosaic_gpu_interpret import interpret_mode
-from conftest import H200, assert_close, random_normal, reference_precision
+from _mosaic_attention_interpreted import interpreted, statics
+from conftest import H200
 from tokamax_kernels.attention import (
-    DotProductAttention,
     PallasMosaicGpuFlashAttention,
     PallasMosaicGpuFlashAttentionVjp,
     _window,
@@ -33,47 +32,6 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
 from tokamax_pass import core
 
 Op, Vjp = PallasMosaicGpuFlashAttention, PallasMosaicGpuFlashAttentionVjp
-
-
-def _statics(causal, window, cap, **extra):
-    return dict(scale=0.3, is_causal=causal, query_seq_lengths=None,
-                key_value_seq_lengths=None, local_window_size=window, logits_soft_cap=cap,
-                precision=None) | extra
-
-
-def _interpreted(shape, statics, config, vjp_config, seed):
-    """The op's forward and VJP (`_fwd`: no platform check) in GPU interpret mode, against
-    the reference's output and gradients; returns the kernels' (out, grads)."""
-    b, sq, sk, h, hk, d = shape
-    q = random_normal(seed, (b, sq, h, d), jnp.bfloat16)
-    k = random_normal(seed + 1, (b, sk, hk, d), jnp.bfloat16)
-    v = random_normal(seed + 2, (b, sk, hk, d), jnp.bfloat16)
-    do = random_normal(seed + 3, (b, sq, h, d), jnp.bfloat16)
-    with interpret_mode():
-        out, residuals = Op()._fwd(q, k, v, None, None, **statics, config=config,
-                                   return_residuals=True)
-        grads, _ = Vjp()._fwd(residuals, out, do, config=vjp_config, return_residuals=False,
-                              query=q, key=k, value=v, bias=None, mask=None, **statics)
-
-    def reference(q, k, v):
-        return DotProductAttention()._fwd(q, k, v, None, None, **statics, config=None,
-                                          return_residuals=True)
-
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    with reference_precision():
-        (want, (want_lse,)), pullback = jax.vjp(reference, *f32)
-        want_grads = pullback((do.astype(jnp.float32), (jnp.zeros_like(want_lse),)))
-    assert_close(out, want, jnp.bfloat16)
-    lse = np.asarray(residuals[0])
-    seen = np.isfinite(np.asarray(want_lse))
-    np.testing.assert_array_equal(np.isfinite(lse), seen)
-    np.testing.assert_allclose(lse[seen], np.asarray(want_lse)[seen], atol=1e-2)
-    for name, want_grad in zip(("query", "key", "value"), want_grads, strict=True):
-        assert grads[name].dtype == jnp.bfloat16
-        assert_close(grads[name], want_grad, jnp.bfloat16)
-    return out, grads
-
-
 TILES_64 = MosaicAttentionConfig(block_q=64, block_kv=64)
 
 
@@ -90,13 +48,13 @@ TILES_64 = MosaicAttentionConfig(block_q=64, block_kv=64)
                  MosaicAttentionVjpConfig(compute_wgs=1), id="softcap-d128"),
 ])
 def test_interpreted_kernels_match_reference(shape, causal, window, cap, config, vjp_config):
-    _interpreted(shape, _statics(causal, window, cap), config, vjp_config, seed=11)
+    interpreted(shape, statics(causal, window, cap), config, vjp_config, seed=11)
 
 
 def test_interpreted_window_smaller_than_a_tile_empties_late_rows():
     """A 6-key window over 128 keys: query rows from 128 + 0 on see no key (zeros, no
     gradient), and each 64-row tile sees one or two of the key tiles."""
-    out, grads = _interpreted((2, 256, 128, 2, 1, 64), _statics(False, (0, 5), None),
+    out, grads = interpreted((2, 256, 128, 2, 1, 64), statics(False, (0, 5), None),
                               TILES_64, MosaicAttentionVjpConfig(), seed=21)
     assert not np.any(np.asarray(out[:, 128:], np.float32))
     assert not np.any(np.asarray(grads["query"][:, 128:], np.float32))
@@ -104,8 +62,8 @@ def test_interpreted_window_smaller_than_a_tile_empties_late_rows():
 
 def test_interpreted_window_soft_cap_and_key_lengths():
     lengths = jnp.array([200, 77], jnp.int32)
-    _interpreted((2, 128, 256, 2, 2, 64),
-                 _statics(False, (30, 30), 2.0, key_value_seq_lengths=lengths),
+    interpreted((2, 128, 256, 2, 2, 64),
+                 statics(False, (30, 30), 2.0, key_value_seq_lengths=lengths),
                  TILES_64, MosaicAttentionVjpConfig(), seed=31)
 
 

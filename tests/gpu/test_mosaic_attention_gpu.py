@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from conftest import assert_close, per_batch_element, random_normal, reference_precision
-from tokamax_kernels.attention import DotProductAttention, dot_product_attention
+from tokamax_kernels.attention import (
+    DotProductAttention,
+    PallasMosaicGpuFlashAttention,
+    PallasMosaicGpuFlashAttentionVjp,
+    dot_product_attention,
+)
+from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionVjpConfig
 from tokamax_pass.benchmarking import compile_benchmark, standardize_function
 
 pytestmark = pytest.mark.gpu
@@ -152,6 +158,65 @@ def test_head_dim_256_forward(causal):
         want = DotProductAttention()(*(x.astype(jnp.float32) for x in (q, k, v)),
                                      is_causal=causal)
     assert_close(out, want, jnp.bfloat16)
+
+
+@functools.cache
+def _d256_fwd_bwd(causal, window, cap, compute_wgs):
+    """Forward and gradients at head dim 256 with the backward's `compute_wgs` fixed: 2
+    splits the dq kernel's head dim between two warpgroups, 1 holds it whole (the dk/dv
+    kernel splits it either way)."""
+    op = PallasMosaicGpuFlashAttention(vjp=PallasMosaicGpuFlashAttentionVjp(
+        config=MosaicAttentionVjpConfig(compute_wgs=compute_wgs)))
+
+    def f(q, k, v, do, key_value_seq_lengths=None):
+        out, pullback = jax.vjp(lambda q, k, v: op(
+            q, k, v, is_causal=causal, local_window_size=window, logits_soft_cap=cap,
+            key_value_seq_lengths=key_value_seq_lengths), q, k, v)
+        return (out, *pullback(do))
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("compute_wgs", [2, 1], ids=["split-dq", "whole-dq"])
+@pytest.mark.parametrize("shape,causal,window,cap", [
+    pytest.param((2, 1024, 1024, 8, 4, 256), True, (256, 0), 50.0, id="gemma2-local"),
+    pytest.param((2, 1024, 1024, 8, 4, 256), True, None, 50.0, id="gemma2-global"),
+    pytest.param((2, 512, 256, 4, 1, 256), False, None, None, id="plain-mqa-cross"),
+    pytest.param((2, 512, 512, 2, 2, 256), False, (64, 100), None, id="window"),
+])
+def test_head_dim_256_gradients_match_reference(shape, causal, window, cap, compute_wgs):
+    q, k, v, do = _inputs(*shape)
+    f = _d256_fwd_bwd(causal, window, cap, compute_wgs)
+    assert f.lower(q, k, v, do).as_text().count("mosaic_gpu_v2") == 3  # forward, dq, dk/dv
+    results = f(q, k, v, do)
+    want = _reference(q, k, v, do, causal, local_window_size=window, logits_soft_cap=cap)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), results, want, strict=True):
+        assert_close(got, ref, jnp.bfloat16), name
+    again = f(q, k, v, do)
+    assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
+
+
+def test_head_dim_256_key_lengths_match_reference():
+    """Lengths off the tile grid and a batch with no keys at all."""
+    q, k, v, do = _inputs(3, 256, 384, 4, 2, 256)
+    lengths = jnp.array([384, 130, 0], jnp.int32)
+    results = _d256_fwd_bwd(True, None, 30.0, 2)(q, k, v, do, key_value_seq_lengths=lengths)
+    want = _reference(q, k, v, do, True, logits_soft_cap=30.0, key_value_seq_lengths=lengths)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), results, want, strict=True):
+        assert_close(got, ref, jnp.bfloat16), name
+
+
+def test_head_dim_256_self_attention_matches_reference():
+    """attention(x, x, x) at d256 takes the general kernels (not the shared-input one)."""
+    x, do = random_normal(0, (2, 512, 4, 256), jnp.bfloat16), random_normal(
+        1, (2, 512, 4, 256), jnp.bfloat16)
+    f = _self_attention_fwd_bwd("mosaic")
+    assert f.lower(x, do).as_text().count("mosaic_gpu_v2") == 3  # forward, dq, dk/dv
+    results = f(x, do)
+    with reference_precision():
+        out, pullback = jax.vjp(lambda x: DotProductAttention()(x, x, x), x.astype(jnp.float32))
+        want = (out, *pullback(do.astype(jnp.float32)))
+    for name, got, ref in zip(("out", "dx"), results, want, strict=True):
+        assert_close(got, ref, jnp.bfloat16), name
 
 
 @pytest.mark.parametrize("b,s,h,d,causal", [

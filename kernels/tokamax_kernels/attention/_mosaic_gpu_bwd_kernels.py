@@ -7,6 +7,11 @@ Both recompute the probabilities from the forward's log-sum-exp `lse` and use
 * dk/dv: a block owns `compute_wgs * block_kv` key rows and one query head (GQA/MQA
   shares of a K/V head are summed outside); Q, dO, lse, delta tiles stream in.
 Causal blocks skip the tiles above the diagonal (the memory warpgroup never loads them).
+
+Head dim 256 (`splits_head_dim`) splits the accumulated columns in halves of 128 between
+two warpgroups sharing their rows (`_mosaic_gpu_head_split.py`): always in the dk/dv
+kernel (dk + dv whole would take 256 registers a thread, over the hardware's 255), and in
+the dq kernel with `compute_wgs=2` (one warpgroup holds its 64 x 256 whole).
 """
 
 from __future__ import annotations
@@ -24,7 +29,15 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     MEMORY_REGISTERS,
     MosaicAttentionVjpConfig,
     mask_scores,
+    splits_head_dim,
     tile_transforms,
+)
+from tokamax_kernels.attention._mosaic_gpu_head_split import (
+    columns,
+    own_tile,
+    store,
+    wait_for_both,
+    written_barrier,
 )
 
 _WGMMA = plgpu.Layout.WGMMA
@@ -50,12 +63,17 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
                         window: tuple[int, int] | None = None,
                         soft_cap: float | None = None) -> jax.Array:
     """dq (B, Sq, H, D) in q's dtype; `kv_lengths` (B,) int32, `window`, `soft_cap` as in
-    the forward (a block streams only the K/V tiles its rows see)."""
+    the forward (a block streams only the K/V tiles its rows see). At d256 two compute
+    warpgroups split the head dim of shared rows; one holds it whole."""
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     dtype = q.dtype
     block_q, block_kv, wgs = config.block_q_dq, config.block_kv_dq, config.compute_wgs
+    split = splits_head_dim(head_dim) and wgs == 2
+    width = head_dim // 2 if split else head_dim  # dq columns a warpgroup accumulates
+    own = () if split else (wgs,)  # row tiles a block holds: split warpgroups share one
+    block_rows = block_q if split else wgs * block_q
     stages = max(1, min(config.num_stages, seq_kv // block_kv))
     qk_scale = scale * LOG2E
     has_lengths = kv_lengths is not None
@@ -65,7 +83,7 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
         lengths_ref = refs.pop(0) if has_lengths else None
         (dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
-         row_ready, k_ready, v_ready, consumed) = refs
+         row_ready, k_ready, v_ready, consumed, *written) = refs
         b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
         wg = lax.axis_index("wg")
         kv_len = lengths_ref[b] if has_lengths else None
@@ -79,10 +97,10 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
                 steps = jnp.minimum(lax.div(kv_len + block_kv - 1, block_kv), steps)
             return steps
 
-        block_steps = num_steps((qi + 1) * (wgs * block_q))
+        block_steps = num_steps((qi + 1) * block_rows)
         block_first = 0
         if window is not None:  # the tiles any row of the block sees
-            block_tiles = _window.kv_tiles(window, qi * (wgs * block_q), wgs * block_q,
+            block_tiles = _window.kv_tiles(window, qi * block_rows, block_rows,
                                            block_kv, num_kv_blocks, kv_len)
             block_first, block_steps = block_tiles.first, block_tiles.end
 
@@ -93,18 +111,28 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
         @pl.when(wg < wgs)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            q_base = qi * (wgs * block_q) + wg * block_q
+            q_base = qi * block_rows if split else qi * block_rows + wg * block_q
+            half = wg if split else None
             rows = (b, pl.ds(q_base, block_q), h)
             vec = (b, h, pl.ds(q_base, block_q))
-            my_q, my_do = q_smem.at[wg], do_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, row_ready.at[4 * wg])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, row_ready.at[4 * wg + 1])
-            plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[wg], row_ready.at[4 * wg + 2])
-            plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[wg], row_ready.at[4 * wg + 3])
+            mine = 0 if split else wg  # this warpgroup's row barriers
+            my_q, my_do = own_tile(q_smem, wg, split), own_tile(do_smem, wg, split)
+            my_lse, my_delta = own_tile(lse_smem, wg, split), own_tile(delta_smem, wg, split)
+
+            def load_rows():
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, row_ready.at[4 * mine])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, row_ready.at[4 * mine + 1])
+                plgpu.copy_gmem_to_smem(lse_ref.at[vec], my_lse, row_ready.at[4 * mine + 2])
+                plgpu.copy_gmem_to_smem(delta_ref.at[vec], my_delta, row_ready.at[4 * mine + 3])
+
+            if split:  # one copy of the shared rows
+                pl.when(wg == 0)(load_rows)
+            else:
+                load_rows()
             for i in range(4):
-                plgpu.barrier_wait(row_ready.at[4 * wg + i])
-            lse2 = plgpu.load(lse_smem.at[wg], layout=_WGMMA.reduce(1)) * LOG2E
-            delta_i = plgpu.load(delta_smem.at[wg], layout=_WGMMA.reduce(1))
+                plgpu.barrier_wait(row_ready.at[4 * mine + i])
+            lse2 = plgpu.load(my_lse, layout=_WGMMA.reduce(1)) * LOG2E
+            delta_i = plgpu.load(my_delta, layout=_WGMMA.reduce(1))
             steps = num_steps(q_base + block_q)
 
             def kv_step(step, dq_acc, *, masked):
@@ -133,7 +161,7 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
                 ds = p_ds * (dp - lax.broadcast_in_dim(delta_i, dp.shape, [0]))
 
                 def dq_product(acc_ref):
-                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), columns(k_smem.at[slot], half, width))
 
                 dq_acc = pl.run_state(dq_product)(plgpu.ACC.init(dq_acc))
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -153,7 +181,7 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
                                          kv_len)
                 lax.fori_loop(block_first, tiles.first, drain_step, None)
                 dq_acc = lax.fori_loop(tiles.first, tiles.full_first, masked_step,
-                                       _acc((block_q, head_dim)))
+                                       _acc((block_q, width)))
                 dq_acc = lax.fori_loop(tiles.full_first, tiles.full_end,
                                        lambda i, c: kv_step(i, c, masked=False), dq_acc)
                 dq_acc = lax.fori_loop(tiles.full_end, tiles.end, masked_step, dq_acc)
@@ -166,15 +194,15 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
                 if causal:
                     unmasked = jnp.minimum(lax.div(q_base, block_kv), unmasked)
                 dq_acc = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False),
-                                       _acc((block_q, head_dim)))
+                                       _acc((block_q, width)))
                 if causal or has_lengths:
                     dq_acc = lax.fori_loop(unmasked, steps, masked_step, dq_acc)
                 if causal:
                     lax.fori_loop(steps, block_steps, drain_step, None)
-            my_q[...] = (dq_acc * scale).astype(dtype)
+            wait_for_both(written)  # the other warpgroup is done reading Q
+            columns(my_q, half, width)[...] = (dq_acc * scale).astype(dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, dq_ref.at[rows])
-            plgpu.wait_smem_to_gmem(0)
+            store(written, wg, [(my_q, dq_ref.at[rows])])
 
         @pl.when(wg == wgs)
         def _memory():
@@ -195,22 +223,23 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
 
     transforms = tile_transforms(dtype)
     scratch = [
-        plgpu.SMEM((wgs, block_q, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((wgs, block_q, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((wgs, block_q), jnp.float32),
-        plgpu.SMEM((wgs, block_q), jnp.float32),
+        plgpu.SMEM((*own, block_q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((*own, block_q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((*own, block_q), jnp.float32),
+        plgpu.SMEM((*own, block_q), jnp.float32),
         plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
-        plgpu.Barrier(num_barriers=4 * wgs),
+        plgpu.Barrier(num_barriers=4 * (1 if split else wgs)),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        *written_barrier(split),
     ]
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=scratch,
-        grid=(heads, seq_q // (wgs * block_q), batch),
+        grid=(heads, seq_q // block_rows, batch),
         grid_names=("heads", "q", "batch"),
         num_threads=wgs + 1,
         thread_name="wg",
@@ -228,12 +257,19 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
     The grid runs over query heads: each block writes one query head's share of dk/dv,
     and the GQA/MQA shares of a K/V head are summed in float32 outside the kernel. With
     `kv_lengths` every tile is masked by the length (keys past it get zero gradients).
+    At d256 two compute warpgroups split the head dim of shared key rows, whatever
+    `compute_wgs` (which picks the dq kernel's form there).
     """
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     dtype = q.dtype
     block_q, block_kv, wgs = config.block_q_dkv, config.block_kv_dkv, config.compute_wgs
+    split = splits_head_dim(head_dim)
+    wgs = 2 if split else wgs  # d256: a warpgroup per half, whatever `compute_wgs`
+    width = head_dim // 2 if split else head_dim  # dk/dv columns a warpgroup accumulates
+    own = () if split else (wgs,)  # key row tiles a block holds: split warpgroups share one
+    block_rows = block_kv if split else wgs * block_kv
     num_q_tiles = seq_q // block_q
     stages = max(1, min(config.num_stages, num_q_tiles))
     qk_scale = scale * LOG2E
@@ -247,27 +283,36 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
         lengths_ref = refs.pop(0) if has_lengths else None
         (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-         kv_ready, q_ready, do_ready, lse_ready, delta_ready, consumed) = refs
+         kv_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, *written) = refs
         b, h, ki = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv")
         wg = lax.axis_index("wg")
         kv_len = lengths_ref[b] if has_lengths else None
-        block_first = first_tile(ki * (wgs * block_kv))
+        block_first = first_tile(ki * block_rows)
         block_end = num_q_tiles
         if window is not None:  # the query tiles that see any key of the block
-            block_tiles = _window.q_tiles(window, ki * (wgs * block_kv), wgs * block_kv,
+            block_tiles = _window.q_tiles(window, ki * block_rows, block_rows,
                                           block_q, num_q_tiles)
             block_first, block_end = block_tiles.first, block_tiles.end
 
         @pl.when(wg < wgs)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            kv_base = ki * (wgs * block_kv) + wg * block_kv
+            kv_base = ki * block_rows if split else ki * block_rows + wg * block_kv
+            half = wg if split else None
             kv_rows = (b, pl.ds(kv_base, block_kv), lax.div(h, group))
-            my_k, my_v = k_smem.at[wg], v_smem.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], my_k, kv_ready.at[2 * wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], my_v, kv_ready.at[2 * wg + 1])
-            plgpu.barrier_wait(kv_ready.at[2 * wg])
-            plgpu.barrier_wait(kv_ready.at[2 * wg + 1])
+            mine = 0 if split else wg  # this warpgroup's K/V barriers
+            my_k, my_v = own_tile(k_smem, wg, split), own_tile(v_smem, wg, split)
+
+            def load_rows():
+                plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], my_k, kv_ready.at[2 * mine])
+                plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], my_v, kv_ready.at[2 * mine + 1])
+
+            if split:  # one copy of the shared rows
+                pl.when(wg == 0)(load_rows)
+            else:
+                load_rows()
+            plgpu.barrier_wait(kv_ready.at[2 * mine])
+            plgpu.barrier_wait(kv_ready.at[2 * mine + 1])
             first = first_tile(kv_base)
             # Query tiles that cross the diagonal of this warpgroup's keys need the mask.
             masked_end = jnp.minimum(lax.div(kv_base + block_kv + block_q - 2, block_q),
@@ -304,7 +349,7 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
                 def dv_and_dp(refs):
                     dv_ref_, dp_ref_ = refs
                     plgpu.wgmma(dv_ref_, p_t.astype(dtype) if p16_t is None else p16_t,
-                                do_smem.at[slot])
+                                columns(do_smem.at[slot], half, width))
                     plgpu.wgmma(dp_ref_, my_v, do_smem.at[slot].transpose((1, 0)))
 
                 dv_acc, dp_t = pl.run_state(dv_and_dp)(
@@ -314,7 +359,7 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta_t, dp_t.shape, [1]))
 
                 def dk_product(acc_ref):
-                    plgpu.wgmma(acc_ref, ds_t.astype(dtype), q_smem.at[slot])
+                    plgpu.wgmma(acc_ref, ds_t.astype(dtype), columns(q_smem.at[slot], half, width))
 
                 dk_acc = pl.run_state(dk_product)(plgpu.ACC.init(dk_acc))
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -329,7 +374,7 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
                     plgpu.barrier_wait(ready.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
 
-            carry = (_acc((block_kv, head_dim)), _acc((block_kv, head_dim)))
+            carry = (_acc((block_kv, width)), _acc((block_kv, width)))
             start = 0
             if window is not None:
                 tiles = _window.q_tiles(window, kv_base, block_kv, block_q, num_q_tiles)
@@ -347,13 +392,12 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
                     start = masked_end
                 dk_acc, dv_acc = lax.fori_loop(start, num_q_tiles,
                                                lambda t, c: q_step(t, c, masked=False), carry)
-            my_k[...] = (dk_acc * scale).astype(dtype)
-            my_v[...] = dv_acc.astype(dtype)
+            wait_for_both(written)  # the other warpgroup is done reading K and V
+            columns(my_k, half, width)[...] = (dk_acc * scale).astype(dtype)
+            columns(my_v, half, width)[...] = dv_acc.astype(dtype)
             plgpu.commit_smem()
             out_rows = (b, pl.ds(kv_base, block_kv), h)
-            plgpu.copy_smem_to_gmem(my_k, dk_ref.at[out_rows])
-            plgpu.copy_smem_to_gmem(my_v, dv_ref.at[out_rows])
-            plgpu.wait_smem_to_gmem(0)
+            store(written, wg, [(my_k, dk_ref.at[out_rows]), (my_v, dv_ref.at[out_rows])])
 
         @pl.when(wg == wgs)
         def _memory():
@@ -378,22 +422,23 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
 
     transforms = tile_transforms(dtype)
     scratch = [
-        plgpu.SMEM((wgs, block_kv, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((wgs, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((*own, block_kv, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((*own, block_kv, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_q), jnp.float32),
         plgpu.SMEM((stages, block_q), jnp.float32),
-        plgpu.Barrier(num_barriers=2 * wgs),
+        plgpu.Barrier(num_barriers=2 * (1 if split else wgs)),
         *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        *written_barrier(split),
     ]
     per_query_head = jax.ShapeDtypeStruct((batch, seq_kv, heads, head_dim), dtype)
     dk, dv = plgpu.kernel(
         body,
         out_type=(per_query_head, per_query_head),
         scratch_types=scratch,
-        grid=(heads, seq_kv // (wgs * block_kv), batch),
+        grid=(heads, seq_kv // block_rows, batch),
         grid_names=("heads", "kv", "batch"),
         num_threads=wgs + 1,
         thread_name="wg",

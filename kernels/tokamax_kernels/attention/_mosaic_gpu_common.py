@@ -30,8 +30,18 @@ SMEM_BYTES = 227 * 1024 - 4096
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-FORWARD_HEAD_DIMS = (64, 128, 256)
-BACKWARD_HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+# The widest head dim a backward warpgroup accumulates whole; wider ones are split in
+# halves (`splits_head_dim`).
+WHOLE_HEAD_DIM = 128
+
+
+def splits_head_dim(head_dim: int) -> bool:
+    """Whether the backward kernels split this head dim in two halves of columns (d256):
+    dk and dv of 64 key rows at d256 would take 256 float32 registers a thread, over the
+    hardware's 255, so each of two warpgroups accumulates one half
+    (`_mosaic_gpu_head_split.py`)."""
+    return head_dim > WHOLE_HEAD_DIM
 
 
 def compute_wg_choices(batch_heads: int, *seq_lens: int) -> tuple[int, ...]:
@@ -69,7 +79,9 @@ class MosaicAttentionConfig:
 @dataclasses.dataclass(frozen=True)
 class MosaicAttentionVjpConfig:
     """Tiles of the two backward kernels (dq: rows of q per warpgroup, K/V streamed;
-    dk/dv: rows of k/v per warpgroup, Q/dO streamed)."""
+    dk/dv: rows of k/v per warpgroup, Q/dO streamed). At head dim 256 two warpgroups
+    share their rows and split the head dim (`splits_head_dim`): always in the dk/dv
+    kernel, and in the dq kernel with `compute_wgs=2` (1: one warpgroup, whole width)."""
 
     block_q_dq: int = 64
     block_kv_dq: int = 64

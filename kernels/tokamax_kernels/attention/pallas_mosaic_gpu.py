@@ -76,7 +76,7 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
         args = ba.arguments
-        check_inputs(args, target, head_dims=common.FORWARD_HEAD_DIMS,
+        check_inputs(args, target, head_dims=common.HEAD_DIMS,
                      q_multiple=MIN_Q_MULTIPLE, kv_multiple=MIN_KV_MULTIPLE, what=_WHAT)
         q, k = args["query"], args["key"]
         if self.config is not None and not fits(self.config, q.shape[1], k.shape[1], q.shape[3]):

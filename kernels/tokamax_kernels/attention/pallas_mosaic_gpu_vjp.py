@@ -4,19 +4,27 @@ Uses the family residual `lse` (any forward's; an lse output's cotangent enters 
 recomputes the probabilities, and runs two Mosaic GPU kernels
 (`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv per
 query head (GQA/MQA shares summed after it). Self-attention on one array
-(`attention(x, x, x)`, non-causal, no lengths) runs one kernel for `dq + dk + dv`
+(`attention(x, x, x)`, non-causal, no lengths, below d256) runs one kernel for `dq + dk + dv`
 instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
 Logits soft cap and local windows run in the general kernels (tiles outside a window are
 never loaded).
 
-Head dim 256 has no backward here (`NotImplementedError`, so `None` moves on), from the
-register budget on paper: `wgmma` gives each compute warpgroup at least 64 rows, and the
-dk/dv kernel keeps dk and dv for them in registers, 2 x 64 x 256 float32 over 128
-threads = 256 registers a thread before its two 64 x 64 score tiles (+64): over the
-255-register hardware limit (the compute warpgroups get 232). The dq kernel alone would
-fit (64 x 256 + 2 x 64 x 64 -> 192 registers, and with one compute warpgroup 192 KiB of
-SMEM: Q and dO 64 KiB, a 2-slot K/V ring 128 KiB). A d256 backward needs dk and dv split
-into two kernels (or head-dim halves), each recomputing the scores.
+Head dim 256 (Gemma-2 style, with soft cap and windows) splits the head dim in halves
+(`_mosaic_gpu_head_split.py`), from the register budget: `wgmma` gives each compute
+warpgroup at least 64 rows, and dk and dv for them whole would be 2 x 64 x 256 float32
+over 128 threads = 256 registers a thread before the two 64 x 64 score tiles (+64), over
+the 255-register hardware limit (the compute warpgroups get 232). Split, the dk/dv kernel
+holds 2 x 64 x 128 (+64 = 192 registers) and recomputes the full-width scores per half.
+Of the three splits (halves of the head dim per warpgroup, per block, or dk and dv in
+separate passes) two warpgroups sharing one block's 64 key rows load K, V and each Q/dO
+tile once for both halves (SMEM: K, V 64 KiB + a 2-slot Q/dO ring 128 KiB = 192 KiB of the
+227); a block per half or a pass each for dk and dv would load everything twice and
+recompute the scores as often. At d256 `compute_wgs` picks the dq kernel's form (the
+dk/dv kernel always runs the two halves): 1 holds its 64 x 256 whole in one warpgroup
+(192 registers, 192 KiB SMEM), 2 splits the head dim of shared rows as dk/dv does (rows
+of their own would need 256 KiB), ping-ponging at 5/3 the `wgmma` work. Every d256
+config is 64 x 64 tiles with 2 stages (larger ones overflow registers or SMEM); none is
+measured on the device yet (`None` ranks a kernel on measurements only).
 """
 
 from __future__ import annotations
@@ -47,12 +55,18 @@ from tokamax_pass.core import BoundArguments, Target
 _WHAT = "PallasMosaicGpuFlashAttentionVjp"
 
 
+def _row_tiles(config: MosaicAttentionVjpConfig, head_dim: int) -> int:
+    """Row tiles a block holds in SMEM: one per compute warpgroup, or at d256 one (shared
+    by the warpgroups that split the head dim, or the dq kernel's single warpgroup's)."""
+    return 1 if common.splits_head_dim(head_dim) else config.compute_wgs
+
+
 def backward_smem_bytes(config: MosaicAttentionVjpConfig, head_dim: int) -> int:
     """The larger of the two kernels' SMEM (2-byte tiles, f32 lse/delta vectors)."""
-    wgs, stages = config.compute_wgs, config.num_stages
-    dq = 2 * head_dim * 2 * (wgs * config.block_q_dq + stages * config.block_kv_dq)
-    dkv = 2 * head_dim * 2 * (wgs * config.block_kv_dkv + stages * config.block_q_dkv)
-    return max(dq, dkv) + 8 * max(wgs * config.block_q_dq, stages * config.block_q_dkv)
+    own, stages = _row_tiles(config, head_dim), config.num_stages
+    dq = 2 * head_dim * 2 * (own * config.block_q_dq + stages * config.block_kv_dq)
+    dkv = 2 * head_dim * 2 * (own * config.block_kv_dkv + stages * config.block_q_dkv)
+    return max(dq, dkv) + 8 * max(own * config.block_q_dq, stages * config.block_q_dkv)
 
 
 _QKV = frozenset({"query", "key", "value"})
@@ -60,9 +74,11 @@ _QKV = frozenset({"query", "key", "value"})
 
 def runs_shared_kernel(arguments: Mapping[str, Any]) -> bool:
     """True when query, key and value are one array (`shared_inputs`) and nothing else
-    (causal, lengths, a local window, a soft cap) needs the general kernels: then one
+    (causal, lengths, a local window, a soft cap, head dim 256: its accumulator and four
+    score tiles would take 256 registers a thread) needs the general kernels: then one
     kernel computes their summed gradient."""
     return (any(_QKV <= set(group) for group in arguments.get("shared_inputs", ()))
+            and not common.splits_head_dim(arguments["query"].shape[-1])
             and not arguments["is_causal"] and arguments["query_seq_lengths"] is None
             and arguments["key_value_seq_lengths"] is None
             and arguments.get("local_window_size") is None
@@ -82,14 +98,18 @@ def shared_fits(config: MosaicAttentionVjpConfig, seq: int, head_dim: int) -> bo
 
 
 def fits(config: MosaicAttentionVjpConfig, seq_q: int, seq_kv: int, head_dim: int) -> bool:
-    wgs = config.compute_wgs
+    own = _row_tiles(config, head_dim)
+    # Accumulated columns: a d256 head dim split in halves (dq: with two warpgroups).
+    split = common.splits_head_dim(head_dim)
+    dkv_width = head_dim // 2 if split else head_dim
+    dq_width = head_dim // 2 if split and config.compute_wgs == 2 else head_dim
     # f32 registers per thread: dk + dv accumulators and the two (kv x q) score tiles.
-    dkv_registers = (2 * config.block_kv_dkv * head_dim
+    dkv_registers = (2 * config.block_kv_dkv * dkv_width
                      + 2 * config.block_kv_dkv * config.block_q_dkv) // 128
-    dq_registers = (config.block_q_dq * head_dim
+    dq_registers = (config.block_q_dq * dq_width
                     + 2 * config.block_q_dq * config.block_kv_dq) // 128
-    return (seq_q % (wgs * config.block_q_dq) == 0 and seq_kv % config.block_kv_dq == 0
-            and seq_kv % (wgs * config.block_kv_dkv) == 0 and seq_q % config.block_q_dkv == 0
+    return (seq_q % (own * config.block_q_dq) == 0 and seq_kv % config.block_kv_dq == 0
+            and seq_kv % (own * config.block_kv_dkv) == 0 and seq_q % config.block_q_dkv == 0
             and backward_smem_bytes(config, head_dim) <= common.SMEM_BYTES
             and max(dkv_registers, dq_registers) <= 192)
 
@@ -114,12 +134,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
         args = ba.arguments
-        if args["query"].shape[-1] == 256:
-            raise NotImplementedError(
-                f"{_WHAT}: head dim 256 has no Mosaic GPU backward (dk and dv of 64 key rows "
-                "need 256 registers a thread, over the limit: see the module docstring); "
-                "use implementation='triton' or None")
-        check_inputs(args, target, head_dims=common.BACKWARD_HEAD_DIMS, q_multiple=128,
+        check_inputs(args, target, head_dims=common.HEAD_DIMS, q_multiple=128,
                      kv_multiple=128, what=_WHAT)
         residuals = args.get("residuals")
         if not (isinstance(residuals, tuple) and len(residuals) == 1):
@@ -148,7 +163,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         if visible is not None:
             # An lse of +inf makes every probability of a row that sees nothing zero.
             lse = jnp.where(visible[:, None, :], lse, jnp.inf)
-        if runs_shared_kernel(dict(shared_inputs=shared_inputs, is_causal=is_causal,
+        if runs_shared_kernel(dict(query=query, shared_inputs=shared_inputs, is_causal=is_causal,
                                    query_seq_lengths=query_seq_lengths,
                                    key_value_seq_lengths=key_value_seq_lengths,
                                    local_window_size=local_window_size,
@@ -179,6 +194,8 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
             # 3.54-3.57 ms here against 3.65 ms with block_q_dq=64, block_kv_dq=128.
             preferred.append(MosaicAttentionVjpConfig(block_q_dq=128, block_kv_dq=64,
                                                       block_q_dkv=128, block_kv_dkv=64))
+        # Two warpgroups also at d256 (splitting the head dim in both kernels), by analogy
+        # with the measured d64/d128 (unmeasured at d256).
         preferred.append(MosaicAttentionVjpConfig())
         for config in preferred:
             if fits(config, seq_q, seq_kv, head_dim):
