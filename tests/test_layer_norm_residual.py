@@ -229,19 +229,25 @@ def test_bad_residual_raises_value_error_naming_it(residual, match):
 
 
 def test_kernel_margins_hold_with_a_residual():
-    """A Triton norm measured alone must beat XLA's by 40% (forward) or 50% (gradient, as
-    XLA's reruns the forward it merges in a model), with a residual or without: on the
-    H200 the residual norm alone ran 1.31x XLA's forward yet 0.97x forward+backward, and
-    the Llama step 0.97x with it. A 1.3x faster forward loses; a 2x faster one wins."""
+    """A Triton norm measured alone must beat XLA's by 40%, with a residual or without,
+    and XLA's gradient, which reruns the forward it merges with inside a model, counts at
+    half its lone time: on the H200 the residual norm alone ran 1.31x XLA's forward and
+    its gradient 1.78x, yet forward+backward 0.97x and the Llama step 0.97x with them."""
     x = jax.ShapeDtypeStruct((16384, 2048), jnp.bfloat16)
-    for kernel, margin in ((PallasTritonLayerNorm(), 0.4), (PallasTritonLayerNormVjp(), 0.5)):
+    for kernel in (PallasTritonLayerNorm(), PallasTritonLayerNormVjp()):
         for residual in (None, x):
-            assert kernel.kernel_margin_for(_bind(kernel, x, residual=residual)) == margin
+            assert kernel.kernel_margin_for(_bind(kernel, x, residual=residual)) == 0.4
+    xla_vjp = core.AutodiffVjp(forward=LayerNorm())
     for residual in (None, x):
-        candidates = [_bind(PallasTritonLayerNorm(), x, residual=residual),
-                      _bind(LayerNorm(), x, residual=residual)]
-        assert cache.rank_with_evidence(candidates, [0.066, 0.0864]) == [1]
-        assert cache.rank_with_evidence(candidates, [0.04, 0.0864]) == [0, 1]
+        forward = [_bind(PallasTritonLayerNorm(), x, residual=residual),
+                   _bind(LayerNorm(), x, residual=residual)]
+        assert cache.rank_with_evidence(forward, [0.066, 0.0864]) == [1]
+        assert cache.rank_with_evidence(forward, [0.04, 0.0864]) == [0, 1]
+        gradient = [_bind(PallasTritonLayerNormVjp(), x, residual=residual),
+                    _bind(xla_vjp, x, residual=residual)]
+        assert xla_vjp.reruns_forward(gradient[1])
+        assert cache.rank_with_evidence(gradient, [0.0877, 0.156]) == [1]
+        assert cache.rank_with_evidence(gradient, [0.04, 0.156]) == [0, 1]
 
 
 def _bind(op, x, residual=None):

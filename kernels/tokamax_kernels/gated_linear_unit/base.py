@@ -184,6 +184,10 @@ class GatedLinearUnitVjp(VjpOp):
         """The `ragged_dot` op that runs a grouped call's gradient GEMMs."""
         return RaggedDot()
 
+    def reruns_forward(self, ba: BoundArguments) -> bool:
+        # The products, for a dense call (a grouped one reads the residuals); not kernels.
+        return self.implementation == "xla" and "group_sizes" not in ba.arguments
+
     def evidence_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
         """A grouped call's gradient ragged dots: it is as fast as they are measured."""
         if "group_sizes" not in ba.arguments:

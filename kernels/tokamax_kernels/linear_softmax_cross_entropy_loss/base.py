@@ -226,6 +226,9 @@ class LinearSoftmaxCrossEntropyLossVjp(VjpOp):
 
     forward_family = LinearSoftmaxCrossEntropyLoss
 
+    def reruns_forward(self, ba: BoundArguments) -> bool:
+        return self.implementation == "xla"  # the logits GEMM; not the kernels
+
     def _fwd(self, residuals: Any, out: Any, dout: jax.Array, *, config: Any,
              return_residuals: bool, x: jax.Array, labels: jax.Array, weights: jax.Array,
              reduction: str, logits_soft_cap: float | None,

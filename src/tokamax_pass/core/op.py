@@ -161,6 +161,13 @@ class Op[C]:
         neighbours only for some calls (a norm not given its residual add) overrides it."""
         return self.kernel_margin
 
+    def reruns_forward(self, ba: BoundArguments) -> bool:
+        """True for an XLA gradient that recomputes its forward's products (autodiff of the
+        forward, or logits recomputed from a saved log-sum-exp). Inside one program with
+        the XLA forward, XLA merges those products with the forward's, so the time it was
+        measured at alone overstates what it costs there (`cache.rank_with_evidence`)."""
+        return False
+
     def evidence_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
         """The op calls whose measured times add up to this call's time, for an op that
         only makes nested op calls (`None`: the call is measured as itself)."""

@@ -122,6 +122,9 @@ class AutodiffVjp(VjpOp):
     def reference_op(self) -> Op:
         return AutodiffVjp(forward=self.forward.reference_op())
 
+    def reruns_forward(self, ba: BoundArguments) -> bool:
+        return True
+
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              **forward_arguments: Any) -> tuple[dict[str, Any], None]:
         from tokamax_pass.core.resolution import resolve_config
