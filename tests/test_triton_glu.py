@@ -112,3 +112,21 @@ def test_lowers_for_cuda_with_grad(fused):
     text = exported.mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 2  # forward + backward gates kernels
     assert "tokamax_pass_spec" in text and "PallasTritonGatedLinearUnitVjp" in text
+
+
+def test_a_dense_kernel_forward_must_beat_xla_by_half():
+    """XLA's GLU gradient reruns the products, which XLA merges with its forward's inside
+    a program: a kernel forward puts those GEMMs back, so `None` wants it twice as fast.
+    A grouped call's gradient reads the residuals instead: the default margin."""
+    from tokamax_pass.autotuning import cache
+
+    x = jax.ShapeDtypeStruct((16384, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2048, 2, 5632), jnp.bfloat16)
+    candidates = [op.bind(x, w) for op in (PallasTritonGatedLinearUnit(), GatedLinearUnit())]
+    assert cache.rank_with_evidence(candidates, [0.8, 1.05]) == [1]
+    assert cache.rank_with_evidence(candidates, [0.5, 1.05]) == [0, 1]
+    grouped = GatedLinearUnit().bind(
+        x, jax.ShapeDtypeStruct((4, 2048, 2, 5632), jnp.bfloat16),
+        group_sizes=jax.ShapeDtypeStruct((4,), jnp.int32))
+    assert GatedLinearUnit().kernel_margin_for(grouped) == core.Op.kernel_margin
+    assert PallasTritonGatedLinearUnit().kernel_margin_for(candidates[0]) == 0.5

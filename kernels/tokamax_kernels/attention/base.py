@@ -311,10 +311,6 @@ class DotProductAttentionVjp(VjpOp):
     forward_family = DotProductAttention
     accepts_residual_cotangents = True
 
-    def reruns_forward(self, ba: BoundArguments) -> bool:
-        # Autodiff of the forward here, the logits in the `xla` gradient; not the kernels.
-        return self.implementation == "xla"
-
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)

@@ -91,6 +91,12 @@ class GatedLinearUnit(Op[NullConfig]):
     # reference (this class) always does; a kernel says so here.
     grouped: ClassVar[bool] = False
 
+    def kernel_margin_for(self, ba: BoundArguments) -> float:
+        """Half, for a dense call: the XLA gradient reruns the products, which XLA merges
+        with the XLA forward's inside a program, so a kernel forward adds those GEMMs back
+        (as the LM head's did: 0.97x on the Llama step). Grouped calls keep residuals."""
+        return self.kernel_margin if "group_sizes" in ba.arguments else 0.5
+
     def similarity_arguments(self, arguments: Any) -> dict[str, Any]:
         """Rows x K: how x's leading axes split does not change the GEMMs' speed."""
         x = arguments["x"]
