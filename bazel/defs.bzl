@@ -13,7 +13,9 @@ def _tokamax_stablehlo_impl(ctx):
     if ctx.attr.device_kind:
         args.add("--device-kind", ctx.attr.device_kind)
     args.add("-o", out.path)
-    inputs = list(ctx.files.srcs)
+    # The library itself: a source or shipped-cache change rebuilds the artifact (the
+    # action imports the workspace's package, which Bazel would not otherwise track).
+    inputs = list(ctx.files.srcs) + list(ctx.files._library)
     if ctx.file.results:
         inputs.append(ctx.file.results)
     ctx.actions.run(
@@ -42,6 +44,7 @@ tokamax_stablehlo = rule(
             doc = "Target device(s) when exporting from a machine without them, one per " +
                   "platform, comma-separated: 'NVIDIA H200' or 'NVIDIA H200,TPU v6 lite'",
         ),
+        "_library": attr.label_list(default = ["//:sources"], allow_files = True),
         "_python": attr.label(
             default = "//bazel:python3.sh",
             executable = True,
