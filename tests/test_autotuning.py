@@ -154,11 +154,21 @@ def test_a_measured_neighbouring_shape_stands_in_for_an_unmeasured_one():
     x, w = _inputs()
     f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
     kind = current_target().device_kind
-    near, far = (M * 2, K, N), (M * 4, K, N)
+    near, far, farther = (M * 2, K, N), (M * 4, K, N), (M * 8, K, N)
     with tokamax.AutotuningResult(kind, [_chunked_entry(0.5, near), _xla_entry(1.0, near)]):
         assert _chosen_class(f, x, w) == "XlaChunkedMatmul"
-    with tokamax.AutotuningResult(kind, [_chunked_entry(0.5, far), _xla_entry(1.0, far)]):
+    with tokamax.AutotuningResult(kind, [_chunked_entry(0.6, far), _xla_entry(1.0, far)]):
         assert _chosen_class(f, x, w) == "ChunkedMatmul"  # beyond MAX_RATIO: not a neighbour
+    # Within FAR_RATIO, a kernel that won by DOMINANT_WIN there counts; beyond it, not.
+    with tokamax.AutotuningResult(kind, [_chunked_entry(0.4, far), _xla_entry(1.0, far)]):
+        assert _chosen_class(f, x, w) == "XlaChunkedMatmul"
+    with tokamax.AutotuningResult(kind, [_chunked_entry(0.1, farther),
+                                         _xla_entry(1.0, farther)]):
+        assert _chosen_class(f, x, w) == "ChunkedMatmul"
+    # A near neighbour outranks a far dominant one.
+    with tokamax.AutotuningResult(kind, [_chunked_entry(0.1, far), _xla_entry(1.0, far),
+                                         _chunked_entry(3.0, near), _xla_entry(1.0, near)]):
+        assert _chosen_class(f, x, w) == "ChunkedMatmul"
     # The nearest neighbour decides: a slow kernel next door outweighs a fast one farther.
     with tokamax.AutotuningResult(kind, [
             _chunked_entry(0.5, (M * 2, K * 2, N)), _xla_entry(1.0, (M * 2, K * 2, N)),

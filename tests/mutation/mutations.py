@@ -166,4 +166,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            delta = delta",
         ("tests/test_attention_jax_nn.py::test_return_residual_matches_jax_nn",),
     ),
+    Mutation(
+        "a far neighbour lends its timings without a dominant kernel win",
+        "src/tokamax_pass/autotuning/neighbours.py",
+        "DOMINANT_WIN = 2.0",
+        "DOMINANT_WIN = 1.0",
+        ("tests/test_autotuning.py::test_a_measured_neighbouring_shape_stands_in_for_an_unmeasured_one",),
+    ),
 )

@@ -4,8 +4,11 @@ A cache holds timings at the shapes someone measured. A call at another shape of
 same kind (`keys.similarity`: the same op, static arguments, dtypes and ranks) borrows
 the timings of the nearest measured shape whose every size is within `MAX_RATIO` of its
 own, provided that shape timed all the call's plain-JAX candidates (so a kernel is only
-ever compared with what it would displace). Farther away, nothing is borrowed and the
-plain-JAX paths run.
+ever compared with what it would displace). With no such shape, a shape within
+`FAR_RATIO` lends its timings only where a kernel beat every plain-JAX candidate there
+by `DOMINANT_WIN` or more (a win of that size does not vanish a few sizes away: the
+Mosaic ragged dot ran 7x XLA's at the Mixtral shape, and a Mixtral-8x7B layer's sizes
+are up to 4x from it). Farther away, nothing is borrowed and the plain-JAX paths run.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ from tokamax_pass.core.op import BoundArguments
 
 # A neighbour's sizes may differ from the call's by at most this factor, each size alone.
 MAX_RATIO = 2.0
+# Farther neighbours, and how much faster than the plain-JAX paths a kernel must have run
+# there for them to count.
+FAR_RATIO = 4.0
+DOMINANT_WIN = 2.0
 
 Sizes = tuple[int, ...]
 # category -> {sizes: best time (ms)}, for one result.
@@ -50,8 +57,8 @@ def _index(layer: Any) -> _Index:
     return index
 
 
-def distance(a: Sizes, b: Sizes) -> float:
-    """Sum of |log2| size ratios; `inf` when ranks differ or a size is beyond `MAX_RATIO`."""
+def distance(a: Sizes, b: Sizes, max_ratio: float = MAX_RATIO) -> float:
+    """Sum of |log2| size ratios; `inf` when ranks differ or a size is beyond `max_ratio`."""
     if len(a) != len(b):
         return math.inf
     total = 0.0
@@ -61,7 +68,7 @@ def distance(a: Sizes, b: Sizes) -> float:
         if min(x, y) <= 0:
             return math.inf
         step = abs(math.log2(x / y))
-        if step > math.log2(MAX_RATIO):
+        if step > math.log2(max_ratio):
             return math.inf
         total += step
     return total
@@ -82,11 +89,27 @@ def nearest_times(candidates: Sequence[BoundArguments],
     plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
     required = plain or range(len(candidates))
     sites = set.intersection(*(set(measured[i]) for i in required)) if required else set()
-    best, best_distance = None, math.inf
-    for sizes in sorted(sites):
-        d = max(distance(keyed[i][1], sizes) for i in required)
-        if d < best_distance:
-            best, best_distance = sizes, d
+
+    def dominated(sizes: Sizes) -> bool:
+        kernels = [found[sizes] for i, found in enumerate(measured)
+                   if i not in plain and sizes in found]
+        return bool(plain and kernels) and (
+            min(kernels) * DOMINANT_WIN <= min(measured[i][sizes] for i in plain))
+
+    best = _nearest(sorted(sites), keyed, required, MAX_RATIO)
+    if best is None:
+        best = _nearest([s for s in sorted(sites) if dominated(s)], keyed, required, FAR_RATIO)
     if best is None:
         return [None] * len(candidates)
     return [found.get(best) for found in measured]
+
+
+def _nearest(sites: Sequence[Sizes], keyed: Sequence[tuple[str, Sizes]],
+             required: Sequence[int], max_ratio: float) -> Sizes | None:
+    """The site nearest every required candidate's sizes, each size within `max_ratio`."""
+    best, best_distance = None, math.inf
+    for sizes in sites:
+        d = max(distance(keyed[i][1], sizes, max_ratio) for i in required)
+        if d < best_distance:
+            best, best_distance = sizes, d
+    return best
