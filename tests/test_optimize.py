@@ -361,7 +361,12 @@ def test_autotune_missing_measures_and_is_used(xs, tmp_path, monkeypatch):
 
 
 def test_autotune_always_measures_even_cached_configs(xs, tmp_path, monkeypatch):
+    from tokamax_pass.autotuning import staging
+
     monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path))
+    # Every implementation could win after tuning: both search their configs, whichever
+    # was faster at its first config on this machine (`staging.py`).
+    monkeypatch.setattr(staging, "TUNING_GAIN", 1e-9)
     x, scale = xs
     result = _result((_square_bound(x, scale), ChunkConfig(4)))
     optimized = tk.optimize(square_loss, autotune="always")

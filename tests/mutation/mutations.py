@@ -173,4 +173,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "DOMINANT_WIN = 1.0",
         ("tests/test_autotuning.py::test_a_measured_neighbouring_shape_stands_in_for_an_unmeasured_one",),
     ),
+    Mutation(
+        "two-stage tuning searches every implementation's configs, losers included",
+        "src/tokamax_pass/autotuning/staging.py",
+        "            if keep and len(configs) > 1:",
+        "            if len(configs) > 1:",
+        ("tests/test_autotuning_staging.py::test_only_implementations_that_could_be_chosen_are_searched",),
+    ),
 )

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokamax_pass.autotuning import cache as cache_lib
-from tokamax_pass.autotuning import discovery, distributed, lowering
+from tokamax_pass.autotuning import discovery, distributed, keys, lowering, staging
 from tokamax_pass.autotuning.autotuner import Autotuner, candidate_configs
 from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import registry
@@ -35,25 +35,32 @@ def _collect(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[BoundA
     return discovery.get_bound_args(f, *args, **kwargs)
 
 
-def _expand(bound: list[BoundArguments], target: Any) -> list[BoundArguments]:
-    """Each call once per implementation of its family that supports it here."""
-    expanded = []
+def _expand(bound: list[BoundArguments], target: Any) -> list[list[BoundArguments]]:
+    """Each call once per implementation of its family that supports it here, grouped
+    by call (a call already in an earlier group is dropped from later ones)."""
+    groups, seen = [], set()
     for ba in bound:
+        group = []
         for op in registry.implementations_of(ba.op):
             candidate = ba.replace(op=op)
             try:
                 op.check_supported(candidate, target)
             except NotImplementedError:
                 continue
-            expanded.append(candidate)
-    return discovery.dedupe(expanded)
+            group.append(candidate)
+        group = [c for c in discovery.dedupe(group) if keys.entry_key(c) not in seen]
+        seen.update(keys.entry_key(c) for c in group)
+        if group:
+            groups.append(group)
+    return groups
 
 
 def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations: bool = False,
              timeout: float = 600.0, max_workers: int | None = None, cache: bool = False,
              progress: bool = True, iterations: int = 5, method: str | None = None,
              max_configs: int | None = DEFAULT_MAX_CONFIGS,
-             lowering_processes: int | None = None, **kwargs: Any) -> AutotuningResult:
+             lowering_processes: int | None = None, search_losers: bool = False,
+             **kwargs: Any) -> AutotuningResult:
     """Measures the configs of every op call in `f(*args, **kwargs)` on the default device.
 
     Args:
@@ -74,6 +81,10 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
       iterations, method: timed runs per config and the timer (`benchmarking`).
       max_configs: configs timed per op, the heuristics config and those nearest it
         (`None`: the whole search space).
+      search_losers: with `all_implementations`, search the configs of every
+        implementation. By default each implementation is first timed at its heuristics
+        config, and only those that could then be chosen (`staging.py`) have their
+        other configs timed: the losers' compiles were most of a model's tuning time.
 
     In a multi-process run (`jax.distributed`) process 0 tunes and every process
     returns its result, so all compile the same kernels (`distributed.tune_once`).
@@ -81,7 +92,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
     result = distributed.tune_once(lambda: _autotune_here(
         f, args, kwargs, ignore_cache=ignore_cache, all_implementations=all_implementations,
         timeout=timeout, max_workers=max_workers, progress=progress, iterations=iterations,
-        method=method, max_configs=max_configs, lowering_processes=lowering_processes))
+        method=method, max_configs=max_configs, lowering_processes=lowering_processes,
+        search_losers=search_losers))
     if cache:
         result.save_to_cache()
     return result
@@ -90,7 +102,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
 def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignore_cache: bool,
                    all_implementations: bool, timeout: float, max_workers: int | None,
                    progress: bool, iterations: int, method: str | None,
-                   max_configs: int | None, lowering_processes: int | None) -> AutotuningResult:
+                   max_configs: int | None, lowering_processes: int | None,
+                   search_losers: bool) -> AutotuningResult:
     target = current_target()
     exporters = lowering.start_early(lowering_processes)
     try:
@@ -98,7 +111,8 @@ def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignor
                      all_implementations=all_implementations, timeout=timeout,
                      max_workers=max_workers, progress=progress, iterations=iterations,
                      method=method, max_configs=max_configs,
-                     lowering_processes=lowering_processes, exporters=exporters)
+                     lowering_processes=lowering_processes, exporters=exporters,
+                     search_losers=search_losers)
     finally:
         if exporters is not None:
             exporters.close()
@@ -108,31 +122,42 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
           ignore_cache: bool, all_implementations: bool, timeout: float,
           max_workers: int | None, progress: bool, iterations: int, method: str | None,
           max_configs: int | None, lowering_processes: int | None,
-          exporters: lowering.ExportWorkers | None) -> AutotuningResult:
+          exporters: lowering.ExportWorkers | None, search_losers: bool) -> AutotuningResult:
     bound = _collect(f, args, kwargs)
     if all_implementations:
-        bound = _expand(bound, target)
+        groups = _expand(bound, target)
     else:
         _require_device(bound, target)
-        bound = [ba for ba in bound if ba.op.config_cls is not NullConfig]
+        groups = [[ba] for ba in bound if ba.op.config_cls is not NullConfig]
     if not ignore_cache:
-        bound = [ba for ba in bound if cache_lib.SOURCE.find_config(ba, target.device_kind) is None]
-    plans = []
-    for ba in bound:
-        try:
-            plans.append((ba, candidate_configs(ba, max_configs)))
-        except Exception as e:  # noqa: BLE001 - one op's broken search space skips that op only
-            _log.warning("autotune: skipping %r: %s", ba, e)
-    bar = _progress_bar(sum(len(c) for _, c in plans), progress)
+        groups = [[ba for ba in group
+                   if cache_lib.SOURCE.find_config(ba, target.device_kind) is None]
+                  for group in groups]
+    plans = [[plan for ba in group if (plan := _plan(ba, max_configs)) is not None]
+             for group in groups]
+    staged = all_implementations and not search_losers
+    bar = _progress_bar(sum(len(c[:1] if staged else c) for g in plans for _, c in g), progress)
     tuner = Autotuner(timeout=timeout, max_workers=max_workers, iterations=iterations,
                       method=method, on_config_done=_advance(bar),
                       lowering_processes=lowering_processes, exporters=exporters)
     try:
-        entries = tuner.tune_many(plans)
+        if staged:
+            entries = staging.tune_in_stages(tuner, plans, on_stage_two=_extend(bar))
+        else:
+            entries = tuner.tune_many([plan for group in plans for plan in group])
     finally:
         if bar is not None:
             bar.close()
     return AutotuningResult(target.device_kind, entries)
+
+
+def _plan(ba: BoundArguments, max_configs: int | None) -> tuple[BoundArguments, list[Any]] | None:
+    """`(ba, its candidate configs)`, or `None` (logged) for a broken search space."""
+    try:
+        return ba, candidate_configs(ba, max_configs)
+    except Exception as e:  # noqa: BLE001 - one op's broken search space skips that op only
+        _log.warning("autotune: skipping %r: %s", ba, e)
+        return None
 
 
 def _require_device(bound: Sequence[BoundArguments], target: Any) -> None:
@@ -159,6 +184,18 @@ def _advance(bar: Any) -> Any:
         bar.update(1)
 
     return advance
+
+
+def _extend(bar: Any) -> Any:
+    """A callback adding stage two's configs to the progress bar's total."""
+    if bar is None:
+        return None
+
+    def extend(n: int) -> None:
+        bar.total += n
+        bar.refresh()
+
+    return extend
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:

@@ -18,6 +18,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-o", "--output", help="write the AutotuningResult JSON here")
     parser.add_argument("--all-implementations", action="store_true",
                         help="time every implementation of each op family")
+    parser.add_argument("--search-losers", action="store_true",
+                        help="with --all-implementations, search the configs of every "
+                             "implementation, not only of those that could be chosen")
     parser.add_argument("--ignore-cache", action="store_true",
                         help="also tune ops the caches already answer")
     parser.add_argument("--cache", action="store_true", help="save the result to the user cache")
@@ -45,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = autotuning.autotune(
         target, *call_args, ignore_cache=args.ignore_cache,
-        all_implementations=args.all_implementations, timeout=args.timeout,
+        all_implementations=args.all_implementations, search_losers=args.search_losers,
+        timeout=args.timeout,
         max_workers=args.max_workers, cache=args.cache, progress=not args.no_progress,
         **({} if args.max_configs is None else {"max_configs": args.max_configs or None}))
     print(result)

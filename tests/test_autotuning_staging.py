@@ -1,0 +1,110 @@
+"""Two-stage tuning with `all_implementations`: every implementation timed at its
+heuristics config, then only those that could be chosen searched (`staging.py`)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import pytest
+
+import tokamax_pass as tokamax
+from conftest import random_normal
+from test_autotuning_ops import ChunkConfig, ChunkedMatmul, XlaChunkedMatmul, chunked_matmul
+from tokamax_pass.autotuning import keys, staging
+from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.core import NullConfig
+
+M, K, N = 16, 64, 32
+
+
+@pytest.fixture(autouse=True)
+def _empty_user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _calls():
+    x = jax.ShapeDtypeStruct((M, K), "float32")
+    w = jax.ShapeDtypeStruct((K, N), "float32")
+    return [keys.canonical(op.bind(x, w)) for op in (XlaChunkedMatmul(), ChunkedMatmul())]
+
+
+class _Tuner:
+    """Answers `tune_many` from a table of times per (implementation, config); records
+    what each stage was asked to time."""
+
+    def __init__(self, times):
+        self.times, self.stages = times, []
+
+    def tune_many(self, plans):
+        self.stages.append([(type(ba.op).__name__, list(configs)) for ba, configs in plans])
+        return [Entry(ba, {c: self._measure(type(ba.op).__name__, c) for c in configs}, {})
+                for ba, configs in plans]
+
+    def _measure(self, name, config):
+        ms = self.times[name, config]
+        if ms is None:
+            return Measurement(error="compile error: on purpose")
+        return Measurement(evaluation_times_ms=(ms,))
+
+
+def _plans(chunked_configs):
+    chunked, xla = _calls()
+    return [[(chunked, chunked_configs), (xla, [NullConfig()])]]
+
+
+CONFIGS = [ChunkConfig(32), ChunkConfig(16), ChunkConfig(64)]
+
+
+@pytest.mark.parametrize("first_ms, searched", [
+    pytest.param(1.3, False, id="loses-by-more-than-tuning-gains"),
+    pytest.param(0.9, True, id="could-win-after-tuning"),
+    pytest.param(0.7, True, id="already-wins"),
+    pytest.param(None, True, id="first-config-failed"),
+])
+def test_only_implementations_that_could_be_chosen_are_searched(first_ms, searched):
+    times = {("XlaChunkedMatmul", ChunkConfig(32)): first_ms,
+             ("XlaChunkedMatmul", ChunkConfig(16)): 0.5,
+             ("XlaChunkedMatmul", ChunkConfig(64)): 2.0,
+             ("ChunkedMatmul", NullConfig()): 1.0}
+    tuner = _Tuner(times)
+    told = []
+    entries = staging.tune_in_stages(tuner, _plans(CONFIGS), on_stage_two=told.append)
+    assert tuner.stages[0] == [("XlaChunkedMatmul", CONFIGS[:1]),
+                               ("ChunkedMatmul", [NullConfig()])]
+    assert tuner.stages[1] == ([("XlaChunkedMatmul", CONFIGS[1:])] if searched else [])
+    assert told == [2 if searched else 0]
+    chunked, xla = entries
+    assert list(chunked.data) == (CONFIGS if searched else CONFIGS[:1])
+    assert list(xla.data) == [NullConfig()]
+    assert chunked.best_time_ms == (0.5 if searched else first_ms)
+
+
+def test_the_gain_and_margins_decide():
+    """A kernel 10% slower than XLA at its heuristics config is searched (tuning may gain
+    20%); at 30% slower it is not; XLA itself is never a loser to skip."""
+    calls = _calls()
+    assert staging.worth_searching(calls, [1.1, 1.0]) == [True, True]
+    assert staging.worth_searching(calls, [1.3, 1.0]) == [False, True]
+    assert staging.worth_searching(calls, [math.inf, 1.0]) == [True, True]
+
+
+def test_autotune_times_each_implementation_then_searches_the_promising(monkeypatch):
+    """End to end on this machine, with the gain forced either way: no hope leaves the
+    kernel at its heuristics config; any hope searches its whole space (failing and
+    wrong configs recorded as always); `search_losers=True` searches regardless."""
+    x, w = random_normal(0, (M, K)), random_normal(1, (K, N))
+
+    def f(x, w):
+        return chunked_matmul(x, w)
+
+    def configs_timed(**kwargs):
+        result = tokamax.autotune(f, x, w, all_implementations=True, ignore_cache=True,
+                                  progress=False, iterations=2, **kwargs)
+        return {type(ba.op).__name__: len(data) for ba, data in result}
+
+    monkeypatch.setattr(staging, "TUNING_GAIN", 1e-9)
+    assert configs_timed() == {"XlaChunkedMatmul": 5, "ChunkedMatmul": 1}
+    monkeypatch.setattr(staging, "TUNING_GAIN", 1e9)
+    assert configs_timed() == {"XlaChunkedMatmul": 1, "ChunkedMatmul": 1}
+    assert configs_timed(search_losers=True) == {"XlaChunkedMatmul": 5, "ChunkedMatmul": 1}
