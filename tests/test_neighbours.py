@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from tokamax_kernels.attention.base import DotProductAttention, DotProductAttentionVjp
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
@@ -46,7 +47,7 @@ def test_a_vjp_compares_as_its_forward_call():
     assert keys.similarity(vjp)[1] == keys.similarity(forward)[1]
 
 
-def test_attention_keeps_head_dim_and_group_exact_and_merges_batch_with_heads():
+def test_attention_keeps_head_dim_exact_and_merges_batch_with_heads():
     def sim(b, s, h, kv, d):
         q, k = _sds((b, s, h, d)), _sds((b, s, kv, d))
         return keys.similarity(DotProductAttention().bind(q, k, k, is_causal=True))
@@ -54,11 +55,41 @@ def test_attention_keeps_head_dim_and_group_exact_and_merges_batch_with_heads():
     assert sim(4, 4096, 16, 4, 128)[1] == sim(8, 4096, 8, 2, 128)[1]
     assert sim(4, 4096, 16, 4, 128)[0] == sim(8, 4096, 8, 2, 128)[0]
     assert sim(4, 4096, 16, 4, 128)[0] != sim(4, 4096, 16, 4, 64)[0]  # head dim
-    assert sim(4, 4096, 16, 4, 128)[0] != sim(4, 4096, 16, 8, 128)[0]  # GQA group
     q = _sds((2, 256, 4, 64))
     forward = DotProductAttention().bind(q, q, q)
     vjp = DotProductAttentionVjp().bind(None, q, q, **forward.arguments)
     assert keys.similarity(vjp)[1] == keys.similarity(forward)[1]
+
+
+def _gemma(seq, heads, kv_heads, window, causal=True, head_dim=256):
+    q, k = _sds((2, seq, heads, head_dim)), _sds((2, seq, kv_heads, head_dim))
+    return keys.similarity(DotProductAttention().bind(
+        q, k, k, is_causal=causal, logits_soft_cap=50.0, local_window_size=window))
+
+
+def test_attention_group_and_window_reach_are_sizes():
+    """Gemma-2's local and global layers, its head splits and window lengths are one
+    kind of call: what differs is sized like a sequence length, and compared by ratio."""
+    measured = _gemma(8192, 8, 4, (4096, 0))
+    for call, steps in [(_gemma(8192, 8, 4, (2048, 0)), 1.0),   # half the window
+                        (_gemma(8192, 8, 4, None), 1.0),        # global: the whole sequence
+                        (_gemma(8192, 8, 2, (4096, 0)), 1.0),   # GQA group 4, not 2
+                        (_gemma(8192, 8, 4, (4096, 4096)), 0.0)]:  # causal: right is moot
+        assert call[0] == measured[0]
+        assert neighbours.distance(call[1], measured[1]) == pytest.approx(steps, abs=1e-3)
+    assert neighbours.distance(_gemma(8192, 8, 4, (1024, 0))[1], measured[1]) == math.inf
+    assert _gemma(8192, 8, 4, (4096, 0), head_dim=128)[0] != measured[0]
+    assert _gemma(8192, 8, 4, (4096, 4096), causal=False)[0] != measured[0]
+    both_ways = _gemma(8192, 8, 4, (4096, 4096), causal=False)[1]
+    assert neighbours.distance(_gemma(8192, 8, 4, None, causal=False)[1], both_ways) == (
+        pytest.approx(2.0, abs=1e-3))
+
+
+def test_size_like_values_must_be_positive():
+    from tokamax_pass.core import SizeLike
+
+    with pytest.raises(ValueError, match="SizeLike: value must be >= 1"):
+        SizeLike(0)
 
 
 def test_glu_merges_leading_axes():
@@ -66,3 +97,52 @@ def test_glu_merges_leading_axes():
     a = keys.similarity(GatedLinearUnit().bind(_sds((4, 4096, 2048)), w))
     b = keys.similarity(GatedLinearUnit().bind(_sds((16384, 2048)), w))
     assert a == b
+
+
+def test_a_gemma2_layer_at_another_window_borrows_the_measured_layers_choice(
+        monkeypatch, tmp_path):
+    """`None` on a local layer with a 2048 window, and on a global layer, of a model whose
+    4096-window layer was measured (only these measurements: no shipped or user cache)."""
+    import tokamax_pass as tokamax
+    from tokamax_kernels.attention import PallasMosaicGpuFlashAttention, cudnn
+    from tokamax_pass import core
+    from tokamax_pass.autotuning import cache
+    from tokamax_pass.autotuning.result import AutotuningResult, Entry, Measurement
+
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path / "user"))
+    monkeypatch.setattr(cache, "library_cache_dir", lambda kind: tmp_path / "none")
+    monkeypatch.setattr(cudnn, "_require_cudnn_library", lambda: None)
+    cache.library_result.cache_clear()
+    cache._USER.invalidate()
+    q, k = _sds((2, 8192, 8, 256)), _sds((2, 8192, 4, 256))
+
+    def measured(op, ms):
+        ba = keys.canonical(op.bind(q, k, k, is_causal=True, logits_soft_cap=50.0,
+                                    local_window_size=(4096, 0)))
+        with core.targeting("NVIDIA H200"):
+            config = ba.heuristics_config
+        return Entry(ba, {config: Measurement((ms,))}, keys.provenance(op))
+
+    def chosen(window):
+        f = lambda q, k: tokamax.dot_product_attention(  # noqa: E731
+            q, k, k, is_causal=True, logits_soft_cap=50.0, local_window_size=window)
+        with core.targeting("NVIDIA H200"):
+            (row,) = tokamax.optimize(f).plan(q, k)
+        return row.op
+
+    def measurements(mosaic_ms):
+        return AutotuningResult("NVIDIA H200", [
+            measured(DotProductAttention(), 7.0),
+            measured(PallasMosaicGpuFlashAttention(), mosaic_ms)])
+
+    try:
+        with measurements(0.7):  # Mosaic 10x XLA, as on the H200
+            assert chosen((2048, 0)) == chosen(None) == "PallasMosaicGpuFlashAttention"
+            assert chosen((1024, 0)) == "PallasMosaicGpuFlashAttention"  # far, dominant
+        with measurements(5.0):  # a win, not a dominant one: the far window is not lent
+            assert chosen((2048, 0)) == "PallasMosaicGpuFlashAttention"
+            assert chosen((1024, 0)) == "DotProductAttention"
+        assert chosen((2048, 0)) == "DotProductAttention"  # nothing measured
+    finally:
+        cache.library_result.cache_clear()
+        cache._USER.invalidate()

@@ -2,6 +2,7 @@
 plain JAX, timed in alternating rounds in one process.
 
     python -m benchmarks.models.ablation --only llama [--rounds 2] [--output FILE]
+        [--set FIELD=VALUE ...]
 
 Prints and writes (JSON lines) the device time of plain JAX, ours (`None`), and ours with
 each op family (`rms_norm`, `add_rms_norm`, `layer_norm`, `attention`, `glu`, `moe_glu`,
@@ -45,11 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--tiny", action="store_true", help="the smoke sizes (any machine)")
     parser.add_argument("--output", default="ablation.jsonl")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="resize the models' benchmark config (as `benchmarks.models`)")
     args = parser.parse_args(argv)
     ours = ops.variants()["ours"]
     with open(args.output, "w") as out:
         for name in args.only:
-            model = MODELS[name]
+            model = run.resized(MODELS[name], args.set, parser.error)
             params, batch = run._inputs(model, smoke=args.tiny)
             small = run._inputs(model, smoke=True)
             variants = {"plain": ops.Plain(), "ours": ours}

@@ -180,4 +180,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            if len(configs) > 1:",
         ("tests/test_autotuning_staging.py::test_only_implementations_that_could_be_chosen_are_searched",),
     ),
+    Mutation(
+        "attention windows compare by exact value again, not as sizes",
+        "kernels/tokamax_kernels/attention/base.py",
+        '"local_window_size": tuple(SizeLike(min(w, kv_len) + 1) for w in (left, right)),',
+        '"local_window_size": (left, right),',
+        ("tests/test_neighbours.py::test_attention_group_and_window_reach_are_sizes",),
+    ),
 )

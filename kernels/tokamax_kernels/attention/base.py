@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_kernels import _validation as v
-from tokamax_pass.core import BoundArguments, NullConfig, Op, VjpOp
+from tokamax_pass.core import BoundArguments, NullConfig, Op, SizeLike, VjpOp
 
 _OP = "dot_product_attention"
 
@@ -199,16 +199,23 @@ class DotProductAttention(Op[NullConfig]):
 
     def similarity_arguments(self, arguments: Any) -> dict[str, Any]:
         """Batch and heads merged (their split does not matter to a kernel), the head dim
-        and GQA group exact (they do), the scale and soft cap's value dropped."""
+        exact (it does), the scale and soft cap's value dropped. The GQA group and the
+        window's reach (a global call reaches the whole key sequence) are sizes
+        (`SizeLike`): a Gemma-2 layer at another head split or window length is a
+        neighbour of a measured one, as a longer sequence is."""
         query, key = arguments["query"], arguments["key"]
         batch, q_len, heads, head_dim = query.shape
         kv_len, kv_heads = key.shape[1], key.shape[2]
+        left, right = arguments["local_window_size"] or (kv_len, kv_len)
+        if arguments["is_causal"]:
+            right = 0  # the causal mask already stops every query at its own position
         return {
             **arguments,
             "query": jax.ShapeDtypeStruct((batch * heads, q_len), query.dtype),
             "key": jax.ShapeDtypeStruct((kv_len,), key.dtype), "value": None,
-            "head_dim": head_dim, "group": heads // kv_heads, "scale": None,
+            "head_dim": head_dim, "group": SizeLike(heads // kv_heads), "scale": None,
             "logits_soft_cap": arguments["logits_soft_cap"] is not None,
+            "local_window_size": tuple(SizeLike(min(w, kv_len) + 1) for w in (left, right)),
         }
 
     def bind(self, query: Any, key: Any, value: Any, bias: Any = None, mask: Any = None, *,

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from tokamax_pass.core import spec
-from tokamax_pass.core.op import BoundArguments, Op
+from tokamax_pass.core.op import BoundArguments, Op, SizeLike
 from tokamax_pass.version import __version__
 
 
@@ -118,11 +118,15 @@ def similarity(ba: BoundArguments) -> tuple[str, tuple[int, ...]]:
 
     The category holds the op (config stripped), every static argument and each
     array's dtype and rank, after the op's `similarity_arguments` dropped what its speed
-    does not depend on; `sizes` lists the arrays' dimensions and the vmap sizes.
+    does not depend on; `sizes` lists the arrays' dimensions, the `SizeLike` numbers and
+    the vmap sizes.
     """
     sizes: list[int] = []
 
     def strip(value: Any) -> Any:
+        if isinstance(value, SizeLike):
+            sizes.append(value.value)
+            return "size"
         if spec.is_array(value):
             sizes.extend(int(d) for d in value.shape)
             return f"{jax.numpy.dtype(value.dtype).name}[rank {len(value.shape)}]"

@@ -1,7 +1,7 @@
 """The op framework: ops, bound arguments, the `tokamax_call` primitive, the registry."""
 
 from tokamax_pass.core.device import Target, current_target, targeting
-from tokamax_pass.core.op import BoundArguments, NullConfig, Op, snake_case_name
+from tokamax_pass.core.op import BoundArguments, NullConfig, Op, SizeLike, snake_case_name
 from tokamax_pass.core.primitive import METADATA_KEY, tokamax_call_p
 from tokamax_pass.core.registry import Family, register_family
 from tokamax_pass.core.resolution import register_config_source
@@ -14,6 +14,7 @@ __all__ = [
     "Family",
     "NullConfig",
     "Op",
+    "SizeLike",
     "Target",
     "VjpOp",
     "current_target",

@@ -28,6 +28,20 @@ class NullConfig:
     """The config of an op with nothing to tune."""
 
 
+@dataclasses.dataclass(frozen=True)
+class SizeLike:
+    """A number in `Op.similarity_arguments` that neighbouring calls may differ in, as
+    they differ in array sizes (an attention window's length, a GQA group), where any
+    other value must match exactly. Positive: sizes compare by ratio."""
+
+    value: int
+
+    def __post_init__(self) -> None:
+        if self.value < 1:
+            raise ValueError(f"SizeLike: value must be >= 1 (sizes compare by ratio), "
+                             f"got {self.value}")
+
+
 @dataclasses.dataclass
 class _Hooks:
     """What `Op` uses from the modules built on it, which fill it in when they are imported
@@ -152,7 +166,8 @@ class Op[C]:
         with measurements at neighbouring shapes (`autotuning.keys.similarity`).
 
         Families override it to drop what does not matter to a kernel (a scale's dtype,
-        an absent offset) and to merge axes whose split does not matter (leading axes).
+        an absent offset), to merge axes whose split does not matter (leading axes) and to
+        mark numbers that scale like sizes (`SizeLike`).
         """
         return dict(arguments)
 
