@@ -41,7 +41,9 @@ OP_ROWS = (
     ("benchmark.json", "attention b4 s8192 h16 d128"),
     ("benchmark.json", "attention b4 s8192 h16 d128 causal"),
     ("benchmark_self_attention_d128.json", "self-attention x,x,x b4 s8192 h16 d128"),
-    ("benchmark.json", "attention b16 s4096 h8 d256"),
+    ("benchmark_attention_d256.json", "attention b16 s4096 h8 d256"),
+    ("benchmark_attention_d256.json",
+     "attention soft cap 50 window 4096 b2 s8192 hq8 hkv4 d256 causal (gemma 2)"),
     ("benchmark.json", "ragged dot m16384 k4096 n4096 g8"),
     ("benchmark_norms.json", "layer norm 65536x4096"),
     ("benchmark_norms.json", "rms norm 65536x4096"),
@@ -51,10 +53,10 @@ OP_ROWS = (
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
-    "llama": "models_llama_mixtral_s9.json",
-    "mixtral": "models_llama_mixtral_s9.json",
-    "gemma2": "models_all_s9_run3.json",
-    "encoder": "models_all_s9_run3.json",
+    "llama": "models_llama_mixtral_s10.json",
+    "mixtral": "models_llama_mixtral_s10.json",
+    "gemma2": "models_gemma2_encoder_s10.json",
+    "encoder": "models_gemma2_encoder_s10.json",
 }
 VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"), ("tuned", "tuned"),
             ("upstream", "upstream Tokamax 0.0.17"))

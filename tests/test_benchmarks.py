@@ -119,9 +119,9 @@ def test_report_rewrites_and_checks_the_figures_quoted_in_prose(tmp_path):
 
     readme = tmp_path / "README.md"
     text = report.README.read_text()
-    marker = '<!--fig models_llama.json models.llama.ours.vs_plain .3f-->'
+    marker = '<!--fig models_llama_mixtral_s10.json models.llama.ours.vs_plain .3f-->'
     assert marker in text
-    value = report.figure("models_llama.json", "models.llama.ours.vs_plain", ".3f")
+    value = report.figure("models_llama_mixtral_s10.json", "models.llama.ours.vs_plain", ".3f")
     readme.write_text(text.replace(f"{marker}{value}<!--/fig-->", f"{marker}1.234<!--/fig-->"))
     assert report.main(["--check"], readme=readme) == 1
     assert report.main([], readme=readme) == 0

@@ -19,35 +19,14 @@ import jax
 import jax.numpy as jnp
 
 import tokamax_pass as tokamax
+from tests.gpu._timeline import Timeline
 from tests.test_autotuning_gpu import _device_time_ms, _loss
-from tokamax_pass.autotuning import autotuner
 
-START = time.perf_counter()
-EVENTS: list[dict] = []
-
-
-def _recorded(kind: str, fn):
-    """`fn` (whose first `BoundArguments` argument names the op) with its span recorded."""
-
-    def wrapper(*args, **kwargs):
-        ba = next(a for a in args if isinstance(a, tokamax.BoundArguments))
-        begin = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            EVENTS.append(dict(kind=kind, op=type(ba.op).__name__,
-                               start=round(begin - START, 3),
-                               end=round(time.perf_counter() - START, 3)))
-
-    return wrapper
+TIMELINE = Timeline()
 
 
 def main() -> None:
-    autotuner.Autotuner._compile_one = staticmethod(
-        _recorded("candidate", autotuner.Autotuner._compile_one))
-    autotuner.Autotuner._reference_output = _recorded(
-        "reference", autotuner.Autotuner._reference_output)
-    autotuner.timing_arguments = _recorded("inputs", autotuner.timing_arguments)
+    TIMELINE.record_autotuner()
     x = jax.random.normal(jax.random.key(1), (32, 2048, 16, 64), dtype=jnp.bfloat16)
     scale = jax.random.normal(jax.random.key(0), (64,), dtype=jnp.float32)
     f_grad = jax.jit(jax.grad(_loss))
@@ -58,11 +37,11 @@ def main() -> None:
         tuned = _device_time_ms(f_grad, x, scale)
     best = {type(ba.op).__name__: str(min((m.median_ms, str(c)) for c, m in data.items() if m.ok))
             for ba, data in result}
-    summary = dict(seconds=round(seconds, 1), autotune_started=round(begin - START, 3),
+    summary = dict(seconds=round(seconds, 1), autotune_started=round(begin - TIMELINE.start, 3),
                    tuned_ms=tuned, best=best)
     print(json.dumps(summary), flush=True)
     with open(os.path.join(os.environ.get("OUT", "/tmp"), "autotune_timeline.jsonl"), "w") as f:
-        for row in [summary, *sorted(EVENTS, key=lambda e: e["start"])]:
+        for row in [summary, *TIMELINE.sorted_events()]:
             f.write(json.dumps(row) + "\n")
 
 

@@ -28,7 +28,9 @@ from tokamax_pass.autotuning.result import Entry
 from tokamax_pass.core.op import BoundArguments
 
 # The most a search space is taken to improve on its heuristics config (time ratio).
-# Measured worst on the H200 Llama step: 0.917 (the chunked LM-head forward).
+# Over the 70 H200 library-cache entries with two or more configs measured, the best
+# config's time over the heuristics config's: 10th percentile 0.89, worst 0.78 (a Triton
+# layer norm with an offset, which loses to XLA by more than that anyway).
 TUNING_GAIN = 0.8
 
 Plan = tuple[BoundArguments, list[Any]]
