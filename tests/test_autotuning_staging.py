@@ -108,3 +108,19 @@ def test_autotune_times_each_implementation_then_searches_the_promising(monkeypa
     monkeypatch.setattr(staging, "TUNING_GAIN", 1e9)
     assert configs_timed() == {"XlaChunkedMatmul": 1, "ChunkedMatmul": 1}
     assert configs_timed(search_losers=True) == {"XlaChunkedMatmul": 5, "ChunkedMatmul": 1}
+
+
+def test_gradient_calls_compile_first_then_each_call_in_turn():
+    """Candidates are handed to the compile pool VJP calls first (their programs hold the
+    most GEMMs) in every round of the round-robin, heuristics configs first."""
+    from tokamax_kernels.attention.base import DotProductAttention, DotProductAttentionVjp
+    from tokamax_pass.autotuning.autotuner import _Job, _round_robin
+
+    q = jax.ShapeDtypeStruct((2, 64, 2, 16), "bfloat16")
+    forward = DotProductAttention().bind(q, q, q)
+    gradient = DotProductAttentionVjp().bind(None, q, q, **forward.arguments)
+    chunked, _ = _calls()
+    jobs = [_Job(chunked, ["c1", "c2", "c3"]), _Job(forward, ["f1"]),
+            _Job(gradient, ["g1", "g2"])]
+    order = [config for _, config in _round_robin(jobs)]
+    assert order == ["g1", "c1", "f1", "g2", "c2", "c3"]

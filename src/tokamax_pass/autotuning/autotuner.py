@@ -230,8 +230,12 @@ class _Job:
 
 def _round_robin(jobs: Sequence[_Job]) -> Iterator[tuple[_Job, Any]]:
     """Each call's candidates in turn (heuristics configs first), so a call whose compiles
-    are slow or serialize (XLA's own GEMM autotuning takes the device) starts early."""
-    for row in itertools.zip_longest(*([(job, c) for c in job.configs] for job in jobs)):
+    are slow or serialize (XLA's own GEMM autotuning takes the device) starts early; the
+    gradient (VJP) calls first, as their programs hold the most GEMMs and compile longest
+    (in a MoE step's tuning they came last, in program order, and the compile phase
+    waited 15 s on them: `autotune_timeline_mixtral_staged.jsonl`)."""
+    ordered = sorted(jobs, key=lambda job: not isinstance(job.ba.op, VjpOp))
+    for row in itertools.zip_longest(*([(job, c) for c in job.configs] for job in ordered)):
         yield from (pair for pair in row if pair is not None)
 
 
