@@ -124,3 +124,43 @@ def test_gradient_calls_compile_first_then_each_call_in_turn():
             _Job(gradient, ["g1", "g2"])]
     order = [config for _, config in _round_robin(jobs)]
     assert order == ["g1", "c1", "f1", "g2", "c2", "c3"]
+
+
+def test_later_waves_run_untimed_programs_compiled_ahead(monkeypatch):
+    """With one call per wave, every wave after the first prepares its inputs with the
+    forward reference (a VJP call's residuals) and the reference output compiled ahead
+    from abstract shapes; the results are those of compiling them when prepared: the
+    chunk that drops K's remainder is still caught as wrong numerics."""
+    from tokamax_pass.autotuning import autotuner
+
+    used = []
+    original = autotuner._run_untimed
+
+    def run_untimed(f_std, arrays, compiled=None):
+        used.append(compiled is not None)
+        return original(f_std, arrays, compiled)
+
+    monkeypatch.setattr(autotuner, "_run_untimed", run_untimed)
+    monkeypatch.setattr(autotuner, "OPS_PER_WAVE", 1)
+    q = random_normal(0, (2, 32, 2, 16))
+    f = jax.grad(lambda q: tokamax.dot_product_attention(
+        q, q, q, implementation="xla_chunked").sum())
+    calls = discovery_calls(f, q)
+    x, w = random_normal(1, (M, K)), random_normal(2, (K, N))
+    calls.append(keys.canonical(XlaChunkedMatmul().bind(x, w)))
+    entries = autotuner.Autotuner(iterations=2).tune_many([(ba, None) for ba in calls])
+    names = [type(e.bound.op).__name__ for e in entries]
+    assert names == ["XlaChunkedDotProductAttention", "XlaChunkedDotProductAttentionVjp",
+                     "XlaChunkedMatmul"]
+    # Wave 1: reference compiled when prepared; the VJP call: its forward and reference
+    # compiled ahead; the matmul: its reference compiled ahead.
+    assert used == [False, True, True, True]
+    assert all(m.ok for e in entries[:2] for m in e.data.values())
+    assert entries[2].data[ChunkConfig(56)].error.startswith("wrong numerics")
+    assert entries[2].data[ChunkConfig(16)].ok
+
+
+def discovery_calls(f, *args):
+    from tokamax_pass.autotuning import discovery
+
+    return [keys.canonical(ba) for ba in discovery.get_bound_args(f, *args)]

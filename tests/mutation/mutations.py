@@ -187,4 +187,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         '"local_window_size": (left, right),',
         ("tests/test_neighbours.py::test_attention_group_and_window_reach_are_sizes",),
     ),
+    Mutation(
+        "preparing a wave compiles its untimed programs again instead of running them",
+        "src/tokamax_pass/autotuning/autotuner.py",
+        "ahead = _result_or_none(untimed) or _Untimed(None, None)",
+        "ahead = _Untimed(None, None)",
+        ("tests/test_autotuning_staging.py::test_later_waves_run_untimed_programs_compiled_ahead",),
+    ),
 )

@@ -122,38 +122,99 @@ def forward_reference(op: Op) -> Op | None:
     return None
 
 
-def _with_real_residuals(ba: BoundArguments, arguments: dict[str, Any]) -> dict[str, Any]:
-    """A VJP op's arguments with `out` and `residuals` from its forward reference."""
+def _forward_program(ba: BoundArguments, arguments: dict[str, Any]
+                     ) -> tuple[Callable[[Any], Any], list[Any]] | None:
+    """`(f_std, arrays)` of the forward reference that gives the VJP call `ba` its `out`
+    and `residuals` (arrays abstract where `arguments` are), or `None` (no such forward)."""
     reference = forward_reference(ba.op)
     if reference is None or ba.vmap:
-        return arguments
+        return None
     forward_args = {k: v for k, v in arguments.items() if k not in RESERVED_NAMES}
     config = reference._get_heuristics_config(BoundArguments(reference, forward_args))
 
     def forward(**kwargs: Any) -> Any:
         return reference._fwd(**kwargs, config=config, return_residuals=True)
 
-    f_std, arrays = benchmarking.standardize_function(forward, kwargs=forward_args, seed=None)
-    out, residuals = _run_untimed(f_std, arrays)
+    return benchmarking.standardize_function(forward, kwargs=forward_args, seed=None)
+
+
+def _with_real_residuals(ba: BoundArguments, arguments: dict[str, Any],
+                         compiled: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """A VJP op's arguments with `out` and `residuals` from its forward reference (run by
+    `compiled`, the program compiled ahead from abstract shapes, where given)."""
+    program = _forward_program(ba, arguments)
+    if program is None:
+        return arguments
+    out, residuals = _run_untimed(*program, compiled)
     return {**arguments, "out": out, "residuals": residuals}
 
 
-def _run_untimed(f_std: Callable[[Any], Any], arrays: Any) -> Any:
-    return jax.jit(f_std, compiler_options=UNTIMED_COMPILER_OPTIONS)(arrays)
+def _untimed_jit(f_std: Callable[[Any], Any]) -> Any:
+    return jax.jit(f_std, compiler_options=UNTIMED_COMPILER_OPTIONS)
 
 
-def timing_arguments(ba: BoundArguments, seed: int) -> dict[str, Any]:
-    """The arguments every config of `ba` is timed and checked on."""
+def _run_untimed(f_std: Callable[[Any], Any], arrays: Any,
+                 compiled: Callable[[Any], Any] | None = None) -> Any:
+    """`f_std(arrays)` run once, by the program compiled ahead where it takes these arrays
+    (a call whose concrete arguments differ from its abstract ones compiles here)."""
+    if compiled is not None:
+        try:
+            return compiled(arrays)
+        except (TypeError, ValueError):
+            pass
+    return _untimed_jit(f_std)(arrays)
+
+
+def _vjp_arguments(ba: BoundArguments, arguments: dict[str, Any]) -> dict[str, Any]:
+    """Names the forward call got one array under stay one array (`shared_inputs`)."""
+    for first, *rest in arguments.get("shared_inputs", ()):
+        arguments.update(dict.fromkeys(rest, arguments[first]))
+    return arguments
+
+
+def timing_arguments(ba: BoundArguments, seed: int,
+                     forward: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+    """The arguments every config of `ba` is timed and checked on (`forward`: the VJP
+    call's forward reference compiled ahead, `_Untimed.forward`)."""
     hook = getattr(ba.op, "random_arguments", None)
     if hook is not None:
         return dict(hook(ba, seed))
     arguments = _randomize(_operand_shapes(ba), seed)
     if isinstance(ba.op, VjpOp):
-        # Names the forward call got one array under stay one array (`shared_inputs`).
-        for first, *rest in arguments.get("shared_inputs", ()):
-            arguments.update(dict.fromkeys(rest, arguments[first]))
-        arguments = _with_real_residuals(ba, arguments)
+        arguments = _with_real_residuals(ba, _vjp_arguments(ba, arguments), forward)
     return arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class _Untimed:
+    """A call's programs that run once and are never timed (the VJP call's forward
+    reference, the reference output), compiled ahead from abstract shapes while earlier
+    calls are timed, so preparing a wave runs them without compiling them."""
+
+    forward: Callable[[Any], Any] | None
+    reference: Callable[[Any], Any] | None
+
+
+def _compile_untimed(ba: BoundArguments, check_numerics: bool) -> _Untimed:
+    """`_Untimed` of `ba` (a part that cannot be compiled ahead is left to `_prepare`)."""
+    arguments = _operand_shapes(ba)
+    forward = None
+    if isinstance(ba.op, VjpOp) and getattr(ba.op, "random_arguments", None) is None:
+        program = _forward_program(ba, _vjp_arguments(ba, arguments))
+        if program is not None:
+            f_std, specs = program
+            forward = _untimed_jit(f_std).lower(specs).compile()
+            out, residuals = jax.eval_shape(f_std, specs)
+            arguments = {**arguments, "out": out, "residuals": residuals}
+    reference = None
+    if check_numerics:
+        try:
+            f_std, specs = benchmarking.standardize_function(
+                call_op(ba.op.reference_op(), ba.vmap, arguments), arguments, seed=None)
+            reference = _untimed_jit(f_std).lower(specs).compile()
+        except Exception:  # noqa: BLE001 - compiled when prepared, or left unchecked there
+            reference = None
+    return _Untimed(forward, reference)
 
 
 def _describe(kind: str, error: BaseException) -> str:
@@ -198,6 +259,19 @@ def numerics_error(actual: Any, expected: Any) -> str | None:
 # Op calls whose inputs and reference outputs are on the device at once (bounds the
 # device memory they hold). Candidates of all calls compile together regardless.
 OPS_PER_WAVE = 8
+# Threads compiling the later waves' untimed programs ahead (beside the candidates').
+UNTIMED_AHEAD_WORKERS = 4
+
+
+def _result_or_none(future: concurrent.futures.Future | None) -> Any:
+    """A future's result, or `None` when there is none or it failed (the work is then
+    done where the result was wanted)."""
+    if future is None:
+        return None
+    try:
+        return future.result()
+    except Exception:  # noqa: BLE001 - compiling ahead is an optimization only
+        return None
 
 
 @dataclasses.dataclass
@@ -211,6 +285,7 @@ class _Job:
     compiled: dict[Any, Any] = dataclasses.field(default_factory=dict)
     failed: dict[Any, Measurement] = dataclasses.field(default_factory=dict)
     prepared: concurrent.futures.Future | None = None
+    untimed: concurrent.futures.Future | None = None  # `_Untimed`, compiled ahead
 
     def collect(self, deadline: float, timeout: float) -> None:
         """Waits for the compiles (until the deadline); records failures."""
@@ -265,29 +340,47 @@ class Autotuner:
                   ) -> list[Entry]:
         """Measures the configs of several op calls. Every candidate of every call
         compiles first, in one thread pool (with the first wave's inputs and references
-        prepared meanwhile); then, `OPS_PER_WAVE` calls at a time, inputs and references
-        are prepared and every candidate is timed, one at a time. Compiling (which can
-        run XLA's own autotuning on the device) never overlaps a timing, and no wave
-        waits on another's slowest compile."""
+        prepared meanwhile, and the later waves' untimed programs compiled ahead in a
+        small pool of their own); then, `OPS_PER_WAVE` calls at a time, inputs and
+        references are prepared and every candidate is timed, one at a time. Compiling
+        (which can run XLA's own autotuning on the device) never overlaps a timing, no
+        wave waits on another's slowest compile, and preparing a wave runs its untimed
+        programs rather than compiling them (a MoE step's tuning waited 9 s on that:
+        `autotune_timeline_mixtral_staged.jsonl`). Those programs skip XLA's GEMM
+        autotuning, so compiling them ahead never uses the device."""
         canonical = [keys.canonical(ba) for ba, _ in plans]
         jobs = [_Job(ba, candidate_configs(ba) if configs is None else configs)
                 for ba, (_, configs) in zip(canonical, plans, strict=True)]
         waves = [jobs[i:i + OPS_PER_WAVE] for i in range(0, len(jobs), OPS_PER_WAVE)]
         entries: list[Entry] = []
+        ahead = concurrent.futures.ThreadPoolExecutor(UNTIMED_AHEAD_WORKERS)
         with concurrent.futures.ThreadPoolExecutor(OPS_PER_WAVE) as preparer:
-            self._compile_all(jobs, first_wave=waves[0] if waves else [], preparer=preparer)
-            for wave in waves:
-                for job in wave:
-                    if job.prepared is None:
-                        job.prepared = preparer.submit(self._prepare, job.ba)
-                # Every input and reference of the wave is ready before any timing: their
-                # device work would otherwise run under the timer.
-                inputs = [job.prepared.result() for job in wave]
-                for job, (arrays, expected) in zip(wave, inputs, strict=True):
-                    job.prepared = None  # inputs and programs go once the call is timed
-                    entries.append(self._time(job, arrays, expected))
-                    job.compiled.clear()
+            try:
+                for wave in waves[1:]:
+                    for job in wave:
+                        job.untimed = ahead.submit(_compile_untimed, job.ba,
+                                                   self.check_numerics)
+                self._compile_all(jobs, first_wave=waves[0] if waves else [],
+                                  preparer=preparer)
+                for wave in waves:
+                    self._time_wave(wave, preparer, entries)
+            finally:
+                ahead.shutdown(wait=False, cancel_futures=True)
         return entries
+
+    def _time_wave(self, wave: Sequence[_Job], preparer: concurrent.futures.Executor,
+                   entries: list[Entry]) -> None:
+        """Prepares the wave's inputs and references, then times its calls in order."""
+        for job in wave:
+            if job.prepared is None:
+                job.prepared = preparer.submit(self._prepare, job.ba, job.untimed)
+        # Every input and reference of the wave is ready before any timing: their device
+        # work would otherwise run under the timer.
+        inputs = [job.prepared.result() for job in wave]
+        for job, (arrays, expected) in zip(wave, inputs, strict=True):
+            job.prepared = job.untimed = None  # inputs and programs go once timed
+            entries.append(self._time(job, arrays, expected))
+            job.compiled.clear()
 
     def _compile_all(self, jobs: Sequence[_Job], first_wave: Sequence[_Job],
                      preparer: concurrent.futures.Executor) -> None:
@@ -307,7 +400,7 @@ class Autotuner:
         deadline = time.monotonic() + self.timeout * len(jobs)
         try:
             for job in first_wave:
-                job.prepared = preparer.submit(self._prepare, job.ba)
+                job.prepared = preparer.submit(self._prepare, job.ba, job.untimed)
             for job, config in _round_robin(jobs):
                 future = executor.submit(self._compile_one, job.ba, config, exporters)
                 job.compiles[future] = config
@@ -318,13 +411,17 @@ class Autotuner:
             if owned is not None:
                 owned.close()
 
-    def _prepare(self, ba: BoundArguments) -> tuple[list[Any], Any]:
+    def _prepare(self, ba: BoundArguments,
+                 untimed: concurrent.futures.Future | None = None) -> tuple[list[Any], Any]:
         """The flat input arrays every config of `ba` is timed on, and the reference output
-        (None when numerics go unchecked)."""
-        arguments = timing_arguments(ba, self.seed)
+        (None when numerics go unchecked), run by the programs compiled ahead (`untimed`)
+        where they were."""
+        ahead = _result_or_none(untimed) or _Untimed(None, None)
+        arguments = timing_arguments(ba, self.seed, ahead.forward)
         _, arrays = benchmarking.standardize_function(
             call_op(ba.op, ba.vmap, arguments), arguments, seed=None)
-        expected = self._reference_output(ba, arguments) if self.check_numerics else None
+        expected = (self._reference_output(ba, arguments, ahead.reference)
+                    if self.check_numerics else None)
         return arrays, expected
 
     @staticmethod
@@ -360,12 +457,13 @@ class Autotuner:
         if self.on_config_done is not None:
             self.on_config_done(ba)
 
-    def _reference_output(self, ba: BoundArguments, arguments: dict[str, Any]) -> Any:
+    def _reference_output(self, ba: BoundArguments, arguments: dict[str, Any],
+                          compiled: Callable[[Any], Any] | None = None) -> Any:
         reference = ba.op.reference_op()
         try:
             f_std, arrays = benchmarking.standardize_function(
                 call_op(reference, ba.vmap, arguments), arguments, seed=None)
-            return _run_untimed(f_std, arrays)
+            return _run_untimed(f_std, arrays, compiled)
         except Exception:  # noqa: BLE001 - without a reference, numerics go unchecked
             return None
 
