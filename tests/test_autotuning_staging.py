@@ -13,7 +13,7 @@ from conftest import random_normal
 from test_autotuning_ops import ChunkConfig, ChunkedMatmul, XlaChunkedMatmul, chunked_matmul
 from tokamax_pass.autotuning import keys, staging
 from tokamax_pass.autotuning.result import Entry, Measurement
-from tokamax_pass.core import NullConfig
+from tokamax_pass.core import NullConfig, current_target
 
 M, K, N = 16, 64, 32
 
@@ -164,3 +164,19 @@ def discovery_calls(f, *args):
     from tokamax_pass.autotuning import discovery
 
     return [keys.canonical(ba) for ba in discovery.get_bound_args(f, *args)]
+
+
+def test_a_call_partly_answered_by_a_cache_searches_its_other_implementations(monkeypatch):
+    """The XLA path's time comes from an active result, so stage one cannot compare the
+    kernel with it: the kernel's whole search space is timed, hope or not."""
+    from tokamax_pass.autotuning.result import AutotuningResult
+
+    monkeypatch.setattr(staging, "TUNING_GAIN", 1e9)
+    x, w = random_normal(0, (M, K)), random_normal(1, (K, N))
+    _, xla = _calls()
+    cached = Entry(xla, {NullConfig(): Measurement(evaluation_times_ms=(1.0,))},
+                   keys.provenance(xla.op))
+    with AutotuningResult(current_target().device_kind, [cached]):
+        result = tokamax.autotune(lambda x, w: chunked_matmul(x, w), x, w,
+                                  all_implementations=True, progress=False, iterations=2)
+    assert {type(ba.op).__name__: len(data) for ba, data in result} == {"XlaChunkedMatmul": 5}

@@ -129,20 +129,26 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
     else:
         _require_device(bound, target)
         groups = [[ba] for ba in bound if ba.op.config_cls is not NullConfig]
+    partly_cached = [False] * len(groups)
     if not ignore_cache:
-        groups = [[ba for ba in group
-                   if cache_lib.SOURCE.find_config(ba, target.device_kind) is None]
-                  for group in groups]
+        uncached = [[ba for ba in group
+                     if cache_lib.SOURCE.find_config(ba, target.device_kind) is None]
+                    for group in groups]
+        partly_cached = [len(u) < len(g) for u, g in zip(uncached, groups, strict=True)]
+        groups = uncached
     plans = [[plan for ba in group if (plan := _plan(ba, max_configs)) is not None]
              for group in groups]
     staged = all_implementations and not search_losers
-    bar = _progress_bar(sum(len(c[:1] if staged else c) for g in plans for _, c in g), progress)
+    bar = _progress_bar(sum(len(c if whole or not staged else c[:1])
+                            for g, whole in zip(plans, partly_cached, strict=True)
+                            for _, c in g), progress)
     tuner = Autotuner(timeout=timeout, max_workers=max_workers, iterations=iterations,
                       method=method, on_config_done=_advance(bar),
                       lowering_processes=lowering_processes, exporters=exporters)
     try:
         if staged:
-            entries = staging.tune_in_stages(tuner, plans, on_stage_two=_extend(bar))
+            entries = staging.tune_in_stages(tuner, plans, on_stage_two=_extend(bar),
+                                             search_all=partly_cached)
         else:
             entries = tuner.tune_many([plan for group in plans for plan in group])
     finally:

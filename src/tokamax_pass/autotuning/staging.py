@@ -7,7 +7,8 @@ candidate (the heuristics config). Stage two searches the rest of an implementat
 configs only where `implementation=None` could then choose it: its first time, improved
 by `TUNING_GAIN`, ranks it first among the family's measurements
 (`cache.rank_with_evidence`, with the family's kernel margins and rerun shares), or its
-first config failed (another may run).
+first config failed (another may run). A call some of whose implementations a cache
+already answers (not re-timed, so not compared) is searched whole in stage one.
 
 Why (H200, the Llama step of `benchmarks/models`): autotuning was compile-bound, 58.8 s
 of which 44 s compiled 115 candidates, most of them the configs of implementations that
@@ -62,16 +63,24 @@ def _chosen(i: int, order: list[int], candidates: Sequence[BoundArguments],
 
 
 def tune_in_stages(tuner: Autotuner, groups: Sequence[Sequence[Plan]],
-                   on_stage_two: Callable[[int], None] | None = None) -> list[Entry]:
+                   on_stage_two: Callable[[int], None] | None = None,
+                   search_all: Sequence[bool] | None = None) -> list[Entry]:
     """Entries of every plan of `groups` (each group: one call's implementations, with
     their candidate configs, the heuristics config first), tuned in the two stages.
-    `on_stage_two(n)` is told how many configs stage two times."""
-    firsts = tuner.tune_many([(ba, configs[:1]) for group in groups for ba, configs in group])
+    `on_stage_two(n)` is told how many configs stage two times. A group flagged in
+    `search_all` (some of its implementations were answered by a cache, so stage one
+    could not compare them all) has every config timed in stage one."""
+    search_all = search_all or [False] * len(groups)
+    firsts = tuner.tune_many([(ba, configs if whole else configs[:1])
+                              for group, whole in zip(groups, search_all, strict=True)
+                              for ba, configs in group])
     entries = iter(firsts)
     by_group = [[next(entries) for _ in group] for group in groups]
     searched: list[tuple[int, int]] = []
     rest: list[Plan] = []
     for g, (group, group_entries) in enumerate(zip(groups, by_group, strict=True)):
+        if search_all[g]:
+            continue
         worth = worth_searching([e.bound for e in group_entries],
                                 [e.best_time_ms for e in group_entries])
         for p, ((ba, configs), keep) in enumerate(zip(group, worth, strict=True)):
