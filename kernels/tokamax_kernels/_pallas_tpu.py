@@ -42,6 +42,10 @@ GENERATIONS = (
     TpuGeneration("v5p", ("TPU v5p", "TPU v5"), 64 * _MIB, 128, 459.0, 2765.0),
     TpuGeneration("v6e", ("TPU v6 lite", "TPU v6e"), 128 * _MIB, 256, 918.0, 1640.0),
 )
+# Cost of one grid step beyond its traffic and FLOPs, in seconds (Pallas TPU's documented
+# order of magnitude): roofline models add it per step, so they do not pick needlessly
+# small blocks.
+STEP_SECONDS = 0.35e-6
 # Unknown or absent device kind (interpret mode on a CPU): the smallest VMEM and MXU of
 # the table, so a heuristic config fits every generation.
 _FALLBACK = GENERATIONS[0]

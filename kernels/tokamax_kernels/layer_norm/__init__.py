@@ -2,7 +2,10 @@
 
 from tokamax_kernels.layer_norm.api import layer_norm
 from tokamax_kernels.layer_norm.base import LayerNorm
+from tokamax_kernels.layer_norm.pallas_mosaic_tpu import PallasMosaicTpuLayerNorm
+from tokamax_kernels.layer_norm.pallas_mosaic_tpu_vjp import PallasMosaicTpuLayerNormVjp
 from tokamax_kernels.layer_norm.pallas_triton import PallasTritonLayerNorm
 from tokamax_kernels.layer_norm.pallas_triton_vjp import PallasTritonLayerNormVjp
 
-__all__ = ["LayerNorm", "PallasTritonLayerNorm", "PallasTritonLayerNormVjp", "layer_norm"]
+__all__ = ["LayerNorm", "PallasMosaicTpuLayerNorm", "PallasMosaicTpuLayerNormVjp",
+           "PallasTritonLayerNorm", "PallasTritonLayerNormVjp", "layer_norm"]

@@ -5,14 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from tokamax_kernels.layer_norm.base import LayerNorm
+from tokamax_kernels.layer_norm.pallas_mosaic_tpu import PallasMosaicTpuLayerNorm
 from tokamax_kernels.layer_norm.pallas_triton import PallasTritonLayerNorm
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
 FAMILY = register_family(Family(
     name="layer_norm",
-    implementations={"xla": LayerNorm, "triton": PallasTritonLayerNorm},
-    automatic=("triton", "xla"),
+    implementations={"xla": LayerNorm, "triton": PallasTritonLayerNorm,
+                     "mosaic_tpu": PallasMosaicTpuLayerNorm},
+    automatic=("triton", "mosaic_tpu", "xla"),
+    aliases={"mosaic": ("mosaic_tpu",)},
 ))
 
 
@@ -27,7 +30,8 @@ def layer_norm(x: Any, scale: Any, offset: Any, *, axis: int = -1, epsilon: floa
     `(y, s)`, `s` rounded to `x`'s dtype as plain JAX rounds it, both differentiable.
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
     here: see `tokamax_pass.core.resolution`), a name
-    from `FAMILY.implementations`, an `Op` instance, or a sequence of those.
+    from `FAMILY.implementations` (`"mosaic"`: the Mosaic TPU kernel, the family's only
+    Mosaic one), an `Op` instance, or a sequence of those.
     """
     return FAMILY(implementation, x, scale, offset, axis=axis, epsilon=epsilon,
                   subtract_mean=subtract_mean, residual=residual)

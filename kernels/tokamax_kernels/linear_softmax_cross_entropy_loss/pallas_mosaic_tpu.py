@@ -47,9 +47,6 @@ _TOKEN_BLOCKS = (128, 256, 512, 1024)
 _VOCAB_BLOCKS = (128, 256, 512, 1024, 2048, 4096)
 _H_BLOCKS = (256, 512, 1024)
 _HEURISTIC_H_BLOCK = 512
-# Costs of one grid step beyond its traffic and FLOPs, in seconds (Pallas TPU's
-# documented order of magnitude): it keeps the model from picking needlessly small tiles.
-_STEP_SECONDS = 0.35e-6
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -110,7 +107,8 @@ def _model_seconds(tl: Tiling, backward: bool, gen: TpuGeneration) -> float:
     traffic = (tl.nv * tl.tokens + tl.nt * tl.vocab) * tl.hidden * tl.itemsize
     peak = gen.bf16_tflops * 1e12 / (1 if tl.itemsize == 2 else 6)  # f32 HIGHEST: 6 passes
     steps = tl.nt * tl.nv * tl.nh * (2 if backward else 1)
-    seconds = max(flops / peak, traffic / (gen.hbm_gb_per_s * 1e9)) + steps * _STEP_SECONDS
+    seconds = (max(flops / peak, traffic / (gen.hbm_gb_per_s * 1e9))
+               + steps * _pallas_tpu.STEP_SECONDS)
     return seconds * (2 if backward else 1)
 
 
