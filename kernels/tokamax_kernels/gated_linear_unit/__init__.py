@@ -6,11 +6,12 @@ from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu import PallasMosaicGpuG
 from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu_vjp import (
     PallasMosaicGpuGatedLinearUnitVjp,
 )
+from tokamax_kernels.gated_linear_unit.pallas_mosaic_tpu import PallasMosaicTpuGatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_triton import PallasTritonGatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_triton_vjp import PallasTritonGatedLinearUnitVjp
 
 __all__ = [
     "GatedLinearUnit", "GatedLinearUnitVjp", "PallasMosaicGpuGatedLinearUnit",
-    "PallasMosaicGpuGatedLinearUnitVjp", "PallasTritonGatedLinearUnit",
-    "PallasTritonGatedLinearUnitVjp", "gated_linear_unit",
+    "PallasMosaicGpuGatedLinearUnitVjp", "PallasMosaicTpuGatedLinearUnit",
+    "PallasTritonGatedLinearUnit", "PallasTritonGatedLinearUnitVjp", "gated_linear_unit",
 ]

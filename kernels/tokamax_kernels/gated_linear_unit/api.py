@@ -7,6 +7,7 @@ from typing import Any
 
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu import PallasMosaicGpuGatedLinearUnit
+from tokamax_kernels.gated_linear_unit.pallas_mosaic_tpu import PallasMosaicTpuGatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_triton import PallasTritonGatedLinearUnit
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
@@ -14,9 +15,10 @@ from tokamax_pass.core.registry import Implementation
 FAMILY = register_family(Family(
     name="gated_linear_unit",
     implementations={"mosaic_gpu": PallasMosaicGpuGatedLinearUnit,
+                     "mosaic_tpu": PallasMosaicTpuGatedLinearUnit,
                      "triton": PallasTritonGatedLinearUnit, "xla": GatedLinearUnit},
-    automatic=("mosaic_gpu", "triton", "xla"),
-    aliases={"mosaic": ("mosaic_gpu",)},
+    automatic=("mosaic_gpu", "mosaic_tpu", "triton", "xla"),
+    aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu")},
 ))
 
 
@@ -33,6 +35,7 @@ def gated_linear_unit(x: Any, weights: Any, *, group_sizes: Any = None,
     groups, group g multiplying its rows by its own weights, fused (G, K, 2, N) or a pair
     of (G, K, N); rows past `sum(group_sizes)` give zeros, as in `jax.lax.ragged_dot`.
     `"mosaic_gpu"` fuses the activation into the ragged dot's epilogue (Hopper, bf16/f16).
+    `"mosaic_tpu"` is a dense-only TPU kernel (`"mosaic"` names the platform's Mosaic one).
 
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
     here: see `tokamax_pass.core.resolution`), a name

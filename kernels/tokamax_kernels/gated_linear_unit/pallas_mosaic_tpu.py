@@ -1,0 +1,205 @@
+"""`PallasMosaicTpuGatedLinearUnit`: the dense gated linear unit as one Pallas Mosaic TPU
+kernel, `activation(x @ w_gate) * (x @ w_up)` with the activation fused into the GEMMs.
+
+The kernel is in `_mosaic_tpu_kernel.py`; this module merges x's leading axes into rows,
+checks what the kernel takes, and picks its tiles per TPU generation from the
+generation's VMEM budget, MXU width, peak rate and HBM bandwidth
+(`tokamax_kernels._pallas_tpu`). Dense calls only: a grouped call (`group_sizes`) raises
+`NotImplementedError`, so `None` falls back to the XLA path.
+
+The gradient is the family's XLA `GatedLinearUnitVjp` (the base class's default), which
+recomputes the two products from x and the weights: like every dense implementation of
+the family this forward keeps no residuals, so any forward pairs with any gradient. (The
+Triton GLU's gradient recomputes them too, in a kernel; a TPU one is left for when a TPU
+measurement shows the XLA gradient is what is slow.) Because that gradient reruns the
+products, which XLA merges with its own forward's inside a program, `None` wants this
+forward twice as fast as XLA's (`GatedLinearUnit.kernel_margin_for`).
+
+Nothing here has run on a TPU: it is tested in Pallas's interpreter on a CPU and lowered
+for TPUs by `jax.export`; `implementation=None` runs it only where a measurement on a
+TPU shows it faster than the XLA path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from tokamax_kernels import _pallas_tpu
+from tokamax_kernels._pallas_tpu import MosaicTpuKernel, TpuGeneration, lane_block
+from tokamax_kernels.gated_linear_unit._mosaic_tpu_kernel import (
+    check_activation,
+    glu_forward,
+    vmem_bytes,
+)
+from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
+from tokamax_pass.core import BoundArguments, Target
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+_LANES = 128  # a vector register is 8 x 128 32-bit words: lane blocks are multiples of 128
+_ROW_ALIGN = 16  # row blocks: 8 sublanes, 16 for bf16 (two rows per 32-bit word)
+_BLOCKS = (128, 256, 512)  # the search space of each tile side
+# Float32 products at HIGHEST precision take six bf16 MXU passes.
+_F32_PASSES = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tiles of the TPU GLU: `block_m` rows of x, `block_n` output columns (of each of
+    the gate and up weights), `block_k` contraction step. A block at least as large as
+    its axis covers the whole axis."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+
+    def __post_init__(self) -> None:
+        for name, align in (("block_m", _ROW_ALIGN), ("block_n", _LANES), ("block_k", _LANES)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or (
+                    value % align):
+                raise ValueError(f"Config.{name} must be a positive multiple of {align}, "
+                                 f"got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    """A dense call's GEMM sizes: rows M (x's leading axes merged), K, N."""
+
+    m: int
+    k: int
+    n: int
+    itemsize: int
+
+    @classmethod
+    def of(cls, ba: BoundArguments) -> _Problem:
+        x, weights = ba.arguments["x"], ba.arguments["weights"]
+        n = weights[0].shape[1] if isinstance(weights, tuple) else weights.shape[2]
+        return cls(math.prod(x.shape[:-1]), x.shape[-1], n, jnp.dtype(x.dtype).itemsize)
+
+    def blocks(self, config: Config) -> tuple[int, int, int]:
+        """`(block_m, block_n, block_k)` of the config on this call (whole axes where a
+        block covers them)."""
+        block_m = self.m if config.block_m >= self.m else config.block_m
+        return block_m, lane_block(config.block_n, self.n), lane_block(config.block_k, self.k)
+
+    def fits(self, config: Config, gen: TpuGeneration) -> bool:
+        """Whether the config runs this call: its column block divides N, its
+        contraction step divides K, and its blocks fit the generation's VMEM budget."""
+        block_m, block_n, block_k = self.blocks(config)
+        return (self.n % block_n == 0 and self.k % block_k == 0
+                and vmem_bytes(block_m, block_n, block_k, self.itemsize) <= gen.vmem_budget())
+
+    def seconds(self, config: Config, gen: TpuGeneration) -> float:
+        """A roofline estimate: each grid step takes the longer of its MXU work and its
+        tiles' HBM traffic, plus the fixed cost of a step, and the first step's loads
+        are exposed (no step before them hides them). MXU work is counted in whole
+        `mxu` x `mxu` passes (a 128-wide tile half-fills v6e's 256-wide MXU), and row
+        blocks that overhang M compute their padding too."""
+        block_m, block_n, block_k = self.blocks(config)
+        steps = -(-self.m // block_m) * (self.n // block_n) * (self.k // block_k)
+        rate = gen.bf16_tflops * 1e12 / (_F32_PASSES if self.itemsize == 4 else 1)
+        mxu_n, mxu_k = (-(-b // gen.mxu) * gen.mxu for b in (block_n, block_k))
+        compute = 2 * 2 * block_m * mxu_n * mxu_k / rate
+        traffic = (block_m * block_k + 2 * block_k * block_n) * self.itemsize / (
+            gen.hbm_gb_per_s * 1e9)
+        return steps * (max(compute, traffic) + _pallas_tpu.STEP_SECONDS) + traffic
+
+
+def _fitting(ba: BoundArguments) -> dict[tuple[int, int, int], Config]:
+    """The distinct tilings of the search space that run this call on the current
+    generation, each with the smallest config that gives it."""
+    problem = _Problem.of(ba)
+    gen = _pallas_tpu.current_generation()
+    found: dict[tuple[int, int, int], Config] = {}
+    for block_m, block_n, block_k in itertools.product(_BLOCKS, repeat=3):
+        config = Config(block_m, block_n, block_k)
+        if problem.fits(config, gen):
+            found.setdefault(problem.blocks(config), config)
+    return found
+
+
+def _weights_form(weights: Any) -> tuple[jax.Array, jax.Array, int]:
+    """`(gate matrix, up matrix, column offset of up)`: fused (K, 2, N) weights as one
+    free (K, 2N) view, gate at column j and up at N + j."""
+    if isinstance(weights, tuple):
+        return weights[0], weights[1], 0
+    k, _, n = weights.shape
+    both = weights.reshape(k, 2 * n)
+    return both, both, n
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
+    """The dense gated linear unit on TPUs (bf16/f32, float32 accumulation and activation).
+
+    `interpret=True` runs the kernel in the Pallas interpreter (any platform; tests).
+    """
+
+    config_cls: ClassVar[type] = Config
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        if "group_sizes" in ba.arguments:
+            raise NotImplementedError(
+                "the Mosaic TPU GLU runs dense calls only; a grouped call (group_sizes) has "
+                "implementation='xla' on a TPU")
+        super().check_supported(ba, target)
+        if ba.vmap:
+            raise NotImplementedError("the Mosaic TPU GLU does not support jax.vmap")
+        x, weights = ba.arguments["x"], ba.arguments["weights"]
+        parts = weights if isinstance(weights, tuple) else (weights,)
+        dtype = jnp.dtype(x.dtype)
+        if dtype not in _DTYPES or any(jnp.dtype(w.dtype) != dtype for w in parts):
+            raise NotImplementedError(
+                f"the Mosaic TPU GLU needs bf16 or f32 x and weights of one dtype, got x of "
+                f"{x.dtype} and weights of {', '.join(str(w.dtype) for w in parts)}")
+        problem = _Problem.of(ba)
+        if 0 in (problem.m, problem.k, problem.n):
+            raise NotImplementedError("the Mosaic TPU GLU needs non-empty operands")
+        if problem.k % _LANES or problem.n % _LANES:
+            raise NotImplementedError(
+                f"the Mosaic TPU GLU needs K ({problem.k}) and N ({problem.n}) multiples of "
+                f"{_LANES} lanes")
+        check_activation(ba.arguments["activation"])
+        gen = _pallas_tpu.current_generation()
+        if self.config is not None and not problem.fits(self.config, gen):
+            raise NotImplementedError(
+                f"{self.config} does not fit the GLU {problem.m}x{problem.k}x{problem.n} on "
+                f"{gen.name}: block_n must divide N, block_k must divide K, and the blocks "
+                f"must fit the VMEM budget of {gen.vmem_budget()} bytes")
+
+    def _fwd(self, x: jax.Array, weights: Any, *, activation: Callable[[Any], Any],
+             precision: Any, config: Config, return_residuals: bool) -> tuple[jax.Array, None]:
+        del precision, return_residuals  # f32 runs at full precision; no residuals (dense)
+        *lead, k = x.shape
+        w_gate, w_up, up_offset = _weights_form(weights)
+        problem = _Problem(math.prod(lead), k, w_gate.shape[1] - up_offset,
+                           jnp.dtype(x.dtype).itemsize)
+        block_m, block_n, block_k = problem.blocks(config)
+        out = glu_forward(x.reshape(problem.m, k), w_gate, w_up, up_offset=up_offset,
+                          activation=activation, block_m=block_m, block_n=block_n,
+                          block_k=block_k, interpret=self.pallas_interpret())
+        return out.reshape(*lead, problem.n), None
+
+    def _get_heuristics_config(self, ba: BoundArguments) -> Config:
+        """The tiling the roofline model (`_Problem.seconds`) finds fastest on this
+        generation among those that fit half its VMEM; ties go to the least VMEM."""
+        problem = _Problem.of(ba)
+        gen = _pallas_tpu.current_generation()
+        candidates = _fitting(ba)
+        if not candidates:
+            raise NotImplementedError(
+                f"no Mosaic TPU GLU tiling fits {problem.m}x{problem.k}x{problem.n} on "
+                f"{gen.name}: K and N must be multiples of {_LANES}")
+        best = min(candidates, key=lambda blocks: (
+            problem.seconds(candidates[blocks], gen), vmem_bytes(*blocks, problem.itemsize)))
+        return candidates[best]
+
+    def _get_autotuning_configs(self, ba: BoundArguments) -> set[Config]:
+        return set(_fitting(ba).values())
