@@ -208,4 +208,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if False:  # rows past the end",
         ("tests/test_mosaic_tpu_layer_norm.py::test_kernels_in_the_tpu_interpreter",),
     ),
+    Mutation(
+        "the mosaic tpu glu multiplies the gate weights twice (drops the up product)",
+        "kernels/tokamax_kernels/gated_linear_unit/_mosaic_tpu_kernel.py",
+        "up_acc[...] += _dot(x, up_ref[...])",
+        "up_acc[...] += _dot(x, gate_ref[...])",
+        ("tests/test_mosaic_tpu_glu.py::test_kernel_in_the_tpu_interpreter",),
+    ),
 )
