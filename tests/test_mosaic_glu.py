@@ -140,12 +140,15 @@ def test_unsupported_inputs_raise_not_implemented(shapes, kwargs, why):
 
 def test_dense_calls_old_gpus_and_cpu_raise_and_none_falls_back():
     x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16)
-    with _target(), pytest.raises(NotImplementedError, match="grouped calls"):
-        jax.eval_shape(lambda x, w: glu(x, w, implementation="mosaic"), x,
-                       jax.ShapeDtypeStruct((K, 2, N), jnp.bfloat16))
-    with _target("NVIDIA A100-SXM4-40GB"), pytest.raises(NotImplementedError, match="Hopper"):
-        jax.eval_shape(lambda x, w, s: glu(x, w, group_sizes=s, implementation="mosaic"),
-                       *_shapes())
+    # "mosaic" names the GPU and TPU kernels: on an H200 neither runs a dense call.
+    with tokamax.core.targeting(H200), pytest.raises(
+            NotImplementedError, match="(?s)runs on \\['tpu'\\].*grouped calls"):
+        tokamax.optimize(lambda x, w: glu(x, w, implementation="mosaic")).plan(
+            x, jax.ShapeDtypeStruct((K, 2, N), jnp.bfloat16))
+    with tokamax.core.targeting("NVIDIA A100-SXM4-40GB"), pytest.raises(
+            NotImplementedError, match="Hopper"):
+        tokamax.optimize(lambda x, w, s: glu(x, w, group_sizes=s, implementation="mosaic")
+                         ).plan(*_shapes())
     xs, weights = inputs(True, jnp.bfloat16, m=M, k=K, n=N)
     sizes = jnp.array(SIZES, jnp.int32)
     with pytest.raises(NotImplementedError, match="cuda"):
@@ -164,7 +167,7 @@ def test_pinned_config_that_does_not_fit_raises():
 
 def test_registration_and_vjp():
     assert glu_api.FAMILY.implementations["mosaic_gpu"] is Op
-    assert glu_api.FAMILY.aliases["mosaic"] == ("mosaic_gpu",)
+    assert glu_api.FAMILY.aliases["mosaic"] == ("mosaic_gpu", "mosaic_tpu")
     assert glu_api.FAMILY.automatic[-1] == "xla"
     assert isinstance(Op().vjp_op(), Vjp)
     assert Vjp().reference_op() == GatedLinearUnitVjp()
