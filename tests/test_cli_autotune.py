@@ -33,6 +33,24 @@ def test_autotune_command_writes_a_result(tmp_path, capsys):
     assert "XlaChunkedMatmul" in printed and "autotuning took" in printed
 
 
+@pytest.mark.parametrize("flags, chunked_configs", [
+    pytest.param([], 1, id="staged: the losing kernel keeps its first config"),
+    pytest.param(["--search-losers"], 5, id="--search-losers: every config"),
+])
+def test_autotune_all_implementations_searches_losers_only_when_asked(
+        tmp_path, monkeypatch, flags, chunked_configs):
+    from tokamax_pass.autotuning import staging
+
+    monkeypatch.setattr(staging, "TUNING_GAIN", 1e9)  # no kernel could win after tuning
+    out = tmp_path / "result.json"
+    assert cli.main(["autotune", "test_autotuning_ops:loss", "--args", *SHAPES, "--grad",
+                     "--all-implementations", "--ignore-cache", "-o", str(out),
+                     "--no-progress", *flags]) == 0
+    timed = {type(ba.op).__name__: len(data) for ba, data in tokamax.AutotuningResult.load(out)}
+    assert timed == {"XlaChunkedMatmul": chunked_configs, "ChunkedMatmul": 1,
+                     "AutodiffVjp": 1}  # the gradient of the XLA reference: no configs
+
+
 def test_bound_args_command_then_autotune_from_the_file(tmp_path):
     listing = tmp_path / "bound_args.json"
     assert cli.main(["bound-args", "test_autotuning_ops:loss", "--args", *SHAPES, "--grad",
