@@ -7,11 +7,13 @@ import math
 
 import jax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tokamax_pass as tokamax
 from conftest import random_normal
 from test_autotuning_ops import ChunkConfig, ChunkedMatmul, XlaChunkedMatmul, chunked_matmul
-from tokamax_pass.autotuning import keys, staging
+from tokamax_pass.autotuning import cache, keys, staging
 from tokamax_pass.autotuning.result import Entry, Measurement
 from tokamax_pass.core import NullConfig, current_target
 
@@ -180,3 +182,32 @@ def test_a_call_partly_answered_by_a_cache_searches_its_other_implementations(mo
         result = tokamax.autotune(lambda x, w: chunked_matmul(x, w), x, w,
                                   all_implementations=True, progress=False, iterations=2)
     assert {type(ba.op).__name__: len(data) for ba, data in result} == {"XlaChunkedMatmul": 5}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.floats(0.01, 100.0), st.just(math.inf)), min_size=3, max_size=3))
+def test_the_implementation_none_would_choose_is_always_searched(times):
+    """Whatever the first-config times of the layer norm's XLA path and two kernels (with
+    the family's 40% kernel margin), the one `None` ranks first on them is searched, as
+    is any that failed; and searching is monotone: a faster first time never unsearches."""
+    from tokamax_kernels.layer_norm import (
+        LayerNorm,
+        PallasMosaicTpuLayerNorm,
+        PallasTritonLayerNorm,
+    )
+
+    x = jax.ShapeDtypeStruct((4096, 2048), "bfloat16")
+    scale = jax.ShapeDtypeStruct((2048,), "float32")
+    calls = [keys.canonical(op.bind(x, scale))
+             for op in (PallasTritonLayerNorm(), PallasMosaicTpuLayerNorm(), LayerNorm())]
+    worth = staging.worth_searching(calls, times)
+    for i, t in enumerate(times):
+        if not math.isfinite(t):
+            assert worth[i]
+    order = cache.rank_with_evidence(calls, times)
+    if order is not None and math.isfinite(times[order[0]]):
+        assert worth[order[0]]
+    for i, t in enumerate(times):
+        if worth[i] and math.isfinite(t):
+            faster = [u / 2 if j == i else u for j, u in enumerate(times)]
+            assert staging.worth_searching(calls, faster)[i]
