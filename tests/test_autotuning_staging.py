@@ -112,37 +112,49 @@ def test_autotune_times_each_implementation_then_searches_the_promising(monkeypa
     assert configs_timed(search_losers=True) == {"XlaChunkedMatmul": 5, "ChunkedMatmul": 1}
 
 
-def test_gradient_calls_compile_first_then_each_call_in_turn():
-    """Candidates are handed to the compile pool VJP calls first (their programs hold the
-    most GEMMs) in every round of the round-robin, heuristics configs first."""
+def test_xla_calls_then_gradient_calls_compile_first_then_each_call_in_turn():
+    """Candidates are handed to the compile pool XLA implementations first (their
+    compiles take the device for XLA's GEMM autotuning, one at a time), then the
+    kernels; within each, VJP calls first (their programs hold the most GEMMs); in every
+    round of the round-robin, heuristics configs first."""
     from tokamax_kernels.attention.base import DotProductAttention, DotProductAttentionVjp
+    from tokamax_kernels.attention.pallas_triton import (
+        PallasTritonFlashAttention, PallasTritonFlashAttentionVjp)
     from tokamax_pass.autotuning.autotuner import _Job, _round_robin
 
     q = jax.ShapeDtypeStruct((2, 64, 2, 16), "bfloat16")
     forward = DotProductAttention().bind(q, q, q)
     gradient = DotProductAttentionVjp().bind(None, q, q, **forward.arguments)
+    kernel = PallasTritonFlashAttention().bind(q, q, q)
+    kernel_gradient = PallasTritonFlashAttentionVjp().bind(None, q, q, **forward.arguments)
     chunked, _ = _calls()
-    jobs = [_Job(chunked, ["c1", "c2", "c3"]), _Job(forward, ["f1"]),
-            _Job(gradient, ["g1", "g2"])]
+    jobs = [_Job(kernel, ["k1", "k2"]), _Job(chunked, ["c1", "c2", "c3"]),
+            _Job(kernel_gradient, ["kg1"]), _Job(forward, ["f1"]), _Job(gradient, ["g1", "g2"])]
     order = [config for _, config in _round_robin(jobs)]
-    assert order == ["g1", "c1", "f1", "g2", "c2", "c3"]
+    assert order == ["g1", "c1", "f1", "kg1", "k1", "g2", "c2", "k2", "c3"]
 
 
 def test_later_waves_run_untimed_programs_compiled_ahead(monkeypatch):
     """With one call per wave, every wave after the first prepares its inputs with the
-    forward reference (a VJP call's residuals) and the reference output compiled ahead
+    random inputs' program and the forward reference (a VJP call's residuals) and the reference output compiled ahead
     from abstract shapes; the results are those of compiling them when prepared: the
     chunk that drops K's remainder is still caught as wrong numerics."""
     from tokamax_pass.autotuning import autotuner
 
-    used = []
+    used, inputs_ahead = [], []
     original = autotuner._run_untimed
+    original_random = autotuner.benchmarking.random_initialize
 
     def run_untimed(f_std, arrays, compiled=None):
         used.append(compiled is not None)
         return original(f_std, arrays, compiled)
 
+    def random_initialize(arrays, seed, program=None):
+        inputs_ahead.append(program is not None)
+        return original_random(arrays, seed, program)
+
     monkeypatch.setattr(autotuner, "_run_untimed", run_untimed)
+    monkeypatch.setattr(autotuner.benchmarking, "random_initialize", random_initialize)
     monkeypatch.setattr(autotuner, "OPS_PER_WAVE", 1)
     q = random_normal(0, (2, 32, 2, 16))
     f = jax.grad(lambda q: tokamax.dot_product_attention(
@@ -157,6 +169,7 @@ def test_later_waves_run_untimed_programs_compiled_ahead(monkeypatch):
     # Wave 1: reference compiled when prepared; the VJP call: its forward and reference
     # compiled ahead; the matmul: its reference compiled ahead.
     assert used == [False, True, True, True]
+    assert inputs_ahead == [False, True, True]  # the random inputs' programs likewise
     assert all(m.ok for e in entries[:2] for m in e.data.values())
     assert entries[2].data[ChunkConfig(56)].error.startswith("wrong numerics")
     assert entries[2].data[ChunkConfig(16)].ok

@@ -128,3 +128,16 @@ def test_report_rewrites_and_checks_the_figures_quoted_in_prose(tmp_path):
     assert f"{marker}{value}<!--/fig-->" in readme.read_text()
     ablation = report.figure("ablation_llama.jsonl", "[variant=ours;model=llama].vs_plain", ".3f")
     assert float(ablation) > 0
+
+
+def test_the_default_search_holds_a_near_best_config_for_every_shipped_entry(capsys):
+    """`autotune`'s default `max_configs` keeps, for every H200 library entry that was
+    searched wider, a config within 2% of the best one measured."""
+    from benchmarks import search_reach
+    from tokamax_pass.autotuning import api
+
+    rows = search_reach.reaches("NVIDIA H200", api.DEFAULT_MAX_CONFIGS)
+    assert len(rows) >= 40
+    assert min(r.reach for r in rows) >= 0.98, sorted(rows, key=lambda r: r.reach)[:3]
+    assert search_reach.main([]) == 0
+    assert "below 0.97" in capsys.readouterr().out

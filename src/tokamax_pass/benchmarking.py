@@ -13,6 +13,7 @@ intervals of the executable's HLO ops, per run). `wallclock` is the fallback.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import inspect
 import re
@@ -71,13 +72,41 @@ def random_array(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Arra
     raise ValueError(f"cannot make random inputs of dtype {dtype}")
 
 
-def random_initialize(arrays: Sequence[Any], seed: int) -> list[Any]:
-    """Concrete arrays stay as given; abstract ones (`ShapeDtypeStruct`) become random."""
-    keys = jax.random.split(jax.random.key(seed), max(len(arrays), 1))
-    return [
-        random_array(k, tuple(a.shape), a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a
-        for k, a in zip(keys, arrays, strict=False)
-    ]
+# Where a random array goes: its position among the arrays, its shape and dtype name.
+_Slot = tuple[int, tuple[int, ...], str]
+
+
+def _abstract_slots(arrays: Sequence[Any]) -> tuple[_Slot, ...]:
+    return tuple((i, tuple(a.shape), jnp.dtype(a.dtype).name)
+                 for i, a in enumerate(arrays) if isinstance(a, jax.ShapeDtypeStruct))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _random_leaves(slots: tuple[_Slot, ...], count: int, seed: jax.Array) -> list[jax.Array]:
+    keys = jax.random.split(jax.random.key(seed), max(count, 1))
+    return [random_array(keys[i], shape, dtype) for i, shape, dtype in slots]
+
+
+def random_initialize(arrays: Sequence[Any], seed: int,
+                      program: Callable[[int], list[Any]] | None = None) -> list[Any]:
+    """Concrete arrays stay as given; abstract ones (`ShapeDtypeStruct`) become random.
+
+    All of them come from one compiled program (`program`, from
+    `compile_random_initialize`, where it was compiled ahead): made one array at a time,
+    each shape and dtype compiled programs of its own, and an autotuner preparing a
+    wave's inputs while candidates compiled waited seconds on them.
+    """
+    slots = _abstract_slots(arrays)
+    if not slots:
+        return list(arrays)
+    made = iter((program or functools.partial(_random_leaves, slots, len(arrays)))(seed))
+    return [next(made) if isinstance(a, jax.ShapeDtypeStruct) else a for a in arrays]
+
+
+def compile_random_initialize(arrays: Sequence[Any], seed: int) -> Callable[[int], list[Any]]:
+    """`random_initialize`'s program for these arrays, compiled now (no device work), to
+    pass it as `program`."""
+    return _random_leaves.lower(_abstract_slots(arrays), len(arrays), seed).compile()
 
 
 def _bind_signature(f: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:

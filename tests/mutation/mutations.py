@@ -195,6 +195,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_autotuning_staging.py::test_later_waves_run_untimed_programs_compiled_ahead",),
     ),
     Mutation(
+        "preparing a wave makes its random inputs again instead of running their program",
+        "src/tokamax_pass/autotuning/autotuner.py",
+        "timing_arguments(ba, self.seed, ahead.forward, ahead.inputs)",
+        "timing_arguments(ba, self.seed, ahead.forward, None)",
+        ("tests/test_autotuning_staging.py::test_later_waves_run_untimed_programs_compiled_ahead",),
+    ),
+    Mutation(
+        "XLA implementations' candidates are no longer handed to the compile pool first",
+        "src/tokamax_pass/autotuning/autotuner.py",
+        "ordered = sorted(jobs, key=lambda job: (not _compiles_gemms_with_xla(job.ba.op),",
+        "ordered = sorted(jobs, key=lambda job: (False,",
+        ("tests/test_autotuning_staging.py::"
+         "test_xla_calls_then_gradient_calls_compile_first_then_each_call_in_turn",),
+    ),
+    Mutation(
         "the mosaic tpu layer norm drops the fused residual add",
         "kernels/tokamax_kernels/layer_norm/_pallas_mosaic_tpu_kernels.py",
         "s = (x + residual_ref[...].astype(jnp.float32)).astype(s_ref.dtype)",

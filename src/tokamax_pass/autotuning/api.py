@@ -17,10 +17,11 @@ from tokamax_pass.core.op import BoundArguments, NullConfig
 _log = logging.getLogger("tokamax_pass.autotuning")
 
 # Configs timed per op by default: the heuristics config and its nearest neighbours.
-# (The Triton layer norm searches about 130 configs. On the H200 each op of the seed
-# f_grad had its best config among the 8 nearest; candidates compile at once and XLA's
-# GEMM autotuning serializes them, so every extra config costs wall time.)
-DEFAULT_MAX_CONFIGS = 8
+# Candidates compile at once and every extra config costs wall time. Over the H200
+# library cache's 64 entries searched 5 to 32 configs wide, the 6 nearest held a config
+# within 1.1% of the best measured (the 4 nearest missed by up to 19%, 8 of 64 by more
+# than 3%): `python -m benchmarks.search_reach`.
+DEFAULT_MAX_CONFIGS = 6
 
 
 def _collect(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[BoundArguments]:

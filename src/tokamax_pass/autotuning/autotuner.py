@@ -97,11 +97,18 @@ def _operand_shapes(ba: BoundArguments) -> dict[str, Any]:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def _randomize(arguments: dict[str, Any], seed: int) -> dict[str, Any]:
+def _array_leaves(arguments: dict[str, Any]) -> tuple[list[Any], Any, list[int]]:
     leaves, treedef = jax.tree.flatten(arguments, is_leaf=lambda v: v is None)
-    index = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
-    for i, value in zip(index, benchmarking.random_initialize([leaves[i] for i in index], seed),
-                        strict=True):
+    return leaves, treedef, [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
+
+
+def _randomize(arguments: dict[str, Any], seed: int,
+               program: Callable[[int], list[Any]] | None = None) -> dict[str, Any]:
+    """`arguments` with their abstract arrays made random (by `program`, compiled ahead,
+    where given)."""
+    leaves, treedef, index = _array_leaves(arguments)
+    made = benchmarking.random_initialize([leaves[i] for i in index], seed, program)
+    for i, value in zip(index, made, strict=True):
         leaves[i] = value
     return jax.tree.unflatten(treedef, leaves)
 
@@ -173,13 +180,15 @@ def _vjp_arguments(ba: BoundArguments, arguments: dict[str, Any]) -> dict[str, A
 
 
 def timing_arguments(ba: BoundArguments, seed: int,
-                     forward: Callable[[Any], Any] | None = None) -> dict[str, Any]:
-    """The arguments every config of `ba` is timed and checked on (`forward`: the VJP
-    call's forward reference compiled ahead, `_Untimed.forward`)."""
+                     forward: Callable[[Any], Any] | None = None,
+                     inputs: Callable[[int], list[Any]] | None = None) -> dict[str, Any]:
+    """The arguments every config of `ba` is timed and checked on (`forward` and
+    `inputs`: the VJP call's forward reference and the random inputs' program, compiled
+    ahead: `_Untimed`)."""
     hook = getattr(ba.op, "random_arguments", None)
     if hook is not None:
         return dict(hook(ba, seed))
-    arguments = _randomize(_operand_shapes(ba), seed)
+    arguments = _randomize(_operand_shapes(ba), seed, inputs)
     if isinstance(ba.op, VjpOp):
         arguments = _with_real_residuals(ba, _vjp_arguments(ba, arguments), forward)
     return arguments
@@ -187,19 +196,24 @@ def timing_arguments(ba: BoundArguments, seed: int,
 
 @dataclasses.dataclass(frozen=True)
 class _Untimed:
-    """A call's programs that run once and are never timed (the VJP call's forward
-    reference, the reference output), compiled ahead from abstract shapes while earlier
-    calls are timed, so preparing a wave runs them without compiling them."""
+    """A call's programs that run once and are never timed (the random inputs, the VJP
+    call's forward reference, the reference output), compiled ahead from abstract shapes
+    while earlier calls are timed, so preparing a wave runs them without compiling them."""
 
     forward: Callable[[Any], Any] | None
     reference: Callable[[Any], Any] | None
+    inputs: Callable[[int], list[Any]] | None = None
 
 
-def _compile_untimed(ba: BoundArguments, check_numerics: bool) -> _Untimed:
+def _compile_untimed(ba: BoundArguments, check_numerics: bool, seed: int) -> _Untimed:
     """`_Untimed` of `ba` (a part that cannot be compiled ahead is left to `_prepare`)."""
     arguments = _operand_shapes(ba)
-    forward = None
-    if isinstance(ba.op, VjpOp) and getattr(ba.op, "random_arguments", None) is None:
+    forward = inputs = None
+    own_inputs = getattr(ba.op, "random_arguments", None) is None
+    if own_inputs:
+        leaves, _, index = _array_leaves(arguments)
+        inputs = benchmarking.compile_random_initialize([leaves[i] for i in index], seed)
+    if isinstance(ba.op, VjpOp) and own_inputs:
         program = _forward_program(ba, _vjp_arguments(ba, arguments))
         if program is not None:
             f_std, specs = program
@@ -214,7 +228,7 @@ def _compile_untimed(ba: BoundArguments, check_numerics: bool) -> _Untimed:
             reference = _untimed_jit(f_std).lower(specs).compile()
         except Exception:  # noqa: BLE001 - compiled when prepared, or left unchecked there
             reference = None
-    return _Untimed(forward, reference)
+    return _Untimed(forward, reference, inputs)
 
 
 def _describe(kind: str, error: BaseException) -> str:
@@ -303,13 +317,23 @@ class _Job:
                 error=f"timeout: not compiled within {timeout:g} s per op call")
 
 
+def _compiles_gemms_with_xla(op: Any) -> bool:
+    """Whether `op` is an XLA implementation: compiling its program runs XLA's GEMM
+    autotuning on the device, which the compiles of concurrent candidates wait their turn
+    for."""
+    return op.implementation.startswith("xla") or op.plain_jax_path
+
+
 def _round_robin(jobs: Sequence[_Job]) -> Iterator[tuple[_Job, Any]]:
     """Each call's candidates in turn (heuristics configs first), so a call whose compiles
-    are slow or serialize (XLA's own GEMM autotuning takes the device) starts early; the
-    gradient (VJP) calls first, as their programs hold the most GEMMs and compile longest
-    (in a MoE step's tuning they came last, in program order, and the compile phase
-    waited 15 s on them: `autotune_timeline_mixtral_staged.jsonl`)."""
-    ordered = sorted(jobs, key=lambda job: not isinstance(job.ba.op, VjpOp))
+    are slow starts early: first the XLA implementations' calls, whose compiles take the
+    device for XLA's GEMM autotuning one at a time (a MoE step's XLA ragged dots, handed
+    over last, ended its compile phase 10 s after the rest:
+    `autotune_timeline_session11.jsonl`), each kind gradient (VJP) calls first, as their
+    programs hold the most GEMMs and compile longest (in program order the MoE step's
+    compile phase waited 15 s on them: `autotune_timeline_mixtral_staged.jsonl`)."""
+    ordered = sorted(jobs, key=lambda job: (not _compiles_gemms_with_xla(job.ba.op),
+                                            not isinstance(job.ba.op, VjpOp)))
     for row in itertools.zip_longest(*([(job, c) for c in job.configs] for job in ordered)):
         yield from (pair for pair in row if pair is not None)
 
@@ -359,7 +383,7 @@ class Autotuner:
                 for wave in waves[1:]:
                     for job in wave:
                         job.untimed = ahead.submit(_compile_untimed, job.ba,
-                                                   self.check_numerics)
+                                                   self.check_numerics, self.seed)
                 self._compile_all(jobs, first_wave=waves[0] if waves else [],
                                   preparer=preparer)
                 for wave in waves:
@@ -417,7 +441,7 @@ class Autotuner:
         (None when numerics go unchecked), run by the programs compiled ahead (`untimed`)
         where they were."""
         ahead = _result_or_none(untimed) or _Untimed(None, None)
-        arguments = timing_arguments(ba, self.seed, ahead.forward)
+        arguments = timing_arguments(ba, self.seed, ahead.forward, ahead.inputs)
         _, arrays = benchmarking.standardize_function(
             call_op(ba.op, ba.vmap, arguments), arguments, seed=None)
         expected = (self._reference_output(ba, arguments, ahead.reference)
