@@ -119,7 +119,9 @@ def test_xla_calls_then_gradient_calls_compile_first_then_each_call_in_turn():
     round of the round-robin, heuristics configs first."""
     from tokamax_kernels.attention.base import DotProductAttention, DotProductAttentionVjp
     from tokamax_kernels.attention.pallas_triton import (
-        PallasTritonFlashAttention, PallasTritonFlashAttentionVjp)
+        PallasTritonFlashAttention,
+        PallasTritonFlashAttentionVjp,
+    )
     from tokamax_pass.autotuning.autotuner import _Job, _round_robin
 
     q = jax.ShapeDtypeStruct((2, 64, 2, 16), "bfloat16")
@@ -136,9 +138,10 @@ def test_xla_calls_then_gradient_calls_compile_first_then_each_call_in_turn():
 
 def test_later_waves_run_untimed_programs_compiled_ahead(monkeypatch):
     """With one call per wave, every wave after the first prepares its inputs with the
-    random inputs' program and the forward reference (a VJP call's residuals) and the reference output compiled ahead
-    from abstract shapes; the results are those of compiling them when prepared: the
-    chunk that drops K's remainder is still caught as wrong numerics."""
+    random inputs' program, the forward reference (a VJP call's residuals) and the
+    reference output compiled ahead from abstract shapes; the results are those of
+    compiling them when prepared: the chunk that drops K's remainder is still caught as
+    wrong numerics."""
     from tokamax_pass.autotuning import autotuner
 
     used, inputs_ahead = [], []
