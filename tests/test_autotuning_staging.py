@@ -136,12 +136,11 @@ def test_xla_calls_then_gradient_calls_compile_first_then_each_call_in_turn():
     assert order == ["g1", "c1", "f1", "kg1", "k1", "g2", "c2", "k2", "c3"]
 
 
-def test_later_waves_run_untimed_programs_compiled_ahead(monkeypatch):
-    """With one call per wave, every wave after the first prepares its inputs with the
-    random inputs' program, the forward reference (a VJP call's residuals) and the
-    reference output compiled ahead from abstract shapes; the results are those of
-    compiling them when prepared: the chunk that drops K's remainder is still caught as
-    wrong numerics."""
+def test_every_wave_runs_untimed_programs_compiled_ahead(monkeypatch):
+    """With one call per wave, every wave prepares its inputs with the random inputs'
+    program, the forward reference (a VJP call's residuals) and the reference output
+    compiled ahead from abstract shapes; the results are those of compiling them when
+    prepared: the chunk that drops K's remainder is still caught as wrong numerics."""
     from tokamax_pass.autotuning import autotuner
 
     used, inputs_ahead = [], []
@@ -169,13 +168,49 @@ def test_later_waves_run_untimed_programs_compiled_ahead(monkeypatch):
     names = [type(e.bound.op).__name__ for e in entries]
     assert names == ["XlaChunkedDotProductAttention", "XlaChunkedDotProductAttentionVjp",
                      "XlaChunkedMatmul"]
-    # Wave 1: reference compiled when prepared; the VJP call: its forward and reference
-    # compiled ahead; the matmul: its reference compiled ahead.
-    assert used == [False, True, True, True]
-    assert inputs_ahead == [False, True, True]  # the random inputs' programs likewise
+    # The attention's reference; the VJP call's forward and reference; the matmul's.
+    assert used == [True, True, True, True]
+    assert inputs_ahead == [True, True, True]  # the random inputs' programs likewise
     assert all(m.ok for e in entries[:2] for m in e.data.values())
     assert entries[2].data[ChunkConfig(56)].error.startswith("wrong numerics")
     assert entries[2].data[ChunkConfig(16)].ok
+
+
+def test_one_calls_implementations_share_untimed_programs_and_inputs_in_both_stages(
+        monkeypatch):
+    """The implementations of one op call are timed on one set of inputs against one
+    reference output: compiled once for the tuner (stage two reuses stage one's) and
+    prepared once per wave."""
+    from tokamax_pass.autotuning import autotuner
+
+    compiled, prepared = [], []
+    original_compile, original_prepare = autotuner._compile_untimed, autotuner.Autotuner._prepare
+
+    def compile_untimed(ba, *args):
+        compiled.append(type(ba.op).__name__)
+        return original_compile(ba, *args)
+
+    def prepare(self, ba, untimed=None):
+        prepared.append(type(ba.op).__name__)
+        return original_prepare(self, ba, untimed)
+
+    monkeypatch.setattr(autotuner, "_compile_untimed", compile_untimed)
+    monkeypatch.setattr(autotuner.Autotuner, "_prepare", prepare)
+    x, w = random_normal(1, (M, K)), random_normal(2, (K, N))
+    chunked, plain = (keys.canonical(op.bind(x, w)) for op in (XlaChunkedMatmul(), ChunkedMatmul()))
+    tuner = autotuner.Autotuner(iterations=2)
+    first = tuner.tune_many([(chunked, [ChunkConfig(16)]), (plain, None)])
+    assert compiled == ["XlaChunkedMatmul"] and prepared == ["XlaChunkedMatmul"]
+    second = tuner.tune_many([(chunked, [ChunkConfig(32), ChunkConfig(56)])])
+    assert compiled == ["XlaChunkedMatmul"]  # stage two: stage one's programs
+    assert prepared == ["XlaChunkedMatmul"] * 2
+    assert first[0].data[ChunkConfig(16)].ok and first[1].best_time_ms > 0
+    assert second[0].data[ChunkConfig(32)].ok
+    assert second[0].data[ChunkConfig(56)].error.startswith("wrong numerics")
+    other = keys.canonical(XlaChunkedMatmul().bind(random_normal(3, (M, 2 * K)),
+                                                   random_normal(4, (2 * K, N))))
+    tuner.tune_many([(other, [ChunkConfig(16)])])
+    assert compiled == ["XlaChunkedMatmul"] * 2  # another argument spec: its own
 
 
 def discovery_calls(f, *args):

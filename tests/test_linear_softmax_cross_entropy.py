@@ -331,3 +331,32 @@ def test_a_kernel_lm_head_forward_must_beat_xla_by_half():
         PallasMosaicGpuLinearSoftmaxCrossEntropyLoss(), LinearSoftmaxCrossEntropyLoss())]
     assert cache.rank_with_evidence(candidates, [2.96, 3.32]) == [1]
     assert cache.rank_with_evidence(candidates, [1.5, 3.32]) == [0, 1]
+
+
+def test_random_arguments_hooks_compile_ahead_to_the_same_arguments():
+    """The autotuner compiles an op's `random_arguments` hook as one program (the LM
+    head's VJP with its forward residuals, the ragged dot's group sizes); what the
+    program makes equals the hook run op by op."""
+    from tokamax_pass.autotuning import autotuner
+
+    x, labels, weights = inputs(jnp.bfloat16)
+    forward = chunked().bind(x, labels, weights, reduction="mean")
+    vjp = LinearSoftmaxCrossEntropyLossVjp().bind(
+        (jax.ShapeDtypeStruct((B, S), jnp.float32),), jax.ShapeDtypeStruct((), jnp.float32),
+        jax.ShapeDtypeStruct((), jnp.float32), **forward.arguments)
+    ragged = tokamax.RaggedDot().bind(
+        jax.ShapeDtypeStruct((100, 8), jnp.bfloat16),
+        jax.ShapeDtypeStruct((3, 8, 16), jnp.bfloat16), jax.ShapeDtypeStruct((3,), jnp.int32))
+    for ba in (forward, vjp, ragged):
+        compiled = autotuner._compiled_hook(ba, seed=5)
+        assert compiled is not None, type(ba.op).__name__
+        assert autotuner._compile_untimed(ba, False, 5).random is not None
+        want, got = ba.op.random_arguments(ba, 5), compiled(5)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            if isinstance(b, jax.Array):
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                           rtol=1e-6, atol=1e-6)
+            else:
+                assert a == b
+    assert int(np.asarray(compiled(5)["group_sizes"]).sum()) == 100

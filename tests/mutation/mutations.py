@@ -192,14 +192,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         "src/tokamax_pass/autotuning/autotuner.py",
         "ahead = _result_or_none(untimed) or _Untimed(None, None)",
         "ahead = _Untimed(None, None)",
-        ("tests/test_autotuning_staging.py::test_later_waves_run_untimed_programs_compiled_ahead",),
+        ("tests/test_autotuning_staging.py::test_every_wave_runs_untimed_programs_compiled_ahead",),
     ),
     Mutation(
         "preparing a wave makes its random inputs again instead of running their program",
         "src/tokamax_pass/autotuning/autotuner.py",
         "timing_arguments(ba, self.seed, ahead.forward, ahead.inputs)",
         "timing_arguments(ba, self.seed, ahead.forward, None)",
-        ("tests/test_autotuning_staging.py::test_later_waves_run_untimed_programs_compiled_ahead",),
+        ("tests/test_autotuning_staging.py::test_every_wave_runs_untimed_programs_compiled_ahead",),
+    ),
+    Mutation(
+        "each implementation of a call compiles and prepares its own untimed programs",
+        "src/tokamax_pass/autotuning/autotuner.py",
+        "    return family_class(type(ba.op)), ba.cache_key",
+        "    return type(ba.op), ba.cache_key",
+        ("tests/test_autotuning_staging.py::"
+         "test_one_calls_implementations_share_untimed_programs_and_inputs_in_both_stages",),
+    ),
+    Mutation(
+        "an op's random_arguments hook is no longer compiled ahead",
+        "src/tokamax_pass/autotuning/autotuner.py",
+        "        random = _compiled_hook(ba, seed)",
+        "        random = None",
+        ("tests/test_linear_softmax_cross_entropy.py::"
+         "test_random_arguments_hooks_compile_ahead_to_the_same_arguments",),
     ),
     Mutation(
         "XLA implementations' candidates are no longer handed to the compile pool first",

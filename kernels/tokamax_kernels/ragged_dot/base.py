@@ -217,9 +217,8 @@ class RaggedDot(Op[NullConfig]):
             arguments[name] = jax.random.normal(keys[i], shape).astype(arguments[name].dtype)
         m, groups = arguments["lhs"].shape[-2], arguments["group_sizes"].shape[0]
         weights = jax.random.uniform(keys[2], (groups,), minval=0.5, maxval=1.5)
-        sizes = np.floor(np.asarray(weights) / float(weights.sum()) * m).astype(np.int64)
-        sizes[0] += m - sizes.sum()
-        group_sizes = jnp.asarray(sizes, arguments["group_sizes"].dtype)
+        sizes = jnp.floor(weights / weights.sum() * m).astype(jnp.int32)
+        group_sizes = sizes.at[0].add(m - sizes.sum()).astype(arguments["group_sizes"].dtype)
         arguments["group_sizes"] = jnp.broadcast_to(group_sizes, (*lead[2], groups))
         return arguments
 

@@ -11,18 +11,21 @@ Inputs: concrete arrays in the `BoundArguments` are used as given (valid
 integer data such as group sizes); abstract ones are random (normal floats,
 ints in [0, 128), fair bools). An op that needs structured inputs defines
 `random_arguments(self, ba, seed) -> dict[str, Any]` returning the arguments
-to time with; the autotuner calls it when present. A VJP op
+to time with (written in jax, traceable with a traced `seed`, so it compiles ahead as
+one program); the autotuner calls it when present. A VJP op
 gets real `out` and `residuals` from its forward family's XLA reference (found
 through a `forward` op field, like `AutodiffVjp`'s, or the registered family whose
 VJP op it is), and the same array for the argument names grouped in its
 `shared_inputs`. Those residuals and the reference outputs run once and are never
-timed, so they compile without XLA's GEMM autotuning.
+timed, so they compile without XLA's GEMM autotuning. The implementations of one call
+(one family, one argument spec) share them, and the inputs made from them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -181,17 +184,48 @@ def _vjp_arguments(ba: BoundArguments, arguments: dict[str, Any]) -> dict[str, A
 
 def timing_arguments(ba: BoundArguments, seed: int,
                      forward: Callable[[Any], Any] | None = None,
-                     inputs: Callable[[int], list[Any]] | None = None) -> dict[str, Any]:
-    """The arguments every config of `ba` is timed and checked on (`forward` and
-    `inputs`: the VJP call's forward reference and the random inputs' program, compiled
-    ahead: `_Untimed`)."""
+                     random: Callable[[int], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The arguments every config of `ba` is timed and checked on (`random` and
+    `forward`: the call's random arguments and the VJP call's forward reference, compiled
+    ahead: `_Untimed`). An op's `random_arguments` hook gives a VJP call's residuals
+    itself."""
     hook = getattr(ba.op, "random_arguments", None)
-    if hook is not None:
-        return dict(hook(ba, seed))
-    arguments = _randomize(_operand_shapes(ba), seed, inputs)
-    if isinstance(ba.op, VjpOp):
+    if random is not None:
+        arguments = dict(random(seed))
+    elif hook is not None:
+        arguments = dict(hook(ba, seed))
+    else:
+        arguments = _randomize(_operand_shapes(ba), seed)
+    if hook is None and isinstance(ba.op, VjpOp):
         arguments = _with_real_residuals(ba, _vjp_arguments(ba, arguments), forward)
     return arguments
+
+
+def _compiled_hook(ba: BoundArguments, seed: int) -> Callable[[int], dict[str, Any]] | None:
+    """The op's `random_arguments` hook compiled now as one program (`None` where it
+    cannot be traced: it then runs as written when the wave is prepared). Run op by op,
+    each of its random draws and casts compiled a program of its own when prepared."""
+    hook = ba.op.random_arguments
+    traced: dict[str, Any] = {}
+
+    def arrays(seed: jax.Array) -> list[jax.Array]:
+        leaves, treedef = jax.tree.flatten(dict(hook(ba, seed)), is_leaf=lambda v: v is None)
+        index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+        traced.update(leaves=leaves, treedef=treedef, index=index)
+        return [leaves[i] for i in index]
+
+    try:
+        compiled = _untimed_jit(arrays).lower(seed).compile()
+    except Exception:  # noqa: BLE001 - a hook that needs concrete values runs eagerly
+        return None
+
+    def make(seed: int) -> dict[str, Any]:
+        leaves = list(traced["leaves"])
+        for i, value in zip(traced["index"], compiled(seed), strict=True):
+            leaves[i] = value
+        return jax.tree.unflatten(traced["treedef"], leaves)
+
+    return make
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,17 +236,20 @@ class _Untimed:
 
     forward: Callable[[Any], Any] | None
     reference: Callable[[Any], Any] | None
-    inputs: Callable[[int], list[Any]] | None = None
+    random: Callable[[int], dict[str, Any]] | None = None
 
 
 def _compile_untimed(ba: BoundArguments, check_numerics: bool, seed: int) -> _Untimed:
     """`_Untimed` of `ba` (a part that cannot be compiled ahead is left to `_prepare`)."""
     arguments = _operand_shapes(ba)
-    forward = inputs = None
+    forward = random = None
     own_inputs = getattr(ba.op, "random_arguments", None) is None
     if own_inputs:
         leaves, _, index = _array_leaves(arguments)
-        inputs = benchmarking.compile_random_initialize([leaves[i] for i in index], seed)
+        program = benchmarking.compile_random_initialize([leaves[i] for i in index], seed)
+        random = functools.partial(_randomize, arguments, program=program)
+    else:
+        random = _compiled_hook(ba, seed)
     if isinstance(ba.op, VjpOp) and own_inputs:
         program = _forward_program(ba, _vjp_arguments(ba, arguments))
         if program is not None:
@@ -228,7 +265,14 @@ def _compile_untimed(ba: BoundArguments, check_numerics: bool, seed: int) -> _Un
             reference = _untimed_jit(f_std).lower(specs).compile()
         except Exception:  # noqa: BLE001 - compiled when prepared, or left unchecked there
             reference = None
-    return _Untimed(forward, reference, inputs)
+    return _Untimed(forward, reference, random)
+
+
+def _inputs_key(ba: BoundArguments) -> tuple[type, str]:
+    """Calls with one key are timed on the same inputs and checked against the same
+    reference output: the implementations of one op call (one family, one argument spec,
+    in either stage of a two-stage tuning)."""
+    return family_class(type(ba.op)), ba.cache_key
 
 
 def _describe(kind: str, error: BaseException) -> str:
@@ -355,6 +399,9 @@ class Autotuner:
     lowering_processes: int | None = None
     # Export workers started by the caller (and closed by it); None: per call, as above.
     exporters: lowering.ExportWorkers | None = None
+    # `_Untimed` futures by `_inputs_key`, kept across `tune_many` calls.
+    _untimed: dict[Any, concurrent.futures.Future] = dataclasses.field(
+        default_factory=dict, init=False, repr=False)
 
     def tune(self, ba: BoundArguments, configs: list[Any] | None = None) -> Entry:
         """Measures every config of `ba` (default: `candidate_configs(ba)`)."""
@@ -364,14 +411,17 @@ class Autotuner:
                   ) -> list[Entry]:
         """Measures the configs of several op calls. Every candidate of every call
         compiles first, in one thread pool (with the first wave's inputs and references
-        prepared meanwhile, and the later waves' untimed programs compiled ahead in a
-        small pool of their own); then, `OPS_PER_WAVE` calls at a time, inputs and
-        references are prepared and every candidate is timed, one at a time. Compiling
-        (which can run XLA's own autotuning on the device) never overlaps a timing, no
-        wave waits on another's slowest compile, and preparing a wave runs its untimed
+        prepared meanwhile, and every call's untimed programs compiled ahead in a small
+        pool of their own, once per `_inputs_key` for this tuner's life); then,
+        `OPS_PER_WAVE` calls at a time, inputs and references are prepared (once per
+        key in the wave) and every candidate is timed, one at a time. Compiling (which
+        can run XLA's own autotuning on the device) never overlaps a timing, no wave
+        waits on another's slowest compile, and preparing a wave runs its untimed
         programs rather than compiling them (a MoE step's tuning waited 9 s on that:
-        `autotune_timeline_mixtral_staged.jsonl`). Those programs skip XLA's GEMM
-        autotuning, so compiling them ahead never uses the device."""
+        `autotune_timeline_mixtral_staged.jsonl`; a Llama step's stage two waited 5.6 s on
+        compiling a reference stage one had compiled: `autotune_timeline_session11.jsonl`).
+        Those programs skip XLA's GEMM autotuning, so compiling them ahead never uses
+        the device."""
         canonical = [keys.canonical(ba) for ba, _ in plans]
         jobs = [_Job(ba, candidate_configs(ba) if configs is None else configs)
                 for ba, (_, configs) in zip(canonical, plans, strict=True)]
@@ -380,10 +430,8 @@ class Autotuner:
         ahead = concurrent.futures.ThreadPoolExecutor(UNTIMED_AHEAD_WORKERS)
         with concurrent.futures.ThreadPoolExecutor(OPS_PER_WAVE) as preparer:
             try:
-                for wave in waves[1:]:
-                    for job in wave:
-                        job.untimed = ahead.submit(_compile_untimed, job.ba,
-                                                   self.check_numerics, self.seed)
+                for job in jobs:
+                    job.untimed = self._untimed_programs(job.ba, ahead)
                 self._compile_all(jobs, first_wave=waves[0] if waves else [],
                                   preparer=preparer)
                 for wave in waves:
@@ -392,12 +440,31 @@ class Autotuner:
                 ahead.shutdown(wait=False, cancel_futures=True)
         return entries
 
+    def _untimed_programs(self, ba: BoundArguments,
+                          pool: concurrent.futures.Executor) -> concurrent.futures.Future:
+        """The future `_Untimed` of `ba`, compiled once per `_inputs_key` in `pool`."""
+        key = _inputs_key(ba)
+        future = self._untimed.get(key)
+        if future is None or future.cancelled():
+            future = self._untimed[key] = pool.submit(_compile_untimed, ba,
+                                                      self.check_numerics, self.seed)
+        return future
+
+    def _prepare_wave(self, wave: Sequence[_Job],
+                      preparer: concurrent.futures.Executor) -> None:
+        """Starts preparing the wave's inputs and references, once per `_inputs_key`."""
+        shared: dict[Any, concurrent.futures.Future] = {}
+        for job in wave:
+            if job.prepared is None:
+                key = _inputs_key(job.ba)
+                if key not in shared:
+                    shared[key] = preparer.submit(self._prepare, job.ba, job.untimed)
+                job.prepared = shared[key]
+
     def _time_wave(self, wave: Sequence[_Job], preparer: concurrent.futures.Executor,
                    entries: list[Entry]) -> None:
         """Prepares the wave's inputs and references, then times its calls in order."""
-        for job in wave:
-            if job.prepared is None:
-                job.prepared = preparer.submit(self._prepare, job.ba, job.untimed)
+        self._prepare_wave(wave, preparer)
         # Every input and reference of the wave is ready before any timing: their device
         # work would otherwise run under the timer.
         inputs = [job.prepared.result() for job in wave]
@@ -423,8 +490,7 @@ class Autotuner:
         # The calls share the pool, so they get `timeout` per call in all.
         deadline = time.monotonic() + self.timeout * len(jobs)
         try:
-            for job in first_wave:
-                job.prepared = preparer.submit(self._prepare, job.ba, job.untimed)
+            self._prepare_wave(first_wave, preparer)
             for job, config in _round_robin(jobs):
                 future = executor.submit(self._compile_one, job.ba, config, exporters)
                 job.compiles[future] = config
@@ -441,7 +507,7 @@ class Autotuner:
         (None when numerics go unchecked), run by the programs compiled ahead (`untimed`)
         where they were."""
         ahead = _result_or_none(untimed) or _Untimed(None, None)
-        arguments = timing_arguments(ba, self.seed, ahead.forward, ahead.inputs)
+        arguments = timing_arguments(ba, self.seed, ahead.forward, ahead.random)
         _, arrays = benchmarking.standardize_function(
             call_op(ba.op, ba.vmap, arguments), arguments, seed=None)
         expected = (self._reference_output(ba, arguments, ahead.reference)
