@@ -262,3 +262,36 @@ def test_the_implementation_none_would_choose_is_always_searched(times):
         if worth[i] and math.isfinite(t):
             faster = [u / 2 if j == i else u for j, u in enumerate(times)]
             assert staging.worth_searching(calls, faster)[i]
+
+
+def test_kernel_candidates_compile_beside_xla_ones_not_behind_them(monkeypatch):
+    """With one thread per pool, a kernel's candidate compiles while an XLA candidate's
+    compile is still waiting (as on the device for XLA's GEMM autotuning): one shared
+    thread would have run the XLA compile first and the kernel's only after it."""
+    import dataclasses
+    import threading
+
+    from tokamax_pass.autotuning import autotuner
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class KernelMatmul(XlaChunkedMatmul):
+        implementation = "kernel"
+
+    kernel_started = threading.Event()
+    waited = []
+    original = autotuner.Autotuner._compile_one
+
+    def compile_one(ba, config, workers):
+        if isinstance(ba.op, KernelMatmul):
+            kernel_started.set()
+        else:
+            waited.append(kernel_started.wait(timeout=5))
+        return original(ba, config, workers)
+
+    monkeypatch.setattr(autotuner.Autotuner, "_compile_one", staticmethod(compile_one))
+    x, w = random_normal(1, (M, K)), random_normal(2, (K, N))
+    calls = [keys.canonical(op.bind(x, w)) for op in (XlaChunkedMatmul(), KernelMatmul())]
+    entries = autotuner.Autotuner(iterations=1, max_workers=1).tune_many(
+        [(calls[0], [ChunkConfig(16)]), (calls[1], [ChunkConfig(16)])])
+    assert waited == [True]
+    assert all(e.data[ChunkConfig(16)].ok for e in entries)

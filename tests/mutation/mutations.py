@@ -218,6 +218,14 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_random_arguments_hooks_compile_ahead_to_the_same_arguments",),
     ),
     Mutation(
+        "kernels' candidates share the XLA implementations' compile pool again",
+        "src/tokamax_pass/autotuning/autotuner.py",
+        "                pool = pools[_compiles_gemms_with_xla(job.ba.op)]",
+        "                pool = next(iter(pools.values()))",
+        ("tests/test_autotuning_staging.py::"
+         "test_kernel_candidates_compile_beside_xla_ones_not_behind_them",),
+    ),
+    Mutation(
         "XLA implementations' candidates are no longer handed to the compile pool first",
         "src/tokamax_pass/autotuning/autotuner.py",
         "ordered = sorted(jobs, key=lambda job: (not _compiles_gemms_with_xla(job.ba.op),",

@@ -72,7 +72,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
         with its configs), so `implementation=None` can pick by measurement.
       timeout: seconds allowed per op call for compiling its candidates (calls compiled
         together share their allowance).
-      max_workers: threads compiling candidates (default: one per CPU).
+      max_workers: threads compiling candidates, per pool (the XLA implementations' and
+        the kernels'; default: one per CPU each).
       lowering_processes: worker processes exporting the candidates of ops that are slow
         to lower (`Op.slow_lowering`: Mosaic GPU kernels), so they lower in parallel
         (default: up to 8, started before `f` is traced on a GPU and elsewhere for a

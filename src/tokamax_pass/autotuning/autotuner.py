@@ -476,28 +476,41 @@ class Autotuner:
     def _compile_all(self, jobs: Sequence[_Job], first_wave: Sequence[_Job],
                      preparer: concurrent.futures.Executor) -> None:
         """Compiles every candidate of `jobs` (the first wave's inputs prepared meanwhile:
-        candidates compile from abstract shapes, so none waits for them)."""
-        total = sum(len(job.configs) for job in jobs)
+        candidates compile from abstract shapes, so none waits for them).
+
+        The XLA implementations' candidates get a pool of their own: their compiles spend
+        most of their time waiting for the device (XLA's GEMM autotuning, one compile at a
+        time), and in a shared pool they held every thread while the kernels' compiles,
+        which need the CPU only, waited behind them (a Gemma-2 step's Mosaic attention
+        gradients started 5-10 s late and ended its compile phase:
+        `autotune_timeline_session11.jsonl`)."""
         slow = sum(len(job.configs) for job in jobs if job.ba.op.slow_lowering)
         cpus = os.cpu_count() or 1
-        workers = self.max_workers or min(max(total, 1), cpus)
-        executor = concurrent.futures.ThreadPoolExecutor(max(workers, 1))
+        pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
+        for xla in (True, False):
+            count = sum(len(job.configs) for job in jobs
+                        if _compiles_gemms_with_xla(job.ba.op) == xla)
+            if count:
+                pools[xla] = concurrent.futures.ThreadPoolExecutor(
+                    max(self.max_workers or min(count, cpus), 1))
         exporters = owned = None
         if self.exporters is not None:
             exporters = self.exporters
         elif processes := lowering.process_count(self.lowering_processes, slow, cpus):
             exporters = owned = lowering.ExportWorkers(processes)
-        # The calls share the pool, so they get `timeout` per call in all.
+        # The calls share the pools, so they get `timeout` per call in all.
         deadline = time.monotonic() + self.timeout * len(jobs)
         try:
             self._prepare_wave(first_wave, preparer)
             for job, config in _round_robin(jobs):
-                future = executor.submit(self._compile_one, job.ba, config, exporters)
+                pool = pools[_compiles_gemms_with_xla(job.ba.op)]
+                future = pool.submit(self._compile_one, job.ba, config, exporters)
                 job.compiles[future] = config
             for job in jobs:
                 job.collect(deadline, self.timeout)
         finally:
-            executor.shutdown(wait=False, cancel_futures=True)
+            for pool in pools.values():
+                pool.shutdown(wait=False, cancel_futures=True)
             if owned is not None:
                 owned.close()
 
