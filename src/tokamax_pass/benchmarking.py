@@ -273,19 +273,12 @@ def _check_method(method: str | None, platform: str) -> None:
         )
 
 
-def compile_benchmark(f_std: Callable[[list[Any]], Any], args: list[Any],
-                      before_compile: Callable[[Any], None] | None = None
-                      ) -> Callable[..., BenchmarkData]:
-    """Jits, lowers and compiles `f_std` for `args`; returns `run(args, *, method, iterations)`.
-
-    `before_compile(lowered)` runs between lowering and compiling (the autotuner holds
-    back there the compiles that would autotune XLA GEMMs on a device being timed).
-    """
+def compile_benchmark(f_std: Callable[[list[Any]], Any],
+                      args: list[Any]) -> Callable[..., BenchmarkData]:
+    """Jits, lowers and compiles `f_std` for `args`; returns `run(args, *, method, iterations)`."""
     start = time.perf_counter()
     lowered = jax.jit(f_std).lower(args)
     lower_ms = (time.perf_counter() - start) * 1e3
-    if before_compile is not None:
-        before_compile(lowered)
     start = time.perf_counter()
     compiled = lowered.compile()
     compile_ms = (time.perf_counter() - start) * 1e3

@@ -226,14 +226,6 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_kernel_candidates_compile_beside_xla_ones_not_behind_them",),
     ),
     Mutation(
-        "stage two's candidates holding XLA GEMMs compile while stage one is timed",
-        "src/tokamax_pass/autotuning/autotuner.py",
-        "                            self._start(more, compiler, ahead, gated=True)",
-        "                            self._start(more, compiler, ahead, gated=False)",
-        ("tests/test_autotuning_staging.py::"
-         "test_follow_up_candidates_compile_while_the_first_calls_are_timed",),
-    ),
-    Mutation(
         "XLA implementations' candidates are no longer handed to the compile pool first",
         "src/tokamax_pass/autotuning/autotuner.py",
         "ordered = sorted(jobs, key=lambda job: (not _compiles_gemms_with_xla(job.ba.op),",

@@ -28,8 +28,6 @@ import dataclasses
 import functools
 import itertools
 import os
-import re
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -384,57 +382,6 @@ def _round_robin(jobs: Sequence[_Job]) -> Iterator[tuple[_Job, Any]]:
         yield from (pair for pair in row if pair is not None)
 
 
-Plan = tuple[BoundArguments, Sequence[Any] | None]
-
-# A lowered program whose compile runs XLA's GEMM (or convolution) autotuning on the device.
-_XLA_GEMMS = re.compile(r"stablehlo\.(dot_general|dot|convolution)\b")
-
-
-def _wait_for_gemms(gate: threading.Event, lowered: Any) -> None:
-    """Holds a candidate's compile until `gate` is set where its program has XLA GEMMs."""
-    if _XLA_GEMMS.search(lowered.as_text()):
-        gate.wait()
-
-
-def _waves(jobs: Sequence[_Job]) -> list[Sequence[_Job]]:
-    return [jobs[i:i + OPS_PER_WAVE] for i in range(0, len(jobs), OPS_PER_WAVE)]
-
-
-@dataclasses.dataclass
-class _Compiler:
-    """The candidate compiles of one `tune_many`, in two thread pools.
-
-    The XLA implementations' candidates get a pool of their own: their compiles spend
-    most of their time waiting for the device (XLA's GEMM autotuning, one compile at a
-    time), and in a shared pool they held every thread while the kernels' compiles, which
-    need the CPU only, waited behind them (a Gemma-2 step's Mosaic attention gradients
-    started 5-10 s late and ended its compile phase: `autotune_timeline_session11.jsonl`).
-    A gated candidate (a follow-up call's, submitted while others are timed) compiles
-    its program's XLA GEMMs only once `timing_done` is set."""
-
-    workers: int
-    exporters: lowering.ExportWorkers | None
-    owns_exporters: bool
-    timing_done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = dataclasses.field(
-        default_factory=dict)
-
-    def submit(self, job: _Job, config: Any, gated: bool) -> None:
-        xla = _compiles_gemms_with_xla(job.ba.op)
-        if xla not in self.pools:
-            self.pools[xla] = concurrent.futures.ThreadPoolExecutor(self.workers)
-        future = self.pools[xla].submit(Autotuner._compile_one, job.ba, config,
-                                        self.exporters, self.timing_done if gated else None)
-        job.compiles[future] = config
-
-    def close(self) -> None:
-        self.timing_done.set()
-        for pool in self.pools.values():
-            pool.shutdown(wait=False, cancel_futures=True)
-        if self.owns_exporters and self.exporters is not None:
-            self.exporters.close()
-
-
 @dataclasses.dataclass
 class Autotuner:
     """Times the candidate configs of op calls on the default device."""
@@ -460,82 +407,38 @@ class Autotuner:
         """Measures every config of `ba` (default: `candidate_configs(ba)`)."""
         return self.tune_many([(ba, configs)])[0]
 
-    def tune_many(self, plans: Sequence[Plan],
-                  follow_up: Callable[[int, Entry], Sequence[Plan]] | None = None
+    def tune_many(self, plans: Sequence[tuple[BoundArguments, list[Any] | None]]
                   ) -> list[Entry]:
-        """Measures the configs of several op calls, and of the calls `follow_up` asks
-        for once it has seen an entry (its index and the entry), returned after those of
-        `plans` in the order asked.
-
-        Every candidate of every call compiles first (`_Compiler`; the first wave's
-        inputs and references prepared meanwhile, and every call's untimed programs
-        compiled ahead in a small pool of their own, once per `_inputs_key` for this
-        tuner's life); then, `OPS_PER_WAVE` calls at a time, inputs and references are
-        prepared (once per key in the wave) and every candidate is timed, one at a time.
-        Compiling never overlaps a timing where it can run XLA's own autotuning on the
-        device; no wave waits on another's slowest compile, and preparing a wave runs its
-        untimed programs rather than compiling them (a MoE step's tuning waited 9 s on
-        that: `autotune_timeline_mixtral_staged.jsonl`; a Llama step's stage two waited
-        5.6 s on compiling a reference stage one had compiled:
-        `autotune_timeline_session11.jsonl`). Those programs skip XLA's GEMM autotuning,
-        so compiling them ahead never uses the device. The follow-up calls' candidates
-        compile while the first calls are timed, those holding XLA GEMMs only once the
-        timing is over."""
-        jobs = self._jobs(plans)
+        """Measures the configs of several op calls. Every candidate of every call
+        compiles first, in one thread pool (with the first wave's inputs and references
+        prepared meanwhile, and every call's untimed programs compiled ahead in a small
+        pool of their own, once per `_inputs_key` for this tuner's life); then,
+        `OPS_PER_WAVE` calls at a time, inputs and references are prepared (once per
+        key in the wave) and every candidate is timed, one at a time. Compiling (which
+        can run XLA's own autotuning on the device) never overlaps a timing, no wave
+        waits on another's slowest compile, and preparing a wave runs its untimed
+        programs rather than compiling them (a MoE step's tuning waited 9 s on that:
+        `autotune_timeline_mixtral_staged.jsonl`; a Llama step's stage two waited 5.6 s on
+        compiling a reference stage one had compiled: `autotune_timeline_session11.jsonl`).
+        Those programs skip XLA's GEMM autotuning, so compiling them ahead never uses
+        the device."""
+        canonical = [keys.canonical(ba) for ba, _ in plans]
+        jobs = [_Job(ba, candidate_configs(ba) if configs is None else configs)
+                for ba, (_, configs) in zip(canonical, plans, strict=True)]
+        waves = [jobs[i:i + OPS_PER_WAVE] for i in range(0, len(jobs), OPS_PER_WAVE)]
         entries: list[Entry] = []
-        later: list[_Job] = []
-        compiler = self._compiler(jobs)
         ahead = concurrent.futures.ThreadPoolExecutor(UNTIMED_AHEAD_WORKERS)
         with concurrent.futures.ThreadPoolExecutor(OPS_PER_WAVE) as preparer:
             try:
-                self._start(jobs, compiler, ahead, gated=False)
-                waves = _waves(jobs)
-                self._prepare_wave(waves[0] if waves else [], preparer)
-                self._collect(jobs)
+                for job in jobs:
+                    job.untimed = self._untimed_programs(job.ba, ahead)
+                self._compile_all(jobs, first_wave=waves[0] if waves else [],
+                                  preparer=preparer)
                 for wave in waves:
-                    for entry in self._time_wave(wave, preparer):
-                        entries.append(entry)
-                        if follow_up is not None:
-                            more = self._jobs(follow_up(len(entries) - 1, entry))
-                            self._start(more, compiler, ahead, gated=True)
-                            later += more
-                compiler.timing_done.set()
-                self._collect(later)
-                for wave in _waves(later):
-                    entries += self._time_wave(wave, preparer)
+                    self._time_wave(wave, preparer, entries)
             finally:
-                compiler.close()
                 ahead.shutdown(wait=False, cancel_futures=True)
         return entries
-
-    @staticmethod
-    def _jobs(plans: Sequence[Plan]) -> list[_Job]:
-        return [_Job(ba, candidate_configs(ba) if configs is None else list(configs))
-                for ba, configs in ((keys.canonical(ba), configs) for ba, configs in plans)]
-
-    def _compiler(self, jobs: Sequence[_Job]) -> _Compiler:
-        slow = sum(len(job.configs) for job in jobs if job.ba.op.slow_lowering)
-        cpus = os.cpu_count() or 1
-        exporters, owned = self.exporters, False
-        if exporters is None:
-            processes = lowering.process_count(self.lowering_processes, slow, cpus)
-            if processes:
-                exporters, owned = lowering.ExportWorkers(processes), True
-        return _Compiler(max(self.max_workers or cpus, 1), exporters, owned)
-
-    def _start(self, jobs: Sequence[_Job], compiler: _Compiler,
-               ahead: concurrent.futures.Executor, gated: bool) -> None:
-        """Submits the jobs' untimed programs and candidates (each call's in turn)."""
-        for job in jobs:
-            job.untimed = self._untimed_programs(job.ba, ahead)
-        for job, config in _round_robin(jobs):
-            compiler.submit(job, config, gated)
-
-    def _collect(self, jobs: Sequence[_Job]) -> None:
-        """Waits for the jobs' compiles; they get `timeout` per call in all."""
-        deadline = time.monotonic() + self.timeout * len(jobs)
-        for job in jobs:
-            job.collect(deadline, self.timeout)
 
     def _untimed_programs(self, ba: BoundArguments,
                           pool: concurrent.futures.Executor) -> concurrent.futures.Future:
@@ -558,8 +461,8 @@ class Autotuner:
                     shared[key] = preparer.submit(self._prepare, job.ba, job.untimed)
                 job.prepared = shared[key]
 
-    def _time_wave(self, wave: Sequence[_Job],
-                   preparer: concurrent.futures.Executor) -> Iterator[Entry]:
+    def _time_wave(self, wave: Sequence[_Job], preparer: concurrent.futures.Executor,
+                   entries: list[Entry]) -> None:
         """Prepares the wave's inputs and references, then times its calls in order."""
         self._prepare_wave(wave, preparer)
         # Every input and reference of the wave is ready before any timing: their device
@@ -567,8 +470,49 @@ class Autotuner:
         inputs = [job.prepared.result() for job in wave]
         for job, (arrays, expected) in zip(wave, inputs, strict=True):
             job.prepared = job.untimed = None  # inputs and programs go once timed
-            yield self._time(job, arrays, expected)
+            entries.append(self._time(job, arrays, expected))
             job.compiled.clear()
+
+    def _compile_all(self, jobs: Sequence[_Job], first_wave: Sequence[_Job],
+                     preparer: concurrent.futures.Executor) -> None:
+        """Compiles every candidate of `jobs` (the first wave's inputs prepared meanwhile:
+        candidates compile from abstract shapes, so none waits for them).
+
+        The XLA implementations' candidates get a pool of their own: their compiles spend
+        most of their time waiting for the device (XLA's GEMM autotuning, one compile at a
+        time), and in a shared pool they held every thread while the kernels' compiles,
+        which need the CPU only, waited behind them (a Gemma-2 step's Mosaic attention
+        gradients started 5-10 s late and ended its compile phase:
+        `autotune_timeline_session11.jsonl`)."""
+        slow = sum(len(job.configs) for job in jobs if job.ba.op.slow_lowering)
+        cpus = os.cpu_count() or 1
+        pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
+        for xla in (True, False):
+            count = sum(len(job.configs) for job in jobs
+                        if _compiles_gemms_with_xla(job.ba.op) == xla)
+            if count:
+                pools[xla] = concurrent.futures.ThreadPoolExecutor(
+                    max(self.max_workers or min(count, cpus), 1))
+        exporters = owned = None
+        if self.exporters is not None:
+            exporters = self.exporters
+        elif processes := lowering.process_count(self.lowering_processes, slow, cpus):
+            exporters = owned = lowering.ExportWorkers(processes)
+        # The calls share the pools, so they get `timeout` per call in all.
+        deadline = time.monotonic() + self.timeout * len(jobs)
+        try:
+            self._prepare_wave(first_wave, preparer)
+            for job, config in _round_robin(jobs):
+                pool = pools[_compiles_gemms_with_xla(job.ba.op)]
+                future = pool.submit(self._compile_one, job.ba, config, exporters)
+                job.compiles[future] = config
+            for job in jobs:
+                job.collect(deadline, self.timeout)
+        finally:
+            for pool in pools.values():
+                pool.shutdown(wait=False, cancel_futures=True)
+            if owned is not None:
+                owned.close()
 
     def _prepare(self, ba: BoundArguments,
                  untimed: concurrent.futures.Future | None = None) -> tuple[list[Any], Any]:
@@ -584,10 +528,9 @@ class Autotuner:
         return arrays, expected
 
     @staticmethod
-    def _compile_one(ba: BoundArguments, config: Any, workers: lowering.ExportWorkers | None,
-                     gate: threading.Event | None = None) -> Any:
-        """`compile_benchmark`'s runner of one candidate, compiled for `ba`'s shapes (where
-        its program holds XLA GEMMs, only once `gate` is set)."""
+    def _compile_one(ba: BoundArguments, config: Any,
+                     workers: lowering.ExportWorkers | None) -> Any:
+        """`compile_benchmark`'s runner of one candidate, compiled for `ba`'s shapes."""
         op = ba.op.replace(config=config)
         arguments = _operand_shapes(ba)
         f_std, specs = benchmarking.standardize_function(
@@ -601,8 +544,7 @@ class Autotuner:
                 pass
             else:
                 f_std = lowering.deserialized(blob)
-        before = None if gate is None else functools.partial(_wait_for_gemms, gate)
-        return benchmarking.compile_benchmark(f_std, specs, before_compile=before)
+        return benchmarking.compile_benchmark(f_std, specs)
 
     def _time(self, job: _Job, arrays: list[Any], expected: Any) -> Entry:
         results, best = dict(job.failed), float("inf")

@@ -67,41 +67,28 @@ def tune_in_stages(tuner: Autotuner, groups: Sequence[Sequence[Plan]],
                    search_all: Sequence[bool] | None = None) -> list[Entry]:
     """Entries of every plan of `groups` (each group: one call's implementations, with
     their candidate configs, the heuristics config first), tuned in the two stages.
-    `on_stage_two(n)` is told of each `n` configs stage two adds. A group flagged in
+    `on_stage_two(n)` is told how many configs stage two times. A group flagged in
     `search_all` (some of its implementations were answered by a cache, so stage one
-    could not compare them all) has every config timed in stage one.
-
-    A group's stage two is decided as soon as stage one has timed all of its
-    implementations, and its candidates compile while stage one times the other calls
-    (`Autotuner.tune_many`'s follow-ups): a Llama step's stage two, started after the
-    whole of stage one, spent 5.7 s compiling after the last stage-one timing
-    (`autotune_timeline_session11.jsonl`)."""
+    could not compare them all) has every config timed in stage one."""
     search_all = search_all or [False] * len(groups)
-    places = [(g, p) for g, group in enumerate(groups) for p in range(len(group))]
-    by_group: list[list[Any]] = [[None] * len(group) for group in groups]
-    untimed = [len(group) for group in groups]
+    firsts = tuner.tune_many([(ba, configs if whole else configs[:1])
+                              for group, whole in zip(groups, search_all, strict=True)
+                              for ba, configs in group])
+    entries = iter(firsts)
+    by_group = [[next(entries) for _ in group] for group in groups]
     searched: list[tuple[int, int]] = []
-
-    def follow_up(index: int, entry: Entry) -> list[Plan]:
-        g, p = places[index]
-        by_group[g][p] = entry
-        untimed[g] -= 1
-        if untimed[g] or search_all[g]:
-            return []
-        worth = worth_searching([e.bound for e in by_group[g]],
-                                [e.best_time_ms for e in by_group[g]])
-        rest: list[Plan] = []
-        for p, ((ba, configs), keep) in enumerate(zip(groups[g], worth, strict=True)):
+    rest: list[Plan] = []
+    for g, (group, group_entries) in enumerate(zip(groups, by_group, strict=True)):
+        if search_all[g]:
+            continue
+        worth = worth_searching([e.bound for e in group_entries],
+                                [e.best_time_ms for e in group_entries])
+        for p, ((ba, configs), keep) in enumerate(zip(group, worth, strict=True)):
             if keep and len(configs) > 1:
                 searched.append((g, p))
                 rest.append((ba, configs[1:]))
-        if rest and on_stage_two is not None:
-            on_stage_two(sum(len(configs) for _, configs in rest))
-        return rest
-
-    entries = tuner.tune_many([(ba, configs if whole else configs[:1])
-                               for group, whole in zip(groups, search_all, strict=True)
-                               for ba, configs in group], follow_up=follow_up)
-    for (g, p), entry in zip(searched, entries[len(places):], strict=True):
+    if on_stage_two is not None:
+        on_stage_two(sum(len(configs) for _, configs in rest))
+    for (g, p), entry in zip(searched, tuner.tune_many(rest), strict=True):
         by_group[g][p] = by_group[g][p].merged(entry)
     return [entry for group_entries in by_group for entry in group_entries]
