@@ -372,10 +372,11 @@ def _round_robin(jobs: Sequence[_Job]) -> Iterator[tuple[_Job, Any]]:
     """Each call's candidates in turn (heuristics configs first), so a call whose compiles
     are slow starts early: first the XLA implementations' calls, whose compiles take the
     device for XLA's GEMM autotuning one at a time (a MoE step's XLA ragged dots, handed
-    over last, ended its compile phase 10 s after the rest:
-    `autotune_timeline_session11.jsonl`), each kind gradient (VJP) calls first, as their
-    programs hold the most GEMMs and compile longest (in program order the MoE step's
-    compile phase waited 15 s on them: `autotune_timeline_mixtral_staged.jsonl`)."""
+    over 26 s into its compile phase, took 8-10 s each and ended it:
+    `autotune_timelines_s11_1_session10_code.jsonl`), each kind gradient (VJP) calls
+    first, as their programs hold the most GEMMs and compile longest (in program order
+    the MoE step's compile phase waited 15 s on them:
+    `autotune_timeline_mixtral_staged.jsonl`)."""
     ordered = sorted(jobs, key=lambda job: (not _compiles_gemms_with_xla(job.ba.op),
                                             not isinstance(job.ba.op, VjpOp)))
     for row in itertools.zip_longest(*([(job, c) for c in job.configs] for job in ordered)):
@@ -410,16 +411,18 @@ class Autotuner:
     def tune_many(self, plans: Sequence[tuple[BoundArguments, list[Any] | None]]
                   ) -> list[Entry]:
         """Measures the configs of several op calls. Every candidate of every call
-        compiles first, in one thread pool (with the first wave's inputs and references
-        prepared meanwhile, and every call's untimed programs compiled ahead in a small
-        pool of their own, once per `_inputs_key` for this tuner's life); then,
+        compiles first, in `_compile_all`'s two thread pools (with the first wave's
+        inputs and references prepared meanwhile, and every call's untimed programs
+        compiled ahead in a small pool of their own, once per `_inputs_key` for this
+        tuner's life); then,
         `OPS_PER_WAVE` calls at a time, inputs and references are prepared (once per
         key in the wave) and every candidate is timed, one at a time. Compiling (which
         can run XLA's own autotuning on the device) never overlaps a timing, no wave
         waits on another's slowest compile, and preparing a wave runs its untimed
         programs rather than compiling them (a MoE step's tuning waited 9 s on that:
         `autotune_timeline_mixtral_staged.jsonl`; a Llama step's stage two waited 5.6 s on
-        compiling a reference stage one had compiled: `autotune_timeline_session11.jsonl`).
+        compiling a reference stage one had compiled:
+        `autotune_timelines_s11_2_inputs_ahead.jsonl`).
         Those programs skip XLA's GEMM autotuning, so compiling them ahead never uses
         the device."""
         canonical = [keys.canonical(ba) for ba, _ in plans]
@@ -483,7 +486,7 @@ class Autotuner:
         time), and in a shared pool they held every thread while the kernels' compiles,
         which need the CPU only, waited behind them (a Gemma-2 step's Mosaic attention
         gradients started 5-10 s late and ended its compile phase:
-        `autotune_timeline_session11.jsonl`)."""
+        `autotune_timelines_s11_3_shared_untimed.jsonl`)."""
         slow = sum(len(job.configs) for job in jobs if job.ba.op.slow_lowering)
         cpus = os.cpu_count() or 1
         pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
