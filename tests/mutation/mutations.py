@@ -197,7 +197,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "preparing a wave makes its random inputs again instead of running their program",
         "src/tokamax_pass/autotuning/autotuner.py",
-        "timing_arguments(ba, self.seed, ahead.forward, ahead.inputs)",
+        "timing_arguments(ba, self.seed, ahead.forward, ahead.random)",
         "timing_arguments(ba, self.seed, ahead.forward, None)",
         ("tests/test_autotuning_staging.py::test_every_wave_runs_untimed_programs_compiled_ahead",),
     ),
