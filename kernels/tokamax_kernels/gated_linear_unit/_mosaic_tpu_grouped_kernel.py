@@ -62,8 +62,8 @@ def _grouped_kernel(tiles_ref, x_ref, gate_ref, up_ref, out_ref, *rest,
         gate, up = gate_acc[...], up_acc[...]
         # Explicit zeros for the tail: activation(0) * 0 need not be 0 for every activation.
         out = jnp.where(group < num_groups, activation(gate) * up, 0.0)
-        # zip stops at the refs: without residual outputs only `out` is written.
-        for ref, value in zip((out_ref, *residual_refs), (out, gate, up)):
+        values = (out, gate, up)[:1 + len(residual_refs)]
+        for ref, value in zip((out_ref, *residual_refs), values, strict=True):
             ref[...] = jnp.where(mine, value.astype(ref.dtype), ref[...])
 
 
