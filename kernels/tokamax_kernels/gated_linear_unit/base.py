@@ -116,7 +116,7 @@ class GatedLinearUnit(Op[NullConfig]):
         if not (self.grouped or type(self) is GatedLinearUnit):
             raise NotImplementedError(
                 f"{type(self).__name__} has no grouped form (group_sizes); use "
-                "implementation='xla', 'mosaic_gpu' or 'mosaic_tpu'")
+                "implementation='xla' or 'mosaic_gpu'")
         if ba.vmap:
             raise NotImplementedError("the grouped gated linear unit does not support jax.vmap")
 

@@ -1,19 +1,23 @@
-"""`PallasMosaicTpuGatedLinearUnit`: the dense gated linear unit as one Pallas Mosaic TPU
-kernel, `activation(x @ w_gate) * (x @ w_up)` with the activation fused into the GEMMs.
+"""`PallasMosaicTpuGatedLinearUnit`: the gated linear unit, dense and grouped, as Pallas
+Mosaic TPU kernels, `activation(x @ w_gate) * (x @ w_up)` with the activation fused into
+the GEMMs.
 
-The kernel is in `_mosaic_tpu_kernel.py`; this module merges x's leading axes into rows,
-checks what the kernel takes, and picks its tiles per TPU generation from the
-generation's VMEM budget, MXU width, peak rate and HBM bandwidth
-(`tokamax_kernels._pallas_tpu`). Dense calls only: a grouped call (`group_sizes`) raises
-`NotImplementedError`, so `None` falls back to the XLA path.
+The dense kernel is in `_mosaic_tpu_kernel.py`, the grouped one (`group_sizes`, MoE
+expert GEMMs) in `_mosaic_tpu_grouped_kernel.py`; this module merges x's leading axes
+into rows, checks what the kernels take, and picks their tiles per TPU generation from
+the generation's VMEM budget, MXU width, peak rate and HBM bandwidth
+(`tokamax_kernels._pallas_tpu`); one `Config` and one roofline serve both.
 
-The gradient is the family's XLA `GatedLinearUnitVjp` (the base class's default), which
-recomputes the two products from x and the weights: like every dense implementation of
-the family this forward keeps no residuals, so any forward pairs with any gradient. (The
-Triton GLU's gradient recomputes them too, in a kernel; a TPU one is left for when a TPU
-measurement shows the XLA gradient is what is slow.) Because that gradient reruns the
-products, which XLA merges with its own forward's inside a program, `None` wants this
-forward twice as fast as XLA's (`GatedLinearUnit.kernel_margin_for`).
+The gradient is the family's XLA `GatedLinearUnitVjp` (the base class's default). For a
+dense call it recomputes the two products from x and the weights: like every dense
+implementation of the family this forward keeps no residuals, so any forward pairs with
+any gradient. (The Triton GLU's gradient recomputes them too, in a kernel; a TPU one is
+left for when a TPU measurement shows the XLA gradient is what is slow.) Because that
+gradient reruns the products, which XLA merges with its own forward's inside a program,
+`None` wants a dense forward twice as fast as XLA's (`GatedLinearUnit.kernel_margin_for`).
+A grouped call, differentiated, writes the pre-activations as residuals in the family's
+form (`_grouped.py`), which every grouped gradient of the family reads: the XLA one runs
+its ragged dots from them and recomputes no GEMM, and `None` wants the usual margin.
 
 Nothing here has run on a TPU: it is tested in Pallas's interpreter on a CPU and lowered
 for TPUs by `jax.export`; `implementation=None` runs it only where a measurement on a
