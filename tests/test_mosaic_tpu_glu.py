@@ -3,7 +3,12 @@ gradients (the family's XLA gradient) against the float32 HIGHEST XLA reference 
 pair weights, swish and gelu, bf16 and f32, a row count no row block divides), the kernel
 alone in the TPU interpreter, the family's residual contract with another gradient, what
 the kernel refuses, its heuristics per TPU generation, the forward lowered for TPUs
-(`tpu_custom_call`) by `jax.export`, and `None` running it only where measured faster."""
+(`tpu_custom_call`) by `jax.export`, and `None` running it only where measured faster.
+
+The same for grouped calls (`group_sizes`, MoE expert GEMMs) against a per-group float32
+HIGHEST reference: uneven groups, an empty one, rows past the last group (zeros), row
+blocks straddling group boundaries and a last row block past x's end; the residuals in
+the family's form, which the family's XLA gradient reads."""
 
 from __future__ import annotations
 
@@ -16,12 +21,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 import tokamax_pass
 from conftest import assert_close, measured, random_normal, reference_precision
+from test_grouped_glu import check_against_reference, reference
 from tokamax_kernels.gated_linear_unit import (
     GatedLinearUnit,
     PallasMosaicTpuGatedLinearUnit,
     PallasTritonGatedLinearUnitVjp,
     api,
 )
+from tokamax_kernels.gated_linear_unit._mosaic_tpu_grouped_kernel import grouped_glu_forward
 from tokamax_kernels.gated_linear_unit._mosaic_tpu_kernel import glu_forward
 from tokamax_kernels.gated_linear_unit.pallas_mosaic_tpu import Config
 from tokamax_pass import core
@@ -119,15 +126,6 @@ def test_pairs_with_another_gradient_through_no_residuals():
 
 def test_unsupported_inputs_and_bad_configs():
     x, weights = _inputs(jnp.float32, True)
-    rows = x.reshape(-1, K)
-    sizes = jnp.array([20, 18], jnp.int32)
-    grouped = jnp.stack([weights, weights])
-    with pytest.raises(NotImplementedError, match="dense calls only"):
-        api.gated_linear_unit(rows, grouped, group_sizes=sizes, implementation=_op())
-    got = api.gated_linear_unit(rows, grouped, group_sizes=sizes,
-                                implementation=(_op(), "xla"))  # falls back
-    assert_close(got, api.gated_linear_unit(rows, grouped, group_sizes=sizes,
-                                            implementation="xla"))
     with pytest.raises(NotImplementedError, match="bf16 or f32 x and weights of one dtype"):
         _op()(x.astype(jnp.float16), weights.astype(jnp.float16))
     with pytest.raises(NotImplementedError, match="of one dtype"):
@@ -241,3 +239,165 @@ def test_exported_by_tokamax_pass():
     assert tokamax_pass.PallasMosaicTpuGatedLinearUnit is PallasMosaicTpuGatedLinearUnit
     assert api.FAMILY.implementations["mosaic_tpu"] is PallasMosaicTpuGatedLinearUnit
     assert api.FAMILY.aliases["mosaic"] == ("mosaic_gpu", "mosaic_tpu")
+
+
+# --- grouped calls (group_sizes) -----------------------------------------------------------
+
+# Uneven groups, an empty one, 141 of 150 rows (9 rows past the last group give zeros). In
+# 32-row blocks, the boundaries at rows 37, 98 and 141 straddle blocks 1, 3 and 4, and the
+# last block (22 rows) reads past x's end (NaN in the interpreter). K = 256 in two steps;
+# N = 256 in two column blocks (the up half of fused weights starts two blocks in).
+SIZES = (37, 0, 61, 43)
+GM, GK, GN, G = 150, 256, 256, len(SIZES)
+GROUPED_TILES = Config(block_m=32, block_n=128, block_k=128)
+
+
+def _grouped_inputs(dtype, fused: bool, seed: int = 0):
+    x = (2 * random_normal(seed, (GM, GK)) + 0.5).astype(dtype)
+    w = (random_normal(seed + 1, (G, GK, 2, GN)) / 16).astype(dtype)
+    return x, w if fused else (w[:, :, 0], w[:, :, 1])
+
+
+def _grouped(implementation, activation=jax.nn.swish):
+    sizes = jnp.array(SIZES, jnp.int32)
+    return lambda x, w: api.gated_linear_unit(x, w, group_sizes=sizes, activation=activation,
+                                              implementation=implementation)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("activation", [jax.nn.swish, jax.nn.gelu], ids=["swish", "gelu"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pair"])
+def test_grouped_forward_and_gradients_match_reference(fused, activation, dtype):
+    """Forward (tail rows exactly zero) and the gradients of x and the weights (the
+    family's XLA gradient, reading this kernel's residuals) under a random cotangent."""
+    x, weights = _grouped_inputs(dtype, fused, seed=11)
+    check_against_reference(_grouped(_op(GROUPED_TILES), activation), x, weights, SIZES,
+                            activation, dtype, seed=12)
+
+
+def test_grouped_heuristics_config_matches_reference():
+    """`config=None`: the heuristic tiles (one block of all 150 rows here, f32)."""
+    x, weights = _grouped_inputs(jnp.float32, True, seed=13)
+    assert_close(_grouped(_op(None))(x, weights),
+                 reference(x, weights, SIZES, jax.nn.swish))
+
+
+def test_grouped_kernel_in_the_tpu_interpreter():
+    """The grouped kernel alone under `pltpu.InterpretParams`, which writes an output block
+    back when its index changes: the work tiles that share a row block must be consecutive
+    and each write only its rows. Output and residuals, pair weights."""
+    x, (w_gate, w_up) = _grouped_inputs(jnp.float32, False, seed=15)
+    sizes = jnp.array(SIZES, jnp.int32)
+    out, gate, up = grouped_glu_forward(
+        x, w_gate, w_up, sizes, up_offset=0, activation=jax.nn.swish, residuals=True,
+        block_m=32, block_n=128, block_k=128, interpret=pltpu.InterpretParams())
+    assert_close(out, reference(x, (w_gate, w_up), SIZES, jax.nn.swish))
+    for got, w in ((gate, w_gate), (up, w_up)):  # the pre-activations; tail rows zero
+        assert_close(got, jax.lax.ragged_dot(x, w, sizes, precision="highest"))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pair"])
+def test_grouped_residuals_take_the_family_form(fused):
+    """The residuals are XLA's (the pre-activations, one (M, 2N) array for fused weights,
+    a pair for a pair), so the forward pairs with every grouped gradient of the family."""
+    x, weights = _grouped_inputs(jnp.float32, fused, seed=17)
+    sizes = jnp.array(SIZES, jnp.int32)
+
+    def residuals(implementation):
+        with reference_precision():
+            return api.FAMILY(implementation, x, weights, group_sizes=sizes,
+                              return_residuals=True)[1]
+
+    got, want = residuals(_op(GROUPED_TILES)), residuals("xla")
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert_close(g, w)
+
+
+def test_grouped_unsupported_inputs():
+    x, weights = _grouped_inputs(jnp.float32, True)
+    sizes = jnp.array(SIZES, jnp.int32)
+    with pytest.raises(NotImplementedError, match=r"K \(200\) and N \(256\) multiples of 128"):
+        api.gated_linear_unit(x[:, :200], weights[:, :200], group_sizes=sizes,
+                              implementation=_op())
+    with pytest.raises(NotImplementedError, match=r"cannot lower \[.*'erfc'"):
+        _grouped(_op(), exact_gelu)(x, weights)
+    with pytest.raises(NotImplementedError, match="vmap"):
+        jax.vmap(lambda x: _grouped(_op())(x, weights))(jnp.stack([x, x]))
+    wide = random_normal(19, (G, GK, 2, 384)) / 16
+    with pytest.raises(NotImplementedError, match="block_n must divide N"):
+        _grouped(_op(Config(32, 256, 128)))(x, wide)  # 256 does not divide N = 384
+    with pytest.raises(ValueError, match="group_sizes"):  # the family's own checks
+        api.gated_linear_unit(x, weights, group_sizes=jnp.array([100, 100], jnp.int32),
+                              implementation=_op())
+
+
+def test_grouped_heuristics_follow_the_tpu_generation():
+    """Mixtral's experts; grouped configs leave VMEM for the residual tiles."""
+    ba = PallasMosaicTpuGatedLinearUnit.bind(
+        jax.ShapeDtypeStruct((32768, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, 4096, 2, 14336), jnp.bfloat16),
+        group_sizes=jax.ShapeDtypeStruct((8,), jnp.int32))
+    dense = _bound(32768, 4096, 14336, jnp.bfloat16)
+    for kind in ("TPU v4", "TPU v5p", "TPU v5 lite", "TPU v6 lite"):
+        with core.targeting(kind, "tpu"):
+            config = ba.heuristics_config
+            assert config in ba.autotuning_configs
+            assert ba.autotuning_configs <= dense.autotuning_configs
+            ba.op.replace(config=config).check_supported(ba, None)
+    with core.targeting("TPU v4", "tpu"):  # 8 MiB budget: residual tiles rule some out
+        assert ba.autotuning_configs < dense.autotuning_configs
+
+
+def _grouped_export(implementation, *, fused=True, dtype=jnp.bfloat16, gradient=True):
+    def forward(x, weights, sizes):
+        return api.gated_linear_unit(x, weights, group_sizes=sizes,
+                                     implementation=implementation)
+
+    def f(x, weights, sizes):
+        if not gradient:
+            return forward(x, weights, sizes)
+        return jax.value_and_grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)),
+                                  argnums=(0, 1))(x, weights, sizes)
+
+    with core.targeting("TPU v5 lite"):
+        return jax.export.export(jax.jit(f), platforms=["tpu"])(
+            *_grouped_tpu_args(fused, dtype)).mlir_module()
+
+
+def _grouped_tpu_args(fused=True, dtype=jnp.bfloat16):
+    x = jax.ShapeDtypeStruct((8192, 2048), dtype)
+    sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+    if fused:
+        return x, jax.ShapeDtypeStruct((8, 2048, 2, 5632), dtype), sizes
+    return x, (jax.ShapeDtypeStruct((8, 2048, 5632), dtype),) * 2, sizes
+
+
+@pytest.mark.parametrize("fused, dtype", [(True, jnp.bfloat16), (False, jnp.float32)])
+def test_grouped_lowers_for_tpu_forward_and_gradients(fused, dtype):
+    """One kernel (with residuals), then the XLA gradient's ragged dots: no GEMM reruns."""
+    assert _grouped_export("mosaic_tpu", fused=fused, dtype=dtype,
+                           gradient=False).count("tpu_custom_call") == 1
+    text = _grouped_export("mosaic_tpu", fused=fused, dtype=dtype)
+    assert text.count("tpu_custom_call") == 1
+    for name in ("tokamax_grouped_glu_forward", "PallasMosaicTpuGatedLinearUnit",
+                 "GatedLinearUnitVjp", "chlo.ragged_dot"):
+        assert name in text
+
+
+def test_grouped_none_runs_the_tpu_kernel_only_where_measured_faster():
+    assert "tpu_custom_call" not in _grouped_export(None)  # nothing measured: XLA
+    x, weights, sizes = _grouped_tpu_args()
+
+    def timed(kernel_ms, kind="TPU v5 lite"):
+        return measured(kind, {PallasMosaicTpuGatedLinearUnit(): kernel_ms,
+                               GatedLinearUnit(): 3.0}, x, weights, group_sizes=sizes)
+
+    with timed(2.0):  # faster: grouped calls keep residuals, no margin of half
+        assert "tpu_custom_call" in _grouped_export(None, gradient=False)
+        assert _grouped_export(None).count("tpu_custom_call") == 1
+    with timed(2.0, kind="TPU v6 lite"):  # another generation's measurement is no evidence
+        assert "tpu_custom_call" not in _grouped_export(None, gradient=False)
+    with timed(3.5):  # slower
+        assert "tpu_custom_call" not in _grouped_export(None, gradient=False)

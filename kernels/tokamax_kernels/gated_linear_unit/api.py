@@ -35,7 +35,8 @@ def gated_linear_unit(x: Any, weights: Any, *, group_sizes: Any = None,
     groups, group g multiplying its rows by its own weights, fused (G, K, 2, N) or a pair
     of (G, K, N); rows past `sum(group_sizes)` give zeros, as in `jax.lax.ragged_dot`.
     `"mosaic_gpu"` fuses the activation into the ragged dot's epilogue (Hopper, bf16/f16).
-    `"mosaic_tpu"` is a dense-only TPU kernel (`"mosaic"` names the platform's Mosaic one).
+    `"mosaic_tpu"` is the TPU kernel, dense and grouped (bf16/f32; `"mosaic"` names the
+    platform's Mosaic one).
 
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
     here: see `tokamax_pass.core.resolution`), a name

@@ -1,19 +1,23 @@
-"""`PallasMosaicTpuGatedLinearUnit`: the dense gated linear unit as one Pallas Mosaic TPU
-kernel, `activation(x @ w_gate) * (x @ w_up)` with the activation fused into the GEMMs.
+"""`PallasMosaicTpuGatedLinearUnit`: the gated linear unit, dense and grouped, as Pallas
+Mosaic TPU kernels, `activation(x @ w_gate) * (x @ w_up)` with the activation fused into
+the GEMMs.
 
-The kernel is in `_mosaic_tpu_kernel.py`; this module merges x's leading axes into rows,
-checks what the kernel takes, and picks its tiles per TPU generation from the
-generation's VMEM budget, MXU width, peak rate and HBM bandwidth
-(`tokamax_kernels._pallas_tpu`). Dense calls only: a grouped call (`group_sizes`) raises
-`NotImplementedError`, so `None` falls back to the XLA path.
+The dense kernel is in `_mosaic_tpu_kernel.py`, the grouped one (`group_sizes`, MoE
+expert GEMMs) in `_mosaic_tpu_grouped_kernel.py`; this module merges x's leading axes
+into rows, checks what the kernels take, and picks their tiles per TPU generation from
+the generation's VMEM budget, MXU width, peak rate and HBM bandwidth
+(`tokamax_kernels._pallas_tpu`); one `Config` and one roofline serve both.
 
-The gradient is the family's XLA `GatedLinearUnitVjp` (the base class's default), which
-recomputes the two products from x and the weights: like every dense implementation of
-the family this forward keeps no residuals, so any forward pairs with any gradient. (The
-Triton GLU's gradient recomputes them too, in a kernel; a TPU one is left for when a TPU
-measurement shows the XLA gradient is what is slow.) Because that gradient reruns the
-products, which XLA merges with its own forward's inside a program, `None` wants this
-forward twice as fast as XLA's (`GatedLinearUnit.kernel_margin_for`).
+The gradient is the family's XLA `GatedLinearUnitVjp` (the base class's default). For a
+dense call it recomputes the two products from x and the weights: like every dense
+implementation of the family this forward keeps no residuals, so any forward pairs with
+any gradient. (The Triton GLU's gradient recomputes them too, in a kernel; a TPU one is
+left for when a TPU measurement shows the XLA gradient is what is slow.) Because that
+gradient reruns the products, which XLA merges with its own forward's inside a program,
+`None` wants a dense forward twice as fast as XLA's (`GatedLinearUnit.kernel_margin_for`).
+A grouped call, differentiated, writes the pre-activations as residuals in the family's
+form (`_grouped.py`), which every grouped gradient of the family reads: the XLA one runs
+its ragged dots from them and recomputes no GEMM, and `None` wants the usual margin.
 
 Nothing here has run on a TPU: it is tested in Pallas's interpreter on a CPU and lowered
 for TPUs by `jax.export`; `implementation=None` runs it only where a measurement on a
@@ -33,6 +37,11 @@ import jax.numpy as jnp
 
 from tokamax_kernels import _pallas_tpu
 from tokamax_kernels._pallas_tpu import MosaicTpuKernel, TpuGeneration, lane_block
+from tokamax_kernels.gated_linear_unit._grouped import gate_up_weights
+from tokamax_kernels.gated_linear_unit._mosaic_tpu_grouped_kernel import (
+    grouped_glu_forward,
+    grouped_vmem_bytes,
+)
 from tokamax_kernels.gated_linear_unit._mosaic_tpu_kernel import (
     check_activation,
     glu_forward,
@@ -70,18 +79,29 @@ class Config:
 
 @dataclasses.dataclass(frozen=True)
 class _Problem:
-    """A dense call's GEMM sizes: rows M (x's leading axes merged), K, N."""
+    """A call's GEMM sizes: rows M (x's leading axes merged), K, N, and for a grouped call
+    its G groups (0: dense)."""
 
     m: int
     k: int
     n: int
     itemsize: int
+    groups: int = 0
 
     @classmethod
     def of(cls, ba: BoundArguments) -> _Problem:
         x, weights = ba.arguments["x"], ba.arguments["weights"]
-        n = weights[0].shape[1] if isinstance(weights, tuple) else weights.shape[2]
-        return cls(math.prod(x.shape[:-1]), x.shape[-1], n, jnp.dtype(x.dtype).itemsize)
+        n = (weights[0] if isinstance(weights, tuple) else weights).shape[-1]
+        groups = ba.arguments["group_sizes"].shape[0] if "group_sizes" in ba.arguments else 0
+        return cls(math.prod(x.shape[:-1]), x.shape[-1], n, jnp.dtype(x.dtype).itemsize,
+                   groups)
+
+    def vmem(self, config: Config) -> int:
+        """VMEM of one grid step; a grouped call counts the residual tiles a
+        differentiated call writes (the config is picked before that is known)."""
+        if self.groups:
+            return grouped_vmem_bytes(*self.blocks(config), self.itemsize, residuals=True)
+        return vmem_bytes(*self.blocks(config), self.itemsize)
 
     def blocks(self, config: Config) -> tuple[int, int, int]:
         """`(block_m, block_n, block_k)` of the config on this call (whole axes where a
@@ -94,16 +114,19 @@ class _Problem:
         contraction step divides K, and its blocks fit the generation's VMEM budget."""
         block_m, block_n, block_k = self.blocks(config)
         return (self.n % block_n == 0 and self.k % block_k == 0
-                and vmem_bytes(block_m, block_n, block_k, self.itemsize) <= gen.vmem_budget())
+                and self.vmem(config) <= gen.vmem_budget())
 
     def seconds(self, config: Config, gen: TpuGeneration) -> float:
         """A roofline estimate: each grid step takes the longer of its MXU work and its
         tiles' HBM traffic, plus the fixed cost of a step, and the first step's loads
         are exposed (no step before them hides them). MXU work is counted in whole
         `mxu` x `mxu` passes (a 128-wide tile half-fills v6e's 256-wide MXU), and row
-        blocks that overhang M compute their padding too."""
+        blocks that overhang M compute their padding too. A grouped call counts a row
+        block per group on top of M's (a block straddling a group boundary is computed
+        once per group it holds: the worst case), so taller blocks waste more."""
         block_m, block_n, block_k = self.blocks(config)
-        steps = -(-self.m // block_m) * (self.n // block_n) * (self.k // block_k)
+        row_tiles = -(-self.m // block_m) + self.groups
+        steps = row_tiles * (self.n // block_n) * (self.k // block_k)
         rate = gen.bf16_tflops * 1e12 / (_F32_PASSES if self.itemsize == 4 else 1)
         mxu_n, mxu_k = (-(-b // gen.mxu) * gen.mxu for b in (block_n, block_k))
         compute = 2 * 2 * block_m * mxu_n * mxu_k / rate
@@ -137,18 +160,16 @@ def _weights_form(weights: Any) -> tuple[jax.Array, jax.Array, int]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
-    """The dense gated linear unit on TPUs (bf16/f32, float32 accumulation and activation).
+    """The gated linear unit on TPUs, dense and grouped (bf16/f32, float32 accumulation
+    and activation).
 
     `interpret=True` runs the kernel in the Pallas interpreter (any platform; tests).
     """
 
     config_cls: ClassVar[type] = Config
+    grouped: ClassVar[bool] = True
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
-        if "group_sizes" in ba.arguments:
-            raise NotImplementedError(
-                "the Mosaic TPU GLU runs dense calls only; a grouped call (group_sizes) has "
-                "implementation='xla' on a TPU")
         super().check_supported(ba, target)
         if ba.vmap:
             raise NotImplementedError("the Mosaic TPU GLU does not support jax.vmap")
@@ -160,7 +181,8 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
                 f"the Mosaic TPU GLU needs bf16 or f32 x and weights of one dtype, got x of "
                 f"{x.dtype} and weights of {', '.join(str(w.dtype) for w in parts)}")
         problem = _Problem.of(ba)
-        if 0 in (problem.m, problem.k, problem.n):
+        if 0 in (problem.m, problem.k, problem.n) or (
+                "group_sizes" in ba.arguments and problem.groups == 0):
             raise NotImplementedError("the Mosaic TPU GLU needs non-empty operands")
         if problem.k % _LANES or problem.n % _LANES:
             raise NotImplementedError(
@@ -175,8 +197,12 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
                 f"must fit the VMEM budget of {gen.vmem_budget()} bytes")
 
     def _fwd(self, x: jax.Array, weights: Any, *, activation: Callable[[Any], Any],
-             precision: Any, config: Config, return_residuals: bool) -> tuple[jax.Array, None]:
-        del precision, return_residuals  # f32 runs at full precision; no residuals (dense)
+             precision: Any, config: Config, return_residuals: bool,
+             group_sizes: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        del precision  # f32 runs at full precision
+        if group_sizes is not None:
+            return self._grouped(x, weights, group_sizes, activation=activation,
+                                 config=config, residuals=return_residuals)
         *lead, k = x.shape
         w_gate, w_up, up_offset = _weights_form(weights)
         problem = _Problem(math.prod(lead), k, w_gate.shape[1] - up_offset,
@@ -185,7 +211,27 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
         out = glu_forward(x.reshape(problem.m, k), w_gate, w_up, up_offset=up_offset,
                           activation=activation, block_m=block_m, block_n=block_n,
                           block_k=block_k, interpret=self.pallas_interpret())
-        return out.reshape(*lead, problem.n), None
+        return out.reshape(*lead, problem.n), None  # dense calls keep no residuals
+
+    def _grouped(self, x: jax.Array, weights: Any, group_sizes: jax.Array, *,
+                 activation: Callable[[Any], Any], config: Config,
+                 residuals: bool) -> tuple[jax.Array, Any]:
+        """A grouped call: `(out, residuals)` in the family's form (`_grouped.py`), the
+        pre-activations `(gate, up)` for a pair of weights and one (M, 2N) `[gate | up]`
+        for fused ones, which XLA concatenates from the kernel's two (M, N) arrays (the
+        gradient slices it apart again; in one program XLA folds the two away)."""
+        w_gate, up_offset, w_up = gate_up_weights(weights)
+        m, k = x.shape
+        problem = _Problem(m, k, w_gate.shape[2] - up_offset, jnp.dtype(x.dtype).itemsize,
+                           group_sizes.shape[0])
+        block_m, block_n, block_k = problem.blocks(config)
+        out, *pre = grouped_glu_forward(
+            x, w_gate, w_up, group_sizes.astype(jnp.int32), up_offset=up_offset,
+            activation=activation, residuals=residuals, block_m=block_m, block_n=block_n,
+            block_k=block_k, interpret=self.pallas_interpret())
+        if not residuals:
+            return out, None
+        return out, tuple(pre) if isinstance(weights, tuple) else jnp.concatenate(pre, 1)
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
         """The tiling the roofline model (`_Problem.seconds`) finds fastest on this
@@ -198,7 +244,7 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
                 f"no Mosaic TPU GLU tiling fits {problem.m}x{problem.k}x{problem.n} on "
                 f"{gen.name}: K and N must be multiples of {_LANES}")
         best = min(candidates, key=lambda blocks: (
-            problem.seconds(candidates[blocks], gen), vmem_bytes(*blocks, problem.itemsize)))
+            problem.seconds(candidates[blocks], gen), problem.vmem(candidates[blocks])))
         return candidates[best]
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[Config]:
