@@ -110,7 +110,7 @@ def check_nonempty_sequences(op: Op, ba: BoundArguments) -> None:
     kv_len = ba.arguments["key"].shape[1]
     if 0 in (batch, q_len, kv_len) and op.implementation not in _EMPTY_SEQUENCE_IMPLEMENTATIONS:
         raise NotImplementedError(
-            f"{type(op).__name__}: an empty batch or sequence (batch={batch}, q_seq={q_len}, "
+            f"{type(op).__name__}: an empty sequence or batch (batch={batch}, q_seq={q_len}, "
             f"kv_seq={kv_len}) has nothing to launch; implementation='xla' (or None) "
             f"computes it")
 
