@@ -153,7 +153,9 @@ _X = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
     ((_X, None, None), {"axis": -4}, "axis=-4 is out of range"),
     ((jnp.ones(SHAPE, jnp.int32), None, None), {}, "x must be a floating-point"),
     ((jnp.float32(1.0), None, None), {}, "x must have rank at least 1"),
-    ((_X, None, None), {"epsilon": -1.0}, "epsilon must be >= 0"),
+    ((_X, None, None), {"epsilon": -1.0}, "epsilon must be a finite number >= 0"),
+    ((_X, None, None), {"epsilon": float("inf")}, "epsilon must be a finite number >= 0"),
+    ((_X, None, None), {"epsilon": "1e-6"}, "epsilon must be a real number"),
 ])
 def test_bad_arguments_raise_value_errors_naming_them(args, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,3 +50,35 @@ def canonical_axis(axis: int, ndim: int, *, op: str, name: str = "axis") -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(f"{op}: {name}={axis!r} is out of range for an array of rank {ndim}")
     return axis % ndim
+
+
+def require_bool(name: str, value: Any, *, op: str) -> bool:
+    """`value` as a Python bool; `TypeError` for anything else (`bool("no")` is True, and a
+    traced flag cannot choose the program)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def static_number(name: str, value: Any, *, op: str, minimum: float,
+                  inclusive: bool) -> float:
+    """`value` as a finite Python float above `minimum` (or equal, if `inclusive`).
+
+    A static argument: a Python or NumPy number, or a concrete scalar array; a traced
+    value cannot choose the program, and NaN or infinity would silently give NaN or
+    degenerate outputs.
+    """
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{op}: {name} is a static argument and cannot be a traced value "
+                         f"(pass a Python number, not a jit argument), got {value!r}")
+    real = isinstance(value, (int, float, np.integer, np.floating)) or (
+        isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
+        and jnp.issubdtype(value.dtype, jnp.floating))
+    if isinstance(value, (bool, np.bool_)) or not real:
+        raise ValueError(f"{op}: {name} must be a real number, got {value!r}")
+    number = float(value)
+    in_range = number >= minimum if inclusive else number > minimum
+    if not (math.isfinite(number) and in_range):
+        bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+        raise ValueError(f"{op}: {name} must be a finite number {bound}, got {value!r}")
+    return number

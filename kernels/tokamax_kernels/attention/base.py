@@ -104,12 +104,15 @@ _EMPTY_SEQUENCE_IMPLEMENTATIONS = ("xla", "xla_chunked")
 
 
 def check_nonempty_sequences(op: Op, ba: BoundArguments) -> None:
-    """`NotImplementedError` for a kernel asked to attend over an empty sequence."""
-    q_len, kv_len = ba.arguments["query"].shape[1], ba.arguments["key"].shape[1]
-    if (q_len == 0 or kv_len == 0) and op.implementation not in _EMPTY_SEQUENCE_IMPLEMENTATIONS:
+    """`NotImplementedError` for a kernel asked to attend over an empty batch or sequence
+    (a grid with no blocks: Pallas divides by its size when lowering)."""
+    batch, q_len = ba.arguments["query"].shape[:2]
+    kv_len = ba.arguments["key"].shape[1]
+    if 0 in (batch, q_len, kv_len) and op.implementation not in _EMPTY_SEQUENCE_IMPLEMENTATIONS:
         raise NotImplementedError(
-            f"{type(op).__name__}: an empty sequence (q_seq={q_len}, kv_seq={kv_len}) has "
-            f"nothing to launch; implementation='xla' (or None) computes it")
+            f"{type(op).__name__}: an empty sequence or batch (batch={batch}, q_seq={q_len}, "
+            f"kv_seq={kv_len}) has nothing to launch; implementation='xla' (or None) "
+            f"computes it")
 
 
 def keep_mask(q_pos: jax.Array, k_pos: jax.Array, *, mask: jax.Array | None, is_causal: bool,
@@ -260,16 +263,16 @@ class DotProductAttention(Op[NullConfig]):
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(
                 scale):
             raise ValueError(f"{_OP}: scale must be a finite Python number, got {scale!r}")
-        if logits_soft_cap is not None and not (
-                isinstance(logits_soft_cap, (int, float)) and logits_soft_cap > 0):
-            raise ValueError(f"{_OP}: logits_soft_cap must be None or a number > 0, "
-                             f"got {logits_soft_cap!r}")
+        if logits_soft_cap is not None:  # an infinite cap would give NaN logits (inf * 0)
+            logits_soft_cap = v.static_number("logits_soft_cap", logits_soft_cap, op=_OP,
+                                              minimum=0.0, inclusive=False)
         return BoundArguments(self, dict(
             query=query, key=key, value=value, bias=bias, mask=mask, scale=float(scale),
-            is_causal=bool(is_causal), query_seq_lengths=query_seq_lengths,
+            is_causal=v.require_bool("is_causal", is_causal, op=_OP),
+            query_seq_lengths=query_seq_lengths,
             key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=_canonical_window(local_window_size),
-            logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+            logits_soft_cap=logits_soft_cap,
             precision=_canonical_precision(precision),
         ))
 

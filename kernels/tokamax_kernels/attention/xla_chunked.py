@@ -301,8 +301,8 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
 
 
 def _empty(query: jax.Array, key: jax.Array) -> bool:
-    """No query rows or no keys: no chunk to loop over (the reference computes it)."""
-    return query.shape[1] == 0 or key.shape[1] == 0
+    """No batch, query rows or keys: no chunk to loop over (the reference computes it)."""
+    return 0 in (query.shape[0], query.shape[1], key.shape[1])
 
 
 def _sizes(ba: BoundArguments) -> tuple[int, int, int, int]:

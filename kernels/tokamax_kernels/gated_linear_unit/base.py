@@ -30,7 +30,7 @@ from tokamax_kernels.gated_linear_unit._grouped import (
     grouped_forward,
 )
 from tokamax_kernels.ragged_dot.base import RaggedDot, canonical_precision
-from tokamax_pass.core import BoundArguments, NullConfig, Op, Target, VjpOp
+from tokamax_pass.core import BoundArguments, NullConfig, Op, Target, VjpOp, spec
 
 _OP = "gated_linear_unit"
 
@@ -71,6 +71,23 @@ def _check_weights(weights: Any, k: int) -> None:
             f"{_OP}: fused weights must have shape ({k}, 2, N) (K = the last axis of x; "
             f"[:, 0] gate, [:, 1] up), got {tuple(weights.shape)}"
         )
+
+
+def _check_activation(activation: Callable[[Any], Any], x: Any, weights: Any) -> None:
+    """The activation must map the gate pre-activations elementwise: one array in, one of
+    the same shape out. Anything else fails inside the op's trace with a message that does
+    not name it, or (a reduction, broadcast against `up`) silently gives wrong values."""
+    n = (weights[0] if isinstance(weights, tuple) else weights).shape[-1]
+    gate = jax.ShapeDtypeStruct((*x.shape[:-1], n), jnp.promote_types(x.dtype, jnp.float32))
+    try:
+        out = jax.eval_shape(activation, gate)
+    except TypeError as e:
+        raise TypeError(f"{_OP}: activation must take one array (the gate), e.g. "
+                        f"jax.nn.swish; calling it failed: {e}") from e
+    if not spec.is_array(out) or tuple(out.shape) != gate.shape:
+        got = f"shape {tuple(out.shape)}" if spec.is_array(out) else type(out).__name__
+        raise ValueError(f"{_OP}: activation must be elementwise (the gate's shape "
+                         f"{gate.shape} in and out), got {got}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,6 +154,7 @@ class GatedLinearUnit(Op[NullConfig]):
                 f"{_OP}: activation must be callable (e.g. jax.nn.gelu) or None (swish), got "
                 f"{activation!r}"
             )
+        _check_activation(activation, x, weights)
         # Calls without group_sizes keep the arguments (and so the cache keys) they had.
         grouped = {} if group_sizes is None else {"group_sizes": group_sizes}
         return BoundArguments(self, dict(

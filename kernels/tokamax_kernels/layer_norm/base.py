@@ -61,10 +61,9 @@ class LayerNorm(Op[NullConfig]):
                 v.require_float(name, param, op=_OP)
                 v.require_shape(name, param, (x.shape[axis],), op=_OP,
                                 why=f"the length of x along axis {axis}")
-        if not float(epsilon) >= 0:
-            raise ValueError(f"{_OP}: epsilon must be >= 0, got {epsilon}")
-        arguments = dict(x=x, scale=scale, offset=offset, axis=axis, epsilon=float(epsilon),
-                         subtract_mean=bool(subtract_mean))
+        epsilon = v.static_number("epsilon", epsilon, op=_OP, minimum=0.0, inclusive=True)
+        arguments = dict(x=x, scale=scale, offset=offset, axis=axis, epsilon=epsilon,
+                         subtract_mean=v.require_bool("subtract_mean", subtract_mean, op=_OP))
         if residual is not None:
             _check_residual(x, residual)
             arguments["residual"] = residual

@@ -63,13 +63,7 @@ def _check_labels(labels: Any, x: Any, vocab: int) -> None:
 def _canonical_soft_cap(cap: Any) -> float | None:
     if cap is None:
         return None
-    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.floating, np.integer)) or (
-            not math.isfinite(cap) or cap <= 0):
-        raise ValueError(
-            f"{_OP}: logits_soft_cap must be None or a positive finite number (e.g. 30.0), "
-            f"got {cap!r}"
-        )
-    return float(cap)
+    return v.static_number("logits_soft_cap", cap, op=_OP, minimum=0.0, inclusive=False)
 
 
 def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:

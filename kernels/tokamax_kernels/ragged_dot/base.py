@@ -58,17 +58,19 @@ def canonical_precision(precision: Any, *, op: str) -> Any:
 def canonical_dtype(dtype: Any, *, name: str, op: str) -> np.dtype | None:
     if dtype is None:
         return None
-    try:
-        return np.dtype(jnp.dtype(dtype))
+    try:  # float64 is float32 without x64, as jax.lax takes it (lowering one fails)
+        return np.dtype(jax.dtypes.canonicalize_dtype(jnp.dtype(dtype)))
     except TypeError:
         raise ValueError(
             f"{op}: {name} must be None or a dtype (e.g. jnp.float32), got {dtype!r}"
         ) from None
 
 
-def _require_numeric(name: str, value: Any) -> None:
-    if not jnp.issubdtype(value.dtype, jnp.number):
-        raise ValueError(f"{_OP}: {name} must be a numeric array, got dtype {value.dtype}")
+def _require_real(name: str, value: Any) -> None:
+    """Floating or integer: `jax.lax.ragged_dot`'s operands that an op spec can name."""
+    if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
+        raise ValueError(
+            f"{_OP}: {name} must be a floating-point or integer array, got dtype {value.dtype}")
 
 
 def _check_concrete_group_sizes(group_sizes: Any, m: int) -> None:
@@ -158,8 +160,8 @@ class RaggedDot(Op[NullConfig]):
         v.require_rank("lhs", lhs, (2,), op=_OP)
         v.require_rank("rhs", rhs, (2,) if variant == "drhs" else (3,), op=_OP)
         v.require_rank("group_sizes", group_sizes, (1,), op=_OP)
-        _require_numeric("lhs", lhs)
-        _require_numeric("rhs", rhs)
+        _require_real("lhs", lhs)
+        _require_real("rhs", rhs)
         if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
             raise ValueError(
                 f"{_OP}: group_sizes must be an integer array (e.g. int32), got {group_sizes.dtype}"

@@ -82,6 +82,10 @@ class PallasMosaicGpuRaggedDot(RaggedDot):
                 f"Mosaic GPU ragged dot writes {dtype}; preferred_element_type={out_dtype} is not "
                 "supported")
         rows, contraction, columns = _problem(lhs, rhs, variant)
+        if args["group_sizes"].shape[0] == 0:  # lowers, but no kernel was run without groups
+            raise NotImplementedError(
+                "Mosaic GPU ragged dot needs at least one group; implementation='xla' (or "
+                "None) computes zero groups")
         if lhs.shape[0] % _ROW_ALIGN:
             raise NotImplementedError(
                 f"{variant}: M ({lhs.shape[0]}) must be a multiple of {_ROW_ALIGN} (the TMA "

@@ -255,6 +255,9 @@ class AutotuningResult:
         if isinstance(path_or_file, (str, os.PathLike)):
             with open(path_or_file) as f:
                 return cls.loads(f.read(), what=f"autotuning result {os.fspath(path_or_file)!r}")
+        if not callable(getattr(path_or_file, "read", None)):
+            raise TypeError(f"AutotuningResult.load: path_or_file must be a path or a readable "
+                            f"file, got {path_or_file!r}")
         return cls.loads(path_or_file.read())
 
     def save_to_cache(self, directory: str | os.PathLike | None = None) -> str:

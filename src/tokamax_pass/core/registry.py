@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokamax_pass.core import primitive
-from tokamax_pass.core.op import Op
+from tokamax_pass.core.op import Op, family_class
 
 Implementation = str | Op | Sequence[str | Op] | None
 
@@ -45,12 +45,20 @@ class Family:
         """`(candidate ops, explicit)` for an `implementation=` argument."""
         if implementation is None:
             return tuple(self.implementations[n]() for n in self.automatic), False
-        items = [implementation] if isinstance(implementation, (str, Op)) else list(implementation)
+        if isinstance(implementation, (str, Op)):
+            items = [implementation]
+        elif isinstance(implementation, Sequence):
+            items = list(implementation)
+        else:
+            raise TypeError(
+                f"{self.name}: implementation must be None, a name, an Op instance of the "
+                f"family or a sequence of those, got {implementation!r}")
         if not items:
             raise ValueError(f"{self.name}: implementation must not be an empty sequence")
         ops = []
         for item in items:
             if isinstance(item, Op):
+                self._check_own_op(item)
                 ops.append(item)
             elif item in self.implementations:
                 ops.append(self.implementations[item]())
@@ -62,6 +70,16 @@ class Family:
                     f"{sorted([*self.implementations, *self.aliases])} or None"
                 )
         return tuple(ops), True
+
+    def _check_own_op(self, op: Op) -> None:
+        """`TypeError` for an op instance of another family (or a VJP op): its `bind` would
+        fail on this family's arguments with a message that does not say why."""
+        if family_class(type(op)) is not family_class(self.implementations["xla"]):
+            raise TypeError(
+                f"{self.name}: implementation={type(op).__name__}() is an op of another "
+                f"family ({op.family_name()}); pass one of {self.name}'s implementations, "
+                f"e.g. {self.implementations['xla'].__name__}(), or a name from "
+                f"{sorted(self.implementations)}")
 
     def __call__(self, implementation: Implementation, *args: Any,
                  return_residuals: bool = False, **kwargs: Any) -> Any:
