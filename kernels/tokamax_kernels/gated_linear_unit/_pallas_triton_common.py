@@ -64,7 +64,7 @@ def check_triton_glu_inputs(ba: BoundArguments) -> None:
     if "group_sizes" in ba.arguments:
         raise NotImplementedError(
             "the Triton GLU has no grouped form (group_sizes); use implementation='xla', "
-            "'mosaic_gpu' or None")
+            "'mosaic_gpu', 'mosaic_tpu' (on a TPU) or None")
     x, weights = ba.arguments["x"], ba.arguments["weights"]
     parts = weights if isinstance(weights, tuple) else (weights,)
     _triton.require_triton_dtype("x", x)

@@ -133,7 +133,7 @@ class GatedLinearUnit(Op[NullConfig]):
         if not (self.grouped or type(self) is GatedLinearUnit):
             raise NotImplementedError(
                 f"{type(self).__name__} has no grouped form (group_sizes); use "
-                "implementation='xla' or 'mosaic_gpu'")
+                "implementation='xla', 'mosaic_gpu' or, on a TPU, 'mosaic_tpu'")
         if ba.vmap:
             raise NotImplementedError("the grouped gated linear unit does not support jax.vmap")
 
