@@ -6,23 +6,29 @@ accumulators (`plgpu.ACC`) but not `pl.run_state(...)(plgpu.ACC.init(x))`: it bi
 attention kernels use `run_state` to chain `wgmma`s into an accumulator they carry across
 tiles. `interpret_mode()` rewrites each such `run_state` into what it means, a scoped
 accumulator: allocate, store the initial value, run the body, load the final value;
-the interpreter runs that form. Tests only: the kernels' own code is unchanged.
+the interpreter runs that form. It also gives TMA stores a `reduction_op="add"` (the
+interpreter raises `NotImplementedError` on any `reduction_op`): inside `interpret_mode()`
+such a store adds the SMEM tile into GMEM, `dst += src`, atomically with respect to other
+reduce-adds. Tests only: the kernels' own code is unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+import numpy as np
 from jax._src import core as jax_core
 from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
 from jax._src.pallas.mosaic_gpu.core import WGMMAAbstractAccumulatorRef
-from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret, shared_memory
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret, shared_memory
 from jax._src.state import discharge
 from jax._src.state import primitives as state_primitives
 from jax._src.state.types import AbstractRef
@@ -123,9 +129,85 @@ def _rewritten(jaxpr: jax_core.Jaxpr) -> jax_core.Jaxpr:
     return jaxpr.replace(eqns=[new for e in jaxpr.eqns for new in _rewrite(e)])
 
 
+# Serializes every reduce-add's read-modify-write of GMEM: the interpreter runs the grid's
+# clusters one after another, but the warpgroups of a block (and the blocks of a cluster)
+# in concurrent Python threads.
+_REDUCE_LOCK = threading.Lock()
+
+
+def _added(current: np.ndarray, tile: np.ndarray) -> np.ndarray:
+    """`current + tile` in `current`'s dtype; 16-bit floats (`kind` "V" is ml_dtypes'
+    bfloat16) add in float32, then round to their dtype."""
+    if current.dtype.itemsize < 4 and current.dtype.kind in "fV":
+        return (current.astype(np.float32) + tile.astype(np.float32)).astype(current.dtype)
+    return (current + tile).astype(current.dtype)
+
+
+class _ReduceAddSmemToGmemTask(gpu_callbacks.AsyncCopySmemToGmemTask):
+    """The interpreter's SMEM -> GMEM TMA store, storing `dst + src` rather than `src`.
+    Out-of-bounds rows and columns of the destination are dropped, as a TMA store does."""
+
+    def __call__(self, tma_thread_id: int) -> None:
+        memory = gpu_callbacks._get_shared_memory()
+        self.pre_read(tma_thread_id, memory)
+        tile, _, _ = memory.get_buffer_content(
+            self.src_allocation_key, self.src_access, self.thread,
+            logging_info=self.logging_info)
+        if tile is None or tile.shape != self.src_access.shape:
+            raise IndexError(f"interpret shim: out-of-bounds reduce-add source {self.src_access}")
+        self.post_read(tma_thread_id, memory)
+        dst_shape = tuple(memory.buffer_shape_and_dtype(self.dst_allocation_key).shape)
+        store = gpu_callbacks._clip_store_to_shape(self.dst_access, tile, dst_shape)
+        if store is not None:
+            access, tile = store
+            with _REDUCE_LOCK:
+                current, _, _ = memory.get_buffer_content(
+                    self.dst_allocation_key, access, self.thread, increment_clock=False,
+                    logging_info=self.logging_info)
+                memory.store_buffer_content(
+                    self.dst_allocation_key, access, _added(current, tile), self.thread,
+                    logging_info=self.logging_info)
+        self.post_write(tma_thread_id, memory)
+
+
+def _copy_smem_to_gmem_reducing(original):
+    """`gpu_callbacks.copy_smem_to_gmem` (`original`), that also runs `reduction_op="add"`."""
+
+    @gpu_callbacks.fail_on_exception
+    def reduce_add(*, token, mesh_location, thread, src_allocation_key_as_array,
+                   src_transforms, dst_allocation_key_as_array, dst_transforms, predicate,
+                   source_info, commit_group):
+        del commit_group  # as the interpreter does: it runs every copy eagerly
+        if predicate is not None:
+            raise NotImplementedError("interpret shim: predicated reduce-add")
+        memory = gpu_callbacks._get_shared_memory()
+        src_key = gpu_callbacks.HostAllocationKey.from_array(src_allocation_key_as_array)
+        dst_key = gpu_callbacks.HostAllocationKey.from_array(dst_allocation_key_as_array)
+        src_transforms = jax.tree.map(int, gpu_callbacks._remove_noop_transforms(src_transforms))
+        dst_transforms = jax.tree.map(int, gpu_callbacks._remove_noop_transforms(dst_transforms))
+        memory.execute_async_task(_ReduceAddSmemToGmemTask(
+            mesh_location=mesh_location, thread=thread,
+            src_allocation_key=src_key, src_access=memory.access(src_key, src_transforms),
+            dst_allocation_key=dst_key, dst_access=memory.access(dst_key, dst_transforms),
+            source_info=source_info,
+            clock=memory.incr_clock(thread) if memory.detect_races else None))
+        return token
+
+    @functools.wraps(original)
+    def copy_smem_to_gmem(*, reduction_op: Any = None, **kwargs):
+        if reduction_op is None:
+            return original(reduction_op=None, **kwargs)
+        if reduction_op != "add":
+            raise NotImplementedError(f"interpret shim: reduction_op={reduction_op!r}")
+        return reduce_add(**kwargs)
+
+    return copy_smem_to_gmem
+
+
 @contextlib.contextmanager
 def interpret_mode() -> Iterator[None]:
-    """GPU interpret mode for the Mosaic GPU kernels traced inside, `run_state` included."""
+    """GPU interpret mode for the Mosaic GPU kernels traced inside, `run_state` and
+    reduce-adding TMA stores included."""
     original = jaxpr_interpret.JaxprInterpreter.interpret
 
     def interpret(self, jaxpr, token, *args):
@@ -142,11 +224,15 @@ def interpret_mode() -> Iterator[None]:
                     self.last_observed_phase_by_thread, self.phase)
         original_deallocate(self)
 
+    original_copy = gpu_callbacks.copy_smem_to_gmem
+
     jaxpr_interpret.JaxprInterpreter.interpret = interpret
     shared_memory.Barrier.deallocate = deallocate
+    gpu_callbacks.copy_smem_to_gmem = _copy_smem_to_gmem_reducing(original_copy)
     try:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
             yield
     finally:
         jaxpr_interpret.JaxprInterpreter.interpret = original
         shared_memory.Barrier.deallocate = original_deallocate
+        gpu_callbacks.copy_smem_to_gmem = original_copy
