@@ -260,6 +260,55 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
     At d256 two compute warpgroups split the head dim of shared key rows, whatever
     `compute_wgs` (which picks the dq kernel's form there).
     """
+    dq_acc, (dk, dv) = _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, scale=scale,
+                                   causal=causal, config=config, window=window,
+                                   soft_cap=soft_cap, dq_order=None)
+    del dq_acc
+    return dk, dv
+
+
+def fused_fits(head_dim: int, compute_wgs: int, dq_split: str) -> bool:
+    """Whether the one-pass backward takes this head dim: no head-dim split (d256 holds
+    no room for the dq tiles), and split by columns, slices at least 64 wide (a whole
+    `wgmma` tile of the swizzled K)."""
+    return not splits_head_dim(head_dim) and (
+        dq_split == "rows" or head_dim // compute_wgs >= 64)
+
+
+def mosaic_attention_fused_bwd(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: float,
+                               causal: bool, config: MosaicAttentionVjpConfig,
+                               window: tuple[int, int] | None = None,
+                               soft_cap: float | None = None
+                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) in one pass over the tile pairs: the dk/dv kernel also multiplies
+    each tile's dS by its keys and adds the float32 share into dq (TMA reduce-add).
+
+    `config.dq_accumulation` "ordered" makes the key blocks of a query tile add in a
+    fixed order (a global semaphore per query tile counts the adds done; a block waits
+    for its turn), so reruns are bitwise equal; "atomic" lets them land as they come.
+    Blocks walk their query tiles last to first, so under a causal mask or a window
+    (where a later key block starts at a later tile) the block before a block in turn
+    order has already passed each tile: waits are short. A block signals a tile's add
+    one step late (when the next add is issued its predecessor has long completed), so
+    a compute warpgroup never waits on its own add.
+    """
+    if not fused_fits(q.shape[-1], config.compute_wgs, config.dq_split):
+        raise NotImplementedError(
+            f"one-pass dq needs head_dim <= 128 and, split by columns, head_dim // "
+            f"compute_wgs >= 64; got head_dim {q.shape[-1]}, compute_wgs "
+            f"{config.compute_wgs}, dq_split {config.dq_split!r}")
+    dq_acc, (dk, dv) = _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, scale=scale,
+                                   causal=causal, config=config, window=window,
+                                   soft_cap=soft_cap,
+                                   dq_order=config.dq_accumulation == "ordered")
+    return dq_acc.astype(q.dtype), dk, dv
+
+
+def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: bool,
+                config: MosaicAttentionVjpConfig, window: tuple[int, int] | None,
+                soft_cap: float | None, dq_order: bool | None):
+    """The dk/dv kernel; with `dq_order` not None also dq's float32 sum (ordered adds
+    when True). Returns (dq float32 or None, (dk, dv))."""
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -271,9 +320,15 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
     own = () if split else (wgs,)  # key row tiles a block holds: split warpgroups share one
     block_rows = block_kv if split else wgs * block_kv
     num_q_tiles = seq_q // block_q
+    num_kv_blocks = seq_kv // block_rows
     stages = max(1, min(config.num_stages, num_q_tiles))
     qk_scale = scale * LOG2E
     has_lengths = kv_lengths is not None
+    fused = dq_order is not None
+    # Fused: each warpgroup adds a column slice of dq over all key rows of the block
+    # ("columns"), or the full width over its own rows ("rows").
+    by_rows = config.dq_split == "rows" or wgs == 1
+    dq_width = head_dim if by_rows else head_dim // wgs  # dq columns a warpgroup adds
 
     def first_tile(kv_base):
         """The first query tile with a row at or after key `kv_base` (0 unless causal)."""
@@ -282,8 +337,10 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
     def body(*refs):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
         lengths_ref = refs.pop(0) if has_lengths else None
+        dq_ref = refs.pop(0) if fused else None
         (dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-         kv_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, *written) = refs
+         kv_ready, q_ready, do_ready, lse_ready, delta_ready, consumed, *extra) = refs
+        written = [] if fused else extra
         b, h, ki = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv")
         wg = lax.axis_index("wg")
         kv_len = lengths_ref[b] if has_lengths else None
@@ -293,6 +350,11 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
             block_tiles = _window.q_tiles(window, ki * block_rows, block_rows,
                                           block_q, num_q_tiles)
             block_first, block_end = block_tiles.first, block_tiles.end
+
+        def position(tile):
+            """Where `tile` comes in the block's walk: first to last, or (fused) last
+            to first."""
+            return tile - block_first if not fused else block_end - 1 - tile
 
         @pl.when(wg < wgs)
         def _compute():
@@ -317,10 +379,19 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
             # Query tiles that cross the diagonal of this warpgroup's keys need the mask.
             masked_end = jnp.minimum(lax.div(kv_base + block_kv + block_q - 2, block_q),
                                      num_q_tiles)
+            dq_adds = _DqAdds(dq_ref, extra, wg=wg, wgs=wgs, by_rows=by_rows, b=b, h=h,
+                              ki=ki, heads=heads, block_q=block_q, scale=scale,
+                              ordered=dq_order, num_q_tiles=num_q_tiles,
+                              first_block=_first_kv_block(window, block_q, block_rows,
+                                                          num_kv_blocks)
+                              ) if fused else None
+            if fused:
+                dq_adds.wait_for_keys(kv_ready)
 
             def q_step(tile, carry, *, masked):
-                dk_acc, dv_acc = carry
-                slot = lax.rem(tile - block_first, stages)
+                dk_acc, dv_acc, *dq_carry = carry
+                step = position(tile)
+                slot = lax.rem(step, stages)
                 plgpu.barrier_wait(q_ready.at[slot])
 
                 def scores_t(acc_ref):
@@ -357,10 +428,23 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
                 plgpu.barrier_wait(delta_ready.at[slot])
                 delta_t = plgpu.load(delta_smem.at[slot], layout=_WGMMA.reduce(0))
                 ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta_t, dp_t.shape, [1]))
+                ds16_t = ds_t.astype(dtype)
+                if fused:
+                    dq_adds.share_ds(ds16_t, step)
 
                 def dk_product(acc_ref):
-                    plgpu.wgmma(acc_ref, ds_t.astype(dtype), columns(q_smem.at[slot], half, width))
+                    plgpu.wgmma(acc_ref, ds16_t, columns(q_smem.at[slot], half, width))
 
+                if fused:
+                    def dk_and_dq(refs):
+                        dk_product(refs[0])
+                        dq_adds.product(refs[1], k_smem, step)
+
+                    dk_acc, dq_part = pl.run_state(dk_and_dq)(
+                        (plgpu.ACC.init(dk_acc), plgpu.ACC.init(_acc((block_q, dq_width)))))
+                    plgpu.barrier_arrive(consumed.at[slot])
+                    dq_carry = [dq_adds.add(dq_part, tile, *dq_carry)]
+                    return dk_acc, dv_acc, *dq_carry
                 dk_acc = pl.run_state(dk_product)(plgpu.ACC.init(dk_acc))
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk_acc, dv_acc
@@ -368,30 +452,45 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
             def masked_step(tile, carry):
                 return q_step(tile, carry, masked=True)
 
-            def skip_step(tile, _):
-                slot = lax.rem(tile - block_first, stages)
+            def unmasked_step(tile, carry):
+                return q_step(tile, carry, masked=False)
+
+            def skip_step(tile, carry):
+                slot = lax.rem(position(tile), stages)
                 for ready in (q_ready, do_ready, lse_ready, delta_ready):
                     plgpu.barrier_wait(ready.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
+                return carry
 
-            carry = (_acc((block_kv, width)), _acc((block_kv, width)))
-            start = 0
+            # Runs of tiles `(first, end, step)` in ascending order. Fused, every warpgroup
+            # walks all of the block's tiles (its dS feeds every warpgroup's dq columns):
+            # tiles it does not see are masked (zero dS), not skipped.
+            skip = masked_step if fused else skip_step
             if window is not None:
                 tiles = _window.q_tiles(window, kv_base, block_kv, block_q, num_q_tiles)
-                lax.fori_loop(block_first, tiles.first, skip_step, None)
-                carry = lax.fori_loop(tiles.first, tiles.full_first, masked_step, carry)
-                carry = lax.fori_loop(tiles.full_first, tiles.full_end,
-                                      lambda t, c: q_step(t, c, masked=False), carry)
-                carry = lax.fori_loop(tiles.full_end, tiles.end, masked_step, carry)
-                lax.fori_loop(tiles.end, block_end, skip_step, None)
-                dk_acc, dv_acc = carry
+                runs = [(block_first, tiles.first, skip),
+                        (tiles.first, tiles.full_first, masked_step),
+                        (tiles.full_first, tiles.full_end, unmasked_step),
+                        (tiles.full_end, tiles.end, masked_step),
+                        (tiles.end, block_end, skip)]
+            elif causal:
+                runs = [(block_first, first, skip), (first, masked_end, masked_step),
+                        (masked_end, num_q_tiles, unmasked_step)]
             else:
-                if causal:
-                    lax.fori_loop(block_first, first, skip_step, None)
-                    carry = lax.fori_loop(first, masked_end, masked_step, carry)
-                    start = masked_end
-                dk_acc, dv_acc = lax.fori_loop(start, num_q_tiles,
-                                               lambda t, c: q_step(t, c, masked=False), carry)
+                runs = [(0, num_q_tiles, unmasked_step)]
+            carry = (_acc((block_kv, width)), _acc((block_kv, width)))
+            if fused:
+                carry = (*carry, jnp.int32(-1))
+                for lo, hi, step_fn in reversed(runs):  # last tile first
+                    carry = lax.fori_loop(
+                        0, hi - lo, lambda j, c, lo=lo, hi=hi, f=step_fn: f(hi - 1 - j, c),
+                        carry)
+                dk_acc, dv_acc, last_tile = carry
+                dq_adds.finish(last_tile)  # also: no warpgroup reads our keys any more
+            else:
+                for lo, hi, step_fn in runs:
+                    carry = lax.fori_loop(lo, hi, step_fn, carry)
+                dk_acc, dv_acc = carry
             wait_for_both(written)  # the other warpgroup is done reading K and V
             columns(my_k, half, width)[...] = (dk_acc * scale).astype(dtype)
             columns(my_v, half, width)[...] = dv_acc.astype(dtype)
@@ -406,7 +505,7 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
             @pl.loop(0, block_end - block_first)
             def _(step):
                 slot = lax.rem(step, stages)
-                tile = block_first + step
+                tile = block_end - 1 - step if fused else block_first + step
                 rows = (b, pl.ds(tile * block_q, block_q), h)
                 vec = (b, h, pl.ds(tile * block_q, block_q))
 
@@ -431,24 +530,168 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
         plgpu.Barrier(num_barriers=2 * (1 if split else wgs)),
         *(plgpu.Barrier(num_barriers=stages) for _ in range(4)),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-        *written_barrier(split),
+        *(_DqAdds.scratch(wgs, block_kv, block_q, head_dim, by_rows, dtype) if fused
+          else written_barrier(split)),
     ]
     per_query_head = jax.ShapeDtypeStruct((batch, seq_kv, heads, head_dim), dtype)
+    operands = [q, k, v, dout, lse, delta, *([kv_lengths] if has_lengths else [])]
+    dq_acc = None
+    if fused:  # added into in place: a zeroed float32 buffer the kernel writes through
+        dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+        operands.append(dq_acc)
     dk, dv = plgpu.kernel(
         body,
         out_type=(per_query_head, per_query_head),
         scratch_types=scratch,
-        grid=(heads, seq_kv // block_rows, batch),
+        grid=(heads, num_kv_blocks, batch),
         grid_names=("heads", "kv", "batch"),
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=_PARAMS,
-    )(q, k, v, dout, lse, delta, *([kv_lengths] if has_lengths else []))
+    )(*operands)
+    if fused:
+        dq_acc = dq_acc[...]
     if group == 1:
-        return dk, dv
+        return dq_acc, (dk, dv)
 
     def sum_group(x):
         x = x.reshape(batch, seq_kv, kv_heads, group, head_dim).astype(jnp.float32)
         return x.sum(axis=3).astype(dtype)
 
-    return sum_group(dk), sum_group(dv)
+    return dq_acc, (sum_group(dk), sum_group(dv))
+
+
+def _first_kv_block(window: tuple[int, int] | None, block_q: int, block_rows: int,
+                    num_kv_blocks: int):
+    """`tile -> the first key block that adds into query tile `tile`'s dq` (0 without a
+    window: causal masks only later blocks out)."""
+    if window is None:
+        return lambda tile: 0
+    return lambda tile: _window.kv_tiles(window, tile * block_q, block_q, block_rows,
+                                         num_kv_blocks).first
+
+
+class _DqAdds:
+    """A fused dk/dv kernel's dq: each step, every compute warpgroup multiplies dS by
+    keys and TMA-adds the float32 product into dq's tile in global memory. Split by
+    columns, the warpgroups share their dS^T tiles through SMEM (meeting at a barrier)
+    and each takes a column slice of the keys of all of them; split by rows, each
+    multiplies its own dS by its own keys, full width (twice the adds, no barrier).
+
+    Ordered, a global semaphore per (batch, head, query tile, and by columns warpgroup)
+    counts the adds that have landed: the add of warpgroup `w` of the key block `r`
+    places in the tile's order (`r`-th block that sees the tile) waits until `r`
+    (columns: each slice its own order) or `r * wgs + w` (rows: both add into the same
+    elements) have, and is signalled once complete (at the warpgroup's next step, or at
+    the end).
+    """
+
+    def __init__(self, dq_ref, scratch, *, wg, wgs: int, by_rows: bool, b, h, ki,
+                 heads: int, block_q: int, scale: float, ordered: bool, num_q_tiles: int,
+                 first_block):
+        self.ds_smem, self.dq_smem, *barriers = scratch
+        # By columns: every warpgroup's dS is in SMEM / every one is done with the keys.
+        self.shared, self.keys_read = barriers if barriers else (None, None)
+        self.dq_ref, self.wg, self.wgs, self.by_rows = dq_ref, wg, wgs, by_rows
+        self.width = dq_ref.shape[-1] // (1 if by_rows else wgs)
+        self.b, self.h, self.ki, self.heads = b, h, ki, heads
+        self.block_q, self.scale, self.ordered = block_q, scale, ordered
+        self.num_q_tiles, self.first_block = num_q_tiles, first_block
+        self.sems = None
+        # Split by columns, each warpgroup's slice keeps an order of its own.
+        self.chains = 1 if by_rows else wgs
+        if ordered:  # zeroed for every call (Mosaic GPU zero-fills global scratch)
+            batch = dq_ref.shape[0]
+            self.sems = pl.get_global(plgpu.SemaphoreType.REGULAR(
+                (batch * heads * num_q_tiles * self.chains,)))
+
+    @staticmethod
+    def scratch(wgs: int, block_kv: int, block_q: int, head_dim: int, by_rows: bool,
+                dtype) -> list:
+        """dS tiles (split by columns: two steps' worth, as a warpgroup may still read
+        the last step's while the other writes this one's), each warpgroup's float32 dq
+        slice, and (by columns) the barriers the warpgroups meet at once their dS is in
+        and once they are done reading each other's keys."""
+        f32_transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+        width = head_dim if by_rows else head_dim // wgs
+        return [plgpu.SMEM((1 if by_rows else 2, wgs, block_kv, block_q), dtype,
+                           transforms=tile_transforms(dtype)),
+                plgpu.SMEM((wgs, block_q, width), jnp.float32, transforms=f32_transforms),
+                *([] if by_rows else [plgpu.Barrier(num_arrivals=wgs, num_barriers=2),
+                                      plgpu.Barrier(num_arrivals=wgs)])]
+
+    def wait_for_keys(self, kv_ready) -> None:
+        """By columns: also waits for the other warpgroups' key tiles (`kv_ready` slot
+        `2 w` is warpgroup `w`'s K), which this warpgroup's dq slice reads."""
+        if self.by_rows:
+            return
+        for j in range(1, self.wgs):
+            plgpu.barrier_wait(kv_ready.at[2 * lax.rem(self.wg + j, self.wgs)])
+
+    def _sem(self, tile):
+        tile_index = (self.b * self.heads + self.h) * self.num_q_tiles + tile
+        chain = 0 if self.by_rows else self.wg
+        return self.sems.at[tile_index * self.chains + chain]
+
+    def _buf(self, step):
+        return 0 * step if self.by_rows else lax.rem(step, 2)
+
+    def share_ds(self, ds16_t: jax.Array, step) -> None:
+        """Writes this warpgroup's dS^T tile (keys x queries) for step `step`; split by
+        columns, waits until every warpgroup's is written."""
+        buf = self._buf(step)
+        self.ds_smem.at[buf, self.wg][...] = ds16_t
+        plgpu.commit_smem()
+        if self.shared is not None:
+            plgpu.barrier_arrive(self.shared.at[buf])
+            plgpu.barrier_wait(self.shared.at[buf])
+
+    def product(self, acc_ref, k_smem, step) -> None:
+        """`acc += dS K[:, columns]`: over every warpgroup's key rows (split by columns,
+        this warpgroup's own first; indices stay traced values) or its own (by rows)."""
+        buf = self._buf(step)
+        for j in range(1 if self.by_rows else self.wgs):
+            src = lax.rem(self.wg + j, self.wgs)
+            keys = k_smem.at[src]
+            if not self.by_rows:
+                keys = keys.at[:, pl.ds(self.wg * self.width, self.width)]
+            plgpu.wgmma(acc_ref, self.ds_smem.at[buf, src].transpose((1, 0)), keys)
+
+    def add(self, dq_part: jax.Array, tile, last_tile) -> jax.Array:
+        """Adds `scale * dq_part` into dq's rows of `tile` (this warpgroup's columns);
+        ordered, first signals `last_tile`'s add complete, then waits for this
+        warpgroup's turn at `tile`. Returns `tile` (the next call's `last_tile`)."""
+        mine = self.dq_smem.at[self.wg]
+        if self.ordered:
+            plgpu.wait_smem_to_gmem(0)  # the last add has landed in global memory
+
+            @pl.when(last_tile >= 0)
+            def _():
+                plgpu.semaphore_signal(self._sem(last_tile), 1, memory_scope="gpu")
+        else:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add read `mine`
+        mine[...] = dq_part * self.scale
+        plgpu.commit_smem()
+        if self.ordered:
+            turn = self.ki - self.first_block(tile)
+            if self.by_rows:  # both warpgroups add into the same elements
+                turn = turn * self.wgs + self.wg
+            plgpu.semaphore_wait(self._sem(tile), turn, decrement=False, memory_scope="gpu")
+        rows = pl.ds(tile * self.block_q, self.block_q)
+        cols = pl.ds(0 if self.by_rows else self.wg * self.width, self.width)
+        plgpu.copy_smem_to_gmem(mine, self.dq_ref.at[self.b, rows, self.h, cols],
+                                reduction_op="add")
+        return tile
+
+    def finish(self, last_tile) -> None:
+        """Ordered: signals the warpgroup's last add once it has landed. By columns:
+        waits until no warpgroup reads this one's keys (its dk goes over them next)."""
+        if self.ordered:
+            plgpu.wait_smem_to_gmem(0)
+
+            @pl.when(last_tile >= 0)
+            def _():
+                plgpu.semaphore_signal(self._sem(last_tile), 1, memory_scope="gpu")
+        if self.keys_read is not None:
+            plgpu.barrier_arrive(self.keys_read)
+            plgpu.barrier_wait(self.keys_read)

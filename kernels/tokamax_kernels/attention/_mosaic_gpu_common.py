@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -76,12 +77,25 @@ class MosaicAttentionConfig:
         _check_tiles(self.block_q, self.block_kv, self.num_stages, self.compute_wgs)
 
 
+# How the backward computes dq (`MosaicAttentionVjpConfig.dq_accumulation`):
+# "separate": a dq kernel of its own recomputes the scores (seven `wgmma`s a tile pair in
+#   all, no atomics); "ordered": the dk/dv kernel also multiplies each tile's dS by K and
+#   adds the float32 share into dq with TMA reduce-adds, key blocks taking turns per
+#   query tile (five `wgmma`s; a semaphore per query tile fixes the order, so reruns are
+#   bitwise equal); "atomic": the same adds in whatever order they land (not
+#   reproducible: only when the user names it).
+DQ_ACCUMULATIONS = ("separate", "ordered", "atomic")
+REPRODUCIBLE_DQ_ACCUMULATIONS = ("separate", "ordered")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicAttentionVjpConfig:
-    """Tiles of the two backward kernels (dq: rows of q per warpgroup, K/V streamed;
+    """Tiles of the backward kernels (dq: rows of q per warpgroup, K/V streamed;
     dk/dv: rows of k/v per warpgroup, Q/dO streamed). At head dim 256 two warpgroups
     share their rows and split the head dim (`splits_head_dim`): always in the dk/dv
-    kernel, and in the dq kernel with `compute_wgs=2` (1: one warpgroup, whole width)."""
+    kernel, and in the dq kernel with `compute_wgs=2` (1: one warpgroup, whole width).
+    `dq_accumulation` (`DQ_ACCUMULATIONS`) picks a dq kernel or dq added up by the dk/dv
+    kernel (then the `_dq` fields are unused)."""
 
     block_q_dq: int = 64
     block_kv_dq: int = 64
@@ -89,10 +103,33 @@ class MosaicAttentionVjpConfig:
     block_kv_dkv: int = 64
     num_stages: int = 2
     compute_wgs: int = 2
+    dq_accumulation: str = "separate"
+    dq_split: str = "columns"
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_q_dq, self.block_kv_dq, self.num_stages, self.compute_wgs)
         _check_tiles(self.block_kv_dkv, self.block_q_dkv, self.num_stages, self.compute_wgs)
+        if self.dq_split not in ("columns", "rows"):
+            raise ValueError(f"dq_split must be 'columns' or 'rows', got {self.dq_split!r}")
+        if self.dq_accumulation not in DQ_ACCUMULATIONS:
+            raise ValueError(f"dq_accumulation must be one of {DQ_ACCUMULATIONS}, got "
+                             f"{self.dq_accumulation!r}")
+
+    @property
+    def fused(self) -> bool:
+        """dq accumulated by the dk/dv kernel (one pass) rather than a kernel of its own."""
+        return self.dq_accumulation != "separate"
+
+
+def deterministic_ops_forced() -> bool:
+    """Whether `XLA_FLAGS` holds `--xla_gpu_deterministic_ops` (bare, or `=true`/`=1`):
+    then an "atomic" `dq_accumulation` runs "ordered", as XLA's own ops turn
+    reproducible under that flag."""
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_gpu_deterministic_ops":
+            return value.lower() in ("", "true", "1")
+    return False
 
 
 def _check_tiles(rows: int, streamed: int, stages: int, wgs: int) -> None:

@@ -40,8 +40,10 @@ import jax.numpy as jnp
 from tokamax_kernels.attention import _mosaic_gpu_common as common
 from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
+    fused_fits,
     mosaic_attention_dkv,
     mosaic_attention_dq,
+    mosaic_attention_fused_bwd,
 )
 from tokamax_kernels.attention._mosaic_gpu_common import (
     MosaicAttentionVjpConfig,
@@ -62,14 +64,23 @@ def _row_tiles(config: MosaicAttentionVjpConfig, head_dim: int) -> int:
 
 
 def backward_smem_bytes(config: MosaicAttentionVjpConfig, head_dim: int) -> int:
-    """The larger of the two kernels' SMEM (2-byte tiles, f32 lse/delta vectors)."""
+    """The larger of the two kernels' SMEM (2-byte tiles, f32 lse/delta vectors); fused,
+    the dk/dv kernel's plus two steps of dS tiles and the float32 dq slices."""
     own, stages = _row_tiles(config, head_dim), config.num_stages
-    dq = 2 * head_dim * 2 * (own * config.block_q_dq + stages * config.block_kv_dq)
     dkv = 2 * head_dim * 2 * (own * config.block_kv_dkv + stages * config.block_q_dkv)
+    if config.fused:
+        by_rows = config.dq_split == "rows" or config.compute_wgs == 1
+        ds = (1 if by_rows else 2) * own * config.block_kv_dkv * config.block_q_dkv * 2
+        dq = 4 * config.block_q_dkv * head_dim * (own if by_rows else 1)
+        return dkv + ds + dq + 8 * stages * config.block_q_dkv
+    dq = 2 * head_dim * 2 * (own * config.block_q_dq + stages * config.block_kv_dq)
     return max(dq, dkv) + 8 * max(own * config.block_q_dq, stages * config.block_q_dkv)
 
 
 _QKV = frozenset({"query", "key", "value"})
+# f32 registers a thread the one-pass backward may hold after its score tiles (dk, dv,
+# the dq slice, dS): one warpgroup at d128 holds 208 (of the 232 it gets).
+FUSED_REGISTERS = 208
 
 
 def runs_shared_kernel(arguments: Mapping[str, Any]) -> bool:
@@ -108,6 +119,16 @@ def fits(config: MosaicAttentionVjpConfig, seq_q: int, seq_kv: int, head_dim: in
                      + 2 * config.block_kv_dkv * config.block_q_dkv) // 128
     dq_registers = (config.block_q_dq * dq_width
                     + 2 * config.block_q_dq * config.block_kv_dq) // 128
+    if config.fused:
+        # After the score tiles: dk + dv, this warpgroup's dq slice and its bf16 dS.
+        dq_cols = head_dim if config.dq_split == "rows" else head_dim // config.compute_wgs
+        dq_registers = (2 * config.block_kv_dkv * dkv_width + config.block_q_dkv * dq_cols
+                        + config.block_kv_dkv * config.block_q_dkv // 2) // 128
+        return (fused_fits(head_dim, config.compute_wgs, config.dq_split)
+                and seq_kv % (own * config.block_kv_dkv) == 0
+                and seq_q % config.block_q_dkv == 0
+                and backward_smem_bytes(config, head_dim) <= common.SMEM_BYTES
+                and dkv_registers <= 192 and dq_registers <= FUSED_REGISTERS)
     return (seq_q % (own * config.block_q_dq) == 0 and seq_kv % config.block_kv_dq == 0
             and seq_kv % (own * config.block_kv_dkv) == 0 and seq_q % config.block_q_dkv == 0
             and backward_smem_bytes(config, head_dim) <= common.SMEM_BYTES
@@ -173,6 +194,12 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])
         kwargs = dict(scale=scale, causal=is_causal, config=config, window=window,
                       soft_cap=logits_soft_cap)
+        if config.fused:
+            if config.dq_accumulation == "atomic" and common.deterministic_ops_forced():
+                kwargs["config"] = dataclasses.replace(config, dq_accumulation="ordered")
+            dq, dk, dv = mosaic_attention_fused_bwd(query, key, value, dout, lse, delta,
+                                                    lengths, **kwargs)
+            return {"query": dq, "key": dk, "value": dv}, None
         dq = mosaic_attention_dq(query, key, value, dout, lse, delta, lengths, **kwargs)
         dk, dv = mosaic_attention_dkv(query, key, value, dout, lse, delta, lengths, **kwargs)
         return {"query": dq, "key": dk, "value": dv}, None
