@@ -6,6 +6,10 @@ from tokamax_kernels.attention.base import (
     DotProductAttentionVjp,
     XlaDotProductAttentionVjp,
 )
+from tokamax_kernels.attention._mosaic_gpu_common import (
+    MosaicAttentionConfig,
+    MosaicAttentionVjpConfig,
+)
 from tokamax_kernels.attention.cudnn import CudnnDotProductAttention, CudnnDotProductAttentionVjp
 from tokamax_kernels.attention.pallas_mosaic_gpu import PallasMosaicGpuFlashAttention
 from tokamax_kernels.attention.pallas_mosaic_gpu_vjp import PallasMosaicGpuFlashAttentionVjp
@@ -33,6 +37,8 @@ __all__ = [
     "CudnnDotProductAttentionVjp",
     "DotProductAttention",
     "DotProductAttentionVjp",
+    "MosaicAttentionConfig",
+    "MosaicAttentionVjpConfig",
     "PallasMosaicGpuFlashAttention",
     "PallasMosaicGpuFlashAttentionVjp",
     "PallasMosaicTpuAttention",

@@ -25,6 +25,16 @@ dk/dv kernel always runs the two halves): 1 holds its 64 x 256 whole in one warp
 of their own would need 256 KiB), ping-ponging at 5/3 the `wgmma` work. Every d256
 config is 64 x 64 tiles with 2 stages (larger ones overflow registers or SMEM); none is
 measured on the device yet (`None` ranks a kernel on measurements only).
+
+A one-pass backward (`dq_accumulation` "ordered" or "atomic",
+`mosaic_attention_fused_bwd`) runs only the dk/dv kernel, which also multiplies each
+tile's dS by K and TMA-adds the float32 dq share into global memory: five `wgmma`s a tile
+pair instead of seven. "ordered" fixes the adds' order with a semaphore per query tile
+(bitwise reruns); "atomic" does not, and runs only when named (under
+`--xla_gpu_deterministic_ops` it runs "ordered"). On the H200 at d128 both ran slower than
+the two kernels (`fused_dq_s12_run*.jsonl`: forward+backward ordered 0.69-0.76x, atomic
+0.91-1.03x of "separate"), so neither the heuristics nor the search space hold them;
+at d64 "atomic" split by rows ran 1.09x.
 """
 
 from __future__ import annotations
