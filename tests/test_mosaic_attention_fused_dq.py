@@ -97,6 +97,8 @@ def test_configs_are_validated():
         MosaicAttentionVjpConfig(dq_accumulation="fast")
     with pytest.raises(ValueError, match="dq_split"):
         MosaicAttentionVjpConfig(dq_split="diagonal")
+    with pytest.raises(ValueError, match="one-pass backward only"):
+        MosaicAttentionVjpConfig(dq_split="rows")
     assert not MosaicAttentionVjpConfig().fused and _fused("ordered").fused
 
 
@@ -110,7 +112,7 @@ def test_which_head_dims_the_one_pass_takes(head_dim, wgs, split, fits):
     assert vjp_module.fits(config, 512, 512, head_dim) is fits
     assert kernels.fused_fits(head_dim, wgs, split) is fits
     if not fits:
-        with pytest.raises(NotImplementedError, match="does not fit"):
+        with pytest.raises(NotImplementedError, match="takes head dims up to 128"):
             _export_vjp(config, head_dim=head_dim, causal=False)
 
 

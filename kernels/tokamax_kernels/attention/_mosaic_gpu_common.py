@@ -111,6 +111,9 @@ class MosaicAttentionVjpConfig:
         _check_tiles(self.block_kv_dkv, self.block_q_dkv, self.num_stages, self.compute_wgs)
         if self.dq_split not in ("columns", "rows"):
             raise ValueError(f"dq_split must be 'columns' or 'rows', got {self.dq_split!r}")
+        if self.dq_split != "columns" and self.dq_accumulation == "separate":
+            raise ValueError("dq_split applies to the one-pass backward only: set "
+                             "dq_accumulation='ordered' or 'atomic'")
         if self.dq_accumulation not in DQ_ACCUMULATIONS:
             raise ValueError(f"dq_accumulation must be one of {DQ_ACCUMULATIONS}, got "
                              f"{self.dq_accumulation!r}")

@@ -170,8 +170,17 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         residuals = args.get("residuals")
         if not (isinstance(residuals, tuple) and len(residuals) == 1):
             raise NotImplementedError(f"{_WHAT} needs the family residuals (lse,)")
-        if self.config is not None and not _config_fits(self.config, args):
-            raise NotImplementedError(f"{_WHAT}: config {self.config} does not fit these shapes")
+        config = self.config
+        if config is not None and config.fused and not runs_shared_kernel(args) and not (
+                fused_fits(args["query"].shape[3], config.compute_wgs, config.dq_split)):
+            raise NotImplementedError(
+                f"{_WHAT}: the one-pass backward (dq_accumulation="
+                f"{config.dq_accumulation!r}) takes head dims up to 128, and split by "
+                f"columns head_dim // compute_wgs >= 64; got head_dim "
+                f"{args['query'].shape[3]}, compute_wgs {config.compute_wgs}: use "
+                f"dq_accumulation='separate' or dq_split='rows'")
+        if config is not None and not _config_fits(config, args):
+            raise NotImplementedError(f"{_WHAT}: config {config} does not fit these shapes")
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: MosaicAttentionVjpConfig,
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
