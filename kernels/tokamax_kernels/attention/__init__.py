@@ -1,14 +1,14 @@
 """Dot-product attention (multi-head, GQA/MQA, cross attention, masks, soft cap)."""
 
+from tokamax_kernels.attention._mosaic_gpu_common import (
+    MosaicAttentionConfig,
+    MosaicAttentionVjpConfig,
+)
 from tokamax_kernels.attention.api import dot_product_attention
 from tokamax_kernels.attention.base import (
     DotProductAttention,
     DotProductAttentionVjp,
     XlaDotProductAttentionVjp,
-)
-from tokamax_kernels.attention._mosaic_gpu_common import (
-    MosaicAttentionConfig,
-    MosaicAttentionVjpConfig,
 )
 from tokamax_kernels.attention.cudnn import CudnnDotProductAttention, CudnnDotProductAttentionVjp
 from tokamax_kernels.attention.pallas_mosaic_gpu import PallasMosaicGpuFlashAttention
