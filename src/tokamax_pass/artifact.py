@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from tokamax_pass.core import device, spec
+from tokamax_pass.core import checks, device, spec
 from tokamax_pass.pass_.inspection import Inspection, custom_call_targets, inspect_path
 from tokamax_pass.version import __version__
 
@@ -49,7 +49,7 @@ class Artifact:
 
     @functools.cached_property
     def exported(self) -> jax.export.Exported:
-        return jax.export.deserialize(bytearray(self.serialized))
+        return _deserialize(self.serialized, f"artifact {self.name!r} ({self.name}{_SUFFIX})")
 
     def __call__(self, *args: Any) -> Any:
         """Runs the program (no device check; `load_artifact` checks)."""
@@ -60,7 +60,7 @@ class Artifact:
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Writes `<name>.stablehlo` and `manifest.json` into `directory` (made if needed)."""
-        directory = Path(directory)
+        directory = checks.directory_to_write("Artifact.save", "directory", directory)
         directory.mkdir(parents=True, exist_ok=True)
         _write_atomic(directory / f"{self.name}{_SUFFIX}", self.serialized)
         manifest = json.dumps(dict(self.manifest), indent=2, sort_keys=True) + "\n"
@@ -70,12 +70,22 @@ class Artifact:
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Artifact:
         """Reads an artifact directory written by `save` (no compatibility checks)."""
-        directory = Path(directory)
+        directory = checks.as_path("load_artifact", "directory", directory)
+        if not directory.exists():
+            raise FileNotFoundError(f"load_artifact: directory {os.fspath(directory)!r} does "
+                                    f"not exist")
         manifest_path = directory / MANIFEST
         if not manifest_path.is_file():
             raise FileNotFoundError(f"{directory} is not a tokamax_pass artifact: no {MANIFEST}")
-        manifest = spec.loads(manifest_path.read_text(), what=str(manifest_path))
+        try:
+            manifest = spec.loads(manifest_path.read_text(), what=str(manifest_path))
+        except UnicodeDecodeError as e:
+            raise spec.SpecError(f"{manifest_path} is not UTF-8 JSON text: {e.reason}") from None
+        if not isinstance(manifest, dict):
+            raise spec.SpecError(f"{manifest_path} must hold a JSON object, got "
+                                 f"{type(manifest).__name__}")
         spec.check_schema(manifest, what=str(manifest_path))
+        _check_manifest(manifest, what=str(manifest_path))
         program = directory / manifest["file"]
         if not program.is_file():
             raise FileNotFoundError(f"{manifest_path} names {manifest['file']}, which is missing")
@@ -87,6 +97,12 @@ def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
                   device_kind: str | Sequence[str] | None = None,
                   name: str | None = None) -> Artifact:
     """The artifact of an `Optimized` program; see `tokamax_pass.export` for the arguments."""
+    if device_kind is not None:
+        checks.require_strs("export", "device_kind", device_kind)
+    if name is not None and (not isinstance(name, str) or name in ("", ".", "..")
+                             or re.search(r"[/\\]", name)):
+        raise (ValueError if isinstance(name, str) else TypeError)(
+            f"export: name must be a file name (no directories), got {name!r}")
     platforms = _platforms(platforms, device_kind)
     args = tuple(_abstract(a) for a in arg_specs)
     with device.targeting(device_kind) if device_kind else contextlib.nullcontext():
@@ -102,6 +118,12 @@ def inspect(source: str | os.PathLike[str] | Artifact) -> Inspection:
     file, a `.mlir`/lowered-text file, or StableHLO text itself."""
     if isinstance(source, Artifact):
         return Inspection.from_text(source.mlir_text(), manifest=source.manifest)
+    if not isinstance(source, (str, os.PathLike)):
+        hint = (" (export it first: tokamax_pass.export(f, *args))" if callable(source)
+                else "")
+        raise TypeError(f"inspect: source must be an Artifact, a path (artifact directory, "
+                        f".stablehlo or text file) or StableHLO text, got "
+                        f"{type(source).__name__}{hint}")
     return inspect_path(source, load_artifact_dir=Artifact.load, deserialize=_deserialize_text)
 
 
@@ -127,6 +149,9 @@ def load_artifact(directory: str | os.PathLike[str] | Artifact, *, check: bool =
     device kind, or with a newer jax or tokamax_pass than is installed; `check=False`
     skips the checks (the program may then fail or run slower than tuned).
     """
+    if device is not None and not isinstance(device, jax.Device):
+        raise TypeError(f"load_artifact: device must be a jax.Device (jax.devices()[i]) or "
+                        f"None, got {type(device).__name__}")
     artifact = directory if isinstance(directory, Artifact) else Artifact.load(directory)
     if check:
         check_compatible(artifact.manifest, device or jax.devices()[0])
@@ -206,6 +231,7 @@ def _platforms(platforms: Sequence[str] | str | None,
     kinds = device.kinds_by_platform(device_kind) if device_kind else {}
     if platforms is None:
         return tuple(kinds) or (device.current_target().platform,)
+    checks.require_strs("export", "platforms", platforms)
     if isinstance(platforms, str):
         platforms = platforms.split(",")
     result = tuple({"gpu": "cuda"}.get(p.strip().lower(), p.strip().lower()) for p in platforms)
@@ -238,8 +264,33 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
 
 
+def _deserialize(data: bytes, what: str) -> jax.export.Exported:
+    """`jax.export.deserialize`, with a `SpecError` naming `what` for bytes that are not a
+    serialized program (it fails deep in flatbuffers on a corrupt or truncated file)."""
+    try:
+        return jax.export.deserialize(bytearray(data))
+    except Exception as e:  # noqa: BLE001 - flatbuffers raises struct.error, IndexError, ...
+        raise spec.SpecError(f"{what} is not a serialized jax.export program (corrupt or "
+                             f"truncated?): {type(e).__name__}: {e}") from None
+
+
 def _deserialize_text(data: bytes) -> str:
-    return jax.export.deserialize(bytearray(data)).mlir_module()
+    return _deserialize(data, "the .stablehlo file").mlir_module()
+
+
+def _check_manifest(manifest: Mapping[str, Any], *, what: str) -> None:
+    """A `SpecError` for a manifest whose fields `load_artifact` reads have the wrong types
+    (it failed with an `AttributeError` or `KeyError` in the checks)."""
+    for key, kind in (("name", str), ("file", str), ("versions", Mapping),
+                      ("platforms", list), ("device_kinds", Mapping)):
+        if key in ("name", "file") and key not in manifest:
+            raise spec.SpecError(f"{what} has no {key!r}")
+        if key in manifest and not isinstance(manifest[key], kind):
+            raise spec.SpecError(f"{what}: {key!r} must be a {kind.__name__}, got "
+                                 f"{manifest[key]!r:.80}")
+    if Path(manifest["file"]).name != manifest["file"]:
+        raise spec.SpecError(f"{what}: 'file' must name a file in the artifact directory, "
+                             f"got {manifest['file']!r}")
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

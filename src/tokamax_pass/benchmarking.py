@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokamax_pass.core import spec
+from tokamax_pass.core import checks, spec
 
 Mode = Literal["forward", "vjp", "forward_and_vjp"]
 METHODS = ("cupti", "profiler", "wallclock")
@@ -136,6 +136,11 @@ def standardize_function(
     """
     if mode not in ("forward", "vjp", "forward_and_vjp"):
         raise ValueError(f"mode must be 'forward', 'vjp' or 'forward_and_vjp', got {mode!r}")
+    checks.require_callable("standardize_function", "f", f)
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"standardize_function: kwargs must be a dict of keyword arguments "
+                        f"or None, got {type(kwargs).__name__}")
+    checks.require_int("standardize_function", "seed", seed, minimum=0, allow_none=True)
     args, kwargs = _bind_signature(f, args, dict(kwargs or {}))
     leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=lambda v: v is None)
     array_index = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
@@ -276,6 +281,10 @@ def _check_method(method: str | None, platform: str) -> None:
 def compile_benchmark(f_std: Callable[[list[Any]], Any],
                       args: list[Any]) -> Callable[..., BenchmarkData]:
     """Jits, lowers and compiles `f_std` for `args`; returns `run(args, *, method, iterations)`."""
+    checks.require_callable("compile_benchmark", "f_std", f_std)
+    if not isinstance(args, (list, tuple)):
+        raise TypeError(f"compile_benchmark: args must be the list of arrays "
+                        f"standardize_function returned, got {type(args).__name__}")
     start = time.perf_counter()
     lowered = jax.jit(f_std).lower(args)
     lower_ms = (time.perf_counter() - start) * 1e3
@@ -291,8 +300,7 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
     def run(args: list[Any], *, method: str | None = None,
             iterations: int = DEFAULT_ITERATIONS) -> BenchmarkData:
         """Times `iterations` runs after a warm-up; `method=None` picks the best available."""
-        if iterations < 1:
-            raise ValueError(f"iterations must be >= 1, got {iterations}")
+        checks.require_int("benchmark", "iterations", iterations, minimum=1)
         platform = _platform(args)
         _check_method(method, platform)
         if method is None:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 # Subcommand modules; each defines `add_parser(subparsers)` and `run(args) -> int`.
 COMMANDS = ("demo", "autotune", "cache", "bound-args", "export", "inspect")
+# Set to see the traceback of an error the command line reports in one line.
+TRACEBACK_ENV = "TOKAMAX_PASS_TRACEBACK"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -20,7 +23,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         module.add_parser(subparsers)
         modules[name] = module
     args = parser.parse_args(argv)
-    return modules[args.command].run(args)
+    try:
+        return modules[args.command].run(args)
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        # Bad input (a missing file, a corrupt JSON, a bad option) ends in one line naming
+        # it, as argparse's errors do, not a traceback through our modules.
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__
+        raise SystemExit(f"tokamax-pass {args.command}: {type(e).__name__}: {message} "
+                         f"(set {TRACEBACK_ENV}=1 for the traceback)") from None
 
 
 if __name__ == "__main__":

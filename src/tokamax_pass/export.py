@@ -45,5 +45,8 @@ def export(fun: Callable[..., Any], *arg_specs: Any, platforms: Sequence[str] | 
         the Triton kernels.
       name: the artifact's file name; default the function's name.
     """
+    if not callable(fun):
+        raise TypeError(f"export: fun must be a function or optimize(...), got "
+                        f"{type(fun).__name__}")
     optimized = fun if isinstance(fun, Optimized) else optimize(fun)
     return optimized.export(*arg_specs, platforms=platforms, device_kind=device_kind, name=name)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import jax
 
 from tokamax_pass.artifact import make_artifact
-from tokamax_pass.core import device, spec
+from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.op import NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax_pass.pass_ import emit
@@ -66,6 +66,11 @@ class Optimized:
         if autotune not in _AUTOTUNE_MODES:
             raise ValueError(
                 f"optimize: autotune must be one of {_AUTOTUNE_MODES}, got {autotune!r}")
+        # Checked here, where `jax.jit` would fail with "'str' object cannot be interpreted
+        # as an integer" and no argument's name.
+        checks.require_ints("optimize", "static_argnums", static_argnums)
+        checks.require_ints("optimize", "donate_argnums", donate_argnums)
+        checks.require_strs("optimize", "static_argnames", static_argnames)
         self.fun = fun
         self.autotune = autotune
         self.results = _as_results(results)

@@ -6,11 +6,14 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
+from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import cache as cache_lib
 from tokamax_pass.autotuning import discovery, distributed, keys, lowering, staging
 from tokamax_pass.autotuning.autotuner import Autotuner, candidate_configs
 from tokamax_pass.autotuning.result import AutotuningResult
-from tokamax_pass.core import registry
+from tokamax_pass.core import checks, registry
 from tokamax_pass.core.device import current_target
 from tokamax_pass.core.op import BoundArguments, NullConfig
 
@@ -91,6 +94,10 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
     In a multi-process run (`jax.distributed`) process 0 tunes and every process
     returns its result, so all compile the same kernels (`distributed.tune_once`).
     """
+    _check_options(f, ignore_cache=ignore_cache, all_implementations=all_implementations,
+                   timeout=timeout, max_workers=max_workers, cache=cache, progress=progress,
+                   iterations=iterations, method=method, max_configs=max_configs,
+                   lowering_processes=lowering_processes, search_losers=search_losers)
     result = distributed.tune_once(lambda: _autotune_here(
         f, args, kwargs, ignore_cache=ignore_cache, all_implementations=all_implementations,
         timeout=timeout, max_workers=max_workers, progress=progress, iterations=iterations,
@@ -99,6 +106,29 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
     if cache:
         result.save_to_cache()
     return result
+
+
+def _check_options(f: Any, *, ignore_cache: Any, all_implementations: Any, timeout: Any,
+                   max_workers: Any, cache: Any, progress: Any, iterations: Any, method: Any,
+                   max_configs: Any, lowering_processes: Any, search_losers: Any) -> None:
+    """Errors naming a bad argument before anything is traced or compiled: unchecked,
+    `max_configs=-1` sliced the search space from its end, `iterations=0` timed
+    nothing, and a flag like `all_implementations="sometimes"` read as true."""
+    if not (callable(f) or isinstance(f, (str, list, tuple, BoundArguments, jax.stages.Lowered))):
+        raise TypeError(
+            f"autotune: f must be a callable, a jax.stages.Lowered, StableHLO text or a "
+            f"sequence of BoundArguments, got {type(f).__name__}")
+    for name, flag in (("ignore_cache", ignore_cache), ("all_implementations",
+                       all_implementations), ("cache", cache), ("progress", progress),
+                       ("search_losers", search_losers)):
+        checks.require_bool("autotune", name, flag)
+    checks.require_positive_number("autotune", "timeout", timeout)
+    checks.require_int("autotune", "max_workers", max_workers, minimum=1, allow_none=True)
+    checks.require_int("autotune", "lowering_processes", lowering_processes, minimum=0,
+                       allow_none=True)
+    checks.require_int("autotune", "iterations", iterations, minimum=1)
+    checks.require_choice("autotune", "method", method, (None, *benchmarking.METHODS))
+    checks.require_int("autotune", "max_configs", max_configs, minimum=1, allow_none=True)
 
 
 def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignore_cache: bool,

@@ -31,7 +31,7 @@ from tokamax_pass.autotuning.result import (
     active_results,
     register_cache_writer,
 )
-from tokamax_pass.core import spec
+from tokamax_pass.core import checks, spec
 from tokamax_pass.core.device import device_kind_key
 from tokamax_pass.core.op import BoundArguments, snake_case_name
 
@@ -45,7 +45,7 @@ class CacheError(RuntimeError):
 
 def cache_dir(directory: str | os.PathLike | None = None) -> pathlib.Path:
     if directory is not None:
-        return pathlib.Path(directory)
+        return checks.as_path("user cache", "directory", directory)
     env = os.environ.get(ENV_CACHE_DIR)
     return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "tokamax_pass"
 
@@ -65,12 +65,16 @@ def _report_once(key: Any, message: str) -> None:
 
 
 def read(path: str | os.PathLike) -> AutotuningResult | None:
-    """The result stored at `path`, `None` if there is no file; `spec.SpecError` if corrupt."""
+    """The result stored at `path`, `None` if there is no file; `spec.SpecError` if corrupt
+    (not JSON, not UTF-8, not a result, or a directory where the file should be)."""
+    what = f"cache file {os.fspath(path)!r}"
     try:
-        text = pathlib.Path(path).read_text()
+        text = pathlib.Path(path).read_bytes()
     except FileNotFoundError:
         return None
-    return AutotuningResult.loads(text, what=f"cache file {os.fspath(path)!r}")
+    except IsADirectoryError:
+        raise spec.SpecError(f"{what} is a directory, not a file") from None
+    return AutotuningResult.loads(text, what=what)
 
 
 def _write_atomic(path: pathlib.Path, text: str) -> None:
@@ -101,7 +105,12 @@ def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -
     Holds a file lock across read-merge-write and replaces the file atomically, so
     concurrent writers lose nothing. A corrupt existing file raises `CacheError`.
     """
+    if not isinstance(result, AutotuningResult):
+        raise TypeError(f"save_to_cache: result must be an AutotuningResult, got "
+                        f"{type(result).__name__}")
     path = cache_file(result.device_kind, directory)
+    checks.directory_to_write("save_to_cache", "the cache directory (directory= or $"
+                              f"{ENV_CACHE_DIR})", path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(f"{path}.lock"):
         try:
@@ -144,6 +153,11 @@ class _UserCache:
         path = cache_file(device_kind)
         try:
             stat = path.stat()
+        except NotADirectoryError:
+            _report_once(("not a directory", path.parent),
+                         f"ignoring the user autotuning cache: {path.parent} (${ENV_CACHE_DIR}"
+                         f" or ~/.cache/tokamax_pass) is a file, not a directory")
+            return None
         except OSError:
             return None
         stamp = (stat.st_mtime_ns, stat.st_size)
@@ -152,7 +166,7 @@ class _UserCache:
             return cached[1]
         try:
             result = read(path)
-        except spec.SpecError as e:
+        except (spec.SpecError, OSError) as e:
             _report_once(("corrupt", path, stamp), f"ignoring the user autotuning cache: {e}")
             result = None
         self._parsed[path] = (stamp, result)

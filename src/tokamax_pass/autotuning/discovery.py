@@ -23,8 +23,8 @@ from typing import IO, Any
 
 import jax
 
-from tokamax_pass.autotuning import keys
-from tokamax_pass.core import spec
+from tokamax_pass.autotuning import keys, result
+from tokamax_pass.core import checks, spec
 from tokamax_pass.core.op import BoundArguments
 from tokamax_pass.core.primitive import METADATA_KEY, recording_lowerings
 
@@ -99,9 +99,25 @@ def _fresh_jit(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     def static(value: Any) -> bool:
         return not any(spec.is_array(leaf) for leaf in jax.tree.leaves(value))
 
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [
+        (f"argument {k!r}", v) for k, v in kwargs.items()]
+    for name, value in named:
+        if static(value) and not _hashable(value):
+            raise TypeError(
+                f"get_bound_args: {name} ({type(value).__name__}) holds no array, so it is "
+                f"passed as a static argument, which must be hashable; pass arrays or "
+                f"jax.ShapeDtypeStruct (a tuple for a static sequence), got {value!r:.80}")
     return jax.jit(lambda *a, **k: f(*a, **k),
                    static_argnums=[i for i, a in enumerate(args) if static(a)],
                    static_argnames=[k for k, v in kwargs.items() if static(v)])
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def get_bound_args(f: Any, *args: Any, **kwargs: Any) -> list[BoundArguments]:
@@ -156,9 +172,13 @@ def bound_args_from_json(source: str | os.PathLike | IO[str]) -> list[BoundArgum
     elif isinstance(source, os.PathLike) or (
             isinstance(source, str) and not source.lstrip().startswith(("{", "["))):
         what = f"bound-arguments file {os.fspath(source)!r}"
-        text = pathlib.Path(source).read_text()
-    else:
+        path = checks.file_to_read("bound_args_from_json", "source", source)
+        text = result.decode_text(path.read_bytes(), what=what)
+    elif isinstance(source, str):
         text = source
+    else:
+        raise TypeError(f"bound_args_from_json: source must be a path, an open file or JSON "
+                        f"text, got {type(source).__name__}")
     data = spec.loads(text, what=what)
     if isinstance(data, dict):
         if data.get("format") != BOUND_ARGS_FORMAT:

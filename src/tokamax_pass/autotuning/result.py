@@ -14,13 +14,13 @@ import itertools
 import math
 import os
 import statistics
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import IO, Any
 
 import jax
 
 from tokamax_pass.autotuning import keys
-from tokamax_pass.core import spec
+from tokamax_pass.core import checks, spec
 from tokamax_pass.core.op import BoundArguments
 
 FORMAT = "tokamax_pass.AutotuningResult"
@@ -144,11 +144,20 @@ class AutotuningResult:
 
     def __init__(self, device_kind: str | None, entries: Any = (), *,
                  tokamax_pass_version: str | None = None, jax_version: str | None = None):
+        if device_kind is not None and not isinstance(device_kind, str):
+            raise TypeError(f"AutotuningResult: device_kind must be a str (like 'NVIDIA "
+                            f"H200') or None, got {device_kind!r}")
         self.device_kind = device_kind
         self.tokamax_pass_version = tokamax_pass_version or keys.library_version()
         self.jax_version = jax_version or jax.__version__
         self._entries: dict[tuple[str, str], Entry] = {}
+        if not isinstance(entries, Iterable) or isinstance(entries, (str, bytes, Mapping)):
+            raise TypeError(f"AutotuningResult: entries must be a sequence of Entry, got "
+                            f"{type(entries).__name__}; AutotuningResult.loads reads JSON")
         for entry in entries:
+            if not isinstance(entry, Entry):
+                raise TypeError(f"AutotuningResult: entries must hold Entry objects, got "
+                                f"{type(entry).__name__}")
             key = entry.key
             self._entries[key] = self._entries[key].merged(entry) if key in self._entries else entry
         self._serial = next(_serials)
@@ -225,36 +234,63 @@ class AutotuningResult:
     def dumps(self, *, indent: int | None = 1) -> str:
         import json
 
+        checks.require_int("AutotuningResult.dumps", "indent", indent, minimum=0,
+                           allow_none=True)
+
         return json.dumps(self._to_json(), indent=indent, sort_keys=True)
 
     @classmethod
     def loads(cls, text: str | bytes, *, what: str = "autotuning result") -> AutotuningResult:
-        data = spec.loads(text, what=what)
+        """The result in a JSON document written by `dumps`; `spec.SpecError` names what is
+        wrong with one that is not (`TypeError` for an argument that is not text)."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise TypeError(f"AutotuningResult.loads: text must be a JSON str or bytes, got "
+                            f"{type(text).__name__} (AutotuningResult.load reads a path or "
+                            f"an open file)")
+        data = spec.loads(decode_text(text, what=what), what=what)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise spec.SpecError(f"{what} is not a tokamax_pass AutotuningResult JSON document")
         spec.check_schema(data, what=what)
-        try:
-            entries = [Entry.from_json(e) for e in data.get("entries", ())]
-        except (KeyError, TypeError, AttributeError) as e:
-            raise spec.SpecError(f"{what} has a malformed entry: {e!r}") from None
+        device_kind = data.get("device_kind")
+        if device_kind is not None and not isinstance(device_kind, str):
+            raise spec.SpecError(f"{what}: 'device_kind' must be a string or null, got "
+                                 f"{device_kind!r}")
+        if not isinstance(data.get("entries", []), list):
+            raise spec.SpecError(f"{what}: 'entries' must be a list, got "
+                                 f"{type(data['entries']).__name__}")
+        entries = []
+        for i, item in enumerate(data.get("entries", ())):
+            try:
+                entries.append(Entry.from_json(item))
+            except spec.SpecError as e:
+                raise spec.SpecError(f"{what}: entry {i}: {e}") from None
+            except (KeyError, TypeError, AttributeError) as e:
+                raise spec.SpecError(f"{what} has a malformed entry ({i}): {e!r}") from None
         return cls(
-            data.get("device_kind"), entries,
+            device_kind, entries,
             tokamax_pass_version=data.get("tokamax_pass_version"),
             jax_version=data.get("jax_version"),
         )
 
     def dump(self, path_or_file: str | os.PathLike | IO[str]) -> None:
+        """Writes `dumps()` to a path (in an existing directory) or an open text file."""
         if isinstance(path_or_file, (str, os.PathLike)):
-            with open(path_or_file, "w") as f:
-                f.write(self.dumps())
-        else:
+            path = checks.file_to_write("AutotuningResult.dump", "path_or_file", path_or_file)
+            path.write_text(self.dumps())
+        elif callable(getattr(path_or_file, "write", None)):
             path_or_file.write(self.dumps())
+        else:
+            raise TypeError(f"AutotuningResult.dump: path_or_file must be a path or a "
+                            f"writable file, got {type(path_or_file).__name__}")
 
     @classmethod
     def load(cls, path_or_file: str | os.PathLike | IO[str]) -> AutotuningResult:
+        """Reads a result from a path or an open file (`FileNotFoundError`,
+        `IsADirectoryError` or `spec.SpecError` naming the path when it holds none)."""
         if isinstance(path_or_file, (str, os.PathLike)):
-            with open(path_or_file) as f:
-                return cls.loads(f.read(), what=f"autotuning result {os.fspath(path_or_file)!r}")
+            path = checks.file_to_read("AutotuningResult.load", "path_or_file", path_or_file)
+            return cls.loads(path.read_bytes(),
+                             what=f"autotuning result {os.fspath(path_or_file)!r}")
         if not callable(getattr(path_or_file, "read", None)):
             raise TypeError(f"AutotuningResult.load: path_or_file must be a path or a readable "
                             f"file, got {path_or_file!r}")
@@ -284,6 +320,17 @@ class AutotuningResult:
         for row in rows:
             out.write("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + "\n")
         return out.getvalue().rstrip("\n")
+
+
+def decode_text(text: str | bytes | bytearray, *, what: str) -> str:
+    """`text` as a str: bytes decoded as UTF-8, with a `spec.SpecError` naming `what` for
+    bytes that are not (`json.loads` raised a bare `UnicodeDecodeError`)."""
+    if isinstance(text, str):
+        return text
+    try:
+        return bytes(text).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise spec.SpecError(f"{what} is not JSON text (not UTF-8: {e.reason})") from None
 
 
 def _config_repr(config: Any) -> str:

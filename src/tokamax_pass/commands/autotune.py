@@ -37,9 +37,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokamax_pass import autotuning
+    from tokamax_pass.core import checks
 
     if (args.function is None) == (args.bound_args is None):
         raise SystemExit("give either MODULE:FUNCTION (with --args) or --bound-args FILE")
+    if args.output:  # before tuning, not after it
+        checks.file_to_write("autotune", "--output", args.output)
     if args.bound_args:
         target, call_args = autotuning.bound_args_from_json(args.bound_args), []
     else:

@@ -24,8 +24,11 @@ def run(args: argparse.Namespace) -> int:
     from tokamax_pass.autotuning.result import AutotuningResult
     from tokamax_pass.core import spec
 
+    folder = cache.cache_dir(args.cache_dir)
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"cache: the cache directory {folder} (--cache-dir or "
+                         f"${cache.ENV_CACHE_DIR}) is a file, not a directory")
     if args.action == "list":
-        folder = cache.cache_dir(args.cache_dir)
         files = sorted(folder.glob("*.json")) if folder.is_dir() else []
         print(f"cache directory: {folder}")
         for path in files:

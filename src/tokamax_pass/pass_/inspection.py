@@ -162,6 +162,11 @@ def inspect_path(source: str | os.PathLike[str], *,
         text = None
     if text is None or path.suffix == ".stablehlo" and not _is_text(text):
         return Inspection.from_text(deserialize(data))
+    if not (_is_text(text) or METADATA_KEY in text):
+        # A JSON file or notes: "no tokamax_pass ops" would be a wrong answer.
+        raise ValueError(f"inspect: {path} is not StableHLO/MLIR or HLO text (it starts "
+                         f"{text.lstrip()[:30]!r}), a serialized .stablehlo file or an "
+                         f"artifact directory")
     return Inspection.from_text(text)
 
 
