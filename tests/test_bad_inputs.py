@@ -205,7 +205,7 @@ def test_autotuning_result_load_errors(tmp_path, bad, error, match):
 
 
 @pytest.mark.parametrize("call,error,match", [
-    (lambda: tokamax.autotune(5, X), TypeError, "expected a callable"),
+    (lambda: tokamax.autotune(5, X), TypeError, "f must be a callable"),
     (lambda: tokamax.optimize(5), TypeError, "fun must be callable"),
     (lambda: tokamax.autotune(lambda a: tokamax.layer_norm(a, None, None), "x"), ValueError,
      "x must be an array"),
