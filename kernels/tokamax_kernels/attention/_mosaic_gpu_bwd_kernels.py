@@ -12,6 +12,12 @@ Head dim 256 (`splits_head_dim`) splits the accumulated columns in halves of 128
 two warpgroups sharing their rows (`_mosaic_gpu_head_split.py`): always in the dk/dv
 kernel (dk + dv whole would take 256 registers a thread, over the hardware's 255), and in
 the dq kernel with `compute_wgs=2` (one warpgroup holds its 64 x 256 whole).
+
+One pass (`mosaic_attention_fused_bwd`, a config choice, head dims up to 128): the dk/dv
+kernel also computes dq, adding each tile's float32 share into global memory with TMA
+reduce-adds (`_DqAdds`): in a fixed order through semaphores ("ordered", bitwise reruns)
+or as they land ("atomic", not reproducible). Fused, a block walks its query tiles last
+to first.
 """
 
 from __future__ import annotations
