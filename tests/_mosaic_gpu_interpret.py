@@ -112,16 +112,30 @@ def _with_register_lhs(eqn: jax_core.JaxprEqn) -> list[jax_core.JaxprEqn]:
     return [e.replace(invars=[rename.get(v, v) for v in e.invars]) for e in traced.eqns]
 
 
+def _as_ref_store(eqn: jax_core.JaxprEqn) -> list[jax_core.JaxprEqn]:
+    """A store into an accumulator (`acc_ref[...] = x`), which the interpreter has no rule
+    for, as the plain ref store it means."""
+    def store(acc, value):
+        state_primitives.ref_swap(acc, (), value)
+
+    traced = jax.make_jaxpr(store)(*(v.aval for v in eqn.invars)).jaxpr
+    rename = dict(zip(traced.invars, eqn.invars, strict=True))
+    return [e.replace(invars=[rename.get(v, v) for v in e.invars]) for e in traced.eqns]
+
+
 def _rewrite(eqn: jax_core.JaxprEqn) -> list[jax_core.JaxprEqn]:
     if eqn.primitive is discharge.run_state_p:
         return [_as_run_scoped(eqn)]
     if (eqn.primitive is gpu_primitives.wgmma_ref_p
             and not isinstance(eqn.invars[1].aval, AbstractRef)):
         return _with_register_lhs(eqn)
+    if eqn.primitive is gpu_primitives.wgmma_accumulator_store_p:
+        return _as_ref_store(eqn)
     return [eqn]
 
 
-_REWRITTEN = (discharge.run_state_p, gpu_primitives.wgmma_ref_p)
+_REWRITTEN = (discharge.run_state_p, gpu_primitives.wgmma_ref_p,
+              gpu_primitives.wgmma_accumulator_store_p)
 
 
 @functools.cache

@@ -17,7 +17,10 @@ from tokamax_kernels.attention import (
     PallasMosaicGpuFlashAttentionVjp,
     dot_product_attention,
 )
-from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionVjpConfig
+from tokamax_kernels.attention._mosaic_gpu_common import (
+    MosaicAttentionConfig,
+    MosaicAttentionVjpConfig,
+)
 from tokamax_pass.benchmarking import compile_benchmark, standardize_function
 
 pytestmark = pytest.mark.gpu
@@ -327,3 +330,33 @@ def test_one_pass_backward_matches_reference(mode, shape, split, wgs, causal, wi
         for _ in range(3):
             again = step(q, k, v, do, key_value_seq_lengths=kv_lengths)
             assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
+
+
+@pytest.mark.parametrize("shape, causal, cap, config", [
+    pytest.param((2, 1024, 1024, 4, 4, 128), False, None, (64, 128, 2, 2), id="d128"),
+    pytest.param((2, 1024, 1024, 4, 2, 128), True, None, (64, 128, 2, 2), id="gqa-causal"),
+    pytest.param((2, 512, 1024, 4, 1, 64), True, 30.0, (64, 128, 2, 2), id="mqa-cross-cap"),
+    pytest.param((2, 512, 512, 4, 4, 128), True, None, (64, 128, 2, 1), id="one-wg"),
+    pytest.param((2, 512, 512, 2, 2, 256), False, None, (64, 64, 2, 2), id="d256"),
+    pytest.param((4, 2048, 2048, 2, 2, 64), True, None, (64, 128, 2, 2), id="d64-long"),
+])
+def test_softmax_overlap_forward_matches_reference(shape, causal, cap, config):
+    """The intra-warpgroup overlap (the next Q K^T and the previous P V in flight during
+    the softmax) against the float32 reference, output and lse, and bitwise reruns."""
+    block_q, block_kv, stages, wgs = config
+    op = PallasMosaicGpuFlashAttention(config=MosaicAttentionConfig(
+        block_q=block_q, block_kv=block_kv, num_stages=stages, compute_wgs=wgs,
+        softmax_overlap=True))
+    q, k, v, _ = _inputs(*shape)
+    step = jax.jit(lambda q, k, v: dot_product_attention(
+        q, k, v, is_causal=causal, logits_soft_cap=cap, implementation=op,
+        return_residual=True))
+    out, lse = step(q, k, v)
+    args = [x.astype(jnp.float32) for x in (q, k, v)]
+    with reference_precision():
+        want, want_lse = dot_product_attention(*args, is_causal=causal, logits_soft_cap=cap,
+                                               implementation="xla", return_residual=True)
+    assert_close(out, want, jnp.bfloat16)
+    assert_close(lse, want_lse, jnp.bfloat16)
+    again, _ = step(q, k, v)
+    assert np.array_equal(out, again)

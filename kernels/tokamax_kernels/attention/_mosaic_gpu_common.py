@@ -66,16 +66,24 @@ class MosaicAttentionConfig:
       num_stages: SMEM slots in the K/V ring (>= 2): how far the TMA runs ahead.
       compute_wgs: compute warpgroups per block (1 or 2); with 2 they ping-pong
         (one runs its softmax while the other's `wgmma` runs).
+      softmax_overlap: FlashAttention-3's intra-warpgroup overlap: each step issues the
+        next tile's Q K^T with the previous tile's P V before its softmax, so a
+        warpgroup's softmax also overlaps its own matmuls (one more score tile of
+        registers). Not with a local window or key lengths (`OVERLAP_LIMITS`).
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
     compute_wgs: int = 2
+    softmax_overlap: bool = False
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_q, self.block_kv, self.num_stages, self.compute_wgs)
 
+
+OVERLAP_LIMITS = ("the Mosaic attention forward's softmax_overlap takes no local window and "
+                  "no key lengths: use a config with softmax_overlap=False")
 
 # How the backward computes dq (`MosaicAttentionVjpConfig.dq_accumulation`):
 # "separate": a dq kernel of its own recomputes the scores (seven `wgmma`s a tile pair in

@@ -21,6 +21,7 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     LN2,
     LOG2E,
     MEMORY_REGISTERS,
+    OVERLAP_LIMITS,
     MosaicAttentionConfig,
     mask_scores,
     tile_transforms,
@@ -62,12 +63,15 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
     # 1.3% faster summing first (`fwd_variant_ab.jsonl`).
     convert_first = block_q >= 128
     has_lengths = kv_lengths is not None
+    if config.softmax_overlap and (window is not None or has_lengths):
+        raise NotImplementedError(OVERLAP_LIMITS)
 
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs
         lengths_ref = refs.pop(0) if has_lengths else None
         (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready,
-         k_consumed, v_consumed, schedule) = refs
+         k_consumed, v_consumed, schedule, *p_smem) = refs
+        p_smem = p_smem[0] if p_smem else None  # overlapped: each warpgroup's last P
         b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
         wg = lax.axis_index("wg")
         kv_len = lengths_ref[b] if has_lengths else None
@@ -99,6 +103,99 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
                 plgpu.barrier_arrive(schedule)
                 plgpu.barrier_wait(schedule)
 
+        # A positive scale commutes with the max, so it rides in exp2's FMA: one
+        # instruction per score instead of a multiply and a subtract.
+        def scaled(x):
+            return x * qk_scale if fold_scale else x
+
+        def row_max(s, m_i, q_base, step, *, masked):
+            """Scores of K/V tile `step` (soft-capped, scaled unless the scale folds,
+            masked), the new row max, and the max that exp2 subtracts."""
+            if soft_cap is not None:
+                s = jnp.tanh(s * (scale / soft_cap))
+            if not fold_scale:
+                s = s * qk_scale
+            if masked:
+                s = mask_scores(s, q_base, step * block_kv, causal=causal, kv_len=kv_len,
+                                window=window)
+            m_new = jnp.maximum(m_i, scaled(s.max(axis=1)))
+            # A window can hide a whole tile from some rows before they see any key:
+            # their max stays -inf, and exp2(-inf - -inf) would be NaN. Offset by 0.
+            m_off = m_new if window is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            return s, m_new, m_off
+
+        def overlapped_steps(q_base, my_q, steps, m_i, l_i):
+            """FlashAttention-3's intra-warpgroup overlap (`config.softmax_overlap`; no
+            window, no key lengths, so every warpgroup runs at least tile 0): each step
+            issues tile `j`'s Q K^T and tile `j - 1`'s P V together, then runs tile `j`'s
+            softmax while the P V is still on the tensor cores; the accumulator is
+            rescaled once that lands. Returns (acc, m, l) after all `steps` tiles.
+
+            P goes through SMEM, not registers: a register operand is fenced where its
+            `wgmma` is issued, after the Q K^T, and ptxas then serializes every `wgmma`
+            of the kernel (C7513; 0.6x on the H200, `softmax_overlap.jsonl`)."""
+            my_p = p_smem.at[wg]
+
+            def with_accumulators(s_ref, acc_ref):
+                def issue(step, pv_slot):
+                    """Start tile `step`'s Q K^T (and the P V of the tile in `pv_slot`),
+                    pass the turn, and wait for the scores only."""
+                    slot = slot_of(step)
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    s_ref[...] = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
+                                                   plgpu.Layout.WGMMA)
+                    plgpu.wgmma(s_ref, my_q, k_smem.at[slot].transpose((1, 0)))
+                    if pv_slot is not None:
+                        plgpu.barrier_wait(v_ready.at[pv_slot])
+                        plgpu.wgmma(acc_ref, my_p, v_smem.at[pv_slot])
+                    take_turn()
+                    s = plgpu.wgmma_accumulator_load(s_ref, wait_n=0 if pv_slot is None else 1)
+                    plgpu.barrier_arrive(k_consumed.at[slot])
+                    return s, slot
+
+                def keep_probabilities(p):
+                    """P of this tile into SMEM for the next step's P V."""
+                    my_p[...] = p.astype(dtype)
+                    plgpu.commit_smem()
+
+                def step_fn(step, carry, *, masked):
+                    m_i, l_i, prev_slot = carry
+                    s, slot = issue(step, prev_slot)
+                    s, m_new, m_off = row_max(s, m_i, q_base, step, masked=masked)
+                    alpha = jnp.exp2(m_i - m_off)
+                    p = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_off, s.shape, [0]))
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)  # tile j - 1's P V
+                    plgpu.barrier_arrive(v_consumed.at[prev_slot])
+                    acc_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    keep_probabilities(p)
+                    take_turn()
+                    return m_new, l_i, slot
+
+                s, slot = issue(0, None)
+                s, m_new, m_off = row_max(s, m_i, q_base, 0, masked=causal)
+                p = jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_off, s.shape, [0]))
+                l_new = l_i + p.sum(axis=1)
+                keep_probabilities(p)
+                take_turn()
+                carry = (m_new, l_new, slot)
+                unmasked = jnp.minimum(lax.div(q_base, block_kv), steps) if causal else steps
+                carry = lax.fori_loop(1, unmasked,
+                                      lambda i, c: step_fn(i, c, masked=False), carry)
+                if causal:
+                    carry = lax.fori_loop(jnp.maximum(unmasked, 1), steps,
+                                          lambda i, c: step_fn(i, c, masked=True), carry)
+                m_last, l_last, slot = carry
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.wgmma(acc_ref, my_p, v_smem.at[slot])
+                acc = acc_ref[...]
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_last, l_last
+
+            return pl.run_scoped(with_accumulators,
+                                 plgpu.ACC((block_q, block_kv), jnp.float32),
+                                 plgpu.ACC((block_q, head_dim), jnp.float32))
+
         @pl.when(wg < wgs)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
@@ -120,22 +217,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
 
                 s = pl.run_scoped(qk_product, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_consumed.at[slot])
-                if soft_cap is not None:
-                    s = jnp.tanh(s * (scale / soft_cap))
-                if not fold_scale:
-                    s = s * qk_scale
-                if masked:
-                    s = mask_scores(s, q_base, step * block_kv, causal=causal, kv_len=kv_len,
-                                    window=window)
-                # A positive scale commutes with the max, so it rides in exp2's FMA: one
-                # instruction per score instead of a multiply and a subtract.
-                def scaled(x):
-                    return x * qk_scale if fold_scale else x
-
-                m_new = jnp.maximum(m_i, scaled(s.max(axis=1)))
-                # A window can hide a whole tile from some rows before they see any key:
-                # their max stays -inf, and exp2(-inf - -inf) would be NaN. Offset by 0.
-                m_off = m_new if window is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                s, m_new, m_off = row_max(s, m_i, q_base, step, masked=masked)
 
                 def probabilities():
                     return jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_off, s.shape, [0]))
@@ -189,7 +271,11 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
             def masked_step(i, c):
                 return kv_step(i, c, masked=True)
 
-            if window is not None:
+            if config.softmax_overlap:
+                carry = overlapped_steps(q_base, my_q, steps, m_i, l_i)
+                if causal:
+                    lax.fori_loop(steps, block_steps, drain_step, None)
+            elif window is not None:
                 tiles = _window.kv_tiles(window, q_base, block_q, block_kv, num_kv_blocks,
                                          kv_len)
                 lax.fori_loop(block_first, tiles.first, drain_step, None)
@@ -256,6 +342,8 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs),
     ]
+    if config.softmax_overlap:
+        scratch.append(plgpu.SMEM((wgs, block_q, block_kv), dtype, transforms=transforms))
     out_type = (jax.ShapeDtypeStruct(q.shape, dtype),
                 jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32))
     return plgpu.kernel(

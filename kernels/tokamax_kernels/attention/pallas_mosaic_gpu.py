@@ -41,7 +41,9 @@ MIN_KV_MULTIPLE = 64
 def forward_smem_bytes(config: MosaicAttentionConfig, head_dim: int, itemsize: int) -> int:
     q = config.compute_wgs * config.block_q * head_dim * itemsize
     kv = 2 * config.num_stages * config.block_kv * head_dim * itemsize
-    return q + kv + config.compute_wgs * config.block_q * 4
+    # Overlapped, each warpgroup keeps its last P tile for the next step's P V.
+    p = config.compute_wgs * config.block_q * config.block_kv * itemsize
+    return q + kv + config.compute_wgs * config.block_q * 4 + (p if config.softmax_overlap else 0)
 
 
 def fits(config: MosaicAttentionConfig, seq_q: int, seq_kv: int, head_dim: int) -> bool:
@@ -81,6 +83,10 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         q, k = args["query"], args["key"]
         if self.config is not None and not fits(self.config, q.shape[1], k.shape[1], q.shape[3]):
             raise NotImplementedError(f"{_WHAT}: config {self.config} does not fit these shapes")
+        if (self.config is not None and self.config.softmax_overlap
+                and (args["local_window_size"] is not None
+                     or args["key_value_seq_lengths"] is not None)):
+            raise NotImplementedError(common.OVERLAP_LIMITS)
 
     def _fwd(self, query: jax.Array, key: jax.Array, value: jax.Array, bias: Any, mask: Any, *,
              scale: float, is_causal: bool, query_seq_lengths: Any, key_value_seq_lengths: Any,
