@@ -5,7 +5,9 @@ Both recompute the probabilities from the forward's log-sum-exp `lse` and use
 
 * dq: a block owns `compute_wgs * block_q` query rows of one head; K/V tiles stream in.
 * dk/dv: a block owns `compute_wgs * block_kv` key rows and one query head (GQA/MQA
-  shares of a K/V head are summed outside); Q, dO, lse, delta tiles stream in.
+  shares of a K/V head are summed outside); Q, dO, lse, delta tiles stream in. With
+  `group_in_block` a block owns the rows of one K/V head instead and walks the query
+  tiles of each query head of its group in turn, adding them up in registers.
 Causal blocks skip the tiles above the diagonal (the memory warpgroup never loads them).
 
 Head dim 256 (`splits_head_dim`) splits the accumulated columns in halves of 128 between
@@ -21,6 +23,8 @@ to first.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.experimental.pallas as pl
@@ -261,7 +265,9 @@ def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: f
     forward (a block streams only the query tiles that see its keys).
 
     The grid runs over query heads: each block writes one query head's share of dk/dv,
-    and the GQA/MQA shares of a K/V head are summed in float32 outside the kernel. With
+    and the GQA/MQA shares of a K/V head are summed in float32 outside the kernel; with
+    `config.group_in_block` it runs over K/V heads, each block adding up its group's
+    shares in registers (no per-query-head buffer, no sum after, one rounding). With
     `kv_lengths` every tile is masked by the length (keys past it get zero gradients).
     At d256 two compute warpgroups split the head dim of shared key rows, whatever
     `compute_wgs` (which picks the dq kernel's form there).
@@ -331,6 +337,8 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
     qk_scale = scale * LOG2E
     has_lengths = kv_lengths is not None
     fused = dq_order is not None
+    # A block per K/V head walking its group's query heads (`group == 1`: the same thing).
+    in_block = config.group_in_block and group > 1
     # Fused: each warpgroup adds a column slice of dq over all key rows of the block
     # ("columns"), or the full width over its own rows ("rows").
     by_rows = config.dq_split == "rows" or wgs == 1
@@ -367,7 +375,7 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             kv_base = ki * block_rows if split else ki * block_rows + wg * block_kv
             half = wg if split else None
-            kv_rows = (b, pl.ds(kv_base, block_kv), lax.div(h, group))
+            kv_rows = (b, pl.ds(kv_base, block_kv), h if in_block else lax.div(h, group))
             mine = 0 if split else wg  # this warpgroup's K/V barriers
             my_k, my_v = own_tile(k_smem, wg, split), own_tile(v_smem, wg, split)
 
@@ -394,9 +402,11 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
             if fused:
                 dq_adds.wait_for_keys(kv_ready)
 
-            def q_step(tile, carry, *, masked):
+            def q_step(tile, carry, *, masked, offset=None):
                 dk_acc, dv_acc, *dq_carry = carry
                 step = position(tile)
+                if offset is not None:  # group in block: the earlier heads' walks
+                    step = step + offset
                 slot = lax.rem(step, stages)
                 plgpu.barrier_wait(q_ready.at[slot])
 
@@ -455,14 +465,17 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk_acc, dv_acc
 
-            def masked_step(tile, carry):
-                return q_step(tile, carry, masked=True)
+            def masked_step(tile, carry, offset=None):
+                return q_step(tile, carry, masked=True, offset=offset)
 
-            def unmasked_step(tile, carry):
-                return q_step(tile, carry, masked=False)
+            def unmasked_step(tile, carry, offset=None):
+                return q_step(tile, carry, masked=False, offset=offset)
 
-            def skip_step(tile, carry):
-                slot = lax.rem(position(tile), stages)
+            def skip_step(tile, carry, offset=None):
+                step = position(tile)
+                if offset is not None:
+                    step = step + offset
+                slot = lax.rem(step, stages)
                 for ready in (q_ready, do_ready, lse_ready, delta_ready):
                     plgpu.barrier_wait(ready.at[slot])
                 plgpu.barrier_arrive(consumed.at[slot])
@@ -493,6 +506,16 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
                         carry)
                 dk_acc, dv_acc, last_tile = carry
                 dq_adds.finish(last_tile)  # also: no warpgroup reads our keys any more
+            elif in_block:
+                walk = block_end - block_first  # ring steps per query head
+
+                def head(g, carry):
+                    for lo, hi, step_fn in runs:
+                        carry = lax.fori_loop(
+                            lo, hi, functools.partial(step_fn, offset=g * walk), carry)
+                    return carry
+
+                dk_acc, dv_acc = lax.fori_loop(0, group, head, carry)
             else:
                 for lo, hi, step_fn in runs:
                     carry = lax.fori_loop(lo, hi, step_fn, carry)
@@ -508,12 +531,13 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
         def _memory():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-            @pl.loop(0, block_end - block_first)
-            def _(step):
+            def load(step, tile_of, q_head):
+                """Query tile `tile_of(step)` of head `q_head` into the ring slot of step
+                `step` (the tile computed after the slot, as the kernel always has)."""
                 slot = lax.rem(step, stages)
-                tile = block_end - 1 - step if fused else block_first + step
-                rows = (b, pl.ds(tile * block_q, block_q), h)
-                vec = (b, h, pl.ds(tile * block_q, block_q))
+                tile = tile_of(step)
+                rows = (b, pl.ds(tile * block_q, block_q), q_head)
+                vec = (b, q_head, pl.ds(tile * block_q, block_q))
 
                 @pl.when(step >= stages)
                 def _():
@@ -524,6 +548,19 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
                 plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_ready.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[vec], delta_smem.at[slot],
                                         delta_ready.at[slot])
+
+            walk = block_end - block_first
+            if in_block:  # each query head of the group in turn, one running step count
+                @pl.loop(0, group)
+                def _(g):
+                    @pl.loop(0, walk)
+                    def _(j):
+                        load(g * walk + j, lambda _: block_first + j, h * group + g)
+            else:
+                @pl.loop(0, walk)
+                def _(step):
+                    load(step, lambda step: block_end - 1 - step if fused
+                         else block_first + step, h)
 
     transforms = tile_transforms(dtype)
     scratch = [
@@ -539,7 +576,8 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
         *(_DqAdds.scratch(wgs, block_kv, block_q, head_dim, by_rows, dtype) if fused
           else written_barrier(split)),
     ]
-    per_query_head = jax.ShapeDtypeStruct((batch, seq_kv, heads, head_dim), dtype)
+    out_heads = kv_heads if in_block else heads
+    dkv_type = jax.ShapeDtypeStruct((batch, seq_kv, out_heads, head_dim), dtype)
     operands = [q, k, v, dout, lse, delta, *([kv_lengths] if has_lengths else [])]
     dq_acc = None
     if fused:  # added into in place: a zeroed float32 buffer the kernel writes through
@@ -547,9 +585,9 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
         operands.append(dq_acc)
     dk, dv = plgpu.kernel(
         body,
-        out_type=(per_query_head, per_query_head),
+        out_type=(dkv_type, dkv_type),
         scratch_types=scratch,
-        grid=(heads, num_kv_blocks, batch),
+        grid=(out_heads, num_kv_blocks, batch),
         grid_names=("heads", "kv", "batch"),
         num_threads=wgs + 1,
         thread_name="wg",
@@ -557,7 +595,7 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
     )(*operands)
     if fused:
         dq_acc = dq_acc[...]
-    if group == 1:
+    if group == 1 or in_block:
         return dq_acc, (dk, dv)
 
     def sum_group(x):

@@ -103,7 +103,11 @@ class MosaicAttentionVjpConfig:
     share their rows and split the head dim (`splits_head_dim`): always in the dk/dv
     kernel, and in the dq kernel with `compute_wgs=2` (1: one warpgroup, whole width).
     `dq_accumulation` (`DQ_ACCUMULATIONS`) picks a dq kernel or dq added up by the dk/dv
-    kernel (then the `_dq` fields are unused)."""
+    kernel (then the `_dq` fields are unused). `group_in_block` (GQA/MQA, with the
+    separate dq kernel): the dk/dv grid runs over K/V heads, each block walking the query
+    tiles of every query head of its group and writing (B, Sk, Hkv, D) directly, instead
+    of a block per query head and a float32 sum of the group's shares after the kernel
+    (a no-op when every K/V head has one query head)."""
 
     block_q_dq: int = 64
     block_kv_dq: int = 64
@@ -113,6 +117,7 @@ class MosaicAttentionVjpConfig:
     compute_wgs: int = 2
     dq_accumulation: str = "separate"
     dq_split: str = "columns"
+    group_in_block: bool = False
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_q_dq, self.block_kv_dq, self.num_stages, self.compute_wgs)
@@ -125,6 +130,13 @@ class MosaicAttentionVjpConfig:
         if self.dq_accumulation not in DQ_ACCUMULATIONS:
             raise ValueError(f"dq_accumulation must be one of {DQ_ACCUMULATIONS}, got "
                              f"{self.dq_accumulation!r}")
+        if not isinstance(self.group_in_block, bool):
+            raise ValueError(f"group_in_block must be a bool, got {self.group_in_block!r}")
+        if self.group_in_block and self.fused:
+            raise ValueError(
+                f"group_in_block runs with the separate dq kernel only, not with "
+                f"dq_accumulation={self.dq_accumulation!r} (its dq adds are per query "
+                f"head): set dq_accumulation='separate' or group_in_block=False")
 
     @property
     def fused(self) -> bool:

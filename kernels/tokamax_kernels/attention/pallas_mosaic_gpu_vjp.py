@@ -3,7 +3,8 @@
 Uses the family residual `lse` (any forward's; an lse output's cotangent enters `delta`),
 recomputes the probabilities, and runs two Mosaic GPU kernels
 (`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv per
-query head (GQA/MQA shares summed after it). Self-attention on one array
+query head (GQA/MQA shares summed after it; with `group_in_block` per K/V head, the
+group's query heads walked in the block, unmeasured on the device yet). Self-attention on one array
 (`attention(x, x, x)`, non-causal, no lengths, below d256) runs one kernel for `dq + dk + dv`
 instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
 Logits soft cap and local windows run in the general kernels (tiles outside a window are
