@@ -24,11 +24,15 @@ OUT = os.environ.get("OUT", "/tmp")
 PHASES = {"bench": 230}
 ITERATIONS = 10  # CUPTI runs a timing after a warm-up run; the median is recorded
 
-WORKLOADS = [  # name, (b, s, hq, hkv, d), causal
-    ("gqa causal b4 s4096 hq32 hkv8 d128", (4, 4096, 32, 8, 128), True),
-    ("llama b4 s4096 hq16 hkv4 d128 causal", (4, 4096, 16, 4, 128), True),
-    ("mqa b4 s4096 hq16 hkv1 d128 causal", (4, 4096, 16, 1, 128), True),
-    ("gqa b8 s2048 hq16 hkv4 d64 causal", (8, 2048, 16, 4, 64), True),
+WORKLOADS = [  # name, (b, s, hq, hkv, d), causal, other statics
+    ("gqa causal b4 s4096 hq32 hkv8 d128", (4, 4096, 32, 8, 128), True, {}),
+    ("llama b4 s4096 hq16 hkv4 d128 causal", (4, 4096, 16, 4, 128), True, {}),
+    ("mqa b4 s4096 hq16 hkv1 d128 causal", (4, 4096, 16, 1, 128), True, {}),
+    ("gqa b8 s2048 hq16 hkv4 d64 causal", (8, 2048, 16, 4, 64), True, {}),
+    ("gemma 2 global: soft cap 50 b2 s8192 hq8 hkv4 d256 causal", (2, 8192, 8, 4, 256), True,
+     dict(logits_soft_cap=50.0)),
+    ("gemma 2 local: soft cap 50 window 4096 b2 s8192 hq8 hkv4 d256 causal",
+     (2, 8192, 8, 4, 256), True, dict(logits_soft_cap=50.0, local_window_size=(4096, 0))),
 ]
 
 
@@ -48,14 +52,15 @@ def _mosaic(group_in_block: bool):
     return PallasMosaicGpuFlashAttention(vjp=PallasMosaicGpuFlashAttentionVjp(config=config))
 
 
-def _programs(implementation, causal: bool):
+def _programs(implementation, causal: bool, statics: dict):
     """Jitted forward+backward `(q, k, v, do) -> (out, dq, dk, dv)` and forward alone."""
     import jax
 
     from tokamax_kernels.attention import dot_product_attention
 
     def forward(q, k, v):
-        return dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+        return dot_product_attention(q, k, v, is_causal=causal, implementation=implementation,
+                                     **statics)
 
     def fwd_bwd(q, k, v, do):
         out, pullback = jax.vjp(forward, q, k, v)
@@ -95,22 +100,27 @@ def _max_abs_diffs(off, on) -> dict:
     return record
 
 
-def bench() -> None:
+def bench(only: str = "") -> None:
+    """Every workload whose name holds `only`."""
     import jax
 
     variants = {"mosaic per query head": lambda: _mosaic(False),
                 "mosaic group_in_block": lambda: _mosaic(True),
                 "cudnn": lambda: "cudnn"}
-    for name, (b, s, h, hk, d), causal in WORKLOADS:
+    for name, (b, s, h, hk, d), causal, statics in WORKLOADS:
+        if only not in name:
+            continue
         # Forward 4 b h s^2 d, backward 2.5x that (five matmuls to the forward's two);
         # causal counts half.
         fwd_flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
         q, k, v, do = _inputs(b, s, h, hk, d)
         results = {}  # the Mosaic variants' (out, dq, dk, dv), for the check
         for variant, implementation in variants.items():
+            if statics.get("logits_soft_cap") and variant == "cudnn":
+                continue  # cuDNN has no soft cap
             record = dict(phase="bench", workload=name, variant=variant)
             try:
-                fwd_bwd, forward = _programs(implementation(), causal)
+                fwd_bwd, forward = _programs(implementation(), causal, statics)
                 if variant.startswith("mosaic"):
                     results[variant] = fwd_bwd(q, k, v, do)
                 ms, timer = _median_ms(fwd_bwd, q, k, v, do)
@@ -128,7 +138,7 @@ def bench() -> None:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "--phase":
-        {"bench": bench}[argv[1]]()
+        {"bench": lambda: bench(os.environ.get("GQA_DKV_ONLY", ""))}[argv[1]]()
         return 0
     for phase in argv or list(PHASES):
         try:
