@@ -3,8 +3,9 @@
 Uses the family residual `lse` (any forward's; an lse output's cotangent enters `delta`),
 recomputes the probabilities, and runs two Mosaic GPU kernels
 (`_mosaic_gpu_bwd_kernels.py`): one for dq, one for dk/dv per
-query head (GQA/MQA shares summed after it; with `group_in_block` per K/V head, the
-group's query heads walked in the block, unmeasured on the device yet). Self-attention on one array
+query head (GQA/MQA shares summed after it), or with `group_in_block` per K/V head, the
+group's query heads walked in the block and dk/dv summed in registers: chosen where its
+blocks still fill the GPU (`fills_gpu_by_kv_head`). Self-attention on one array
 (`attention(x, x, x)`, non-causal, no lengths, below d256) runs one kernel for `dq + dk + dv`
 instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
 Logits soft cap and local windows run in the general kernels (tiles outside a window are
@@ -48,6 +49,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from tokamax_kernels._triton import sm_count
 from tokamax_kernels.attention import _mosaic_gpu_common as common
 from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
@@ -66,6 +68,32 @@ from tokamax_kernels.attention.base import DotProductAttentionVjp
 from tokamax_pass.core import BoundArguments, Target
 
 _WHAT = "PallasMosaicGpuFlashAttentionVjp"
+
+
+# `group_in_block` needs this many dk/dv blocks (batch x K/V heads x key blocks) per SM.
+# H200, forward+backward (`gqa_dkv_s13.jsonl`): 512-1024 blocks (3.9-7.8 per SM) ran
+# 1.01-1.08x the per-query-head kernel at GQA d64, d128 and d256 (Gemma-2's soft cap and
+# window included); MQA's 128 (under one per SM, each block 16 heads long) 0.73x.
+GROUP_IN_BLOCK_BLOCKS_PER_SM = 3
+
+
+def fills_gpu_by_kv_head(config: MosaicAttentionVjpConfig, batch: int, heads: int,
+                         kv_heads: int, seq_kv: int, head_dim: int) -> bool:
+    """Whether the dk/dv kernel with a block per K/V head (GQA/MQA only) keeps every SM
+    busy: `GROUP_IN_BLOCK_BLOCKS_PER_SM` blocks each, at least."""
+    if heads == kv_heads or config.fused:
+        return False
+    block_rows = config.block_kv_dkv * _row_tiles(config, head_dim)
+    blocks = batch * kv_heads * (seq_kv // block_rows)
+    return blocks >= GROUP_IN_BLOCK_BLOCKS_PER_SM * sm_count()
+
+
+def _with_group_rule(config: MosaicAttentionVjpConfig, q: Any, k: Any
+                     ) -> MosaicAttentionVjpConfig:
+    """`config` with `group_in_block` set where it was measured to win."""
+    batch, _, heads, head_dim = q.shape
+    rule = fills_gpu_by_kv_head(config, batch, heads, k.shape[2], k.shape[1], head_dim)
+    return dataclasses.replace(config, group_in_block=rule)
 
 
 def _row_tiles(config: MosaicAttentionVjpConfig, head_dim: int) -> int:
@@ -246,8 +274,8 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         preferred.append(MosaicAttentionVjpConfig())
         for config in preferred:
             if fits(config, seq_q, seq_kv, head_dim):
-                return config
-        return MosaicAttentionVjpConfig(compute_wgs=1)
+                return _with_group_rule(config, q, k)
+        return _with_group_rule(MosaicAttentionVjpConfig(compute_wgs=1), q, k)
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicAttentionVjpConfig]:
         q, k = ba.arguments["query"], ba.arguments["key"]
@@ -267,5 +295,5 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
                                               block_kv_dkv=bkv2, num_stages=stages,
                                               compute_wgs=wgs)
             if fits(config, seq_q, seq_kv, head_dim):
-                configs.add(config)
+                configs.add(_with_group_rule(config, q, k))
         return configs
