@@ -17,7 +17,7 @@ kernel won by `DOMINANT_WIN`), where the chosen kernel beat every plain-JAX cand
 kernel (an implementation that does not `runs_without_evidence`) chosen without such a
 measurement is flagged; so is a configuration that fails to plan. A measurement lends
 only to calls in its own dtypes, so the library cache's bfloat16 timings justify no
-kernel at float16 or float32. The run of 2 December 2026 (about 40 s): 308
+kernel at float16 or float32. The run of 2 December 2026 (40 to 50 s): 308
 configurations (bfloat16 147, float16 81, float32 80), 2880 distinct op calls (1368, 756,
 756), none flagged; at float16 and float32 every call ran a plain-JAX path (cuDNN
 attention at float16 only, as plain JAX runs it). A lookup made blind to dtypes on purpose
