@@ -33,6 +33,16 @@ def test_smoke_catches_a_wrong_op(monkeypatch):
     assert run.smoke(["encoder"]) != []
 
 
+def test_smoke_in_float16_and_float32_and_its_tighter_tolerance(monkeypatch):
+    """`--smoke` checks each dtype; float32's tolerance catches a norm off by 0.1%, which
+    bfloat16's rounding would hide."""
+    assert run.main(["--smoke", "--only", "encoder", "--dtypes", "float16,float32"]) == 0
+    assert run.SMOKE_TOLERANCE["float32"] < 1e-3 < run.SMOKE_TOLERANCE["bfloat16"]
+    monkeypatch.setattr(ops.Library, "layer_norm",
+                        lambda self, x, s, o, eps=1e-6: ops.Plain().layer_norm(x, s * 1.001, o))
+    assert run.smoke(["encoder"], dtypes=["float32"]) != []
+
+
 def test_tiny_timing_writes_every_variant_and_the_tuned_result(tmp_path):
     out = tmp_path / "models.json"
     assert run.main(["--tiny", "--only", "encoder", "--iterations", "2", "--output", str(out),
@@ -89,7 +99,8 @@ def test_set_overrides_config_fields_by_their_type():
     model = run.resized(MODELS["llama"], ["width=4096", "soft_cap=30", "window=None"], error)
     assert model.config.width == 4096 and model.config.soft_cap == 30.0
     assert model.config.window is None and model.config.mlp == MODELS["llama"].config.mlp
-    for bad in (["widht=4096"], ["width"], ["width=wide"]):
+    assert run.resized(MODELS["encoder"], ["dtype=float16"], error).config.dtype == "float16"
+    for bad in (["widht=4096"], ["width"], ["width=wide"], ["dtype=float8"]):
         try:
             run.resized(MODELS["llama"], bad, error)
         except ValueError as e:

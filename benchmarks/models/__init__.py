@@ -1,6 +1,10 @@
 """The model suite, the benchmark of record: whole training steps, plain JAX against ours.
 
     python -m benchmarks.models [--only NAME ...] [--list] [--smoke] [--iterations N]
+        [--set FIELD=VALUE ...]
+
+Every config has a `dtype` (activations and weights: bfloat16, the suite's, or float16 or
+float32, `--set dtype=float16`); norm weights and Mixtral's router stay float32.
 
 Each model is written once against the `ops` switch, so plain JAX, our ops
 (`implementation=None`) and the upstream Tokamax wheel run the same parameters.

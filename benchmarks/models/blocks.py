@@ -15,6 +15,16 @@ import jax.numpy as jnp
 
 Params = dict[str, Any]
 
+# The activation and weight dtypes a model config may name (`dtype`); bfloat16 is the
+# suite's. Norm weights and a router stay float32 whatever the dtype.
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_dtype(name: str) -> None:
+    """Raises `ValueError` unless `name` is one of `DTYPES` (a config's `dtype`)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: expected one of {DTYPES}")
+
 
 def normal(key: jax.Array, shape: tuple[int, ...], fan_in: int,
            dtype: Any = jnp.bfloat16) -> jax.Array:
@@ -35,14 +45,14 @@ class AttentionShape:
     head_dim: int
 
 
-def init_attention(key: jax.Array, shape: AttentionShape) -> Params:
+def init_attention(key: jax.Array, shape: AttentionShape, dtype: Any = jnp.bfloat16) -> Params:
     kq, kk, kv, ko = jax.random.split(key, 4)
     w, hd = shape.width, shape.head_dim
     return {
-        "wq": normal(kq, (w, shape.heads * hd), w),
-        "wk": normal(kk, (w, shape.kv_heads * hd), w),
-        "wv": normal(kv, (w, shape.kv_heads * hd), w),
-        "wo": normal(ko, (shape.heads * hd, w), shape.heads * hd),
+        "wq": normal(kq, (w, shape.heads * hd), w, dtype),
+        "wk": normal(kk, (w, shape.kv_heads * hd), w, dtype),
+        "wv": normal(kv, (w, shape.kv_heads * hd), w, dtype),
+        "wo": normal(ko, (shape.heads * hd, w), shape.heads * hd, dtype),
     }
 
 

@@ -19,7 +19,8 @@ from benchmarks.models.blocks import AttentionShape, Params
 class DecoderConfig:
     """Sizes of a decoder. `experts > 0` makes each MLP a top-`top_k` mixture of experts;
     `soft_cap`/`window` give Gemma-2's attention (windowed layers alternate with global
-    ones) and `final_soft_cap` its capped logits."""
+    ones) and `final_soft_cap` its capped logits. `dtype` is the activations' and weights'
+    (`blocks.DTYPES`); the norm weights and the router are float32 in every dtype."""
 
     layers: int
     batch: int
@@ -36,6 +37,10 @@ class DecoderConfig:
     soft_cap: float | None = None
     window: int | None = None
     final_soft_cap: float | None = None
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        blocks.check_dtype(self.dtype)
 
     @property
     def attention(self) -> AttentionShape:
@@ -50,21 +55,23 @@ def init(key: jax.Array, c: DecoderConfig) -> Params:
     layers = []
     for layer_key in keys[:c.layers]:
         ka, kn1, kn2, kg, kd, kr = jax.random.split(layer_key, 6)
-        layer = {"attention": blocks.init_attention(ka, c.attention),
+        layer = {"attention": blocks.init_attention(ka, c.attention, c.dtype),
                  "attention_norm": blocks.norm_scale(kn1, c.width),
                  "mlp_norm": blocks.norm_scale(kn2, c.width)}
         if c.experts:
             layer["router"] = blocks.normal(kr, (c.width, c.experts), c.width, jnp.float32)
-            layer["gate_up"] = blocks.normal(kg, (c.experts, c.width, 2 * c.mlp), c.width)
-            layer["down"] = blocks.normal(kd, (c.experts, c.mlp, c.width), c.mlp)
+            layer["gate_up"] = blocks.normal(kg, (c.experts, c.width, 2 * c.mlp), c.width,
+                                             c.dtype)
+            layer["down"] = blocks.normal(kd, (c.experts, c.mlp, c.width), c.mlp, c.dtype)
         else:
-            layer["gate_up"] = blocks.normal(kg, (c.width, 2, c.mlp), c.width)
-            layer["down"] = blocks.normal(kd, (c.mlp, c.width), c.mlp)
+            layer["gate_up"] = blocks.normal(kg, (c.width, 2, c.mlp), c.width, c.dtype)
+            layer["down"] = blocks.normal(kd, (c.mlp, c.width), c.mlp, c.dtype)
         layers.append(layer)
-    return {"embed": blocks.normal(keys[-2], (c.vocab, c.width), 1),
+    return {"embed": blocks.normal(keys[-2], (c.vocab, c.width), 1, c.dtype),
             "layers": layers,
             "final_norm": blocks.norm_scale(keys[-1], c.width),
-            "head": blocks.normal(jax.random.fold_in(keys[-1], 1), (c.width, c.vocab), c.width)}
+            "head": blocks.normal(jax.random.fold_in(keys[-1], 1), (c.width, c.vocab), c.width,
+                                  c.dtype)}
 
 
 def _moe(ops, p: Params, h: jax.Array, c: DecoderConfig) -> jax.Array:

@@ -30,7 +30,8 @@ def _on_gpu() -> bool:
 def _jnp_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
                    window: int | None, soft_cap: float | None) -> jax.Array:
     """Attention as a user writes it in jnp when `jax.nn` cannot (soft cap): float32
-    logits, the cap, the masks, softmax, bf16 probabilities into the second product."""
+    logits, the cap, the masks, softmax, probabilities in the inputs' dtype into the second
+    product."""
     b, t, n, d = q.shape
     kv_heads = k.shape[2]
     q = q.reshape(b, t, kv_heads, n // kv_heads, d)
@@ -84,9 +85,11 @@ class Plain:
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
                   window: int | None = None, soft_cap: float | None = None) -> jax.Array:
-        if soft_cap is not None:
-            return _jnp_attention(q, k, v, causal=causal, window=window, soft_cap=soft_cap)
         cudnn = _on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16)
+        if soft_cap is not None or (q.dtype == jnp.float16 and not cudnn):
+            # jax.nn has no soft cap; and its XLA attention asks float16 inputs for an
+            # F16_F16_F32 dot that XLA:CPU rejects when compiling (jax 0.11.2).
+            return _jnp_attention(q, k, v, causal=causal, window=window, soft_cap=soft_cap)
         return jax.nn.dot_product_attention(
             q, k, v, is_causal=causal,
             local_window_size=None if window is None else (window, 0),
@@ -107,8 +110,8 @@ class Plain:
 
     def lm_head_loss(self, h: jax.Array, head: jax.Array, labels: jax.Array,
                      soft_cap: float | None = None) -> jax.Array:
-        """The LM head and its mean loss: bf16 logits `h @ head`, then optax-style
-        float32 softmax cross entropy (the logits materialized)."""
+        """The LM head and its mean loss: logits `h @ head` in the inputs' dtype, then
+        optax-style float32 softmax cross entropy (the logits materialized)."""
         return blocks.cross_entropy(h @ head, labels, soft_cap)
 
 

@@ -1,23 +1,32 @@
 """Audits what `implementation=None` picks on the H200 at model sizes nobody benchmarked.
 
     python -m benchmarks.models.plan_audit [--only NAME ...] [--limit N] [--output FILE]
+        [--dtypes bfloat16 float16 float32]
 
 Every model of the suite is resized over a grid (widths, head dims, GQA ratios, sequence
-lengths, batches; two layers) and its training step planned for an H200 from this CPU
-machine (`core.targeting` + `optimize(...).plan`: trace only, nothing compiled). For each
-op call the audit prints the implementation chosen and the measurement that justifies it,
-found here independently of the lookup the library runs: the exact call measured in a
-cache layer, or a neighbouring measured shape of the same similarity category
+lengths, batches; two layers) in each dtype (bfloat16, the suite's: every grid point;
+float16 and float32: the one-at-a-time points and a smaller sample, `SAMPLED`) and its
+training step planned for an H200 from this CPU machine (`core.targeting` +
+`optimize(...).plan`: trace only, nothing compiled). For each op call the audit prints
+the implementation chosen and the measurement that justifies it, found here
+independently of the lookup the library runs: the exact call measured in a cache layer,
+or a neighbouring measured shape of the same similarity category
 (`autotuning.keys.similarity`: the same op, static arguments, dtypes, ranks and head dim)
 whose every size is within `neighbours.MAX_RATIO` of the call's (or `FAR_RATIO` where the
 kernel won by `DOMINANT_WIN`), where the chosen kernel beat every plain-JAX candidate. A
 kernel (an implementation that does not `runs_without_evidence`) chosen without such a
-measurement is flagged; so is a configuration that fails to plan. The suite's configs have
-no dtype field, so dtypes are not varied (bf16 throughout).
+measurement is flagged; so is a configuration that fails to plan. A measurement lends
+only to calls in its own dtypes, so the library cache's bfloat16 timings justify no
+kernel at float16 or float32. The run of 2 December 2026 (40 to 50 s): 308
+configurations (bfloat16 147, float16 81, float32 80), 2880 distinct op calls (1368, 756,
+756), none flagged; at float16 and float32 every call ran a plain-JAX path (cuDNN
+attention at float16 only, as plain JAX runs it). A lookup made blind to dtypes on purpose
+is flagged (tests/test_plan_audit.py).
 
-Output: one JSON line per distinct op call per configuration, and a summary. `--smoke`
-instead runs the suite's CPU smoke check (ours against plain JAX, loss and gradients) at
-tiny sizes it does not hold (`SMOKE_SIZES`: odd sequence lengths and head dims).
+Output: one JSON line per distinct op call per configuration (its `dtype` named), and a
+summary, overall and per dtype. `--smoke` instead runs the suite's CPU smoke check (ours
+against plain JAX, loss and gradients, within the dtype's tolerance) at tiny sizes it
+does not hold (`SMOKE_SIZES`: odd sequence lengths and head dims), in each of `--dtypes`.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from typing import Any
 import jax
 
 import tokamax_pass as tokamax
-from benchmarks.models import MODELS, Model, ops, run
+from benchmarks.models import MODELS, Model, blocks, ops, run
 from tokamax_pass import core
 from tokamax_pass.autotuning import cache, keys, neighbours
 from tokamax_pass.core import spec
@@ -51,8 +60,10 @@ HEAD_DIMS = (64, 80, 96, 128, 256)
 GROUPS = (1, 2, 4, 8)
 SEQS = (1024, 2048, 3000, 8192)
 BATCHES = (1, 2, 8)
-# Configurations per model drawn from the full product, beside the one-at-a-time ones.
-SAMPLED = 24
+DTYPES = blocks.DTYPES
+# Configurations per model and dtype drawn from the full product, beside the one-at-a-time
+# ones: the suite's bfloat16 most, the others enough to keep the audit under a minute.
+SAMPLED = {"bfloat16": 24, "float16": 6, "float32": 6}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +75,7 @@ class Shape:
     group: int
     seq: int
     batch: int
+    dtype: str = "bfloat16"
 
     def overrides(self, model: Model) -> list[str]:
         """`FIELD=VALUE` overrides for `run.resized`: heads as many as fit the width, a
@@ -72,7 +84,8 @@ class Shape:
         group = self.group if decoder else 1
         heads = max(group, (self.width // self.head_dim) // group * group)
         found = ["layers=2", f"width={self.width}", f"head_dim={self.head_dim}",
-                 f"heads={heads}", f"seq={self.seq}", f"batch={self.batch}"]
+                 f"heads={heads}", f"seq={self.seq}", f"batch={self.batch}",
+                 f"dtype={self.dtype}"]
         if decoder:
             found.append(f"kv_heads={heads // group}")
             found.append(f"mlp={self.width * 8 // 3 // 128 * 128}")
@@ -81,17 +94,23 @@ class Shape:
         return found
 
 
-def grid(limit: int | None = None, seed: int = 0) -> list[Shape]:
-    """One-at-a-time variations around a base, then a fixed sample of the full product."""
-    base = Shape(3072, 128, 4, 3000, 2)
-    shapes = [base]
-    for field, values in (("width", WIDTHS), ("head_dim", HEAD_DIMS), ("group", GROUPS),
-                          ("seq", SEQS), ("batch", BATCHES)):
-        shapes += [dataclasses.replace(base, **{field: v}) for v in values]
-    product = [Shape(*p) for p in itertools.product(WIDTHS, HEAD_DIMS, GROUPS, SEQS, BATCHES)]
-    shapes += random.Random(seed).sample(product, SAMPLED)
-    unique = list(dict.fromkeys(shapes))
-    return unique[:limit] if limit else unique
+def grid(limit: int | None = None, seed: int = 0,
+         dtypes: Sequence[str] = DTYPES) -> list[Shape]:
+    """For each dtype: one-at-a-time variations around a base, then a fixed sample of the
+    full product (`SAMPLED[dtype]` points, each dtype its own); `limit` per dtype."""
+    shapes = []
+    for i, dtype in enumerate(dtypes):
+        base = Shape(3072, 128, 4, 3000, 2, dtype)
+        found = [base]
+        for field, values in (("width", WIDTHS), ("head_dim", HEAD_DIMS), ("group", GROUPS),
+                              ("seq", SEQS), ("batch", BATCHES)):
+            found += [dataclasses.replace(base, **{field: v}) for v in values]
+        product = [Shape(*p, dtype) for p in
+                   itertools.product(WIDTHS, HEAD_DIMS, GROUPS, SEQS, BATCHES)]
+        found += random.Random(seed + i).sample(product, SAMPLED[dtype])
+        unique = list(dict.fromkeys(found))
+        shapes += unique[:limit] if limit else unique
+    return shapes
 
 
 # --- evidence, found independently of `neighbours.nearest_times` ---------------------
@@ -258,7 +277,9 @@ def _decisions(model: Model) -> list[Any]:
 
 def audit_model(name: str, overrides: list[str]) -> Iterator[dict[str, Any]]:
     """One row per distinct op call of `name` resized by `overrides` (or one error row)."""
-    base = {"model": name, "overrides": overrides}
+    fields = dict(o.partition("=")[::2] for o in overrides)
+    base = {"model": name, "dtype": fields.get("dtype", MODELS[name].config.dtype),
+            "overrides": overrides}
 
     try:
         model = run.resized(MODELS[name], overrides, _raise)
@@ -312,10 +333,11 @@ SMOKE_SIZES: tuple[tuple[str, ...], ...] = (
 )
 
 
-def smoke_unseen(names: Iterable[str], sizes: Sequence[Sequence[str]] = SMOKE_SIZES
-                 ) -> list[str]:
+def smoke_unseen(names: Iterable[str], sizes: Sequence[Sequence[str]] = SMOKE_SIZES,
+                 dtypes: Sequence[str] = ("bfloat16",)) -> list[str]:
     """`run.smoke` (ours against plain JAX, loss and gradients, on this machine) with each
-    model's tiny config resized by each of `sizes`; returns the failures."""
+    model's tiny config resized by each of `sizes`, in each of `dtypes`; returns the
+    failures."""
     failures = []
     for overrides in sizes:
         models = {}
@@ -327,7 +349,8 @@ def smoke_unseen(names: Iterable[str], sizes: Sequence[Sequence[str]] = SMOKE_SI
                                _raise)
             models[name] = dataclasses.replace(model, smoke_config=tiny.config)
         print(f"smoke at {' '.join(overrides)}:", flush=True)
-        failures += [f"{' '.join(overrides)}: {f}" for f in run.smoke(list(models), models)]
+        failures += [f"{' '.join(overrides)}: {f}"
+                     for f in run.smoke(list(models), models, dtypes)]
     return failures
 
 
@@ -336,6 +359,14 @@ def _raise(message: str) -> None:
 
 
 def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts over all rows (configurations, errors, distinct op calls, flags, evidence
+    kinds, implementations chosen), and the same for each dtype under `by_dtype`."""
+    dtypes = dict.fromkeys(r["dtype"] for r in rows)
+    return {**_counts(rows), "by_dtype": {
+        d: _counts([r for r in rows if r["dtype"] == d]) for d in dtypes}}
+
+
+def _counts(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     configs = {(r["model"], tuple(r["overrides"])) for r in rows}
     calls = [r for r in rows if "error" not in r]
     kinds: dict[str, int] = {}
@@ -353,20 +384,23 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(MODELS), help="models to audit")
-    parser.add_argument("--limit", type=int, help="grid points per model (default: all)")
+    parser.add_argument("--limit", type=int,
+                        help="grid points per model and dtype (default: all)")
+    parser.add_argument("--dtypes", nargs="*", choices=DTYPES, default=list(DTYPES),
+                        help="dtypes to plan the grid in (or to smoke in)")
     parser.add_argument("--output", default="plan_audit.jsonl", help="JSON-lines file")
     parser.add_argument("--quiet", action="store_true", help="print only flags and the summary")
     parser.add_argument("--smoke", action="store_true",
                         help="instead: ours against plain JAX here at unseen tiny sizes")
     args = parser.parse_args(argv)
     if args.smoke:
-        failures = smoke_unseen(args.only or list(MODELS))
+        failures = smoke_unseen(args.only or list(MODELS), dtypes=args.dtypes)
         for failure in failures:
             print(f"FAILED {failure}", file=sys.stderr)
         return 1 if failures else 0
     start, rows = time.perf_counter(), []
     with open(args.output, "w") as out:
-        for row in audit(args.only or list(MODELS), grid(args.limit)):
+        for row in audit(args.only or list(MODELS), grid(args.limit, dtypes=args.dtypes)):
             rows.append(row)
             out.write(json.dumps(row, default=str) + "\n")
             if row["flagged"] or not args.quiet:
@@ -377,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{' '.join(row['overrides'])}: {what}", flush=True)
     found = summary(rows)
     print(json.dumps(found, indent=1))
+    for dtype, counts in found["by_dtype"].items():
+        print(f"{dtype}: {counts['configs']} configurations, {counts['distinct_calls']} "
+              f"distinct op calls, {counts['flagged']} flagged")
     print(f"{found['configs']} configurations, {found['distinct_calls']} distinct op calls, "
           f"{found['flagged']} flagged, {time.perf_counter() - start:.0f} s; rows in "
           f"{pathlib.Path(args.output)}")

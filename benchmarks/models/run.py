@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -22,22 +23,24 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 import tokamax_pass as tokamax
-from benchmarks.models import MODELS, Model, ops
+from benchmarks.models import MODELS, Model, blocks, ops
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import cache
 from tokamax_pass.core.device import device_kind_key
 
 RESULTS = pathlib.Path(__file__).parent.parent / "results"
 VARIANTS = ("plain", "ours", "optimize", "tuned", "upstream")
-# Smoke tolerance: bf16 models whose roundings differ in place (relative norm of the
-# difference, per gradient leaf and for the loss).
-SMOKE_TOLERANCE = 3e-2
+# Smoke tolerance by the model's dtype: the relative norm of the difference, per gradient
+# leaf and for the loss, of two programs whose roundings differ in place (about 1.5x the
+# worst difference seen at bfloat16, 2.5x at float16, 10x at float32).
+SMOKE_TOLERANCE = {"bfloat16": 3e-2, "float16": 5e-3, "float32": 1e-5}
 
 
 def _inputs(model: Model, smoke: bool) -> tuple[Any, Any]:
@@ -52,16 +55,28 @@ def _relative(a: Any, b: Any) -> float:
     return float(np.linalg.norm(a - b) / (scale if scale > 0 else 1.0))
 
 
-def smoke(names: list[str], models: dict[str, Model] | None = None) -> list[str]:
-    """Runs each model tiny on this machine; our loss and gradients must match plain JAX's.
+def in_dtype(model: Model, dtype: str) -> Model:
+    """`model` with both its configs in `dtype` (one of `blocks.DTYPES`)."""
+    return dataclasses.replace(model, config=dataclasses.replace(model.config, dtype=dtype),
+                               smoke_config=dataclasses.replace(model.smoke_config,
+                                                                dtype=dtype))
 
-    `models` replaces the suite's (the same names at other tiny sizes). Returns the
-    failures (empty when all match).
+
+def smoke(names: list[str], models: dict[str, Model] | None = None,
+          dtypes: Sequence[str] | None = None) -> list[str]:
+    """Runs each model tiny on this machine; our loss and gradients must match plain JAX's
+    (within `SMOKE_TOLERANCE` of the dtype).
+
+    `models` replaces the suite's (the same names at other tiny sizes); `dtypes` runs each
+    model in each of them (default: the model's own). Returns the failures (empty when
+    all match).
     """
     variants = ops.variants()
     failures = []
-    for name in names:
+    for name, dtype in itertools.product(names, dtypes or [None]):
         model = (models or MODELS)[name]
+        model = model if dtype is None else in_dtype(model, dtype)
+        dtype = model.smoke_config.dtype
         params, batch = _inputs(model, smoke=True)
         outputs = {}
         for variant in ("plain", "ours"):
@@ -74,12 +89,12 @@ def smoke(names: list[str], models: dict[str, Model] | None = None) -> list[str]
             errors[jax.tree_util.keystr(path)] = _relative(g_ours, g_plain)
         worst = max(errors, key=errors.get)
         finite = all(math.isfinite(e) for e in errors.values())
-        ok = finite and errors[worst] <= SMOKE_TOLERANCE
-        print(f"{name}: loss {float(loss_plain):.4f} (plain) vs {float(loss_ours):.4f} (ours); "
-              f"worst gradient difference {errors[worst]:.2e} at {worst}: "
-              f"{'ok' if ok else 'MISMATCH'}", flush=True)
+        ok = finite and errors[worst] <= SMOKE_TOLERANCE[dtype]
+        print(f"{name} {dtype}: loss {float(loss_plain):.4f} (plain) vs "
+              f"{float(loss_ours):.4f} (ours); worst gradient difference "
+              f"{errors[worst]:.2e} at {worst}: {'ok' if ok else 'MISMATCH'}", flush=True)
         if not ok:
-            failures.append(f"{name}: {worst} differs by {errors[worst]:.2e}")
+            failures.append(f"{name} {dtype}: {worst} differs by {errors[worst]:.2e}")
     return failures
 
 
@@ -154,7 +169,8 @@ def _time_tuned(model: Model, step: Any, params: Any, batch: Any, iterations: in
 
 def resized(model: Model, overrides: list[str], error: Any) -> Model:
     """`model` with `FIELD=VALUE` overrides of its benchmark config, each value parsed as
-    the field's current value's type (`None` allowed); `error(message)` on a bad one."""
+    the field's current value's type (`None` allowed; `dtype=float16` a string the config
+    checks); `error(message)` on a bad one."""
     changes: dict[str, Any] = {}
     fields = {f.name for f in dataclasses.fields(model.config)}
     for item in overrides:
@@ -170,7 +186,11 @@ def resized(model: Model, overrides: list[str], error: Any) -> Model:
             changes[field] = kind(text)
         except ValueError:
             error(f"--set {item!r}: {field} takes a {kind.__name__}")
-    return dataclasses.replace(model, config=dataclasses.replace(model.config, **changes))
+    try:
+        return dataclasses.replace(model, config=dataclasses.replace(model.config, **changes))
+    except ValueError as e:
+        error(f"--set {' '.join(overrides)}: {e}")
+        raise
 
 
 def _chart(results: dict[str, Any], path: pathlib.Path) -> None:
@@ -218,13 +238,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=sorted(MODELS), help="models to run")
     parser.add_argument("--list", action="store_true", help="print the model names and exit")
     parser.add_argument("--smoke", action="store_true",
-                        help="run every model tiny here and check ours against plain JAX")
+                        help="run every model tiny here and check ours against plain JAX, in "
+                        "each of --dtypes (--set resizes the tiny configs)")
+    parser.add_argument("--dtypes", default=",".join(blocks.DTYPES),
+                        help="--smoke: the dtypes to check each model in (over a --set dtype)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--output", help="results JSON (default: results/<device>/models.json)")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="override config fields of every model run (`width=4096 "
-                        "mlp=14336`): the same models at sizes the suite does not hold")
+                        "mlp=14336`, `dtype=float16`): the same models at sizes and dtypes "
+                        "the suite does not hold")
     parser.add_argument("--tiny", action="store_true",
                         help="time the smoke sizes (to check the timing path on any machine)")
     parser.add_argument("--ship-tuned", metavar="DIR",
@@ -240,7 +264,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {MODELS[name].description}")
         return 0
     if args.smoke:
-        failures = smoke(names)
+        dtypes = [d for d in args.dtypes.split(",") if d]
+        if set(dtypes) - set(blocks.DTYPES):
+            parser.error(f"--dtypes {args.dtypes}: choose from {blocks.DTYPES}")
+        tiny = {name: dataclasses.replace(MODELS[name], smoke_config=resized(
+            dataclasses.replace(MODELS[name], config=MODELS[name].smoke_config), args.set,
+            parser.error).config) for name in names}
+        failures = smoke(names, tiny, dtypes)
         for failure in failures:
             print(f"FAILED {failure}", file=sys.stderr)
         return 1 if failures else 0
