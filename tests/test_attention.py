@@ -480,7 +480,7 @@ def test_none_tries_cudnn_first_on_hopper_up_to_head_dim_256(monkeypatch, head_d
     from tokamax_kernels.attention import cudnn
 
     monkeypatch.setattr(cudnn, "_require_cudnn_library", lambda: None)  # a CPU machine
-    x = jax.ShapeDtypeStruct((2, 128, 2, head_dim), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((2, 512, 2, head_dim), jnp.bfloat16)
 
     def f(q):
         return dot_product_attention(q, q, q).astype(jnp.float32).sum()
@@ -489,6 +489,35 @@ def test_none_tries_cudnn_first_on_hopper_up_to_head_dim_256(monkeypatch, head_d
         plan = tokamax.optimize(jax.grad(f)).plan(x)
     assert [row.op for row in plan] == [
         "CudnnDotProductAttention", "CudnnDotProductAttentionVjp"]
+
+
+@pytest.mark.parametrize("shape, vmapped, plain", [
+    pytest.param((1, 128, 8, 256), 1, "Xla", id="swept-loss-d256"),
+    pytest.param((1, 128, 8, 128), 1, "Xla", id="swept-tie-d128"),
+    pytest.param((1, 128, 8, 64), 1, "Cudnn", id="swept-win-d64"),
+    pytest.param((1, 128, 16, 256), 1, "Cudnn", id="swept-win-twice-the-rows"),
+    pytest.param((1, 128, 4, 128), 4, "Cudnn", id="vmapped-4x-counts"),
+    pytest.param((1, 1, 32, 128), 1, "Xla", id="decode-row"),
+])
+def test_unmeasured_none_runs_xla_where_cudnn_lost_the_sweep(monkeypatch, shape, vmapped,
+                                                             plain):
+    """`None` without a measurement: cuDNN attention, plain JAX's fused path, lost to
+    `jax.nn`'s default XLA attention only on the tiniest swept calls at head dims over 64
+    (`cudnn_vs_xla_attention_s13.jsonl`); there XLA runs, forward and backward."""
+    from tokamax_kernels.attention import cudnn
+
+    monkeypatch.setattr(cudnn, "_require_cudnn_library", lambda: None)  # a CPU machine
+    x = jax.ShapeDtypeStruct((vmapped, *shape) if vmapped > 1 else shape, jnp.bfloat16)
+
+    def f(q):
+        attend = lambda q: dot_product_attention(q, q, q, is_causal=True)  # noqa: E731
+        out = jax.vmap(attend)(q) if vmapped > 1 else attend(q)
+        return out.astype(jnp.float32).sum()
+
+    with tokamax.core.targeting(H200):
+        plan = tokamax.optimize(jax.grad(f)).plan(x)
+    forward = "DotProductAttention" if plain == "Xla" else f"{plain}DotProductAttention"
+    assert [row.op for row in plan] == [forward, f"{plain}DotProductAttentionVjp"]
 
 
 @pytest.mark.parametrize("sq,sk", [(0, 12), (12, 0), (0, 0)])

@@ -32,6 +32,7 @@ is tested on the GPU only (`pytest -m gpu`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -185,6 +186,24 @@ def _nonempty_lse_rows(nonempty: jax.Array) -> jax.Array:
     return jnp.transpose(nonempty[..., 0], (0, 2, 1))
 
 
+# cuDNN against `jax.nn.dot_product_attention`'s default (XLA), forward and forward+
+# backward, H200 (`cudnn_vs_xla_attention_s13.jsonl`, 60 shapes x causal): cuDNN led
+# everywhere (1.08-6.8x) but at b1 s128 h8, the smallest call swept, with head dims over
+# 64 (d256: 0.79-0.92x, d128 causal forward+backward 0.95x; a microsecond or two of fixed
+# cost). Calls with at most that many score elements go to XLA unless measured.
+TINY_SCORE_ELEMENTS = 1 * 8 * 128 * 128
+TINY_MIN_HEAD_DIM = 128
+
+
+def loses_to_xla_unmeasured(ba: BoundArguments) -> bool:
+    """Whether cuDNN runs a call this small (vmaps included) slower than XLA's attention."""
+    q, k = ba.arguments["query"], ba.arguments["key"]
+    batch, seq_q, heads, head_dim = q.shape
+    mapped = math.prod(level.size for level in ba.vmap)
+    scores = mapped * batch * heads * seq_q * k.shape[1]
+    return scores <= TINY_SCORE_ELEMENTS and head_dim >= TINY_MIN_HEAD_DIM
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CudnnDotProductAttention(DotProductAttention):
     """cuDNN flash attention (NVIDIA GPUs, bf16/f16); see the module docstring."""
@@ -196,6 +215,9 @@ class CudnnDotProductAttention(DotProductAttention):
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
         _check(ba, target, backward=False)
+
+    def unmeasured_plain_path_loses(self, ba: BoundArguments) -> bool:
+        return loses_to_xla_unmeasured(ba)
 
     def _fwd(self, query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
              mask: jax.Array | None, *, config: NullConfig, return_residuals: bool,
@@ -219,6 +241,9 @@ class CudnnDotProductAttentionVjp(DotProductAttentionVjp):
     implementation = "cudnn"
     plain_jax_path = True  # jax.nn.dot_product_attention(implementation="cudnn")
     platforms = frozenset({"cuda"})
+
+    def unmeasured_plain_path_loses(self, ba: BoundArguments) -> bool:
+        return loses_to_xla_unmeasured(ba)
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

@@ -207,6 +207,13 @@ class Op[C]:
         """True for the implementations `None` picks when nothing was measured."""
         return self.implementation == "xla" or self.plain_jax_path
 
+    def unmeasured_plain_path_loses(self, ba: BoundArguments) -> bool:
+        """Whether, with nothing measured at `ba`, this plain-JAX path should yield to the
+        XLA reference: a fused path's fixed costs can lose to XLA's own fusion on a tiny
+        call (a rule fitted to a device sweep). False for everything but such paths."""
+        del ba
+        return False
+
     def reference_op(self) -> Op:
         """The family's XLA reference: the class right under `Op` in the hierarchy."""
         family = family_class(type(self))

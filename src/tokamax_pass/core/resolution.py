@@ -8,7 +8,8 @@ For `implementation=None` the promise is never to be slower than plain JAX: a ke
 runs only where a source measured it faster than the plain-JAX paths (the XLA
 reference, `jax.nn`'s cuDNN attention) on this shape, or on a measured neighbouring
 shape (`autotuning.neighbours`); everywhere else the plain-JAX paths run, in the
-family's order.
+family's order (less those that lose unmeasured at the call,
+`Op.unmeasured_plain_path_loses`: cuDNN attention on tiny calls).
 """
 
 from __future__ import annotations
@@ -83,7 +84,10 @@ def _ranked(
         order = source.rank(candidates, target.device_kind)
         if order is not None:
             return [candidates[i] for i in order]
-    return [ba for ba in candidates if ba.op.runs_without_evidence] or candidates
+    plain = [ba for ba in candidates if ba.op.runs_without_evidence]
+    # Stable: the family's order, less the plain paths that lose unmeasured at this call.
+    plain.sort(key=lambda ba: ba.op.unmeasured_plain_path_loses(ba))
+    return plain or candidates
 
 
 def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bool) -> Choice:
