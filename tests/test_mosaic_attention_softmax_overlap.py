@@ -97,3 +97,8 @@ def test_nothing_picks_the_overlap_unasked():
     ba = PallasMosaicGpuFlashAttention().bind(q, q, q, is_causal=True)
     assert not ba.heuristics_config.softmax_overlap
     assert not any(c.softmax_overlap for c in ba.autotuning_configs)
+
+
+def test_a_non_bool_overlap_is_refused():
+    with pytest.raises(ValueError, match="softmax_overlap must be a bool"):
+        MosaicAttentionConfig(softmax_overlap="yes")

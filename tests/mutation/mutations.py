@@ -271,6 +271,29 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_interpreted_atomic_backward_matches_reference",),
     ),
     Mutation(
+        "the dk/dv kernel with a block per K/V head streams the group's first query head"
+        " for every head of the group",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_bwd_kernels.py",
+        "load(g * walk + j, lambda _: block_first + j, h * group + g)",
+        "load(g * walk + j, lambda _: block_first + j, h * group)",
+        ("tests/test_mosaic_attention_gqa_block.py::test_dkv_matches_the_per_query_head_kernel",),
+    ),
+    Mutation(
+        "the overlapped attention forward skips rescaling the accumulator by the new max",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
+        "acc_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])",
+        "acc_ref[...] = acc",
+        ("tests/test_mosaic_attention_softmax_overlap.py::"
+         "test_interpreted_overlap_matches_reference",),
+    ),
+    Mutation(
+        "unmeasured, cuDNN attention runs even the tiny calls where it lost to XLA",
+        "kernels/tokamax_kernels/attention/cudnn.py",
+        "return scores <= TINY_SCORE_ELEMENTS and head_dim >= TINY_MIN_HEAD_DIM",
+        "return False",
+        ("tests/test_attention.py::test_unmeasured_none_runs_xla_where_cudnn_lost_the_sweep",),
+    ),
+    Mutation(
         "static numbers accept infinity (an infinite soft cap gives NaN logits, inf * 0)",
         "kernels/tokamax_kernels/_validation.py",
         "    if not (math.isfinite(number) and in_range):",

@@ -80,6 +80,8 @@ class MosaicAttentionConfig:
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_q, self.block_kv, self.num_stages, self.compute_wgs)
+        if not isinstance(self.softmax_overlap, bool):
+            raise ValueError(f"softmax_overlap must be a bool, got {self.softmax_overlap!r}")
 
 
 OVERLAP_LIMITS = ("the Mosaic attention forward's softmax_overlap takes no local window and "
