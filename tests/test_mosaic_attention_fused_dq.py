@@ -16,13 +16,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import tokamax_pass as tokamax
+from _mosaic_attention_export import export_vjp
 from _mosaic_attention_interpreted import interpreted, statics
-from conftest import H200
 from tokamax_kernels.attention import (
-    PallasMosaicGpuFlashAttention,
     PallasMosaicGpuFlashAttentionVjp,
-    dot_product_attention,
 )
 from tokamax_kernels.attention import _mosaic_gpu_bwd_kernels as kernels
 from tokamax_kernels.attention import _mosaic_gpu_common as common
@@ -31,7 +28,6 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     MosaicAttentionConfig,
     MosaicAttentionVjpConfig,
 )
-from tokamax_pass import core
 
 TILES_64 = MosaicAttentionConfig(block_q=64, block_kv=64)
 
@@ -63,21 +59,6 @@ def test_interpreted_atomic_backward_with_key_lengths():
                 TILES_64, _fused(dq_split="rows"), seed=9)
 
 
-def _export_vjp(config, *, head_dim=128, kv_heads=2, causal=True, **kwargs):
-    q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 512, kv_heads, head_dim), jnp.bfloat16)
-    op = PallasMosaicGpuFlashAttention(vjp=PallasMosaicGpuFlashAttentionVjp(config=config))
-
-    def f(q, k, v, do):
-        _, pullback = jax.vjp(lambda q, k, v: dot_product_attention(
-            q, k, v, is_causal=causal, implementation=op, **kwargs), q, k, v)
-        return pullback(do)
-
-    with core.targeting(H200):
-        return jax.export.export(jax.jit(f), platforms=["cuda"],
-                                 disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS)(q, kv, kv, q)
-
-
 @pytest.mark.parametrize("mode", ["ordered", "atomic"])
 @pytest.mark.parametrize("fields, kwargs", [
     (dict(), dict()),
@@ -86,9 +67,9 @@ def _export_vjp(config, *, head_dim=128, kv_heads=2, causal=True, **kwargs):
 ])
 def test_fused_backward_lowers_to_one_kernel(mode, fields, kwargs):
     """Forward + one backward kernel (the separate form has a dq kernel too)."""
-    text = _export_vjp(_fused(mode, **fields), **kwargs).mlir_module()
+    text = export_vjp(_fused(mode, **fields), **kwargs).mlir_module()
     assert text.count("mosaic_gpu_v2") == 2
-    separate = _export_vjp(MosaicAttentionVjpConfig(), **kwargs).mlir_module()
+    separate = export_vjp(MosaicAttentionVjpConfig(), **kwargs).mlir_module()
     assert separate.count("mosaic_gpu_v2") == 3
 
 
@@ -113,7 +94,7 @@ def test_which_head_dims_the_one_pass_takes(head_dim, wgs, split, fits):
     assert kernels.fused_fits(head_dim, wgs, split) is fits
     if not fits:
         with pytest.raises(NotImplementedError, match="takes head dims up to 128"):
-            _export_vjp(config, head_dim=head_dim, causal=False)
+            export_vjp(config, head_dim=head_dim, causal=False)
 
 
 def test_every_fused_config_that_fits_stays_in_shared_memory():
@@ -141,7 +122,7 @@ def test_xla_deterministic_ops_turn_atomic_into_ordered(monkeypatch, flags, forc
         return real(*args, config=config, **kwargs)
 
     monkeypatch.setattr(vjp_module, "mosaic_attention_fused_bwd", spy)
-    _export_vjp(_fused("atomic"))
+    export_vjp(_fused("atomic"))
     assert seen == ["ordered" if forced else "atomic"]
 
 

@@ -15,14 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tokamax_pass as tokamax
+from _mosaic_attention_export import export_vjp
 from _mosaic_attention_interpreted import interpreted, statics
 from _mosaic_gpu_interpret import interpret_mode
 from conftest import H200, random_normal
 from tokamax_kernels.attention import (
-    PallasMosaicGpuFlashAttention,
     PallasMosaicGpuFlashAttentionVjp,
-    dot_product_attention,
 )
 from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import mosaic_attention_dkv
 from tokamax_kernels.attention._mosaic_gpu_common import (
@@ -84,21 +82,6 @@ def test_dkv_matches_the_per_query_head_kernel():
         np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max())
 
 
-def _export_grad(config, *, head_dim=128, kv_heads=2, causal=True, **kwargs):
-    q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 512, kv_heads, head_dim), jnp.bfloat16)
-    op = PallasMosaicGpuFlashAttention(vjp=PallasMosaicGpuFlashAttentionVjp(config=config))
-
-    def f(q, k, v, do):
-        _, pullback = jax.vjp(lambda q, k, v: dot_product_attention(
-            q, k, v, is_causal=causal, implementation=op, **kwargs), q, k, v)
-        return pullback(do)
-
-    with core.targeting(H200):
-        return jax.export.export(jax.jit(f), platforms=["cuda"],
-                                 disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS)(q, kv, kv, q)
-
-
 @pytest.mark.parametrize("fields, head_dim, kv_heads, kwargs", [
     (dict(), 128, 2, dict()),
     (dict(compute_wgs=1, num_stages=3), 64, 1, dict(local_window_size=(200, 0))),
@@ -106,12 +89,12 @@ def _export_grad(config, *, head_dim=128, kv_heads=2, causal=True, **kwargs):
 ])
 def test_backward_lowers_without_the_group_sum(fields, head_dim, kv_heads, kwargs):
     """Forward, dq and dk/dv kernels; dk/dv come out per K/V head (no reduction after)."""
-    exported = _export_grad(_in_block(**fields), head_dim=head_dim, kv_heads=kv_heads,
+    exported = export_vjp(_in_block(**fields), head_dim=head_dim, kv_heads=kv_heads,
                             **kwargs)
     text = exported.mlir_module()
     assert text.count("mosaic_gpu_v2") == 3
     assert "stablehlo.reduce" not in text.split("mosaic_gpu_v2")[-1]
-    default = _export_grad(MosaicAttentionVjpConfig(**fields), head_dim=head_dim,
+    default = export_vjp(MosaicAttentionVjpConfig(**fields), head_dim=head_dim,
                            kv_heads=kv_heads, **kwargs).mlir_module()
     assert "stablehlo.reduce" in default.split("mosaic_gpu_v2")[-1]
 

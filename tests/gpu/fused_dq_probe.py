@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
+from _probe import run_phases
+
 OUT = os.environ.get("OUT", "/tmp")
-PHASES = {"bench": 420}
 
 
 def _log(record: dict) -> None:
@@ -101,18 +101,7 @@ def bench() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] == "--phase":
-        {"bench": bench}[argv[1]]()
-        return 0
-    for phase in argv or list(PHASES):
-        try:
-            result = subprocess.run([sys.executable, __file__, "--phase", phase],
-                                    timeout=PHASES[phase])
-            if result.returncode:
-                _log(dict(phase=phase, exit=result.returncode))
-        except subprocess.TimeoutExpired:
-            _log(dict(phase=phase, timeout=PHASES[phase]))
-    return 0
+    return run_phases(argv, __file__, {"bench": (bench, 420)}, _log)
 
 
 if __name__ == "__main__":

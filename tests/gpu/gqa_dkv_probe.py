@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
+from _probe import run_phases
+
 OUT = os.environ.get("OUT", "/tmp")
-PHASES = {"bench": 230}
 ITERATIONS = 10  # CUPTI runs a timing after a warm-up run; the median is recorded
 
 WORKLOADS = [  # name, (b, s, hq, hkv, d), causal, other statics
@@ -137,18 +137,8 @@ def bench(only: str = "") -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv and argv[0] == "--phase":
-        {"bench": lambda: bench(os.environ.get("GQA_DKV_ONLY", ""))}[argv[1]]()
-        return 0
-    for phase in argv or list(PHASES):
-        try:
-            result = subprocess.run([sys.executable, __file__, "--phase", phase],
-                                    timeout=PHASES[phase])
-            if result.returncode:
-                _log(dict(phase=phase, exit=result.returncode))
-        except subprocess.TimeoutExpired:
-            _log(dict(phase=phase, timeout=PHASES[phase]))
-    return 0
+    only = os.environ.get("GQA_DKV_ONLY", "")
+    return run_phases(argv, __file__, {"bench": (lambda: bench(only), 230)}, _log)
 
 
 if __name__ == "__main__":
