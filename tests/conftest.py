@@ -103,16 +103,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def measured(device_kind: str, times: dict, *args, **kwargs):
+def measured(device_kind: str, times: dict, *args, vmap=(), **kwargs):
     """An `AutotuningResult` for `device_kind` timing each op of `times` (`{op: ms}`) on
-    `op.bind(*args, **kwargs)` with its heuristics config: evidence for `None` to act on."""
+    `op.bind(*args, **kwargs)` (under the `jax.vmap` levels `vmap`, as
+    `BoundArguments.vmap` records them) with its heuristics config: evidence for `None`."""
     from tokamax_pass import AutotuningResult, core
     from tokamax_pass.autotuning import keys
     from tokamax_pass.autotuning.result import Entry, Measurement
 
     entries = []
     for op, ms in times.items():
-        bound = keys.canonical(op.bind(*args, **kwargs))
+        bound = keys.canonical(op.bind(*args, **kwargs).replace(vmap=tuple(vmap)))
         with core.targeting(device_kind):
             config = bound.heuristics_config
         entries.append(Entry(bound, {config: Measurement((ms,))}, keys.provenance(bound.op)))

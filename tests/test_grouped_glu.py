@@ -1,8 +1,8 @@
 """The grouped gated linear unit (`gated_linear_unit(..., group_sizes=...)`, MoE expert
 GEMMs) by the `xla` implementation: forward and gradients of x and the weights against a
 per-group float32 HIGHEST reference (uneven and empty groups, rows past the last group,
-swish and gelu, fused and pair weights, bf16 and f32, random cotangents); its gradient
-runs through the `ragged_dot` family; bad input names the argument; implementations
+swish and gelu, fused and pair weights, bf16 and f32, random cotangents, nested vmap); its
+gradient runs through the `ragged_dot` family; bad input names the argument; implementations
 without a grouped form step aside; calls without `group_sizes` are unchanged."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tokamax_kernels.gated_linear_unit import (
     PallasTritonGatedLinearUnit,
 )
 from tokamax_kernels.ragged_dot.base import RaggedDot
+from tokamax_pass import core
 
 glu = tokamax.gated_linear_unit
 SIZES = (37, 0, 61, 50)  # uneven, one empty group; 148 of 160 rows: the tail gives zeros
@@ -197,9 +198,63 @@ def test_triton_has_no_grouped_form_and_none_steps_past_it():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-def test_vmap_is_not_supported():
-    x, weights = inputs(True, jnp.bfloat16)
-    sizes = jnp.array(SIZES, jnp.int32)
-    with pytest.raises(NotImplementedError, match="vmap"):
-        jax.vmap(lambda x: glu(x, weights, group_sizes=sizes, implementation="xla"))(
-            jnp.stack([x, x]))
+def check_nested_vmap(implementation, x, weights, sizes, activation=jax.nn.swish,
+                      dtype=jnp.float32, seed=0):
+    """Nested `jax.vmap` of a grouped call against the reference entry by entry: x
+    (2, 2, M, K) and `sizes` (2, 2, G) mapped at both levels, the weights (2, ...) only at
+    the outer one (the inner entries share them); the gradients of x and the weights
+    under a random cotangent."""
+    def fn(x, weights):
+        def one(x, w, s):
+            return glu(x, w, group_sizes=s, activation=activation,
+                       implementation=implementation)
+        return jax.vmap(jax.vmap(one, in_axes=(0, None, 0)))(x, weights, jnp.asarray(sizes))
+
+    def want_fn(x, weights):
+        return jnp.stack([jnp.stack([
+            reference(x[i, j], jax.tree.map(lambda w, i=i: w[i], weights),
+                      tuple(int(n) for n in sizes[i, j]), activation)
+            for j in range(2)]) for i in range(2)])
+
+    wide = jax.tree.map(lambda a: a.astype(jnp.float32), (x, weights))
+    assert_close(jax.jit(fn)(x, weights), jax.jit(want_fn)(*wide), dtype)
+    cotangent = random_normal(seed + 7, (*x.shape[:-1], jax.tree.leaves(weights)[0].shape[-1]))
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w).astype(jnp.float32) * cotangent),
+                             argnums=(0, 1)))(x, weights)
+    wants = jax.jit(jax.grad(lambda x, w: jnp.sum(want_fn(x, w) * cotangent),
+                             argnums=(0, 1)))(*wide)
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(wants), strict=True):
+        assert_close(got, expected, dtype)
+
+
+def nested_vmap_inputs(fused, dtype, seed=0, m=M, k=K, n=N, g=G):
+    """x (2, 2, M, K), weights per outer entry, and uneven sizes per entry (an empty group
+    somewhere, rows past the last group)."""
+    x = random_normal(seed, (2, 2, m, k), dtype)
+    shape = (2, g, k, 2, n) if fused else (2, g, k, n)
+    parts = [(random_normal(seed + i, shape) / np.sqrt(k)).astype(dtype) for i in (1, 2)]
+    sizes = np.random.default_rng(seed).integers(1, m // g + 1, (2, 2, g), np.int32)
+    sizes[0, 1, 1] = 0
+    return x, parts[0] if fused else tuple(parts), sizes
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_xla_under_nested_vmap_matches_reference(fused):
+    check_nested_vmap("xla", *nested_vmap_inputs(fused, jnp.float32, seed=41))
+
+
+def test_mosaic_gpu_refuses_a_grouped_call_under_vmap():
+    """Its kernel has no batching: the error names the implementations that take it."""
+    x = jax.ShapeDtypeStruct((2, 1024, 2048), jnp.bfloat16)
+    weights = jax.ShapeDtypeStruct((8, 2048, 2, 5632), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+
+    def f(x, weights, sizes):
+        def one(x, w, s):
+            return glu(x, w, group_sizes=s, implementation="mosaic_gpu")
+        return jax.vmap(one, in_axes=(0, None, 0))(x, weights, sizes)
+
+    with core.targeting("NVIDIA H200", "cuda"), pytest.raises(
+            NotImplementedError, match="grouped calls .group_sizes. under jax.vmap; use "
+                                       "implementation='xla' or, on a TPU, 'mosaic_tpu'"):
+        jax.export.export(jax.jit(f), platforms=["cuda"])(x, weights, sizes)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from conftest import assert_close, random_normal, reference_precision
+from conftest import assert_close, measured, random_normal, reference_precision
 from tokamax_kernels.attention import _mosaic_tpu_common as tpu
 from tokamax_kernels.attention import api
 from tokamax_kernels.attention._mosaic_tpu_fwd_kernel import flash_attention_forward
@@ -223,3 +223,78 @@ def test_gradient_through_lse_lowers_for_tpu():
         text = jax.export.export(jax.jit(f), platforms=["tpu"])(q, kv, kv).mlir_module()
     assert text.count("tpu_custom_call") == 3
     assert "PallasMosaicTpuFlashAttentionVjp" in text and "dresiduals" in text
+
+
+# vmap: an outer level over "models" (query and lengths mapped, keys and values shared,
+# so the fold broadcasts them) around a per-example level (everything mapped, the
+# per-example lengths mapped: Pallas alone would loop over those one kernel at a time).
+OUTER, INNER = 2, 3
+
+
+def _vmapped(impl, q, k, v, q_len, kv_len):
+    def one(q, k, v, q_len, kv_len):
+        return api.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=q_len,
+                                         key_value_seq_lengths=kv_len, implementation=impl)
+    per_example = jax.vmap(one)
+    return jax.vmap(per_example, in_axes=(0, None, None, 0, None))(q, k, v, q_len, kv_len)
+
+
+def test_nested_vmap_forward_and_gradients_match_reference():
+    q = random_normal(10, (OUTER, INNER, B, SQ, H, D))
+    k, v = random_normal(11, (INNER, B, SK, HKV, D)), random_normal(12, (INNER, B, SK, HKV, D))
+    q_len = jax.random.randint(jax.random.key(13), (OUTER, INNER, B), 1, SQ + 1)
+    kv_len = jax.random.randint(jax.random.key(14), (INNER, B), 1, SK + 1)
+    ct = random_normal(15, q.shape)
+
+    def loss(impl, q, k, v):
+        out = _vmapped(impl, q, k, v, q_len, kv_len)
+        return (out * ct).sum(), out
+
+    grad = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)
+    (_, got), got_grads = grad(_op(), q, k, v)
+    with reference_precision():
+        (_, want), want_grads = grad("xla", q, k, v)
+    assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert_close(g, w)
+
+
+def _export_vmapped(implementation, kind="TPU v5p"):
+    def f(q, k, v, q_len, kv_len):
+        def loss(q, k, v):
+            out = _vmapped(implementation, q, k, v, q_len, kv_len)
+            return out.astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    q = jax.ShapeDtypeStruct((OUTER, INNER, 2, 1024, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((INNER, 2, 1024, 2, 128), jnp.bfloat16)
+    lengths = (jax.ShapeDtypeStruct((OUTER, INNER, 2), jnp.int32),
+               jax.ShapeDtypeStruct((INNER, 2), jnp.int32))
+    with core.targeting(kind, "tpu"):
+        return jax.export.export(jax.jit(f), platforms=["tpu"])(q, kv, kv, *lengths).mlir_module()
+
+
+def test_nested_vmap_lowers_for_tpu_as_one_launch_per_kernel():
+    text = _export_vmapped("mosaic")
+    assert text.count("tpu_custom_call") == 3  # forward, dK/dV, dQ
+    assert "stablehlo.while" not in text  # folded into the batch, not a loop of launches
+    assert "PallasMosaicTpuFlashAttentionVjp" in text
+
+
+def test_none_keeps_the_tpu_kernel_under_vmap_where_measured_faster():
+    """The evidence for a vmapped call is a measurement of that call (its vmap levels
+    are part of the key), as the autotuner takes it."""
+    assert "tpu_custom_call" not in _export_vmapped(None)
+    args = (jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.bfloat16),
+            *(jax.ShapeDtypeStruct((2, 1024, 2, 128), jnp.bfloat16),) * 2)
+    lengths = dict(query_seq_lengths=jax.ShapeDtypeStruct((2,), jnp.int32),
+                   key_value_seq_lengths=jax.ShapeDtypeStruct((2,), jnp.int32))
+    # Leaves in tree order: key, key_value_seq_lengths, query, query_seq_lengths, value.
+    vmap = (core.op.VmapLevel((None, None, 0, 0, None), OUTER),
+            core.op.VmapLevel((0, 0, 0, 0, 0), INNER))
+    times = {PallasMosaicTpuFlashAttention(): 1.0, DotProductAttention(): 3.0}
+    forward = measured("TPU v5p", times, *args, is_causal=True, vmap=vmap, **lengths)
+    with forward:
+        text = _export_vmapped(None)
+    assert text.count("tpu_custom_call") == 1  # the forward; its gradient was not measured
+    assert "stablehlo.while" not in text

@@ -8,7 +8,8 @@ the kernel refuses, its heuristics per TPU generation, the forward lowered for T
 The same for grouped calls (`group_sizes`, MoE expert GEMMs) against a per-group float32
 HIGHEST reference: uneven groups, an empty one, rows past the last group (zeros), row
 blocks straddling group boundaries and a last row block past x's end; the residuals in
-the family's form, which the family's XLA gradient reads."""
+the family's form, which the family's XLA gradient reads. Both under nested `jax.vmap`
+(per-example x inside a vmap over weights), interpreted and lowered for TPUs."""
 
 from __future__ import annotations
 
@@ -21,7 +22,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 import tokamax_pass
 from conftest import assert_close, measured, random_normal, reference_precision
-from test_grouped_glu import check_against_reference, reference
+from test_grouped_glu import (
+    check_against_reference,
+    check_nested_vmap,
+    nested_vmap_inputs,
+    reference,
+)
 from tokamax_kernels.gated_linear_unit import (
     GatedLinearUnit,
     PallasMosaicTpuGatedLinearUnit,
@@ -134,8 +140,6 @@ def test_unsupported_inputs_and_bad_configs():
         _op()(x[..., :200], weights[:200])
     with pytest.raises(NotImplementedError, match=r"cannot lower \[.*'erfc'"):
         _op()(x, weights, activation=exact_gelu)
-    with pytest.raises(NotImplementedError, match="jax.vmap"):
-        jax.vmap(lambda x: _op()(x, weights))(x)
     with pytest.raises(NotImplementedError, match="tpu"):
         PallasMosaicTpuGatedLinearUnit()(x, weights)  # CPU, no interpret
     with pytest.raises(NotImplementedError, match="block_n must divide N"):
@@ -323,8 +327,6 @@ def test_grouped_unsupported_inputs():
                               implementation=_op())
     with pytest.raises(NotImplementedError, match=r"cannot lower \[.*'erfc'"):
         _grouped(_op(), exact_gelu)(x, weights)
-    with pytest.raises(NotImplementedError, match="vmap"):
-        jax.vmap(lambda x: _grouped(_op())(x, weights))(jnp.stack([x, x]))
     wide = random_normal(19, (G, GK, 2, 384)) / 16
     with pytest.raises(NotImplementedError, match="block_n must divide N"):
         _grouped(_op(Config(32, 256, 128)))(x, wide)  # 256 does not divide N = 384
@@ -401,3 +403,77 @@ def test_grouped_none_runs_the_tpu_kernel_only_where_measured_faster():
         assert "tpu_custom_call" not in _grouped_export(None, gradient=False)
     with timed(3.5):  # slower
         assert "tpu_custom_call" not in _grouped_export(None, gradient=False)
+
+
+# --- jax.vmap ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pair"])
+def test_nested_vmap_matches_reference(fused):
+    """Dense: Pallas batches the kernel (one more grid axis per level); an outer level maps
+    the weights, an inner one x per example. Forward and gradients, random cotangent."""
+    x = random_normal(30, (2, 3, 19, K))
+    w = random_normal(31, (2, K, 2, N)) / 16
+    weights = w if fused else (w[:, :, 0], w[:, :, 1])
+    cotangent = random_normal(32, (2, 3, 19, N))
+
+    def loss(implementation, x, weights):
+        def one(x, w):
+            return api.gated_linear_unit(x, w, implementation=implementation)
+        out = jax.vmap(jax.vmap(one, in_axes=(0, None)))(x, weights)
+        return jnp.sum(out * cotangent), out
+
+    grad = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)
+    (_, got), grads = grad(_op(), x, weights)
+    with reference_precision():
+        (_, want), want_grads = grad("xla", x, weights)
+    assert_close(got, want)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        assert_close(g, w)
+
+
+@pytest.mark.parametrize("fused, tiles", [(True, GROUPED_TILES), (False, Config(256, 128, 128))],
+                         ids=["fused-32-row-blocks", "pair-whole-entry-blocks"])
+def test_grouped_nested_vmap_matches_reference(fused, tiles):
+    """Grouped: the mapped axes fold into the kernel's entries (per-entry group sizes, the
+    weights shared by the inner entries and mapped by the outer level). A block of an
+    entry's 150 rows becomes 160-row blocks over all the entries' rows."""
+    inputs = nested_vmap_inputs(fused, jnp.float32, seed=33, m=GM, k=GK, n=GN, g=G)
+    check_nested_vmap(_op(tiles), *inputs, seed=34)
+
+
+def _vmapped_export(implementation, grouped):
+    """`value_and_grad` of a per-example call vmapped over 2 x 3 entries (weights shared),
+    100 rows each: one row block of an entry's rows is no legal TPU block of all of them."""
+    def f(x, weights, sizes):
+        def one(x, s):
+            group_sizes = dict(group_sizes=s) if grouped else {}
+            return api.gated_linear_unit(x, weights, implementation=implementation,
+                                         **group_sizes)
+        out = jax.vmap(jax.vmap(one))(x, sizes)
+        return out.astype(jnp.float32).sum()
+
+    x = jax.ShapeDtypeStruct((2, 3, 100, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((8, 2048, 2, 5632) if grouped else (2048, 2, 5632), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((2, 3, 8), jnp.int32)
+    with core.targeting("TPU v5 lite", "tpu"):
+        return jax.export.export(jax.jit(jax.value_and_grad(f, argnums=(0, 1))),
+                                 platforms=["tpu"])(x, w, sizes).mlir_module()
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["dense", "grouped"])
+def test_nested_vmap_lowers_for_tpu_and_none_keeps_the_kernel_where_measured(grouped):
+    assert _vmapped_export("mosaic_tpu", grouped).count("tpu_custom_call") == 1
+    assert "tpu_custom_call" not in _vmapped_export(None, grouped)
+    x = jax.ShapeDtypeStruct((100, 2048), jnp.bfloat16)
+    if grouped:  # leaves in tree order: group_sizes, weights, x; the outer level first
+        args = (x, jax.ShapeDtypeStruct((8, 2048, 2, 5632), jnp.bfloat16))
+        kwargs = dict(group_sizes=jax.ShapeDtypeStruct((8,), jnp.int32))
+        axes = (0, None, 0)
+    else:  # weights, x
+        args, kwargs, axes = (x, jax.ShapeDtypeStruct((2048, 2, 5632), jnp.bfloat16)), {}, (
+            None, 0)
+    vmap = (core.op.VmapLevel(axes, 2), core.op.VmapLevel(axes, 3))
+    times = {PallasMosaicTpuGatedLinearUnit(): 1.0, GatedLinearUnit(): 3.0}
+    with measured("TPU v5 lite", times, *args, vmap=vmap, **kwargs):
+        assert _vmapped_export(None, grouped).count("tpu_custom_call") == 1

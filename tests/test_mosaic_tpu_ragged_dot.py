@@ -1,6 +1,7 @@
 """PallasMosaicTpuRaggedDot on CPU: the kernels in the Pallas TPU interpreter (every variant,
-gradients, bf16, uneven and empty groups) against the float32 reference, and every variant
-lowered for a TPU (`tpu_custom_call`) by `jax.export` from this CPU machine."""
+gradients, bf16, uneven and empty groups, entries and nested vmap) against the float32
+reference, and every variant lowered for a TPU (`tpu_custom_call`) by `jax.export` from this
+CPU machine, vmapped too."""
 
 from __future__ import annotations
 
@@ -217,3 +218,123 @@ def test_autotune_without_a_tpu_says_timing_needs_the_device():
     ba = tokamax.PallasMosaicTpuRaggedDot.bind(*_operands("forward"), jnp.asarray(SIZES))
     with pytest.raises(RuntimeError, match=r"runs on \['tpu'\], not on cpu.*Timing needs"):
         tokamax.autotune([ba], progress=False)
+
+
+def test_work_lists_of_entries_cover_every_row_once():
+    """(E, G) sizes: entry e's rows from e * M, its tail rows with no matrix (R * G), and
+    its groups reading matrix (e % R) * G + g."""
+    sizes = np.array([[5, 0, 20, 3], [0, 44, 9, 0], [1, 2, 3, 4]], np.int32)
+    e = len(sizes)
+    for rhs_entries in (1, e):
+        owner = np.full(e * M, -1)
+        for matrix, block, lo, hi in np.asarray(row_tiles(sizes, M, 16, rhs_entries)).T:
+            for r in range(block * 16 + lo, block * 16 + hi):
+                assert owner[r] == -1
+                owner[r] = matrix
+        for i, entry in enumerate(sizes):
+            clipped = np.minimum(np.cumsum(entry), M)
+            counts = np.diff(np.concatenate([[0], clipped, [M]]))
+            matrices = np.append((i % rhs_entries) * G + np.arange(G), rhs_entries * G)
+            np.testing.assert_array_equal(owner[i * M:(i + 1) * M], np.repeat(matrices, counts))
+    groups = np.asarray(group_tiles(sizes, M, 16))
+    for g in range(e * G):  # every group of every entry owns a consecutive run
+        mine = np.flatnonzero(groups[0] == g)
+        assert len(mine) and np.all(np.diff(mine) == 1)
+        rows = [r for _, block, lo, hi, *_ in groups[:, mine].T
+                for r in range(block * 16 + lo, block * 16 + hi)]
+        i, j = divmod(g, G)
+        start = i * M + min(sizes[i, :j].sum(), M)
+        assert rows == list(range(start, i * M + min(sizes[i, :j + 1].sum(), M)))
+
+
+@pytest.mark.parametrize("variant", ["forward", "dlhs", "drhs"])
+def test_kernels_over_entries_in_the_tpu_interpreter(variant):
+    """Two entries of M rows in one launch (row blocks straddle the entries; the forward
+    shares one rhs, dlhs reads one per entry) against each entry alone."""
+    lhs, rhs = _operands(variant)
+    lhs2 = random_normal(9, lhs.shape)
+    sizes = jnp.asarray(np.stack([SIZES, [0, 30, 14, 0]]))
+    config = CONFIGS[variant]
+    blocks = dict(block_m=config.block_m, block_k=min(config.block_k, lhs.shape[1]),
+                  block_n=config.block_n, out_dtype=jnp.float32,
+                  interpret=pltpu.InterpretParams())
+    rhs2 = rhs if variant == "forward" else random_normal(10, rhs.shape)
+    if variant == "drhs":
+        got = ragged_dot_drhs(jnp.concatenate([lhs, lhs2]), jnp.concatenate([rhs, rhs2]),
+                              sizes, **blocks).reshape(2, G, K, N)
+    else:
+        both = rhs if variant == "forward" else jnp.concatenate([rhs, rhs2])
+        got = ragged_dot_rows(jnp.concatenate([lhs, lhs2]), both, sizes,
+                              transpose_rhs=variant == "dlhs", **blocks).reshape(2, M, -1)
+    with reference_precision():
+        for i, (x, w) in enumerate(((lhs, rhs), (lhs2, rhs2))):
+            want = RaggedDot()(x, w, sizes[i], variant=variant)
+            assert_close(got[i], want)
+
+
+# Nested vmap (an outer level of 2 around an inner one of 3): "shared_rhs" maps rhs only
+# at the inner level and the group sizes only there (the outer one reads both in place
+# or broadcast); "shared_inner" maps rhs only at the outer level (broadcast to entries).
+VMAPS = {"shared_rhs": ((0, 0, 0), (0, None, None)), "shared_inner": ((0, None, 0), (0, 0, 0))}
+
+
+def _lead(*axes: int | None) -> tuple[int, ...]:
+    """The leading (outer 2, inner 3) axes of an operand the two levels map as `axes`."""
+    return tuple(n for n, a in zip((2, 3), axes, strict=True) if a == 0)
+
+
+@pytest.mark.parametrize("name", VMAPS)
+def test_nested_vmap_forward_and_gradients_match_reference(name):
+    inner, outer = VMAPS[name]
+    lhs = random_normal(20, (2, 3, M, K))
+    rhs = random_normal(21, (*_lead(outer[1], inner[1]), G, K, N))
+    sizes = jax.random.randint(jax.random.key(22), (*_lead(outer[2], inner[2]), G), 0, 16)
+    ct = random_normal(23, (2, 3, M, N))
+
+    def loss(impl, lhs, rhs):
+        one = jax.vmap(lambda x, w, s: ragged_api.ragged_dot(x, w, s, implementation=impl),
+                       in_axes=inner)
+        out = jax.vmap(one, in_axes=outer)(lhs, rhs, sizes)
+        return (out * ct).sum(), out
+
+    op = PallasMosaicTpuRaggedDot(interpret=True, config=CONFIGS["forward"])
+    grad = jax.value_and_grad(loss, argnums=(1, 2), has_aux=True)
+    (_, got), got_grads = grad(op, lhs, rhs)
+    with reference_precision():
+        (_, want), want_grads = grad("xla", lhs, rhs)
+    assert_close(got, want)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert_close(g, w)
+
+
+def _export_vmapped(implementation, vmapped=True):
+    def f(lhs, rhs, sizes):
+        def loss(lhs, rhs):
+            def one(x, s):
+                return ragged_api.ragged_dot(x, rhs, s, implementation=implementation)
+            out = jax.vmap(jax.vmap(one))(lhs, sizes) if vmapped else one(lhs, sizes)
+            return out.astype(jnp.float32).sum()
+        return jax.value_and_grad(loss, argnums=(0, 1))(lhs, rhs)
+
+    lead = (2, 3) if vmapped else ()
+    args = (jax.ShapeDtypeStruct((*lead, 256, 256), jnp.bfloat16), TPU_ARGS[1],
+            jax.ShapeDtypeStruct((*lead, 4), jnp.int32))
+    with core.targeting("TPU v5p", "tpu"):
+        return jax.export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+
+
+def test_nested_vmap_lowers_for_tpu_as_one_launch_per_kernel():
+    text = _export_vmapped("mosaic_tpu")
+    assert text.count("tpu_custom_call") == 3  # forward, dlhs, drhs
+    # As many loops as without vmap (the work lists' searches): no loop of launches.
+    assert text.count("stablehlo.while") == _export_vmapped("mosaic_tpu", False).count(
+        "stablehlo.while")
+
+
+def test_none_keeps_the_tpu_kernel_under_vmap_where_measured_faster():
+    assert "tpu_custom_call" not in _export_vmapped(None)
+    # Leaves in tree order: group_sizes, lhs, rhs; the outer level first.
+    vmap = (core.op.VmapLevel((0, 0, None), 2), core.op.VmapLevel((0, 0, None), 3))
+    times = {PallasMosaicTpuRaggedDot(): 1.0, RaggedDot(): 3.0}
+    with measured("TPU v5p", times, *TPU_ARGS, vmap=vmap):
+        assert _export_vmapped(None).count("tpu_custom_call") == 1  # the forward measured

@@ -262,6 +262,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_mosaic_tpu_glu.py::test_grouped_kernel_in_the_tpu_interpreter",),
     ),
     Mutation(
+        "vmapped mosaic tpu attention unfolds the kernels' batch in the wrong order",
+        "kernels/tokamax_kernels/attention/_mosaic_tpu_common.py",
+        "return (tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs),",
+        "return (tuple(o.reshape(-1, axis_size, *o.shape[1:]).swapaxes(0, 1) for o in outs),",
+        ("tests/test_mosaic_tpu_attention.py::"
+         "test_nested_vmap_forward_and_gradients_match_reference",),
+    ),
+    Mutation(
+        "vmapped mosaic tpu ragged dot: entries read the wrong rhs (e // R, not e % R)",
+        "kernels/tokamax_kernels/ragged_dot/pallas_mosaic_tpu_kernels.py",
+        "matrix = (jnp.arange(e, dtype=jnp.int32)[:, None] % rhs_entries) * g",
+        "matrix = (jnp.arange(e, dtype=jnp.int32)[:, None] // rhs_entries) * g",
+        ("tests/test_mosaic_tpu_ragged_dot.py::test_work_lists_of_entries_cover_every_row_once",),
+    ),
+    Mutation(
         "the one-pass attention backward multiplies only its own warpgroup's dS by the keys"
         " (split by columns, half of each dq slice goes missing)",
         "kernels/tokamax_kernels/attention/_mosaic_gpu_bwd_kernels.py",

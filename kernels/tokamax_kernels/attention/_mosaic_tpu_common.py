@@ -5,13 +5,15 @@ block can see) are the Triton kernels' (`_pallas_triton_common`): they are plain
 `jax.numpy` on scalars and tiles. What is TPU-specific lives here: the (batch, heads,
 seq, head_dim) layout the kernels read (a (block, head_dim) tile per head is a legal
 TPU block; a head axis of 1 next to head_dim is not), padding to whole blocks, the
-per-row lengths passed as scalar-prefetch operands, and 2-D positional masks.
+per-row lengths passed as scalar-prefetch operands, 2-D positional masks, and the fold
+of `jax.vmap`s into the kernels' batch axis (`batch_folded`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -76,10 +78,33 @@ def check_inputs(ba: Any, what: str) -> None:
         if args[name] is not None:
             raise NotImplementedError(f"{what} takes no {name} (use lengths, causal or a "
                                       "local window, or another implementation)")
-    if ba.vmap:
-        raise NotImplementedError(f"{what} does not support jax.vmap")
     if 0 in query.shape or 0 in args["key"].shape:
         raise NotImplementedError(f"{what} needs non-empty inputs")
+
+
+def batch_folded(kernel: Callable[..., Any]) -> Callable[..., tuple[jax.Array, ...]]:
+    """`kernel` (arrays that share a leading batch axis in, a tuple of such arrays out,
+    batch rows independent) with every `jax.vmap` around it folded into that axis.
+
+    Pallas would batch a call itself by one more grid axis, but only while the
+    scalar-prefetch lengths are not mapped; mapped ones (per-example lengths) make it
+    run one kernel per entry in a serial loop. The batch is already a parallel grid
+    axis: a (V, B, ...) operand is read as (V * B, ...), one launch for any vmap, and
+    the reshape is free (the layout transposition copies the operands anyway). An
+    operand the vmap does not map (shared keys, default lengths) is broadcast.
+    """
+    folded = jax.custom_batching.custom_vmap(lambda *args: tuple(kernel(*args)))
+
+    @folded.def_vmap
+    def _fold(axis_size: int, in_batched: list[bool], *args: jax.Array
+              ) -> tuple[tuple[jax.Array, ...], tuple[bool, ...]]:
+        args = tuple(x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+                     for x, batched in zip(args, in_batched, strict=True))
+        outs = folded(*(x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in args))
+        return (tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs),
+                (True,) * len(outs))
+
+    return folded
 
 
 def kernel_spec(arguments: dict[str, Any], seq_q: int, seq_k: int) -> KernelSpec:

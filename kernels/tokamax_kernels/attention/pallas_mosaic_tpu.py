@@ -2,7 +2,8 @@
 
 Causal or not, GQA/MQA, cross attention, query and key/value sequence lengths, local
 windows and soft cap; bf16 and f32; head dims up to 256. No bias or mask (those
-calls fall back). The kernel is `_mosaic_tpu_fwd_kernel.py`, the gradient
+calls fall back). Under `jax.vmap` the mapped axes fold into the kernel's batch axis
+(`_mosaic_tpu_common.batch_folded`). The kernel is `_mosaic_tpu_fwd_kernel.py`, the gradient
 `pallas_mosaic_tpu_vjp.py`. `PallasMosaicTpuAttention` is the same class under the
 name the Tokamax documents use. Nothing here has been timed on a TPU: the block
 sizes follow the generation's MXU width, and `implementation=None` runs this kernel
@@ -12,6 +13,7 @@ only where a measurement on a TPU shows it faster than the XLA path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -56,13 +58,14 @@ class PallasMosaicTpuFlashAttention(MosaicTpuKernel, DotProductAttention):
                          key_value_seq_lengths=key_value_seq_lengths)
         blocks = config.clamped(seq_q, seq_k)
         pad_q, pad_k = round_up(seq_q, blocks.block_q), round_up(seq_k, blocks.block_k)
-        out, lse = flash_attention_forward(
+        kernel = functools.partial(
+            flash_attention_forward, spec=tpu.kernel_spec(arguments, seq_q, seq_k),
+            block_q=blocks.block_q, block_k=blocks.block_k, interpret=self.pallas_interpret())
+        out, lse = tpu.batch_folded(kernel)(
             tpu.to_kernel_layout(query, pad_q), tpu.to_kernel_layout(key, pad_k),
             tpu.to_kernel_layout(value, pad_k),
             tpu.lengths(query_seq_lengths, batch, seq_q),
-            tpu.lengths(key_value_seq_lengths, batch, seq_k),
-            spec=tpu.kernel_spec(arguments, seq_q, seq_k), block_q=blocks.block_q,
-            block_k=blocks.block_k, interpret=self.pallas_interpret())
+            tpu.lengths(key_value_seq_lengths, batch, seq_k))
         out = tpu.from_kernel_layout(out, seq_q)
         return out, ((lse[:, :, :seq_q, 0],) if return_residuals else None)
 

@@ -4,12 +4,14 @@ It takes the family's residuals `(lse,)` with the forward's `out` and the cotang
 `dout` (and, where lse was an output, its cotangent in `delta`) and returns dq, dk and
 dv from two kernels (`_mosaic_tpu_bwd_kernels.py`): dK/dV over key blocks (summing a
 GQA group's query heads) and dQ over query blocks.
-Same inputs as the forward kernel (no bias or mask); any forward's residuals work.
+Same inputs as the forward kernel (no bias or mask), `jax.vmap` folded into the kernels'
+batch axis as there; any forward's residuals work.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -69,13 +71,14 @@ class PallasMosaicTpuFlashAttentionVjp(MosaicTpuKernel, DotProductAttentionVjp):
         empty = ~jnp.isfinite(lse) | (jnp.arange(seq_q)[None, None, :] >= q_len[:, None, None])
         lse2 = _pad_rows(jnp.where(empty, jnp.inf, lse * LOG2E), pad_q, jnp.inf)
         delta = _pad_rows(jnp.where(empty, 0.0, delta), pad_q, 0.0)
-        dq, dk, dv = flash_attention_backward(
+        kernels = functools.partial(
+            flash_attention_backward, spec=tpu.kernel_spec(statics, seq_q, seq_k),
+            block_q=blocks.block_q, block_k=blocks.block_k, interpret=self.pallas_interpret())
+        dq, dk, dv = tpu.batch_folded(kernels)(
             tpu.to_kernel_layout(query, pad_q), tpu.to_kernel_layout(key, pad_k),
             tpu.to_kernel_layout(value, pad_k),
             tpu.to_kernel_layout(dout.astype(query.dtype), pad_q), lse2, delta, q_len,
-            tpu.lengths(statics["key_value_seq_lengths"], batch, seq_k),
-            spec=tpu.kernel_spec(statics, seq_q, seq_k), block_q=blocks.block_q,
-            block_k=blocks.block_k, interpret=self.pallas_interpret())
+            tpu.lengths(statics["key_value_seq_lengths"], batch, seq_k))
         return {"query": tpu.from_kernel_layout(dq, seq_q),
                 "key": tpu.from_kernel_layout(dk, seq_k),
                 "value": tpu.from_kernel_layout(dv, seq_k)}, None

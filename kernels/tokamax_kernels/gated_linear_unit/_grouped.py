@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax_kernels import _validation as v
+from tokamax_kernels.ragged_dot.base import xla_ragged_dot
 from tokamax_pass.core import Op
 
 _OP = "gated_linear_unit"
@@ -100,9 +101,11 @@ def grouped_forward(x: jax.Array, weights: Any, group_sizes: jax.Array, *,
                     ) -> tuple[jax.Array, Any]:
     """`(out, residuals)` by `jax.lax.ragged_dot`, as the plain expression computes them:
     one (G, K, 2N) ragged dot for fused weights (two for a pair), then the activation in
-    float32, cast back to x's dtype."""
+    float32, cast back to x's dtype. The ragged dots are the `ragged_dot` family's XLA
+    form, which runs under `jax.vmap` (JAX batches `jax.lax.ragged_dot` only when every
+    operand is mapped)."""
     def ragged_dot(w: jax.Array) -> jax.Array:
-        return jax.lax.ragged_dot(x, w, group_sizes, precision=precision)
+        return xla_ragged_dot("forward", precision, None)(x, w, group_sizes)
 
     if isinstance(weights, tuple):
         gate, up = ragged_dot(weights[0]), ragged_dot(weights[1])

@@ -14,6 +14,9 @@ block. The tiles that share a row block are consecutive, so the block (which sta
 VMEM while its index does not change) collects all of them before it is written back.
 Tail rows are written as zeros: their tile never touches the MXU.
 
+With (E, G) `group_sizes` the call runs E entries of M / E rows at once, the weights
+(R * G, ...) shared (R = 1) or per entry (R = E), as the ragged dot's `row_tiles` says.
+
 With `residuals` (a differentiated call) the epilogue also writes the gate and up
 pre-activations in x's dtype, the residuals the family's gradient reads, as two (M, N)
 arrays. The column axis alone is "parallel": work tiles share output blocks.
@@ -84,13 +87,14 @@ def grouped_glu_forward(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     `w_gate` and `w_up` are (G, K, N) arrays, or both the (G, K, 2N) view of fused
     weights with `up_offset` = N (the column where the up half starts; 0 for a pair).
     `block_k` divides K and `block_n` divides N (the caller checks); `group_sizes` is
-    int32."""
+    int32, (G,) or (E, G) (entries, above)."""
     m, k = x.shape
     g = w_gate.shape[0]
     n = w_gate.shape[2] - up_offset
     steps = k // block_k
     up_blocks = up_offset // block_n
-    tiles = row_tiles(group_sizes, m, block_m)
+    sizes = jnp.atleast_2d(group_sizes)
+    tiles = row_tiles(sizes, m // sizes.shape[0], block_m, g // sizes.shape[1])
 
     def weight_spec(offset: int) -> pl.BlockSpec:
         # The tail group (G) reads group G - 1's tile: the block does not move, no DMA.

@@ -104,9 +104,11 @@ class GatedLinearUnit(Op[NullConfig]):
     weights) and the same float32 activation; the gradient is `GatedLinearUnitVjp`'s.
     """
 
-    # Whether an implementation computes grouped calls (`group_sizes`). The XLA
-    # reference (this class) always does; a kernel says so here.
+    # Whether an implementation computes grouped calls (`group_sizes`), and whether it
+    # does so under `jax.vmap`. The XLA reference (this class) always does; a kernel
+    # says so here.
     grouped: ClassVar[bool] = False
+    grouped_under_vmap: ClassVar[bool] = False
 
     def kernel_margin_for(self, ba: BoundArguments) -> float:
         """Half, for a dense call: the XLA gradient reruns the products, which XLA merges
@@ -134,8 +136,10 @@ class GatedLinearUnit(Op[NullConfig]):
             raise NotImplementedError(
                 f"{type(self).__name__} has no grouped form (group_sizes); use "
                 "implementation='xla', 'mosaic_gpu' or, on a TPU, 'mosaic_tpu'")
-        if ba.vmap:
-            raise NotImplementedError("the grouped gated linear unit does not support jax.vmap")
+        if ba.vmap and not (self.grouped_under_vmap or type(self) is GatedLinearUnit):
+            raise NotImplementedError(
+                f"{type(self).__name__} does not run grouped calls (group_sizes) under "
+                "jax.vmap; use implementation='xla' or, on a TPU, 'mosaic_tpu'")
 
     def bind(self, x: Any, weights: Any, *, group_sizes: Any = None,
              activation: Callable[[Any], Any] | None = None,
@@ -227,8 +231,6 @@ class GatedLinearUnitVjp(VjpOp):
         evidence = self.evidence_calls(ba)
         if evidence is None:
             return
-        if ba.vmap:
-            raise NotImplementedError("the grouped gated linear unit does not support jax.vmap")
         if ba.arguments["residuals"] is None:
             raise NotImplementedError(
                 "the grouped gated-linear-unit gradient needs the forward's residuals")

@@ -8,6 +8,11 @@ into rows, checks what the kernels take, and picks their tiles per TPU generatio
 the generation's VMEM budget, MXU width, peak rate and HBM bandwidth
 (`tokamax_kernels._pallas_tpu`); one `Config` and one roofline serve both.
 
+Under `jax.vmap`: Pallas batches the dense kernel itself (one more, parallel, grid axis;
+it has no scalar-prefetch operand, and mapped weights are read per entry in place); the
+grouped kernel's mapped axes fold into its entries (`entry_folded`, as the TPU ragged
+dot's), one launch whose work list covers every entry's groups.
+
 The gradient is the family's XLA `GatedLinearUnitVjp` (the base class's default). For a
 dense call it recomputes the two products from x and the weights: like every dense
 implementation of the family this forward keeps no residuals, so any forward pairs with
@@ -48,6 +53,7 @@ from tokamax_kernels.gated_linear_unit._mosaic_tpu_kernel import (
     vmem_bytes,
 )
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
+from tokamax_kernels.ragged_dot.pallas_mosaic_tpu_kernels import entry_folded
 from tokamax_pass.core import BoundArguments, Target
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -168,11 +174,10 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
 
     config_cls: ClassVar[type] = Config
     grouped: ClassVar[bool] = True
+    grouped_under_vmap: ClassVar[bool] = True
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
-        if ba.vmap:
-            raise NotImplementedError("the Mosaic TPU GLU does not support jax.vmap")
         x, weights = ba.arguments["x"], ba.arguments["weights"]
         parts = weights if isinstance(weights, tuple) else (weights,)
         dtype = jnp.dtype(x.dtype)
@@ -225,10 +230,23 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
         problem = _Problem(m, k, w_gate.shape[2] - up_offset, jnp.dtype(x.dtype).itemsize,
                            group_sizes.shape[0])
         block_m, block_n, block_k = problem.blocks(config)
-        out, *pre = grouped_glu_forward(
-            x, w_gate, w_up, group_sizes.astype(jnp.int32), up_offset=up_offset,
-            activation=activation, residuals=residuals, block_m=block_m, block_n=block_n,
-            block_k=block_k, interpret=self.pallas_interpret())
+
+        def entries(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array
+                    ) -> tuple[jax.Array, ...]:
+            rows = block_m
+            if sizes.shape[0] > 1 and block_m == m and m % _ROW_ALIGN:
+                # A block of one entry's M rows is no legal block of E * M rows: whole
+                # sublane groups instead (as the ragged dot's row blocks always are).
+                rows = -(-m // _ROW_ALIGN) * _ROW_ALIGN
+            outs = grouped_glu_forward(
+                x.reshape(-1, k), *(w.reshape(-1, *w.shape[2:]) for w in (w_gate, w_up)),
+                sizes, up_offset=up_offset, activation=activation, residuals=residuals,
+                block_m=rows, block_n=block_n, block_k=block_k,
+                interpret=self.pallas_interpret())
+            return tuple(o.reshape(sizes.shape[0], m, -1) for o in outs)
+
+        out, *pre = (o[0] for o in entry_folded(entries, 2)(
+            x[None], group_sizes.astype(jnp.int32)[None], w_gate[None], w_up[None]))
         if not residuals:
             return out, None
         return out, tuple(pre) if isinstance(weights, tuple) else jnp.concatenate(pre, 1)

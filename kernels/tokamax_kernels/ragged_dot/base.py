@@ -87,7 +87,7 @@ def _check_concrete_group_sizes(group_sizes: Any, m: int) -> None:
 
 
 @functools.cache
-def _xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any) -> Callable:
+def xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any) -> Callable:
     """`jax.lax.ragged_dot_general` for `variant`, with batching and gradient rules of its own.
 
     JAX batches a ragged dot only when all three operands carry the batch axis, so
@@ -134,7 +134,7 @@ def _xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any) -
         calls = _gradient_calls(dout=dout, lhs=lhs, rhs=rhs, group_sizes=group_sizes,
                                 precision=precision, variant=variant)
         dlhs, drhs = (
-            _xla_ragged_dot(kw["variant"], kw["precision"], kw["preferred_element_type"])(*args)
+            xla_ragged_dot(kw["variant"], kw["precision"], kw["preferred_element_type"])(*args)
             for args, kw in (calls["lhs"], calls["rhs"])
         )
         return dlhs, drhs, None
@@ -199,7 +199,7 @@ class RaggedDot(Op[NullConfig]):
     def _fwd(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, precision: Any,
              preferred_element_type: Any, variant: str, config: NullConfig,
              return_residuals: bool) -> tuple[jax.Array, None]:
-        return _xla_ragged_dot(variant, precision, preferred_element_type)(
+        return xla_ragged_dot(variant, precision, preferred_element_type)(
             lhs, rhs, group_sizes), None
 
     def _default_vjp(self) -> Op:

@@ -2,7 +2,9 @@
 
 The kernels are in `pallas_mosaic_tpu_kernels.py`; this module checks what they
 take, and picks their tiles per TPU generation (`tokamax_kernels._pallas_tpu`). The
-gradient is `RaggedDotVjp`, which calls this op again for the dlhs and drhs.
+gradient is `RaggedDotVjp`, which calls this op again for the dlhs and drhs. Under
+`jax.vmap` the mapped axes fold into the kernels' entries (`entry_folded`): one launch
+whose work list covers every entry's groups.
 Nothing here has been timed on a TPU: the heuristics follow the generations' public
 VMEM and MXU sizes, and `implementation=None` uses these kernels only where a
 measurement on a TPU shows them faster than `jax.lax.ragged_dot`.
@@ -20,7 +22,11 @@ import jax.numpy as jnp
 from tokamax_kernels import _pallas_tpu
 from tokamax_kernels._pallas_tpu import MosaicTpuKernel, lane_block
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
-from tokamax_kernels.ragged_dot.pallas_mosaic_tpu_kernels import ragged_dot_drhs, ragged_dot_rows
+from tokamax_kernels.ragged_dot.pallas_mosaic_tpu_kernels import (
+    entry_folded,
+    ragged_dot_drhs,
+    ragged_dot_rows,
+)
 from tokamax_pass.core import BoundArguments, Op, Target
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -61,6 +67,11 @@ def _problem(lhs: Any, rhs: Any, variant: str) -> tuple[int, int, int]:
     return lhs.shape[0], lhs.shape[1], rhs.shape[2 if variant == "forward" else 1]
 
 
+def _rows(x: jax.Array) -> jax.Array:
+    """(E, M, C) entries -> their (E * M, C) rows."""
+    return x.reshape(-1, x.shape[-1])
+
+
 def _vmem_bytes(config: Config, rows: int, contraction: int, columns: int, variant: str,
                 itemsize: int) -> int:
     """VMEM of the double-buffered input blocks, the output block and the accumulator."""
@@ -94,8 +105,6 @@ class PallasMosaicTpuRaggedDot(MosaicTpuKernel, RaggedDot):
         super().check_supported(ba, target)
         args = ba.arguments
         lhs, rhs, variant = args["lhs"], args["rhs"], args["variant"]
-        if ba.vmap:
-            raise NotImplementedError("the Mosaic TPU ragged dot does not support jax.vmap")
         dtype = jnp.dtype(lhs.dtype)
         if dtype not in _DTYPES or jnp.dtype(rhs.dtype) != dtype:
             raise NotImplementedError(
@@ -126,9 +135,22 @@ class PallasMosaicTpuRaggedDot(MosaicTpuKernel, RaggedDot):
                       interpret=self.pallas_interpret())
         group_sizes = group_sizes.astype(jnp.int32)
         if variant == "drhs":
-            return ragged_dot_drhs(lhs, rhs, group_sizes, out_dtype=out_dtype, **blocks), None
-        return ragged_dot_rows(lhs, rhs, group_sizes, transpose_rhs=variant == "dlhs",
-                               out_dtype=out_dtype, **blocks), None
+            def drhs(lhs: jax.Array, dout: jax.Array, sizes: jax.Array) -> tuple[jax.Array]:
+                out = ragged_dot_drhs(_rows(lhs), _rows(dout), sizes, out_dtype=out_dtype,
+                                      **blocks)
+                return (out.reshape(sizes.shape[0], -1, *out.shape[1:]),)
+
+            (out,) = entry_folded(drhs, 0)(lhs[None], rhs[None], group_sizes[None])
+            return out[0], None
+
+        def rows(lhs: jax.Array, sizes: jax.Array, rhs: jax.Array) -> tuple[jax.Array]:
+            out = ragged_dot_rows(_rows(lhs), rhs.reshape(-1, *rhs.shape[2:]), sizes,
+                                  transpose_rhs=variant == "dlhs", out_dtype=out_dtype,
+                                  **blocks)
+            return (out.reshape(sizes.shape[0], -1, out.shape[1]),)
+
+        (out,) = entry_folded(rows, 1)(lhs[None], group_sizes[None], rhs[None])
+        return out[0], None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
         """Tiles two MXUs wide (256 on v4/v5, 512 on v6e: each weight tile feeds the MXU

@@ -17,11 +17,19 @@ per group (an empty group gets one with no rows, so its output block is written 
 zeros). The grid is (K tiles, N tiles, work tiles): a group's tiles are consecutive and
 accumulate `x^T @ dy` over its rows (other rows masked to zero) into the group's output
 block. Each output tile has one owner and a fixed order: results are deterministic.
+
+Entries (how `jax.vmap` runs, `entry_folded`): `group_sizes` may be (E, G), E problems
+of M rows each stacked into E * M rows, group g of entry e at rows from e * M. The work
+lists then run over all E * (G + 1) row ranges at once (each entry's rows past its sum
+are a tail range of their own), so one launch does every entry. The forward/dlhs
+weights hold R * G matrices, R = 1 (every entry reads the same G) or E (entry e reads
+`rhs[e * G:(e + 1) * G]`); drhs writes E * G matrices.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -33,9 +41,12 @@ from tokamax_kernels._pallas_tpu import compiler_params
 
 
 def _bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
-    """Start and end rows of each group, clipped to the M rows."""
-    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
+    """(E, G) start and end rows of each group of each entry (entry e's M rows from
+    e * M), clipped to its entry's rows."""
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32), axis=1), m)
+    starts = jnp.concatenate([jnp.zeros_like(ends[:, :1]), ends[:, :-1]], axis=1)
+    offsets = m * jnp.arange(ends.shape[0], dtype=jnp.int32)[:, None]
+    return starts + offsets, ends + offsets
 
 
 def _tiles(starts: jax.Array, ends: jax.Array, count: jax.Array, m: int,
@@ -53,28 +64,41 @@ def _tiles(starts: jax.Array, ends: jax.Array, count: jax.Array, m: int,
     return group.astype(jnp.int32), block, lo, hi, t < last[-1]
 
 
-def row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
-    """(4, T) int32 work list of the forward/dlhs kernel: group (G = the zero tail), row
-    block, and the group's rows `[lo, hi)` in it. Unused entries at the end repeat the
-    last row block with no rows, so they neither move nor change the output block."""
-    g = group_sizes.shape[0]
-    starts, ends = _bounds(group_sizes, m)
-    starts = jnp.append(starts, ends[-1])
-    ends = jnp.append(ends, m)
+def row_tiles(group_sizes: jax.Array, m: int, block_m: int, rhs_entries: int = 1
+              ) -> jax.Array:
+    """(4, T) int32 work list of the forward/dlhs kernel over `group_sizes` (G,) or (E, G)
+    (entries of `m` rows each): the weight matrix (`R * G` marks a tail: no matrix, the
+    rows stay zero), the row block, and the range's rows `[lo, hi)` in it; entry e's
+    group g reads matrix `(e % rhs_entries) * G + g`. Unused entries at the end repeat
+    the last row block with no rows, so they neither move nor change the output block."""
+    sizes = jnp.atleast_2d(group_sizes)
+    e, g = sizes.shape
+    starts, ends = _bounds(sizes, m)
+    entry_ends = m * jnp.arange(1, e + 1, dtype=jnp.int32)[:, None]
+    starts = jnp.concatenate([starts, ends[:, -1:]], axis=1).reshape(-1)
+    ends = jnp.concatenate([ends, entry_ends], axis=1).reshape(-1)
+    tail = rhs_entries * g
+    matrix = (jnp.arange(e, dtype=jnp.int32)[:, None] % rhs_entries) * g + jnp.arange(g)
+    matrix = jnp.concatenate([matrix, jnp.full((e, 1), tail, jnp.int32)], axis=1).reshape(-1)
+    rows = e * m
     count = jnp.where(ends > starts, pl.cdiv(ends, block_m) - starts // block_m, 0)
-    group, block, lo, hi, valid = _tiles(starts, ends, count, m, block_m)
-    last_block = pl.cdiv(m, block_m) - 1
-    return jnp.stack([jnp.where(valid, group, g), jnp.where(valid, block, last_block),
+    ranges, block, lo, hi, valid = _tiles(starts, ends, count, rows, block_m)
+    last_block = pl.cdiv(rows, block_m) - 1
+    return jnp.stack([jnp.where(valid, matrix[ranges], tail),
+                      jnp.where(valid, block, last_block),
                       jnp.where(valid, lo, 0), jnp.where(valid, hi, 0)]).astype(jnp.int32)
 
 
 def group_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
-    """(6, T) int32 work list of the drhs kernel: group, row block, rows `[lo, hi)`, and
-    whether the entry is its group's first and last. Every group has at least one entry;
-    unused entries at the end extend the last group with no rows."""
-    starts, ends = _bounds(group_sizes, m)
+    """(6, T) int32 work list of the drhs kernel over `group_sizes` (G,) or (E, G)
+    (entries of `m` rows each; entry e's group g is output matrix e * G + g): group, row
+    block, rows `[lo, hi)`, and whether the entry is its group's first and last. Every
+    group has at least one entry; unused entries at the end extend the last group with
+    no rows."""
+    sizes = jnp.atleast_2d(group_sizes)
+    starts, ends = (x.reshape(-1) for x in _bounds(sizes, m))
     count = jnp.where(ends > starts, pl.cdiv(ends, block_m) - starts // block_m, 1)
-    group, block, lo, hi, valid = _tiles(starts, ends, count, m, block_m)
+    group, block, lo, hi, valid = _tiles(starts, ends, count, sizes.shape[0] * m, block_m)
     last_valid = jnp.sum(count) - 1
     block = jnp.where(valid, block, block[last_valid])
     lo, hi = jnp.where(valid, lo, 0), jnp.where(valid, hi, 0)
@@ -115,12 +139,14 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                     transpose_rhs: bool, out_dtype: Any, block_m: int, block_k: int,
                     block_n: int, interpret: Any) -> jax.Array:
     """forward (`rhs` (G, K, N)) or dlhs (`transpose_rhs`: `rhs` (G, N, K) contracted on
-    its last axis): (M, C) rows times their group's matrix, `block_k` dividing C."""
+    its last axis): (M, C) rows times their group's matrix, `block_k` dividing C. With
+    (E, G) `group_sizes`: E entries of M / E rows, `rhs` (R * G, ...) (see above)."""
     m, c = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     steps = c // block_k
-    tiles = row_tiles(group_sizes, m, block_m)
+    sizes = jnp.atleast_2d(group_sizes)
+    tiles = row_tiles(sizes, m // sizes.shape[0], block_m, g // sizes.shape[1])
 
     def rhs_index(j: Any, t: Any, kk: Any, tiles: Any) -> tuple[Any, ...]:
         group = jnp.minimum(tiles[0, t], g - 1)
@@ -176,9 +202,12 @@ def _drhs_kernel(tiles_ref, lhs_ref, dout_ref, out_ref, acc_ref) -> None:
 
 def ragged_dot_drhs(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype: Any,
                     block_m: int, block_k: int, block_n: int, interpret: Any) -> jax.Array:
-    """(G, K, N): `lhs[rows of g]^T @ dout[rows of g]` for `lhs` (M, K), `dout` (M, N)."""
-    (m, k), n, g = lhs.shape, dout.shape[1], group_sizes.shape[0]
-    tiles = group_tiles(group_sizes, m, block_m)
+    """(G, K, N): `lhs[rows of g]^T @ dout[rows of g]` for `lhs` (M, K), `dout` (M, N);
+    (E * G, K, N) for (E, G) `group_sizes` (E entries of M / E rows)."""
+    (m, k), n = lhs.shape, dout.shape[1]
+    sizes = jnp.atleast_2d(group_sizes)
+    g = sizes.size
+    tiles = group_tiles(sizes, m // sizes.shape[0], block_m)
     itemsize = jnp.dtype(lhs.dtype).itemsize
     vmem = (2 * block_m * (block_k + block_n) * itemsize
             + block_k * block_n * (2 * jnp.dtype(out_dtype).itemsize + 4))
@@ -198,3 +227,41 @@ def ragged_dot_drhs(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, 
         interpret=interpret,
         name="tokamax_ragged_dot_drhs",
     )(tiles, lhs, dout)
+
+
+def entry_folded(fn: Callable[..., Any], num_weights: int) -> Callable[..., tuple[Any, ...]]:
+    """`fn(*rows, *weights)` of entries (above) with every `jax.vmap` around it folded into
+    the entries: `rows` (group sizes among them) are (E, ...), the last `num_weights`
+    operands (R, ...) with R 1 or E, and each output is (E, ...).
+
+    Pallas would batch a `pallas_call` itself by one more grid axis, but not over mapped
+    scalar-prefetch operands (the work list, from the group sizes): for those it runs one
+    kernel per entry in a serial loop. Folded, a vmap of size V is one launch over V * E
+    entries whose work list skips each entry's rows past its sum (no padding group's
+    GEMMs) and whose weights are read in place when the vmap does not map them (R stays
+    1: no copy per entry). An unmapped row operand is broadcast; so are the weights when
+    only some of them are mapped, or when they are mapped but shared by E > 1 entries.
+    """
+    folded = jax.custom_batching.custom_vmap(lambda *args: tuple(fn(*args)))
+
+    @folded.def_vmap
+    def _fold(axis_size: int, in_batched: list[bool], *args: jax.Array
+              ) -> tuple[tuple[jax.Array, ...], tuple[bool, ...]]:
+        def mapped(x: jax.Array, batched: bool) -> jax.Array:
+            return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+
+        split = len(args) - num_weights
+        rows = [mapped(x, b) for x, b in zip(args[:split], in_batched[:split], strict=True)]
+        entries = rows[0].shape[1]
+        weights, weights_batched = list(args[split:]), any(in_batched[split:])
+        if weights_batched:
+            weights = [mapped(x, b) for x, b in zip(weights, in_batched[split:], strict=True)]
+            weights = [jnp.broadcast_to(x, (axis_size, entries, *x.shape[2:]))
+                       for x in weights]
+        operands = [x.reshape(-1, *x.shape[2:]) for x in rows]
+        operands += [x.reshape(-1, *x.shape[2:]) for x in weights] if weights_batched else weights
+        outs = folded(*operands)
+        return (tuple(o.reshape(axis_size, entries, *o.shape[1:]) for o in outs),
+                (True,) * len(outs))
+
+    return folded
