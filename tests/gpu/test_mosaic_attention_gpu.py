@@ -395,3 +395,49 @@ def test_group_in_block_matches_reference(shape, wgs, causal, window, lengths):
         assert_close(got, ref, jnp.bfloat16), name
     again = step(q, k, v, do, key_value_seq_lengths=kv_lengths)
     assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
+
+
+@functools.cache
+def _longest_first_fwd_bwd(longest_first, block_kv, fwd_wgs, vjp_wgs, window):
+    """Causal forward and gradients with the query blocks launched last to first (or, as
+    the control, in grid order: the same tiles)."""
+    op = PallasMosaicGpuFlashAttention(
+        config=MosaicAttentionConfig(block_kv=block_kv, compute_wgs=fwd_wgs,
+                                     longest_first=longest_first),
+        vjp=PallasMosaicGpuFlashAttentionVjp(config=MosaicAttentionVjpConfig(
+            compute_wgs=vjp_wgs, longest_first=longest_first)))
+
+    def f(q, k, v, do, key_value_seq_lengths=None):
+        out, pullback = jax.vjp(lambda q, k, v: dot_product_attention(
+            q, k, v, is_causal=True, implementation=op, local_window_size=window,
+            key_value_seq_lengths=key_value_seq_lengths), q, k, v)
+        return (out, *pullback(do))
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("shape, block_kv, fwd_wgs, vjp_wgs, window, lengths", [
+    pytest.param((2, 1024, 1024, 8, 2, 128), 128, 2, 2, None, None, id="gqa-d128"),
+    pytest.param((2, 1024, 512, 4, 4, 64), 128, 2, 1, None, None, id="more-queries-d64"),
+    pytest.param((2, 512, 1024, 4, 1, 128), 128, 1, 2, None, None, id="more-keys-mqa-d128"),
+    pytest.param((2, 512, 512, 4, 2, 256), 64, 1, 2, None, None, id="gqa-d256-split-dq"),
+    pytest.param((2, 1024, 1024, 4, 2, 64), 64, 2, 1, (200, 0), None, id="window-d64"),
+    pytest.param((2, 512, 512, 4, 2, 128), 128, 2, 2, None, (300, 77), id="key-lengths"),
+])
+def test_longest_first_matches_reference(shape, block_kv, fwd_wgs, vjp_wgs, window, lengths):
+    """Causal query blocks launched last to first: out and gradients against the float32
+    reference, bitwise equal to the grid order's (each block's work is the same whenever
+    it runs) and to a rerun."""
+    q, k, v, do = _inputs(*shape)
+    kv_lengths = None if lengths is None else jnp.array(lengths, jnp.int32)
+    config = (block_kv, fwd_wgs, vjp_wgs, window)
+    step = _longest_first_fwd_bwd(True, *config)
+    results = step(q, k, v, do, key_value_seq_lengths=kv_lengths)
+    want = _reference(q, k, v, do, True, local_window_size=window,
+                      key_value_seq_lengths=kv_lengths)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), results, want, strict=True):
+        assert_close(got, ref, jnp.bfloat16), name
+    in_grid_order = _longest_first_fwd_bwd(False, *config)(q, k, v, do,
+                                                            key_value_seq_lengths=kv_lengths)
+    assert all(np.array_equal(a, b) for a, b in zip(results, in_grid_order, strict=True))
+    again = step(q, k, v, do, key_value_seq_lengths=kv_lengths)
+    assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))

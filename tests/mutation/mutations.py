@@ -302,6 +302,16 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_interpreted_overlap_matches_reference",),
     ),
     Mutation(
+        "the longest-first attention forward masks its scores by the grid's query index,"
+        " not the reversed one its tiles were loaded by",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
+        "s = mask_scores(s, q_base, step * block_kv,",
+        "s = mask_scores(s, q_base + (lax.axis_index('q') - qi) * (wgs * block_q),"
+        " step * block_kv,",
+        ("tests/test_mosaic_attention_longest_first.py::"
+         "test_kernels_match_the_ascending_order_bitwise",),
+    ),
+    Mutation(
         "unmeasured, cuDNN attention runs even the tiny calls where it lost to XLA",
         "kernels/tokamax_kernels/attention/cudnn.py",
         "return scores <= TINY_SCORE_ELEMENTS and head_dim >= TINY_MIN_HEAD_DIM",

@@ -39,6 +39,7 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     MEMORY_REGISTERS,
     MosaicAttentionVjpConfig,
     mask_scores,
+    query_block,
     splits_head_dim,
     tile_transforms,
 )
@@ -88,13 +89,15 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
     qk_scale = scale * LOG2E
     has_lengths = kv_lengths is not None
     num_kv_blocks = seq_kv // block_kv
+    num_q_blocks = seq_q // block_rows
 
     def body(*refs):
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
         lengths_ref = refs.pop(0) if has_lengths else None
         (dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
          row_ready, k_ready, v_ready, consumed, *written) = refs
-        b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
+        b, h = lax.axis_index("batch"), lax.axis_index("heads")
+        qi = query_block(num_q_blocks, config.longest_first and causal)
         wg = lax.axis_index("wg")
         kv_len = lengths_ref[b] if has_lengths else None
 
@@ -249,7 +252,7 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
         body,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
         scratch_types=scratch,
-        grid=(heads, seq_q // block_rows, batch),
+        grid=(heads, num_q_blocks, batch),
         grid_names=("heads", "q", "batch"),
         num_threads=wgs + 1,
         thread_name="wg",

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
+from jax import lax
 
 from tokamax_kernels._triton import sm_count
 from tokamax_kernels.attention import _window
@@ -70,6 +71,10 @@ class MosaicAttentionConfig:
         next tile's Q K^T with the previous tile's P V before its softmax, so a
         warpgroup's softmax also overlaps its own matmuls (one more score tile of
         registers). Not with a local window or key lengths (`OVERLAP_LIMITS`).
+      longest_first: causal calls launch the query blocks last to first
+        (`query_block`), so the blocks with the most K/V tiles start first and the
+        short ones fill the tail (FlashAttention-3's order); a no-op without a causal
+        mask.
     """
 
     block_q: int = 64
@@ -77,11 +82,13 @@ class MosaicAttentionConfig:
     num_stages: int = 2
     compute_wgs: int = 2
     softmax_overlap: bool = False
+    longest_first: bool = False
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_q, self.block_kv, self.num_stages, self.compute_wgs)
         if not isinstance(self.softmax_overlap, bool):
             raise ValueError(f"softmax_overlap must be a bool, got {self.softmax_overlap!r}")
+        _check_bool("longest_first", self.longest_first)
 
 
 OVERLAP_LIMITS = ("the Mosaic attention forward's softmax_overlap takes no local window and "
@@ -109,7 +116,12 @@ class MosaicAttentionVjpConfig:
     separate dq kernel): the dk/dv grid runs over K/V heads, each block walking the query
     tiles of every query head of its group and writing (B, Sk, Hkv, D) directly, instead
     of a block per query head and a float32 sum of the group's shares after the kernel
-    (a no-op when every K/V head has one query head)."""
+    (a no-op when every K/V head has one query head). `longest_first` (causal calls,
+    the separate dq kernel): the dq kernel launches its query blocks last to first
+    (`query_block`), the longest first; the dk/dv kernel already does (key block `ki`
+    walks the query tiles from `ki` on, so ascending `ki` is longest first), and with a
+    fused `dq_accumulation` there is no dq kernel: a no-op there and without a causal
+    mask."""
 
     block_q_dq: int = 64
     block_kv_dq: int = 64
@@ -120,6 +132,7 @@ class MosaicAttentionVjpConfig:
     dq_accumulation: str = "separate"
     dq_split: str = "columns"
     group_in_block: bool = False
+    longest_first: bool = False
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_q_dq, self.block_kv_dq, self.num_stages, self.compute_wgs)
@@ -139,6 +152,7 @@ class MosaicAttentionVjpConfig:
                 f"group_in_block runs with the separate dq kernel only, not with "
                 f"dq_accumulation={self.dq_accumulation!r} (its dq adds are per query "
                 f"head): set dq_accumulation='separate' or group_in_block=False")
+        _check_bool("longest_first", self.longest_first)
 
     @property
     def fused(self) -> bool:
@@ -155,6 +169,31 @@ def deterministic_ops_forced() -> bool:
         if name == "--xla_gpu_deterministic_ops":
             return value.lower() in ("", "true", "1")
     return False
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def query_block(num_q_blocks: int, longest_first: bool) -> Any:
+    """The query block a kernel block owns: the grid's "q" index, or with `longest_first`
+    (the caller passes it only for causal calls) that index reversed.
+
+    Under a causal mask query block `i` sees `i`-proportional K/V tiles (a causal
+    window's tiles grow with `i` until the window is full, never shrink; key lengths
+    cap them alike), so ascending order launches the shortest blocks first and the
+    longest may run alone at the end. The hardware hands out blocks roughly in linear
+    block-id order, x fastest: the grids are (heads, q, batch), so reversing the index
+    runs every batch element's blocks longest first and the whole grid ends on the
+    shortest blocks of the last one. The grid keeps its shape rather than putting the
+    q axis outermost (one global longest-first order): that would scatter the blocks
+    running together over every (batch, head), where now they share a head's K/V in
+    L2, and only the tail's order matters to a greedy scheduler. Without a causal
+    mask every block walks the same tiles (a non-causal window's blocks grow and then
+    shrink), so the order stays as it is and the traced program is unchanged."""
+    qi = lax.axis_index("q")
+    return num_q_blocks - 1 - qi if longest_first else qi
 
 
 def _check_tiles(rows: int, streamed: int, stages: int, wgs: int) -> None:

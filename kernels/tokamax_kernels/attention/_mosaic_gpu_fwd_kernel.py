@@ -24,6 +24,7 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     OVERLAP_LIMITS,
     MosaicAttentionConfig,
     mask_scores,
+    query_block,
     tile_transforms,
 )
 
@@ -52,6 +53,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
     block_q, block_kv, wgs = config.block_q, config.block_kv, config.compute_wgs
     stages = max(1, min(config.num_stages, seq_kv // block_kv))
     num_kv_blocks = seq_kv // block_kv
+    num_q_blocks = seq_q // (wgs * block_q)
     qk_scale = scale * LOG2E  # scores are kept in log2 units: exp2 is one instruction
     if soft_cap is not None:
         # The capped score in log2 units is (cap * log2 e) * tanh(qk * scale / cap): the
@@ -72,7 +74,8 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready,
          k_consumed, v_consumed, schedule, *p_smem) = refs
         p_smem = p_smem[0] if p_smem else None  # overlapped: each warpgroup's last P
-        b, h, qi = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q")
+        b, h = lax.axis_index("batch"), lax.axis_index("heads")
+        qi = query_block(num_q_blocks, config.longest_first and causal)
         wg = lax.axis_index("wg")
         kv_len = lengths_ref[b] if has_lengths else None
         # K/V tiles wholly before the key length (all of them without lengths).
@@ -350,7 +353,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(heads, seq_q // (wgs * block_q), batch),
+        grid=(heads, num_q_blocks, batch),
         grid_names=("heads", "q", "batch"),
         num_threads=wgs + 1,
         thread_name="wg",
