@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+
+from _probe import run_phases
 
 OUT = os.environ.get("OUT", "/tmp")
 TIMEOUT_S = 360
@@ -94,16 +95,7 @@ def bench() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv == ["--bench"]:
-        bench()
-        return 0
-    try:
-        result = subprocess.run([sys.executable, __file__, "--bench"], timeout=TIMEOUT_S)
-        if result.returncode:
-            _log(dict(exit=result.returncode))
-    except subprocess.TimeoutExpired:
-        _log(dict(timeout=TIMEOUT_S))
-    return 0
+    return run_phases(argv, __file__, {"bench": (bench, TIMEOUT_S)}, _log)
 
 
 if __name__ == "__main__":
