@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from _probe import run_phases
+from _probe import run_phases, timed
 
 OUT = os.environ.get("OUT", "/tmp")
 TIMEOUT_S = 230
@@ -93,7 +93,6 @@ def bench() -> None:
     import jax.numpy as jnp
 
     from conftest import random_normal
-    from tokamax_pass.benchmarking import compile_benchmark, standardize_function
 
     for name, (b, s, h, hk, d) in WORKLOADS:
         q, do = (random_normal(i, (b, s, h, d), jnp.bfloat16) for i in (0, 3))
@@ -113,20 +112,13 @@ def bench() -> None:
             outputs = {}
             for label, impl in variants:
                 record = dict(workload=name, variant=label, mode=mode)
-                try:
-                    fn = make(impl)
-                    outputs[label] = fn(*args)
-                    f_std, std_args = standardize_function(fn, *args)
-                    data = compile_benchmark(f_std, std_args)(std_args)
-                    ms = data.median_evaluation_time_ms
-                    record.update(ms=ms, tflops=flops / ms / 1e9, timer=data.method)
-                    if label == "mosaic longest_first" and "mosaic" in outputs:
-                        record["bitwise_equal_to_grid_order"] = all(
-                            bool(jnp.array_equal(a, b_)) for a, b_ in zip(
-                                jax.tree.leaves(outputs[label]),
-                                jax.tree.leaves(outputs["mosaic"]), strict=True))
-                except Exception as e:  # noqa: BLE001
-                    record.update(error=f"{type(e).__name__}: {str(e)[:800]}")
+                outputs[label] = timed(record, make(impl), args, flops)
+                if (label == "mosaic longest_first" and outputs.get("mosaic") is not None
+                        and outputs[label] is not None):
+                    record["bitwise_equal_to_grid_order"] = all(
+                        bool(jnp.array_equal(a, b_)) for a, b_ in zip(
+                            jax.tree.leaves(outputs[label]),
+                            jax.tree.leaves(outputs["mosaic"]), strict=True))
                 _log(record)
             jax.clear_caches()
 

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from _probe import run_phases
+from _probe import run_phases, timed
 
 OUT = os.environ.get("OUT", "/tmp")
 TIMEOUT_S = 360
@@ -62,7 +62,6 @@ def bench() -> None:
     from conftest import random_normal
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
     from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionConfig
-    from tokamax_pass.benchmarking import compile_benchmark, standardize_function
 
     for name, (b, s, h, hk, d), causal, cap, configs in WORKLOADS:
         q = random_normal(0, (b, s, h, d), jnp.bfloat16)
@@ -78,18 +77,13 @@ def bench() -> None:
         outputs = {}
         for label, impl in variants:
             record = dict(workload=name, variant=label, mode="fwd")
-            try:
-                fn = _forward(impl, causal, cap)
-                outputs[label] = fn(q, k, v)
-                f_std, args = standardize_function(fn, q, k, v)
-                ms = compile_benchmark(f_std, args)(args).median_evaluation_time_ms
-                record.update(ms=ms, tflops=flops / ms / 1e9)
-                base = next(iter(o for lbl, o in outputs.items() if lbl.startswith("mosaic")))
-                record["max_abs_diff_vs_first_mosaic"] = float(
-                    jnp.max(jnp.abs(outputs[label].astype(jnp.float32)
-                                    - base.astype(jnp.float32))))
-            except Exception as e:  # noqa: BLE001
-                record.update(error=f"{type(e).__name__}: {str(e)[:800]}")
+            out = timed(record, _forward(impl, causal, cap), (q, k, v), flops)
+            if out is not None:
+                outputs[label] = out
+                base = next((o for lbl, o in outputs.items() if lbl.startswith("mosaic")), None)
+                if base is not None:
+                    record["max_abs_diff_vs_first_mosaic"] = float(jnp.max(jnp.abs(
+                        out.astype(jnp.float32) - base.astype(jnp.float32))))
             _log(record)
         jax.clear_caches()
 
