@@ -51,9 +51,6 @@ def _vjp(**fields) -> MosaicAttentionVjpConfig:
     # GQA, two forward blocks of 2 x 64 rows and four dq blocks of 64 (one warpgroup).
     pytest.param((2, 256, 256, 4, 2, 64), None, None, _fwd(), _vjp(compute_wgs=1),
                  id="gqa-d64"),
-    # More queries than keys: the last query blocks see every key.
-    pytest.param((2, 256, 128, 2, 2, 128), None, None, _fwd(compute_wgs=1),
-                 _vjp(num_stages=3), id="more-queries-d128"),
     # More keys than queries (top-left aligned: most keys hidden), MQA; two blocks each.
     pytest.param((2, 128, 256, 2, 1, 64), None, None, _fwd(compute_wgs=1),
                  _vjp(compute_wgs=1), id="more-keys-mqa-d64"),
@@ -81,7 +78,8 @@ def _inputs(b, sq, sk, h, hk, d):
 def test_kernels_match_the_ascending_order_bitwise():
     """Each block does the same work whenever it runs: out, lse and dq equal the
     default order's bit for bit (a block that read its tiles by one index and masked
-    them by another would not)."""
+    them by another would not). More queries than keys: the last query blocks see
+    every key."""
     q, k, v, do = _inputs(2, 256, 128, 2, 1, 64)
     kwargs = dict(scale=0.3, causal=True)
 

@@ -53,8 +53,9 @@ def test_the_audit_flags_a_lookup_that_borrows_from_any_distance(monkeypatch):
 
 def test_unseen_tiny_sizes_match_plain_jax():
     """Ours against plain JAX on this machine at a tiny size the smoke check does not hold
-    (odd sequence length and head dim, GQA group 3, batch 1)."""
-    assert plan_audit.smoke_unseen(list(MODELS), plan_audit.SMOKE_SIZES[:1]) == []
+    (odd sequence length and head dim, GQA group 3, batch 1): the dense decoder and the
+    encoder in bfloat16 here, the MoE and Gemma-2 models in float16 and float32 below."""
+    assert plan_audit.smoke_unseen(["llama", "encoder"], plan_audit.SMOKE_SIZES[:1]) == []
 
 
 def test_float16_and_float32_calls_run_kernels_only_on_measurements_in_their_dtype():
