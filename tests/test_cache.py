@@ -144,6 +144,7 @@ def test_source_hash_covers_the_kernel_modules_an_implementation_calls():
 
     modules = keys._op_modules(PallasMosaicGpuFlashAttentionVjp())
     assert {"tokamax_kernels.attention._mosaic_gpu_bwd_kernels",
+            "tokamax_kernels.attention._mosaic_gpu_dq_adds",
             "tokamax_kernels.attention._mosaic_gpu_common",
             "tokamax_kernels.attention.pallas_mosaic_gpu_vjp"} <= set(modules)
     assert "tokamax_kernels.attention.base" not in modules  # the family class, not a kernel

@@ -279,7 +279,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "the one-pass attention backward multiplies only its own warpgroup's dS by the keys"
         " (split by columns, half of each dq slice goes missing)",
-        "kernels/tokamax_kernels/attention/_mosaic_gpu_bwd_kernels.py",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_dq_adds.py",
         "for j in range(1 if self.by_rows else self.wgs):",
         "for j in range(1):",
         ("tests/test_mosaic_attention_fused_dq.py::"
