@@ -53,10 +53,10 @@ OP_ROWS = (
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
-    "llama": "models_llama_mixtral_s10.json",
-    "mixtral": "models_llama_mixtral_s10.json",
-    "gemma2": "models_gemma2_encoder_s10.json",
-    "encoder": "models_gemma2_encoder_s10.json",
+    "llama": "models_llama_mixtral_s14.json",
+    "mixtral": "models_llama_mixtral_s14.json",
+    "gemma2": "models_gemma2_encoder_s14.json",
+    "encoder": "models_gemma2_encoder_s14.json",
 }
 VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"), ("tuned", "tuned"),
             ("upstream", "upstream Tokamax 0.0.17"))

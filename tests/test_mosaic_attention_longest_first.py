@@ -170,25 +170,38 @@ def test_configs_are_validated():
         assert config().longest_first is False
 
 
-def _vjp_call(q, kv):
+def _vjp_call(q, kv, *, is_causal, local_window_size):
     return PallasMosaicGpuFlashAttentionVjp().bind(
         (jax.ShapeDtypeStruct(q.shape[:1] + q.shape[2:3] + q.shape[1:2], jnp.float32),),
-        q, q, query=q, key=kv, value=kv, bias=None, mask=None, scale=0.1, is_causal=True,
-        query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-        logits_soft_cap=None, precision=None)
+        q, q, query=q, key=kv, value=kv, bias=None, mask=None, scale=0.1,
+        is_causal=is_causal, query_seq_lengths=None, key_value_seq_lengths=None,
+        local_window_size=local_window_size, logits_soft_cap=None, precision=None)
 
 
-@pytest.mark.parametrize("shape", [(4, 8192, 16, 16, 128), (4, 4096, 32, 8, 128),
-                                   (8, 2048, 16, 16, 64), (2, 4096, 8, 4, 256)])
-def test_nothing_picks_it_unasked(shape):
-    """Until the device says it wins, heuristics and the search spaces keep it off."""
+@pytest.mark.parametrize("shape, kwargs, picked", [
+    # The four measured workloads' kinds (`longest_first.jsonl`): causal d128 and d64,
+    # MHA and GQA, and one unmeasured size of the same kind.
+    ((4, 8192, 16, 16, 128), dict(), True),
+    ((4, 4096, 32, 8, 128), dict(), True),
+    ((8, 2048, 16, 16, 64), dict(), True),
+    ((2, 1024, 8, 1, 128), dict(), True),
+    # Not measured: a causal window, head dim 256; without a causal mask it is a no-op.
+    ((2, 4096, 8, 4, 128), dict(local_window_size=(1024, 0)), False),
+    ((2, 4096, 8, 4, 256), dict(), False),
+    ((4, 4096, 16, 4, 128), dict(is_causal=False), False),
+])
+def test_heuristics_pick_it_where_measured(shape, kwargs, picked):
+    """Heuristics and the search spaces launch causal blocks longest first at head dim
+    <= 128 without a window, where the device measured it faster; elsewhere grid order."""
     b, s, h, hk, d = shape
     q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, s, hk, d), jnp.bfloat16)
+    call = dict(is_causal=True, local_window_size=None) | kwargs
     with core.targeting(H200):
-        fwd = PallasMosaicGpuFlashAttention().bind(q, kv, kv, is_causal=True)
+        fwd = PallasMosaicGpuFlashAttention().bind(q, kv, kv, **call)
         vjp_op = PallasMosaicGpuFlashAttentionVjp()
-        vjp = _vjp_call(q, kv)
+        vjp = _vjp_call(q, kv, **call)
         configs = [fwd.heuristics_config, *fwd.autotuning_configs,
                    vjp_op._get_heuristics_config(vjp), *vjp_op._get_autotuning_configs(vjp)]
-    assert configs and not any(c.longest_first for c in configs)
+    assert len(configs) > 2
+    assert {c.longest_first for c in configs} == {picked}

@@ -7,7 +7,9 @@ per step, and sorts them into categories: GEMMs (cuBLAS and XLA's Triton GEMMs),
 (cuDNN, our flash kernels), other Pallas kernels, XLA fusions (elementwise, reductions),
 and the rest (copies, sorts, scatters). The step's total is the sum of its kernels (busy
 time; the idle gaps between kernels are counted apart). This says what a kernel library
-could still gain in a model: only the categories it replaces.
+could still gain in a model: only the categories it replaces. Each of the top kernels
+that is an XLA fusion also carries what it computes (`hlo`: its operand and result shapes
+and the JAX ops it was made of), so a slow fusion can be traced back to the model's code.
 """
 
 from __future__ import annotations
@@ -42,9 +44,46 @@ def category(kernel: str, hlo_op: str) -> str:
     return "other"
 
 
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*?) fusion\(.*calls=%?([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]+)"')
+
+
+def fusion_descriptions(hlo_text: str) -> dict[str, str]:
+    """`fusion instruction name -> "(operand shapes) -> result shape: jax ops"` for every
+    fusion of a compiled module's text (under its HLO name and its kernel name); the JAX
+    ops are the distinct `op_name`s of the fused computation's instructions with the
+    `jit(...)/` prefix dropped."""
+    headers: dict[str, str] = {}
+    ops_of: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line.startswith("%") and line.rstrip().endswith("{"):
+            current = line[1:].split(" ", 1)[0]
+            headers[current] = line.split(" ", 1)[1].rsplit("{", 1)[0].strip()
+            ops_of[current] = []
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            for op_name in _OP_NAME.findall(line):
+                op = op_name.split(")/", 1)[-1]
+                if op not in ops_of[current]:
+                    ops_of[current].append(op)
+    found = {}
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if match and match.group(3) in headers:
+            name, computation = match.group(1), match.group(3)
+            signature = re.sub(r"[\w.\-]+: ", "", headers[computation])
+            described = f"{signature}: {', '.join(ops_of[computation][:8])}"[:500]
+            # A GPU kernel is named after its fusion with "." spelled "_".
+            found[name] = found[name.replace(".", "_")] = described
+    return found
+
+
 def profile_step(step: Any, args: tuple, steps: int) -> dict[str, Any]:
     """Per-step device time of `step(*args)` (a jitted function), by category and kernel."""
     compiled = step.lower(*args).compile()
+    fusions = fusion_descriptions(compiled.as_text())
     module = compiled.as_text().split("HloModule ", 1)[-1].split(",", 1)[0].split(" ", 1)[0]
     jax.block_until_ready(compiled(*args))
     jax.block_until_ready(compiled(*args))
@@ -70,8 +109,10 @@ def profile_step(step: Any, args: tuple, steps: int) -> dict[str, Any]:
         "span_ms": wall / 1e6,
         "categories_ms": {k: v / 1e6 for k, v in sorted(by_category.items(),
                                                         key=lambda kv: -kv[1])},
-        "top_kernels": [{"category": cat, "kernel": kernel, "ms": ns / 1e6}
-                        for (cat, kernel), ns in top],
+        "top_kernels": [{"category": cat, "kernel": kernel, "ms": ns / 1e6,
+                         **({"hlo": fusions[name]} if name in fusions else {})}
+                        for (cat, kernel), ns in top
+                        for name in [kernel.split(" | ", 1)[-1]]],
     }
 
 

@@ -312,6 +312,22 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_kernels_match_the_ascending_order_bitwise",),
     ),
     Mutation(
+        "the backward's delta is a reduction again, which XLA tiles per compile",
+        "kernels/tokamax_kernels/attention/_softmax_row_term.py",
+        "    while terms.shape[-1] > 1:",
+        "    terms = jnp.sum(terms, axis=-1, keepdims=True)\n    while terms.shape[-1] > 1:",
+        ("tests/test_softmax_row_term.py::test_sums_without_a_reduction_or_a_dot",),
+    ),
+    Mutation(
+        "the heuristics never launch causal blocks longest first",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_common.py",
+        "    return (bool(arguments[\"is_causal\"]) and arguments[\"local_window_size\"] is None",
+        "    return False and (bool(arguments[\"is_causal\"])"
+        " and arguments[\"local_window_size\"] is None",
+        ("tests/test_mosaic_attention_longest_first.py::"
+         "test_heuristics_pick_it_where_measured",),
+    ),
+    Mutation(
         "unmeasured, cuDNN attention runs even the tiny calls where it lost to XLA",
         "kernels/tokamax_kernels/attention/cudnn.py",
         "return scores <= TINY_SCORE_ELEMENTS and head_dim >= TINY_MIN_HEAD_DIM",

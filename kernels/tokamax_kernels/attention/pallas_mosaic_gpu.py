@@ -124,20 +124,21 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         preferred += [MosaicAttentionConfig(block_q=64, block_kv=128, num_stages=2),
                       MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)]
         preferred = _narrow_for_window(preferred, ba.arguments["local_window_size"])
-        for config in preferred:
-            if fits(config, seq_q, seq_kv, head_dim):
-                return config
-        return MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2)
+        config = next((c for c in preferred if fits(c, seq_q, seq_kv, head_dim)),
+                      MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2))
+        return dataclasses.replace(
+            config, longest_first=common.longest_first_measured(ba.arguments))
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicAttentionConfig]:
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
         wg_choices = common.compute_wg_choices(q.shape[0] * q.shape[2], seq_q)
+        longest_first = common.longest_first_measured(ba.arguments)
         configs = set()
         for bq, bkv, stages, wgs in itertools.product((64, 128), (64, 128), (2, 3, 4),
                                                       wg_choices):
             config = MosaicAttentionConfig(block_q=bq, block_kv=bkv, num_stages=stages,
-                                           compute_wgs=wgs)
+                                           compute_wgs=wgs, longest_first=longest_first)
             if fits(config, seq_q, seq_kv, head_dim):
                 configs.add(config)
         return configs

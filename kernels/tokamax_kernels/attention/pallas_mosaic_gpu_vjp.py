@@ -64,6 +64,7 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     check_unsupported_features,
 )
 from tokamax_kernels.attention._mosaic_gpu_shared_bwd_kernel import mosaic_attention_shared_dx
+from tokamax_kernels.attention._softmax_row_term import softmax_row_term
 from tokamax_kernels.attention.base import DotProductAttentionVjp
 from tokamax_pass.core import BoundArguments, Target
 
@@ -88,12 +89,15 @@ def fills_gpu_by_kv_head(config: MosaicAttentionVjpConfig, batch: int, heads: in
     return blocks >= GROUP_IN_BLOCK_BLOCKS_PER_SM * sm_count()
 
 
-def _with_group_rule(config: MosaicAttentionVjpConfig, q: Any, k: Any
-                     ) -> MosaicAttentionVjpConfig:
-    """`config` with `group_in_block` set where it was measured to win."""
+def _with_measured_rules(config: MosaicAttentionVjpConfig, arguments: dict[str, Any]
+                         ) -> MosaicAttentionVjpConfig:
+    """`config` with `group_in_block` and `longest_first` set where they were measured
+    to win."""
+    q, k = arguments["query"], arguments["key"]
     batch, _, heads, head_dim = q.shape
     rule = fills_gpu_by_kv_head(config, batch, heads, k.shape[2], k.shape[1], head_dim)
-    return dataclasses.replace(config, group_in_block=rule)
+    return dataclasses.replace(config, group_in_block=rule,
+                               longest_first=common.longest_first_measured(arguments))
 
 
 def _row_tiles(config: MosaicAttentionVjpConfig, head_dim: int) -> int:
@@ -222,10 +226,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         window = _window.bounds(local_window_size, is_causal)
         (lse,) = residuals
         dout = dout.astype(query.dtype)
-        # delta_i = sum_d out_id * dout_id = sum_j p_ij dp_ij: the softmax Jacobian's row term.
-        delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
-        if dresiduals is not None:  # the lse output's cotangent: d lse / d logits = p
-            delta = delta - dresiduals[0].astype(jnp.float32)
+        delta = softmax_row_term(out, dout, None if dresiduals is None else dresiduals[0])
         lse = lse.astype(jnp.float32)
         visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1],
                                       window, key.shape[1])
@@ -274,8 +275,8 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         preferred.append(MosaicAttentionVjpConfig())
         for config in preferred:
             if fits(config, seq_q, seq_kv, head_dim):
-                return _with_group_rule(config, q, k)
-        return _with_group_rule(MosaicAttentionVjpConfig(compute_wgs=1), q, k)
+                return _with_measured_rules(config, ba.arguments)
+        return _with_measured_rules(MosaicAttentionVjpConfig(compute_wgs=1), ba.arguments)
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicAttentionVjpConfig]:
         q, k = ba.arguments["query"], ba.arguments["key"]
@@ -295,5 +296,5 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
                                               block_kv_dkv=bkv2, num_stages=stages,
                                               compute_wgs=wgs)
             if fits(config, seq_q, seq_kv, head_dim):
-                configs.add(_with_group_rule(config, q, k))
+                configs.add(_with_measured_rules(config, ba.arguments))
         return configs

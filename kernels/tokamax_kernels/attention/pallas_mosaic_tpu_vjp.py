@@ -21,6 +21,7 @@ from tokamax_kernels._pallas_tpu import MosaicTpuKernel
 from tokamax_kernels.attention import _mosaic_tpu_common as tpu
 from tokamax_kernels.attention._mosaic_tpu_bwd_kernels import flash_attention_backward
 from tokamax_kernels.attention._pallas_triton_common import LOG2E, round_up
+from tokamax_kernels.attention._softmax_row_term import softmax_row_term
 from tokamax_kernels.attention.base import DotProductAttentionVjp
 from tokamax_pass.core import BoundArguments, Target
 
@@ -63,9 +64,7 @@ class PallasMosaicTpuFlashAttentionVjp(MosaicTpuKernel, DotProductAttentionVjp):
         blocks = config.clamped(seq_q, seq_k)
         pad_q, pad_k = round_up(seq_q, blocks.block_q), round_up(seq_k, blocks.block_k)
         q_len = tpu.lengths(statics["query_seq_lengths"], batch, seq_q)
-        delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), dout.astype(jnp.float32))
-        if dresiduals is not None:  # the lse output's cotangent (see `base`)
-            delta = delta - dresiduals[0].astype(jnp.float32)
+        delta = softmax_row_term(out, dout, None if dresiduals is None else dresiduals[0])
         # Rows that see nothing (lse = -inf) or lie past their query length get
         # lse2 = +inf, so the kernels' p = exp2(s - lse2) is exactly 0 there.
         empty = ~jnp.isfinite(lse) | (jnp.arange(seq_q)[None, None, :] >= q_len[:, None, None])

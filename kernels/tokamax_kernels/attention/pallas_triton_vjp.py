@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from tokamax_kernels._triton import TritonKernel
 from tokamax_kernels.attention import _pallas_triton_common as common
 from tokamax_kernels.attention._pallas_triton_bwd import flash_attention_backward
+from tokamax_kernels.attention._softmax_row_term import softmax_row_term
 from tokamax_kernels.attention.base import DotProductAttentionVjp
 from tokamax_pass.core import BoundArguments, Target
 
@@ -123,10 +124,7 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         q, k, v = common.prepare_qkv(query, key, value, pad_q, pad_k)
         d = q.shape[-1]
         do = common.pad_axis(common.pad_axis(dout.astype(query.dtype), 1, pad_q), 3, d)
-        delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32),
-                           dout.astype(jnp.float32))
-        if dresiduals is not None:  # the lse output's cotangent (see `base`)
-            delta = delta - dresiduals[0].astype(jnp.float32)
+        delta = softmax_row_term(out, dout, None if dresiduals is None else dresiduals[0])
         # Rows that see nothing (lse = -inf) or lie past their query length get
         # lse2 = +inf, so the kernels' p = exp2(s - lse2) is exactly 0 there.
         empty = ~jnp.isfinite(lse)
