@@ -31,11 +31,25 @@ class Reach:
     reach: float
 
 
+# Config fields that change only the order in which the same blocks launch, set by a
+# measured rule and timed on their own (`longest_first`: `longest_first_s14.jsonl`):
+# a candidate matches a measured config whatever these say.
+ORDER_FIELDS = ("longest_first",)
+
+
+def _tiles(config: object) -> object:
+    """`config` with its `ORDER_FIELDS` at their defaults (unchanged if it has none)."""
+    fields = {f.name: f.default for f in dataclasses.fields(config)
+              if f.name in ORDER_FIELDS} if dataclasses.is_dataclass(config) else {}
+    return dataclasses.replace(config, **fields) if fields else config
+
+
 def reach(entry: Entry, k: int) -> float:
     """Best measured time over the best among `candidate_configs(entry.bound, k)` (0 when
     none of those was measured)."""
-    times = {c: m.median_ms for c, m in entry.data.items() if m.ok}
-    kept = [times[c] for c in candidate_configs(entry.bound, k) if c in times]
+    times = {_tiles(c): m.median_ms for c, m in entry.data.items() if m.ok}
+    kept = [times[_tiles(c)] for c in candidate_configs(entry.bound, k)
+            if _tiles(c) in times]
     return min(times.values()) / min(kept) if kept else 0.0
 
 

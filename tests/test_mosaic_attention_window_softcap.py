@@ -9,6 +9,7 @@ brute force. On the GPU: `tests/gpu/test_mosaic_attention_gpu.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -193,7 +194,10 @@ def test_small_windows_get_64_key_tiles_and_every_config_fits():
     narrow = Op().bind(q, q, q, is_causal=True, local_window_size=(32, 0))
     assert narrow.heuristics_config.block_kv == 64
     wide = Op().bind(q, q, q, is_causal=True, local_window_size=(512, 0))
-    assert wide.heuristics_config == Op().bind(q, q, q, is_causal=True).heuristics_config
+    # The same tiles; only the launch order differs (longest first is measured without
+    # a window only).
+    assert wide.heuristics_config == dataclasses.replace(
+        Op().bind(q, q, q, is_causal=True).heuristics_config, longest_first=False)
     for ba in (narrow, wide):
         vjp = Vjp().bind((jax.ShapeDtypeStruct((2, 8, 1024), jnp.float32),), q, q,
                          **ba.arguments)
