@@ -18,7 +18,7 @@ def softmax_row_term(out: jax.Array, dout: jax.Array,
     `delta` the same in every compile; elementwise adds are never reassociated. (On the
     H200 the default backward's dq and dk took one of two values per compile at two
     configurations, `longest_first_bitwise_s14.jsonl`, with an einsum and then with a
-    plain sum here; this order is the candidate fix, not yet rerun there.)"""
+    plain sum here. This order rules `delta` out as a cause; it has not run there yet.)"""
     terms = out.astype(jnp.float32) * dout.astype(jnp.float32)
     width = 1 << max(terms.shape[-1] - 1, 0).bit_length()
     if width != terms.shape[-1]:  # zeros added in are exact
