@@ -103,7 +103,8 @@ def _check_seq_lengths(name: str, value: Any, batch: int) -> None:
             f"{_OP}: {name} must be an integer array of shape (batch,) = ({batch},), "
             f"got {value.dtype}{list(value.shape)}"
         )
-    if isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct)) or not batch:
+    if isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct)) or not batch or (
+            isinstance(value, jax.Array) and not value.is_fully_addressable):
         return
     # Known now: a negative length silently hid every row or key (zeros out), and a
     # length past int32 wrapped when JAX took a NumPy int64 array as int32.

@@ -384,10 +384,12 @@ def _check_op_fields(op: Op) -> None:
             f"resolves one), got {config!r}")
     vjp = op.vjp
     if vjp is not None and not isinstance(vjp, VjpOp):
-        raise TypeError(
-            f"{type(op).__name__}: vjp must be a VJP op (e.g. "
-            f"{type(op.replace(vjp=None).vjp_op()).__name__}()) or None (the default), got "
-            f"{type(vjp).__name__}")
+        try:
+            example = f"{type(op.replace(vjp=None).vjp_op()).__name__}()"
+        except Exception:  # noqa: BLE001 - only the message's example
+            example = "a VjpOp subclass"
+        raise TypeError(f"{type(op).__name__}: vjp must be a VJP op (e.g. {example}) or "
+                        f"None (the default), got {type(vjp).__name__}")
 
 
 def _require_values(ba: BoundArguments) -> None:
