@@ -85,6 +85,14 @@ BAD = [
     # A complex activation's imaginary part was silently dropped by the cast to x's dtype.
     (ValueError, "activation must return real values", lambda: tokamax.gated_linear_unit(
         X, W, activation=lambda a: a.astype(jnp.complex64))),
+    # Group sizes of a dtype that cannot count the rows: jax.lax.ragged_dot sums them in
+    # that dtype, so int8 sizes over 256 rows wrapped and misplaced rows, silently.
+    (ValueError, "group_sizes of dtype int8 .* cannot count the 256 rows of lhs",
+     lambda: tokamax.ragged_dot(jnp.ones((256, 4)), jnp.ones((2, 4, 4)),
+                                jnp.array([100, 100], jnp.int8))),
+    (ValueError, "group_sizes of dtype uint8 .* cannot count the 256 rows of x",
+     lambda: tokamax.gated_linear_unit(jnp.ones((256, 4)), jnp.ones((2, 4, 2, 4)),
+                                       group_sizes=jnp.array([100, 100], jnp.uint8))),
     # A path (or a typo) where StableHLO text was meant: an empty result, silently.
     (ValueError, "must be StableHLO/MLIR or HLO text",
      lambda: tokamax.autotune("model.mlir", progress=False)),
@@ -116,6 +124,17 @@ def test_narrow_labels_past_their_dtype_range_are_not_nan(dtype):
         assert all(bool(jnp.isfinite(g).all()) for g in grads)
 
 
+def test_vmapped_ragged_dot_with_narrow_group_sizes():
+    """`jax.vmap` folds the batch into the groups (b * m rows): int8 sizes that count one
+    example's 100 rows wrapped over the 200 folded ones, misplacing rows silently."""
+    lhs = jax.random.normal(jax.random.key(0), (2, 100, 4))
+    rhs = jax.random.normal(jax.random.key(1), (2, 4, 4))
+    sizes = jnp.array([60, 40], jnp.int8)
+    out = jax.vmap(lambda x: tokamax.ragged_dot(x, rhs, sizes))(lhs)
+    expected = jnp.stack([tokamax.ragged_dot(x, rhs, sizes.astype(jnp.int32)) for x in lhs])
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
 def test_what_stays_accepted():
     """The checks above leave valid calls alone: traced lengths (not checkable), lengths
     past the sequence (`jax.nn`: attend to all), HLO text with no op, an empty length
@@ -127,3 +146,4 @@ def test_what_stays_accepted():
                                   key_value_seq_lengths=jnp.zeros(0, jnp.int32))
     assert discovery.get_bound_args("HloModule m\n") == []
     tokamax.linear_softmax_cross_entropy_loss(X, LABELS, LCE_W, reduction=np.str_("mean"))
+    tokamax.ragged_dot(jnp.ones((127, 4)), jnp.ones((2, 4, 4)), jnp.array([100, 27], jnp.int8))
