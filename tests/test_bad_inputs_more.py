@@ -135,6 +135,17 @@ def test_vmapped_ragged_dot_with_narrow_group_sizes():
     np.testing.assert_allclose(out, expected, rtol=1e-6)
 
 
+def test_mosaic_gpu_key_lengths_of_a_narrow_dtype_are_not_cut():
+    """The Mosaic GPU attention clipped int8 key lengths to the key length in int8: 300
+    wrapped to 44, so a length of 100 became 44 (keys silently dropped)."""
+    from tokamax_kernels.attention import _mosaic_gpu_common as common
+
+    for dtype in (jnp.int8, jnp.uint8, jnp.int32):
+        lengths = common.kernel_lengths(jnp.array([100, 5, 0], dtype), 300)
+        assert lengths.dtype == jnp.int32 and lengths.tolist() == [100, 5, 0]
+    assert common.kernel_lengths(jnp.array([400, -3]), 300).tolist() == [300, 0]
+
+
 def test_what_stays_accepted():
     """The checks above leave valid calls alone: traced lengths (not checkable), lengths
     past the sequence (`jax.nn`: attend to all), HLO text with no op, an empty length
