@@ -82,3 +82,16 @@ def static_number(name: str, value: Any, *, op: str, minimum: float,
         bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
         raise ValueError(f"{op}: {name} must be a finite number {bound}, got {value!r}")
     return number
+
+
+def require_sizes_dtype_holds(name: str, sizes: Any, rows: int, *, op: str,
+                              rows_of: str) -> None:
+    """A group-size dtype that can count all `rows`: `jax.lax.ragged_dot` sums the sizes
+    in their own dtype, so int8 sizes over 128+ rows wrapped and silently put rows in the
+    wrong groups. Checked from the dtype alone, so traced sizes are covered too."""
+    largest = int(jnp.iinfo(sizes.dtype).max)
+    if largest < rows:
+        raise ValueError(
+            f"{op}: {name} of dtype {sizes.dtype} (at most {largest}) cannot count the "
+            f"{rows} rows of {rows_of}: their running sum would wrap and put rows in the "
+            f"wrong groups; pass {name}.astype(jnp.int32)")

@@ -249,7 +249,8 @@ def kernel_lengths(key_value_seq_lengths: Any, seq_kv: int) -> Any:
     """Key lengths as the kernels take them: (B,) int32 clipped to [0, Sk], or None."""
     if key_value_seq_lengths is None:
         return None
-    return jnp.clip(key_value_seq_lengths, 0, seq_kv).astype(jnp.int32)
+    # int32 first: clipped in an int8 dtype, seq_kv = 300 wrapped to 44 (lengths cut).
+    return jnp.clip(key_value_seq_lengths.astype(jnp.int32), 0, seq_kv)
 
 
 def visible_rows(query_seq_lengths: Any, key_value_seq_lengths: Any, seq_q: int,

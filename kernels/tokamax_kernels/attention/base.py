@@ -41,11 +41,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tokamax_kernels import _validation as v
 from tokamax_pass.core import BoundArguments, NullConfig, Op, SizeLike, VjpOp
 
 _OP = "dot_product_attention"
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 def _canonical_precision(precision: Any) -> jax.lax.Precision | None:
@@ -75,6 +77,10 @@ def _canonical_window(window: Any) -> tuple[int, int] | None:
             f"{_OP}: local_window_size must be an int >= 0 or a pair (left, right) of them, "
             f"got {window!r}"
         )
+    if max(pair) > _INT32_MAX:  # positions are int32: JAX raised an OverflowError
+        raise ValueError(
+            f"{_OP}: local_window_size must be at most {_INT32_MAX} (positions are int32), "
+            f"got {window!r}; a window longer than the sequence is no window: pass None")
     return int(pair[0]), int(pair[1])
 
 
@@ -97,6 +103,16 @@ def _check_seq_lengths(name: str, value: Any, batch: int) -> None:
             f"{_OP}: {name} must be an integer array of shape (batch,) = ({batch},), "
             f"got {value.dtype}{list(value.shape)}"
         )
+    if isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct)) or not batch or (
+            isinstance(value, jax.Array) and not value.is_fully_addressable):
+        return
+    # Known now: a negative length silently hid every row or key (zeros out), and a
+    # length past int32 wrapped when JAX took a NumPy int64 array as int32.
+    lengths = np.asarray(value)
+    if lengths.min() < 0 or lengths.max() > _INT32_MAX:
+        raise ValueError(
+            f"{_OP}: {name} must be >= 0 (and fit int32), got {lengths.tolist()}; a length "
+            f"of 0 attends to nothing, a length past the sequence to all of it")
 
 
 # The implementations that compute empty sequences (XLA; kernels have no grid to launch).

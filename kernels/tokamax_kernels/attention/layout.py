@@ -29,12 +29,24 @@ _TRAILING = 3  # (seq, heads, head_dim)
 
 
 def _array(name: str, value: Any) -> Any:
-    """`value` as an array (`jax.nn` takes lists too); `ValueError` naming it otherwise."""
+    """`value` as an array (`jax.nn` takes lists too); `ValueError` naming it otherwise
+    (a ragged list, or a `jax.ShapeDtypeStruct`: folding reshapes values)."""
     if value is None:
+        if name in ("query", "key", "value"):
+            v.require_array(name, value, op=_OP)
         return None
     if isinstance(value, (list, tuple)):
-        return jnp.asarray(value)
+        try:
+            return jnp.asarray(value)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{_OP}: {name} must be an array or a list that makes one, "
+                             f"got a list that does not ({e})") from None
     v.require_array(name, value, op=_OP)
+    if isinstance(value, jax.ShapeDtypeStruct):
+        raise ValueError(
+            f"{_OP}: {name} must be an array, got a jax.ShapeDtypeStruct (a shape without "
+            f"values); pass an array, or call the function under jax.eval_shape, "
+            f"tokamax_pass.autotune or export to trace it with shapes")
     return value
 
 

@@ -37,6 +37,7 @@ def check_grouped(x: Any, weights: Any, group_sizes: Any) -> None:
         raise ValueError(f"{_OP}: group_sizes must be an integer array (e.g. int32), got "
                          f"{group_sizes.dtype}")
     m, k = x.shape
+    v.require_sizes_dtype_holds("group_sizes", group_sizes, m, op=_OP, rows_of="x")
     if isinstance(weights, tuple):
         if len(weights) != 2:
             raise ValueError(f"{_OP}: weights must be one (G, K, 2, N) array or a pair "

@@ -88,6 +88,9 @@ def _check_activation(activation: Callable[[Any], Any], x: Any, weights: Any) ->
         got = f"shape {tuple(out.shape)}" if spec.is_array(out) else type(out).__name__
         raise ValueError(f"{_OP}: activation must be elementwise (the gate's shape "
                          f"{gate.shape} in and out), got {got}")
+    if jnp.issubdtype(out.dtype, jnp.complexfloating):  # the cast to x's dtype dropped .imag
+        raise ValueError(f"{_OP}: activation must return real values, got {out.dtype}; take "
+                         f"the real part or the magnitude inside the activation")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -87,6 +87,15 @@ def reduce_losses(losses: jax.Array, labels: jax.Array, reduction: str) -> jax.A
     return total / jnp.maximum(jnp.sum(labels >= 0), 1).astype(jnp.float32)
 
 
+def at_or_past(labels: jax.Array, vocab: int) -> jax.Array:
+    """`labels >= vocab`, also for a label dtype too narrow to hold `vocab` (no label of it
+    reaches V): compared as a Python int, V wrapped in it (int8 labels >= 300 compared
+    against 44), and valid labels read as past V, a NaN loss."""
+    if vocab > jnp.iinfo(labels.dtype).max:
+        return jnp.zeros(labels.shape, jnp.bool_)
+    return labels >= vocab
+
+
 def token_cotangent(dout: jax.Array, labels: jax.Array, vocab: int,
                     reduction: str) -> jax.Array:
     """d(result)/d(loss_t) times the result's cotangent, per token (float32, labels' shape):
@@ -95,14 +104,14 @@ def token_cotangent(dout: jax.Array, labels: jax.Array, vocab: int,
     if reduction == "mean":
         dout = dout / jnp.maximum(jnp.sum(labels >= 0), 1).astype(jnp.float32)
     g = jnp.where(labels >= 0, jnp.broadcast_to(dout, labels.shape), 0.0)
-    return jnp.where(labels >= vocab, jnp.nan, g)
+    return jnp.where(at_or_past(labels, vocab), jnp.nan, g)
 
 
 def token_losses(lse: jax.Array, label_logits: jax.Array, labels: jax.Array,
                  vocab: int) -> jax.Array:
     """`lse - label_logit` per token; 0 for ignored tokens and NaN for labels >= V."""
     losses = jnp.where(labels >= 0, lse - label_logits, 0.0)
-    return jnp.where(labels >= vocab, jnp.nan, losses)
+    return jnp.where(at_or_past(labels, vocab), jnp.nan, losses)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -151,10 +160,10 @@ class LinearSoftmaxCrossEntropyLoss(Op[NullConfig]):
                 f"weights {tuple(weights.shape)}"
             )
         _check_labels(labels, x, weights.shape[1])
-        if reduction not in REDUCTIONS:
+        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
             raise ValueError(f"{_OP}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
         return BoundArguments(self, dict(
-            x=x, labels=labels, weights=weights, reduction=reduction,
+            x=x, labels=labels, weights=weights, reduction=str(reduction),
             logits_soft_cap=_canonical_soft_cap(logits_soft_cap),
             precision=canonical_precision(precision, op=_OP),
         ))

@@ -111,6 +111,8 @@ def xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any) ->
             for x, batched in zip((lhs, rhs, group_sizes), in_batched, strict=True)
         )
         b, m = lhs.shape[:2]
+        if jnp.iinfo(group_sizes.dtype).max < b * m:  # `bind` checked m rows, not b * m
+            group_sizes = group_sizes.astype(jnp.int32)
         pad = (m - group_sizes.sum(axis=1, keepdims=True)).astype(group_sizes.dtype)
         sizes = jnp.concatenate([group_sizes, pad], axis=1).reshape(-1)
         lhs = lhs.reshape(b * m, -1)
@@ -167,6 +169,7 @@ class RaggedDot(Op[NullConfig]):
                 f"{_OP}: group_sizes must be an integer array (e.g. int32), got {group_sizes.dtype}"
             )
         m = lhs.shape[0]
+        v.require_sizes_dtype_holds("group_sizes", group_sizes, m, op=_OP, rows_of="lhs")
         if variant == "forward" and lhs.shape[1] != rhs.shape[1]:
             raise ValueError(
                 f"{_OP}: K mismatch: lhs is {tuple(lhs.shape)} (M, K) but rhs is "

@@ -42,6 +42,10 @@ def _unescape(value: str) -> str:
     return json.loads(f'"{value}"')
 
 
+# How StableHLO/MLIR and HLO text starts (`tokamax_pass.inspect` reads files by the same).
+_PROGRAM_STARTS = ("module", "HloModule", "#loc", "func")
+
+
 def specs_from_text(text: str) -> list[str]:
     """The distinct spec JSON strings in StableHLO (MLIR) or HLO text, in program order."""
     specs: dict[str, None] = {}
@@ -71,7 +75,14 @@ def _program_specs(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[
     if isinstance(f, str):
         if args or kwargs:
             raise TypeError("get_bound_args: StableHLO text takes no further arguments")
-        return specs_from_text(f)
+        found = specs_from_text(f)
+        if not found and not f.lstrip().startswith(_PROGRAM_STARTS):
+            # A path or a typo found no op and tuned nothing, silently.
+            raise ValueError(
+                f"get_bound_args: a str must be StableHLO/MLIR or HLO text (it starts with "
+                f"one of {_PROGRAM_STARTS}), got {f[:60]!r}; for a file, pass its text "
+                f"(pathlib.Path(path).read_text())")
+        return found
     if isinstance(f, jax.stages.Lowered):
         if args or kwargs:
             raise TypeError("get_bound_args: a Lowered takes no further arguments")

@@ -373,6 +373,37 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
     return op_call(*operands)
 
 
+def _check_op_fields(op: Op) -> None:
+    """`TypeError` for a pinned config or VJP op of the wrong kind: unchecked, a config of
+    another class failed deep in the kernel (`'int' object has no attribute 'block_q'`) or
+    was silently ignored, and a bad `vjp` failed only under `jax.grad`."""
+    config = op.config
+    if config is not None and not isinstance(config, op.config_cls):
+        raise TypeError(
+            f"{type(op).__name__}: config must be a {op.config_cls.__name__} or None (None "
+            f"resolves one), got {config!r}")
+    vjp = op.vjp
+    if vjp is not None and not isinstance(vjp, VjpOp):
+        try:
+            example = f"{type(op.replace(vjp=None).vjp_op()).__name__}()"
+        except Exception:  # noqa: BLE001 - only the message's example
+            example = "a VjpOp subclass"
+        raise TypeError(f"{type(op).__name__}: vjp must be a VJP op (e.g. {example}) or "
+                        f"None (the default), got {type(vjp).__name__}")
+
+
+def _require_values(ba: BoundArguments) -> None:
+    """`ValueError` naming an argument given as a `jax.ShapeDtypeStruct`: `bind` takes
+    them (autotuning binds shapes), but a call needs values; JAX's own error named no
+    argument (`Argument 'args[1]' ... is not a valid JAX type`)."""
+    for name, value in ba.arguments.items():
+        if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(value)):
+            raise ValueError(
+                f"{ba.op.family_name()}: {name} must be an array, got a jax.ShapeDtypeStruct "
+                f"(a shape without values); pass an array, or call the function under "
+                f"jax.eval_shape, tokamax_pass.autotune or export to trace it with shapes")
+
+
 def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
              explicit: bool, partition_as: Op | None = None, through_vjp_ops: bool = True,
              return_residuals: bool = False) -> Any:
@@ -392,10 +423,13 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
     # once), a list of implementations keeps those that run on another platform: each
     # platform's lowering picks its own ("mosaic" = the Mosaic GPU and TPU kernels).
     device_check = explicit and not (len(ops) > 1 and device.abstract_only())
+    for op in ops:
+        _check_op_fields(op)
     bound, reasons = [], []
     for op in ops:
         try:
             ba = op.bind(*args, **kwargs)
+            _require_values(ba)
             op.check_supported(ba, target if device_check else None)
         except NotImplementedError as e:
             if explicit and len(ops) == 1:

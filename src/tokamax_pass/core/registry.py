@@ -47,7 +47,8 @@ class Family:
             return tuple(self.implementations[n]() for n in self.automatic), False
         if isinstance(implementation, (str, Op)):
             items = [implementation]
-        elif isinstance(implementation, Sequence):
+        elif isinstance(implementation, Sequence) and not isinstance(
+                implementation, (bytes, bytearray)):  # bytes iterate as ints
             items = list(implementation)
         else:
             raise TypeError(

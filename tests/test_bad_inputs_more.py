@@ -1,0 +1,160 @@
+"""A second hardening audit of the ops' bad input (see `tests/test_bad_inputs.py`): each
+row crashed deep inside JAX or the op (an `AttributeError`, an `OverflowError`, JAX's
+"not a valid JAX type"), or returned a silently wrong result, before the fix it names.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_pass as tokamax
+from tokamax_pass.autotuning import discovery
+
+Q = jnp.ones((2, 16, 4, 32))
+KV = jnp.ones((2, 16, 2, 32))
+X = jnp.ones((8, 32))
+W = jnp.ones((32, 2, 8))
+LHS, RHS = jnp.ones((32, 16)), jnp.ones((4, 16, 8))
+SIZES = jnp.array([8, 8, 8, 8], jnp.int32)
+LABELS = jnp.arange(8, dtype=jnp.int32)
+LCE_W = jnp.ones((32, 64))
+
+
+def _sds(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _attention(q=Q, k=KV, v=KV, **kwargs):
+    return lambda: tokamax.dot_product_attention(q, k, v, **kwargs)
+
+
+def _xla_attention(op):
+    return lambda: tokamax.dot_product_attention(Q, KV, KV, implementation=op)
+
+
+# (error, match, call): `match` names the argument.
+BAD = [
+    # A jax.ShapeDtypeStruct where a value is needed: "Argument 'args[1]' ... is not a
+    # valid JAX type" (rank 4), or an AttributeError while folding (other ranks).
+    (ValueError, "query must be an array, got a jax.ShapeDtypeStruct", _attention(q=_sds(Q))),
+    (ValueError, "bias must be an array, got a jax.ShapeDtypeStruct",
+     _attention(Q[0], KV[0], KV[0], bias=_sds(jnp.ones((16, 16))))),
+    (ValueError, "key_value_seq_lengths must be an array, got a jax.ShapeDtypeStruct",
+     _attention(key_value_seq_lengths=_sds(jnp.ones(2, jnp.int32)))),
+    (ValueError, "x must be an array, got a jax.ShapeDtypeStruct",
+     lambda: tokamax.layer_norm(_sds(X), None, None)),
+    (ValueError, "residual must be an array, got a jax.ShapeDtypeStruct",
+     lambda: tokamax.layer_norm(X, None, None, residual=_sds(X))),
+    (ValueError, "group_sizes must be an array, got a jax.ShapeDtypeStruct",
+     lambda: tokamax.ragged_dot(LHS, RHS, _sds(SIZES))),
+    (ValueError, "weights must be an array, got a jax.ShapeDtypeStruct",
+     lambda: tokamax.gated_linear_unit(X, (_sds(W[:, 0]), W[:, 1]))),
+    (ValueError, "labels must be an array, got a jax.ShapeDtypeStruct",
+     lambda: tokamax.linear_softmax_cross_entropy_loss(X, _sds(LABELS), LCE_W)),
+    # A query of None (rank-3 key): AttributeError; a ragged list: NumPy's message.
+    (ValueError, "query must be an array", _attention(None, KV[0], KV[0])),
+    (ValueError, "query must be an array or a list", _attention([[1.0], [1.0, 2.0]],
+                                                                KV[0], KV[0])),
+    # A window past int32: OverflowError inside jnp.
+    (ValueError, "local_window_size must be at most", _attention(local_window_size=2**40)),
+    # Negative lengths silently hid every row or key (zeros out); an int64 length past
+    # int32 wrapped silently.
+    (ValueError, "query_seq_lengths must be >= 0",
+     _attention(query_seq_lengths=jnp.array([-1, 4]))),
+    (ValueError, "key_value_seq_lengths must be >= 0",
+     _attention(key_value_seq_lengths=np.array([4, 2**32 + 3]))),
+    (ValueError, "key_value_seq_lengths must be >= 0",
+     _attention(Q[0], KV[0], KV[0], key_value_seq_lengths=np.array(-2))),
+    # A pinned config or VJP op of the wrong kind: AttributeError deep in the kernel
+    # ("'int' object has no attribute 'chunk_q'"), silently ignored (the XLA op), or an
+    # AttributeError only under jax.grad.
+    (TypeError, "config must be a XlaChunkedConfig",
+     _xla_attention(tokamax.XlaChunkedDotProductAttention(config=5))),
+    (TypeError, "config must be a NullConfig", _xla_attention(tokamax.DotProductAttention(
+        config=tokamax.XlaChunkedDotProductAttention.config_cls(chunk_q=8, chunk_k=8)))),
+    (TypeError, "vjp must be a VJP op",
+     _xla_attention(tokamax.DotProductAttention(vjp=tokamax.DotProductAttention()))),
+    # bytes iterated as names: "unknown implementation 120".
+    (TypeError, "implementation must be None", _xla_attention(b"xla")),
+    # A 0-d NumPy string passed the `in` check, then crashed in JAX's staging.
+    (ValueError, "reduction must be one of", lambda: tokamax.linear_softmax_cross_entropy_loss(
+        X, LABELS, LCE_W, reduction=np.array("sum"))),
+    # A complex activation's imaginary part was silently dropped by the cast to x's dtype.
+    (ValueError, "activation must return real values", lambda: tokamax.gated_linear_unit(
+        X, W, activation=lambda a: a.astype(jnp.complex64))),
+    # Group sizes of a dtype that cannot count the rows: jax.lax.ragged_dot sums them in
+    # that dtype, so int8 sizes over 256 rows wrapped and misplaced rows, silently.
+    (ValueError, "group_sizes of dtype int8 .* cannot count the 256 rows of lhs",
+     lambda: tokamax.ragged_dot(jnp.ones((256, 4)), jnp.ones((2, 4, 4)),
+                                jnp.array([100, 100], jnp.int8))),
+    (ValueError, "group_sizes of dtype uint8 .* cannot count the 256 rows of x",
+     lambda: tokamax.gated_linear_unit(jnp.ones((256, 4)), jnp.ones((2, 4, 2, 4)),
+                                       group_sizes=jnp.array([100, 100], jnp.uint8))),
+    # A path (or a typo) where StableHLO text was meant: an empty result, silently.
+    (ValueError, "must be StableHLO/MLIR or HLO text",
+     lambda: tokamax.autotune("model.mlir", progress=False)),
+]
+
+
+@pytest.mark.parametrize("error,match,call", BAD,
+                         ids=[f"{i}-{m.split()[0]}" for i, (_, m, _) in enumerate(BAD)])
+def test_bad_input_names_the_argument(error, match, call):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8])
+def test_narrow_labels_past_their_dtype_range_are_not_nan(dtype):
+    """V = 300 wrapped in int8/uint8 labels (`labels >= 300` compared with 44): every
+    valid token's loss and gradient read as a label past V, NaN."""
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 300)) * jnp.arange(300) / 300
+    labels = jnp.array([1, 2, 100, 0], dtype)
+
+    def loss(x, w, labels, implementation):
+        return tokamax.linear_softmax_cross_entropy_loss(x, labels, w, reduction="mean",
+                                                         implementation=implementation)
+
+    expected = loss(x, w, labels.astype(jnp.int32), "xla")
+    for implementation in ("xla", "xla_chunked"):
+        np.testing.assert_allclose(loss(x, w, labels, implementation), expected, rtol=1e-6)
+        grads = jax.grad(loss, argnums=(0, 1))(x, w, labels, implementation)
+        assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+def test_vmapped_ragged_dot_with_narrow_group_sizes():
+    """`jax.vmap` folds the batch into the groups (b * m rows): int8 sizes that count one
+    example's 100 rows wrapped over the 200 folded ones, misplacing rows silently."""
+    lhs = jax.random.normal(jax.random.key(0), (2, 100, 4))
+    rhs = jax.random.normal(jax.random.key(1), (2, 4, 4))
+    sizes = jnp.array([60, 40], jnp.int8)
+    out = jax.vmap(lambda x: tokamax.ragged_dot(x, rhs, sizes))(lhs)
+    expected = jnp.stack([tokamax.ragged_dot(x, rhs, sizes.astype(jnp.int32)) for x in lhs])
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_mosaic_gpu_key_lengths_of_a_narrow_dtype_are_not_cut():
+    """The Mosaic GPU attention clipped int8 key lengths to the key length in int8: 300
+    wrapped to 44, so a length of 100 became 44 (keys silently dropped)."""
+    from tokamax_kernels.attention import _mosaic_gpu_common as common
+
+    for dtype in (jnp.int8, jnp.uint8, jnp.int32):
+        lengths = common.kernel_lengths(jnp.array([100, 5, 0], dtype), 300)
+        assert lengths.dtype == jnp.int32 and lengths.tolist() == [100, 5, 0]
+    assert common.kernel_lengths(jnp.array([400, -3]), 300).tolist() == [300, 0]
+
+
+def test_what_stays_accepted():
+    """The checks above leave valid calls alone: traced lengths (not checkable), lengths
+    past the sequence (`jax.nn`: attend to all), HLO text with no op, an empty length
+    vector of an empty batch."""
+    jax.jit(lambda n: tokamax.dot_product_attention(Q, KV, KV, key_value_seq_lengths=n))(
+        jnp.array([-1, 40]))
+    tokamax.dot_product_attention(Q, KV, KV, query_seq_lengths=jnp.array([40, 0]))
+    tokamax.dot_product_attention(Q[:0], KV[:0], KV[:0],
+                                  key_value_seq_lengths=jnp.zeros(0, jnp.int32))
+    assert discovery.get_bound_args("HloModule m\n") == []
+    tokamax.linear_softmax_cross_entropy_loss(X, LABELS, LCE_W, reduction=np.str_("mean"))
+    tokamax.ragged_dot(jnp.ones((127, 4)), jnp.ones((2, 4, 4)), jnp.array([100, 27], jnp.int8))
