@@ -102,6 +102,7 @@ def _assert_gradient_close(got, expected):
 # (batch, q_len, kv_len, heads, kv_heads, head_dim, options)
 ATTENTION_CASES = {
     "t1_s1": (2, 1, 1, 2, 2, 8, {}),
+    "causal_t1_s9": (2, 1, 9, 2, 1, 8, dict(is_causal=True)),
     "causal_t3_s5": (2, 3, 5, 2, 1, 8, dict(is_causal=True)),
     "causal_t5_s3": (2, 5, 3, 2, 1, 8, dict(is_causal=True)),
     "causal_gqa3_d40_t13_s17": (2, 13, 17, 6, 2, 40, dict(is_causal=True)),
@@ -118,11 +119,14 @@ ATTENTION_CASES = {
 }
 
 
-# `None` runs `xla` on a CPU: a few cases check that it gets there.
-_ATTENTION_PARAMS = [(case, implementation) for case in ATTENTION_CASES
-                     for implementation in ATTENTION_IMPLEMENTATIONS
-                     if implementation != "none" or case in (
-                         "causal_t5_s3", "lengths_with_zero_rows", "soft_cap_tiny_window_gqa")]
+# Every case in the chunked form (chunks of 3 x 5: no length here is a multiple, and the
+# t1_s1 case is the regression of a chunk longer than a length-1 sequence, which failed to
+# reshape); `None` (which runs `xla` on a CPU) and `xla` on a few.
+_XLA_ONLY = ("causal_t3_s5", "mqa_d72", "window_wider_than_seq", "soft_cap_huge")
+_ATTENTION_PARAMS = [
+    *((case, "xla" if case in _XLA_ONLY else "xla_chunked_odd") for case in ATTENTION_CASES),
+    ("causal_t5_s3", "none"), ("soft_cap_tiny_window_gqa", "none"),
+    ("causal_gqa3_d40_t13_s17", "xla")]
 
 
 @pytest.mark.parametrize(("case", "implementation"), _ATTENTION_PARAMS)
@@ -147,7 +151,7 @@ def test_attention_unusual(case, implementation):
         _assert_gradient_close(got, expected)
 
 
-@pytest.mark.parametrize("case", ["causal_t5_s3", "lengths_with_zero_rows", "window_0_0"])
+@pytest.mark.parametrize("case", ["causal_t5_s3", "lengths_with_zero_rows"])
 def test_attention_unusual_mosaic_tpu_interpreted(case):
     b, t, s, n, kv, d, options = ATTENTION_CASES[case]
     q, k, v = (random_normal(0, (b, t, n, d)), random_normal(1, (b, s, kv, d)),
@@ -168,8 +172,8 @@ def test_attention_unusual_mosaic_tpu_interpreted(case):
         _assert_gradient_close(got, expected)
 
 
-@pytest.mark.parametrize("implementation", ["none", "xla", "xla_chunked_odd"])
-@pytest.mark.parametrize("rank", [3, 4])
+@pytest.mark.parametrize(("rank", "implementation"), [
+    (4, "none"), (4, "xla_chunked_odd"), (3, "xla")])
 def test_attention_sequence_lengths_as_lists(rank, implementation):
     """Regression: lengths given as Python lists (documented, as `jax.nn` takes them)
     raised `ValueError: ... must be an array, got list` for rank-4 inputs, where no
@@ -237,8 +241,11 @@ def _tpu_norm():
                                     vjp=PallasMosaicTpuLayerNormVjp(interpret=True))
 
 
-@pytest.mark.parametrize("implementation", ["none", "xla", "mosaic_tpu_or_xla"])
-@pytest.mark.parametrize("case", NORM_CASES)
+@pytest.mark.parametrize(("case", "implementation"), [
+    *((case, "xla") for case in NORM_CASES),
+    ("rms_bf16_f32_scale_residual", "none"), ("axis_1_of_4d", "none"),
+    *((case, "mosaic_tpu_or_xla") for case in (
+        "features_1", "axis_1_of_4d", "rms_bf16_f32_scale_residual", "rank_1"))])
 def test_layer_norm_unusual(case, implementation):
     shape, axis, dtype, scale_dtype, with_offset, subtract_mean, with_residual = NORM_CASES[case]
     impl = {"none": None, "xla": "xla",
@@ -295,8 +302,11 @@ RAGGED_CASES = {
 }
 
 
-@pytest.mark.parametrize("implementation", ["none", "xla", "mosaic_tpu"])
-@pytest.mark.parametrize("case", RAGGED_CASES)
+@pytest.mark.parametrize(("case", "implementation"), [
+    *((case, "xla") for case in RAGGED_CASES),
+    ("empty_groups", "none"), ("sum_below_rows", "none"),
+    *((case, "mosaic_tpu") for case in (
+        "empty_groups", "sum_below_rows", "no_rows_in_any_group", "k1_n1", "odd_bf16"))])
 def test_ragged_dot_unusual(case, implementation):
     m, k, n, sizes, dtype = RAGGED_CASES[case]
     impl = {"none": None, "xla": "xla",
@@ -333,10 +343,10 @@ ACTIVATIONS = {
 }
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-@pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_gated_linear_unit_unusual(activation, fused, grouped):
+@pytest.mark.parametrize(("activation", "grouped"), [
+    *((activation, False) for activation in ACTIVATIONS),
+    ("default_swish", True), ("partial_exact_gelu", True)])
+def test_gated_linear_unit_unusual(activation, grouped):
     """Odd K and N, x with two leading axes (dense) or empty groups (grouped).
 
     Regression: a `functools.partial` or a callable instance as the activation raised
@@ -359,7 +369,7 @@ def test_gated_linear_unit_unusual(activation, fused, grouped):
             up = jnp.einsum("...k,kn->...n", x, w_up, precision=HIGHEST)
         return act_ref(gate) * up
 
-    for impl in (None, "xla"):
+    for impl, fused in ((None, True), ("xla", False)):
         def f(x, weights, impl=impl):
             return tokamax.gated_linear_unit(x, weights, group_sizes=group_sizes,
                                              activation=act, implementation=impl)
@@ -408,10 +418,13 @@ LOSS_IMPLEMENTATIONS = {
 }
 
 
-@pytest.mark.parametrize("implementation", LOSS_IMPLEMENTATIONS)
-@pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
-@pytest.mark.parametrize("labels_kind", ["some_ignored", "all_ignored"])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(("dtype", "labels_kind", "reduction", "implementation"), [
+    *((jnp.float32, labels, reduction, "xla_chunked_odd")
+      for labels in ("some_ignored", "all_ignored") for reduction in ("sum", "mean", "none")),
+    *((jnp.float32, "some_ignored", reduction, "xla") for reduction in ("sum", "mean", "none")),
+    *((jnp.bfloat16, "some_ignored", reduction, "xla_chunked_odd")
+      for reduction in ("sum", "none")),
+    (jnp.bfloat16, "some_ignored", "mean", "none"), (jnp.float32, "all_ignored", "mean", "none")])
 def test_linear_softmax_cross_entropy_unusual(dtype, labels_kind, reduction, implementation):
     """V = 1001, leading dims (b, s), a soft cap with "mean"."""
     lead, h, vocab = (2, 5), 24, 1001
