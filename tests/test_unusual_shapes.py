@@ -102,31 +102,27 @@ def _assert_gradient_close(got, expected):
 # (batch, q_len, kv_len, heads, kv_heads, head_dim, options)
 ATTENTION_CASES = {
     "t1_s1": (2, 1, 1, 2, 2, 8, {}),
-    "causal_t1_s9": (2, 1, 9, 2, 1, 8, dict(is_causal=True)),
-    "causal_t3_s5": (2, 3, 5, 2, 1, 8, dict(is_causal=True)),
     "causal_t5_s3": (2, 5, 3, 2, 1, 8, dict(is_causal=True)),
     "causal_gqa3_d40_t13_s17": (2, 13, 17, 6, 2, 40, dict(is_causal=True)),
     "mqa_d72": (2, 9, 11, 3, 1, 72, {}),
     "lengths_with_zero_rows": (3, 13, 17, 4, 2, 8, dict(
         is_causal=True, q_lengths=np.array([13, 0, 5], np.int32),
         kv_lengths=np.array([0, 17, 3], np.int32))),
-    "window_wider_than_seq": (2, 13, 17, 2, 2, 8, dict(window=(100, 100))),
     "window_0_0": (2, 13, 17, 2, 2, 8, dict(window=(0, 0))),
     "window_asymmetric_not_causal": (2, 13, 17, 2, 2, 8, dict(window=(1, 4))),
+    "window_right_wider_than_seq": (2, 13, 17, 2, 2, 8, dict(window=(2, 100))),
     "soft_cap_tiny_window_gqa": (2, 11, 13, 6, 2, 16, dict(cap=0.5, is_causal=True,
                                                            window=(3, 0))),
-    "soft_cap_huge": (2, 7, 9, 2, 2, 8, dict(cap=1e6)),
 }
 
 
 # Every case in the chunked form (chunks of 3 x 5: no length here is a multiple, and the
 # t1_s1 case is the regression of a chunk longer than a length-1 sequence, which failed to
 # reshape); `None` (which runs `xla` on a CPU) and `xla` on a few.
-_XLA_ONLY = ("causal_t3_s5", "mqa_d72", "window_wider_than_seq", "soft_cap_huge")
+_XLA_ONLY = ("mqa_d72", "window_right_wider_than_seq")
 _ATTENTION_PARAMS = [
     *((case, "xla" if case in _XLA_ONLY else "xla_chunked_odd") for case in ATTENTION_CASES),
-    ("causal_t5_s3", "none"), ("soft_cap_tiny_window_gqa", "none"),
-    ("causal_gqa3_d40_t13_s17", "xla")]
+    ("soft_cap_tiny_window_gqa", "none")]
 
 
 @pytest.mark.parametrize(("case", "implementation"), _ATTENTION_PARAMS)
@@ -242,7 +238,7 @@ def _tpu_norm():
 
 
 @pytest.mark.parametrize(("case", "implementation"), [
-    *((case, "xla") for case in NORM_CASES),
+    *((case, "xla") for case in NORM_CASES if case != "rank_1"),
     ("rms_bf16_f32_scale_residual", "none"), ("axis_1_of_4d", "none"),
     *((case, "mosaic_tpu_or_xla") for case in (
         "features_1", "axis_1_of_4d", "rms_bf16_f32_scale_residual", "rank_1"))])
@@ -303,10 +299,9 @@ RAGGED_CASES = {
 
 
 @pytest.mark.parametrize(("case", "implementation"), [
-    *((case, "xla") for case in RAGGED_CASES),
-    ("empty_groups", "none"), ("sum_below_rows", "none"),
-    *((case, "mosaic_tpu") for case in (
-        "empty_groups", "sum_below_rows", "no_rows_in_any_group", "k1_n1", "odd_bf16"))])
+    *((case, "xla") for case in RAGGED_CASES if case != "k1_n1"),
+    ("empty_groups", "none"),
+    *((case, "mosaic_tpu") for case in ("sum_below_rows", "k1_n1", "odd_bf16"))])
 def test_ragged_dot_unusual(case, implementation):
     m, k, n, sizes, dtype = RAGGED_CASES[case]
     impl = {"none": None, "xla": "xla",
@@ -421,9 +416,8 @@ LOSS_IMPLEMENTATIONS = {
 @pytest.mark.parametrize(("dtype", "labels_kind", "reduction", "implementation"), [
     *((jnp.float32, labels, reduction, "xla_chunked_odd")
       for labels in ("some_ignored", "all_ignored") for reduction in ("sum", "mean", "none")),
-    *((jnp.float32, "some_ignored", reduction, "xla") for reduction in ("sum", "mean", "none")),
-    *((jnp.bfloat16, "some_ignored", reduction, "xla_chunked_odd")
-      for reduction in ("sum", "none")),
+    (jnp.float32, "some_ignored", "mean", "xla"),
+    (jnp.bfloat16, "some_ignored", "none", "xla_chunked_odd"),
     (jnp.bfloat16, "some_ignored", "mean", "none"), (jnp.float32, "all_ignored", "mean", "none")])
 def test_linear_softmax_cross_entropy_unusual(dtype, labels_kind, reduction, implementation):
     """V = 1001, leading dims (b, s), a soft cap with "mean"."""
