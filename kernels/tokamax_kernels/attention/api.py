@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from tokamax_kernels.attention import layout
 from tokamax_kernels.attention.base import DotProductAttention
 from tokamax_kernels.attention.cudnn import CudnnDotProductAttention
@@ -86,6 +88,10 @@ def dot_product_attention(
     if not isinstance(return_residual, bool):
         raise TypeError(f"dot_product_attention: return_residual must be a bool, got "
                         f"{return_residual!r}")
+    for name in ("query_seq_lengths", "key_value_seq_lengths"):
+        # Lists work as in `jax.nn`, also where nothing needs folding (rank-4 inputs).
+        if isinstance(arrays[name], (list, tuple)):
+            arrays[name] = jnp.asarray(arrays[name])
     out_shape = None
     if layout.needs_folding(query, key, value, bias, mask):
         arrays, out_shape = layout.fold(**arrays)

@@ -76,9 +76,12 @@ def heuristic_config(batch: int, heads: int, q_len: int, kv_len: int, *,
     return max(largest_blocks(batch, heads, q_len, kv_len), key=lambda c: getattr(c, long_side))
 
 
-def _pad_axis(x: jax.Array | None, axis: int, size: int) -> jax.Array | None:
-    """Zero (False) padding of `axis` to `size`; broadcast (size-1) axes stay."""
-    if x is None or x.shape[axis] in (1, size):
+def _pad_axis(x: jax.Array | None, axis: int, size: int, *,
+              broadcast: bool = True) -> jax.Array | None:
+    """Zero (False) padding of `axis` to `size`; with `broadcast`, size-1 axes (a bias's or
+    mask's broadcast axes) stay. A sequence of length 1 is no broadcast axis: operands of
+    one query row or one key pass `broadcast=False`."""
+    if x is None or x.shape[axis] == size or (broadcast and x.shape[axis] == 1):
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, size - x.shape[axis])
@@ -161,9 +164,11 @@ def _problem(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array
     if q_pad != q_len:  # padded query rows attend to nothing (zero probabilities)
         full = jnp.full((batch,), q_len, jnp.int32)
         q_lengths = full if q_lengths is None else jnp.minimum(q_lengths, full)
-    query = _pad_axis(query, 1, q_pad).reshape(batch, q_pad, kv_heads, heads // kv_heads, -1)
+    query = _pad_axis(query, 1, q_pad, broadcast=False).reshape(
+        batch, q_pad, kv_heads, heads // kv_heads, -1)
     return _Problem(
-        query=query, key=_pad_axis(key, 1, k_pad), value=_pad_axis(value, 1, k_pad),
+        query=query, key=_pad_axis(key, 1, k_pad, broadcast=False),
+        value=_pad_axis(value, 1, k_pad, broadcast=False),
         bias=_pad_axis(_pad_axis(bias, 2, q_pad), 3, k_pad),
         mask=_pad_axis(_pad_axis(mask, 2, q_pad), 3, k_pad),
         q_lengths=q_lengths, kv_lengths=kv_lengths, statics=statics,
@@ -243,10 +248,10 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)  # (B, Sq, H)
     if dlse is not None:
         delta = delta - jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)
-    delta = _pad_axis(delta, 1, q_pad).reshape(batch, q_pad, kv_heads, groups)
+    delta = _pad_axis(delta, 1, q_pad, broadcast=False).reshape(batch, q_pad, kv_heads, groups)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # fully masked rows: probabilities are 0
-    lse = _pad_axis(lse, 2, q_pad).reshape(batch, kv_heads, groups, -1, cq)
-    dout = _pad_axis(dout, 1, q_pad).reshape(pb.query.shape)
+    lse = _pad_axis(lse, 2, q_pad, broadcast=False).reshape(batch, kv_heads, groups, -1, cq)
+    dout = _pad_axis(dout, 1, q_pad, broadcast=False).reshape(pb.query.shape)
     q_blocks, do_blocks = pb.blocks_of(pb.query, cq), pb.blocks_of(dout, cq)
     lse_blocks = jnp.moveaxis(lse, 3, 0)  # (nq, B, Hkv, G, cq)
     delta_blocks = jnp.transpose(

@@ -81,7 +81,13 @@ def parse_array_spec(text: str) -> jax.ShapeDtypeStruct:
 def import_path(obj: Any) -> str:
     """`module.QualName` of a class or function, checked to import back."""
     target = getattr(obj, "__wrapped__", obj)
-    path = f"{target.__module__}.{target.__qualname__}"
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", None)
+    # A `functools.partial` or a callable instance has no name of its own to import.
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        raise SpecError(f"{obj!r} is not importable by name (no __module__/__qualname__: "
+                        "a functools.partial or a callable instance)")
+    path = f"{module}.{qualname}"
     if "<" in path:
         raise SpecError(f"{obj!r} is not importable by name (a lambda or local object)")
     return path
