@@ -127,17 +127,22 @@ _ATTENTION_PARAMS = [
 
 @pytest.mark.parametrize(("case", "implementation"), _ATTENTION_PARAMS)
 def test_attention_unusual(case, implementation):
+    _check_attention_case(case, ATTENTION_IMPLEMENTATIONS[implementation]())
+
+
+def _check_attention_case(case: str, implementation) -> None:
+    """Output and q/k/v gradients of `ATTENTION_CASES[case]` through `implementation`
+    against the float32 reference, in one compiled program each."""
     b, t, s, n, kv, d, options = ATTENTION_CASES[case]
     q, k, v = (random_normal(0, (b, t, n, d)), random_normal(1, (b, s, kv, d)),
                random_normal(2, (b, s, kv, d)))
-    impl = ATTENTION_IMPLEMENTATIONS[implementation]()
 
     def f(q, k, v):
         return tokamax.dot_product_attention(
             q, k, v, is_causal=options.get("is_causal", False),
             local_window_size=options.get("window"), logits_soft_cap=options.get("cap"),
             query_seq_lengths=options.get("q_lengths"),
-            key_value_seq_lengths=options.get("kv_lengths"), implementation=impl)
+            key_value_seq_lengths=options.get("kv_lengths"), implementation=implementation)
 
     out, grads = _out_and_grads(f, (q, k, v), 3)
     want, grads_ref = _out_and_grads(
@@ -149,23 +154,7 @@ def test_attention_unusual(case, implementation):
 
 @pytest.mark.parametrize("case", ["causal_t5_s3", "lengths_with_zero_rows"])
 def test_attention_unusual_mosaic_tpu_interpreted(case):
-    b, t, s, n, kv, d, options = ATTENTION_CASES[case]
-    q, k, v = (random_normal(0, (b, t, n, d)), random_normal(1, (b, s, kv, d)),
-               random_normal(2, (b, s, kv, d)))
-
-    def f(q, k, v):
-        return tokamax.dot_product_attention(
-            q, k, v, is_causal=options.get("is_causal", False),
-            local_window_size=options.get("window"),
-            query_seq_lengths=options.get("q_lengths"),
-            key_value_seq_lengths=options.get("kv_lengths"), implementation=_tpu_attention())
-
-    out, grads = _out_and_grads(f, (q, k, v), 3)
-    want, grads_ref = _out_and_grads(
-        functools.partial(_attention_reference, **options), (q, k, v), 3)
-    assert_close(out, want)
-    for got, expected in zip(grads, grads_ref, strict=True):
-        _assert_gradient_close(got, expected)
+    _check_attention_case(case, _tpu_attention())
 
 
 @pytest.mark.parametrize(("rank", "implementation"), [
