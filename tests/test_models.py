@@ -33,6 +33,17 @@ def test_smoke_catches_a_wrong_op(monkeypatch):
     assert run.smoke(["encoder"]) != []
 
 
+def test_mixtral_smoke_checks_the_router_in_float32(monkeypatch):
+    """Mixtral's gradients (its top-k routing is a choice that rounding can flip at 16
+    bits) are compared in float32, where a wrong MoE combine must fail them."""
+    assert run.smoke(["mixtral"], dtypes=["float32"]) == []
+    plain_combine = ops.Plain.moe_combine
+    monkeypatch.setattr(ops.Library, "moe_dispatch", ops.Plain.moe_dispatch)
+    monkeypatch.setattr(ops.Library, "moe_combine", lambda self, out, order, weights:
+                        plain_combine(self, out, order, weights[..., ::-1]))
+    assert run.smoke(["mixtral"], dtypes=["float32"]) != []
+
+
 def test_smoke_in_float16_and_float32_and_its_tighter_tolerance(monkeypatch):
     """`--smoke` checks each dtype; float32's tolerance catches a norm off by 0.1%, which
     bfloat16's rounding would hide."""

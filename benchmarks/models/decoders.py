@@ -75,22 +75,16 @@ def init(key: jax.Array, c: DecoderConfig) -> Params:
 
 
 def _moe(ops, p: Params, h: jax.Array, c: DecoderConfig) -> jax.Array:
-    """Top-k routing; tokens sorted by expert; SwiGLU experts: the grouped gate/up GLU, then
-    the down ragged dot."""
-    b, s, w = h.shape
-    x = h.reshape(b * s, w)
-    router_logits = x.astype(jnp.float32) @ p["router"]
+    """Top-k routing; token copies sorted by expert (`moe_dispatch`); SwiGLU experts: the
+    grouped gate/up GLU, then the down ragged dot; back to token order, weighted
+    (`moe_combine`)."""
+    router_logits = h.astype(jnp.float32) @ p["router"]
     weights, experts = jax.lax.top_k(jax.nn.softmax(router_logits, axis=-1), c.top_k)
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    flat_experts = experts.reshape(-1)
-    order = jnp.argsort(flat_experts)
-    rows = x[order // c.top_k]
-    group_sizes = jnp.bincount(flat_experts, length=c.experts).astype(jnp.int32)
+    rows, group_sizes, routing = ops.moe_dispatch(h, experts, c.experts)
     hidden = ops.moe_glu(rows, p["gate_up"], group_sizes, _ACTIVATIONS[c.activation])
     out_sorted = ops.ragged_dot(hidden, p["down"], group_sizes)
-    out = jnp.zeros_like(out_sorted).at[order].set(out_sorted)
-    out = out.reshape(b * s, c.top_k, w).astype(jnp.float32)
-    return jnp.einsum("tkw,tk->tw", out, weights).astype(h.dtype).reshape(b, s, w)
+    return ops.moe_combine(out_sorted, routing, weights).astype(h.dtype)
 
 
 def _mlp(ops, p: Params, h: jax.Array, c: DecoderConfig) -> jax.Array:

@@ -3,7 +3,8 @@
 `PLAIN` is what a user writes without us: jnp norms, `jax.nn.dot_product_attention`
 (cuDNN on a GPU, where it supports the options; a jnp attention where it does not,
 as for Gemma-2's logit soft cap), `jax.lax.ragged_dot` for the experts, and the GLU
-as `activation(h @ w[:, 0]) * (h @ w[:, 1])`. `Library(tokamax_pass)` calls our ops
+as `activation(h @ w[:, 0]) * (h @ w[:, 1])`, the MoE routing by gather and
+`.at[order].set`. `Library(tokamax_pass)` calls our ops
 with `implementation=None`; `Library(tokamax)` calls the upstream wheel's ops the same
 way, where it is installed. Both take the same parameters, so one model definition
 serves all of them.
@@ -108,6 +109,25 @@ class Plain:
         `activation(gate) * up` in float32, cast back."""
         return _activation_product(self.ragged_dot(x, w, group_sizes), activation)
 
+    def moe_dispatch(self, x: jax.Array, experts: jax.Array, num_experts: int
+                     ) -> tuple[jax.Array, jax.Array, Any]:
+        """`(rows, group_sizes, order)`: each token's row once per chosen expert, sorted by
+        expert, as a user writes it (autodiff transposes the gather to a scatter-add)."""
+        top_k = experts.shape[-1]
+        flat_experts = experts.reshape(-1)
+        order = jnp.argsort(flat_experts)
+        group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+        return x.reshape(-1, x.shape[-1])[order // top_k], group_sizes, order
+
+    def moe_combine(self, expert_out: jax.Array, order: Any, weights: jax.Array
+                    ) -> jax.Array:
+        """The expert rows back in token order (`.at[order].set`), each token's copies
+        weighted and added in float32."""
+        out = jnp.zeros_like(expert_out).at[order].set(expert_out)
+        out = out.reshape(weights.shape + expert_out.shape[-1:]).astype(jnp.float32)
+        combined = jnp.einsum("...kw,...k->...w", out, weights.astype(jnp.float32))
+        return combined.astype(expert_out.dtype)
+
     def lm_head_loss(self, h: jax.Array, head: jax.Array, labels: jax.Array,
                      soft_cap: float | None = None) -> jax.Array:
         """The LM head and its mean loss: logits `h @ head` in the inputs' dtype, then
@@ -166,6 +186,20 @@ class Library:
         return self.module.gated_linear_unit(
             x, w.reshape(experts, k, 2, both // 2), group_sizes=group_sizes,
             activation=activation)
+
+    def moe_dispatch(self, x: jax.Array, experts: jax.Array, num_experts: int
+                     ) -> tuple[jax.Array, jax.Array, Any]:
+        """Our `moe_dispatch` (gathers both ways), or plain JAX's routing for a library
+        without it (upstream Tokamax 0.0.17)."""
+        if self.name != "ours":
+            return Plain().moe_dispatch(x, experts, num_experts)
+        return self.module.moe_dispatch(x, experts, num_experts)
+
+    def moe_combine(self, expert_out: jax.Array, routing: Any, weights: jax.Array
+                    ) -> jax.Array:
+        if self.name != "ours":
+            return Plain().moe_combine(expert_out, routing, weights)
+        return self.module.moe_combine(expert_out, routing, weights)
 
     def lm_head_loss(self, h: jax.Array, head: jax.Array, labels: jax.Array,
                      soft_cap: float | None = None) -> jax.Array:

@@ -65,7 +65,8 @@ def in_dtype(model: Model, dtype: str) -> Model:
 def smoke(names: list[str], models: dict[str, Model] | None = None,
           dtypes: Sequence[str] | None = None) -> list[str]:
     """Runs each model tiny on this machine; our loss and gradients must match plain JAX's
-    (within `SMOKE_TOLERANCE` of the dtype).
+    (within `SMOKE_TOLERANCE` of the dtype; with `discrete_routing`, the gradients in
+    float32 only).
 
     `models` replaces the suite's (the same names at other tiny sizes); `dtypes` runs each
     model in each of them (default: the model's own). Returns the failures (empty when
@@ -86,12 +87,14 @@ def smoke(names: list[str], models: dict[str, Model] | None = None,
         errors = {"loss": _relative(loss_ours, loss_plain)}
         for (path, g_ours), g_plain in zip(jax.tree_util.tree_leaves_with_path(grad_ours),
                                            jax.tree.leaves(grad_plain), strict=True):
-            errors[jax.tree_util.keystr(path)] = _relative(g_ours, g_plain)
+            if dtype == "float32" or not model.discrete_routing:
+                errors[jax.tree_util.keystr(path)] = _relative(g_ours, g_plain)
         worst = max(errors, key=errors.get)
         finite = all(math.isfinite(e) for e in errors.values())
         ok = finite and errors[worst] <= SMOKE_TOLERANCE[dtype]
+        what = "worst difference" if len(errors) > 1 else "difference (gradients: float32)"
         print(f"{name} {dtype}: loss {float(loss_plain):.4f} (plain) vs "
-              f"{float(loss_ours):.4f} (ours); worst gradient difference "
+              f"{float(loss_ours):.4f} (ours); {what} "
               f"{errors[worst]:.2e} at {worst}: {'ok' if ok else 'MISMATCH'}", flush=True)
         if not ok:
             failures.append(f"{name} {dtype}: {worst} differs by {errors[worst]:.2e}")

@@ -341,4 +341,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if not in_range:",
         ("tests/test_bad_inputs.py::test_bad_arguments_name_the_argument",),
     ),
+    Mutation(
+        "moe_dispatch's gradient gathers each token's copies by the sort order, not its inverse",
+        "kernels/tokamax_kernels/ragged_dot/routing.py",
+        "per_token = d[inverse]",
+        "per_token = d[order]",
+        ("tests/test_moe_routing.py::test_gradients_are_gathers_and_equal_the_plain_expression",),
+    ),
+    Mutation(
+        "moe_combine adds the dropped copies' rows",
+        "kernels/tokamax_kernels/ragged_dot/routing.py",
+        "kept = (routing.inverse < routing.kept)",
+        "kept = (routing.inverse >= 0)",
+        ("tests/test_moe_routing.py::"
+         "test_dropped_copies_add_nothing_whatever_the_experts_wrote",),
+    ),
 )

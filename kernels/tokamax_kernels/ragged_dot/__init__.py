@@ -1,12 +1,14 @@
-"""Ragged dot (grouped matmul, as in mixture-of-experts layers)."""
+"""Ragged dot (grouped matmul, as in mixture-of-experts layers), and the MoE routing
+around it (`moe_dispatch`, `moe_combine`)."""
 
 from tokamax_kernels.ragged_dot.api import ragged_dot
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
+from tokamax_kernels.ragged_dot.routing import MoeRouting, moe_combine, moe_dispatch
 
 __all__ = [
-    "PallasMosaicGpuRaggedDot", "PallasMosaicTpuRaggedDot", "PallasTritonRaggedDot", "RaggedDot",
-    "RaggedDotVjp", "ragged_dot",
+    "MoeRouting", "PallasMosaicGpuRaggedDot", "PallasMosaicTpuRaggedDot", "PallasTritonRaggedDot",
+    "RaggedDot", "RaggedDotVjp", "moe_combine", "moe_dispatch", "ragged_dot",
 ]

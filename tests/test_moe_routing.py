@@ -1,0 +1,219 @@
+"""moe_dispatch / moe_combine: against a per-token float64 loop, forward and gradients,
+through a ragged dot, with dropped copies; their gradients gather (no scatter-add)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_pass as tokamax
+from conftest import assert_close, random_normal
+
+NUM_EXPERTS = 5
+
+
+def _expert_ids(seed: int, tokens_shape: tuple[int, ...], top_k: int, *, dropped: bool
+                ) -> jax.Array:
+    """Random experts per token (distinct within a token, as top-k gives them); with
+    `dropped`, some copies get -1 or NUM_EXPERTS (out of range: dropped)."""
+    rng = np.random.default_rng(seed)
+    tokens = int(np.prod(tokens_shape))
+    ids = np.stack([rng.permutation(NUM_EXPERTS)[:top_k] for _ in range(tokens)])
+    if dropped:
+        ids[rng.random(ids.shape) < 0.2] = -1
+        ids[rng.random(ids.shape) < 0.1] = NUM_EXPERTS
+    return jnp.asarray(ids.reshape(tokens_shape + (top_k,)), jnp.int32)
+
+
+def _reference(x, expert_ids, w, weights):
+    """float64, per token: sum over its kept experts e_j of weights_j * (x @ w[e_j])."""
+    x, w, weights = (np.asarray(a, np.float64) for a in (x, w, weights))
+    ids = np.asarray(expert_ids)
+    flat_x, flat_ids = x.reshape(-1, x.shape[-1]), ids.reshape(-1, ids.shape[-1])
+    flat_weights = weights.reshape(flat_ids.shape)
+    out = np.zeros((flat_x.shape[0], w.shape[2]))
+    for t, (row, experts) in enumerate(zip(flat_x, flat_ids, strict=True)):
+        for j, e in enumerate(experts):
+            if 0 <= e < NUM_EXPERTS:
+                out[t] += flat_weights[t, j] * (row @ w[e])
+    return out.reshape(x.shape[:-1] + (w.shape[2],))
+
+
+def _moe(x, w, weights, expert_ids):
+    rows, group_sizes, routing = tokamax.moe_dispatch(x, expert_ids, NUM_EXPERTS)
+    expert_out = tokamax.ragged_dot(rows, w, group_sizes, implementation="xla",
+                                    preferred_element_type=x.dtype)
+    return tokamax.moe_combine(expert_out, routing, weights)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("tokens_shape, top_k, dropped", [
+    ((2, 13), 2, False), ((2, 3, 7), 3, True), ((37,), 1, True)])
+def test_through_a_ragged_dot_matches_the_per_token_reference(dtype, tokens_shape, top_k,
+                                                              dropped):
+    """Forward and every gradient (x, the expert weights, the routing weights) against
+    float64 on random inputs and a random cotangent."""
+    width, n = 24, 16
+    x = random_normal(0, tokens_shape + (width,), dtype)
+    w = random_normal(1, (NUM_EXPERTS, width, n), dtype) / width ** 0.5
+    weights = jax.nn.softmax(random_normal(2, tokens_shape + (top_k,)), -1).astype(dtype)
+    ids = _expert_ids(3, tokens_shape, top_k, dropped=dropped)
+    dout = random_normal(4, tokens_shape + (n,), dtype)
+    out, pullback = jax.vjp(lambda x, w, g: _moe(x, w, g, ids), x, w, weights)
+    assert out.dtype == dtype
+    assert_close(out, _reference(x, ids, w, weights), dtype)
+
+    def reference_loss(x, w, weights):
+        return jnp.sum(_reference_jnp(x, ids, w, weights) * dout.astype(jnp.float64))
+
+    with jax.enable_x64():
+        expected = jax.grad(reference_loss, argnums=(0, 1, 2))(
+            *(jnp.asarray(np.asarray(a, np.float64)) for a in (x, w, weights)))
+    for name, got, want in zip(("x", "w", "weights"), pullback(dout), expected, strict=True):
+        assert got.dtype == dtype, name
+        assert_close(got, want, dtype)
+
+
+def _reference_jnp(x, expert_ids, w, weights):
+    """The per-token reference as a differentiable dense expression (float64 under x64):
+    every expert's output, masked to the kept ones."""
+    kept = (expert_ids >= 0) & (expert_ids < NUM_EXPERTS)
+    onehot = jax.nn.one_hot(jnp.where(kept, expert_ids, 0), NUM_EXPERTS, dtype=x.dtype)
+    gates = jnp.sum(onehot * (weights * kept)[..., None], axis=-2)  # (..., E)
+    every = jnp.einsum("...k,ekn->...en", x, w)
+    return jnp.einsum("...en,...e->...n", every, gates)
+
+
+def test_dispatch_sorts_copies_stably_and_counts_the_kept_ones():
+    x = random_normal(0, (2, 9, 4))
+    ids = _expert_ids(1, (2, 9), 2, dropped=True)
+    rows, group_sizes, routing = tokamax.moe_dispatch(x, ids, NUM_EXPERTS)
+    flat_ids = np.asarray(ids).reshape(-1)
+    key = np.where((flat_ids >= 0) & (flat_ids < NUM_EXPERTS), flat_ids, NUM_EXPERTS)
+    order = np.argsort(key, kind="stable")
+    np.testing.assert_array_equal(routing.order, order)
+    np.testing.assert_array_equal(routing.inverse, np.argsort(order))
+    assert int(routing.kept) == int((key < NUM_EXPERTS).sum())
+    np.testing.assert_array_equal(rows, np.asarray(x).reshape(-1, 4)[order // 2])
+    np.testing.assert_array_equal(group_sizes, np.bincount(key, minlength=NUM_EXPERTS + 1)
+                                  [:NUM_EXPERTS])
+    assert group_sizes.dtype == jnp.int32
+
+
+def test_gradients_are_gathers_and_equal_the_plain_expression():
+    """The point of the functions: no floating scatter-add in the gradient program, and the same
+    values as autodiff of the plain expression (`x[order // k]`, `.at[order].set`)."""
+    x = random_normal(0, (16, 8), jnp.bfloat16)
+    ids = _expert_ids(1, (16,), 2, dropped=False)
+    expert_out = random_normal(2, (32, 8), jnp.bfloat16)
+    weights = random_normal(3, (16, 2), jnp.bfloat16)
+    cotangents = (random_normal(4, (32, 8), jnp.bfloat16), random_normal(5, (16, 8),
+                                                                          jnp.bfloat16))
+
+    def ours(x, expert_out, weights):
+        rows, _, routing = tokamax.moe_dispatch(x, ids, NUM_EXPERTS)
+        return rows, tokamax.moe_combine(expert_out, routing, weights)
+
+    def plain(x, expert_out, weights):
+        order = jnp.argsort(ids.reshape(-1))
+        out = jnp.zeros_like(expert_out).at[order].set(expert_out).reshape(16, 2, 8)
+        combined = jnp.sum(out.astype(jnp.float32) * weights[..., None].astype(jnp.float32), 1)
+        return x[order // 2], combined.astype(x.dtype)
+
+    def scatter_adds(f) -> int:
+        program = jax.jit(lambda *a: jax.vjp(f, *a)[1](cotangents)).lower(
+            x, expert_out, weights).as_text()
+        return sum("stablehlo.add" in body and ("tensor<f" in body or "tensor<bf16" in body)
+                   for body in _scatter_bodies(program))
+
+    assert scatter_adds(plain) > 0  # what the check looks for is there to find
+    assert scatter_adds(ours) == 0
+    got = jax.vjp(ours, x, expert_out, weights)
+    want = jax.vjp(plain, x, expert_out, weights)
+    for a, b in zip(jax.tree.leaves((got[0], got[1](cotangents))),
+                    jax.tree.leaves((want[0], want[1](cotangents))), strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _scatter_bodies(program: str) -> list[str]:
+    """The text of every scatter op in a StableHLO program, its update computation
+    included."""
+    bodies, rest = [], program
+    while "stablehlo.scatter" in rest:
+        rest = rest[rest.index("stablehlo.scatter"):]
+        end = rest.index("})")
+        bodies.append(rest[:end])
+        rest = rest[end:]
+    return bodies
+
+
+def _bad_calls():
+    x, ids = random_normal(0, (6, 4)), _expert_ids(1, (6,), 2, dropped=False)
+    rows, _, routing = tokamax.moe_dispatch(x, ids, NUM_EXPERTS)
+    weights = random_normal(2, (6, 2))
+    return {
+        "x rank 1": (lambda: tokamax.moe_dispatch(x[0], ids, NUM_EXPERTS), "x must have rank"),
+        "integer x": (lambda: tokamax.moe_dispatch(ids, ids, NUM_EXPERTS), "x must"),
+        "float ids": (lambda: tokamax.moe_dispatch(x, x[:, :2], NUM_EXPERTS),
+                      "expert_ids must be an integer array"),
+        "ids of other tokens": (lambda: tokamax.moe_dispatch(x, ids[:5], NUM_EXPERTS),
+                                "expert_ids must have shape"),
+        "traced num_experts": (lambda: tokamax.moe_dispatch(x, ids, jnp.int32(5)),
+                               "num_experts must be a Python int"),
+        "zero experts": (lambda: tokamax.moe_dispatch(x, ids, 0), "num_experts must"),
+        "routing of another kind": (lambda: tokamax.moe_combine(rows, routing.order, weights),
+                                    "routing must be the MoeRouting"),
+        "rows not per copy": (lambda: tokamax.moe_combine(rows[:-1], routing, weights),
+                              "expert_out must have one row per token copy"),
+        "expert_out rank 3": (lambda: tokamax.moe_combine(rows[None], routing, weights),
+                              "expert_out must have rank 2"),
+        "weights per token only": (lambda: tokamax.moe_combine(rows, routing, weights[:, 0]),
+                                   "weights must have shape"),
+        "integer weights": (lambda: tokamax.moe_combine(rows, routing, ids), "weights must"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_bad_input_names_the_argument(case):
+    call, message = _bad_calls()[case]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_dropped_copies_add_nothing_whatever_the_experts_wrote():
+    """Past `sum(group_sizes)` a ragged dot writes zeros, but an expert computation that
+    adds a bias (or anything else) must not leak into the combined tokens."""
+    x = random_normal(0, (2, 9, 4))
+    ids = _expert_ids(1, (2, 9), 3, dropped=True)
+    weights = random_normal(2, (2, 9, 3))
+    rows, _, routing = tokamax.moe_dispatch(x, ids, NUM_EXPERTS)
+    expert_out = rows + 1.0  # nonzero everywhere, the dropped rows too
+    (out, pullback) = jax.vjp(lambda e, w: tokamax.moe_combine(e, routing, w), expert_out,
+                              weights)
+    kept = np.asarray((ids >= 0) & (ids < NUM_EXPERTS))
+    expected = np.einsum("btkn,btk->btn", (np.asarray(x) + 1.0)[:, :, None, :]
+                         * np.ones((1, 1, 3, 1)), np.asarray(weights) * kept)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    d_expert_out, d_weights = pullback(random_normal(3, out.shape))
+    assert not np.asarray(d_weights)[~kept].any()
+    assert not np.asarray(d_expert_out)[int(routing.kept):].any()
+
+
+def test_under_vmap_and_jit():
+    """A leading mapped axis (say, per-device shards under `jax.vmap`) gives each slice's
+    own routing."""
+    x = random_normal(0, (3, 10, 4))
+    ids = _expert_ids(1, (3, 10), 2, dropped=True)
+    weights = random_normal(2, (3, 10, 2))
+
+    def route_and_combine(x, ids, weights):
+        rows, group_sizes, routing = tokamax.moe_dispatch(x, ids, NUM_EXPERTS)
+        return tokamax.moe_combine(rows * 2.0, routing, weights), group_sizes
+
+    mapped, sizes = jax.jit(jax.vmap(route_and_combine))(x, ids, weights)
+    for i in range(3):
+        one, one_sizes = route_and_combine(x[i], ids[i], weights[i])
+        np.testing.assert_allclose(mapped[i], one, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(sizes[i], one_sizes)
