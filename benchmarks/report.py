@@ -53,8 +53,8 @@ OP_ROWS = (
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
-    "llama": "models_llama_mixtral_s14.json",
-    "mixtral": "models_llama_mixtral_s14.json",
+    "llama": "models_llama_mixtral_s15_routing.json",
+    "mixtral": "models_llama_mixtral_s15_routing.json",
     "gemma2": "models_gemma2_encoder_s14.json",
     "encoder": "models_gemma2_encoder_s14.json",
 }

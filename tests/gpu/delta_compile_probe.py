@@ -1,0 +1,90 @@
+"""Device probe: does the fixed-order `delta` (`attention/_softmax_row_term.py`, pairwise
+elementwise adds) cost compile time on the GPU? In session 15 the gemma2 step under
+`None` (Mosaic attention at head dim 256, the only suite model whose backward runs it)
+compiled in 74-85 s, against 16 s in session 14's run, made with `delta` as a plain sum
+(`models_gemma2_encoder_s14.json`, `models_gemma2_s15_tuned.json`); llama and mixtral
+(cuDNN attention) compiled as before.
+
+Compiles (no timing of steps): `softmax_row_term` alone at gemma2's shape and at
+d128/d64, then the gemma2 `None` step, each with the pairwise sum and with a plain
+`jnp.sum` swapped in, each in a fresh process (no compilation cache).
+
+Run on the H200 from the repository root:
+  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/delta_compile_probe.py
+Writes `$OUT/delta_compile_probe.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+VJP_MODULES = ("pallas_mosaic_gpu_vjp", "pallas_triton_vjp", "pallas_mosaic_tpu_vjp")
+DELTA_SHAPES = {"gemma2 d256": (2, 8192, 8, 256), "d128": (4, 4096, 16, 128),
+                "d64": (8, 2048, 32, 64)}
+
+
+def _plain_sum(out, dout, dlse=None):
+    import jax.numpy as jnp
+    terms = out.astype(jnp.float32) * dout.astype(jnp.float32)
+    delta = jnp.swapaxes(jnp.sum(terms, axis=-1), 1, 2)
+    return delta if dlse is None else delta - dlse.astype(jnp.float32)
+
+
+def _use(delta: str) -> None:
+    import importlib
+    if delta == "plain sum":
+        for name in VJP_MODULES:
+            module = importlib.import_module(f"tokamax_kernels.attention.{name}")
+            module.softmax_row_term = _plain_sum
+
+
+def _worker(what: str, delta: str, smoke: bool) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.models import MODELS, ops
+    from tokamax_kernels.attention import pallas_triton_vjp
+
+    _use(delta)
+    start = time.perf_counter()
+    if what in DELTA_SHAPES:
+        shape = (2, 16, 2, 32) if smoke else DELTA_SHAPES[what]
+        s = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        jax.jit(pallas_triton_vjp.softmax_row_term).lower(s, s).compile()
+    else:
+        model = MODELS["gemma2"]
+        params = model.init(jax.random.key(0), model.sized(smoke))
+        batch = model.make_batch(jax.random.key(1), model.sized(smoke))
+        step = jax.jit(jax.grad(model.loss_fn(ops.variants()["ours"], smoke=smoke)))
+        step.lower(params, batch).compile()
+    return dict(what=what, delta=delta, compile_s=round(time.perf_counter() - start, 2))
+
+
+def main(argv: list[str]) -> int:
+    smoke = "--smoke" in argv
+    if "--worker" in argv:
+        what, delta = argv[argv.index("--worker") + 1:argv.index("--worker") + 3]
+        print(json.dumps(_worker(what, delta, smoke)))
+        return 0
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "delta_compile_probe.jsonl")
+    with open(path, "a") as f:
+        for what in (*DELTA_SHAPES, "gemma2 None step"):
+            for delta in ("pairwise", "plain sum"):
+                run = subprocess.run(
+                    [sys.executable, __file__, "--worker", what, delta,
+                     *(["--smoke"] if smoke else [])],
+                    capture_output=True, text=True, timeout=300)
+                lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+                record = json.loads(lines[-1]) if lines else dict(
+                    what=what, delta=delta, error=run.stderr[-500:])
+                print(json.dumps(record), flush=True)
+                f.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
