@@ -6,8 +6,9 @@ compiled in 74-85 s, against 16 s in session 14's run, made with `delta` as a pl
 (cuDNN attention) compiled as before.
 
 Compiles (no timing of steps): `softmax_row_term` alone at gemma2's shape and at
-d128/d64, then the gemma2 `None` step, each with the pairwise sum and with a plain
-`jnp.sum` swapped in, each in a fresh process (no compilation cache).
+d128/d64, then the gemma2 `None` step, each with the pairwise tree, a plain `jnp.sum`
+and a chain of adds column by column swapped in, each in a fresh process (no
+compilation cache).
 
 Run on the H200 from the repository root:
   PYTHONPATH=src:kernels:tests:. python3 tests/gpu/delta_compile_probe.py
@@ -34,12 +35,26 @@ def _plain_sum(out, dout, dlse=None):
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
+def _in_sequence(out, dout, dlse=None):
+    """Another fixed order: a chain of adds, column by column (each slice used once)."""
+    import jax.numpy as jnp
+    terms = out.astype(jnp.float32) * dout.astype(jnp.float32)
+    total = terms[..., 0]
+    for i in range(1, terms.shape[-1]):
+        total = total + terms[..., i]
+    delta = jnp.swapaxes(total, 1, 2)
+    return delta if dlse is None else delta - dlse.astype(jnp.float32)
+
+
+DELTAS = {"pairwise": None, "plain sum": _plain_sum, "in sequence": _in_sequence}
+
+
 def _use(delta: str) -> None:
     import importlib
-    if delta == "plain sum":
+    if DELTAS[delta] is not None:
         for name in VJP_MODULES:
             module = importlib.import_module(f"tokamax_kernels.attention.{name}")
-            module.softmax_row_term = _plain_sum
+            module.softmax_row_term = DELTAS[delta]
 
 
 def _worker(what: str, delta: str, smoke: bool) -> dict:
@@ -73,7 +88,7 @@ def main(argv: list[str]) -> int:
     path = os.path.join(os.environ.get("OUT", "/tmp"), "delta_compile_probe.jsonl")
     with open(path, "a") as f:
         for what in (*DELTA_SHAPES, "gemma2 None step"):
-            for delta in ("pairwise", "plain sum"):
+            for delta in DELTAS:
                 run = subprocess.run(
                     [sys.executable, __file__, "--worker", what, delta,
                      *(["--smoke"] if smoke else [])],
