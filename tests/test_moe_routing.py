@@ -217,3 +217,23 @@ def test_under_vmap_and_jit():
         one, one_sizes = route_and_combine(x[i], ids[i], weights[i])
         np.testing.assert_allclose(mapped[i], one, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(sizes[i], one_sizes)
+
+
+def test_optimize_and_export_for_every_platform():
+    """An MoE layer through the routing functions and `ragged_dot`: `optimize` gives jit's
+    gradients, and `jax.export` lowers it for CPU, CUDA and TPU from this machine."""
+    x = random_normal(0, (2, 8, 16))
+    w = random_normal(1, (NUM_EXPERTS, 16, 8)) / 4.0
+    weights = random_normal(2, (2, 8, 2))
+    ids = _expert_ids(3, (2, 8), 2, dropped=True)
+
+    def loss(x, w, weights):
+        return jnp.sum(_moe(x, w, weights, ids) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    for got, want in zip(tokamax.optimize(grad)(x, w, weights), jax.jit(grad)(x, w, weights),
+                         strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    exported = jax.export.export(jax.jit(grad), platforms=["cpu", "cuda", "tpu"])(
+        x, w, weights)
+    assert exported.platforms == ("cpu", "cuda", "tpu")

@@ -1,8 +1,9 @@
 """tokamax_pass: fast JAX kernels for Hopper GPUs, autotuned, and the pass that bakes them in.
 
 The ops (`dot_product_attention`, `layer_norm`, `ragged_dot`, `gated_linear_unit`,
-`linear_softmax_cross_entropy_loss`) and their implementation classes live in
-`tokamax_kernels` and are re-exported here lazily, so `import tokamax_pass` stays
+`linear_softmax_cross_entropy_loss`), their implementation classes and the MoE routing
+functions (`moe_dispatch`, `moe_combine`) live in `tokamax_kernels` and are re-exported
+here lazily, so `import tokamax_pass` stays
 cheap and the framework never imports a kernel from inside.
 """
 
