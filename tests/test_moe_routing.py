@@ -237,3 +237,49 @@ def test_optimize_and_export_for_every_platform():
     exported = jax.export.export(jax.jit(grad), platforms=["cpu", "cuda", "tpu"])(
         x, w, weights)
     assert exported.platforms == ("cpu", "cuda", "tpu")
+
+
+@pytest.mark.usefixtures("fake_devices")
+def test_sharded_tokens_under_jit_and_shard_map():
+    """Tokens sharded over a mesh axis: under `jax.jit` with Auto axes (GSPMD partitions
+    the sort and gathers) the layer and its gradients equal the unsharded ones; inside
+    `jax.shard_map` each device routes its own tokens, as expert-parallel MoE code does
+    before its exchange; under Explicit axes the features may be sharded, and sharded
+    tokens are a `ValueError` naming the argument and both fixes."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    x = random_normal(0, (8, 6, 16))
+    w = random_normal(1, (NUM_EXPERTS, 16, 8)) / 4.0
+    weights = random_normal(2, (8, 6, 2))
+    ids = _expert_ids(3, (8, 6), 2, dropped=True)
+    cotangent = random_normal(4, (8, 6, 8))
+
+    def grads(x, w, weights, ids):
+        out, pullback = jax.vjp(lambda x, w, g: _moe(x, w, g, ids), x, w, weights)
+        return out, pullback(cotangent)
+
+    def assert_equal(got, want):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+    expected = jax.jit(grads)(x, w, weights, ids)
+    auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    tokens = NamedSharding(auto, P("data"))
+    sharded = [jax.device_put(a, tokens) for a in (x, weights, ids)]
+    assert_equal(jax.jit(grads)(sharded[0], w, sharded[1], sharded[2]), expected)
+
+    per_device = jax.jit(jax.shard_map(
+        _moe, mesh=auto, in_specs=(P("data"), P(), P("data"), P("data")),
+        out_specs=P("data")))(sharded[0], w, sharded[1], sharded[2])
+    for i in range(4):  # each data shard holds two batch rows, routed on their own
+        rows = slice(2 * i, 2 * i + 2)
+        assert_equal(per_device[rows], _moe(x[rows], w, weights[rows], ids[rows]))
+
+    explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(explicit):
+        features = jax.device_put(x, NamedSharding(explicit, P(None, None, "model")))
+        assert_equal(jax.jit(grads)(features, w, weights, ids), expected)
+        x_tokens = jax.device_put(x, NamedSharding(explicit, P("data")))
+        with pytest.raises(ValueError, match="x is sharded over its token axes"):
+            jax.jit(grads)(x_tokens, w, weights, ids)

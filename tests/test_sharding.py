@@ -266,6 +266,27 @@ def test_ragged_dot_expert_parallel_under_set_mesh(lhs_spec, axis_type):
     assert all("all-reduce" in hlo for hlo in hlos)  # the psum over the expert axis
 
 
+@pytest.mark.parametrize("name", ["ragged_dot", "gated_linear_unit", "layer_norm"])
+def test_explicit_mesh_with_the_contracted_axis_sharded(name):
+    """Under Explicit axes an operand sharded over an axis the op computes whole (the
+    contraction K, or the normalized features): the gradient comes back with the
+    operand's sharding, as JAX requires of a custom VJP (it raised "the bwd rule produced
+    an output of type float32[96,16] corresponding to an input of type
+    float32[96,16@model]")."""
+    fn, inputs, specs, argnums = CASES[name]
+    specs = [P(*([None] * (x.ndim - 1)), "model") if i == 0 else s
+             for i, (x, s) in enumerate(zip(inputs, specs, strict=True))]
+    with reference_precision():
+        expected_grads = _loss(fn, argnums)(*inputs)
+    mesh = _mesh(AxisType.Explicit)
+    sharded = _put(mesh, inputs, specs)
+    with jax.set_mesh(mesh), reference_precision():
+        grads = jax.jit(_loss(fn, argnums))(*sharded)
+    for i, g, e in zip(argnums, grads, expected_grads, strict=True):
+        assert_close(g, e)
+        assert _spec(g) == _spec(sharded[i]), (i, _spec(g))
+
+
 def test_ragged_dot_expert_parallel_inside_shard_map():
     from tokamax_kernels.ragged_dot.expert_parallel import expert_parallel_ragged_dot
 

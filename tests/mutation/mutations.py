@@ -356,4 +356,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_moe_routing.py::"
          "test_dropped_copies_add_nothing_whatever_the_experts_wrote",),
     ),
+    Mutation(
+        "a VJP op's gradient keeps whatever sharding it came out with (Explicit axes)",
+        "src/tokamax_pass/core/primitive.py",
+        "cotangents.append(sharding.like_operand(grad, operand))",
+        "cotangents.append(grad)",
+        ("tests/test_sharding.py::"
+         "test_explicit_mesh_with_the_contracted_axis_sharded[ragged_dot]",),
+    ),
 )

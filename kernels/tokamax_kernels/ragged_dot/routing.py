@@ -71,6 +71,8 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"{_DISPATCH}: num_experts must be a Python int >= 1 (static: it "
                          f"sets the shape of group_sizes), got {num_experts!r}")
+    for name, array in (("x", x), ("expert_ids", expert_ids)):
+        _require_tokens_unsharded(_DISPATCH, name, array)
     tokens_shape, top_k = tuple(x.shape[:-1]), int(expert_ids.shape[-1])
     copies = math.prod(tokens_shape) * top_k
     if copies >= 2**31:
@@ -113,6 +115,8 @@ def moe_combine(expert_out: jax.Array, routing: MoeRouting, weights: jax.Array
         raise ValueError(f"{_COMBINE}: weights must have shape {expected} (one weight per "
                          f"token and chosen expert, as expert_ids), got "
                          f"{tuple(weights.shape)}")
+    for name, array in (("expert_out", expert_out), ("weights", weights)):
+        _require_tokens_unsharded(_COMBINE, name, array)
     wide = jnp.promote_types(expert_out.dtype, jnp.float32)
     per_copy = _ungather(expert_out, routing.order, routing.inverse)
     per_copy = per_copy.reshape(-1, routing.top_k, expert_out.shape[1]).astype(wide)
@@ -120,6 +124,23 @@ def moe_combine(expert_out: jax.Array, routing: MoeRouting, weights: jax.Array
     flat_weights = jnp.where(kept, weights.reshape(-1, routing.top_k, 1).astype(wide), 0)
     out = jnp.sum(per_copy * flat_weights, axis=1)
     return out.astype(expert_out.dtype).reshape(routing.tokens_shape + (expert_out.shape[1],))
+
+
+def _require_tokens_unsharded(op: str, name: str, array: jax.Array) -> None:
+    """Under Explicit mesh axes an array's type carries its sharding, and JAX refuses to
+    sort or gather along a sharded axis; the routing orders every token of the call
+    together, so its token axes (all but the last) must be whole on each device."""
+    sharding = getattr(jax.typeof(array), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return
+    sharded = [axis for axis in tuple(sharding.spec)[:array.ndim - 1] if axis is not None]
+    if sharded:
+        raise ValueError(
+            f"{op}: {name} is sharded over its token axes ({sharded}) under Explicit mesh "
+            f"axes, and the routing sorts the call's tokens together. Route each device's "
+            f"tokens inside jax.shard_map (as expert-parallel MoE layers do), or "
+            f"jax.sharding.reshard {name} so that its token axes are not sharded")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -313,7 +313,7 @@ def _cotangents(call: OpCall, operands: Sequence[Any], grads: dict[str, Any]) ->
         grad = grad_leaves[i]
         if grad is None:
             grad = np.zeros(operand.shape, jax.dtypes.float0)
-        cotangents.append(grad)
+        cotangents.append(sharding.like_operand(grad, operand))
     return tuple(cotangents)
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import mesh as mesh_lib
 from jax._src import sharding_impls
 from jax.experimental.custom_partitioning import custom_partitioning
@@ -160,6 +161,19 @@ def without_explicit_shardings(ctx: Any) -> Any:
     with meshless():
         return ctx.replace(avals_in=[_plain(a) for a in ctx.avals_in],
                            avals_out=[_plain(a) for a in ctx.avals_out])
+
+
+def like_operand(grad: Any, operand: Any) -> Any:
+    """`grad` with `operand`'s sharding where the operand's type carries one (Explicit
+    axes): JAX requires a custom VJP's cotangent to have its primal's type, and a VJP
+    op's result need not come out sharded as the operand was (a ragged dot's `dlhs` is
+    computed whole along K where `lhs` was sharded over it)."""
+    if isinstance(grad, np.ndarray) or not hasattr(grad, "shape"):
+        return grad
+    wanted = jax.typeof(operand)
+    if not _has_explicit_mesh(wanted) or jax.typeof(grad).sharding == wanted.sharding:
+        return grad
+    return jax.sharding.reshard(grad, wanted.sharding.spec)
 
 
 def _has_explicit_mesh(aval: Any) -> bool:
