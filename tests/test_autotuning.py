@@ -324,6 +324,29 @@ def test_search_space_is_pruned_around_the_heuristics():
         _distance(c, heuristics) for c in left_out)
 
 
+def test_autotune_times_the_config_none_runs_today_first():
+    """A measured config outside the search around the heuristics (as 12 of the H200
+    library entries hold) is timed too, first, so tuned cannot settle below untuned."""
+    from tokamax_pass.autotuning import api, keys
+    from tokamax_pass.autotuning.autotuner import candidate_configs
+    from tokamax_pass.autotuning.result import Entry, Measurement
+
+    ba = keys.canonical(tokamax.PallasTritonLayerNorm.bind(
+        jax.ShapeDtypeStruct((65536, 4096), jnp.bfloat16), None, None))
+    with tokamax.core.targeting("NVIDIA H200"):
+        everything = candidate_configs(ba)
+        nearest = candidate_configs(ba, max_configs=6)
+        assert api.with_current_config(ba, nearest, 6, "NVIDIA H200") == nearest  # unmeasured
+        far = everything[-1]
+        assert far not in nearest
+        shipped = tokamax.AutotuningResult("NVIDIA H200", [
+            Entry(ba, {far: Measurement((1.0,))}, keys.provenance(ba.op))])
+        with shipped:
+            planned = api.with_current_config(ba, nearest, 6, "NVIDIA H200")
+    assert planned[0] == far and len(planned) == 6
+    assert planned[1:] == nearest[:5]
+
+
 def test_all_implementations_tunes_every_vjp_op_the_backward_can_pick():
     """`None` ranks a backward pass's VJP ops by measurement too, so tuning with
     `all_implementations` measures the VJP op of every forward implementation."""

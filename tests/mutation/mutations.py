@@ -364,4 +364,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_sharding.py::"
          "test_explicit_mesh_with_the_contracted_axis_sharded[ragged_dot]",),
     ),
+    Mutation(
+        "autotune leaves the config None runs today out of its search",
+        "src/tokamax_pass/autotuning/api.py",
+        "    return [current, *rest]",
+        "    return configs",
+        ("tests/test_autotuning.py::test_autotune_times_the_config_none_runs_today_first",),
+    ),
 )

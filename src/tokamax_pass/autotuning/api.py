@@ -84,11 +84,12 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
       cache: merge the result into the user cache (`result.save_to_cache()`).
       progress: show a tqdm progress bar.
       iterations, method: timed runs per config and the timer (`benchmarking`).
-      max_configs: configs timed per op, the heuristics config and those nearest it
-        (`None`: the whole search space).
+      max_configs: configs timed per op: the config `None` runs today where one is
+        measured, the heuristics config and those nearest it (`None`: the whole search
+        space).
       search_losers: with `all_implementations`, search the configs of every
-        implementation. By default each implementation is first timed at its heuristics
-        config, and only those that could then be chosen (`staging.py`) have their
+        implementation. By default each implementation is first timed at its first
+        config (as above), and only those that could then be chosen (`staging.py`) have their
         other configs timed: the losers' compiles were most of a model's tuning time.
 
     In a multi-process run (`jax.distributed`) process 0 tunes and every process
@@ -168,7 +169,8 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
                     for group in groups]
         partly_cached = [len(u) < len(g) for u, g in zip(uncached, groups, strict=True)]
         groups = uncached
-    plans = [[plan for ba in group if (plan := _plan(ba, max_configs)) is not None]
+    plans = [[plan for ba in group
+              if (plan := _plan(ba, max_configs, target.device_kind)) is not None]
              for group in groups]
     staged = all_implementations and not search_losers
     bar = _progress_bar(sum(len(c if whole or not staged else c[:1])
@@ -189,13 +191,36 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
     return AutotuningResult(target.device_kind, entries)
 
 
-def _plan(ba: BoundArguments, max_configs: int | None) -> tuple[BoundArguments, list[Any]] | None:
+def _plan(ba: BoundArguments, max_configs: int | None, device_kind: str | None
+          ) -> tuple[BoundArguments, list[Any]] | None:
     """`(ba, its candidate configs)`, or `None` (logged) for a broken search space."""
     try:
-        return ba, candidate_configs(ba, max_configs)
+        configs = candidate_configs(ba, max_configs)
     except Exception as e:  # noqa: BLE001 - one op's broken search space skips that op only
         _log.warning("autotune: skipping %r: %s", ba, e)
         return None
+    return ba, with_current_config(ba, configs, max_configs, device_kind)
+
+
+def with_current_config(ba: BoundArguments, configs: list[Any], max_configs: int | None,
+                        device_kind: str | None) -> list[Any]:
+    """`configs` with the config `implementation=None` runs for `ba` today (a measured
+    one: an active result's, the user cache's or the library cache's) first, the list
+    kept to `max_configs`.
+
+    Tuned must not lose to untuned: the search around the heuristics config can miss the
+    shipped config (on the H200, 12 of the library cache's 93 entries hold their best
+    outside the default 6 candidates, among them the gemma2 and Llama attention calls),
+    and then the tuned program would never have timed what it replaces. First, because
+    stage one compares implementations at their first config."""
+    found = cache_lib.SOURCE.find_config(ba, device_kind)
+    if found is None or not isinstance(found[0], ba.op.config_cls):
+        return configs
+    current = found[0]
+    rest = [c for c in configs if c != current]
+    if max_configs is not None:
+        rest = rest[:max_configs - 1]
+    return [current, *rest]
 
 
 def _require_device(bound: Sequence[BoundArguments], target: Any) -> None:

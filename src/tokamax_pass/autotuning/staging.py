@@ -3,7 +3,8 @@ that can matter and not the losers' search spaces.
 
 With `autotune(..., all_implementations=True)` each op call is timed once per
 implementation of its family. Stage one times every implementation at its first
-candidate (the heuristics config). Stage two searches the rest of an implementation's
+candidate (the config `None` runs today where one is measured, else the heuristics
+config). Stage two searches the rest of an implementation's
 configs only where `implementation=None` could then choose it: its first time, improved
 by `TUNING_GAIN`, ranks it first among the family's measurements
 (`cache.rank_with_evidence`, with the family's kernel margins and rerun shares), or its
@@ -66,7 +67,7 @@ def tune_in_stages(tuner: Autotuner, groups: Sequence[Sequence[Plan]],
                    on_stage_two: Callable[[int], None] | None = None,
                    search_all: Sequence[bool] | None = None) -> list[Entry]:
     """Entries of every plan of `groups` (each group: one call's implementations, with
-    their candidate configs, the heuristics config first), tuned in the two stages.
+    their candidate configs, the one `None` runs today first), tuned in the two stages.
     `on_stage_two(n)` is told how many configs stage two times. A group flagged in
     `search_all` (some of its implementations were answered by a cache, so stage one
     could not compare them all) has every config timed in stage one."""
