@@ -48,11 +48,11 @@ def _moe(x, w, weights, expert_ids):
     return tokamax.moe_combine(expert_out, routing, weights)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("tokens_shape, top_k, dropped", [
-    ((2, 13), 2, False), ((2, 3, 7), 3, True), ((37,), 1, True)])
-def test_through_a_ragged_dot_matches_the_per_token_reference(dtype, tokens_shape, top_k,
-                                                              dropped):
+@pytest.mark.parametrize("tokens_shape, top_k, dropped, dtype", [
+    ((2, 13), 2, False, jnp.bfloat16), ((2, 3, 7), 3, True, jnp.float32),
+    ((37,), 1, True, jnp.bfloat16)])
+def test_through_a_ragged_dot_matches_the_per_token_reference(tokens_shape, top_k, dropped,
+                                                              dtype):
     """Forward and every gradient (x, the expert weights, the routing weights) against
     float64 on random inputs and a random cotangent."""
     width, n = 24, 16
