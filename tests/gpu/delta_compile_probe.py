@@ -1,18 +1,20 @@
-"""Device probe: does the fixed-order `delta` (`attention/_softmax_row_term.py`, pairwise
-elementwise adds) cost compile time on the GPU? In session 15 the gemma2 step under
+"""Device probe: what does the fixed-order `delta` (`attention/_softmax_row_term.py`) cost
+in compile time and run time on the GPU? In session 15 the gemma2 step under
 `None` (Mosaic attention at head dim 256, the only suite model whose backward runs it)
 compiled in 74-85 s, against 16 s in session 14's run, made with `delta` as a plain sum
 (`models_gemma2_encoder_s14.json`, `models_gemma2_s15_tuned.json`); llama and mixtral
-(cuDNN attention) compiled as before.
+(cuDNN attention) compiled as before. Session 16 measured the pairwise tree of halves
+the library used then at 52.7 s to compile alone at head dim 256 (the step: 89 s), the
+chain of adds 4.1 s (28 s), a plain sum 2.4 s (27 s): the library now sums the chain.
 
-Compiles (no timing of steps): `softmax_row_term` alone at gemma2's shape and at
-d128/d64, then the gemma2 `None` step, each with the pairwise tree, a plain `jnp.sum`
-and a chain of adds column by column swapped in, each in a fresh process (no
-compilation cache).
+Compiles `softmax_row_term` alone at gemma2's shape and at d128/d64, then the gemma2
+`None` step, each with the library's chain, a plain `jnp.sum` and the pairwise tree
+swapped in, each in a fresh process (no compilation cache). Then times `delta` itself
+for each order at each shape (CUPTI, one process).
 
 Run on the H200 from the repository root:
   PYTHONPATH=src:kernels:tests:. python3 tests/gpu/delta_compile_probe.py
-Writes `$OUT/delta_compile_probe.jsonl`.
+(`--run-times-only`: the run times alone.) Writes `$OUT/delta_compile_probe.jsonl`.
 """
 
 from __future__ import annotations
@@ -35,18 +37,21 @@ def _plain_sum(out, dout, dlse=None):
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
-def _in_sequence(out, dout, dlse=None):
-    """Another fixed order: a chain of adds, column by column (each slice used once)."""
+def _pairwise(out, dout, dlse=None):
+    """Another fixed order, the one session 15 shipped: elementwise adds of halves."""
     import jax.numpy as jnp
     terms = out.astype(jnp.float32) * dout.astype(jnp.float32)
-    total = terms[..., 0]
-    for i in range(1, terms.shape[-1]):
-        total = total + terms[..., i]
-    delta = jnp.swapaxes(total, 1, 2)
+    width = 1 << max(terms.shape[-1] - 1, 0).bit_length()
+    if width != terms.shape[-1]:
+        terms = jnp.pad(terms, [(0, 0)] * (terms.ndim - 1) + [(0, width - terms.shape[-1])])
+    while terms.shape[-1] > 1:
+        half = terms.shape[-1] // 2
+        terms = terms[..., :half] + terms[..., half:]
+    delta = jnp.swapaxes(terms[..., 0], 1, 2)
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
-DELTAS = {"pairwise": None, "plain sum": _plain_sum, "in sequence": _in_sequence}
+DELTAS = {"chain (library)": None, "plain sum": _plain_sum, "pairwise tree": _pairwise}
 
 
 def _use(delta: str) -> None:
@@ -79,6 +84,31 @@ def _worker(what: str, delta: str, smoke: bool) -> dict:
     return dict(what=what, delta=delta, compile_s=round(time.perf_counter() - start, 2))
 
 
+def _run_times(smoke: bool) -> list[dict]:
+    """Each order's `delta` alone, CUPTI, at each shape, with its largest difference from
+    a float64 sum."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tokamax_kernels.attention._softmax_row_term import softmax_row_term
+    from tokamax_pass import benchmarking
+
+    records = []
+    for what, shape in DELTA_SHAPES.items():
+        shape = (2, 16, 2, 32) if smoke else shape
+        out, dout = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in (1, 2))
+        want = np.einsum("bqhd,bqhd->bhq", np.asarray(out, np.float64),
+                         np.asarray(dout, np.float64))
+        for delta, fn in DELTAS.items():
+            step = jax.jit(fn or softmax_row_term)
+            data = benchmarking.benchmark(step, out, dout, iterations=50)
+            error = float(np.max(np.abs(np.asarray(step(out, dout), np.float64) - want)))
+            records.append(dict(what=what, delta=delta, run_ms=data.median_evaluation_time_ms,
+                                method=data.method, max_abs_error=error))
+    return records
+
+
 def main(argv: list[str]) -> int:
     smoke = "--smoke" in argv
     if "--worker" in argv:
@@ -87,6 +117,11 @@ def main(argv: list[str]) -> int:
         return 0
     path = os.path.join(os.environ.get("OUT", "/tmp"), "delta_compile_probe.jsonl")
     with open(path, "a") as f:
+        for record in _run_times(smoke):
+            print(json.dumps(record), flush=True)
+            f.write(json.dumps(record) + "\n")
+        if "--run-times-only" in argv:
+            return 0
         for what in (*DELTA_SHAPES, "gemma2 None step"):
             for delta in DELTAS:
                 run = subprocess.run(

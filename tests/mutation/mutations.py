@@ -314,8 +314,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "the backward's delta is a reduction again, which XLA tiles per compile",
         "kernels/tokamax_kernels/attention/_softmax_row_term.py",
-        "    while terms.shape[-1] > 1:",
-        "    terms = jnp.sum(terms, axis=-1, keepdims=True)\n    while terms.shape[-1] > 1:",
+        "    for column in range(1, terms.shape[-1]):",
+        "    total = jnp.sum(terms, axis=-1)\n    for column in range(0):",
         ("tests/test_softmax_row_term.py::test_sums_without_a_reduction_or_a_dot",),
     ),
     Mutation(

@@ -12,19 +12,18 @@ def softmax_row_term(out: jax.Array, dout: jax.Array,
     whose d lse / d logits is p): the softmax Jacobian's row term the flash backward
     kernels take, `(batch, heads, seq)`.
 
-    Summed in a fixed pairwise order written out as elementwise adds of halves, not as a
-    reduction: XLA picks a reduction's (or an einsum's GEMM's) tiling per compile, and a
-    different tiling adds in a different order. The reproducible backward must round
-    `delta` the same in every compile; elementwise adds are never reassociated. (On the
-    H200 the default backward's dq and dk took one of two values per compile at two
-    configurations, `longest_first_bitwise_s14.jsonl`, with an einsum and then with a
-    plain sum here. This order rules `delta` out as a cause; it has not run there yet.)"""
+    Summed as a chain of elementwise adds, column by column, not as a reduction: XLA
+    picks a reduction's (or an einsum's GEMM's) tiling per compile, and a different
+    tiling adds in a different order; the H200 took one of two values per compile with
+    an einsum and with a plain sum (`longest_first_bitwise_s14.jsonl`), none with a fixed
+    order (`compile_reproducibility_s15.jsonl`). Elementwise adds are never reassociated.
+    The chain, not a pairwise tree of halves: both are fixed orders, but the tree took
+    52.7 s to compile at head dim 256 against 4.1 s for the chain (and 2.4 s for the
+    plain sum), which made the gemma2 step compile in 89 s rather than 28 s
+    (`delta_compile_probe_s16.jsonl`)."""
     terms = out.astype(jnp.float32) * dout.astype(jnp.float32)
-    width = 1 << max(terms.shape[-1] - 1, 0).bit_length()
-    if width != terms.shape[-1]:  # zeros added in are exact
-        terms = jnp.pad(terms, [(0, 0)] * (terms.ndim - 1) + [(0, width - terms.shape[-1])])
-    while terms.shape[-1] > 1:
-        half = terms.shape[-1] // 2
-        terms = terms[..., :half] + terms[..., half:]
-    delta = jnp.swapaxes(terms[..., 0], 1, 2)
+    total = terms[..., 0]
+    for column in range(1, terms.shape[-1]):
+        total = total + terms[..., column]
+    delta = jnp.swapaxes(total, 1, 2)
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
