@@ -319,6 +319,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_softmax_row_term.py::test_sums_without_a_reduction_or_a_dot",),
     ),
     Mutation(
+        "the backward's delta kernel reads every head's rows from head 0",
+        "kernels/tokamax_kernels/attention/_softmax_row_term.py",
+        "lambda i, b, h: (b, i, h, 0)",
+        "lambda i, b, h: (b, i, 0, 0)",
+        ("tests/test_softmax_row_term.py::test_triton_kernel_matches_a_float64_sum",),
+    ),
+    Mutation(
         "the heuristics never launch causal blocks longest first",
         "kernels/tokamax_kernels/attention/_mosaic_gpu_common.py",
         "    return (bool(arguments[\"is_causal\"]) and arguments[\"local_window_size\"] is None",
