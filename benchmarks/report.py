@@ -55,8 +55,8 @@ OP_ROWS = (
 MODEL_ROWS = {
     "llama": "models_llama_mixtral_s15_routing.json",
     "mixtral": "models_llama_mixtral_s15_routing.json",
-    "gemma2": "models_gemma2_encoder_s14.json",
-    "encoder": "models_gemma2_encoder_s14.json",
+    "gemma2": "models_gemma2_s16_triton_delta.json",
+    "encoder": "models_encoder_s16.json",
 }
 VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"), ("tuned", "tuned"),
             ("upstream", "upstream Tokamax 0.0.17"))

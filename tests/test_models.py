@@ -119,3 +119,12 @@ def test_set_overrides_config_fields_by_their_type():
             assert bad[0].split("=")[0] in str(e)
         else:
             raise AssertionError(f"--set {bad} was accepted")
+
+
+def test_ratios_to_plain_whichever_order_the_variants_ran_in():
+    row = {"config": "c", "ours": {"ms": 40.0}, "autotune_s": 3.0}
+    run._ratios_to_plain(row)
+    assert "vs_plain" not in row["ours"]
+    row["plain"] = {"ms": 42.0}
+    run._ratios_to_plain(row)
+    assert row["ours"]["vs_plain"] == 42.0 / 40.0 and row["plain"]["vs_plain"] == 1.0
