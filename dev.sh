@@ -52,6 +52,9 @@ case "${1:-}" in
     ;;
   test)
     setup_venv
+    # The CPU tests compile thousands of small programs and run them once: LLVM's
+    # expensive optimizations cost more than they save there (8-15% of the suite's time).
+    export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     .venv/bin/python -m ruff check src kernels tests benchmarks
     .venv/bin/python -m pytest -q -n 2 tests
     # Deliberate breakages (tests/mutation/mutations.py), each of which a test must catch.
