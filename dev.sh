@@ -59,8 +59,8 @@ case "${1:-}" in
     .venv/bin/python -m pytest -q -n 2 tests
     # Deliberate breakages (tests/mutation/mutations.py), each of which a test must catch.
     .venv/bin/python tests/mutation/run_mutations.py --jobs 2
-    # bf16 here; the test suite runs the smoke in float16 and float32 (test_models.py,
-    # test_plan_audit.py).
+    # bf16 here; the test suite runs the smoke in float16 and float32 (test_models.py;
+    # test_plan_audit.py's under `pytest -m slow`).
     .venv/bin/python -m benchmarks.models --smoke --dtypes bfloat16
     .venv/bin/python -m benchmarks.report --check
     setup_bazel

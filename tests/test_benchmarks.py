@@ -3,10 +3,13 @@
 import json
 import re
 
+import pytest
+
 import tokamax_pass as tokamax
 from benchmarks import optimize_overhead, run
 
 
+@pytest.mark.slow
 def test_smoke_suite_writes_results(tmp_path):
     out = tmp_path / "bench.json"
     assert run.main(["--smoke", "--iterations", "2", "--modes", "fwd", "--output", str(out)]) == 0

@@ -3,6 +3,8 @@ must run (a failed op fails the demo and this test)."""
 
 import re
 
+import pytest
+
 from tokamax_pass import cli
 from tokamax_pass.commands import demo
 
@@ -15,6 +17,7 @@ def _op_rows(out: str) -> dict[str, str]:
     return {m.group(1): m.group(3) for m in map(ROW.match, table) if m}
 
 
+@pytest.mark.slow
 def test_demo_runs_every_op_call(capsys):
     assert cli.main(["demo", "--shape", "2", "64", "2", "16", "--iterations", "2"]) == 0
     out = capsys.readouterr().out

@@ -6,6 +6,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from benchmarks.models import MODELS, ops, run
 
@@ -55,6 +56,7 @@ def test_smoke_in_float16_and_float32_and_its_tighter_tolerance(monkeypatch):
     assert run.smoke(["encoder"], dtypes=["float32"]) != []
 
 
+@pytest.mark.slow
 def test_tiny_timing_writes_every_variant_and_the_tuned_result(tmp_path):
     out = tmp_path / "models.json"
     assert run.main(["--tiny", "--only", "encoder", "--iterations", "2", "--output", str(out),

@@ -40,11 +40,13 @@ WHOLE_DQ = MosaicAttentionVjpConfig(compute_wgs=1)  # dq whole in one warpgroup
     # Gemma-2's local layers: causal, a window crossing tile edges, soft cap, GQA.
     pytest.param((2, 128, 128, 2, 1, 256), True, (40, 0), 5.0, SPLIT_DQ, id="gemma2-local"),
     pytest.param((2, 128, 128, 2, 1, 256), True, (40, 0), 5.0, WHOLE_DQ,
-                 id="gemma2-local-whole-dq"),
+                 id="gemma2-local-whole-dq", marks=pytest.mark.slow),
     # Gemma-2's global layers: causal and soft cap, cross lengths (Sk = 2 Sq).
-    pytest.param((2, 128, 256, 2, 2, 256), True, None, 3.0, SPLIT_DQ, id="causal-cap"),
+    pytest.param((2, 128, 256, 2, 2, 256), True, None, 3.0, SPLIT_DQ, id="causal-cap",
+                 marks=pytest.mark.slow),
     # Plain attention, MQA, a two-sided window.
-    pytest.param((2, 256, 128, 4, 1, 256), False, None, None, WHOLE_DQ, id="plain-mqa"),
+    pytest.param((2, 256, 128, 4, 1, 256), False, None, None, WHOLE_DQ, id="plain-mqa",
+                 marks=pytest.mark.slow),
     pytest.param((2, 128, 128, 2, 2, 256), False, (30, 50), None, SPLIT_DQ, id="window"),
 ])
 def test_interpreted_d256_matches_reference(shape, causal, window, cap, vjp_config):

@@ -43,10 +43,10 @@ def _in_block(**fields) -> MosaicAttentionVjpConfig:
                  id="gqa-causal-d64"),
     # MQA (3 query heads on one K/V head), d128, one warpgroup, cross attention.
     pytest.param((2, 128, 256, 3, 1, 128), False, None, _in_block(compute_wgs=1),
-                 id="mqa-cross-d128"),
+                 id="mqa-cross-d128", marks=pytest.mark.slow),
     # A window crossing tile edges: skipped tiles still take their ring steps.
     pytest.param((2, 256, 256, 4, 2, 64), True, (100, 3), _in_block(compute_wgs=1),
-                 id="gqa-window-d64"),
+                 id="gqa-window-d64", marks=pytest.mark.slow),
     # d256: two warpgroups split the head dim of shared key rows.
     pytest.param((2, 128, 128, 2, 1, 256), True, None, _in_block(),
                  id="gqa-causal-d256"),

@@ -53,13 +53,13 @@ def _vjp(**fields) -> MosaicAttentionVjpConfig:
                  id="gqa-d64"),
     # More keys than queries (top-left aligned: most keys hidden), MQA; two blocks each.
     pytest.param((2, 128, 256, 2, 1, 64), None, None, _fwd(compute_wgs=1),
-                 _vjp(compute_wgs=1), id="more-keys-mqa-d64"),
+                 _vjp(compute_wgs=1), id="more-keys-mqa-d64", marks=pytest.mark.slow),
     # d256: two dq warpgroups split the head dim of shared rows (`q_base` from qi alone).
     pytest.param((2, 192, 192, 2, 1, 256), None, None, _fwd(compute_wgs=1), _vjp(),
-                 id="gqa-d256-split"),
+                 id="gqa-d256-split", marks=pytest.mark.slow),
     # A causal window (its block range starts from qi too) and key lengths.
     pytest.param((2, 256, 256, 2, 2, 64), (100, 0), None, _fwd(compute_wgs=1),
-                 _vjp(compute_wgs=1), id="window-d64"),
+                 _vjp(compute_wgs=1), id="window-d64", marks=pytest.mark.slow),
     pytest.param((2, 256, 256, 2, 1, 128), None, (200, 37), _fwd(), _vjp(),
                  id="lengths-d128"),
 ])

@@ -39,7 +39,7 @@ TILES_64 = MosaicAttentionConfig(block_q=64, block_kv=64)
 @pytest.mark.parametrize("shape, causal, window, cap, config, vjp_config", [
     # GQA, a window crossing tile edges on both sides, cross attention (Sk = 2 Sq).
     pytest.param((2, 128, 256, 2, 1, 64), False, (40, 7), None, TILES_64,
-                 MosaicAttentionVjpConfig(), id="window-gqa"),
+                 MosaicAttentionVjpConfig(), id="window-gqa", marks=pytest.mark.slow),
     # Causal + window + soft cap: the Gemma-2 case; 128-key backward tiles.
     pytest.param((2, 256, 256, 2, 1, 64), True, (100, 3), 5.0, TILES_64,
                  MosaicAttentionVjpConfig(block_kv_dq=128, block_q_dkv=128), id="gemma2"),

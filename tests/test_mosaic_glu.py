@@ -201,7 +201,8 @@ def _mosaic_ragged_dot(lhs, rhs, group_sizes, *, precision, preferred_element_ty
 
 
 @pytest.mark.parametrize("fused, activation, mosaic_backward", [
-    (True, jax.nn.swish, True), (False, jax.nn.gelu, False)])
+    (True, jax.nn.swish, True),
+    pytest.param(False, jax.nn.gelu, False, marks=pytest.mark.slow)])
 def test_interpreted_kernel_matches_reference(fused, activation, mosaic_backward):
     x, weights = inputs(fused, jnp.bfloat16, seed=21, m=M, k=K, n=N)
     sizes = jnp.array(SIZES, jnp.int32)

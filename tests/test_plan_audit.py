@@ -11,6 +11,8 @@ import math
 import re
 from collections import OrderedDict
 
+import pytest
+
 from benchmarks.models import MODELS, plan_audit
 from benchmarks.models.plan_audit import Shape
 from tokamax_pass.autotuning import keys, neighbours
@@ -85,6 +87,7 @@ def test_the_audit_flags_a_lookup_that_lends_measurements_across_dtypes(monkeypa
     assert {r["dtype"] for r in flagged} == {"float16", "float32"}, flagged[:3]
 
 
+@pytest.mark.slow
 def test_unseen_tiny_sizes_match_plain_jax_in_float16_and_float32():
     """The MoE decoder in float16 and Gemma-2's soft-capped, windowed attention in float32,
     at an unseen tiny size, against plain JAX within the dtype's tolerance."""
