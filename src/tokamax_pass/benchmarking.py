@@ -132,7 +132,11 @@ def standardize_function(
     filled with random values from `seed` (`seed=None` keeps them abstract).
     `mode="vjp"` times the backward pass alone: the forward runs here, its residuals
     become inputs of `f_std` together with a random cotangent. `"forward_and_vjp"`
-    times both, with the output as its own cotangent.
+    times both, with the output as its own cotangent behind an optimization barrier (as
+    upstream Tokamax does): without it XLA fuses the backward with the expression that
+    made the cotangent, which no training step allows. At the Llama GLU the jnp
+    expression gained 6% on our XLA GLU that way, and lost 5% to it inside `jax.grad`
+    (`benchmarks/results/nvidia_h200/glu_vjp_probe_s17.jsonl`).
     """
     if mode not in ("forward", "vjp", "forward_and_vjp"):
         raise ValueError(f"mode must be 'forward', 'vjp' or 'forward_and_vjp', got {mode!r}")
@@ -170,6 +174,7 @@ def standardize_function(
     if mode == "forward_and_vjp":
         def f_std(xs: list[Any]) -> Any:
             out, pullback = jax.vjp(lambda *d: forward_diff(xs, *d), *(xs[i] for i in diff))
+            out = jax.lax.optimization_barrier(out)
             return out, pullback(out)
 
         return f_std, arrays
