@@ -491,6 +491,29 @@ def test_none_tries_cudnn_first_on_hopper_up_to_head_dim_256(monkeypatch, head_d
         "CudnnDotProductAttention", "CudnnDotProductAttentionVjp"]
 
 
+@pytest.mark.parametrize("shape", [(32, 2048, 16, 64), (4, 8192, 16, 128)])
+def test_self_attention_backward_runs_the_measured_shared_input_kernel_on_the_h200(
+        monkeypatch, shape):
+    """`dot_product_attention(x, x, x)` (the seed model) on the H200: the shipped cache
+    measured the Mosaic shared-input backward faster than cuDNN's at these shapes, and not
+    XLA's gradient, which a device sweep shows slower than cuDNN's
+    (`Op.yields_unmeasured_to`). Without that rule the unmeasured XLA gradient made the
+    measurements incomparable and `None` fell back to cuDNN (session 17's benchmark:
+    1.16x left unused at d128)."""
+    from tokamax_kernels.attention import cudnn
+
+    monkeypatch.setattr(cudnn, "_require_cudnn_library", lambda: None)  # a CPU machine
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+    def f(x):
+        return dot_product_attention(x, x, x).astype(jnp.float32).sum()
+
+    with tokamax.core.targeting(H200):
+        plan = tokamax.optimize(jax.grad(f)).plan(x)
+    assert [row.op for row in plan] == [
+        "CudnnDotProductAttention", "PallasMosaicGpuFlashAttentionVjp"]
+
+
 @pytest.mark.parametrize("shape, vmapped, plain", [
     pytest.param((1, 128, 8, 256), 1, "Xla", id="swept-loss-d256"),
     pytest.param((1, 128, 8, 128), 1, "Xla", id="swept-tie-d128"),

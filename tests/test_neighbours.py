@@ -146,3 +146,48 @@ def test_a_gemma2_layer_at_another_window_borrows_the_measured_layers_choice(
     finally:
         cache.library_result.cache_clear()
         cache._USER.invalidate()
+
+
+def _attention_vjps(shape):
+    """cuDNN's, the Mosaic kernel's and XLA's gradient of one self-attention call."""
+    from tokamax_kernels.attention import (
+        CudnnDotProductAttentionVjp,
+        PallasMosaicGpuFlashAttentionVjp,
+        XlaDotProductAttentionVjp,
+    )
+
+    x = _sds(shape)
+    lse = _sds((shape[0], shape[2], shape[1]), jnp.float32)
+    forward = DotProductAttention().bind(x, x, x).arguments
+    return [keys.canonical(op.bind((lse,), x, x, **forward))
+            for op in (CudnnDotProductAttentionVjp(), PallasMosaicGpuFlashAttentionVjp(),
+                       XlaDotProductAttentionVjp())]
+
+
+def test_unmeasured_xla_attention_yields_to_measured_cudnn_except_on_tiny_calls():
+    """XLA's attention, not measured, counts as slower than a measured cuDNN (a device
+    sweep), so a kernel measured faster than cuDNN runs; on the tiny calls where cuDNN
+    lost that sweep it does not yield, and nothing measured can rank the candidates."""
+    from tokamax_pass.autotuning import cache
+
+    large = _attention_vjps((4, 2048, 8, 64))
+    assert cache.rank_with_evidence(large, [10.0, 8.0, None]) == [1, 0, 2]
+    assert cache.rank_with_evidence(large, [10.0, 9.9, None]) == [0, 2]  # within the margin
+    assert cache.rank_with_evidence(large, [None, 8.0, None]) is None
+    tiny = _attention_vjps((1, 128, 8, 128))
+    assert cache.rank_with_evidence(tiny, [10.0, 8.0, None]) is None
+    assert cache.rank_with_evidence(tiny, [10.0, 8.0, 12.0]) == [1, 0, 2]
+
+
+def test_a_neighbour_with_cudnn_measured_and_xla_not_lends_its_measurements(monkeypatch):
+    """A site where cuDNN and the kernel were measured, XLA not, is a neighbour."""
+    large = _attention_vjps((4, 2048, 8, 64))
+    site = _attention_vjps((4, 4096, 8, 64))
+
+    class Layer:
+        label = "test"
+
+    index = {keys.similarity(ba)[0]: {keys.similarity(ba)[1]: ms}
+             for ba, ms in zip(site[:2], (10.0, 8.0), strict=True)}
+    monkeypatch.setattr(neighbours, "_index", lambda layer: index)
+    assert neighbours.nearest_times(large, [Layer()]) == [10.0, 8.0, None]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -223,7 +224,10 @@ def variants(upstream: bool = False) -> dict[str, Any]:
         return found
     try:
         import tokamax  # the upstream wheel, a peer where installed
-    except ImportError:
+    except ImportError as e:
+        # Said, not swallowed: a wheel installed without one of its dependencies looked
+        # like no wheel at all (session 17's mixtral run).
+        print(f"upstream tokamax not importable, its variant is skipped: {e}", file=sys.stderr)
         return found
     if getattr(tokamax, "__name__", "") == "tokamax" and tokamax is not tokamax_pass:
         found["upstream"] = Library(tokamax, "upstream")

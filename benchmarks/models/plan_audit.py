@@ -13,7 +13,8 @@ independently of the lookup the library runs: the exact call measured in a cache
 or a neighbouring measured shape of the same similarity category
 (`autotuning.keys.similarity`: the same op, static arguments, dtypes, ranks and head dim)
 whose every size is within `neighbours.MAX_RATIO` of the call's (or `FAR_RATIO` where the
-kernel won by `DOMINANT_WIN`), where the chosen kernel beat every plain-JAX candidate. A
+kernel won by `DOMINANT_WIN`), where the chosen kernel beat every plain-JAX candidate (but
+one that a device sweep showed slower than another, XLA's attention than cuDNN's). A
 kernel (an implementation that does not `runs_without_evidence`) chosen without such a
 measurement is flagged; so is a configuration that fails to plan. A measurement lends
 only to calls in its own dtypes, so the library cache's bfloat16 timings justify no
@@ -246,6 +247,10 @@ def evidence(decision: Any) -> dict[str, Any]:
     chosen_key = keys.op_key(op)
     kernel = next((ba for ba in supported if keys.op_key(ba.op) == chosen_key), None)
     plain = [ba for ba in supported if ba.op.runs_without_evidence]
+    # A plain path known slower than another (`Op.yields_unmeasured_to`, fitted to a device
+    # sweep) need not be beaten separately: the other stands for it.
+    plain = [ba for i, ba in enumerate(plain)
+             if not neighbours.yields(plain, i, range(len(plain)))]
     if kernel is None or not plain:
         return {"kind": "none", "why": "the chosen kernel or every plain path is unsupported"}
     stack = [_measured(layer) for layer in cache.layers(target.device_kind)]

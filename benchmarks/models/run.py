@@ -132,7 +132,7 @@ def time_model(model: Model, variants: list[str], iterations: int, record: Any, 
                 _time_tuned(model, grad["ours"], params, batch, iterations, record, tuned_dir,
                             ship_dir)
             elif variant not in steps:
-                record(variant, {"skipped": "not installed"})
+                record(variant, {"skipped": "not importable (stderr says why)"})
             else:
                 record(variant, _device_ms(steps[variant](), params, batch, iterations))
             if variant == "optimize":

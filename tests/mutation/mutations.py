@@ -109,11 +109,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_ragged_dot.py::test_vmap_and_vmap_of_grad",),
     ),
     Mutation(
-        "gated linear unit VJP multiplies dgate by the up weights (transposed roles)",
+        "gated linear unit VJP feeds dgate to the up product's GEMMs (roles swapped)",
         "kernels/tokamax_kernels/gated_linear_unit/base.py",
-        "dx = (jnp.matmul(dgate, w_gate.T, precision=precision)",
-        "dx = (jnp.matmul(dgate, w_up.T, precision=precision)",
+        "dx, dweights = products_vjp((dgate, dup))",
+        "dx, dweights = products_vjp((dup, dgate))",
         ("tests/test_gated_linear_unit.py::test_rank_one_x_and_vmap",),
+    ),
+    Mutation(
+        "an unmeasured plain path never yields to a measured one (XLA's attention to cuDNN's)",
+        "src/tokamax_pass/autotuning/cache.py",
+        "    if not measured_plain or not all(",
+        "    if not measured_plain or unmeasured or not all(",
+        ("tests/test_neighbours.py::"
+         "test_unmeasured_xla_attention_yields_to_measured_cudnn_except_on_tiny_calls",),
+    ),
+    Mutation(
+        "XLA's attention yields to cuDNN's also on the tiny calls cuDNN lost the sweep",
+        "kernels/tokamax_kernels/attention/base.py",
+        '    return other.op.implementation == "cudnn" and not '
+        "other.op.unmeasured_plain_path_loses(other)",
+        '    return other.op.implementation == "cudnn"',
+        ("tests/test_neighbours.py::"
+         "test_unmeasured_xla_attention_yields_to_measured_cudnn_except_on_tiny_calls",),
     ),
     Mutation(
         "an op's explicit config is ignored",

@@ -198,6 +198,12 @@ def compute_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+def yields_to_cudnn(other: BoundArguments) -> bool:
+    """Whether `other` is cuDNN's attention (forward or gradient) at a call where it is
+    not among the tiny ones XLA wins (`Op.unmeasured_plain_path_loses`)."""
+    return other.op.implementation == "cudnn" and not other.op.unmeasured_plain_path_loses(other)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DotProductAttention(Op[NullConfig]):
     """Multi-head dot-product attention; this class is the XLA reference.
@@ -215,6 +221,15 @@ class DotProductAttention(Op[NullConfig]):
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)
+
+    def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
+        """XLA's attention yields to cuDNN's wherever cuDNN runs a call and is not one of
+        the tiny calls it loses: `tests/gpu/cudnn_vs_xla_attention_sweep.py`, 60 shapes
+        (batch 1-8, sequence 128-2048, GQA, head dims 64-256) causal and not, forward
+        and forward+backward, had cuDNN 1.08-6.8x faster everywhere else
+        (`cudnn_vs_xla_attention_s13.jsonl`)."""
+        del ba
+        return yields_to_cudnn(other)
 
     def similarity_arguments(self, arguments: Any) -> dict[str, Any]:
         """Batch and heads merged (their split does not matter to a kernel), the head dim
@@ -340,6 +355,12 @@ class DotProductAttentionVjp(VjpOp):
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)
+
+    def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
+        """As the forward's (`DotProductAttention.yields_unmeasured_to`): the sweep timed
+        forward+backward too."""
+        del ba
+        return yields_to_cudnn(other)
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,

@@ -332,20 +332,25 @@ def rank_with_evidence(candidates: Sequence[BoundArguments],
     `kernel_margin_for` the call, a plain gradient that reruns its forward counting at
     `RERUN_SHARE` of its time; the plain-JAX candidates follow (measured ones fastest
     first), so the call never runs a kernel that was measured slower, or not measured, on
-    this shape.
+    this shape. A plain candidate not measured counts only where it yields to a measured
+    one (`Op.yields_unmeasured_to`: XLA's attention to cuDNN's, by a device sweep); it
+    then comes last.
     """
     plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
     if not plain:
         measured = [i for i, t in enumerate(times) if t is not None]
         return _rank_by_time(measured, times) if len(measured) == len(times) else None
-    if any(times[i] is None for i in plain):
+    measured_plain = [i for i in plain if times[i] is not None]
+    unmeasured = [i for i in plain if times[i] is None]
+    if not measured_plain or not all(neighbours.yields(candidates, i, measured_plain)
+                                     for i in unmeasured):
         return None
     best_plain = min(times[i] * (RERUN_SHARE if candidates[i].op.reruns_forward(candidates[i])
-                                 else 1.0) for i in plain)
+                                 else 1.0) for i in measured_plain)
     winners = [i for i, ba in enumerate(candidates) if not ba.op.runs_without_evidence
                and times[i] is not None
                and times[i] < best_plain * (1 - max(ba.op.kernel_margin_for(ba), TIE_MARGIN))]
-    return _rank_by_time(winners, times) + _rank_by_time(plain, times)
+    return _rank_by_time(winners, times) + _rank_by_time(measured_plain, times) + unmeasured
 
 
 def _rank_by_time(indices: Sequence[int], times: Sequence[float]) -> list[int]:

@@ -87,14 +87,17 @@ def nearest_times(candidates: Sequence[BoundArguments],
             for sizes, time in index.get(category, {}).items():
                 found.setdefault(sizes, time)  # an earlier layer wins
     plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
-    required = plain or range(len(candidates))
+    # A plain path known slower than another (`Op.yields_unmeasured_to`) need not be
+    # measured at the site: the other stands for it.
+    required = [i for i in plain if not yields(candidates, i, plain)] or range(
+        len(candidates))
     sites = set.intersection(*(set(measured[i]) for i in required)) if required else set()
 
     def dominated(sizes: Sizes) -> bool:
         kernels = [found[sizes] for i, found in enumerate(measured)
                    if i not in plain and sizes in found]
         return bool(plain and kernels) and (
-            min(kernels) * DOMINANT_WIN <= min(measured[i][sizes] for i in plain))
+            min(kernels) * DOMINANT_WIN <= min(measured[i][sizes] for i in required))
 
     best = _nearest(sorted(sites), keyed, required, MAX_RATIO)
     if best is None:
@@ -102,6 +105,13 @@ def nearest_times(candidates: Sequence[BoundArguments],
     if best is None:
         return [None] * len(candidates)
     return [found.get(best) for found in measured]
+
+
+def yields(candidates: Sequence[BoundArguments], i: int, others: Sequence[int]) -> bool:
+    """Whether plain candidate `i` is known slower than one of `others` at its call
+    (`Op.yields_unmeasured_to`), so it need not be measured where they are."""
+    ba = candidates[i]
+    return any(j != i and ba.op.yields_unmeasured_to(ba, candidates[j]) for j in others)
 
 
 def _nearest(sites: Sequence[Sizes], keyed: Sequence[tuple[str, Sizes]],

@@ -214,6 +214,14 @@ class Op[C]:
         del ba
         return False
 
+    def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
+        """Whether this plain-JAX path, not measured at `ba`, is known to run slower there
+        than the plain-JAX path `other` (a rule fitted to a device sweep), so a
+        measurement of `other` stands for the fastest plain path and a kernel measured
+        faster than `other` may run. False for everything but such paths."""
+        del ba, other
+        return False
+
     def reference_op(self) -> Op:
         """The family's XLA reference: the class right under `Op` in the hierarchy."""
         family = family_class(type(self))
