@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 
 import jax
-import jax.numpy as jnp
 
 import tokamax_pass as tokamax
 from tests.gpu._probe import timed
-from tests.gpu.glu_vjp_variants_probe import ACTIVATIONS, SHAPES, fwd_bwd, grad_only, plain
+from tests.gpu.glu_vjp_variants_probe import (
+    ACTIVATIONS,
+    SHAPES,
+    fwd_bwd,
+    grad_only,
+    inputs,
+    plain,
+)
 
 OUT = os.environ.get("OUT", "/tmp")
 
@@ -41,11 +46,7 @@ def main():
     rows = []
     for name, m, k, n, act_name in SHAPES:
         act = ACTIVATIONS[act_name]
-        x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
-        w = (jax.random.normal(jax.random.key(1), (k, 2, n), jnp.float32)
-             / math.sqrt(k)).astype(jnp.bfloat16)
-        ct = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
-        flops = 2 * m * k * 2 * n * 3
+        x, w, ct, flops = inputs(m, k, n)
         fns = {"plain": functools.partial(plain, act=act)}
         for implementation in ("xla", None):
             fns[f"library_{str(implementation).lower()}"] = functools.partial(

@@ -96,15 +96,21 @@ def grad_only(f):
     return jax.jit(run)
 
 
+def inputs(m, k, n):
+    """`(x, w, ct, flops)`: random bf16 x (m, k), fused weights (k, 2, n) scaled by
+    1/sqrt(k), a random cotangent (m, n), and the forward+backward FLOPs."""
+    x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+    w = (jax.random.normal(jax.random.key(1), (k, 2, n), F32) / math.sqrt(k)).astype(
+        jnp.bfloat16)
+    ct = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+    return x, w, ct, 2 * m * k * 2 * n * 3
+
+
 def main():
     rows = []
     for name, m, k, n, act_name in SHAPES:
         act = ACTIVATIONS[act_name]
-        x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
-        w = (jax.random.normal(jax.random.key(1), (k, 2, n), F32) / math.sqrt(k)).astype(
-            jnp.bfloat16)
-        ct = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
-        flops = 2 * m * k * 2 * n * 3
+        x, w, ct, flops = inputs(m, k, n)
         fns = {"plain": functools.partial(plain, act=act),
                "current": make(act, True, False, "manual"),
                "A_two_keep_auto": make(act, False, True, "autodiff"),
