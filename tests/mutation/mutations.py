@@ -123,7 +123,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_neighbours.py::"
          "test_unmeasured_xla_attention_yields_to_measured_cudnn_except_on_tiny_calls",
          "tests/test_shipped_cache_ranking.py::"
-         "test_every_shipped_call_can_be_ranked_but_the_known_gaps"),
+         "test_every_shipped_call_can_be_ranked"),
     ),
     Mutation(
         "XLA's attention yields to cuDNN's also on the tiny calls cuDNN lost the sweep",
