@@ -6,7 +6,7 @@
 Three tables, each between its markers (`<!-- report:NAME -->` ... `<!-- /report:NAME -->`):
 `models` (one run of `python -m benchmarks.models` per row, `MODEL_ROWS`), `ops` (one run
 of `python -m benchmarks.run` per row, `OP_ROWS`: ratios only to peers measured in that
-run, and the peers of the family that did not run named) and `seed` (`seed_e2e.json`).
+run, and the peers of the family that did not run named) and `seed` (`SEED_RUN`).
 Every number is read from the file the row names. A figure quoted in the prose is written
 `<!--fig FILE PATH FORMAT-->value<!--/fig-->`: the value at PATH in the results file
 (dotted keys and list indices, `~` standing for a space; `[key=value;...]` picks the one
@@ -37,10 +37,10 @@ OP_ROWS = (
     ("benchmark_lce.json", "lce 16384x4096x128256 (llama 3, liger)"),
     ("benchmark_lce.json", "lce 8192x2304x256000 (gemma 2 2b, cce)"),
     ("benchmark_attention_s17.json", "attention b32 s2048 h16 d64"),
-    ("benchmark_attention_s17.json", "self-attention x,x,x b32 s2048 h16 d64 (seed)"),
+    ("benchmark_self_attention_s18.json", "self-attention x,x,x b32 s2048 h16 d64 (seed)"),
     ("benchmark_attention_s17.json", "attention b4 s8192 h16 d128"),
     ("benchmark_attention_s17.json", "attention b4 s8192 h16 d128 causal"),
-    ("benchmark_attention_s17.json", "self-attention x,x,x b4 s8192 h16 d128"),
+    ("benchmark_self_attention_s18.json", "self-attention x,x,x b4 s8192 h16 d128"),
     ("benchmark_attention_s17.json", "attention b16 s4096 h8 d256"),
     ("benchmark_attention_s17.json",
      "attention soft cap 50 window 4096 b2 s8192 hq8 hkv4 d256 causal (gemma 2)"),
@@ -53,7 +53,7 @@ OP_ROWS = (
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
-    "llama": "models_llama_mixtral_s15_routing.json",
+    "llama": "models_llama_s18.json",
     "mixtral": "models_mixtral_s17.json",
     "gemma2": "models_gemma2_s16_triton_delta.json",
     "encoder": "models_encoder_s16.json",
@@ -156,9 +156,13 @@ def op_table() -> str:
             + "\n".join(lines))
 
 
+# The seed model's run of record (`python -m benchmarks.seed_e2e --artifact DIR`).
+SEED_RUN = "seed_e2e_s18_export.json"
+
+
 def seed_table() -> str:
-    """The seed model end to end, from `seed_e2e.json`."""
-    data = json.loads((RESULTS / "seed_e2e.json").read_text())
+    """The seed model end to end, from `SEED_RUN`."""
+    data = json.loads((RESULTS / SEED_RUN).read_text())
     plain = data["plain_jax_cudnn_ms"]
     tuned_ops = data["autotune_result"].split(",", 1)[1].split(")", 1)[0].strip()
     rows = [("plain JAX (XLA norm + `jax.nn` cuDNN attention)", plain),
@@ -170,7 +174,7 @@ def seed_table() -> str:
     lines = ["| variant | ms | vs plain JAX |", "|---|---|---|"]
     lines += [f"| {name} | {ms:.2f} | {plain / ms:.3f}x |" for name, ms in rows]
     return ("`grad(loss)` of the seed model (bf16[32,2048,16,64], f32[64]), one run "
-            "(`seed_e2e.json`, `python -m benchmarks.seed_e2e --artifact DIR`); the "
+            f"(`{SEED_RUN}`, `python -m benchmarks.seed_e2e --artifact DIR`); the "
             f"artifact's output is bitwise equal to in process: "
             f"{data['artifact_bitwise_equal']}.\n\n" + "\n".join(lines))
 

@@ -514,6 +514,28 @@ def test_self_attention_backward_runs_the_measured_shared_input_kernel_on_the_h2
         "CudnnDotProductAttention", "PallasMosaicGpuFlashAttentionVjp"]
 
 
+@pytest.mark.parametrize("shape", [(32, 2048, 16, 64), (4, 8192, 16, 128)])
+def test_a_cpu_export_for_the_h200_runs_the_measured_kernels_without_cudnn(shape):
+    """Exporting for the H200 from a CPU machine, where cuDNN cannot be lowered
+    (`CannotLowerHere`): the self-attention gradient still runs the Mosaic shared-input
+    kernel, measured faster than cuDNN's and so than XLA's, which yields to cuDNN's
+    unmeasured. Before, with cuDNN dropped, its measurement was lost too, and the d128
+    gradient ran XLA's (45 ms against the kernel's 12.6 on the H200, session 18)."""
+    from tokamax_kernels.attention import cudnn
+
+    with pytest.raises(tokamax.core.CannotLowerHere):
+        cudnn._require_cudnn_library()  # a CPU machine, as the test means
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+    def f(x):
+        return dot_product_attention(x, x, x).astype(jnp.float32).sum()
+
+    with tokamax.core.targeting(H200):
+        plan = tokamax.optimize(jax.grad(f)).plan(x)
+    assert [row.op for row in plan] == [
+        "PallasMosaicGpuFlashAttention", "PallasMosaicGpuFlashAttentionVjp"]
+
+
 @pytest.mark.parametrize("shape, vmapped, plain", [
     pytest.param((1, 128, 8, 256), 1, "Xla", id="swept-loss-d256"),
     pytest.param((1, 128, 8, 128), 1, "Xla", id="swept-tie-d128"),

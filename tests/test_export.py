@@ -153,3 +153,30 @@ def test_inspect_every_form(multi_platform, xs, tmp_path):
     hlo = jax.jit(loss).lower(*xs).as_text(dialect="hlo")
     assert {o.op for o in tk.inspect(hlo).ops} == {"LayerNorm", "DotProductAttention"}
     assert tk.inspect(Artifact.load(directory)).ops == from_dir.ops
+
+
+def test_a_fresh_process_loads_the_mosaic_gpu_runtime_an_artifact_needs(tmp_path):
+    """A process that only loads an artifact imports no kernel code; a Mosaic GPU kernel
+    then finds no runtime library (the H200, session 18: "Symbols not found:
+    mosaic_gpu_launch_kernel"). Deserializing the program imports its runtime first."""
+    import subprocess
+    import sys
+
+    from examples import seed_model
+
+    spec = [jax.ShapeDtypeStruct((32, 2048, 16, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((64,), jnp.float32)]
+    artifact = tk.export(jax.grad(seed_model.loss), *spec, platforms=("cpu", "cuda"),
+                         device_kind=H200)
+    assert any(t.startswith("mosaic_gpu") for t in artifact.manifest["custom_calls"])
+    directory = artifact.save(tmp_path / "seed")
+    script = (
+        "import sys, tokamax_pass as tk\n"
+        "MOSAIC = 'jax.experimental.mosaic.gpu'\n"
+        f"loaded = tk.load_artifact({str(directory)!r})\n"
+        "before = MOSAIC in sys.modules\n"
+        "loaded.artifact.exported\n"
+        "print(before, MOSAIC in sys.modules)\n")
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)
+    assert ran.stdout.split() == ["False", "True"], ran.stderr[-2000:]

@@ -68,7 +68,21 @@ def test_tiny_timing_writes_every_variant_and_the_tuned_result(tmp_path):
     assert row["autotune_op_calls"] >= 4  # norms and attention, forward and backward
     assert "layer_norm" in row["optimize_plan"]
     assert (tmp_path / "tuned" / "encoder_tuned.json").exists()
+    assert isinstance(row["tuned_plan_changes"], list)
     assert out.with_suffix(".png").exists()
+
+
+def test_plan_changes_names_the_calls_a_tuned_result_changes():
+    """The suite records which calls tuning changed: none means tuned and untuned run the
+    same kernels and configs, and any time between them is run-to-run variance."""
+    from conftest import random_normal
+    from test_optimize import ChunkConfig, _result, _square_bound, square_loss
+
+    x, scale = random_normal(0, (16, 64)), random_normal(1, (64,))
+    assert run.plan_changes(square_loss, x, scale, _result()) == []
+    changed = run.plan_changes(square_loss, x, scale,
+                               _result((_square_bound(x, scale), ChunkConfig(4))))
+    assert len(changed) == 1 and changed[0].endswith("ChunkConfig(chunk=4)"), changed
 
 
 def test_ablation_swaps_exactly_the_named_op_family():

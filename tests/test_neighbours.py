@@ -179,6 +179,23 @@ def test_unmeasured_xla_attention_yields_to_measured_cudnn_except_on_tiny_calls(
     assert cache.rank_with_evidence(tiny, [10.0, 8.0, 12.0]) == [1, 0, 2]
 
 
+def test_a_measured_cudnn_this_machine_cannot_lower_still_bounds_unmeasured_xla():
+    """A CPU machine exporting for cuda cannot lower cuDNN (`CannotLowerHere`), but the
+    target's measurement of it still says XLA is slower: a kernel measured faster than
+    cuDNN runs, cuDNN is never listed, and a kernel slower than cuDNN settles nothing."""
+    from tokamax_pass.autotuning import cache
+
+    large = _attention_vjps((4, 2048, 8, 64))
+    no_cudnn = [False, True, True]
+    assert cache.rank_with_evidence(large, [10.0, 8.0, None], no_cudnn) == [1, 2]
+    assert cache.rank_with_evidence(large, [10.0, 9.9, None], no_cudnn) is None
+    assert cache.rank_with_evidence(large, [10.0, 9.9, 30.0], no_cudnn) == [1, 2]
+    assert cache.rank_with_evidence(large, [10.0, 9.9, 9.0], no_cudnn) == [2]
+    assert cache.rank_with_evidence(large, [10.0, 8.0, None], [True] * 3) == [1, 0, 2]
+    tiny = _attention_vjps((1, 128, 8, 128))
+    assert cache.rank_with_evidence(tiny, [10.0, 8.0, None], no_cudnn) is None
+
+
 def test_a_neighbour_with_cudnn_measured_and_xla_not_lends_its_measurements(monkeypatch):
     """A site where cuDNN and the kernel were measured, XLA not, is a neighbour."""
     large = _attention_vjps((4, 2048, 8, 64))

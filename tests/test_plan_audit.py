@@ -45,6 +45,18 @@ def test_every_kernel_chosen_at_unseen_sizes_was_measured_there_or_near():
         (name, tuple(s.overrides(MODELS[name]))) for name in MODELS for s in SLICE}
 
 
+def test_a_cpu_export_runs_kernels_only_on_measurements():
+    """Planned as `tokamax-pass export` plans on this CPU machine (cuDNN cannot be lowered
+    here): every kernel chosen is justified, by beating the plain paths this machine can
+    lower or by beating cuDNN's measurement on the target, which XLA's yields to."""
+    rows = list(plan_audit.audit(list(MODELS), SLICE, cudnn=False))
+    flagged = [r for r in rows if r["flagged"]]
+    assert not flagged, flagged[:3]
+    assert not any(r["implementation"] == "cudnn" for r in rows)
+    assert any(r["evidence"]["kind"] != "plain path" for r in rows
+               if "attention" in r["path"])
+
+
 def test_the_audit_flags_a_lookup_that_borrows_from_any_distance(monkeypatch):
     """Selection broken on purpose: a neighbour at any distance lends its timings."""
     distance = neighbours.distance

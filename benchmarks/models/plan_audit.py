@@ -52,7 +52,7 @@ from benchmarks.models import MODELS, Model, blocks, ops, run
 from tokamax_pass import core
 from tokamax_pass.autotuning import cache, keys, neighbours
 from tokamax_pass.core import spec
-from tokamax_pass.core.op import BoundArguments
+from tokamax_pass.core.op import BoundArguments, CannotLowerHere
 from tokamax_pass.pass_.plan import PlanRow
 
 DEVICE_KIND = "NVIDIA H200"
@@ -237,23 +237,40 @@ def evidence(decision: Any) -> dict[str, Any]:
     if not decision.alternatives:
         return {"kind": "explicit"}
     target = decision.target
-    supported = []
+    supported, unlowerable = [], []
     for ba in decision.alternatives:
         try:
             ba.op.check_supported(ba, target)
+        except CannotLowerHere:
+            unlowerable.append(ba)
+            continue
         except NotImplementedError:
             continue
         supported.append(ba)
     chosen_key = keys.op_key(op)
     kernel = next((ba for ba in supported if keys.op_key(ba.op) == chosen_key), None)
     plain = [ba for ba in supported if ba.op.runs_without_evidence]
+    if kernel is None or not plain:
+        return {"kind": "none", "why": "the chosen kernel or every plain path is unsupported"}
+    stack = [_measured(layer) for layer in cache.layers(target.device_kind)]
+    found = _kernel_evidence(kernel, plain, stack)
+    bounds = [ba for ba in unlowerable if ba.op.runs_without_evidence]
+    if found is None and bounds:
+        # A plain path this machine cannot lower (cuDNN, exporting from a CPU) still
+        # stands for those that yield to it: beating it on the target beats them.
+        found = _kernel_evidence(kernel, [*plain, *bounds], stack)
+    return found or {"kind": "none", "why": "no measurement at this shape or a neighbour "
+                     "shows the kernel beating the plain-JAX paths"}
+
+
+def _kernel_evidence(kernel: BoundArguments, plain: Sequence[BoundArguments],
+                     stack: Sequence[_Measured]) -> dict[str, Any] | None:
+    """The measurements, slot by slot, that show `kernel` beating every plain path of
+    `plain` but those that yield to another of them; `None` when a slot has none."""
     # A plain path known slower than another (`Op.yields_unmeasured_to`, fitted to a device
     # sweep) need not be beaten separately: the other stands for it.
     plain = [ba for i, ba in enumerate(plain)
              if not neighbours.yields(plain, i, range(len(plain)))]
-    if kernel is None or not plain:
-        return {"kind": "none", "why": "the chosen kernel or every plain path is unsupported"}
-    stack = [_measured(layer) for layer in cache.layers(target.device_kind)]
     slots = [ba.op.evidence_calls(ba) or [ba] for ba in (kernel, *plain)]
     if len({len(s) for s in slots}) != 1:
         slots = [[ba] for ba in (kernel, *plain)]
@@ -261,8 +278,7 @@ def evidence(decision: Any) -> dict[str, Any]:
     for calls in zip(*slots, strict=True):
         slot = _slot_evidence(calls[0], calls[1:], stack)
         if slot is None:
-            return {"kind": "none", "why": "no measurement at this shape or a neighbour "
-                    "shows the kernel beating the plain-JAX paths"}
+            return None
         found.append(slot)
     kinds = [s["kind"] for s in found]
     worst = max(kinds, key=["exact", "neighbour", "far neighbour"].index)
@@ -321,9 +337,12 @@ def _cudnn_assumed() -> Iterator[None]:
         cudnn._require_cudnn_library = original
 
 
-def audit(names: Iterable[str], shapes: Sequence[Shape]) -> Iterator[dict[str, Any]]:
-    """`audit_model` rows for every model in `names` at every grid point."""
-    with _cudnn_assumed():
+def audit(names: Iterable[str], shapes: Sequence[Shape],
+          cudnn: bool = True) -> Iterator[dict[str, Any]]:
+    """`audit_model` rows for every model in `names` at every grid point; `cudnn=False`
+    plans as an export from this CPU machine for the H200 does (`tokamax-pass export`),
+    where cuDNN cannot be lowered."""
+    with _cudnn_assumed() if cudnn else contextlib.nullcontext():
         for name in names:
             for shape in shapes:
                 yield from audit_model(name, shape.overrides(MODELS[name]))
@@ -395,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtypes to plan the grid in (or to smoke in)")
     parser.add_argument("--output", default="plan_audit.jsonl", help="JSON-lines file")
     parser.add_argument("--quiet", action="store_true", help="print only flags and the summary")
+    parser.add_argument("--export-from-cpu", action="store_true",
+                        help="plan as an export from this CPU machine does (no cuDNN)")
     parser.add_argument("--smoke", action="store_true",
                         help="instead: ours against plain JAX here at unseen tiny sizes")
     args = parser.parse_args(argv)
@@ -405,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if failures else 0
     start, rows = time.perf_counter(), []
     with open(args.output, "w") as out:
-        for row in audit(args.only or list(MODELS), grid(args.limit, dtypes=args.dtypes)):
+        for row in audit(args.only or list(MODELS), grid(args.limit, dtypes=args.dtypes),
+                         cudnn=not args.export_from_cpu):
             rows.append(row)
             out.write(json.dumps(row, default=str) + "\n")
             if row["flagged"] or not args.quiet:

@@ -163,11 +163,28 @@ def _time_tuned(model: Model, step: Any, params: Any, batch: Any, iterations: in
                 cache.write_library_cache(result.without_errors(), ship_dir)
             with result:
                 record("tuned", _device_ms(jax.jit(step), params, batch, iterations))
+            record("tuned_plan_changes", plan_changes(step, params, batch, result))
         finally:
             if previous is None:
                 os.environ.pop(cache.ENV_CACHE_DIR, None)
             else:
                 os.environ[cache.ENV_CACHE_DIR] = previous
+
+
+def plan_changes(step: Any, params: Any, batch: Any, result: Any) -> list[str]:
+    """The op calls whose implementation or config `result` changes from what `None`
+    runs untuned (one line each, a call repeated across layers once). Empty when the tuned
+    program runs the untuned program's kernels and configs: a time difference between the
+    two is then run-to-run variance, not tuning."""
+    untuned = tokamax.optimize(step).plan(params, batch)
+    tuned = tokamax.optimize(step, results=result).plan(params, batch)
+    changes = {}
+    for before, after in zip(untuned, tuned, strict=True):
+        if (before.implementation, before.config) != (after.implementation, after.config):
+            line = (f"{before.path} {before.arguments}: {before.implementation} "
+                    f"{before.config} -> {after.implementation} {after.config}")
+            changes[line] = None
+    return list(changes)
 
 
 def resized(model: Model, overrides: list[str], error: Any) -> Model:

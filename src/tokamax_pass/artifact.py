@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import json
 import os
 import re
@@ -49,6 +50,7 @@ class Artifact:
 
     @functools.cached_property
     def exported(self) -> jax.export.Exported:
+        load_kernel_runtimes(self.manifest)
         return _deserialize(self.serialized, f"artifact {self.name!r} ({self.name}{_SUFFIX})")
 
     def __call__(self, *args: Any) -> Any:
@@ -156,6 +158,23 @@ def load_artifact(directory: str | os.PathLike[str] | Artifact, *, check: bool =
     if check:
         check_compatible(artifact.manifest, device or jax.devices()[0])
     return LoadedArtifact(artifact)
+
+
+# Custom-call targets whose runtime a Python module sets up on import: a Mosaic GPU
+# kernel's host code links against `libmosaic_gpu_runtime.so`, which XLA finds only once
+# `jax.experimental.mosaic.gpu` has been imported (it names the library's path). A fresh
+# process that loads an artifact imports no kernel code, and its first call failed on the
+# H200 with "Symbols not found: mosaic_gpu_launch_kernel" (session 18).
+_RUNTIME_MODULES = {"mosaic_gpu": "jax.experimental.mosaic.gpu"}
+
+
+def load_kernel_runtimes(manifest: Mapping[str, Any]) -> None:
+    """Imports the runtime of every kernel the artifact calls (`_RUNTIME_MODULES`), before
+    its program is deserialized to run."""
+    for target in manifest.get("custom_calls", ()):
+        for prefix, module in _RUNTIME_MODULES.items():
+            if target.startswith(prefix):
+                importlib.import_module(module)
 
 
 def check_compatible(manifest: Mapping[str, Any], dev: jax.Device) -> None:

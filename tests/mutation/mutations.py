@@ -126,6 +126,23 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_every_shipped_call_can_be_ranked"),
     ),
     Mutation(
+        "an artifact's program is deserialized without the runtime of its Mosaic GPU kernels",
+        "src/tokamax_pass/artifact.py",
+        "        load_kernel_runtimes(self.manifest)\n",
+        "",
+        ("tests/test_export.py::"
+         "test_a_fresh_process_loads_the_mosaic_gpu_runtime_an_artifact_needs",),
+    ),
+    Mutation(
+        "an implementation this machine cannot lower leaves no evidence (CPU exports lose "
+        "cuDNN's measurements)",
+        "src/tokamax_pass/core/resolution.py",
+        "            if isinstance(e, CannotLowerHere):",
+        "            if isinstance(e, CannotLowerHere) and False:",
+        ("tests/test_attention.py::"
+         "test_a_cpu_export_for_the_h200_runs_the_measured_kernels_without_cudnn",),
+    ),
+    Mutation(
         "XLA's attention yields to cuDNN's also on the tiny calls cuDNN lost the sweep",
         "kernels/tokamax_kernels/attention/base.py",
         '    return other.op.implementation == "cudnn" and not '

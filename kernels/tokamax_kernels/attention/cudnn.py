@@ -44,18 +44,19 @@ from tokamax_kernels.attention.base import (
     DotProductAttentionVjp,
     keep_mask,
 )
-from tokamax_pass.core import BoundArguments, NullConfig, Op, Target
+from tokamax_pass.core import BoundArguments, CannotLowerHere, NullConfig, Op, Target
 
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _require_cudnn_library() -> None:
     """cuDNN attention lowers only where the cuDNN library loads (not on a CPU-only machine
-    exporting for cuda): elsewhere `None` moves on to a kernel that lowers anywhere."""
+    exporting for cuda): elsewhere `None` moves on to a kernel that lowers anywhere, ranked
+    with cuDNN's measurements on the target still counted (`CannotLowerHere`)."""
     try:
         fused.check_cudnn_version()
     except RuntimeError as e:
-        raise NotImplementedError(f"cuDNN attention cannot be lowered here: {e}") from None
+        raise CannotLowerHere(f"cuDNN attention cannot be lowered here: {e}") from None
 
 
 def _check(ba: BoundArguments, target: Target | None, *, backward: bool) -> None:

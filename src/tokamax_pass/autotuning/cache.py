@@ -272,16 +272,26 @@ class CacheStack:
                 return fastest[0], layer.label
         return None
 
-    def rank(self, candidates: Sequence[BoundArguments],
-             device_kind: str | None) -> list[int] | None:
+    def rank(self, candidates: Sequence[BoundArguments], device_kind: str | None,
+             usable: Sequence[bool] | None = None) -> list[int] | None:
         stack = layers(device_kind)
         slots = _evidence_slots(candidates)
         exact = _summed([[_first_time(ba, stack) for ba in slot] for slot in slots])
-        order = rank_with_evidence(candidates, exact)
+        order = rank_with_evidence(candidates, exact, usable)
         if order is not None:
             return order
         near = _summed([neighbours.nearest_times(slot, stack) for slot in slots])
-        return rank_with_evidence(candidates, near)
+        order = rank_with_evidence(candidates, near, usable)
+        if order is not None or usable is None or all(usable):
+            return order
+        # The unusable candidates' sites settled nothing: the usable ones' own neighbours.
+        kept = [i for i, ok in enumerate(usable) if ok]
+        return _ranked_subset(kept, self.rank([candidates[i] for i in kept], device_kind))
+
+
+def _ranked_subset(kept: Sequence[int], order: list[int] | None) -> list[int] | None:
+    """`order`, ranked over `kept`'s candidates, as indices of the full candidate list."""
+    return None if order is None else [kept[i] for i in order]
 
 
 def _evidence_slots(candidates: Sequence[BoundArguments]) -> list[list[BoundArguments]]:
@@ -323,34 +333,50 @@ RERUN_SHARE = 0.5
 
 
 def rank_with_evidence(candidates: Sequence[BoundArguments],
-                       times: Sequence[float | None]) -> list[int] | None:
-    """Indices of the candidates `implementation=None` may use, best first, or `None`
-    when the measurements cannot compare them with the plain-JAX paths.
+                       times: Sequence[float | None],
+                       usable: Sequence[bool] | None = None) -> list[int] | None:
+    """Indices of the usable candidates `implementation=None` may use, best first, or
+    `None` when the measurements cannot compare them with the plain-JAX paths.
 
     A kernel (an implementation that does not run without evidence) is listed only when
-    it was measured faster than every plain-JAX candidate by more than its
+    it was measured faster than every usable plain-JAX candidate by more than its
     `kernel_margin_for` the call, a plain gradient that reruns its forward counting at
     `RERUN_SHARE` of its time; the plain-JAX candidates follow (measured ones fastest
     first), so the call never runs a kernel that was measured slower, or not measured, on
     this shape. A plain candidate not measured counts only where it yields to a measured
     one (`Op.yields_unmeasured_to`: XLA's attention to cuDNN's, by a device sweep); it
-    then comes last.
+    then comes last, and the time it yields to stands as a bound on its own.
+
+    `usable` (default: all): a candidate that is not usable cannot run on this machine
+    (`CannotLowerHere`) and is never listed, but its time still bounds those that yield
+    to it: with cuDNN's attention measured and XLA's not, a kernel measured faster than
+    cuDNN beats XLA too, on a CPU machine exporting for cuda as on the GPU.
     """
+    usable = [True] * len(candidates) if usable is None else list(usable)
     plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
     if not plain:
-        measured = [i for i, t in enumerate(times) if t is not None]
-        return _rank_by_time(measured, times) if len(measured) == len(times) else None
+        measured = [i for i, t in enumerate(times) if t is not None and usable[i]]
+        return (_rank_by_time(measured, times)
+                if all(t is not None for t in times) and measured else None)
     measured_plain = [i for i in plain if times[i] is not None]
     unmeasured = [i for i in plain if times[i] is None]
     if not measured_plain or not all(neighbours.yields(candidates, i, measured_plain)
                                      for i in unmeasured):
         return None
-    best_plain = min(times[i] * (RERUN_SHARE if candidates[i].op.reruns_forward(candidates[i])
-                                 else 1.0) for i in measured_plain)
+    usable_plain = [i for i in measured_plain if usable[i]]
+    bounds = [times[j] for i in unmeasured if usable[i] for j in measured_plain
+              if candidates[i].op.yields_unmeasured_to(candidates[i], candidates[j])]
+    if not usable_plain and not bounds:
+        return None
+    best_plain = min([times[i] * (RERUN_SHARE if candidates[i].op.reruns_forward(candidates[i])
+                                  else 1.0) for i in usable_plain] + bounds)
     winners = [i for i, ba in enumerate(candidates) if not ba.op.runs_without_evidence
-               and times[i] is not None
+               and usable[i] and times[i] is not None
                and times[i] < best_plain * (1 - max(ba.op.kernel_margin_for(ba), TIE_MARGIN))]
-    return _rank_by_time(winners, times) + _rank_by_time(measured_plain, times) + unmeasured
+    if not usable_plain and not winners:
+        return None  # no kernel beat the bound: the bound alone cannot rank them
+    return (_rank_by_time(winners, times) + _rank_by_time(usable_plain, times)
+            + [i for i in unmeasured if usable[i]])
 
 
 def _rank_by_time(indices: Sequence[int], times: Sequence[float]) -> list[int]:

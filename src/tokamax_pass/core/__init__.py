@@ -1,7 +1,14 @@
 """The op framework: ops, bound arguments, the `tokamax_call` primitive, the registry."""
 
 from tokamax_pass.core.device import Target, current_target, targeting
-from tokamax_pass.core.op import BoundArguments, NullConfig, Op, SizeLike, snake_case_name
+from tokamax_pass.core.op import (
+    BoundArguments,
+    CannotLowerHere,
+    NullConfig,
+    Op,
+    SizeLike,
+    snake_case_name,
+)
 from tokamax_pass.core.primitive import METADATA_KEY, tokamax_call_p
 from tokamax_pass.core.registry import Family, register_family
 from tokamax_pass.core.resolution import register_config_source
@@ -11,6 +18,7 @@ __all__ = [
     "METADATA_KEY",
     "AutodiffVjp",
     "BoundArguments",
+    "CannotLowerHere",
     "Family",
     "NullConfig",
     "Op",

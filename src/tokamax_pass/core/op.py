@@ -23,6 +23,14 @@ from tokamax_pass.core import spec
 from tokamax_pass.core.device import Target
 
 
+class CannotLowerHere(NotImplementedError):
+    """The target device runs this implementation, but this machine cannot lower it for
+    that target (the lowering queries a library this machine lacks: cuDNN when a CPU
+    machine exports for cuda). The call goes to another implementation, while the
+    implementation's measurements on the target still inform the choice among the rest
+    (`resolution.choose`)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class NullConfig:
     """The config of an op with nothing to tune."""

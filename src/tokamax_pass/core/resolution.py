@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from tokamax_pass.core.device import Target, current_target, lowering_for
-from tokamax_pass.core.op import BoundArguments, NullConfig, Op
+from tokamax_pass.core.op import BoundArguments, CannotLowerHere, NullConfig, Op
 
 
 class ConfigSource(Protocol):
@@ -29,10 +29,13 @@ class ConfigSource(Protocol):
         """`(config, label)` for `ba.op` on this device kind, or `None` on a miss."""
 
     def rank(
-        self, candidates: Sequence[BoundArguments], device_kind: str | None
+        self, candidates: Sequence[BoundArguments], device_kind: str | None,
+        usable: Sequence[bool] | None = None,
     ) -> list[int] | None:
-        """Indices of the candidates to try, best first, if this source measured enough
-        to compare them; candidates left out must not run."""
+        """Indices of the usable candidates to try, best first, if this source measured
+        enough to compare them; candidates left out must not run. A candidate not
+        `usable` (default: all are) cannot run here, but its measurements are evidence
+        about the others (`CannotLowerHere`)."""
 
 
 _SOURCES: list[ConfigSource] = []
@@ -71,19 +74,25 @@ def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> 
 
 
 def _ranked(
-    candidates: list[BoundArguments], target: Target, explicit: bool
+    candidates: list[BoundArguments], target: Target, explicit: bool,
+    evidence_only: Sequence[BoundArguments] = (),
 ) -> list[BoundArguments]:
     """The candidates `implementation=None` may use, best first (see the module docstring).
 
     With no measurement to go on, only the plain-JAX paths (`Op.runs_without_evidence`)
     remain: a kernel runs only where it was measured faster at this shape or a neighbour.
+    `evidence_only`: implementations the target runs but this machine cannot lower; they
+    are never returned, but their measurements on the target count (cuDNN's attention
+    time stands as a bound on XLA's unmeasured one when a CPU machine exports for cuda).
     """
     if explicit:
         return candidates
+    everything = [*candidates, *evidence_only]
+    usable = [i < len(candidates) for i in range(len(everything))]
     for source in _SOURCES:
-        order = source.rank(candidates, target.device_kind)
+        order = source.rank(everything, target.device_kind, usable)
         if order is not None:
-            return [candidates[i] for i in order]
+            return [everything[i] for i in order if usable[i]]
     plain = [ba for ba in candidates if ba.op.runs_without_evidence]
     # Stable: the family's order, less the plain paths that lose unmeasured at this call.
     plain.sort(key=lambda ba: ba.op.unmeasured_plain_path_loses(ba))
@@ -96,15 +105,18 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
     Raises `NotImplementedError` listing every candidate's reason when none can run.
     """
     supported: list[BoundArguments] = []
+    evidence_only: list[BoundArguments] = []
     reasons: list[str] = []
     for ba in candidates:
         try:
             ba.op.check_supported(ba, target)
         except NotImplementedError as e:
             reasons.append(f"{type(ba.op).__name__}: {e}")
+            if isinstance(e, CannotLowerHere):
+                evidence_only.append(ba)
             continue
         supported.append(ba)
-    for ba in _ranked(supported, target, explicit):
+    for ba in _ranked(supported, target, explicit, evidence_only):
         try:
             config, source = resolve_config(ba.op, ba, target)
         except NotImplementedError as e:
