@@ -55,8 +55,8 @@ OP_ROWS = (
 MODEL_ROWS = {
     "llama": "models_llama_s18.json",
     "mixtral": "models_mixtral_s17.json",
-    "gemma2": "models_gemma2_s16_triton_delta.json",
-    "encoder": "models_encoder_s16.json",
+    "gemma2": "models_gemma2_encoder_s18.json",
+    "encoder": "models_gemma2_encoder_s18.json",
 }
 VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"), ("tuned", "tuned"),
             ("upstream", "upstream Tokamax 0.0.17"))
