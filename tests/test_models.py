@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,7 @@ def test_tiny_timing_writes_every_variant_and_the_tuned_result(tmp_path):
     assert "layer_norm" in row["optimize_plan"]
     assert (tmp_path / "tuned" / "encoder_tuned.json").exists()
     assert isinstance(row["tuned_plan_changes"], list)
+    assert len(row["tuned_alternated"]["tuned_ms"]) == run.ALTERNATED_ROUNDS
     assert out.with_suffix(".png").exists()
 
 
@@ -83,6 +85,20 @@ def test_plan_changes_names_the_calls_a_tuned_result_changes():
     changed = run.plan_changes(square_loss, x, scale,
                                _result((_square_bound(x, scale), ChunkConfig(4))))
     assert len(changed) == 1 and changed[0].endswith("ChunkConfig(chunk=4)"), changed
+
+
+def test_alternated_times_untuned_and_tuned_in_turn():
+    from conftest import random_normal
+    from test_optimize import ChunkConfig, _result, _square_bound, square_loss
+
+    x, scale = random_normal(0, (16, 64)), random_normal(1, (64,))
+    found = run.alternated(jax.grad(square_loss), x, scale,
+                           _result((_square_bound(x, scale), ChunkConfig(4))), iterations=2,
+                           rounds=2)
+    assert len(found["untuned_ms"]) == len(found["tuned_ms"]) == 2
+    assert min(found["untuned_ms"] + found["tuned_ms"]) > 0
+    assert found["tuned_speedup"] == pytest.approx(
+        statistics.median(found["untuned_ms"]) / statistics.median(found["tuned_ms"]))
 
 
 def test_ablation_swaps_exactly_the_named_op_family():
