@@ -503,15 +503,19 @@ def test_self_attention_backward_runs_the_measured_shared_input_kernel_on_the_h2
     from tokamax_kernels.attention import cudnn
 
     monkeypatch.setattr(cudnn, "_require_cudnn_library", lambda: None)  # a CPU machine
+    assert _self_attention_gradient_plan(shape) == [
+        "CudnnDotProductAttention", "PallasMosaicGpuFlashAttentionVjp"]
+
+
+def _self_attention_gradient_plan(shape: tuple[int, ...]) -> list[str]:
+    """The ops `optimize` plans on the H200 for the gradient of `attention(x, x, x)`."""
     x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
 
     def f(x):
         return dot_product_attention(x, x, x).astype(jnp.float32).sum()
 
     with tokamax.core.targeting(H200):
-        plan = tokamax.optimize(jax.grad(f)).plan(x)
-    assert [row.op for row in plan] == [
-        "CudnnDotProductAttention", "PallasMosaicGpuFlashAttentionVjp"]
+        return [row.op for row in tokamax.optimize(jax.grad(f)).plan(x)]
 
 
 @pytest.mark.parametrize("shape", [(32, 2048, 16, 64), (4, 8192, 16, 128)])
@@ -525,14 +529,7 @@ def test_a_cpu_export_for_the_h200_runs_the_measured_kernels_without_cudnn(shape
 
     with pytest.raises(tokamax.core.CannotLowerHere):
         cudnn._require_cudnn_library()  # a CPU machine, as the test means
-    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-
-    def f(x):
-        return dot_product_attention(x, x, x).astype(jnp.float32).sum()
-
-    with tokamax.core.targeting(H200):
-        plan = tokamax.optimize(jax.grad(f)).plan(x)
-    assert [row.op for row in plan] == [
+    assert _self_attention_gradient_plan(shape) == [
         "PallasMosaicGpuFlashAttention", "PallasMosaicGpuFlashAttentionVjp"]
 
 
