@@ -533,6 +533,24 @@ def test_a_cpu_export_for_the_h200_runs_the_measured_kernels_without_cudnn(shape
         "PallasMosaicGpuFlashAttention", "PallasMosaicGpuFlashAttentionVjp"]
 
 
+def test_cudnn_calls_a_call_it_never_runs_unsupported_not_unlowerable_here():
+    """On this CPU machine cuDNN cannot be lowered (`CannotLowerHere`: its measurements
+    still count); a soft-capped call it never runs anywhere is plainly unsupported, so no
+    measurement of it is looked for."""
+    from tokamax_kernels.attention import CudnnDotProductAttention
+
+    x = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    with tokamax.core.targeting(H200):
+        target = tokamax.core.current_target()
+        capped = CudnnDotProductAttention().bind(x, x, x, logits_soft_cap=30.0)
+        with pytest.raises(NotImplementedError, match="soft cap") as raised:
+            capped.op.check_supported(capped, target)
+        assert not isinstance(raised.value, tokamax.core.CannotLowerHere)
+        runnable = CudnnDotProductAttention().bind(x, x, x)
+        with pytest.raises(tokamax.core.CannotLowerHere, match="cannot be lowered here"):
+            runnable.op.check_supported(runnable, target)
+
+
 @pytest.mark.parametrize("shape, vmapped, plain", [
     pytest.param((1, 128, 8, 256), 1, "Xla", id="swept-loss-d256"),
     pytest.param((1, 128, 8, 128), 1, "Xla", id="swept-tie-d128"),

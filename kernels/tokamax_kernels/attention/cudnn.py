@@ -61,8 +61,6 @@ def _require_cudnn_library() -> None:
 
 def _check(ba: BoundArguments, target: Target | None, *, backward: bool) -> None:
     a = ba.arguments
-    if target is not None:
-        _require_cudnn_library()
     if jnp.dtype(a["query"].dtype) not in _CUDNN_DTYPES:
         raise NotImplementedError(f"cuDNN attention needs bf16/f16 inputs, got {a['query'].dtype}")
     if a["logits_soft_cap"] is not None:
@@ -81,6 +79,9 @@ def _check(ba: BoundArguments, target: Target | None, *, backward: bool) -> None
     if backward and a["bias"] is not None and (
             a["query"].shape[1] % 2 or a["key"].shape[1] % 2):
         raise NotImplementedError("cuDNN attention's backward with a bias needs even seq lengths")
+    if target is not None:
+        # Last: a call cuDNN cannot run at all is unsupported, not just unlowerable here.
+        _require_cudnn_library()
 
 
 def _nonempty_rows(q_len: int, kv_len: int, a: dict[str, Any]) -> jax.Array:
