@@ -174,7 +174,8 @@ def load_kernel_runtimes(manifest: Mapping[str, Any]) -> None:
     for target in manifest.get("custom_calls", ()):
         for prefix, module in _RUNTIME_MODULES.items():
             if target.startswith(prefix):
-                importlib.import_module(module)
+                with contextlib.suppress(ImportError):  # a jaxlib without it runs none
+                    importlib.import_module(module)
 
 
 def check_compatible(manifest: Mapping[str, Any], dev: jax.Device) -> None:
