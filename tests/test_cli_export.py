@@ -84,6 +84,22 @@ def test_export_for_cpu_and_h200_with_results(model, tmp_path, capsys):
     assert (op["config"], op["source"]) == ("ChunkConfig(chunk=4)", "autotuning result")
 
 
+def test_export_from_cpu_says_where_the_target_would_run_cudnn(tmp_path, capsys):
+    """The seed model for the H200 from this CPU machine: the shipped cache ranks cuDNN's
+    attention forward first, which cannot be lowered here; the export runs the next
+    measured kernel and says so, in the manifest and on the command line."""
+    out = tmp_path / "seed"
+    assert main(["export", "examples.seed_model:loss", "--grad", "--args",
+                 "bf16[32,2048,16,64]", "f32[64]", "--platforms", "cuda",
+                 "--device-kind", H200, "-o", str(out)]) == 0
+    assert "note: 2 op call(s) run another implementation" in capsys.readouterr().out
+    sources = {op["path"]: op["source"]
+               for op in json.loads((out / "manifest.json").read_text())["ops"]}
+    assert sources["dot_product_attention"] == (
+        "library cache (cudnn on the target: cannot be lowered here)")
+    assert sources["dot_product_attention_vjp"] == "library cache"  # Mosaic there too
+
+
 def test_inspect_lowered_text(model, tmp_path, capsys):
     x, scale = random_normal(0, (8, 32)), random_normal(1, (32,))
     path = tmp_path / "lowered.txt"

@@ -28,6 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokamax_pass.core.resolution import UNLOWERABLE_NOTE
     from tokamax_pass.export import export
     from tokamax_pass.optimize import optimize
 
@@ -45,6 +46,11 @@ def run(args: argparse.Namespace) -> int:
     ops = artifact.manifest["ops"]
     print(f"{len(ops)} op(s) on {', '.join(artifact.manifest['platforms'])}; kernels: "
           f"{', '.join(artifact.manifest['custom_calls']) or 'XLA only'}")
+    unlowerable = [op for op in ops if UNLOWERABLE_NOTE in op["source"]]
+    if unlowerable:
+        print(f"note: {len(unlowerable)} op call(s) run another implementation than the "
+              f"target's own plan, which this machine cannot lower (see each op's source "
+              f"in manifest.json); export on the target machine to include it")
     return 0
 
 

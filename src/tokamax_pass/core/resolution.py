@@ -22,6 +22,12 @@ from tokamax_pass.core.device import Target, current_target, lowering_for
 from tokamax_pass.core.op import BoundArguments, CannotLowerHere, NullConfig, Op
 
 
+# Appended to a choice's source where `None` would run, on the target itself, an
+# implementation this machine cannot lower (`CannotLowerHere`: cuDNN, when a CPU machine
+# exports for cuda): the program made here differs from the one the target would make.
+UNLOWERABLE_NOTE = "cannot be lowered here"
+
+
 class ConfigSource(Protocol):
     """Somewhere configs and implementation timings can be looked up."""
 
@@ -52,6 +58,9 @@ class Choice:
 
     bound: BoundArguments
     source: str
+    # Set where the target itself would run another implementation, one this machine
+    # cannot lower (`UNLOWERABLE_NOTE`); shown beside the source in plans and manifests.
+    note: str = ""
 
     @property
     def op(self) -> Op:
@@ -99,6 +108,20 @@ def _ranked(
     return plain or candidates
 
 
+def _target_runs_unlowerable(candidates: list[BoundArguments],
+                             evidence_only: Sequence[BoundArguments],
+                             target: Target) -> str | None:
+    """The implementation `None` would run on the target itself, when it is one this
+    machine cannot lower: the program made here then differs from the target's own."""
+    if not evidence_only:
+        return None
+    order = _ranked([*candidates, *evidence_only], target, explicit=False)
+    first = order[0] if order else None
+    if first is None or not any(first is other for other in evidence_only):
+        return None
+    return first.op.implementation
+
+
 def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bool) -> Choice:
     """The first candidate that supports `target`, with its config resolved.
 
@@ -116,13 +139,16 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
                 evidence_only.append(ba)
             continue
         supported.append(ba)
+    unlowerable = None if explicit else _target_runs_unlowerable(supported, evidence_only,
+                                                                  target)
     for ba in _ranked(supported, target, explicit, evidence_only):
         try:
             config, source = resolve_config(ba.op, ba, target)
         except NotImplementedError as e:
             reasons.append(f"{type(ba.op).__name__}: {e}")
             continue
-        return Choice(ba.replace(op=ba.op.replace(config=config)), source)
+        note = "" if unlowerable is None else f"{unlowerable} on the target: {UNLOWERABLE_NOTE}"
+        return Choice(ba.replace(op=ba.op.replace(config=config)), source, note)
     raise NotImplementedError(
         f"no implementation can run on {target.platform} ({target.device_kind}):\n  "
         + "\n  ".join(reasons)

@@ -53,7 +53,8 @@ class PlanRow:
             implementation=op.implementation,
             op=type(op).__name__,
             config=format_config(op.config),
-            source=decision.source,
+            source=(f"{decision.source} ({decision.choice.note})" if decision.choice.note
+                    else decision.source),
             bound=decision.choice.bound.to_spec(),
         )
 
