@@ -21,7 +21,6 @@ from typing import Any, Protocol
 from tokamax_pass.core.device import Target, current_target, lowering_for
 from tokamax_pass.core.op import BoundArguments, CannotLowerHere, NullConfig, Op
 
-
 # Appended to a choice's source where `None` would run, on the target itself, an
 # implementation this machine cannot lower (`CannotLowerHere`: cuDNN, when a CPU machine
 # exports for cuda): the program made here differs from the one the target would make.
