@@ -262,6 +262,41 @@ def test_get_bound_args_accepts_callables_lowered_and_text():
     assert len(tokamax.autotuning.get_bound_args(jax.jit(jax.grad(f)), x, w)) == 2
 
 
+def test_get_bound_args_builds_no_kernel_and_leaves_the_programs_it_lowered_whole(
+        monkeypatch):
+    """A callable's op calls are found without building their kernels (`specs_only`): the
+    same calls as the compiled program holds, no op body traced. The stand-ins it lowers
+    never leak: the function jitted before and after computes the real gradient, and a
+    thread lowering meanwhile gets the real op."""
+    import threading
+
+    from tokamax_pass.core import primitive
+
+    x, w = _inputs()
+    f = jax.grad(lambda x, w: jnp.sum(chunked_matmul(x, w, implementation="xla_chunked")
+                                      ** 2))
+    expected = jax.grad(lambda x, w: jnp.sum(jnp.dot(x, w, precision="highest") ** 2))(x, w)
+    assert_close(jax.jit(f)(x, w), expected)
+    built = []
+    original = primitive.OpCall.flat_function
+    monkeypatch.setattr(primitive.OpCall, "flat_function",
+                        lambda self, *a: built.append(1) or original(self, *a))
+    found = discovery.get_bound_args(f, x, w)
+    assert built == []
+    compiled = jax.jit(f).lower(x, w).compile().as_text()
+    assert sorted(b.to_json() for b in found) == sorted(
+        b.to_json() for b in discovery.get_bound_args(compiled))
+    assert len(found) == 2
+    assert_close(jax.jit(lambda x, w: f(x, w))(x, w), expected)  # traced and lowered anew
+    outputs = []
+    with primitive.specs_only():
+        thread = threading.Thread(
+            target=lambda: outputs.append(jax.jit(lambda x, w: f(x, w))(x, w)))
+        thread.start()
+        thread.join()
+    assert_close(outputs[0], expected)
+
+
 def test_bound_args_json_round_trip(tmp_path):
     x, w = _inputs()
     f = jax.grad(lambda x, w: jnp.sum(chunked_matmul(x, w, implementation="xla_chunked")))

@@ -295,3 +295,83 @@ def test_kernel_candidates_compile_beside_xla_ones_not_behind_them(monkeypatch):
         [(calls[0], [ChunkConfig(16)]), (calls[1], [ChunkConfig(16)])])
     assert waited == [True]
     assert all(e.data[ChunkConfig(16)].ok for e in entries)
+
+
+def _measured(ba, config, ms):
+    return Entry(ba, {config: Measurement(evaluation_times_ms=(ms,))}, keys.provenance(ba.op))
+
+
+@pytest.mark.parametrize("kernel_ms, kernel_timed", [
+    pytest.param(3.5, False, id="3.5x-slower-is-hopeless"),
+    pytest.param(1.5, True, id="1.5x-slower-is-timed"),
+])
+def test_an_implementation_the_caches_show_hopeless_is_not_timed(kernel_ms, kernel_timed):
+    """The caches (here an active result) measured the chunked kernel 3.5x slower than XLA
+    at this shape: `autotune` does not compile or time it at all, as no config makes up
+    such a gap; at 1.5x it is timed (and searched or not by stage one's rule), and
+    `search_losers=True` times it regardless."""
+    from tokamax_pass.autotuning.result import AutotuningResult
+
+    x, w = random_normal(0, (M, K)), random_normal(1, (K, N))
+    chunked, xla = _calls()
+    evidence = AutotuningResult(current_target().device_kind, [
+        _measured(chunked, ChunkConfig(16), kernel_ms), _measured(xla, NullConfig(), 1.0)])
+
+    def timed(**kwargs):
+        with evidence:
+            result = tokamax.autotune(lambda x, w: chunked_matmul(x, w), x, w,
+                                      all_implementations=True, ignore_cache=True,
+                                      progress=False, iterations=2, **kwargs)
+        return {type(ba.op).__name__ for ba, _ in result}
+
+    both = {"XlaChunkedMatmul", "ChunkedMatmul"}
+    assert timed() == (both if kernel_timed else {"ChunkedMatmul"})
+    assert timed(search_losers=True) == both
+
+
+def test_a_hopeless_implementation_is_timed_when_what_beat_it_fails():
+    """The implementation that made XLA hopeless fails at every stage-one config: XLA is
+    timed in stage two (its first config) after all, so the result is never left with
+    nothing that runs; where the kernel runs, XLA stays untimed."""
+    chunked, xla = _calls()
+    plans = [[(chunked, CONFIGS), (xla, [NullConfig()])]]
+    beaten = [[None, (0,)]]
+    for kernel_ms, xla_timed in ((None, True), (0.3, False)):
+        times = {("XlaChunkedMatmul", c): kernel_ms for c in CONFIGS}
+        times["ChunkedMatmul", NullConfig()] = 1.0
+        tuner = _Tuner(times)
+        entries = staging.tune_in_stages(tuner, plans, beaten=beaten)
+        assert tuner.stages[0] == [("XlaChunkedMatmul", CONFIGS[:1])]
+        assert ((("ChunkedMatmul", [NullConfig()]) in tuner.stages[1]) == xla_timed)
+        assert [type(e.bound.op).__name__ for e in entries] == (
+            ["XlaChunkedMatmul", "ChunkedMatmul"] if xla_timed else ["XlaChunkedMatmul"])
+
+
+def test_hopeless_counts_a_plain_gradient_that_reruns_its_forward_at_its_share():
+    """`None` counts an XLA gradient that reruns its forward at `RERUN_SHARE` of its lone
+    time; `hopeless` does too, so a kernel 1.5x slower than that gradient's lone time is
+    hopeless (3x its share) while the gradient, 2x slower alone, is not."""
+    from tokamax_kernels.layer_norm import LayerNorm, PallasTritonLayerNorm
+    from tokamax_pass.autotuning.result import AutotuningResult
+
+    x = jax.ShapeDtypeStruct((4096, 2048), "bfloat16")
+    scale = jax.ShapeDtypeStruct((2048,), "float32")
+    forward = LayerNorm().bind(x, scale)
+    dy = jax.ShapeDtypeStruct((4096, 2048), "bfloat16")
+    calls = [keys.canonical(op.vjp_op().bind(dy, None, None, **forward.arguments))
+             for op in (PallasTritonLayerNorm(), LayerNorm())]
+    kernel, plain = calls
+    assert plain.op.reruns_forward(plain) and not kernel.op.reruns_forward(kernel)
+    kind = current_target().device_kind
+    evidence = [_measured(kernel, next(iter(staging_configs(kernel))), 1.5),
+                _measured(plain, NullConfig(), 1.0)]
+    with AutotuningResult(kind, evidence):
+        assert staging.hopeless(calls, kind) == [(1,), None]
+    with AutotuningResult(kind, [_measured(plain, NullConfig(), 1.0)]):
+        assert staging.hopeless(calls, kind) == [None, None]  # the kernel not measured
+
+
+def staging_configs(ba):
+    from tokamax_pass.autotuning.autotuner import candidate_configs
+
+    return candidate_configs(ba)

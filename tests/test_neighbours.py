@@ -208,3 +208,45 @@ def test_a_neighbour_with_cudnn_measured_and_xla_not_lends_its_measurements(monk
              for ba, ms in zip(site[:2], (10.0, 8.0), strict=True)}
     monkeypatch.setattr(neighbours, "_index", lambda layer: index)
     assert neighbours.nearest_times(large, [Layer()]) == [10.0, 8.0, None]
+
+
+def test_a_neighbour_says_which_kernels_win_the_calls_own_times_which_is_fastest():
+    """A tuned result timed both kernels at the call's shape but not XLA (hopeless at the
+    neighbour, so `autotune` skipped it): the neighbour, where all three were measured,
+    says both kernels beat XLA; the call's own times rank them, Mosaic first, though
+    Triton was faster at the neighbour. A kernel the neighbour shows losing stays out of
+    the lead whatever its own time."""
+    from tokamax_kernels.layer_norm import (
+        LayerNorm,
+        PallasMosaicTpuLayerNorm,
+        PallasTritonLayerNorm,
+    )
+    from tokamax_pass.autotuning import cache
+    from tokamax_pass.autotuning.result import AutotuningResult, Entry, Measurement
+    from tokamax_pass.core import NullConfig, current_target
+
+    ops = (PallasTritonLayerNorm(), PallasMosaicTpuLayerNorm(), LayerNorm())
+
+    def calls(rows):
+        x, scale = _sds((rows, 2048)), _sds((2048,), jnp.float32)
+        return [keys.canonical(op.bind(x, scale)) for op in ops]
+
+    def measured(ba, ms):
+        from tokamax_pass.autotuning.autotuner import candidate_configs
+
+        config = candidate_configs(ba)[0] if ba.op.config_cls is not NullConfig else NullConfig()
+        return Entry(ba, {config: Measurement(evaluation_times_ms=(ms,))},
+                     keys.provenance(ba.op))
+
+    kind = current_target().device_kind
+    here, near = calls(4096), calls(8192)
+
+    def rank(neighbour_ms, own_ms):
+        library = AutotuningResult(
+            kind, [measured(b, t) for b, t in zip(near, neighbour_ms, strict=True)])
+        tuned = AutotuningResult(kind, [measured(b, t) for b, t in zip(here, own_ms, strict=False)])
+        with library, tuned:
+            return cache.SOURCE.rank(here, kind)
+
+    assert rank([0.5, 0.55, 1.0], [0.40, 0.20]) == [1, 0, 2]
+    assert rank([0.5, 0.9, 1.0], [0.40, 0.20]) == [0, 2]  # Mosaic lost at the neighbour

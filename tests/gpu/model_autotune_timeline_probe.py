@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -43,6 +44,8 @@ def _summary(name: str, seconds: float, calls: int) -> dict[str, Any]:
 
 
 def main(name: str) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("tokamax_pass.autotuning").setLevel(logging.INFO)  # what is not timed
     TIMELINE.record_autotuner(timings=True)
     model = MODELS[name]
     params, batch = run._inputs(model, smoke=False)

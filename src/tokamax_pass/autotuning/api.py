@@ -87,9 +87,11 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
       max_configs: configs timed per op: the config `None` runs today where one is
         measured, the heuristics config and those nearest it (`None`: the whole search
         space).
-      search_losers: with `all_implementations`, search the configs of every
-        implementation. By default each implementation is first timed at its first
-        config (as above), and only those that could then be chosen (`staging.py`) have their
+      search_losers: with `all_implementations`, time and search every implementation.
+        By default an implementation the caches of this device kind measured at least
+        `staging.HOPELESS_RATIO` times slower than another at the call's shape or a
+        near one is not timed, the others are first timed at their first config (as
+        above), and only those that could then be chosen (`staging.py`) have their
         other configs timed: the losers' compiles were most of a model's tuning time.
 
     In a multi-process run (`jax.distributed`) process 0 tunes and every process
@@ -173,22 +175,40 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
               if (plan := _plan(ba, max_configs, target.device_kind)) is not None]
              for group in groups]
     staged = all_implementations and not search_losers
+    beaten = [_hopeless(group, target.device_kind) if staged else [None] * len(group)
+              for group in plans]
     bar = _progress_bar(sum(len(c if whole or not staged else c[:1])
-                            for g, whole in zip(plans, partly_cached, strict=True)
-                            for _, c in g), progress)
+                            for g, whole, verdicts in zip(plans, partly_cached, beaten,
+                                                          strict=True)
+                            for (_, c), by in zip(g, verdicts, strict=True) if by is None),
+                        progress)
     tuner = Autotuner(timeout=timeout, max_workers=max_workers, iterations=iterations,
                       method=method, on_config_done=_advance(bar),
                       lowering_processes=lowering_processes, exporters=exporters)
     try:
         if staged:
             entries = staging.tune_in_stages(tuner, plans, on_stage_two=_extend(bar),
-                                             search_all=partly_cached)
+                                             search_all=partly_cached, beaten=beaten)
         else:
             entries = tuner.tune_many([plan for group in plans for plan in group])
     finally:
         if bar is not None:
             bar.close()
     return AutotuningResult(target.device_kind, entries)
+
+
+def _hopeless(group: Sequence[tuple[BoundArguments, list[Any]]], device_kind: str | None
+              ) -> list[tuple[int, ...] | None]:
+    """`staging.hopeless` for one call's plans, each implementation not timed logged."""
+    calls = [ba for ba, _ in group]
+    verdicts = staging.hopeless(calls, device_kind)
+    for ba, by in zip(calls, verdicts, strict=True):
+        if by is not None:
+            _log.info("autotune: not timing %s at %r: the caches measured %s at least %gx faster "
+                      "(search_losers=True times it)", type(ba.op).__name__, ba,
+                      ", ".join(type(calls[j].op).__name__ for j in by),
+                      staging.HOPELESS_RATIO)
+    return verdicts
 
 
 def _plan(ba: BoundArguments, max_configs: int | None, device_kind: str | None

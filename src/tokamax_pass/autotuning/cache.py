@@ -276,17 +276,50 @@ class CacheStack:
              usable: Sequence[bool] | None = None) -> list[int] | None:
         stack = layers(device_kind)
         slots = _evidence_slots(candidates)
-        exact = _summed([[_first_time(ba, stack) for ba in slot] for slot in slots])
+        exact = _exact_times(slots, stack)
         order = rank_with_evidence(candidates, exact, usable)
         if order is not None:
             return order
         near = _summed([neighbours.nearest_times(slot, stack) for slot in slots])
         order = rank_with_evidence(candidates, near, usable)
-        if order is not None or usable is None or all(usable):
-            return order
+        if order is not None:
+            return _kernels_by_own_times(order, candidates, exact)
+        if usable is None or all(usable):
+            return None
         # The unusable candidates' sites settled nothing: the usable ones' own neighbours.
         kept = [i for i, ok in enumerate(usable) if ok]
         return _ranked_subset(kept, self.rank([candidates[i] for i in kept], device_kind))
+
+
+def evidence_times(candidates: Sequence[BoundArguments],
+                   device_kind: str | None) -> list[float | None]:
+    """Each candidate's time as `CacheStack.rank` sees it first: at the call's own shape
+    where every candidate was measured there, else at the nearest measured neighbour
+    (`neighbours.nearest_times`; all `None` where none is near)."""
+    stack = layers(device_kind)
+    slots = _evidence_slots(candidates)
+    exact = _exact_times(slots, stack)
+    if all(t is not None for t in exact):
+        return exact
+    return _summed([neighbours.nearest_times(slot, stack) for slot in slots])
+
+
+def _exact_times(slots: Sequence[Sequence[BoundArguments]],
+                 stack: Sequence[Layer]) -> list[float | None]:
+    return _summed([[_first_time(ba, stack) for ba in slot] for slot in slots])
+
+
+def _kernels_by_own_times(order: list[int], candidates: Sequence[BoundArguments],
+                          exact: Sequence[float | None]) -> list[int]:
+    """`order` (ranked at a neighbour) with its kernels re-ranked by their times at the
+    call's own shape where every one of them was measured there: the neighbour says
+    which kernels beat the plain-JAX paths, the call's own times which kernel is
+    fastest (an `autotune` result times the kernels, not the plain paths its evidence
+    showed hopeless: `staging.hopeless`)."""
+    kernels = [i for i in order if not candidates[i].op.runs_without_evidence]
+    if len(kernels) < 2 or any(exact[i] is None for i in kernels):
+        return order
+    return _rank_by_time(kernels, exact) + [i for i in order if i not in kernels]
 
 
 def _ranked_subset(kept: Sequence[int], order: list[int] | None) -> list[int] | None:

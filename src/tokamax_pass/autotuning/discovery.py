@@ -6,10 +6,11 @@ the attribute values are collected, decoded, stripped of their config and
 deduplicated, giving abstract `BoundArguments` (`ShapeDtypeStruct` arguments).
 MLIR text quotes the value and escapes characters as `\\XX` hex pairs (`\\22` is a
 quote); HLO text (`compiled.as_text()`) writes the JSON object bare
-(`tokamax_pass_spec={...}`): both are read. Under a `jax.set_mesh` mesh an op call
-is a `custom_partitioning` whose per-device call is lowered only when the program is
-compiled (and its attribute does not survive into the compiled HLO): a callable's
-program is then compiled, and the specs of the calls lowered meanwhile are read.
+(`tokamax_pass_spec={...}`): both are read. A callable is lowered afresh with
+`primitive.specs_only`: each call's spec is recorded as it is lowered and its kernel is
+never built. Under a `jax.set_mesh` mesh an op call is a `custom_partitioning` whose
+per-device call is lowered only when the program is compiled: a callable's program is
+then compiled too, and the specs of the calls lowered meanwhile are read.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 from tokamax_pass.autotuning import keys, result
 from tokamax_pass.core import checks, spec
 from tokamax_pass.core.op import BoundArguments
-from tokamax_pass.core.primitive import METADATA_KEY, recording_lowerings
+from tokamax_pass.core.primitive import METADATA_KEY, recording_lowerings, specs_only
 
 BOUND_ARGS_FORMAT = "tokamax_pass.BoundArgumentsList"
 _PARTITIONED_CALL = "CustomSPMDPartitioning"  # the custom call of `custom_partitioning`
@@ -95,12 +96,11 @@ def _program_specs(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[
             f"got {type(f).__name__}"
         )
     with recording_lowerings() as lowered_specs:
-        lowered = _fresh_jit(f, args, kwargs).lower(*args, **kwargs)
-        text = lowered.as_text()
-        if _PARTITIONED_CALL not in text:
-            return specs_from_text(text)
-        lowered.compile()
-    return specs_from_text(text) + lowered_specs
+        with specs_only():
+            lowered = _fresh_jit(f, args, kwargs).lower(*args, **kwargs)
+            if _PARTITIONED_CALL in lowered.as_text():
+                lowered.compile()
+    return list(dict.fromkeys(lowered_specs))
 
 
 def _fresh_jit(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:

@@ -16,6 +16,16 @@ of which 44 s compiled 115 candidates, most of them the configs of implementatio
 lose to XLA by more than any config changes (the Mosaic and chunked LM-head kernels alone
 took 274 s of compile threads); across its 15 tuned calls the heuristics config was
 within 9% of the best config of its search space (`autotune_timeline_llama.jsonl`).
+
+Before stage one, an implementation the evidence `None` ranks by (the caches of this
+device kind, at the call's shape or its nearest measured neighbour) shows
+`HOPELESS_RATIO` times slower than the fastest of its family is not timed at all: no
+config makes up such a gap, and on the H200 these losers' compiles were the critical
+path of a model's tuning. Mixtral's XLA ragged dots, attention and GLU, 7-46x slower
+than the kernels (`mixtral_tuned_s18.json`), took 25 s of the 33 s its XLA candidates
+spent compiling one at a time with XLA's GEMM autotuning (`compile_cost_mixtral_s19.jsonl`).
+Where every implementation that made one hopeless fails in stage one, the hopeless one
+is timed in stage two after all.
 """
 
 from __future__ import annotations
@@ -34,6 +44,10 @@ from tokamax_pass.core.op import BoundArguments
 # config's time over the heuristics config's: 10th percentile 0.89, worst 0.78 (a Triton
 # layer norm with an offset, which loses to XLA by more than that anyway).
 TUNING_GAIN = 0.8
+# An implementation this much slower than its family's fastest, in the evidence, is not
+# timed: more than any config gains (`TUNING_GAIN`), and a win of this size does not
+# vanish a few sizes away (`neighbours.DOMINANT_WIN`).
+HOPELESS_RATIO = 2.0
 
 Plan = tuple[BoundArguments, list[Any]]
 
@@ -63,33 +77,67 @@ def _chosen(i: int, order: list[int], candidates: Sequence[BoundArguments],
     return plain and times[i] <= times[first] * (1 + cache.TIE_MARGIN)
 
 
+def hopeless(candidates: Sequence[BoundArguments], device_kind: str | None
+             ) -> list[tuple[int, ...] | None]:
+    """For each of one call's implementations, `None` where it is to be timed, else the
+    implementations measured `HOPELESS_RATIO` times faster than it in the caches of
+    `device_kind` (`cache.evidence_times`; a plain gradient that reruns its forward
+    counted at `cache.RERUN_SHARE` of its time, as `None` counts it)."""
+    times = cache.evidence_times(candidates, device_kind)
+    share = [cache.RERUN_SHARE if ba.op.runs_without_evidence and ba.op.reruns_forward(ba)
+             else 1.0 for ba in candidates]
+    cost = [None if t is None else t * f for t, f in zip(times, share, strict=True)]
+    verdicts: list[tuple[int, ...] | None] = []
+    for mine in cost:
+        faster = () if mine is None else tuple(
+            j for j, t in enumerate(cost) if t is not None and t * HOPELESS_RATIO <= mine)
+        verdicts.append(faster or None)
+    return verdicts
+
+
 def tune_in_stages(tuner: Autotuner, groups: Sequence[Sequence[Plan]],
                    on_stage_two: Callable[[int], None] | None = None,
-                   search_all: Sequence[bool] | None = None) -> list[Entry]:
-    """Entries of every plan of `groups` (each group: one call's implementations, with
-    their candidate configs, the one `None` runs today first), tuned in the two stages.
-    `on_stage_two(n)` is told how many configs stage two times. A group flagged in
+                   search_all: Sequence[bool] | None = None,
+                   beaten: Sequence[Sequence[tuple[int, ...] | None]] | None = None
+                   ) -> list[Entry]:
+    """Entries of every timed plan of `groups` (each group: one call's implementations,
+    with their candidate configs, the one `None` runs today first), tuned in the two
+    stages. `on_stage_two(n)` is told how many configs stage two times. A group flagged in
     `search_all` (some of its implementations were answered by a cache, so stage one
-    could not compare them all) has every config timed in stage one."""
+    could not compare them all) has every config timed in stage one. `beaten` (by
+    default none): per plan, `hopeless`'s verdict; a hopeless plan is timed (at its first
+    config, in stage two) only where every implementation that beat it failed."""
     search_all = search_all or [False] * len(groups)
+    beaten = beaten or [[None] * len(group) for group in groups]
+    timed = [[p for p, by in enumerate(verdicts) if by is None] for verdicts in beaten]
     firsts = tuner.tune_many([(ba, configs if whole else configs[:1])
-                              for group, whole in zip(groups, search_all, strict=True)
-                              for ba, configs in group])
+                              for group, whole, kept in zip(groups, search_all, timed,
+                                                            strict=True)
+                              for ba, configs in (group[p] for p in kept)])
     entries = iter(firsts)
-    by_group = [[next(entries) for _ in group] for group in groups]
+    by_group: list[dict[int, Entry]] = [{p: next(entries) for p in kept} for kept in timed]
     searched: list[tuple[int, int]] = []
     rest: list[Plan] = []
-    for g, (group, group_entries) in enumerate(zip(groups, by_group, strict=True)):
+    for g, group in enumerate(groups):
+        found = by_group[g]
+        for p, by in enumerate(beaten[g]):
+            if by is not None and not any(
+                    j in found and math.isfinite(found[j].best_time_ms) for j in by):
+                searched.append((g, p))
+                rest.append((group[p][0], group[p][1][:1]))
         if search_all[g]:
             continue
-        worth = worth_searching([e.bound for e in group_entries],
-                                [e.best_time_ms for e in group_entries])
-        for p, ((ba, configs), keep) in enumerate(zip(group, worth, strict=True)):
+        kept = timed[g]
+        worth = worth_searching([found[p].bound for p in kept],
+                                [found[p].best_time_ms for p in kept])
+        for p, keep in zip(kept, worth, strict=True):
+            ba, configs = group[p]
             if keep and len(configs) > 1:
                 searched.append((g, p))
                 rest.append((ba, configs[1:]))
     if on_stage_two is not None:
         on_stage_two(sum(len(configs) for _, configs in rest))
     for (g, p), entry in zip(searched, tuner.tune_many(rest), strict=True):
-        by_group[g][p] = by_group[g][p].merged(entry)
-    return [entry for group_entries in by_group for entry in group_entries]
+        found = by_group[g]
+        found[p] = found[p].merged(entry) if p in found else entry
+    return [found[p] for found in by_group for p in sorted(found)]
