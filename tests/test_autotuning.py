@@ -264,29 +264,38 @@ def test_get_bound_args_accepts_callables_lowered_and_text():
 
 def test_get_bound_args_builds_no_kernel_and_leaves_the_programs_it_lowered_whole(
         monkeypatch):
-    """A callable's op calls are found without building their kernels (`specs_only`): the
-    same calls as the compiled program holds, no op body traced. The stand-ins it lowers
-    never leak: the function jitted before and after computes the real gradient, and a
-    thread lowering meanwhile gets the real op."""
+    """A callable's op calls are found without building their kernels (`specs_only`):
+    the ragged dot's gradient is made of ragged-dot calls (dlhs, drhs), which are found
+    as the compiled program holds them, while every call that makes no op call of its own
+    is lowered to a stand-in. The stand-ins never leak: the function jitted before and
+    after computes the real gradient, and a thread lowering meanwhile gets the real op."""
     import threading
 
     from tokamax_pass.core import primitive
+
+    lhs, rhs = random_normal(0, (64, 32)), random_normal(1, (4, 32, 16))
+    sizes = jnp.array([10, 30, 0, 24], jnp.int32)
+    stood_in = []
+    original = primitive._stand_in
+    monkeypatch.setattr(primitive, "_stand_in",
+                        lambda avals: stood_in.append(len(avals)) or original(avals))
+    g = jax.grad(lambda a, b: jnp.sum(tokamax.ragged_dot(a, b, sizes) ** 2), argnums=(0, 1))
+    found = discovery.get_bound_args(g, lhs, rhs)
+    names = sorted(f"{type(b.op).__name__} {b.arguments['variant']}" for b in found)
+    assert names == ["RaggedDot dlhs", "RaggedDot drhs", "RaggedDot forward",
+                     "RaggedDotVjp forward"]
+    assert len(stood_in) == 3  # the three ragged dots; their gradient's own body is lowered
+    # The program text holds them too, all but the gradient whose instructions are all
+    # its ragged dots' (each instruction carries the innermost call's spec).
+    text = jax.jit(g).lower(lhs, rhs).as_text()
+    assert {b.to_json() for b in discovery.get_bound_args(text)} < {b.to_json() for b in found}
 
     x, w = _inputs()
     f = jax.grad(lambda x, w: jnp.sum(chunked_matmul(x, w, implementation="xla_chunked")
                                       ** 2))
     expected = jax.grad(lambda x, w: jnp.sum(jnp.dot(x, w, precision="highest") ** 2))(x, w)
     assert_close(jax.jit(f)(x, w), expected)
-    built = []
-    original = primitive.OpCall.flat_function
-    monkeypatch.setattr(primitive.OpCall, "flat_function",
-                        lambda self, *a: built.append(1) or original(self, *a))
-    found = discovery.get_bound_args(f, x, w)
-    assert built == []
-    compiled = jax.jit(f).lower(x, w).compile().as_text()
-    assert sorted(b.to_json() for b in found) == sorted(
-        b.to_json() for b in discovery.get_bound_args(compiled))
-    assert len(found) == 2
+    assert len(discovery.get_bound_args(f, x, w)) == 2
     assert_close(jax.jit(lambda x, w: f(x, w))(x, w), expected)  # traced and lowered anew
     outputs = []
     with primitive.specs_only():

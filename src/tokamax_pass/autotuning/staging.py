@@ -21,11 +21,13 @@ Before stage one, an implementation the evidence `None` ranks by (the caches of 
 device kind, at the call's shape or its nearest measured neighbour) shows
 `HOPELESS_RATIO` times slower than the fastest of its family is not timed at all: no
 config makes up such a gap, and on the H200 these losers' compiles were the critical
-path of a model's tuning. Mixtral's XLA ragged dots, attention and GLU, 7-46x slower
-than the kernels (`mixtral_tuned_s18.json`), took 25 s of the 33 s its XLA candidates
-spent compiling one at a time with XLA's GEMM autotuning (`compile_cost_mixtral_s19.jsonl`).
-Where every implementation that made one hopeless fails in stage one, the hopeless one
-is timed in stage two after all.
+path of a model's tuning: compiled one after another, mixtral's 21 XLA candidates took
+35 s (8 s with XLA's GEMM autotuning off), and its XLA ragged dots, attention and GLU,
+7-46x slower than the kernels (`mixtral_tuned_s18.json`), 28 s of it
+(`compile_cost_mixtral_s19.jsonl`). With them untimed, and `discovery` building no kernels,
+mixtral's tuning went from 62 to 30 s
+(`autotune_timeline_mixtral_s19.jsonl`). Where every implementation that made one
+hopeless fails in stage one, the hopeless one is timed in stage two after all.
 """
 
 from __future__ import annotations

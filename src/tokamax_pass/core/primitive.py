@@ -22,7 +22,7 @@ import numpy as np
 from jax._src import dispatch
 from jax.custom_derivatives import SymbolicZero
 from jax.experimental.xla_metadata import set_xla_metadata
-from jax.extend.core import Primitive
+from jax.extend.core import Primitive, subjaxprs
 from jax.interpreters import ad, batching, mlir
 
 from tokamax_pass.core import device, resolution, sharding, spec
@@ -227,14 +227,19 @@ def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence
     encoded = choice.bound.to_json()
     for recorder in _RECORDERS:
         recorder.append(encoded)
-    if getattr(_SPECS_ONLY, "active", False):
-        return mlir.lower_fun(_stand_in(ctx.avals_out), multiple_results=True)(ctx, *operands)
     body = call.flat_function(choice.op, choice.op.config)
 
     def fn(*xs: Any) -> list[Any]:
         with sharding.meshless():  # not partitioned: the body traces as on one device
             return body(*xs)
 
+    if getattr(_SPECS_ONLY, "active", False):
+        with device.lowering_for(target):
+            jaxpr = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                         for a in ctx.avals_in)).jaxpr
+        if not _makes_op_calls(jaxpr):
+            return mlir.lower_fun(_stand_in(ctx.avals_out), multiple_results=True)(
+                ctx, *operands)
     with device.lowering_for(target), set_xla_metadata(**{METADATA_KEY: encoded}):
         return mlir.lower_fun(fn, multiple_results=True)(
             sharding.without_explicit_shardings(ctx), *operands)
@@ -279,6 +284,13 @@ def _make_call(bas: Sequence[BoundArguments], explicit: bool, partition_as: Op |
     return call, [jax.numpy.asarray(x) if isinstance(x, np.ndarray) else x for x in operands]
 
 
+def _makes_op_calls(jaxpr: Any) -> bool:
+    """Whether `jaxpr` (an op's body) binds op calls of its own (a VJP made of ragged-dot
+    calls), in it or in the jaxprs its equations hold."""
+    return any(is_tokamax_call(eqn.primitive) for eqn in jaxpr.eqns) or any(
+        _makes_op_calls(sub) for sub in subjaxprs(jaxpr))
+
+
 def _stand_in(avals: Sequence[Any]) -> Callable[..., list[Any]]:
     """A body giving zeros of the call's output shapes, for `specs_only`."""
 
@@ -292,10 +304,12 @@ def _stand_in(avals: Sequence[Any]) -> Callable[..., list[Any]]:
 @contextlib.contextmanager
 def specs_only() -> Iterator[None]:
     """Inside (in this thread), an op call lowers to zeros of its outputs' shapes once
-    `recording_lowerings` has its spec: finding a program's op calls needs their specs,
-    not their kernels, and lowering a Mosaic GPU kernel is seconds of Python work (a
-    Gemma-2-style step lowered for cuda in 4.7 s with its kernels, 1.1 s for the CPU).
-    Such a program computes nothing useful: only `discovery` lowers one, and never runs it."""
+    `recording_lowerings` has its spec, unless its body makes op calls of its own (those
+    are then lowered, and recorded, the same way): finding a program's op calls needs
+    their specs, not their kernels, and lowering a Mosaic GPU kernel is seconds of Python
+    work (a Gemma-2-style step lowered for cuda in 4.7 s with its kernels, 1.1 s for the
+    CPU), while tracing its body to see what it calls took 5-70 ms. Such a program
+    computes nothing useful: only `discovery` lowers one, and never runs it."""
     previous = getattr(_SPECS_ONLY, "active", False)
     _SPECS_ONLY.active = True
     try:
