@@ -25,7 +25,7 @@ path of a model's tuning: compiled one after another, mixtral's 21 XLA candidate
 35 s (8 s with XLA's GEMM autotuning off), and its XLA ragged dots, attention and GLU,
 7-46x slower than the kernels (`mixtral_tuned_s18.json`), 28 s of it
 (`compile_cost_mixtral_s19.jsonl`). With them untimed, and `discovery` building no kernels,
-mixtral's tuning went from 62 to 30 s
+mixtral's tuning went from 62 to 36 s
 (`autotune_timeline_mixtral_s19.jsonl`). Where every implementation that made one
 hopeless fails in stage one, the hopeless one is timed in stage two after all.
 """
