@@ -413,4 +413,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    return configs",
         ("tests/test_autotuning.py::test_autotune_times_the_config_none_runs_today_first",),
     ),
+    Mutation(
+        "autotune times an implementation the caches show 2x slower than another",
+        "src/tokamax_pass/autotuning/staging.py",
+        "        verdicts.append(faster or None)",
+        "        verdicts.append(None)",
+        ("tests/test_autotuning_staging.py::"
+         "test_an_implementation_the_caches_show_hopeless_is_not_timed",),
+    ),
+    Mutation(
+        "an untimed hopeless implementation stays untimed when what beat it failed",
+        "src/tokamax_pass/autotuning/staging.py",
+        "j in found and math.isfinite(found[j].best_time_ms) for j in by)",
+        "j in found for j in by)",
+        ("tests/test_autotuning_staging.py::"
+         "test_a_hopeless_implementation_is_timed_when_what_beat_it_fails",),
+    ),
+    Mutation(
+        "discovery stands in for an op call whose body makes op calls of its own",
+        "src/tokamax_pass/core/primitive.py",
+        "        if not _makes_op_calls(jaxpr):",
+        "        if True:",
+        ("tests/test_autotuning.py::"
+         "test_get_bound_args_builds_no_kernel_and_leaves_the_programs_it_lowered_whole",),
+    ),
 )
