@@ -187,8 +187,11 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
                       lowering_processes=lowering_processes, exporters=exporters)
     try:
         if staged:
+            likely = [_likely_searched(group, verdicts, target.device_kind)
+                      for group, verdicts in zip(plans, beaten, strict=True)]
             entries = staging.tune_in_stages(tuner, plans, on_stage_two=_extend(bar),
-                                             search_all=partly_cached, beaten=beaten)
+                                             search_all=partly_cached, beaten=beaten,
+                                             likely=likely)
         else:
             entries = tuner.tune_many([plan for group in plans for plan in group])
     finally:
@@ -209,6 +212,18 @@ def _hopeless(group: Sequence[tuple[BoundArguments, list[Any]]], device_kind: st
                       ", ".join(type(calls[j].op).__name__ for j in by),
                       staging.HOPELESS_RATIO)
     return verdicts
+
+
+def _likely_searched(group: Sequence[tuple[BoundArguments, list[Any]]],
+                     verdicts: Sequence[tuple[int, ...] | None], device_kind: str | None
+                     ) -> list[bool]:
+    """`staging.likely_searched` among the plans of one call that stage one times."""
+    kept = [p for p, by in enumerate(verdicts) if by is None]
+    foretold = staging.likely_searched([group[p][0] for p in kept], device_kind)
+    likely = [False] * len(group)
+    for p, yes in zip(kept, foretold, strict=True):
+        likely[p] = yes
+    return likely
 
 
 def _plan(ba: BoundArguments, max_configs: int | None, device_kind: str | None
