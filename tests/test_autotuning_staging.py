@@ -36,11 +36,10 @@ class _Tuner:
     what each stage was asked to time."""
 
     def __init__(self, times):
-        self.times, self.stages, self.ahead = times, [], []
+        self.times, self.stages = times, []
 
-    def tune_many(self, plans, compile_next=()):
+    def tune_many(self, plans):
         self.stages.append([(type(ba.op).__name__, list(configs)) for ba, configs in plans])
-        self.ahead.append([(type(ba.op).__name__, list(configs)) for ba, configs in compile_next])
         return [Entry(ba, {c: self._measure(type(ba.op).__name__, c) for c in configs}, {})
                 for ba, configs in plans]
 
@@ -378,83 +377,6 @@ def staging_configs(ba):
     return candidate_configs(ba)
 
 
-@pytest.mark.parametrize("likely", [True, False])
-def test_stage_two_likely_candidates_compile_while_stage_one_times(likely):
-    """The configs stage two is foretold to search are handed to stage one's `tune_many`
-    as `compile_next`; a call searched whole in stage one foretells nothing."""
-    times = {("XlaChunkedMatmul", c): 0.5 for c in CONFIGS}
-    times["ChunkedMatmul", NullConfig()] = 1.0
-    tuner = _Tuner(times)
-    staging.tune_in_stages(tuner, _plans(CONFIGS), likely=[[likely, False]])
-    assert tuner.ahead[0] == ([("XlaChunkedMatmul", CONFIGS[1:])] if likely else [])
-    tuner = _Tuner(times)
-    staging.tune_in_stages(tuner, _plans(CONFIGS), search_all=[True], likely=[[True, True]])
-    assert tuner.ahead[0] == []
-
-
-@pytest.mark.parametrize("kernel_ms, foretold", [
-    pytest.param(1.1, [True, True], id="could-win"),
-    pytest.param(1.3, [False, True], id="loses-by-more-than-tuning-gains"),
-    pytest.param(None, [False, True], id="kernel-not-measured"),
-])
-def test_likely_searched_foretells_stage_two_from_the_evidence(kernel_ms, foretold):
-    """`likely_searched` is `worth_searching` on the caches' times, before anything is
-    timed; without evidence for an implementation it foretells no search of it."""
-    from tokamax_pass.autotuning.result import AutotuningResult
-
-    chunked, xla = _calls()
-    kind = current_target().device_kind
-    evidence = [_measured(xla, NullConfig(), 1.0)]
-    if kernel_ms is not None:
-        evidence.append(_measured(chunked, ChunkConfig(16), kernel_ms))
-    with AutotuningResult(kind, evidence):
-        assert staging.likely_searched([chunked, xla], kind) == foretold
-    assert staging.likely_searched([chunked, xla], kind) == [False, False]  # no evidence
-
-
-def _kernel_matmul():
-    import dataclasses
-
-    @dataclasses.dataclass(frozen=True, kw_only=True)
-    class KernelMatmul(XlaChunkedMatmul):
-        implementation = "kernel"
-
-    return KernelMatmul
-
-
-def test_candidates_compiled_for_the_next_call_are_used_there(monkeypatch):
-    """`compile_next`'s kernel candidates compile during the first call's timing and the
-    next call times those programs instead of compiling again (wrong numerics still
-    caught); an XLA implementation's are never compiled ahead (XLA's GEMM autotuning
-    would share the device with the timings)."""
-    import collections
-
-    from tokamax_pass.autotuning import autotuner
-
-    compiles = collections.Counter()
-    original = autotuner.Autotuner._compile_one
-
-    def compile_one(ba, config, workers):
-        compiles[type(ba.op).__name__, config] += 1
-        return original(ba, config, workers)
-
-    monkeypatch.setattr(autotuner.Autotuner, "_compile_one", staticmethod(compile_one))
-    x, w = random_normal(1, (M, K)), random_normal(2, (K, N))
-    kernel = keys.canonical(_kernel_matmul()().bind(x, w))
-    xla = keys.canonical(XlaChunkedMatmul().bind(x, w))
-    tuner = autotuner.Autotuner(iterations=1)
-    tuner.tune_many([(kernel, [ChunkConfig(16)])],
-                    compile_next=[(kernel, [ChunkConfig(32), ChunkConfig(56)]),
-                                  (xla, [ChunkConfig(32)])])
-    assert compiles["XlaChunkedMatmul", ChunkConfig(32)] == 0
-    second = tuner.tune_many([(kernel, [ChunkConfig(32), ChunkConfig(56)])])
-    assert compiles["KernelMatmul", ChunkConfig(32)] == 1
-    assert compiles["KernelMatmul", ChunkConfig(56)] == 1
-    assert second[0].data[ChunkConfig(32)].ok
-    assert second[0].data[ChunkConfig(56)].error.startswith("wrong numerics")
-    assert not tuner._compiling_next
-
-
 def test_untimed_programs_get_every_cpu_once_the_candidates_are_compiled(monkeypatch):
     """With one ahead thread, three calls' untimed programs can only be compiling at once
     after the candidates' compile phase, when the queued ones move to a pool of every
@@ -484,3 +406,50 @@ def test_untimed_programs_get_every_cpu_once_the_candidates_are_compiled(monkeyp
         [(ba, [ChunkConfig(16)]) for ba in calls])
     assert met == [True] * 3
     assert all(e.data[ChunkConfig(16)].ok for e in entries)
+
+
+def test_configs_the_caches_measured_losing_at_this_shape_are_not_timed_again(monkeypatch):
+    """The caches (here an active result) searched this call's chunked kernel: chunk 16
+    won, 64 ran slower, 56 failed. `autotune` starts from 16 and does not time 64 again
+    (that search is done); 56 is timed (a failure may not recur), as are the configs
+    never measured; `search_losers=True` times every config."""
+    from tokamax_pass.autotuning.result import AutotuningResult
+
+    monkeypatch.setattr(staging, "TUNING_GAIN", 1e-9)  # every implementation searched
+    x, w = random_normal(0, (M, K)), random_normal(1, (K, N))
+    chunked, _ = _calls()
+    searched = Entry(chunked, {ChunkConfig(16): Measurement(evaluation_times_ms=(0.5,)),
+                               ChunkConfig(64): Measurement(evaluation_times_ms=(0.9,)),
+                               ChunkConfig(56): Measurement(error="timeout: on purpose")},
+                     keys.provenance(chunked.op))
+
+    def timed(**kwargs):
+        with AutotuningResult(current_target().device_kind, [searched]):
+            result = tokamax.autotune(lambda x, w: chunked_matmul(x, w), x, w,
+                                      all_implementations=True, ignore_cache=True,
+                                      progress=False, iterations=2, **kwargs)
+        return {c.chunk for ba, data in result if isinstance(ba.op, XlaChunkedMatmul)
+                for c in data}
+
+    assert timed() == {16, 32, 56, 0}
+    assert timed(search_losers=True) == {16, 32, 56, 64, 0}
+
+
+def test_measured_losers_come_only_from_the_entry_that_chose_the_first_config():
+    """Losers are the other configs that ran in the entry whose fastest is the plan's
+    first config; with another first config (or no entry) none are known."""
+    from tokamax_pass.autotuning.result import AutotuningResult
+
+    chunked, _ = _calls()
+    kind = current_target().device_kind
+    entry = Entry(chunked, {ChunkConfig(16): Measurement(evaluation_times_ms=(0.5,)),
+                            ChunkConfig(64): Measurement(evaluation_times_ms=(0.9,)),
+                            ChunkConfig(0): Measurement(error="compile error: on purpose")},
+                  keys.provenance(chunked.op))
+    with AutotuningResult(kind, [entry]):
+        assert cache.measured_losers(chunked, ChunkConfig(16), kind) == {ChunkConfig(64)}
+        assert cache.measured_losers(chunked, ChunkConfig(32), kind) == frozenset()
+        assert staging.without_known_losers(
+            chunked, [ChunkConfig(16), ChunkConfig(64), ChunkConfig(0), ChunkConfig(32)],
+            kind) == [ChunkConfig(16), ChunkConfig(0), ChunkConfig(32)]
+    assert cache.measured_losers(chunked, ChunkConfig(16), kind) == frozenset()

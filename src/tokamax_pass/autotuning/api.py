@@ -93,6 +93,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
         near one is not timed, the others are first timed at their first config (as
         above), and only those that could then be chosen (`staging.py`) have their
         other configs timed: the losers' compiles were most of a model's tuning time.
+        Nor is a config timed again that the caches measured at the call's own shape
+        slower than the config `None` runs today, in the search that chose that one.
 
     In a multi-process run (`jax.distributed`) process 0 tunes and every process
     returns its result, so all compile the same kernels (`distributed.tune_once`).
@@ -175,6 +177,9 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
               if (plan := _plan(ba, max_configs, target.device_kind)) is not None]
              for group in groups]
     staged = all_implementations and not search_losers
+    if staged:
+        plans = [[_without_known_losers(ba, configs, target.device_kind)
+                  for ba, configs in group] for group in plans]
     beaten = [_hopeless(group, target.device_kind) if staged else [None] * len(group)
               for group in plans]
     bar = _progress_bar(sum(len(c if whole or not staged else c[:1])
@@ -187,17 +192,25 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
                       lowering_processes=lowering_processes, exporters=exporters)
     try:
         if staged:
-            likely = [_likely_searched(group, verdicts, target.device_kind)
-                      for group, verdicts in zip(plans, beaten, strict=True)]
             entries = staging.tune_in_stages(tuner, plans, on_stage_two=_extend(bar),
-                                             search_all=partly_cached, beaten=beaten,
-                                             likely=likely)
+                                             search_all=partly_cached, beaten=beaten)
         else:
             entries = tuner.tune_many([plan for group in plans for plan in group])
     finally:
         if bar is not None:
             bar.close()
     return AutotuningResult(target.device_kind, entries)
+
+
+def _without_known_losers(ba: BoundArguments, configs: list[Any], device_kind: str | None
+                          ) -> tuple[BoundArguments, list[Any]]:
+    """`staging.without_known_losers`'s plan for `ba`, the configs it drops logged."""
+    kept = staging.without_known_losers(ba, configs, device_kind)
+    if len(kept) < len(configs):
+        _log.info("autotune: not timing %d configs of %s at %r again: the caches measured "
+                  "them at this shape slower than %s (search_losers=True times them)",
+                  len(configs) - len(kept), type(ba.op).__name__, ba, configs[0])
+    return ba, kept
 
 
 def _hopeless(group: Sequence[tuple[BoundArguments, list[Any]]], device_kind: str | None
@@ -212,18 +225,6 @@ def _hopeless(group: Sequence[tuple[BoundArguments, list[Any]]], device_kind: st
                       ", ".join(type(calls[j].op).__name__ for j in by),
                       staging.HOPELESS_RATIO)
     return verdicts
-
-
-def _likely_searched(group: Sequence[tuple[BoundArguments, list[Any]]],
-                     verdicts: Sequence[tuple[int, ...] | None], device_kind: str | None
-                     ) -> list[bool]:
-    """`staging.likely_searched` among the plans of one call that stage one times."""
-    kept = [p for p, by in enumerate(verdicts) if by is None]
-    foretold = staging.likely_searched([group[p][0] for p in kept], device_kind)
-    likely = [False] * len(group)
-    for p, yes in zip(kept, foretold, strict=True):
-        likely[p] = yes
-    return likely
 
 
 def _plan(ba: BoundArguments, max_configs: int | None, device_kind: str | None

@@ -275,11 +275,6 @@ def _inputs_key(ba: BoundArguments) -> tuple[type, str]:
     return family_class(type(ba.op)), ba.cache_key
 
 
-def _candidate_key(ba: BoundArguments, config: Any) -> tuple[Any, ...]:
-    """Candidates with one key compile to the same program."""
-    return *keys.entry_key(ba), config
-
-
 def _describe(kind: str, error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".strip().splitlines()
     message = " ".join(text)[:500]
@@ -408,16 +403,12 @@ class Autotuner:
     # `_Untimed` futures by `_inputs_key`, kept across `tune_many` calls.
     _untimed: dict[Any, concurrent.futures.Future] = dataclasses.field(
         default_factory=dict, init=False, repr=False)
-    # Candidates compiling for the next `tune_many` (`compile_next`), by `_candidate_key`.
-    _compiling_next: dict[Any, concurrent.futures.Future] = dataclasses.field(
-        default_factory=dict, init=False, repr=False)
 
     def tune(self, ba: BoundArguments, configs: list[Any] | None = None) -> Entry:
         """Measures every config of `ba` (default: `candidate_configs(ba)`)."""
         return self.tune_many([(ba, configs)])[0]
 
-    def tune_many(self, plans: Sequence[tuple[BoundArguments, list[Any] | None]],
-                  compile_next: Sequence[tuple[BoundArguments, list[Any]]] = ()
+    def tune_many(self, plans: Sequence[tuple[BoundArguments, list[Any] | None]]
                   ) -> list[Entry]:
         """Measures the configs of several op calls. Every candidate of every call
         compiles first, in `_compile_all`'s two thread pools (with the first wave's
@@ -435,12 +426,8 @@ class Autotuner:
         Those programs skip XLA's GEMM autotuning, so compiling them ahead never uses
         the device.
 
-        Once the candidates are compiled, the CPUs they leave idle while the waves are
-        timed go first to the untimed programs not yet started (the waves wait for them),
-        then to `compile_next`: candidates the caller expects to time in its next
-        `tune_many`, which uses them where it times the same call and config and drops
-        the rest. Only kernels' candidates compile there: an XLA implementation's compile
-        runs XLA's GEMM autotuning on the device, which would overlap the timings."""
+        Once the candidates are compiled, the untimed programs not yet started get
+        every CPU (`_untimed_to_every_cpu`)."""
         canonical = [keys.canonical(ba) for ba, _ in plans]
         jobs = [_Job(ba, candidate_configs(ba) if configs is None else configs)
                 for ba, (_, configs) in zip(canonical, plans, strict=True)]
@@ -453,7 +440,7 @@ class Autotuner:
                     job.untimed = self._untimed_programs(job.ba, ahead)
                 self._compile_all(jobs, first_wave=waves[0] if waves else [],
                                   preparer=preparer)
-                self._use_idle_cpus(jobs, compile_next)
+                self._untimed_to_every_cpu(jobs)
                 for wave in waves:
                     self._time_wave(wave, preparer, entries)
             finally:
@@ -470,22 +457,14 @@ class Autotuner:
                                                       self.check_numerics, self.seed)
         return future
 
-    def _use_idle_cpus(self, jobs: Sequence[_Job],
-                       compile_next: Sequence[tuple[BoundArguments, list[Any]]]) -> None:
+    def _untimed_to_every_cpu(self, jobs: Sequence[_Job]) -> None:
         """After the compile phase: the untimed programs still queued for the small
-        ahead pool move to a pool of every CPU, and `compile_next`'s kernel candidates
-        queue behind them (see `tune_many`)."""
+        ahead pool (which leaves the candidates' compiles the CPUs) move to a pool of
+        every CPU, as the waves wait for them."""
         late = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
         for job in jobs:
             if job.untimed is not None and job.untimed.cancel():
                 job.untimed = self._untimed_programs(job.ba, late)
-        for ba, configs in compile_next:
-            if _compiles_gemms_with_xla(ba.op):
-                continue
-            ba = keys.canonical(ba)
-            for config in configs:
-                self._compiling_next[_candidate_key(ba, config)] = late.submit(
-                    self._compile_one, ba, config, self.exporters)
         late.shutdown(wait=False)
 
     def _prepare_wave(self, wave: Sequence[_Job],
@@ -541,19 +520,14 @@ class Autotuner:
         try:
             self._prepare_wave(first_wave, preparer)
             for job, config in _round_robin(jobs):
-                future = self._compiling_next.pop(_candidate_key(job.ba, config), None)
-                if future is None:
-                    pool = pools[_compiles_gemms_with_xla(job.ba.op)]
-                    future = pool.submit(self._compile_one, job.ba, config, exporters)
+                pool = pools[_compiles_gemms_with_xla(job.ba.op)]
+                future = pool.submit(self._compile_one, job.ba, config, exporters)
                 job.compiles[future] = config
             for job in jobs:
                 job.collect(deadline, self.timeout)
         finally:
             for pool in pools.values():
                 pool.shutdown(wait=False, cancel_futures=True)
-            for unused in self._compiling_next.values():
-                unused.cancel()
-            self._compiling_next.clear()
             if owned is not None:
                 owned.close()
 

@@ -265,12 +265,8 @@ class CacheStack:
     """The `ConfigSource` registered with `core.resolution`: results, user and library caches."""
 
     def find_config(self, ba: BoundArguments, device_kind: str | None) -> tuple[Any, str] | None:
-        for layer in layers(device_kind):
-            entry = layer.lookup(ba)
-            fastest = None if entry is None else entry.fastest
-            if fastest is not None:
-                return fastest[0], layer.label
-        return None
+        found = _answering_entry(ba, device_kind)
+        return None if found is None else (found[0].fastest[0], found[1])
 
     def rank(self, candidates: Sequence[BoundArguments], device_kind: str | None,
              usable: Sequence[bool] | None = None) -> list[int] | None:
@@ -289,6 +285,26 @@ class CacheStack:
         # The unusable candidates' sites settled nothing: the usable ones' own neighbours.
         kept = [i for i, ok in enumerate(usable) if ok]
         return _ranked_subset(kept, self.rank([candidates[i] for i in kept], device_kind))
+
+
+def measured_losers(ba: BoundArguments, best: Any, device_kind: str | None) -> frozenset:
+    """The configs the entry `find_config` answers `ba` from measured, where `best` is
+    that entry's fastest: each was timed at `ba`'s own shape and ran slower (failures
+    are not counted: an out-of-memory or a timeout may not recur). Empty where no entry
+    answers `ba` with `best`."""
+    found = _answering_entry(ba, device_kind)
+    if found is None or found[0].fastest[0] != best:
+        return frozenset()
+    return frozenset(c for c, m in found[0].data.items() if m.ok and c != best)
+
+
+def _answering_entry(ba: BoundArguments, device_kind: str | None) -> tuple[Entry, str] | None:
+    """The first entry of the stack with a config of `ba` that ran, and its layer's label."""
+    for layer in layers(device_kind):
+        entry = layer.lookup(ba)
+        if entry is not None and entry.fastest is not None:
+            return entry, layer.label
+    return None
 
 
 def evidence_times(candidates: Sequence[BoundArguments],

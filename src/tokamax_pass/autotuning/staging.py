@@ -54,43 +54,41 @@ HOPELESS_RATIO = 2.0
 Plan = tuple[BoundArguments, list[Any]]
 
 
+def without_known_losers(ba: BoundArguments, configs: Sequence[Any],
+                         device_kind: str | None) -> list[Any]:
+    """`configs` (the first the config `None` runs today) less the configs the caches of
+    `device_kind` measured at `ba`'s own shape, in the entry that made the first one
+    `None`'s choice: that entry timed them against it and they lost, so timing them again
+    would repeat a search already done (`cache.measured_losers`)."""
+    if not configs:
+        return list(configs)
+    losers = cache.measured_losers(ba, configs[0], device_kind)
+    return [configs[0], *(c for c in configs[1:] if c not in losers)]
+
+
 def worth_searching(candidates: Sequence[BoundArguments],
                     first_times: Sequence[float]) -> list[bool]:
     """For each of one call's implementations (timed at their first config, `inf` when
     it failed), whether its other configs could make `implementation=None` choose it."""
-    return [not math.isfinite(first_time) or _could_lead(i, candidates, first_times) in
-            (None, True) for i, first_time in enumerate(first_times)]
-
-
-def likely_searched(candidates: Sequence[BoundArguments], device_kind: str | None
-                    ) -> list[bool]:
-    """`worth_searching`'s verdicts foretold from the caches' evidence of `device_kind`
-    (`cache.evidence_times`), before stage one times anything: `False` where the
-    evidence cannot tell. Stage two's likely candidates compile while stage one times."""
-    times = cache.evidence_times(candidates, device_kind)
-    return [t is not None and _could_lead(i, candidates, times) is True
-            for i, t in enumerate(times)]
-
-
-def _could_lead(i: int, candidates: Sequence[BoundArguments],
-                times: Sequence[float | None]) -> bool | None:
-    """Whether implementation `i`, improved by `TUNING_GAIN`, leads the ranking of
-    `times` (`None`: the times cannot rank the call)."""
-    hoped = [t * TUNING_GAIN if j == i and t is not None else t for j, t in enumerate(times)]
-    order = cache.rank_with_evidence(candidates, hoped)
-    return None if order is None else _chosen(i, order, candidates, hoped)
+    worth = []
+    for i, first_time in enumerate(first_times):
+        if not math.isfinite(first_time):
+            worth.append(True)
+            continue
+        hoped = [t * TUNING_GAIN if j == i else t for j, t in enumerate(first_times)]
+        order = cache.rank_with_evidence(candidates, hoped)
+        worth.append(order is None or _chosen(i, order, candidates, hoped))
+    return worth
 
 
 def _chosen(i: int, order: list[int], candidates: Sequence[BoundArguments],
-            times: Sequence[float | None]) -> bool:
-    """Whether `i` (measured) leads `order`: first, or a plain-JAX path tied with the
-    first one (an unmeasured first one, ranked by what it yields to, ties with none)."""
+            times: Sequence[float]) -> bool:
+    """Whether `i` leads `order`: first, or a plain-JAX path tied with the first one."""
     first = order[0]
     if i == first:
         return True
     plain = candidates[i].op.runs_without_evidence and candidates[first].op.runs_without_evidence
-    return (plain and times[first] is not None
-            and times[i] <= times[first] * (1 + cache.TIE_MARGIN))
+    return plain and times[i] <= times[first] * (1 + cache.TIE_MARGIN)
 
 
 def hopeless(candidates: Sequence[BoundArguments], device_kind: str | None
@@ -114,29 +112,22 @@ def hopeless(candidates: Sequence[BoundArguments], device_kind: str | None
 def tune_in_stages(tuner: Autotuner, groups: Sequence[Sequence[Plan]],
                    on_stage_two: Callable[[int], None] | None = None,
                    search_all: Sequence[bool] | None = None,
-                   beaten: Sequence[Sequence[tuple[int, ...] | None]] | None = None,
-                   likely: Sequence[Sequence[bool]] | None = None) -> list[Entry]:
+                   beaten: Sequence[Sequence[tuple[int, ...] | None]] | None = None
+                   ) -> list[Entry]:
     """Entries of every timed plan of `groups` (each group: one call's implementations,
     with their candidate configs, the one `None` runs today first), tuned in the two
     stages. `on_stage_two(n)` is told how many configs stage two times. A group flagged in
     `search_all` (some of its implementations were answered by a cache, so stage one
     could not compare them all) has every config timed in stage one. `beaten` (by
     default none): per plan, `hopeless`'s verdict; a hopeless plan is timed (at its first
-    config, in stage two) only where every implementation that beat it failed. `likely`
-    (by default none): per plan, `likely_searched`'s verdict; those plans' other configs
-    compile while stage one times (`Autotuner.tune_many`'s `compile_next`)."""
+    config, in stage two) only where every implementation that beat it failed."""
     search_all = search_all or [False] * len(groups)
     beaten = beaten or [[None] * len(group) for group in groups]
-    likely = likely or [[False] * len(group) for group in groups]
     timed = [[p for p, by in enumerate(verdicts) if by is None] for verdicts in beaten]
-    ahead = [(ba, configs[1:]) for group, whole, kept, foretold
-             in zip(groups, search_all, timed, likely, strict=True) if not whole
-             for p in kept if foretold[p] for ba, configs in [group[p]]]
     firsts = tuner.tune_many([(ba, configs if whole else configs[:1])
                               for group, whole, kept in zip(groups, search_all, timed,
                                                             strict=True)
-                              for ba, configs in (group[p] for p in kept)],
-                             compile_next=ahead)
+                              for ba, configs in (group[p] for p in kept)])
     entries = iter(firsts)
     by_group: list[dict[int, Entry]] = [{p: next(entries) for p in kept} for kept in timed]
     searched: list[tuple[int, int]] = []
