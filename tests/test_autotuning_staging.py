@@ -377,37 +377,6 @@ def staging_configs(ba):
     return candidate_configs(ba)
 
 
-def test_untimed_programs_get_every_cpu_once_the_candidates_are_compiled(monkeypatch):
-    """With one ahead thread, three calls' untimed programs can only be compiling at once
-    after the candidates' compile phase, when the queued ones move to a pool of every
-    CPU: each waits (at a barrier) for the other two."""
-    import threading
-
-    from tokamax_pass.autotuning import autotuner
-
-    monkeypatch.setattr(autotuner, "UNTIMED_AHEAD_WORKERS", 1)
-    barrier, met = threading.Barrier(3, timeout=20), []
-    original = autotuner._compile_untimed
-
-    def compile_untimed(ba, *args):
-        try:
-            barrier.wait()
-            met.append(True)
-        except threading.BrokenBarrierError:
-            met.append(False)
-        return original(ba, *args)
-
-    monkeypatch.setattr(autotuner, "_compile_untimed", compile_untimed)
-    monkeypatch.setattr(autotuner.os, "cpu_count", lambda: 4)
-    calls = [keys.canonical(XlaChunkedMatmul().bind(random_normal(i, (M, k)),
-                                                    random_normal(i + 1, (k, N))))
-             for i, k in enumerate((K, 2 * K, 4 * K))]
-    entries = autotuner.Autotuner(iterations=1).tune_many(
-        [(ba, [ChunkConfig(16)]) for ba in calls])
-    assert met == [True] * 3
-    assert all(e.data[ChunkConfig(16)].ok for e in entries)
-
-
 def test_configs_the_caches_measured_losing_at_this_shape_are_not_timed_again(monkeypatch):
     """The caches (here an active result) searched this call's chunked kernel: chunk 16
     won, 64 ran slower, 56 failed. `autotune` starts from 16 and does not time 64 again

@@ -424,10 +424,7 @@ class Autotuner:
         compiling a reference stage one had compiled:
         `autotune_timelines_s11_2_inputs_ahead.jsonl`).
         Those programs skip XLA's GEMM autotuning, so compiling them ahead never uses
-        the device.
-
-        Once the candidates are compiled, the untimed programs not yet started get
-        every CPU (`_untimed_to_every_cpu`)."""
+        the device."""
         canonical = [keys.canonical(ba) for ba, _ in plans]
         jobs = [_Job(ba, candidate_configs(ba) if configs is None else configs)
                 for ba, (_, configs) in zip(canonical, plans, strict=True)]
@@ -440,7 +437,6 @@ class Autotuner:
                     job.untimed = self._untimed_programs(job.ba, ahead)
                 self._compile_all(jobs, first_wave=waves[0] if waves else [],
                                   preparer=preparer)
-                self._untimed_to_every_cpu(jobs)
                 for wave in waves:
                     self._time_wave(wave, preparer, entries)
             finally:
@@ -456,16 +452,6 @@ class Autotuner:
             future = self._untimed[key] = pool.submit(_compile_untimed, ba,
                                                       self.check_numerics, self.seed)
         return future
-
-    def _untimed_to_every_cpu(self, jobs: Sequence[_Job]) -> None:
-        """After the compile phase: the untimed programs still queued for the small
-        ahead pool (which leaves the candidates' compiles the CPUs) move to a pool of
-        every CPU, as the waves wait for them."""
-        late = concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1)
-        for job in jobs:
-            if job.untimed is not None and job.untimed.cancel():
-                job.untimed = self._untimed_programs(job.ba, late)
-        late.shutdown(wait=False)
 
     def _prepare_wave(self, wave: Sequence[_Job],
                       preparer: concurrent.futures.Executor) -> None:
