@@ -28,6 +28,18 @@ path of a model's tuning: compiled one after another, mixtral's 21 XLA candidate
 mixtral's tuning went from 62 to 36 s
 (`autotune_timeline_mixtral_s19.jsonl`). Where every implementation that made one
 hopeless fails in stage one, the hopeless one is timed in stage two after all.
+
+Nor is a config timed again that the caches measured at the call's own shape, in the
+entry whose fastest is the config `None` runs today: that search was done, and its
+losers lost in the same run as the winner (`without_known_losers`; failures are timed
+again, as they may not recur). At the suite's shapes, which the library cache holds,
+mixtral's tuning compiled 40 candidates instead of 85 and took 22.4 s instead of 36
+(`autotune_timeline_mixtral_s20.jsonl`); at shapes no cache holds nothing changes.
+Compiling stage two's likely candidates (foretold from the evidence) while stage one
+times was tried again in session 20 and withdrawn again, as in session 11: the compile
+threads starved the timing thread of the interpreter lock, stage one's timings took
+25 s instead of 10 and the tuning 42.5 s
+(`autotune_timeline_mixtral_s20_compile_during_timing.jsonl`).
 """
 
 from __future__ import annotations
