@@ -53,10 +53,10 @@ OP_ROWS = (
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
-    "llama": "models_llama_s19.json",
-    "mixtral": "models_mixtral_s19.json",
-    "gemma2": "models_gemma2_s19.json",
-    "encoder": "models_encoder_s19.json",
+    "llama": "models_llama_s20.json",
+    "mixtral": "models_mixtral_s20.json",
+    "gemma2": "models_gemma2_s20.json",
+    "encoder": "models_encoder_s20.json",
 }
 VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"), ("tuned", "tuned"),
             ("upstream", "upstream Tokamax 0.0.17"))

@@ -101,6 +101,31 @@ def test_alternated_times_untuned_and_tuned_in_turn():
         statistics.median(found["untuned_ms"]) / statistics.median(found["tuned_ms"]))
 
 
+def test_alternated_swaps_which_goes_first_so_a_steady_drift_cancels(monkeypatch):
+    """Two runners of one program whose times grow by 1 ms per timing: the rounds go
+    untuned, tuned, tuned, untuned, ... and the speedup comes out 1 exactly (always
+    untuned first, it would read below 1)."""
+    from test_optimize import ChunkConfig, _result, _square_bound, square_loss
+
+    order, clock = [], iter(range(100))
+
+    runners: list[str] = []
+
+    def runner(step, params, batch):
+        del step, params, batch
+        label = ["untuned", "tuned"][len(runners)]  # made untuned first, then tuned
+        runners.append(label)
+        return lambda iterations: order.append(label) or 40.0 + next(clock)
+
+    monkeypatch.setattr(run, "_runner", runner)
+    x, scale = jax.ShapeDtypeStruct((16, 64), "float32"), jax.ShapeDtypeStruct((64,), "float32")
+    found = run.alternated(jax.grad(square_loss), x, scale,
+                           _result((_square_bound(x, scale), ChunkConfig(4))), iterations=2,
+                           rounds=4)
+    assert order == ["untuned", "tuned", "tuned", "untuned"] * 2
+    assert found["tuned_speedup"] == 1.0
+
+
 def test_ablation_swaps_exactly_the_named_op_family():
     from benchmarks.models import ablation
 

@@ -376,7 +376,9 @@ def test_autotune_always_measures_even_cached_configs(xs, tmp_path, monkeypatch)
     assert (row.op, row.source) in {("ChunkedSquare", "autotuned"), ("Square", "no config")}
     (tuned,) = optimized._tuned
     measured = {type(ba.op).__name__: set(data) for ba, data in tuned}
-    assert measured["ChunkedSquare"] == {ChunkConfig(1), ChunkConfig(2), ChunkConfig(4)}
+    # The cached config 4 is timed again; 2, which the result measured losing to 4 at
+    # this shape, is not (`staging.without_known_losers`).
+    assert measured["ChunkedSquare"] == {ChunkConfig(1), ChunkConfig(4)}
     assert "Square" in measured  # implementation=None: the XLA reference is timed too
     assert_close(optimized(x, scale), jax.jit(square_loss)(x, scale))
 

@@ -173,7 +173,7 @@ def _time_tuned(model: Model, step: Any, params: Any, batch: Any, iterations: in
                 os.environ[cache.ENV_CACHE_DIR] = previous
 
 
-ALTERNATED_ROUNDS = 3
+ALTERNATED_ROUNDS = 4
 
 
 def alternated(step: Any, params: Any, batch: Any, result: Any, iterations: int,
@@ -184,14 +184,18 @@ def alternated(step: Any, params: Any, batch: Any, result: Any, iterations: int,
     The `tuned` variant alone is timed once, right after the tuning's minute of device
     work; mixtral's tuned ran 0.5-0.8% under untuned in three runs whose tuned and untuned
     programs chose the same kernels and configs (session 18). Alternating takes the order
-    out of the comparison."""
+    out of the comparison, and each round swaps which goes first (untuned, tuned; tuned,
+    untuned; ...): times drift within a process, and with untuned always first, session
+    20's llama rounds ran untuned 49.66, 50.79, 52.03 ms and tuned 50.63, 51.77, 52.01
+    (one program, 0.981x). Over an even number of rounds a steady drift cancels."""
     untuned = _runner(jax.jit(step), params, batch)
     with result:
         tuned = _runner(jax.jit(step), params, batch)
     times: dict[str, list[float]] = {"untuned_ms": [], "tuned_ms": []}
-    for _ in range(rounds):
-        times["untuned_ms"].append(untuned(iterations))
-        times["tuned_ms"].append(tuned(iterations))
+    runners = [("untuned_ms", untuned), ("tuned_ms", tuned)]
+    for round_ in range(rounds):
+        for key, runner in runners if round_ % 2 == 0 else runners[::-1]:
+            times[key].append(runner(iterations))
     return {**times, "tuned_speedup": (statistics.median(times["untuned_ms"])
                                        / statistics.median(times["tuned_ms"]))}
 

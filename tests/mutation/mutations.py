@@ -437,4 +437,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_autotuning.py::"
          "test_get_bound_args_builds_no_kernel_and_leaves_the_programs_it_lowered_whole",),
     ),
+    Mutation(
+        "autotune times again configs the caches measured losing at the call's shape",
+        "src/tokamax_pass/autotuning/staging.py",
+        "    return [configs[0], *(c for c in configs[1:] if c not in losers)]",
+        "    return list(configs)",
+        ("tests/test_autotuning_staging.py::"
+         "test_configs_the_caches_measured_losing_at_this_shape_are_not_timed_again",),
+    ),
+    Mutation(
+        "the models' tuned/untuned alternation always times untuned first",
+        "benchmarks/models/run.py",
+        "        for key, runner in runners if round_ % 2 == 0 else runners[::-1]:",
+        "        for key, runner in runners:",
+        ("tests/test_models.py::"
+         "test_alternated_swaps_which_goes_first_so_a_steady_drift_cancels",),
+    ),
 )

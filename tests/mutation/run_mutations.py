@@ -2,7 +2,7 @@
 
     python tests/mutation/run_mutations.py [--jobs N] [--only TEXT ...] [--list]
 
-For each mutation: copy `src/`, `kernels/`, `tests/` and `pyproject.toml` to a
+For each mutation: copy `src/`, `kernels/`, `tests/`, `benchmarks/` and `pyproject.toml` to a
 temporary directory, apply the mutation there (the snippet must still occur as many
 times as the mutation says, else the list is stale and the check fails), and run the
 mutation's tests on the copy with pytest. The mutation is caught when one of them fails
@@ -31,7 +31,7 @@ if _TESTS not in sys.path:  # run as a script; pytest puts tests/ on the path it
 from mutation.mutations import MUTATIONS, Mutation  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-COPIED = ("src", "kernels", "tests", "pyproject.toml")
+COPIED = ("src", "kernels", "tests", "benchmarks", "pyproject.toml")
 _IGNORED = shutil.ignore_patterns("__pycache__", ".pytest_cache", "*.pyc")
 PYTEST_FAILED = 1  # pytest's exit status when tests ran and some failed
 
@@ -58,6 +58,8 @@ def copy_repository(root: pathlib.Path, dest: pathlib.Path) -> None:
     """The parts of the repository the CPU tests need, copied under `dest`."""
     for name in COPIED:
         source = root / name
+        if not source.exists():
+            continue
         if source.is_dir():
             shutil.copytree(source, dest / name, ignore=_IGNORED)
         else:
