@@ -21,7 +21,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--search-losers", action="store_true",
                         help="with --all-implementations, time and search every "
                              "implementation, also those the caches show 2x slower than "
-                             "another and those that cannot be chosen after stage one")
+                             "another and those that cannot be chosen after stage one, and "
+                             "time again the configs the caches measured losing at the "
+                             "call's shape")
     parser.add_argument("--ignore-cache", action="store_true",
                         help="also tune ops the caches already answer")
     parser.add_argument("--cache", action="store_true", help="save the result to the user cache")
