@@ -6,7 +6,10 @@ cuDNN, in one process.
 Run on the H200 from the repository root:
   PYTHONPATH=src:kernels:tests:. python3 tests/gpu/fused_dq_probe.py
 It runs in a subprocess with a timeout (a deadlocked kernel costs the run, not the
-machine) and appends JSON lines to `$OUT/fused_dq.jsonl`. Numerics and bitwise reruns:
+machine) and appends JSON lines to `$OUT/fused_dq.jsonl`. `FUSED_DQ_VARIANTS` (comma
+separated names, e.g. "cudnn,mosaic separate") keeps only those variants, and
+`FUSED_DQ_CODE` labels the records (say, which checkout of the kernels ran), so two
+checkouts can be compared on one machine. Numerics and bitwise reruns:
 `tests/gpu/test_mosaic_attention_gpu.py -k one_pass`.
 """
 
@@ -78,6 +81,10 @@ def bench() -> None:
     for split in ("columns", "rows"):
         for mode in ("ordered", "atomic"):
             variants[f"mosaic {mode} by {split}"] = (mode, 2, split)
+    wanted = os.environ.get("FUSED_DQ_VARIANTS")
+    if wanted:
+        variants = {name: variants[name] for name in wanted.split(",")}
+    code = os.environ.get("FUSED_DQ_CODE", "")
     for name, (b, s, h, hk, d), causal in WORKLOADS:
         q, k, v, do = _inputs(b, s, s, h, hk, d)
         flops = 4 * b * h * s * s * d * 3.5 * (0.5 if causal else 1.0)
@@ -88,7 +95,7 @@ def bench() -> None:
                 continue
             else:
                 impl = _ops(mode, compute_wgs=wgs, **({"dq_split": split} if split else {}))
-            record = dict(phase="bench", workload=name, variant=variant)
+            record = dict(phase="bench", workload=name, variant=variant, code=code)
             try:
                 f_std, args = standardize_function(_fwd_bwd(impl, is_causal=causal),
                                                    q, k, v, do)
@@ -101,7 +108,8 @@ def bench() -> None:
 
 
 def main(argv: list[str]) -> int:
-    return run_phases(argv, __file__, {"bench": (bench, 420)}, _log)
+    timeout = int(os.environ.get("FUSED_DQ_TIMEOUT", "420"))
+    return run_phases(argv, __file__, {"bench": (bench, timeout)}, _log)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,11 @@ kernel (dk + dv whole would take 256 registers a thread, over the hardware's 255
 the dq kernel with `compute_wgs=2` (one warpgroup holds its 64 x 256 whole).
 
 One pass (`mosaic_attention_fused_bwd`, a config choice, head dims up to 128): the dk/dv
-kernel also computes dq, adding each tile's float32 share into global memory with TMA
-reduce-adds (`_mosaic_gpu_dq_adds.py`): in a fixed order through semaphores ("ordered",
-bitwise reruns) or as they land ("atomic", not reproducible). Fused, a block walks its
-query tiles last to first.
+kernel also computes dq; the compute warpgroups hand each tile's float32 share to a warp
+of the memory warpgroup, which adds it into global memory with TMA reduce-adds
+(`_mosaic_gpu_dq_adds.py`) while another warp streams the query tiles in: in a fixed
+order through semaphores ("ordered", bitwise reruns) or as they land ("atomic", not
+reproducible). Fused, a block walks its query tiles last to first.
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     splits_head_dim,
     tile_transforms,
 )
-from tokamax_kernels.attention._mosaic_gpu_dq_adds import DqAdds, first_kv_block
+from tokamax_kernels.attention._mosaic_gpu_dq_adds import (
+    DQ_WARP,
+    LOAD_WARP,
+    DqAdds,
+    first_kv_block,
+)
 from tokamax_kernels.attention._mosaic_gpu_head_split import (
     columns,
     own_tile,
@@ -304,9 +310,9 @@ def mosaic_attention_fused_bwd(q, k, v, dout, lse, delta, kv_lengths=None, *, sc
     for its turn), so reruns are bitwise equal; "atomic" lets them land as they come.
     Blocks walk their query tiles last to first, so under a causal mask or a window
     (where a later key block starts at a later tile) the block before a block in turn
-    order has already passed each tile: waits are short. A block signals a tile's add
-    one step late (when the next add is issued its predecessor has long completed), so
-    a compute warpgroup never waits on its own add.
+    order has already passed each tile: waits are short. The adds, the waits for a
+    turn and the signals are a warp's of the memory warpgroup (`DqAdds.issue`), so a
+    compute warpgroup waits on none of them.
     """
     if not fused_fits(q.shape[-1], config.compute_wgs, config.dq_split):
         raise NotImplementedError(
@@ -369,6 +375,13 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
                                           block_q, num_q_tiles)
             block_first, block_end = block_tiles.first, block_tiles.end
 
+        dq_adds = DqAdds(dq_ref, extra, wg=wg, wgs=wgs, by_rows=by_rows, b=b, h=h, ki=ki,
+                         heads=heads, block_q=block_q, scale=scale, ordered=dq_order,
+                         num_q_tiles=num_q_tiles,
+                         first_block=first_kv_block(window, block_q, block_rows,
+                                                    num_kv_blocks)
+                         ) if fused else None
+
         def position(tile):
             """Where `tile` comes in the block's walk: first to last, or (fused) last
             to first."""
@@ -397,17 +410,11 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
             # Query tiles that cross the diagonal of this warpgroup's keys need the mask.
             masked_end = jnp.minimum(lax.div(kv_base + block_kv + block_q - 2, block_q),
                                      num_q_tiles)
-            dq_adds = DqAdds(dq_ref, extra, wg=wg, wgs=wgs, by_rows=by_rows, b=b, h=h,
-                              ki=ki, heads=heads, block_q=block_q, scale=scale,
-                              ordered=dq_order, num_q_tiles=num_q_tiles,
-                              first_block=first_kv_block(window, block_q, block_rows,
-                                                          num_kv_blocks)
-                              ) if fused else None
             if fused:
                 dq_adds.wait_for_keys(kv_ready)
 
             def q_step(tile, carry, *, masked, offset=None):
-                dk_acc, dv_acc, *dq_carry = carry
+                dk_acc, dv_acc = carry
                 step = position(tile)
                 if offset is not None:  # group in block: the earlier heads' walks
                     step = step + offset
@@ -463,8 +470,8 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
                     dk_acc, dq_part = pl.run_state(dk_and_dq)(
                         (plgpu.ACC.init(dk_acc), plgpu.ACC.init(_acc((block_q, dq_width)))))
                     plgpu.barrier_arrive(consumed.at[slot])
-                    dq_carry = [dq_adds.add(dq_part, tile, *dq_carry)]
-                    return dk_acc, dv_acc, *dq_carry
+                    dq_adds.hand_over(dq_part, step)
+                    return dk_acc, dv_acc
                 dk_acc = pl.run_state(dk_product)(plgpu.ACC.init(dk_acc))
                 plgpu.barrier_arrive(consumed.at[slot])
                 return dk_acc, dv_acc
@@ -503,13 +510,12 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
                 runs = [(0, num_q_tiles, unmasked_step)]
             carry = (_acc((block_kv, width)), _acc((block_kv, width)))
             if fused:
-                carry = (*carry, jnp.int32(-1))
                 for lo, hi, step_fn in reversed(runs):  # last tile first
                     carry = lax.fori_loop(
                         0, hi - lo, lambda j, c, lo=lo, hi=hi, f=step_fn: f(hi - 1 - j, c),
                         carry)
-                dk_acc, dv_acc, last_tile = carry
-                dq_adds.finish(last_tile)  # also: no warpgroup reads our keys any more
+                dk_acc, dv_acc = carry
+                dq_adds.finish()  # no warpgroup reads our keys any more
             elif in_block:
                 walk = block_end - block_first  # ring steps per query head
 
@@ -560,11 +566,25 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
                     @pl.loop(0, walk)
                     def _(j):
                         load(g * walk + j, lambda _: block_first + j, h * group + g)
+            elif fused:  # last tile first; a warp of its own issues the dq adds
+                def tile_of(step):
+                    return block_end - 1 - step
+
+                @plgpu.warp_map
+                def _(warp):
+                    @pl.when(warp == LOAD_WARP)
+                    def _():
+                        @pl.loop(0, walk)
+                        def _(step):
+                            load(step, tile_of, h)
+
+                    @pl.when(warp == DQ_WARP)
+                    def _():
+                        dq_adds.issue(walk, tile_of)
             else:
                 @pl.loop(0, walk)
                 def _(step):
-                    load(step, lambda step: block_end - 1 - step if fused
-                         else block_first + step, h)
+                    load(step, lambda step: block_first + step, h)
 
     transforms = tile_transforms(dtype)
     scratch = [

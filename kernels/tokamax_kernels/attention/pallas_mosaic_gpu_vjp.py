@@ -30,13 +30,14 @@ measured on the device yet (`None` ranks a kernel on measurements only).
 
 A one-pass backward (`dq_accumulation` "ordered" or "atomic",
 `mosaic_attention_fused_bwd`) runs only the dk/dv kernel, which also multiplies each
-tile's dS by K and TMA-adds the float32 dq share into global memory: five `wgmma`s a tile
-pair instead of seven. "ordered" fixes the adds' order with a semaphore per query tile
-(bitwise reruns); "atomic" does not, and runs only when named (under
-`--xla_gpu_deterministic_ops` it runs "ordered"). On the H200 at d128 both ran slower than
-the two kernels (`fused_dq_s12_run*.jsonl`: forward+backward ordered 0.69-0.76x, atomic
-0.91-1.03x of "separate"), so neither the heuristics nor the search space hold them;
-at d64 "atomic" split by rows ran 1.09x.
+tile's dS by K and hands the float32 dq share to a warp of the memory warpgroup that
+TMA-adds it into global memory: five `wgmma`s a tile pair instead of seven. "ordered"
+fixes the adds' order with a semaphore per query tile (bitwise reruns); "atomic" does
+not, and runs only when named (under `--xla_gpu_deterministic_ops` it runs "ordered").
+On the H200 (`fused_dq_s21.jsonl`, forward+backward, same process) "ordered" ran 0.99x
+the two kernels at non-causal d128, 0.89-0.94x causal and GQA, 0.80x at d64 (atomic
+1.00x, 0.92-0.96x; 1.06x at d64 in the run before), so neither the heuristics nor the
+search space hold them.
 """
 
 from __future__ import annotations
