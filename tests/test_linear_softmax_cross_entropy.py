@@ -110,6 +110,14 @@ def test_logits_soft_cap(implementation, dtype):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "xla_chunked tiles"])
+def test_runs_under_enable_x64(implementation):
+    """With `jax_enable_x64` on, float32 inputs still give the float32 reference (the
+    chunked scan's carries once came out float64 there and failed to lower)."""
+    with jax.enable_x64(True):
+        check_against_reference(IMPLEMENTATIONS[implementation], jnp.float32, "mean", None)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked tiles"])
 def test_chunked_and_xla_pair_through_the_lse_residual(implementation):
     """Either forward's residuals feed either backward (the family's residual contract)."""
     x, labels, weights = inputs(jnp.float32, seed=4)

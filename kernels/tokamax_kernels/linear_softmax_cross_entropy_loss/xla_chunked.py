@@ -159,7 +159,9 @@ def chunked_forward(pb: _Problem) -> tuple[jax.Array, jax.Array]:
             label_logit = label_logit + jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
             return (new_max, row_sum, label_logit), None
 
-        init = (jnp.full((bt,), -jnp.inf), jnp.zeros((bt,)), jnp.zeros((bt,)))
+        # float32 as the logits are (a bare `jnp.zeros` is float64 under `jax_enable_x64`).
+        init = (jnp.full((bt,), -jnp.inf, jnp.float32), jnp.zeros((bt,), jnp.float32),
+                jnp.zeros((bt,), jnp.float32))
         (row_max, row_sum, label_logit), _ = jax.lax.scan(vocab_block, init, jnp.arange(n_vocab))
         lse = row_max + jnp.log(row_sum)
         return token_losses(lse, label_logit, labels, pb.vocab), lse
