@@ -242,6 +242,20 @@ def test_merge_right_wins_and_device_kinds_must_match():
         a | _result({ChunkConfig(16): 1.0}, device_kind="NVIDIA H200")
 
 
+def test_merge_keeps_no_measurement_of_other_code():
+    """An entry measured on other source (a kernel edit, then a retune) is replaced
+    whole: its configs the retune did not time must not come back stamped fresh."""
+    old = _result({ChunkConfig(16): 1.0, ChunkConfig(64): 3.0})
+    [entry] = old.entries
+    stale = Entry(entry.bound, entry.data, dict(entry.provenance, source_hash="0" * 16))
+    stale_result = tokamax.AutotuningResult(old.device_kind, [stale])
+    merged = stale_result | _result({ChunkConfig(64): 0.5})
+    [(_, data)] = list(merged)
+    assert list(data) == [ChunkConfig(64)]
+    [entry] = merged.entries
+    assert keys.stale_reason(entry.bound.op, entry.provenance) is None
+
+
 def test_repr_is_a_table():
     text = repr(_result({ChunkConfig(16): 1.0, ChunkConfig(0): 2.0}))
     assert "XlaChunkedMatmul" in text and "chunk=16" in text and "f32[16,64]" in text

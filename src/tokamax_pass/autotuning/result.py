@@ -88,6 +88,12 @@ class Entry:
         return math.inf if fastest is None else fastest[1].median_ms
 
     def merged(self, other: Entry) -> Entry:
+        """`other`'s measurements over this one's, config by config; wholly `other`'s
+        when both record a provenance and they differ: measurements of other code (or
+        another jax) are not stamped with `other`'s provenance (a retuned entry kept
+        configs its search no longer held, timed on the old code, as fresh)."""
+        if self.provenance and other.provenance and self.provenance != other.provenance:
+            return other
         return Entry(other.bound, {**self.data, **other.data}, other.provenance)
 
     def without_errors(self) -> Entry:
@@ -139,7 +145,8 @@ class AutotuningResult:
     """The measured configs of a set of op calls on one device kind.
 
     Iterating yields `(BoundArguments, {config: Measurement})`; `a | b` merges
-    (right wins per config); `with result:` applies its fastest configs.
+    (right wins per config, and wholly where the two entries' provenance differs:
+    `Entry.merged`); `with result:` applies its fastest configs.
     """
 
     def __init__(self, device_kind: str | None, entries: Any = (), *,
