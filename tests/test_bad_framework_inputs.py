@@ -10,6 +10,8 @@ tried, most of which crashed deep or were silently accepted before it.
 from __future__ import annotations
 
 import json
+import pathlib
+import threading
 import warnings
 
 import jax
@@ -56,6 +58,8 @@ def _document(**changes):
     ({"iterations": 0}, ValueError, "iterations must be an int >= 1"),
     ({"iterations": True}, TypeError, "iterations"),
     ({"method": "bogus"}, ValueError, "method must be one of"),
+    # CUPTI times NVIDIA kernels: on this CPU every config failed and autotune returned.
+    ({"method": "cupti"}, ValueError, "method='cupti' times NVIDIA GPU kernels"),
     ({"timeout": -1}, ValueError, "timeout must be > 0"),
     ({"timeout": "x"}, TypeError, "timeout"),
     ({"max_workers": 0}, ValueError, "max_workers"),
@@ -198,6 +202,10 @@ def test_a_cache_directory_that_is_a_file(tmp_path, monkeypatch):
     ({"autotune": "sometimes"}, ValueError, "autotune must be one of"),
     ({"autotune": True}, ValueError, "autotune must be one of"),
     ({"results": 5}, TypeError, "results must be an AutotuningResult"),
+    # Any context manager passed the old duck-typed check, then applied nothing.
+    ({"results": threading.Lock()}, TypeError, "results must be an AutotuningResult"),
+    ({"results": pathlib.Path("tuned.json")}, TypeError,
+     r"results must be an AutotuningResult.*AutotuningResult\.load\(path\)"),
     ({"static_argnums": "a"}, TypeError, "static_argnums must be an int"),
     ({"donate_argnums": [1.5]}, TypeError, "donate_argnums must be an int"),
     ({"static_argnames": 3}, TypeError, "static_argnames must be a str"),
@@ -320,6 +328,10 @@ def _run():
     return benchmarking.compile_benchmark(lambda xs: xs[0].sum(), [X])
 
 
+def _untraceable(x):
+    raise AssertionError("traced before the options were checked")
+
+
 @pytest.mark.parametrize("call,error,match", [
     (lambda: benchmarking.standardize_function(5, X), TypeError,
      "standardize_function: f must be callable"),
@@ -339,6 +351,13 @@ def _run():
     (lambda: _run()([X], method="x"), ValueError, "method must be one of"),
     (lambda: benchmarking.benchmark(5, X), TypeError, "f must be callable"),
     (lambda: benchmarking.benchmark(jnp.sum, X, iterations=-1), ValueError, "iterations"),
+    # Checked before `f` is traced and compiled (its trace would fail here).
+    (lambda: benchmarking.benchmark(_untraceable, X, method="x"), ValueError,
+     "method must be one of"),
+    (lambda: benchmarking.benchmark(_untraceable, X, iterations=0), ValueError,
+     "iterations must be an int >= 1"),
+    (lambda: benchmarking.benchmark(_untraceable, X, method="cupti"), ValueError,
+     "method='cupti' times NVIDIA GPU kernels"),
 ])
 def test_benchmarking_bad_arguments(call, error, match):
     with pytest.raises(error, match=match):

@@ -77,8 +77,18 @@ BAD = [
         config=tokamax.XlaChunkedDotProductAttention.config_cls(chunk_q=8, chunk_k=8)))),
     (TypeError, "vjp must be a VJP op",
      _xla_attention(tokamax.DotProductAttention(vjp=tokamax.DotProductAttention()))),
+    # A VJP op of another family: KeyError 'query' (or a missing-argument TypeError),
+    # only under jax.grad.
+    (TypeError, "vjp=XlaDotProductAttentionVjp\\(\\) is the gradient of another family",
+     lambda: tokamax.layer_norm(X, None, None, implementation=tokamax.LayerNorm(
+         vjp=tokamax.XlaDotProductAttentionVjp()))),
+    (TypeError, "the gradient of another family \\(RaggedDot\\)",
+     _xla_attention(tokamax.DotProductAttention(vjp=tokamax.RaggedDotVjp()))),
     # bytes iterated as names: "unknown implementation 120".
     (TypeError, "implementation must be None", _xla_attention(b"xla")),
+    # A nested sequence: "unhashable type: 'list'" from the name lookup.
+    (TypeError, "flat sequence of those; the sequence holds \\['xla'\\]",
+     _xla_attention([["xla"]])),
     # A 0-d NumPy string passed the `in` check, then crashed in JAX's staging.
     (ValueError, "reduction must be one of", lambda: tokamax.linear_softmax_cross_entropy_loss(
         X, LABELS, LCE_W, reduction=np.array("sum"))),
@@ -93,6 +103,13 @@ BAD = [
     (ValueError, "group_sizes of dtype uint8 .* cannot count the 256 rows of x",
      lambda: tokamax.gated_linear_unit(jnp.ones((256, 4)), jnp.ones((2, 4, 2, 4)),
                                        group_sizes=jnp.array([100, 100], jnp.uint8))),
+    # An integer or complex output for float operands: truncated (or cast) silently.
+    (ValueError, "preferred_element_type must be a floating dtype for float32 operands",
+     lambda: tokamax.ragged_dot(jnp.ones((8, 4)), jnp.ones((2, 4, 4)),
+                                jnp.array([4, 4], jnp.int32), preferred_element_type=jnp.int8)),
+    (ValueError, "got complex64", lambda: tokamax.ragged_dot(
+        jnp.ones((8, 4)), jnp.ones((2, 4, 4)), jnp.array([4, 4], jnp.int32),
+        preferred_element_type=jnp.complex64)),
     # A path (or a typo) where StableHLO text was meant: an empty result, silently.
     (ValueError, "must be StableHLO/MLIR or HLO text",
      lambda: tokamax.autotune("model.mlir", progress=False)),

@@ -173,3 +173,21 @@ def test_bad_arguments_raise_value_errors_naming_them(args, kwargs, match):
 def test_public_function_raises_for_bad_input():
     with pytest.raises(ValueError, match="activation must be callable"):
         tokamax.gated_linear_unit(jnp.ones((2, K)), jnp.ones((K, 2, N)), activation=3)
+
+
+def test_an_activation_closing_over_a_traced_value_is_a_clear_error():
+    """A learnable beta closed over inside jit or grad failed at lowering ("No constant
+    handler for type ... Tracer"); a constant closed over is fine."""
+    x, w = random_normal(0, (2, 3, K)), random_normal(1, (K, 2, N))
+
+    def glu(x, w, beta):
+        return tokamax.gated_linear_unit(
+            x, w, activation=lambda g: g * jax.nn.sigmoid(beta * g), implementation="xla")
+
+    for transform in (jax.jit, jax.grad):
+        with pytest.raises(ValueError, match="activation closes over a traced value"):
+            transform(lambda beta: glu(x, w, beta).sum())(jnp.float32(1.5))
+    beta = jnp.float32(1.5)
+    gate, up = (jnp.einsum("bsk,kn->bsn", x, w[:, i], precision="highest") for i in (0, 1))
+    assert_close(jax.jit(lambda x, w: glu(x, w, beta))(x, w),
+                 gate * jax.nn.sigmoid(beta * gate) * up)

@@ -172,6 +172,16 @@ def _bad_calls():
         "weights per token only": (lambda: tokamax.moe_combine(rows, routing, weights[:, 0]),
                                    "weights must have shape"),
         "integer weights": (lambda: tokamax.moe_combine(rows, routing, ids), "weights must"),
+        # A list or a float: AttributeError ('list' object has no attribute 'dtype').
+        "weights a list": (lambda: tokamax.moe_combine(rows, routing, [[1.0, 1.0]] * 6),
+                           "weights must be an array, got list"),
+        # Zero-sized axes: ZeroDivisionError from NumPy's reshape(-1, top_k, ...).
+        "no expert per token": (lambda: tokamax.moe_dispatch(x, ids[:, :0], NUM_EXPERTS),
+                                "each token must choose at least one expert"),
+        "no features": (lambda: tokamax.moe_dispatch(x[:, :0], ids, NUM_EXPERTS),
+                        "W >= 1"),
+        "no output columns": (lambda: tokamax.moe_combine(rows[:, :0], routing, weights),
+                              "with N >= 1"),
     }
 
 

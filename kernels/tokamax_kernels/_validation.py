@@ -29,6 +29,7 @@ def require_rank(name: str, value: Any, ranks: tuple[int, ...] | range, *, op: s
 
 
 def require_float(name: str, value: Any, *, op: str) -> None:
+    require_array(name, value, op=op)
     if jnp.dtype(value.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise ValueError(
             f"{op}: {name} must be a floating-point array (f16, bf16, f32, f64), got {value.dtype}"

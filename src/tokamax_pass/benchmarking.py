@@ -273,7 +273,9 @@ def _wallclock_times(compiled: Any, args: list[Any], iterations: int) -> list[fl
     return times
 
 
-def _check_method(method: str | None, platform: str) -> None:
+def check_method(method: str | None, platform: str) -> None:
+    """A `ValueError` unless `method` is one of `METHODS` (or None, the best available)
+    and can time kernels on `platform` (a jax backend name)."""
     if method is not None and method not in METHODS:
         raise ValueError(f"method must be one of {METHODS} or None, got {method!r}")
     if method == "cupti" and platform not in ("gpu", "cuda"):
@@ -307,7 +309,7 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
         """Times `iterations` runs after a warm-up; `method=None` picks the best available."""
         checks.require_int("benchmark", "iterations", iterations, minimum=1)
         platform = _platform(args)
-        _check_method(method, platform)
+        check_method(method, platform)
         if method is None:
             # The best timer that works here: CUPTI on GPUs, else the profiler, else wall clock.
             order = ("cupti", "profiler") if platform in ("gpu", "cuda") else ("profiler",)
@@ -343,5 +345,8 @@ def benchmark(f: Callable[..., Any], *args: Any, kwargs: dict[str, Any] | None =
               mode: Mode = "forward", method: str | None = None,
               iterations: int = DEFAULT_ITERATIONS) -> BenchmarkData:
     """`standardize_function` + `compile_benchmark` + one run."""
+    # The options first: `run` checks them too, but only after `f` is compiled.
+    checks.require_int("benchmark", "iterations", iterations, minimum=1)
+    check_method(method, _platform(jax.tree.leaves((args, kwargs))))
     f_std, arrays = standardize_function(f, *args, kwargs=kwargs, mode=mode)
     return compile_benchmark(f_std, arrays)(arrays, method=method, iterations=iterations)

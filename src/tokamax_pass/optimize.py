@@ -13,12 +13,14 @@ the same signature is exactly a `jax.jit` call.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
 
 from tokamax_pass.artifact import make_artifact
+from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.op import NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
@@ -220,10 +222,12 @@ def _as_results(results: Any) -> tuple[Any, ...]:
         return ()
     items = tuple(results) if isinstance(results, (list, tuple)) else (results,)
     for item in items:
-        if not (hasattr(item, "__enter__") and hasattr(item, "__exit__")):
+        if not isinstance(item, AutotuningResult):
+            hint = (" (read a saved one with tokamax_pass.AutotuningResult.load(path))"
+                    if isinstance(item, (str, os.PathLike)) else "")
             raise TypeError(
                 "optimize: results must be an AutotuningResult or a sequence of them, got "
-                f"{type(item).__name__}"
+                f"{type(item).__name__}{hint}"
             )
     return items
 

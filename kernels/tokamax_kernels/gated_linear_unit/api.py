@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu import PallasMosaicGpuGatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_mosaic_tpu import PallasMosaicTpuGatedLinearUnit
@@ -42,5 +45,24 @@ def gated_linear_unit(x: Any, weights: Any, *, group_sizes: Any = None,
     here: see `tokamax_pass.core.resolution`), a name
     from `FAMILY.implementations`, an `Op` instance, or a sequence of those.
     """
+    if activation is not None:
+        _check_no_traced_closure(activation)
     return FAMILY(implementation, x, weights, group_sizes=group_sizes, activation=activation,
                   precision=precision)
+
+
+def _check_no_traced_closure(activation: Callable[[Any], Any]) -> None:
+    """`ValueError` for an activation that closes over a traced value (a learnable
+    parameter of the enclosing `jit` or `grad`): the activation is a static part of the op
+    call, so such a value failed at lowering, deep in JAX ("No constant handler for
+    type ... Tracer"). Other faults of the activation are `bind`'s to name."""
+    try:
+        closed = jax.make_jaxpr(activation)(jax.ShapeDtypeStruct((1,), jnp.float32))
+    except Exception:  # noqa: BLE001 - `bind` checks what the activation does
+        return
+    if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+        raise ValueError(
+            "gated_linear_unit: activation closes over a traced value (an argument of the "
+            "enclosing jit or grad, such as a learnable beta); the activation is a fixed "
+            "function of the gate: close over constants only, or write a learnable one "
+            "out, as activation(x @ w_gate, beta) * (x @ w_up)")

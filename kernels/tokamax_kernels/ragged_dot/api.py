@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from tokamax_kernels.ragged_dot.base import RaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
@@ -33,5 +35,21 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
     TPU), an `Op` instance, or a sequence of those.
     """
+    _check_output_kind(lhs, preferred_element_type)
     return FAMILY(implementation, lhs, rhs, group_sizes, precision=precision,
                   preferred_element_type=preferred_element_type)
+
+
+def _check_output_kind(lhs: Any, preferred_element_type: Any) -> None:
+    """`ValueError` for an output dtype of another kind than float operands (int8, bool,
+    complex): `jax.lax.ragged_dot` truncated the products to it silently. Unreadable
+    dtypes and other operands are `bind`'s to name."""
+    try:
+        wanted, operands = jnp.dtype(preferred_element_type), jnp.dtype(lhs.dtype)
+    except (TypeError, AttributeError):
+        return
+    if (preferred_element_type is not None and jnp.issubdtype(operands, jnp.floating)
+            and not jnp.issubdtype(wanted, jnp.floating)):
+        raise ValueError(
+            f"ragged_dot: preferred_element_type must be a floating dtype for {operands} "
+            f"operands (the products would be cast to it), got {wanted}")

@@ -74,6 +74,11 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int
     for name, array in (("x", x), ("expert_ids", expert_ids)):
         _require_tokens_unsharded(_DISPATCH, name, array)
     tokens_shape, top_k = tuple(x.shape[:-1]), int(expert_ids.shape[-1])
+    if top_k == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{_DISPATCH}: each token must choose at least one expert and have "
+                         f"features: expert_ids (..., top_k) with top_k >= 1 and x (..., W) "
+                         f"with W >= 1; got expert_ids {tuple(expert_ids.shape)}, x "
+                         f"{tuple(x.shape)}")
     copies = math.prod(tokens_shape) * top_k
     if copies >= 2**31:
         raise ValueError(f"{_DISPATCH}: {copies} token copies (tokens x top_k) do not fit "
@@ -105,9 +110,9 @@ def moe_combine(expert_out: jax.Array, routing: MoeRouting, weights: jax.Array
     v.require_rank("expert_out", expert_out, (2,), op=_COMBINE)
     v.require_float("expert_out", expert_out, op=_COMBINE)
     copies = routing.order.shape[0]
-    if expert_out.shape[0] != copies:
+    if expert_out.shape[0] != copies or expert_out.shape[1] == 0:
         raise ValueError(f"{_COMBINE}: expert_out must have one row per token copy "
-                         f"({copies}, N), in moe_dispatch's order; got shape "
+                         f"({copies}, N) with N >= 1, in moe_dispatch's order; got shape "
                          f"{tuple(expert_out.shape)}")
     v.require_float("weights", weights, op=_COMBINE)
     expected = routing.tokens_shape + (routing.top_k,)

@@ -133,6 +133,10 @@ def _check_options(f: Any, *, ignore_cache: Any, all_implementations: Any, timeo
                        allow_none=True)
     checks.require_int("autotune", "iterations", iterations, minimum=1)
     checks.require_choice("autotune", "method", method, (None, *benchmarking.METHODS))
+    try:  # before compiling: every timing would fail, and autotune keeps failures
+        benchmarking.check_method(method, jax.default_backend())
+    except ValueError as e:
+        raise ValueError(f"autotune: {e}") from None
     checks.require_int("autotune", "max_configs", max_configs, minimum=1, allow_none=True)
 
 

@@ -26,7 +26,7 @@ from jax.extend.core import Primitive, subjaxprs
 from jax.interpreters import ad, batching, mlir
 
 from tokamax_pass.core import device, resolution, sharding, spec
-from tokamax_pass.core.op import HOOKS, BoundArguments, Op, VmapLevel
+from tokamax_pass.core.op import HOOKS, BoundArguments, Op, VmapLevel, family_class
 from tokamax_pass.core.vjp import (
     RESERVED_NAMES,
     VjpOp,
@@ -428,13 +428,29 @@ def _check_op_fields(op: Op) -> None:
             f"{type(op).__name__}: config must be a {op.config_cls.__name__} or None (None "
             f"resolves one), got {config!r}")
     vjp = op.vjp
-    if vjp is not None and not isinstance(vjp, VjpOp):
-        try:
-            example = f"{type(op.replace(vjp=None).vjp_op()).__name__}()"
-        except Exception:  # noqa: BLE001 - only the message's example
-            example = "a VjpOp subclass"
+    if vjp is None:
+        return
+    try:
+        example = f"{type(op.replace(vjp=None).vjp_op()).__name__}()"
+    except Exception:  # noqa: BLE001 - only the message's example
+        example = "a VjpOp subclass"
+    if not isinstance(vjp, VjpOp):
         raise TypeError(f"{type(op).__name__}: vjp must be a VJP op (e.g. {example}) or "
                         f"None (the default), got {type(vjp).__name__}")
+    differentiates = _differentiated_family(vjp)
+    if differentiates is not None and differentiates is not family_class(type(op)):
+        raise TypeError(
+            f"{type(op).__name__}: vjp={type(vjp).__name__}() is the gradient of another "
+            f"family ({differentiates.__name__}); pass a VJP op of "
+            f"{family_class(type(op)).__name__} (e.g. {example}) or None (the default)")
+
+
+def _differentiated_family(vjp: Any) -> type[Op] | None:
+    """The op family whose gradient `vjp` computes, where it says (None: any)."""
+    forward = type(vjp).forward_family
+    if forward is None and isinstance(getattr(vjp, "forward", None), Op):
+        forward = type(vjp.forward)
+    return None if forward is None else family_class(forward)
 
 
 def _require_values(ba: BoundArguments) -> None:

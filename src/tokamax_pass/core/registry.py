@@ -61,6 +61,10 @@ class Family:
             if isinstance(item, Op):
                 self._check_own_op(item)
                 ops.append(item)
+            elif not isinstance(item, str):  # a nested list is unhashable: `in` raised
+                raise TypeError(
+                    f"{self.name}: implementation must be None, a name, an Op instance of "
+                    f"the family or a flat sequence of those; the sequence holds {item!r}")
             elif item in self.implementations:
                 ops.append(self.implementations[item]())
             elif item in self.aliases:
