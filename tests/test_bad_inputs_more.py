@@ -152,6 +152,47 @@ def test_vmapped_ragged_dot_with_narrow_group_sizes():
     np.testing.assert_allclose(out, expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("grouped_glu", [False, True])
+def test_vmapped_group_sizes_past_an_entrys_rows_leave_the_others_alone(grouped_glu):
+    """Under `jax.vmap` the sizes are traced, so `bind` cannot reject an entry summing past
+    its rows; folded into one ragged dot, its excess shifted the next entry's groups and
+    silently changed a valid entry's output (and gradient). Each entry now gets what the
+    unbatched call gives (rows past its rows belong to no group, as in
+    `jax.lax.ragged_dot`)."""
+    keys = jax.random.split(jax.random.key(3), 4)
+    lhs = jax.random.normal(keys[0], (3, 6, 4))
+    sizes = jnp.array([[4, 4], [1, 2], [-2, 3]], jnp.int32)  # 8 > 6 rows; valid; negative
+    cotangent = jax.random.normal(keys[1], (3, 6, 5))
+    if grouped_glu:
+        weights = jax.random.normal(keys[2], (2, 4, 2, 5))
+
+        def call(x, g, dot):
+            gate, up = dot(x, weights[:, :, 0], g), dot(x, weights[:, :, 1], g)
+            return jax.nn.swish(gate) * up
+
+        def ours(x, g):
+            return tokamax.gated_linear_unit(x, weights, group_sizes=g, implementation="xla")
+    else:
+        weights = jax.random.normal(keys[2], (2, 4, 5))
+
+        def call(x, g, dot):
+            return dot(x, weights, g)
+
+        def ours(x, g):
+            return tokamax.ragged_dot(x, weights, g, implementation="xla")
+
+    def dot(x, w, g):
+        return jax.lax.ragged_dot(x, w, g, precision="highest")
+
+    entries = list(zip(lhs, sizes, cotangent, strict=True))
+    expected = jnp.stack([call(x, g, dot) for x, g, _ in entries])
+    np.testing.assert_allclose(jax.vmap(ours)(lhs, sizes), expected, rtol=1e-5, atol=1e-5)
+    grads = jax.grad(lambda x: jnp.sum(jax.vmap(ours)(x, sizes) * cotangent))(lhs)
+    expected = jnp.stack([jax.grad(lambda x, g=g, ct=ct: jnp.sum(call(x, g, dot) * ct))(x)
+                          for x, g, ct in entries])
+    np.testing.assert_allclose(grads, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_mosaic_gpu_key_lengths_of_a_narrow_dtype_are_not_cut():
     """The Mosaic GPU attention clipped int8 key lengths to the key length in int8: 300
     wrapped to 44, so a length of 100 became 44 (keys silently dropped)."""

@@ -113,7 +113,13 @@ def xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any) ->
         b, m = lhs.shape[:2]
         if jnp.iinfo(group_sizes.dtype).max < b * m:  # `bind` checked m rows, not b * m
             group_sizes = group_sizes.astype(jnp.int32)
-        pad = (m - group_sizes.sum(axis=1, keepdims=True)).astype(group_sizes.dtype)
+        # Each entry's group ends, clipped to its own rows: sizes summing past them (or
+        # negative, unchecked once traced) would otherwise shift every later entry's
+        # groups. Clipped, an entry's groups past its rows are empty, as unbatched.
+        ends = jax.lax.cummax(jnp.clip(jnp.cumsum(group_sizes.astype(jnp.int32), axis=1),
+                                       0, m), axis=1)
+        group_sizes = jnp.diff(ends, axis=1, prepend=0).astype(group_sizes.dtype)
+        pad = (m - ends[:, -1:]).astype(group_sizes.dtype)
         sizes = jnp.concatenate([group_sizes, pad], axis=1).reshape(-1)
         lhs = lhs.reshape(b * m, -1)
         if variant == "drhs":
