@@ -28,8 +28,11 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
     """Grouped matmul: rows of `lhs` (M, K) in consecutive groups times `rhs[g]` (G, K, N).
 
     Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M);
-    rows past the sum give zeros, as in `jax.lax.ragged_dot`. The gradients are
-    ragged dots of their own, tuned separately.
+    rows past the sum give zeros, as in `jax.lax.ragged_dot`. Concrete sizes are checked
+    (each >= 0, summing to at most M); traced ones cannot be, and behave as in
+    `jax.lax.ragged_dot`: groups end at row M (under `jax.vmap`, per batch entry, the
+    other entries unaffected). The gradients are ragged dots of their own, tuned
+    separately.
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
     here: see `tokamax_pass.core.resolution`), a name
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
