@@ -276,6 +276,24 @@ def test_get_bound_args_accepts_callables_lowered_and_text():
     assert len(tokamax.autotuning.get_bound_args(jax.jit(jax.grad(f)), x, w)) == 2
 
 
+def test_an_op_call_that_cannot_be_read_back_is_skipped_with_a_warning():
+    """A GLU with a lambda activation cannot be keyed in a cache: it used to stop the
+    whole autotune; now the program's other calls are found, and alone it still raises."""
+    x, w = _inputs()
+    glu_w = jnp.ones((K, 2, 4), jnp.float32)
+
+    def f(x, w):
+        y = tokamax.gated_linear_unit(x, glu_w, activation=lambda g: g * 2.0)
+        return jnp.sum(chunked_matmul(y, w[:4], implementation="xla_chunked"))
+
+    with pytest.warns(UserWarning, match="skipping a GatedLinearUnit call.*module-level"):
+        found = tokamax.autotuning.get_bound_args(f, x, w)
+    assert [type(b.op).__name__ for b in found] == ["XlaChunkedMatmul"]
+    with pytest.raises(spec.SpecError, match="module-level function"):
+        tokamax.autotuning.get_bound_args(
+            lambda x: tokamax.gated_linear_unit(x, glu_w, activation=lambda g: g), x)
+
+
 def test_get_bound_args_builds_no_kernel_and_leaves_the_programs_it_lowered_whole(
         monkeypatch):
     """A callable's op calls are found without building their kernels (`specs_only`):

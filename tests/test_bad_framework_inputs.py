@@ -358,6 +358,9 @@ def _untraceable(x):
      "iterations must be an int >= 1"),
     (lambda: benchmarking.benchmark(_untraceable, X, method="cupti"), ValueError,
      "method='cupti' times NVIDIA GPU kernels"),
+    # A key's shape: "Cannot interpret 'key<fry>' as a data type" from NumPy.
+    (lambda: benchmarking.benchmark(lambda k, x: x, jax.eval_shape(lambda: jax.random.key(0)),
+                                    X), ValueError, "argument 0 is a jax.ShapeDtypeStruct of PRNG"),
 ])
 def test_benchmarking_bad_arguments(call, error, match):
     with pytest.raises(error, match=match):

@@ -67,6 +67,13 @@ def test_abstract_inputs_become_random_normal_and_statics_are_baked_in():
     assert isinstance(args[0], jax.ShapeDtypeStruct)
 
 
+def test_random_array_takes_a_key_or_an_int_seed():
+    from_seed = benchmarking.random_array(3, (128,), jnp.bfloat16)
+    from_key = benchmarking.random_array(jax.random.key(3), (128,), jnp.bfloat16)
+    assert from_seed.dtype == jnp.bfloat16 and bool(jnp.all(from_seed == from_key))
+    assert float(jnp.std(from_seed.astype(jnp.float32))) > 0.5
+
+
 def test_vjp_modes_compute_gradients():
     x, scale = _inputs()
     f_std, args = benchmarking.standardize_function(_loss, x, scale, mode="forward_and_vjp")

@@ -59,8 +59,11 @@ class BenchmarkData:
         return min(self.evaluation_times_ms)
 
 
-def random_array(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """A random array: normal floats, ints in [0, 128), fair bools (never all zeros)."""
+def random_array(key: jax.Array | int, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """A random array: normal floats, ints in [0, 128), fair bools (never all zeros).
+    `key`: a `jax.random.key`, or an int seed."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        key = jax.random.key(key)
     dtype = jnp.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.inexact):
         return jax.random.normal(key, shape, jnp.float32).astype(dtype)
@@ -77,8 +80,14 @@ _Slot = tuple[int, tuple[int, ...], str]
 
 
 def _abstract_slots(arrays: Sequence[Any]) -> tuple[_Slot, ...]:
-    return tuple((i, tuple(a.shape), jnp.dtype(a.dtype).name)
-                 for i, a in enumerate(arrays) if isinstance(a, jax.ShapeDtypeStruct))
+    slots = tuple((i, a) for i, a in enumerate(arrays) if isinstance(a, jax.ShapeDtypeStruct))
+    for i, a in slots:
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            raise ValueError(
+                f"standardize_function: array argument {i} is a jax.ShapeDtypeStruct of PRNG "
+                f"keys ({a.dtype}); random inputs are made for numbers only: pass real keys "
+                f"(jax.random.split(jax.random.key(0), n))")
+    return tuple((i, tuple(a.shape), jnp.dtype(a.dtype).name) for i, a in slots)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -19,6 +19,7 @@ import json
 import os
 import pathlib
 import re
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import IO, Any
 
@@ -69,7 +70,30 @@ def dedupe(bound: Iterable[BoundArguments]) -> list[BoundArguments]:
 
 
 def bound_args_from_specs(specs: Iterable[str]) -> list[BoundArguments]:
-    return dedupe(BoundArguments.from_json(s) for s in specs)
+    """The op calls the specs name. A spec that cannot be read back (a GLU activation
+    given as a lambda or a local function is not importable by name) is skipped with a
+    warning naming it, so the program's other calls are still found and tuned; if no
+    spec can be read, its error is raised."""
+    found, unreadable = [], []
+    for text in specs:
+        try:
+            found.append(BoundArguments.from_json(text))
+        except spec.SpecError as e:
+            unreadable.append((_op_name(text), e))
+    if unreadable and not found:
+        raise unreadable[0][1]
+    for name, error in unreadable:
+        warnings.warn(f"skipping a {name} call, which cannot be tuned: {error}", UserWarning,
+                      stacklevel=2)
+    return dedupe(found)
+
+
+def _op_name(text: str) -> str:
+    """The op class a spec names (for messages), or "op" where it cannot be read."""
+    try:
+        return json.loads(text)["op"]["dataclass"].rpartition(".")[2]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "op"
 
 
 def _program_specs(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[str]:
