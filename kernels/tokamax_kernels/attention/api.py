@@ -55,7 +55,8 @@ def dot_product_attention(
       scale: logits scale, default 1/sqrt(head_dim).
       is_causal: key position <= query position (top-left aligned).
       query_seq_lengths, key_value_seq_lengths: int, shape `batch` (`(1,)` or `()` without
-        a batch axis): valid lengths.
+        a batch axis): valid lengths. Concrete ones must be >= 0 (a ValueError); traced
+        ones (under `jit` or `vmap`) cannot be checked, and a negative one counts as 0.
       local_window_size: `w` or `(left, right)`: query i sees keys i-left .. i+right.
       logits_soft_cap: `cap * tanh(logits / cap)` before masking.
       precision: matmul precision (`jax.lax.Precision` or its name).
