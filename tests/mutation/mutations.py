@@ -339,6 +339,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_mosaic_attention_gqa_block.py::test_dkv_matches_the_per_query_head_kernel",),
     ),
     Mutation(
+        "the two-kernel backward's dk/dv kernel multiplies dO by dS^T instead of P^T for dv",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_bwd_kernels.py",
+        "def dv_and_dk(refs):\n                        dv_product(refs[0], p16_t)",
+        "def dv_and_dk(refs):\n                        dv_product(refs[0], ds16_t)",
+        ("tests/test_mosaic_attention_gqa_block.py::test_interpreted_backward_matches_reference",),
+    ),
+    Mutation(
         "the overlapped attention forward skips rescaling the accumulator by the new max",
         "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
         "acc_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])",
