@@ -125,13 +125,99 @@ def test_kernels_report_bad_arguments_before_the_platform(error, match, call, im
 
 
 def test_static_numbers_accept_numpy_and_concrete_scalars():
-    """What users pass for a number: NumPy scalars and concrete 0-d arrays still work."""
+    """What users pass for a number: NumPy scalars and concrete 0-d arrays still work.
+    An attention `scale` of them was rejected ("must be a finite Python number"), though
+    `jax.nn.dot_product_attention` takes `scale=1 / jnp.sqrt(head_dim)`."""
     expected = tokamax.layer_norm(X, None, None, epsilon=1e-5)
     for epsilon in (np.float32(1e-5), jnp.float32(1e-5), 1e-5):
         np.testing.assert_allclose(tokamax.layer_norm(X, None, None, epsilon=epsilon), expected)
+    q = jax.random.normal(jax.random.key(0), Q.shape)
+    expected = tokamax.dot_product_attention(q, KV, KV, scale=0.125)
+    for scale in (np.float32(0.125), 1 / jnp.sqrt(64.0)):
+        np.testing.assert_allclose(tokamax.dot_product_attention(q, KV, KV, scale=scale),
+                                   expected)
     tokamax.dot_product_attention(Q, KV, KV, logits_soft_cap=np.float32(30.0),
                                   is_causal=np.bool_(True))
     tokamax.gated_linear_unit(X, W, activation=lambda a: a.astype(jnp.int32))
+
+
+def _jitted(function, *args, **statics):
+    """`jax.jit(function)(*args, **statics)`: jit traces keyword arguments too, so each
+    static option arrives as a tracer although the user passed a Python value."""
+    return lambda implementation: jax.jit(function, static_argnames="implementation")(
+        *args, **statics, implementation=implementation)
+
+
+KEYS = jax.random.split(jax.random.key(0), 8)  # PRNG keys where floats belong: a mix-up
+
+
+# A third audit: each crashed deep (a segmentation fault; JAX's "Cannot interpret
+# 'key<fry>' as a data type") or named the argument with a message that misled ("is_causal
+# must be True or False" for `is_causal=True` traced by an enclosing jit).
+THIRD_AUDIT = [
+    (ValueError, "is_causal is a static argument",
+     _jitted(tokamax.dot_product_attention, Q, KV, KV, is_causal=True)),
+    (ValueError, "scale is a static argument",
+     _jitted(tokamax.dot_product_attention, Q, KV, KV, scale=0.125)),
+    (ValueError, "local_window_size is a static argument",
+     _jitted(tokamax.dot_product_attention, Q, KV, KV, local_window_size=(4, 0))),
+    (ValueError, "return_residual is a static argument",
+     _jitted(tokamax.dot_product_attention, Q, KV, KV, return_residual=True)),
+    (ValueError, "axis is a static argument .*static_argnames",
+     _jitted(tokamax.layer_norm, X, None, None, axis=-1)),
+    (ValueError, "subtract_mean is a static argument",
+     _jitted(tokamax.layer_norm, X, None, None, subtract_mean=False)),
+    # A NumPy ufunc: "cannot create weak reference to 'numpy.ufunc' object" the first
+    # time, a segmentation fault inside jax.jit the next.
+    (ValueError, "activation must be a function JAX can trace", _glu(activation=np.tanh)),
+    (ValueError, "x must be a floating-point array .*got key<fry>",
+     lambda implementation: tokamax.layer_norm(KEYS, None, None,
+                                               implementation=implementation)),
+    (ValueError, "bias must be a floating-point array .*got key<fry>",
+     _attention(bias=KEYS[:1].reshape(1, 1, 1, 1))),
+    (ValueError, "weights must be a floating-point array .*got key<fry>",
+     lambda implementation: tokamax.gated_linear_unit(
+         X, jax.random.split(jax.random.key(0), W.shape), implementation=implementation)),
+]
+
+
+@pytest.mark.parametrize("implementation", [None, "xla", "triton", "mosaic"])
+@pytest.mark.parametrize("error,match,call", THIRD_AUDIT,
+                         ids=[f"{i}-{m.split()[0]}" for i, (_, m, _) in enumerate(THIRD_AUDIT)])
+def test_third_audit_names_the_argument(error, match, call, implementation):
+    """Kernels too: the family's `bind` (or the public function) reports it, not the
+    platform."""
+    with pytest.raises(error, match=match):
+        call(implementation)
+
+
+def test_static_argnames_is_the_fix_the_message_gives():
+    """What the traced-static message tells the user to do works."""
+    out = jax.jit(tokamax.dot_product_attention, static_argnames=("is_causal",))(
+        Q, KV, KV, is_causal=True)
+    np.testing.assert_allclose(out, tokamax.dot_product_attention(Q, KV, KV, is_causal=True))
+
+
+def test_numpy_float64_arrays_are_the_float32_jax_takes_them_as():
+    """NumPy's default float64 is float32 to JAX without x64; the checks saw two dtypes
+    where a NumPy array met a JAX one or a `jax.grad` tracer of one ("query, key and value
+    must share a dtype, got float32, float64, float64" for three NumPy arrays)."""
+    rng = np.random.default_rng(0)
+    q, kv = rng.standard_normal((2, 8, 4, 16)), rng.standard_normal((2, 8, 2, 16))
+    grad = jax.grad(lambda q: tokamax.dot_product_attention(q, kv, kv).sum())(q)
+    expected = jax.grad(lambda q: jax.nn.dot_product_attention(q, kv, kv).sum())(
+        jnp.asarray(q))
+    np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
+    x = rng.standard_normal((8, 32))
+    y, s = tokamax.layer_norm(x, None, None, residual=X)
+    np.testing.assert_allclose(s, x + X, rtol=1e-6)
+    assert y.dtype == jnp.float32
+    loss = tokamax.linear_softmax_cross_entropy_loss(x, LABELS, LCE_W)
+    np.testing.assert_allclose(loss, tokamax.linear_softmax_cross_entropy_loss(
+        jnp.asarray(x), LABELS, LCE_W))
+    weights = rng.standard_normal((2, 32, 2, 8))
+    out = tokamax.gated_linear_unit(X, weights, group_sizes=jnp.array([4, 4], jnp.int32))
+    assert out.shape == (8, 8) and out.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("implementation,match", [

@@ -1,9 +1,15 @@
 """A second hardening audit of the ops' bad input (see `tests/test_bad_inputs.py`): each
 row crashed deep inside JAX or the op (an `AttributeError`, an `OverflowError`, JAX's
 "not a valid JAX type"), or returned a silently wrong result, before the fix it names.
+
+The last section does the same for the library layer (autotuning results and the user
+cache, `bound_args_to_json`, export, benchmarking, the command line); the earlier audit
+of it is `tests/test_bad_framework_inputs.py`.
 """
 
 from __future__ import annotations
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +17,12 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from tokamax_pass.autotuning import discovery
+from tokamax_pass import benchmarking
+from tokamax_pass.autotuning import cache as cache_lib
+from tokamax_pass.autotuning import discovery, keys
+from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.cli import main
+from tokamax_pass.core.spec import SpecError
 
 Q = jnp.ones((2, 16, 4, 32))
 KV = jnp.ones((2, 16, 2, 32))
@@ -216,3 +227,113 @@ def test_what_stays_accepted():
     assert discovery.get_bound_args("HloModule m\n") == []
     tokamax.linear_softmax_cross_entropy_loss(X, LABELS, LCE_W, reduction=np.str_("mean"))
     tokamax.ragged_dot(jnp.ones((127, 4)), jnp.ones((2, 4, 4)), jnp.array([100, 27], jnp.int8))
+
+
+# --- the library layer (autotuning results, export, benchmarking, the command line) ------
+
+def _untraceable(*args):
+    raise AssertionError("traced before its arguments were checked")
+
+
+def _result_json(edit):
+    """A one-entry `AutotuningResult` document (an `xla_chunked` attention call), edited."""
+    ba = keys.canonical(tokamax.XlaChunkedDotProductAttention().bind(_sds(Q), _sds(KV), _sds(KV)))
+    config = tokamax.XlaChunkedDotProductAttention.config_cls(chunk_q=8, chunk_k=8)
+    entry = Entry(ba, {config: Measurement((1.0,))}, keys.provenance(ba.op))
+    document = json.loads(tokamax.AutotuningResult("cpu", [entry]).dumps())
+    edit(document["entries"][0]["configs"][0])
+    return json.dumps(document)
+
+
+# A config its class rejects (ValueError from its checks), a `null` config (AttributeError
+# in the kernel when applied), times that are a string (read digit by digit, silently).
+BAD_RESULT_CONFIGS = [
+    (lambda c: c["config"].update(chunk_q=0), r"entry 0: config .* was rejected: "
+                                              r"XlaChunkedConfig: chunk_q must be a positive"),
+    (lambda c: c.update(config=None), "entry 0: XlaChunkedConfig must be a JSON object"),
+    (lambda c: c.update(evaluation_times_ms="12"),
+     "entry 0: 'evaluation_times_ms' must be a list of numbers, got '12'"),
+]
+
+
+@pytest.mark.parametrize("edit,match", BAD_RESULT_CONFIGS)
+def test_a_result_with_a_bad_config_is_a_spec_error(edit, match):
+    with pytest.raises(SpecError, match=match):
+        tokamax.AutotuningResult.loads(_result_json(edit))
+
+
+def test_a_user_cache_with_a_bad_config_is_reported_and_skipped(tmp_path, monkeypatch):
+    """The cache reader skips a corrupt file (`SpecError`): a config its class rejected
+    raised a bare `ValueError`, which crashed every op call, of any op."""
+    monkeypatch.setenv(cache_lib.ENV_CACHE_DIR, str(tmp_path))
+    cache_lib._USER.invalidate()
+    path = cache_lib.cache_file(tokamax.core.current_target().device_kind)
+    path.write_text(_result_json(BAD_RESULT_CONFIGS[0][0]))
+    with pytest.warns(UserWarning, match="ignoring the user autotuning cache.*was rejected"):
+        tokamax.layer_norm(X, None, None)
+    cache_lib._USER.invalidate()
+
+
+LIBRARY_BAD = [
+    # `f`'s first argument taken for the path: "loss() missing 1 required positional
+    # argument", from tracing `f` without it.
+    (TypeError, "bound_args_to_json: path must be None, a path or a writable file, got "
+                "ArrayImpl; f's arguments follow it",
+     lambda tmp: discovery.bound_args_to_json(_untraceable, X)),
+    # An unwritable path failed only after `f` was traced, in pathlib.
+    (FileNotFoundError, "bound_args_to_json: cannot write path .* does not exist",
+     lambda tmp: discovery.bound_args_to_json(_untraceable, tmp / "no" / "calls.json", X)),
+    # A platform's name read as a cuda device kind: the artifact was built, for a cuda
+    # device named "cpu", with heuristic configs.
+    (ValueError, "export: device_kind must name a device model .* got the platform 'cpu'",
+     lambda tmp: tokamax.export(_untraceable, X, device_kind="cpu")),
+    (ValueError, "got the platform 'gpu'",
+     lambda tmp: tokamax.export(_untraceable, X, device_kind=["gpu"])),
+    # An empty device kind was taken for none (while "," was an error).
+    (ValueError, "device_kind must name a device kind",
+     lambda tmp: tokamax.export(_untraceable, X, device_kind="")),
+    # A string flag read as true: the checks ran for `check="no"`.
+    (TypeError, "load_artifact: check must be True or False, got 'no'",
+     lambda tmp: tokamax.load_artifact(tmp, check="no")),
+    # `standardize_function(..., seed=None)` keeps inputs abstract: "Argument of type
+    # ShapeDtypeStruct is not a valid JAX type" from inside the executable's call.
+    (ValueError, r"benchmark: args\[0\] is a jax.ShapeDtypeStruct; .*random_initialize",
+     lambda tmp: benchmarking.compile_benchmark(*benchmarking.standardize_function(
+         jnp.sum, _sds(X), seed=None))([_sds(X)], method="wallclock")),
+]
+
+
+@pytest.mark.parametrize("error,match,call", LIBRARY_BAD,
+                         ids=[m.split(":")[0].split()[0] + f"-{i}"
+                              for i, (_, m, _) in enumerate(LIBRARY_BAD)])
+def test_library_bad_input_names_the_argument(tmp_path, error, match, call):
+    with pytest.raises(error, match=match):
+        call(tmp_path)
+
+
+@pytest.mark.parametrize("jit_kwargs", [{"static_argnums": 1}, {"static_argnums": -1},
+                                        {"static_argnames": "mode"}])
+def test_a_static_str_argument_given_by_position(jit_kwargs):
+    """Export reads str arguments as array specs ('bf16[8,32]'): a static str failed with
+    "'sum' is not an array spec". And `optimize` gave `jax.jit` `static_argnums=()` beside
+    `static_argnames`, so jit did not find the position the name has: the call failed in
+    JAX ("Error interpreting argument ... as an abstract array"), as `jax.jit` does not."""
+
+    def f(x, mode):
+        return getattr(tokamax.layer_norm(x, None, None), mode)()
+
+    optimized = tokamax.optimize(f, **jit_kwargs)
+    assert float(optimized(X, "sum")) == float(jax.jit(f, **jit_kwargs)(X, "sum"))
+    assert optimized.export(X, "sum").manifest["in_specs"] == ["f32[8,32]"]
+
+
+def test_cli_checks_the_library_cache_directory_before_tuning(tmp_path, monkeypatch):
+    """`--write-library-cache` under a file failed after tuning, the result lost (unless
+    -o was given); `json:loads` fails when traced, so the check comes first."""
+    monkeypatch.delenv("TOKAMAX_PASS_TRACEBACK", raising=False)
+    (tmp_path / "file").write_text("x")
+    argv = ["autotune", "json:loads", "--args", "f32[8]", "--write-library-cache",
+            str(tmp_path / "file" / "lib")]
+    with pytest.raises(SystemExit, match="NotADirectoryError: autotune: "
+                                         "--write-library-cache .* is a file"):
+        main(argv)

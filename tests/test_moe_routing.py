@@ -102,6 +102,23 @@ def test_dispatch_sorts_copies_stably_and_counts_the_kept_ones():
     assert group_sizes.dtype == jnp.int32
 
 
+@pytest.mark.parametrize("dtype, num_experts", [(jnp.uint8, 256), (jnp.int8, 300),
+                                                 (jnp.uint8, 200), (jnp.int16, 40000)])
+def test_narrow_expert_ids_route_as_int32_ones(dtype, num_experts):
+    """Ids whose dtype cannot hold `num_experts` (uint8 ids, 256 experts) compared with
+    `num_experts` wrapped (to 0): every copy was dropped or sent to expert 0, silently."""
+    rng = np.random.default_rng(3)
+    high = min(num_experts, int(jnp.iinfo(dtype).max) + 1)
+    ids = rng.integers(0, high, size=(2, 11, 3))
+    if jnp.iinfo(dtype).min < 0:
+        ids[rng.random(ids.shape) < 0.2] = -1  # dropped copies stay dropped
+    x = random_normal(4, (2, 11, 8))
+    want = tokamax.moe_dispatch(x, jnp.asarray(ids, jnp.int32), num_experts)
+    got = tokamax.moe_dispatch(x, jnp.asarray(ids, dtype), num_experts)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_gradients_are_gathers_and_equal_the_plain_expression():
     """The point of the functions: no floating scatter-add in the gradient program, and the same
     values as autodiff of the plain expression (`x[order // k]`, `.at[order].set`)."""

@@ -19,6 +19,20 @@ def require_array(name: str, value: Any, *, op: str) -> None:
         raise ValueError(f"{op}: {name} must be an array, got {type(value).__name__}")
 
 
+def numpy_floats_as_jax(tree: Any) -> Any:
+    """`tree` with its NumPy floating arrays as JAX arrays of the dtype JAX computes them in
+    (float32 for NumPy's default float64 without x64), so the checks compare the dtypes JAX
+    uses: a NumPy float64 array beside a JAX float32 one, or beside a `jax.grad` tracer of
+    another NumPy array, was a mismatch ("query, key and value must share a dtype, got
+    float32, float64, float64" for three NumPy arrays)."""
+    def canonical(x: Any) -> Any:
+        if isinstance(x, np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.asarray(x)
+        return x
+
+    return jax.tree.map(canonical, tree)
+
+
 def require_rank(name: str, value: Any, ranks: tuple[int, ...] | range, *, op: str) -> None:
     require_array(name, value, op=op)
     if value.ndim not in ranks:
@@ -30,7 +44,9 @@ def require_rank(name: str, value: Any, ranks: tuple[int, ...] | range, *, op: s
 
 def require_float(name: str, value: Any, *, op: str) -> None:
     require_array(name, value, op=op)
-    if jnp.dtype(value.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+    # `value.dtype` as it is: `jnp.dtype` of a PRNG key array's dtype raised a TypeError
+    # ("Cannot interpret 'key<fry>' as a data type") that did not name the argument.
+    if value.dtype not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
         raise ValueError(
             f"{op}: {name} must be a floating-point array (f16, bf16, f32, f64), got {value.dtype}"
         )
@@ -43,7 +59,20 @@ def require_shape(name: str, value: Any, shape: tuple[int, ...], *, op: str, why
         )
 
 
+def reject_traced(name: str, value: Any, *, op: str) -> None:
+    """`ValueError` for a static argument (one that chooses the program: a flag, an axis,
+    a number) holding a traced value, saying how to keep it static: `jax.jit(op)(...,
+    is_causal=True)` traces keyword arguments too, and the checks of the value itself said
+    that `True` "must be True or False"."""
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(value)):
+        raise ValueError(
+            f"{op}: {name} is a static argument and cannot be a traced value, got {value!r}: "
+            f"pass a Python value, not a jit argument (jax.jit traces keyword arguments too: "
+            f"list {name!r} in static_argnames, or bind it with functools.partial)")
+
+
 def canonical_axis(axis: int, ndim: int, *, op: str, name: str = "axis") -> int:
+    reject_traced(name, axis, op=op)
     if isinstance(axis, np.integer):
         axis = int(axis)
     if not isinstance(axis, int) or isinstance(axis, bool):
@@ -54,34 +83,37 @@ def canonical_axis(axis: int, ndim: int, *, op: str, name: str = "axis") -> int:
 
 
 def require_bool(name: str, value: Any, *, op: str) -> bool:
-    """`value` as a Python bool; `TypeError` for anything else (`bool("no")` is True, and a
-    traced flag cannot choose the program)."""
+    """`value` as a Python bool; `ValueError` for a traced one (`reject_traced`),
+    `TypeError` for anything else (`bool("no")` is True)."""
+    reject_traced(name, value, op=op)
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{op}: {name} must be True or False, got {value!r}")
     return bool(value)
 
 
-def static_number(name: str, value: Any, *, op: str, minimum: float,
-                  inclusive: bool) -> float:
-    """`value` as a finite Python float above `minimum` (or equal, if `inclusive`).
+def static_number(name: str, value: Any, *, op: str, minimum: float | None,
+                  inclusive: bool = False) -> float:
+    """`value` as a finite Python float above `minimum` (or equal, if `inclusive`; any
+    finite number if `minimum` is `None`).
 
     A static argument: a Python or NumPy number, or a concrete scalar array; a traced
-    value cannot choose the program, and NaN or infinity would silently give NaN or
-    degenerate outputs.
+    value cannot choose the program (`reject_traced`), and NaN or infinity would silently
+    give NaN or degenerate outputs.
     """
-    if isinstance(value, jax.core.Tracer):
-        raise ValueError(f"{op}: {name} is a static argument and cannot be a traced value "
-                         f"(pass a Python number, not a jit argument), got {value!r}")
+    reject_traced(name, value, op=op)
     real = isinstance(value, (int, float, np.integer, np.floating)) or (
         isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0
         and jnp.issubdtype(value.dtype, jnp.floating))
     if isinstance(value, (bool, np.bool_)) or not real:
         raise ValueError(f"{op}: {name} must be a real number, got {value!r}")
     number = float(value)
-    in_range = number >= minimum if inclusive else number > minimum
+    if minimum is None:
+        bound, in_range = "", True
+    else:
+        bound = f" >= {minimum:g}" if inclusive else f" > {minimum:g}"
+        in_range = number >= minimum if inclusive else number > minimum
     if not (math.isfinite(number) and in_range):
-        bound = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
-        raise ValueError(f"{op}: {name} must be a finite number {bound}, got {value!r}")
+        raise ValueError(f"{op}: {name} must be a finite number{bound}, got {value!r}")
     return number
 
 

@@ -106,8 +106,10 @@ def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
         raise (ValueError if isinstance(name, str) else TypeError)(
             f"export: name must be a file name (no directories), got {name!r}")
     platforms = _platforms(platforms, device_kind)
-    args = tuple(_abstract(a) for a in arg_specs)
-    with device.targeting(device_kind) if device_kind else contextlib.nullcontext():
+    # A static argument is passed as it is: a static str is not an array spec.
+    static = optimized.static_positions(len(arg_specs))
+    args = tuple(a if i in static else _abstract(a) for i, a in enumerate(arg_specs))
+    with device.targeting(device_kind) if device_kind is not None else contextlib.nullcontext():
         exported, plan = optimized.export_with_plan(args, platforms)
         kinds = {p: device.lowering_target(p).device_kind for p in platforms}
     name = name or _safe_name(getattr(optimized.fun, "__name__", "exported"))
@@ -151,6 +153,7 @@ def load_artifact(directory: str | os.PathLike[str] | Artifact, *, check: bool =
     device kind, or with a newer jax or tokamax_pass than is installed; `check=False`
     skips the checks (the program may then fail or run slower than tuned).
     """
+    checks.require_bool("load_artifact", "check", check)  # `check="no"` read as true
     if device is not None and not isinstance(device, jax.Device):
         raise TypeError(f"load_artifact: device must be a jax.Device (jax.devices()[i]) or "
                         f"None, got {type(device).__name__}")
@@ -246,9 +249,21 @@ def function_name(fun: Any) -> str:
     return f"{module}.{qualname}"
 
 
+_PLATFORM_NAMES = ("cpu", "gpu", "cuda", "rocm", "tpu")
+
+
 def _platforms(platforms: Sequence[str] | str | None,
                device_kind: str | Sequence[str] | None) -> tuple[str, ...]:
-    kinds = device.kinds_by_platform(device_kind) if device_kind else {}
+    named = [device_kind] if isinstance(device_kind, str) else device_kind or []
+    for kind in (k.strip() for names in named for k in str(names).split(",")):
+        if kind.lower() in _PLATFORM_NAMES:
+            # A platform's name read as a device kind ("cpu" as a cuda device's): the
+            # artifact was built for a device that does not exist, on heuristic configs.
+            raise ValueError(
+                f"export: device_kind must name a device model like 'NVIDIA H200' or "
+                f"'TPU v6 lite' (jax.devices()[0].device_kind on it), got the platform "
+                f"{kind!r}; choose platforms with platforms= (CLI: --platforms)")
+    kinds = device.kinds_by_platform(device_kind) if device_kind is not None else {}
     if platforms is None:
         return tuple(kinds) or (device.current_target().platform,)
     checks.require_strs("export", "platforms", platforms)

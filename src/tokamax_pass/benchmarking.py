@@ -317,6 +317,12 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
             iterations: int = DEFAULT_ITERATIONS) -> BenchmarkData:
         """Times `iterations` runs after a warm-up; `method=None` picks the best available."""
         checks.require_int("benchmark", "iterations", iterations, minimum=1)
+        abstract = [i for i, a in enumerate(args) if isinstance(a, jax.ShapeDtypeStruct)]
+        if abstract:  # JAX's "is not a valid JAX type", from inside the executable's call
+            raise ValueError(
+                f"benchmark: args[{abstract[0]}] is a jax.ShapeDtypeStruct; timing needs "
+                f"arrays: make them with benchmarking.random_initialize(args, seed) "
+                f"(standardize_function with seed=None keeps its inputs abstract)")
         platform = _platform(args)
         check_method(method, platform)
         if method is None:

@@ -13,6 +13,7 @@ the same signature is exactly a `jax.jit` call.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -32,8 +33,9 @@ Autotune = Literal["never", "missing", "always"]
 _AUTOTUNE_MODES = ("never", "missing", "always")
 
 
-def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] = (),
-             static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
+def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] | None = None,
+             static_argnames: str | Sequence[str] | None = None,
+             donate_argnums: int | Sequence[int] = (),
              autotune: Autotune = "never", results: Any = None) -> Optimized:
     """Wraps `fun` like `jax.jit`, with every tokamax_pass op's kernel and config resolved.
 
@@ -60,8 +62,8 @@ def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] = (
 class Optimized:
     """`optimize(fun)`: call it like `jax.jit(fun)`; `.plan`, `.lower`, `.export` describe it."""
 
-    def __init__(self, fun: Callable[..., Any], *, static_argnums: int | Sequence[int],
-                 static_argnames: str | Sequence[str], donate_argnums: int | Sequence[int],
+    def __init__(self, fun: Callable[..., Any], *, static_argnums: int | Sequence[int] | None,
+                 static_argnames: str | Sequence[str] | None, donate_argnums: int | Sequence[int],
                  autotune: Autotune, results: Any) -> None:
         if not callable(fun):
             raise TypeError(f"optimize: fun must be callable, got {type(fun).__name__}")
@@ -70,12 +72,17 @@ class Optimized:
                 f"optimize: autotune must be one of {_AUTOTUNE_MODES}, got {autotune!r}")
         # Checked here, where `jax.jit` would fail with "'str' object cannot be interpreted
         # as an integer" and no argument's name.
-        checks.require_ints("optimize", "static_argnums", static_argnums)
+        if static_argnums is not None:
+            checks.require_ints("optimize", "static_argnums", static_argnums)
         checks.require_ints("optimize", "donate_argnums", donate_argnums)
-        checks.require_strs("optimize", "static_argnames", static_argnames)
+        if static_argnames is not None:
+            checks.require_strs("optimize", "static_argnames", static_argnames)
         self.fun = fun
         self.autotune = autotune
         self.results = _as_results(results)
+        # The statics `None` where not given, as `jax.jit`'s defaults: it then finds the
+        # positions `static_argnames` names (given `()`, it did not, and `f(x, "sum")`, "sum"
+        # static by name, failed in JAX as a non-array argument).
         self._jit_kwargs = dict(static_argnums=static_argnums, static_argnames=static_argnames,
                                 donate_argnums=donate_argnums)
         self._tuned: list[Any] = []
@@ -114,6 +121,23 @@ class Optimized:
         """A tuned StableHLO artifact; see `tokamax_pass.export`."""
         return make_artifact(self, args, platforms=platforms, device_kind=device_kind,
                              name=name)
+
+    def static_positions(self, count: int) -> frozenset[int]:
+        """Which of `count` positional arguments `jax.jit` takes as static: those
+        `static_argnums` names (negative ones from the end) and the positional parameters
+        `static_argnames` names."""
+        nums, names = self._jit_kwargs["static_argnums"], self._jit_kwargs["static_argnames"]
+        nums = () if nums is None else nums if isinstance(nums, (list, tuple)) else (nums,)
+        names = () if names is None else (names,) if isinstance(names, str) else names
+        positions = {n % count for n in nums if -count <= n < count}
+        try:
+            parameters = list(inspect.signature(self.fun).parameters.values())[:count]
+        except (TypeError, ValueError):  # no signature: jax.jit maps no names either
+            return frozenset(positions)
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        positions.update(i for i, p in enumerate(parameters)
+                         if p.name in names and p.kind in positional)
+        return frozenset(positions)
 
     def export_with_plan(self, args: Sequence[Any], platforms: Sequence[str]
                          ) -> tuple[jax.export.Exported, Plan]:

@@ -6,6 +6,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from tokamax_kernels import _validation as v
 from tokamax_kernels.attention import layout
 from tokamax_kernels.attention.base import DotProductAttention
 from tokamax_kernels.attention.cudnn import CudnnDotProductAttention
@@ -15,6 +16,8 @@ from tokamax_kernels.attention.pallas_triton import PallasTritonFlashAttention
 from tokamax_kernels.attention.xla_chunked import XlaChunkedDotProductAttention
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
+
+_OP = "dot_product_attention"
 
 # `None` tries cuDNN first: on the H200 it is still faster than our Mosaic (0.79-0.95x of
 # cuDNN) and Triton (0.7-0.8x) kernels (benchmarks/results); measured timings in an active
@@ -52,7 +55,8 @@ def dot_product_attention(
       bias: float, broadcastable to (*batch, heads, q_seq, kv_seq); leading dims may be
         left out (`(q_seq, kv_seq)`, `(1, 1, kv_seq)`, ...).
       mask: bool (True = attend), broadcastable like `bias`.
-      scale: logits scale, default 1/sqrt(head_dim).
+      scale: logits scale, default 1/sqrt(head_dim); static (a Python or NumPy number, or
+        a concrete 0-d array), as `is_causal`, `local_window_size` and `logits_soft_cap`.
       is_causal: key position <= query position (top-left aligned).
       query_seq_lengths, key_value_seq_lengths: int, shape `batch` (`(1,)` or `()` without
         a batch axis): valid lengths. Concrete ones must be >= 0 (a ValueError); traced
@@ -83,9 +87,15 @@ def dot_product_attention(
     row's lse is `jax.nn`'s: `-0.7 * float32 max` (the logsumexp of a row of only
     masked logits) cast to the dtype (`-inf` in float16); it gets no gradient.
     """
+    query, key, value, bias = v.numpy_floats_as_jax((query, key, value, bias))
     arrays = dict(query=query, key=key, value=value, bias=bias, mask=mask,
                   query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths)
+    for name, static in (("local_window_size", local_window_size),
+                         ("return_residual", return_residual)):
+        v.reject_traced(name, static, op=_OP)
+    if scale is not None:  # a NumPy or concrete JAX scalar too, as `jax.nn` takes
+        scale = v.static_number("scale", scale, op=_OP, minimum=None)
     if not isinstance(return_residual, bool):
         raise TypeError(f"dot_product_attention: return_residual must be a bool, got "
                         f"{return_residual!r}")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from tokamax_kernels import _validation as v
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu import PallasMosaicGpuGatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_mosaic_tpu import PallasMosaicTpuGatedLinearUnit
@@ -46,9 +48,29 @@ def gated_linear_unit(x: Any, weights: Any, *, group_sizes: Any = None,
     from `FAMILY.implementations`, an `Op` instance, or a sequence of those.
     """
     if activation is not None:
+        _check_jit_can_take(activation)
         _check_no_traced_closure(activation)
+    x, weights = v.numpy_floats_as_jax((x, weights))
     return FAMILY(implementation, x, weights, group_sizes=group_sizes, activation=activation,
                   precision=precision)
+
+
+def _check_jit_can_take(activation: Any) -> None:
+    """`ValueError` for a callable that `jax.jit` cannot take, as it holds a weak reference
+    to the function: a NumPy ufunc such as `np.tanh` or `scipy.special.expit`. Checking
+    the activation raised an unrelated TypeError ("cannot create weak reference to
+    'numpy.ufunc' object") and, on the next call, crashed the interpreter (a segmentation
+    fault inside `jax.jit`). Non-callables are `bind`'s to name."""
+    if not callable(activation):
+        return
+    try:
+        weakref.ref(activation)
+    except TypeError:
+        raise ValueError(
+            f"gated_linear_unit: activation must be a function JAX can trace, e.g. "
+            f"jax.nn.gelu or jnp.tanh; got {activation!r}, which jax.jit cannot take (a NumPy "
+            f"ufunc cannot act on traced values either): use its jax.numpy or jax.nn "
+            f"counterpart") from None
 
 
 def _check_no_traced_closure(activation: Callable[[Any], Any]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokamax_kernels import _validation as v
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_kernels.layer_norm.pallas_mosaic_tpu import PallasMosaicTpuLayerNorm
 from tokamax_kernels.layer_norm.pallas_triton import PallasTritonLayerNorm
@@ -33,5 +34,6 @@ def layer_norm(x: Any, scale: Any, offset: Any, *, axis: int = -1, epsilon: floa
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic TPU kernel, the family's only
     Mosaic one), an `Op` instance, or a sequence of those.
     """
+    x, scale, offset, residual = v.numpy_floats_as_jax((x, scale, offset, residual))
     return FAMILY(implementation, x, scale, offset, axis=axis, epsilon=epsilon,
                   subtract_mean=subtract_mean, residual=residual)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokamax_kernels import _validation as v
 from tokamax_kernels.linear_softmax_cross_entropy_loss.base import LinearSoftmaxCrossEntropyLoss
 from tokamax_kernels.linear_softmax_cross_entropy_loss.pallas_mosaic_gpu import (
     PallasMosaicGpuLinearSoftmaxCrossEntropyLoss,
@@ -57,5 +58,6 @@ def linear_softmax_cross_entropy_loss(
 
     Returns the float32 loss; differentiable in `x` and `weights`.
     """
+    x, weights = v.numpy_floats_as_jax((x, weights))
     return FAMILY(implementation, x, labels, weights, reduction=reduction,
                   logits_soft_cap=logits_soft_cap, precision=precision)

@@ -84,8 +84,13 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int
         raise ValueError(f"{_DISPATCH}: {copies} token copies (tokens x top_k) do not fit "
                          f"int32 row indices; dispatch fewer tokens per call")
     ids = expert_ids.reshape(copies)
-    # Dropped copies (ids out of range) become expert `num_experts`, sorting last.
-    ids = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts).astype(jnp.int32)
+    # Dropped copies (ids out of range) become expert `num_experts`, sorting last. The range
+    # is checked in the ids' own dtype only where `num_experts` fits it: uint8 ids against
+    # 256 experts compared with 256 wrapped to 0, and every copy went to expert 0.
+    in_range = ids >= 0
+    if num_experts <= jnp.iinfo(ids.dtype).max:
+        in_range &= ids < num_experts
+    ids = jnp.where(in_range, ids.astype(jnp.int32), num_experts)
     order = jnp.argsort(ids, stable=True).astype(jnp.int32)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(copies, dtype=jnp.int32),
                                                   unique_indices=True)

@@ -206,7 +206,8 @@ def write_library_cache(result: AutotuningResult, directory: str | os.PathLike) 
     `directory` is the `data/autotuning` folder (the package's, to ship a cache);
     files land in `<directory>/<device_kind_key>/<snake_case_class>.json`.
     """
-    folder = pathlib.Path(directory) / device_kind_key(result.device_kind)
+    folder = checks.directory_to_write("write_library_cache", "directory", directory)
+    folder = folder / device_kind_key(result.device_kind)
     by_class: dict[str, list[Entry]] = {}
     for entry in _with_provenance(result).entries:
         by_class.setdefault(snake_case_name(entry.bound.op), []).append(entry)

@@ -178,7 +178,16 @@ def bound_args_to_json(f_or_list: Any, path: str | os.PathLike | IO[str] | None 
     """Writes the op calls of `f` (or a list of `BoundArguments`) as a JSON document.
 
     Returns the JSON text; writes it to `path` (a path or an open file) when given.
+    `path` comes before `f`'s arguments and is checked before `f` is traced.
     """
+    if isinstance(path, (str, os.PathLike)):
+        path = checks.file_to_write("bound_args_to_json", "path", path)
+    elif path is not None and not callable(getattr(path, "write", None)):
+        # `bound_args_to_json(f, x, scale)`, as `autotune(f, x, scale)` is called: `x` was
+        # taken for the path, and `f` failed to trace without it.
+        raise TypeError(f"bound_args_to_json: path must be None, a path or a writable file, "
+                        f"got {type(path).__name__}; f's arguments follow it: "
+                        f"bound_args_to_json(f, path, *args)")
     bound = _as_list(f_or_list, args, kwargs)
     text = json.dumps({
         "format": BOUND_ARGS_FORMAT,
@@ -187,11 +196,10 @@ def bound_args_to_json(f_or_list: Any, path: str | os.PathLike | IO[str] | None 
             ba.replace(op=ba.op.replace(config=None)).to_spec() for ba in bound
         ],
     }, indent=1, sort_keys=True)
-    if path is not None:
-        if isinstance(path, (str, os.PathLike)):
-            pathlib.Path(path).write_text(text)
-        else:
-            path.write(text)
+    if isinstance(path, pathlib.Path):
+        path.write_text(text)
+    elif path is not None:
+        path.write(text)
     return text
 
 

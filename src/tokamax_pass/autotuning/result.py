@@ -55,8 +55,14 @@ class Measurement:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Measurement:
+        times = data.get("evaluation_times_ms", [])
+        # A string was read digit by digit ("12": times 1 and 2), silently.
+        if not isinstance(times, list) or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
+            raise spec.SpecError(f"'evaluation_times_ms' must be a list of numbers, got "
+                                 f"{times!r:.80}")
         return cls(
-            evaluation_times_ms=tuple(float(t) for t in data.get("evaluation_times_ms", ())),
+            evaluation_times_ms=tuple(float(t) for t in times),
             lower_time_ms=data.get("lower_time_ms"),
             compile_time_ms=data.get("compile_time_ms"),
             peak_memory_mb=data.get("peak_memory_mb"),
@@ -113,7 +119,7 @@ class Entry:
         bound = keys.canonical(BoundArguments.from_spec(data))
         config_cls = bound.op.config_cls
         measured = {
-            spec.decode_config(config_cls, item["config"]): Measurement.from_json(item)
+            _decode_config(config_cls, item["config"]): Measurement.from_json(item)
             for item in data.get("configs", ())
         }
         return cls(bound, measured, dict(data.get("provenance") or {}))
@@ -343,6 +349,22 @@ def decode_text(text: str | bytes | bytearray, *, what: str) -> str:
 def _config_repr(config: Any) -> str:
     fields = spec.encode_config(config) or {}
     return ",".join(f"{k}={v}" for k, v in fields.items()) or "{}"
+
+
+def _decode_config(config_cls: type, data: Any) -> Any:
+    """`spec.decode_config`, with a `spec.SpecError` for a config that is not a JSON object
+    (a `null` one reached the kernel) or that its class rejects (a hand-edited
+    `"chunk_q": 0` raised the config's own `ValueError`, and a user cache holding it
+    crashed every op call instead of being reported and skipped)."""
+    if not isinstance(data, Mapping):
+        raise spec.SpecError(f"{config_cls.__name__} must be a JSON object of its fields, "
+                             f"got {data!r}")
+    try:
+        return spec.decode_config(config_cls, data)
+    except spec.SpecError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise spec.SpecError(f"config {dict(data)!r} was rejected: {e}") from None
 
 
 def find_in_active(ba: BoundArguments, device_kind: str | None) -> Any | None:

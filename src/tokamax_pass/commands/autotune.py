@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("give either MODULE:FUNCTION (with --args) or --bound-args FILE")
     if args.output:  # before tuning, not after it
         checks.file_to_write("autotune", "--output", args.output)
+    if args.write_library_cache:
+        checks.directory_to_write("autotune", "--write-library-cache", args.write_library_cache)
     if args.bound_args:
         target, call_args = autotuning.bound_args_from_json(args.bound_args), []
     else:
