@@ -10,6 +10,7 @@ of it is `tests/test_bad_framework_inputs.py`.
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -337,3 +338,18 @@ def test_cli_checks_the_library_cache_directory_before_tuning(tmp_path, monkeypa
     with pytest.raises(SystemExit, match="NotADirectoryError: autotune: "
                                          "--write-library-cache .* is a file"):
         main(argv)
+
+
+def test_optimize_warns_when_no_result_is_for_the_device_compiled_for():
+    """A result tuned on another device kind was silently unused by `optimize`."""
+    def f(x):
+        return tokamax.layer_norm(x, None, None)
+
+    elsewhere = tokamax.AutotuningResult("NVIDIA H200", [])
+    with pytest.warns(UserWarning, match=r"results= are for \['NVIDIA H200'\].*none of them"):
+        tokamax.optimize(f, results=elsewhere)(X)
+    here = tokamax.AutotuningResult(tokamax.core.current_target().device_kind, [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tokamax.optimize(f, results=[elsewhere, here])(X)
+        tokamax.optimize(f, results=elsewhere).export(X, device_kind="NVIDIA H200")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -179,7 +180,9 @@ class Optimized:
             values = [leaves[i] for i in dynamic]
             jaxpr, out_shape = emit.trace_plain(
                 jax.make_jaxpr(flat_fun, return_shape=True), *values)
-            rewriter = Rewriter(_targets(platforms), contexts=self._contexts, record=record,
+            targets = _targets(platforms)
+            _warn_if_no_results_apply(self.results, targets)
+            rewriter = Rewriter(targets, contexts=self._contexts, record=record,
                                 autotuned=self._was_tuned)
             if rewriters is not None:
                 rewriters.append(rewriter)
@@ -239,6 +242,19 @@ def _targets(platforms: tuple[str, ...] | None) -> list[device.Target]:
     if platforms is None:
         return [device.current_target()]
     return [device.lowering_target(p) for p in platforms]
+
+
+def _warn_if_no_results_apply(results: Sequence[Any], targets: Sequence[device.Target]
+                              ) -> None:
+    """Warns when `results=` were given and none is for a device compiled for (a result
+    applies only to its own device kind): they were silently unused."""
+    kinds = {target.device_kind for target in targets}
+    if results and all(r.device_kind is not None and r.device_kind not in kinds
+                       for r in results):
+        warnings.warn(
+            f"optimize: results= are for {sorted({r.device_kind for r in results})}, but "
+            f"this program is compiled for {sorted(kinds)}: none of them is used (an "
+            f"AutotuningResult applies to the device kind it was tuned on)", stacklevel=2)
 
 
 def _as_results(results: Any) -> tuple[Any, ...]:
