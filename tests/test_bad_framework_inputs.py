@@ -88,6 +88,31 @@ def test_autotune_bad_function_or_arguments(f, args, error, match):
         tokamax.autotune(f, *args)
 
 
+def _lowered():
+    return jax.jit(_loss).lower(X, S)
+
+
+@pytest.mark.parametrize("source,name", [
+    (lambda: _lowered().compile(), "a jax.stages.Compiled"),
+    (_lowered, "a jax.stages.Lowered"),
+    (lambda: _lowered().as_text(), "StableHLO/HLO text"),
+])
+def test_get_bound_args_of_a_lowered_program_takes_no_further_arguments(source, name):
+    """A `Compiled` silently ignored extra arguments (`get_bound_args(compiled, x)`):
+    its op calls were fixed when it was lowered, whatever their shapes. Each is named."""
+    get_bound_args = tokamax.autotuning.get_bound_args
+    program = source()
+    with pytest.raises(TypeError, match=rf"get_bound_args: {name} takes no further "
+                                        rf"arguments .*got 2 more: float32\[8, 32\] array, 3;"):
+        get_bound_args(program, X, 3)
+    with pytest.raises(TypeError, match=r"got 1 more: s=float32\[32\] array; call "
+                                        r"get_bound_args\(\w+\) alone"):
+        get_bound_args(program, s=S)
+    # Alone, each finds the calls `get_bound_args(f, *args)` finds.
+    assert [b.to_json() for b in get_bound_args(program)] == [
+        b.to_json() for b in get_bound_args(_loss, X, S)]
+
+
 # --- AutotuningResult -------------------------------------------------------------------
 
 @pytest.mark.parametrize("text,error,match", [
@@ -161,6 +186,23 @@ def test_result_bad_construction(make, error, match):
         make()
 
 
+def test_result_lookups_take_bound_arguments():
+    """`result.best_config(5)` and `5 in result` raised `AttributeError: 'int' object has
+    no attribute 'op'` from the key function; a real call is still looked up."""
+    (ba,) = tokamax.autotuning.get_bound_args(_loss, X, S)
+    result = AutotuningResult("cpu")
+    for lookup, where, argument in ((result.best_config, r"\.best_config", "ba"),
+                                    (result.entry, r"\.entry", "ba"),
+                                    (result.__contains__, r" \(`x in result`\)", "x")):
+        for bad in (5, "x", None, [ba]):
+            with pytest.raises(TypeError, match=rf"AutotuningResult{where}: {argument} must "
+                                                rf"be a BoundArguments .*got {type(bad).__name__}"):
+                lookup(bad)
+    with pytest.raises(TypeError, match="must be a BoundArguments"):
+        5 in result  # noqa: B015
+    assert ba not in result and result.best_config(ba) is None and result.entry(ba) is None
+
+
 # --- the user cache -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("corrupt", ["not json", "directory", "not utf-8", "unknown op"])
@@ -228,6 +270,13 @@ def test_optimized_wrong_argument_count(method):
     ({"platforms": ("gpuu",)}, ValueError, "export: platforms must name cpu"),
     ({"platforms": 5}, TypeError, "export: platforms must be a str or a sequence"),
     ({"device_kind": 5}, TypeError, "export: device_kind must be a str"),
+    # A misspelled shipped device kind was taken for a device of its own: the artifact
+    # was built without the library cache's configs, silently.
+    ({"device_kind": "H200"}, ValueError, "device_kind 'H200' is not a device kind JAX "
+                                          "reports; did you mean 'NVIDIA H200'"),
+    ({"device_kind": "nvidia_h200"}, ValueError, "'nvidia_h200' .* did you mean 'NVIDIA H200'"),
+    ({"device_kind": ("NVIDIA-H200", "TPU v6 lite")}, ValueError,
+     "'NVIDIA-H200' .* did you mean 'NVIDIA H200'"),
     ({"name": "a/b"}, ValueError, "export: name must be a file name"),
     ({"name": 5}, TypeError, "export: name must be a file name"),
 ])
@@ -235,6 +284,35 @@ def test_export_bad_options(kwargs, error, match):
     kwargs = {"fun": _loss, **kwargs}
     with pytest.raises(error, match=match):
         tokamax.export(kwargs.pop("fun"), X, S, **kwargs)
+
+
+def test_only_a_misspelled_shipped_device_kind_is_an_error(tmp_path):
+    """`"H200"`, `"nvidia_h200"`: the shipped kind in another case or spelling, or without
+    its vendor word, which no device reports. Real kinds that merely look alike (the H20,
+    the H200 NVL, the GH200) and kinds with no shipped cache are left alone."""
+    from tokamax_pass.core import device
+
+    assert "NVIDIA H200" in device.shipped_device_kinds()
+    for typo in ("H200", "h200", "nvidia_h200", "NVIDIA-H200", "nvidia h200", "NVIDIAH200"):
+        assert device.misspelled_shipped_kind(typo) == "NVIDIA H200"
+        with pytest.raises(ValueError, match="did you mean 'NVIDIA H200'"), \
+                device.targeting(typo):
+            pass
+    with pytest.raises(ValueError, match="did you mean 'NVIDIA H200'"), \
+            device.targeting("H200", platform="cuda"):
+        pass
+    for real in ("NVIDIA H200", "NVIDIA H20", "NVIDIA H200 NVL", "NVIDIA GH200 480GB",
+                 "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "TPU v6 lite", "TPU v5",
+                 "NVIDIA", "H 200"):
+        assert device.misspelled_shipped_kind(real) is None
+    artifact = tokamax.export(_loss, X, S, device_kind="NVIDIA H20")
+    assert artifact.manifest["device_kinds"] == {"cuda": "NVIDIA H20"}
+    # The user cache: clearing a misspelled kind's file that is not there.
+    with pytest.raises(ValueError, match="'H200' .* did you mean 'NVIDIA H200'"):
+        cache_lib.clear(tmp_path, "H200")
+    assert cache_lib.clear(tmp_path, "NVIDIA H100 80GB HBM3") == []
+    (tmp_path / "h200.json").write_text(_document(device_kind="H200"))
+    assert cache_lib.clear(tmp_path, "H200") == [str(tmp_path / "h200.json")]
 
 
 @pytest.fixture(scope="module")
@@ -380,6 +458,12 @@ def test_benchmarking_bad_arguments(call, error, match):
     (["cache", "import", "missing"], "cache: FileNotFoundError: .*path_or_file"),
     (["cache", "import", "bad"], "cache: SpecError: .*not valid JSON"),
     (["cache", "--cache-dir", "file", "show"], "cache: the cache directory .* is a file"),
+    # A misspelled device kind showed "no cache file", or cleared nothing, silently.
+    (["cache", "show", "--device-kind", "H200"],
+     "cache: ValueError: device_kind 'H200' is not a device kind JAX reports; did you mean "
+     "'NVIDIA H200'"),
+    (["cache", "clear", "--device-kind", "h200"], "cache: ValueError: device_kind 'h200' .*"
+                                                  "did you mean 'NVIDIA H200'"),
     (["inspect", "bad"], "inspect: .* is not StableHLO/MLIR or HLO text"),
     (["bound-args", "--xplane_file", "missing", "-o", "x.json"],
      "bound-args: FileNotFoundError"),

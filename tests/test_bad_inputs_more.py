@@ -216,6 +216,34 @@ def test_mosaic_gpu_key_lengths_of_a_narrow_dtype_are_not_cut():
     assert common.kernel_lengths(jnp.array([400, -3]), 300).tolist() == [300, 0]
 
 
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.uint4, jnp.int2, jnp.int8, jnp.uint16])
+@pytest.mark.parametrize("make", [jnp.array, np.array], ids=["jax", "numpy"])
+def test_attention_seq_lengths_of_any_integer_dtype(dtype, make):
+    """int4 (and other sub-byte) lengths failed deep inside with a `TypePromotionError`
+    ("1-bit, 2-bit and 4-bit integers do not support implicit promotion") naming no
+    argument: they are taken as int32, which holds each of their values unchanged."""
+    q_len, kv_len = ([1, 0], [1, 1]) if dtype == jnp.int2 else ([5, 7], [6, 3])
+
+    def attention(q_lengths, kv_lengths):
+        return tokamax.dot_product_attention(
+            Q, KV, KV, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+            implementation="xla")
+
+    expected = attention(jnp.array(q_len, jnp.int32), jnp.array(kv_len, jnp.int32))
+    lengths = make(q_len, dtype=dtype), make(kv_len, dtype=dtype)
+    np.testing.assert_array_equal(attention(*lengths), expected)
+    np.testing.assert_allclose(jax.jit(attention)(*lengths), expected, rtol=1e-6, atol=1e-6)
+    grad = jax.grad(lambda q: jnp.sum(tokamax.dot_product_attention(
+        q, KV, KV, query_seq_lengths=lengths[0], key_value_seq_lengths=lengths[1],
+        implementation="xla")))(Q)
+    assert grad.shape == Q.shape and bool(jnp.all(jnp.isfinite(grad)))
+    if jnp.issubdtype(dtype, jnp.signedinteger):  # still checked once cast
+        with pytest.raises(ValueError, match="query_seq_lengths must be >= 0"):
+            attention(make([-1, 1], dtype=dtype), None)
+    with pytest.raises(ValueError, match="key_value_seq_lengths must be an integer array"):
+        attention(None, make([1, 1], dtype=bool))
+
+
 def test_what_stays_accepted():
     """The checks above leave valid calls alone: traced lengths (not checkable), lengths
     past the sequence (`jax.nn`: attend to all), HLO text with no op, an empty length

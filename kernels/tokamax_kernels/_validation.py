@@ -33,6 +33,25 @@ def numpy_floats_as_jax(tree: Any) -> Any:
     return jax.tree.map(canonical, tree)
 
 
+def sub_byte_integers_as_int32(value: Any) -> Any:
+    """`value` as int32 where it is an array of a sub-byte integer dtype (int2, int4,
+    uint4, ...), else as it is. JAX promotes those with no other dtype ("1-bit, 2-bit and
+    4-bit integers do not support implicit promotion"), so an int4 length or index array
+    failed deep inside an op with a `TypePromotionError` naming no argument; int32 holds
+    every value they can, so the cast changes none."""
+    dtype = getattr(value, "dtype", None)
+    try:
+        narrow = (dtype is not None and jnp.issubdtype(dtype, jnp.integer)
+                  and jnp.iinfo(dtype).bits < 8)
+    except TypeError:  # not a NumPy/JAX dtype (a PRNG key's): the op's checks name it
+        return value
+    if not narrow:
+        return value
+    if isinstance(value, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(value.shape, jnp.int32, sharding=value.sharding)
+    return value.astype(jnp.int32)
+
+
 def require_rank(name: str, value: Any, ranks: tuple[int, ...] | range, *, op: str) -> None:
     require_array(name, value, op=op)
     if value.ndim not in ranks:

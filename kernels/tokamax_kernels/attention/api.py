@@ -59,8 +59,9 @@ def dot_product_attention(
         a concrete 0-d array), as `is_causal`, `local_window_size` and `logits_soft_cap`.
       is_causal: key position <= query position (top-left aligned).
       query_seq_lengths, key_value_seq_lengths: int, shape `batch` (`(1,)` or `()` without
-        a batch axis): valid lengths. Concrete ones must be >= 0 (a ValueError); traced
-        ones (under `jit` or `vmap`) cannot be checked, and a negative one counts as 0.
+        a batch axis): valid lengths, of any integer dtype (int4 and narrower ones are
+        taken as int32). Concrete ones must be >= 0 (a ValueError); traced ones (under
+        `jit` or `vmap`) cannot be checked, and a negative one counts as 0.
       local_window_size: `w` or `(left, right)`: query i sees keys i-left .. i+right.
       logits_soft_cap: `cap * tanh(logits / cap)` before masking.
       precision: matmul precision (`jax.lax.Precision` or its name).
@@ -103,6 +104,8 @@ def dot_product_attention(
         # Lists work as in `jax.nn`, also where nothing needs folding (rank-4 inputs).
         if isinstance(arrays[name], (list, tuple)):
             arrays[name] = jnp.asarray(arrays[name])
+        # Any integer dtype: int4 lengths failed deep inside with a TypePromotionError.
+        arrays[name] = v.sub_byte_integers_as_int32(arrays[name])
     out_shape = None
     if layout.needs_folding(query, key, value, bias, mask):
         arrays, out_shape = layout.fold(**arrays)

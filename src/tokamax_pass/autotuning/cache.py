@@ -32,7 +32,7 @@ from tokamax_pass.autotuning.result import (
     register_cache_writer,
 )
 from tokamax_pass.core import checks, spec
-from tokamax_pass.core.device import device_kind_key
+from tokamax_pass.core.device import check_device_kind, device_kind_key
 from tokamax_pass.core.op import BoundArguments, snake_case_name
 
 ENV_CACHE_DIR = "TOKAMAX_PASS_CACHE_DIR"
@@ -128,7 +128,9 @@ def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -
 
 
 def clear(directory: str | os.PathLike | None = None, device_kind: str | None = None) -> list[str]:
-    """Deletes the user cache files (of one device kind, or all); returns their paths."""
+    """Deletes the user cache files (of one device kind, or all); returns their paths.
+    `ValueError` where `device_kind` has no file and misspells a shipped device kind
+    (`"H200"`: `device.check_device_kind`), which removed nothing, silently."""
     folder = cache_dir(directory)
     pattern = f"{device_kind_key(device_kind)}.json" if device_kind else "*.json"
     removed = []
@@ -137,6 +139,8 @@ def clear(directory: str | os.PathLike | None = None, device_kind: str | None = 
             path.unlink()
         removed.append(str(path))
     _USER.invalidate()
+    if device_kind and not removed:
+        check_device_kind(device_kind)
     return removed
 
 

@@ -98,8 +98,7 @@ def _op_name(text: str) -> str:
 
 def _program_specs(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[str]:
     if isinstance(f, str):
-        if args or kwargs:
-            raise TypeError("get_bound_args: StableHLO text takes no further arguments")
+        _reject_further_arguments("StableHLO/HLO text", "text", args, kwargs)
         found = specs_from_text(f)
         if not found and not f.lstrip().startswith(_PROGRAM_STARTS):
             # A path or a typo found no op and tuned nothing, silently.
@@ -109,10 +108,10 @@ def _program_specs(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[
                 f"(pathlib.Path(path).read_text())")
         return found
     if isinstance(f, jax.stages.Lowered):
-        if args or kwargs:
-            raise TypeError("get_bound_args: a Lowered takes no further arguments")
+        _reject_further_arguments("a jax.stages.Lowered", "lowered", args, kwargs)
         return specs_from_text(f.as_text())
     if isinstance(f, jax.stages.Compiled):
+        _reject_further_arguments("a jax.stages.Compiled", "compiled", args, kwargs)
         return specs_from_text(f.as_text())
     if not callable(f):
         raise TypeError(
@@ -125,6 +124,29 @@ def _program_specs(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[
             if _PARTITIONED_CALL in lowered.as_text():
                 lowered.compile()
     return list(dict.fromkeys(lowered_specs))
+
+
+def _reject_further_arguments(what: str, name: str, args: Sequence[Any],
+                              kwargs: dict[str, Any]) -> None:
+    """`TypeError` naming the arguments given after a program that was already traced
+    (`Lowered`, `Compiled`, text): its op calls were fixed when it was lowered, and
+    arguments of other shapes were silently ignored."""
+    if not args and not kwargs:
+        return
+    extra = [_describe(a) for a in args] + [f"{k}={_describe(v)}" for k, v in kwargs.items()]
+    raise TypeError(
+        f"get_bound_args: {what} takes no further arguments (its op calls were fixed when "
+        f"it was lowered), got {len(extra)} more: {', '.join(extra)}; call "
+        f"get_bound_args({name}) alone, or pass the function itself to trace it at these "
+        f"arguments: get_bound_args(f, *args)")
+
+
+def _describe(value: Any) -> str:
+    """An extra argument in a message: an array's dtype and shape, else a short repr."""
+    if spec.is_array(value):
+        return f"{value.dtype}{list(value.shape)} array"
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _fresh_jit(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -159,7 +181,9 @@ def get_bound_args(f: Any, *args: Any, **kwargs: Any) -> list[BoundArguments]:
     """Every distinct op call in `f(*args, **kwargs)`, configs stripped.
 
     `f` is a callable (plain or jitted; `jax.grad(f)` includes the VJP ops), a
-    `jax.stages.Lowered`, a `jax.stages.Compiled` or StableHLO/HLO text.
+    `jax.stages.Lowered`, a `jax.stages.Compiled` or StableHLO/HLO text. `args` and
+    `kwargs` are a callable's; a program already lowered (`Lowered`, `Compiled`, text)
+    takes none (a `TypeError` naming them).
     """
     return bound_args_from_specs(_program_specs(f, args, kwargs))
 

@@ -183,9 +183,11 @@ class AutotuningResult:
         return tuple(self._entries.values())
 
     def entry(self, ba: BoundArguments) -> Entry | None:
+        _require_bound(".entry", ba)
         return self._entries.get(keys.entry_key(ba))
 
     def best_config(self, ba: BoundArguments) -> Any | None:
+        _require_bound(".best_config", ba)
         entry = self.entry(ba)
         fastest = None if entry is None else entry.fastest
         return None if fastest is None else fastest[0]
@@ -197,6 +199,7 @@ class AutotuningResult:
         return len(self._entries)
 
     def __contains__(self, ba: BoundArguments) -> bool:
+        _require_bound(" (`x in result`)", ba, argument="x")
         return keys.entry_key(ba) in self._entries
 
     def __eq__(self, other: object) -> bool:
@@ -333,6 +336,17 @@ class AutotuningResult:
         for row in rows:
             out.write("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + "\n")
         return out.getvalue().rstrip("\n")
+
+
+def _require_bound(where: str, ba: Any, *, argument: str = "ba") -> None:
+    """`TypeError`, naming the lookup, for a key that is not an op call: `entry_key`
+    read `.op` off it and raised a bare `AttributeError` ("'int' object has no attribute
+    'op'")."""
+    if not isinstance(ba, BoundArguments):
+        raise TypeError(
+            f"AutotuningResult{where}: {argument} must be a BoundArguments (an op call, "
+            f"as tokamax_pass.autotuning.get_bound_args(f, *args) lists them or "
+            f"Op.bind(...) makes one), got {type(ba).__name__}")
 
 
 def decode_text(text: str | bytes | bytearray, *, what: str) -> str:

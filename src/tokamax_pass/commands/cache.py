@@ -41,11 +41,13 @@ def run(args: argparse.Namespace) -> int:
             print("  (empty)")
         return 0
     if args.action == "show":
-        from tokamax_pass.core.device import current_target
+        from tokamax_pass.core.device import check_device_kind, current_target
 
         kind = args.device_kind or current_target().device_kind
         path = cache.cache_file(kind, args.cache_dir)
         result = cache.read(path)
+        if result is None and args.device_kind:
+            check_device_kind(args.device_kind)  # "H200" found no file, silently
         print(f"{path}: no cache file" if result is None else result)
         return 0
     if args.action == "clear":

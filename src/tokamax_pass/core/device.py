@@ -12,6 +12,9 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import importlib.resources
+import json
+import re
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -124,6 +127,64 @@ def device_kind_key(device_kind: str | None) -> str:
     return (device_kind or "unknown").lower().replace(" ", "_").replace("/", "_")
 
 
+@functools.cache
+def shipped_device_kinds() -> tuple[str, ...]:
+    """The device kinds the library autotuning cache ships configs for (`"NVIDIA H200"`),
+    as each folder's files record them (the folder names are `device_kind_key`s)."""
+    root = importlib.resources.files("tokamax_pass") / "data" / "autotuning"
+    if not root.is_dir():
+        return ()
+    kinds = []
+    for folder in sorted(root.iterdir(), key=lambda p: p.name):
+        files = sorted((f for f in folder.iterdir() if f.name.endswith(".json")),
+                       key=lambda f: f.name) if folder.is_dir() else []
+        for item in files:
+            try:
+                kind = json.loads(item.read_text()).get("device_kind")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(kind, str):
+                kinds.append(kind)
+                break
+    return tuple(kinds)
+
+
+def _words(kind: str) -> tuple[str, ...]:
+    return tuple(w for w in re.split(r"[^0-9a-z]+", kind.lower()) if w)
+
+
+def misspelled_shipped_kind(device_kind: str) -> str | None:
+    """The shipped device kind (`shipped_device_kinds`) that `device_kind` names another
+    way, or `None`: the same words in another case or with other separators
+    (`"nvidia_h200"`, `"nvidia-h200"`), or the kind without its leading word(s)
+    (`"H200"`). JAX reports a device's kind whole and spelled one way, so no device
+    reports such a name; a kind that is merely similar (`"NVIDIA H20"`, `"NVIDIA H200
+    NVL"`, both real devices) is not matched."""
+    if device_kind in shipped_device_kinds():
+        return None
+    words = _words(device_kind)
+    for known in shipped_device_kinds():
+        known_words = _words(known)
+        if words and ("".join(words) == "".join(known_words)
+                      or (len(words) < len(known_words)
+                          and known_words[len(known_words) - len(words):] == words)):
+            return known
+    return None
+
+
+def check_device_kind(device_kind: str) -> None:
+    """`ValueError` for a device kind that misspells a shipped one
+    (`misspelled_shipped_kind`): it was taken as a device of its own, whose library cache
+    does not exist, so every op silently ran heuristic configs."""
+    known = misspelled_shipped_kind(device_kind)
+    if known is not None:
+        raise ValueError(
+            f"device_kind {device_kind!r} is not a device kind JAX reports; did you mean "
+            f"{known!r}? The library autotuning cache ships configs for {known!r}, and "
+            f"{device_kind!r} would miss them (heuristic configs instead). Pass the kind "
+            f"exactly as jax.devices()[0].device_kind reports it on the target device")
+
+
 def platform_of_kind(device_kind: str) -> str:
     """The platform of a device kind: `"tpu"` for TPU kinds (`"TPU v5 lite"`, `"TPU v5p"`,
     `"TPU v6 lite"`, `"TPU7x"`), else `"cuda"` (`"NVIDIA H200"`)."""
@@ -132,11 +193,13 @@ def platform_of_kind(device_kind: str) -> str:
 
 def kinds_by_platform(device_kinds: str | Sequence[str]) -> dict[str, str]:
     """`{platform: kind}` of one or several device kinds (`"NVIDIA H200,TPU v6 lite"` or a
-    sequence); `ValueError` when two name one platform."""
+    sequence); `ValueError` when two name one platform, or one misspells a shipped kind
+    (`check_device_kind`: `"H200"` for `"NVIDIA H200"`)."""
     if isinstance(device_kinds, str):
         device_kinds = [k for k in device_kinds.split(",") if k.strip()]
     kinds: dict[str, str] = {}
     for kind in (k.strip() for k in device_kinds):
+        check_device_kind(kind)
         platform = platform_of_kind(kind)
         if platform in kinds:
             raise ValueError(f"device_kind names two {platform} devices ({kinds[platform]!r} and "
@@ -160,6 +223,7 @@ def targeting(device_kind: str | Sequence[str], platform: str | None = None) -> 
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     if platform is not None and isinstance(device_kind, str):
+        check_device_kind(device_kind)
         kinds = {_canonical_platform(platform): device_kind}
     else:
         kinds = kinds_by_platform(device_kind)

@@ -1,0 +1,233 @@
+"""Device probe: what limits the Mosaic GPU attention against cuDNN (issue 16's goals).
+
+Three phases, each in a subprocess with a timeout, CUPTI medians after warm-up, bf16:
+
+* `split`: per workload, cuDNN's forward and forward+backward, our forward, our dq
+  kernel and dk/dv kernel timed alone (the reproducible two-kernel backward), our
+  forward+backward with that config, and the one pass ("ordered", reproducible; "atomic",
+  not) with dq split by columns; a dense bf16 matmul as the ceiling. From these: the rate
+  our 3.5 forward-units of backward matmul work would need to tie cuDNN's backward (2.5
+  units), against the ceiling.
+* `features`: the Mosaic kernels with a logit soft cap, a local window, both and neither,
+  at the d128 causal workload and Gemma-2's d256 layer, and our `xla` implementation with
+  both; TFLOP/s count only the query/key pairs the window and the mask leave.
+* `ncu`: one forward+backward each of cuDNN and Mosaic at the Llama layer and the d128
+  workload, run as `ncu ... python3 tests/gpu/attention_limits_probe.py --phase ncu` to
+  read the kernels' hardware counters (tensor pipe, issue slots, stalls, registers).
+
+Run on the H200 from the repository root:
+  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/attention_limits_probe.py [split features]
+Appends JSON lines to `$OUT/attention_limits.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from _probe import run_phases, timed
+
+OUT = os.environ.get("OUT", "/tmp")
+
+# name, (batch, seq, query heads, key/value heads, head dim), causal
+WORKLOADS = [
+    ("llama b4 s4096 hq16 hkv4 d128 causal", (4, 4096, 16, 4, 128), True),
+    ("b4 s8192 h16 d128", (4, 8192, 16, 16, 128), False),
+    ("b4 s8192 h16 d128 causal", (4, 8192, 16, 16, 128), True),
+    ("gqa b4 s4096 hq32 hkv8 d128 causal", (4, 4096, 32, 8, 128), True),
+    ("b32 s2048 h16 d64", (32, 2048, 16, 16, 64), False),
+    ("b16 s4096 h8 d256", (16, 4096, 8, 8, 256), False),
+]
+# name, shape, (window, soft cap) variants
+FEATURE_WORKLOADS = [
+    ("b4 s8192 h16 d128 causal", (4, 8192, 16, 16, 128)),
+    ("gemma 2 b2 s8192 hq8 hkv4 d256 causal", (2, 8192, 8, 4, 256)),
+]
+FEATURES = {"neither": (None, None), "soft cap 50": (None, 50.0),
+            "window 4096": ((4096, 0), None), "both": ((4096, 0), 50.0)}
+
+
+def _log(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+    with open(os.path.join(OUT, "attention_limits.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _inputs(b, s, h, hk, d):
+    import jax.numpy as jnp
+
+    from conftest import random_normal
+    return (random_normal(0, (b, s, h, d), jnp.bfloat16),
+            random_normal(1, (b, s, hk, d), jnp.bfloat16),
+            random_normal(2, (b, s, hk, d), jnp.bfloat16),
+            random_normal(3, (b, s, h, d), jnp.bfloat16))
+
+
+def _pairs(s: int, causal: bool, window) -> int:
+    """Query/key pairs a (s x s) attention computes: all, causal, or within a window."""
+    import numpy as np
+
+    i = np.arange(s)
+    lo = np.zeros(s, np.int64) if window is None else np.maximum(i - window[0], 0)
+    hi = i if causal else np.full(s, s - 1)
+    return int(np.sum(hi - lo + 1))
+
+
+def _fwd(implementation, **statics):
+    import jax
+
+    from tokamax_kernels.attention import dot_product_attention
+    return jax.jit(lambda q, k, v: dot_product_attention(
+        q, k, v, implementation=implementation, **statics))
+
+
+def _fwd_bwd(implementation, **statics):
+    import jax
+
+    from tokamax_kernels.attention import dot_product_attention
+
+    def f(q, k, v, do):
+        out, pullback = jax.vjp(lambda q, k, v: dot_product_attention(
+            q, k, v, implementation=implementation, **statics), q, k, v)
+        return (out, *pullback(do))
+    return jax.jit(f)
+
+
+def _vjp_config(q, k, causal, window=None, soft_cap=None):
+    """The backward config `implementation="mosaic_gpu"` runs here, and where it came from."""
+    import jax
+    import jax.numpy as jnp
+
+    from tokamax_kernels.attention import PallasMosaicGpuFlashAttentionVjp
+    from tokamax_pass.core.device import current_target
+    from tokamax_pass.core.resolution import resolve_config
+
+    sds = jax.ShapeDtypeStruct
+    b, s, h, d = q.shape
+    qs, ks = sds(q.shape, q.dtype), sds(k.shape, k.dtype)
+    op = PallasMosaicGpuFlashAttentionVjp()
+    ba = op.bind([sds((b, h, s), jnp.float32)], qs, qs, query=qs, key=ks, value=ks,
+                 bias=None, mask=None, scale=d ** -0.5, is_causal=causal,
+                 query_seq_lengths=None, key_value_seq_lengths=None,
+                 local_window_size=window, logits_soft_cap=soft_cap, precision=None)
+    return resolve_config(op, ba, current_target())
+
+
+def _mosaic(vjp_config):
+    from tokamax_kernels.attention import (
+        PallasMosaicGpuFlashAttention,
+        PallasMosaicGpuFlashAttentionVjp,
+    )
+    return PallasMosaicGpuFlashAttention(vjp=PallasMosaicGpuFlashAttentionVjp(config=vjp_config))
+
+
+def _ceiling() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from conftest import random_normal
+    n = 8192
+    a, b = random_normal(4, (n, n), jnp.bfloat16), random_normal(5, (n, n), jnp.bfloat16)
+    record = dict(phase="split", workload=f"dense matmul {n}^3 bf16", variant="xla dot")
+    timed(record, jax.jit(jnp.dot), (a, b), 2 * n ** 3)
+    _log(record)
+
+
+def _jitted(kernel, **statics):
+    """`kernel` with its static keyword arguments bound, under `jax.jit`."""
+    import jax
+    return jax.jit(lambda *args: kernel(*args, **statics))
+
+
+def _split_workload(name: str, shape: tuple[int, ...], causal: bool) -> None:
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
+        mosaic_attention_dkv,
+        mosaic_attention_dq,
+    )
+    from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionConfig
+    from tokamax_kernels.attention._mosaic_gpu_fwd_kernel import mosaic_attention_forward
+    from tokamax_kernels.attention._softmax_row_term import softmax_row_term
+
+    b, s, h, hk, d = shape
+    q, k, v, do = _inputs(b, s, h, hk, d)
+    unit = 4 * b * h * d * _pairs(s, causal, None)  # one forward's matmul FLOPs
+    config, source = _vjp_config(q, k, causal)
+    statics = dict(scale=d ** -0.5, causal=causal)
+
+    def log(variant, fn, args, units, **extra):
+        record = dict(phase="split", workload=name, variant=variant, units=units, **extra)
+        timed(record, fn, args, units * unit)
+        _log(record)
+        jax.clear_caches()
+
+    log("cudnn fwd", _fwd("cudnn", is_causal=causal), (q, k, v), 1.0)
+    log("cudnn fwd+bwd", _fwd_bwd("cudnn", is_causal=causal), (q, k, v, do), 3.5)
+    log("mosaic fwd", _fwd("mosaic_gpu", is_causal=causal), (q, k, v), 1.0)
+    log("mosaic fwd+bwd", _fwd_bwd(_mosaic(config), is_causal=causal), (q, k, v, do), 3.5,
+        config=str(config), config_source=source)
+    out, lse = _jitted(mosaic_attention_forward, **statics,
+                       config=MosaicAttentionConfig(block_q=64, block_kv=64))(q, k, v)
+    residuals = (q, k, v, do, lse.astype(jnp.float32), jax.jit(softmax_row_term)(out, do))
+    log("mosaic dq kernel", _jitted(mosaic_attention_dq, **statics, config=config),
+        residuals, 1.5)
+    log("mosaic dk/dv kernel", _jitted(mosaic_attention_dkv, **statics, config=config),
+        residuals, 2.0)
+    if d <= 128 and d // config.compute_wgs >= 64:
+        for mode in ("ordered", "atomic"):
+            one_pass = dataclasses.replace(config, dq_accumulation=mode,
+                                           group_in_block=False, longest_first=False)
+            log(f"mosaic one pass {mode}", _fwd_bwd(_mosaic(one_pass), is_causal=causal),
+                (q, k, v, do), 3.5)
+
+
+def split() -> None:
+    _ceiling()
+    for name, shape, causal in WORKLOADS:
+        _split_workload(name, shape, causal)
+
+
+def features() -> None:
+    import jax
+
+    for name, (b, s, h, hk, d) in FEATURE_WORKLOADS:
+        q, k, v, do = _inputs(b, s, h, hk, d)
+        for feature, (window, cap) in FEATURES.items():
+            unit = 4 * b * h * d * _pairs(s, True, window)
+            statics = dict(is_causal=True, local_window_size=window, logits_soft_cap=cap)
+            implementations = ["mosaic_gpu"] + (["xla"] if feature == "both" else [])
+            for impl in implementations:
+                for mode, fn, args, units in (
+                        ("fwd", _fwd(impl, **statics), (q, k, v), 1.0),
+                        ("fwd+bwd", _fwd_bwd(impl, **statics), (q, k, v, do), 3.5)):
+                    record = dict(phase="features", workload=name, variant=feature,
+                                  implementation=impl, mode=mode, pairs=_pairs(s, True, window))
+                    timed(record, fn, args, units * unit)
+                    _log(record)
+                    jax.clear_caches()
+
+
+def ncu() -> None:
+    """One forward+backward each, for `ncu` to profile (no timing loop of its own)."""
+    import jax
+
+    for name, (b, s, h, hk, d), causal in WORKLOADS[:2]:
+        q, k, v, do = _inputs(b, s, h, hk, d)
+        config, _ = _vjp_config(q, k, causal)
+        for impl in ("cudnn", _mosaic(config)):
+            jax.block_until_ready(_fwd_bwd(impl, is_causal=causal)(q, k, v, do))
+        print(name, "done", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    phases = {"split": (split, 260), "features": (features, 130), "ncu": (ncu, 300)}
+    return run_phases(argv or ["split", "features"], __file__, phases, _log)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
