@@ -13,10 +13,14 @@ Three phases, each in a subprocess with a timeout, CUPTI medians after warm-up, 
   both; TFLOP/s count only the query/key pairs the window and the mask leave.
 * `ncu`: one forward+backward each of cuDNN and Mosaic at the Llama layer and the d128
   workload, run as `ncu ... python3 tests/gpu/attention_limits_probe.py --phase ncu` to
-  read the kernels' hardware counters (tensor pipe, issue slots, stalls, registers).
+  read the kernels' hardware counters (launch shape, registers, durations; with
+  sections, tensor pipe, issue slots and stalls). Set `XLA_PYTHON_CLIENT_PREALLOCATE=false`
+  for the sections: `ncu` saves and restores all allocated GPU memory on every replay
+  pass, and XLA preallocates 75% of it.
 
-Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/attention_limits_probe.py [split features]
+Run on the H200 from the repository root (the two CUPTI phases take about 10 minutes
+together; give each its own device call):
+  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/attention_limits_probe.py [split] [features]
 Appends JSON lines to `$OUT/attention_limits.jsonl`.
 """
 
@@ -225,7 +229,7 @@ def ncu() -> None:
 
 
 def main(argv: list[str]) -> int:
-    phases = {"split": (split, 260), "features": (features, 130), "ncu": (ncu, 300)}
+    phases = {"split": (split, 400), "features": (features, 240), "ncu": (ncu, 300)}
     return run_phases(argv or ["split", "features"], __file__, phases, _log)
 
 
