@@ -122,6 +122,19 @@ BAD = [
     (ValueError, "got complex64", lambda: tokamax.ragged_dot(
         jnp.ones((8, 4)), jnp.ones((2, 4, 4)), jnp.array([4, 4], jnp.int32),
         preferred_element_type=jnp.complex64)),
+    # Either operand float decides: an int8 lhs times a bf16 rhs into int32 truncated the
+    # rhs's fractions (0.5 -> 0), silently.
+    (ValueError, "preferred_element_type must be a floating dtype for bfloat16 operands",
+     lambda: tokamax.ragged_dot(jnp.ones((8, 4), jnp.int8), jnp.full((2, 4, 4), 0.5, jnp.bfloat16),
+                                jnp.array([4, 4], jnp.int32), preferred_element_type=jnp.int32)),
+    # Integer operands into a narrower (or bool) output: a TypeError deep in jax.lax.
+    (ValueError, "preferred_element_type int16 cannot hold the products of lhs int32",
+     lambda: tokamax.ragged_dot(jnp.ones((8, 4), jnp.int32), jnp.ones((2, 4, 4), jnp.int32),
+                                jnp.array([4, 4], jnp.int32), preferred_element_type=jnp.int16)),
+    # uint8 times int8 gave an int8 result: 200 * -1 * 4 read as -32, silently.
+    (ValueError, "integer operands of mixed signedness, lhs uint8 and rhs int8",
+     lambda: tokamax.ragged_dot(jnp.full((8, 4), 200, jnp.uint8), -jnp.ones((2, 4, 4), jnp.int8),
+                                jnp.array([4, 4], jnp.int32))),
     # A path (or a typo) where StableHLO text was meant: an empty result, silently.
     (ValueError, "must be StableHLO/MLIR or HLO text",
      lambda: tokamax.autotune("model.mlir", progress=False)),
@@ -381,3 +394,13 @@ def test_optimize_warns_when_no_result_is_for_the_device_compiled_for():
         warnings.simplefilter("error")
         tokamax.optimize(f, results=[elsewhere, here])(X)
         tokamax.optimize(f, results=elsewhere).export(X, device_kind="NVIDIA H200")
+
+
+def test_ragged_dot_mixed_signedness_with_a_wide_output_is_exact():
+    """The fix the mixed-signedness error names (a `preferred_element_type` both operands
+    fit in) gives the exact products."""
+    lhs, rhs = jnp.full((8, 4), 200, jnp.uint8), -jnp.ones((2, 4, 4), jnp.int8)
+    out = tokamax.ragged_dot(lhs, rhs, jnp.array([4, 4], jnp.int32),
+                             preferred_element_type=jnp.int16)
+    assert out.dtype == jnp.int16
+    np.testing.assert_array_equal(out, np.full((8, 4), -800))

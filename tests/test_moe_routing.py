@@ -102,6 +102,18 @@ def test_dispatch_sorts_copies_stably_and_counts_the_kept_ones():
     assert group_sizes.dtype == jnp.int32
 
 
+def test_dispatch_takes_a_numpy_integer_expert_count():
+    """`num_experts` read from a NumPy config (np.int64) routes as the Python int."""
+    x = random_normal(0, (2, 9, 4))
+    ids = _expert_ids(1, (2, 9), 2, dropped=True)
+    expected = tokamax.moe_dispatch(x, ids, NUM_EXPERTS)
+    got = tokamax.moe_dispatch(x, ids, np.int64(NUM_EXPERTS))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="num_experts must be a Python int"):
+        tokamax.moe_dispatch(x, ids, np.bool_(True))
+
+
 @pytest.mark.parametrize("dtype, num_experts", [(jnp.uint8, 256), (jnp.int8, 300),
                                                  (jnp.uint8, 200), (jnp.int16, 40000)])
 def test_narrow_expert_ids_route_as_int32_ones(dtype, num_experts):

@@ -38,21 +38,56 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
     TPU), an `Op` instance, or a sequence of those.
     """
-    _check_output_kind(lhs, preferred_element_type)
+    _check_output_kind(lhs, rhs, preferred_element_type)
     return FAMILY(implementation, lhs, rhs, group_sizes, precision=precision,
                   preferred_element_type=preferred_element_type)
 
 
-def _check_output_kind(lhs: Any, preferred_element_type: Any) -> None:
-    """`ValueError` for an output dtype of another kind than float operands (int8, bool,
-    complex): `jax.lax.ragged_dot` truncated the products to it silently. Unreadable
-    dtypes and other operands are `bind`'s to name."""
+def _check_output_kind(lhs: Any, rhs: Any, preferred_element_type: Any) -> None:
+    """`ValueError` for an output dtype that cannot hold the products (they were cast or
+    wrapped to it silently, or failed deep in `jax.lax` naming no op):
+
+    - float operands (either one: an int8 lhs times a bf16 rhs into int32 truncated the
+      rhs's fractions) need a floating output;
+    - integer operands need an output at least as wide as the wider operand, not bool
+      (`jax.lax` raised a TypeError naming no op);
+    - integer operands of one width but mixed signedness (uint8 times int8) gave the
+      signed dtype, which cannot hold the unsigned operand's values (200 read as -56):
+      they need an output both fit in (int16 for uint8 and int8).
+
+    Unreadable dtypes and other operands are `bind`'s to name."""
     try:
-        wanted, operands = jnp.dtype(preferred_element_type), jnp.dtype(lhs.dtype)
+        dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype))
+        wanted = None if preferred_element_type is None else jnp.dtype(preferred_element_type)
     except (TypeError, AttributeError):
         return
-    if (preferred_element_type is not None and jnp.issubdtype(operands, jnp.floating)
-            and not jnp.issubdtype(wanted, jnp.floating)):
+    floats = [d for d in dtypes if jnp.issubdtype(d, jnp.floating)]
+    if floats:
+        if wanted is not None and not jnp.issubdtype(wanted, jnp.floating):
+            raise ValueError(
+                f"ragged_dot: preferred_element_type must be a floating dtype for {floats[0]} "
+                f"operands (the products would be cast to it), got {wanted}")
+        return
+    if not all(jnp.issubdtype(d, jnp.integer) for d in dtypes):
+        return
+    if wanted is None:
+        unsigned = [d for d in dtypes if jnp.issubdtype(d, jnp.unsignedinteger)]
+        signed = [d for d in dtypes if jnp.issubdtype(d, jnp.signedinteger)]
+        if unsigned and signed and unsigned[0].itemsize >= signed[0].itemsize:
+            wide = (f"jnp.int{16 * unsigned[0].itemsize}" if unsigned[0].itemsize < 4
+                    else "jnp.float32")
+            raise ValueError(
+                f"ragged_dot: integer operands of mixed signedness, lhs {dtypes[0]} and rhs "
+                f"{dtypes[1]}, give a result in one operand's dtype, which cannot hold the "
+                f"other's values; pass preferred_element_type={wide} (or cast the operands "
+                f"to one dtype)")
+        return
+    holds = all(jnp.iinfo(wanted).min <= jnp.iinfo(d).min
+                and jnp.iinfo(wanted).max >= jnp.iinfo(d).max for d in dtypes
+                ) if jnp.issubdtype(wanted, jnp.integer) else (
+        wanted != jnp.bool_ and wanted.itemsize >= max(d.itemsize for d in dtypes))
+    if not holds:
         raise ValueError(
-            f"ragged_dot: preferred_element_type must be a floating dtype for {operands} "
-            f"operands (the products would be cast to it), got {wanted}")
+            f"ragged_dot: preferred_element_type {wanted} cannot hold the products of "
+            f"lhs {dtypes[0]} and rhs {dtypes[1]}; pass a dtype they fit in, e.g. "
+            f"jnp.int32 or jnp.float32")

@@ -22,6 +22,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from tokamax_kernels import _validation as v
 
@@ -68,9 +69,11 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, num_experts: int
         raise ValueError(f"{_DISPATCH}: expert_ids must have shape {tuple(x.shape[:-1])} + "
                          f"(top_k,): x's leading axes, then the experts of each token; got "
                          f"{tuple(expert_ids.shape)} for x of shape {tuple(x.shape)}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+    if (isinstance(num_experts, (bool, np.bool_)) or not isinstance(num_experts, (int, np.integer))
+            or num_experts < 1):
         raise ValueError(f"{_DISPATCH}: num_experts must be a Python int >= 1 (static: it "
                          f"sets the shape of group_sizes), got {num_experts!r}")
+    num_experts = int(num_experts)  # a NumPy integer (a config read with NumPy) is static too
     for name, array in (("x", x), ("expert_ids", expert_ids)):
         _require_tokens_unsharded(_DISPATCH, name, array)
     tokens_shape, top_k = tuple(x.shape[:-1]), int(expert_ids.shape[-1])
