@@ -11,6 +11,9 @@ Three phases, each in a subprocess with a timeout, CUPTI medians after warm-up, 
 * `features`: the Mosaic kernels with a logit soft cap, a local window, both and neither,
   at the d128 causal workload and Gemma-2's d256 layer, and our `xla` implementation with
   both; TFLOP/s count only the query/key pairs the window and the mask leave.
+* `persistent`: our forward grid-launched and persistent (one block per SM walking its
+  tiles) with the config `None` runs, against cuDNN; the persistent output bitwise
+  against the grid-launched one.
 * `ncu`: one forward+backward each of cuDNN and Mosaic at the Llama layer and the d128
   workload, run as `ncu ... python3 tests/gpu/attention_limits_probe.py --phase ncu` to
   read the kernels' hardware counters (launch shape, registers, durations; with
@@ -216,6 +219,60 @@ def features() -> None:
                     jax.clear_caches()
 
 
+def _fwd_config(q, k, causal, window=None, soft_cap=None):
+    """The forward config `implementation="mosaic_gpu"` runs here, and where it came from."""
+    import jax
+
+    from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
+    from tokamax_pass.core.device import current_target
+    from tokamax_pass.core.resolution import resolve_config
+
+    sds = jax.ShapeDtypeStruct
+    qs, ks = sds(q.shape, q.dtype), sds(k.shape, k.dtype)
+    op = PallasMosaicGpuFlashAttention()
+    ba = op.bind(qs, ks, ks, is_causal=causal, local_window_size=window,
+                 logits_soft_cap=soft_cap)
+    return resolve_config(op, ba, current_target())
+
+
+def persistent() -> None:
+    """Per workload: cuDNN's forward, then our forward with the config `None` runs,
+    grid-launched and persistent (`MosaicAttentionConfig.persistent`, the same tiles),
+    the persistent output checked bitwise against the grid-launched one. The backward
+    does not change, so forward+backward moves by the forward's difference."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
+
+    cases = [(name, shape, causal, None, None) for name, shape, causal in WORKLOADS]
+    cases.append(("soft cap 50 window 4096 " + FEATURE_WORKLOADS[0][0],
+                  FEATURE_WORKLOADS[0][1], True, (4096, 0), 50.0))
+    for name, (b, s, h, hk, d), causal, window, cap in cases:
+        q, k, v, _ = _inputs(b, s, h, hk, d)
+        unit = 4 * b * h * d * _pairs(s, causal, window)
+        statics = dict(is_causal=causal, local_window_size=window, logits_soft_cap=cap)
+        if cap is None:
+            record = dict(phase="persistent", workload=name, variant="cudnn fwd")
+            timed(record, _fwd("cudnn", **statics), (q, k, v), unit)
+            _log(record)
+        default, source = _fwd_config(q, k, causal, window, cap)
+        outs = []
+        for on in (False, True):
+            config = dataclasses.replace(default, persistent=on)
+            record = dict(phase="persistent", workload=name, variant="mosaic fwd",
+                          config=str(config), config_source=source)
+            impl = PallasMosaicGpuFlashAttention(config=config)
+            outs.append(timed(record, _fwd(impl, **statics), (q, k, v), unit))
+            _log(record)
+            jax.clear_caches()
+        if all(out is not None for out in outs):
+            _log(dict(phase="persistent", workload=name, bitwise_equal=bool(
+                np.array_equal(np.asarray(outs[0]), np.asarray(outs[1])))))
+
+
 def ncu() -> None:
     """One forward+backward each, for `ncu` to profile (no timing loop of its own)."""
     import jax
@@ -229,7 +286,8 @@ def ncu() -> None:
 
 
 def main(argv: list[str]) -> int:
-    phases = {"split": (split, 400), "features": (features, 240), "ncu": (ncu, 300)}
+    phases = {"split": (split, 400), "features": (features, 240), "ncu": (ncu, 300),
+              "persistent": (persistent, 300)}
     return run_phases(argv or ["split", "features"], __file__, phases, _log)
 
 

@@ -462,3 +462,55 @@ def test_longest_first_matches_reference(shape, block_kv, fwd_wgs, vjp_wgs, wind
     assert all(np.array_equal(a, b) for a, b in zip(results, in_grid_order, strict=True))
     again = step(q, k, v, do, key_value_seq_lengths=kv_lengths)
     assert all(np.array_equal(a, b) for a, b in zip(results, again, strict=True))
+
+
+@functools.cache
+def _persistent_fwd(persistent, causal, window, cap, fields):
+    op = PallasMosaicGpuFlashAttention(config=MosaicAttentionConfig(
+        persistent=persistent, **dict(fields)))
+
+    def f(q, k, v, key_value_seq_lengths=None):
+        return dot_product_attention(
+            q, k, v, is_causal=causal, local_window_size=window, logits_soft_cap=cap,
+            key_value_seq_lengths=key_value_seq_lengths, implementation=op,
+            return_residual=True)
+    return jax.jit(f)
+
+
+@pytest.mark.parametrize("shape, causal, window, cap, lengths, fields", [
+    # More tiles than SMs (4 x 16 x 8 = 512 tiles over 132 blocks), causal GQA.
+    pytest.param((4, 2048, 2048, 16, 4, 128), True, None, None, None,
+                 dict(block_kv=128, longest_first=True), id="gqa-causal-d128"),
+    pytest.param((8, 1024, 2048, 8, 8, 64), False, None, None, None,
+                 dict(block_q=128, block_kv=128, num_stages=3), id="cross-d64"),
+    pytest.param((4, 2048, 2048, 8, 4, 128), True, (512, 0), 30.0, (2048, 700, 1300, 64),
+                 dict(block_kv=64), id="window-cap-lengths"),
+    pytest.param((4, 1024, 1024, 8, 4, 256), True, None, None, None,
+                 dict(block_kv=64, compute_wgs=1), id="d256"),
+    # Fewer tiles than SMs: one tile a block.
+    pytest.param((1, 512, 512, 4, 4, 128), False, None, None, None, dict(block_kv=128),
+                 id="one-tile-a-block"),
+])
+def test_persistent_forward_matches_reference(shape, causal, window, cap, lengths, fields):
+    """One block per SM walking its tiles (K/V ring carried across tiles): output and lse
+    against the float32 reference, bitwise equal to the grid-launched kernel and to a
+    rerun."""
+    q, k, v, _ = _inputs(*shape)
+    kv_lengths = None if lengths is None else jnp.array(lengths, jnp.int32)
+    fields = tuple(sorted(fields.items()))
+    step = _persistent_fwd(True, causal, window, cap, fields)
+    out, lse = step(q, k, v, key_value_seq_lengths=kv_lengths)
+    args = [x.astype(jnp.float32) for x in (q, k, v)]
+    with reference_precision():
+        want, want_lse = dot_product_attention(
+            *args, is_causal=causal, local_window_size=window, logits_soft_cap=cap,
+            key_value_seq_lengths=kv_lengths, implementation="xla", return_residual=True)
+    assert_close(out, want, jnp.bfloat16)
+    seen = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse, np.float32)), seen)
+    assert_close(np.asarray(lse, np.float32)[seen], np.asarray(want_lse)[seen], jnp.bfloat16)
+    grid_out, grid_lse = _persistent_fwd(False, causal, window, cap, fields)(
+        q, k, v, key_value_seq_lengths=kv_lengths)
+    assert np.array_equal(out, grid_out) and np.array_equal(lse, grid_lse)
+    again, _ = step(q, k, v, key_value_seq_lengths=kv_lengths)
+    assert np.array_equal(out, again)

@@ -357,11 +357,26 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the longest-first attention forward masks its scores by the grid's query index,"
         " not the reversed one its tiles were loaded by",
         "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
-        "s = mask_scores(s, q_base, step * block_kv,",
-        "s = mask_scores(s, q_base + (lax.axis_index('q') - qi) * (wgs * block_q),"
-        " step * block_kv,",
+        "s, m_new, m_off = row_max(s, m_i, q_base, step, masked=masked,",
+        "s, m_new, m_off = row_max(s, m_i, q_base + (lax.axis_index('q') - qi)"
+        " * (wgs * block_q), step, masked=masked,",
         ("tests/test_mosaic_attention_longest_first.py::"
          "test_kernels_match_the_ascending_order_bitwise",),
+    ),
+    Mutation(
+        "the persistent attention forward restarts its K/V ring at every tile (slots and"
+        " barrier phases out of step with the memory warpgroup's)",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
+        "            return position if ring is None else position + ring",
+        "            return position",
+        ("tests/test_mosaic_attention_persistent.py::test_bitwise_equal_to_the_grid",),
+    ),
+    Mutation(
+        "the persistent tile order walks one section's pairs and skips the others",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_tile_order.py",
+        "        pair = section * self.pairs_per_section + lax.rem(within, self.pairs_per_section)",
+        "        pair = lax.rem(within, self.pairs_per_section)",
+        ("tests/test_mosaic_attention_persistent.py::test_tile_order_visits_every_tile_once",),
     ),
     Mutation(
         "the backward's delta is a reduction again, which XLA tiles per compile",

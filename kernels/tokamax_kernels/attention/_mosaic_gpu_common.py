@@ -75,6 +75,12 @@ class MosaicAttentionConfig:
         (`query_block`), so the blocks with the most K/V tiles start first and the
         short ones fill the tail (FlashAttention-3's order); a no-op without a causal
         mask.
+      persistent: one block per SM, each walking a sequence of (batch, head, query
+        block) tiles (`_mosaic_gpu_tile_order`: L2 sections of heads, longest first with
+        `longest_first`) with its K/V ring carried from tile to tile, so the next
+        tile's K/V loads overlap this tile's last steps and output store, and no block
+        launch or pipeline fill sits between tiles (FlashAttention-3's and cuDNN's
+        forwards are persistent).
     """
 
     block_q: int = 64
@@ -83,12 +89,14 @@ class MosaicAttentionConfig:
     compute_wgs: int = 2
     softmax_overlap: bool = False
     longest_first: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_q, self.block_kv, self.num_stages, self.compute_wgs)
         if not isinstance(self.softmax_overlap, bool):
             raise ValueError(f"softmax_overlap must be a bool, got {self.softmax_overlap!r}")
         _check_bool("longest_first", self.longest_first)
+        _check_bool("persistent", self.persistent)
 
 
 OVERLAP_LIMITS = ("the Mosaic attention forward's softmax_overlap takes no local window and "

@@ -15,6 +15,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
+from tokamax_kernels._triton import sm_count
 from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_common import (
     COMPUTE_REGISTERS,
@@ -27,6 +28,7 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     query_block,
     tile_transforms,
 )
+from tokamax_kernels.attention._mosaic_gpu_tile_order import tile_order
 
 
 def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -67,6 +69,12 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
     has_lengths = kv_lengths is not None
     if config.softmax_overlap and (window is not None or has_lengths):
         raise NotImplementedError(OVERLAP_LIMITS)
+    # Persistent: one block per SM walks the tiles in `order` (`_mosaic_gpu_tile_order`).
+    order = None
+    if config.persistent:
+        order = tile_order(batch, heads, kv_heads, num_q_blocks, seq_kv, head_dim,
+                           jnp.dtype(dtype).itemsize,
+                           reverse_q=config.longest_first and causal)
 
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs
@@ -74,14 +82,24 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready,
          k_consumed, v_consumed, schedule, *p_smem) = refs
         p_smem = p_smem[0] if p_smem else None  # overlapped: each warpgroup's last P
-        b, h = lax.axis_index("batch"), lax.axis_index("heads")
-        qi = query_block(num_q_blocks, config.longest_first and causal)
         wg = lax.axis_index("wg")
-        kv_len = lengths_ref[b] if has_lengths else None
-        # K/V tiles wholly before the key length (all of them without lengths).
-        full_tiles = lax.div(kv_len, block_kv) if has_lengths else num_kv_blocks
 
-        def num_kv_steps(q_end):
+        def for_each_tile(run_tile):
+            """`run_tile(b, h, qi, ring)` on each (batch, head, query block) tile this block
+            owns. Persistent, `ring` counts the K/V tiles the block streamed before this
+            tile (its ring slots and barrier phases carry on from there) and `run_tile`
+            returns the count after it; otherwise the block owns one tile and `ring` is
+            None."""
+            if order is None:
+                run_tile(lax.axis_index("batch"), lax.axis_index("heads"),
+                         query_block(num_q_blocks, config.longest_first and causal), None)
+                return
+
+            @plgpu.nd_loop((order.num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
+            def _(info, carry):
+                return run_tile(*order.coordinates(info.index[0]), carry)
+
+        def num_kv_steps(q_end, kv_len):
             """K/V tiles that rows below `q_end` see."""
             steps = num_kv_blocks
             if causal:
@@ -90,16 +108,28 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
                 steps = jnp.minimum(lax.div(kv_len + block_kv - 1, block_kv), steps)
             return steps
 
-        block_steps = num_kv_steps((qi + 1) * (wgs * block_q))
-        block_first = 0
-        if window is not None:  # the tiles any row of the block sees
-            block_tiles = _window.kv_tiles(window, qi * (wgs * block_q), wgs * block_q,
-                                           block_kv, num_kv_blocks, kv_len)
-            block_first, block_steps = block_tiles.first, block_tiles.end
+        def tile_extent(b, qi):
+            """(key length or None, the K/V tiles wholly before it, the first and end K/V
+            tile any row of query block `qi` of batch element `b` sees)."""
+            kv_len = lengths_ref[b] if has_lengths else None
+            # K/V tiles wholly before the key length (all of them without lengths).
+            full_tiles = lax.div(kv_len, block_kv) if has_lengths else num_kv_blocks
+            block_steps = num_kv_steps((qi + 1) * (wgs * block_q), kv_len)
+            block_first = 0
+            if window is not None:
+                block_tiles = _window.kv_tiles(window, qi * (wgs * block_q), wgs * block_q,
+                                               block_kv, num_kv_blocks, kv_len)
+                block_first, block_steps = block_tiles.first, block_tiles.end
+            return kv_len, full_tiles, block_first, block_steps
 
-        def slot_of(step):
-            """The ring slot of K/V tile `step` (the block's first tile takes slot 0)."""
-            return lax.rem(step if window is None else step - block_first, stages)
+        def ring_position(step, block_first, ring):
+            """Where K/V tile `step` of a tile starting at `block_first` falls in the
+            block's stream (the tile's first K/V tile at `ring`)."""
+            position = step if window is None else step - block_first
+            return position if ring is None else position + ring
+
+        def ring_end(block_first, block_steps, ring):
+            return None if ring is None else ring + (block_steps - block_first)
 
         def take_turn():
             if wgs > 1:
@@ -111,7 +141,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         def scaled(x):
             return x * qk_scale if fold_scale else x
 
-        def row_max(s, m_i, q_base, step, *, masked):
+        def row_max(s, m_i, q_base, step, *, masked, kv_len=None):
             """Scores of K/V tile `step` (soft-capped, scaled unless the scale folds,
             masked), the new row max, and the max that exp2 subtracts."""
             if soft_cap is not None:
@@ -127,7 +157,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
             m_off = m_new if window is None else jnp.where(m_new == -jnp.inf, 0.0, m_new)
             return s, m_new, m_off
 
-        def overlapped_steps(q_base, my_q, steps, m_i, l_i):
+        def overlapped_steps(q_base, my_q, steps, m_i, l_i, slot_of):
             """FlashAttention-3's intra-warpgroup overlap (`config.softmax_overlap`; no
             window, no key lengths, so every warpgroup runs at least tile 0): each step
             issues tile `j`'s Q K^T and tile `j - 1`'s P V together, then runs tile `j`'s
@@ -202,135 +232,156 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         @pl.when(wg < wgs)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            q_base = qi * (wgs * block_q) + wg * block_q
-            my_q = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), h], my_q, q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
-            steps = num_kv_steps(q_base + block_q)
+            my_q = q_smem.at[wg]  # Q, then the output tile on its way out
 
-            def kv_step(step, carry, *, masked):
-                acc, m_i, l_i = carry
-                slot = slot_of(step)
-                plgpu.barrier_wait(k_ready.at[slot])
+            def compute_tile(b, h, qi, ring):
+                kv_len, full_tiles, block_first, block_steps = tile_extent(b, qi)
+                q_base = qi * (wgs * block_q) + wg * block_q
+                if ring is not None:  # the last tile's output has left my_q
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), h], my_q,
+                                        q_ready.at[wg])
+                plgpu.barrier_wait(q_ready.at[wg])
+                steps = num_kv_steps(q_base + block_q, kv_len)
 
-                def qk_product(acc_ref):
-                    plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].transpose((1, 0)))
-                    take_turn()  # let the other warpgroup's wgmma go while ours runs
-                    return acc_ref[...]
+                def slot_of(step):
+                    return lax.rem(ring_position(step, block_first, ring), stages)
 
-                s = pl.run_scoped(qk_product, plgpu.ACC((block_q, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                s, m_new, m_off = row_max(s, m_i, q_base, step, masked=masked)
+                def kv_step(step, carry, *, masked):
+                    acc, m_i, l_i = carry
+                    slot = slot_of(step)
+                    plgpu.barrier_wait(k_ready.at[slot])
 
-                def probabilities():
-                    return jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_off, s.shape, [0]))
+                    def qk_product(acc_ref):
+                        plgpu.wgmma(acc_ref, my_q, k_smem.at[slot].transpose((1, 0)))
+                        take_turn()  # let the other warpgroup's wgmma go while ours runs
+                        return acc_ref[...]
 
-                if convert_first:
-                    alpha = jnp.exp2(m_i - m_off)
-                    p = probabilities()
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    l_i = l_i * alpha
-                    p16 = p.astype(dtype)
-                    l_i = l_i + p.sum(axis=1)
+                    s = pl.run_scoped(qk_product, plgpu.ACC((block_q, block_kv), jnp.float32))
+                    plgpu.barrier_arrive(k_consumed.at[slot])
+                    s, m_new, m_off = row_max(s, m_i, q_base, step, masked=masked,
+                                              kv_len=kv_len)
+
+                    def probabilities():
+                        return jnp.exp2(scaled(s) - lax.broadcast_in_dim(m_off, s.shape, [0]))
+
+                    if convert_first:
+                        alpha = jnp.exp2(m_i - m_off)
+                        p = probabilities()
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        l_i = l_i * alpha
+                        p16 = p.astype(dtype)
+                        l_i = l_i + p.sum(axis=1)
+                    else:
+                        p = probabilities()
+                        alpha = jnp.exp2(m_i - m_off)
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        l_i = l_i * alpha + p.sum(axis=1)
+                        p16 = p.astype(dtype)
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    if wgs > 1:
+                        plgpu.barrier_arrive(schedule)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    if wgs > 1:
+                        plgpu.barrier_wait(schedule)
+
+                    def pv_product(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_consumed.at[slot])
+                    return acc, m_new, l_i
+
+                def drain_step(step, _):
+                    """A tile this warpgroup does not need (causal, window): release it in turn."""
+                    slot = slot_of(step)
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.barrier_arrive(k_consumed.at[slot])
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_arrive(v_consumed.at[slot])
+                    take_turn()
+                    take_turn()
+
+                vector = plgpu.Layout.WGMMA.reduce(1)
+                m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), vector)
+                l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), vector)
+                acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                                        plgpu.Layout.WGMMA)
+                carry = (acc, m_i, l_i)
+                if wgs > 1:
+                    pl.when(wg == 1)(take_turn)
+
+                def masked_step(i, c):
+                    return kv_step(i, c, masked=True)
+
+                if config.softmax_overlap:
+                    carry = overlapped_steps(q_base, my_q, steps, m_i, l_i, slot_of)
+                    if causal:
+                        lax.fori_loop(steps, block_steps, drain_step, None)
+                elif window is not None:
+                    tiles = _window.kv_tiles(window, q_base, block_q, block_kv, num_kv_blocks,
+                                             kv_len)
+                    lax.fori_loop(block_first, tiles.first, drain_step, None)
+                    carry = lax.fori_loop(tiles.first, tiles.full_first, masked_step, carry)
+                    carry = lax.fori_loop(tiles.full_first, tiles.full_end,
+                                          lambda i, c: kv_step(i, c, masked=False), carry)
+                    carry = lax.fori_loop(tiles.full_end, tiles.end, masked_step, carry)
+                    lax.fori_loop(tiles.end, block_steps, drain_step, None)
                 else:
-                    p = probabilities()
-                    alpha = jnp.exp2(m_i - m_off)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    l_i = l_i * alpha + p.sum(axis=1)
-                    p16 = p.astype(dtype)
-                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                    # Tiles before `unmasked` need no mask; the rest cross the diagonal or the
+                    # length.
+                    unmasked = jnp.minimum(full_tiles, steps) if has_lengths else steps
+                    if causal:
+                        unmasked = jnp.minimum(lax.div(q_base, block_kv), unmasked)
+                    carry = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False),
+                                          carry)
+                    if causal or has_lengths:
+                        carry = lax.fori_loop(unmasked, steps, masked_step, carry)
+                    if causal:
+                        lax.fori_loop(steps, block_steps, drain_step, None)
                 if wgs > 1:
-                    plgpu.barrier_arrive(schedule)
-                plgpu.barrier_wait(v_ready.at[slot])
-                if wgs > 1:
-                    plgpu.barrier_wait(schedule)
+                    pl.when(wg == 0)(take_turn)
+                acc, m_i, l_i = carry
+                acc = acc * lax.broadcast_in_dim(1.0 / l_i, acc.shape, [0])
+                my_q[...] = acc.astype(dtype)
+                lse_smem.at[wg][...] = (m_i + jnp.log2(l_i)) * LN2
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(my_q, out_ref.at[b, pl.ds(q_base, block_q), h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, block_q)])
+                return ring_end(block_first, block_steps, ring)
 
-                def pv_product(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_consumed.at[slot])
-                return acc, m_new, l_i
-
-            def drain_step(step, _):
-                """A tile this warpgroup does not need (causal, window): release it in turn."""
-                slot = slot_of(step)
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_arrive(v_consumed.at[slot])
-                take_turn()
-                take_turn()
-
-            vector = plgpu.Layout.WGMMA.reduce(1)
-            m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), vector)
-            l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), vector)
-            acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
-                                    plgpu.Layout.WGMMA)
-            carry = (acc, m_i, l_i)
-            if wgs > 1:
-                pl.when(wg == 1)(take_turn)
-
-            def masked_step(i, c):
-                return kv_step(i, c, masked=True)
-
-            if config.softmax_overlap:
-                carry = overlapped_steps(q_base, my_q, steps, m_i, l_i)
-                if causal:
-                    lax.fori_loop(steps, block_steps, drain_step, None)
-            elif window is not None:
-                tiles = _window.kv_tiles(window, q_base, block_q, block_kv, num_kv_blocks,
-                                         kv_len)
-                lax.fori_loop(block_first, tiles.first, drain_step, None)
-                carry = lax.fori_loop(tiles.first, tiles.full_first, masked_step, carry)
-                carry = lax.fori_loop(tiles.full_first, tiles.full_end,
-                                      lambda i, c: kv_step(i, c, masked=False), carry)
-                carry = lax.fori_loop(tiles.full_end, tiles.end, masked_step, carry)
-                lax.fori_loop(tiles.end, block_steps, drain_step, None)
-            else:
-                # Tiles before `unmasked` need no mask; the rest cross the diagonal or the
-                # length.
-                unmasked = jnp.minimum(full_tiles, steps) if has_lengths else steps
-                if causal:
-                    unmasked = jnp.minimum(lax.div(q_base, block_kv), unmasked)
-                carry = lax.fori_loop(0, unmasked, lambda i, c: kv_step(i, c, masked=False),
-                                      carry)
-                if causal or has_lengths:
-                    carry = lax.fori_loop(unmasked, steps, masked_step, carry)
-                if causal:
-                    lax.fori_loop(steps, block_steps, drain_step, None)
-            if wgs > 1:
-                pl.when(wg == 0)(take_turn)
-            acc, m_i, l_i = carry
-            acc = acc * lax.broadcast_in_dim(1.0 / l_i, acc.shape, [0])
-            my_q[...] = acc.astype(dtype)
-            lse_smem.at[wg][...] = (m_i + jnp.log2(l_i)) * LN2
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(my_q, out_ref.at[b, pl.ds(q_base, block_q), h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, block_q)])
+            for_each_tile(compute_tile)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == wgs)
         def _memory():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-            kv_h = lax.div(h, group)
 
-            @pl.loop(block_first, block_steps)
-            def _(step):
-                slot = slot_of(step)
-                rows = (b, pl.ds(step * block_kv, block_kv), kv_h)
+            def memory_tile(b, h, qi, ring):
+                kv_len, _, block_first, block_steps = tile_extent(b, qi)
+                kv_h = lax.div(h, group)
 
-                @pl.when(step >= block_first + stages)
-                def _():
-                    plgpu.barrier_wait(k_consumed.at[slot])
+                @pl.loop(block_first, block_steps)
+                def _(step):
+                    position = ring_position(step, block_first, ring)
+                    slot = lax.rem(position, stages)
+                    rows = (b, pl.ds(step * block_kv, block_kv), kv_h)
 
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+                    @pl.when(position >= stages)
+                    def _():
+                        plgpu.barrier_wait(k_consumed.at[slot])
 
-                @pl.when(step >= block_first + stages)
-                def _():
-                    plgpu.barrier_wait(v_consumed.at[slot])
+                    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
 
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+                    @pl.when(position >= stages)
+                    def _():
+                        plgpu.barrier_wait(v_consumed.at[slot])
+
+                    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+                return ring_end(block_first, block_steps, ring)
+
+            for_each_tile(memory_tile)
 
     transforms = tile_transforms(dtype)
     scratch = [
@@ -353,8 +404,9 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(heads, num_q_blocks, batch),
-        grid_names=("heads", "q", "batch"),
+        grid=((heads, num_q_blocks, batch) if order is None
+              else (min(order.num_tiles, sm_count()),)),
+        grid_names=("heads", "q", "batch") if order is None else ("sm",),
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -34,10 +34,6 @@ MIN_Q_MULTIPLE = 128
 MIN_KV_MULTIPLE = 64
 
 
-
-
-
-
 def forward_smem_bytes(config: MosaicAttentionConfig, head_dim: int, itemsize: int) -> int:
     q = config.compute_wgs * config.block_q * head_dim * itemsize
     kv = 2 * config.num_stages * config.block_kv * head_dim * itemsize
@@ -54,6 +50,19 @@ def fits(config: MosaicAttentionConfig, seq_q: int, seq_kv: int, head_dim: int) 
     return (seq_q % rows == 0 and seq_kv % config.block_kv == 0
             and forward_smem_bytes(config, head_dim, 2) <= common.SMEM_BYTES
             and registers <= 192)
+
+
+def one_block_per_sm(config: MosaicAttentionConfig, head_dim: int) -> bool:
+    """Whether a block of `config` takes more than half the SMEM, so a grid launch runs
+    one block per SM anyway and a persistent launch (`MosaicAttentionConfig.persistent`)
+    costs no occupancy. On the H200 (`attention_persistent_s24.jsonl`, forward, the
+    heuristics' tiles both ways) persistent ran 1.00-1.03x grid launch at the Llama
+    layer, causal GQA, d256 and a soft cap with a window, but 0.96-0.98x at d128 MHA
+    (its static round robin against the hardware's dynamic block scheduling) and 0.70x
+    at d64 with 128 x 128 tiles, where the grid fits two blocks per SM and overlaps one's
+    Q load and output store with the other's matmuls. So it is a tuning choice where one
+    block fills an SM, never the heuristics' pick."""
+    return 2 * forward_smem_bytes(config, head_dim, 2) > common.SMEM_BYTES
 
 
 def _narrow_for_window(preferred: list[MosaicAttentionConfig], window: Any
@@ -141,6 +150,8 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
                                            compute_wgs=wgs, longest_first=longest_first)
             if fits(config, seq_q, seq_kv, head_dim):
                 configs.add(config)
+                if one_block_per_sm(config, head_dim):
+                    configs.add(dataclasses.replace(config, persistent=True))
         return configs
 
     def _default_vjp(self) -> Op:

@@ -1,0 +1,235 @@
+"""CPU tests of the persistent Mosaic GPU attention forward (`MosaicAttentionConfig.
+persistent`): one block per SM walks a sequence of tiles (`_mosaic_gpu_tile_order`),
+its K/V ring and barriers carried from tile to tile.
+
+In GPU interpret mode with three "SMs" (so every block runs several tiles, the ring
+wrapping across tile boundaries at different offsets): numerics against the float32
+HIGHEST reference (forward, lse, and the default backward's gradients of random
+cotangents) with causal masks, GQA, a window with a soft cap, key lengths, the softmax
+overlap and d256; outputs bitwise equal to the grid-launched kernel; the tile order as
+a permutation with whole L2 sections; lowering for an H200. The device's own checks and
+timings: `tests/gpu/test_mosaic_attention_gpu.py -k persistent` and the probe's
+`persistent` phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_pass as tokamax
+from _mosaic_attention_interpreted import interpreted, statics
+from _mosaic_gpu_interpret import interpret_mode
+from conftest import H200, random_normal
+from tokamax_kernels.attention import (
+    PallasMosaicGpuFlashAttention,
+    PallasMosaicGpuFlashAttentionVjp,
+    dot_product_attention,
+)
+from tokamax_kernels.attention import _mosaic_gpu_fwd_kernel as fwd_kernel
+from tokamax_kernels.attention._mosaic_gpu_common import (
+    SMEM_BYTES,
+    MosaicAttentionConfig,
+    MosaicAttentionVjpConfig,
+)
+from tokamax_kernels.attention._mosaic_gpu_tile_order import (
+    L2_BUDGET_BYTES,
+    TileOrder,
+    tile_order,
+)
+from tokamax_kernels.attention.pallas_mosaic_gpu import forward_smem_bytes
+from tokamax_pass import core
+
+SMS = 3  # blocks of the persistent grid in these tests: each walks several tiles
+
+
+@pytest.fixture
+def three_sms(monkeypatch):
+    monkeypatch.setattr(fwd_kernel, "sm_count", lambda: SMS)
+
+
+def _persistent(**fields) -> MosaicAttentionConfig:
+    return MosaicAttentionConfig(persistent=True, **({"block_kv": 64} | fields))
+
+
+@pytest.mark.parametrize("shape, causal, window, cap, lengths, config", [
+    # GQA causal, longest first: 8 tiles over 3 blocks, 1-4 K/V tiles each.
+    pytest.param((2, 256, 256, 4, 2, 64), True, None, None, None,
+                 _persistent(longest_first=True), id="gqa-causal-longest-first"),
+    # Cross attention, three stages (the ring wraps at a different tile each time).
+    pytest.param((2, 128, 384, 2, 1, 64), False, None, None, None,
+                 _persistent(num_stages=3, compute_wgs=1), id="mqa-cross-3-stages"),
+    # A causal window with a soft cap: tiles start and end at different K/V tiles.
+    pytest.param((2, 256, 256, 2, 2, 64), True, (100, 0), 20.0, None, _persistent(),
+                 id="window-cap", marks=pytest.mark.slow),
+    # Key lengths (one of 37: most tiles of that batch element never loaded).
+    pytest.param((2, 256, 256, 2, 1, 128), True, None, None, (200, 37), _persistent(),
+                 id="lengths-d128"),
+    pytest.param((2, 256, 256, 2, 1, 64), True, None, None, None,
+                 _persistent(softmax_overlap=True), id="softmax-overlap",
+                 marks=pytest.mark.slow),
+    pytest.param((2, 128, 128, 2, 1, 256), False, None, None, None,
+                 _persistent(compute_wgs=1), id="d256", marks=pytest.mark.slow),
+])
+def test_interpreted_matches_reference(three_sms, shape, causal, window, cap, lengths,
+                                       config):
+    extra = {} if lengths is None else dict(
+        key_value_seq_lengths=jnp.array(lengths, jnp.int32))
+    interpreted(shape, statics(causal, window, cap, **extra), config,
+                MosaicAttentionVjpConfig(compute_wgs=1), seed=11)
+
+
+@pytest.mark.parametrize("shape, causal, fields, kwargs", [
+    ((2, 256, 256, 4, 2, 64), True, dict(longest_first=True), {}),
+    ((2, 128, 256, 2, 2, 64), False, dict(num_stages=3), {}),
+    ((2, 256, 256, 2, 1, 64), True, dict(compute_wgs=1),
+     dict(window=(70, 0), soft_cap=30.0)),
+    ((2, 256, 256, 2, 1, 64), True, {}, dict(kv_lengths=jnp.array([130, 0], jnp.int32))),
+])
+def test_bitwise_equal_to_the_grid(three_sms, shape, causal, fields, kwargs):
+    """A tile's work does not depend on which block runs it or after which tile: out
+    and lse equal the grid-launched kernel's bit for bit (rows that see no key aside,
+    which both leave undefined)."""
+    b, sq, sk, h, hk, d = shape
+    q = random_normal(1, (b, sq, h, d), jnp.bfloat16)
+    k, v = (random_normal(i, (b, sk, hk, d), jnp.bfloat16) for i in (2, 3))
+    lengths = kwargs.pop("kv_lengths", None)
+
+    def run(persistent):
+        config = MosaicAttentionConfig(block_kv=64, persistent=persistent, **fields)
+        return fwd_kernel.mosaic_attention_forward(q, k, v, lengths, scale=0.3,
+                                                   causal=causal, config=config, **kwargs)
+
+    with interpret_mode():
+        got, want = run(True), run(False)
+    seen = np.ones((b, sq), bool)
+    if lengths is not None:
+        seen &= np.asarray(lengths)[:, None] > 0
+    for g, w, rows in zip(got, want, (seen, seen), strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if g.ndim == 3:  # lse is (B, H, Sq)
+            g, w = np.swapaxes(g, 1, 2), np.swapaxes(w, 1, 2)
+        np.testing.assert_array_equal(g[rows], w[rows])
+
+
+@pytest.mark.parametrize("order", [
+    TileOrder(batch=2, heads=6, num_q_blocks=5, pairs_per_section=4, reverse_q=True),
+    TileOrder(batch=3, heads=4, num_q_blocks=2, pairs_per_section=1, reverse_q=False),
+    TileOrder(batch=1, heads=8, num_q_blocks=7, pairs_per_section=8, reverse_q=True),
+])
+def test_tile_order_visits_every_tile_once(order):
+    tiles = jnp.arange(order.num_tiles, dtype=jnp.int32)
+    b, h, qi = (np.asarray(x) for x in jax.vmap(order.coordinates)(tiles))
+    seen = set(zip(b.tolist(), h.tolist(), qi.tolist(), strict=True))
+    assert len(seen) == order.num_tiles
+    assert b.max() < order.batch and h.max() < order.heads and qi.max() < order.num_q_blocks
+    pair = b * order.heads + h
+    section_tiles = order.pairs_per_section * order.num_q_blocks
+    for start in range(0, order.num_tiles, section_tiles):
+        # A section holds whole (batch, head) pairs, each with all its query blocks.
+        pairs = pair[start:start + section_tiles]
+        assert len(set(pairs.tolist())) == order.pairs_per_section
+        blocks = qi[start:start + section_tiles]
+        # Query blocks in rounds: longest (last) first when reversed.
+        rounds = blocks.reshape(order.num_q_blocks, order.pairs_per_section)
+        assert (rounds == rounds[:, :1]).all()
+        want = np.arange(order.num_q_blocks)
+        np.testing.assert_array_equal(rounds[:, 0], want[::-1] if order.reverse_q else want)
+
+
+def test_tile_order_sections_fit_the_l2_budget():
+    # b4 s8192 d128 bf16: 4 MiB of K/V per head, so 8 heads a section.
+    assert tile_order(4, 16, 16, 32, 8192, 128, 2, reverse_q=False).pairs_per_section == 8
+    # GQA with 4 query heads a K/V head: 1 MiB per query head, 32 a section.
+    assert tile_order(4, 32, 8, 16, 8192, 128, 2, reverse_q=True).pairs_per_section == 32
+    # Sections divide the pairs: 3 x 5 pairs under a budget of 8 -> 5.
+    order = tile_order(3, 5, 5, 4, 8192, 128, 2, reverse_q=False)
+    assert order.pairs_per_section == 5
+    # A head too large for the budget still gets a section of its own.
+    assert tile_order(2, 2, 2, 4, 1 << 20, 256, 2, reverse_q=False).pairs_per_section == 1
+    for args in [(4, 16, 16, 32, 8192, 128, 2), (7, 3, 1, 8, 4096, 64, 2)]:
+        order = tile_order(*args, reverse_q=False)
+        pair_bytes = 2 * args[4] * args[5] * args[6] * args[2] / args[1]
+        assert order.pairs_per_section * pair_bytes <= max(L2_BUDGET_BYTES, pair_bytes)
+        assert (order.batch * order.heads) % order.pairs_per_section == 0
+
+
+@pytest.mark.parametrize("head_dim, kwargs", [
+    (128, dict(is_causal=True)),
+    (64, dict(local_window_size=(200, 0), logits_soft_cap=30.0)),
+    (256, dict(key_value_seq_lengths=jnp.array([300, 77], jnp.int32))),
+])
+def test_lowers_for_h200(head_dim, kwargs):
+    """The persistent forward with the default backward, lowered for an H200: one block
+    per SM (132) over the 2 x 4 x 2 tiles' 16 blocks, so 16 blocks here."""
+    q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 512, 2, head_dim), jnp.bfloat16)
+    config = _persistent(compute_wgs=1 if head_dim == 256 else 2, longest_first=True)
+    op = PallasMosaicGpuFlashAttention(config=config, vjp=PallasMosaicGpuFlashAttentionVjp(
+        config=MosaicAttentionVjpConfig()))
+
+    def f(q, k, v, do):
+        _, pullback = jax.vjp(lambda q, k, v: dot_product_attention(
+            q, k, v, implementation=op, **kwargs), q, k, v)
+        return pullback(do)
+
+    with core.targeting(H200):
+        exported = jax.export.export(jax.jit(f), platforms=["cuda"],
+                                     disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS)(
+            q, kv, kv, q)
+    assert exported.mlir_module().count("mosaic_gpu_v2") == 3
+
+
+@pytest.mark.parametrize("batch, grid", [(2, "(64,)"), (8, "(132,)")])
+def test_the_grid_is_one_block_per_sm_at_most(batch, grid):
+    """Persistent, the kernel launches min(tiles, SMs) blocks over a flat "sm" axis:
+    4 heads x 8 query blocks x `batch` tiles against the H200's 132 SMs."""
+    q = jax.ShapeDtypeStruct((batch, 1024, 4, 64), jnp.bfloat16)
+
+    def launch(config):
+        jaxpr = str(jax.make_jaxpr(lambda q: fwd_kernel.mosaic_attention_forward(
+            q, q, q, scale=0.3, causal=True, config=config))(q))
+        return jaxpr[jaxpr.index("grid="):jaxpr.index(", cluster=")]
+
+    with core.targeting(H200):
+        assert launch(MosaicAttentionConfig()) == (
+            f"grid=(4, 8, {batch}), grid_names=('heads', 'q', 'batch')")
+        assert launch(MosaicAttentionConfig(persistent=True)) == (
+            f"grid={grid}, grid_names=('sm',)")
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="persistent must be a bool"):
+        MosaicAttentionConfig(persistent=1)
+    assert MosaicAttentionConfig().persistent is False
+    assert dataclasses.replace(MosaicAttentionConfig(), persistent=True).persistent
+
+
+@pytest.mark.parametrize("shape, causal", [
+    ((4, 4096, 16, 4, 128), True),   # the Llama layer: tuned persistent on the H200
+    ((32, 2048, 16, 16, 64), False),  # d64: two 128 x 128 blocks fit an SM
+    ((2, 8192, 8, 4, 256), True),
+    ((3, 1536, 6, 2, 128), False),   # an unmeasured shape
+])
+def test_persistent_is_tuned_only_where_a_block_fills_an_sm(shape, causal):
+    """The heuristics never launch persistent (it lost 2-30% at d128 MHA and d64 on the
+    H200); the search space offers it beside each config whose block takes over half
+    the SMEM, where a grid launch also runs one block per SM, and never otherwise."""
+    b, s, h, hk, d = shape
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, hk, d), jnp.bfloat16)
+    with core.targeting(H200):
+        ba = PallasMosaicGpuFlashAttention().bind(q, kv, kv, is_causal=causal)
+        heuristics, space = ba.heuristics_config, ba.autotuning_configs
+    assert not heuristics.persistent
+    persistent = {c for c in space if c.persistent}
+    assert persistent, "some config of every shape here fills an SM"
+    for config in space:
+        fills = 2 * forward_smem_bytes(config, d, 2) > SMEM_BYTES
+        twin = dataclasses.replace(config, persistent=not config.persistent)
+        assert (twin in space) == fills, config
+        assert not config.persistent or fills
