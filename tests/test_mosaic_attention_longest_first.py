@@ -17,14 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tokamax_pass as tokamax
+from _mosaic_attention_export import export_vjp
 from _mosaic_attention_interpreted import interpreted, statics
 from _mosaic_gpu_interpret import interpret_mode
 from conftest import H200, random_normal
 from tokamax_kernels.attention import (
     PallasMosaicGpuFlashAttention,
     PallasMosaicGpuFlashAttentionVjp,
-    dot_product_attention,
 )
 from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
     mosaic_attention_dkv,
@@ -145,21 +144,8 @@ def test_the_dkv_kernel_ignores_it(kernel, fields):
 ])
 def test_lowers_for_h200(head_dim, kv_heads, kwargs):
     """Forward, dq and dk/dv kernels, causal, with the option on both configs."""
-    q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 512, kv_heads, head_dim), jnp.bfloat16)
-    op = PallasMosaicGpuFlashAttention(
-        config=_fwd(compute_wgs=1 if head_dim == 256 else 2),
-        vjp=PallasMosaicGpuFlashAttentionVjp(config=_vjp()))
-
-    def f(q, k, v, do):
-        _, pullback = jax.vjp(lambda q, k, v: dot_product_attention(
-            q, k, v, is_causal=True, implementation=op, **kwargs), q, k, v)
-        return pullback(do)
-
-    with core.targeting(H200):
-        exported = jax.export.export(jax.jit(f), platforms=["cuda"],
-                                     disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS)(
-            q, kv, kv, q)
+    exported = export_vjp(_vjp(), fwd_config=_fwd(compute_wgs=1 if head_dim == 256 else 2),
+                          head_dim=head_dim, kv_heads=kv_heads, **kwargs)
     assert exported.mlir_module().count("mosaic_gpu_v2") == 3
 
 

@@ -21,14 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import tokamax_pass as tokamax
+from _mosaic_attention_export import export_vjp
 from _mosaic_attention_interpreted import interpreted, statics
 from _mosaic_gpu_interpret import interpret_mode
 from conftest import H200, random_normal
 from tokamax_kernels.attention import (
     PallasMosaicGpuFlashAttention,
-    PallasMosaicGpuFlashAttentionVjp,
-    dot_product_attention,
 )
 from tokamax_kernels.attention import _mosaic_gpu_fwd_kernel as fwd_kernel
 from tokamax_kernels.attention._mosaic_gpu_common import (
@@ -158,29 +156,17 @@ def test_tile_order_sections_fit_the_l2_budget():
         assert (order.batch * order.heads) % order.pairs_per_section == 0
 
 
-@pytest.mark.parametrize("head_dim, kwargs", [
-    (128, dict(is_causal=True)),
-    (64, dict(local_window_size=(200, 0), logits_soft_cap=30.0)),
-    (256, dict(key_value_seq_lengths=jnp.array([300, 77], jnp.int32))),
+@pytest.mark.parametrize("head_dim, causal, kwargs", [
+    (128, True, {}),
+    (64, False, dict(local_window_size=(200, 0), logits_soft_cap=30.0)),
+    (256, False, dict(key_value_seq_lengths=jnp.array([300, 77], jnp.int32))),
 ])
-def test_lowers_for_h200(head_dim, kwargs):
-    """The persistent forward with the default backward, lowered for an H200: one block
-    per SM (132) over the 2 x 4 x 2 tiles' 16 blocks, so 16 blocks here."""
-    q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((2, 512, 2, head_dim), jnp.bfloat16)
+def test_lowers_for_h200(head_dim, causal, kwargs):
+    """The persistent forward with the default backward, lowered for an H200 (16 tiles,
+    so 16 blocks)."""
     config = _persistent(compute_wgs=1 if head_dim == 256 else 2, longest_first=True)
-    op = PallasMosaicGpuFlashAttention(config=config, vjp=PallasMosaicGpuFlashAttentionVjp(
-        config=MosaicAttentionVjpConfig()))
-
-    def f(q, k, v, do):
-        _, pullback = jax.vjp(lambda q, k, v: dot_product_attention(
-            q, k, v, implementation=op, **kwargs), q, k, v)
-        return pullback(do)
-
-    with core.targeting(H200):
-        exported = jax.export.export(jax.jit(f), platforms=["cuda"],
-                                     disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS)(
-            q, kv, kv, q)
+    exported = export_vjp(MosaicAttentionVjpConfig(), fwd_config=config, head_dim=head_dim,
+                          causal=causal, **kwargs)
     assert exported.mlir_module().count("mosaic_gpu_v2") == 3
 
 
