@@ -25,9 +25,7 @@ from _mosaic_attention_export import export_vjp
 from _mosaic_attention_interpreted import interpreted, statics
 from _mosaic_gpu_interpret import interpret_mode
 from conftest import H200, random_normal
-from tokamax_kernels.attention import (
-    PallasMosaicGpuFlashAttention,
-)
+from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
 from tokamax_kernels.attention import _mosaic_gpu_fwd_kernel as fwd_kernel
 from tokamax_kernels.attention._mosaic_gpu_common import (
     SMEM_BYTES,
