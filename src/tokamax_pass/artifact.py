@@ -62,6 +62,7 @@ class Artifact:
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Writes `<name>.stablehlo` and `manifest.json` into `directory` (made if needed)."""
+        _require_non_empty("Artifact.save", "directory", directory)
         directory = checks.directory_to_write("Artifact.save", "directory", directory)
         directory.mkdir(parents=True, exist_ok=True)
         _write_atomic(directory / f"{self.name}{_SUFFIX}", self.serialized)
@@ -72,6 +73,7 @@ class Artifact:
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Artifact:
         """Reads an artifact directory written by `save` (no compatibility checks)."""
+        _require_non_empty("load_artifact", "directory", directory)
         directory = checks.as_path("load_artifact", "directory", directory)
         if not directory.exists():
             raise FileNotFoundError(f"load_artifact: directory {os.fspath(directory)!r} does "
@@ -128,6 +130,7 @@ def inspect(source: str | os.PathLike[str] | Artifact) -> Inspection:
         raise TypeError(f"inspect: source must be an Artifact, a path (artifact directory, "
                         f".stablehlo or text file) or StableHLO text, got "
                         f"{type(source).__name__}{hint}")
+    _require_non_empty("inspect", "source", source)
     return inspect_path(source, load_artifact_dir=Artifact.load, deserialize=_deserialize_text)
 
 
@@ -183,12 +186,25 @@ def load_kernel_runtimes(manifest: Mapping[str, Any]) -> None:
 
 def check_compatible(manifest: Mapping[str, Any], dev: jax.Device) -> None:
     """Raises `ArtifactMismatchError` unless the artifact may run on `dev` here."""
-    override = "; pass check=False (CLI: --no-check) to run it anyway"
+    if not isinstance(manifest, Mapping):
+        raise TypeError(f"check_compatible: manifest must be a Mapping (artifact.manifest), "
+                        f"got {type(manifest).__name__}")
+    if not isinstance(dev, jax.Device):
+        raise TypeError(f"check_compatible: dev must be a jax.Device (jax.devices()[i]), got "
+                        f"{type(dev).__name__}")
+    # No command runs an artifact: this named a `--no-check` flag that does not exist.
+    override = "; pass load_artifact(..., check=False) to run it anyway"
     versions = manifest.get("versions", {})
     for package, installed in (("jax", jax.__version__),
                                ("tokamax_pass", __version__)):
         made = versions.get(package)
-        if made is None or _version_tuple(made) > _version_tuple(installed):
+        if made is None:
+            # Read as "exported with jax None, newer than the installed 0.x; upgrade jax".
+            raise ArtifactMismatchError(
+                f"artifact {manifest.get('name')!r} records no {package} version in its "
+                f"manifest's 'versions' (not written by tokamax_pass.export?); re-export "
+                f"it{override}")
+        if _version_tuple(made) > _version_tuple(installed):
             raise ArtifactMismatchError(
                 f"artifact {manifest.get('name')!r} was exported with {package} {made}, "
                 f"newer than the installed {installed}; upgrade {package}{override}"
@@ -273,6 +289,11 @@ def _platforms(platforms: Sequence[str] | str | None,
     unknown = [p for p in result if p not in ("cpu", "cuda", "rocm", "tpu")]
     if not result or unknown:
         raise ValueError(f"export: platforms must name cpu, cuda, rocm or tpu, got {platforms!r}")
+    twice = sorted({p for p in result if result.count(p) > 1})
+    if twice:
+        # The manifest listed the platform twice ("gpu,cuda" as ['cuda', 'cuda']).
+        raise ValueError(f"export: platforms names {', '.join(twice)} more than once, got "
+                         f"{platforms!r} ('gpu' is 'cuda'); list each platform once")
     for platform, kind in kinds.items():
         if platform not in result:
             raise ValueError(f"export: device_kind names {kind!r}, a {platform} device, but "
@@ -283,12 +304,23 @@ def _platforms(platforms: Sequence[str] | str | None,
 def _abstract(arg: Any) -> Any:
     def leaf(x: Any) -> Any:
         if isinstance(x, str):
-            return spec.parse_array_spec(x)
+            try:
+                return spec.parse_array_spec(x)
+            except spec.SpecError as e:
+                raise spec.SpecError(f"export: {e}") from None
         if spec.is_array(x) and not isinstance(x, jax.ShapeDtypeStruct):
             return jax.ShapeDtypeStruct(x.shape, x.dtype)
         return x
 
     return jax.tree.map(leaf, arg)
+
+
+def _require_non_empty(who: str, name: str, value: Any) -> None:
+    """A `ValueError` for `""`, which `Path` reads as the working directory: `save("")`
+    wrote the artifact there, `load_artifact("")` and `inspect("")` read it."""
+    if isinstance(value, str) and not value.strip():
+        raise ValueError(f"{who}: {name} must not be empty, got {value!r}; pass '.' for the "
+                         f"working directory")
 
 
 def _safe_name(name: str) -> str:
@@ -317,7 +349,7 @@ def _check_manifest(manifest: Mapping[str, Any], *, what: str) -> None:
     """A `SpecError` for a manifest whose fields `load_artifact` reads have the wrong types
     (it failed with an `AttributeError` or `KeyError` in the checks)."""
     for key, kind in (("name", str), ("file", str), ("versions", Mapping),
-                      ("platforms", list), ("device_kinds", Mapping)):
+                      ("platforms", list), ("device_kinds", Mapping), ("custom_calls", list)):
         if key in ("name", "file") and key not in manifest:
             raise spec.SpecError(f"{what} has no {key!r}")
         if key in manifest and not isinstance(manifest[key], kind):
@@ -326,6 +358,14 @@ def _check_manifest(manifest: Mapping[str, Any], *, what: str) -> None:
     if Path(manifest["file"]).name != manifest["file"]:
         raise spec.SpecError(f"{what}: 'file' must name a file in the artifact directory, "
                              f"got {manifest['file']!r}")
+    if not all(isinstance(t, str) for t in manifest.get("custom_calls", ())):
+        raise spec.SpecError(f"{what}: 'custom_calls' must be a list of strs, got "
+                             f"{manifest['custom_calls']!r:.80}")
+    for package, version in manifest.get("versions", {}).items():
+        if package in ("jax", "tokamax_pass") and not (
+                isinstance(version, str) and re.match(r"\d+(\.\d+)*", version)):
+            raise spec.SpecError(f"{what}: versions[{package!r}] must be a version string "
+                                 f"like '0.4.30', got {version!r:.80}")
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

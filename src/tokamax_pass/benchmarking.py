@@ -33,6 +33,9 @@ from tokamax_pass.core import checks, spec
 Mode = Literal["forward", "vjp", "forward_and_vjp"]
 METHODS = ("cupti", "profiler", "wallclock")
 DEFAULT_ITERATIONS = 5
+# The largest `seed`: it reaches the random-input program as an int32 argument (a larger
+# one overflowed there, deep in JAX's argument parsing).
+MAX_SEED = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,11 @@ def _abstract_slots(arrays: Sequence[Any]) -> tuple[_Slot, ...]:
                 f"standardize_function: array argument {i} is a jax.ShapeDtypeStruct of PRNG "
                 f"keys ({a.dtype}); random inputs are made for numbers only: pass real keys "
                 f"(jax.random.split(jax.random.key(0), n))")
+        if any(isinstance(d, int) and d < 0 for d in a.shape):
+            # jax.ShapeDtypeStruct takes it; XLA failed with "invalid tensor dimension size".
+            raise ValueError(
+                f"standardize_function: array argument {i} is a jax.ShapeDtypeStruct of "
+                f"shape {tuple(a.shape)}; dimensions must be >= 0")
     return tuple((i, tuple(a.shape), jnp.dtype(a.dtype).name) for i, a in slots)
 
 
@@ -153,7 +161,8 @@ def standardize_function(
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"standardize_function: kwargs must be a dict of keyword arguments "
                         f"or None, got {type(kwargs).__name__}")
-    checks.require_int("standardize_function", "seed", seed, minimum=0, allow_none=True)
+    checks.require_int("standardize_function", "seed", seed, minimum=0, allow_none=True,
+                       maximum=MAX_SEED)
     args, kwargs = _bind_signature(f, args, dict(kwargs or {}))
     leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=lambda v: v is None)
     array_index = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
@@ -317,6 +326,9 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
             iterations: int = DEFAULT_ITERATIONS) -> BenchmarkData:
         """Times `iterations` runs after a warm-up; `method=None` picks the best available."""
         checks.require_int("benchmark", "iterations", iterations, minimum=1)
+        if not isinstance(args, (list, tuple)):  # `None` failed as "not iterable"
+            raise TypeError(f"benchmark: args must be the list of arrays compile_benchmark "
+                            f"compiled for, got {type(args).__name__}")
         abstract = [i for i, a in enumerate(args) if isinstance(a, jax.ShapeDtypeStruct)]
         if abstract:  # JAX's "is not a valid JAX type", from inside the executable's call
             raise ValueError(

@@ -273,6 +273,17 @@ def _as_results(results: Any) -> tuple[Any, ...]:
 
 
 def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """The arguments' tree, array shapes and dtypes and other (static) values: a `ValueError`
+    (`jax.jit`'s) naming an unhashable static value (the set of tuned signatures raised a
+    bare "unhashable type: 'set'")."""
     leaves, treedef = jax.tree.flatten((tuple(args), kwargs))
-    return treedef, tuple((tuple(x.shape), str(x.dtype)) if spec.is_array(x) else x
-                          for x in leaves)
+    key = tuple((tuple(x.shape), str(x.dtype)) if spec.is_array(x) else x for x in leaves)
+    for value in key:
+        try:
+            hash(value)
+        except TypeError:
+            raise ValueError(
+                f"optimize: an argument is a {type(value).__name__} ({value!r:.60}), neither "
+                f"an array nor hashable: as for jax.jit, static arguments (static_argnums, "
+                f"static_argnames) must be hashable: pass a tuple or a frozenset") from None
+    return treedef, key

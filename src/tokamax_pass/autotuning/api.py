@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -99,6 +101,7 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
     In a multi-process run (`jax.distributed`) process 0 tunes and every process
     returns its result, so all compile the same kernels (`distributed.tune_once`).
     """
+    _check_misspelled_options(f, kwargs)
     _check_options(f, ignore_cache=ignore_cache, all_implementations=all_implementations,
                    timeout=timeout, max_workers=max_workers, cache=cache, progress=progress,
                    iterations=iterations, method=method, max_configs=max_configs,
@@ -138,6 +141,28 @@ def _check_options(f: Any, *, ignore_cache: Any, all_implementations: Any, timeo
     except ValueError as e:
         raise ValueError(f"autotune: {e}") from None
     checks.require_int("autotune", "max_configs", max_configs, minimum=1, allow_none=True)
+
+
+def _check_misspelled_options(f: Any, kwargs: dict[str, Any]) -> None:
+    """A `TypeError` for a keyword that `f` does not take and that is close to one of
+    `autotune`'s options (`max_config=2`): it went to `f`, which failed to trace with
+    "got an unexpected keyword argument", naming neither `autotune` nor the option."""
+    if not kwargs or not callable(f) or isinstance(f, BoundArguments):
+        return
+    try:
+        parameters = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):  # no signature to compare with
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return
+    taken = {p.name for p in parameters if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    options = [name for name, p in inspect.signature(autotune).parameters.items()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    for name in kwargs:
+        close = difflib.get_close_matches(name, options, n=1)
+        if name not in taken and close:
+            raise TypeError(f"autotune: {name}= is neither an option of autotune nor a "
+                            f"parameter of f; did you mean {close[0]}=?")
 
 
 def _autotune_here(f: Any, args: Sequence[Any], kwargs: dict[str, Any], *, ignore_cache: bool,

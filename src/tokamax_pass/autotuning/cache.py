@@ -131,6 +131,7 @@ def clear(directory: str | os.PathLike | None = None, device_kind: str | None = 
     """Deletes the user cache files (of one device kind, or all); returns their paths.
     `ValueError` where `device_kind` has no file and misspells a shipped device kind
     (`"H200"`: `device.check_device_kind`), which removed nothing, silently."""
+    _require_device_kind("clear", device_kind)
     folder = cache_dir(directory)
     pattern = f"{device_kind_key(device_kind)}.json" if device_kind else "*.json"
     removed = []
@@ -142,6 +143,17 @@ def clear(directory: str | os.PathLike | None = None, device_kind: str | None = 
     if device_kind and not removed:
         check_device_kind(device_kind)
     return removed
+
+
+def _require_device_kind(who: str, device_kind: Any) -> None:
+    """A device kind is a non-empty str or `None` (every kind): `""` cleared every
+    device kind's file, and an int failed as "'int' object has no attribute 'lower'"."""
+    if device_kind is not None and not isinstance(device_kind, str):
+        raise TypeError(f"{who}: device_kind must be a str (like 'NVIDIA H200') or None "
+                        f"for every device kind, got {type(device_kind).__name__}")
+    if device_kind is not None and not device_kind.strip():
+        raise ValueError(f"{who}: device_kind must name a device kind (like 'NVIDIA H200'),"
+                         f" got {device_kind!r}; pass None for every device kind")
 
 
 class _UserCache:
@@ -210,6 +222,9 @@ def write_library_cache(result: AutotuningResult, directory: str | os.PathLike) 
     `directory` is the `data/autotuning` folder (the package's, to ship a cache);
     files land in `<directory>/<device_kind_key>/<snake_case_class>.json`.
     """
+    if not isinstance(result, AutotuningResult):
+        raise TypeError(f"write_library_cache: result must be an AutotuningResult, got "
+                        f"{type(result).__name__}")
     folder = checks.directory_to_write("write_library_cache", "directory", directory)
     folder = folder / device_kind_key(result.device_kind)
     by_class: dict[str, list[Entry]] = {}

@@ -20,7 +20,7 @@ from typing import IO, Any
 import jax
 
 from tokamax_pass.autotuning import keys
-from tokamax_pass.core import checks, spec
+from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.op import BoundArguments
 
 FORMAT = "tokamax_pass.AutotuningResult"
@@ -56,11 +56,13 @@ class Measurement:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Measurement:
         times = data.get("evaluation_times_ms", [])
-        # A string was read digit by digit ("12": times 1 and 2), silently.
+        # A string was read digit by digit ("12": times 1 and 2), and a NaN or negative
+        # time was taken for the fastest config, silently.
         if not isinstance(times, list) or not all(
-                isinstance(t, (int, float)) and not isinstance(t, bool) for t in times):
+                isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0
+                for t in times):
             raise spec.SpecError(f"'evaluation_times_ms' must be a list of numbers, got "
-                                 f"{times!r:.80}")
+                                 f"{times!r:.80} (times in ms, each >= 0)")
         return cls(
             evaluation_times_ms=tuple(float(t) for t in times),
             lower_time_ms=data.get("lower_time_ms"),
@@ -120,9 +122,9 @@ class Entry:
         config_cls = bound.op.config_cls
         measured = {
             _decode_config(config_cls, item["config"]): Measurement.from_json(item)
-            for item in data.get("configs", ())
+            for item in _config_items(data)
         }
-        return cls(bound, measured, dict(data.get("provenance") or {}))
+        return cls(bound, measured, _provenance(data))
 
 
 _serials = itertools.count()
@@ -160,6 +162,7 @@ class AutotuningResult:
         if device_kind is not None and not isinstance(device_kind, str):
             raise TypeError(f"AutotuningResult: device_kind must be a str (like 'NVIDIA "
                             f"H200') or None, got {device_kind!r}")
+        _check_device_kind(device_kind, ValueError, "AutotuningResult: ")
         self.device_kind = device_kind
         self.tokamax_pass_version = tokamax_pass_version or keys.library_version()
         self.jax_version = jax_version or jax.__version__
@@ -271,6 +274,7 @@ class AutotuningResult:
         if device_kind is not None and not isinstance(device_kind, str):
             raise spec.SpecError(f"{what}: 'device_kind' must be a string or null, got "
                                  f"{device_kind!r}")
+        _check_device_kind(device_kind, spec.SpecError, f"{what}: ")
         if not isinstance(data.get("entries", []), list):
             raise spec.SpecError(f"{what}: 'entries' must be a list, got "
                                  f"{type(data['entries']).__name__}")
@@ -294,7 +298,10 @@ class AutotuningResult:
             path = checks.file_to_write("AutotuningResult.dump", "path_or_file", path_or_file)
             path.write_text(self.dumps())
         elif callable(getattr(path_or_file, "write", None)):
-            path_or_file.write(self.dumps())
+            text = self.dumps()
+            # A file opened in binary mode (`load` reads one) raised a bare "a bytes-like
+            # object is required, not 'str'".
+            path_or_file.write(text.encode() if _is_binary(path_or_file) else text)
         else:
             raise TypeError(f"AutotuningResult.dump: path_or_file must be a path or a "
                             f"writable file, got {type(path_or_file).__name__}")
@@ -347,6 +354,47 @@ def _require_bound(where: str, ba: Any, *, argument: str = "ba") -> None:
             f"AutotuningResult{where}: {argument} must be a BoundArguments (an op call, "
             f"as tokamax_pass.autotuning.get_bound_args(f, *args) lists them or "
             f"Op.bind(...) makes one), got {type(ba).__name__}")
+
+
+def _check_device_kind(device_kind: str | None, error: type[Exception], where: str) -> None:
+    """`error` for a device kind that misspells a shipped one (`"H200"`: no device reports
+    it): the result applied on no device and was saved to a cache file never read, so its
+    configs were lost, silently."""
+    if device_kind is None:
+        return
+    try:
+        device.check_device_kind(device_kind)
+    except ValueError as e:
+        raise error(f"{where}{e}") from None
+
+
+def _config_items(data: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """An entry's `configs`, each an object with a `config`: `SpecError` otherwise (a
+    string or an object there failed as "string indices must be integers")."""
+    items = data.get("configs", [])
+    if not isinstance(items, list) or not all(
+            isinstance(item, Mapping) and "config" in item for item in items):
+        raise spec.SpecError(f"'configs' must be a list of objects, each with a 'config', "
+                             f"got {items!r:.80}")
+    return items
+
+
+def _provenance(data: Mapping[str, Any]) -> dict[str, Any]:
+    """An entry's `provenance` (an object, or null for none): `SpecError` otherwise (a
+    string raised a bare `ValueError` from `dict`, and a user cache holding one crashed
+    every op call instead of being reported and skipped)."""
+    provenance = data.get("provenance") or {}
+    if not isinstance(provenance, Mapping):
+        raise spec.SpecError(f"'provenance' must be a JSON object or null, got "
+                             f"{provenance!r:.80}")
+    return dict(provenance)
+
+
+def _is_binary(file: Any) -> bool:
+    """Whether an open file takes bytes: a binary stream, or a file opened with a "b" mode."""
+    return not isinstance(file, io.TextIOBase) and (
+        isinstance(file, (io.RawIOBase, io.BufferedIOBase))
+        or "b" in str(getattr(file, "mode", "")))
 
 
 def decode_text(text: str | bytes | bytearray, *, what: str) -> str:

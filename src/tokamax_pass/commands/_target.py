@@ -51,6 +51,7 @@ def load_function(target: str, grad: bool = False) -> Callable[..., Any]:
 
 
 def parse_args(specs: list[str]) -> list[jax.ShapeDtypeStruct]:
+    """`--args` specs as `jax.ShapeDtypeStruct`s; a one-line `SystemExit` naming a bad one."""
     try:
         return [spec.parse_array_spec(s) for s in specs]
     except spec.SpecError as e:

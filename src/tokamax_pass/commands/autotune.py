@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from tokamax_pass.commands import _target
+from tokamax_pass.commands import _argtypes, _target
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -14,8 +14,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Autotunes the ops of MODULE:FUNCTION called with --args shapes, or of a "
                     "bound-arguments JSON file (from `tokamax-pass bound-args`).")
     _target.add_function_arguments(parser, required=False)
-    parser.add_argument("--bound-args", help="a bound-arguments JSON file instead of a function")
-    parser.add_argument("-o", "--output", help="write the AutotuningResult JSON here")
+    parser.add_argument("--bound-args", type=_argtypes.non_empty,
+                        help="a bound-arguments JSON file instead of a function")
+    parser.add_argument("-o", "--output", type=_argtypes.non_empty,
+                        help="write the AutotuningResult JSON here")
     parser.add_argument("--all-implementations", action="store_true",
                         help="time every implementation of each op family")
     parser.add_argument("--search-losers", action="store_true",
@@ -33,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="configs timed per op, nearest the heuristics (default: "
                              "autotune's; 0: the whole search space)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    parser.add_argument("--write-library-cache", metavar="DIR",
+    parser.add_argument("--write-library-cache", metavar="DIR", type=_argtypes.non_empty,
                         help="also write the result as library-cache files under DIR (the "
                              "package's src/tokamax_pass/data/autotuning to ship it)")
 

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 
+from tokamax_pass.commands import _argtypes
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("cache", help="inspect or edit the user autotuning cache")
-    parser.add_argument("--cache-dir", help="default: $TOKAMAX_PASS_CACHE_DIR or "
-                                            "~/.cache/tokamax_pass")
+    parser.add_argument("--cache-dir", type=_argtypes.non_empty,
+                        help="default: $TOKAMAX_PASS_CACHE_DIR or ~/.cache/tokamax_pass")
     actions = parser.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="the cache files, their device kinds and entry counts")
     show = actions.add_parser("show", help="the entries of one device kind as a table")
-    show.add_argument("--device-kind", help="default: the default device's kind")
+    show.add_argument("--device-kind", type=_argtypes.non_empty,
+                      help="default: the default device's kind")
     clear = actions.add_parser("clear", help="delete cache files")
-    clear.add_argument("--device-kind", help="only this device kind (default: all)")
+    clear.add_argument("--device-kind", type=_argtypes.non_empty,
+                       help="only this device kind (default: all)")
     imp = actions.add_parser("import", help="merge an AutotuningResult JSON into the cache")
-    imp.add_argument("file")
+    imp.add_argument("file", type=_argtypes.non_empty)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import tokamax_pass as tokamax
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import autotuner, discovery
+from tokamax_pass.commands import _argtypes
 from tokamax_pass.core import BoundArguments, current_target, registry, spec
 
 SEED_IMPLEMENTATIONS = (
@@ -37,9 +38,10 @@ CPU_SHAPE = (2, 256, 4, 64)
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("demo", help="run the seed example and show its op calls")
-    parser.add_argument("--shape", type=int, nargs=4, metavar=("B", "S", "H", "D"),
+    parser.add_argument("--shape", type=_argtypes.positive_int, nargs=4,
+                        metavar=("B", "S", "H", "D"),
                         help=f"(default: {SEED_SHAPE} on a GPU, {CPU_SHAPE} elsewhere)")
-    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--iterations", type=_argtypes.positive_int, default=10)
     parser.add_argument("--no-autotune", dest="autotune", action="store_false",
                         help="skip autotuning the gradient program")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokamax_pass.commands import _target
+from tokamax_pass.commands import _argtypes, _target
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -15,15 +15,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "manifest.json into -o DIR.")
     _target.add_function_arguments(parser)
     parser.add_argument("--results", action="append", default=[], metavar="JSON",
+                        type=_argtypes.non_empty,
                         help="AutotuningResult JSON whose configs win (repeatable; later wins)")
     parser.add_argument("--platforms", help="comma-separated, e.g. cpu,cuda,tpu (default: the "
                         "platforms of --device-kind, else this machine's backend)")
-    parser.add_argument("--device-kind", help="the device(s) to build for, one per platform, "
-                        "comma-separated, e.g. 'NVIDIA H200' or 'NVIDIA H200,TPU v6 lite'")
+    parser.add_argument("--device-kind", type=_argtypes.non_empty,
+                        help="the device(s) to build for, one per platform, comma-separated, "
+                             "e.g. 'NVIDIA H200' or 'NVIDIA H200,TPU v6 lite'")
     parser.add_argument("--autotune", choices=("never", "missing", "always"), default="never",
                         help="measure configs on this machine first (default: never)")
     parser.add_argument("--name", help="artifact file name (default: the function's name)")
-    parser.add_argument("-o", "--output", required=True, metavar="DIR",
+    parser.add_argument("-o", "--output", required=True, metavar="DIR", type=_argtypes.non_empty,
                         help="directory to write the artifact into")
 
 
@@ -40,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
         artifact = export(optimized, *arg_specs, platforms=args.platforms,
                           device_kind=args.device_kind, name=args.name)
     except (ValueError, NotImplementedError) as e:
-        raise SystemExit(f"export: {e}") from None
+        message = str(e)  # most already start "export: ", which was printed twice
+        raise SystemExit(message if message.startswith("export:")
+                         else f"export: {message}") from None
     directory = artifact.save(args.output)
     print(f"wrote {directory / artifact.manifest['file']} and {directory / 'manifest.json'}")
     ops = artifact.manifest["ops"]

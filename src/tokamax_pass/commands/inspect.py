@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 
+from tokamax_pass.commands import _argtypes
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "inspect", help="list the ops, kernels and configs in an artifact or StableHLO",
         description="FILE is an artifact directory (from `tokamax-pass export`), a serialized "
                     ".stablehlo file, or a .mlir / lowered-text / HLO-text file.")
-    parser.add_argument("file", help="artifact directory or StableHLO file")
+    parser.add_argument("file", type=_argtypes.non_empty,
+                        help="artifact directory or StableHLO file")
     parser.add_argument("--json", action="store_true", help="print the ops as JSON")
 
 
@@ -22,7 +25,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         found = inspect(args.file)
     except (OSError, SpecError, ValueError) as e:
-        raise SystemExit(f"inspect: {e}") from None
+        message = str(e)  # most already start "inspect: ", which was printed twice
+        raise SystemExit(message if message.startswith("inspect:")
+                         else f"inspect: {message}") from None
     if args.json:
         print(json.dumps({
             "ops": [{"op": o.op, "implementation": o.implementation, "config": o.config,

@@ -10,6 +10,7 @@ nothing of ours, so any module may use it).
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 import pathlib
@@ -22,22 +23,25 @@ def _is_int(value: Any) -> bool:
 
 
 def require_int(who: str, name: str, value: Any, *, minimum: int,
-                allow_none: bool = False) -> None:
-    """`value` is an int (not a bool) >= `minimum`, or `None` where `allow_none`."""
+                allow_none: bool = False, maximum: int | None = None) -> None:
+    """`value` is an int (not a bool) >= `minimum` (and <= `maximum` where given), or
+    `None` where `allow_none`."""
     if value is None and allow_none:
         return
-    if not _is_int(value) or value < minimum:
+    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
         none = " or None" if allow_none else ""
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise (ValueError if _is_int(value) else TypeError)(
-            f"{who}: {name} must be an int >= {minimum}{none}, got {value!r}")
+            f"{who}: {name} must be an int {bound}{none}, got {value!r}")
 
 
 def require_positive_number(who: str, name: str, value: Any) -> None:
-    """`value` is a real number (not a bool) > 0."""
+    """`value` is a finite real number (not a bool) > 0 of seconds: an infinite timeout
+    overflowed deep in `threading` ("timestamp out of range"), after the tracing."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{who}: {name} must be a number of seconds > 0, got {value!r}")
-    if not value > 0:
-        raise ValueError(f"{who}: {name} must be > 0, got {value!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{who}: {name} must be > 0 and finite (seconds), got {value!r}")
 
 
 def require_bool(who: str, name: str, value: Any) -> None:
