@@ -161,8 +161,10 @@ def standardize_function(
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"standardize_function: kwargs must be a dict of keyword arguments "
                         f"or None, got {type(kwargs).__name__}")
-    checks.require_int("standardize_function", "seed", seed, minimum=0, allow_none=True,
-                       maximum=MAX_SEED)
+    checks.require_int("standardize_function", "seed", seed, minimum=0, allow_none=True)
+    if seed is not None and seed > MAX_SEED:
+        raise ValueError(f"standardize_function: seed must be an int in [0, {MAX_SEED}] or "
+                         f"None, got {seed!r}")
     args, kwargs = _bind_signature(f, args, dict(kwargs or {}))
     leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=lambda v: v is None)
     array_index = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -130,6 +131,9 @@ def _check_options(f: Any, *, ignore_cache: Any, all_implementations: Any, timeo
                        all_implementations), ("cache", cache), ("progress", progress),
                        ("search_losers", search_losers)):
         checks.require_bool("autotune", name, flag)
+    if isinstance(timeout, float) and not math.isfinite(timeout):
+        # An infinite one overflowed deep in `threading`, after the tracing.
+        raise ValueError(f"autotune: timeout must be > 0 and finite (seconds), got {timeout!r}")
     checks.require_positive_number("autotune", "timeout", timeout)
     checks.require_int("autotune", "max_workers", max_workers, minimum=1, allow_none=True)
     checks.require_int("autotune", "lowering_processes", lowering_processes, minimum=0,

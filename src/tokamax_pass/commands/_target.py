@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 
+from tokamax_pass.artifact import parse_array_spec
 from tokamax_pass.core import spec
 
 
@@ -53,6 +54,6 @@ def load_function(target: str, grad: bool = False) -> Callable[..., Any]:
 def parse_args(specs: list[str]) -> list[jax.ShapeDtypeStruct]:
     """`--args` specs as `jax.ShapeDtypeStruct`s; a one-line `SystemExit` naming a bad one."""
     try:
-        return [spec.parse_array_spec(s) for s in specs]
+        return [parse_array_spec(s) for s in specs]
     except spec.SpecError as e:
         raise SystemExit(f"--args: {e}") from None

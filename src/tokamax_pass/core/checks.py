@@ -10,7 +10,6 @@ nothing of ours, so any module may use it).
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 import pathlib
@@ -23,25 +22,22 @@ def _is_int(value: Any) -> bool:
 
 
 def require_int(who: str, name: str, value: Any, *, minimum: int,
-                allow_none: bool = False, maximum: int | None = None) -> None:
-    """`value` is an int (not a bool) >= `minimum` (and <= `maximum` where given), or
-    `None` where `allow_none`."""
+                allow_none: bool = False) -> None:
+    """`value` is an int (not a bool) >= `minimum`, or `None` where `allow_none`."""
     if value is None and allow_none:
         return
-    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+    if not _is_int(value) or value < minimum:
         none = " or None" if allow_none else ""
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise (ValueError if _is_int(value) else TypeError)(
-            f"{who}: {name} must be an int {bound}{none}, got {value!r}")
+            f"{who}: {name} must be an int >= {minimum}{none}, got {value!r}")
 
 
 def require_positive_number(who: str, name: str, value: Any) -> None:
-    """`value` is a finite real number (not a bool) > 0 of seconds: an infinite timeout
-    overflowed deep in `threading` ("timestamp out of range"), after the tracing."""
+    """`value` is a real number (not a bool) > 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{who}: {name} must be a number of seconds > 0, got {value!r}")
-    if not 0 < value < math.inf:
-        raise ValueError(f"{who}: {name} must be > 0 and finite (seconds), got {value!r}")
+    if not value > 0:
+        raise ValueError(f"{who}: {name} must be > 0, got {value!r}")
 
 
 def require_bool(who: str, name: str, value: Any) -> None:
