@@ -110,6 +110,36 @@ def test_logits_soft_cap(implementation, dtype):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "xla_chunked tiles"])
+def test_float16_logits_past_its_range(implementation):
+    """float16 inputs whose logits pass 65504 (float16's largest): the loss and its
+    gradients stay finite and match the float32 reference. Logits rounded to float16
+    came out inf, the loss inf or NaN."""
+    x, labels, weights = inputs(jnp.float16)
+    x, weights = (x * 60).astype(jnp.float16), (weights * 300).astype(jnp.float16)
+    logits = jnp.matmul(x.astype(jnp.float32), weights.astype(jnp.float32))
+    assert float(jnp.abs(logits).max()) > 65504
+    cotangent = random_normal(9, labels.shape)
+
+    def loss(fn, x, weights):
+        return jnp.sum(fn(x, weights) * cotangent)
+
+    def ours(x, weights):
+        return lce(x, labels, weights, reduction="none", implementation=IMPLEMENTATIONS[
+            implementation])
+
+    def want(x, weights):
+        return reference(x, labels, weights, "none")
+
+    assert_close(ours(x, weights), want(x, weights), jnp.float16)
+    grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1))(x, weights)
+    want_grads = jax.grad(functools.partial(loss, want), argnums=(0, 1))(
+        x.astype(jnp.float32), weights.astype(jnp.float32))
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert got.dtype == jnp.float16
+        assert_close(got, expected, jnp.float16)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked tiles"])
 def test_runs_under_enable_x64(implementation):
     """With `jax_enable_x64` on, float32 inputs still give the float32 reference (the
     chunked scan's carries once came out float64 there and failed to lower)."""

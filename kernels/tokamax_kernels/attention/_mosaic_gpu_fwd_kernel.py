@@ -4,7 +4,9 @@ One block owns `compute_wgs * block_q` query rows of one (batch, head). Each com
 warpgroup keeps its `block_q` rows of Q in SMEM and an online-softmax accumulator in
 registers; the memory warpgroup streams K and V tiles through a ring of `num_stages`
 SMEM slots. With two compute warpgroups a "schedule" barrier makes them take turns on
-the tensor cores: one issues its `wgmma` while the other runs its softmax.
+the tensor cores: one issues its `wgmma` while the other runs its softmax. Persistent
+(`config.persistent`), one block per SM runs a sequence of such tiles
+(`_mosaic_gpu_tile_order`), its K/V ring and barriers carried from tile to tile.
 """
 
 from __future__ import annotations

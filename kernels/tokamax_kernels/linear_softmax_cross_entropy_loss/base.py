@@ -73,8 +73,15 @@ def soft_cap(logits: jax.Array, cap: float | None) -> jax.Array:
 
 def float32_logits(x: jax.Array, weights: jax.Array, precision: Any,
                    cap: float | None) -> jax.Array:
-    """Soft-capped float32 logits of `x @ weights`, computed in the inputs' dtype."""
-    return soft_cap(jnp.matmul(x, weights, precision=precision).astype(jnp.float32), cap)
+    """Soft-capped float32 logits of `x @ weights`.
+
+    bf16 and float32 products come out in the inputs' dtype, as the plain expression's
+    do (bf16 has float32's range; a float32 output would double the logits' traffic).
+    float16 ones come out in float32: rounded to float16, logits past 65504 turned into
+    inf and the loss into inf or NaN, where the float32 accumulator held them."""
+    wide = jnp.float32 if x.dtype == jnp.float16 else None
+    logits = jnp.matmul(x, weights, precision=precision, preferred_element_type=wide)
+    return soft_cap(logits.astype(jnp.float32), cap)
 
 
 def reduce_losses(losses: jax.Array, labels: jax.Array, reduction: str) -> jax.Array:
