@@ -56,10 +56,10 @@ OP_ROWS = (
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
-    "llama": "models_llama_s20.json",
-    "mixtral": "models_mixtral_s20.json",
-    "gemma2": "models_gemma2_s20.json",
-    "encoder": "models_encoder_s20.json",
+    "llama": "models_llama_s25.json",
+    "mixtral": "models_mixtral_s25.json",
+    "gemma2": "models_gemma2_s25.json",
+    "encoder": "models_encoder_s25.json",
 }
 VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"), ("tuned", "tuned"),
             ("upstream", "upstream Tokamax 0.0.17"))
@@ -70,7 +70,7 @@ def _cell(row: dict[str, Any], variant: str) -> str:
     if not isinstance(value, dict):
         return "- (not run)"
     if "ms" not in value:
-        return f"- ({value.get('skipped') or value.get('error', '')[:40]})"
+        return f"- ({(value.get('skipped') or value.get('error', '')[:40]).split(' (')[0]})"
     plain = row["plain"]["ms"]
     return f"{value['ms']:.2f} ms ({plain / value['ms']:.3f}x)"
 

@@ -1,6 +1,7 @@
 """The Mosaic GPU attention forward and VJP run on CPU in GPU interpret mode against the
-float32 HIGHEST reference: outputs, lse and the gradients of random cotangents. Shared by
-the soft cap / window tests and the head dim 256 tests."""
+float32 HIGHEST reference: outputs, lse and the gradients of random cotangents; and two
+forward configs checked bitwise against each other. Shared by the soft cap / window,
+head dim 256, persistent and grouped-heads tests."""
 
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ from tokamax_kernels.attention import (
     PallasMosaicGpuFlashAttention,
     PallasMosaicGpuFlashAttentionVjp,
 )
+from tokamax_kernels.attention import _mosaic_gpu_fwd_kernel as fwd_kernel
+from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionConfig
 
 
-def statics(causal, window, cap, **extra):
-    """The family's static arguments (scale 0.3) with `extra` (say lengths) on top."""
+def statics(causal, window, cap, lengths=None, **extra):
+    """The family's static arguments (scale 0.3), key/value `lengths` (a tuple, one a
+    batch element) as an int32 array, and `extra` on top."""
+    kv_lengths = None if lengths is None else jnp.array(lengths, jnp.int32)
     return dict(scale=0.3, is_causal=causal, query_seq_lengths=None,
-                key_value_seq_lengths=None, local_window_size=window, logits_soft_cap=cap,
-                precision=None) | extra
+                key_value_seq_lengths=kv_lengths, local_window_size=window,
+                logits_soft_cap=cap, precision=None) | extra
 
 
 def interpreted(shape, statics, config, vjp_config, seed):
@@ -58,3 +63,29 @@ def interpreted(shape, statics, config, vjp_config, seed):
         assert grads[name].dtype == jnp.bfloat16
         assert_close(grads[name], want_grad, jnp.bfloat16)
     return out, grads
+
+
+def assert_forward_variant_bitwise_equal(shape, causal, fields, variant, kv_lengths=None,
+                                         **kwargs):
+    """The forward kernel with `fields | variant` and with `fields` alone, in interpret
+    mode: out and lse equal bit for bit (rows that see no key aside, which both leave
+    undefined). `kwargs` (window, soft cap) go to the kernel; `shape` as `interpreted`'s."""
+    b, sq, sk, h, hk, d = shape
+    q = random_normal(1, (b, sq, h, d), jnp.bfloat16)
+    k, v = (random_normal(i, (b, sk, hk, d), jnp.bfloat16) for i in (2, 3))
+
+    def run(extra):
+        config = MosaicAttentionConfig(**({"block_kv": 64} | fields | extra))
+        return fwd_kernel.mosaic_attention_forward(q, k, v, kv_lengths, scale=0.3,
+                                                   causal=causal, config=config, **kwargs)
+
+    with interpret_mode():
+        got, want = run(variant), run({})
+    seen = np.ones((b, sq), bool)
+    if kv_lengths is not None:
+        seen &= np.asarray(kv_lengths)[:, None] > 0
+    for g, w in zip(got, want, strict=True):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        if g.ndim == 3:  # lse is (B, H, Sq)
+            g, w = np.swapaxes(g, 1, 2), np.swapaxes(w, 1, 2)
+        np.testing.assert_array_equal(g[seen], w[seen])

@@ -63,9 +63,7 @@ def _vjp(**fields) -> MosaicAttentionVjpConfig:
                  id="lengths-d128"),
 ])
 def test_interpreted_causal_matches_reference(shape, window, lengths, config, vjp_config):
-    extra = {} if lengths is None else dict(
-        key_value_seq_lengths=jnp.array(lengths, jnp.int32))
-    interpreted(shape, statics(True, window, None, **extra), config, vjp_config, seed=7)
+    interpreted(shape, statics(True, window, None, lengths), config, vjp_config, seed=7)
 
 
 def _inputs(b, sq, sk, h, hk, d):

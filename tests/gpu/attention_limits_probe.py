@@ -1,6 +1,6 @@
 """Device probe: what limits the Mosaic GPU attention against cuDNN (issue 16's goals).
 
-Three phases, each in a subprocess with a timeout, CUPTI medians after warm-up, bf16:
+The phases, each in a subprocess with a timeout, CUPTI medians after warm-up, bf16:
 
 * `split`: per workload, cuDNN's forward and forward+backward, our forward, our dq
   kernel and dk/dv kernel timed alone (the reproducible two-kernel backward), our
@@ -14,6 +14,12 @@ Three phases, each in a subprocess with a timeout, CUPTI medians after warm-up, 
 * `persistent`: our forward grid-launched and persistent (one block per SM walking its
   tiles) with the config `None` runs, against cuDNN; the persistent output bitwise
   against the grid-launched one.
+* `persistent_shapes`: the same at d128 and d64 shapes no benchmark has, MHA and GQA,
+  causal and not.
+* `group`: at GQA workloads (Llama, causal and not, Gemma-2's soft-capped d256 layers)
+  our forward with a block per query head and with the group's heads in one block
+  (`group_in_block`), grid-launched and persistent, at a few tiles, against cuDNN; the
+  grouped output bitwise against the per-head one.
 * `ncu`: one forward+backward each of cuDNN and Mosaic at the Llama layer and the d128
   workload, run as `ncu ... python3 tests/gpu/attention_limits_probe.py --phase ncu` to
   read the kernels' hardware counters (launch shape, registers, durations; with
@@ -240,6 +246,13 @@ def persistent() -> None:
     grid-launched and persistent (`MosaicAttentionConfig.persistent`, the same tiles),
     the persistent output checked bitwise against the grid-launched one. The backward
     does not change, so forward+backward moves by the forward's difference."""
+    cases = [(name, shape, causal, None, None) for name, shape, causal in WORKLOADS]
+    cases.append(("soft cap 50 window 4096 " + FEATURE_WORKLOADS[0][0],
+                  FEATURE_WORKLOADS[0][1], True, (4096, 0), 50.0))
+    _persistent_cases(cases, "persistent")
+
+
+def _persistent_cases(cases, phase: str) -> None:
     import dataclasses
 
     import jax
@@ -247,30 +260,109 @@ def persistent() -> None:
 
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
 
-    cases = [(name, shape, causal, None, None) for name, shape, causal in WORKLOADS]
-    cases.append(("soft cap 50 window 4096 " + FEATURE_WORKLOADS[0][0],
-                  FEATURE_WORKLOADS[0][1], True, (4096, 0), 50.0))
     for name, (b, s, h, hk, d), causal, window, cap in cases:
         q, k, v, _ = _inputs(b, s, h, hk, d)
         unit = 4 * b * h * d * _pairs(s, causal, window)
         statics = dict(is_causal=causal, local_window_size=window, logits_soft_cap=cap)
         if cap is None:
-            record = dict(phase="persistent", workload=name, variant="cudnn fwd")
+            record = dict(phase=phase, workload=name, variant="cudnn fwd")
             timed(record, _fwd("cudnn", **statics), (q, k, v), unit)
             _log(record)
         default, source = _fwd_config(q, k, causal, window, cap)
         outs = []
         for on in (False, True):
             config = dataclasses.replace(default, persistent=on)
-            record = dict(phase="persistent", workload=name, variant="mosaic fwd",
+            record = dict(phase=phase, workload=name, variant="mosaic fwd",
                           config=str(config), config_source=source)
             impl = PallasMosaicGpuFlashAttention(config=config)
             outs.append(timed(record, _fwd(impl, **statics), (q, k, v), unit))
             _log(record)
             jax.clear_caches()
         if all(out is not None for out in outs):
-            _log(dict(phase="persistent", workload=name, bitwise_equal=bool(
+            _log(dict(phase=phase, workload=name, bitwise_equal=bool(
                 np.array_equal(np.asarray(outs[0]), np.asarray(outs[1])))))
+
+
+# name, shape, causal, window, soft cap: GQA forwards for the `group` phase
+GROUP_WORKLOADS = [
+    ("llama b4 s4096 hq16 hkv4 d128 causal", (4, 4096, 16, 4, 128), True, None, None),
+    ("gqa b4 s4096 hq32 hkv8 d128 causal", (4, 4096, 32, 8, 128), True, None, None),
+    ("gqa b8 s2048 hq32 hkv8 d128 causal", (8, 2048, 32, 8, 128), True, None, None),
+    ("gqa b4 s4096 hq32 hkv8 d128", (4, 4096, 32, 8, 128), False, None, None),
+    ("gemma 2 local b2 s8192 hq8 hkv4 d256 causal", (2, 8192, 8, 4, 256), True, (4096, 0),
+     50.0),
+    ("gemma 2 global b2 s8192 hq8 hkv4 d256 causal", (2, 8192, 8, 4, 256), True, None, 50.0),
+]
+
+
+def group() -> None:
+    """Per GQA workload: cuDNN's forward (no soft cap only), then our forward at the
+    config `None` runs and at the tiles 64 x 128 and 128 x 128 (64 x 64 at d256) where
+    they fit, each
+    grid-launched and persistent where a block fills an SM, each with a block per query
+    head and with the group's heads in one block (`group_in_block`); the grouped output
+    checked bitwise against the per-head one."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
+    from tokamax_kernels.attention.pallas_mosaic_gpu import fits, one_block_per_sm
+
+    for name, (b, s, h, hk, d), causal, window, cap in GROUP_WORKLOADS:
+        q, k, v, _ = _inputs(b, s, h, hk, d)
+        unit = 4 * b * h * d * _pairs(s, causal, window)
+        statics = dict(is_causal=causal, local_window_size=window, logits_soft_cap=cap)
+        if cap is None:
+            record = dict(phase="group", workload=name, variant="cudnn fwd")
+            timed(record, _fwd("cudnn", **statics), (q, k, v), unit)
+            _log(record)
+        default, source = _fwd_config(q, k, causal, window, cap)
+        tiles = [(64, 64)] if d == 256 else [(64, 128), (128, 128)]
+        bases = [default] + [dataclasses.replace(default, block_q=bq, block_kv=bkv,
+                                                 num_stages=2, persistent=False,
+                                                 group_in_block=False)
+                             for bq, bkv in tiles]
+        bases += [dataclasses.replace(c, persistent=True) for c in bases[1:]
+                  if one_block_per_sm(c, d)]
+        for base in dict.fromkeys(bases):
+            if not fits(base, s, s, d):
+                continue
+            outs = []
+            for on in (False, True):
+                config = dataclasses.replace(base, group_in_block=on)
+                record = dict(phase="group", workload=name, variant="mosaic fwd",
+                              config=str(config),
+                              config_source=source if base == default else "probe")
+                impl = PallasMosaicGpuFlashAttention(config=config)
+                outs.append(timed(record, _fwd(impl, **statics), (q, k, v), unit))
+                _log(record)
+                jax.clear_caches()
+            if all(out is not None for out in outs):
+                _log(dict(phase="group", workload=name, config=str(base), bitwise_equal=bool(
+                    np.array_equal(np.asarray(outs[0]), np.asarray(outs[1])))))
+
+
+# name, shape, causal: d128 (and d64) shapes beside the benchmark's for `persistent_shapes`
+PERSISTENT_SHAPES = [
+    ("mha b8 s2048 h16 d128 causal", (8, 2048, 16, 16, 128), True),
+    ("mha b4 s4096 h16 d128 causal", (4, 4096, 16, 16, 128), True),
+    ("mha b4 s4096 h16 d128", (4, 4096, 16, 16, 128), False),
+    ("mha b16 s1024 h16 d128 causal", (16, 1024, 16, 16, 128), True),
+    ("gqa b2 s8192 hq32 hkv8 d128 causal", (2, 8192, 32, 8, 128), True),
+    ("gqa b16 s1024 hq32 hkv8 d128 causal", (16, 1024, 32, 8, 128), True),
+    ("gqa b8 s2048 hq32 hkv8 d128", (8, 2048, 32, 8, 128), False),
+    ("gqa b8 s2048 hq16 hkv4 d64 causal", (8, 2048, 16, 4, 64), True),
+]
+
+
+def persistent_shapes() -> None:
+    """`persistent`'s comparison (cuDNN, our forward grid-launched and persistent at the
+    config `None` runs) at shapes no benchmark has: to tell whether the persistent launch
+    wins by the sequence length, the mask or the K/V sharing of GQA."""
+    _persistent_cases([(name, shape, causal, None, None)
+                       for name, shape, causal in PERSISTENT_SHAPES], "persistent_shapes")
 
 
 def ncu() -> None:
@@ -287,7 +379,8 @@ def ncu() -> None:
 
 def main(argv: list[str]) -> int:
     phases = {"split": (split, 400), "features": (features, 240), "ncu": (ncu, 300),
-              "persistent": (persistent, 300)}
+              "persistent": (persistent, 300), "group": (group, 480),
+              "persistent_shapes": (persistent_shapes, 300)}
     return run_phases(argv or ["split", "features"], __file__, phases, _log)
 
 

@@ -465,9 +465,8 @@ def test_longest_first_matches_reference(shape, block_kv, fwd_wgs, vjp_wgs, wind
 
 
 @functools.cache
-def _persistent_fwd(persistent, causal, window, cap, fields):
-    op = PallasMosaicGpuFlashAttention(config=MosaicAttentionConfig(
-        persistent=persistent, **dict(fields)))
+def _fwd_with(causal, window, cap, fields):
+    op = PallasMosaicGpuFlashAttention(config=MosaicAttentionConfig(**dict(fields)))
 
     def f(q, k, v, key_value_seq_lengths=None):
         return dot_product_attention(
@@ -475,6 +474,29 @@ def _persistent_fwd(persistent, causal, window, cap, fields):
             key_value_seq_lengths=key_value_seq_lengths, implementation=op,
             return_residual=True)
     return jax.jit(f)
+
+
+def _check_fwd_variant(shape, causal, window, cap, lengths, fields, variant):
+    """The forward with `fields | variant`: output and lse against the float32 reference,
+    bitwise equal to the kernel with `fields` alone and to a rerun."""
+    q, k, v, _ = _inputs(*shape)
+    kv_lengths = None if lengths is None else jnp.array(lengths, jnp.int32)
+    step = _fwd_with(causal, window, cap, tuple(sorted((fields | variant).items())))
+    out, lse = step(q, k, v, key_value_seq_lengths=kv_lengths)
+    args = [x.astype(jnp.float32) for x in (q, k, v)]
+    with reference_precision():
+        want, want_lse = dot_product_attention(
+            *args, is_causal=causal, local_window_size=window, logits_soft_cap=cap,
+            key_value_seq_lengths=kv_lengths, implementation="xla", return_residual=True)
+    assert_close(out, want, jnp.bfloat16)
+    seen = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse, np.float32)), seen)
+    assert_close(np.asarray(lse, np.float32)[seen], np.asarray(want_lse)[seen], jnp.bfloat16)
+    plain_out, plain_lse = _fwd_with(causal, window, cap, tuple(sorted(fields.items())))(
+        q, k, v, key_value_seq_lengths=kv_lengths)
+    assert np.array_equal(out, plain_out) and np.array_equal(lse, plain_lse)
+    again, _ = step(q, k, v, key_value_seq_lengths=kv_lengths)
+    assert np.array_equal(out, again)
 
 
 @pytest.mark.parametrize("shape, causal, window, cap, lengths, fields", [
@@ -495,22 +517,24 @@ def test_persistent_forward_matches_reference(shape, causal, window, cap, length
     """One block per SM walking its tiles (K/V ring carried across tiles): output and lse
     against the float32 reference, bitwise equal to the grid-launched kernel and to a
     rerun."""
-    q, k, v, _ = _inputs(*shape)
-    kv_lengths = None if lengths is None else jnp.array(lengths, jnp.int32)
-    fields = tuple(sorted(fields.items()))
-    step = _persistent_fwd(True, causal, window, cap, fields)
-    out, lse = step(q, k, v, key_value_seq_lengths=kv_lengths)
-    args = [x.astype(jnp.float32) for x in (q, k, v)]
-    with reference_precision():
-        want, want_lse = dot_product_attention(
-            *args, is_causal=causal, local_window_size=window, logits_soft_cap=cap,
-            key_value_seq_lengths=kv_lengths, implementation="xla", return_residual=True)
-    assert_close(out, want, jnp.bfloat16)
-    seen = np.isfinite(np.asarray(want_lse))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse, np.float32)), seen)
-    assert_close(np.asarray(lse, np.float32)[seen], np.asarray(want_lse)[seen], jnp.bfloat16)
-    grid_out, grid_lse = _persistent_fwd(False, causal, window, cap, fields)(
-        q, k, v, key_value_seq_lengths=kv_lengths)
-    assert np.array_equal(out, grid_out) and np.array_equal(lse, grid_lse)
-    again, _ = step(q, k, v, key_value_seq_lengths=kv_lengths)
-    assert np.array_equal(out, again)
+    _check_fwd_variant(shape, causal, window, cap, lengths, fields, dict(persistent=True))
+
+
+@pytest.mark.parametrize("shape, causal, window, cap, lengths, fields", [
+    pytest.param((4, 2048, 2048, 16, 4, 128), True, None, None, None,
+                 dict(block_kv=128, longest_first=True), id="gqa-causal-d128"),
+    pytest.param((4, 2048, 2048, 16, 4, 128), True, None, None, None,
+                 dict(block_kv=128, longest_first=True, persistent=True),
+                 id="gqa-causal-d128-persistent"),
+    pytest.param((8, 1024, 2048, 8, 1, 64), False, None, None, None,
+                 dict(block_q=128, block_kv=128, num_stages=3), id="mqa-cross-d64"),
+    pytest.param((4, 2048, 2048, 8, 4, 128), True, (512, 0), 30.0, (2048, 700, 1300, 64),
+                 dict(block_kv=64), id="window-cap-lengths"),
+    pytest.param((2, 2048, 2048, 8, 4, 256), True, (1024, 0), 50.0, None,
+                 dict(block_kv=64), id="gemma2-d256"),
+])
+def test_group_in_block_forward_matches_reference(shape, causal, window, cap, lengths,
+                                                  fields):
+    """A GQA group's query heads in one block, one a warpgroup: output and lse against
+    the float32 reference, bitwise equal to a block per query head and to a rerun."""
+    _check_fwd_variant(shape, causal, window, cap, lengths, fields, dict(group_in_block=True))

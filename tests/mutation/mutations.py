@@ -379,6 +379,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_mosaic_attention_persistent.py::test_tile_order_visits_every_tile_once",),
     ),
     Mutation(
+        "the attention heuristics launch persistent at MHA too, where the grid won",
+        "kernels/tokamax_kernels/attention/pallas_mosaic_gpu.py",
+        "    return heads > kv_heads and head_dim <= 128 and one_block_per_sm(config, head_dim)",
+        "    return heads >= kv_heads and head_dim <= 128 and one_block_per_sm(config, head_dim)",
+        ("tests/test_mosaic_attention_persistent.py::"
+         "test_persistent_where_measured_and_tuned_where_a_block_fills_an_sm",),
+    ),
+    Mutation(
+        "the grouped attention forward runs every warpgroup on the block's first head",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
+        "                    q_base, h = qi * rows, h * heads_per_block + wg",
+        "                    q_base, h = qi * rows, h * heads_per_block",
+        ("tests/test_mosaic_attention_group_in_block.py::"
+         "test_bitwise_equal_to_a_block_per_head",),
+    ),
+    Mutation(
+        "the grouped attention forward streams the K/V head of the block's index, not of"
+        " its query heads",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
+        "                kv_h = lax.div(h * heads_per_block, group)",
+        "                kv_h = lax.div(h, group)",
+        ("tests/test_mosaic_attention_group_in_block.py::"
+         "test_bitwise_equal_to_a_block_per_head",),
+    ),
+    Mutation(
         "the backward's delta is a reduction again, which XLA tiles per compile",
         "kernels/tokamax_kernels/attention/_softmax_row_term.py",
         "    for column in range(1, terms.shape[-1]):",

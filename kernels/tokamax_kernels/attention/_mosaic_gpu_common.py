@@ -81,6 +81,12 @@ class MosaicAttentionConfig:
         tile's K/V loads overlap this tile's last steps and output store, and no block
         launch or pipeline fill sits between tiles (FlashAttention-3's and cuDNN's
         forwards are persistent).
+      group_in_block: GQA/MQA: the compute warpgroups of a block run `compute_wgs` query
+        heads of one K/V head on the same `block_q` query rows (`query_heads_per_block`),
+        so each K/V tile is loaded once for all of them and, under a causal mask, every
+        warpgroup of the block walks the same K/V tiles (a block of `compute_wgs` row
+        tiles of one head leaves the upper warpgroups idle on the diagonal's last
+        tiles). Needs query heads per K/V head divisible by `compute_wgs`.
     """
 
     block_q: int = 64
@@ -90,6 +96,7 @@ class MosaicAttentionConfig:
     softmax_overlap: bool = False
     longest_first: bool = False
     persistent: bool = False
+    group_in_block: bool = False
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_q, self.block_kv, self.num_stages, self.compute_wgs)
@@ -97,6 +104,18 @@ class MosaicAttentionConfig:
             raise ValueError(f"softmax_overlap must be a bool, got {self.softmax_overlap!r}")
         _check_bool("longest_first", self.longest_first)
         _check_bool("persistent", self.persistent)
+        _check_bool("group_in_block", self.group_in_block)
+
+    @property
+    def query_heads_per_block(self) -> int:
+        """Query heads a block runs: one per compute warpgroup with `group_in_block`."""
+        return self.compute_wgs if self.group_in_block else 1
+
+    @property
+    def rows_per_block(self) -> int:
+        """Query rows of each head a block runs: `block_q` with `group_in_block` (every
+        warpgroup its own head), else one `block_q` tile per compute warpgroup."""
+        return self.block_q if self.group_in_block else self.compute_wgs * self.block_q
 
 
 OVERLAP_LIMITS = ("the Mosaic attention forward's softmax_overlap takes no local window and "

@@ -4,9 +4,11 @@ One block owns `compute_wgs * block_q` query rows of one (batch, head). Each com
 warpgroup keeps its `block_q` rows of Q in SMEM and an online-softmax accumulator in
 registers; the memory warpgroup streams K and V tiles through a ring of `num_stages`
 SMEM slots. With two compute warpgroups a "schedule" barrier makes them take turns on
-the tensor cores: one issues its `wgmma` while the other runs its softmax. Persistent
-(`config.persistent`), one block per SM runs a sequence of such tiles
-(`_mosaic_gpu_tile_order`), its K/V ring and barriers carried from tile to tile.
+the tensor cores: one issues its `wgmma` while the other runs its softmax. With
+`config.group_in_block` the warpgroups take one query head each of a GQA group, on the
+same rows, sharing every K/V tile. Persistent (`config.persistent`), one block per SM
+runs a sequence of such tiles (`_mosaic_gpu_tile_order`), its K/V ring and barriers
+carried from tile to tile.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
                              soft_cap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """`(out (B, Sq, H, D), lse (B, H, Sq) float32, natural log)` of softmax(scale q k^T) v.
 
-    Shapes must already be checked: Sq a multiple of `compute_wgs * block_q`, Sk a
-    multiple of `block_kv`, H a multiple of K/V's head count. Causal is top-left aligned
-    (key <= query). `kv_lengths` (B,) int32 in [0, Sk], when given, hides keys at and
-    after it; tiles past it are never loaded. A row that sees no key (length 0) comes
-    out undefined: the caller masks it.
+    Shapes must already be checked: Sq a multiple of `config.rows_per_block`, Sk a
+    multiple of `block_kv`, H a multiple of K/V's head count (with `group_in_block`,
+    of `compute_wgs` K/V heads' worth: every block's heads share one K/V head). Causal
+    is top-left aligned (key <= query). `kv_lengths` (B,) int32 in [0, Sk], when given,
+    hides keys at and after it; tiles past it are never loaded. A row that sees no key
+    (length 0) comes out undefined: the caller masks it.
 
     `window` (`_window.bounds`: causal folded in) limits each query to keys
     `i - left .. i + right`: a block loads only the K/V tiles its rows see. `soft_cap`
@@ -57,7 +60,12 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
     block_q, block_kv, wgs = config.block_q, config.block_kv, config.compute_wgs
     stages = max(1, min(config.num_stages, seq_kv // block_kv))
     num_kv_blocks = seq_kv // block_kv
-    num_q_blocks = seq_q // (wgs * block_q)
+    rows = config.rows_per_block  # query rows of a block (per head)
+    heads_per_block = config.query_heads_per_block
+    if group % heads_per_block:
+        raise ValueError(f"group_in_block needs query heads per K/V head ({group}) divisible "
+                         f"by compute_wgs ({wgs}): set group_in_block=False")
+    num_q_blocks = seq_q // rows
     qk_scale = scale * LOG2E  # scores are kept in log2 units: exp2 is one instruction
     if soft_cap is not None:
         # The capped score in log2 units is (cap * log2 e) * tanh(qk * scale / cap): the
@@ -74,7 +82,8 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
     # Persistent: one block per SM walks the tiles in `order` (`_mosaic_gpu_tile_order`).
     order = None
     if config.persistent:
-        order = tile_order(batch, heads, kv_heads, num_q_blocks, seq_kv, head_dim,
+        order = tile_order(batch, heads // heads_per_block, kv_heads, num_q_blocks, seq_kv,
+                           head_dim,
                            jnp.dtype(dtype).itemsize,
                            reverse_q=config.longest_first and causal)
 
@@ -87,11 +96,11 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         wg = lax.axis_index("wg")
 
         def for_each_tile(run_tile):
-            """`run_tile(b, h, qi, ring)` on each (batch, head, query block) tile this block
-            owns. Persistent, `ring` counts the K/V tiles the block streamed before this
-            tile (its ring slots and barrier phases carry on from there) and `run_tile`
-            returns the count after it; otherwise the block owns one tile and `ring` is
-            None."""
+            """`run_tile(b, h, qi, ring)` on each (batch, head block, query block) tile this
+            block owns (head block `h`: query heads `h * heads_per_block` on). Persistent,
+            `ring` counts the K/V tiles the block streamed before this tile (its ring slots
+            and barrier phases carry on from there) and `run_tile` returns the count after
+            it; otherwise the block owns one tile and `ring` is None."""
             if order is None:
                 run_tile(lax.axis_index("batch"), lax.axis_index("heads"),
                          query_block(num_q_blocks, config.longest_first and causal), None)
@@ -116,11 +125,11 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
             kv_len = lengths_ref[b] if has_lengths else None
             # K/V tiles wholly before the key length (all of them without lengths).
             full_tiles = lax.div(kv_len, block_kv) if has_lengths else num_kv_blocks
-            block_steps = num_kv_steps((qi + 1) * (wgs * block_q), kv_len)
+            block_steps = num_kv_steps((qi + 1) * rows, kv_len)
             block_first = 0
             if window is not None:
-                block_tiles = _window.kv_tiles(window, qi * (wgs * block_q), wgs * block_q,
-                                               block_kv, num_kv_blocks, kv_len)
+                block_tiles = _window.kv_tiles(window, qi * rows, rows, block_kv,
+                                               num_kv_blocks, kv_len)
                 block_first, block_steps = block_tiles.first, block_tiles.end
             return kv_len, full_tiles, block_first, block_steps
 
@@ -238,7 +247,10 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
 
             def compute_tile(b, h, qi, ring):
                 kv_len, full_tiles, block_first, block_steps = tile_extent(b, qi)
-                q_base = qi * (wgs * block_q) + wg * block_q
+                if config.group_in_block:  # my own head, the block's rows
+                    q_base, h = qi * rows, h * heads_per_block + wg
+                else:  # my own rows of the block's head
+                    q_base = qi * rows + wg * block_q
                 if ring is not None:  # the last tile's output has left my_q
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), h], my_q,
@@ -361,7 +373,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
 
             def memory_tile(b, h, qi, ring):
                 kv_len, _, block_first, block_steps = tile_extent(b, qi)
-                kv_h = lax.div(h, group)
+                kv_h = lax.div(h * heads_per_block, group)
 
                 @pl.loop(block_first, block_steps)
                 def _(step):
@@ -406,7 +418,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=((heads, num_q_blocks, batch) if order is None
+        grid=((heads // heads_per_block, num_q_blocks, batch) if order is None
               else (min(order.num_tiles, sm_count()),)),
         grid_names=("heads", "q", "batch") if order is None else ("sm",),
         num_threads=wgs + 1,

@@ -44,7 +44,7 @@ def forward_smem_bytes(config: MosaicAttentionConfig, head_dim: int, itemsize: i
 
 def fits(config: MosaicAttentionConfig, seq_q: int, seq_kv: int, head_dim: int) -> bool:
     """Whether `config` tiles these lengths and fits in SMEM and registers."""
-    rows = config.compute_wgs * config.block_q
+    rows = config.rows_per_block
     # Per-thread f32 registers of the accumulator (block_q x head_dim) and the scores.
     registers = (config.block_q * head_dim + config.block_q * config.block_kv) // 128
     return (seq_q % rows == 0 and seq_kv % config.block_kv == 0
@@ -52,17 +52,36 @@ def fits(config: MosaicAttentionConfig, seq_q: int, seq_kv: int, head_dim: int) 
             and registers <= 192)
 
 
+def groups_fit(config: MosaicAttentionConfig, heads: int, kv_heads: int) -> bool:
+    """Whether a block's `query_heads_per_block` heads share one K/V head.
+
+    `group_in_block` is a tuning choice, never the heuristics': on the H200
+    (`attention_group_s25.jsonl`, forward, the heuristics' tiles, grid and persistent)
+    it ran 0.99-1.00x a block per query head at causal and non-causal GQA d128 and
+    Gemma-2's windowed d256 layer, and 1.026x at its global (soft-capped) d256 layer."""
+    return (heads // kv_heads) % config.query_heads_per_block == 0
+
+
 def one_block_per_sm(config: MosaicAttentionConfig, head_dim: int) -> bool:
     """Whether a block of `config` takes more than half the SMEM, so a grid launch runs
     one block per SM anyway and a persistent launch (`MosaicAttentionConfig.persistent`)
-    costs no occupancy. On the H200 (`attention_persistent_s24.jsonl`, forward, the
-    heuristics' tiles both ways) persistent ran 1.00-1.03x grid launch at the Llama
-    layer, causal GQA, d256 and a soft cap with a window, but 0.96-0.98x at d128 MHA
-    (its static round robin against the hardware's dynamic block scheduling) and 0.70x
-    at d64 with 128 x 128 tiles, where the grid fits two blocks per SM and overlaps one's
-    Q load and output store with the other's matmuls. So it is a tuning choice where one
-    block fills an SM, never the heuristics' pick."""
+    costs no occupancy: the search space offers the persistent twin of such configs."""
     return 2 * forward_smem_bytes(config, head_dim, 2) > common.SMEM_BYTES
+
+
+def persistent_measured(config: MosaicAttentionConfig, heads: int, kv_heads: int,
+                        head_dim: int) -> bool:
+    """Whether the heuristics launch `config` persistent: GQA/MQA at head dim <= 128 with a
+    block that fills an SM.
+
+    On the H200 (forward, the heuristics' tiles, grid against persistent in one process;
+    `attention_persistent_s24.jsonl`, `attention_group_s25.jsonl`,
+    `attention_persistent_shapes_s25.jsonl`) persistent ran 0.998-1.119x the grid at all
+    seven GQA d128 shapes (causal and not, 1024-8192 rows; the L2 sections keep a group's
+    shared K/V hot), but 0.91-0.995x at four of five MHA d128 shapes (1.03x at 1024
+    rows), 0.94-0.97x at Gemma-2's soft-capped d256 GQA layers, and 0.70x at d64 with
+    128 x 128 tiles, where two blocks fit an SM and overlap each other's start and end."""
+    return heads > kv_heads and head_dim <= 128 and one_block_per_sm(config, head_dim)
 
 
 def _narrow_for_window(preferred: list[MosaicAttentionConfig], window: Any
@@ -92,6 +111,11 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         q, k = args["query"], args["key"]
         if self.config is not None and not fits(self.config, q.shape[1], k.shape[1], q.shape[3]):
             raise NotImplementedError(f"{_WHAT}: config {self.config} does not fit these shapes")
+        if self.config is not None and not groups_fit(self.config, q.shape[2], k.shape[2]):
+            raise NotImplementedError(
+                f"{_WHAT}: group_in_block runs compute_wgs={self.config.compute_wgs} query "
+                f"heads of one K/V head in a block, and these {q.shape[2]} query heads over "
+                f"{k.shape[2]} K/V heads do not divide so: set group_in_block=False")
         if (self.config is not None and self.config.softmax_overlap
                 and (args["local_window_size"] is not None
                      or args["key_value_seq_lengths"] is not None)):
@@ -136,22 +160,29 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         config = next((c for c in preferred if fits(c, seq_q, seq_kv, head_dim)),
                       MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2))
         return dataclasses.replace(
-            config, longest_first=common.longest_first_measured(ba.arguments))
+            config, longest_first=common.longest_first_measured(ba.arguments),
+            persistent=persistent_measured(config, q.shape[2], k.shape[2], head_dim))
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicAttentionConfig]:
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
         wg_choices = common.compute_wg_choices(q.shape[0] * q.shape[2], seq_q)
         longest_first = common.longest_first_measured(ba.arguments)
+        heads, kv_heads = q.shape[2], k.shape[2]
         configs = set()
         for bq, bkv, stages, wgs in itertools.product((64, 128), (64, 128), (2, 3, 4),
                                                       wg_choices):
             config = MosaicAttentionConfig(block_q=bq, block_kv=bkv, num_stages=stages,
                                            compute_wgs=wgs, longest_first=longest_first)
-            if fits(config, seq_q, seq_kv, head_dim):
-                configs.add(config)
-                if one_block_per_sm(config, head_dim):
-                    configs.add(dataclasses.replace(config, persistent=True))
+            variants = [config]
+            if wgs > 1 and heads > kv_heads:
+                variants.append(dataclasses.replace(config, group_in_block=True))
+            for variant in variants:
+                if (fits(variant, seq_q, seq_kv, head_dim)
+                        and groups_fit(variant, heads, kv_heads)):
+                    configs.add(variant)
+                    if one_block_per_sm(variant, head_dim):
+                        configs.add(dataclasses.replace(variant, persistent=True))
         return configs
 
     def _default_vjp(self) -> Op:
