@@ -144,11 +144,28 @@ def retune_stale(output: pathlib.Path) -> int:
     # too, since the library ranks implementations by these times.
     entries = Autotuner().tune_many(
         [(ba, candidate_configs(ba, LIBRARY_MAX_CONFIGS)) for ba in calls])
-    result = tokamax.AutotuningResult(jax.devices()[0].device_kind, entries)
+    timed = [e for e in entries if e.fastest is not None]
+    result = tokamax.AutotuningResult(jax.devices()[0].device_kind, timed)
     written = cache.write_library_cache(result, output)
-    print(f"{len(calls)} stale op calls retuned in {time.perf_counter() - start:.1f} s -> "
+    print(f"{len(timed)} of {len(calls)} stale op calls retuned in "
+          f"{time.perf_counter() - start:.1f} s -> "
           f"{', '.join(pathlib.Path(w).name for w in written)}", flush=True)
-    return 0
+    return report_untimed(entries)
+
+
+def report_untimed(entries: list[Any]) -> int:
+    """1, with each call and its first error printed, if some call got no timed config.
+
+    Such a call keeps its stale entry rather than an empty one: session 25's retune lost
+    every config of two b4 s8192 d128 VJP calls to the device's memory (XLA's reference
+    gradients of that size ran out beside the others in flight), and an empty entry
+    would have been shipped as fresh, sending `None` back to cuDNN there unnoticed."""
+    untimed = [e for e in entries if e.fastest is None]
+    for entry in untimed:
+        errors = [m.error for m in entry.data.values() if m.error]
+        print(f"NOT RETUNED (no config timed; its stale entry is kept): {entry.bound!r}: "
+              f"{errors[0][:300] if errors else 'no candidate config'}", flush=True)
+    return 1 if untimed else 0
 
 
 if __name__ == "__main__":

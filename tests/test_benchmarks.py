@@ -72,8 +72,39 @@ def test_stale_retuning_retunes_exactly_the_stale_entries(tmp_path, capsys):
     folder = path.parent
     assert len(tune_library_cache.stale_calls(folder)) == 1
     assert tune_library_cache.main(["--stale", "--output", str(tmp_path)]) == 0
-    assert "1 stale op calls retuned" in capsys.readouterr().out
+    assert "1 of 1 stale op calls retuned" in capsys.readouterr().out
     assert tune_library_cache.stale_calls(folder) == []
+
+
+def test_a_stale_entry_no_config_could_be_timed_for_is_kept_and_reported(tmp_path, capsys,
+                                                                         monkeypatch):
+    """Every config failing on the device (say out of memory) must not ship an empty
+    entry as fresh: the stale one stays, the call is named, and the run fails."""
+    from benchmarks import tune_library_cache
+    from tokamax_pass.autotuning import keys
+    from tokamax_pass.autotuning.autotuner import Autotuner
+    from tokamax_pass.autotuning.result import Entry, Measurement
+
+    assert tune_library_cache.main(["--smoke", "--only", "layer norm", "--output",
+                                    str(tmp_path)]) == 0
+    path = next(tmp_path.glob("*/layer_norm.json"))
+    data = json.loads(path.read_text())
+    data["entries"][0]["provenance"]["source_hash"] = "0" * 16
+    path.write_text(json.dumps(data))
+    before = path.read_text()
+
+    def out_of_memory(self, plans):
+        return [Entry(ba, {c: Measurement(error="run error: RESOURCE_EXHAUSTED: 32 GiB")
+                           for c in configs}, keys.provenance(ba.op))
+                for ba, configs in plans]
+
+    monkeypatch.setattr(Autotuner, "tune_many", out_of_memory)
+    assert tune_library_cache.main(["--stale", "--output", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "0 of 1 stale op calls retuned" in out
+    assert "NOT RETUNED" in out and "RESOURCE_EXHAUSTED" in out
+    assert json.loads(path.read_text()) == json.loads(before)
+    assert len(tune_library_cache.stale_calls(path.parent)) == 1
 
 
 def test_optimize_overhead_reports_both_wrappers(capsys):

@@ -138,6 +138,20 @@ def test_shipped_library_caches_are_fresh():
             assert reason is None, f"{path.name}: {entry.bound!r}: {reason}"
 
 
+def test_every_shipped_entry_has_a_timed_config():
+    """An entry without one ranks nothing: `None` would skip its implementation there
+    while the freshness check above stays green (`tune_library_cache` keeps the stale
+    entry instead and says so)."""
+    import pathlib
+
+    import tokamax_kernels  # noqa: F401 - registers the op families the entries name
+
+    folder = pathlib.Path(tokamax.__file__).parent / "data" / "autotuning"
+    for path in sorted(folder.glob("*/*.json")):
+        for entry in tokamax.AutotuningResult.load(path).entries:
+            assert entry.fastest is not None, f"{path.name}: {entry.bound!r}: no timed config"
+
+
 def test_source_hash_covers_the_kernel_modules_an_implementation_calls():
     """Editing a kernel body (not only the implementation class's module) stales entries."""
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttentionVjp
