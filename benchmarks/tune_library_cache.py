@@ -157,9 +157,9 @@ def report_untimed(entries: list[Any]) -> int:
     """1, with each call and its first error printed, if some call got no timed config.
 
     Such a call keeps its stale entry rather than an empty one: session 25's retune lost
-    every config of two b4 s8192 d128 VJP calls to the device's memory (XLA's reference
-    gradients of that size ran out beside the others in flight), and an empty entry
-    would have been shipped as fresh, sending `None` back to cuDNN there unnoticed."""
+    every config of two b4 s8192 d128 VJP calls (the device log shows 32 and 48 GiB
+    allocations failing), and their empty entries were written as fresh, sending `None`
+    back to cuDNN there unnoticed."""
     untimed = [e for e in entries if e.fastest is None]
     for entry in untimed:
         errors = [m.error for m in entry.data.values() if m.error]
