@@ -47,7 +47,8 @@ WHOLE_DQ = MosaicAttentionVjpConfig(compute_wgs=1)  # dq whole in one warpgroup
     # Plain attention, MQA, a two-sided window.
     pytest.param((2, 256, 128, 4, 1, 256), False, None, None, WHOLE_DQ, id="plain-mqa",
                  marks=pytest.mark.slow),
-    pytest.param((2, 128, 128, 2, 2, 256), False, (30, 50), None, SPLIT_DQ, id="window"),
+    pytest.param((2, 128, 128, 2, 2, 256), False, (30, 50), None, SPLIT_DQ, id="window",
+                 marks=pytest.mark.slow),
 ])
 def test_interpreted_d256_matches_reference(shape, causal, window, cap, vjp_config):
     interpreted(shape, statics(causal, window, cap), TILES_64, vjp_config, seed=41)

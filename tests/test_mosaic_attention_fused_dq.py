@@ -44,7 +44,7 @@ def _fused(mode: str = "atomic", **fields) -> MosaicAttentionVjpConfig:
                  id="cross-rows"),
     # Gemma-2 style: causal + window crossing tile edges + soft cap; one warpgroup.
     pytest.param((2, 256, 256, 2, 1, 64), True, (100, 3), 5.0, _fused(compute_wgs=1),
-                 id="window-softcap-one-wg"),
+                 id="window-softcap-one-wg", marks=pytest.mark.slow),
 ])
 def test_interpreted_atomic_backward_matches_reference(shape, causal, window, cap, vjp_config):
     interpreted(shape, statics(causal, window, cap), TILES_64, vjp_config, seed=5)

@@ -44,13 +44,13 @@ def _grouped(**fields) -> MosaicAttentionConfig:
                  _grouped(longest_first=True), id="gqa-causal"),
     # MQA cross attention, 3 stages, d128: all 4 query heads share the one K/V head.
     pytest.param((2, 128, 384, 4, 1, 128), False, None, None, None,
-                 _grouped(num_stages=3), id="mqa-cross-d128"),
+                 _grouped(num_stages=3), id="mqa-cross-d128", marks=pytest.mark.slow),
     # A causal window with a soft cap: each block's rows start at a different K/V tile.
     pytest.param((2, 256, 256, 4, 2, 64), True, (100, 0), 20.0, None, _grouped(),
                  id="window-cap", marks=pytest.mark.slow),
     # Key lengths (one of 37: most tiles of that batch element never loaded).
     pytest.param((2, 256, 256, 2, 1, 64), True, None, None, (200, 37), _grouped(),
-                 id="lengths"),
+                 id="lengths", marks=pytest.mark.slow),
 ])
 def test_interpreted_matches_reference(shape, causal, window, cap, lengths, config):
     interpreted(shape, statics(causal, window, cap, lengths), config,

@@ -36,7 +36,7 @@ def _overlap(block_q=64, block_kv=64, stages=2, wgs=2):
 @pytest.mark.parametrize("shape, causal, cap, config", [
     pytest.param((2, 256, 256, 2, 1, 64), True, None, _overlap(), id="mqa-causal"),
     pytest.param((2, 128, 384, 4, 2, 64), False, 20.0, _overlap(wgs=1, stages=3),
-                 id="gqa-cross-cap-one-wg"),
+                 id="gqa-cross-cap-one-wg", marks=pytest.mark.slow),
     pytest.param((2, 256, 128, 2, 2, 128), True, None, _overlap(block_kv=128),
                  id="d128-causal-more-queries"),
 ])
