@@ -7,7 +7,8 @@ wrapping across tile boundaries at different offsets): numerics against the floa
 HIGHEST reference (forward, lse, and the default backward's gradients of random
 cotangents) with causal masks, GQA, a window with a soft cap, key lengths, the softmax
 overlap and d256; outputs bitwise equal to the grid-launched kernel; the tile order as
-a permutation with whole L2 sections; lowering for an H200. The device's own checks and
+a permutation with whole L2 sections; the balanced schedule's table and its finishing
+times against round robin; lowering for an H200. The device's own checks and
 timings: `tests/gpu/test_mosaic_attention_gpu.py -k persistent` and the probe's
 `persistent` phase.
 """
@@ -30,6 +31,7 @@ from _mosaic_attention_interpreted import (
 from conftest import H200
 from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
 from tokamax_kernels.attention import _mosaic_gpu_fwd_kernel as fwd_kernel
+from tokamax_kernels.attention import _mosaic_gpu_tile_order as tile_order_module
 from tokamax_kernels.attention._mosaic_gpu_common import (
     SMEM_BYTES,
     MosaicAttentionConfig,
@@ -37,7 +39,9 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
 )
 from tokamax_kernels.attention._mosaic_gpu_tile_order import (
     L2_BUDGET_BYTES,
+    TILE_OVERHEAD_STEPS,
     TileOrder,
+    balanced_schedule,
     tile_order,
 )
 from tokamax_kernels.attention.pallas_mosaic_gpu import forward_smem_bytes
@@ -136,6 +140,55 @@ def test_tile_order_sections_fit_the_l2_budget():
         assert (order.batch * order.heads) % order.pairs_per_section == 0
 
 
+def _causal_steps(order: TileOrder, rows: int, block_kv: int) -> tuple[int, ...]:
+    """K/V steps of each query block of a causal forward (`rows` query rows a block)."""
+    return tuple(-(-(qi + 1) * rows // block_kv) for qi in range(order.num_q_blocks))
+
+
+def _finish(order: TileOrder, steps, owner_runs) -> np.ndarray:
+    """Each block's summed tile cost (`owner_runs`: the flat tiles each block walks)."""
+    cost = np.asarray(steps)[order.query_blocks()] + TILE_OVERHEAD_STEPS
+    return np.array([cost[run].sum() for run in owner_runs])
+
+
+@pytest.mark.parametrize("shape, blocks", [
+    ((4, 16, 16, 4096), 132),  # MHA b4 s4096 d128: round robin ends 15% late
+    ((4, 16, 4, 4096), 132),   # the Llama layer
+    ((16, 32, 8, 1024), 132),
+    ((2, 6, 2, 1024), 3),
+])
+def test_balanced_schedule_walks_every_tile_once_and_evens_the_blocks(shape, blocks):
+    batch, heads, kv_heads, seq = shape
+    order = tile_order(batch, heads, kv_heads, seq // 128, seq, 128, 2, reverse_q=True)
+    steps = _causal_steps(order, 128, 128)
+    table = balanced_schedule(order, steps, blocks)
+    offsets, tiles = table[:blocks + 1], table[blocks + 1:]
+    assert table.dtype == np.int32 and offsets[0] == 0 and offsets[-1] == order.num_tiles
+    assert (np.diff(offsets) >= 1).all()
+    np.testing.assert_array_equal(np.sort(tiles), np.arange(order.num_tiles))
+    runs = [tiles[offsets[j]:offsets[j + 1]] for j in range(blocks)]
+    assert all((np.diff(run) > 0).all() for run in runs), "a block walks the flat order"
+    balanced = _finish(order, steps, runs)
+    robin = _finish(order, steps, [np.arange(j, order.num_tiles, blocks)
+                                   for j in range(blocks)])
+    assert balanced.sum() == robin.sum()
+    even = balanced.sum() / blocks
+    # List scheduling ends at most one tile after an even split, and never after round robin.
+    longest = max(steps) + TILE_OVERHEAD_STEPS
+    assert balanced.max() <= even + longest and balanced.max() <= robin.max()
+    if shape == (4, 16, 16, 4096):
+        assert balanced.max() < 1.02 * even < robin.max() / 1.1
+
+
+def test_balanced_schedule_is_left_to_round_robin_where_it_cannot_help(monkeypatch):
+    order = tile_order(4, 16, 16, 32, 4096, 128, 2, reverse_q=False)
+    assert balanced_schedule(order, (32,) * 32, 132) is None  # every tile alike
+    steps = _causal_steps(order, 128, 128)
+    assert balanced_schedule(order, steps, 132) is not None
+    monkeypatch.setattr(tile_order_module, "MAX_SCHEDULED_TILES", order.num_tiles - 1)
+    assert balanced_schedule(order, steps, 132) is None  # the table would be too large
+
+
 @pytest.mark.parametrize("head_dim, causal, kwargs", [
     (128, True, {}),
     (64, False, dict(local_window_size=(200, 0), logits_soft_cap=30.0)),
@@ -175,25 +228,29 @@ def test_config_is_validated():
     assert dataclasses.replace(MosaicAttentionConfig(), persistent=True).persistent
 
 
-@pytest.mark.parametrize("shape, causal, launched", [
-    ((4, 4096, 16, 4, 128), True, True),   # the Llama layer (GQA d128)
-    ((16, 1024, 32, 8, 128), True, True),  # GQA d128, an unbenchmarked shape
-    ((4, 4096, 16, 16, 128), True, False),  # MHA d128: the grid won 4 of 5 shapes
-    ((32, 2048, 16, 16, 64), False, False),  # d64: two 128 x 128 blocks fit an SM
-    ((2, 8192, 8, 4, 256), True, False),   # Gemma-2's d256 GQA: the grid won
-    ((3, 1536, 6, 2, 128), False, True),   # an unmeasured GQA shape
+@pytest.mark.parametrize("shape, causal, window, launched", [
+    ((4, 4096, 16, 4, 128), True, None, True),    # the Llama layer (GQA d128)
+    ((16, 1024, 32, 8, 128), True, None, True),   # GQA d128, an unbenchmarked shape
+    ((4, 4096, 16, 16, 128), True, None, True),   # causal MHA d128: balanced schedule
+    ((3, 1536, 6, 6, 128), False, (300, 0), True),  # a window: tiles of two lengths
+    ((4, 4096, 16, 16, 128), False, None, False),  # MHA d128, no mask: the grid won
+    ((32, 2048, 16, 16, 64), False, None, False),  # d64: two 128 x 128 blocks fit an SM
+    ((2, 8192, 8, 4, 256), True, None, False),    # Gemma-2's d256 GQA: the grid won
+    ((3, 1536, 6, 2, 128), False, None, True),    # an unmeasured GQA shape
 ])
 def test_persistent_where_measured_and_tuned_where_a_block_fills_an_sm(shape, causal,
-                                                                        launched):
-    """The heuristics launch persistent at GQA/MQA with head dim <= 128 (where it ran
-    0.998-1.12x the grid on the H200) and never at MHA, d64's two blocks an SM or d256;
-    the search space offers it beside each config whose block takes over half the SMEM,
-    where a grid launch also runs one block per SM, and never otherwise."""
+                                                                        window, launched):
+    """The heuristics launch persistent at head dim <= 128 where a block fills an SM and
+    the tiles differ in length (causal, a window) or share K/V (GQA/MQA): where it ran
+    1.009-1.146x the grid on the H200; never at MHA without a mask, d64's two blocks an
+    SM or d256. The search space offers it beside each config whose block takes over half
+    the SMEM, where a grid launch also runs one block per SM, and never otherwise."""
     b, s, h, hk, d = shape
     q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, s, hk, d), jnp.bfloat16)
     with core.targeting(H200):
-        ba = PallasMosaicGpuFlashAttention().bind(q, kv, kv, is_causal=causal)
+        ba = PallasMosaicGpuFlashAttention().bind(q, kv, kv, is_causal=causal,
+                                                  local_window_size=window)
         heuristics, space = ba.heuristics_config, ba.autotuning_configs
     assert heuristics.persistent == launched
     persistent = {c for c in space if c.persistent}

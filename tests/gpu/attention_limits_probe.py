@@ -20,6 +20,10 @@ The phases, each in a subprocess with a timeout, CUPTI medians after warm-up, bf
   our forward with a block per query head and with the group's heads in one block
   (`group_in_block`), grid-launched and persistent, at a few tiles, against cuDNN; the
   grouped output bitwise against the per-head one.
+* `balanced`: at causal and windowed shapes, MHA and GQA, cuDNN's forward and ours
+  grid-launched, persistent with the blocks taking the tile order round robin, and
+  persistent with `_mosaic_gpu_tile_order.balanced_schedule`; both persistent outputs
+  bitwise against the grid-launched one.
 * `ncu`: one forward+backward each of cuDNN and Mosaic at the Llama layer and the d128
   workload, run as `ncu ... python3 tests/gpu/attention_limits_probe.py --phase ncu` to
   read the kernels' hardware counters (launch shape, registers, durations; with
@@ -365,6 +369,67 @@ def persistent_shapes() -> None:
                        for name, shape, causal in PERSISTENT_SHAPES], "persistent_shapes")
 
 
+# name, shape, causal, window, soft cap: tiles of differing lengths for `balanced`
+BALANCED_SHAPES = [
+    ("mha b4 s4096 h16 d128 causal", (4, 4096, 16, 16, 128), True, None, None),
+    ("mha b8 s2048 h16 d128 causal", (8, 2048, 16, 16, 128), True, None, None),
+    ("mha b16 s1024 h16 d128 causal", (16, 1024, 16, 16, 128), True, None, None),
+    ("b4 s8192 h16 d128 causal", (4, 8192, 16, 16, 128), True, None, None),
+    ("mha b2 s8192 h32 d128 causal", (2, 8192, 32, 32, 128), True, None, None),
+    ("llama b4 s4096 hq16 hkv4 d128 causal", (4, 4096, 16, 4, 128), True, None, None),
+    ("gqa b4 s4096 hq32 hkv8 d128 causal", (4, 4096, 32, 8, 128), True, None, None),
+    ("gqa b8 s2048 hq32 hkv8 d128 causal", (8, 2048, 32, 8, 128), True, None, None),
+    ("gqa b16 s1024 hq32 hkv8 d128 causal", (16, 1024, 32, 8, 128), True, None, None),
+    ("gqa b8 s2048 hq16 hkv4 d64 causal", (8, 2048, 16, 4, 64), True, None, None),
+    ("soft cap 50 window 4096 b4 s8192 h16 d128", (4, 8192, 16, 16, 128), True, (4096, 0),
+     50.0),
+    ("gemma 2 local b2 s8192 hq8 hkv4 d256 causal", (2, 8192, 8, 4, 256), True, (4096, 0),
+     50.0),
+]
+
+
+def balanced() -> None:
+    """Per shape: cuDNN's forward (no soft cap only), then our forward at the config
+    `None` runs, grid-launched, persistent round robin (`MAX_SCHEDULED_TILES` set to 0)
+    and persistent balanced; each persistent output bitwise against the grid's."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
+    from tokamax_kernels.attention import _mosaic_gpu_tile_order as tile_order_module
+
+    cap_tiles = tile_order_module.MAX_SCHEDULED_TILES
+    for name, (b, s, h, hk, d), causal, window, cap in BALANCED_SHAPES:
+        q, k, v, _ = _inputs(b, s, h, hk, d)
+        unit = 4 * b * h * d * _pairs(s, causal, window)
+        statics = dict(is_causal=causal, local_window_size=window, logits_soft_cap=cap)
+        if cap is None:
+            record = dict(phase="balanced", workload=name, variant="cudnn fwd")
+            timed(record, _fwd("cudnn", **statics), (q, k, v), unit)
+            _log(record)
+        default, source = _fwd_config(q, k, causal, window, cap)
+        outs = {}
+        for variant, persistent, max_tiles in (("grid", False, cap_tiles),
+                                               ("persistent round robin", True, 0),
+                                               ("persistent balanced", True, cap_tiles)):
+            tile_order_module.MAX_SCHEDULED_TILES = max_tiles
+            config = dataclasses.replace(default, persistent=persistent)
+            record = dict(phase="balanced", workload=name, variant=variant,
+                          config=str(config), config_source=source)
+            impl = PallasMosaicGpuFlashAttention(config=config)
+            outs[variant] = timed(record, _fwd(impl, **statics), (q, k, v), unit)
+            _log(record)
+            jax.clear_caches()
+        tile_order_module.MAX_SCHEDULED_TILES = cap_tiles
+        if all(out is not None for out in outs.values()):
+            grid = np.asarray(outs["grid"])
+            _log(dict(phase="balanced", workload=name, bitwise_equal={
+                variant: bool(np.array_equal(grid, np.asarray(out)))
+                for variant, out in outs.items() if variant != "grid"}))
+
+
 def ncu() -> None:
     """One forward+backward each, for `ncu` to profile (no timing loop of its own)."""
     import jax
@@ -380,7 +445,7 @@ def ncu() -> None:
 def main(argv: list[str]) -> int:
     phases = {"split": (split, 400), "features": (features, 240), "ncu": (ncu, 300),
               "persistent": (persistent, 300), "group": (group, 480),
-              "persistent_shapes": (persistent_shapes, 300)}
+              "persistent_shapes": (persistent_shapes, 300), "balanced": (balanced, 420)}
     return run_phases(argv or ["split", "features"], __file__, phases, _log)
 
 

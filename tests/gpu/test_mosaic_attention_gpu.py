@@ -503,6 +503,9 @@ def _check_fwd_variant(shape, causal, window, cap, lengths, fields, variant):
     # More tiles than SMs (4 x 16 x 8 = 512 tiles over 132 blocks), causal GQA.
     pytest.param((4, 2048, 2048, 16, 4, 128), True, None, None, None,
                  dict(block_kv=128, longest_first=True), id="gqa-causal-d128"),
+    # Causal MHA, the tiles handed out by the balanced schedule (2 x 16 x 8 = 256 tiles).
+    pytest.param((2, 2048, 2048, 16, 16, 128), True, None, None, None,
+                 dict(block_kv=128, longest_first=True), id="mha-causal-d128"),
     pytest.param((8, 1024, 2048, 8, 8, 64), False, None, None, None,
                  dict(block_q=128, block_kv=128, num_stages=3), id="cross-d64"),
     pytest.param((4, 2048, 2048, 8, 4, 128), True, (512, 0), 30.0, (2048, 700, 1300, 64),

@@ -379,12 +379,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_mosaic_attention_persistent.py::test_tile_order_visits_every_tile_once",),
     ),
     Mutation(
-        "the attention heuristics launch persistent at MHA too, where the grid won",
+        "the attention heuristics launch persistent at MHA without a mask too, where the"
+        " grid won",
         "kernels/tokamax_kernels/attention/pallas_mosaic_gpu.py",
-        "    return heads > kv_heads and head_dim <= 128 and one_block_per_sm(config, head_dim)",
-        "    return heads >= kv_heads and head_dim <= 128 and one_block_per_sm(config, head_dim)",
+        "            and (uneven or heads > kv_heads))",
+        "            and (uneven or heads >= kv_heads))",
         ("tests/test_mosaic_attention_persistent.py::"
          "test_persistent_where_measured_and_tuned_where_a_block_fills_an_sm",),
+    ),
+    Mutation(
+        "the balanced attention schedule counts tiles, not their K/V steps (round robin"
+        " again)",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_tile_order.py",
+        "        heapq.heappush(free_at, (total + cost, block))",
+        "        heapq.heappush(free_at, (total + 1, block))",
+        ("tests/test_mosaic_attention_persistent.py::"
+         "test_balanced_schedule_walks_every_tile_once_and_evens_the_blocks",),
+    ),
+    Mutation(
+        "the scheduled persistent attention forward reads its tiles one entry early in the"
+        " table (the last offset as a tile)",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
+        "order.coordinates(schedule_ref[blocks + 1 + i])",
+        "order.coordinates(schedule_ref[blocks + i])",
+        ("tests/test_mosaic_attention_persistent.py::test_bitwise_equal_to_the_grid",),
     ),
     Mutation(
         "the grouped attention forward runs every warpgroup on the block's first head",

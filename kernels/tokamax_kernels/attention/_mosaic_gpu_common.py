@@ -77,16 +77,18 @@ class MosaicAttentionConfig:
         mask.
       persistent: one block per SM, each walking a sequence of (batch, head, query
         block) tiles (`_mosaic_gpu_tile_order`: L2 sections of heads, longest first with
-        `longest_first`) with its K/V ring carried from tile to tile, so the next
+        `longest_first`, tiles of differing lengths handed out by a balanced schedule)
+        with its K/V ring carried from tile to tile, so the next
         tile's K/V loads overlap this tile's last steps and output store, and no block
         launch or pipeline fill sits between tiles (FlashAttention-3's and cuDNN's
         forwards are persistent).
       group_in_block: GQA/MQA: the compute warpgroups of a block run `compute_wgs` query
         heads of one K/V head on the same `block_q` query rows (`query_heads_per_block`),
         so each K/V tile is loaded once for all of them and, under a causal mask, every
-        warpgroup of the block walks the same K/V tiles (a block of `compute_wgs` row
-        tiles of one head leaves the upper warpgroups idle on the diagonal's last
-        tiles). Needs query heads per K/V head divisible by `compute_wgs`.
+        warpgroup of the block walks the same K/V tiles (in a block of `compute_wgs` row
+        tiles of one head, the warpgroups on the earlier rows drain the diagonal's last
+        K/V tiles unused where those tiles are narrower than the block's rows). Needs query heads
+        per K/V head divisible by `compute_wgs`.
     """
 
     block_q: int = 64

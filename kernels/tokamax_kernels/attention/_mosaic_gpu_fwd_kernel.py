@@ -7,8 +7,9 @@ SMEM slots. With two compute warpgroups a "schedule" barrier makes them take tur
 the tensor cores: one issues its `wgmma` while the other runs its softmax. With
 `config.group_in_block` the warpgroups take one query head each of a GQA group, on the
 same rows, sharing every K/V tile. Persistent (`config.persistent`), one block per SM
-runs a sequence of such tiles (`_mosaic_gpu_tile_order`), its K/V ring and barriers
-carried from tile to tile.
+runs a sequence of such tiles (`_mosaic_gpu_tile_order`: round robin, or a balanced
+schedule where causal masks and windows make their lengths differ), its K/V ring and
+barriers carried from tile to tile.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     query_block,
     tile_transforms,
 )
-from tokamax_kernels.attention._mosaic_gpu_tile_order import tile_order
+from tokamax_kernels.attention._mosaic_gpu_tile_order import balanced_schedule, tile_order
 
 
 def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -79,17 +80,41 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
     has_lengths = kv_lengths is not None
     if config.softmax_overlap and (window is not None or has_lengths):
         raise NotImplementedError(OVERLAP_LIMITS)
-    # Persistent: one block per SM walks the tiles in `order` (`_mosaic_gpu_tile_order`).
-    order = None
+
+    def num_kv_steps(q_end, kv_len):
+        """K/V tiles that rows below `q_end` see (`kv_len`: the key length, or None)."""
+        steps = num_kv_blocks
+        if causal:
+            steps = jnp.minimum(lax.div(q_end + block_kv - 1, block_kv), steps)
+        if kv_len is not None:
+            steps = jnp.minimum(lax.div(kv_len + block_kv - 1, block_kv), steps)
+        return steps
+
+    def static_steps(qi: int) -> int:
+        """K/V tiles query block `qi` loads, key lengths aside (a trace-time int)."""
+        with jax.ensure_compile_time_eval():
+            if window is None:
+                return int(num_kv_steps(jnp.int32((qi + 1) * rows), None))
+            tiles = _window.kv_tiles(window, jnp.int32(qi * rows), rows, block_kv,
+                                     num_kv_blocks)
+            return int(tiles.end - tiles.first)
+
+    # Persistent: one block per SM walks the tiles in `order` (`_mosaic_gpu_tile_order`),
+    # each block its run of `tile_schedule` where the tiles' lengths differ.
+    order = tile_schedule = None
     if config.persistent:
         order = tile_order(batch, heads // heads_per_block, kv_heads, num_q_blocks, seq_kv,
                            head_dim,
                            jnp.dtype(dtype).itemsize,
                            reverse_q=config.longest_first and causal)
+        blocks = min(order.num_tiles, sm_count())
+        tile_schedule = balanced_schedule(
+            order, tuple(static_steps(qi) for qi in range(num_q_blocks)), blocks)
 
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs
         lengths_ref = refs.pop(0) if has_lengths else None
+        schedule_ref = refs.pop(0) if tile_schedule is not None else None
         (out_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_ready, k_ready, v_ready,
          k_consumed, v_consumed, schedule, *p_smem) = refs
         p_smem = p_smem[0] if p_smem else None  # overlapped: each warpgroup's last P
@@ -105,19 +130,18 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
                 run_tile(lax.axis_index("batch"), lax.axis_index("heads"),
                          query_block(num_q_blocks, config.longest_first and causal), None)
                 return
+            if tile_schedule is not None:
+                sm = lax.axis_index("sm")
+
+                def scheduled(i, ring):
+                    return run_tile(*order.coordinates(schedule_ref[blocks + 1 + i]), ring)
+
+                lax.fori_loop(schedule_ref[sm], schedule_ref[sm + 1], scheduled, jnp.int32(0))
+                return
 
             @plgpu.nd_loop((order.num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
             def _(info, carry):
                 return run_tile(*order.coordinates(info.index[0]), carry)
-
-        def num_kv_steps(q_end, kv_len):
-            """K/V tiles that rows below `q_end` see."""
-            steps = num_kv_blocks
-            if causal:
-                steps = jnp.minimum(lax.div(q_end + block_kv - 1, block_kv), steps)
-            if has_lengths:
-                steps = jnp.minimum(lax.div(kv_len + block_kv - 1, block_kv), steps)
-            return steps
 
         def tile_extent(b, qi):
             """(key length or None, the K/V tiles wholly before it, the first and end K/V
@@ -418,10 +442,10 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         body,
         out_type=out_type,
         scratch_types=scratch,
-        grid=((heads // heads_per_block, num_q_blocks, batch) if order is None
-              else (min(order.num_tiles, sm_count()),)),
+        grid=(heads // heads_per_block, num_q_blocks, batch) if order is None else (blocks,),
         grid_names=("heads", "q", "batch") if order is None else ("sm",),
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, *([kv_lengths] if has_lengths else []))
+    )(q, k, v, *([kv_lengths] if has_lengths else []),
+      *([jnp.asarray(tile_schedule)] if tile_schedule is not None else []))

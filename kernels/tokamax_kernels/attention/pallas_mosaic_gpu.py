@@ -70,18 +70,24 @@ def one_block_per_sm(config: MosaicAttentionConfig, head_dim: int) -> bool:
 
 
 def persistent_measured(config: MosaicAttentionConfig, heads: int, kv_heads: int,
-                        head_dim: int) -> bool:
-    """Whether the heuristics launch `config` persistent: GQA/MQA at head dim <= 128 with a
-    block that fills an SM.
+                        head_dim: int, *, uneven: bool) -> bool:
+    """Whether the heuristics launch `config` persistent: at head dim <= 128 with a block
+    that fills an SM, where the tiles differ in length (`uneven`: a causal mask or a
+    window, so the balanced schedule of `_mosaic_gpu_tile_order` applies) or share K/V
+    (GQA/MQA).
 
-    On the H200 (forward, the heuristics' tiles, grid against persistent in one process;
-    `attention_persistent_s24.jsonl`, `attention_group_s25.jsonl`,
-    `attention_persistent_shapes_s25.jsonl`) persistent ran 0.998-1.119x the grid at all
-    seven GQA d128 shapes (causal and not, 1024-8192 rows; the L2 sections keep a group's
-    shared K/V hot), but 0.91-0.995x at four of five MHA d128 shapes (1.03x at 1024
-    rows), 0.94-0.97x at Gemma-2's soft-capped d256 GQA layers, and 0.70x at d64 with
-    128 x 128 tiles, where two blocks fit an SM and overlap each other's start and end."""
-    return heads > kv_heads and head_dim <= 128 and one_block_per_sm(config, head_dim)
+    On the H200 (forward, the heuristics' tiles, one process each):
+    `attention_balanced_s26.jsonl` ran the balanced persistent launch 1.017-1.146x the
+    grid at all nine causal d128 shapes (MHA and GQA, 1024-8192 rows; 1.005-1.063x cuDNN
+    at eight, 0.974x at GQA b16 s1024), 1.043x at the d128 soft cap + window and 1.016x
+    at Gemma-2's windowed d256 layer, where round robin had run 0.89-1.12x the grid.
+    Without a mask (every tile alike, round robin) persistent ran 1.009-1.028x the grid
+    at GQA d128 (`attention_persistent_shapes_s25.jsonl`, `attention_group_s25.jsonl`:
+    the L2 sections keep a group's shared K/V hot) but 0.979-0.995x at MHA d128. Not
+    chosen at d256 (0.94-0.97x at Gemma-2's global layer, round robin, not measured
+    balanced) nor where two blocks fit an SM (0.70x at d64 with 128 x 128 tiles)."""
+    return (head_dim <= 128 and one_block_per_sm(config, head_dim)
+            and (uneven or heads > kv_heads))
 
 
 def _narrow_for_window(preferred: list[MosaicAttentionConfig], window: Any
@@ -161,7 +167,9 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
                       MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2))
         return dataclasses.replace(
             config, longest_first=common.longest_first_measured(ba.arguments),
-            persistent=persistent_measured(config, q.shape[2], k.shape[2], head_dim))
+            persistent=persistent_measured(
+                config, q.shape[2], k.shape[2], head_dim,
+                uneven=causal or ba.arguments["local_window_size"] is not None))
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicAttentionConfig]:
         q, k = ba.arguments["query"], ba.arguments["key"]
