@@ -461,6 +461,25 @@ def test_untimed_programs_compile_without_xla_gemm_autotuning(monkeypatch):
     assert None in options  # the candidates
 
 
+def test_a_reference_that_fails_on_the_device_leaves_numerics_unchecked(monkeypatch):
+    """A reference output whose device run fails (out of memory) only says so when it is
+    awaited: the call's configs are then timed unchecked, not all failed in their
+    numerics checks."""
+    from tokamax_pass.autotuning import autotuner
+
+    class FailsWhenAwaited:
+        def block_until_ready(self):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 48.00GiB")
+
+    monkeypatch.setattr(autotuner, "_run_untimed", lambda *args: FailsWhenAwaited())
+    x, w = _inputs()
+    [entry] = autotuner.Autotuner(iterations=2).tune_many(
+        [(keys.canonical(XlaChunkedMatmul().bind(x, w)), None)])
+    assert entry.data[ChunkConfig(0)].error.startswith("compile error")
+    assert entry.data[ChunkConfig(56)].ok  # wrong, but nothing to check it against
+    assert entry.data[ChunkConfig(16)].ok
+
+
 def test_several_calls_compile_together_then_time_in_order():
     """Calls of one wave are compiled in one pool before any is timed; each keeps its
     own failures, and entries come back in the order of the calls."""

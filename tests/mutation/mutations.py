@@ -388,6 +388,15 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_persistent_where_measured_and_tuned_where_a_block_fills_an_sm",),
     ),
     Mutation(
+        "the autotuner leaves its reference output unawaited, so a reference that fails on"
+        " the device fails every config's numerics check",
+        "src/tokamax_pass/autotuning/autotuner.py",
+        "            return jax.block_until_ready(_run_untimed(f_std, arrays, compiled))",
+        "            return _run_untimed(f_std, arrays, compiled)",
+        ("tests/test_autotuning.py::"
+         "test_a_reference_that_fails_on_the_device_leaves_numerics_unchecked",),
+    ),
+    Mutation(
         "the balanced attention schedule counts tiles, not their K/V steps (round robin"
         " again)",
         "kernels/tokamax_kernels/attention/_mosaic_gpu_tile_order.py",

@@ -565,11 +565,16 @@ class Autotuner:
 
     def _reference_output(self, ba: BoundArguments, arguments: dict[str, Any],
                           compiled: Callable[[Any], Any] | None = None) -> Any:
+        """The reference op's output on `arguments`, or None (numerics go unchecked) where
+        it cannot run. Awaited here: a reference that fails on the device (XLA's attention
+        gradient asks 48 GiB at b4 s8192 h16 d128) reports it when its output is used, and
+        unawaited that failure surfaced in every config's numerics check instead, so no
+        config of the call was timed (`library_retune_s26.log`)."""
         reference = ba.op.reference_op()
         try:
             f_std, arrays = benchmarking.standardize_function(
                 call_op(reference, ba.vmap, arguments), arguments, seed=None)
-            return _run_untimed(f_std, arrays, compiled)
+            return jax.block_until_ready(_run_untimed(f_std, arrays, compiled))
         except Exception:  # noqa: BLE001 - without a reference, numerics go unchecked
             return None
 
