@@ -245,6 +245,22 @@ def _fwd_config(q, k, causal, window=None, soft_cap=None):
     return resolve_config(op, ba, current_target())
 
 
+def _forward_workload(phase: str, name: str, shape, causal: bool, window, cap):
+    """A forward workload's inputs `(q, k, v)`, its matmul FLOPs, the family's static
+    arguments, and the config `implementation="mosaic_gpu"` runs there with its source;
+    cuDNN's forward timed and logged first where it runs (no soft cap)."""
+    b, s, h, hk, d = shape
+    q, k, v, _ = _inputs(b, s, h, hk, d)
+    unit = 4 * b * h * d * _pairs(s, causal, window)
+    statics = dict(is_causal=causal, local_window_size=window, logits_soft_cap=cap)
+    if cap is None:
+        record = dict(phase=phase, workload=name, variant="cudnn fwd")
+        timed(record, _fwd("cudnn", **statics), (q, k, v), unit)
+        _log(record)
+    default, source = _fwd_config(q, k, causal, window, cap)
+    return (q, k, v), unit, statics, default, source
+
+
 def persistent() -> None:
     """Per workload: cuDNN's forward, then our forward with the config `None` runs,
     grid-launched and persistent (`MosaicAttentionConfig.persistent`, the same tiles),
@@ -264,22 +280,16 @@ def _persistent_cases(cases, phase: str) -> None:
 
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
 
-    for name, (b, s, h, hk, d), causal, window, cap in cases:
-        q, k, v, _ = _inputs(b, s, h, hk, d)
-        unit = 4 * b * h * d * _pairs(s, causal, window)
-        statics = dict(is_causal=causal, local_window_size=window, logits_soft_cap=cap)
-        if cap is None:
-            record = dict(phase=phase, workload=name, variant="cudnn fwd")
-            timed(record, _fwd("cudnn", **statics), (q, k, v), unit)
-            _log(record)
-        default, source = _fwd_config(q, k, causal, window, cap)
+    for name, shape, causal, window, cap in cases:
+        qkv, unit, statics, default, source = _forward_workload(phase, name, shape, causal,
+                                                                window, cap)
         outs = []
         for on in (False, True):
             config = dataclasses.replace(default, persistent=on)
             record = dict(phase=phase, workload=name, variant="mosaic fwd",
                           config=str(config), config_source=source)
             impl = PallasMosaicGpuFlashAttention(config=config)
-            outs.append(timed(record, _fwd(impl, **statics), (q, k, v), unit))
+            outs.append(timed(record, _fwd(impl, **statics), qkv, unit))
             _log(record)
             jax.clear_caches()
         if all(out is not None for out in outs):
@@ -314,15 +324,10 @@ def group() -> None:
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
     from tokamax_kernels.attention.pallas_mosaic_gpu import fits, one_block_per_sm
 
-    for name, (b, s, h, hk, d), causal, window, cap in GROUP_WORKLOADS:
-        q, k, v, _ = _inputs(b, s, h, hk, d)
-        unit = 4 * b * h * d * _pairs(s, causal, window)
-        statics = dict(is_causal=causal, local_window_size=window, logits_soft_cap=cap)
-        if cap is None:
-            record = dict(phase="group", workload=name, variant="cudnn fwd")
-            timed(record, _fwd("cudnn", **statics), (q, k, v), unit)
-            _log(record)
-        default, source = _fwd_config(q, k, causal, window, cap)
+    for name, shape, causal, window, cap in GROUP_WORKLOADS:
+        qkv, unit, statics, default, source = _forward_workload("group", name, shape,
+                                                                causal, window, cap)
+        s, d = shape[1], shape[4]
         tiles = [(64, 64)] if d == 256 else [(64, 128), (128, 128)]
         bases = [default] + [dataclasses.replace(default, block_q=bq, block_kv=bkv,
                                                  num_stages=2, persistent=False,
@@ -340,7 +345,7 @@ def group() -> None:
                               config=str(config),
                               config_source=source if base == default else "probe")
                 impl = PallasMosaicGpuFlashAttention(config=config)
-                outs.append(timed(record, _fwd(impl, **statics), (q, k, v), unit))
+                outs.append(timed(record, _fwd(impl, **statics), qkv, unit))
                 _log(record)
                 jax.clear_caches()
             if all(out is not None for out in outs):
@@ -401,15 +406,9 @@ def balanced() -> None:
     from tokamax_kernels.attention import _mosaic_gpu_tile_order as tile_order_module
 
     cap_tiles = tile_order_module.MAX_SCHEDULED_TILES
-    for name, (b, s, h, hk, d), causal, window, cap in BALANCED_SHAPES:
-        q, k, v, _ = _inputs(b, s, h, hk, d)
-        unit = 4 * b * h * d * _pairs(s, causal, window)
-        statics = dict(is_causal=causal, local_window_size=window, logits_soft_cap=cap)
-        if cap is None:
-            record = dict(phase="balanced", workload=name, variant="cudnn fwd")
-            timed(record, _fwd("cudnn", **statics), (q, k, v), unit)
-            _log(record)
-        default, source = _fwd_config(q, k, causal, window, cap)
+    for name, shape, causal, window, cap in BALANCED_SHAPES:
+        qkv, unit, statics, default, source = _forward_workload("balanced", name, shape,
+                                                                causal, window, cap)
         outs = {}
         for variant, persistent, max_tiles in (("grid", False, cap_tiles),
                                                ("persistent round robin", True, 0),
@@ -419,7 +418,7 @@ def balanced() -> None:
             record = dict(phase="balanced", workload=name, variant=variant,
                           config=str(config), config_source=source)
             impl = PallasMosaicGpuFlashAttention(config=config)
-            outs[variant] = timed(record, _fwd(impl, **statics), (q, k, v), unit)
+            outs[variant] = timed(record, _fwd(impl, **statics), qkv, unit)
             _log(record)
             jax.clear_caches()
         tile_order_module.MAX_SCHEDULED_TILES = cap_tiles
