@@ -1,6 +1,6 @@
 """Tunes the benchmark workloads and writes the library cache shipped for this device kind.
 
-    python -m benchmarks.tune_library_cache [--only SUBSTRING ...] [--output DIR]
+    python -m benchmarks.tune_library_cache [--only SUBSTRING ...] [--output DIR] [--force]
     python -m benchmarks.tune_library_cache --stale   # retune only the stale shipped entries
     python -m benchmarks.tune_library_cache --merge RESULT.json ...   # ship dumped results
     python -m benchmarks.tune_library_cache --drop-stale   # no device: forget stale entries
@@ -10,7 +10,8 @@ every implementation of its family and their configs (`all_implementations=True`
 so `implementation=None` picks by measurement and every implementation gets its
 best config. Results merge into `DIR/<device_kind>/<implementation>.json` (default:
 the package's `src/tokamax_pass/data/autotuning`), which `tokamax_pass` reads as the
-library cache. `--stale` retunes just the shipped entries whose kernel source changed
+library cache. A call some cache already answers (the shipped one included) is skipped
+unless `--force`. `--stale` retunes just the shipped entries whose kernel source changed
 (the same op calls, the same implementation), so a kernel edit costs its own retuning.
 `--merge` ships autotuning results dumped elsewhere (the model suite's `--tuned-dir`
 on the device), failures dropped, so `None` knows the models' own shapes.
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=[], help="workloads whose name has these")
     parser.add_argument("--output", default=str(PACKAGE_CACHE), help="the data/autotuning dir")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")
+    parser.add_argument("--force", action="store_true",
+                        help="retune the calls a cache already answers (the shipped one too)")
     parser.add_argument("--stale", action="store_true",
                         help="retune only the shipped entries whose provenance is stale")
     parser.add_argument("--merge", nargs="+", metavar="RESULT",
@@ -82,13 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         # Shipped once for every user: a wider search than `autotune`'s default, losing
         # implementations' configs included (they stand in for neighbouring shapes).
-        result = tokamax.autotune(program, *inputs, all_implementations=True,
-                                  search_losers=True, max_configs=LIBRARY_MAX_CONFIGS,
-                                  progress=False)
+        result = tokamax.autotune(program, *inputs, ignore_cache=args.force,
+                                  all_implementations=True, search_losers=True,
+                                  max_configs=LIBRARY_MAX_CONFIGS, progress=False)
         seconds = time.perf_counter() - start
         written = cache.write_library_cache(result, args.output)
+        skipped = "" if list(result) else " (a cache answers every call: --force retunes them)"
         print(f"{workload.name}: {len(list(result))} op calls tuned in {seconds:.1f} s -> "
-              f"{', '.join(pathlib.Path(w).name for w in written)}", flush=True)
+              f"{', '.join(pathlib.Path(w).name for w in written)}{skipped}", flush=True)
     return 0
 
 

@@ -41,6 +41,30 @@ def test_library_cache_tuning_writes_files_the_cache_reads(tmp_path):
     assert cache.device_kind_key(result.device_kind) == folder.name
 
 
+def test_library_cache_tuning_skips_answered_calls_unless_forced(tmp_path, capsys,
+                                                                 monkeypatch):
+    """With the shipped cache answering a workload's calls, a rerun tunes none of them
+    and says how to; `--force` retunes them."""
+    from benchmarks import tune_library_cache
+    from tokamax_pass.autotuning import cache
+
+    args = ["--smoke", "--only", "layer norm", "--output", str(tmp_path)]
+    assert tune_library_cache.main(args) == 0
+    folder = next(tmp_path.glob("*/*.json")).parent
+    monkeypatch.setattr(cache, "library_cache_dir", lambda device_kind: folder)
+    cache.library_result.cache_clear()
+    try:
+        capsys.readouterr()
+        assert tune_library_cache.main(args) == 0
+        rerun = capsys.readouterr().out
+        assert "0 op calls tuned" in rerun and "--force retunes them" in rerun
+        assert tune_library_cache.main([*args, "--force"]) == 0
+        forced = capsys.readouterr().out
+        assert "0 op calls" not in forced and "op calls tuned" in forced
+    finally:
+        cache.library_result.cache_clear()
+
+
 def test_library_cache_tuning_of_a_two_output_workload(tmp_path):
     """The norm with a residual returns `(y, s)`: its gradient program sums both, and the
     forward and VJP calls are tuned with the residual in their arguments."""
