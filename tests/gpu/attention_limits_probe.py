@@ -386,6 +386,10 @@ BALANCED_SHAPES = [
     ("gqa b8 s2048 hq32 hkv8 d128 causal", (8, 2048, 32, 8, 128), True, None, None),
     ("gqa b16 s1024 hq32 hkv8 d128 causal", (16, 1024, 32, 8, 128), True, None, None),
     ("gqa b8 s2048 hq16 hkv4 d64 causal", (8, 2048, 16, 4, 64), True, None, None),
+    # d64 with 64 x 128 tiles: two grid blocks fit an SM, one persistent block does not
+    # (not yet measured: session 26 ran the twelve shapes around these).
+    ("mha b8 s2048 h16 d64 causal", (8, 2048, 16, 16, 64), True, None, None),
+    ("mha b32 s2048 h16 d64 causal", (32, 2048, 16, 16, 64), True, None, None),
     ("soft cap 50 window 4096 b4 s8192 h16 d128", (4, 8192, 16, 16, 128), True, (4096, 0),
      50.0),
     ("gemma 2 local b2 s8192 hq8 hkv4 d256 causal", (2, 8192, 8, 4, 256), True, (4096, 0),
