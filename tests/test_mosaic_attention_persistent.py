@@ -72,6 +72,15 @@ def _persistent(**fields) -> MosaicAttentionConfig:
     # Key lengths (one of 37: most tiles of that batch element never loaded).
     pytest.param((2, 256, 256, 2, 1, 128), True, None, None, (200, 37), _persistent(),
                  id="lengths-d128"),
+    # The next tile's Q prefetched: GQA causal, and a batch element with no keys (its
+    # tiles compute no K/V step, so they prefetch after the loop).
+    pytest.param((2, 256, 256, 4, 2, 64), True, None, None, None,
+                 _persistent(longest_first=True, prefetch_query=True), id="prefetch-gqa"),
+    pytest.param((2, 256, 256, 2, 1, 64), True, None, None, (200, 0),
+                 _persistent(prefetch_query=True), id="prefetch-empty-lengths"),
+    pytest.param((2, 256, 256, 2, 2, 64), True, (100, 0), 20.0, None,
+                 _persistent(prefetch_query=True), id="prefetch-window-cap",
+                 marks=pytest.mark.slow),
     pytest.param((2, 256, 256, 2, 1, 64), True, None, None, None,
                  _persistent(softmax_overlap=True), id="softmax-overlap",
                  marks=pytest.mark.slow),
@@ -91,11 +100,12 @@ def test_interpreted_matches_reference(three_sms, shape, causal, window, cap, le
      dict(window=(70, 0), soft_cap=30.0)),
     ((2, 256, 256, 2, 1, 64), True, {}, dict(kv_lengths=jnp.array([130, 0], jnp.int32))),
 ])
-def test_bitwise_equal_to_the_grid(three_sms, shape, causal, fields, kwargs):
-    """A tile's work does not depend on which block runs it or after which tile: out
-    and lse equal the grid-launched kernel's bit for bit."""
-    assert_forward_variant_bitwise_equal(shape, causal, fields, dict(persistent=True),
-                                         **kwargs)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_bitwise_equal_to_the_grid(three_sms, shape, causal, fields, kwargs, prefetch):
+    """A tile's work does not depend on which block runs it, after which tile, or which
+    of two Q buffers it uses: out and lse equal the grid-launched kernel's bit for bit."""
+    assert_forward_variant_bitwise_equal(
+        shape, causal, fields, dict(persistent=True, prefetch_query=prefetch), **kwargs)
 
 
 @pytest.mark.parametrize("order", [
@@ -194,10 +204,12 @@ def test_balanced_schedule_is_left_to_round_robin_where_it_cannot_help(monkeypat
     (64, False, dict(local_window_size=(200, 0), logits_soft_cap=30.0)),
     (256, False, dict(key_value_seq_lengths=jnp.array([300, 77], jnp.int32))),
 ])
-def test_lowers_for_h200(head_dim, causal, kwargs):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_lowers_for_h200(head_dim, causal, kwargs, prefetch):
     """The persistent forward with the default backward, lowered for an H200 (16 tiles,
-    so 16 blocks)."""
-    config = _persistent(compute_wgs=1 if head_dim == 256 else 2, longest_first=True)
+    so 16 blocks), with and without the Q prefetch."""
+    config = _persistent(compute_wgs=1 if head_dim == 256 else 2, longest_first=True,
+                         prefetch_query=prefetch)
     exported = export_vjp(MosaicAttentionVjpConfig(), fwd_config=config, head_dim=head_dim,
                           causal=causal, **kwargs)
     assert exported.mlir_module().count("mosaic_gpu_v2") == 3
@@ -235,16 +247,20 @@ def test_config_is_validated():
     ((3, 1536, 6, 6, 128), False, (300, 0), True),  # a window: tiles of two lengths
     ((4, 4096, 16, 16, 128), False, None, False),  # MHA d128, no mask: the grid won
     ((32, 2048, 16, 16, 64), False, None, False),  # d64: two 128 x 128 blocks fit an SM
+    ((8, 2048, 16, 4, 64), True, None, True),     # causal d64: prefetching won anyway
+    ((6, 1536, 8, 8, 64), True, None, True),      # causal MHA d64, an unmeasured shape
     ((2, 8192, 8, 4, 256), True, None, False),    # Gemma-2's d256 GQA: the grid won
     ((3, 1536, 6, 2, 128), False, None, True),    # an unmeasured GQA shape
 ])
 def test_persistent_where_measured_and_tuned_where_a_block_fills_an_sm(shape, causal,
                                                                         window, launched):
-    """The heuristics launch persistent at head dim <= 128 where a block fills an SM and
-    the tiles differ in length (causal, a window) or share K/V (GQA/MQA): where it ran
-    1.009-1.146x the grid on the H200; never at MHA without a mask, d64's two blocks an
-    SM or d256. The search space offers it beside each config whose block takes over half
-    the SMEM, where a grid launch also runs one block per SM, and never otherwise."""
+    """The heuristics launch persistent, prefetching the next tile's Q, at head dim <= 128
+    where the tiles differ in length (causal, a window) or share K/V (GQA/MQA) with a
+    block that fills an SM: where it ran 1.004-1.237x the grid on the H200; never at MHA
+    without a mask, d64's two blocks an SM without a mask, or d256. The search space
+    offers the persistent twin of each config whose block takes over half the SMEM, and
+    at head dim <= 128 of every config where the tiles differ in length; the twin
+    prefetches where the second Q buffer fits."""
     b, s, h, hk, d = shape
     q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, s, hk, d), jnp.bfloat16)
@@ -253,10 +269,34 @@ def test_persistent_where_measured_and_tuned_where_a_block_fills_an_sm(shape, ca
                                                   local_window_size=window)
         heuristics, space = ba.heuristics_config, ba.autotuning_configs
     assert heuristics.persistent == launched
-    persistent = {c for c in space if c.persistent}
-    assert persistent, "some config of every shape here fills an SM"
+    assert heuristics.prefetch_query == launched  # 64 x 128 tiles: both Q buffers fit
+    assert any(c.persistent for c in space), "every shape here offers persistent configs"
+    uneven = causal or window is not None
     for config in space:
-        fills = 2 * forward_smem_bytes(config, d, 2) > SMEM_BYTES
-        twin = dataclasses.replace(config, persistent=not config.persistent)
-        assert (twin in space) == fills, config
-        assert not config.persistent or fills
+        grid = dataclasses.replace(config, persistent=False, prefetch_query=False)
+        assert grid in space, config
+        prefetching = dataclasses.replace(grid, persistent=True, prefetch_query=True)
+        prefetch_fits = forward_smem_bytes(prefetching, d, 2) <= SMEM_BYTES
+        twin = prefetching if prefetch_fits else dataclasses.replace(grid, persistent=True)
+        offered = 2 * forward_smem_bytes(grid, d, 2) > SMEM_BYTES or (uneven and d <= 128)
+        assert (twin in space) == offered, config
+        assert config in (grid, twin), config
+
+
+@pytest.mark.parametrize("fields, head_dim, smem", [
+    (dict(), 128, 2 * 64 * (128 * 2 + 4) + 2 * 2 * 128 * 128 * 2),
+    (dict(persistent=True, prefetch_query=True), 128,
+     2 * 2 * 64 * (128 * 2 + 4) + 2 * 2 * 128 * 128 * 2),
+    (dict(block_q=128, num_stages=3, persistent=True, prefetch_query=True), 64,
+     2 * 2 * 128 * (64 * 2 + 4) + 2 * 3 * 128 * 64 * 2),
+])
+def test_forward_smem_counts_both_query_buffers(fields, head_dim, smem):
+    """Each warpgroup's Q tile and lse, twice with the prefetch, and the K/V ring."""
+    assert forward_smem_bytes(MosaicAttentionConfig(**fields), head_dim, 2) == smem
+
+
+def test_prefetch_needs_a_persistent_launch():
+    with pytest.raises(ValueError, match="set persistent=True, or prefetch_query=False"):
+        MosaicAttentionConfig(prefetch_query=True)
+    with pytest.raises(ValueError, match="prefetch_query must be a bool"):
+        MosaicAttentionConfig(persistent=True, prefetch_query=1)

@@ -24,6 +24,10 @@ The phases, each in a subprocess with a timeout, CUPTI medians after warm-up, bf
   grid-launched, persistent with the blocks taking the tile order round robin, and
   persistent with `_mosaic_gpu_tile_order.balanced_schedule`; both persistent outputs
   bitwise against the grid-launched one.
+* `prefetch`: at persistent shapes with and without masks, cuDNN's forward and ours
+  grid-launched, persistent, and persistent with the next tile's Q prefetched
+  (`MosaicAttentionConfig.prefetch_query`); both persistent outputs bitwise against the
+  grid-launched one.
 * `ncu`: one forward+backward each of cuDNN and Mosaic at the Llama layer and the d128
   workload, run as `ncu ... python3 tests/gpu/attention_limits_probe.py --phase ncu` to
   read the kernels' hardware counters (launch shape, registers, durations; with
@@ -433,6 +437,60 @@ def balanced() -> None:
                 for variant, out in outs.items() if variant != "grid"}))
 
 
+# name, shape, causal, window, soft cap: persistent shapes for `prefetch`, with and
+# without masks (d64 at 64 x 128 tiles: the persistent launch is no heuristics' choice).
+PREFETCH_SHAPES = [
+    ("b4 s8192 h16 d128", (4, 8192, 16, 16, 128), False, None, None),
+    ("mha b4 s4096 h16 d128", (4, 4096, 16, 16, 128), False, None, None),
+    ("gqa b4 s4096 hq32 hkv8 d128", (4, 4096, 32, 8, 128), False, None, None),
+    ("llama b4 s4096 hq16 hkv4 d128 causal", (4, 4096, 16, 4, 128), True, None, None),
+    ("b4 s8192 h16 d128 causal", (4, 8192, 16, 16, 128), True, None, None),
+    ("mha b4 s4096 h16 d128 causal", (4, 4096, 16, 16, 128), True, None, None),
+    ("gqa b4 s4096 hq32 hkv8 d128 causal", (4, 4096, 32, 8, 128), True, None, None),
+    ("gqa b16 s1024 hq32 hkv8 d128 causal", (16, 1024, 32, 8, 128), True, None, None),
+    ("mha b16 s1024 h16 d128 causal", (16, 1024, 16, 16, 128), True, None, None),
+    ("gqa b8 s2048 hq16 hkv4 d64 causal", (8, 2048, 16, 4, 64), True, None, None),
+    ("mha b8 s2048 h16 d64 causal", (8, 2048, 16, 16, 64), True, None, None),
+    ("soft cap 50 window 4096 b4 s8192 h16 d128", (4, 8192, 16, 16, 128), True, (4096, 0),
+     50.0),
+]
+
+
+def prefetch() -> None:
+    """Per shape: cuDNN's forward (no soft cap only), then our forward at the config
+    `None` runs (64 x 128 tiles, two stages), grid-launched, persistent, and persistent
+    with the next tile's Q prefetched (`MosaicAttentionConfig.prefetch_query`); each
+    persistent output bitwise against the grid's."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
+
+    for name, shape, causal, window, cap in PREFETCH_SHAPES:
+        qkv, unit, statics, default, source = _forward_workload("prefetch", name, shape,
+                                                                causal, window, cap)
+        base = dataclasses.replace(default, block_q=64, block_kv=128, num_stages=2,
+                                   persistent=False, prefetch_query=False)
+        outs = {}
+        for variant, fields in (("grid", {}), ("persistent", dict(persistent=True)),
+                                ("persistent prefetch",
+                                 dict(persistent=True, prefetch_query=True))):
+            config = dataclasses.replace(base, **fields)
+            record = dict(phase="prefetch", workload=name, variant=variant,
+                          config=str(config), config_source=source)
+            impl = PallasMosaicGpuFlashAttention(config=config)
+            outs[variant] = timed(record, _fwd(impl, **statics), qkv, unit)
+            _log(record)
+            jax.clear_caches()
+        if all(out is not None for out in outs.values()):
+            grid = np.asarray(outs["grid"])
+            _log(dict(phase="prefetch", workload=name, bitwise_equal={
+                variant: bool(np.array_equal(grid, np.asarray(out)))
+                for variant, out in outs.items() if variant != "grid"}))
+
+
 def ncu() -> None:
     """One forward+backward each, for `ncu` to profile (no timing loop of its own)."""
     import jax
@@ -448,7 +506,8 @@ def ncu() -> None:
 def main(argv: list[str]) -> int:
     phases = {"split": (split, 400), "features": (features, 240), "ncu": (ncu, 300),
               "persistent": (persistent, 300), "group": (group, 480),
-              "persistent_shapes": (persistent_shapes, 300), "balanced": (balanced, 420)}
+              "persistent_shapes": (persistent_shapes, 300), "balanced": (balanced, 420),
+              "prefetch": (prefetch, 420)}
     return run_phases(argv or ["split", "features"], __file__, phases, _log)
 
 

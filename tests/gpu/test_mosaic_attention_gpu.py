@@ -515,12 +515,20 @@ def _check_fwd_variant(shape, causal, window, cap, lengths, fields, variant):
     # Fewer tiles than SMs: one tile a block.
     pytest.param((1, 512, 512, 4, 4, 128), False, None, None, None, dict(block_kv=128),
                  id="one-tile-a-block"),
+    # MHA without a mask (1024 tiles, round robin); a batch element with no keys.
+    pytest.param((4, 2048, 2048, 16, 16, 128), False, None, None, None, dict(block_kv=128),
+                 id="mha-d128"),
+    pytest.param((4, 1024, 1024, 8, 8, 128), True, None, None, (1024, 0, 500, 64),
+                 dict(block_kv=128), id="causal-empty-lengths"),
 ])
-def test_persistent_forward_matches_reference(shape, causal, window, cap, lengths, fields):
-    """One block per SM walking its tiles (K/V ring carried across tiles): output and lse
-    against the float32 reference, bitwise equal to the grid-launched kernel and to a
-    rerun."""
-    _check_fwd_variant(shape, causal, window, cap, lengths, fields, dict(persistent=True))
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
+def test_persistent_forward_matches_reference(shape, causal, window, cap, lengths, fields,
+                                              prefetch):
+    """One block per SM walking its tiles (K/V ring carried across tiles), with and
+    without the next tile's Q prefetched into a second buffer: output and lse against
+    the float32 reference, bitwise equal to the grid-launched kernel and to a rerun."""
+    _check_fwd_variant(shape, causal, window, cap, lengths, fields,
+                       dict(persistent=True, prefetch_query=prefetch))
 
 
 @pytest.mark.parametrize("shape, causal, window, cap, lengths, fields", [

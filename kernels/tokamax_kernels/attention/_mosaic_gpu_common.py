@@ -82,6 +82,10 @@ class MosaicAttentionConfig:
         tile's K/V loads overlap this tile's last steps and output store, and no block
         launch or pipeline fill sits between tiles (FlashAttention-3's and cuDNN's
         forwards are persistent).
+      prefetch_query: persistent only: each compute warpgroup keeps two SMEM buffers
+        for its Q tile (and the output that replaces it) and loads the next tile's Q
+        into the other one during this tile's first K/V step, so a tile starts without
+        waiting for the last tile's output store and its own Q load.
       group_in_block: GQA/MQA: the compute warpgroups of a block run `compute_wgs` query
         heads of one K/V head on the same `block_q` query rows (`query_heads_per_block`),
         so each K/V tile is loaded once for all of them and, under a causal mask, every
@@ -99,6 +103,7 @@ class MosaicAttentionConfig:
     longest_first: bool = False
     persistent: bool = False
     group_in_block: bool = False
+    prefetch_query: bool = False
 
     def __post_init__(self) -> None:
         _check_tiles(self.block_q, self.block_kv, self.num_stages, self.compute_wgs)
@@ -107,11 +112,20 @@ class MosaicAttentionConfig:
         _check_bool("longest_first", self.longest_first)
         _check_bool("persistent", self.persistent)
         _check_bool("group_in_block", self.group_in_block)
+        _check_bool("prefetch_query", self.prefetch_query)
+        if self.prefetch_query and not self.persistent:
+            raise ValueError("prefetch_query loads the next tile's Q of a persistent block: "
+                             "set persistent=True, or prefetch_query=False")
 
     @property
     def query_heads_per_block(self) -> int:
         """Query heads a block runs: one per compute warpgroup with `group_in_block`."""
         return self.compute_wgs if self.group_in_block else 1
+
+    @property
+    def query_buffers(self) -> int:
+        """SMEM buffers of each compute warpgroup's Q tile: two with `prefetch_query`."""
+        return 2 if self.prefetch_query else 1
 
     @property
     def rows_per_block(self) -> int:

@@ -120,28 +120,34 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         p_smem = p_smem[0] if p_smem else None  # overlapped: each warpgroup's last P
         wg = lax.axis_index("wg")
 
-        def for_each_tile(run_tile):
-            """`run_tile(b, h, qi, ring)` on each (batch, head block, query block) tile this
-            block owns (head block `h`: query heads `h * heads_per_block` on). Persistent,
-            `ring` counts the K/V tiles the block streamed before this tile (its ring slots
-            and barrier phases carry on from there) and `run_tile` returns the count after
-            it; otherwise the block owns one tile and `ring` is None."""
-            if order is None:
-                run_tile(lax.axis_index("batch"), lax.axis_index("heads"),
-                         query_block(num_q_blocks, config.longest_first and causal), None)
-                return
+        def owned_tiles():
+            """Persistent: (how many tiles this block runs, the coordinates of its n-th)."""
+            sm = lax.axis_index("sm")
             if tile_schedule is not None:
-                sm = lax.axis_index("sm")
+                first = schedule_ref[sm]
 
-                def scheduled(i, ring):
-                    return run_tile(*order.coordinates(schedule_ref[blocks + 1 + i]), ring)
+                def scheduled(n):
+                    return order.coordinates(schedule_ref[blocks + 1 + first + n])
 
-                lax.fori_loop(schedule_ref[sm], schedule_ref[sm + 1], scheduled, jnp.int32(0))
+                return schedule_ref[sm + 1] - first, scheduled
+            return (lax.div(order.num_tiles - sm + blocks - 1, blocks),
+                    lambda n: order.coordinates(sm + n * blocks))
+
+        def for_each_tile(run_tile):
+            """`run_tile((b, h, qi), ring, n)` on each (batch, head block, query block) tile
+            this block owns (head block `h`: query heads `h * heads_per_block` on), `n` its
+            place among them. Persistent, `ring` counts the K/V tiles the block streamed
+            before this tile (its ring slots and barrier phases carry on from there) and
+            `run_tile` returns the count after it; otherwise the block owns one tile and
+            `ring` and `n` are None."""
+            if order is None:
+                run_tile((lax.axis_index("batch"), lax.axis_index("heads"),
+                          query_block(num_q_blocks, config.longest_first and causal)),
+                         None, None)
                 return
-
-            @plgpu.nd_loop((order.num_tiles,), collective_axes="sm", init_carry=jnp.int32(0))
-            def _(info, carry):
-                return run_tile(*order.coordinates(info.index[0]), carry)
+            count, tile_at = owned_tiles()
+            lax.fori_loop(0, count, lambda n, ring: run_tile(tile_at(n), ring, n),
+                          jnp.int32(0))
 
         def tile_extent(b, qi):
             """(key length or None, the K/V tiles wholly before it, the first and end K/V
@@ -267,20 +273,61 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         @pl.when(wg < wgs)
         def _compute():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            my_q = q_smem.at[wg]  # Q, then the output tile on its way out
 
-            def compute_tile(b, h, qi, ring):
-                kv_len, full_tiles, block_first, block_steps = tile_extent(b, qi)
+            def my_rows(b, h, qi):
+                """(first query row, query head) of my rows of tile (b, h, qi)."""
                 if config.group_in_block:  # my own head, the block's rows
-                    q_base, h = qi * rows, h * heads_per_block + wg
-                else:  # my own rows of the block's head
-                    q_base = qi * rows + wg * block_q
-                if ring is not None:  # the last tile's output has left my_q
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), h], my_q,
-                                        q_ready.at[wg])
-                plgpu.barrier_wait(q_ready.at[wg])
+                    return qi * rows, h * heads_per_block + wg
+                return qi * rows + wg * block_q, h  # my own rows of the block's head
+
+            def my_buffer(n):
+                """My Q / output buffer for the block's `n`-th tile: buffers alternate
+                with `prefetch_query`."""
+                return wg if buffers == 1 else lax.rem(n, buffers) * wgs + wg
+
+            def load_query(b, h, qi, buffer):
+                q_base, head = my_rows(b, h, qi)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, block_q), head],
+                                        q_smem.at[buffer], q_ready.at[buffer])
+
+            if config.prefetch_query:
+                count, tile_at = owned_tiles()
+
+                @pl.when(count > 0)
+                def _():
+                    load_query(*tile_at(0), my_buffer(0))
+
+            def compute_tile(coordinates, ring, n):
+                b, h, qi = coordinates
+                kv_len, full_tiles, block_first, block_steps = tile_extent(b, qi)
+                q_base, h = my_rows(b, h, qi)
+                buffer = my_buffer(n)
+                my_q = q_smem.at[buffer]  # Q, then the output tile on its way out
+                if not config.prefetch_query:
+                    if ring is not None:  # the last tile's output has left my_q
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    load_query(b, coordinates[1], qi, buffer)
+                plgpu.barrier_wait(q_ready.at[buffer])
                 steps = num_kv_steps(q_base + block_q, kv_len)
+
+                def prefetch():
+                    """The next tile's Q into my other buffer, once the store of the
+                    output that buffer held (two tiles back) has read it."""
+                    if not config.prefetch_query:
+                        return
+
+                    @pl.when(n + 1 < count)
+                    def _():
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        load_query(*tile_at(n + 1), my_buffer(n + 1))
+
+                # The K/V steps I compute: the next Q loads during the first of them.
+                if window is not None:
+                    tiles = _window.kv_tiles(window, q_base, block_q, block_kv, num_kv_blocks,
+                                             kv_len)
+                    first_step, end_step = tiles.first, tiles.end
+                else:
+                    first_step, end_step = 0, steps
 
                 def slot_of(step):
                     return lax.rem(ring_position(step, block_first, ring), stages)
@@ -328,6 +375,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
 
                     acc = pl.run_state(pv_product)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive(v_consumed.at[slot])
+                    pl.when(step == first_step)(prefetch)
                     return acc, m_new, l_i
 
                 def drain_step(step, _):
@@ -353,12 +401,11 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
                     return kv_step(i, c, masked=True)
 
                 if config.softmax_overlap:
+                    prefetch()
                     carry = overlapped_steps(q_base, my_q, steps, m_i, l_i, slot_of)
                     if causal:
                         lax.fori_loop(steps, block_steps, drain_step, None)
                 elif window is not None:
-                    tiles = _window.kv_tiles(window, q_base, block_q, block_kv, num_kv_blocks,
-                                             kv_len)
                     lax.fori_loop(block_first, tiles.first, drain_step, None)
                     carry = lax.fori_loop(tiles.first, tiles.full_first, masked_step, carry)
                     carry = lax.fori_loop(tiles.full_first, tiles.full_end,
@@ -377,15 +424,18 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
                         carry = lax.fori_loop(unmasked, steps, masked_step, carry)
                     if causal:
                         lax.fori_loop(steps, block_steps, drain_step, None)
+                if not config.softmax_overlap:  # a tile I compute no step of
+                    pl.when(end_step <= first_step)(prefetch)
                 if wgs > 1:
                     pl.when(wg == 0)(take_turn)
                 acc, m_i, l_i = carry
                 acc = acc * lax.broadcast_in_dim(1.0 / l_i, acc.shape, [0])
                 my_q[...] = acc.astype(dtype)
-                lse_smem.at[wg][...] = (m_i + jnp.log2(l_i)) * LN2
+                lse_smem.at[buffer][...] = (m_i + jnp.log2(l_i)) * LN2
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(my_q, out_ref.at[b, pl.ds(q_base, block_q), h])
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, block_q)])
+                plgpu.copy_smem_to_gmem(lse_smem.at[buffer],
+                                        lse_ref.at[b, h, pl.ds(q_base, block_q)])
                 return ring_end(block_first, block_steps, ring)
 
             for_each_tile(compute_tile)
@@ -395,7 +445,9 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
         def _memory():
             plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-            def memory_tile(b, h, qi, ring):
+            def memory_tile(coordinates, ring, n):
+                del n
+                b, h, qi = coordinates
                 kv_len, _, block_first, block_steps = tile_extent(b, qi)
                 kv_h = lax.div(h * heads_per_block, group)
 
@@ -422,12 +474,13 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
             for_each_tile(memory_tile)
 
     transforms = tile_transforms(dtype)
+    buffers = config.query_buffers
     scratch = [
-        plgpu.SMEM((wgs, block_q, head_dim), dtype, transforms=transforms),
+        plgpu.SMEM((buffers * wgs, block_q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
-        plgpu.SMEM((wgs, block_q), jnp.float32),
-        plgpu.Barrier(num_barriers=wgs),
+        plgpu.SMEM((buffers * wgs, block_q), jnp.float32),
+        plgpu.Barrier(num_barriers=buffers * wgs),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_barriers=stages),
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),

@@ -35,11 +35,12 @@ MIN_KV_MULTIPLE = 64
 
 
 def forward_smem_bytes(config: MosaicAttentionConfig, head_dim: int, itemsize: int) -> int:
-    q = config.compute_wgs * config.block_q * head_dim * itemsize
+    # Each warpgroup's Q tile (its output on the way out) and lse, twice with prefetch_query.
+    q = config.query_buffers * config.compute_wgs * config.block_q * (head_dim * itemsize + 4)
     kv = 2 * config.num_stages * config.block_kv * head_dim * itemsize
     # Overlapped, each warpgroup keeps its last P tile for the next step's P V.
     p = config.compute_wgs * config.block_q * config.block_kv * itemsize
-    return q + kv + config.compute_wgs * config.block_q * 4 + (p if config.softmax_overlap else 0)
+    return q + kv + (p if config.softmax_overlap else 0)
 
 
 def fits(config: MosaicAttentionConfig, seq_q: int, seq_kv: int, head_dim: int) -> bool:
@@ -65,29 +66,54 @@ def groups_fit(config: MosaicAttentionConfig, heads: int, kv_heads: int) -> bool
 def one_block_per_sm(config: MosaicAttentionConfig, head_dim: int) -> bool:
     """Whether a block of `config` takes more than half the SMEM, so a grid launch runs
     one block per SM anyway and a persistent launch (`MosaicAttentionConfig.persistent`)
-    costs no occupancy: the search space offers the persistent twin of such configs."""
+    costs no occupancy."""
     return 2 * forward_smem_bytes(config, head_dim, 2) > common.SMEM_BYTES
+
+
+def persistent_twin(config: MosaicAttentionConfig, head_dim: int) -> MosaicAttentionConfig:
+    """The persistent launch of `config`, prefetching each next tile's Q
+    (`MosaicAttentionConfig.prefetch_query`) where the second Q buffer fits in SMEM.
+
+    On the H200 (`attention_prefetch_s27.jsonl`, forward, 64 x 128 tiles, one process)
+    the prefetch ran 1.001-1.081x the persistent launch without it at all twelve shapes
+    measured (d128 and d64, MHA and GQA, causal, windowed and not), the most where tiles
+    are short (GQA b16 s1024 causal: 472 -> 510 TFLOP/s)."""
+    twin = dataclasses.replace(config, persistent=True, prefetch_query=True)
+    if forward_smem_bytes(twin, head_dim, 2) <= common.SMEM_BYTES:
+        return twin
+    return dataclasses.replace(config, persistent=True)
+
+
+def persistent_offered(config: MosaicAttentionConfig, head_dim: int, *, uneven: bool
+                       ) -> bool:
+    """Whether the search space offers `config`'s persistent twin: where a block of it
+    fills an SM anyway (a grid launch runs one block per SM too), or where the tiles
+    differ in length (`uneven`: a causal mask or a window) at head dim <= 128, where the
+    balanced, prefetching persistent launch beat the grid also with two blocks an SM."""
+    return one_block_per_sm(config, head_dim) or (uneven and head_dim <= 128)
 
 
 def persistent_measured(config: MosaicAttentionConfig, heads: int, kv_heads: int,
                         head_dim: int, *, uneven: bool) -> bool:
-    """Whether the heuristics launch `config` persistent: at head dim <= 128 with a block
-    that fills an SM, where the tiles differ in length (`uneven`: a causal mask or a
-    window, so the balanced schedule of `_mosaic_gpu_tile_order` applies) or share K/V
-    (GQA/MQA).
+    """Whether the heuristics launch `config` persistent (`persistent_twin`): at head dim
+    <= 128 where the tiles differ in length (`uneven`: a causal mask or a window, so the
+    balanced schedule of `_mosaic_gpu_tile_order` applies), or share K/V (GQA/MQA) with a
+    block that fills an SM.
 
     On the H200 (forward, the heuristics' tiles, one process each):
-    `attention_balanced_s26.jsonl` ran the balanced persistent launch 1.017-1.146x the
-    grid at all nine causal d128 shapes (MHA and GQA, 1024-8192 rows; 1.005-1.063x cuDNN
-    at eight, 0.974x at GQA b16 s1024), 1.043x at the d128 soft cap + window and 1.016x
-    at Gemma-2's windowed d256 layer, where round robin had run 0.89-1.12x the grid.
-    Without a mask (every tile alike, round robin) persistent ran 1.009-1.028x the grid
-    at GQA d128 (`attention_persistent_shapes_s25.jsonl`, `attention_group_s25.jsonl`:
-    the L2 sections keep a group's shared K/V hot) but 0.979-0.995x at MHA d128. Not
-    chosen at d256 (0.94-0.97x at Gemma-2's global layer, round robin, not measured
-    balanced) nor where two blocks fit an SM (0.70x at d64 with 128 x 128 tiles)."""
-    return (head_dim <= 128 and one_block_per_sm(config, head_dim)
-            and (uneven or heads > kv_heads))
+    `attention_prefetch_s27.jsonl` ran the balanced persistent launch with the Q prefetch
+    1.026-1.237x the grid at seven causal d128 shapes (MHA and GQA, 1024-8192 rows;
+    1.018-1.066x cuDNN), 1.082-1.098x at two causal d64 shapes (1.002-1.016x cuDNN,
+    though two grid blocks fit an SM there) and 1.043x at the d128 soft cap + window.
+    Without a mask (every tile alike, round robin) it ran 1.004x the grid at GQA d128
+    (`attention_persistent_shapes_s25.jsonl`: 1.009-1.028x without the prefetch, the L2
+    sections keeping a group's shared K/V hot) but 0.986-1.000x at MHA d128. Not chosen
+    at d256 (the prefetch does not fit beside 64 x 64 tiles; 0.94-0.97x at Gemma-2's
+    global layer without it), nor without a mask where two blocks fit an SM (0.70x at
+    d64 with 128 x 128 tiles, `attention_persistent_s24.jsonl`)."""
+    if head_dim > 128:
+        return False
+    return uneven or (heads > kv_heads and one_block_per_sm(config, head_dim))
 
 
 def _narrow_for_window(preferred: list[MosaicAttentionConfig], window: Any
@@ -165,11 +191,12 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         preferred = _narrow_for_window(preferred, ba.arguments["local_window_size"])
         config = next((c for c in preferred if fits(c, seq_q, seq_kv, head_dim)),
                       MosaicAttentionConfig(block_q=64, block_kv=64, num_stages=2))
-        return dataclasses.replace(
-            config, longest_first=common.longest_first_measured(ba.arguments),
-            persistent=persistent_measured(
-                config, q.shape[2], k.shape[2], head_dim,
-                uneven=causal or ba.arguments["local_window_size"] is not None))
+        config = dataclasses.replace(
+            config, longest_first=common.longest_first_measured(ba.arguments))
+        if persistent_measured(config, q.shape[2], k.shape[2], head_dim,
+                               uneven=causal or ba.arguments["local_window_size"] is not None):
+            return persistent_twin(config, head_dim)
+        return config
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[MosaicAttentionConfig]:
         q, k = ba.arguments["query"], ba.arguments["key"]
@@ -177,6 +204,7 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         wg_choices = common.compute_wg_choices(q.shape[0] * q.shape[2], seq_q)
         longest_first = common.longest_first_measured(ba.arguments)
         heads, kv_heads = q.shape[2], k.shape[2]
+        uneven = ba.arguments["is_causal"] or ba.arguments["local_window_size"] is not None
         configs = set()
         for bq, bkv, stages, wgs in itertools.product((64, 128), (64, 128), (2, 3, 4),
                                                       wg_choices):
@@ -189,8 +217,8 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
                 if (fits(variant, seq_q, seq_kv, head_dim)
                         and groups_fit(variant, heads, kv_heads)):
                     configs.add(variant)
-                    if one_block_per_sm(variant, head_dim):
-                        configs.add(dataclasses.replace(variant, persistent=True))
+                    if persistent_offered(variant, head_dim, uneven=uneven):
+                        configs.add(persistent_twin(variant, head_dim))
         return configs
 
     def _default_vjp(self) -> Op:
