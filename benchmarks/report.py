@@ -36,16 +36,16 @@ OP_ROWS = (
     ("benchmark_llama_ops_s17.json", "lce 16384x2048x32000 (llama model)"),
     ("benchmark_lce.json", "lce 16384x4096x128256 (llama 3, liger)"),
     ("benchmark_lce.json", "lce 8192x2304x256000 (gemma 2 2b, cce)"),
-    ("benchmark_attention_s26.json", "attention b32 s2048 h16 d64"),
+    ("benchmark_attention_s27.json", "attention b32 s2048 h16 d64"),
     ("benchmark_self_attention_s18.json", "self-attention x,x,x b32 s2048 h16 d64 (seed)"),
-    ("benchmark_attention_s26.json", "attention b4 s8192 h16 d128"),
-    ("benchmark_attention_s26.json", "attention b4 s8192 h16 d128 causal"),
+    ("benchmark_attention_s27.json", "attention b4 s8192 h16 d128"),
+    ("benchmark_attention_s27.json", "attention b4 s8192 h16 d128 causal"),
     ("benchmark_self_attention_s18.json", "self-attention x,x,x b4 s8192 h16 d128"),
-    ("benchmark_attention_s26.json", "attention gqa b4 s4096 hq32 hkv8 d128 causal"),
-    ("benchmark_attention_s26.json", "attention b16 s4096 h8 d256"),
-    ("benchmark_attention_s24.json",
+    ("benchmark_attention_s27.json", "attention gqa b4 s4096 hq32 hkv8 d128 causal"),
+    ("benchmark_attention_s27.json", "attention b16 s4096 h8 d256"),
+    ("benchmark_attention_softcap_s27.json",
      "attention soft cap 50 window 4096 b4 s8192 h16 d128 causal"),
-    ("benchmark_attention_s24.json",
+    ("benchmark_attention_softcap_s27.json",
      "attention soft cap 50 window 4096 b2 s8192 hq8 hkv4 d256 causal (gemma 2)"),
     ("benchmark.json", "ragged dot m16384 k4096 n4096 g8"),
     ("benchmark_norms.json", "layer norm 65536x4096"),
@@ -56,10 +56,10 @@ OP_ROWS = (
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
-    "llama": "models_llama_s26.json",
-    "mixtral": "models_mixtral_s26.json",
-    "gemma2": "models_gemma2_s26.json",
-    "encoder": "models_encoder_s26.json",
+    "llama": "models_llama_s27.json",
+    "mixtral": "models_mixtral_s27.json",
+    "gemma2": "models_gemma2_s27.json",
+    "encoder": "models_encoder_s27.json",
 }
 VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"), ("tuned", "tuned"),
             ("upstream", "upstream Tokamax 0.0.17"))

@@ -382,8 +382,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the attention heuristics launch persistent at MHA without a mask too, where the"
         " grid won",
         "kernels/tokamax_kernels/attention/pallas_mosaic_gpu.py",
-        "            and (uneven or heads > kv_heads))",
-        "            and (uneven or heads >= kv_heads))",
+        "    return uneven or (heads > kv_heads and one_block_per_sm(config, head_dim))",
+        "    return uneven or (heads >= kv_heads and one_block_per_sm(config, head_dim))",
         ("tests/test_mosaic_attention_persistent.py::"
          "test_persistent_where_measured_and_tuned_where_a_block_fills_an_sm",),
     ),
@@ -409,15 +409,42 @@ MUTATIONS: tuple[Mutation, ...] = (
         "the scheduled persistent attention forward reads its tiles one entry early in the"
         " table (the last offset as a tile)",
         "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
-        "order.coordinates(schedule_ref[blocks + 1 + i])",
-        "order.coordinates(schedule_ref[blocks + i])",
+        "order.coordinates(schedule_ref[blocks + 1 + first + n])",
+        "order.coordinates(schedule_ref[blocks + first + n])",
         ("tests/test_mosaic_attention_persistent.py::test_bitwise_equal_to_the_grid",),
+    ),
+    Mutation(
+        "the prefetching persistent attention forward loads this tile's Q again, not the"
+        " next tile's",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
+        "                        load_query(*tile_at(n + 1), my_buffer(n + 1))",
+        "                        load_query(*tile_at(n), my_buffer(n + 1))",
+        ("tests/test_mosaic_attention_persistent.py::test_bitwise_equal_to_the_grid",),
+    ),
+    Mutation(
+        "the attention search space and heuristics launch persistent without the Q"
+        " prefetch where it fits",
+        "kernels/tokamax_kernels/attention/pallas_mosaic_gpu.py",
+        "    twin = dataclasses.replace(config, persistent=True, prefetch_query=True)",
+        "    twin = dataclasses.replace(config, persistent=True, prefetch_query=False)",
+        ("tests/test_mosaic_attention_persistent.py::"
+         "test_persistent_where_measured_and_tuned_where_a_block_fills_an_sm",),
+    ),
+    Mutation(
+        "the attention forward's SMEM count ignores the prefetch's second Q buffer (a"
+        " config over the SMEM would pass `fits`)",
+        "kernels/tokamax_kernels/attention/pallas_mosaic_gpu.py",
+        "    q = config.query_buffers * config.compute_wgs * config.block_q"
+        " * (head_dim * itemsize + 4)",
+        "    q = config.compute_wgs * config.block_q * (head_dim * itemsize + 4)",
+        ("tests/test_mosaic_attention_persistent.py::"
+         "test_forward_smem_counts_both_query_buffers",),
     ),
     Mutation(
         "the grouped attention forward runs every warpgroup on the block's first head",
         "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
-        "                    q_base, h = qi * rows, h * heads_per_block + wg",
-        "                    q_base, h = qi * rows, h * heads_per_block",
+        "                    return qi * rows, h * heads_per_block + wg",
+        "                    return qi * rows, h * heads_per_block",
         ("tests/test_mosaic_attention_group_in_block.py::"
          "test_bitwise_equal_to_a_block_per_head",),
     ),
