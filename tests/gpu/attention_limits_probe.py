@@ -391,7 +391,7 @@ BALANCED_SHAPES = [
     ("gqa b16 s1024 hq32 hkv8 d128 causal", (16, 1024, 32, 8, 128), True, None, None),
     ("gqa b8 s2048 hq16 hkv4 d64 causal", (8, 2048, 16, 4, 64), True, None, None),
     # d64 with 64 x 128 tiles: two grid blocks fit an SM, one persistent block does not
-    # (not yet measured: session 26 ran the twelve shapes around these).
+    # (the `prefetch` phase measured the first, session 27).
     ("mha b8 s2048 h16 d64 causal", (8, 2048, 16, 16, 64), True, None, None),
     ("mha b32 s2048 h16 d64 causal", (32, 2048, 16, 16, 64), True, None, None),
     ("soft cap 50 window 4096 b4 s8192 h16 d128", (4, 8192, 16, 16, 128), True, (4096, 0),
@@ -401,40 +401,50 @@ BALANCED_SHAPES = [
 ]
 
 
-def balanced() -> None:
-    """Per shape: cuDNN's forward (no soft cap only), then our forward at the config
-    `None` runs, grid-launched, persistent round robin (`MAX_SCHEDULED_TILES` set to 0)
-    and persistent balanced; each persistent output bitwise against the grid's."""
-    import dataclasses
-
+def _against_the_grid(phase: str, name: str, qkv, unit: float, statics: dict, source: str,
+                      variants) -> None:
+    """Our forward at each `(variant, config, max scheduled tiles)` of `variants` in turn
+    (`_mosaic_gpu_tile_order.MAX_SCHEDULED_TILES` set for it, None: left as shipped), the
+    first the grid launch; each later output logged bitwise against the first's."""
     import jax
     import numpy as np
 
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
     from tokamax_kernels.attention import _mosaic_gpu_tile_order as tile_order_module
 
-    cap_tiles = tile_order_module.MAX_SCHEDULED_TILES
+    shipped = tile_order_module.MAX_SCHEDULED_TILES
+    outs = {}
+    for variant, config, max_tiles in variants:
+        tile_order_module.MAX_SCHEDULED_TILES = shipped if max_tiles is None else max_tiles
+        record = dict(phase=phase, workload=name, variant=variant, config=str(config),
+                      config_source=source)
+        impl = PallasMosaicGpuFlashAttention(config=config)
+        outs[variant] = timed(record, _fwd(impl, **statics), qkv, unit)
+        _log(record)
+        jax.clear_caches()
+    tile_order_module.MAX_SCHEDULED_TILES = shipped
+    if all(out is not None for out in outs.values()):
+        grid, *rest = outs.items()
+        _log(dict(phase=phase, workload=name, bitwise_equal={
+            variant: bool(np.array_equal(np.asarray(grid[1]), np.asarray(out)))
+            for variant, out in rest}))
+
+
+def balanced() -> None:
+    """Per shape: cuDNN's forward (no soft cap only), then our forward at the config
+    `None` runs, grid-launched, persistent round robin (`MAX_SCHEDULED_TILES` set to 0)
+    and persistent balanced; each persistent output bitwise against the grid's."""
+    import dataclasses
+
     for name, shape, causal, window, cap in BALANCED_SHAPES:
         qkv, unit, statics, default, source = _forward_workload("balanced", name, shape,
                                                                 causal, window, cap)
-        outs = {}
-        for variant, persistent, max_tiles in (("grid", False, cap_tiles),
-                                               ("persistent round robin", True, 0),
-                                               ("persistent balanced", True, cap_tiles)):
-            tile_order_module.MAX_SCHEDULED_TILES = max_tiles
-            config = dataclasses.replace(default, persistent=persistent)
-            record = dict(phase="balanced", workload=name, variant=variant,
-                          config=str(config), config_source=source)
-            impl = PallasMosaicGpuFlashAttention(config=config)
-            outs[variant] = timed(record, _fwd(impl, **statics), qkv, unit)
-            _log(record)
-            jax.clear_caches()
-        tile_order_module.MAX_SCHEDULED_TILES = cap_tiles
-        if all(out is not None for out in outs.values()):
-            grid = np.asarray(outs["grid"])
-            _log(dict(phase="balanced", workload=name, bitwise_equal={
-                variant: bool(np.array_equal(grid, np.asarray(out)))
-                for variant, out in outs.items() if variant != "grid"}))
+        grid = dataclasses.replace(default, persistent=False, prefetch_query=False)
+        persistent = default if default.persistent else dataclasses.replace(
+            default, persistent=True)
+        _against_the_grid("balanced", name, qkv, unit, statics, source, [
+            ("grid", grid, None), ("persistent round robin", persistent, 0),
+            ("persistent balanced", persistent, None)])
 
 
 # name, shape, causal, window, soft cap: persistent shapes for `prefetch`, with and
@@ -463,32 +473,16 @@ def prefetch() -> None:
     persistent output bitwise against the grid's."""
     import dataclasses
 
-    import jax
-    import numpy as np
-
-    from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
-
     for name, shape, causal, window, cap in PREFETCH_SHAPES:
         qkv, unit, statics, default, source = _forward_workload("prefetch", name, shape,
                                                                 causal, window, cap)
-        base = dataclasses.replace(default, block_q=64, block_kv=128, num_stages=2,
+        grid = dataclasses.replace(default, block_q=64, block_kv=128, num_stages=2,
                                    persistent=False, prefetch_query=False)
-        outs = {}
-        for variant, fields in (("grid", {}), ("persistent", dict(persistent=True)),
-                                ("persistent prefetch",
-                                 dict(persistent=True, prefetch_query=True))):
-            config = dataclasses.replace(base, **fields)
-            record = dict(phase="prefetch", workload=name, variant=variant,
-                          config=str(config), config_source=source)
-            impl = PallasMosaicGpuFlashAttention(config=config)
-            outs[variant] = timed(record, _fwd(impl, **statics), qkv, unit)
-            _log(record)
-            jax.clear_caches()
-        if all(out is not None for out in outs.values()):
-            grid = np.asarray(outs["grid"])
-            _log(dict(phase="prefetch", workload=name, bitwise_equal={
-                variant: bool(np.array_equal(grid, np.asarray(out)))
-                for variant, out in outs.items() if variant != "grid"}))
+        _against_the_grid("prefetch", name, qkv, unit, statics, source, [
+            ("grid", grid, None),
+            ("persistent", dataclasses.replace(grid, persistent=True), None),
+            ("persistent prefetch",
+             dataclasses.replace(grid, persistent=True, prefetch_query=True), None)])
 
 
 def ncu() -> None:
