@@ -63,6 +63,7 @@ def test_interpreted_matches_reference(shape, causal, window, cap, lengths, conf
     ((2, 256, 256, 2, 1, 64), True, {}, dict(window=(70, 0), soft_cap=30.0)),
     ((2, 256, 256, 2, 1, 64), True, {}, dict(kv_lengths=jnp.array([130, 0], jnp.int32))),
     ((2, 256, 256, 4, 2, 64), True, dict(persistent=True), {}),
+    ((2, 256, 256, 4, 2, 64), True, dict(persistent=True, prefetch_query=True), {}),
 ])
 def test_bitwise_equal_to_a_block_per_head(monkeypatch, shape, causal, fields, kwargs):
     """A row's K/V tiles and their order do not depend on which block runs it, so out
@@ -111,10 +112,11 @@ def test_groups_that_do_not_divide_are_refused():
     assert dataclasses.replace(_grouped(), group_in_block=False).rows_per_block == 128
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_lowers_for_h200(persistent):
+@pytest.mark.parametrize("launch", [{}, dict(persistent=True),
+                                    dict(persistent=True, prefetch_query=True)])
+def test_lowers_for_h200(launch):
     """Causal GQA with the default backward, lowered for an H200."""
-    config = _grouped(longest_first=True, persistent=persistent)
+    config = _grouped(longest_first=True, **launch)
     exported = export_vjp(MosaicAttentionVjpConfig(), fwd_config=config, causal=True)
     assert exported.mlir_module().count("mosaic_gpu_v2") == 3
 
