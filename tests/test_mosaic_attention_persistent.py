@@ -99,6 +99,9 @@ def test_interpreted_matches_reference(three_sms, shape, causal, window, cap, le
     ((2, 256, 256, 2, 1, 64), True, dict(compute_wgs=1),
      dict(window=(70, 0), soft_cap=30.0)),
     ((2, 256, 256, 2, 1, 64), True, {}, dict(kv_lengths=jnp.array([130, 0], jnp.int32))),
+    # A window over a batch element with no keys: its tiles compute no K/V step.
+    ((2, 256, 256, 2, 1, 64), True, {},
+     dict(window=(70, 0), kv_lengths=jnp.array([200, 0], jnp.int32))),
 ])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_bitwise_equal_to_the_grid(three_sms, shape, causal, fields, kwargs, prefetch):
