@@ -28,6 +28,8 @@ The phases, each in a subprocess with a timeout, CUPTI medians after warm-up, bf
   grid-launched, persistent, and persistent with the next tile's Q prefetched
   (`MosaicAttentionConfig.prefetch_query`); both persistent outputs bitwise against the
   grid-launched one.
+* `ncu_fwd`: one forward each of cuDNN and ours at the non-causal d128 workload, for
+  `ncu` with sections (where ours trails cuDNN inside a tile).
 * `ncu`: one forward+backward each of cuDNN and Mosaic at the Llama layer and the d128
   workload, run as `ncu ... python3 tests/gpu/attention_limits_probe.py --phase ncu` to
   read the kernels' hardware counters (launch shape, registers, durations; with
@@ -497,8 +499,23 @@ def ncu() -> None:
         print(name, "done", flush=True)
 
 
+def ncu_fwd() -> None:
+    """One forward each of cuDNN and our Mosaic kernel (the config `None` runs) at the
+    non-causal d128 workload, where ours trails cuDNN by 5% with or without the
+    persistent launch (`attention_prefetch_s27.jsonl`): for `ncu --section ...` to read
+    where the time goes inside a tile (tensor pipe, issue slots, stalls)."""
+    import jax
+
+    name, (b, s, h, hk, d), causal = WORKLOADS[1]
+    q, k, v, _ = _inputs(b, s, h, hk, d)
+    for impl in ("cudnn", "mosaic_gpu"):
+        jax.block_until_ready(_fwd(impl, is_causal=causal)(q, k, v))
+    print(name, "done", flush=True)
+
+
 def main(argv: list[str]) -> int:
     phases = {"split": (split, 400), "features": (features, 240), "ncu": (ncu, 300),
+              "ncu_fwd": (ncu_fwd, 300),
               "persistent": (persistent, 300), "group": (group, 480),
               "persistent_shapes": (persistent_shapes, 300), "balanced": (balanced, 420),
               "prefetch": (prefetch, 420)}
