@@ -6,7 +6,8 @@ In GPU interpret mode with three "SMs" (so every block runs several tiles, the r
 wrapping across tile boundaries at different offsets): numerics against the float32
 HIGHEST reference (forward, lse, and the default backward's gradients of random
 cotangents) with causal masks, GQA, a window with a soft cap, key lengths, the softmax
-overlap and d256; outputs bitwise equal to the grid-launched kernel; the tile order as
+overlap, d256 and the next tile's Q prefetched (`prefetch_query`); outputs bitwise equal
+to the grid-launched kernel, with and without the prefetch; the tile order as
 a permutation with whole L2 sections; the balanced schedule's table and its finishing
 times against round robin; lowering for an H200. The device's own checks and
 timings: `tests/gpu/test_mosaic_attention_gpu.py -k persistent` and the probe's
