@@ -28,6 +28,13 @@ The phases, each in a subprocess with a timeout, CUPTI medians after warm-up, bf
   grid-launched, persistent, and persistent with the next tile's Q prefetched
   (`MosaicAttentionConfig.prefetch_query`); both persistent outputs bitwise against the
   grid-launched one.
+* `tile_overhead`: at causal shapes of 1024-4096 rows, cuDNN's forward and ours
+  grid-launched and persistent with the balanced schedule counting a tile's fixed cost
+  (`_mosaic_gpu_tile_order.TILE_OVERHEAD_STEPS`) as 0, 0.5, 1 and 2 K/V steps.
+* `registers`: our dq and dk/dv kernels timed alone under splits of the registers
+  between the compute warpgroups and the memory warpgroup, with ptxas's spills and SASS.
+* `row_term`: forward+backward of cuDNN and ours with the backward's row term from its
+  own pass and summed by the dq kernel, at the Llama layer, causal d128 and d64.
 * `ncu_fwd`: one forward each of cuDNN and ours at the non-causal d128 workload, for
   `ncu` with sections (where ours trails cuDNN inside a tile).
 * `ncu`: one forward+backward each of cuDNN and Mosaic at the Llama layer and the d128
@@ -405,26 +412,31 @@ BALANCED_SHAPES = [
 
 def _against_the_grid(phase: str, name: str, qkv, unit: float, statics: dict, source: str,
                       variants) -> None:
-    """Our forward at each `(variant, config, max scheduled tiles)` of `variants` in turn
-    (`_mosaic_gpu_tile_order.MAX_SCHEDULED_TILES` set for it, None: left as shipped), the
-    first the grid launch; each later output logged bitwise against the first's."""
+    """Our forward at each `(variant, config, schedule settings)` of `variants` in turn
+    (settings: `_mosaic_gpu_tile_order` constants set for that variant, such as
+    `MAX_SCHEDULED_TILES`; the rest as shipped), the first the grid launch; each later
+    output logged bitwise against the first's."""
     import jax
     import numpy as np
 
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
     from tokamax_kernels.attention import _mosaic_gpu_tile_order as tile_order_module
 
-    shipped = tile_order_module.MAX_SCHEDULED_TILES
     outs = {}
-    for variant, config, max_tiles in variants:
-        tile_order_module.MAX_SCHEDULED_TILES = shipped if max_tiles is None else max_tiles
+    for variant, config, settings in variants:
+        shipped = {key: getattr(tile_order_module, key) for key in settings}
+        for key, value in settings.items():
+            setattr(tile_order_module, key, value)
         record = dict(phase=phase, workload=name, variant=variant, config=str(config),
-                      config_source=source)
+                      config_source=source, schedule_settings=settings)
         impl = PallasMosaicGpuFlashAttention(config=config)
-        outs[variant] = timed(record, _fwd(impl, **statics), qkv, unit)
+        try:
+            outs[variant] = timed(record, _fwd(impl, **statics), qkv, unit)
+        finally:
+            for key, value in shipped.items():
+                setattr(tile_order_module, key, value)
         _log(record)
         jax.clear_caches()
-    tile_order_module.MAX_SCHEDULED_TILES = shipped
     if all(out is not None for out in outs.values()):
         grid, *rest = outs.items()
         _log(dict(phase=phase, workload=name, bitwise_equal={
@@ -445,8 +457,9 @@ def balanced() -> None:
         persistent = default if default.persistent else dataclasses.replace(
             default, persistent=True)
         _against_the_grid("balanced", name, qkv, unit, statics, source, [
-            ("grid", grid, None), ("persistent round robin", persistent, 0),
-            ("persistent balanced", persistent, None)])
+            ("grid", grid, {}),
+            ("persistent round robin", persistent, {"MAX_SCHEDULED_TILES": 0}),
+            ("persistent balanced", persistent, {})])
 
 
 # name, shape, causal, window, soft cap: persistent shapes for `prefetch`, with and
@@ -481,10 +494,128 @@ def prefetch() -> None:
         grid = dataclasses.replace(default, block_q=64, block_kv=128, num_stages=2,
                                    persistent=False, prefetch_query=False)
         _against_the_grid("prefetch", name, qkv, unit, statics, source, [
-            ("grid", grid, None),
-            ("persistent", dataclasses.replace(grid, persistent=True), None),
+            ("grid", grid, {}),
+            ("persistent", dataclasses.replace(grid, persistent=True), {}),
             ("persistent prefetch",
-             dataclasses.replace(grid, persistent=True, prefetch_query=True), None)])
+             dataclasses.replace(grid, persistent=True, prefetch_query=True), {})])
+
+
+# name, shape, causal, window, soft cap: causal shapes for `tile_overhead`, where a tile
+# is 1-64 K/V steps long (1024-8192 rows).
+TILE_OVERHEAD_SHAPES = [
+    ("gqa b16 s1024 hq32 hkv8 d128 causal", (16, 1024, 32, 8, 128), True, None, None),
+    ("mha b16 s1024 h16 d128 causal", (16, 1024, 16, 16, 128), True, None, None),
+    ("mha b8 s2048 h16 d128 causal", (8, 2048, 16, 16, 128), True, None, None),
+    ("llama b4 s4096 hq16 hkv4 d128 causal", (4, 4096, 16, 4, 128), True, None, None),
+    ("gqa b8 s2048 hq16 hkv4 d64 causal", (8, 2048, 16, 4, 64), True, None, None),
+]
+
+
+def tile_overhead() -> None:
+    """Per causal shape: cuDNN's forward, then our forward at the config `None` runs
+    (persistent, balanced, prefetching), grid-launched and with the balanced schedule
+    costing each tile its K/V steps plus 0, 0.5, 1 (shipped) and 2
+    (`_mosaic_gpu_tile_order.TILE_OVERHEAD_STEPS`): does the prefetch leave a tile's
+    fixed cost at a step?"""
+    import dataclasses
+
+    for name, shape, causal, window, cap in TILE_OVERHEAD_SHAPES:
+        qkv, unit, statics, default, source = _forward_workload("tile_overhead", name, shape,
+                                                                causal, window, cap)
+        grid = dataclasses.replace(default, persistent=False, prefetch_query=False)
+        _against_the_grid("tile_overhead", name, qkv, unit, statics, source, [
+            ("grid", grid, {}),
+            *((f"persistent overhead {steps}", default, {"TILE_OVERHEAD_STEPS": steps})
+              for steps in (0, 0.5, 1, 2))])
+
+
+# (compute warpgroups' registers, the memory warpgroup's) for `registers`, each summing
+# to the 504 a lane that the launch's 168 x 3 leaves: the shipped split,
+# FlashAttention-3's for two consumer warpgroups, and more for the memory warpgroup.
+REGISTER_SPLITS = [(232, 40), (240, 24), (224, 56)]
+
+
+def registers() -> None:
+    """Per d128 workload: our dq and dk/dv kernels (the config `None` runs) timed alone
+    under each register split of `REGISTER_SPLITS` (`set_max_registers`), with ptxas's
+    report and the SASS per split (`MOSAIC_GPU_DUMP_*` into `$OUT/dump/...`); each
+    output bitwise against the shipped split's."""
+    import jax
+    import numpy as np
+
+    from tokamax_kernels.attention import _mosaic_gpu_bwd_kernels as bwd_module
+    from tokamax_kernels.attention._mosaic_gpu_fwd_kernel import mosaic_attention_forward
+    from tokamax_kernels.attention._softmax_row_term import softmax_row_term
+
+    for name, (b, s, h, hk, d), causal in WORKLOADS[:4]:
+        q, k, v, do = _inputs(b, s, h, hk, d)
+        unit = 4 * b * h * d * _pairs(s, causal, None)
+        bwd_config, source = _vjp_config(q, k, causal)
+        statics = dict(scale=d ** -0.5, causal=causal)
+        out, lse = _jitted(mosaic_attention_forward, **statics,
+                           config=_fwd_config(q, k, causal)[0])(q, k, v)
+        residuals = (q, k, v, do, lse, jax.jit(softmax_row_term)(out, do))
+        outs = {}
+        for compute, memory in REGISTER_SPLITS:
+            bwd_module.COMPUTE_REGISTERS, bwd_module.MEMORY_REGISTERS = compute, memory
+            split = f"{compute}/{memory}"
+            for kernel, fn, units in (("dq", bwd_module.mosaic_attention_dq, 1.5),
+                                      ("dk/dv", bwd_module.mosaic_attention_dkv, 2.0)):
+                os.environ["MOSAIC_GPU_DUMP_TO"] = os.path.join(
+                    OUT, "dump", f"{name.split()[0]}_{int(causal)}_{kernel[:2]}_{compute}")
+                record = dict(phase="registers", workload=name, kernel=kernel,
+                              registers=split, config=str(bwd_config), config_source=source)
+                outs[split, kernel] = timed(
+                    record, _jitted(fn, **statics, config=bwd_config), residuals,
+                    units * unit)
+                _log(record)
+                jax.clear_caches()
+        shipped = "/".join(map(str, REGISTER_SPLITS[0]))
+        _log(dict(phase="registers", workload=name, bitwise_equal={
+            f"{split} {kernel}": bool(np.array_equal(np.asarray(outs[shipped, kernel]),
+                                                     np.asarray(out)))
+            for (split, kernel), out in outs.items()
+            if split != shipped and out is not None and outs[shipped, kernel] is not None}))
+    bwd_module.COMPUTE_REGISTERS, bwd_module.MEMORY_REGISTERS = REGISTER_SPLITS[0]
+
+
+def row_term() -> None:
+    """At the Llama layer, causal d128 and d64: forward+backward of cuDNN and of our Mosaic kernels
+    (the VJP config `None` runs) with the backward's row term from its own pass
+    (`softmax_row_term`, as before session 28) and summed by the dq kernel
+    (`mosaic_attention_dq_and_delta`); the two forms' gradients compared."""
+    import jax
+    import numpy as np
+
+    from tokamax_kernels.attention import pallas_mosaic_gpu_vjp as vjp_module
+
+    shipped = vjp_module.computes_delta
+    for name, (b, s, h, hk, d), causal in (WORKLOADS[0], WORKLOADS[2], WORKLOADS[4]):
+        q, k, v, do = _inputs(b, s, h, hk, d)
+        unit = 4 * b * h * d * _pairs(s, causal, None)
+        config, source = _vjp_config(q, k, causal)
+        grads = {}
+        for variant, impl, computes in (("cudnn", "cudnn", None),
+                                        ("mosaic row-term pass", _mosaic(config), False),
+                                        ("mosaic delta in dq", _mosaic(config), True)):
+            if computes is not None:
+                vjp_module.computes_delta = shipped if computes else (lambda head_dim: False)
+            record = dict(phase="row_term", workload=name, variant=variant,
+                          config=str(config), config_source=source)
+            try:
+                grads[variant] = timed(record, _fwd_bwd(impl, is_causal=causal),
+                                       (q, k, v, do), 3.5 * unit)
+            finally:
+                vjp_module.computes_delta = shipped
+            _log(record)
+            jax.clear_caches()
+        a, b_ = grads.get("mosaic row-term pass"), grads.get("mosaic delta in dq")
+        if a is not None and b_ is not None:
+            _log(dict(phase="row_term", workload=name, max_abs_difference={
+                g: float(np.max(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32))))
+                for g, x, y in zip(("out", "dq", "dk", "dv"), a, b_, strict=True)},
+                bitwise_equal=[bool(np.array_equal(np.asarray(x), np.asarray(y)))
+                               for x, y in zip(a, b_, strict=True)]))
 
 
 def ncu() -> None:
@@ -518,7 +649,8 @@ def main(argv: list[str]) -> int:
               "ncu_fwd": (ncu_fwd, 300),
               "persistent": (persistent, 300), "group": (group, 480),
               "persistent_shapes": (persistent_shapes, 300), "balanced": (balanced, 420),
-              "prefetch": (prefetch, 420)}
+              "prefetch": (prefetch, 420), "tile_overhead": (tile_overhead, 360),
+              "registers": (registers, 480), "row_term": (row_term, 300)}
     return run_phases(argv or ["split", "features"], __file__, phases, _log)
 
 
