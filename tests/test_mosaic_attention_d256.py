@@ -143,4 +143,6 @@ def test_d256_smem_is_the_split_kernels():
     192 KiB + 1 KiB, whatever `compute_wgs` (split warpgroups share their rows)."""
     for config in (SPLIT_DQ, WHOLE_DQ):
         assert vjp_module.backward_smem_bytes(config, 256) == 192 * 1024 + 8 * 128
-    assert vjp_module.backward_smem_bytes(SPLIT_DQ, 128) == 2 * 128 * 2 * 256 + 8 * 128
+    # At d128 the dq kernel's tiles lead: Q, dO and out rows of two warpgroups, K/V ring.
+    assert vjp_module.backward_smem_bytes(SPLIT_DQ, 128) == (
+        128 * 2 * (3 * 2 * 64 + 2 * 2 * 64) + 8 * 128)

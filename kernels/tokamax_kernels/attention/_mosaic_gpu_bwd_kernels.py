@@ -4,6 +4,8 @@ Both recompute the probabilities from the forward's log-sum-exp `lse` and use
 `delta = rowsum(out * dout)`. Neither uses atomics, so reruns are bitwise identical:
 
 * dq: a block owns `compute_wgs * block_q` query rows of one head; K/V tiles stream in.
+  `mosaic_attention_dq_and_delta` also sums delta from its rows of `out` and `dout`
+  before its first tile and writes it out for dk/dv, in place of a separate pass.
 * dk/dv: a block owns `compute_wgs * block_kv` key rows and one query head (GQA/MQA
   shares of a K/V head are summed outside); Q, dO, lse, delta tiles stream in. With
   `group_in_block` a block owns the rows of one K/V head instead and walks the query
@@ -85,6 +87,40 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
     """dq (B, Sq, H, D) in q's dtype; `kv_lengths` (B,) int32, `window`, `soft_cap` as in
     the forward (a block streams only the K/V tiles its rows see). At d256 two compute
     warpgroups split the head dim of shared rows; one holds it whole."""
+    return _dq_kernel(q, k, v, dout, lse, delta, kv_lengths, scale=scale, causal=causal,
+                      config=config, window=window, soft_cap=soft_cap, delta_in_kernel=False)
+
+
+def computes_delta(head_dim: int) -> bool:
+    """Whether `mosaic_attention_dq_and_delta` takes this head dim: up to 128. At d256
+    two warpgroups split a row's columns, and one warpgroup's 64 x 256 row tile of `out`
+    does not fit beside its Q, dO and two K/V stages (224 KiB)."""
+    return not splits_head_dim(head_dim)
+
+
+def mosaic_attention_dq_and_delta(q, k, v, dout, out, lse, kv_lengths=None, *, scale: float,
+                                  causal: bool, config: MosaicAttentionVjpConfig,
+                                  window: tuple[int, int] | None = None,
+                                  soft_cap: float | None = None
+                                  ) -> tuple[jax.Array, jax.Array]:
+    """`(dq, delta)`: `mosaic_attention_dq` with the row term `delta = rowsum(out * dout)`
+    ((B, H, Sq) float32) computed by the dq kernel itself from the rows of `out` and
+    `dout` it holds, and written out for the dk/dv kernel: no separate pass over `out`
+    and `dout` (`softmax_row_term`). Each row sums in the order the compiled kernel fixes,
+    so reruns stay bitwise equal. Needs `computes_delta(head_dim)`."""
+    if not computes_delta(q.shape[3]):
+        raise ValueError(f"the dq kernel computes delta at head dims up to 128, got "
+                         f"{q.shape[3]}: use mosaic_attention_dq with softmax_row_term's "
+                         f"delta")
+    return _dq_kernel(q, k, v, dout, lse, out, kv_lengths, scale=scale, causal=causal,
+                      config=config, window=window, soft_cap=soft_cap, delta_in_kernel=True)
+
+
+def _dq_kernel(q, k, v, dout, lse, row_input, kv_lengths, *, scale: float, causal: bool,
+               config: MosaicAttentionVjpConfig, window: tuple[int, int] | None,
+               soft_cap: float | None, delta_in_kernel: bool):
+    """The dq kernel; `row_input` is `delta`, or with `delta_in_kernel` the forward's
+    `out`, from which the kernel computes delta and returns it beside dq."""
     batch, seq_q, heads, head_dim = q.shape
     seq_kv, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -101,9 +137,12 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
     num_q_blocks = seq_q // block_rows
 
     def body(*refs):
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+        q_ref, k_ref, v_ref, do_ref, lse_ref, row_ref, *refs = refs
         lengths_ref = refs.pop(0) if has_lengths else None
-        (dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
+        dq_ref, *refs = refs
+        delta_out_ref = refs.pop(0) if delta_in_kernel else None
+        o_smem = refs.pop(0) if delta_in_kernel else None
+        (q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem,
          row_ready, k_ready, v_ready, consumed, *written) = refs
         b, h = lax.axis_index("batch"), lax.axis_index("heads")
         qi = query_block(num_q_blocks, config.longest_first and causal)
@@ -140,12 +179,17 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
             mine = 0 if split else wg  # this warpgroup's row barriers
             my_q, my_do = own_tile(q_smem, wg, split), own_tile(do_smem, wg, split)
             my_lse, my_delta = own_tile(lse_smem, wg, split), own_tile(delta_smem, wg, split)
+            my_o = own_tile(o_smem, wg, split) if delta_in_kernel else None
 
             def load_rows():
                 plgpu.copy_gmem_to_smem(q_ref.at[rows], my_q, row_ready.at[4 * mine])
                 plgpu.copy_gmem_to_smem(do_ref.at[rows], my_do, row_ready.at[4 * mine + 1])
                 plgpu.copy_gmem_to_smem(lse_ref.at[vec], my_lse, row_ready.at[4 * mine + 2])
-                plgpu.copy_gmem_to_smem(delta_ref.at[vec], my_delta, row_ready.at[4 * mine + 3])
+                if delta_in_kernel:  # this warpgroup's rows of the forward's output
+                    plgpu.copy_gmem_to_smem(row_ref.at[rows], my_o, row_ready.at[4 * mine + 3])
+                else:
+                    plgpu.copy_gmem_to_smem(row_ref.at[vec], my_delta,
+                                            row_ready.at[4 * mine + 3])
 
             if split:  # one copy of the shared rows
                 pl.when(wg == 0)(load_rows)
@@ -154,7 +198,16 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
             for i in range(4):
                 plgpu.barrier_wait(row_ready.at[4 * mine + i])
             lse2 = plgpu.load(my_lse, layout=_WGMMA.reduce(1)) * LOG2E
-            delta_i = plgpu.load(my_delta, layout=_WGMMA.reduce(1))
+            if delta_in_kernel:
+                o = plgpu.load(my_o, layout=_WGMMA).astype(jnp.float32)
+                do = plgpu.load(my_do, layout=_WGMMA).astype(jnp.float32)
+                delta_i = jnp.sum(o * do, axis=1)
+                my_delta[...] = delta_i
+                plgpu.commit_smem()
+                # Lands before the block ends: `store` waits for every TMA store.
+                plgpu.copy_smem_to_gmem(my_delta, delta_out_ref.at[vec])
+            else:
+                delta_i = plgpu.load(my_delta, layout=_WGMMA.reduce(1))
             steps = num_steps(q_base + block_q)
 
             def kv_step(step, dq_acc, *, masked):
@@ -243,6 +296,9 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
 
     transforms = tile_transforms(dtype)
     scratch = [
+        # With delta_in_kernel, each warpgroup's rows of the forward's output.
+        *([plgpu.SMEM((*own, block_q, head_dim), dtype, transforms=transforms)]
+          if delta_in_kernel else []),
         plgpu.SMEM((*own, block_q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((*own, block_q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((*own, block_q), jnp.float32),
@@ -255,16 +311,19 @@ def mosaic_attention_dq(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: fl
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         *written_barrier(split),
     ]
+    out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+    if delta_in_kernel:
+        out_type = (out_type, jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32))
     return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(heads, num_q_blocks, batch),
         grid_names=("heads", "q", "batch"),
         num_threads=wgs + 1,
         thread_name="wg",
         compiler_params=_PARAMS,
-    )(q, k, v, dout, lse, delta, *([kv_lengths] if has_lengths else []))
+    )(q, k, v, dout, lse, row_input, *([kv_lengths] if has_lengths else []))
 
 
 def mosaic_attention_dkv(q, k, v, dout, lse, delta, kv_lengths=None, *, scale: float,

@@ -54,9 +54,11 @@ from tokamax_kernels._triton import sm_count
 from tokamax_kernels.attention import _mosaic_gpu_common as common
 from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
+    computes_delta,
     fused_fits,
     mosaic_attention_dkv,
     mosaic_attention_dq,
+    mosaic_attention_dq_and_delta,
     mosaic_attention_fused_bwd,
 )
 from tokamax_kernels.attention._mosaic_gpu_common import (
@@ -117,7 +119,9 @@ def backward_smem_bytes(config: MosaicAttentionVjpConfig, head_dim: int) -> int:
         ds = (1 if by_rows else 2) * own * config.block_kv_dkv * config.block_q_dkv * 2
         dq = 4 * config.block_q_dkv * head_dim * (own if by_rows else 1)
         return dkv + ds + dq + 8 * stages * config.block_q_dkv
-    dq = 2 * head_dim * 2 * (own * config.block_q_dq + stages * config.block_kv_dq)
+    # Q and dO row tiles (and out's, where the dq kernel computes delta), the K/V ring.
+    row_tiles = 3 if computes_delta(head_dim) else 2
+    dq = head_dim * 2 * (row_tiles * own * config.block_q_dq + 2 * stages * config.block_kv_dq)
     return max(dq, dkv) + 8 * max(own * config.block_q_dq, stages * config.block_q_dkv)
 
 
@@ -227,18 +231,23 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         window = _window.bounds(local_window_size, is_causal)
         (lse,) = residuals
         dout = dout.astype(query.dtype)
-        delta = softmax_row_term(out, dout, None if dresiduals is None else dresiduals[0])
+        shared = runs_shared_kernel(dict(
+            query=query, shared_inputs=shared_inputs, is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size, logits_soft_cap=logits_soft_cap))
+        # The two-kernel backward's dq kernel computes delta itself where it can (one pass
+        # over `out` and `dout` fewer); the lse output's cotangent needs the row-term pass.
+        delta = (None if dresiduals is None and not shared and not config.fused
+                 and computes_delta(query.shape[3])
+                 else softmax_row_term(out, dout, None if dresiduals is None
+                                       else dresiduals[0]))
         lse = lse.astype(jnp.float32)
         visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1],
                                       window, key.shape[1])
         if visible is not None:
             # An lse of +inf makes every probability of a row that sees nothing zero.
             lse = jnp.where(visible[:, None, :], lse, jnp.inf)
-        if runs_shared_kernel(dict(query=query, shared_inputs=shared_inputs, is_causal=is_causal,
-                                   query_seq_lengths=query_seq_lengths,
-                                   key_value_seq_lengths=key_value_seq_lengths,
-                                   local_window_size=local_window_size,
-                                   logits_soft_cap=logits_soft_cap)):
+        if shared:
             dx = mosaic_attention_shared_dx(query, dout, lse, delta, scale=scale, config=config)
             return {"query": dx}, None
         lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])
@@ -250,7 +259,11 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
             dq, dk, dv = mosaic_attention_fused_bwd(query, key, value, dout, lse, delta,
                                                     lengths, **kwargs)
             return {"query": dq, "key": dk, "value": dv}, None
-        dq = mosaic_attention_dq(query, key, value, dout, lse, delta, lengths, **kwargs)
+        if delta is None:  # the dq kernel sums it on the way (`computes_delta`)
+            dq, delta = mosaic_attention_dq_and_delta(query, key, value, dout, out, lse,
+                                                      lengths, **kwargs)
+        else:
+            dq = mosaic_attention_dq(query, key, value, dout, lse, delta, lengths, **kwargs)
         dk, dv = mosaic_attention_dkv(query, key, value, dout, lse, delta, lengths, **kwargs)
         return {"query": dq, "key": dk, "value": dv}, None
 
