@@ -42,6 +42,7 @@ OP_ROWS = (
     ("benchmark_attention_s27.json", "attention b4 s8192 h16 d128 causal"),
     ("benchmark_self_attention_s18.json", "self-attention x,x,x b4 s8192 h16 d128"),
     ("benchmark_attention_s27.json", "attention gqa b4 s4096 hq32 hkv8 d128 causal"),
+    ("benchmark_attention_gqa_s28.json", "attention gqa b4 s4096 hq32 hkv8 d128 causal"),
     ("benchmark_attention_s27.json", "attention b16 s4096 h8 d256"),
     ("benchmark_attention_softcap_s27.json",
      "attention soft cap 50 window 4096 b4 s8192 h16 d128 causal"),
@@ -56,7 +57,7 @@ OP_ROWS = (
 
 # model -> the results file of its run of record.
 MODEL_ROWS = {
-    "llama": "models_llama_s27.json",
+    "llama": "models_llama_s28.json",
     "mixtral": "models_mixtral_s27.json",
     "gemma2": "models_gemma2_s27.json",
     "encoder": "models_encoder_s27.json",

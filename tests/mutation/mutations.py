@@ -441,6 +441,31 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_forward_smem_counts_both_query_buffers",),
     ),
     Mutation(
+        "the attention dq kernel sums out * out for delta, not out * dout",
+        "kernels/tokamax_kernels/attention/_mosaic_gpu_bwd_kernels.py",
+        "                delta_i = jnp.sum(o * do, axis=1)",
+        "                delta_i = jnp.sum(o * o, axis=1)",
+        ("tests/test_mosaic_attention_dq_delta.py::"
+         "test_delta_matches_the_row_sum_and_dq_the_kernel_fed_it",),
+    ),
+    Mutation(
+        "the Mosaic attention backward keeps the separate row-term pass where the dq"
+        " kernel computes delta",
+        "kernels/tokamax_kernels/attention/pallas_mosaic_gpu_vjp.py",
+        "                 and computes_delta(query.shape[3])",
+        "                 and computes_delta(query.shape[3]) and False",
+        ("tests/test_mosaic_attention_dq_delta.py::"
+         "test_the_gradient_runs_the_row_term_pass_only_where_needed",),
+    ),
+    Mutation(
+        "the attention backward's SMEM count ignores the dq kernel's rows of out (a config"
+        " over the SMEM would pass `fits`)",
+        "kernels/tokamax_kernels/attention/pallas_mosaic_gpu_vjp.py",
+        "    row_tiles = 3 if computes_delta(head_dim) else 2",
+        "    row_tiles = 2",
+        ("tests/test_mosaic_attention_dq_delta.py::test_smem_counts_the_output_rows",),
+    ),
+    Mutation(
         "the grouped attention forward runs every warpgroup on the block's first head",
         "kernels/tokamax_kernels/attention/_mosaic_gpu_fwd_kernel.py",
         "                    return qi * rows, h * heads_per_block + wg",
