@@ -32,17 +32,21 @@ from tokamax_pass import core
 V = MosaicAttentionVjpConfig
 
 
-@pytest.mark.parametrize("shape, causal, window, cap, lengths, config", [
-    pytest.param((2, 256, 4, 2, 64), True, None, None, None, V(), id="gqa-causal-d64"),
+@pytest.mark.parametrize("shape, causal, window, cap, lengths, config, dtype", [
+    pytest.param((2, 256, 4, 2, 64), True, None, None, None, V(), jnp.bfloat16,
+                 id="gqa-causal-d64"),
     pytest.param((2, 256, 2, 1, 128), False, None, None, (200, 37), V(compute_wgs=1),
-                 id="lengths-d128-one-wg"),
-    pytest.param((2, 256, 2, 2, 128), True, (100, 0), 20.0, None, V(), id="window-cap-d128"),
+                 jnp.bfloat16, id="lengths-d128-one-wg"),
+    pytest.param((2, 256, 2, 2, 128), True, (100, 0), 20.0, None, V(), jnp.bfloat16,
+                 id="window-cap-d128"),
+    pytest.param((2, 256, 2, 2, 64), False, None, None, None, V(), jnp.float16,
+                 id="f16-d64"),
 ])
 def test_delta_matches_the_row_sum_and_dq_the_kernel_fed_it(shape, causal, window, cap,
-                                                            lengths, config):
+                                                            lengths, config, dtype):
     b, s, h, hk, d = shape
-    q, do = (random_normal(i, (b, s, h, d), jnp.bfloat16) for i in (11, 12))
-    k, v = (random_normal(i, (b, s, hk, d), jnp.bfloat16) for i in (13, 14))
+    q, do = (random_normal(i, (b, s, h, d), dtype) for i in (11, 12))
+    k, v = (random_normal(i, (b, s, hk, d), dtype) for i in (13, 14))
     kv_lengths = None if lengths is None else jnp.array(lengths, jnp.int32)
     kwargs = dict(scale=0.3, causal=causal, window=window, soft_cap=cap)
     with interpret_mode():
