@@ -1,0 +1,181 @@
+"""The calibration sweep: every implementation (and cheap peer) over a grid of op calls,
+forward op and VJP op timed apart, on the device; then the fit into a calibration file.
+
+    python -m benchmarks.sweep run --families ragged_dot,layer_norm --max-seconds 480 \\
+        --seed 0 --out sweep.jsonl
+
+`run` visits the grid (`benchmarks.shapes`) in a random order drawn from `--seed`, so
+invocations with other seeds reach other calls first; it skips what `--out` already
+holds and appends a line a measurement, so a killed run keeps what it measured. Times are
+device times (CUPTI on a GPU: `tokamax_pass.benchmarking`), the median of many runs
+after a warm-up, as many as the per-call budget (`--call-seconds`) allows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import pathlib
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from benchmarks import shapes
+from tokamax_pass import benchmarking
+from tokamax_pass.core import registry
+from tokamax_pass.core.device import device_kind_key
+
+DIRECTIONS = {"forward": "forward", "vjp": "vjp"}
+MIN_ITERATIONS = 3
+
+
+def _short_error(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[0][:200] if text else type(e).__name__
+
+
+def ours(family: str) -> dict[str, Callable[..., Any]]:
+    """Our implementations of `family`, by name, as functions of the call's arguments."""
+    package = "attention" if family == "dot_product_attention" else family
+    importlib.import_module(f"tokamax_kernels.{package}")  # registers the family
+    fam = registry.families()[family]
+
+    def call(name: str) -> Callable[..., Any]:
+        return lambda *args, **kwargs: fam(name, *args, **kwargs)
+
+    return {name: call(name) for name in fam.implementations}
+
+
+def peers(family: str) -> dict[str, Callable[..., Any]]:
+    """The plain-JAX functions a user calls in place of `family`, where they are cheap."""
+    if family == "ragged_dot":
+        return {"jax.lax.ragged_dot": jax.lax.ragged_dot}
+    if family == "dot_product_attention":
+        def nn(implementation: str) -> Callable[..., Any]:
+            return lambda q, k, v, is_causal=False: jax.nn.dot_product_attention(
+                q, k, v, is_causal=is_causal, implementation=implementation)
+        return {"jax.nn xla": nn("xla"), "jax.nn cudnn": nn("cudnn")}
+    return {}
+
+
+def time_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              mode: benchmarking.Mode, *, seed: int, iterations: int, budget_s: float,
+              method: str | None = None) -> dict[str, Any]:
+    """`{"ms", "method", "iterations"}` for `fn(*args, **kwargs)` in `mode`, or
+    `{"error"}`: the median device time of up to `iterations` runs after a warm-up, fewer
+    where `budget_s` (compile included) would not hold them."""
+    start = time.perf_counter()
+    try:
+        f_std, arrays = benchmarking.standardize_function(fn, *args, kwargs=kwargs, mode=mode,
+                                                          seed=seed)
+        run = benchmarking.compile_benchmark(f_std, arrays)
+        data = run(arrays, iterations=MIN_ITERATIONS, method=method)
+        left = budget_s - (time.perf_counter() - start)
+        more = min(iterations, int(left / max(data.median_evaluation_time_ms * 2e-3, 1e-6)))
+        if more > MIN_ITERATIONS:
+            data = run(arrays, iterations=more, method=method)
+    except Exception as e:  # noqa: BLE001 - a call an implementation cannot run is a result
+        return {"error": _short_error(e)}
+    return {"ms": data.median_evaluation_time_ms, "method": data.method,
+            "iterations": len(data.evaluation_times_ms)}
+
+
+def _row_key(row: dict[str, Any]) -> str:
+    return json.dumps([row["family"], row["params"], row["implementation"], row["direction"]],
+                      sort_keys=True)
+
+
+def _done(out: pathlib.Path) -> set[str]:
+    if not out.exists():
+        return set()
+    keys = set()
+    for line in out.read_text().splitlines():
+        try:
+            keys.add(_row_key(json.loads(line)))
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a killed run
+    return keys
+
+
+def _plan(families: list[str], seed: int, tiny: bool) -> Iterator[tuple[str, dict[str, Any]]]:
+    calls = [(family, p) for family in families for p in shapes.grid(family, tiny)]
+    random.Random(seed).shuffle(calls)
+    yield from calls
+
+
+def run_sweep(families: list[str], out: pathlib.Path, *, seed: int, max_seconds: float,
+              call_seconds: float, iterations: int, tiny: bool = False,
+              method: str | None = None) -> int:
+    """Measures grid calls until `max_seconds` pass; returns the number of rows written."""
+    deadline = time.monotonic() + max_seconds
+    done = _done(out)
+    device_kind = jax.devices()[0].device_kind
+    written = 0
+    with out.open("a") as f:
+        for family, params in _plan(families, seed, tiny):
+            candidates = [("ours", n, fn) for n, fn in ours(family).items()] + [
+                ("peer", n, fn) for n, fn in peers(family).items()]
+            args, kwargs = shapes.build(family, params, seed)
+            for kind, name, fn in candidates:
+                for direction, mode in DIRECTIONS.items():
+                    row = {"family": family, "params": params, "implementation": name,
+                           "kind": kind, "direction": direction, "device_kind": device_kind}
+                    if _row_key(row) in done:
+                        continue
+                    if time.monotonic() > deadline:
+                        return written
+                    budget = min(call_seconds, deadline - time.monotonic())
+                    row.update(time_call(fn, args, kwargs, mode, seed=seed,
+                                         iterations=iterations, budget_s=budget,
+                                         method=method))
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    written += 1
+                    shown = f"{row['ms']:.4f} ms" if "ms" in row else row["error"][:80]
+                    print(f"{family} {params} {name} {direction}: {shown}", flush=True)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="measure grid calls on this device")
+    run.add_argument("--families", default=",".join(shapes.FAMILIES),
+                     help="comma-separated op families (default: all)")
+    run.add_argument("--max-seconds", type=float, default=450.0,
+                     help="stop starting measurements after this long")
+    run.add_argument("--call-seconds", type=float, default=15.0,
+                     help="time budget of one measurement, compile included")
+    run.add_argument("--iterations", type=int, default=50, help="timed runs a measurement")
+    run.add_argument("--seed", type=int, default=0, help="order of the grid; random inputs")
+    run.add_argument("--out", type=pathlib.Path, default=None,
+                     help="JSON-lines file to append to (default: "
+                          "benchmarks/results/<device>/sweep.jsonl)")
+    run.add_argument("--tiny", action="store_true", help="a few small calls (CPU check)")
+    run.add_argument("--method", choices=benchmarking.METHODS, default=None,
+                     help="timer (default: the best available, CUPTI on a GPU)")
+    options = parser.parse_args(argv)
+    if options.command == "run":
+        families = [f for f in options.families.split(",") if f]
+        unknown = set(families) - set(shapes.FAMILIES)
+        if unknown:
+            parser.error(f"unknown families {sorted(unknown)}; known: {shapes.FAMILIES}")
+        out = options.out or (pathlib.Path(__file__).parent / "results" /
+                               device_kind_key(jax.devices()[0].device_kind) / "sweep.jsonl")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        written = run_sweep(families, out, seed=options.seed, max_seconds=options.max_seconds,
+                            call_seconds=options.call_seconds, iterations=options.iterations,
+                            tiny=options.tiny, method=options.method)
+        print(f"wrote {written} rows to {out}")
+        return 0
+    raise AssertionError(options.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The calibration sweep and its grids, tiny on CPU."""
+
+import json
+
+import numpy as np
+
+from benchmarks import shapes, sweep
+
+
+def test_grids_stay_under_the_byte_bound_and_cover_the_moe_space():
+    for family in shapes.FAMILIES:
+        calls = shapes.grid(family)
+        assert calls
+        assert all(shapes.call_bytes(family, p) <= shapes.MAX_CALL_BYTES for p in calls)
+    ragged = shapes.grid("ragged_dot")
+    assert {p["groups"] for p in ragged} >= {8, 64, 256}
+    assert {(p["k"], p["n"]) for p in ragged} >= {(2048, 1408), (7168, 2048), (4096, 14336)}
+    assert {p["skewed"] for p in ragged} == {False, True}
+    assert {p["dtype"] for p in ragged} == {"bfloat16", "float32"}
+
+
+def test_skewed_group_sizes_sum_to_the_rows_and_are_uneven():
+    sizes = shapes.group_sizes(16, 64, skewed=True, seed=3)
+    assert sizes.sum() == 16 * 64 and sizes.min() >= 0
+    assert sizes.max() > 4 * np.median(sizes)
+    assert (shapes.group_sizes(4, 8, skewed=False, seed=0) == 8).all()
+
+
+def test_tiny_run_writes_rows_incrementally_and_resumes(tmp_path):
+    out = tmp_path / "sweep.jsonl"
+    args = ["run", "--tiny", "--families", "layer_norm,ragged_dot", "--iterations", "3",
+            "--method", "wallclock", "--out", str(out)]
+    assert sweep.main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    timed = [r for r in rows if "ms" in r]
+    assert {(r["family"], r["implementation"], r["direction"]) for r in timed} == {
+        ("layer_norm", "xla", "forward"), ("layer_norm", "xla", "vjp"),
+        ("ragged_dot", "xla", "forward"), ("ragged_dot", "xla", "vjp"),
+        ("ragged_dot", "jax.lax.ragged_dot", "forward"),
+        ("ragged_dot", "jax.lax.ragged_dot", "vjp")}
+    assert all(r["ms"] > 0 and r["iterations"] >= sweep.MIN_ITERATIONS for r in timed)
+    # Kernels this machine cannot run are recorded as such, not dropped.
+    assert any(r["implementation"] == "triton" and "error" in r for r in rows)
+    assert sweep.main(args) == 0  # everything is measured: nothing is added
+    assert len(out.read_text().splitlines()) == len(rows)
+
+
+def test_a_run_stops_at_its_deadline(tmp_path):
+    out = tmp_path / "sweep.jsonl"
+    assert sweep.main(["run", "--tiny", "--families", "layer_norm", "--max-seconds", "0",
+                       "--out", str(out)]) == 0
+    assert out.read_text() == ""
