@@ -74,6 +74,22 @@ def _require_real(name: str, value: Any) -> None:
             f"{_OP}: {name} must be a floating-point or integer array, got dtype {value.dtype}")
 
 
+# Mean rows a group at or below which a row-grouping kernel is bound by reading the
+# groups' weights, not by its matmuls (a decode step's MoE layer: 24 rows a group).
+FEW_ROWS_PER_GROUP = 64
+
+
+def few_rows_per_group(ba: BoundArguments) -> bool:
+    """True for a forward or dlhs call whose groups average `FEW_ROWS_PER_GROUP` rows or
+    fewer: kernels then pick tiles that waste fewer padded rows and stream the weights
+    through deeper pipelines."""
+    args = ba.arguments
+    groups = args["group_sizes"].shape[0]
+    if args["variant"] == "drhs" or groups == 0:
+        return False
+    return args["lhs"].shape[0] / groups <= FEW_ROWS_PER_GROUP
+
+
 def _check_concrete_group_sizes(group_sizes: Any, m: int) -> None:
     """Negative sizes or a total above M are errors when the sizes are known now."""
     if isinstance(group_sizes, (jax.core.Tracer, jax.ShapeDtypeStruct)):
