@@ -160,3 +160,30 @@ def test_auto_path_by_platform_and_shape(platform, groups, want_tiled):
     with targeting(kind):
         text = _export(fn, *specs, platform=platform)
     assert ("stablehlo.while" in text) == want_tiled  # the tiled form's scan over tiles
+
+
+def test_op_on_cpu_runs_tiled_under_vmap_with_gradients():
+    """`ragged_dot(implementation="xla")` at 8 groups of about 32 rows picks the tiled form
+    on CPU by itself; batched (per-entry traced sizes) and differentiated, it matches the
+    per-group reference."""
+    m, k, n, groups = 256, 16, 8, 8
+    batch_sizes = [[40, 0, 71, 3, 30, 50, 12, 20], [32] * 8]  # 226 of 256 rows, and all
+    lhs, rhs = random_normal(20, (2, m, k)), random_normal(21, (2, groups, k, n))
+    sizes = jnp.asarray(batch_sizes, jnp.int32)
+    assert DEFAULT_RULE.prefers_tiled(2 * m, 2 * (groups + 1))  # the folded batch
+
+    def fn(a, b, s):
+        return ragged_dot(a, b, s, precision=HIGHEST, implementation="xla")
+
+    text = _export(jax.vmap(fn), lhs, rhs, sizes, platform="cpu")
+    assert "stablehlo.while" in text
+    out, vjp = jax.vjp(lambda a, b: jax.jit(jax.vmap(fn))(a, b, sizes), lhs, rhs)
+    cotangent = random_normal(22, out.shape)
+    dlhs, drhs = vjp(cotangent)
+    for i, entry in enumerate(batch_sizes):
+        want_out, want_vjp = jax.vjp(lambda a, b, e=entry: reference("forward", a, b, e),
+                                     lhs[i], rhs[i])
+        assert_close(out[i], want_out, scale_rtol=1e-5)
+        want_dlhs, want_drhs = want_vjp(cotangent[i])
+        assert_close(dlhs[i], want_dlhs, scale_rtol=1e-5)
+        assert_close(drhs[i], want_drhs, scale_rtol=1e-5)
