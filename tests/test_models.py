@@ -15,7 +15,24 @@ from benchmarks.models import MODELS, ops, run
 def test_list_names_every_model(capsys):
     assert run.main(["--list"]) == 0
     listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
-    assert listed == ["llama", "mixtral", "gemma2", "encoder"] == list(MODELS)
+    assert listed == ["llama", "mixtral", "deepseek_moe", "moe_decode", "gemma2",
+                      "encoder"] == list(MODELS)
+
+
+def test_fine_grained_moe_training_and_decode_smoke():
+    """The DeepSeek-MoE-style model (64 experts top-6 at full size, shared expert) and its
+    decode step run tiny: ours matches plain JAX; the decode step is forward only."""
+    assert run.smoke(["deepseek_moe", "moe_decode"], dtypes=["float32"]) == []
+    decode = MODELS["moe_decode"]
+    assert decode.forward_only and not decode.config.with_attention
+    assert decode.config.batch * decode.config.seq == 256
+    params, batch = run._inputs(decode, smoke=True)
+    out = jax.jit(decode.step_fn(ops.Plain(), smoke=True))(params, batch)
+    assert out.shape == () and bool(jnp.isfinite(out))
+    train = MODELS["deepseek_moe"]
+    assert (train.config.experts, train.config.top_k, train.config.mlp) == (64, 6, 1408)
+    grads = jax.jit(train.step_fn(ops.Plain(), smoke=True))(*run._inputs(train, smoke=True))
+    assert set(grads["layers"][0]) >= {"shared_gate_up", "shared_down", "router", "down"}
 
 
 def test_smoke_catches_a_wrong_op(monkeypatch):

@@ -192,6 +192,19 @@ def test_heuristics_and_search_space_fit_smem(variant):
     assert small_config.tile_m == (128 if variant == "drhs" else 64)
 
 
+@pytest.mark.parametrize("variant", ["forward", "dlhs"])
+def test_few_rows_a_group_takes_64_row_tiles_and_deeper_pipelines(variant):
+    op = PallasMosaicGpuRaggedDot()
+    decode = op.bind(*_shapes(variant, m=1536, k=2048, n=1408, g=64), variant=variant)
+    config = op._get_heuristics_config(decode)
+    assert config.tile_m == 64 and config.num_stages >= 5
+    assert config.smem_bytes(2) <= SMEM_BUDGET_BYTES
+    assert config in op._get_autotuning_configs(decode)
+    text = _export_text(lambda a, b, s: op(a, b, s, variant=variant),
+                        *_shapes(variant, m=1536, k=2048, n=1408, g=64))
+    assert text.count("mosaic_gpu_v2") == 1
+
+
 def test_default_vjp_reuses_the_kernel_without_config():
     op = PallasMosaicGpuRaggedDot(config=Config(num_stages=3))
     vjp = op.vjp_op()

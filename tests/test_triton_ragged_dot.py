@@ -133,3 +133,31 @@ def test_lowers_for_cuda_forward_and_gradients():
     assert "tokamax_pass_spec" in text and "PallasTritonRaggedDot" in text
     for variant in ("forward", "dlhs", "drhs"):
         assert f"variant\\22:\\22{variant}" in text.replace(" ", "")
+
+
+def test_few_rows_a_group_heuristics_and_numerics():
+    """A decode-like call (6 rows a group) takes the few-rows tiles; they compute the
+    forward and both gradients right (interpret mode, masked K and N edges)."""
+    m, k, n, g = 48, 160, 96, 8
+    sizes = jnp.asarray([9, 2, 0, 11, 6, 1, 7, 5], jnp.int32)  # 41 of 48 rows
+    decode = PallasTritonRaggedDot().bind(
+        jax.ShapeDtypeStruct((1536, 2048), jnp.bfloat16),
+        jax.ShapeDtypeStruct((64, 2048, 1408), jnp.bfloat16),
+        jax.ShapeDtypeStruct((64,), jnp.int32))
+    assert decode.heuristics_config == Config(block_m=64, block_n=128, block_k=128,
+                                              num_warps=4, num_stages=4)
+    lhs, rhs = random_normal(3, (m, k)), random_normal(4, (g, k, n))
+    ct = random_normal(5, (m, n))
+    op = PallasTritonRaggedDot(interpret=True)
+    assert op.bind(lhs, rhs, sizes).heuristics_config.block_m == 64
+
+    def run(impl):
+        return jax.vjp(lambda a, b: impl(a, b, sizes), lhs, rhs)
+
+    with reference_precision():
+        want, want_vjp = run(RaggedDot())
+        want_grads = want_vjp(ct)
+    got, got_vjp = run(op)
+    assert_close(got, want)
+    for a, b in zip(got_vjp(ct), want_grads, strict=True):
+        assert_close(a, b)

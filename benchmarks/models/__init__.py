@@ -38,6 +38,8 @@ class Model:
     # every gradient through that layer by a few percent; the smoke check then compares
     # the loss at 16 bits and the gradients in float32, where the choices agree.
     discrete_routing: bool = False
+    # A forward-only step (a decode step): timed as `loss` itself, not `jax.grad(loss)`.
+    forward_only: bool = False
 
     def sized(self, smoke: bool) -> Any:
         return self.smoke_config if smoke else self.config
@@ -48,6 +50,18 @@ class Model:
         config = self.sized(smoke)
         return lambda params, batch: self.loss(ops, params, batch, c=config)
 
+    def step_fn(self, ops: Any, smoke: bool) -> Callable[[Any, Any], Any]:
+        """The timed step: `jax.grad` of the loss, or the loss itself when `forward_only`."""
+        loss = self.loss_fn(ops, smoke)
+        return loss if self.forward_only else jax.grad(loss)
+
+
+# DeepSeek-MoE-style fine-grained experts: 64 routed experts of hidden width 1408, top-6,
+# one shared expert; its smoke size keeps 16 experts so groups stay small and uneven.
+_FINE_MOE = dict(width=2048, heads=16, kv_heads=16, head_dim=128, mlp=1408, vocab=32000,
+                 experts=64, top_k=6, shared_mlp=2816)
+_FINE_MOE_SMOKE = dict(width=64, heads=4, kv_heads=4, head_dim=16, mlp=48, vocab=256,
+                       experts=16, top_k=6, shared_mlp=96)
 
 _DECODER_SMOKE = dict(layers=2, batch=2, seq=128, width=64, heads=4, kv_heads=2, head_dim=16,
                       mlp=96, vocab=256)
@@ -65,6 +79,19 @@ MODELS: dict[str, Model] = {m.name: m for m in (
                                  head_dim=128, mlp=5632, vocab=32000, experts=8),
           decoders.DecoderConfig(**_DECODER_SMOKE, experts=4),
           decoders.init, decoders.make_batch, decoders.loss, discrete_routing=True),
+    Model("deepseek_moe", "DeepSeek-MoE-style fine-grained MoE decoder: top-6 of 64 SwiGLU "
+          "experts of width 1408 through ragged_dot plus a shared expert, causal attention",
+          decoders.DecoderConfig(layers=4, batch=2, seq=2048, **_FINE_MOE),
+          decoders.DecoderConfig(layers=2, batch=2, seq=64, **_FINE_MOE_SMOKE),
+          decoders.init, decoders.make_batch, decoders.loss, discrete_routing=True),
+    Model("moe_decode", "The fine-grained MoE's decode step, forward only: 256 tokens "
+          "through its MoE layers (top-6 of 64 experts, shared expert) and the LM head",
+          decoders.DecoderConfig(layers=4, batch=256, seq=1, with_attention=False,
+                                 **_FINE_MOE),
+          decoders.DecoderConfig(layers=2, batch=32, seq=1, with_attention=False,
+                                 **_FINE_MOE_SMOKE),
+          decoders.init, decoders.make_batch, decoders.loss, discrete_routing=True,
+          forward_only=True),
     Model("gemma2", "Gemma-2-style decoder: attention logit soft cap 50, local windows of 4096 "
           "alternating with global layers, head dim 256, GeGLU 9216, final soft cap 30",
           decoders.DecoderConfig(layers=4, batch=2, seq=8192, width=2304, heads=8, kv_heads=4,

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             variants = {"plain": ops.Plain(), "ours": ours}
             for family in _families_called(model, *small):
                 variants[f"ours, plain {family}"] = ops.Swapped(ours, frozenset({family}))
-            steps = {v: jax.jit(jax.grad(model.loss_fn(o, smoke=args.tiny)))
+            steps = {v: jax.jit(model.step_fn(o, smoke=args.tiny))
                      for v, o in variants.items()}
             times: dict[str, list[float]] = {v: [] for v in steps}
             for _ in range(args.rounds):

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for variant in args.variants.split(","):
             if variant not in switch:
                 continue
-            step = jax.jit(jax.grad(model.loss_fn(switch[variant], smoke=args.tiny)))
+            step = jax.jit(model.step_fn(switch[variant], smoke=args.tiny))
             found = profile_step(step, (params, batch), args.steps)
             results["models"].setdefault(name, {})[variant] = found
             cats = ", ".join(f"{k} {v:.2f}" for k, v in found["categories_ms"].items())

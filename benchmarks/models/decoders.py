@@ -1,4 +1,5 @@
-"""Decoder language models: Llama-3-style dense, Mixtral-style MoE, Gemma-2-style.
+"""Decoder language models: Llama-3-style dense, Mixtral-style and DeepSeek-MoE-style MoE,
+Gemma-2-style.
 
 Each is `init(key, config) -> params` and `loss(ops, params, batch) -> scalar`, one
 training step being `jax.grad(loss)` over the parameters.
@@ -19,8 +20,11 @@ from benchmarks.models.blocks import AttentionShape, Params
 class DecoderConfig:
     """Sizes of a decoder. `experts > 0` makes each MLP a top-`top_k` mixture of experts;
     `soft_cap`/`window` give Gemma-2's attention (windowed layers alternate with global
-    ones) and `final_soft_cap` its capped logits. `dtype` is the activations' and weights'
-    (`blocks.DTYPES`); the norm weights and the router are float32 in every dtype."""
+    ones) and `final_soft_cap` its capped logits. `shared_mlp > 0` adds a shared expert (a
+    dense SwiGLU of that width every token runs) beside the routed ones, as DeepSeek-MoE.
+    `with_attention=False` leaves out the attention blocks: a decode step's MoE layers
+    alone (attention over a KV cache is not modelled). `dtype` is the activations' and
+    weights' (`blocks.DTYPES`); the norm weights and the router are float32 in every dtype."""
 
     layers: int
     batch: int
@@ -37,6 +41,8 @@ class DecoderConfig:
     soft_cap: float | None = None
     window: int | None = None
     final_soft_cap: float | None = None
+    shared_mlp: int = 0
+    with_attention: bool = True
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
@@ -54,10 +60,17 @@ def init(key: jax.Array, c: DecoderConfig) -> Params:
     keys = jax.random.split(key, c.layers + 2)
     layers = []
     for layer_key in keys[:c.layers]:
-        ka, kn1, kn2, kg, kd, kr = jax.random.split(layer_key, 6)
-        layer = {"attention": blocks.init_attention(ka, c.attention, c.dtype),
-                 "attention_norm": blocks.norm_scale(kn1, c.width),
-                 "mlp_norm": blocks.norm_scale(kn2, c.width)}
+        ka, kn1, kn2, kg, kd, kr, ks = jax.random.split(layer_key, 7)
+        layer = {"mlp_norm": blocks.norm_scale(kn2, c.width)}
+        if c.with_attention:
+            layer["attention"] = blocks.init_attention(ka, c.attention, c.dtype)
+            layer["attention_norm"] = blocks.norm_scale(kn1, c.width)
+        if c.shared_mlp:
+            kgs, kds = jax.random.split(ks)
+            layer["shared_gate_up"] = blocks.normal(kgs, (c.width, 2, c.shared_mlp), c.width,
+                                                    c.dtype)
+            layer["shared_down"] = blocks.normal(kds, (c.shared_mlp, c.width), c.shared_mlp,
+                                                 c.dtype)
         if c.experts:
             layer["router"] = blocks.normal(kr, (c.width, c.experts), c.width, jnp.float32)
             layer["gate_up"] = blocks.normal(kg, (c.experts, c.width, 2 * c.mlp), c.width,
@@ -84,7 +97,11 @@ def _moe(ops, p: Params, h: jax.Array, c: DecoderConfig) -> jax.Array:
     rows, group_sizes, routing = ops.moe_dispatch(h, experts, c.experts)
     hidden = ops.moe_glu(rows, p["gate_up"], group_sizes, _ACTIVATIONS[c.activation])
     out_sorted = ops.ragged_dot(hidden, p["down"], group_sizes)
-    return ops.moe_combine(out_sorted, routing, weights).astype(h.dtype)
+    out = ops.moe_combine(out_sorted, routing, weights).astype(h.dtype)
+    if c.shared_mlp:
+        shared = ops.glu(h, p["shared_gate_up"], _ACTIVATIONS[c.activation]) @ p["shared_down"]
+        out = out + shared
+    return out
 
 
 def _mlp(ops, p: Params, h: jax.Array, c: DecoderConfig) -> jax.Array:
@@ -106,10 +123,11 @@ def loss(ops, params: Params, batch: dict[str, jax.Array], c: DecoderConfig) -> 
     x = params["embed"][batch["tokens"]]
     pending = None  # the last block's output, not yet added to the residual stream x
     for i, p in enumerate(params["layers"]):
-        window = c.window if c.window is not None and i % 2 == 0 else None
-        h, x = _pre_norm(ops, x, pending, p["attention_norm"])
-        pending = blocks.attention_block(ops, p["attention"], h, c.attention, causal=True,
-                                         window=window, soft_cap=c.soft_cap)
+        if c.with_attention:
+            window = c.window if c.window is not None and i % 2 == 0 else None
+            h, x = _pre_norm(ops, x, pending, p["attention_norm"])
+            pending = blocks.attention_block(ops, p["attention"], h, c.attention, causal=True,
+                                             window=window, soft_cap=c.soft_cap)
         h, x = _pre_norm(ops, x, pending, p["mlp_norm"])
         pending = _mlp(ops, p, h, c)
     h, _ = _pre_norm(ops, x, pending, params["final_norm"])

@@ -111,8 +111,8 @@ def _device_ms(step: Any, params: Any, batch: Any, iterations: int) -> dict[str,
 def time_model(model: Model, variants: list[str], iterations: int, record: Any, *,
                tuned_dir: str | None = None, ship_dir: str | None = None,
                tiny: bool = False) -> None:
-    """Times each variant's training step, in the order given; `record(key, value)`
-    stores each number.
+    """Times each variant's step (a training step, or the forward of a `forward_only`
+    model), in the order given; `record(key, value)` stores each number.
 
     `tuned_dir`: where the `tuned` variant's autotuning result is dumped
     (`<model>_tuned.json`). `ship_dir`: a `data/autotuning` folder the tuned result is
@@ -121,23 +121,23 @@ def time_model(model: Model, variants: list[str], iterations: int, record: Any, 
     """
     switch = ops.variants(upstream="upstream" in variants)
     params, batch = _inputs(model, smoke=tiny)
-    grad = {name: jax.grad(model.loss_fn(lib, smoke=tiny)) for name, lib in switch.items()}
-    steps = {"plain": lambda: jax.jit(grad["plain"]),
-             "ours": lambda: jax.jit(grad["ours"]),
-             "optimize": lambda: tokamax.optimize(grad["ours"])}
+    step_of = {name: model.step_fn(lib, smoke=tiny) for name, lib in switch.items()}
+    steps = {"plain": lambda: jax.jit(step_of["plain"]),
+             "ours": lambda: jax.jit(step_of["ours"]),
+             "optimize": lambda: tokamax.optimize(step_of["ours"])}
     if "upstream" in switch:
-        steps["upstream"] = lambda: jax.jit(grad["upstream"])
+        steps["upstream"] = lambda: jax.jit(step_of["upstream"])
     for variant in variants:
         try:
             if variant == "tuned":
-                _time_tuned(model, grad["ours"], params, batch, iterations, record, tuned_dir,
+                _time_tuned(model, step_of["ours"], params, batch, iterations, record, tuned_dir,
                             ship_dir)
             elif variant not in steps:
                 record(variant, {"skipped": "not importable (stderr says why)"})
             else:
                 record(variant, _device_ms(steps[variant](), params, batch, iterations))
             if variant == "optimize":
-                record("optimize_plan", str(tokamax.optimize(grad["ours"]).plan(params, batch)))
+                record("optimize_plan", str(tokamax.optimize(step_of["ours"]).plan(params, batch)))
         except Exception as e:  # noqa: BLE001 - a failing variant is a result
             traceback.print_exc()
             record(variant, {"error": f"{type(e).__name__}: {str(e)[:300]}"})

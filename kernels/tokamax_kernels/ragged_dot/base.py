@@ -25,7 +25,8 @@ import numpy as np
 from jax.lax import RaggedDotDimensionNumbers
 
 from tokamax_kernels import _validation as v
-from tokamax_pass.core import BoundArguments, NullConfig, Op, Target, VjpOp
+from tokamax_kernels.ragged_dot import xla_tiled
+from tokamax_pass.core import BoundArguments, NullConfig, Op, Target, VjpOp, current_target
 
 _OP = "ragged_dot"
 VARIANTS = ("forward", "dlhs", "drhs")
@@ -73,6 +74,22 @@ def _require_real(name: str, value: Any) -> None:
             f"{_OP}: {name} must be a floating-point or integer array, got dtype {value.dtype}")
 
 
+# Mean rows a group at or below which a row-grouping kernel is bound by reading the
+# groups' weights, not by its matmuls (a decode step's MoE layer: 24 rows a group).
+FEW_ROWS_PER_GROUP = 64
+
+
+def few_rows_per_group(ba: BoundArguments) -> bool:
+    """True for a forward or dlhs call whose groups average `FEW_ROWS_PER_GROUP` rows or
+    fewer: kernels then pick tiles that waste fewer padded rows and stream the weights
+    through deeper pipelines."""
+    args = ba.arguments
+    groups = args["group_sizes"].shape[0]
+    if args["variant"] == "drhs" or groups == 0:
+        return False
+    return args["lhs"].shape[0] / groups <= FEW_ROWS_PER_GROUP
+
+
 def _check_concrete_group_sizes(group_sizes: Any, m: int) -> None:
     """Negative sizes or a total above M are errors when the sizes are known now."""
     if isinstance(group_sizes, (jax.core.Tracer, jax.ShapeDtypeStruct)):
@@ -86,9 +103,32 @@ def _check_concrete_group_sizes(group_sizes: Any, m: int) -> None:
         )
 
 
+PATHS = ("auto", "lax", "tiled")
+
+
+def _runs_tiled(path: str, rule: xla_tiled.TilingRule, lhs: Any, rhs: Any,
+                group_sizes: Any) -> bool:
+    """`path` "auto": tiled on platforms whose `jax.lax.ragged_dot` is dense per group
+    (`xla_tiled.TILED_PLATFORMS`), for floating operands of one dtype, where
+    `rule` says the padded tiles do much less work."""
+    if path != "auto":
+        return path == "tiled"
+    if current_target().platform not in xla_tiled.TILED_PLATFORMS:
+        return False
+    if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
+        return False
+    return rule.prefers_tiled(lhs.shape[0], group_sizes.shape[0])
+
+
 @functools.cache
-def xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any) -> Callable:
+def xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any,
+                   path: str = "auto", rule: xla_tiled.TilingRule | None = None) -> Callable:
     """`jax.lax.ragged_dot_general` for `variant`, with batching and gradient rules of its own.
+
+    `path`: "lax" calls `jax.lax.ragged_dot_general`; "tiled" runs `xla_tiled` (work in
+    proportion to the rows, not groups times rows); "auto" picks by platform and shape
+    (`_runs_tiled`) when the call is traced, after any batch is folded in. `rule`: the
+    tiling (`xla_tiled.DEFAULT_RULE` when `None`). Gradients take the same path and rule.
 
     JAX batches a ragged dot only when all three operands carry the batch axis, so
     under `jax.vmap` the batch is folded into the groups instead: each batch entry
@@ -96,8 +136,17 @@ def xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any) ->
     zero matrix), and the result is one ragged dot, exact and unbatched at this level.
     """
 
+    if path not in PATHS:
+        raise ValueError(f"{_OP}: path must be one of {PATHS}, got {path!r}")
+    tiling = rule or xla_tiled.DEFAULT_RULE
+
     @jax.custom_batching.custom_vmap
     def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        if _runs_tiled(path, tiling, lhs, rhs, group_sizes):
+            return xla_tiled.tiled_ragged_dot(
+                lhs, rhs, group_sizes, variant=variant,
+                dimension_numbers=_DIMENSION_NUMBERS[variant], precision=precision,
+                preferred_element_type=preferred_element_type, rule=tiling)
         return jax.lax.ragged_dot_general(
             lhs, rhs, group_sizes, _DIMENSION_NUMBERS[variant], precision=precision,
             preferred_element_type=preferred_element_type,
@@ -142,7 +191,8 @@ def xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any) ->
         calls = _gradient_calls(dout=dout, lhs=lhs, rhs=rhs, group_sizes=group_sizes,
                                 precision=precision, variant=variant)
         dlhs, drhs = (
-            xla_ragged_dot(kw["variant"], kw["precision"], kw["preferred_element_type"])(*args)
+            xla_ragged_dot(kw["variant"], kw["precision"], kw["preferred_element_type"],
+                           path, rule)(*args)
             for args, kw in (calls["lhs"], calls["rhs"])
         )
         return dlhs, drhs, None

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_kernels.ragged_dot import pallas_mosaic_gpu_common as common
-from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
+from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp, few_rows_per_group
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu_drhs import ragged_dot_drhs
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu_rows import ragged_dot_rows
 from tokamax_pass.core import BoundArguments, Op, Target
@@ -117,14 +117,22 @@ class PallasMosaicGpuRaggedDot(RaggedDot):
                                transpose_rhs=variant == "dlhs"), None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
-        """H200 choices: 128 x 256 CTA tiles, 64-deep steps, as many stages as SMEM holds."""
+        """H200 choices: 128 x 256 CTA tiles, 64-deep steps, as many stages as SMEM holds.
+
+        Few rows a group (`few_rows_per_group`, a decode step): 64-row tiles, the smallest
+        `wgmma` takes (less padding where a group fills a fraction of a tile), and up to 6
+        stages in the SMEM they free (more weight tiles in flight); the small-rows probe
+        (`benchmarks/probes/ragged_dot_small_rows.py`) times it against the others."""
         args = ba.arguments
         variant = args["variant"]
         rows, contraction, columns = _problem(args["lhs"], args["rhs"], variant)
         itemsize = jnp.dtype(args["lhs"].dtype).itemsize
         tile_m = 128 if (rows % 128 == 0 if variant == "drhs" else rows >= 128) else 64
         tile_n = 128 if columns % 256 == 0 else 64
-        for stages in (4, 3, 2):
+        depths = (4, 3, 2)
+        if few_rows_per_group(ba):
+            tile_m, depths = 64, (6, 5, 4, 3, 2)
+        for stages in depths:
             config = Config(tile_m=tile_m, tile_n=tile_n, tile_k=64, num_stages=stages,
                             epi_n=64, grid_minor_dim=1, grid_tile_width=8)
             if _fits(config, rows, contraction, columns, variant, itemsize):

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import MatmulConfig, TritonKernel
-from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
+from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp, few_rows_per_group
 from tokamax_pass.core import BoundArguments, Op, Target
 
 # Shared memory one H200 program may use (227 KiB, less a margin for Triton's own).
@@ -203,7 +203,13 @@ class PallasTritonRaggedDot(TritonKernel, RaggedDot):
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
         """H200, measured at m16384 k4096 n4096 bf16: forward/dlhs 128 x 256 tiles, 64-deep
         steps, 3 stages (651 TFLOP/s); drhs 128 x 128 output tiles over 64-row steps, 4
-        stages (496 TFLOP/s). f32 halves the step depth and the stages."""
+        stages (496 TFLOP/s). f32 halves the step depth and the stages.
+
+        Few rows a group (`few_rows_per_group`, a decode step): 64-row tiles (less padding
+        where a group fills a fraction of a tile), 128-column tiles (more programs stream
+        the weights at once), 128-deep steps over 4 stages (longer weight reads in flight)
+        and 4 warps; `benchmarks/probes/ragged_dot_small_rows.py` times it against the
+        other candidates."""
         rows, contraction, columns = _output_columns(ba)
         itemsize = jnp.dtype(ba.arguments["lhs"].dtype).itemsize
         half = itemsize == 2
@@ -211,6 +217,10 @@ class PallasTritonRaggedDot(TritonKernel, RaggedDot):
         def fit(size: int, most: int) -> int:
             return max(16, min(most, _triton.next_power_of_2(size)))
 
+        if few_rows_per_group(ba):
+            return Config(block_m=fit(rows, 64), block_n=fit(columns, 128),
+                          block_k=fit(contraction, 128 if half else 64), num_warps=4,
+                          num_stages=4 if half else 3)
         if ba.arguments["variant"] == "drhs":
             return Config(block_m=fit(contraction, 64 if half else 32),
                           block_n=fit(columns, 128), block_k=fit(rows, 128),

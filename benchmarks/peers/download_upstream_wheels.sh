@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Downloads the upstream Tokamax wheel and the wheels it needs beyond the device image
+# (jax, jaxlib, triton, flax, absl-py, jaxtyping and tqdm are there) into .whl/ at the
+# repository root, for Python 3.12 on x86_64 Linux. The device has no network: copy the
+# repository with .whl/ to it and install as benchmarks/peers/README.md says.
+#
+#   benchmarks/peers/download_upstream_wheels.sh [PYTHON]   (PYTHON: a python with pip)
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+python="${1:-python3}"
+dest="${root}/.whl"
+mkdir -p "${dest}"
+
+# Pure-Python wheels (one wheel for every platform).
+pure=(
+  tokamax==0.0.17
+  einshape==1.0
+  qwix==0.1.8
+  immutabledict==4.3.1
+  pydantic==2.14.4
+  annotated-types==0.8.0
+  typing-inspection==0.4.5
+  typing-extensions==4.16.0
+  # 0.3.1 asks for triton>=3.6 (the image's 3.6.0); 0.4.x asks for 3.7 and disables the
+  # NVIDIA backend under 3.6.
+  jax-triton==0.3.1
+)
+# Wheels with compiled code: the device's interpreter and platform.
+binary=(
+  pydantic-core==2.50.5
+)
+
+common=(download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+        --dest "${dest}")
+"${python}" -m pip "${common[@]}" "${pure[@]}"
+"${python}" -m pip "${common[@]}" --platform manylinux_2_17_x86_64 "${binary[@]}"
+ls -1 "${dest}"

@@ -1,0 +1,1 @@
+"""Kept experiments: device scripts, one line of purpose each."""
