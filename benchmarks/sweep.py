@@ -14,10 +14,13 @@ after a warm-up, as many as the per-call budget (`--call-seconds`) allows.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import importlib
 import json
 import pathlib
 import random
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -63,9 +66,24 @@ def peers(family: str) -> dict[str, Callable[..., Any]]:
     return {}
 
 
+@contextlib.contextmanager
+def device_turn(lock: pathlib.Path | None) -> Iterator[None]:
+    """Holds `lock` (an exclusive file lock shared by the workers of one sweep) while the
+    caller times on the device, so workers compile side by side but time one at a time."""
+    if lock is None:
+        yield
+        return
+    with lock.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def time_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
               mode: benchmarking.Mode, *, seed: int, iterations: int, budget_s: float,
-              method: str | None = None) -> dict[str, Any]:
+              method: str | None = None, lock: pathlib.Path | None = None) -> dict[str, Any]:
     """`{"ms", "method", "iterations"}` for `fn(*args, **kwargs)` in `mode`, or
     `{"error"}`: the median device time of up to `iterations` runs after a warm-up, fewer
     where `budget_s` (compile included) would not hold them."""
@@ -74,11 +92,13 @@ def time_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
         f_std, arrays = benchmarking.standardize_function(fn, *args, kwargs=kwargs, mode=mode,
                                                           seed=seed)
         run = benchmarking.compile_benchmark(f_std, arrays)
-        data = run(arrays, iterations=MIN_ITERATIONS, method=method)
-        left = budget_s - (time.perf_counter() - start)
-        more = min(iterations, int(left / max(data.median_evaluation_time_ms * 2e-3, 1e-6)))
-        if more > MIN_ITERATIONS:
-            data = run(arrays, iterations=more, method=method)
+        with device_turn(lock):
+            data = run(arrays, iterations=MIN_ITERATIONS, method=method)
+            left = budget_s - (time.perf_counter() - start)
+            more = min(iterations,
+                       int(left / max(data.median_evaluation_time_ms * 2e-3, 1e-6)))
+            if more > MIN_ITERATIONS:
+                data = run(arrays, iterations=more, method=method)
     except Exception as e:  # noqa: BLE001 - a call an implementation cannot run is a result
         return {"error": _short_error(e)}
     return {"ms": data.median_evaluation_time_ms, "method": data.method,
@@ -102,22 +122,27 @@ def _done(out: pathlib.Path) -> set[str]:
     return keys
 
 
-def _plan(families: list[str], seed: int, tiny: bool) -> Iterator[tuple[str, dict[str, Any]]]:
+def _plan(families: list[str], seed: int, tiny: bool,
+          shard: tuple[int, int] = (0, 1)) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The grid calls in the order `seed` draws; `shard=(i, n)`: every n-th from the i-th."""
     calls = [(family, p) for family in families for p in shapes.grid(family, tiny)]
     random.Random(seed).shuffle(calls)
-    yield from calls
+    yield from calls[shard[0]::shard[1]]
 
 
 def run_sweep(families: list[str], out: pathlib.Path, *, seed: int, max_seconds: float,
               call_seconds: float, iterations: int, tiny: bool = False,
-              method: str | None = None) -> int:
-    """Measures grid calls until `max_seconds` pass; returns the number of rows written."""
+              method: str | None = None, shard: tuple[int, int] = (0, 1),
+              lock: pathlib.Path | None = None) -> int:
+    """Measures grid calls until `max_seconds` pass; returns the number of rows written.
+    `shard` and `lock`: this process's share of the calls and the device lock of a sweep
+    split over workers (`run_workers`)."""
     deadline = time.monotonic() + max_seconds
     done = _done(out)
     device_kind = jax.devices()[0].device_kind
     written = 0
     with out.open("a") as f:
-        for family, params in _plan(families, seed, tiny):
+        for family, params in _plan(families, seed, tiny, shard):
             candidates = [("ours", n, fn) for n, fn in ours(family).items()] + [
                 ("peer", n, fn) for n, fn in peers(family).items()]
             args, kwargs = shapes.build(family, params, seed)
@@ -132,13 +157,45 @@ def run_sweep(families: list[str], out: pathlib.Path, *, seed: int, max_seconds:
                     budget = min(call_seconds, deadline - time.monotonic())
                     row.update(time_call(fn, args, kwargs, mode, seed=seed,
                                          iterations=iterations, budget_s=budget,
-                                         method=method))
+                                         method=method, lock=lock))
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     written += 1
                     shown = f"{row['ms']:.4f} ms" if "ms" in row else row["error"][:80]
                     print(f"{family} {params} {name} {direction}: {shown}", flush=True)
     return written
+
+
+def run_workers(workers: int, out: pathlib.Path, argv: list[str]) -> int:
+    """Runs the sweep `argv` describes in `workers` processes, each its shard of the calls
+    into a file of its own, taking turns on the device (`device_turn`) while the others
+    compile; then appends their rows to `out`. Returns the number of rows added."""
+    lock = out.with_name(out.name + ".lock")
+    parts = [out.with_name(f"{out.name}.worker{i}") for i in range(workers)]
+    processes = [subprocess.Popen([sys.executable, "-m", "benchmarks.sweep", *argv,
+                                   "--shard", f"{i}/{workers}", "--lock", str(lock),
+                                   "--out", str(part)])
+                 for i, part in enumerate(parts)]
+    failed = [p.args for p in processes if p.wait() != 0]
+    added = 0
+    with out.open("a") as f:
+        for part in parts:
+            if part.exists():
+                lines = [line for line in part.read_text().splitlines() if line.strip()]
+                f.writelines(line + "\n" for line in lines)
+                added += len(lines)
+                part.unlink()
+    if failed:
+        raise RuntimeError(f"sweep workers failed: {failed}")
+    return added
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    shard = int(index), int(count)
+    if not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N with 0 <= I < N, got {text!r}")
+    return shard
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
                      help="JSON-lines file to append to (default: "
                           "benchmarks/results/<device>/sweep.jsonl)")
     run.add_argument("--tiny", action="store_true", help="a few small calls (CPU check)")
+    run.add_argument("--workers", type=int, default=1,
+                     help="processes that compile side by side and time in turn")
+    run.add_argument("--shard", type=_shard, default=(0, 1), help=argparse.SUPPRESS)
+    run.add_argument("--lock", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     run.add_argument("--method", choices=benchmarking.METHODS, default=None,
                      help="timer (default: the best available, CUPTI on a GPU)")
     options = parser.parse_args(argv)
@@ -169,9 +230,19 @@ def main(argv: list[str] | None = None) -> int:
         out = options.out or (pathlib.Path(__file__).parent / "results" /
                                device_kind_key(jax.devices()[0].device_kind) / "sweep.jsonl")
         out.parent.mkdir(parents=True, exist_ok=True)
+        if options.workers > 1:
+            argv = list(sys.argv[1:] if argv is None else argv)
+            forwarded = [a for i, a in enumerate(argv) if a != "--workers"
+                         and (i == 0 or argv[i - 1] != "--workers")
+                         and not a.startswith("--workers=")]
+            forwarded = [a for i, a in enumerate(forwarded)
+                         if a != "--out" and (i == 0 or forwarded[i - 1] != "--out")]
+            print(f"wrote {run_workers(options.workers, out, forwarded)} rows to {out}")
+            return 0
         written = run_sweep(families, out, seed=options.seed, max_seconds=options.max_seconds,
                             call_seconds=options.call_seconds, iterations=options.iterations,
-                            tiny=options.tiny, method=options.method)
+                            tiny=options.tiny, method=options.method, shard=options.shard,
+                            lock=options.lock)
         print(f"wrote {written} rows to {out}")
         return 0
     raise AssertionError(options.command)

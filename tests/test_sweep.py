@@ -1,8 +1,10 @@
 """The calibration sweep and its grids, tiny on CPU."""
 
+import argparse
 import json
 
 import numpy as np
+import pytest
 
 from benchmarks import shapes, sweep
 
@@ -50,3 +52,14 @@ def test_a_run_stops_at_its_deadline(tmp_path):
     assert sweep.main(["run", "--tiny", "--families", "layer_norm", "--max-seconds", "0",
                        "--out", str(out)]) == 0
     assert out.read_text() == ""
+
+
+def test_worker_shards_split_the_plan_without_overlap():
+    families = ["layer_norm", "ragged_dot"]
+    whole = [json.dumps(c, sort_keys=True) for c in sweep._plan(families, 3, tiny=True)]
+    shards = [[json.dumps(c, sort_keys=True) for c in sweep._plan(families, 3, True, (i, 3))]
+              for i in range(3)]
+    assert sorted(sum(shards, [])) == sorted(whole)
+    assert all(shards)
+    with pytest.raises(argparse.ArgumentTypeError):
+        sweep._shard("3/3")
