@@ -31,6 +31,7 @@ class CannotLowerHere(NotImplementedError):
     (`resolution.choose`)."""
 
 
+@spec.register_serializable
 @dataclasses.dataclass(frozen=True)
 class NullConfig:
     """The config of an op with nothing to tune."""
