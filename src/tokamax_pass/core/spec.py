@@ -25,6 +25,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from tokamax_pass.core import config_limits
+
 SCHEMA_VERSION = 1
 
 # Bounds on what a loader reads: a JSON text's length, its nesting, a list's or an
@@ -154,6 +156,10 @@ def _load_builtins() -> None:
         except ModuleNotFoundError as e:
             if e.name != module:  # a kernel package missing its own dependency
                 raise
+    core = importlib.import_module("tokamax_pass.core")
+    for cls in (core.NullConfig, core.AutodiffVjp):
+        if not is_registered(cls):
+            register_serializable(cls)
     _builtins_loaded = True
 
 
@@ -319,7 +325,9 @@ def construct(cls: type, fields: Mapping[str, Any]) -> Any:
     if unknown:
         raise SpecError(f"{cls.__name__} has no fields {sorted(unknown)}")
     try:
-        return cls(**fields)
+        value = cls(**fields)
+        config_limits.check(value)
+        return value
     except (TypeError, ValueError) as e:
         raise SpecError(f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
                         f" was rejected: {e}") from None
@@ -340,7 +348,9 @@ def decode_config(config_cls: type, data: Mapping[str, Any] | None) -> Any:
     unknown = set(data) - names
     if unknown:
         raise SpecError(f"{config_cls.__name__} has no fields {sorted(unknown)}")
-    return config_cls(**{k: decode(v) for k, v in data.items()})
+    config = config_cls(**{k: decode(v) for k, v in data.items()})
+    config_limits.check(config)
+    return config
 
 
 def dumps(obj: Any) -> str:

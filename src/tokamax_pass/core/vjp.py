@@ -113,7 +113,6 @@ def differentiable(value: Any) -> bool:
     return spec.is_array(value) and jnp.issubdtype(value.dtype, jnp.inexact)
 
 
-@spec.register_serializable
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AutodiffVjp(VjpOp):
     """The gradient of `forward` by JAX autodiff of its `_fwd` (for XLA implementations)."""
