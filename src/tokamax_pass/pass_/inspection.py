@@ -84,20 +84,21 @@ def _spec_strings(text: str) -> list[str]:
 
 def _found(raw: str, count: int) -> FoundOp:
     data = spec.loads(raw, what=f"a {METADATA_KEY} attribute")
-    op = data.get("op", {})
-    op_path = op.get("dataclass", "?") if isinstance(op, dict) else "?"
-    fields = op.get("fields", {}) if isinstance(op, dict) else {}
+    data = data if isinstance(data, dict) else {}
+    op = data.get("op") if isinstance(data.get("op"), dict) else {}
+    op_path = str(op.get("dataclass", "?"))
+    fields = op.get("fields") if isinstance(op.get("fields"), dict) else {}
     try:
         implementation = str(spec.resolve(op_path, kind="dataclass").implementation)
     except (spec.SpecError, AttributeError):
         implementation = "?"
     config = fields.get("config")
-    if isinstance(config, dict) and config.get("fields"):
-        name = config["dataclass"].rsplit(".", 1)[-1]
+    if isinstance(config, dict) and isinstance(config.get("fields"), dict) and config["fields"]:
+        name = str(config.get("dataclass")).rsplit(".", 1)[-1]
         config_text = f"{name}({', '.join(f'{k}={v}' for k, v in config['fields'].items())})"
     else:
         config_text = "-"
-    arguments = data.get("arguments", {})
+    arguments = data.get("arguments") if isinstance(data.get("arguments"), dict) else {}
     args_text = ", ".join(
         f"{k}={v}" for k, v in arguments.items()
         if isinstance(v, str) and re.fullmatch(r"[a-z0-9]+\[[0-9,]*\]", v)
