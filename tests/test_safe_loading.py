@@ -22,6 +22,7 @@ from conftest import random_normal
 from tokamax_pass import cli
 from tokamax_pass.autotuning import cache as cache_lib
 from tokamax_pass.autotuning import discovery, keys
+from tokamax_pass.autotuning import result as result_lib
 from tokamax_pass.autotuning.result import AutotuningResult, BadEntryWarning, Entry, Measurement
 from tokamax_pass.core import BoundArguments, NullConfig, Op, spec
 from tokamax_pass.core.spec import SpecError
@@ -340,6 +341,12 @@ def test_sizes_are_bounded(monkeypatch):
     data["arguments"]["epsilon"] = "f32[" + ",".join(["2"] * 17) + "]"
     with pytest.raises(SpecError, match="at most 16 dimensions"):
         BoundArguments.from_spec(data)
+    monkeypatch.setattr(spec, "MAX_ITEMS", 2)
+    with pytest.raises(SpecError, match="holds 3 bound arguments, above the 2"):
+        tk.autotuning.bound_args_from_json(json.dumps([_bound_spec()] * 3))
+    monkeypatch.setattr(result_lib, "MAX_ENTRIES", 1)
+    with pytest.raises(SpecError, match="has 2 entries, above the 1 a result may hold"):
+        AutotuningResult.loads(_document({"dataclass": LAYER_NORM}))
     monkeypatch.setattr(spec, "MAX_JSON_CHARS", 100)
     with pytest.raises(SpecError, match="above the 100 a loader reads"):
         BoundArguments.from_json(json.dumps(_bound_spec()))

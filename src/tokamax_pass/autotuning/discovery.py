@@ -253,4 +253,7 @@ def bound_args_from_json(source: str | os.PathLike | IO[str]) -> list[BoundArgum
         data = data.get("bound_arguments")
     if not isinstance(data, list):
         raise spec.SpecError(f"{what} must hold a list of bound arguments")
+    if len(data) > spec.MAX_ITEMS:
+        raise spec.SpecError(f"{what} holds {len(data)} bound arguments, above the "
+                             f"{spec.MAX_ITEMS} a file may list")
     return [BoundArguments.from_spec(item) for item in data]

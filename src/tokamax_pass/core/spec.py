@@ -325,9 +325,7 @@ def construct(cls: type, fields: Mapping[str, Any]) -> Any:
     if unknown:
         raise SpecError(f"{cls.__name__} has no fields {sorted(unknown)}")
     try:
-        value = cls(**fields)
-        config_limits.check(value)
-        return value
+        return cls(**fields)  # an op checks its config's limits itself (`Op.__post_init__`)
     except (TypeError, ValueError) as e:
         raise SpecError(f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
                         f" was rejected: {e}") from None
@@ -367,7 +365,7 @@ def loads(text: str, *, what: str) -> Any:
     check_depth(text, what=what)
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # `JSONDecodeError`, or an integer too long to convert
         raise SpecError(f"{what} is not valid JSON: {e}") from None
     except RecursionError:
         raise SpecError(f"{what} is nested too deeply") from None
