@@ -301,7 +301,7 @@ BAD_RESULT_CONFIGS = [
 @pytest.mark.parametrize("edit,match", BAD_RESULT_CONFIGS)
 def test_a_result_with_a_bad_config_is_a_spec_error(edit, match):
     with pytest.raises(SpecError, match=match):
-        tokamax.AutotuningResult.loads(_result_json(edit))
+        tokamax.AutotuningResult.loads(_result_json(edit), strict=True)
 
 
 def test_a_user_cache_with_a_bad_config_is_reported_and_skipped(tmp_path, monkeypatch):
@@ -311,7 +311,7 @@ def test_a_user_cache_with_a_bad_config_is_reported_and_skipped(tmp_path, monkey
     cache_lib._USER.invalidate()
     path = cache_lib.cache_file(tokamax.core.current_target().device_kind)
     path.write_text(_result_json(BAD_RESULT_CONFIGS[0][0]))
-    with pytest.warns(UserWarning, match="ignoring the user autotuning cache.*was rejected"):
+    with pytest.warns(UserWarning, match="skipping cache file .*entry 0: .*was rejected"):
         tokamax.layer_norm(X, None, None)
     cache_lib._USER.invalidate()
 

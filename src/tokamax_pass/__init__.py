@@ -13,6 +13,7 @@ import importlib
 from typing import Any
 
 from tokamax_pass.core import BoundArguments, NullConfig, Op, snake_case_name
+from tokamax_pass.core.spec import SpecError, register_serializable
 
 # Imported eagerly: the functions share their modules' names, and a lazy import would
 # leave the package attribute bound to the module (the import system sets it).
@@ -63,7 +64,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DISABLE_JAX_EXPORT_CHECKS", "BoundArguments", "NullConfig", "Op", "export", "inspect",
-    "__version__", "load_artifact", "optimize", "snake_case_name", *_LAZY,
+    "SpecError", "__version__", "load_artifact", "optimize", "register_serializable",
+    "snake_case_name", *_LAZY,
 ]
 
 # Registers the autotuning results and caches as a config source (cheap: no compilation).

@@ -34,7 +34,6 @@ BOUND_ARGS_FORMAT = "tokamax_pass.BoundArgumentsList"
 _PARTITIONED_CALL = "CustomSPMDPartitioning"  # the custom call of `custom_partitioning`
 # `tokamax_pass_spec = "..."` (MLIR) or `tokamax_pass_spec={...}` (HLO text).
 _ATTRIBUTE = re.compile(METADATA_KEY + r'\s*=\s*(?:"((?:[^"\\]|\\.)*)"|(?=\{))')
-_DECODER = json.JSONDecoder()
 _MLIR_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2})")
 
 
@@ -55,7 +54,7 @@ def specs_from_text(text: str) -> list[str]:
         if match.group(1) is not None:
             specs.setdefault(_unescape(match.group(1)))
         else:
-            value, _ = _DECODER.raw_decode(text, match.end())
+            value, _ = spec.raw_decode(text, match.end(), what=f"a {METADATA_KEY} attribute")
             specs.setdefault(spec.dumps(value))
     return list(specs)
 
@@ -91,7 +90,7 @@ def bound_args_from_specs(specs: Iterable[str]) -> list[BoundArguments]:
 def _op_name(text: str) -> str:
     """The op class a spec names (for messages), or "op" where it cannot be read."""
     try:
-        return json.loads(text)["op"]["dataclass"].rpartition(".")[2]
+        return spec.loads(text, what="op metadata")["op"]["dataclass"].rpartition(".")[2]
     except (ValueError, KeyError, TypeError, AttributeError):
         return "op"
 
@@ -254,4 +253,7 @@ def bound_args_from_json(source: str | os.PathLike | IO[str]) -> list[BoundArgum
         data = data.get("bound_arguments")
     if not isinstance(data, list):
         raise spec.SpecError(f"{what} must hold a list of bound arguments")
+    if len(data) > spec.MAX_ITEMS:
+        raise spec.SpecError(f"{what} holds {len(data)} bound arguments, above the "
+                             f"{spec.MAX_ITEMS} a file may list")
     return [BoundArguments.from_spec(item) for item in data]

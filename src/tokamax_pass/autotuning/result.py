@@ -14,6 +14,7 @@ import itertools
 import math
 import os
 import statistics
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import IO, Any
 
@@ -125,6 +126,14 @@ class Entry:
             for item in _config_items(data)
         }
         return cls(bound, measured, _provenance(data))
+
+
+# The entries one result document may hold.
+MAX_ENTRIES = 2**16
+
+
+class BadEntryWarning(UserWarning):
+    """An entry of a result or cache file was skipped; the message names it and why."""
 
 
 _serials = itertools.count()
@@ -259,9 +268,15 @@ class AutotuningResult:
         return json.dumps(self._to_json(), indent=indent, sort_keys=True)
 
     @classmethod
-    def loads(cls, text: str | bytes, *, what: str = "autotuning result") -> AutotuningResult:
+    def loads(cls, text: str | bytes, *, what: str = "autotuning result",
+              strict: bool = False) -> AutotuningResult:
         """The result in a JSON document written by `dumps`; `spec.SpecError` names what is
-        wrong with one that is not (`TypeError` for an argument that is not text)."""
+        wrong with one that is not (`TypeError` for an argument that is not text).
+
+        An entry that cannot be read (malformed, a config out of its limits, an op that is
+        not registered) is skipped with a `BadEntryWarning` naming it, so one bad entry
+        never costs the rest; `strict=True` raises its `spec.SpecError` instead.
+        """
         if not isinstance(text, (str, bytes, bytearray)):
             raise TypeError(f"AutotuningResult.loads: text must be a JSON str or bytes, got "
                             f"{type(text).__name__} (AutotuningResult.load reads a path or "
@@ -278,14 +293,17 @@ class AutotuningResult:
         if not isinstance(data.get("entries", []), list):
             raise spec.SpecError(f"{what}: 'entries' must be a list, got "
                                  f"{type(data['entries']).__name__}")
+        if len(data.get("entries", ())) > MAX_ENTRIES:
+            raise spec.SpecError(f"{what} has {len(data['entries'])} entries, above the "
+                                 f"{MAX_ENTRIES} a result may hold")
         entries = []
         for i, item in enumerate(data.get("entries", ())):
             try:
-                entries.append(Entry.from_json(item))
+                entries.append(_entry_from_json(item, i, what=what))
             except spec.SpecError as e:
-                raise spec.SpecError(f"{what}: entry {i}: {e}") from None
-            except (KeyError, TypeError, AttributeError) as e:
-                raise spec.SpecError(f"{what} has a malformed entry ({i}): {e!r}") from None
+                if strict:
+                    raise
+                warnings.warn(f"skipping {e}", BadEntryWarning, stacklevel=2)
         return cls(
             device_kind, entries,
             tokamax_pass_version=data.get("tokamax_pass_version"),
@@ -406,6 +424,19 @@ def decode_text(text: str | bytes | bytearray, *, what: str) -> str:
         return bytes(text).decode("utf-8")
     except UnicodeDecodeError as e:
         raise spec.SpecError(f"{what} is not JSON text (not UTF-8: {e.reason})") from None
+
+
+def _entry_from_json(item: Any, index: int, *, what: str) -> Entry:
+    """`Entry.from_json`, its errors a `spec.SpecError` naming the entry (index and op)."""
+    op = item.get("op") if isinstance(item, Mapping) else None
+    name = op.get("dataclass") if isinstance(op, Mapping) else None
+    of_op = f" (an entry of op {str(name)[:200]})" if name else ""
+    try:
+        return Entry.from_json(item)
+    except spec.SpecError as e:
+        raise spec.SpecError(f"{what}: entry {index}: {e}{of_op}") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        raise spec.SpecError(f"{what} has a malformed entry ({index}): {e!r}{of_op}") from None
 
 
 def _config_repr(config: Any) -> str:

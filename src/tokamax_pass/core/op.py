@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import jax
 
-from tokamax_pass.core import spec
+from tokamax_pass.core import config_limits, spec
 from tokamax_pass.core.device import Target
 
 
@@ -126,6 +126,10 @@ class Op[C]:
     # program (a norm with the residual add before it) need more: alone, the plain path
     # pays passes over memory that it does not pay inside a program.
     kernel_margin: ClassVar[float] = 0.05
+
+    def __post_init__(self) -> None:
+        """A pinned config within `config_limits` (its field and limit named)."""
+        config_limits.check(self.config)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

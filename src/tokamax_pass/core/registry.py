@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokamax_pass.core import primitive
+from tokamax_pass.core import primitive, spec
 from tokamax_pass.core.op import Op, family_class
 
 Implementation = str | Op | Sequence[str | Op] | None
@@ -99,7 +99,15 @@ _FAMILIES: dict[str, Family] = {}
 
 
 def register_family(family: Family) -> Family:
+    """Adds `family`, and allows specs to name its implementations, their VJP ops and
+    their configs (`spec.register_serializable`)."""
     _FAMILIES[family.name] = family
+    for cls in family.implementations.values():
+        vjp = _vjp_op_or_none(cls)
+        for member in (cls, *(() if vjp is None else (type(vjp),))):
+            for base in member.__mro__:
+                if issubclass(base, Op) and base is not Op and not spec.is_registered(base):
+                    spec.register_serializable(base)
     return family
 
 

@@ -4,6 +4,11 @@ Every place that writes something a human or another process reads back (op
 metadata in StableHLO, bound-argument lists, autotuning results, caches,
 artifact manifests) goes through these functions, so a shape is always spelled
 `"bf16[32,2048,16,64]"` and an op always by its import path.
+
+Reading never imports what a file names: an op class, config, enum or function in a
+spec is looked up in an allowlist (the library's op families and their configs, the
+`jax.nn` activations, and what `register_serializable` adds), so a file cannot run code.
+Input is bounded too (`MAX_JSON_CHARS`, `MAX_DEPTH`, `MAX_ITEMS`, `MAX_STRING_CHARS`).
 """
 
 from __future__ import annotations
@@ -13,13 +18,27 @@ import enum
 import importlib
 import json
 import re
-from collections.abc import Mapping
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
+from tokamax_pass.core import config_limits
+
 SCHEMA_VERSION = 1
+
+# Bounds on what a loader reads: a JSON text's length, its nesting, a list's or an
+# object's items, a string value's length.
+MAX_JSON_CHARS = 256 * 2**20
+MAX_DEPTH = 64
+MAX_ITEMS = 2**16
+MAX_STRING_CHARS = 2**12
+# An array spec's rank and the digits of each dimension (XLA's own limit, 2**63 - 1, is
+# checked where a spec becomes a program: `artifact`).
+MAX_RANK = 16
+MAX_DIM_DIGITS = 20
 
 _DTYPE_NAMES: dict[str, str] = {
     "bool": "bool",
@@ -72,8 +91,11 @@ def parse_array_spec(text: str) -> jax.ShapeDtypeStruct:
     match = _ARRAY_SPEC.match(text.replace(" ", ""))
     if match is None or match.group(1) not in _SHORT_TO_DTYPE:
         raise SpecError(f"{text!r} is not an array spec like 'bf16[32,2048,16,64]'")
-    dims = match.group(2)
-    shape = tuple(int(d) for d in dims.split(",")) if dims else ()
+    dims = match.group(2).split(",") if match.group(2) else []
+    if len(dims) > MAX_RANK or not all(d.isdigit() and len(d) <= MAX_DIM_DIGITS for d in dims):
+        raise SpecError(f"{text[:80]!r}: an array spec has at most {MAX_RANK} dimensions, "
+                        f"each an integer of at most {MAX_DIM_DIGITS} digits")
+    shape = tuple(int(d) for d in dims)
     dtype = jax.numpy.dtype(_SHORT_TO_DTYPE[match.group(1)])
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -93,21 +115,116 @@ def import_path(obj: Any) -> str:
     return path
 
 
-def import_object(path: str) -> Any:
-    parts = path.split(".")
-    for split in range(len(parts) - 1, 0, -1):
-        module_name, attr_path = ".".join(parts[:split]), parts[split:]
+_REGISTER_FIX = ("register it with `tokamax_pass.register_serializable(obj)` in the code "
+                 "that loads the file (before loading)")
+_ALLOWED: dict[str, Any] = {}
+# Library modules whose import registers the built-in op families (fixed here; never
+# taken from a file).
+_BUILTIN_MODULES = (
+    "tokamax_pass.core",
+    "tokamax_kernels.attention",
+    "tokamax_kernels.layer_norm",
+    "tokamax_kernels.ragged_dot",
+    "tokamax_kernels.gated_linear_unit",
+    "tokamax_kernels.linear_softmax_cross_entropy_loss",
+)
+_builtins_loaded = False
+
+
+def _builtin_functions() -> dict[str, Callable[..., Any]]:
+    """The functions ops take as arguments (GLU activations), by their public names."""
+    nn_names = ("celu", "elu", "gelu", "hard_sigmoid", "hard_silu", "hard_swish", "hard_tanh",
+                "identity", "leaky_relu", "log_sigmoid", "mish", "relu", "relu6", "selu",
+                "sigmoid", "silu", "soft_sign", "softplus", "sparse_plus", "sparse_sigmoid",
+                "squareplus", "swish")
+    table = {f"jax.nn.{n}": getattr(jax.nn, n) for n in nn_names if hasattr(jax.nn, n)}
+    table["jax.numpy.tanh"] = jax.numpy.tanh
+    return table
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    for name, function in _builtin_functions().items():
+        register_serializable(function, name=name)
+    for enum_cls in (jax.lax.Precision, jax.lax.DotAlgorithmPreset):
+        register_serializable(enum_cls)
+    for module in _BUILTIN_MODULES:
         try:
-            obj = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        try:
-            for attr in attr_path:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            break
-        return obj
-    raise SpecError(f"cannot import {path!r}")
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:  # a kernel package missing its own dependency
+                raise
+    core = importlib.import_module("tokamax_pass.core")
+    for cls in (core.NullConfig, core.AutodiffVjp):
+        if not is_registered(cls):
+            register_serializable(cls)
+    _builtins_loaded = True
+
+
+def register_serializable[T](obj: T, *, name: str | None = None) -> T:
+    """Allows specs to name `obj` (an `Op` subclass, a config dataclass, an enum or a
+    function), so results, caches and bound-argument files that use it load.
+
+    Usable as a decorator. An `Op` subclass brings its `config_cls`. `name` adds another
+    name to accept besides the import path `encode` writes. Returns `obj`.
+    """
+    kind = _kind_of(obj)
+    if kind is None:
+        raise TypeError(f"register_serializable: {obj!r} is not a dataclass, an enum class or "
+                        "a function")
+    names = [import_path(obj)] + ([name] if name is not None else [])
+    for key in names:
+        known = _ALLOWED.get(key)
+        if known is not None and known is not obj:
+            raise ValueError(f"register_serializable: {key!r} is already registered for "
+                             f"{known!r}")
+    for key in names:
+        _ALLOWED[key] = obj
+    config_cls = getattr(obj, "config_cls", None)
+    if kind == "dataclass" and dataclasses.is_dataclass(config_cls) and isinstance(
+            config_cls, type):
+        _ALLOWED.setdefault(import_path(config_cls), config_cls)
+    return obj
+
+
+def is_registered(obj: Any) -> bool:
+    try:
+        return _ALLOWED.get(import_path(obj)) is obj
+    except SpecError:
+        return False
+
+
+def _kind_of(obj: Any) -> str | None:
+    if isinstance(obj, type):
+        if issubclass(obj, enum.Enum):
+            return "enum"
+        return "dataclass" if dataclasses.is_dataclass(obj) else None
+    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType)) or (
+            callable(obj) and hasattr(obj, "__qualname__")):
+        return "callable"
+    return None
+
+
+def resolve(path: Any, *, kind: str) -> Any:
+    """The registered object a spec names, or a `SpecError` naming the entry and the fix.
+
+    Nothing is imported on a file's say: an unknown name is an error, whatever module
+    it points into.
+    """
+    if not isinstance(path, str) or len(path) > MAX_STRING_CHARS:
+        raise SpecError(f"a {kind!r} entry must name a registered object, got {path!r}")
+    if path not in _ALLOWED:
+        _load_builtins()
+    obj = _ALLOWED.get(path)
+    if obj is None:
+        raise SpecError(f"{kind} {path!r} is not a registered serializable object, so it is "
+                        f"not loaded (files never name code to import); if it is yours, "
+                        f"{_REGISTER_FIX}")
+    if _kind_of(obj) != kind:
+        raise SpecError(f"{path!r} is registered as a {_kind_of(obj)}, not a {kind}")
+    return obj
 
 
 def encode(value: Any) -> Any:
@@ -140,34 +257,78 @@ def encode(value: Any) -> Any:
     raise SpecError(f"cannot serialize {value!r} of type {type(value).__name__}")
 
 
-def decode(value: Any) -> Any:
-    """Inverse of `encode`; arrays come back as `jax.ShapeDtypeStruct`."""
+def decode(value: Any, _depth: int = 0) -> Any:
+    """Inverse of `encode`; arrays come back as `jax.ShapeDtypeStruct`.
+
+    Classes and functions are looked up with `resolve` (never imported); a dataclass is
+    built from its fields, so a config's own checks run on what a file holds.
+    """
+    if _depth > MAX_DEPTH:
+        raise SpecError(f"a spec nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, str):
+        if len(value) > MAX_STRING_CHARS:
+            raise SpecError(f"a spec string of {len(value)} characters (at most "
+                            f"{MAX_STRING_CHARS}): {value[:40]!r}...")
         return parse_array_spec(value) if _ARRAY_SPEC.match(value) else value
     if isinstance(value, list):
-        return tuple(decode(v) for v in value)
+        _check_items(value)
+        return tuple(decode(v, _depth + 1) for v in value)
     if isinstance(value, dict):
-        if "dtype" in value:
-            return np.dtype(jax.numpy.dtype(value["dtype"]))
-        if "enum" in value:
-            return import_object(value["enum"])[value["name"]]
-        if "dataclass" in value:
-            if value["dataclass"] is None:
-                raise SpecError(
-                    f"{value['repr']} was defined inside a function when this spec was written; "
-                    "define it at module level to make it reloadable"
-                )
-            cls = import_object(value["dataclass"])
-            return cls(**{k: decode(v) for k, v in value["fields"].items()})
-        if "callable" in value:
-            if value["callable"] is None:
-                raise SpecError(
-                    f"{value['repr']} was not importable by name when this spec was written; "
-                    "use a module-level function (e.g. jax.nn.gelu) to make it reloadable"
-                )
-            return import_object(value["callable"])
-        raise SpecError(f"unknown encoded value {value!r}")
+        _check_items(value)
+        return _decode_object(value, _depth)
     return value
+
+
+def _check_items(value: list[Any] | dict[str, Any]) -> None:
+    if len(value) > MAX_ITEMS:
+        raise SpecError(f"a spec list or object of {len(value)} items (at most {MAX_ITEMS})")
+
+
+def _decode_object(value: dict[str, Any], depth: int) -> Any:
+    if "dtype" in value:
+        name = value["dtype"]
+        if name not in _DTYPE_NAMES:
+            raise SpecError(f"unknown dtype {name!r}; known: {sorted(_DTYPE_NAMES)}")
+        return np.dtype(jax.numpy.dtype(name))
+    if "enum" in value:
+        enum_cls = resolve(value["enum"], kind="enum")
+        try:
+            return enum_cls[value.get("name")]
+        except (KeyError, TypeError):
+            raise SpecError(f"{enum_cls.__name__} has no member {value.get('name')!r}") from None
+    if "dataclass" in value:
+        if value["dataclass"] is None:
+            raise SpecError(
+                f"{value.get('repr')!r} was defined inside a function when this spec was "
+                "written; define it at module level and register it to make it reloadable"
+            )
+        cls = resolve(value["dataclass"], kind="dataclass")
+        fields = value.get("fields", {})
+        if not isinstance(fields, dict):
+            raise SpecError(f"{value['dataclass']!r}: 'fields' must be an object, got {fields!r}")
+        _check_items(fields)
+        return construct(cls, {k: decode(v, depth + 1) for k, v in fields.items()})
+    if "callable" in value:
+        if value["callable"] is None:
+            raise SpecError(
+                f"{value.get('repr')!r} was not importable by name when this spec was written; "
+                "use a module-level function (e.g. jax.nn.gelu) to make it reloadable"
+            )
+        return resolve(value["callable"], kind="callable")
+    raise SpecError(f"unknown encoded value {str(value)[:200]}")
+
+
+def construct(cls: type, fields: Mapping[str, Any]) -> Any:
+    """`cls(**fields)` for a registered dataclass, its own checks' errors as `SpecError`."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = set(fields) - names
+    if unknown:
+        raise SpecError(f"{cls.__name__} has no fields {sorted(unknown)}")
+    try:
+        return cls(**fields)  # an op checks its config's limits itself (`Op.__post_init__`)
+    except (TypeError, ValueError) as e:
+        raise SpecError(f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+                        f" was rejected: {e}") from None
 
 
 def encode_config(config: Any) -> dict[str, Any] | None:
@@ -177,13 +338,17 @@ def encode_config(config: Any) -> dict[str, Any] | None:
 
 
 def decode_config(config_cls: type, data: Mapping[str, Any] | None) -> Any:
+    """The config `data` holds, checked by `config_cls` itself (its limits: its
+    `ValueError` or `TypeError` passes through)."""
     if data is None:
         return None
     names = {f.name for f in dataclasses.fields(config_cls)}
     unknown = set(data) - names
     if unknown:
         raise SpecError(f"{config_cls.__name__} has no fields {sorted(unknown)}")
-    return config_cls(**{k: decode(v) for k, v in data.items()})
+    config = config_cls(**{k: decode(v) for k, v in data.items()})
+    config_limits.check(config)
+    return config
 
 
 def dumps(obj: Any) -> str:
@@ -192,10 +357,58 @@ def dumps(obj: Any) -> str:
 
 
 def loads(text: str, *, what: str) -> Any:
+    """`json.loads` of a text within `MAX_JSON_CHARS` and `MAX_DEPTH` (checked first, so a
+    deeply nested document is a `SpecError`, not a `RecursionError`)."""
+    if len(text) > MAX_JSON_CHARS:
+        raise SpecError(f"{what} is {len(text)} characters long, above the {MAX_JSON_CHARS} "
+                        f"a loader reads")
+    check_depth(text, what=what)
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # `JSONDecodeError`, or an integer too long to convert
         raise SpecError(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise SpecError(f"{what} is nested too deeply") from None
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?')
+_BRACKETS = re.compile(r"[\[\]{}]")
+
+
+def check_depth(text: str, *, what: str, limit: int = MAX_DEPTH) -> None:
+    """`SpecError` if the JSON `text` nests lists and objects deeper than `limit`."""
+    depth = 0
+    for match in _BRACKETS.finditer(_JSON_STRING.sub("", text)):
+        if match.group() in "[{":
+            depth += 1
+            if depth > limit:
+                raise SpecError(f"{what} nests JSON deeper than {limit} levels")
+        else:
+            depth -= 1
+
+
+def raw_decode(text: str, start: int, *, what: str) -> tuple[Any, int]:
+    """`json.JSONDecoder.raw_decode` of the value at `text[start:]` (an object or list
+    embedded in other text), bounded like `loads`."""
+    end = _value_end(text, start)
+    return loads(text[start:end], what=what), end
+
+
+def _value_end(text: str, start: int) -> int:
+    """Where the bracketed JSON value at `start` ends (the text's end if it never does)."""
+    depth = 0
+    for match in _TOKENS.finditer(text, start):
+        token = match.group()
+        if token in "[{":
+            depth += 1
+        elif token in "]}":
+            depth -= 1
+            if depth == 0:
+                return match.end()
+    return len(text)
+
+
+_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
 def check_schema(data: Mapping[str, Any], *, what: str) -> None:

@@ -9,7 +9,6 @@ distinct spec, with the number of instructions that carry it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -67,7 +66,6 @@ def find_ops(text: str) -> list[FoundOp]:
 def _spec_strings(text: str) -> list[str]:
     """Each stamped spec's JSON: a quoted MLIR string, or HLO text's bare JSON object."""
     found = []
-    decoder = json.JSONDecoder()
     for match in _SPEC_KEY.finditer(text):
         start = match.end()
         if text.startswith('"', start):
@@ -77,8 +75,8 @@ def _spec_strings(text: str) -> list[str]:
                                                    what=f"a {METADATA_KEY} attribute")))
         elif text.startswith("{", start):
             try:
-                data, _ = decoder.raw_decode(text, start)
-            except json.JSONDecodeError:
+                data, _ = spec.raw_decode(text, start, what=f"a {METADATA_KEY} attribute")
+            except spec.SpecError:
                 continue
             found.append(spec.dumps(data))
     return found
@@ -86,20 +84,21 @@ def _spec_strings(text: str) -> list[str]:
 
 def _found(raw: str, count: int) -> FoundOp:
     data = spec.loads(raw, what=f"a {METADATA_KEY} attribute")
-    op = data.get("op", {})
-    op_path = op.get("dataclass", "?") if isinstance(op, dict) else "?"
-    fields = op.get("fields", {}) if isinstance(op, dict) else {}
+    data = data if isinstance(data, dict) else {}
+    op = data.get("op") if isinstance(data.get("op"), dict) else {}
+    op_path = str(op.get("dataclass", "?"))
+    fields = op.get("fields") if isinstance(op.get("fields"), dict) else {}
     try:
-        implementation = str(spec.import_object(op_path).implementation)
+        implementation = str(spec.resolve(op_path, kind="dataclass").implementation)
     except (spec.SpecError, AttributeError):
         implementation = "?"
     config = fields.get("config")
-    if isinstance(config, dict) and config.get("fields"):
-        name = config["dataclass"].rsplit(".", 1)[-1]
+    if isinstance(config, dict) and isinstance(config.get("fields"), dict) and config["fields"]:
+        name = str(config.get("dataclass")).rsplit(".", 1)[-1]
         config_text = f"{name}({', '.join(f'{k}={v}' for k, v in config['fields'].items())})"
     else:
         config_text = "-"
-    arguments = data.get("arguments", {})
+    arguments = data.get("arguments") if isinstance(data.get("arguments"), dict) else {}
     args_text = ", ".join(
         f"{k}={v}" for k, v in arguments.items()
         if isinstance(v, str) and re.fullmatch(r"[a-z0-9]+\[[0-9,]*\]", v)
