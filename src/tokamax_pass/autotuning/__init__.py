@@ -6,7 +6,7 @@ library cache) as a config source of `tokamax_pass.core.resolution`.
 
 from tokamax_pass.autotuning.api import autotune
 from tokamax_pass.autotuning.autotuner import Autotuner
-from tokamax_pass.autotuning.cache import CacheError
+from tokamax_pass.autotuning.cache import CacheError, UnsavedResultError
 from tokamax_pass.autotuning.cache import save as save_to_cache
 from tokamax_pass.autotuning.discovery import (
     bound_args_from_json,
@@ -31,4 +31,5 @@ __all__ = [
     "bound_args_to_json",
     "get_bound_args",
     "save_to_cache",
+    "UnsavedResultError",
 ]
