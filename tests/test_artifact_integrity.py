@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pathlib
 import random
 import shutil
 import signal
@@ -80,6 +81,33 @@ def test_save_replaces_an_artifact_and_keeps_other_files(tmp_path, programs):
     assert Artifact.load(directory).serialized == maxed.serialized
     assert (directory / "notes.txt").read_text() == "kept"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+@pytest.mark.parametrize("stop_at", ["program", "manifest"])
+def test_a_save_stopped_between_its_moves_never_loads_a_mix(tmp_path, programs, monkeypatch,
+                                                            stop_at):
+    """Over an existing artifact the files move in one by one, program first: stopped
+    before the manifest moves, the new program under the old manifest fails its digest."""
+    summed, maxed = programs
+    directory = summed.save(tmp_path / "art")
+    real_replace = os.replace
+    stop = directory / ("prog.stablehlo" if stop_at == "program" else "manifest.json")
+
+    def replace(source, destination):
+        if pathlib.Path(destination) == stop:
+            raise OSError("the save stops here")
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="the save stops here"):
+        maxed.save(directory)
+    monkeypatch.setattr(os, "replace", real_replace)
+    if stop_at == "program":
+        assert Artifact.load(directory).serialized == summed.serialized
+    else:
+        with pytest.raises(ArtifactIntegrityError, match="does not match its manifest"):
+            Artifact.load(directory)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]  # the temporary is removed
 
 
 @pytest.mark.parametrize("name", ["../escape", "sub/prog", "sub\\prog", "..", ""])
