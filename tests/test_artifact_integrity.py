@@ -73,6 +73,29 @@ def test_a_manifest_without_a_digest_is_refused_with_re_export(tmp_path, program
         tokamax.load_artifact(directory)
 
 
+@pytest.mark.parametrize("digests,error,match", [
+    ({"notes.txt": "0" * 64}, ArtifactIntegrityError, r"notes.txt does not match its manifest"),
+    ({"../prog.stablehlo": "0" * 64}, ArtifactIntegrityError, "must map file names"),
+    ({"gone.bin": "0" * 64}, FileNotFoundError, "digests gone.bin, which is missing"),
+])
+def test_every_file_the_manifest_digests_is_checked(tmp_path, programs, digests, error, match):
+    directory = programs[0].save(tmp_path / "art")
+    (directory / "notes.txt").write_text("not what the manifest digests")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["sha256"].update(digests)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(error, match=match):
+        Artifact.load(directory)
+
+
+def test_save_fills_an_empty_directory_as_bazel_declares_it(tmp_path, programs):
+    (tmp_path / "out").mkdir()
+    directory = programs[0].save(tmp_path / "out")
+    assert sorted(p.name for p in directory.iterdir()) == ["manifest.json", "prog.stablehlo"]
+    assert Artifact.load(directory).serialized == programs[0].serialized
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_save_replaces_an_artifact_and_keeps_other_files(tmp_path, programs):
     summed, maxed = programs
     directory = summed.save(tmp_path / "art")

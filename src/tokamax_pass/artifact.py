@@ -425,17 +425,25 @@ def _require_file_name(who: str, name: Any) -> None:
 def _check_digest(manifest: Mapping[str, Any], serialized: bytes, *, manifest_path: Path,
                   program: Path) -> None:
     """`ArtifactIntegrityError` unless the manifest's SHA-256 of its program matches the
-    bytes read: a program swapped or torn under its manifest never loads."""
+    bytes read, and of every other file it digests the file beside it: a program swapped
+    or torn under its manifest never loads."""
     digests = manifest.get("sha256")
-    wanted = digests.get(program.name) if isinstance(digests, Mapping) else None
-    if not isinstance(wanted, str):
+    if not isinstance(digests, Mapping) or not isinstance(digests.get(program.name), str):
         raise ArtifactIntegrityError(
             f"{manifest_path} carries no SHA-256 of {program} ('sha256' with the program's "
             f"file name), so nothing ties the manifest to the program; re-export the "
             f"artifact with this tokamax_pass")
-    actual = hashlib.sha256(serialized).hexdigest()
-    if actual != wanted:
-        raise ArtifactIntegrityError(
-            f"{program} does not match its manifest {manifest_path}: SHA-256 {actual}, the "
-            f"manifest records {wanted} (the program was replaced or torn after the save); "
-            f"re-export the artifact")
+    for name, wanted in digests.items():
+        path = program.parent / str(name)
+        if Path(str(name)).name != name or not isinstance(wanted, str):
+            raise ArtifactIntegrityError(f"{manifest_path}: 'sha256' must map file names in "
+                                         f"the artifact directory to hex digests, got "
+                                         f"{name!r}: {wanted!r:.80}")
+        if not path.is_file():
+            raise FileNotFoundError(f"{manifest_path} digests {name}, which is missing")
+        actual = hashlib.sha256(serialized if path == program else path.read_bytes())
+        if actual.hexdigest() != wanted:
+            raise ArtifactIntegrityError(
+                f"{path} does not match its manifest {manifest_path}: SHA-256 "
+                f"{actual.hexdigest()}, the manifest records {wanted} (the file was replaced "
+                f"or torn after the save); re-export the artifact")
