@@ -14,6 +14,7 @@ import pathlib
 import random
 import shutil
 import signal
+import tempfile
 import time
 import warnings
 
@@ -94,6 +95,21 @@ def test_save_fills_an_empty_directory_as_bazel_declares_it(tmp_path, programs):
     assert sorted(p.name for p in directory.iterdir()) == ["manifest.json", "prog.stablehlo"]
     assert Artifact.load(directory).serialized == programs[0].serialized
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_save_into_a_directory_whose_folder_is_read_only(tmp_path, programs, monkeypatch):
+    directory = programs[0].save(tmp_path / "art")
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(**kwargs):
+        if pathlib.Path(kwargs["dir"]) == tmp_path:
+            raise PermissionError(13, "Permission denied", str(tmp_path))
+        return real_mkdtemp(**kwargs)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    programs[1].save(directory)
+    assert Artifact.load(directory).serialized == programs[1].serialized
+    assert sorted(p.name for p in directory.iterdir()) == ["manifest.json", "prog.stablehlo"]
 
 
 def test_save_replaces_an_artifact_and_keeps_other_files(tmp_path, programs):

@@ -55,10 +55,18 @@ def fsync_directory(directory: str | os.PathLike[str]) -> None:
 
 
 def temporary_directory_beside(destination: pathlib.Path) -> pathlib.Path:
-    """A fresh hidden directory next to `destination` (same file system: renames work)."""
+    """A fresh hidden directory next to `destination` (same file system: renames work),
+    or inside it where `destination` is a directory in a folder this process may not
+    write to (its files then move in one by one: `replace_directory` returns False)."""
     destination.parent.mkdir(parents=True, exist_ok=True)
-    return pathlib.Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp",
-                                         dir=destination.parent))
+    try:
+        return pathlib.Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp",
+                                             dir=destination.parent))
+    except PermissionError:
+        if not destination.is_dir():
+            raise
+        return pathlib.Path(tempfile.mkdtemp(prefix=".tokamax_pass.", suffix=".tmp",
+                                             dir=destination))
 
 
 def replace_directory(built: pathlib.Path, destination: pathlib.Path) -> bool:
