@@ -121,3 +121,27 @@ def test_a_dumped_result_round_trips(tmp_path):
     result.dump(tmp_path / "tuned.json")
     assert tokamax.AutotuningResult.load(tmp_path / "tuned.json").dumps() == result.dumps()
     assert [p.name for p in tmp_path.iterdir()] == ["tuned.json"]
+
+
+@pytest.fixture
+def umask_022():
+    previous = os.umask(0o022)
+    yield
+    os.umask(previous)
+
+
+def test_written_files_get_the_mode_open_gives_and_replaced_files_keep_theirs(tmp_path,
+                                                                              umask_022):
+    result = _result(8)
+    result.dump(tmp_path / "new.json")
+    assert os.stat(tmp_path / "new.json").st_mode & 0o777 == 0o644
+    (tmp_path / "old.json").write_text("{}")
+    os.chmod(tmp_path / "old.json", 0o640)
+    result.dump(tmp_path / "old.json")
+    assert os.stat(tmp_path / "old.json").st_mode & 0o777 == 0o640
+
+
+def test_a_saved_artifact_gets_the_modes_mkdir_and_open_give(tmp_path, umask_022):
+    directory = tokamax.export(jax.numpy.sum, "f32[2,4]").save(tmp_path / "art")
+    assert os.stat(directory).st_mode & 0o777 == 0o755
+    assert {os.stat(p).st_mode & 0o777 for p in directory.iterdir()} == {0o644}

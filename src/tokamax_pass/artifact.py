@@ -5,7 +5,8 @@ artifact's `manifest.json` records every op with its kernel and config, the devi
 it was tuned for, the versions that made it and the SHA-256 of the program's bytes.
 `load_artifact(directory)` checks those before it runs anything: a tuned artifact is
 guaranteed only on the device it was tuned for, and a program that is not the one its
-manifest digests never loads. `tokamax_pass.export` (the function) optimizes a plain function first.
+manifest digests never loads. `tokamax_pass.export` (the function) optimizes a plain
+function first.
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ __all__ = [
     "Autotuner",
     "CacheError",
     "Measurement",
+    "UnsavedResultError",
     "active_results",
     "autotune",
     "bound_args_from_json",
     "bound_args_to_json",
     "get_bound_args",
     "save_to_cache",
-    "UnsavedResultError",
 ]

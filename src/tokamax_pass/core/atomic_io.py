@@ -28,6 +28,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> pathlib.Pat
     payload = data.encode() if isinstance(data, str) else bytes(data)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # mkstemp makes the file private (0600): give it the mode `open` would.
+        os.fchmod(fd, _existing_mode(path, default=0o666 & ~_umask()))
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
@@ -60,13 +62,16 @@ def temporary_directory_beside(destination: pathlib.Path) -> pathlib.Path:
     write to (its files then move in one by one: `replace_directory` returns False)."""
     destination.parent.mkdir(parents=True, exist_ok=True)
     try:
-        return pathlib.Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp",
-                                             dir=destination.parent))
+        built = pathlib.Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp",
+                                              dir=destination.parent))
     except PermissionError:
         if not destination.is_dir():
             raise
         return pathlib.Path(tempfile.mkdtemp(prefix=".tokamax_pass.", suffix=".tmp",
                                              dir=destination))
+    # mkdtemp makes the directory private (0700): give it the mode `mkdir` would.
+    os.chmod(built, _existing_mode(destination, default=0o777 & ~_umask()))
+    return built
 
 
 def replace_directory(built: pathlib.Path, destination: pathlib.Path) -> bool:
@@ -85,6 +90,26 @@ def replace_directory(built: pathlib.Path, destination: pathlib.Path) -> bool:
         raise
     fsync_directory(destination.parent)
     return True
+
+
+def _existing_mode(path: pathlib.Path, *, default: int) -> int:
+    """The permission bits of `path` where it exists (a replaced file keeps its mode)."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except OSError:
+        return default
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where the system shows it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def remove_tree(directory: pathlib.Path) -> None:
