@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import tokamax_pass as tokamax
 from benchmarks import workloads as wl
 from tokamax_pass import benchmarking
+from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.device import device_kind_key
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -128,7 +129,7 @@ def _chart(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
 
 
 def _write(out: pathlib.Path, device: Any, rows: list[dict[str, Any]]) -> None:
-    out.write_text(json.dumps({
+    write_atomic(out, json.dumps({
         "device_kind": device.device_kind,
         "jax_version": jax.__version__,
         "tokamax_pass_version": tokamax.__version__,

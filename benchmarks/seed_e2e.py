@@ -28,6 +28,7 @@ import numpy as np
 import tokamax_pass as tokamax
 from examples import seed_model
 from tokamax_pass import benchmarking
+from tokamax_pass.core.atomic_io import write_atomic
 
 SHAPE = (32, 2048, 16, 64)
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     def record(key: str, value: object) -> None:  # written at once: a cut-short run keeps it
         results[key] = value
         print(f"{key}: {value}", flush=True)
-        output.write_text(json.dumps(results, indent=1))
+        write_atomic(output, json.dumps(results, indent=1))
 
     plain = jax.jit(jax.grad(plain_jax_loss))
     ours_jit = jax.jit(seed_model.loss_grad)

@@ -132,7 +132,7 @@ def drop_stale(folder: pathlib.Path) -> int:
         fresh = [e for e in result.entries
                  if keys.stale_reason(e.bound.op, e.provenance) is None]
         if len(fresh) < len(result):
-            path.write_text(tokamax.AutotuningResult(result.device_kind, fresh).dumps())
+            tokamax.AutotuningResult(result.device_kind, fresh).dump(path)
             print(f"{path.name}: dropped {len(result) - len(fresh)} stale of {len(result)}")
     return 0
 

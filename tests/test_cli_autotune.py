@@ -33,6 +33,18 @@ def test_autotune_command_writes_a_result(tmp_path, capsys):
     assert "XlaChunkedMatmul" in printed and "autotuning took" in printed
 
 
+def test_autotune_command_writes_the_result_the_cache_refused(tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path / "a_file" / "cache"))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    out = tmp_path / "result.json"
+    with pytest.raises(SystemExit, match="UnsavedResultError: .* the result is in "):
+        cli.main(["autotune", "test_autotuning_ops:loss", "--args", *SHAPES, "--grad",
+                  "-o", str(out), "--cache", "--no-progress"])
+    [(ba, data)] = list(tokamax.AutotuningResult.load(out))
+    assert type(ba.op).__name__ == "XlaChunkedMatmul" and len(data) == 5
+
+
 @pytest.mark.parametrize("flags, chunked_configs", [
     pytest.param([], 1, id="staged: the losing kernel keeps its first config"),
     pytest.param(["--search-losers"], 5, id="--search-losers: every config"),

@@ -2,9 +2,11 @@
 
 `make_artifact(optimized, ...)` serializes an optimized program with `jax.export`; the
 artifact's `manifest.json` records every op with its kernel and config, the device kind
-it was tuned for and the versions that made it. `load_artifact(directory)` checks those
-before it runs anything: a tuned artifact is guaranteed only on the device it was tuned
-for. `tokamax_pass.export` (the function) optimizes a plain function first.
+it was tuned for, the versions that made it and the SHA-256 of the program's bytes.
+`load_artifact(directory)` checks those before it runs anything: a tuned artifact is
+guaranteed only on the device it was tuned for, and a program that is not the one its
+manifest digests never loads. `tokamax_pass.export` (the function) optimizes a plain
+function first.
 """
 
 from __future__ import annotations
@@ -12,18 +14,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from tokamax_pass.core import checks, device, spec
+from tokamax_pass.core import atomic_io, checks, device, spec
 from tokamax_pass.pass_.inspection import Inspection, custom_call_targets, inspect_path
 from tokamax_pass.version import __version__
 
@@ -31,13 +33,18 @@ MANIFEST = "manifest.json"
 _SUFFIX = ".stablehlo"
 
 __all__ = [
-    "Artifact", "ArtifactMismatchError", "LoadedArtifact", "check_compatible",
-    "function_name", "inspect", "load_artifact", "make_artifact",
+    "Artifact", "ArtifactIntegrityError", "ArtifactMismatchError", "LoadedArtifact",
+    "check_compatible", "function_name", "inspect", "load_artifact", "make_artifact",
 ]
 
 
 class ArtifactMismatchError(RuntimeError):
     """An artifact made for another device or by newer software than is here."""
+
+
+class ArtifactIntegrityError(spec.SpecError):
+    """An artifact whose program bytes are not the ones its manifest digests (a file
+    swapped or torn after the save), or whose manifest carries no digest."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +68,32 @@ class Artifact:
         return self.exported.mlir_module()
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
-        """Writes `<name>.stablehlo` and `manifest.json` into `directory` (made if needed)."""
+        """Writes `<name>.stablehlo` and `manifest.json` (with the program's SHA-256) into
+        `directory`, made if needed.
+
+        Both files are written into a temporary directory beside `directory`, which is
+        renamed into place when `directory` is absent or empty; into a directory that
+        holds files they move in program first, manifest last. A save killed at any point
+        leaves the old artifact, the new one, or one whose digest check fails on load.
+        """
         _require_non_empty("Artifact.save", "directory", directory)
+        _require_file_name("Artifact.save", self.name)
         directory = checks.directory_to_write("Artifact.save", "directory", directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        _write_atomic(directory / f"{self.name}{_SUFFIX}", self.serialized)
-        manifest = json.dumps(dict(self.manifest), indent=2, sort_keys=True) + "\n"
-        _write_atomic(directory / MANIFEST, manifest.encode())
+        program = f"{self.name}{_SUFFIX}"
+        manifest = {**self.manifest, "file": program,
+                    "sha256": {program: hashlib.sha256(self.serialized).hexdigest()}}
+        files = {program: self.serialized,
+                 MANIFEST: (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()}
+        built = atomic_io.temporary_directory_beside(directory)
+        try:
+            for name, data in files.items():
+                atomic_io.write_atomic(built / name, data)
+            if not atomic_io.replace_directory(built, directory):
+                for name in files:  # the manifest last: it names and digests the program
+                    os.replace(built / name, directory / name)
+                atomic_io.fsync_directory(directory)
+        finally:
+            atomic_io.remove_tree(built)
         return directory
 
     @classmethod
@@ -93,7 +119,9 @@ class Artifact:
         program = directory / manifest["file"]
         if not program.is_file():
             raise FileNotFoundError(f"{manifest_path} names {manifest['file']}, which is missing")
-        return cls(manifest["name"], program.read_bytes(), manifest)
+        serialized = program.read_bytes()
+        _check_digest(manifest, serialized, manifest_path=manifest_path, program=program)
+        return cls(manifest["name"], serialized, manifest)
 
 
 def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
@@ -103,10 +131,8 @@ def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
     """The artifact of an `Optimized` program; see `tokamax_pass.export` for the arguments."""
     if device_kind is not None:
         checks.require_strs("export", "device_kind", device_kind)
-    if name is not None and (not isinstance(name, str) or name in ("", ".", "..")
-                             or re.search(r"[/\\]", name)):
-        raise (ValueError if isinstance(name, str) else TypeError)(
-            f"export: name must be a file name (no directories), got {name!r}")
+    if name is not None:
+        _require_file_name("export", name)
     platforms = _platforms(platforms, device_kind)
     # A static argument is passed as it is: a static str is not an array spec.
     static = optimized.static_positions(len(arg_specs))
@@ -115,8 +141,10 @@ def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
         exported, plan = optimized.export_with_plan(args, platforms)
         kinds = {p: device.lowering_target(p).device_kind for p in platforms}
     name = name or _safe_name(getattr(optimized.fun, "__name__", "exported"))
+    serialized = bytes(exported.serialize())
     manifest = _manifest(name, optimized, exported, plan, kinds, device_kind)
-    return Artifact(name, bytes(exported.serialize()), manifest)
+    manifest["sha256"] = {manifest["file"]: hashlib.sha256(serialized).hexdigest()}
+    return Artifact(name, serialized, manifest)
 
 
 def inspect(source: str | os.PathLike[str] | Artifact) -> Inspection:
@@ -387,12 +415,36 @@ def _check_manifest(manifest: Mapping[str, Any], *, what: str) -> None:
                                  f"like '0.4.30', got {version!r:.80}")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def _require_file_name(who: str, name: Any) -> None:
+    """The artifact's name becomes `<name>.stablehlo` in the directory it is saved to: a
+    name with a path separator would write outside it."""
+    if not isinstance(name, str) or name in ("", ".", "..") or re.search(r"[/\\]", name):
+        raise (ValueError if isinstance(name, str) else TypeError)(
+            f"{who}: name must be a file name (no directories), got {name!r}")
+
+
+def _check_digest(manifest: Mapping[str, Any], serialized: bytes, *, manifest_path: Path,
+                  program: Path) -> None:
+    """`ArtifactIntegrityError` unless the manifest's SHA-256 of its program matches the
+    bytes read, and of every other file it digests the file beside it: a program swapped
+    or torn under its manifest never loads."""
+    digests = manifest.get("sha256")
+    if not isinstance(digests, Mapping) or not isinstance(digests.get(program.name), str):
+        raise ArtifactIntegrityError(
+            f"{manifest_path} carries no SHA-256 of {program} ('sha256' with the program's "
+            f"file name), so nothing ties the manifest to the program; re-export the "
+            f"artifact with this tokamax_pass")
+    for name, wanted in digests.items():
+        path = program.parent / str(name)
+        if Path(str(name)).name != name or not isinstance(wanted, str):
+            raise ArtifactIntegrityError(f"{manifest_path}: 'sha256' must map file names in "
+                                         f"the artifact directory to hex digests, got "
+                                         f"{name!r}: {wanted!r:.80}")
+        if not path.is_file():
+            raise FileNotFoundError(f"{manifest_path} digests {name}, which is missing")
+        actual = hashlib.sha256(serialized if path == program else path.read_bytes())
+        if actual.hexdigest() != wanted:
+            raise ArtifactIntegrityError(
+                f"{path} does not match its manifest {manifest_path}: SHA-256 "
+                f"{actual.hexdigest()}, the manifest records {wanted} (the file was replaced "
+                f"or torn after the save); re-export the artifact")

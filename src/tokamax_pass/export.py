@@ -13,6 +13,7 @@ from typing import Any
 
 from tokamax_pass.artifact import (
     Artifact,
+    ArtifactIntegrityError,
     ArtifactMismatchError,
     LoadedArtifact,
     check_compatible,
@@ -24,7 +25,8 @@ from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax_pass.optimize import Optimized, optimize
 
 __all__ = [
-    "DISABLE_JAX_EXPORT_CHECKS", "Artifact", "ArtifactMismatchError", "LoadedArtifact",
+    "DISABLE_JAX_EXPORT_CHECKS", "Artifact", "ArtifactIntegrityError", "ArtifactMismatchError",
+    "LoadedArtifact",
     "check_compatible", "export", "function_name", "inspect", "load_artifact",
 ]
 

@@ -6,7 +6,7 @@ library cache) as a config source of `tokamax_pass.core.resolution`.
 
 from tokamax_pass.autotuning.api import autotune
 from tokamax_pass.autotuning.autotuner import Autotuner
-from tokamax_pass.autotuning.cache import CacheError
+from tokamax_pass.autotuning.cache import CacheError, UnsavedResultError
 from tokamax_pass.autotuning.cache import save as save_to_cache
 from tokamax_pass.autotuning.discovery import (
     bound_args_from_json,
@@ -25,6 +25,7 @@ __all__ = [
     "Autotuner",
     "CacheError",
     "Measurement",
+    "UnsavedResultError",
     "active_results",
     "autotune",
     "bound_args_from_json",

@@ -6,6 +6,8 @@ import difflib
 import inspect
 import logging
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,7 +86,9 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
         to lower (`Op.slow_lowering`: Mosaic GPU kernels), so they lower in parallel
         (default: up to 8, started before `f` is traced on a GPU and elsewhere for a
         wave of 8 such candidates or more; 12 or 16 were no faster on the H200; 0: none).
-      cache: merge the result into the user cache (`result.save_to_cache()`).
+      cache: merge the result into the user cache (`result.save_to_cache()`). Where that
+        fails, the result is written to a file in the temporary directory and
+        `UnsavedResultError` names it (its `.result` holds the result too).
       progress: show a tqdm progress bar.
       iterations, method: timed runs per config and the timer (`benchmarking`).
       max_configs: configs timed per op: the config `None` runs today where one is
@@ -113,8 +117,32 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
         method=method, max_configs=max_configs, lowering_processes=lowering_processes,
         search_losers=search_losers))
     if cache:
-        result.save_to_cache()
+        _save_or_keep(result)
     return result
+
+
+def _save_or_keep(result: AutotuningResult) -> None:
+    """Merges `result` into the user cache; where that fails (an unwritable or corrupt
+    cache), writes it to a fresh file in the temporary directory and raises
+    `UnsavedResultError` naming that file and holding the result: a tuning run never
+    loses its measurements to the cache."""
+    try:
+        result.save_to_cache()
+    except (OSError, cache_lib.CacheError) as e:
+        try:
+            fd, fallback = tempfile.mkstemp(prefix="tokamax_pass-autotune-", suffix=".json")
+            os.close(fd)
+            result.dump(fallback)
+        except OSError as dump_error:
+            raise cache_lib.UnsavedResultError(
+                f"autotune: saving the result to the user cache failed ({e}), and so did "
+                f"writing it to the temporary directory ({dump_error}); the error's .result "
+                f"holds it", result, None) from e
+        raise cache_lib.UnsavedResultError(
+            f"autotune: saving the result to the user cache failed ({e}); the result is in "
+            f"{fallback}: AutotuningResult.load({fallback!r}) reads it, and its "
+            f"save_to_cache(directory) saves it once a cache is writable", result,
+            fallback) from e
 
 
 def _check_options(f: Any, *, ignore_cache: Any, all_implementations: Any, timeout: Any,

@@ -17,7 +17,6 @@ import importlib.resources
 import logging
 import os
 import pathlib
-import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +31,7 @@ from tokamax_pass.autotuning.result import (
     register_cache_writer,
 )
 from tokamax_pass.core import checks, spec
+from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.device import check_device_kind, device_kind_key
 from tokamax_pass.core.op import BoundArguments, snake_case_name
 
@@ -41,6 +41,20 @@ _log = logging.getLogger("tokamax_pass.autotuning")
 
 class CacheError(RuntimeError):
     """A cache file cannot be read or safely written."""
+
+
+class UnsavedResultError(CacheError):
+    """`autotune(..., cache=True)` measured a result but could not save it to the cache.
+
+    The result is not lost: `result` holds it, and `fallback_path` names the file it was
+    written to instead (`None` where that failed too).
+    """
+
+    def __init__(self, message: str, result: AutotuningResult,
+                 fallback_path: str | None) -> None:
+        super().__init__(message)
+        self.result = result
+        self.fallback_path = fallback_path
 
 
 def cache_dir(directory: str | os.PathLike | None = None) -> pathlib.Path:
@@ -77,20 +91,6 @@ def read(path: str | os.PathLike) -> AutotuningResult | None:
     return AutotuningResult.loads(text, what=what)
 
 
-def _write_atomic(path: pathlib.Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def _with_provenance(result: AutotuningResult) -> AutotuningResult:
     entries = [
         e if e.provenance else Entry(e.bound, e.data, keys.provenance(e.bound.op))
@@ -122,7 +122,7 @@ def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -
             ) from None
         new = _with_provenance(result)
         merged = new if existing is None else existing | new
-        _write_atomic(path, merged.dumps())
+        write_atomic(path, merged.dumps())
     _USER.invalidate()
     return str(path)
 
@@ -220,7 +220,8 @@ def write_library_cache(result: AutotuningResult, directory: str | os.PathLike) 
     """Writes `result` as library-cache files, one per implementation class.
 
     `directory` is the `data/autotuning` folder (the package's, to ship a cache);
-    files land in `<directory>/<device_kind_key>/<snake_case_class>.json`.
+    files land in `<directory>/<device_kind_key>/<snake_case_class>.json`. Each file is
+    merged under a file lock and replaced atomically, so concurrent writers lose nothing.
     """
     if not isinstance(result, AutotuningResult):
         raise TypeError(f"write_library_cache: result must be an AutotuningResult, got "
@@ -230,12 +231,16 @@ def write_library_cache(result: AutotuningResult, directory: str | os.PathLike) 
     by_class: dict[str, list[Entry]] = {}
     for entry in _with_provenance(result).entries:
         by_class.setdefault(snake_case_name(entry.bound.op), []).append(entry)
+    folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, entries in sorted(by_class.items()):
         path = folder / f"{name}.json"
         new = AutotuningResult(result.device_kind, entries)
-        existing = read(path)
-        _write_atomic(path, (new if existing is None else existing | new).dumps())
+        # Locked across read-merge-write, like the user cache: concurrent tuning runs
+        # that write one file each keep every entry.
+        with filelock.FileLock(f"{path}.lock"):
+            existing = read(path)
+            write_atomic(path, (new if existing is None else existing | new).dumps())
         written.append(str(path))
     library_result.cache_clear()
     return written

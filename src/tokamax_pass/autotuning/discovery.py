@@ -27,6 +27,7 @@ import jax
 
 from tokamax_pass.autotuning import keys, result
 from tokamax_pass.core import checks, spec
+from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.op import BoundArguments
 from tokamax_pass.core.primitive import METADATA_KEY, recording_lowerings, specs_only
 
@@ -220,7 +221,7 @@ def bound_args_to_json(f_or_list: Any, path: str | os.PathLike | IO[str] | None 
         ],
     }, indent=1, sort_keys=True)
     if isinstance(path, pathlib.Path):
-        path.write_text(text)
+        write_atomic(path, text)
     elif path is not None:
         path.write(text)
     return text

@@ -22,6 +22,7 @@ import jax
 
 from tokamax_pass.autotuning import keys
 from tokamax_pass.core import checks, device, spec
+from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.op import BoundArguments
 
 FORMAT = "tokamax_pass.AutotuningResult"
@@ -311,10 +312,14 @@ class AutotuningResult:
         )
 
     def dump(self, path_or_file: str | os.PathLike | IO[str]) -> None:
-        """Writes `dumps()` to a path (in an existing directory) or an open text file."""
+        """Writes `dumps()` to a path (in an existing directory) or an open text file.
+
+        A path is replaced atomically (`core.atomic_io.write_atomic`): a full disk or a
+        killed process leaves the old file whole, never a truncated one.
+        """
         if isinstance(path_or_file, (str, os.PathLike)):
             path = checks.file_to_write("AutotuningResult.dump", "path_or_file", path_or_file)
-            path.write_text(self.dumps())
+            write_atomic(path, self.dumps())
         elif callable(getattr(path_or_file, "write", None)):
             text = self.dumps()
             # A file opened in binary mode (`load` reads one) raised a bare "a bytes-like

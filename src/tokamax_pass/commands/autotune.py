@@ -56,12 +56,18 @@ def run(args: argparse.Namespace) -> int:
         target = _target.load_function(args.function, args.grad)
         call_args = _target.parse_args(args.args)
     start = time.perf_counter()
-    result = autotuning.autotune(
-        target, *call_args, ignore_cache=args.ignore_cache,
-        all_implementations=args.all_implementations, search_losers=args.search_losers,
-        timeout=args.timeout,
-        max_workers=args.max_workers, cache=args.cache, progress=not args.no_progress,
-        **({} if args.max_configs is None else {"max_configs": args.max_configs or None}))
+    try:
+        result = autotuning.autotune(
+            target, *call_args, ignore_cache=args.ignore_cache,
+            all_implementations=args.all_implementations, search_losers=args.search_losers,
+            timeout=args.timeout,
+            max_workers=args.max_workers, cache=args.cache, progress=not args.no_progress,
+            **({} if args.max_configs is None else {"max_configs": args.max_configs or None}))
+    except autotuning.UnsavedResultError as e:
+        if args.output:  # the result the cache refused still reaches --output
+            e.result.dump(args.output)
+            print(f"wrote {args.output}")
+        raise
     print(result)
     print(f"autotuning took {time.perf_counter() - start:.1f} s")
     if args.output:
