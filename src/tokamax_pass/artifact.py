@@ -17,6 +17,7 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,7 @@ def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
         kinds = {p: device.lowering_target(p).device_kind for p in platforms}
     name = name or _safe_name(getattr(optimized.fun, "__name__", "exported"))
     manifest = _manifest(name, optimized, exported, plan, kinds, device_kind)
+    _warn_fallbacks(manifest["fallbacks"])
     return Artifact(name, bytes(exported.serialize()), manifest)
 
 
@@ -244,6 +246,10 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
         "in_specs": [spec.array_spec(a) for a in exported.in_avals],
         "out_specs": [spec.array_spec(a) for a in exported.out_avals],
         "ops": [row.to_dict() for row in plan],
+        "fallbacks": [{"path": row.path, "platform": row.platform,
+                       "device_kind": row.device_kind, "target_runs": row.fallback_from,
+                       "exported": row.implementation}
+                      for row in plan if row.fallback_from is not None],
         "custom_calls": custom_call_targets(exported.mlir_module()),
         "versions": {
             "tokamax_pass": __version__,
@@ -252,6 +258,24 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
             "calling_convention": exported.calling_convention_version,
         },
     }
+
+
+class ExportFallbackWarning(UserWarning):
+    """An export holds another implementation than the target would run itself, because
+    this machine cannot lower that one (cuDNN attention, exported from a CPU machine)."""
+
+
+def _warn_fallbacks(fallbacks: Sequence[Mapping[str, Any]]) -> None:
+    """Says at export time which op calls fall back (also in the manifest's `fallbacks`)."""
+    if not fallbacks:
+        return
+    calls = "; ".join(f"{f['path']} on {f['platform']} ({f['device_kind']}): "
+                      f"{f['exported']} in place of {f['target_runs']}" for f in fallbacks)
+    warnings.warn(
+        f"export: {len(fallbacks)} op call(s) hold another implementation than the target "
+        f"would run, which cannot be lowered on this machine: {calls}. Export on the target "
+        f"device for the same program it would run; the manifest lists these under "
+        f"'fallbacks'", ExportFallbackWarning, stacklevel=4)
 
 
 def function_name(fun: Any) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 from tokamax_pass.artifact import (
     Artifact,
     ArtifactMismatchError,
+    ExportFallbackWarning,
     LoadedArtifact,
     check_compatible,
     function_name,
@@ -24,8 +25,8 @@ from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax_pass.optimize import Optimized, optimize
 
 __all__ = [
-    "DISABLE_JAX_EXPORT_CHECKS", "Artifact", "ArtifactMismatchError", "LoadedArtifact",
-    "check_compatible", "export", "function_name", "inspect", "load_artifact",
+    "DISABLE_JAX_EXPORT_CHECKS", "Artifact", "ArtifactMismatchError", "ExportFallbackWarning",
+    "LoadedArtifact", "check_compatible", "export", "function_name", "inspect", "load_artifact",
 ]
 
 
