@@ -285,7 +285,8 @@ def glu(name: str, m: int, k: int, n: int) -> Workload:
     """SwiGLU on fused (K, 2, N) weights; the peer is the jnp expression a user writes."""
     ours = {
         f"tokamax {impl or 'None'}": functools.partial(
-            lambda x, w, impl: tokamax.gated_linear_unit(x, w, implementation=impl), impl=impl)
+            lambda x, w, impl: tokamax.gated_linear_unit(x, w, activation=jax.nn.swish,
+                                                         implementation=impl), impl=impl)
         for impl in ("triton", "xla", None)
     }
     peers = {"jnp swish(x @ w[:, 0]) * (x @ w[:, 1])":
@@ -351,6 +352,7 @@ def moe_glu(name: str, m: int, k: int, n: int, groups: tuple[int, ...]) -> Workl
     ours = {
         f"tokamax {impl or 'None'}": functools.partial(
             lambda x, w, impl: tokamax.gated_linear_unit(x, w, group_sizes=group_sizes,
+                                                         activation=jax.nn.swish,
                                                          implementation=impl), impl=impl)
         for impl in ("mosaic_gpu", "xla", None)
     }

@@ -25,7 +25,12 @@ def np_gelu(z):  # jax.nn.gelu's default tanh approximation
     return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
 
 
-NP_ACTIVATIONS = {jax.nn.swish: np_swish, jax.nn.gelu: np_gelu, jax.nn.relu: lambda z: z * (z > 0)}
+NP_ACTIVATIONS = {jax.nn.swish: np_swish, jax.nn.gelu: np_gelu, jax.nn.relu: lambda z: z * (z > 0),
+                  jax.nn.identity: lambda z: z}
+
+
+def _np_identity(z):
+    return z
 
 
 def reference(x, w_gate, w_up, activation=np_swish):
@@ -55,13 +60,14 @@ def _inputs(x_shape, dtype):
     (jnp.float32, "fused", None), (jnp.float32, "pair", None),
     (jnp.bfloat16, "fused", None), (jnp.bfloat16, "pair", None),
     (jnp.float32, "fused", jax.nn.gelu), (jnp.float32, "pair", jax.nn.relu),
+    (jnp.bfloat16, "fused", jax.nn.swish), (jnp.float32, "pair", jax.nn.swish),
 ])
 def test_forward_and_gradients_match_reference(dtype, form, activation):
     x, fused = _inputs((2, 3), dtype)
     assert fused.dtype == dtype
     w_gate, w_up = fused[:, 0], fused[:, 1]
     weights = fused if form == "fused" else (w_gate, w_up)
-    act = activation or jax.nn.swish
+    act = activation or jax.nn.identity  # None: the bilinear GLU, no activation
     out = tokamax.gated_linear_unit(x, weights, activation=activation, precision="highest")
     assert out.shape == (2, 3, N) and out.dtype == dtype
     assert_close(out, reference(x, w_gate, w_up, NP_ACTIVATIONS[act]), dtype)
@@ -86,6 +92,7 @@ def test_forward_and_gradients_match_reference(dtype, form, activation):
 
 
 def test_rank_one_x_and_vmap():
+    """Rank-1 x under vmap, with the default activation (None: the bilinear GLU)."""
     x, fused = _inputs((4,), jnp.float32)
     dout = random_normal(2, (4, N))  # random cotangents, one per batch element
     batched_weights = jnp.stack([fused, 2 * fused])
@@ -100,13 +107,13 @@ def test_rank_one_x_and_vmap():
         dx = jax.vmap(jax.grad(lambda x, ct: jnp.sum(tokamax.gated_linear_unit(x, fused) * ct)))(
             x, dout)
         dweights = jax.grad(lambda w: jnp.sum(vmapped_over_weights(w) * dout2))(batched_weights)
-    assert_close(out, reference(x, fused[:, 0], fused[:, 1]))
+    assert_close(out, reference(x, fused[:, 0], fused[:, 1], _np_identity))
     for i, w in enumerate((fused, 2 * fused)):
-        assert_close(out2[i], reference(x[0], w[:, 0], w[:, 1]))
-        _, want_dgate, want_dup = reference_grads(x[0], w[:, 0], w[:, 1], dout2[i], jax.nn.swish)
+        assert_close(out2[i], reference(x[0], w[:, 0], w[:, 1], _np_identity))
+        _, want_dgate, want_dup = reference_grads(x[0], w[:, 0], w[:, 1], dout2[i], jax.nn.identity)
         assert_close(dweights[i, :, 0], want_dgate)
         assert_close(dweights[i, :, 1], want_dup)
-    want = reference_grads(x, fused[:, 0], fused[:, 1], dout, jax.nn.swish)[0]
+    want = reference_grads(x, fused[:, 0], fused[:, 1], dout, jax.nn.identity)[0]
     assert_close(dx, want)
 
 
@@ -124,7 +131,7 @@ def test_metadata_parses_back_with_default_activation():
     (payload,) = _specs(text)
     ba = tokamax.BoundArguments.from_json(payload)
     assert type(ba.op) is GatedLinearUnit
-    assert ba.arguments["activation"] is jax.nn.swish
+    assert ba.arguments["activation"] is jax.nn.identity  # None: no activation
     assert ba.arguments["precision"] is jax.lax.Precision.HIGH
     assert ba.arguments["weights"] == (jax.ShapeDtypeStruct((K, N), jnp.bfloat16),) * 2
     # The parsed arguments bind again (ShapeDtypeStructs) to the same spec: tunable offline.

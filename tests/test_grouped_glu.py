@@ -92,7 +92,7 @@ def test_none_runs_xla_on_cpu_with_traced_group_sizes():
     x, weights = inputs(True, jnp.bfloat16, seed=5)
 
     def fn(x, w, sizes):
-        return glu(x, w, group_sizes=sizes)
+        return glu(x, w, group_sizes=sizes, activation=jax.nn.swish)
 
     sizes = jnp.array(SIZES, jnp.int32)
     assert_close(jax.jit(fn)(x, weights, sizes), reference(x, weights, SIZES, jax.nn.swish),
@@ -107,7 +107,7 @@ def test_xla_forward_is_the_plain_expression():
     both = jax.lax.ragged_dot(x, weights.reshape(g, k, 2 * n), sizes)
     plain = (jax.nn.swish(both[:, :n].astype(jnp.float32))
              * both[:, n:].astype(jnp.float32)).astype(x.dtype)
-    out = glu(x, weights, group_sizes=sizes, implementation="xla")
+    out = glu(x, weights, group_sizes=sizes, activation=jax.nn.swish, implementation="xla")
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
     text = jax.export.export(
         jax.jit(lambda x, w, s: glu(x, w, group_sizes=s, implementation="xla")),

@@ -104,7 +104,8 @@ def test_none_lowers_xla_where_nothing_is_measured(monkeypatch, tmp_path):
     def none_text():
         cache.library_result.cache_clear()
         cache._USER.invalidate()
-        return _export_text(lambda x, w, s: glu(x, w, group_sizes=s), *_shapes(*BENCH))
+        return _export_text(lambda x, w, s: glu(x, w, group_sizes=s, activation=jax.nn.swish),
+                            *_shapes(*BENCH))
 
     # The shipped H200 cache measured the kernel at the Mixtral shape: None runs it.
     monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path / "user"))
@@ -155,8 +156,8 @@ def test_dense_calls_old_gpus_and_cpu_raise_and_none_falls_back():
     sizes = jnp.array(SIZES, jnp.int32)
     with pytest.raises(NotImplementedError, match="cuda"):
         glu(xs, weights, group_sizes=sizes, implementation="mosaic")
-    assert_close(glu(xs, weights, group_sizes=sizes), reference(xs, weights, SIZES, jax.nn.swish),
-                 jnp.bfloat16)
+    assert_close(glu(xs, weights, group_sizes=sizes, activation=jax.nn.swish),
+                 reference(xs, weights, SIZES, jax.nn.swish), jnp.bfloat16)
 
 
 def test_pinned_config_that_does_not_fit_raises():

@@ -111,7 +111,7 @@ def test_kernel_in_the_tpu_interpreter():
     got = glu_forward(rows, both, both, up_offset=N, activation=jax.nn.swish, block_m=16,
                       block_n=128, block_k=128, interpret=pltpu.InterpretParams())
     with reference_precision():
-        want = GatedLinearUnit()(rows, weights)
+        want = GatedLinearUnit()(rows, weights, activation=jax.nn.swish)
     assert_close(got, want)
 
 

@@ -319,7 +319,8 @@ class _Relu:
 
 
 ACTIVATIONS = {
-    "default_swish": (None, jax.nn.swish),
+    "default_bilinear": (None, jax.nn.identity),
+    "swish": (jax.nn.swish, jax.nn.swish),
     "gelu": (jax.nn.gelu, jax.nn.gelu),
     "partial_exact_gelu": (functools.partial(jax.nn.gelu, approximate=False),
                            functools.partial(jax.nn.gelu, approximate=False)),
@@ -329,7 +330,7 @@ ACTIVATIONS = {
 
 @pytest.mark.parametrize(("activation", "grouped"), [
     *((activation, False) for activation in ACTIVATIONS),
-    ("default_swish", True), ("partial_exact_gelu", True)])
+    ("default_bilinear", True), ("swish", True), ("partial_exact_gelu", True)])
 def test_gated_linear_unit_unusual(activation, grouped):
     """Odd K and N, x with two leading axes (dense) or empty groups (grouped).
 

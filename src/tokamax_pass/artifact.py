@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,7 @@ def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
     serialized = bytes(exported.serialize())
     manifest = _manifest(name, optimized, exported, plan, kinds, device_kind)
     manifest["sha256"] = {manifest["file"]: hashlib.sha256(serialized).hexdigest()}
+    _warn_fallbacks(manifest["fallbacks"])
     return Artifact(name, serialized, manifest)
 
 
@@ -272,6 +274,10 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
         "in_specs": [spec.array_spec(a) for a in exported.in_avals],
         "out_specs": [spec.array_spec(a) for a in exported.out_avals],
         "ops": [row.to_dict() for row in plan],
+        "fallbacks": [{"path": row.path, "platform": row.platform,
+                       "device_kind": row.device_kind, "target_runs": row.fallback_from,
+                       "exported": row.implementation}
+                      for row in plan if row.fallback_from is not None],
         "custom_calls": custom_call_targets(exported.mlir_module()),
         "versions": {
             "tokamax_pass": __version__,
@@ -280,6 +286,24 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
             "calling_convention": exported.calling_convention_version,
         },
     }
+
+
+class ExportFallbackWarning(UserWarning):
+    """An export holds another implementation than the target would run itself, because
+    this machine cannot lower that one (cuDNN attention, exported from a CPU machine)."""
+
+
+def _warn_fallbacks(fallbacks: Sequence[Mapping[str, Any]]) -> None:
+    """Says at export time which op calls fall back (also in the manifest's `fallbacks`)."""
+    if not fallbacks:
+        return
+    calls = "; ".join(f"{f['path']} on {f['platform']} ({f['device_kind']}): "
+                      f"{f['exported']} in place of {f['target_runs']}" for f in fallbacks)
+    warnings.warn(
+        f"export: {len(fallbacks)} op call(s) hold another implementation than the target "
+        f"would run, which cannot be lowered on this machine: {calls}. Export on the target "
+        f"device for the same program it would run; the manifest lists these under "
+        f"'fallbacks'", ExportFallbackWarning, stacklevel=4)
 
 
 def function_name(fun: Any) -> str:

@@ -15,6 +15,7 @@ from tokamax_pass.artifact import (
     Artifact,
     ArtifactIntegrityError,
     ArtifactMismatchError,
+    ExportFallbackWarning,
     LoadedArtifact,
     check_compatible,
     function_name,
@@ -26,8 +27,8 @@ from tokamax_pass.optimize import Optimized, optimize
 
 __all__ = [
     "DISABLE_JAX_EXPORT_CHECKS", "Artifact", "ArtifactIntegrityError", "ArtifactMismatchError",
-    "LoadedArtifact",
-    "check_compatible", "export", "function_name", "inspect", "load_artifact",
+    "ExportFallbackWarning", "LoadedArtifact", "check_compatible", "export", "function_name",
+    "inspect", "load_artifact",
 ]
 
 

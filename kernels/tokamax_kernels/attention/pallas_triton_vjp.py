@@ -21,6 +21,7 @@ from tokamax_kernels.attention import _pallas_triton_common as common
 from tokamax_kernels.attention._pallas_triton_bwd import flash_attention_backward
 from tokamax_kernels.attention._softmax_row_term import softmax_row_term
 from tokamax_kernels.attention.base import DotProductAttentionVjp
+from tokamax_kernels.attention.xla_chunked import exact_row_term
 from tokamax_pass.core import BoundArguments, Target
 
 _WHAT = "PallasTritonFlashAttentionVjp"
@@ -124,7 +125,11 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         q, k, v = common.prepare_qkv(query, key, value, pad_q, pad_k)
         d = q.shape[-1]
         do = common.pad_axis(common.pad_axis(dout.astype(query.dtype), 1, pad_q), 3, d)
-        delta = softmax_row_term(out, dout, None if dresiduals is None else dresiduals[0])
+        dlse = None if dresiduals is None else dresiduals[0]
+        if bias is None:
+            delta = softmax_row_term(out, dout, dlse)
+        else:  # the bias gradient takes the row term's error whole: its exact value
+            delta = exact_row_term(query, key, value, bias, mask, lse, dout, dlse, **statics)
         # Rows that see nothing (lse = -inf) or lie past their query length get
         # lse2 = +inf, so the kernels' p = exp2(s - lse2) is exactly 0 there.
         empty = ~jnp.isfinite(lse)

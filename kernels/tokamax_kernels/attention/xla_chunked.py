@@ -245,7 +245,10 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     the cotangent of lse as an output, enters as `delta - dlse` (see `base`)."""
     batch, q_pad, kv_heads, groups, head_dim = pb.query.shape
     cq, ck, s = pb.chunk_q, pb.chunk_k, pb.statics
-    delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)  # (B, Sq, H)
+    if pb.bias is None:
+        delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
+    else:  # the bias gradient takes the row term's error whole: its exact value, below
+        delta = jnp.zeros(out.shape[:-1], jnp.float32)  # (B, Sq, H)
     if dlse is not None:
         delta = delta - jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)
     delta = _pad_axis(delta, 1, q_pad, broadcast=False).reshape(batch, q_pad, kv_heads, groups)
@@ -259,6 +262,10 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     n_q = q_blocks.shape[0]
     dbias0 = None if pb.bias is None else jnp.zeros(pb.bias.shape, jnp.float32)
     mm = dict(precision=s["precision"], preferred_element_type=pb.dtype)
+    k_blocks, v_blocks = pb.blocks_of(pb.key, ck), pb.blocks_of(pb.value, ck)
+    if pb.bias is not None:
+        delta_blocks = delta_blocks + _row_term_blocks(pb, q_blocks, do_blocks, lse_blocks,
+                                                       k_blocks, v_blocks)
 
     def kv_chunk(carry: Any, xs: Any) -> tuple[Any, Any]:
         dq_acc, dbias_acc = carry
@@ -292,7 +299,6 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
         return (dq_acc, dbias_acc), (dk, dv)
 
     dq0 = jnp.zeros(q_blocks.shape, jnp.float32)
-    k_blocks, v_blocks = pb.blocks_of(pb.key, ck), pb.blocks_of(pb.value, ck)
     (dq, dbias), (dk, dv) = jax.lax.scan(
         kv_chunk, (dq0, dbias0), (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks))
     q_len, kv_len = pb.q_len, pb.kv_len
@@ -303,6 +309,55 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
         dbias = dbias[:, :, :q_len if dbias.shape[2] != 1 else 1,
                       :kv_len if dbias.shape[3] != 1 else 1]
     return dq, dk, dv, dbias
+
+
+def _row_term_blocks(pb: _Problem, q_blocks: jax.Array, do_blocks: jax.Array,
+                     lse_blocks: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array
+                     ) -> jax.Array:
+    """`rowsum(P * dP)` (nq, B, Hkv, G, cq) in float32, block by block: the softmax row term
+    from the probabilities, as autodiff takes it. `out . dout` gives it from the output
+    rounded to its dtype (bf16), off by up to 0.03 at JAX's bias-gradient cases, which
+    the bias gradient takes whole; this pass recomputes the logits once more instead."""
+    mm = dict(precision=pb.statics["precision"], preferred_element_type=pb.dtype)
+    n_q = q_blocks.shape[0]
+
+    def kv_chunk(acc: jax.Array, xs: Any) -> tuple[jax.Array, None]:
+        ik, k_blk, v_blk = xs
+
+        def q_chunk(_: None, xs: Any) -> tuple[None, jax.Array]:
+            iq, q_blk, do_blk, lse_blk = xs
+            logits, keep = pb.logits(iq, ik, q_blk, k_blk)
+            probs = jnp.exp(logits - lse_blk[..., None])
+            if keep is not None:
+                probs = jnp.where(keep, probs, 0.0)
+            dprobs = jnp.einsum("bqhgd,bkhd->bhgqk", do_blk, v_blk, **mm)
+            return None, jnp.sum((probs * dprobs).astype(jnp.float32), axis=-1)
+
+        _, rows = jax.lax.scan(q_chunk, None, (jnp.arange(n_q), q_blocks, do_blocks, lse_blocks))
+        return acc + rows, None
+
+    acc = jnp.zeros(lse_blocks.shape, jnp.float32)
+    acc, _ = jax.lax.scan(kv_chunk, acc, (jnp.arange(k_blocks.shape[0]), k_blocks, v_blocks))
+    return acc
+
+
+def exact_row_term(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+                   mask: jax.Array | None, lse: jax.Array, dout: jax.Array,
+                   dlse: jax.Array | None = None, **statics: Any) -> jax.Array:
+    """`delta (B, H, Sq) = rowsum(P * dP) - dlse` in float32 from the lse residual, for
+    another implementation's backward (`_row_term_blocks`: the row term of a biased call,
+    whose bias gradient takes the error of `out . dout` whole)."""
+    pb = problem_for(query, key, value, bias, mask, **statics)
+    batch, q_pad, kv_heads, groups, _ = pb.query.shape
+    cq, ck = pb.chunk_q, pb.chunk_k
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    lse = _pad_axis(lse, 2, q_pad, broadcast=False).reshape(batch, kv_heads, groups, -1, cq)
+    dout = _pad_axis(dout, 1, q_pad, broadcast=False).reshape(pb.query.shape)
+    rows = _row_term_blocks(pb, pb.blocks_of(pb.query, cq), pb.blocks_of(dout, cq),
+                            jnp.moveaxis(lse, 3, 0), pb.blocks_of(pb.key, ck),
+                            pb.blocks_of(pb.value, ck))
+    delta = jnp.moveaxis(rows, 0, 3).reshape(batch, kv_heads * groups, q_pad)[:, :, :pb.q_len]
+    return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
 def _empty(query: jax.Array, key: jax.Array) -> bool:

@@ -33,8 +33,10 @@ def gated_linear_unit(x: Any, weights: Any, *, group_sizes: Any = None,
     """`activation(x @ w_gate) * (x @ w_up)`: x (..., K) -> (..., N).
 
     `weights`: one fused (K, 2, N) array (`[:, 0]` gate, `[:, 1]` up) or a pair
-    `(w_gate, w_up)` of (K, N) arrays. `activation` defaults to `jax.nn.swish`
-    (SwiGLU); use a module-level function so the op's spec can be read back.
+    `(w_gate, w_up)` of (K, N) arrays. `activation=None` applies no activation (the
+    bilinear GLU, `(x @ w_gate) * (x @ w_up)`, as in upstream Tokamax); pass
+    `activation=jax.nn.swish` for SwiGLU. Use a module-level function so the op's spec
+    can be read back.
 
     `group_sizes` (G,) int32 (MoE expert GEMMs): the rows of x (M, K) come in consecutive
     groups, group g multiplying its rows by its own weights, fused (G, K, 2, N) or a pair

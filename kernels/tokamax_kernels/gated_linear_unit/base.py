@@ -162,11 +162,12 @@ class GatedLinearUnit(Op[NullConfig]):
             _check_weights(weights, x.shape[-1])
         else:
             check_grouped(x, weights, group_sizes)
-        if activation is None:
-            activation = jax.nn.swish
+        if activation is None:  # the bilinear GLU, as upstream Tokamax reads None
+            activation = jax.nn.identity
         if not callable(activation):
             raise ValueError(
-                f"{_OP}: activation must be callable (e.g. jax.nn.gelu) or None (swish), got "
+                f"{_OP}: activation must be callable (e.g. jax.nn.swish) or None (no "
+                f"activation: the bilinear GLU), got "
                 f"{activation!r}"
             )
         _check_activation(activation, x, weights)

@@ -50,8 +50,10 @@ class Target:
 
 
 def _abstract_device():
+    """The abstract mesh's device, also where the mesh has no axes (`sharding.meshless`
+    keeps the device of the mesh it drops)."""
     mesh = jax.sharding.get_abstract_mesh()
-    return None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
+    return None if mesh is None else getattr(mesh, "abstract_device", None)
 
 
 @functools.cache

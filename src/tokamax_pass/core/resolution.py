@@ -60,6 +60,8 @@ class Choice:
     # Set where the target itself would run another implementation, one this machine
     # cannot lower (`UNLOWERABLE_NOTE`); shown beside the source in plans and manifests.
     note: str = ""
+    # That implementation's name (`"cudnn"`), where `note` is set: the export falls back.
+    fallback_from: str | None = None
 
     @property
     def op(self) -> Op:
@@ -121,6 +123,19 @@ def _target_runs_unlowerable(candidates: list[BoundArguments],
     return first.op.implementation
 
 
+def _fallback_order(supported: list[BoundArguments], target: Target) -> list[BoundArguments]:
+    """What runs in place of a fused implementation the target would run but this machine
+    cannot lower (cuDNN attention, exported from a CPU machine): the fused kernels first,
+    best measured first, then the rest of the family's order. The plain-JAX paths
+    (`Op.runs_without_evidence`: the `xla` attention materializes the logits) come last,
+    for a fused kernel stands closer to what the target would run."""
+    measured = _ranked(supported, target, explicit=False)
+    kernels = [ba for ba in measured if not ba.op.runs_without_evidence]
+    kernels += [ba for ba in supported
+                if not ba.op.runs_without_evidence and not any(ba is k for k in kernels)]
+    return [*kernels, *(ba for ba in supported if ba.op.runs_without_evidence)]
+
+
 def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bool) -> Choice:
     """The first candidate that supports `target`, with its config resolved.
 
@@ -140,14 +155,16 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
         supported.append(ba)
     unlowerable = None if explicit else _target_runs_unlowerable(supported, evidence_only,
                                                                   target)
-    for ba in _ranked(supported, target, explicit, evidence_only):
+    order = (_ranked(supported, target, explicit, evidence_only) if unlowerable is None
+             else _fallback_order(supported, target))
+    for ba in order:
         try:
             config, source = resolve_config(ba.op, ba, target)
         except NotImplementedError as e:
             reasons.append(f"{type(ba.op).__name__}: {e}")
             continue
         note = "" if unlowerable is None else f"{unlowerable} on the target: {UNLOWERABLE_NOTE}"
-        return Choice(ba.replace(op=ba.op.replace(config=config)), source, note)
+        return Choice(ba.replace(op=ba.op.replace(config=config)), source, note, unlowerable)
     raise NotImplementedError(
         f"no implementation can run on {target.platform} ({target.device_kind}):\n  "
         + "\n  ".join(reasons)

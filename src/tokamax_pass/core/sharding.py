@@ -139,16 +139,22 @@ def _explicit_axes() -> bool:
 
 
 def meshless() -> contextlib.AbstractContextManager[Any]:
-    """A context without the mesh, where a mesh with Explicit axes is in context.
+    """A context without the mesh's axes, where a mesh with Explicit axes is in context.
 
     What a call computes on its operands as given (its output shapes, its body on one
     device or per device) does not depend on the mesh; under Explicit axes, though, some
     JAX ops (`jax.lax.ragged_dot_general`) refuse to trace without an `out_sharding`.
     The sharding of a call is this module's job (`bind`), not its body's.
+
+    The mesh's abstract device stays: a program lowered for a device that is not here (a
+    GPU, from a CPU machine) needs it to lower Pallas kernels, which read the device kind
+    from the abstract mesh.
     """
     if not _explicit_axes():
         return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((), (), abstract_device=device))
 
 
 def without_explicit_shardings(ctx: Any) -> Any:

@@ -41,6 +41,9 @@ class PlanRow:
     config: str
     source: str
     bound: Mapping[str, Any]  # the full bound-arguments spec (op with config + argument specs)
+    # The implementation the target itself would run, where this machine cannot lower it
+    # (`"cudnn"`, exporting from a CPU machine for cuda): this row's runs in its place.
+    fallback_from: str | None = None
 
     @classmethod
     def from_decision(cls, decision: Decision) -> PlanRow:
@@ -56,6 +59,7 @@ class PlanRow:
             source=(f"{decision.source} ({decision.choice.note})" if decision.choice.note
                     else decision.source),
             bound=decision.choice.bound.to_spec(),
+            fallback_from=decision.choice.fallback_from,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,7 +67,8 @@ class PlanRow:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlanRow:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)
+                      if f.name in data or f.default is dataclasses.MISSING})
 
 
 @dataclasses.dataclass(frozen=True)
