@@ -131,6 +131,9 @@ CASES = {
     "cross": (dict(sq=24, sk=40), lambda sq, sk: {}),
     "seq_lengths": (dict(sq=20, sk=24), lambda sq, sk: dict(
         query_seq_lengths=jnp.array([20, 7]), key_value_seq_lengths=jnp.array([11, 24]))),
+    # Lengths past the sequence mean the whole sequence (padded keys stay unseen).
+    "lengths_past_the_end": (dict(sq=20, sk=24), lambda sq, sk: dict(
+        query_seq_lengths=jnp.array([23, 9]), key_value_seq_lengths=jnp.array([30, 27]))),
     "window": (dict(), lambda sq, sk: dict(local_window_size=(3, 1))),
     "soft_cap": (dict(), lambda sq, sk: dict(logits_soft_cap=0.8, scale=1.0)),
     "combined": (dict(sq=24, sk=40, kv_heads=2), lambda sq, sk: dict(
@@ -209,7 +212,8 @@ def test_numpy_reference_gradients_match_autodiff():
 
 # Chunks that do not divide the shapes (padding) only where the shapes are uneven.
 F32_RUNS = [(impl, case) for impl in ("xla", "xla_chunked") for case in sorted(CASES)] + [
-    ("xla_chunked_padded", "combined"), ("xla_chunked_padded", "seq_lengths")]
+    ("xla_chunked_padded", "combined"), ("xla_chunked_padded", "seq_lengths"),
+    ("xla_chunked_padded", "lengths_past_the_end")]
 
 
 @pytest.mark.parametrize("impl,case", F32_RUNS)

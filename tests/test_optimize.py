@@ -360,6 +360,22 @@ def test_autotune_missing_measures_and_is_used(xs, tmp_path, monkeypatch):
     assert given._tuned == []
 
 
+def test_autotune_missing_measures_each_dtype_of_one_shape(xs, tmp_path, monkeypatch):
+    """The signatures already measured are keyed by dtype as well as shape: a bfloat16 call
+    after a float32 call of the same shapes is measured for itself, and runs its own
+    tuned configs."""
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path))
+    x, scale = xs
+    optimized = tk.optimize(jax.grad(square_loss), autotune="missing")
+    optimized(x, scale)
+    x16, scale16 = x.astype(jnp.bfloat16), scale.astype(jnp.bfloat16)
+    assert_close(optimized(x16, scale16), jax.jit(jax.grad(square_loss))(x16, scale16),
+                 jnp.bfloat16)
+    assert len(optimized._tuned) == 2
+    assert [r.source for r in optimized.plan(x16, scale16)] == ["autotuned"] * 2
+    assert [r.source for r in optimized.plan(x, scale)] == ["autotuned"] * 2
+
+
 def test_autotune_always_measures_even_cached_configs(xs, tmp_path, monkeypatch):
     from tokamax_pass.autotuning import staging
 
