@@ -520,7 +520,7 @@ def test_the_numerics_check_rejects_one_wrong_element_among_many_right_ones():
     expected = random_normal(3, (64, 64))
     scale = float(jnp.max(jnp.abs(expected)))
     one_wrong = expected.at[17, 41].add(scale / 3)
-    assert numerics_error(one_wrong, expected).startswith("wrong numerics: max error")
+    assert (numerics_error(one_wrong, expected) or "").startswith("wrong numerics: max error")
     assert numerics_error((one_wrong, expected), (expected, expected)) is not None
     rounded = expected * (1 + 1e-6 * random_normal(4, (64, 64)))
     assert numerics_error(rounded, expected) is None
