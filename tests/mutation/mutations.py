@@ -621,20 +621,20 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_chunked_lengths_past_the_end_never_reach_the_padded_keys",),
     ),
     Mutation(
-        "the Triton attention window's fully visible blocks take floor for ceil and ceil "
-        "for floor",
+        "the Triton attention forward's window counts a block fully visible from the floor "
+        "of its left edge, not the ceil",
         "kernels/tokamax_kernels/attention/_pallas_triton_common.py",
-        "    full_lo = zero if spec.left is None else "
-        "_div(jnp.maximum(r1 - spec.left + bk - 1, 0), bk)\n"
-        "    d = jnp.int32(num_kb) if spec.right is None else _div(jnp.maximum(r1 + spec.right + "
-        "bk, 0), bk)\n"
-        "    full_hi = (jnp.int32(num_kb) if spec.right is None\n"
-        "               else _div(jnp.maximum(r0 + spec.right + 1, 0), bk))\n",
-        "    full_lo = zero if spec.left is None else _div(jnp.maximum(r1 - spec.left, 0), bk)\n"
-        "    d = jnp.int32(num_kb) if spec.right is None else _div(jnp.maximum(r1 + spec.right + "
-        "bk, 0), bk)\n"
-        "    full_hi = (jnp.int32(num_kb) if spec.right is None\n"
-        "               else _div(jnp.maximum(r0 + spec.right + bk, 0), bk))\n",
+        "else _div(jnp.maximum(r1 - spec.left + bk - 1, 0), bk)",
+        "else _div(jnp.maximum(r1 - spec.left, 0), bk)",
+        (f"{_TRITON_ATTENTION_TESTS}::"
+         "test_local_window_wider_than_a_block_with_edges_inside_blocks",),
+    ),
+    Mutation(
+        "the Triton attention backward's window counts a block fully visible up to the ceil "
+        "of its left edge, not the floor",
+        "kernels/tokamax_kernels/attention/_pallas_triton_common.py",
+        "else _div(jnp.maximum(c0 - spec.offset + spec.left + 1, 0), bq))",
+        "else _div(jnp.maximum(c0 - spec.offset + spec.left + bq, 0), bq))",
         (f"{_TRITON_ATTENTION_TESTS}::"
          "test_local_window_wider_than_a_block_with_edges_inside_blocks",),
     ),
