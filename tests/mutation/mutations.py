@@ -596,6 +596,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_optimize.py::test_autotune_missing_measures_each_dtype_of_one_shape",),
     ),
     Mutation(
+        "the pass's memo of resolved op calls is keyed by shape alone, not dtype",
+        "src/tokamax_pass/pass_/rewrite.py",
+        "key = (call, tuple((tuple(a.shape), a.dtype) for a in avals))",
+        "key = (call, tuple(tuple(a.shape) for a in avals))",
+        ("tests/test_optimize.py::"
+         "test_calls_of_one_shape_in_two_dtypes_are_resolved_each_for_its_own",),
+    ),
+    Mutation(
         "the autotuner shares inputs and references between calls that differ only in dtype",
         "src/tokamax_pass/autotuning/autotuner.py",
         "    return family_class(type(ba.op)), ba.cache_key\n",
