@@ -131,6 +131,9 @@ CASES = {
     "cross": (dict(sq=24, sk=40), lambda sq, sk: {}),
     "seq_lengths": (dict(sq=20, sk=24), lambda sq, sk: dict(
         query_seq_lengths=jnp.array([20, 7]), key_value_seq_lengths=jnp.array([11, 24]))),
+    # Lengths past the sequence mean the whole sequence (padded keys stay unseen).
+    "lengths_past_the_end": (dict(sq=20, sk=24), lambda sq, sk: dict(
+        query_seq_lengths=jnp.array([23, 9]), key_value_seq_lengths=jnp.array([30, 27]))),
     "window": (dict(), lambda sq, sk: dict(local_window_size=(3, 1))),
     "soft_cap": (dict(), lambda sq, sk: dict(logits_soft_cap=0.8, scale=1.0)),
     "combined": (dict(sq=24, sk=40, kv_heads=2), lambda sq, sk: dict(
@@ -221,6 +224,13 @@ def test_matches_reference_f32(impl, case):
 @pytest.mark.parametrize("impl", ["xla", "xla_chunked"])
 def test_matches_reference_bf16(impl, case):
     _check_against_reference(IMPLEMENTATIONS[impl], case, jnp.bfloat16, rtol=3e-2)
+
+
+def test_chunked_lengths_past_the_end_never_reach_the_padded_keys():
+    """Key chunks of 7 pad 24 keys to 28: key lengths of 30 and 27 mean all 24 keys,
+    never the 4 padded ones (and a query length of 23 all 20 queries)."""
+    _check_against_reference(IMPLEMENTATIONS["xla_chunked_padded"], "lengths_past_the_end",
+                             jnp.float32, rtol=2e-5)
 
 
 def test_default_implementation_runs_on_cpu():

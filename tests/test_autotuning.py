@@ -497,6 +497,35 @@ def test_several_calls_compile_together_then_time_in_order():
         assert entry.data[ChunkConfig(16)].ok
 
 
+def test_calls_differing_only_in_dtype_are_timed_on_inputs_of_their_own_dtype():
+    """Calls share inputs and a reference output only when their argument specs agree
+    dtypes included: a bfloat16 call of a float32 call's shapes gets bfloat16 inputs."""
+    from tokamax_pass.autotuning.autotuner import Autotuner
+
+    x, w = _inputs()
+    calls = [keys.canonical(XlaChunkedMatmul().bind(x, w)),
+             keys.canonical(XlaChunkedMatmul().bind(x.astype(jnp.bfloat16),
+                                                    w.astype(jnp.bfloat16)))]
+    entries = Autotuner(iterations=1).tune_many([(ba, None) for ba in calls])
+    for entry in entries:
+        assert all(entry.data[ChunkConfig(c)].ok for c in (16, 32, 64)), entry.data
+        assert entry.data[ChunkConfig(56)].error.startswith("wrong numerics")
+
+
+def test_the_numerics_check_rejects_one_wrong_element_among_many_right_ones():
+    """The check bounds the largest error, not the average: one element off by a third
+    of the output's scale in a 64 x 64 output is wrong numerics; float32 rounding is not."""
+    from tokamax_pass.autotuning.autotuner import numerics_error
+
+    expected = random_normal(3, (64, 64))
+    scale = float(jnp.max(jnp.abs(expected)))
+    one_wrong = expected.at[17, 41].add(scale / 3)
+    assert (numerics_error(one_wrong, expected) or "").startswith("wrong numerics: max error")
+    assert numerics_error((one_wrong, expected), (expected, expected)) is not None
+    rounded = expected * (1 + 1e-6 * random_normal(4, (64, 64)))
+    assert numerics_error(rounded, expected) is None
+
+
 def test_worker_processes_lower_candidates_with_the_same_outcomes(monkeypatch):
     """Candidates exported by worker processes compile and time like local ones; one a
     worker cannot export (chunk 0 raises) falls back to local lowering and its error."""

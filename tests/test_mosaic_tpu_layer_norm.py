@@ -165,6 +165,57 @@ def test_pairs_with_the_xla_ops_through_the_mean_rstd_residuals(forward):
         assert_close(grads[name], want[name])
 
 
+def test_bf16_statistics_are_of_the_sum_rounded_as_it_is_returned():
+    """With a residual, the norm is of `s = x + residual` as returned (rounded to bf16, as
+    plain JAX rounds it): mean and rstd match float32 statistics of that rounded sum to
+    float32 accuracy, not only to bf16's, and the gradients match the reference."""
+    inputs = _inputs(jnp.bfloat16, seed=8)
+    rounded = dict(_float32(inputs), x=(inputs["x"] + inputs["residual"]).astype(jnp.float32),
+                   residual=None)
+    (y, s), (mean, rstd) = _call(_op(), inputs, True, return_residuals=True)
+    with reference_precision():
+        want_y, (want_mean, want_rstd) = _call(LayerNorm(), rounded, True,
+                                               return_residuals=True)
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(rounded["x"]))
+    assert_close(y, want_y, jnp.bfloat16)
+    assert_close(mean, want_mean, scale_rtol=1e-5)
+    assert_close(rstd, want_rstd, scale_rtol=1e-5)
+
+    cotangents = [random_normal(40, SHAPE), random_normal(41, SHAPE)]
+    grads = jax.grad(functools.partial(_loss, _op(), True, cotangents))(inputs)
+    with reference_precision():
+        want = jax.grad(functools.partial(_loss, LayerNorm(), True, cotangents))(
+            _float32(inputs))
+    for name in inputs:
+        assert_close(grads[name], want[name], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("subtract_mean", [True, False], ids=["ln", "rms"])
+def test_a_large_epsilon_is_added_to_the_variance(subtract_mean):
+    """`rstd = 1 / sqrt(var + epsilon)`: with epsilon 0.5 against a variance near 1, adding
+    it to the standard deviation instead gives another output and gradients."""
+    inputs = _inputs(jnp.float32, residual=False, seed=9)
+    inputs["x"] = inputs["x"] / 3
+
+    def call(implementation, inputs, **kwargs):
+        return api.FAMILY(implementation, inputs["x"], inputs["scale"], inputs["offset"],
+                          epsilon=0.5, subtract_mean=subtract_mean, **kwargs)
+
+    def loss(implementation, cotangent, inputs):
+        return jnp.sum(call(implementation, inputs) * cotangent)
+
+    y, (_, rstd) = call(_op(), inputs, return_residuals=True)
+    cotangent = random_normal(42, SHAPE)
+    grads = jax.grad(functools.partial(loss, _op(), cotangent))(inputs)
+    with reference_precision():
+        want_y, (_, want_rstd) = call(LayerNorm(), inputs, return_residuals=True)
+        want_grads = jax.grad(functools.partial(loss, LayerNorm(), cotangent))(inputs)
+    assert_close(y, want_y)
+    assert_close(rstd, want_rstd)
+    for name in ("x", "scale", "offset"):
+        assert_close(grads[name], want_grads[name])
+
+
 def test_vmap_over_a_leading_axis():
     """Pallas batches the kernels (one more grid axis); scale's gradient sums the batch."""
     inputs = _inputs(jnp.float32, residual=False, shape=(3, 19, 256), seed=6)

@@ -250,3 +250,30 @@ def test_a_neighbour_says_which_kernels_win_the_calls_own_times_which_is_fastest
 
     assert rank([0.5, 0.55, 1.0], [0.40, 0.20]) == [1, 0, 2]
     assert rank([0.5, 0.9, 1.0], [0.40, 0.20]) == [0, 2]  # Mosaic lost at the neighbour
+
+
+def test_a_neighbour_lends_within_twice_a_size_and_not_at_two_and_a_half(monkeypatch):
+    """Rows 2x the call's lend their times; rows 2.5x do not, as the kernel's win there
+    (1.25x) is short of the far neighbours' dominant win."""
+    from tokamax_kernels.layer_norm import PallasTritonLayerNorm
+
+    class Layer:
+        label = "test"
+
+    def calls(rows):
+        x, scale = _sds((rows, 2048)), _sds((2048,), jnp.float32)
+        return [keys.canonical(op.bind(x, scale)) for op in (PallasTritonLayerNorm(), LayerNorm())]
+
+    def measured_at(rows):
+        index: dict = {}
+        for ba, ms in zip(calls(rows), (8.0, 10.0), strict=True):
+            category, sizes = keys.similarity(ba)
+            index.setdefault(category, {})[sizes] = ms
+        return index
+
+    monkeypatch.setattr(neighbours, "_index", lambda layer: measured_at(2048))
+    assert neighbours.nearest_times(calls(1024), [Layer()]) == [8.0, 10.0]
+    assert neighbours.nearest_times(calls(4096), [Layer()]) == [8.0, 10.0]
+    monkeypatch.setattr(neighbours, "_index", lambda layer: measured_at(2560))
+    assert neighbours.nearest_times(calls(1024), [Layer()]) == [None, None]
+    assert neighbours.nearest_times(calls(6400), [Layer()]) == [None, None]

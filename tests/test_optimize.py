@@ -174,6 +174,27 @@ def test_plan_sources_and_results_win(xs):
     assert_close(optimized(x, scale), jax.jit(square_loss)(x, scale))
 
 
+def test_calls_of_one_shape_in_two_dtypes_are_resolved_each_for_its_own(xs):
+    """One program calls the op on float32 and on bfloat16 arrays of one shape: a result
+    tuned for the bfloat16 call configures it alone, and each row shows its own dtype."""
+    x, scale = xs
+    x16, scale16 = x.astype(jnp.bfloat16), scale.astype(jnp.bfloat16)
+
+    def two_dtypes(x, scale, x16, scale16):
+        return (jnp.sum(square(x, scale)) +
+                jnp.sum(square(x16, scale16).astype(jnp.float32)))
+
+    result = _result((_square_bound(x16, scale16), ChunkConfig(4)))
+    optimized = tk.optimize(two_dtypes, results=result)
+    rows = optimized.plan(x, scale, x16, scale16)
+    assert [(r.config, r.source) for r in rows] == [
+        ("ChunkConfig(chunk=2)", "heuristics"), ("ChunkConfig(chunk=4)", "autotuning result")]
+    assert "f32[8,16]" in rows[0].arguments and "bf16[8,16]" in rows[1].arguments
+    with reference_precision():
+        assert_close(optimized(x, scale, x16, scale16),
+                     jax.jit(two_dtypes)(x, scale, x16, scale16), jnp.bfloat16)
+
+
 def test_results_reach_a_backward_traced_later(xs):
     """`jax.grad(optimize(f))`: the custom_vjp backward is traced after optimize ran, outside
     any `with result:`; it still gets the result's VJP config."""
@@ -358,6 +379,22 @@ def test_autotune_missing_measures_and_is_used(xs, tmp_path, monkeypatch):
     given = tk.optimize(jax.grad(square_loss), autotune="missing", results=result)
     assert [r.source for r in given.plan(x, scale)] == ["autotuning result"] * 2
     assert given._tuned == []
+
+
+def test_autotune_missing_measures_each_dtype_of_one_shape(xs, tmp_path, monkeypatch):
+    """The signatures already measured are keyed by dtype as well as shape: a bfloat16 call
+    after a float32 call of the same shapes is measured for itself, and runs its own
+    tuned configs."""
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path))
+    x, scale = xs
+    optimized = tk.optimize(jax.grad(square_loss), autotune="missing")
+    optimized(x, scale)
+    x16, scale16 = x.astype(jnp.bfloat16), scale.astype(jnp.bfloat16)
+    assert_close(optimized(x16, scale16), jax.jit(jax.grad(square_loss))(x16, scale16),
+                 jnp.bfloat16)
+    assert len(optimized._tuned) == 2
+    assert [r.source for r in optimized.plan(x16, scale16)] == ["autotuned"] * 2
+    assert [r.source for r in optimized.plan(x, scale)] == ["autotuned"] * 2
 
 
 def test_autotune_always_measures_even_cached_configs(xs, tmp_path, monkeypatch):

@@ -103,6 +103,12 @@ def test_local_window_and_soft_cap():
           logits_soft_cap=2.5)
 
 
+def test_local_window_wider_than_a_block_with_edges_inside_blocks():
+    """Windows that span several 16-wide blocks with both edges inside a block: the blocks
+    wholly inside the window run unmasked, and the edge blocks stay masked."""
+    check(*inputs(seq_q=48, seq_k=48, heads=1, kv_heads=1), local_window_size=(21, 19))
+
+
 def test_soft_cap_with_bias_causal():
     q, k, v = inputs(heads=1, kv_heads=1)
     # Per batch element, broadcast over heads and query rows.

@@ -589,4 +589,85 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/test_models.py::"
          "test_alternated_swaps_which_goes_first_so_a_steady_drift_cancels",),
     ),
+    Mutation(
+        "optimize keys the signatures it measured by shape alone, not dtype",
+        "src/tokamax_pass/optimize.py",
+        "key = tuple((tuple(x.shape), str(x.dtype)) if spec.is_array(x) else x for x in leaves)",
+        "key = tuple((tuple(x.shape),) if spec.is_array(x) else x for x in leaves)",
+        ("tests/test_optimize.py::test_autotune_missing_measures_each_dtype_of_one_shape",),
+    ),
+    Mutation(
+        "the pass's memo of resolved op calls is keyed by shape alone, not dtype",
+        "src/tokamax_pass/pass_/rewrite.py",
+        "key = (call, tuple((tuple(a.shape), a.dtype) for a in avals))",
+        "key = (call, tuple(tuple(a.shape) for a in avals))",
+        ("tests/test_optimize.py::"
+         "test_calls_of_one_shape_in_two_dtypes_are_resolved_each_for_its_own",),
+    ),
+    Mutation(
+        "the autotuner shares inputs and references between calls that differ only in dtype",
+        "src/tokamax_pass/autotuning/autotuner.py",
+        "    return family_class(type(ba.op)), ba.cache_key\n",
+        "    return family_class(type(ba.op)), __import__('re').sub(r'\\b[a-z]+\\d+\\[', '[', "
+        "ba.cache_key)\n",
+        ("tests/test_autotuning.py::"
+         "test_calls_differing_only_in_dtype_are_timed_on_inputs_of_their_own_dtype",),
+    ),
+    Mutation(
+        "the autotuner's numerics check bounds the mean error, not the max",
+        "src/tokamax_pass/autotuning/autotuner.py",
+        "jnp.max(jnp.where(finite, jnp.abs(a32 - e32), 0.0), initial=0.0))",
+        "jnp.mean(jnp.where(finite, jnp.abs(a32 - e32), 0.0)))",
+        ("tests/test_autotuning.py::"
+         "test_the_numerics_check_rejects_one_wrong_element_among_many_right_ones",),
+    ),
+    Mutation(
+        "xla_chunked attention attends to padded keys under key lengths past the keys",
+        "kernels/tokamax_kernels/attention/xla_chunked.py",
+        "kv_lengths = full if kv_lengths is None else jnp.minimum(kv_lengths, full)",
+        "kv_lengths = full if kv_lengths is None else kv_lengths",
+        ("tests/test_attention.py::"
+         "test_chunked_lengths_past_the_end_never_reach_the_padded_keys",),
+    ),
+    Mutation(
+        "the Triton attention forward's window counts a block fully visible from the floor "
+        "of its left edge, not the ceil",
+        "kernels/tokamax_kernels/attention/_pallas_triton_common.py",
+        "else _div(jnp.maximum(r1 - spec.left + bk - 1, 0), bk)",
+        "else _div(jnp.maximum(r1 - spec.left, 0), bk)",
+        (f"{_TRITON_ATTENTION_TESTS}::"
+         "test_local_window_wider_than_a_block_with_edges_inside_blocks",),
+    ),
+    Mutation(
+        "the Triton attention backward's window counts a block fully visible up to the ceil "
+        "of its left edge, not the floor",
+        "kernels/tokamax_kernels/attention/_pallas_triton_common.py",
+        "else _div(jnp.maximum(c0 - spec.offset + spec.left + 1, 0), bq))",
+        "else _div(jnp.maximum(c0 - spec.offset + spec.left + bq, 0), bq))",
+        (f"{_TRITON_ATTENTION_TESTS}::"
+         "test_local_window_wider_than_a_block_with_edges_inside_blocks",),
+    ),
+    Mutation(
+        "Mosaic TPU layer norm takes its statistics of the unrounded residual sum",
+        "kernels/tokamax_kernels/layer_norm/_pallas_mosaic_tpu_kernels.py",
+        "        x = s.astype(jnp.float32)\n",
+        "        x = x + residual_ref[...].astype(jnp.float32)\n",
+        ("tests/test_mosaic_tpu_layer_norm.py::"
+         "test_bf16_statistics_are_of_the_sum_rounded_as_it_is_returned",),
+    ),
+    Mutation(
+        "Mosaic TPU layer norm adds epsilon to the standard deviation, not the variance",
+        "kernels/tokamax_kernels/layer_norm/_pallas_mosaic_tpu_kernels.py",
+        "rstd = lax.rsqrt(jnp.mean(centered * centered, axis=1, keepdims=True) + epsilon)",
+        "rstd = 1.0 / (jnp.sqrt(jnp.mean(centered * centered, axis=1, keepdims=True)) + epsilon)",
+        ("tests/test_mosaic_tpu_layer_norm.py::test_a_large_epsilon_is_added_to_the_variance",),
+    ),
+    Mutation(
+        "a neighbour's sizes may differ by up to 3x, not 2x",
+        "src/tokamax_pass/autotuning/neighbours.py",
+        "MAX_RATIO = 2.0\n",
+        "MAX_RATIO = 3.0\n",
+        ("tests/test_neighbours.py::"
+         "test_a_neighbour_lends_within_twice_a_size_and_not_at_two_and_a_half",),
+    ),
 )
