@@ -19,8 +19,10 @@ from typing import Any, ClassVar
 
 import jax
 
+from tokamax_pass.core import roofline as roofline_lib
 from tokamax_pass.core import spec
 from tokamax_pass.core.device import Target
+from tokamax_pass.core.roofline import Work
 
 
 class CannotLowerHere(NotImplementedError):
@@ -183,6 +185,26 @@ class Op[C]:
         """`kernel_margin` for the call `ba`: an op whose plain-JAX path fuses with its
         neighbours only for some calls (a norm not given its residual add) overrides it."""
         return self.kernel_margin
+
+    def roofline(self, ba: BoundArguments) -> Work | None:
+        """The least work the call `ba` needs (FLOPs, device-memory bytes), whatever runs
+        it: what `implementation=None` predicts times from (`core.prediction`). The
+        family's registered rule (`roofline.register_family_work`); `None`: no prediction."""
+        rules = roofline_lib.FAMILY_WORK.get(family_class(type(self)))
+        return None if rules is None else rules.forward(ba)
+
+    def vjp_roofline(self, ba: BoundArguments) -> Work | None:
+        """The least work of the gradient of the forward call `ba` (every input's
+        cotangent): the work of the family's VJP ops that make no nested op calls."""
+        rules = roofline_lib.FAMILY_WORK.get(family_class(type(self)))
+        return None if rules is None or rules.vjp is None else rules.vjp(ba)
+
+    def performed_work(self, ba: BoundArguments) -> Work | None:
+        """The work this implementation does for `ba`: the family's `roofline`, unless the
+        implementation registered work of another kind (`roofline.register_performed_work`:
+        `jax.lax.ragged_dot`'s dense product per group)."""
+        rule = roofline_lib.PERFORMED_WORK.get(type(self))
+        return self.roofline(ba) if rule is None else rule(ba)
 
     def reruns_forward(self, ba: BoundArguments) -> bool:
         """True for an XLA gradient that recomputes its forward's products (autodiff of the

@@ -4,12 +4,18 @@ Config order, first hit wins: a pinned config -> the registered config sources
 (active `AutotuningResult`s, the user cache, the library cache; registered by
 `tokamax_pass.autotuning`) -> the implementation's heuristics.
 
-For `implementation=None` the promise is never to be slower than plain JAX: a kernel
-runs only where a source measured it faster than the plain-JAX paths (the XLA
-reference, `jax.nn`'s cuDNN attention) on this shape, or on a measured neighbouring
-shape (`autotuning.neighbours`); everywhere else the plain-JAX paths run, in the
-family's order (less those that lose unmeasured at the call,
-`Op.unmeasured_plain_path_loses`: cuDNN attention on tiny calls).
+For `implementation=None` the promise is never to be slower than plain JAX. The order,
+first that ranks wins:
+
+1. measurements: a kernel runs where a source measured it faster than the plain-JAX
+   paths (the XLA reference, `jax.nn`'s cuDNN attention) on this shape, or on a
+   measured neighbouring shape (`autotuning.neighbours`);
+2. predictions (`core.prediction`), where the target's device kind has a calibration: a
+   kernel runs where it is predicted faster than the fastest plain-JAX path by more than
+   its `Op.kernel_margin_for` the call;
+3. otherwise the plain-JAX paths run, in the family's order (less those that lose
+   unmeasured at the call, `Op.unmeasured_plain_path_loses`: cuDNN attention on tiny
+   calls).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from tokamax_pass.core import prediction
 from tokamax_pass.core.device import Target, current_target, lowering_for
 from tokamax_pass.core.op import BoundArguments, CannotLowerHere, NullConfig, Op
 
@@ -60,6 +67,9 @@ class Choice:
     # Set where the target itself would run another implementation, one this machine
     # cannot lower (`UNLOWERABLE_NOTE`); shown beside the source in plans and manifests.
     note: str = ""
+    # Set where predictions ordered the candidates: "predicted: " and each candidate's
+    # predicted time (`core.prediction`); shown beside the source in plans.
+    prediction: str = ""
 
     @property
     def op(self) -> Op:
@@ -84,27 +94,57 @@ def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> 
 def _ranked(
     candidates: list[BoundArguments], target: Target, explicit: bool,
     evidence_only: Sequence[BoundArguments] = (),
-) -> list[BoundArguments]:
-    """The candidates `implementation=None` may use, best first (see the module docstring).
+) -> tuple[list[BoundArguments], str]:
+    """`(candidates, prediction)`: those `implementation=None` may use, best first (see
+    the module docstring), and the predicted times where predictions ordered them.
 
-    With no measurement to go on, only the plain-JAX paths (`Op.runs_without_evidence`)
-    remain: a kernel runs only where it was measured faster at this shape or a neighbour.
-    `evidence_only`: implementations the target runs but this machine cannot lower; they
-    are never returned, but their measurements on the target count (cuDNN's attention
-    time stands as a bound on XLA's unmeasured one when a CPU machine exports for cuda).
+    With no measurement and no prediction to go on, only the plain-JAX paths
+    (`Op.runs_without_evidence`) remain. `evidence_only`: implementations the target runs
+    but this machine cannot lower; they are never returned, but their measurements and
+    predictions on the target count (cuDNN's attention time stands as a bound on XLA's
+    when a CPU machine exports for cuda).
     """
     if explicit:
-        return candidates
+        return candidates, ""
     everything = [*candidates, *evidence_only]
     usable = [i < len(candidates) for i in range(len(everything))]
     for source in _SOURCES:
         order = source.rank(everything, target.device_kind, usable)
         if order is not None:
-            return [everything[i] for i in order if usable[i]]
+            return [everything[i] for i in order if usable[i]], ""
     plain = [ba for ba in candidates if ba.op.runs_without_evidence]
     # Stable: the family's order, less the plain paths that lose unmeasured at this call.
     plain.sort(key=lambda ba: ba.op.unmeasured_plain_path_loses(ba))
-    return plain or candidates
+    predicted = _predicted_winners(everything, usable, target)
+    if predicted is None:
+        return plain or candidates, ""
+    winners, text = predicted
+    return [*winners, *plain] or candidates, text
+
+
+def _predicted_winners(everything: list[BoundArguments], usable: list[bool],
+                       target: Target) -> tuple[list[BoundArguments], str] | None:
+    """The usable kernels predicted faster than the fastest plain-JAX path by more than
+    their margin, fastest first, and the predictions as text; `None` where no plain path
+    has a prediction (no calibration for the target, or none for these ops)."""
+    times = prediction.predict_all(everything, target.device_kind)
+    if times is None:
+        return None
+    plain = [t.seconds for ba, t in zip(everything, times, strict=True)
+             if ba.op.runs_without_evidence and t is not None]
+    if not plain:
+        return None
+    best_plain = min(plain)
+    winners = sorted(
+        (i for i, ba in enumerate(everything)
+         if usable[i] and not ba.op.runs_without_evidence and times[i] is not None
+         and times[i].seconds < best_plain * (1 - ba.op.kernel_margin_for(ba))),
+        key=lambda i: times[i].seconds)
+    shown = sorted((t.seconds, prediction.op_name(ba.op)) for ba, t in
+                   zip(everything, times, strict=True) if t is not None)
+    text = "predicted: " + ", ".join(f"{name} {seconds * 1e3:.3g} ms"
+                                     for seconds, name in shown)
+    return [everything[i] for i in winners], text
 
 
 def _target_runs_unlowerable(candidates: list[BoundArguments],
@@ -114,7 +154,7 @@ def _target_runs_unlowerable(candidates: list[BoundArguments],
     machine cannot lower: the program made here then differs from the target's own."""
     if not evidence_only:
         return None
-    order = _ranked([*candidates, *evidence_only], target, explicit=False)
+    order, _ = _ranked([*candidates, *evidence_only], target, explicit=False)
     first = order[0] if order else None
     if first is None or not any(first is other for other in evidence_only):
         return None
@@ -140,14 +180,15 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
         supported.append(ba)
     unlowerable = None if explicit else _target_runs_unlowerable(supported, evidence_only,
                                                                   target)
-    for ba in _ranked(supported, target, explicit, evidence_only):
+    ranked, predicted = _ranked(supported, target, explicit, evidence_only)
+    for ba in ranked:
         try:
             config, source = resolve_config(ba.op, ba, target)
         except NotImplementedError as e:
             reasons.append(f"{type(ba.op).__name__}: {e}")
             continue
         note = "" if unlowerable is None else f"{unlowerable} on the target: {UNLOWERABLE_NOTE}"
-        return Choice(ba.replace(op=ba.op.replace(config=config)), source, note)
+        return Choice(ba.replace(op=ba.op.replace(config=config)), source, note, predicted)
     raise NotImplementedError(
         f"no implementation can run on {target.platform} ({target.device_kind}):\n  "
         + "\n  ".join(reasons)
