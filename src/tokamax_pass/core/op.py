@@ -121,10 +121,11 @@ class Op[C]:
     # Whether `implementation=None` may pick this implementation without a measurement:
     # true for the XLA reference and for plain JAX's own fused paths (`jax.nn`'s cuDNN
     # attention), which is what a user runs without us. Kernels stay false: they displace
-    # these only where a measurement at the shape (or a measured neighbour) says they win.
+    # these only where a measurement at the shape (or a measured neighbour) says they win,
+    # or, with nothing measured, a prediction does (`core.prediction`).
     plain_jax_path: ClassVar[bool] = False
-    # How much faster than the plain-JAX paths this kernel must be measured, on its own,
-    # for `None` to pick it. Memory-bound ops that XLA fuses with their neighbours in a
+    # How much faster than the plain-JAX paths this kernel must be measured (or predicted),
+    # on its own, for `None` to pick it. Memory-bound ops that XLA fuses with their neighbours in a
     # program (a norm with the residual add before it) need more: alone, the plain path
     # pays passes over memory that it does not pay inside a program.
     kernel_margin: ClassVar[float] = 0.05
@@ -234,7 +235,8 @@ class Op[C]:
 
     @property
     def runs_without_evidence(self) -> bool:
-        """True for the implementations `None` picks when nothing was measured."""
+        """True for the implementations `None` picks when nothing was measured or
+        predicted."""
         return self.implementation == "xla" or self.plain_jax_path
 
     def unmeasured_plain_path_loses(self, ba: BoundArguments) -> bool:

@@ -126,11 +126,14 @@ def _predicted_winners(everything: list[BoundArguments], usable: list[bool],
                        target: Target) -> tuple[list[BoundArguments], str] | None:
     """The usable kernels predicted faster than the fastest plain-JAX path by more than
     their margin, fastest first, and the predictions as text; `None` where no plain path
-    has a prediction (no calibration for the target, or none for these ops)."""
+    has a prediction (no calibration for the target, or none for these ops). A plain
+    gradient that reruns its forward counts at `prediction.RERUN_SHARE` of its time, as
+    measured ones do."""
     times = prediction.predict_all(everything, target.device_kind)
     if times is None:
         return None
-    plain = [t.seconds for ba, t in zip(everything, times, strict=True)
+    plain = [t.seconds * (prediction.RERUN_SHARE if ba.op.reruns_forward(ba) else 1.0)
+             for ba, t in zip(everything, times, strict=True)
              if ba.op.runs_without_evidence and t is not None]
     if not plain:
         return None
