@@ -158,3 +158,20 @@ def test_a_gradient_that_reruns_its_forward_counts_at_its_share(calibration_dir)
                                     "PallasTritonGatedLinearUnitVjp": kernel})
         _, backward = plan(jax.grad(glu_loss, argnums=(0, 1)), x, w)
         assert backward.op == expected, backward.source
+
+
+def test_a_work_rule_that_fails_gives_no_prediction_not_a_failed_call(calibration_dir,
+                                                                      monkeypatch, caplog):
+    from tokamax_kernels.ragged_dot import RaggedDot
+    from tokamax_pass.core import roofline
+
+    calibrate(calibration_dir, {"PallasTritonRaggedDot": 0.5, "RaggedDot": 0.5})
+
+    def broken(ba):
+        raise KeyError("a field the rule expected")
+
+    monkeypatch.setitem(roofline.FAMILY_WORK, RaggedDot, roofline.FamilyWork(broken))
+    monkeypatch.delitem(roofline.PERFORMED_WORK, RaggedDot)
+    (row,) = plan(ragged_loss, LHS, RHS, SIZES)
+    assert row.op == "RaggedDot" and "predicted" not in row.source
+    assert "no prediction for PallasTritonRaggedDot" in caplog.text

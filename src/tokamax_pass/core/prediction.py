@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import operator
 import statistics
@@ -145,4 +146,16 @@ def predict_all(candidates: Sequence[BoundArguments],
     calibration = calibration_lib.for_device_kind(device_kind)
     if calibration is None:
         return None
-    return [predict(ba, calibration) for ba in candidates]
+    return [_predict_or_none(ba, calibration) for ba in candidates]
+
+
+def _predict_or_none(ba: BoundArguments,
+                     calibration: calibration_lib.Calibration) -> Prediction | None:
+    """`predict`, with a work rule that fails on an unusual call (a user-defined family's,
+    say) giving no prediction rather than failing the op call."""
+    try:
+        return predict(ba, calibration)
+    except (ArithmeticError, AttributeError, LookupError, TypeError, ValueError) as e:
+        logging.getLogger(__name__).warning(
+            "tokamax_pass: no prediction for %s: %s: %s", op_name(ba.op), type(e).__name__, e)
+        return None
