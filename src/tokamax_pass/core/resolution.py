@@ -12,7 +12,8 @@ first that ranks wins:
    measured neighbouring shape (`autotuning.neighbours`);
 2. predictions (`core.prediction`), where the target's device kind has a calibration: a
    kernel runs where it is predicted faster than the fastest plain-JAX path by more than
-   its `Op.kernel_margin_for` the call;
+   its `Op.kernel_margin_for` the call, and the plain-JAX paths follow fastest predicted
+   first;
 3. otherwise the plain-JAX paths run, in the family's order (less those that lose
    unmeasured at the call, `Op.unmeasured_plain_path_loses`: cuDNN attention on tiny
    calls).
@@ -115,39 +116,44 @@ def _ranked(
     plain = [ba for ba in candidates if ba.op.runs_without_evidence]
     # Stable: the family's order, less the plain paths that lose unmeasured at this call.
     plain.sort(key=lambda ba: ba.op.unmeasured_plain_path_loses(ba))
-    predicted = _predicted_winners(everything, usable, target)
+    predicted = _by_prediction(everything, usable, plain, target)
     if predicted is None:
         return plain or candidates, ""
-    winners, text = predicted
-    return [*winners, *plain] or candidates, text
+    order, text = predicted
+    return order or candidates, text
 
 
-def _predicted_winners(everything: list[BoundArguments], usable: list[bool],
-                       target: Target) -> tuple[list[BoundArguments], str] | None:
-    """The usable kernels predicted faster than the fastest plain-JAX path by more than
-    their margin, fastest first, and the predictions as text; `None` where no plain path
-    has a prediction (no calibration for the target, or none for these ops). A plain
-    gradient that reruns its forward counts at `prediction.RERUN_SHARE` of its time, as
-    measured ones do."""
+def _by_prediction(everything: list[BoundArguments], usable: list[bool],
+                   plain: list[BoundArguments],
+                   target: Target) -> tuple[list[BoundArguments], str] | None:
+    """`(order, text)`: the usable kernels predicted faster than the fastest plain-JAX
+    path by more than their margin, fastest first, then the `plain` paths (fastest first
+    where each has a prediction, else in their order), and the predictions as text.
+    `None` where no plain path has a prediction (no calibration for the target, or none
+    for these ops). A plain gradient that reruns its forward counts at
+    `prediction.RERUN_SHARE` of its time, as measured ones do."""
     times = prediction.predict_all(everything, target.device_kind)
     if times is None:
         return None
-    plain = [t.seconds * (prediction.RERUN_SHARE if ba.op.reruns_forward(ba) else 1.0)
-             for ba, t in zip(everything, times, strict=True)
-             if ba.op.runs_without_evidence and t is not None]
-    if not plain:
+    plain_times = {
+        id(ba): t.seconds * (prediction.RERUN_SHARE if ba.op.reruns_forward(ba) else 1.0)
+        for ba, t in zip(everything, times, strict=True)
+        if ba.op.runs_without_evidence and t is not None}
+    if not plain_times:
         return None
-    best_plain = min(plain)
+    best_plain = min(plain_times.values())
     winners = sorted(
         (i for i, ba in enumerate(everything)
          if usable[i] and not ba.op.runs_without_evidence and times[i] is not None
          and times[i].seconds < best_plain * (1 - ba.op.kernel_margin_for(ba))),
         key=lambda i: times[i].seconds)
+    if all(id(ba) in plain_times for ba in plain):
+        plain = sorted(plain, key=lambda ba: plain_times[id(ba)])
     shown = sorted((t.seconds, prediction.op_name(ba.op)) for ba, t in
                    zip(everything, times, strict=True) if t is not None)
     text = "predicted: " + ", ".join(f"{name} {seconds * 1e3:.3g} ms"
                                      for seconds, name in shown)
-    return [everything[i] for i in winners], text
+    return [*(everything[i] for i in winners), *plain], text
 
 
 def _target_runs_unlowerable(candidates: list[BoundArguments],
