@@ -3,12 +3,16 @@ forward op and VJP op timed apart, on the device; then the fit into a calibratio
 
     python -m benchmarks.sweep run --families ragged_dot,layer_norm --max-seconds 480 \\
         --seed 0 --out sweep.jsonl
+    python -m benchmarks.sweep fit sweep.jsonl [more.jsonl ...] [--out FILE.json]
 
 `run` visits the grid (`benchmarks.shapes`) in a random order drawn from `--seed`, so
 invocations with other seeds reach other calls first; it skips what `--out` already
 holds and appends a line a measurement, so a killed run keeps what it measured. Times are
 device times (CUPTI on a GPU: `tokamax_pass.benchmarking`), the median of many runs
-after a warm-up, as many as the per-call budget (`--call-seconds`) allows.
+after a warm-up, as many as the per-call budget (`--call-seconds`) allows. Each file
+also gets the device's ceilings once (`CEILINGS`: dense matmuls, a copy). `fit` turns
+the measurements of our implementations into the calibration `None` predicts from
+(`tokamax_pass.core.prediction`) and prints how well it predicts held-out calls.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from benchmarks import shapes
 from tokamax_pass import benchmarking
@@ -105,6 +110,42 @@ def time_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
             "iterations": len(data.evaluation_times_ms)}
 
 
+def _matmul(size: int, dtype: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    x = jax.ShapeDtypeStruct((size, size), jnp.dtype(dtype))
+    return jnp.matmul, (x, x), {"flops": 2.0 * size**3, "bytes": 3.0 * x.size * x.dtype.itemsize}
+
+
+def _copy(elements: int) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    x = jax.ShapeDtypeStruct((elements,), jnp.float32)
+    return (lambda a: a * 2.0), (x,), {"flops": float(elements), "bytes": 8.0 * elements}
+
+
+def ceilings(tiny: bool) -> dict[str, tuple[Callable[..., Any], tuple[Any, ...], dict]]:
+    """The device's rates, each by the simplest program that reaches it: a dense matmul in
+    bf16 and in f32 (XLA's default precision), and an elementwise pass over memory."""
+    return {"matmul bfloat16": _matmul(256 if tiny else 8192, "bfloat16"),
+            "matmul float32": _matmul(256 if tiny else 8192, "float32"),
+            "copy": _copy(2**16 if tiny else 2**28)}
+
+
+def _measure_ceilings(f: Any, done: set[str], device_kind: str, *, seed: int, tiny: bool,
+                      iterations: int, budget_s: float, method: str | None,
+                      lock: pathlib.Path | None = None) -> int:
+    written = 0
+    for name, (fn, args, work) in ceilings(tiny).items():
+        row = {"family": "ceiling", "params": work, "implementation": name, "kind": "ceiling",
+               "direction": "forward", "device_kind": device_kind}
+        if _row_key(row) in done:
+            continue
+        row.update(time_call(fn, args, {}, "forward", seed=seed, iterations=iterations,
+                             budget_s=budget_s, method=method, lock=lock))
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        written += 1
+        print(f"ceiling {name}: {row.get('ms', row.get('error'))}", flush=True)
+    return written
+
+
 def _row_key(row: dict[str, Any]) -> str:
     return json.dumps([row["family"], row["params"], row["implementation"], row["direction"]],
                       sort_keys=True)
@@ -142,6 +183,10 @@ def run_sweep(families: list[str], out: pathlib.Path, *, seed: int, max_seconds:
     device_kind = jax.devices()[0].device_kind
     written = 0
     with out.open("a") as f:
+        if time.monotonic() < deadline and shard[0] == 0:
+            written += _measure_ceilings(f, done, device_kind, seed=seed, tiny=tiny,
+                                         iterations=iterations, budget_s=call_seconds,
+                                         method=method, lock=lock)
         for family, params in _plan(families, seed, tiny, shard):
             candidates = [("ours", n, fn) for n, fn in ours(family).items()] + [
                 ("peer", n, fn) for n, fn in peers(family).items()]
@@ -221,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--lock", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     run.add_argument("--method", choices=benchmarking.METHODS, default=None,
                      help="timer (default: the best available, CUPTI on a GPU)")
+    fit = commands.add_parser("fit", help="write a calibration file from sweep results")
+    fit.add_argument("results", type=pathlib.Path, nargs="+", help="sweep JSON-lines files")
+    fit.add_argument("--out", type=pathlib.Path, default=None,
+                     help="calibration file (default: the package's, for the results' device)")
+    fit.add_argument("--holdout", type=float, default=0.2,
+                     help="fraction of calls held out to report the fit's quality")
+    fit.add_argument("--seed", type=int, default=0, help="which calls are held out")
     options = parser.parse_args(argv)
     if options.command == "run":
         families = [f for f in options.families.split(",") if f]
@@ -245,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
                             lock=options.lock)
         print(f"wrote {written} rows to {out}")
         return 0
-    raise AssertionError(options.command)
+    from benchmarks import sweep_fit
+
+    return sweep_fit.fit(options.results, options.out, holdout=options.holdout,
+                         seed=options.seed)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,18 @@ def user_cache_dir(tmp_path_factory, monkeypatch):
     return path
 
 
+@pytest.fixture(autouse=True)
+def calibration_dir(tmp_path_factory, monkeypatch):
+    """Every test reads calibration files from a fresh, empty folder, never the shipped
+    ones (which change what `implementation=None` predicts as they are refitted); tests
+    of predictions write the files they need there."""
+    from tokamax_pass.core import calibration
+
+    path = tmp_path_factory.mktemp("calibration")
+    monkeypatch.setenv(calibration.ENV_DIR, str(path))
+    return path
+
+
 @pytest.fixture
 def fake_devices() -> None:
     """Fails (never skips) a test that needs `FAKE_DEVICES` devices where there are fewer."""

@@ -34,7 +34,9 @@ def test_tiny_run_writes_rows_incrementally_and_resumes(tmp_path):
             "--method", "wallclock", "--out", str(out)]
     assert sweep.main(args) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    timed = [r for r in rows if "ms" in r]
+    timed = [r for r in rows if "ms" in r and r["kind"] != "ceiling"]
+    assert {r["implementation"] for r in rows if r["kind"] == "ceiling" and "ms" in r} == {
+        "matmul bfloat16", "matmul float32", "copy"}
     assert {(r["family"], r["implementation"], r["direction"]) for r in timed} == {
         ("layer_norm", "xla", "forward"), ("layer_norm", "xla", "vjp"),
         ("ragged_dot", "xla", "forward"), ("ragged_dot", "xla", "vjp"),
@@ -63,3 +65,26 @@ def test_worker_shards_split_the_plan_without_overlap():
     assert all(shards)
     with pytest.raises(argparse.ArgumentTypeError):
         sweep._shard("3/3")
+
+
+def test_fit_writes_a_calibration_that_loads_and_predicts_the_measured_calls(tmp_path):
+    from benchmarks import sweep_fit
+    from tokamax_pass.core import calibration, prediction
+
+    results = tmp_path / "sweep.jsonl"
+    assert sweep.main(["run", "--tiny", "--families", "layer_norm,ragged_dot",
+                       "--iterations", "3", "--method", "wallclock", "--out",
+                       str(results)]) == 0
+    out = tmp_path / "cal.json"
+    assert sweep.main(["fit", str(results), "--out", str(out)]) == 0
+    loaded = calibration.parse(out.read_text())
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert loaded.ceilings == sweep_fit.measured_ceilings(rows)
+    assert {p.op for p in loaded.points} == {
+        "LayerNorm", "AutodiffVjp(LayerNorm)", "RaggedDot", "RaggedDotVjp(RaggedDot)"}
+    # A measured call is predicted from its own point: its measured time comes back.
+    row = next(r for r in rows if r["implementation"] == "xla" and r["family"] == "layer_norm"
+               and r["direction"] == "vjp" and "ms" in r)
+    predicted = prediction.predict(sweep_fit.bound_call(row), loaded)
+    assert predicted is not None and predicted.near
+    assert 0.3 < predicted.seconds / (row["ms"] * 1e-3) < 3.0

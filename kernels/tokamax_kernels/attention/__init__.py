@@ -1,5 +1,6 @@
 """Dot-product attention (multi-head, GQA/MQA, cross attention, masks, soft cap)."""
 
+from tokamax_kernels.attention import roofline as _roofline  # noqa: F401 - registration
 from tokamax_kernels.attention._mosaic_gpu_common import (
     MosaicAttentionConfig,
     MosaicAttentionVjpConfig,

@@ -1,5 +1,8 @@
 """Linear softmax cross entropy: the LM head and its loss, without the logits in memory."""
 
+from tokamax_kernels.linear_softmax_cross_entropy_loss import (  # noqa: F401 - registration
+    roofline as _roofline,
+)
 from tokamax_kernels.linear_softmax_cross_entropy_loss._mosaic_gpu_common import (
     MosaicGpuLossConfig,
 )

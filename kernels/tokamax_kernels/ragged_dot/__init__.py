@@ -1,6 +1,7 @@
 """Ragged dot (grouped matmul, as in mixture-of-experts layers), and the MoE routing
 around it (`moe_dispatch`, `moe_combine`)."""
 
+from tokamax_kernels.ragged_dot import roofline as _roofline  # noqa: F401 - registration
 from tokamax_kernels.ragged_dot.api import ragged_dot
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot

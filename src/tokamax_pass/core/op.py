@@ -20,7 +20,9 @@ from typing import Any, ClassVar
 import jax
 
 from tokamax_pass.core import config_limits, spec
+from tokamax_pass.core import roofline as roofline_lib
 from tokamax_pass.core.device import Target
+from tokamax_pass.core.roofline import Work
 
 
 class CannotLowerHere(NotImplementedError):
@@ -119,10 +121,11 @@ class Op[C]:
     # Whether `implementation=None` may pick this implementation without a measurement:
     # true for the XLA reference and for plain JAX's own fused paths (`jax.nn`'s cuDNN
     # attention), which is what a user runs without us. Kernels stay false: they displace
-    # these only where a measurement at the shape (or a measured neighbour) says they win.
+    # these only where a measurement at the shape (or a measured neighbour) says they win,
+    # or, with nothing measured, a prediction does (`core.prediction`).
     plain_jax_path: ClassVar[bool] = False
-    # How much faster than the plain-JAX paths this kernel must be measured, on its own,
-    # for `None` to pick it. Memory-bound ops that XLA fuses with their neighbours in a
+    # How much faster than the plain-JAX paths this kernel must be measured (or predicted),
+    # on its own, for `None` to pick it. Memory-bound ops that XLA fuses with their neighbours in a
     # program (a norm with the residual add before it) need more: alone, the plain path
     # pays passes over memory that it does not pay inside a program.
     kernel_margin: ClassVar[float] = 0.05
@@ -188,6 +191,26 @@ class Op[C]:
         neighbours only for some calls (a norm not given its residual add) overrides it."""
         return self.kernel_margin
 
+    def roofline(self, ba: BoundArguments) -> Work | None:
+        """The least work the call `ba` needs (FLOPs, device-memory bytes), whatever runs
+        it: what `implementation=None` predicts times from (`core.prediction`). The
+        family's registered rule (`roofline.register_family_work`); `None`: no prediction."""
+        rules = roofline_lib.FAMILY_WORK.get(family_class(type(self)))
+        return None if rules is None else rules.forward(ba)
+
+    def vjp_roofline(self, ba: BoundArguments) -> Work | None:
+        """The least work of the gradient of the forward call `ba` (every input's
+        cotangent): the work of the family's VJP ops that make no nested op calls."""
+        rules = roofline_lib.FAMILY_WORK.get(family_class(type(self)))
+        return None if rules is None or rules.vjp is None else rules.vjp(ba)
+
+    def performed_work(self, ba: BoundArguments) -> Work | None:
+        """The work this implementation does for `ba`: the family's `roofline`, unless the
+        implementation registered work of another kind (`roofline.register_performed_work`:
+        `jax.lax.ragged_dot`'s dense product per group)."""
+        rule = roofline_lib.PERFORMED_WORK.get(type(self))
+        return self.roofline(ba) if rule is None else rule(ba)
+
     def reruns_forward(self, ba: BoundArguments) -> bool:
         """True for an XLA gradient that recomputes its forward's products (autodiff of the
         forward, or logits recomputed from a saved log-sum-exp). Inside one program with
@@ -216,7 +239,8 @@ class Op[C]:
 
     @property
     def runs_without_evidence(self) -> bool:
-        """True for the implementations `None` picks when nothing was measured."""
+        """True for the implementations `None` picks when nothing was measured or
+        predicted."""
         return self.implementation == "xla" or self.plain_jax_path
 
     def unmeasured_plain_path_loses(self, ba: BoundArguments) -> bool:

@@ -4,12 +4,19 @@ Config order, first hit wins: a pinned config -> the registered config sources
 (active `AutotuningResult`s, the user cache, the library cache; registered by
 `tokamax_pass.autotuning`) -> the implementation's heuristics.
 
-For `implementation=None` the promise is never to be slower than plain JAX: a kernel
-runs only where a source measured it faster than the plain-JAX paths (the XLA
-reference, `jax.nn`'s cuDNN attention) on this shape, or on a measured neighbouring
-shape (`autotuning.neighbours`); everywhere else the plain-JAX paths run, in the
-family's order (less those that lose unmeasured at the call,
-`Op.unmeasured_plain_path_loses`: cuDNN attention on tiny calls).
+For `implementation=None` the promise is never to be slower than plain JAX. The order,
+first that ranks wins:
+
+1. measurements: a kernel runs where a source measured it faster than the plain-JAX
+   paths (the XLA reference, `jax.nn`'s cuDNN attention) on this shape, or on a
+   measured neighbouring shape (`autotuning.neighbours`);
+2. predictions (`core.prediction`), where the target's device kind has a calibration: a
+   kernel runs where it is predicted faster than the fastest plain-JAX path by more than
+   its `Op.kernel_margin_for` the call, and the plain-JAX paths follow fastest predicted
+   first;
+3. otherwise the plain-JAX paths run, in the family's order (less those that lose
+   unmeasured at the call, `Op.unmeasured_plain_path_loses`: cuDNN attention on tiny
+   calls).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from tokamax_pass.core import prediction
 from tokamax_pass.core.device import Target, current_target, lowering_for
 from tokamax_pass.core.op import BoundArguments, CannotLowerHere, NullConfig, Op
 
@@ -62,6 +70,9 @@ class Choice:
     note: str = ""
     # That implementation's name (`"cudnn"`), where `note` is set: the export falls back.
     fallback_from: str | None = None
+    # Set where predictions ordered the candidates: "predicted: " and each candidate's
+    # predicted time (`core.prediction`); shown beside the source in plans.
+    prediction: str = ""
 
     @property
     def op(self) -> Op:
@@ -86,27 +97,65 @@ def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> 
 def _ranked(
     candidates: list[BoundArguments], target: Target, explicit: bool,
     evidence_only: Sequence[BoundArguments] = (),
-) -> list[BoundArguments]:
-    """The candidates `implementation=None` may use, best first (see the module docstring).
+) -> tuple[list[BoundArguments], str]:
+    """`(candidates, prediction)`: those `implementation=None` may use, best first (see
+    the module docstring), and the predicted times where predictions ordered them.
 
-    With no measurement to go on, only the plain-JAX paths (`Op.runs_without_evidence`)
-    remain: a kernel runs only where it was measured faster at this shape or a neighbour.
-    `evidence_only`: implementations the target runs but this machine cannot lower; they
-    are never returned, but their measurements on the target count (cuDNN's attention
-    time stands as a bound on XLA's unmeasured one when a CPU machine exports for cuda).
+    With no measurement and no prediction to go on, only the plain-JAX paths
+    (`Op.runs_without_evidence`) remain. `evidence_only`: implementations the target runs
+    but this machine cannot lower; they are never returned, but their measurements and
+    predictions on the target count (cuDNN's attention time stands as a bound on XLA's
+    when a CPU machine exports for cuda).
     """
     if explicit:
-        return candidates
+        return candidates, ""
     everything = [*candidates, *evidence_only]
     usable = [i < len(candidates) for i in range(len(everything))]
     for source in _SOURCES:
         order = source.rank(everything, target.device_kind, usable)
         if order is not None:
-            return [everything[i] for i in order if usable[i]]
+            return [everything[i] for i in order if usable[i]], ""
     plain = [ba for ba in candidates if ba.op.runs_without_evidence]
     # Stable: the family's order, less the plain paths that lose unmeasured at this call.
     plain.sort(key=lambda ba: ba.op.unmeasured_plain_path_loses(ba))
-    return plain or candidates
+    predicted = _by_prediction(everything, usable, plain, target)
+    if predicted is None:
+        return plain or candidates, ""
+    order, text = predicted
+    return order or candidates, text
+
+
+def _by_prediction(everything: list[BoundArguments], usable: list[bool],
+                   plain: list[BoundArguments],
+                   target: Target) -> tuple[list[BoundArguments], str] | None:
+    """`(order, text)`: the usable kernels predicted faster than the fastest plain-JAX
+    path by more than their margin, fastest first, then the `plain` paths (fastest first
+    where each has a prediction, else in their order), and the predictions as text.
+    `None` where no plain path has a prediction (no calibration for the target, or none
+    for these ops). A plain gradient that reruns its forward counts at
+    `prediction.RERUN_SHARE` of its time, as measured ones do."""
+    times = prediction.predict_all(everything, target.device_kind)
+    if times is None:
+        return None
+    plain_times = {
+        id(ba): t.seconds * (prediction.RERUN_SHARE if ba.op.reruns_forward(ba) else 1.0)
+        for ba, t in zip(everything, times, strict=True)
+        if ba.op.runs_without_evidence and t is not None}
+    if not plain_times:
+        return None
+    best_plain = min(plain_times.values())
+    winners = sorted(
+        (i for i, ba in enumerate(everything)
+         if usable[i] and not ba.op.runs_without_evidence and times[i] is not None
+         and times[i].seconds < best_plain * (1 - ba.op.kernel_margin_for(ba))),
+        key=lambda i: times[i].seconds)
+    if all(id(ba) in plain_times for ba in plain):
+        plain = sorted(plain, key=lambda ba: plain_times[id(ba)])
+    shown = sorted((t.seconds, prediction.op_name(ba.op)) for ba, t in
+                   zip(everything, times, strict=True) if t is not None)
+    text = "predicted: " + ", ".join(f"{name} {seconds * 1e3:.3g} ms"
+                                     for seconds, name in shown)
+    return [*(everything[i] for i in winners), *plain], text
 
 
 def _target_runs_unlowerable(candidates: list[BoundArguments],
@@ -116,7 +165,7 @@ def _target_runs_unlowerable(candidates: list[BoundArguments],
     machine cannot lower: the program made here then differs from the target's own."""
     if not evidence_only:
         return None
-    order = _ranked([*candidates, *evidence_only], target, explicit=False)
+    order, _ = _ranked([*candidates, *evidence_only], target, explicit=False)
     first = order[0] if order else None
     if first is None or not any(first is other for other in evidence_only):
         return None
@@ -129,7 +178,7 @@ def _fallback_order(supported: list[BoundArguments], target: Target) -> list[Bou
     best measured first, then the rest of the family's order. The plain-JAX paths
     (`Op.runs_without_evidence`: the `xla` attention materializes the logits) come last,
     for a fused kernel stands closer to what the target would run."""
-    measured = _ranked(supported, target, explicit=False)
+    measured, _ = _ranked(supported, target, explicit=False)
     kernels = [ba for ba in measured if not ba.op.runs_without_evidence]
     kernels += [ba for ba in supported
                 if not ba.op.runs_without_evidence and not any(ba is k for k in kernels)]
@@ -155,8 +204,10 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
         supported.append(ba)
     unlowerable = None if explicit else _target_runs_unlowerable(supported, evidence_only,
                                                                   target)
-    order = (_ranked(supported, target, explicit, evidence_only) if unlowerable is None
-             else _fallback_order(supported, target))
+    if unlowerable is None:
+        order, predicted = _ranked(supported, target, explicit, evidence_only)
+    else:
+        order, predicted = _fallback_order(supported, target), ""
     for ba in order:
         try:
             config, source = resolve_config(ba.op, ba, target)
@@ -164,7 +215,8 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
             reasons.append(f"{type(ba.op).__name__}: {e}")
             continue
         note = "" if unlowerable is None else f"{unlowerable} on the target: {UNLOWERABLE_NOTE}"
-        return Choice(ba.replace(op=ba.op.replace(config=config)), source, note, unlowerable)
+        return Choice(ba.replace(op=ba.op.replace(config=config)), source, note,
+                      fallback_from=unlowerable, prediction=predicted)
     raise NotImplementedError(
         f"no implementation can run on {target.platform} ({target.device_kind}):\n  "
         + "\n  ".join(reasons)

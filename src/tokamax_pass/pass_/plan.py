@@ -56,8 +56,9 @@ class PlanRow:
             implementation=op.implementation,
             op=type(op).__name__,
             config=format_config(op.config),
-            source=(f"{decision.source} ({decision.choice.note})" if decision.choice.note
-                    else decision.source),
+            source="; ".join(part for part in (
+                f"{decision.source} ({decision.choice.note})" if decision.choice.note
+                else decision.source, decision.choice.prediction) if part),
             bound=decision.choice.bound.to_spec(),
             fallback_from=decision.choice.fallback_from,
         )

@@ -1,0 +1,163 @@
+"""The generalization benchmark: how far `implementation=None` is from the fastest
+implementation (ours or a peer) at random shapes inside each op's documented range.
+
+    python -m benchmarks.generalize [--families ragged_dot,layer_norm] [--shapes 6]
+        [--seed N] [--max-seconds 480] [--out FILE.json]
+
+Each run draws new shapes (`benchmarks.shapes.draw`; the seed defaults to a fresh one and
+is recorded), times `None`, every implementation of ours and the cheap peers forward
+and forward+backward on the device, and reports per op and mode the share of shapes
+where `None` is within 10% of the fastest and the worst ratio. The JSON (default
+`benchmarks/results/<device>/generalization.json`, replaced on each run) holds every
+timing, the summary and the provenance (commit, date, jax version, seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import random
+import subprocess
+import sys
+import time
+from typing import Any
+
+import jax
+
+import tokamax_pass as tokamax
+from benchmarks import shapes, sweep
+from tokamax_pass import benchmarking
+from tokamax_pass.core import registry
+from tokamax_pass.core.device import device_kind_key
+
+MODES = {"fwd": "forward", "fwd+bwd": "forward_and_vjp"}
+WITHIN = 0.10
+
+
+def _none(family: str) -> Any:
+    sweep.ours(family)  # registers the family
+    fam = registry.families()[family]
+    return lambda *args, **kwargs: fam(None, *args, **kwargs)
+
+
+def _chosen(family: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The implementation `None` runs for the forward call here (the plan's row)."""
+    try:
+        rows = tokamax.optimize(lambda *a: _none(family)(*a, **kwargs)).plan(*args)
+    except Exception as e:  # noqa: BLE001 - the timing below reports the failure itself
+        return f"unknown ({type(e).__name__})"
+    return rows[0].op if len(rows) else "none"
+
+
+def measure_shape(family: str, params: dict[str, Any], *, seed: int, iterations: int,
+                  call_seconds: float, method: str | None) -> list[dict[str, Any]]:
+    """One row per candidate and mode: `None`, ours, the peers."""
+    args, kwargs = shapes.build(family, params, seed)
+    candidates = [("none", "None", _none(family))] + [
+        ("ours", n, fn) for n, fn in sweep.ours(family).items()] + [
+        ("peer", n, fn) for n, fn in sweep.peers(family).items()]
+    chosen = _chosen(family, args, kwargs)
+    rows = []
+    for mode, std_mode in MODES.items():
+        for kind, name, fn in candidates:
+            row = {"family": family, "params": params, "mode": mode, "kind": kind,
+                   "implementation": name}
+            if kind == "none":
+                row["chosen"] = chosen
+            row.update(sweep.time_call(fn, args, kwargs, std_mode, seed=seed,
+                                       iterations=iterations, budget_s=call_seconds,
+                                       method=method))
+            rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per `family mode`: shapes compared, the share with `None` within `WITHIN` of the
+    fastest other candidate, and the worst ratio (None's time over the fastest)."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        key = (row["family"], row["mode"], json.dumps(row["params"], sort_keys=True))
+        groups.setdefault(key, []).append(row)
+    summary: dict[str, dict[str, Any]] = {}
+    for (family, mode, params), group in groups.items():
+        none = [r["ms"] for r in group if r["kind"] == "none" and "ms" in r]
+        others = [r for r in group if r["kind"] != "none" and "ms" in r]
+        if not none or not others:
+            continue
+        fastest = min(others, key=lambda r: r["ms"])
+        ratio = none[0] / fastest["ms"]
+        entry = summary.setdefault(f"{family} {mode}", {"shapes": 0, "within": 0,
+                                                         "worst_ratio": 0.0})
+        entry["shapes"] += 1
+        entry["within"] += ratio <= 1 + WITHIN
+        if ratio > entry["worst_ratio"]:
+            entry.update(worst_ratio=ratio, worst_params=json.loads(params),
+                         worst_fastest=fastest["implementation"])
+    for entry in summary.values():
+        entry["within_fraction"] = entry.pop("within") / entry["shapes"]
+    return summary
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.generalize",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--families", default=",".join(shapes.FAMILIES))
+    parser.add_argument("--shapes", type=int, default=6, help="random shapes per family")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the draw (default: a fresh one, recorded in the output)")
+    parser.add_argument("--max-seconds", type=float, default=480.0,
+                        help="stop starting shapes after this long")
+    parser.add_argument("--call-seconds", type=float, default=10.0,
+                        help="time budget of one measurement, compile included")
+    parser.add_argument("--iterations", type=int, default=30)
+    parser.add_argument("--method", default=None, help="timer (default: the best available)")
+    parser.add_argument("--tiny", action="store_true", help="small shapes (CPU check)")
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    options = parser.parse_args(argv)
+    families = [f for f in options.families.split(",") if f]
+    unknown = set(families) - set(shapes.FAMILIES)
+    if unknown:
+        parser.error(f"unknown families {sorted(unknown)}; known: {shapes.FAMILIES}")
+    seed = options.seed if options.seed is not None else random.SystemRandom().randrange(2**31)
+    rng = random.Random(seed)
+    device_kind = jax.devices()[0].device_kind
+    out = options.out or (pathlib.Path(__file__).parent / "results" /
+                          device_kind_key(device_kind) / "generalization.json")
+    draws = [(family, shapes.draw(family, rng, options.tiny))
+             for _ in range(options.shapes) for family in families]
+    deadline = time.monotonic() + options.max_seconds
+    rows: list[dict[str, Any]] = []
+    for family, params in draws:
+        if time.monotonic() > deadline:
+            break
+        rows += measure_shape(family, params, seed=seed % benchmarking.MAX_SEED,
+                              iterations=options.iterations,
+                              call_seconds=options.call_seconds, method=options.method)
+        print(f"{family} {params}: done", flush=True)
+    summary = summarize(rows)
+    for name, entry in sorted(summary.items()):
+        print(f"{name}: {entry['shapes']} shapes, None within {WITHIN:.0%} of the fastest at "
+              f"{entry['within_fraction']:.0%}, worst {entry['worst_ratio']:.2f}x", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "provenance": {"commit": _commit(), "jax": jax.__version__, "device_kind": device_kind,
+                       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                       "seed": seed},
+        "summary": summary, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Predicted op times: the roofline time of the work a call does, over the device's
+measured ceilings, divided by the efficiency the implementation reached near the call.
+
+The work comes from the op (`performed_work`: the family's ideal work, `Op.roofline`,
+unless the implementation does work of another kind; a VJP op's from its family's
+gradient rule or its nested calls). The efficiency comes from the
+device's calibration (`core.calibration`): the measured points of this op and dtype
+nearest the call in log-size space (FLOPs and bytes), interpolated; where none is near,
+the op's median efficiency. No calibration for the device kind, no work, or no point of
+the op: no prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import operator
+import statistics
+from collections.abc import Sequence
+
+import numpy as np
+
+from tokamax_pass.core import calibration as calibration_lib
+from tokamax_pass.core import spec
+from tokamax_pass.core.op import HOOKS, BoundArguments, Op
+from tokamax_pass.core.roofline import Work
+
+# Points within this distance (log2 units of FLOPs and bytes: 1.0 is a factor of 2 in
+# one of them) of a call are its neighbours; the nearest few are interpolated.
+NEIGHBOUR_RADIUS = 1.0
+NEIGHBOURS = 4
+# What an XLA gradient that reruns its forward (`Op.reruns_forward`) is taken to cost
+# inside a program, as a share of its time alone (`autotuning.cache.RERUN_SHARE`, which
+# measurements use alike): calibration points are times alone.
+RERUN_SHARE = 0.5
+# Arguments of a VJP call that are not the forward's (`core.vjp.RESERVED_NAMES`; that
+# module imports the resolution, which imports this one).
+NOT_FORWARD = frozenset({"residuals", "out", "dout", "shared_inputs", "dresiduals"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A predicted time and how it was reached: interpolated from points near the call
+    (`near`), or the op's median efficiency."""
+
+    seconds: float
+    efficiency: float
+    near: bool
+
+
+def op_name(op: Op) -> str:
+    """The name calibration points carry for `op`: its class, with the ops it wraps
+    (`RaggedDotVjp(PallasTritonRaggedDot)`), configs aside."""
+    inner = [getattr(op, f.name) for f in dataclasses.fields(op)
+             if f.name not in ("config", "vjp") and isinstance(getattr(op, f.name), Op)]
+    name = type(op).__name__
+    return f"{name}({','.join(op_name(o) for o in inner)})" if inner else name
+
+
+def call_dtype(ba: BoundArguments) -> str | None:
+    """The dtype a call computes in: its first floating-point forward argument's."""
+    for name, value in ba.arguments.items():
+        if name in NOT_FORWARD or not spec.is_array(value):
+            continue
+        dtype = np.dtype(value.dtype)
+        if np.issubdtype(dtype, np.floating) or dtype.name == "bfloat16":
+            return dtype.name
+    return None
+
+
+def performed_work(ba: BoundArguments) -> Work | None:
+    """The work the call does as its op performs it (`Op.performed_work`). A VJP op's:
+    its nested calls' work added up, for one that makes op calls (`evidence_calls`),
+    else its forward family's `vjp_roofline` of the forward arguments."""
+    op = ba.op
+    if not isinstance(op, HOOKS.vjp_base):
+        return op.performed_work(ba)
+    nested = op.evidence_calls(ba)
+    if nested is not None:
+        works = [performed_work(call) for call in nested]
+        if not works or any(w is None for w in works):
+            return None
+        return functools.reduce(operator.add, works)
+    family = op.forward_family
+    if family is None and isinstance(getattr(op, "forward", None), Op):
+        family = type(op.forward)
+    if family is None:
+        return None
+    forward = {k: v for k, v in ba.arguments.items() if k not in NOT_FORWARD}
+    return family().vjp_roofline(BoundArguments(family(), forward, ba.vmap))
+
+
+def call_work(ba: BoundArguments) -> Work | None:
+    """The work the call does as its op performs it, `vmap`s included."""
+    work = performed_work(ba)
+    if work is None:
+        return None
+    copies = math.prod(level.size for level in ba.vmap)
+    return Work(work.flops * copies, work.bytes * copies)
+
+
+def _features(flops: float, nbytes: float) -> tuple[float, float]:
+    return math.log2(max(flops, 1.0)), math.log2(max(nbytes, 1.0))
+
+
+def efficiency(calibration: calibration_lib.Calibration, name: str, dtype: str,
+               work: Work) -> tuple[float, bool] | None:
+    """`(efficiency, near)` of op `name` in `dtype` at `work`, or `None` with no point."""
+    points = calibration.by_op.get(name, ())
+    same_dtype = [p for p in points if p.dtype == dtype]
+    if not same_dtype:
+        return (statistics.median(p.efficiency for p in points), False) if points else None
+    x = _features(work.flops, work.bytes)
+    distances = sorted(
+        (math.dist(x, _features(p.flops, p.bytes)), p.efficiency) for p in same_dtype)
+    near = [(d, e) for d, e in distances[:NEIGHBOURS] if d <= NEIGHBOUR_RADIUS]
+    if not near:
+        return statistics.median(p.efficiency for p in same_dtype), False
+    weights = [1.0 / (d + 0.05) for d, _ in near]
+    log_efficiency = sum(w * math.log(e) for w, (_, e) in zip(weights, near, strict=True))
+    return math.exp(log_efficiency / sum(weights)), True
+
+
+def predict(ba: BoundArguments,
+            calibration: calibration_lib.Calibration | None) -> Prediction | None:
+    """The predicted time of `ba` on the calibrated device, or `None` (see the module)."""
+    if calibration is None:
+        return None
+    dtype = call_dtype(ba)
+    work = call_work(ba)
+    if dtype is None or work is None or work.flops <= 0 and work.bytes <= 0:
+        return None
+    roofline = calibration.ceilings.roofline_seconds(work, dtype)
+    found = efficiency(calibration, op_name(ba.op), dtype, work)
+    if roofline is None or found is None:
+        return None
+    value, near = found
+    return Prediction(roofline / value, value, near)
+
+
+def predict_all(candidates: Sequence[BoundArguments],
+                device_kind: str | None) -> list[Prediction | None] | None:
+    """Each candidate's prediction on `device_kind`, or `None` where it has no calibration."""
+    calibration = calibration_lib.for_device_kind(device_kind)
+    if calibration is None:
+        return None
+    return [_predict_or_none(ba, calibration) for ba in candidates]
+
+
+def _predict_or_none(ba: BoundArguments,
+                     calibration: calibration_lib.Calibration) -> Prediction | None:
+    """`predict`, with a work rule that fails on an unusual call (a user-defined family's,
+    say) giving no prediction rather than failing the op call."""
+    try:
+        return predict(ba, calibration)
+    except (ArithmeticError, AttributeError, LookupError, TypeError, ValueError) as e:
+        logging.getLogger(__name__).warning(
+            "tokamax_pass: no prediction for %s: %s: %s", op_name(ba.op), type(e).__name__, e)
+        return None

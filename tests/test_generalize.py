@@ -1,0 +1,55 @@
+"""The generalization benchmark, tiny on CPU, and its summary."""
+
+import json
+import random
+
+import pytest
+
+from benchmarks import generalize, shapes
+
+
+def test_draws_stay_in_range_and_change_with_the_seed():
+    for family in shapes.FAMILIES:
+        first = [shapes.draw(family, random.Random(1)) for _ in range(3)]
+        assert all(shapes.call_bytes(family, p) <= shapes.MAX_CALL_BYTES for p in first)
+        assert first == [shapes.draw(family, random.Random(1)) for _ in range(3)]
+    draws = {json.dumps(shapes.draw("ragged_dot", random.Random(seed))) for seed in range(8)}
+    assert len(draws) > 4
+    p = shapes.draw("ragged_dot", random.Random(3))
+    assert 8 <= p["groups"] <= 256 and 8 <= p["rows_per_group"] <= 8192
+    assert (p["k"], p["n"]) in shapes.MOE_K_N
+
+
+def test_summary_counts_shapes_within_ten_percent_and_the_worst_ratio():
+    def rows(params, none_ms, others):
+        return [{"family": "f", "mode": "fwd", "params": params, "kind": "none",
+                 "implementation": "None", "ms": none_ms}] + [
+            {"family": "f", "mode": "fwd", "params": params, "kind": "ours",
+             "implementation": name, "ms": ms} for name, ms in others.items()]
+
+    summary = generalize.summarize(
+        rows({"a": 1}, 1.05, {"xla": 1.05, "triton": 1.0})
+        + rows({"a": 2}, 3.0, {"xla": 3.0, "triton": 1.5})
+        + rows({"a": 3}, 1.0, {"xla": 1.0, "triton": 2.0}))
+    entry = summary["f fwd"]
+    assert entry["shapes"] == 3 and entry["within_fraction"] == pytest.approx(2 / 3)
+    assert entry["worst_ratio"] == pytest.approx(2.0)
+    assert entry["worst_params"] == {"a": 2} and entry["worst_fastest"] == "triton"
+
+
+def test_a_tiny_run_writes_one_file_with_provenance(tmp_path):
+    out = tmp_path / "generalization.json"
+    args = ["--tiny", "--families", "layer_norm,ragged_dot", "--shapes", "1",
+            "--iterations", "3", "--method", "wallclock", "--out", str(out)]
+    assert generalize.main([*args, "--seed", "5"]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["provenance"]) == {"commit", "jax", "device_kind", "date", "seed"}
+    assert data["provenance"]["seed"] == 5
+    assert set(data["summary"]) == {"layer_norm fwd", "layer_norm fwd+bwd", "ragged_dot fwd",
+                                    "ragged_dot fwd+bwd"}
+    none_rows = [r for r in data["rows"] if r["kind"] == "none"]
+    assert all(r["ms"] > 0 and r["chosen"] in ("LayerNorm", "RaggedDot") for r in none_rows)
+    assert {r["implementation"] for r in data["rows"] if "ms" in r} >= {
+        "None", "xla", "jax.lax.ragged_dot"}
+    assert generalize.main(args) == 0  # a fresh draw replaces the file
+    assert len(json.loads(out.read_text())["rows"]) == len(data["rows"])

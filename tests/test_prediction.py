@@ -1,0 +1,164 @@
+"""Predictions: roofline math, calibration files (and bad ones), the interpolation."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tokamax_pass.core import calibration, prediction
+from tokamax_pass.core.roofline import Ceilings, Work
+
+CEILINGS = {"bf16_tflops": 800.0, "f32_tflops": 50.0, "hbm_tbps": 4.0}
+
+
+def calibration_file(points, device_kind="NVIDIA H200", **changes):
+    data = {"schema": calibration.SCHEMA, "version": calibration.VERSION,
+            "device_kind": device_kind, "ceilings": CEILINGS,
+            "points": [dict(zip(("op", "dtype", "flops", "bytes", "efficiency"), p,
+                                strict=True)) for p in points]}
+    return {**data, **changes}
+
+
+def test_roofline_is_the_slower_of_compute_and_memory_per_dtype():
+    ceilings = Ceilings(**CEILINGS)
+    compute_bound = Work(flops=8e12, bytes=4e9)
+    assert ceilings.roofline_seconds(compute_bound, "bfloat16") == pytest.approx(1e-2)
+    assert ceilings.roofline_seconds(compute_bound, "float32") == pytest.approx(0.16)
+    memory_bound = Work(flops=1e9, bytes=4e10)
+    assert ceilings.roofline_seconds(memory_bound, "bfloat16") == pytest.approx(1e-2)
+    assert ceilings.roofline_seconds(memory_bound, "int8") is None
+
+
+def test_efficiency_interpolates_near_points_and_falls_back_to_the_median():
+    cal = calibration.parse(json.dumps(calibration_file([
+        ("K", "bfloat16", 1e12, 1e9, 0.8), ("K", "bfloat16", 2e12, 2e9, 0.4),
+        ("K", "bfloat16", 1e15, 1e12, 0.1), ("K", "float32", 1e12, 1e9, 0.3)])))
+    assert prediction.efficiency(cal, "K", "bfloat16", Work(1e12, 1e9)) == pytest.approx(
+        (0.8, True), rel=0.05)
+    between, near = prediction.efficiency(cal, "K", "bfloat16", Work(1.41e12, 1.41e9))
+    assert near and 0.4 < between < 0.8
+    # Far from every point: the op's median in that dtype.
+    assert prediction.efficiency(cal, "K", "bfloat16", Work(1e6, 1e6)) == (0.4, False)
+    # No point of the dtype: the op's median over all of them.
+    assert prediction.efficiency(cal, "K", "float16", Work(1e12, 1e9)) == (
+        pytest.approx(0.35), False)
+    assert prediction.efficiency(cal, "other", "bfloat16", Work(1e12, 1e9)) is None
+
+
+def test_predict_divides_the_roofline_of_the_performed_work_by_the_efficiency():
+    from tokamax_kernels.ragged_dot import PallasTritonRaggedDot, RaggedDot
+
+    lhs = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((64, 2048, 1408), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+    cal = calibration.parse(json.dumps(calibration_file([
+        ("PallasTritonRaggedDot", "bfloat16", 1e9, 1e9, 0.5),
+        ("RaggedDot", "bfloat16", 1e9, 1e9, 0.5)])))
+    kernel = prediction.predict(PallasTritonRaggedDot().bind(lhs, rhs, sizes), cal)
+    flops = 2.0 * 4096 * 2048 * 1408
+    moved = 2 * (4096 * 2048 + 64 * 2048 * 1408 + 4096 * 1408)
+    assert kernel.seconds == pytest.approx(max(flops / 800e12, moved / 4e12) / 0.5)
+    # jax.lax.ragged_dot does a dense product per group: 64 times the FLOPs.
+    lax = prediction.predict(RaggedDot().bind(lhs, rhs, sizes), cal)
+    assert lax.seconds == pytest.approx(max(64 * flops / 800e12, moved / 4e12) / 0.5)
+
+
+def test_vjp_work_is_the_sum_of_its_nested_calls_or_the_familys_gradient():
+    from tokamax_kernels.layer_norm import LayerNorm
+    from tokamax_kernels.ragged_dot import PallasTritonRaggedDot
+
+    lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((8, 256, 128), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+    out = jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)
+    op = PallasTritonRaggedDot()
+    forward = op.bind(lhs, rhs, sizes)
+    vjp = op.vjp_op().bind(None, out, out, **forward.arguments)
+    assert prediction.op_name(vjp.op) == "RaggedDotVjp(PallasTritonRaggedDot)"
+    assert prediction.call_work(vjp).flops == pytest.approx(2 * forward.op.roofline(forward).flops)
+    x = jax.ShapeDtypeStruct((4, 1024), jnp.float32)
+    norm = LayerNorm().bind(x, jax.ShapeDtypeStruct((1024,), jnp.float32), None)
+    norm_vjp = LayerNorm().vjp_op().bind(None, x, x, **norm.arguments)
+    assert prediction.op_name(norm_vjp.op) == "AutodiffVjp(LayerNorm)"
+    assert prediction.call_work(norm_vjp) == LayerNorm().vjp_roofline(norm)
+
+
+def test_causal_attention_does_about_half_the_work():
+    from tokamax_kernels.attention import DotProductAttention
+
+    q = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.bfloat16)
+    full = DotProductAttention().bind(q, q, q)
+    causal = DotProductAttention().bind(q, q, q, is_causal=True)
+    ratio = causal.op.roofline(causal).flops / full.op.roofline(full).flops
+    assert ratio == pytest.approx(1025 / 2048)
+
+
+def _write(folder, text):
+    path = folder / "nvidia_h200.json"
+    path.write_text(text if isinstance(text, str) else json.dumps(text))
+    return path
+
+
+@pytest.mark.parametrize("bad", [
+    calibration_file([], schema="something else"),
+    calibration_file([], version=2),
+    calibration_file([("K", "bfloat16", 1e9, 1e9, 0.5)], ceilings={"bf16_tflops": 1.0}),
+    calibration_file([("K", "bfloat16", 1e9, 1e9, -0.5)]),
+    calibration_file([("K", "bfloat16", 1e9, 1e9, 50.0)]),
+    calibration_file([("K", "bfloat16", 1e9, 1e9, "0.5")]),
+    calibration_file([("K", "bfloat16", 1e9, 1e9, True)]),
+    calibration_file([(["K"], "bfloat16", 1e9, 1e9, 0.5)]),
+    calibration_file([("K" * 1000, "bfloat16", 1e9, 1e9, 0.5)]),
+    calibration_file([], extra={"code": "import os"}),
+    calibration_file([], provenance={"commit": {"nested": "object"}}),
+    {**calibration_file([]), "points": {"not": "a list"}},
+    '{"schema": "tokamax_pass.calibration", "version": 1, "device_kind": "NVIDIA H200", '
+    '"ceilings": {"bf16_tflops": NaN, "f32_tflops": 1, "hbm_tbps": 1}, "points": []}',
+    '{"schema": "tokamax_pass.calibration", "version": 1, "device_kind": "NVIDIA H200", '
+    '"ceilings": {"bf16_tflops": 1, "f32_tflops": Infinity, "hbm_tbps": 1}, "points": []}',
+    "[" * 100_000 + "]" * 100_000,
+    "not json",
+    " " * (calibration.MAX_FILE_BYTES + 1),
+], ids=lambda bad: str(bad)[:40])
+def test_a_bad_calibration_file_is_reported_and_ignored(calibration_dir, bad):
+    _write(calibration_dir, bad)
+    with pytest.warns(UserWarning, match="ignoring the calibration file"):
+        assert calibration.for_device_kind("NVIDIA H200") is None
+
+
+def test_too_many_points_are_refused():
+    point = ("K", "bfloat16", 1e9, 1e9, 0.5)
+    with pytest.raises(calibration.CalibrationError, match="at most"):
+        calibration.parse(json.dumps(calibration_file([point] * (calibration.MAX_POINTS + 1))))
+
+
+def test_a_good_file_loads_for_its_device_kind_only(calibration_dir):
+    _write(calibration_dir, calibration_file([("K", "float32", 1e9, 1e9, 0.5)],
+                                             provenance={"commit": "abc"}))
+    loaded = calibration.for_device_kind("NVIDIA H200")
+    assert loaded.ceilings == Ceilings(**CEILINGS)
+    assert loaded.points == (calibration.Point("K", "float32", 1e9, 1e9, 0.5),)
+    assert calibration.for_device_kind("NVIDIA H100") is None  # no file
+    assert calibration.for_device_kind(None) is None
+    # A file whose device kind is not the one its name says is not used.
+    (calibration_dir / "nvidia_h100.json").write_text(json.dumps(calibration_file([])))
+    assert calibration.for_device_kind("NVIDIA H100") is None
+    # An edited file is read again.
+    _write(calibration_dir, calibration_file([("K", "float32", 1e9, 1e9, 0.25)],
+                                             provenance={"commit": "abcd"}))
+    assert calibration.for_device_kind("NVIDIA H200").points[0].efficiency == 0.25
+    assert math.isfinite(loaded.ceilings.hbm_tbps)
+
+
+def test_the_vjp_argument_names_are_the_vjp_modules():
+    from tokamax_pass.core import vjp
+
+    assert prediction.NOT_FORWARD == set(vjp.RESERVED_NAMES)
+
+
+def test_a_rerunning_gradient_counts_as_measurements_count_it():
+    from tokamax_pass.autotuning import cache
+
+    assert prediction.RERUN_SHARE == cache.RERUN_SHARE
