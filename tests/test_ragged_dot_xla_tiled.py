@@ -12,7 +12,7 @@ import tokamax_pass
 from conftest import assert_close, random_normal
 from tokamax_kernels.ragged_dot import ragged_dot
 from tokamax_kernels.ragged_dot.base import xla_ragged_dot
-from tokamax_kernels.ragged_dot.xla_tiled import DEFAULT_RULE, TilingRule, row_tiles
+from tokamax_kernels.ragged_dot.xla_tiled import DEFAULT_RULE, Problem, TilingRule, row_tiles
 from tokamax_pass.core import targeting
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -127,15 +127,20 @@ def test_row_tiles_cover_each_row_once_in_its_group(case, tile):
     np.testing.assert_array_equal(owner, want)
 
 
-def test_rule_keeps_lax_for_few_groups_and_tiles_many():
-    assert not DEFAULT_RULE.prefers_tiled(16384, 1)
-    assert not DEFAULT_RULE.prefers_tiled(16384, 2)  # m + 2 tiles > half of 2 * m
-    assert not DEFAULT_RULE.prefers_tiled(32, 4)  # 32 + 4 * 16 padded rows > 64
-    assert DEFAULT_RULE.prefers_tiled(24576, 64)
-    assert DEFAULT_RULE.prefers_tiled(1536, 64)
-    assert DEFAULT_RULE.tile_rows(1536, 64) == 32
-    assert DEFAULT_RULE.tile_rows(24576, 64) == 128
-    assert TilingRule(tile_m=64).tile_rows(10, 3) == 64
+def test_rule_predicts_lax_for_few_groups_and_tiles_many():
+    def problem(m, groups, k, n):
+        return Problem(m=m, groups=groups, k=k, n=n, itemsize=2)
+
+    decode, fine = problem(1536, 64, 2048, 1408), problem(24576, 64, 2048, 1408)
+    assert DEFAULT_RULE.prefers_tiled(decode) and DEFAULT_RULE.tile_rows(decode) == 128
+    assert DEFAULT_RULE.prefers_tiled(fine) and DEFAULT_RULE.tile_rows(fine) == 512
+    # lax's dense work per group: about G times the rows' work.
+    assert DEFAULT_RULE.lax_seconds(fine) > 10 * DEFAULT_RULE.tiled_seconds(fine, 512)
+    assert not DEFAULT_RULE.prefers_tiled(problem(16384, 1, 4096, 4096))  # one matmul
+    assert not DEFAULT_RULE.prefers_tiled(problem(512, 8, 4096, 14336))  # weights dominate
+    assert not DEFAULT_RULE.prefers_tiled(problem(0, 8, 16, 16))
+    assert TilingRule(tile_m=64).tile_rows(decode) == 64
+    assert DEFAULT_RULE.tile_rows(problem(40, 8, 2048, 2048)) <= 64  # no tile past M
 
 
 def _export(fn, *args, platform):
@@ -163,14 +168,18 @@ def test_auto_path_by_platform_and_shape(platform, groups, want_tiled):
 
 
 def test_op_on_cpu_runs_tiled_under_vmap_with_gradients():
-    """`ragged_dot(implementation="xla")` at 8 groups of about 32 rows picks the tiled form
+    """`ragged_dot(implementation="xla")` at 64 groups of about 24 rows picks the tiled form
     on CPU by itself; batched (per-entry traced sizes) and differentiated, it matches the
     per-group reference."""
-    m, k, n, groups = 256, 16, 8, 8
-    batch_sizes = [[40, 0, 71, 3, 30, 50, 12, 20], [32] * 8]  # 226 of 256 rows, and all
+    m, k, n, groups = 1536, 64, 32, 64
+    weights = np.linspace(1, 3, groups)
+    skewed = np.random.default_rng(0).multinomial(m - 100, weights / weights.sum())
+    skewed[[3, 40]] = 0  # empty groups, and 100 rows past the sum
+    batch_sizes = [skewed.tolist(), [m // groups] * groups]
     lhs, rhs = random_normal(20, (2, m, k)), random_normal(21, (2, groups, k, n))
     sizes = jnp.asarray(batch_sizes, jnp.int32)
-    assert DEFAULT_RULE.prefers_tiled(2 * m, 2 * (groups + 1))  # the folded batch
+    folded = Problem(m=2 * m, groups=2 * (groups + 1), k=k, n=n, itemsize=4)
+    assert DEFAULT_RULE.prefers_tiled(folded)
 
     def fn(a, b, s):
         return ragged_dot(a, b, s, precision=HIGHEST, implementation="xla")

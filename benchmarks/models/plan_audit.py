@@ -294,9 +294,9 @@ def _decisions(model: Model) -> list[Any]:
     """The step's decisions for the H200 (`Optimized._trace`: the plan's rows with each
     call's candidates kept), from shapes only."""
     params, batch = jax.eval_shape(lambda: run._inputs(model, smoke=False))
-    grad = jax.grad(model.loss_fn(ops.variants()["ours"], smoke=False))
+    step = model.step_fn(ops.variants()["ours"], smoke=False)
     with core.targeting(DEVICE_KIND):
-        return tokamax.optimize(grad)._trace((params, batch), {}, platforms=None)
+        return tokamax.optimize(step)._trace((params, batch), {}, platforms=None)
 
 
 def audit_model(name: str, overrides: list[str]) -> Iterator[dict[str, Any]]:

@@ -63,7 +63,7 @@ MOSAIC_CONFIGS = tuple(MosaicConfig(tile_m=tm, tile_n=tn, tile_k=tk, num_stages=
     (128, 128, 64, 4),
 ))
 TILING_RULES = (TilingRule(), TilingRule(tile_m=32), TilingRule(tile_m=128),
-                TilingRule(rows_per_step=8192))
+                TilingRule(tile_m=512), TilingRule(rows_per_step=8192))
 
 
 def label(config: Any) -> str:

@@ -106,18 +106,18 @@ def _check_concrete_group_sizes(group_sizes: Any, m: int) -> None:
 PATHS = ("auto", "lax", "tiled")
 
 
-def _runs_tiled(path: str, rule: xla_tiled.TilingRule, lhs: Any, rhs: Any,
+def _runs_tiled(path: str, rule: xla_tiled.TilingRule, variant: str, lhs: Any, rhs: Any,
                 group_sizes: Any) -> bool:
     """`path` "auto": tiled on platforms whose `jax.lax.ragged_dot` is dense per group
     (`xla_tiled.TILED_PLATFORMS`), for floating operands of one dtype, where
-    `rule` says the padded tiles do much less work."""
+    `rule` predicts the tiled form well ahead of `jax.lax.ragged_dot`."""
     if path != "auto":
         return path == "tiled"
     if current_target().platform not in xla_tiled.TILED_PLATFORMS:
         return False
     if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
         return False
-    return rule.prefers_tiled(lhs.shape[0], group_sizes.shape[0])
+    return rule.prefers_tiled(xla_tiled.problem(lhs, rhs, group_sizes, variant))
 
 
 @functools.cache
@@ -142,7 +142,7 @@ def xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any,
 
     @jax.custom_batching.custom_vmap
     def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        if _runs_tiled(path, tiling, lhs, rhs, group_sizes):
+        if _runs_tiled(path, tiling, variant, lhs, rhs, group_sizes):
             return xla_tiled.tiled_ragged_dot(
                 lhs, rhs, group_sizes, variant=variant,
                 dimension_numbers=_DIMENSION_NUMBERS[variant], precision=precision,

@@ -5,7 +5,8 @@ masks, so its work grows with the number of groups. Here the rows, already
 consecutive by group, are cut into row tiles of `tile_m` rows that start at each
 group's first row (a group of s rows takes ceil(s / tile_m) tiles, the last one
 padded), so the work is about (M + G * tile_m) * K * N whatever the group sizes
-(traced sizes included: the tile count, ceil(M / tile_m) + G, is static). A
+(traced sizes included: the tile count, ceil(M / tile_m) + G, is static; `TilingRule`
+picks tile_m and whether to tile at all from the shapes). A
 `lax.scan` walks the tiles `tiles_per_step` at a time: each step gathers its tiles'
 rows and their groups' matrices and runs one batched matmul; rows are scattered
 back at the end (rows past the sum of the sizes stay zero).
@@ -32,35 +33,68 @@ TILED_PLATFORMS = ("cpu", "cuda", "rocm")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Problem:
+    """A call's static sizes: M rows in G groups, each row meeting a (K, N) matrix of
+    `itemsize`-byte elements (forward and dlhs: `rhs[g]`; drhs: its output block)."""
+
+    m: int
+    groups: int
+    k: int
+    n: int
+    itemsize: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TilingRule:
     """The static choice between `jax.lax.ragged_dot` and the tiled form, and its tiles.
 
-    `tile_m`: rows a tile; `None` picks the power of two at or above the mean rows a group,
-    clipped to [`min_tile_m`, `max_tile_m`] (small groups waste little padding, large
-    ones run large matmuls). The tiled form runs where its padded work, (M + G * tile_m)
-    rows, is at most `max_work_ratio` of the G * M rows the dense-per-group form does.
-    `rows_per_step`: rows a scan step multiplies (its tiles' weights are gathered
-    together), capped so the gathered weights stay within `max_step_weight_bytes`.
+    Both forms are predicted by a roofline from the shapes alone (group sizes are not
+    known). `jax.lax.ragged_dot`: 2 * G * M * K * N FLOPs, overlapped with one read of the
+    G matrices. The tiled form with tiles of T rows: a gather that reads and writes its
+    tiles' matrices, (M / T + G) * K * N elements, then matmuls of 2 * (M + G * T) * K * N
+    FLOPs overlapped with one more read of them. Large tiles pad more rows; small ones
+    gather the matrices more often.
+
+    `tile_m`: rows a tile; `None` takes the `tile_choices` entry of least predicted time
+    (none above the power of two at or above M). The tiled form runs where its predicted
+    time is at most `max_time_ratio` of `jax.lax.ragged_dot`'s. `flops_per_s` and
+    `bytes_per_s`: the dense bf16 matmul rate and the memory bandwidth of an H200; only
+    their ratio and the two forms' ratio of times matter to the choice.
+    `rows_per_step`: rows a scan step multiplies (its tiles' matrices are gathered
+    together), capped so the gathered matrices stay within `max_step_weight_bytes`.
     """
 
     tile_m: int | None = None
-    min_tile_m: int = 16
-    max_tile_m: int = 128
-    max_work_ratio: float = 0.5
+    tile_choices: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
+    max_time_ratio: float = 0.8
+    flops_per_s: float = 776e12
+    bytes_per_s: float = 4.29e12
     rows_per_step: int = 2048
     max_step_weight_bytes: int = 1 << 28
 
-    def tile_rows(self, m: int, groups: int) -> int:
+    def lax_seconds(self, p: Problem) -> float:
+        compute = 2 * p.groups * p.m * p.k * p.n / self.flops_per_s
+        return max(compute, p.groups * p.k * p.n * p.itemsize / self.bytes_per_s)
+
+    def tiled_seconds(self, p: Problem, tile_m: int) -> float:
+        tiles = -(-p.m // tile_m) + p.groups
+        compute = 2 * tiles * tile_m * p.k * p.n / self.flops_per_s
+        read = tiles * p.k * p.n * p.itemsize / self.bytes_per_s
+        return 2 * read + max(compute, read)
+
+    def tile_rows(self, p: Problem) -> int:
         if self.tile_m is not None:
             return self.tile_m
-        mean = max(1, m // max(groups, 1))
-        return int(np.clip(1 << (mean - 1).bit_length(), self.min_tile_m, self.max_tile_m))
+        cap = 1 << max(p.m - 1, 0).bit_length()
+        choices = [t for t in self.tile_choices if t <= cap] or [min(self.tile_choices)]
+        return min(choices, key=lambda t: (self.tiled_seconds(p, t), t))
 
-    def prefers_tiled(self, m: int, groups: int) -> bool:
-        """True where the padded tiles do at most `max_work_ratio` of the dense work."""
-        if groups < 2 or m == 0:
+    def prefers_tiled(self, p: Problem) -> bool:
+        """True where the tiled form is predicted at most `max_time_ratio` of lax's time."""
+        if p.groups < 2 or p.m == 0:
             return False
-        return m + groups * self.tile_rows(m, groups) <= self.max_work_ratio * groups * m
+        tiled = self.tiled_seconds(p, self.tile_rows(p))
+        return tiled <= self.max_time_ratio * self.lax_seconds(p)
 
     def tiles_per_step(self, num_tiles: int, tile_m: int, weight_bytes: int) -> int:
         by_rows = max(1, self.rows_per_step // tile_m)
@@ -107,6 +141,13 @@ def _accumulation_dtype(out_dtype: np.dtype) -> np.dtype:
     return out_dtype
 
 
+def problem(lhs: Any, rhs: Any, group_sizes: Any, variant: str) -> Problem:
+    """The `Problem` of a call of the family's `variant` (see `base.py`)."""
+    k, n = (lhs.shape[1], rhs.shape[1]) if variant == "drhs" else rhs.shape[1:]
+    return Problem(m=lhs.shape[0], groups=group_sizes.shape[0], k=k, n=n,
+                   itemsize=np.dtype(rhs.dtype).itemsize)
+
+
 def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, variant: str,
                      dimension_numbers: Any, precision: Any, preferred_element_type: Any,
                      rule: TilingRule = DEFAULT_RULE) -> jax.Array:
@@ -121,7 +162,7 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, 
         out_shape = (m, rhs.shape[1] if variant == "dlhs" else rhs.shape[2])
     if m == 0 or groups == 0:
         return jnp.zeros(out_shape, out_dtype)
-    tile_m = rule.tile_rows(m, groups)
+    tile_m = rule.tile_rows(problem(lhs, rhs, group_sizes, variant))
     group, first, rows = row_tiles(group_sizes, m, tile_m)
     num_tiles = group.shape[0]
     weight_bytes = (math.prod(out_shape[1:]) if variant == "drhs" else
