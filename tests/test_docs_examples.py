@@ -120,6 +120,25 @@ def test_python_examples_run_as_written_on_cpu(page, example_failures):
     assert failure is None, f"{_page_id(page)}'s Python examples, pasted in order:\n{failure}"
 
 
+GENERATED = re.compile(r"<!-- report:(\w+) -->.*?<!-- /report:\1 -->|<!--fig .*?<!--/fig-->",
+                       re.S)
+HISTORY = re.compile(r"\bsession \d+|\bstep \d+\b|_s\d+[a-z]?(_\w+)?\.(json|jsonl|txt|log)\b",
+                     re.IGNORECASE)
+
+
+def test_the_readme_stays_a_short_guide():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+@pytest.mark.parametrize("page", pages(), ids=_page_id)
+def test_pages_say_what_is_not_when(page):
+    """Outside the blocks `benchmarks.report` writes, no page narrates sessions or steps or
+    cites a run's results file by name."""
+    prose = GENERATED.sub("", page.read_text())
+    found = sorted({m.group(0) for m in HISTORY.finditer(prose)})
+    assert not found, f"{_page_id(page)} narrates history: {found}"
+
+
 def test_code_blocks_are_parsed_with_their_tags_and_device_markers():
     text = ("intro\n```python\nx = 1\n```\n\n```bash\nls\n```\n"
             "```python\n# needs a GPU\ny = 2\n```\n```\nuntagged\n```\n")
