@@ -98,26 +98,22 @@ print("RESULTS " + json.dumps(failures))
 """
 
 
-@pytest.fixture(scope="module")
-def example_failures(tmp_path_factory) -> dict[str, str | None]:
-    """{page id: the traceback of its examples' failure, or None}, all pages in one run."""
-    scratch = tmp_path_factory.mktemp("docs_examples")
-    jobs = [(_page_id(page), runnable_program(page), str(scratch / f"page{i}"))
+def test_python_examples_run_as_written_on_cpu(tmp_path):
+    """All pages in one process (one test, so pytest-xdist never splits it in two)."""
+    jobs = [(_page_id(page), runnable_program(page), str(tmp_path / f"page{i}"))
             for i, page in enumerate(PAGES_WITH_EXAMPLES)]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", TOKAMAX_PASS_CACHE_DIR=str(scratch / "cache"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TOKAMAX_PASS_CACHE_DIR=str(tmp_path / "cache"))
     path = [str(ROOT / "src"), str(ROOT / "kernels"), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in path if p)
-    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(jobs)], cwd=scratch,
+    done = subprocess.run([sys.executable, "-c", RUNNER, json.dumps(jobs)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert done.returncode == 0 and lines, f"the examples' process failed:\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1].removeprefix("RESULTS "))
-
-
-@pytest.mark.parametrize("page", PAGES_WITH_EXAMPLES, ids=_page_id)
-def test_python_examples_run_as_written_on_cpu(page, example_failures):
-    failure = example_failures[_page_id(page)]
-    assert failure is None, f"{_page_id(page)}'s Python examples, pasted in order:\n{failure}"
+    failures = json.loads(lines[-1].removeprefix("RESULTS "))
+    assert sorted(failures) == sorted(page_id for page_id, _, _ in jobs)
+    failed = {page: trace for page, trace in failures.items() if trace is not None}
+    assert not failed, "Python examples that fail when pasted in order:\n" + "\n".join(
+        f"{page}:\n{trace}" for page, trace in failed.items())
 
 
 GENERATED = re.compile(r"<!-- report:(\w+) -->.*?<!-- /report:\1 -->|<!--fig .*?<!--/fig-->",
