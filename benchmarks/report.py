@@ -1,12 +1,14 @@
-"""Writes the README's measured tables from the results files, or checks they match them.
+"""Writes the measured tables of README.md and docs/ from the results files, or checks them.
 
-    python -m benchmarks.report           # rewrite the tables between the README's markers
-    python -m benchmarks.report --check   # exit 1 when the README differs (CI runs this)
+    python -m benchmarks.report           # rewrite the tables between the pages' markers
+    python -m benchmarks.report --check   # exit 1 when a page differs (CI runs this)
 
-Three tables, each between its markers (`<!-- report:NAME -->` ... `<!-- /report:NAME -->`):
-`models` (one run of `python -m benchmarks.models` per row, `MODEL_ROWS`), `ops` (one run
-of `python -m benchmarks.run` per row, `OP_ROWS`: ratios only to peers measured in that
-run, and the peers of the family that did not run named) and `seed` (`SEED_RUN`).
+The pages are README.md and every `docs/**/*.md`. Four tables, each between its markers
+(`<!-- report:NAME -->` ... `<!-- /report:NAME -->`) on exactly one page: `models` (one run
+of `python -m benchmarks.models` per row, `MODEL_ROWS`), `ops` (one run of
+`python -m benchmarks.run` per row, `OP_ROWS`: ratios only to peers measured in that run,
+and the peers of the family that did not run named), `seed` (`SEED_RUN`) and `tpu` (public
+per-chip figures, not measurements).
 Every number is read from the file the row names. A figure quoted in the prose is written
 `<!--fig FILE PATH FORMAT-->value<!--/fig-->`: the value at PATH in the results file
 (dotted keys and list indices, `~` standing for a space; `[key=value;...]` picks the one
@@ -25,6 +27,7 @@ from typing import Any
 
 ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 RESULTS = ROOT / "benchmarks" / "results" / "nvidia_h200"
 BEGIN, END = "<!-- report:models -->", "<!-- /report:models -->"
 
@@ -150,13 +153,11 @@ def op_table() -> str:
     return ("H200, bf16, device time (CUPTI), median of 10-20 after warm-up; TFLOP/s (attention "
             "counts `4*b*h*s^2*d` forward, 3.5x that forward+backward, half for causal; "
             "ragged dot and GLU `2*m*k*n`, 3x forward+backward) or TB/s (norms: bytes read "
-            "and written). The ratio compares only with peers timed in the same run. Runs "
-            "before 2026-12-01 measured `None` under the previous rule (kernels first, "
-            "measured or not); today's `None` runs those kernels only where the shipped "
-            "cache says they win. Runs from 2026-12-02 time forward+backward with the "
-            "output as its cotangent behind an optimization barrier (as upstream Tokamax "
-            "does); earlier ones let XLA fuse the backward with the expression that made "
-            "the cotangent.\n\n"
+            "and written). The ratio compares only with peers timed in the same run; `run` is "
+            "the date of that run. Rows run before 2026-12-01 measured `None` under a rule "
+            "that ran kernels first, measured or not. Rows run before 2026-12-02 time "
+            "forward+backward without the optimization barrier, so XLA may fuse the "
+            "backward with the expression that made the cotangent.\n\n"
             + "\n".join(lines))
 
 
@@ -232,34 +233,60 @@ def figure(file: str, path: str, fmt: str) -> str:
     return format(value, fmt)
 
 
-def rendered(readme: str) -> str:
-    """`readme` with the text between each table's markers replaced by the current table."""
+def rendered(page: str) -> str:
+    """`page` with the text between each table's markers replaced by the current table and
+    each figure by its current value."""
     for name, table in TABLES.items():
         begin, end = f"<!-- report:{name} -->", f"<!-- /report:{name} -->"
-        if begin not in readme or end not in readme:
-            raise SystemExit(f"README.md lacks the markers {begin} ... {end}")
-        head, rest = readme.split(begin, 1)
+        if begin not in page:
+            continue
+        if end not in page:
+            raise SystemExit(f"{begin} has no {end} after it")
+        head, rest = page.split(begin, 1)
         _, tail = rest.split(end, 1)
-        readme = f"{head}{begin}\n{table()}\n{end}{tail}"
+        page = f"{head}{begin}\n{table()}\n{end}{tail}"
     return FIGURE.sub(lambda m: f"<!--fig {m[1]} {m[2]} {m[3]}-->{figure(m[1], m[2], m[3])}"
-                      "<!--/fig-->", readme)
+                      "<!--/fig-->", page)
 
 
-def main(argv: list[str] | None = None, readme: pathlib.Path = README) -> int:
+def pages(readme: pathlib.Path = README, docs: pathlib.Path = DOCS) -> list[pathlib.Path]:
+    """README.md, then every markdown page under `docs` in path order."""
+    return [readme, *sorted(docs.rglob("*.md"))] if docs.is_dir() else [readme]
+
+
+def _check_markers(texts: dict[pathlib.Path, str]) -> None:
+    """Every table's markers appear on exactly one page."""
+    for name in TABLES:
+        found = [path.name for path, text in texts.items()
+                 if f"<!-- report:{name} -->" in text]
+        if len(found) != 1:
+            raise SystemExit(f"the table <!-- report:{name} --> must be on exactly one page "
+                             f"of README.md and docs/, found on {found or 'none'}")
+
+
+def main(argv: list[str] | None = None, readme: pathlib.Path = README,
+         docs: pathlib.Path = DOCS) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
-                        help="fail when the README's table differs from the results files")
+                        help="fail when a page's tables or figures differ from the results files")
     args = parser.parse_args(argv)
-    current = readme.read_text()
-    wanted = rendered(current)
+    texts = {path: path.read_text() for path in pages(readme, docs)}
+    _check_markers(texts)
+    stale = []
+    for path, current in texts.items():
+        wanted = rendered(current)
+        if wanted == current:
+            continue
+        stale.append(path)
+        if not args.check:
+            path.write_text(wanted)
     if args.check:
-        if wanted != current:
-            print("README.md's tables differ from the results files: run "
+        if stale:
+            names = ", ".join(str(path) for path in stale)
+            print(f"{names}: tables or figures differ from the results files: run "
                   "`python -m benchmarks.report`", file=sys.stderr)
             return 1
-        print("README.md's tables match the results files")
-        return 0
-    readme.write_text(wanted)
+        print("README.md's and docs/'s tables match the results files")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 
 import pytest
 
@@ -158,34 +159,72 @@ def test_ceilings_and_prepared_peers(tmp_path):
     assert ours and all(r["of_ceiling"] > 0 for r in ours)
 
 
-def test_report_check_fails_when_the_readme_differs_from_the_results(tmp_path, capsys):
+def _copy_pages(tmp_path):
+    """A copy of README.md and docs/ under `tmp_path`: (readme, docs)."""
     from benchmarks import report
 
     readme = tmp_path / "README.md"
     readme.write_text(report.README.read_text())
-    assert report.main(["--check"], readme=readme) == 0
+    shutil.copytree(report.DOCS, tmp_path / "docs")
+    return readme, tmp_path / "docs"
+
+
+def test_report_check_fails_when_the_readme_differs_from_the_results(tmp_path, capsys):
+    from benchmarks import report
+
+    readme, docs = _copy_pages(tmp_path)
+    assert report.main(["--check"], readme=readme, docs=docs) == 0
     text = readme.read_text()
     table = text[text.index(report.BEGIN):text.index(report.END)]
     plain_ms = table.split("| llama | ")[1].split(" ms")[0]
     readme.write_text(text.replace(f"| llama | {plain_ms} ms", "| llama | 1.00 ms"))
-    assert report.main(["--check"], readme=readme) == 1
-    assert report.main([], readme=readme) == 0  # rewriting restores the measured numbers
-    assert report.main(["--check"], readme=readme) == 0
+    assert report.main(["--check"], readme=readme, docs=docs) == 1
+    assert report.main([], readme=readme, docs=docs) == 0  # rewriting restores the numbers
+    assert report.main(["--check"], readme=readme, docs=docs) == 0
+
+
+def test_report_checks_the_tables_on_the_docs_pages(tmp_path, capsys):
+    from benchmarks import report
+
+    readme, docs = _copy_pages(tmp_path)
+    page = docs / "benchmarks.md"
+    text = page.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| ragged dot m16384"))
+    rate = row.split(" | ")[2]
+    page.write_text(text.replace(row, row.replace(rate, "1 TFLOP/s", 1)))
+    assert report.main(["--check"], readme=readme, docs=docs) == 1
+    assert report.main([], readme=readme, docs=docs) == 0
+    assert page.read_text() == text
+
+
+def test_report_wants_each_table_on_exactly_one_page(tmp_path):
+    from benchmarks import report
+
+    readme, docs = _copy_pages(tmp_path)
+    (docs / "copy.md").write_text("<!-- report:seed -->\n<!-- /report:seed -->\n")
+    with pytest.raises(SystemExit, match="report:seed"):
+        report.main(["--check"], readme=readme, docs=docs)
+    (docs / "copy.md").unlink()
+    page = docs / "benchmarks.md"
+    page.write_text(page.read_text().replace("<!-- report:tpu -->", ""))
+    with pytest.raises(SystemExit, match="report:tpu"):
+        report.main(["--check"], readme=readme, docs=docs)
 
 
 def test_report_rewrites_and_checks_the_figures_quoted_in_prose(tmp_path):
     from benchmarks import report
 
-    readme = tmp_path / "README.md"
-    text = report.README.read_text()
-    found = re.search(r"<!--fig (\S+) (models\.llama\.ours\.vs_plain) (\S+?)-->", text)
-    assert found, "the README quotes llama's ratio to plain JAX as a figure"
+    readme, docs = _copy_pages(tmp_path)
+    page = docs / "ops" / "linear_softmax_cross_entropy_loss.md"
+    text = page.read_text()
+    found = re.search(r"<!--fig (\S+) (\S+impl=mosaic\]\.grad_temp_mib) (\S+?)-->", text)
+    assert found, "the LM-head loss page quotes the Mosaic kernel's memory as a figure"
     marker = found.group(0)
     value = report.figure(*found.groups())
-    readme.write_text(text.replace(f"{marker}{value}<!--/fig-->", f"{marker}1.234<!--/fig-->"))
-    assert report.main(["--check"], readme=readme) == 1
-    assert report.main([], readme=readme) == 0
-    assert f"{marker}{value}<!--/fig-->" in readme.read_text()
+    page.write_text(text.replace(f"{marker}{value}<!--/fig-->", f"{marker}1.234<!--/fig-->"))
+    assert report.main(["--check"], readme=readme, docs=docs) == 1
+    assert report.main([], readme=readme, docs=docs) == 0
+    assert f"{marker}{value}<!--/fig-->" in page.read_text()
     ablation = report.figure("ablation_llama.jsonl", "[variant=ours;model=llama].vs_plain", ".3f")
     assert float(ablation) > 0
 

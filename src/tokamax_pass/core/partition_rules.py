@@ -158,7 +158,7 @@ def assignment_from_specs(specs: Sequence[PartitionSpec | None], shapes: Sequenc
             used |= set(axes)
     if dropped:
         message = (f"{what}: cannot partition {', '.join(dropped)} without communication; "
-                   "gathering them (see README, 'More than one device')")
+                   "gathering them (see docs/optimize.md, 'More than one device')")
         warn_once(message, message)
     return assignment
 
