@@ -60,8 +60,25 @@ def test_predict_divides_the_roofline_of_the_performed_work_by_the_efficiency():
     flops = 2.0 * 4096 * 2048 * 1408
     moved = 2 * (4096 * 2048 + 64 * 2048 * 1408 + 4096 * 1408)
     assert kernel.seconds == pytest.approx(max(flops / 800e12, moved / 4e12) / 0.5)
-    # jax.lax.ragged_dot does a dense product per group: 64 times the FLOPs.
-    lax = prediction.predict(RaggedDot().bind(lhs, rhs, sizes), cal)
+    # The `xla` form on a GPU: tiles of T rows padded at group boundaries, each tile's
+    # matrix gathered (read and written) and read again by its matmul.
+    from tokamax_kernels.ragged_dot import xla_tiled
+
+    problem = xla_tiled.Problem(m=4096, groups=64, k=2048, n=1408, itemsize=2)
+    assert xla_tiled.DEFAULT_RULE.prefers_tiled(problem)
+    tile = xla_tiled.DEFAULT_RULE.tile_rows(problem)
+    tiles = -(-4096 // tile) + 64
+    tiled = prediction.predict(RaggedDot().bind(lhs, rhs, sizes), cal)
+    assert tiled.seconds == pytest.approx(max(2.0 * tiles * tile * 2048 * 1408 / 800e12,
+                                              (moved + 3 * tiles * 2048 * 1408 * 2) / 4e12) / 0.5)
+    # Where the rule keeps `jax.lax.ragged_dot` (one matrix per group read once dominates):
+    # a dense product per group, the groups times the FLOPs.
+    few_rows = jax.ShapeDtypeStruct((64, 2048), jnp.bfloat16)
+    problem = xla_tiled.Problem(m=64, groups=64, k=2048, n=1408, itemsize=2)
+    assert not xla_tiled.DEFAULT_RULE.prefers_tiled(problem)
+    lax = prediction.predict(RaggedDot().bind(few_rows, rhs, sizes), cal)
+    moved = 2 * (64 * 2048 + 64 * 2048 * 1408 + 64 * 1408)
+    flops = 2.0 * 64 * 2048 * 1408
     assert lax.seconds == pytest.approx(max(64 * flops / 800e12, moved / 4e12) / 0.5)
 
 

@@ -34,7 +34,8 @@ def vjp_work(ba: BoundArguments) -> Work:
 
 def xla_work(ba: BoundArguments) -> Work:
     """A grouped call in XLA runs `jax.lax.ragged_dot`: a dense product per group (as
-    `ragged_dot.roofline.lax_ragged_dot_work`); a dense call does the ideal work."""
+    `ragged_dot.roofline.xla_ragged_dot_work` where it runs `jax.lax.ragged_dot`); a
+    dense call does the ideal work."""
     work = forward_work(ba)
     if "group_sizes" not in ba.arguments:
         return work

@@ -1,4 +1,4 @@
-"""The ragged dot's work: ideal, and what `jax.lax.ragged_dot` does on a GPU.
+"""The ragged dot's work: ideal, and what the `xla` implementation does on a GPU.
 
 Kept apart from `base.py` so the kernels' source hash (which autotuning caches key on)
 does not change with the prediction rules.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax
 
+from tokamax_kernels.ragged_dot import xla_tiled
 from tokamax_kernels.ragged_dot.base import RaggedDot
 from tokamax_pass.core import BoundArguments, Work
 from tokamax_pass.core.roofline import nbytes, register_family_work, register_performed_work
@@ -27,16 +28,24 @@ def ragged_dot_work(ba: BoundArguments) -> Work:
     return Work(2.0 * m * inner * other, nbytes(lhs) + nbytes(rhs) + nbytes(out))
 
 
-def lax_ragged_dot_work(ba: BoundArguments) -> Work:
-    """The work `jax.lax.ragged_dot` does on a GPU: a dense product of all rows per group
-    (the ideal FLOPs times the group count), so its time grows with the groups.
-
-    The `xla` implementation calls it; an `xla` implementation that does not do dense
-    work per group drops this registration."""
+def xla_ragged_dot_work(ba: BoundArguments) -> Work:
+    """The work the `xla` implementation does on a GPU, by the form it runs there
+    (`base._runs_tiled` with `xla_tiled.DEFAULT_RULE`): the tiled form multiplies
+    M + G * T rows and gathers each tile's matrix; `jax.lax.ragged_dot` multiplies all
+    rows by every group's matrix (the ideal FLOPs times the group count)."""
     ideal = ragged_dot_work(ba)
-    return Work(ideal.flops * max(1, ba.arguments["group_sizes"].shape[0]), ideal.bytes)
+    lhs, rhs = ba.arguments["lhs"], ba.arguments["rhs"]
+    p = xla_tiled.problem(lhs, rhs, ba.arguments["group_sizes"], ba.arguments["variant"])
+    rule = xla_tiled.DEFAULT_RULE
+    same_float = lhs.dtype == rhs.dtype and jax.numpy.issubdtype(lhs.dtype, jax.numpy.floating)
+    if same_float and rule.prefers_tiled(p):
+        tile = rule.tile_rows(p)
+        tiles = -(-p.m // tile) + p.groups
+        gathered = tiles * p.k * p.n * p.itemsize
+        return Work(2.0 * tiles * tile * p.k * p.n, ideal.bytes + 3 * gathered)
+    return Work(ideal.flops * max(1, p.groups), ideal.bytes)
 
 
 # The gradient is two more ragged dots (`RaggedDotVjp.evidence_calls`): their work adds up.
 register_family_work(RaggedDot, ragged_dot_work)
-register_performed_work(RaggedDot, lax_ragged_dot_work)
+register_performed_work(RaggedDot, xla_ragged_dot_work)
