@@ -7,7 +7,8 @@
 machine, under an abstract mesh that carries the device (Explicit axes by default), into
 DIR/cpu_export. `check` exports the same program on the GPU it runs on, runs both on the
 same random inputs, checks their gradients agree (bf16 tolerance), times both (CUPTI,
-median after a warm-up) and prints the ratio; it exits 1 when the CPU export is more
+median after a warm-up), prints the ratio and writes the report to `$OUT/export_parity.json`
+(`$OUT` or the working directory); it exits 1 when the CPU export is more
 than 10% slower or the outputs differ.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import warnings
@@ -92,7 +94,10 @@ def check(directory: pathlib.Path) -> int:
         "device_export_ops": [f"{r['path']}={r['implementation']}"
                               for r in here.manifest["ops"]],
     }
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    print(text)
+    out = pathlib.Path(os.environ.get("OUT", ".")) / "export_parity.json"
+    out.write_text(text + "\n")
     agree = error <= TOLERANCE * scale
     fast = ratio <= MAX_SLOWDOWN
     print(f"outputs agree: {agree}; CPU export / device export = {ratio:.3f} "
