@@ -3,12 +3,14 @@
     python -m benchmarks.report           # rewrite the tables between the pages' markers
     python -m benchmarks.report --check   # exit 1 when a page differs (CI runs this)
 
-The pages are README.md and every `docs/**/*.md`. Four tables, each between its markers
+The pages are README.md and every `docs/**/*.md`. Six tables, each between its markers
 (`<!-- report:NAME -->` ... `<!-- /report:NAME -->`) on exactly one page: `models` (one run
 of `python -m benchmarks.models` per row, `MODEL_ROWS`), `ops` (one run of
 `python -m benchmarks.run` per row, `OP_ROWS`: ratios only to peers measured in that run,
-and the peers of the family that did not run named), `seed` (`SEED_RUN`) and `tpu` (public
-per-chip figures, not measurements).
+and the peers of the family that did not run named), `seed` (`SEED_RUN`), `tpu` (public
+per-chip figures, not measurements), `generalization` (`GENERALIZATION`, the last run of
+`python -m benchmarks.generalize`) and `calibration` (`SWEEP`, the calibration sweep's
+rows, and `CALIBRATION`, the calibration fitted from them).
 Every number is read from the file the row names. A figure quoted in the prose is written
 `<!--fig FILE PATH FORMAT-->value<!--/fig-->`: the value at PATH in the results file
 (dotted keys and list indices, `~` standing for a space; `[key=value;...]` picks the one
@@ -29,6 +31,7 @@ ROOT = pathlib.Path(__file__).parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 RESULTS = ROOT / "benchmarks" / "results" / "nvidia_h200"
+CALIBRATION = ROOT / "src" / "tokamax_pass" / "data" / "calibration" / "nvidia_h200.json"
 BEGIN, END = "<!-- report:models -->", "<!-- /report:models -->"
 
 # (results file, workload) per row of the op table, in the README's order.
@@ -62,6 +65,8 @@ OP_ROWS = (
 MODEL_ROWS = {
     "llama": "models_llama_s28.json",
     "mixtral": "models_mixtral_s27.json",
+    "deepseek_moe": "models_moe.json",
+    "moe_decode": "models_moe.json",
     "gemma2": "models_gemma2_s27.json",
     "encoder": "models_encoder_s27.json",
 }
@@ -73,14 +78,19 @@ def _cell(row: dict[str, Any], variant: str) -> str:
     value = row.get(variant)
     if not isinstance(value, dict):
         return "- (not run)"
+    if "error" in value:
+        return "failed (error in the results file)"
     if "ms" not in value:
-        return f"- ({(value.get('skipped') or value.get('error', '')[:40]).split(' (')[0]})"
+        return f"- ({value.get('skipped', '').split(' (')[0]})"
     plain = row["plain"]["ms"]
     return f"{value['ms']:.2f} ms ({plain / value['ms']:.3f}x)"
 
 
 def model_table() -> str:
-    """The markdown table (with a line naming the device and files) from `MODEL_ROWS`."""
+    """The markdown table (with a line naming the device and files) from `MODEL_ROWS`; a
+    forward-only model (a decode step) is marked so in its row."""
+    from benchmarks.models import MODELS
+
     header = ("| model | plain JAX | " + " | ".join(label for _, label in VARIANTS)
               + " | `autotune` (all implementations) | results file |")
     lines = [header, "|" + "---|" * (len(VARIANTS) + 4)]
@@ -91,10 +101,12 @@ def model_table() -> str:
         row = data["models"][name]
         autotune = (f"{row['autotune_s']:.1f} s, {row['autotune_op_calls']} op calls"
                     if "autotune_s" in row else "-")
-        lines.append(f"| {name} | {row['plain']['ms']:.2f} ms | "
+        label = f"{name} (forward only)" if MODELS[name].forward_only else name
+        lines.append(f"| {label} | {row['plain']['ms']:.2f} ms | "
                      + " | ".join(_cell(row, v) for v, _ in VARIANTS)
                      + f" | {autotune} | `{file}` |")
-    intro = (f"{device}, one training step (`jax.grad` of the loss over all parameters), "
+    intro = (f"{device}, one training step (`jax.grad` of the loss over all parameters; "
+             "the loss alone where the row says forward only), "
              "device time (CUPTI), median of 10 after warm-up; ratios are plain JAX's time "
              "over the variant's, every variant of a row measured in one process.")
     return intro + "\n\n" + "\n".join(lines)
@@ -203,8 +215,71 @@ def tpu_roofline_table() -> str:
     return "\n".join(lines)
 
 
+# The generalization benchmark's results (`python -m benchmarks.generalize`, replaced on each
+# run) and the calibration sweep's rows (`python -m benchmarks.sweep run`).
+GENERALIZATION = "generalization.json"
+SWEEP = "sweep.jsonl"
+
+
+def _shape(params: dict[str, Any]) -> str:
+    return " ".join(f"{key}={value}" for key, value in params.items())
+
+
+def generalization_table() -> str:
+    """Per op family and mode: the shapes drawn, how many have `None` within
+    `benchmarks.generalize.WITHIN` of the fastest candidate, the worst ratio, the
+    candidate that was fastest there and its shape, from `GENERALIZATION`."""
+    from benchmarks.generalize import WITHIN
+
+    data = _load(GENERALIZATION)
+    provenance = data["provenance"]
+    seeds = provenance["seed"] if isinstance(provenance["seed"], list) else [provenance["seed"]]
+    drawn = {(row["family"], json.dumps(row["params"], sort_keys=True)) for row in data["rows"]}
+    lines = [f"| op | mode | shapes | `None` within {WITHIN:.0%} of the fastest | worst "
+             "`None` / fastest | fastest there | worst shape |", "|" + "---|" * 7]
+    for key, entry in sorted(data["summary"].items()):
+        family, mode = key.split(" ", 1)
+        within = round(entry["within_fraction"] * entry["shapes"])
+        lines.append(f"| `{family}` | {mode} | {entry['shapes']} | {within} "
+                     f"({entry['within_fraction']:.0%}) | {entry['worst_ratio']:.3f}x | "
+                     f"{entry['worst_fastest']} | {_shape(entry['worst_params'])} |")
+    runs = len(provenance.get("runs", [provenance["date"]]))
+    return (f"{provenance['device_kind']}, {provenance['date'][:10]}, "
+            f"{runs} run{'s' if runs > 1 else ''} (seed{'s' if len(seeds) > 1 else ''} "
+            f"{', '.join(str(s) for s in seeds)}), "
+            f"{len(drawn)} shapes in all (`{GENERALIZATION}`); a ratio is `None`'s time over "
+            "the fastest implementation's or peer's at that shape, device time (CUPTI).\n\n"
+            + "\n".join(lines))
+
+
+def calibration_table() -> str:
+    """Per op family: the sweep's timed calls and the implementations they cover (from
+    `SWEEP`), then the ceilings and the point count of the fit (`CALIBRATION`)."""
+    rows = [row for row in _load(SWEEP) if "ms" in row]
+    fit = json.loads(CALIBRATION.read_text())
+    families: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["kind"] != "ceiling":
+            families.setdefault(row["family"], []).append(row)
+    ceiling_rows = len(rows) - sum(len(timed) for timed in families.values())
+    lines = ["| op | calls timed (forward / VJP) | implementations timed |", "|---|---|---|"]
+    for family, timed in sorted(families.items()):
+        forward = sum(row["direction"] == "forward" for row in timed)
+        names = ", ".join(sorted({row["implementation"] for row in timed}))
+        lines.append(f"| `{family}` | {len(timed)} ({forward} / {len(timed) - forward}) | "
+                     f"{names} |")
+    ceilings = fit["ceilings"]
+    return (f"{fit['device_kind']}, `{SWEEP}` ({len(rows) - ceiling_rows} timed op calls "
+            f"and {ceiling_rows} ceiling measurements) fitted into `{CALIBRATION.name}` "
+            f"({fit['provenance']['date']}): "
+            f"ceilings bf16 {ceilings['bf16_tflops']:.0f} TFLOP/s, f32 "
+            f"{ceilings['f32_tflops']:.0f} TFLOP/s, HBM {ceilings['hbm_tbps']:.2f} TB/s; "
+            f"{len(fit['points'])} points of measured efficiency.\n\n" + "\n".join(lines))
+
+
 TABLES = {"models": model_table, "ops": op_table, "seed": seed_table,
-          "tpu": tpu_roofline_table}
+          "tpu": tpu_roofline_table, "generalization": generalization_table,
+          "calibration": calibration_table}
 FIGURE = re.compile(r"<!--fig (\S+) (\S+) ([^\s>-]+)-->(.*?)<!--/fig-->", re.S)
 
 

@@ -229,6 +229,82 @@ def test_report_rewrites_and_checks_the_figures_quoted_in_prose(tmp_path):
     assert float(ablation) > 0
 
 
+def _edit_json(path, edit):
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _fail_first_timed_glu_call(path):
+    """The sweep's first timed `gated_linear_unit` forward call turned into a failed one."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    row = next(r for r in rows if r["family"] == "gated_linear_unit" and "ms" in r
+               and r["direction"] == "forward")
+    del row["ms"]
+    row["error"] = "RuntimeError: failed"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+# (table, page, file edited in the copy, the edit, text the rewritten table holds)
+RESULT_EDITS = (
+    ("generalization", "selection.md", "generalization.json",
+     lambda p: _edit_json(p, lambda d: d["summary"]["layer_norm fwd+bwd"].update(
+         worst_ratio=2.5, worst_fastest="xla")),
+     "| 0 (0%) | 2.500x | xla |"),
+    ("generalization", "selection.md", "generalization.json",
+     lambda p: _edit_json(p, lambda d: d["provenance"].update(seed=[12345, 678])),
+     "seeds 12345, 678"),
+    ("calibration", "selection.md", "nvidia_h200.json",
+     lambda p: _edit_json(p, lambda d: d["ceilings"].update(bf16_tflops=123.4)),
+     "bf16 123 TFLOP/s"),
+    ("calibration", "selection.md", "sweep.jsonl", _fail_first_timed_glu_call,
+     "| `gated_linear_unit` | 11 (5 / 6) |"),
+    ("models", "README.md", "models_moe.json",
+     lambda p: _edit_json(p, lambda d: d["models"]["deepseek_moe"]["ours"].update(ms=100.0)),
+     "| deepseek_moe | 502.25 ms | 100.00 ms (5.022x) |"),
+)
+
+
+@pytest.mark.parametrize("table,page,file,edit,expected", RESULT_EDITS,
+                         ids=[f"{t}-{f}" for t, _, f, _, _ in RESULT_EDITS])
+def test_report_check_fails_when_a_results_file_changes(tmp_path, monkeypatch, capsys, table,
+                                                        page, file, edit, expected):
+    """A number changed in a copy of a results file (or of the calibration) makes `--check`
+    fail, and rewriting puts the new number in that table and changes no other page."""
+    from benchmarks import report
+
+    readme, docs = _copy_pages(tmp_path)
+    results = tmp_path / "results"
+    shutil.copytree(report.RESULTS, results)
+    calibration = tmp_path / report.CALIBRATION.name
+    shutil.copy(report.CALIBRATION, calibration)
+    monkeypatch.setattr(report, "RESULTS", results)
+    monkeypatch.setattr(report, "CALIBRATION", calibration)
+    assert report.main(["--check"], readme=readme, docs=docs) == 0
+    before = {path: path.read_text() for path in report.pages(readme, docs)}
+    edit(calibration if file == calibration.name else results / file)
+    assert report.main(["--check"], readme=readme, docs=docs) == 1
+    assert report.main([], readme=readme, docs=docs) == 0
+    changed = [path.name for path, text in before.items() if path.read_text() != text]
+    assert changed == [page]
+    text = (readme if page == "README.md" else docs / page).read_text()
+    block = text.split(f"<!-- report:{table} -->")[1].split(f"<!-- /report:{table} -->")[0]
+    assert expected in block and expected not in before[readme if page == "README.md"
+                                                          else docs / page]
+
+
+def test_report_model_table_marks_failed_variants_and_forward_only_models():
+    from benchmarks import report
+
+    rows = {line.split(" | ")[0]: line for line in report.model_table().splitlines()
+            if line.startswith("| ")}
+    assert "upstream" in json.loads((report.RESULTS / "models_moe.json").read_text())[
+        "models"]["deepseek_moe"]
+    assert rows["| deepseek_moe"].split(" | ")[5] == "failed (error in the results file)"
+    assert "| moe_decode (forward only)" in rows
+    assert "| llama" in rows and "forward only" not in rows["| llama"]
+
+
 def test_the_default_search_holds_a_near_best_config_for_every_shipped_entry(capsys):
     """`autotune`'s default `max_configs` keeps, for every H200 library entry that was
     searched wider, a config within 2% of the best one measured."""
