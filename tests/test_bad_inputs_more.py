@@ -196,7 +196,8 @@ def test_vmapped_group_sizes_past_an_entrys_rows_leave_the_others_alone(grouped_
             return jax.nn.swish(gate) * up
 
         def ours(x, g):
-            return tokamax.gated_linear_unit(x, weights, group_sizes=g, implementation="xla")
+            return tokamax.gated_linear_unit(x, weights, group_sizes=g, activation=jax.nn.swish,
+                                             implementation="xla")
     else:
         weights = jax.random.normal(keys[2], (2, 4, 5))
 

@@ -321,7 +321,8 @@ def test_grouped_gated_linear_unit_matches_reference(sizes, extra_rows, k, n, fu
     w = rng.standard_normal((g, k, 2, n)).astype(np.float32)
     weights = w if fused else (w[:, :, 0], w[:, :, 1])
     out = tokamax.gated_linear_unit(x, weights, group_sizes=jnp.asarray(sizes, jnp.int32),
-                                    implementation="xla", precision=jax.lax.Precision.HIGHEST)
+                                    activation=jax.nn.swish, implementation="xla",
+                                    precision=jax.lax.Precision.HIGHEST)
     want = np.zeros((m, n))
     start = 0
     for group, size in enumerate(sizes):
