@@ -19,7 +19,6 @@ import datetime
 import json
 import pathlib
 import random
-import subprocess
 import sys
 import time
 from typing import Any
@@ -100,14 +99,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.generalize",
                                      description=__doc__,
@@ -151,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{entry['within_fraction']:.0%}, worst {entry['worst_ratio']:.2f}x", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "provenance": {"commit": _commit(), "jax": jax.__version__, "device_kind": device_kind,
+        "provenance": {"commit": sweep.source_commit(), "jax": jax.__version__,
+                       "device_kind": device_kind,
                        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                        "seed": seed},
         "summary": summary, "rows": rows}, indent=1) + "\n")

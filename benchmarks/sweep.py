@@ -146,6 +146,16 @@ def _measure_ceilings(f: Any, done: set[str], device_kind: str, *, seed: int, ti
     return written
 
 
+def source_commit() -> str:
+    """The git commit of the code that measured (`"unknown"` outside a checkout), for the
+    provenance of a results file."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _row_key(row: dict[str, Any]) -> str:
     return json.dumps([row["family"], row["params"], row["implementation"], row["direction"]],
                       sort_keys=True)

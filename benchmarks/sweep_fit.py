@@ -15,7 +15,6 @@ import math
 import pathlib
 import random
 import statistics
-import subprocess
 from collections.abc import Iterable
 from typing import Any
 
@@ -141,14 +140,6 @@ def quality(rows: list[dict[str, Any]], ceilings: Ceilings, device_kind: str,
     }
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def fit(results: list[pathlib.Path], out: pathlib.Path | None, *, holdout: float = 0.2,
         seed: int = 0) -> int:
     """Writes the calibration of the results' device to `out` (default: the package's
@@ -166,7 +157,7 @@ def fit(results: list[pathlib.Path], out: pathlib.Path | None, *, holdout: float
         "schema": calibration_lib.SCHEMA, "version": calibration_lib.VERSION,
         "device_kind": device_kind, "ceilings": vars(ceilings),
         "points": [vars(p) for p in found],
-        "provenance": {"commit": _commit(), "jax": jax.__version__,
+        "provenance": {"commit": sweep.source_commit(), "jax": jax.__version__,
                        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")},
     }
     text = json.dumps(data, indent=0)
