@@ -125,7 +125,9 @@ def _match_ragged_dot(eqn: Any) -> Candidate:
 
         for _ in range(batch):
             one = jax.vmap(one)
-        return one(lhs, rhs, group_sizes)
+        out = one(lhs, rhs, group_sizes)
+        # A ragged contraction puts the group dimension before the batch dimensions.
+        return jnp.moveaxis(out, batch, 0) if variant == "drhs" else out
 
     return Candidate("ragged_dot", function)
 
