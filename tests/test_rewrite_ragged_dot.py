@@ -51,14 +51,26 @@ def outcomes(optimized, *args):
     return [m.outcome for m in optimized.plan(*args).matches]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_values_and_gradients_match_jit(rewritten, dtype):
+def ragged_into(out_dtype):
+    def f(x, w, sizes):
+        return jax.lax.ragged_dot(x, w, sizes, precision=HIGHEST,
+                                  preferred_element_type=out_dtype)
+
+    return f
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(jnp.float32, None), (jnp.bfloat16, None),
+                                             (jnp.bfloat16, jnp.float32)])
+def test_values_and_gradients_match_jit(rewritten, dtype, out_dtype):
+    f = ragged_into(out_dtype)
     x, w, sizes = operands(dtype)
-    loss = weighted(ragged, random_normal(2, (M, N)))
+    loss = weighted(f, random_normal(2, (M, N)))
     x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
-    optimized = tokamax.optimize(ragged)
+    optimized = tokamax.optimize(f)
     assert outcomes(optimized, x, w, sizes) == ["rewritten: cpu xla"]
-    assert_close(optimized(x, w, sizes), jax.jit(ragged)(x32, w32, sizes), dtype)
+    out = optimized(x, w, sizes)
+    assert out.dtype == jax.jit(f)(x, w, sizes).dtype
+    assert_close(out, jax.jit(f)(x32, w32, sizes), dtype)
     expected = jax.jit(jax.grad(loss, argnums=(0, 1)))(x32, w32, sizes)
     # Our op's own VJP (grad of the optimized function) and the plain backward's ragged
     # dots rewritten as the op's dlhs and drhs variants (optimize of the grad).
@@ -194,14 +206,19 @@ def test_a_near_miss_computes_what_jit_does(rewritten):
                                   jax.jit(integer)(x * 4, w * 4, sizes))
 
 
-def test_export_records_the_rewrites(calibration_dir):
+def test_export_records_the_rewrites_and_its_cpu_program_computes_the_same(calibration_dir):
+    """Kept for the H200's kernel, the rewrite runs the op's `xla` path on CPU."""
     calibrate(calibration_dir, KERNELS_FASTER)
-    lhs = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
-    rhs = jax.ShapeDtypeStruct((4, 128, 128), jnp.bfloat16)
-    groups = jax.ShapeDtypeStruct((4,), jnp.int32)
-    artifact = tokamax.optimize(ragged).export(lhs, rhs, groups, platforms=["cuda"],
-                                               device_kind=H200)
+    f = ragged_into(jnp.float32)
+    x = random_normal(0, (256, 128), jnp.bfloat16)
+    w = random_normal(1, (4, 128, 128), jnp.bfloat16)
+    sizes = jnp.array([60, 70, 0, 100], jnp.int32)
+    artifact = tokamax.optimize(f).export(x, w, sizes, platforms=["cpu", "cuda"],
+                                          device_kind=H200)
     (entry,) = artifact.manifest["rewrites"]
     assert entry["pattern"] == "ragged_dot" and entry["rewritten"]
-    assert entry["implementation"] == {"cuda": "triton"}
+    assert entry["implementation"] == {"cpu": "xla", "cuda": "triton"}
     assert entry["source_line"].startswith(f"{__file__}:")
+    assert [o["op"] for o in artifact.manifest["ops"]] == ["RaggedDot", "PallasTritonRaggedDot"]
+    expected = jax.jit(f)(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
+    assert_close(artifact.exported.call(x, w, sizes), expected, jnp.bfloat16)
