@@ -222,3 +222,12 @@ def test_export_records_the_rewrites_and_its_cpu_program_computes_the_same(calib
     assert [o["op"] for o in artifact.manifest["ops"]] == ["RaggedDot", "PallasTritonRaggedDot"]
     expected = jax.jit(f)(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
     assert_close(artifact.exported.call(x, w, sizes), expected, jnp.bfloat16)
+
+
+def test_autotune_always_measures_a_ragged_dot_left_on_the_plain_path():
+    x, w, sizes = operands(jnp.float32)
+    optimized = tokamax.optimize(ragged, autotune="always")
+    assert_close(optimized(x, w, sizes), jax.jit(ragged)(x, w, sizes))
+    (tuned,) = optimized._tuned
+    assert {type(ba.op).__name__ for ba, _ in tuned} == {"RaggedDot"}
+    assert outcomes(optimized, x, w, sizes) == ["left alone: the plain path is chosen (cpu xla)"]

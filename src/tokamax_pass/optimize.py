@@ -227,10 +227,17 @@ class Optimized:
         if signature in self._tuned_signatures:
             return
         to_tune, compare = {}, False
-        for decision in self._trace(args, kwargs, platforms=None)[0]:
+        decisions, matches = self._trace(args, kwargs, platforms=None)
+        for decision in decisions:
             if _needs_tuning(decision, self.autotune):
                 to_tune.setdefault(tuning_key(decision.unconfigured), decision.unconfigured)
                 compare = compare or (self.autotune == "always" and len(decision.alternatives) > 1)
+        if self.autotune == "always":
+            # A pattern left on the plain path: its op's implementations are measured too,
+            # and a kernel measured faster then rewrites it.
+            for ba in (ba for match in matches for ba in match.plain_calls):
+                to_tune.setdefault(tuning_key(ba), ba)
+                compare = True
         if to_tune:
             from tokamax_pass.autotuning import autotune
 

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
+from tokamax_pass.core.op import BoundArguments
+
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -38,7 +40,9 @@ class RewriteMatch:
     """One equation a pattern matched, and what the pass did with it.
 
     `implementation` is the implementation chosen per platform where the equation was
-    rewritten; `reason` says why it was left alone otherwise.
+    rewritten; `reason` says why it was left alone otherwise. `plain_calls`: where the
+    plain path was chosen, the op calls the rewrite would make, unconfigured (what
+    `autotune="always"` measures, so that a kernel measured faster is found).
     """
 
     pattern: str
@@ -47,6 +51,8 @@ class RewriteMatch:
     rewritten: bool
     implementation: Mapping[str, str]
     reason: str = ""
+    plain_calls: tuple[BoundArguments, ...] = dataclasses.field(default=(), compare=False,
+                                                                repr=False)
 
     @property
     def outcome(self) -> str:

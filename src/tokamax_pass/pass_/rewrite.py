@@ -160,11 +160,12 @@ class Rewriter:
             return None
         label = "/".join(p for p in (path, candidate.pattern) if p)
 
-        def note(rewritten: bool, implementation: dict[str, str], reason: str = "") -> None:
+        def note(rewritten: bool, implementation: dict[str, str], reason: str = "",
+                 plain_calls: tuple[BoundArguments, ...] = ()) -> None:
             if self._matches is not None:
                 self._matches.append(patterns.RewriteMatch(
                     candidate.pattern, label, patterns.source_line(eqn), rewritten,
-                    implementation, reason))
+                    implementation, reason, plain_calls))
 
         if candidate.function is None:
             note(False, {}, candidate.reason)
@@ -180,17 +181,19 @@ class Rewriter:
         if [(tuple(a.shape), a.dtype) for a in traced.out_avals] != wanted:
             note(False, {}, "the op's output shapes or dtypes differ")
             return None
-        calls = list(_op_calls(traced.jaxpr))
         try:
-            chosen = {target.platform: choice.op for call in calls
-                      for target, choice, _ in self._resolved(call.params["call"],
-                                                              [v.aval for v in call.invars])[1]}
+            resolved = [self._resolved(call.params["call"], [v.aval for v in call.invars])
+                        for call in _op_calls(traced.jaxpr)]
         except NotImplementedError as e:
             note(False, {}, str(e))
             return None
+        chosen = {target.platform: choice.op for _, choices, _ in resolved
+                  for target, choice, _ in choices}
         if not rewrite_wins(chosen.values()):
             note(False, {}, "the plain path is chosen (" + ", ".join(
-                f"{platform} {op.implementation}" for platform, op in chosen.items()) + ")")
+                f"{platform} {op.implementation}" for platform, op in chosen.items()) + ")",
+                tuple(choice.bound.replace(op=choice.op.replace(config=None))
+                      for _, choices, _ in resolved for _, choice, _ in choices))
             return None
         note(True, {platform: op.implementation for platform, op in chosen.items()})
         return emit.emit(self, traced, operands, path)
