@@ -231,3 +231,36 @@ def test_autotune_always_measures_a_ragged_dot_left_on_the_plain_path():
     (tuned,) = optimized._tuned
     assert {type(ba.op).__name__ for ba, _ in tuned} == {"RaggedDot"}
     assert outcomes(optimized, x, w, sizes) == ["left alone: the plain path is chosen (cpu xla)"]
+
+
+def test_cond_while_and_custom_vjp_bodies(rewritten):
+    x, w, sizes = operands(jnp.float32)
+    cotangent = random_normal(2, (M, N))
+
+    @jax.custom_vjp
+    def custom(x, w, sizes):
+        return ragged(x, w, sizes)
+
+    def custom_fwd(x, w, sizes):
+        return ragged(x, w, sizes), (x, w, sizes)
+
+    def custom_bwd(saved, g):
+        x, w, sizes = saved
+        _, pullback = jax.vjp(lambda x, w: ragged(x, w, sizes), x, w)
+        return (*pullback(g), None)
+
+    custom.defvjp(custom_fwd, custom_bwd)
+
+    def model(x, w, sizes):
+        branch = jax.lax.cond(x[0, 0] > 0, ragged, lambda *a: 2.0 * ragged(*a), x, w, sizes)
+        looped = jax.lax.fori_loop(0, 2, lambda i, h: h + ragged(x, w, sizes), branch)
+        return ((looped + custom(x, w, sizes)) * cotangent).sum()
+
+    expected = jax.jit(jax.value_and_grad(model, argnums=(0, 1)))(x, w, sizes)
+    optimized = tokamax.optimize(jax.value_and_grad(model, argnums=(0, 1)))
+    found = outcomes(optimized, x, w, sizes)
+    assert len(found) >= 4 and set(found) == {"rewritten: cpu xla"}
+    value, grads = optimized(x, w, sizes)
+    assert_close(value, expected[0])
+    for a, e in zip(grads, expected[1], strict=True):
+        assert_close(a, e)
