@@ -296,7 +296,8 @@ def _decisions(model: Model) -> list[Any]:
     params, batch = jax.eval_shape(lambda: run._inputs(model, smoke=False))
     step = model.step_fn(ops.variants()["ours"], smoke=False)
     with core.targeting(DEVICE_KIND):
-        return tokamax.optimize(step)._trace((params, batch), {}, platforms=None)
+        decisions, _ = tokamax.optimize(step)._trace((params, batch), {}, platforms=None)
+        return decisions
 
 
 def audit_model(name: str, overrides: list[str]) -> Iterator[dict[str, Any]]:

@@ -274,6 +274,7 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
         "in_specs": [spec.array_spec(a) for a in exported.in_avals],
         "out_specs": [spec.array_spec(a) for a in exported.out_avals],
         "ops": [row.to_dict() for row in plan],
+        "rewrites": [match.to_dict() for match in plan.matches],
         "fallbacks": [{"path": row.path, "platform": row.platform,
                        "device_kind": row.device_kind, "target_runs": row.fallback_from,
                        "exported": row.implementation}

@@ -8,6 +8,9 @@ or measured with `autotune=`) and partitioned per device as `core.sharding` deci
 under a mesh each device's call is resolved for the shapes that device sees. So the
 rewrite happens once per signature, inside jit's own trace, and a later call with
 the same signature is exactly a `jax.jit` call.
+
+Plain-JAX patterns (`pass_.patterns`: `jax.lax.ragged_dot`) are replaced by op calls in
+the same evaluation, where `implementation=None` picks a kernel for them (`rewrite=`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.op import NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
-from tokamax_pass.pass_ import emit
+from tokamax_pass.pass_ import emit, patterns
 from tokamax_pass.pass_.plan import Plan
 from tokamax_pass.pass_.rewrite import Decision, Rewriter, tuning_key
 
@@ -37,7 +40,8 @@ _AUTOTUNE_MODES = ("never", "missing", "always")
 def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] | None = None,
              static_argnames: str | Sequence[str] | None = None,
              donate_argnums: int | Sequence[int] = (),
-             autotune: Autotune = "never", results: Any = None) -> Optimized:
+             autotune: Autotune = "never", results: Any = None,
+             rewrite: bool | str | Sequence[str] = True) -> Optimized:
     """Wraps `fun` like `jax.jit`, with every tokamax_pass op's kernel and config resolved.
 
     Args:
@@ -49,9 +53,13 @@ def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] | N
         fastest is chosen. Measuring runs on first call per signature.
       results: an `AutotuningResult` (or a sequence, later ones winning) whose configs
         take precedence over the caches for this function.
+      rewrite: which plain-JAX patterns (`patterns.NAMES`, e.g. `"ragged_dot"` for
+        `jax.lax.ragged_dot`) are replaced by op calls where a kernel is chosen for them:
+        `True` all, `False` none, or a sequence of pattern names.
     """
     optimized = Optimized(fun, static_argnums=static_argnums, static_argnames=static_argnames,
-                          donate_argnums=donate_argnums, autotune=autotune, results=results)
+                          donate_argnums=donate_argnums, autotune=autotune, results=results,
+                          rewrite=rewrite)
     if autotune == "never":
         # Calls then go straight to jit's C++ dispatch, with no Python frame of ours in
         # between: a cached call costs exactly what a `jax.jit` call costs.
@@ -65,7 +73,8 @@ class Optimized:
 
     def __init__(self, fun: Callable[..., Any], *, static_argnums: int | Sequence[int] | None,
                  static_argnames: str | Sequence[str] | None, donate_argnums: int | Sequence[int],
-                 autotune: Autotune, results: Any) -> None:
+                 autotune: Autotune, results: Any,
+                 rewrite: bool | str | Sequence[str] = True) -> None:
         if not callable(fun):
             raise TypeError(f"optimize: fun must be callable, got {type(fun).__name__}")
         if autotune not in _AUTOTUNE_MODES:
@@ -81,6 +90,7 @@ class Optimized:
         self.fun = fun
         self.autotune = autotune
         self.results = _as_results(results)
+        self.rewrite = patterns.selected(rewrite)
         # The statics `None` where not given, as `jax.jit`'s defaults: it then finds the
         # positions `static_argnames` names (given `()`, it did not, and `f(x, "sum")`, "sum"
         # static by name, failed in JAX as a non-array argument).
@@ -108,7 +118,7 @@ class Optimized:
         """
         if self.autotune != "never":
             self._autotune_for(args, kwargs)
-        return Plan.from_decisions(self._trace(args, kwargs, platforms=None))
+        return Plan.from_decisions(*self._trace(args, kwargs, platforms=None))
 
     def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
         """The lowered program (StableHLO with each op's spec as metadata), like `jit.lower`."""
@@ -146,10 +156,11 @@ class Optimized:
         if self.autotune != "never":
             self._autotune_for(tuple(args), {})
         record: list[Decision] = []
-        jitted = self._jit(platforms=tuple(platforms), record=record)
+        matches: list[patterns.RewriteMatch] = []
+        jitted = self._jit(platforms=tuple(platforms), record=record, matches=matches)
         exported = jax.export.export(jitted, platforms=tuple(platforms),
                                      disabled_checks=DISABLE_JAX_EXPORT_CHECKS)(*args)
-        return exported, Plan.from_decisions(record)
+        return exported, Plan.from_decisions(record, matches)
 
     # --- the pass ---------------------------------------------------------------------
 
@@ -158,11 +169,13 @@ class Optimized:
         return [*self._tuned, *self.results]
 
     def _jit(self, *, platforms: tuple[str, ...] | None, record: list[Decision] | None,
-             rewriters: list[Rewriter] | None = None) -> Any:
-        return jax.jit(self._body(platforms, record, rewriters), **self._jit_kwargs)
+             rewriters: list[Rewriter] | None = None,
+             matches: list[patterns.RewriteMatch] | None = None) -> Any:
+        return jax.jit(self._body(platforms, record, rewriters, matches), **self._jit_kwargs)
 
     def _body(self, platforms: tuple[str, ...] | None, record: list[Decision] | None,
-              rewriters: list[Rewriter] | None = None) -> Callable[..., Any]:
+              rewriters: list[Rewriter] | None = None,
+              matches: list[patterns.RewriteMatch] | None = None) -> Callable[..., Any]:
         fun = self.fun
 
         @functools.wraps(fun)
@@ -183,7 +196,8 @@ class Optimized:
             targets = _targets(platforms)
             _warn_if_no_results_apply(self.results, targets)
             rewriter = Rewriter(targets, contexts=self._contexts, record=record,
-                                autotuned=self._was_tuned)
+                                autotuned=self._was_tuned, rewrite=self.rewrite,
+                                matches=matches)
             if rewriters is not None:
                 rewriters.append(rewriter)
             outs = emit.emit(rewriter, jaxpr, values)
@@ -192,17 +206,20 @@ class Optimized:
         return body
 
     def _trace(self, args: Sequence[Any], kwargs: dict[str, Any],
-               platforms: tuple[str, ...] | None) -> list[Decision]:
-        """The decisions for these arguments. Calls partitioned by `custom_partitioning`
-        (a `jax.set_mesh` mesh) are resolved per device when the program is compiled: then
-        it is compiled, and they are recorded with the shapes each device sees."""
+               platforms: tuple[str, ...] | None
+               ) -> tuple[list[Decision], list[patterns.RewriteMatch]]:
+        """The decisions and pattern matches for these arguments. Calls partitioned by
+        `custom_partitioning` (a `jax.set_mesh` mesh) are resolved per device when the
+        program is compiled: then it is compiled, and they are recorded with the shapes
+        each device sees."""
         record: list[Decision] = []
+        matches: list[patterns.RewriteMatch] = []
         rewriters: list[Rewriter] = []
-        traced = self._jit(platforms=platforms, record=record,
-                           rewriters=rewriters).trace(*args, **kwargs)
+        traced = self._jit(platforms=platforms, record=record, rewriters=rewriters,
+                           matches=matches).trace(*args, **kwargs)
         if any(r.deferred for r in rewriters):
             traced.lower().compile()
-        return record
+        return record, matches
 
     def _autotune_for(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Measures the ops this signature needs (once per signature), outside any trace."""
@@ -210,10 +227,17 @@ class Optimized:
         if signature in self._tuned_signatures:
             return
         to_tune, compare = {}, False
-        for decision in self._trace(args, kwargs, platforms=None):
+        decisions, matches = self._trace(args, kwargs, platforms=None)
+        for decision in decisions:
             if _needs_tuning(decision, self.autotune):
                 to_tune.setdefault(tuning_key(decision.unconfigured), decision.unconfigured)
                 compare = compare or (self.autotune == "always" and len(decision.alternatives) > 1)
+        if self.autotune == "always":
+            # A pattern left on the plain path: its op's implementations are measured too,
+            # and a kernel measured faster then rewrites it.
+            for ba in (ba for match in matches for ba in match.plain_calls):
+                to_tune.setdefault(tuning_key(ba), ba)
+                compare = True
         if to_tune:
             from tokamax_pass.autotuning import autotune
 

@@ -35,13 +35,15 @@ OPAQUE = frozenset({"pallas_call", "core_map"})
 _RULES = frozenset({"custom_vjp_call", "custom_jvp_call"})
 
 
-def holds_calls(jaxpr: Jaxpr) -> bool:
-    """Whether `jaxpr` (at any depth) holds an op call or a custom rule that may."""
+def holds_calls(jaxpr: Jaxpr, primitives: frozenset[str] = frozenset()) -> bool:
+    """Whether `jaxpr` (at any depth) holds an op call, a custom rule that may, or an
+    equation of `primitives` (where a plain-JAX pattern starts)."""
     for eqn in jaxpr.eqns:
-        if is_tokamax_call(eqn.primitive) or eqn.primitive.name in _RULES:
+        name = eqn.primitive.name
+        if is_tokamax_call(eqn.primitive) or name in _RULES or name in primitives:
             return True
-        if eqn.primitive.name not in OPAQUE and any(
-                holds_calls(j) for j in jax.extend.core.jaxprs_in_params(eqn.params)):
+        if name not in OPAQUE and any(holds_calls(j, primitives)
+                                      for j in jax.extend.core.jaxprs_in_params(eqn.params)):
             return True
     return False
 
@@ -68,11 +70,13 @@ def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") 
               eqn.ctx.manager):
             if is_tokamax_call(eqn.primitive):
                 outs = rewriter.bind_call(eqn.params["call"], invals, path)
+            elif (replaced := rewriter.bind_pattern(eqn, invals, path)) is not None:
+                outs = replaced
             else:
                 params = _params(rewriter, eqn, path)
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
         for var, value in zip(eqn.outvars, outs, strict=True):
             env[var] = value
     return [read(v) for v in jaxpr.outvars]
@@ -80,7 +84,7 @@ def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") 
 
 def retrace(rewriter: Rewriter, jaxpr: Jaxpr, path: str) -> Jaxpr:
     """`jaxpr` traced again with its op calls re-emitted (the same object if it holds none)."""
-    if not holds_calls(jaxpr):
+    if not holds_calls(jaxpr, rewriter.pattern_primitives):
         return jaxpr
 
     def fn(*args: Any) -> list[Any]:

@@ -1,4 +1,5 @@
-"""`Plan`: the table of every op in an optimized program and how it was resolved."""
+"""`Plan`: the table of every op in an optimized program and how it was resolved, and of
+every plain-JAX pattern the pass matched (rewritten or left alone, and why)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from typing import Any
 
 from tokamax_pass.core import spec
 from tokamax_pass.core.op import BoundArguments, NullConfig
+from tokamax_pass.pass_.patterns import RewriteMatch
 from tokamax_pass.pass_.rewrite import Decision
 
 _COLUMNS = ("path", "platform", "arguments", "implementation", "config", "source")
+_MATCH_COLUMNS = ("pattern", "path", "source line", "outcome")
 
 
 def format_arguments(ba: BoundArguments) -> str:
@@ -74,13 +77,16 @@ class PlanRow:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Every op call of a program, in program order (one row per target platform)."""
+    """Every op call of a program, in program order (one row per target platform), and
+    every equation a plain-JAX pattern matched (`matches`)."""
 
     rows: tuple[PlanRow, ...]
+    matches: tuple[RewriteMatch, ...] = ()
 
     @classmethod
-    def from_decisions(cls, decisions: Sequence[Decision]) -> Plan:
-        return cls(tuple(PlanRow.from_decision(d) for d in decisions))
+    def from_decisions(cls, decisions: Sequence[Decision],
+                       matches: Sequence[RewriteMatch] = ()) -> Plan:
+        return cls(tuple(PlanRow.from_decision(d) for d in decisions), tuple(matches))
 
     def __iter__(self) -> Iterator[PlanRow]:
         return iter(self.rows)
@@ -92,11 +98,16 @@ class Plan:
         return self.rows[index]
 
     def __str__(self) -> str:
-        return format_table(
+        table = format_table(
             _COLUMNS,
             [[getattr(r, c) if c != "implementation" else f"{r.implementation} ({r.op})"
               for c in _COLUMNS] for r in self.rows],
         )
+        if not self.matches:
+            return table
+        return table + "\nplain-JAX patterns:\n" + format_table(
+            _MATCH_COLUMNS,
+            [[m.pattern, m.path, m.source_line or "-", m.outcome] for m in self.matches])
 
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -8,6 +8,10 @@ candidates are exactly the chosen ops, configs pinned. Programs traced later (a
 wrapped so that they are rewritten the same way, under the same results, when they
 are traced. `bind_call` binds one call resolved, per device when it is partitioned
 (the pass's evaluation of a program, `emit`, binds every call with it).
+
+`bind_pattern` replaces an equation a plain-JAX pattern (`patterns`) matches by an op
+call, where `implementation=None` would pick a kernel for it on some target; where it
+would pick the plain path (`xla`), the user's equation stays as it is.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -27,7 +31,7 @@ from tokamax_pass.core.device import Target
 from tokamax_pass.core.op import BoundArguments, NullConfig, Op
 from tokamax_pass.core.primitive import OpCall, bind_call, bind_partitioned, is_tokamax_call
 from tokamax_pass.core.vjp import AutodiffVjp
-from tokamax_pass.pass_ import emit
+from tokamax_pass.pass_ import emit, patterns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,17 +74,25 @@ class Rewriter:
     `contexts` gives the context managers (autotuning results) under which configs
     are resolved; `record`, when given, collects a `Decision` per op call and target;
     `autotuned(ba)` tells whether this program's own autotuning measured `ba`.
+    `rewrite` names the plain-JAX patterns to replace by op calls; `matches`, when
+    given, collects a `patterns.RewriteMatch` per equation one of them matched.
     """
 
     def __init__(self, targets: Sequence[Target], *,
                  contexts: Callable[[], Sequence[Any]] = tuple,
                  record: list[Decision] | None = None,
-                 autotuned: Callable[[BoundArguments], bool] = lambda ba: False) -> None:
+                 autotuned: Callable[[BoundArguments], bool] = lambda ba: False,
+                 rewrite: frozenset[str] = frozenset(),
+                 matches: list[patterns.RewriteMatch] | None = None) -> None:
         if not targets:
             raise ValueError("at least one target platform is needed")
         self.targets = tuple(targets)
         self._contexts = contexts
         self._record = record
+        self.rewrite_patterns = rewrite
+        # The primitives a selected pattern starts at: sub-jaxprs holding one are re-emitted.
+        self.pattern_primitives = patterns.primitives(rewrite)
+        self._matches = matches
         self._autotuned = autotuned
         self._memo: dict[Any, tuple[OpCall, list[tuple[Target, resolution.Choice, str]],
                                     tuple[BoundArguments, ...]]] = {}
@@ -100,10 +112,7 @@ class Rewriter:
 
     def resolve_call(self, call: OpCall, avals: Sequence[Any], path: str, *,
                      record: bool = True) -> OpCall:
-        key = (call, tuple((tuple(a.shape), a.dtype) for a in avals))
-        if key not in self._memo:
-            self._memo[key] = self._resolve(call, avals)
-        new_call, choices, alternatives = self._memo[key]
+        new_call, choices, alternatives = self._resolved(call, avals)
         if record and self._record is not None:
             for target, choice, source in choices:
                 self._record.append(Decision(
@@ -111,6 +120,13 @@ class Rewriter:
                     target, choice, source, alternatives,
                 ))
         return new_call
+
+    def _resolved(self, call: OpCall, avals: Sequence[Any]) -> tuple[
+            OpCall, list[tuple[Target, resolution.Choice, str]], tuple[BoundArguments, ...]]:
+        key = (call, tuple((tuple(a.shape), a.dtype) for a in avals))
+        if key not in self._memo:
+            self._memo[key] = self._resolve(call, avals)
+        return self._memo[key]
 
     def bind_call(self, call: OpCall, operands: Sequence[Any], path: str) -> list[Any]:
         """Binds `call` resolved, per device when its operands are sharded.
@@ -130,6 +146,57 @@ class Rewriter:
             return bind_call(resolved, *xs)
 
         return bind_partitioned(call, operands, local, unpartitioned)
+
+    # --- plain-JAX patterns ------------------------------------------------------------
+
+    def bind_pattern(self, eqn: Any, operands: Sequence[Any], path: str) -> list[Any] | None:
+        """`eqn`'s outputs computed by an op call, where a selected pattern matches it and
+        `implementation=None` picks a kernel for some target; `None` where the equation
+        is to be bound as it is (no pattern, a near-miss, or the plain path chosen)."""
+        if eqn.primitive.name not in self.pattern_primitives:
+            return None
+        candidate = patterns.match(eqn, self.rewrite_patterns)
+        if candidate is None:
+            return None
+        label = "/".join(p for p in (path, candidate.pattern) if p)
+
+        def note(rewritten: bool, implementation: dict[str, str], reason: str = "",
+                 plain_calls: tuple[BoundArguments, ...] = ()) -> None:
+            if self._matches is not None:
+                self._matches.append(patterns.RewriteMatch(
+                    candidate.pattern, label, patterns.source_line(eqn), rewritten,
+                    implementation, reason, plain_calls))
+
+        if candidate.function is None:
+            note(False, {}, candidate.reason)
+            return None
+        try:
+            traced = emit.trace_plain(jax.make_jaxpr(candidate.function),
+                                      *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+                                        for v in eqn.invars))
+        except (ValueError, TypeError, NotImplementedError) as e:
+            note(False, {}, f"the op does not take it: {e}")
+            return None
+        wanted = [(tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars]
+        if [(tuple(a.shape), a.dtype) for a in traced.out_avals] != wanted:
+            note(False, {}, "the op's output shapes or dtypes differ")
+            return None
+        try:
+            resolved = [self._resolved(call.params["call"], [v.aval for v in call.invars])
+                        for call in _op_calls(traced.jaxpr)]
+        except NotImplementedError as e:
+            note(False, {}, str(e))
+            return None
+        chosen = {target.platform: choice.op for _, choices, _ in resolved
+                  for target, choice, _ in choices}
+        if not rewrite_wins(chosen.values()):
+            note(False, {}, "the plain path is chosen (" + ", ".join(
+                f"{platform} {op.implementation}" for platform, op in chosen.items()) + ")",
+                tuple(choice.bound.replace(op=choice.op.replace(config=None))
+                      for _, choices, _ in resolved for _, choice, _ in choices))
+            return None
+        note(True, {platform: op.implementation for platform, op in chosen.items()})
+        return emit.emit(self, traced, operands, path)
 
     def _resolve(self, call: OpCall, avals: Sequence[Any]) -> tuple[
             OpCall, list[tuple[Target, resolution.Choice, str]], tuple[BoundArguments, ...]]:
@@ -193,7 +260,23 @@ class Rewriter:
         return value
 
 
-# Path names for primitives whose internal names differ from the API that makes them.
+def rewrite_wins(chosen: Iterable[Op]) -> bool:
+    """Whether a pattern's op call is kept, given the implementation chosen per target:
+    where every target runs the plain path (`xla` computes what the user's equation
+    does), the user's equation stays."""
+    return any(not op.runs_without_evidence for op in chosen)
+
+
+def _op_calls(jaxpr: Jaxpr) -> Iterator[Any]:
+    """The op-call equations of `jaxpr`, at any depth."""
+    for eqn in jaxpr.eqns:
+        if is_tokamax_call(eqn.primitive):
+            yield eqn
+        elif eqn.primitive.name not in emit.OPAQUE:
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from _op_calls(sub)
+
+
 def _pin_forward_config(op: Op, ba: BoundArguments, target: Target) -> Op:
     """An autodiff VJP differentiates its forward op with the forward's config: pin it too."""
     if not isinstance(op, AutodiffVjp) or op.forward.config is not None:

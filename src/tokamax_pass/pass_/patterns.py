@@ -1,0 +1,176 @@
+"""Plain-JAX patterns `optimize` recognizes in a jaxpr and can replace by an op call.
+
+A pattern looks at one equation and answers with a `Candidate`: a function computing
+the same value through an op family (traced by the pass, which keeps it only where
+`implementation=None` picks a kernel), or the reason it is left alone (a near-miss:
+dimension numbers, dtypes or options the op does not cover).
+
+Patterns:
+
+- `"ragged_dot"`: `ragged_dot_general` equations (what `jax.lax.ragged_dot` binds, and
+  the ragged dots of its gradient and of `jax.vmap` over it) whose dimension numbers
+  are one of the ragged-dot family's variants, after leading batch dimensions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import source_info_util
+
+from tokamax_pass.core.op import BoundArguments
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """What a pattern makes of one equation: `function(*operands)` computing its outputs
+    through an op, or `None` and the `reason` it is left alone."""
+
+    pattern: str
+    function: Callable[..., Any] | None
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteMatch:
+    """One equation a pattern matched, and what the pass did with it.
+
+    `implementation` is the implementation chosen per platform where the equation was
+    rewritten; `reason` says why it was left alone otherwise. `plain_calls`: where the
+    plain path was chosen, the op calls the rewrite would make, unconfigured (what
+    `autotune="always"` measures, so that a kernel measured faster is found).
+    """
+
+    pattern: str
+    path: str
+    source_line: str
+    rewritten: bool
+    implementation: Mapping[str, str]
+    reason: str = ""
+    plain_calls: tuple[BoundArguments, ...] = dataclasses.field(default=(), compare=False,
+                                                                repr=False)
+
+    @property
+    def outcome(self) -> str:
+        if self.rewritten:
+            return "rewritten: " + ", ".join(
+                f"{platform} {name}" for platform, name in self.implementation.items())
+        return f"left alone: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pattern": self.pattern, "path": self.path, "source_line": self.source_line,
+                "rewritten": self.rewritten, "implementation": dict(self.implementation),
+                "reason": self.reason}
+
+
+def source_line(eqn: Any) -> str:
+    """`file:line (function)` of the user code that made `eqn`, or `""` when unknown."""
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return ""
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+# --- ragged dot ------------------------------------------------------------------------
+
+# The ragged-dot family's variants (`tokamax_kernels.ragged_dot.base`) as
+# `(lhs contracting, rhs contracting, lhs ragged, rhs group)` dimensions, no batch.
+_RAGGED_DOT_VARIANTS = {
+    ((1,), (1,), (0,), (0,)): "forward",
+    ((1,), (2,), (0,), (0,)): "dlhs",
+    ((0,), (0,), (0,), ()): "drhs",
+}
+
+
+def _ragged_dot_variant(numbers: Any) -> tuple[str, int] | None:
+    """`(variant, batch dimensions)` for dimension numbers that are a variant after
+    leading batch dimensions shared by both operands, else `None`."""
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = numbers.dot_dimension_numbers
+    batch = len(lhs_batch)
+    if tuple(lhs_batch) != tuple(range(batch)) or tuple(rhs_batch) != tuple(range(batch)):
+        return None
+    key = tuple(tuple(int(d) - batch for d in dims) for dims in (
+        lhs_contract, rhs_contract, numbers.lhs_ragged_dimensions,
+        numbers.rhs_group_dimensions))
+    variant = _RAGGED_DOT_VARIANTS.get(key)
+    return None if variant is None else (variant, batch)
+
+
+def _match_ragged_dot(eqn: Any) -> Candidate:
+    params = eqn.params
+    numbers = params["ragged_dot_dimension_numbers"]
+    found = _ragged_dot_variant(numbers)
+    if found is None:
+        return Candidate("ragged_dot", None, f"dimension numbers {numbers} are no variant of "
+                                             "ragged_dot")
+    if params.get("group_offset") is not None:
+        return Candidate("ragged_dot", None, "group_offset is not supported")
+    if params.get("out_sharding") is not None:
+        return Candidate("ragged_dot", None, "an out_sharding is not supported")
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
+        return Candidate("ragged_dot", None, f"operands {lhs.dtype} and {rhs.dtype} are not "
+                                             "both floating")
+    wanted = params.get("preferred_element_type")
+    if wanted is not None and not jnp.issubdtype(wanted, jnp.floating):
+        return Candidate("ragged_dot", None, f"preferred_element_type {wanted} is not "
+                                             "floating")
+    variant, batch = found
+    precision = params.get("precision")
+
+    def function(lhs: Any, rhs: Any, group_sizes: Any) -> Any:
+        from tokamax_kernels.ragged_dot.api import FAMILY
+
+        def one(lhs: Any, rhs: Any, group_sizes: Any) -> Any:
+            return FAMILY(None, lhs, rhs, group_sizes, precision=precision,
+                          preferred_element_type=wanted, variant=variant)
+
+        for _ in range(batch):
+            one = jax.vmap(one)
+        out = one(lhs, rhs, group_sizes)
+        # A ragged contraction puts the group dimension before the batch dimensions.
+        return jnp.moveaxis(out, batch, 0) if variant == "drhs" else out
+
+    return Candidate("ragged_dot", function)
+
+
+# Pattern name -> (primitive it starts at, matcher).
+_PATTERNS: dict[str, tuple[str, Callable[[Any], Candidate]]] = {
+    "ragged_dot": ("ragged_dot_general", _match_ragged_dot),
+}
+NAMES = tuple(_PATTERNS)
+
+
+def selected(rewrite: bool | str | Sequence[str]) -> frozenset[str]:
+    """The pattern names an `optimize(..., rewrite=)` argument turns on: all for `True`,
+    none for `False`, else the names given (each one of `NAMES`)."""
+    if rewrite is True:
+        return frozenset(NAMES)
+    if rewrite is False:
+        return frozenset()
+    names = (rewrite,) if isinstance(rewrite, str) else rewrite
+    if not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"optimize: rewrite must be True, False or a sequence of pattern names "
+                        f"from {NAMES}, got {rewrite!r}")
+    unknown = sorted(set(names) - set(NAMES))
+    if unknown:
+        raise ValueError(f"optimize: unknown rewrite patterns {unknown}; known: {NAMES}")
+    return frozenset(names)
+
+
+def primitives(names: frozenset[str]) -> frozenset[str]:
+    """The primitives the patterns `names` start at."""
+    return frozenset(_PATTERNS[name][0] for name in names)
+
+
+def match(eqn: Any, names: frozenset[str]) -> Candidate | None:
+    """The candidate of the first pattern in `names` that starts at `eqn`, if any."""
+    for name in NAMES:
+        primitive, matcher = _PATTERNS[name]
+        if name in names and eqn.primitive.name == primitive:
+            return matcher(eqn)
+    return None
