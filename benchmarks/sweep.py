@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import importlib
 import json
+import os
 import pathlib
 import random
 import subprocess
@@ -227,9 +228,12 @@ def run_workers(workers: int, out: pathlib.Path, argv: list[str]) -> int:
     compile; then appends their rows to `out`. Returns the number of rows added."""
     lock = out.with_name(out.name + ".lock")
     parts = [out.with_name(f"{out.name}.worker{i}") for i in range(workers)]
+    # Each worker returns device memory between calls (JAX's default allocator keeps what
+    # it grew to, and workers that each hold their largest call's memory run out).
+    env = {**os.environ, "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
     processes = [subprocess.Popen([sys.executable, "-m", "benchmarks.sweep", *argv,
                                    "--shard", f"{i}/{workers}", "--lock", str(lock),
-                                   "--out", str(part)])
+                                   "--out", str(part)], env=env)
                  for i, part in enumerate(parts)]
     failed = [p.args for p in processes if p.wait() != 0]
     added = 0
