@@ -28,7 +28,8 @@ FAMILY = register_family(Family(
                      "xla_chunked": XlaChunkedLinearSoftmaxCrossEntropyLoss,
                      "xla": LinearSoftmaxCrossEntropyLoss},
     automatic=("mosaic_gpu", "mosaic_tpu", "xla_chunked", "xla"),
-    aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu")},
+    # "chunked_xla": upstream Tokamax's name for the chunked XLA implementation.
+    aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu"), "chunked_xla": ("xla_chunked",)},
 ))
 
 
@@ -50,11 +51,11 @@ def linear_softmax_cross_entropy_loss(
       logits_soft_cap: if set, logits -> cap * tanh(logits / cap) (Gemma 2).
       precision: of the GEMMs (`jax.lax.Precision` or its name, or a pair).
       implementation: `None` (plain XLA unless a measurement favours another), "xla"
-        (the logits materialized), "xla_chunked" (tiles of logits only: memory bounded
-        by the tile), "mosaic_gpu" (Hopper: the logits tiles stay in registers; the
-        backward holds one vocabulary chunk of dlogits), "mosaic_tpu" (Pallas kernels on
-        TPUs), "mosaic" (the platform's Mosaic kernel), an `Op` instance, or a sequence
-        of those.
+        (the logits materialized), "xla_chunked" or "chunked_xla" (upstream Tokamax's
+        name; tiles of logits only: memory bounded by the tile), "mosaic_gpu" (Hopper:
+        the logits tiles stay in registers; the backward holds one vocabulary chunk of
+        dlogits), "mosaic_tpu" (Pallas kernels on TPUs), "mosaic" (the platform's Mosaic
+        kernel), an `Op` instance, or a sequence of those.
 
     Returns the float32 loss; differentiable in `x` and `weights`.
     """
