@@ -17,6 +17,7 @@ from tokamax_pass.autotuning.result import AutotuningResult, Measurement, active
 from tokamax_pass.core.resolution import register_config_source
 
 from tokamax_pass.autotuning import cache as _cache  # isort: skip
+from tokamax_pass.autotuning import compat as _compat  # noqa: F401  # isort: skip  (hooks)
 
 register_config_source(_cache.SOURCE)
 

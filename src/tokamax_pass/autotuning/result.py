@@ -195,6 +195,12 @@ class AutotuningResult:
     def entries(self) -> tuple[Entry, ...]:
         return tuple(self._entries.values())
 
+    @property
+    def data(self) -> tuple[tuple[BoundArguments, Mapping[Any, Measurement]], ...]:
+        """`((BoundArguments, {config: Measurement}), ...)`, as upstream Tokamax's
+        `AutotuningResult.data`."""
+        return tuple(self)
+
     def entry(self, ba: BoundArguments) -> Entry | None:
         _require_bound(".entry", ba)
         return self._entries.get(keys.entry_key(ba))
