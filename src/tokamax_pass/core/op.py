@@ -97,7 +97,22 @@ class _OpOrClassMethod:
         functools.update_wrapper(self, function)
 
     def __get__(self, op: Op | None, cls: type[Op]) -> Any:
-        return functools.partial(self.function, cls() if op is None else op)
+        bound = functools.partial(self.function, cls() if op is None else op)
+        aliases = cls.argument_aliases
+        if not aliases:
+            return bound
+
+        @functools.wraps(self.function)
+        def bind(*args: Any, **kwargs: Any) -> BoundArguments:
+            for alias, name in aliases.items():
+                if alias in kwargs:
+                    if name in kwargs:
+                        raise TypeError(f"{cls.__name__}.bind: got both {name!r} and its "
+                                        f"alias {alias!r}")
+                    kwargs[name] = kwargs.pop(alias)
+            return bound(*args, **kwargs)
+
+        return bind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,6 +129,9 @@ class Op[C]:
     vjp: Op | None = None
 
     config_cls: ClassVar[type] = NullConfig
+    # Keyword names `bind` also accepts, each for the argument it names (upstream Tokamax
+    # spells some arguments differently: attention's `q`, `k`, `v`).
+    argument_aliases: ClassVar[Mapping[str, str]] = {}
     # Registry name of this implementation (`"xla"`, `"triton"`, ...).
     implementation: ClassVar[str] = "xla"
     # Platforms the implementation lowers for; `None` means every platform.
