@@ -21,11 +21,13 @@ FAMILY = register_family(Family(
 
 
 def layer_norm(x: Any, scale: Any, offset: Any, *, axis: int = -1, epsilon: float = 1e-6,
-               subtract_mean: bool = True, residual: Any = None,
+               scale_offset: float = 0.0, subtract_mean: bool = True, residual: Any = None,
                implementation: Implementation = None) -> Any:
     """Layer norm (or RMSNorm with `subtract_mean=False`) of `x` over `axis`.
 
     `scale` and `offset` have the length of that axis, or are `None`.
+    `scale_offset`: a static number added to the scale (`x_norm * (scale + scale_offset) +
+    offset`, as upstream Tokamax: Gemma's `1 + scale`); no effect when `scale` is `None`.
     `residual`: `None`, or an array of `x`'s shape and dtype for a transformer's pre-norm
     residual step, `s = residual + x; y = norm(s)` in one pass: the call then returns
     `(y, s)`, `s` rounded to `x`'s dtype as plain JAX rounds it, both differentiable.
@@ -36,4 +38,4 @@ def layer_norm(x: Any, scale: Any, offset: Any, *, axis: int = -1, epsilon: floa
     """
     x, scale, offset, residual = v.numpy_floats_as_jax((x, scale, offset, residual))
     return FAMILY(implementation, x, scale, offset, axis=axis, epsilon=epsilon,
-                  subtract_mean=subtract_mean, residual=residual)
+                  subtract_mean=subtract_mean, residual=residual, scale_offset=scale_offset)
