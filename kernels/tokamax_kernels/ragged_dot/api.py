@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -23,8 +24,10 @@ FAMILY = register_family(Family(
 ))
 
 
-def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
-               preferred_element_type: Any = None, implementation: Implementation = None) -> Any:
+def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
+               preferred_element_type: Any = None, group_offset: Any = None,
+               activation: Callable[[Any], Any] | None = None, *,
+               implementation: Implementation = None) -> Any:
     """Grouped matmul: rows of `lhs` (M, K) in consecutive groups times `rhs[g]` (G, K, N).
 
     Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M);
@@ -37,10 +40,36 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
     here: see `tokamax_pass.core.resolution`), a name
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
     TPU), an `Op` instance, or a sequence of those.
+
+    `activation` (upstream Tokamax's): a function applied to the whole product (rows past
+    the groups included), in the accumulator's dtype (float32 for 16-bit floats) before
+    the cast to the output dtype; it runs after the op, not fused into a kernel.
+    `group_offset` is not supported (`NotImplementedError`, as upstream Tokamax).
     """
+    if group_offset is not None:
+        raise NotImplementedError("ragged_dot: group_offset is not supported")
     _check_output_kind(lhs, rhs, preferred_element_type)
-    return FAMILY(implementation, lhs, rhs, group_sizes, precision=precision,
-                  preferred_element_type=preferred_element_type)
+    return with_activation(
+        lambda out_type: FAMILY(implementation, lhs, rhs, group_sizes, precision=precision,
+                                preferred_element_type=out_type),
+        lhs, rhs, preferred_element_type, activation)
+
+
+def with_activation(call: Callable[[Any], Any], lhs: Any, rhs: Any,
+                    preferred_element_type: Any, activation: Callable[[Any], Any] | None) -> Any:
+    """`call(preferred_element_type)`, or with `activation`: the activation of the product
+    in the accumulator's dtype, cast to the output dtype (a float output accumulates in
+    at least float32)."""
+    if activation is None:
+        return call(preferred_element_type)
+    if not callable(activation):
+        raise TypeError(f"ragged_dot: activation must be a function or None, got "
+                        f"{activation!r}")
+    out_dtype = (jnp.dtype(preferred_element_type) if preferred_element_type is not None
+                 else jnp.result_type(lhs.dtype, rhs.dtype))
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        return activation(call(preferred_element_type))
+    return activation(call(jnp.promote_types(out_dtype, jnp.float32))).astype(out_dtype)
 
 
 def _check_output_kind(lhs: Any, rhs: Any, preferred_element_type: Any) -> None:
