@@ -98,3 +98,31 @@ def test_group_offset_is_not_supported():
         tokamax.ragged_dot(lhs, rhs, GROUP_SIZES[0], group_offset=jnp.array([1]))
     with pytest.raises(TypeError, match="activation"):
         tokamax.ragged_dot(lhs, rhs, GROUP_SIZES[0], activation="gelu")
+
+
+def test_functions_in_implementation_take_the_call_as_given():
+    lhs, rhs = random_normal(10, (M, K)), random_normal(11, (3, K, N))
+    calls = []
+
+    def declines(*args, **keywords):
+        calls.append(keywords)
+        raise NotImplementedError("not this one")
+
+    check(lambda a, b, g: tokamax.ragged_dot(
+        a, b, g, HIGHEST, activation=jax.nn.sigmoid,
+        implementation=[declines, jax.lax.ragged_dot, "xla"]),
+        lambda a, b, g: reference(a, b, g, jax.nn.sigmoid), lhs, rhs, (M, N))
+    # Accumulating in float32 for the activation: the output dtype is asked for.
+    assert calls[0] == {"precision": HIGHEST, "preferred_element_type": jnp.float32}
+
+    seen = []
+
+    def general(lhs, rhs, group_sizes, numbers, **keywords):
+        seen.append(numbers)
+        return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, **keywords)
+
+    lhs2 = random_normal(12, (M, N))
+    out = tokamax.ragged_dot_general(lhs, lhs2, GROUP_SIZES[1], RAGGED_CONTRACTING, HIGHEST,
+                                     implementation=[general])
+    assert seen == [RAGGED_CONTRACTING]
+    assert_close(out, reference_ragged_contracting(lhs, lhs2, GROUP_SIZES[1]))

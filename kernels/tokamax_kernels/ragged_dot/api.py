@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from tokamax_kernels import _dispatch
 from tokamax_kernels.ragged_dot.base import RaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
@@ -39,7 +40,10 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
     here: see `tokamax_pass.core.resolution`), a name
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
-    TPU), an `Op` instance, or a sequence of those.
+    TPU), an `Op` instance, a function, or a sequence of those, tried in order until one
+    does not raise `NotImplementedError` (as upstream Tokamax does). A function is called
+    as `f(lhs, rhs, group_sizes, **keywords)` with the `precision` and
+    `preferred_element_type` given (`jax.lax.ragged_dot` is one).
 
     `activation` (upstream Tokamax's): a function applied to the whole product (rows past
     the groups included), in the accumulator's dtype (float32 for 16-bit floats) before
@@ -49,10 +53,16 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     if group_offset is not None:
         raise NotImplementedError("ragged_dot: group_offset is not supported")
     _check_output_kind(lhs, rhs, preferred_element_type)
-    return with_activation(
-        lambda out_type: FAMILY(implementation, lhs, rhs, group_sizes, precision=precision,
+    def call(out_type: Any) -> Any:
+        keywords = {k: x for k, x in (("precision", precision),
+                                      ("preferred_element_type", out_type)) if x is not None}
+        return _dispatch.call(
+            implementation,
+            lambda impl: FAMILY(impl, lhs, rhs, group_sizes, precision=precision,
                                 preferred_element_type=out_type),
-        lhs, rhs, preferred_element_type, activation)
+            lambda f: f(lhs, rhs, group_sizes, **keywords), op="ragged_dot")
+
+    return with_activation(call, lhs, rhs, preferred_element_type, activation)
 
 
 def with_activation(call: Callable[[Any], Any], lhs: Any, rhs: Any,

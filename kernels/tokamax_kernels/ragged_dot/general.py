@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tokamax_kernels import _dispatch
 from tokamax_kernels.ragged_dot.api import FAMILY, ragged_dot, with_activation
 from tokamax_kernels.ragged_dot.base import RaggedDot
 from tokamax_pass.core.registry import Implementation
@@ -90,20 +91,37 @@ def ragged_dot_general(
 ) -> Any:
     """`jax.lax.ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers)`,
     with `ragged_dot`'s `activation` and `implementation` (see the module docstring for
-    which dimension numbers run where)."""
+    which dimension numbers run where). A function in `implementation` is called as
+    `f(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, **keywords)` with the
+    `precision` and `preferred_element_type` given (`jax.lax.ragged_dot_general` is one)."""
     numbers = ragged_dot_dimension_numbers
     if not isinstance(numbers, jax.lax.RaggedDotDimensionNumbers):
         raise TypeError(f"ragged_dot_general: ragged_dot_dimension_numbers must be a "
                         f"jax.lax.RaggedDotDimensionNumbers, got {numbers!r}")
-    common = dict(precision=precision, preferred_element_type=preferred_element_type,
-                  group_offset=group_offset, activation=activation,
-                  implementation=implementation)
-    if _same(numbers, DEFAULT_DIMENSION_NUMBERS):
-        return ragged_dot(lhs, rhs, group_sizes, **common)
-    if _same(numbers, TRANSPOSED_RHS_DIMENSION_NUMBERS):
-        return ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2), group_sizes, **common)
     if group_offset is not None:
         raise NotImplementedError("ragged_dot_general: group_offset is not supported")
+
+    def call(out_type: Any) -> Any:
+        keywords = {k: x for k, x in (("precision", precision),
+                                      ("preferred_element_type", out_type)) if x is not None}
+        return _dispatch.call(
+            implementation,
+            lambda impl: _general(lhs, rhs, group_sizes, numbers, precision, out_type, impl),
+            lambda f: f(lhs, rhs, group_sizes, numbers, **keywords), op="ragged_dot_general")
+
+    return with_activation(call, lhs, rhs, preferred_element_type, activation)
+
+
+def _general(lhs: Any, rhs: Any, group_sizes: Any,
+             numbers: jax.lax.RaggedDotDimensionNumbers, precision: Any, out_type: Any,
+             implementation: Implementation) -> Any:
+    """`ragged_dot_general` for an `implementation` free of functions, no activation."""
+    if _same(numbers, DEFAULT_DIMENSION_NUMBERS):
+        return ragged_dot(lhs, rhs, group_sizes, precision, out_type,
+                          implementation=implementation)
+    if _same(numbers, TRANSPOSED_RHS_DIMENSION_NUMBERS):
+        return ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2), group_sizes, precision, out_type,
+                          implementation=implementation)
     if not _names_xla(implementation):
         raise NotImplementedError(
             f"ragged_dot_general: dimension numbers {numbers} run in the 'xla' "
@@ -111,11 +129,6 @@ def ragged_dot_general(
             f"{implementation!r}; the kernels take (m, k) x (g, k, n) and (g, n, k)")
     FAMILY.resolve(implementation)  # unknown names: the family's ValueError
     if _same(numbers, RAGGED_CONTRACTING_DIMENSION_NUMBERS) and lhs.ndim == rhs.ndim == 2:
-        def call(out_type: Any) -> Any:
-            return _ragged_contracting(lhs, rhs, group_sizes, precision, out_type)
-    else:
-        def call(out_type: Any) -> Any:
-            return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers,
-                                              precision=precision,
-                                              preferred_element_type=out_type)
-    return with_activation(call, lhs, rhs, preferred_element_type, activation)
+        return _ragged_contracting(lhs, rhs, group_sizes, precision, out_type)
+    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, precision=precision,
+                                      preferred_element_type=out_type)
