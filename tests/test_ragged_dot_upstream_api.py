@@ -126,3 +126,32 @@ def test_functions_in_implementation_take_the_call_as_given():
                                      implementation=[general])
     assert seen == [RAGGED_CONTRACTING]
     assert_close(out, reference_ragged_contracting(lhs, lhs2, GROUP_SIZES[1]))
+
+
+def test_generate_group_sizes_spreads_m_rows_over_the_groups():
+    sizes = tokamax.generate_ragged_dot_group_sizes(m=1000, num_groups=4, seed=3)
+    assert len(sizes) == 4 and sum(sizes) == 1000 and all(150 < s < 350 for s in sizes)
+    assert sizes == tokamax.generate_ragged_dot_group_sizes(m=1000, num_groups=4, seed=3)
+    skewed = tokamax.generate_ragged_dot_group_sizes(m=1000, num_groups=4,
+                                                     p=[0.8, 0.2, 0.0, 0.0])
+    assert skewed[0] > 700 and skewed[1] > 100 and skewed[2:] == (0, 0)
+    with pytest.raises(ValueError, match="entries"):
+        tokamax.generate_ragged_dot_group_sizes(m=10, num_groups=3, p=[0.5, 0.5])
+
+
+def test_ragged_dot_group_sizes_carry_their_value_and_a_representative():
+    lhs, rhs = random_normal(13, (M, K)), random_normal(14, (3, K, N))
+
+    def wrapped(a, b, g):
+        return jax.jit(lambda a, b, gs: tokamax.ragged_dot(a, b, gs, HIGHEST))(
+            a, b, tokamax.RaggedDotGroupSizes(g, (2, 5, 3)))
+
+    check(wrapped, reference, lhs, rhs, (M, N))
+    abstract = tokamax.RaggedDotGroupSizes(jax.ShapeDtypeStruct((3,), jnp.int32), (2, 5, 3))
+    assert abstract.value.tolist() == [2, 5, 3] and abstract.value.dtype == jnp.int32
+    spread = tokamax.RaggedDotGroupSizes(jax.ShapeDtypeStruct((3,), jnp.int32), 9)
+    assert spread.value.sum() == 9 and spread.representative_value == tuple(spread.value)
+    with pytest.raises(ValueError, match="integers"):
+        tokamax.RaggedDotGroupSizes(jnp.ones(3), 3)
+    with pytest.raises(ValueError, match="representative"):
+        tokamax.RaggedDotGroupSizes(GROUP_SIZES[0], (1, 2))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from tokamax_kernels import _dispatch
 from tokamax_kernels.ragged_dot.base import RaggedDot
+from tokamax_kernels.ragged_dot.group_sizes import RaggedDotGroupSizes
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
@@ -31,7 +32,8 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
                implementation: Implementation = None) -> Any:
     """Grouped matmul: rows of `lhs` (M, K) in consecutive groups times `rhs[g]` (G, K, N).
 
-    Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M);
+    Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M; or a
+    `RaggedDotGroupSizes`, whose `value` is used);
     rows past the sum give zeros, as in `jax.lax.ragged_dot`. Concrete sizes are checked
     (each >= 0, summing to at most M); traced ones cannot be, and behave as in
     `jax.lax.ragged_dot`: groups end at row M (under `jax.vmap`, per batch entry, the
@@ -52,6 +54,8 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     """
     if group_offset is not None:
         raise NotImplementedError("ragged_dot: group_offset is not supported")
+    if isinstance(group_sizes, RaggedDotGroupSizes):
+        group_sizes = group_sizes.value
     _check_output_kind(lhs, rhs, preferred_element_type)
     def call(out_type: Any) -> Any:
         keywords = {k: x for k, x in (("precision", precision),

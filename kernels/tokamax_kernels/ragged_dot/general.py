@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from tokamax_kernels import _dispatch
 from tokamax_kernels.ragged_dot.api import FAMILY, ragged_dot, with_activation
 from tokamax_kernels.ragged_dot.base import RaggedDot
+from tokamax_kernels.ragged_dot.group_sizes import RaggedDotGroupSizes
 from tokamax_pass.core.registry import Implementation
 
 DEFAULT_DIMENSION_NUMBERS = jax.lax.RaggedDotDimensionNumbers(
@@ -100,6 +101,8 @@ def ragged_dot_general(
                         f"jax.lax.RaggedDotDimensionNumbers, got {numbers!r}")
     if group_offset is not None:
         raise NotImplementedError("ragged_dot_general: group_offset is not supported")
+    if isinstance(group_sizes, RaggedDotGroupSizes):
+        group_sizes = group_sizes.value
 
     def call(out_type: Any) -> Any:
         keywords = {k: x for k, x in (("precision", precision),
