@@ -15,6 +15,20 @@ from typing import Any
 from tokamax_pass.core import Op
 
 
+def given_keywords(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of `values` not left at their `defaults` (a function in
+    `implementation` gets the call as it was written, so plain JAX functions fit)."""
+    return {k: x for k, x in values.items() if not _is_default(x, defaults[k])}
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    scalars = (bool, int, float, str)
+    return (isinstance(value, scalars) and type(value) is type(default)
+            and value == default)
+
+
 def is_user_callable(item: Any) -> bool:
     return callable(item) and not isinstance(item, (Op, str, type))
 

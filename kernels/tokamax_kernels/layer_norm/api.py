@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokamax_kernels import _dispatch
 from tokamax_kernels import _validation as v
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_kernels.layer_norm.pallas_mosaic_tpu import PallasMosaicTpuLayerNorm
@@ -34,8 +35,21 @@ def layer_norm(x: Any, scale: Any, offset: Any, *, axis: int = -1, epsilon: floa
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
     here: see `tokamax_pass.core.resolution`), a name
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic TPU kernel, the family's only
-    Mosaic one), an `Op` instance, or a sequence of those.
+    Mosaic one), an `Op` instance, a function, or a sequence of those, tried in order until
+    one does not raise `NotImplementedError` (as upstream Tokamax does). A function is
+    called as `f(x, scale, offset, **keywords)` with the keywords this call was given.
     """
-    x, scale, offset, residual = v.numpy_floats_as_jax((x, scale, offset, residual))
-    return FAMILY(implementation, x, scale, offset, axis=axis, epsilon=epsilon,
-                  subtract_mean=subtract_mean, residual=residual, scale_offset=scale_offset)
+    keywords = dict(axis=axis, epsilon=epsilon, scale_offset=scale_offset,
+                    subtract_mean=subtract_mean, residual=residual)
+
+    def run_family(impl: Implementation) -> Any:
+        arrays = v.numpy_floats_as_jax((x, scale, offset, residual))
+        return FAMILY(impl, *arrays[:3], **{**keywords, "residual": arrays[3]})
+
+    return _dispatch.call(
+        implementation, run_family,
+        lambda f: f(x, scale, offset, **_dispatch.given_keywords(keywords, _DEFAULTS)),
+        op="layer_norm")
+
+
+_DEFAULTS = dict(axis=-1, epsilon=1e-6, scale_offset=0.0, subtract_mean=True, residual=None)
