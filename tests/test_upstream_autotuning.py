@@ -96,3 +96,52 @@ def test_autotuner_autotune_rejects_a_bad_autotuner_argument():
     x = random_normal(11, (2, 4, 8))
     with pytest.raises(TypeError, match="Autotuner"):
         LayerNorm().bind(x).autotune(autotuner="fast")
+
+
+def test_dumps_prunes_errors_and_names_the_version_as_upstream():
+    from tokamax_pass.autotuning import keys
+    from tokamax_pass.autotuning.result import AutotuningResult, Entry
+
+    op = XlaChunkedLinearSoftmaxCrossEntropyLoss()
+    x, weights = random_normal(12, (2, 6, 16)), random_normal(13, (16, 24))
+    labels = jax.random.randint(jax.random.key(14), (2, 6), 0, 24)
+    ba = keys.canonical(op.bind(x, labels, weights))
+    good, bad = XlaChunkedLossConfig(6, 8), XlaChunkedLossConfig(12, 24)
+    entry = Entry(ba, {good: Measurement((0.5,)), bad: Measurement(error="failed to compile")},
+                  keys.provenance(op))
+    result = AutotuningResult(H200, [entry])
+    assert result.tokamax_version == result.tokamax_pass_version == tokamax.__version__
+    (all_data,) = [d for _, d in AutotuningResult.loads(result.dumps())]
+    (pruned,) = [d for _, d in AutotuningResult.loads(result.dumps(prune_errors=True))]
+    assert set(all_data) == {good, bad} and set(pruned) == {good}
+
+
+def test_bound_args_from_json_file_reads_what_bound_args_to_json_wrote(tmp_path):
+    from tokamax_pass.autotuning import bound_args_from_json_file, bound_args_to_json
+
+    ba = LayerNorm().bind(random_normal(15, (2, 3, 8)))
+    path = tmp_path / "calls.json"
+    bound_args_to_json([ba], path)
+    (read,) = bound_args_from_json_file(path)
+    assert read.cache_key == ba.cache_key and type(read.op) is LayerNorm
+    with pytest.raises(TypeError, match="path"):
+        bound_args_from_json_file(open(path))  # noqa: SIM115 - a file is the wrong type
+
+
+def test_autotune_takes_progress_bar(capsys):
+    op = XlaChunkedLinearSoftmaxCrossEntropyLoss()
+    x, weights = random_normal(16, (2, 6, 16)), random_normal(17, (16, 24))
+    labels = jax.random.randint(jax.random.key(18), (2, 6), 0, 24)
+    result = tokamax.autotune([op.bind(x, labels, weights)], progress_bar=False, max_configs=1,
+                              iterations=1, method="wallclock")
+    assert len(result) == 1
+    assert "%|" not in capsys.readouterr().err
+    tokamax.autotune([op.bind(x, labels, weights)], progress_bar=True, max_configs=1,
+                     iterations=1, method="wallclock", ignore_cache=True)
+    assert "%|" in capsys.readouterr().err
+
+
+def test_benchmark_reads_upstreams_xprof_as_the_profiler():
+    data = tokamax.benchmark(lambda x: jnp.sin(x) @ x.T, random_normal(19, (2, 64)),
+                             method="xprof", iterations=1)
+    assert data.method == "profiler" and data.metadata == {"method": "profiler"}

@@ -318,6 +318,15 @@ def _wallclock_times(compiled: Any, args: list[Any], iterations: int) -> list[fl
     return times
 
 
+# Upstream Tokamax's name for the profiler timer.
+METHOD_ALIASES = {"xprof": "profiler"}
+
+
+def canonical_method(method: str | None) -> str | None:
+    """`method` with upstream Tokamax's names (`"xprof"`) read as ours."""
+    return METHOD_ALIASES.get(method, method) if isinstance(method, str) else method
+
+
 def check_method(method: str | None, platform: str) -> None:
     """A `ValueError` unless `method` is one of `METHODS` (or None, the best available)
     and can time kernels on `platform` (a jax backend name)."""
@@ -363,6 +372,7 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
                 f"arrays: make them with benchmarking.random_initialize(args, seed) "
                 f"(standardize_function with seed=None keeps its inputs abstract)")
         platform = _platform(args)
+        method = canonical_method(method)
         check_method(method, platform)
         if method is None:
             # The best timer that works here: CUPTI on GPUs, else the profiler, else wall clock.
@@ -401,6 +411,7 @@ def benchmark(f: Callable[..., Any], *args: Any, kwargs: dict[str, Any] | None =
     """`standardize_function` + `compile_benchmark` + one run."""
     # The options first: `run` checks them too, but only after `f` is compiled.
     checks.require_int("benchmark", "iterations", iterations, minimum=1)
+    method = canonical_method(method)
     check_method(method, _platform(jax.tree.leaves((args, kwargs))))
     f_std, arrays = standardize_function(f, *args, kwargs=kwargs, mode=mode)
     return compile_benchmark(f_std, arrays)(arrays, method=method, iterations=iterations)

@@ -10,6 +10,7 @@ from tokamax_pass.autotuning.cache import CacheError, UnsavedResultError
 from tokamax_pass.autotuning.cache import save as save_to_cache
 from tokamax_pass.autotuning.discovery import (
     bound_args_from_json,
+    bound_args_from_json_file,
     bound_args_to_json,
     get_bound_args,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "active_results",
     "autotune",
     "bound_args_from_json",
+    "bound_args_from_json_file",
     "bound_args_to_json",
     "get_bound_args",
     "save_to_cache",
