@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import jax.numpy as jnp
@@ -19,6 +20,12 @@ from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
 _OP = "dot_product_attention"
+
+# Upstream Tokamax's names for the arrays, accepted as keywords by `bind` of every
+# attention op (they bind as `query`, `key`, `value`). Set here with the family, so the
+# ops' modules, whose source the caches' entries record, stay as they are.
+DotProductAttention.argument_aliases = MappingProxyType(
+    {"q": "query", "k": "key", "v": "value"})
 
 # `None` tries cuDNN first: on the H200 it is still faster than our Mosaic (0.79-0.95x of
 # cuDNN) and Triton (0.7-0.8x) kernels (benchmarks/results); measured timings in an active

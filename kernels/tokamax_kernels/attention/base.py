@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -211,10 +210,7 @@ class DotProductAttention(Op[NullConfig]):
 
     It materializes the (B, H, Sq, Sk) logits in float32 (float64 for float64
     inputs); see the module docstring for the semantics and the residual contract.
-    `bind` also takes upstream Tokamax's keyword names `q`, `k`, `v`.
     """
-
-    argument_aliases: ClassVar[Mapping[str, str]] = {"q": "query", "k": "key", "v": "value"}
 
     def partition_rule(self, ba: BoundArguments) -> Any:
         """How a call splits over devices (`tokamax_pass.core.sharding`)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from tokamax_kernels import _dispatch
 from tokamax_kernels import _validation as v
 from tokamax_kernels.layer_norm.base import LayerNorm
@@ -43,8 +45,15 @@ def layer_norm(x: Any, scale: Any, offset: Any, *, axis: int = -1, epsilon: floa
                     subtract_mean=subtract_mean, residual=residual)
 
     def run_family(impl: Implementation) -> Any:
-        arrays = v.numpy_floats_as_jax((x, scale, offset, residual))
-        return FAMILY(impl, *arrays[:3], **{**keywords, "residual": arrays[3]})
+        x_, scale_, offset_, residual_ = v.numpy_floats_as_jax((x, scale, offset, residual))
+        offset_by = v.static_number("scale_offset", scale_offset, op="layer_norm",
+                                    minimum=None)
+        if scale_ is not None and offset_by != 0.0:
+            # In at least float32, as the kernels compute; the gradient of `scale` is
+            # unchanged and comes back in its dtype.
+            scale_ = scale_.astype(jnp.promote_types(scale_.dtype, jnp.float32)) + offset_by
+        return FAMILY(impl, x_, scale_, offset_, axis=axis, epsilon=epsilon,
+                      subtract_mean=subtract_mean, residual=residual_)
 
     return _dispatch.call(
         implementation, run_family,

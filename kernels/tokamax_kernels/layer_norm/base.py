@@ -16,14 +16,6 @@ from tokamax_pass.core import BoundArguments, NullConfig, Op
 _OP = "layer_norm"
 
 
-def _offset_scale(scale: Any, scale_offset: float) -> Any:
-    """`scale + scale_offset` in at least float32 (an abstract scale: its shape and dtype)."""
-    dtype = jnp.promote_types(scale.dtype, jnp.float32)
-    if isinstance(scale, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(scale.shape, dtype)
-    return scale.astype(dtype) + scale_offset
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerNorm(Op[NullConfig]):
     """`(x - mean) * rsqrt(var + epsilon) * scale + offset` over `axis`, in float32.
@@ -59,10 +51,7 @@ class LayerNorm(Op[NullConfig]):
 
     def bind(self, x: Any, scale: Any = None, offset: Any = None, *, axis: int = -1,
              epsilon: float = 1e-6, subtract_mean: bool = True,
-             residual: Any = None, scale_offset: float = 0.0) -> BoundArguments:
-        """`scale_offset` (upstream Tokamax's): the scale applied is `scale + scale_offset`,
-        added here in at least float32, so every implementation gets the sum as its scale
-        (and the gradient of `scale` is unchanged); nothing when `scale` is `None`."""
+             residual: Any = None) -> BoundArguments:
         v.require_rank("x", x, range(1, 64), op=_OP)
         v.require_float("x", x, op=_OP)
         axis = v.canonical_axis(axis, x.ndim, op=_OP)
@@ -73,9 +62,6 @@ class LayerNorm(Op[NullConfig]):
                 v.require_shape(name, param, (x.shape[axis],), op=_OP,
                                 why=f"the length of x along axis {axis}")
         epsilon = v.static_number("epsilon", epsilon, op=_OP, minimum=0.0, inclusive=True)
-        scale_offset = v.static_number("scale_offset", scale_offset, op=_OP, minimum=None)
-        if scale is not None and scale_offset != 0.0:
-            scale = _offset_scale(scale, scale_offset)
         arguments = dict(x=x, scale=scale, offset=offset, axis=axis, epsilon=epsilon,
                          subtract_mean=v.require_bool("subtract_mean", subtract_mean, op=_OP))
         if residual is not None:
