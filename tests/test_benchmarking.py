@@ -50,7 +50,7 @@ def test_cupti_on_cpu_is_a_clear_error_and_unknown_methods_are_rejected():
     with pytest.raises(ValueError, match="method='cupti'.*on cpu.*method=None"):
         run(args, method="cupti")
     with pytest.raises(ValueError, match="method must be one of"):
-        run(args, method="xprof")
+        run(args, method="stopwatch")
     with pytest.raises(ValueError, match="iterations"):
         run(args, iterations=0)
 

@@ -19,7 +19,7 @@ from tokamax_pass.core.spec import SpecError, register_serializable
 # leave the package attribute bound to the module (the import system sets it).
 from tokamax_pass.export import DISABLE_JAX_EXPORT_CHECKS, export, inspect, load_artifact
 from tokamax_pass.optimize import optimize
-from tokamax_pass.version import __version__
+from tokamax_pass.version import __version__, __version_info__
 
 # Op families, in `tokamax_kernels`; each package's `__all__` lists what it exports.
 _KERNEL_PACKAGES = ("attention", "layer_norm", "ragged_dot", "gated_linear_unit",
@@ -31,6 +31,11 @@ _LAZY = {
     "AutotuningResult": "tokamax_pass.autotuning",
     "autotuning": None,
     "benchmarking": None,
+    "batching": None,
+    "benchmark": "tokamax_pass.benchmarking",
+    "BenchmarkData": "tokamax_pass.benchmarking",
+    "standardize_function": "tokamax_pass.benchmarking",
+    "BatchedShapeDtype": "tokamax_pass.batching",
 }
 
 
@@ -64,8 +69,8 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DISABLE_JAX_EXPORT_CHECKS", "BoundArguments", "NullConfig", "Op", "export", "inspect",
-    "SpecError", "__version__", "load_artifact", "optimize", "register_serializable",
-    "snake_case_name", *_LAZY,
+    "SpecError", "__version__", "__version_info__", "load_artifact", "optimize",
+    "register_serializable", "snake_case_name", *_LAZY,
 ]
 
 # Registers the autotuning results and caches as a config source (cheap: no compilation).

@@ -28,9 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tokamax_pass import batching
 from tokamax_pass.core import checks, spec
 
-Mode = Literal["forward", "vjp", "forward_and_vjp"]
+Mode = Literal["forward", "forward_res", "vjp", "forward_and_vjp"]
+MODES = ("forward", "forward_res", "vjp", "forward_and_vjp")
 METHODS = ("cupti", "profiler", "wallclock")
 DEFAULT_ITERATIONS = 5
 # The largest `seed`: it reaches the random-input program as an int32 argument (a larger
@@ -44,6 +46,8 @@ class BenchmarkData:
 
     `peak_memory_mb`: the compiled program's peak device memory; `temp_memory_mb`: its
     temporaries alone, the memory beyond its inputs and outputs (XLA's memory analysis).
+    `metadata`: what the timer reports beside the times (the timing method's name), a
+    dict as upstream Tokamax's `BenchmarkData.metadata` is.
     """
 
     lower_time_ms: float
@@ -52,6 +56,7 @@ class BenchmarkData:
     peak_memory_mb: float | None
     method: str
     temp_memory_mb: float | None = None
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
 
     @property
     def median_evaluation_time_ms(self) -> float:
@@ -60,6 +65,11 @@ class BenchmarkData:
     @property
     def min_evaluation_time_ms(self) -> float:
         return min(self.evaluation_times_ms)
+
+    def asdict(self) -> dict[str, Any]:
+        """The fields and the median evaluation time, as a plain dict (for logs, JSON)."""
+        return {**dataclasses.asdict(self),
+                "median_evaluation_time_ms": self.median_evaluation_time_ms}
 
 
 def random_array(key: jax.Array | int, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -147,6 +157,10 @@ def standardize_function(
 
     Array leaves of `args`/`kwargs` become the list `arrays`; `ShapeDtypeStruct`s are
     filled with random values from `seed` (`seed=None` keeps them abstract).
+    `BatchedShapeDtype` arguments (all arrays then) run under their `jax.vmap`s, and
+    their random values have the batched shapes (`vmap_shape`).
+    `mode="forward_res"` times the forward pass as differentiation runs it (saving its
+    residuals: custom VJP forward rules), returning its output only.
     `mode="vjp"` times the backward pass alone: the forward runs here, its residuals
     become inputs of `f_std` together with a random cotangent. `"forward_and_vjp"`
     times both, with the output as its own cotangent behind an optimization barrier (as
@@ -155,8 +169,9 @@ def standardize_function(
     expression gained 6% on our XLA GLU that way, and lost 5% to it inside `jax.grad`
     (`benchmarks/results/nvidia_h200/glu_vjp_probe_s17.jsonl`).
     """
-    if mode not in ("forward", "vjp", "forward_and_vjp"):
-        raise ValueError(f"mode must be 'forward', 'vjp' or 'forward_and_vjp', got {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'forward', 'forward_res', 'vjp' or 'forward_and_vjp', "
+                         f"got {mode!r}")
     checks.require_callable("standardize_function", "f", f)
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"standardize_function: kwargs must be a dict of keyword arguments "
@@ -169,8 +184,6 @@ def standardize_function(
     leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=lambda v: v is None)
     array_index = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
     arrays = [leaves[i] for i in array_index]
-    if seed is not None:
-        arrays = random_initialize(arrays, seed)
 
     def forward(*xs: Any) -> Any:
         new_leaves = list(leaves)
@@ -178,6 +191,13 @@ def standardize_function(
             new_leaves[i] = x
         call_args, call_kwargs = jax.tree.unflatten(treedef, new_leaves)
         return f(*call_args, **call_kwargs)
+
+    if any(isinstance(a, batching.BatchedShapeDtype) for a in arrays):
+        for in_axes in reversed(batching.vmap_levels(arrays)):
+            forward = jax.vmap(forward, in_axes=in_axes)
+        arrays = [jax.ShapeDtypeStruct(a.vmap_shape, a.dtype) for a in arrays]
+    if seed is not None:
+        arrays = random_initialize(arrays, seed)
 
     if mode == "forward":
         return (lambda xs: forward(*xs)), arrays
@@ -191,6 +211,11 @@ def standardize_function(
             full[i] = x
         return forward(*full)
 
+    if mode == "forward_res":
+        # The forward pass as differentiation runs it (custom VJP forward rules, which
+        # save residuals), its output only.
+        return (lambda xs: jax.vjp(lambda *d: forward_diff(xs, *d),
+                                   *(xs[i] for i in diff))[0]), arrays
     if mode == "forward_and_vjp":
         def f_std(xs: list[Any]) -> Any:
             out, pullback = jax.vjp(lambda *d: forward_diff(xs, *d), *(xs[i] for i in diff))
@@ -293,6 +318,15 @@ def _wallclock_times(compiled: Any, args: list[Any], iterations: int) -> list[fl
     return times
 
 
+# Upstream Tokamax's name for the profiler timer.
+METHOD_ALIASES = {"xprof": "profiler"}
+
+
+def canonical_method(method: str | None) -> str | None:
+    """`method` with upstream Tokamax's names (`"xprof"`) read as ours."""
+    return METHOD_ALIASES.get(method, method) if isinstance(method, str) else method
+
+
 def check_method(method: str | None, platform: str) -> None:
     """A `ValueError` unless `method` is one of `METHODS` (or None, the best available)
     and can time kernels on `platform` (a jax backend name)."""
@@ -338,6 +372,7 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
                 f"arrays: make them with benchmarking.random_initialize(args, seed) "
                 f"(standardize_function with seed=None keeps its inputs abstract)")
         platform = _platform(args)
+        method = canonical_method(method)
         check_method(method, platform)
         if method is None:
             # The best timer that works here: CUPTI on GPUs, else the profiler, else wall clock.
@@ -363,7 +398,7 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
             lower_time_ms=lower_ms, compile_time_ms=compile_ms,
             evaluation_times_ms=tuple(times),
             peak_memory_mb=None if peak is None else peak / 1e6, method=method,
-            temp_memory_mb=None if temp is None else temp / 1e6,
+            temp_memory_mb=None if temp is None else temp / 1e6, metadata={"method": method},
         )
 
     run.compiled = compiled  # type: ignore[attr-defined]
@@ -376,6 +411,7 @@ def benchmark(f: Callable[..., Any], *args: Any, kwargs: dict[str, Any] | None =
     """`standardize_function` + `compile_benchmark` + one run."""
     # The options first: `run` checks them too, but only after `f` is compiled.
     checks.require_int("benchmark", "iterations", iterations, minimum=1)
+    method = canonical_method(method)
     check_method(method, _platform(jax.tree.leaves((args, kwargs))))
     f_std, arrays = standardize_function(f, *args, kwargs=kwargs, mode=mode)
     return compile_benchmark(f_std, arrays)(arrays, method=method, iterations=iterations)

@@ -2,3 +2,5 @@
 importing the package (whose `__init__` imports the framework)."""
 
 __version__ = "0.1.0"
+# The version as a tuple of ints, `(major, minor, patch)`, as upstream Tokamax exports it.
+__version_info__ = tuple(int(part) for part in __version__.split("."))

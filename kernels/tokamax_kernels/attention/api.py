@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import jax.numpy as jnp
 
+from tokamax_kernels import _dispatch
 from tokamax_kernels import _validation as v
 from tokamax_kernels.attention import layout
 from tokamax_kernels.attention.base import DotProductAttention
@@ -18,6 +20,12 @@ from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
 _OP = "dot_product_attention"
+
+# Upstream Tokamax's names for the arrays, accepted as keywords by `bind` of every
+# attention op (they bind as `query`, `key`, `value`). Set here with the family, so the
+# ops' modules, whose source the caches' entries record, stay as they are.
+DotProductAttention.argument_aliases = MappingProxyType(
+    {"q": "query", "k": "key", "v": "value"})
 
 # `None` tries cuDNN first: on the H200 it is still faster than our Mosaic (0.79-0.95x of
 # cuDNN) and Triton (0.7-0.8x) kernels (benchmarks/results); measured timings in an active
@@ -68,7 +76,10 @@ def dot_product_attention(
       implementation: `None` (the plain-JAX path, unless a measurement shows a
         kernel faster here: see `tokamax_pass.core.resolution`), a name from
         `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
-        TPU), an `Op` instance, or a sequence of those.
+        TPU), an `Op` instance, a function, or a sequence of those, tried in order until
+        one does not raise `NotImplementedError` (as upstream Tokamax does). A function
+        is called as `f(query, key, value, bias, mask, **keywords)` with the keywords
+        this call was given (`jax.nn.dot_product_attention` is one).
       return_residual: also return `lse`, the logsumexp (natural log) over keys of each
         query row's final (scaled, biased, soft-capped, masked) logits, as `jax.nn` does:
         shape `(*batch, q_seq, heads)` (the query's shape without head_dim), the inputs'
@@ -88,6 +99,26 @@ def dot_product_attention(
     row's lse is `jax.nn`'s: `-0.7 * float32 max` (the logsumexp of a row of only
     masked logits) cast to the dtype (`-inf` in float16); it gets no gradient.
     """
+    given = dict(scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
+                 key_value_seq_lengths=key_value_seq_lengths,
+                 local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                 precision=precision, return_residual=return_residual)
+    return _dispatch.call(
+        implementation,
+        lambda impl: _attention(query, key, value, bias, mask, **given, implementation=impl),
+        # A callable gets the call's arguments as given (the keywords left at their
+        # defaults left out), so `jax.nn.dot_product_attention` fits.
+        lambda f: f(query, key, value, bias, mask,
+                    **{k: x for k, x in given.items() if x is not None and x is not False}),
+        op=_OP)
+
+
+def _attention(query: Any, key: Any, value: Any, bias: Any, mask: Any, *,
+               scale: float | None, is_causal: bool, query_seq_lengths: Any,
+               key_value_seq_lengths: Any, local_window_size: int | tuple[int, int] | None,
+               logits_soft_cap: float | None, precision: Any, implementation: Implementation,
+               return_residual: bool) -> Any:
+    """`dot_product_attention` with `implementation` free of callables."""
     query, key, value, bias = v.numpy_floats_as_jax((query, key, value, bias))
     arrays = dict(query=query, key=key, value=value, bias=bias, mask=mask,
                   query_seq_lengths=query_seq_lengths,

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tokamax_kernels import _dispatch
 from tokamax_kernels import _validation as v
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu import PallasMosaicGpuGatedLinearUnit
@@ -47,14 +48,23 @@ def gated_linear_unit(x: Any, weights: Any, *, group_sizes: Any = None,
 
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
     here: see `tokamax_pass.core.resolution`), a name
-    from `FAMILY.implementations`, an `Op` instance, or a sequence of those.
+    from `FAMILY.implementations`, an `Op` instance, a function, or a sequence of those,
+    tried in order until one does not raise `NotImplementedError` (as upstream Tokamax
+    does). A function is called as `f(x, weights, **keywords)` with the keywords this call
+    was given.
     """
-    if activation is not None:
-        _check_jit_can_take(activation)
-        _check_no_traced_closure(activation)
-    x, weights = v.numpy_floats_as_jax((x, weights))
-    return FAMILY(implementation, x, weights, group_sizes=group_sizes, activation=activation,
-                  precision=precision)
+    keywords = dict(group_sizes=group_sizes, activation=activation, precision=precision)
+
+    def run_family(impl: Implementation) -> Any:
+        if activation is not None:
+            _check_jit_can_take(activation)
+            _check_no_traced_closure(activation)
+        return FAMILY(impl, *v.numpy_floats_as_jax((x, weights)), **keywords)
+
+    return _dispatch.call(
+        implementation, run_family,
+        lambda f: f(x, weights, **_dispatch.given_keywords(keywords, dict.fromkeys(keywords))),
+        op="gated_linear_unit")
 
 
 def _check_jit_can_take(activation: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokamax_kernels import _dispatch
 from tokamax_kernels import _validation as v
 from tokamax_kernels.linear_softmax_cross_entropy_loss.base import LinearSoftmaxCrossEntropyLoss
 from tokamax_kernels.linear_softmax_cross_entropy_loss.pallas_mosaic_gpu import (
@@ -28,7 +29,8 @@ FAMILY = register_family(Family(
                      "xla_chunked": XlaChunkedLinearSoftmaxCrossEntropyLoss,
                      "xla": LinearSoftmaxCrossEntropyLoss},
     automatic=("mosaic_gpu", "mosaic_tpu", "xla_chunked", "xla"),
-    aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu")},
+    # "chunked_xla": upstream Tokamax's name for the chunked XLA implementation.
+    aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu"), "chunked_xla": ("xla_chunked",)},
 ))
 
 
@@ -50,14 +52,25 @@ def linear_softmax_cross_entropy_loss(
       logits_soft_cap: if set, logits -> cap * tanh(logits / cap) (Gemma 2).
       precision: of the GEMMs (`jax.lax.Precision` or its name, or a pair).
       implementation: `None` (plain XLA unless a measurement favours another), "xla"
-        (the logits materialized), "xla_chunked" (tiles of logits only: memory bounded
-        by the tile), "mosaic_gpu" (Hopper: the logits tiles stay in registers; the
-        backward holds one vocabulary chunk of dlogits), "mosaic_tpu" (Pallas kernels on
-        TPUs), "mosaic" (the platform's Mosaic kernel), an `Op` instance, or a sequence
-        of those.
+        (the logits materialized), "xla_chunked" or "chunked_xla" (upstream Tokamax's
+        name; tiles of logits only: memory bounded by the tile), "mosaic_gpu" (Hopper:
+        the logits tiles stay in registers; the backward holds one vocabulary chunk of
+        dlogits), "mosaic_tpu" (Pallas kernels on TPUs), "mosaic" (the platform's Mosaic
+        kernel), an `Op` instance, a function, or a sequence of those, tried in order
+        until one does not raise `NotImplementedError` (as upstream Tokamax does). A
+        function is called as `f(x, labels, weights, **keywords)` with the keywords this
+        call was given.
 
     Returns the float32 loss; differentiable in `x` and `weights`.
     """
-    x, weights = v.numpy_floats_as_jax((x, weights))
-    return FAMILY(implementation, x, labels, weights, reduction=reduction,
-                  logits_soft_cap=logits_soft_cap, precision=precision)
+    keywords = dict(reduction=reduction, logits_soft_cap=logits_soft_cap, precision=precision)
+
+    def run_family(impl: Implementation) -> Any:
+        x_, weights_ = v.numpy_floats_as_jax((x, weights))
+        return FAMILY(impl, x_, labels, weights_, **keywords)
+
+    return _dispatch.call(
+        implementation, run_family,
+        lambda f: f(x, labels, weights, **_dispatch.given_keywords(keywords, dict(
+            reduction="sum", logits_soft_cap=None, precision=None))),
+        op="linear_softmax_cross_entropy_loss")

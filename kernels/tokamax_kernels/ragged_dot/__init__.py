@@ -4,6 +4,11 @@ around it (`moe_dispatch`, `moe_combine`)."""
 from tokamax_kernels.ragged_dot import roofline as _roofline  # noqa: F401 - registration
 from tokamax_kernels.ragged_dot.api import ragged_dot
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
+from tokamax_kernels.ragged_dot.general import ragged_dot_general
+from tokamax_kernels.ragged_dot.group_sizes import RaggedDotGroupSizes
+from tokamax_kernels.ragged_dot.group_sizes import (
+    generate_group_sizes as generate_ragged_dot_group_sizes,
+)
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
@@ -12,4 +17,5 @@ from tokamax_kernels.ragged_dot.routing import MoeRouting, moe_combine, moe_disp
 __all__ = [
     "MoeRouting", "PallasMosaicGpuRaggedDot", "PallasMosaicTpuRaggedDot", "PallasTritonRaggedDot",
     "RaggedDot", "RaggedDotVjp", "moe_combine", "moe_dispatch", "ragged_dot",
+    "RaggedDotGroupSizes", "generate_ragged_dot_group_sizes", "ragged_dot_general",
 ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 
+from tokamax_kernels import _dispatch
 from tokamax_kernels.ragged_dot.base import RaggedDot
+from tokamax_kernels.ragged_dot.group_sizes import RaggedDotGroupSizes
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
@@ -23,11 +26,14 @@ FAMILY = register_family(Family(
 ))
 
 
-def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
-               preferred_element_type: Any = None, implementation: Implementation = None) -> Any:
+def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
+               preferred_element_type: Any = None, group_offset: Any = None,
+               activation: Callable[[Any], Any] | None = None, *,
+               implementation: Implementation = None) -> Any:
     """Grouped matmul: rows of `lhs` (M, K) in consecutive groups times `rhs[g]` (G, K, N).
 
-    Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M);
+    Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M; or a
+    `RaggedDotGroupSizes`, whose `value` is used);
     rows past the sum give zeros, as in `jax.lax.ragged_dot`. Concrete sizes are checked
     (each >= 0, summing to at most M); traced ones cannot be, and behave as in
     `jax.lax.ragged_dot`: groups end at row M (under `jax.vmap`, per batch entry, the
@@ -36,11 +42,48 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, precision: Any = None,
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
     here: see `tokamax_pass.core.resolution`), a name
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
-    TPU), an `Op` instance, or a sequence of those.
+    TPU), an `Op` instance, a function, or a sequence of those, tried in order until one
+    does not raise `NotImplementedError` (as upstream Tokamax does). A function is called
+    as `f(lhs, rhs, group_sizes, **keywords)` with the `precision` and
+    `preferred_element_type` given (`jax.lax.ragged_dot` is one).
+
+    `activation` (upstream Tokamax's): a function applied to the whole product (rows past
+    the groups included), in the accumulator's dtype (float32 for 16-bit floats) before
+    the cast to the output dtype; it runs after the op, not fused into a kernel.
+    `group_offset` is not supported (`NotImplementedError`, as upstream Tokamax).
     """
+    if group_offset is not None:
+        raise NotImplementedError("ragged_dot: group_offset is not supported")
+    if isinstance(group_sizes, RaggedDotGroupSizes):
+        group_sizes = group_sizes.value
     _check_output_kind(lhs, rhs, preferred_element_type)
-    return FAMILY(implementation, lhs, rhs, group_sizes, precision=precision,
-                  preferred_element_type=preferred_element_type)
+    def call(out_type: Any) -> Any:
+        keywords = {k: x for k, x in (("precision", precision),
+                                      ("preferred_element_type", out_type)) if x is not None}
+        return _dispatch.call(
+            implementation,
+            lambda impl: FAMILY(impl, lhs, rhs, group_sizes, precision=precision,
+                                preferred_element_type=out_type),
+            lambda f: f(lhs, rhs, group_sizes, **keywords), op="ragged_dot")
+
+    return with_activation(call, lhs, rhs, preferred_element_type, activation)
+
+
+def with_activation(call: Callable[[Any], Any], lhs: Any, rhs: Any,
+                    preferred_element_type: Any, activation: Callable[[Any], Any] | None) -> Any:
+    """`call(preferred_element_type)`, or with `activation`: the activation of the product
+    in the accumulator's dtype, cast to the output dtype (a float output accumulates in
+    at least float32)."""
+    if activation is None:
+        return call(preferred_element_type)
+    if not callable(activation):
+        raise TypeError(f"ragged_dot: activation must be a function or None, got "
+                        f"{activation!r}")
+    out_dtype = (jnp.dtype(preferred_element_type) if preferred_element_type is not None
+                 else jnp.result_type(lhs.dtype, rhs.dtype))
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        return activation(call(preferred_element_type))
+    return activation(call(jnp.promote_types(out_dtype, jnp.float32))).astype(out_dtype)
 
 
 def _check_output_kind(lhs: Any, rhs: Any, preferred_element_type: Any) -> None:

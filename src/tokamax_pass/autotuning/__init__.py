@@ -10,6 +10,7 @@ from tokamax_pass.autotuning.cache import CacheError, UnsavedResultError
 from tokamax_pass.autotuning.cache import save as save_to_cache
 from tokamax_pass.autotuning.discovery import (
     bound_args_from_json,
+    bound_args_from_json_file,
     bound_args_to_json,
     get_bound_args,
 )
@@ -17,6 +18,7 @@ from tokamax_pass.autotuning.result import AutotuningResult, Measurement, active
 from tokamax_pass.core.resolution import register_config_source
 
 from tokamax_pass.autotuning import cache as _cache  # isort: skip
+from tokamax_pass.autotuning import compat as _compat  # noqa: F401  # isort: skip  (hooks)
 
 register_config_source(_cache.SOURCE)
 
@@ -29,6 +31,7 @@ __all__ = [
     "active_results",
     "autotune",
     "bound_args_from_json",
+    "bound_args_from_json_file",
     "bound_args_to_json",
     "get_bound_args",
     "save_to_cache",

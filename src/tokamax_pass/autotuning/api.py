@@ -69,7 +69,7 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
              progress: bool = True, iterations: int = 5, method: str | None = None,
              max_configs: int | None = DEFAULT_MAX_CONFIGS,
              lowering_processes: int | None = None, search_losers: bool = False,
-             **kwargs: Any) -> AutotuningResult:
+             progress_bar: bool | None = None, **kwargs: Any) -> AutotuningResult:
     """Measures the configs of every op call in `f(*args, **kwargs)` on the default device.
 
     Args:
@@ -89,7 +89,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
       cache: merge the result into the user cache (`result.save_to_cache()`). Where that
         fails, the result is written to a file in the temporary directory and
         `UnsavedResultError` names it (its `.result` holds the result too).
-      progress: show a tqdm progress bar.
+      progress: show a tqdm progress bar. `progress_bar` (upstream Tokamax's name), when
+        given, sets it.
       iterations, method: timed runs per config and the timer (`benchmarking`).
       max_configs: configs timed per op: the config `None` runs today where one is
         measured, the heuristics config and those nearest it (`None`: the whole search
@@ -107,6 +108,8 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
     returns its result, so all compile the same kernels (`distributed.tune_once`).
     """
     _check_misspelled_options(f, kwargs)
+    if progress_bar is not None:
+        progress = progress_bar
     _check_options(f, ignore_cache=ignore_cache, all_implementations=all_implementations,
                    timeout=timeout, max_workers=max_workers, cache=cache, progress=progress,
                    iterations=iterations, method=method, max_configs=max_configs,

@@ -29,7 +29,7 @@ import functools
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -403,6 +403,41 @@ class Autotuner:
     # `_Untimed` futures by `_inputs_key`, kept across `tune_many` calls.
     _untimed: dict[Any, concurrent.futures.Future] = dataclasses.field(
         default_factory=dict, init=False, repr=False)
+
+    def autotune(self, fn_factory: Callable[[Any], Callable[..., Any]], configs: Iterable[Any],
+                 *args: Any, timeout: float | None = 600.0, **kwargs: Any
+                 ) -> dict[Any, benchmarking.BenchmarkData | Exception]:
+        """Times `fn_factory(config)(*args, **kwargs)` for each config, as upstream
+        Tokamax's `Autotuner.autotune`: `{config: BenchmarkData, or the exception that
+        config raised}`. Abstract arguments (`ShapeDtypeStruct`) get one set of random
+        values (this tuner's `seed`) shared by every config; every config compiles
+        before any is timed, within `timeout` seconds in all (`None`: no limit); a
+        config left uncompiled then maps to a `TimeoutError`."""
+        configs = list(configs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        compiled: dict[Any, tuple[Any, list[Any]]] = {}
+        results: dict[Any, benchmarking.BenchmarkData | Exception] = {}
+        arrays = None
+        for config in configs:
+            if deadline is not None and time.monotonic() >= deadline:
+                results[config] = TimeoutError(
+                    f"not compiled within the autotuning timeout of {timeout} s")
+                continue
+            try:
+                f_std, abstract = benchmarking.standardize_function(
+                    fn_factory(config), *args, kwargs=kwargs, seed=None)
+                if arrays is None:
+                    arrays = benchmarking.random_initialize(abstract, self.seed)
+                compiled[config] = (benchmarking.compile_benchmark(f_std, arrays), arrays)
+            except Exception as e:  # noqa: BLE001 - a failing config is a result
+                results[config] = e
+        for config, (run, config_arrays) in compiled.items():
+            try:
+                results[config] = run(config_arrays, method=self.method,
+                                      iterations=self.iterations)
+            except Exception as e:  # noqa: BLE001
+                results[config] = e
+        return {config: results[config] for config in configs}
 
     def tune(self, ba: BoundArguments, configs: list[Any] | None = None) -> Entry:
         """Measures every config of `ba` (default: `candidate_configs(ba)`)."""

@@ -227,6 +227,15 @@ def bound_args_to_json(f_or_list: Any, path: str | os.PathLike | IO[str] | None 
     return text
 
 
+def bound_args_from_json_file(filename: str | os.PathLike) -> list[BoundArguments]:
+    """Reads the file `bound_args_to_json` wrote (upstream Tokamax's name for reading a
+    path; `bound_args_from_json` takes a path, a file or the text)."""
+    if not isinstance(filename, (str, os.PathLike)):
+        raise TypeError(f"bound_args_from_json_file: filename must be a path, got "
+                        f"{type(filename).__name__}")
+    return bound_args_from_json(pathlib.Path(filename))
+
+
 def bound_args_from_json(source: str | os.PathLike | IO[str]) -> list[BoundArguments]:
     """Reads a list written by `bound_args_to_json` or `xplane_to_bound_args`.
 

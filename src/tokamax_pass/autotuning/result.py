@@ -195,6 +195,12 @@ class AutotuningResult:
     def entries(self) -> tuple[Entry, ...]:
         return tuple(self._entries.values())
 
+    @property
+    def data(self) -> tuple[tuple[BoundArguments, Mapping[Any, Measurement]], ...]:
+        """`((BoundArguments, {config: Measurement}), ...)`, as upstream Tokamax's
+        `AutotuningResult.data`."""
+        return tuple(self)
+
     def entry(self, ba: BoundArguments) -> Entry | None:
         _require_bound(".entry", ba)
         return self._entries.get(keys.entry_key(ba))
@@ -260,13 +266,22 @@ class AutotuningResult:
             "entries": [e.to_json() for e in self._entries.values()],
         }
 
-    def dumps(self, *, indent: int | None = 1) -> str:
+    @property
+    def tokamax_version(self) -> str:
+        """Upstream Tokamax's name for the version that measured the result."""
+        return self.tokamax_pass_version
+
+    def dumps(self, *, indent: int | None = 1, prune_errors: bool = False) -> str:
+        """The result as JSON; `prune_errors=True` leaves out the configs that failed."""
         import json
 
         checks.require_int("AutotuningResult.dumps", "indent", indent, minimum=0,
                            allow_none=True)
-
-        return json.dumps(self._to_json(), indent=indent, sort_keys=True)
+        if not isinstance(prune_errors, bool):
+            raise TypeError(f"AutotuningResult.dumps: prune_errors must be a bool, got "
+                            f"{prune_errors!r}")
+        result = self.without_errors() if prune_errors else self
+        return json.dumps(result._to_json(), indent=indent, sort_keys=True)
 
     @classmethod
     def loads(cls, text: str | bytes, *, what: str = "autotuning result",
@@ -311,17 +326,19 @@ class AutotuningResult:
             jax_version=data.get("jax_version"),
         )
 
-    def dump(self, path_or_file: str | os.PathLike | IO[str]) -> None:
-        """Writes `dumps()` to a path (in an existing directory) or an open text file.
+    def dump(self, path_or_file: str | os.PathLike | IO[str], *,
+             prune_errors: bool = False) -> None:
+        """Writes `dumps(prune_errors=...)` to a path (in an existing directory) or an open
+        text file.
 
         A path is replaced atomically (`core.atomic_io.write_atomic`): a full disk or a
         killed process leaves the old file whole, never a truncated one.
         """
         if isinstance(path_or_file, (str, os.PathLike)):
             path = checks.file_to_write("AutotuningResult.dump", "path_or_file", path_or_file)
-            write_atomic(path, self.dumps())
+            write_atomic(path, self.dumps(prune_errors=prune_errors))
         elif callable(getattr(path_or_file, "write", None)):
-            text = self.dumps()
+            text = self.dumps(prune_errors=prune_errors)
             # A file opened in binary mode (`load` reads one) raised a bare "a bytes-like
             # object is required, not 'str'".
             path_or_file.write(text.encode() if _is_binary(path_or_file) else text)

@@ -57,11 +57,15 @@ class _Hooks:
     """What `Op` uses from the modules built on it, which fill it in when they are imported
     (`tokamax_pass.core` imports them all): `Op` never imports them back, so the core has no
     import circle. `call_ops` binds the primitive (`core.primitive`); `autodiff_vjp` and
-    `vjp_base` are `core.vjp`'s `AutodiffVjp` and `VjpOp`."""
+    `vjp_base` are `core.vjp`'s `AutodiffVjp` and `VjpOp`. `tune_bound` and
+    `cached_measurements` are `tokamax_pass.autotuning.compat`'s (`BoundArguments.autotune`,
+    `Op.get_autotuning_cache`), set when the autotuning package is imported."""
 
     call_ops: Callable[..., Any] | None = None
     autodiff_vjp: type | None = None
     vjp_base: type | None = None
+    tune_bound: Callable[..., Any] | None = None
+    cached_measurements: Callable[..., Any] | None = None
 
 
 HOOKS = _Hooks()
@@ -93,7 +97,22 @@ class _OpOrClassMethod:
         functools.update_wrapper(self, function)
 
     def __get__(self, op: Op | None, cls: type[Op]) -> Any:
-        return functools.partial(self.function, cls() if op is None else op)
+        bound = functools.partial(self.function, cls() if op is None else op)
+        aliases = cls.argument_aliases
+        if not aliases:
+            return bound
+
+        @functools.wraps(self.function)
+        def bind(*args: Any, **kwargs: Any) -> BoundArguments:
+            for alias, name in aliases.items():
+                if alias in kwargs:
+                    if name in kwargs:
+                        raise TypeError(f"{cls.__name__}.bind: got both {name!r} and its "
+                                        f"alias {alias!r}")
+                    kwargs[name] = kwargs.pop(alias)
+            return bound(*args, **kwargs)
+
+        return bind
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,6 +129,9 @@ class Op[C]:
     vjp: Op | None = None
 
     config_cls: ClassVar[type] = NullConfig
+    # Keyword names `bind` also accepts, each for the argument it names (upstream Tokamax
+    # spells some arguments differently: attention's `q`, `k`, `v`).
+    argument_aliases: ClassVar[Mapping[str, str]] = {}
     # Registry name of this implementation (`"xla"`, `"triton"`, ...).
     implementation: ClassVar[str] = "xla"
     # Platforms the implementation lowers for; `None` means every platform.
@@ -233,6 +255,13 @@ class Op[C]:
 
     def replace(self, **changes: Any) -> Op:
         return dataclasses.replace(self, **changes)
+
+    def get_autotuning_cache(self, device_kind: str | None = None) -> dict[str, Mapping]:
+        """This op's measurements in the user and library caches for `device_kind` (default:
+        the default device's), as upstream Tokamax's `Op.get_autotuning_cache`: `{cache key
+        (the call's canonical JSON, `BoundArguments.cache_key`): {config: Measurement}}`,
+        the user cache's entry winning over the library's."""
+        return HOOKS.cached_measurements(self, device_kind)
 
     def vjp_op(self) -> Op:
         return self.vjp if self.vjp is not None else self._default_vjp()
@@ -361,6 +390,35 @@ class BoundArguments:
     @classmethod
     def from_json(cls, text: str) -> BoundArguments:
         return cls.from_spec(spec.loads(text, what="bound arguments"))
+
+    @property
+    def _inspect_bound(self) -> inspect.BoundArguments:
+        signature = _fwd_signature(type(self.op))
+        arguments = {k: self.arguments[k] for k in signature.parameters if k in self.arguments}
+        return inspect.BoundArguments(signature, arguments)
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        """The positional arguments of the op's call (as upstream Tokamax's
+        `BoundArguments.args`): `op(*ba.args, **ba.kwargs)` repeats the call."""
+        return self._inspect_bound.args
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword-only arguments of the op's call (see `args`)."""
+        return self._inspect_bound.kwargs
+
+    def autotune(self, configs: Any = None, autotuner: Any = None, cache_results: bool = True,
+                 timeout: float | None = None) -> Mapping[Any, Any]:
+        """Measures `configs` (default: the op's candidates) of this call on the default
+        device: `{config: Measurement}`, as upstream Tokamax's `BoundArguments.autotune`.
+
+        `autotuner`: a `tokamax_pass.autotuning.Autotuner` (default: a new one, with
+        `timeout` seconds for compiling). `cache_results=True` merges the measurements
+        into the user cache, so later calls of this shape run the fastest config.
+        """
+        return HOOKS.tune_bound(self, configs, autotuner=autotuner,
+                                cache_results=cache_results, timeout=timeout)
 
     @property
     def heuristics_config(self) -> Any:

@@ -1,0 +1,55 @@
+"""Upstream Tokamax's autotuning entry points on `BoundArguments` and `Op`, built on ours.
+
+`BoundArguments.autotune` measures one call with an `Autotuner` (and can keep the result
+in the user cache); `Op.get_autotuning_cache` reads an op's measurements from the caches.
+`core.op` reaches these through its hooks, since the core never imports the framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tokamax_pass.autotuning import cache
+from tokamax_pass.autotuning.autotuner import Autotuner
+from tokamax_pass.autotuning.result import AutotuningResult
+from tokamax_pass.core import device
+from tokamax_pass.core.op import HOOKS, BoundArguments, Op
+
+
+def tune_bound(ba: BoundArguments, configs: Iterable[Any] | None, *,
+               autotuner: Autotuner | None, cache_results: bool,
+               timeout: float | None) -> Mapping[Any, Any]:
+    """`{config: Measurement}` of `ba` on the default device (see `BoundArguments.autotune`)."""
+    if autotuner is None:
+        autotuner = Autotuner() if timeout is None else Autotuner(timeout=timeout)
+    if not isinstance(autotuner, Autotuner):
+        raise TypeError(f"autotune: autotuner must be a tokamax_pass.autotuning.Autotuner or "
+                        f"None, got {type(autotuner).__name__}")
+    entry = autotuner.tune(ba, None if configs is None else list(configs))
+    if cache_results:
+        cache.save(AutotuningResult(device.current_target().device_kind, [entry]))
+    return entry.data
+
+
+def _same_op(a: Op, b: Op) -> bool:
+    return type(a) is type(b) and a.replace(config=None, vjp=None) == b.replace(
+        config=None, vjp=None)
+
+
+def cached_measurements(op: Op, device_kind: str | None) -> dict[str, Mapping[Any, Any]]:
+    """`op`'s measurements in the caches (see `Op.get_autotuning_cache`)."""
+    if device_kind is None:
+        device_kind = device.current_target().device_kind
+    found: dict[str, Mapping[Any, Any]] = {}
+    for layer in reversed(cache.layers(device_kind)):
+        if layer.label == "autotuning result":
+            continue
+        for entry in layer.result.entries:
+            if _same_op(entry.bound.op, op):
+                found[entry.bound.cache_key] = entry.data
+    return found
+
+
+HOOKS.tune_bound = tune_bound
+HOOKS.cached_measurements = cached_measurements

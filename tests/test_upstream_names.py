@@ -1,0 +1,99 @@
+"""Upstream Tokamax's public names and spellings, accepted by tokamax_pass."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_pass as tokamax
+from conftest import assert_close, random_normal
+
+
+def _lce_reference(x, labels, weights):
+    logits = jnp.matmul(x, weights, precision=jax.lax.Precision.HIGHEST)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+
+
+def test_chunked_xla_is_the_chunked_cross_entropy():
+    x, weights = random_normal(0, (2, 9, 16)), random_normal(1, (16, 37))
+    labels = jax.random.randint(jax.random.key(2), (2, 9), 0, 37)
+    dloss = random_normal(3, (2, 9))
+
+    def loss(implementation):
+        return lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
+            x, labels, w, reduction="none", precision="highest",
+            implementation=implementation)
+
+    out, pullback = jax.vjp(loss("chunked_xla"), x, weights)
+    expected, ref_pullback = jax.vjp(lambda x, w: _lce_reference(x, labels, w), x, weights)
+    assert_close(out, expected)
+    for g, e in zip(pullback(dloss), ref_pullback(dloss), strict=True):
+        assert_close(g, e)
+    ops, explicit = tokamax.linear_softmax_cross_entropy_loss.__globals__[
+        "FAMILY"].resolve("chunked_xla")
+    assert explicit and [op.implementation for op in ops] == ["xla_chunked"]
+
+
+def test_version_info_is_the_version_as_ints():
+    assert tokamax.__version_info__ == tuple(int(p) for p in tokamax.__version__.split("."))
+    assert all(isinstance(p, int) for p in tokamax.__version_info__)
+
+
+def test_benchmark_takes_standardized_function_and_arrays():
+    def f(x, w):
+        return jnp.tanh(x @ w)
+
+    f_std, arrays = tokamax.standardize_function(
+        f, jax.ShapeDtypeStruct((2, 8, 16), jnp.float32), random_normal(4, (16, 8)))
+    data = tokamax.benchmark(f_std, arrays, iterations=2, method="wallclock")
+    assert isinstance(data, tokamax.BenchmarkData)
+    assert len(data.evaluation_times_ms) == 2 and data.median_evaluation_time_ms > 0
+    assert data.metadata == {"method": "wallclock"}
+    record = data.asdict()
+    assert record["median_evaluation_time_ms"] == data.median_evaluation_time_ms
+    assert record["metadata"] == {"method": "wallclock"}
+    np.testing.assert_array_equal(f_std(arrays), f(*arrays))
+
+
+@jax.custom_vjp
+def _doubled(x):
+    return 2.0 * x
+
+
+def _doubled_fwd(x):
+    # Differs from the primal on purpose: only a forward run for differentiation uses it.
+    return 3.0 * x, x
+
+
+_doubled.defvjp(_doubled_fwd, lambda x, dy: (2.0 * dy,))
+
+
+def test_forward_res_runs_the_forward_as_differentiation_does():
+    x = random_normal(5, (2, 6))
+    forward, arrays = tokamax.standardize_function(_doubled, x, mode="forward")
+    forward_res, arrays_res = tokamax.standardize_function(_doubled, x, mode="forward_res")
+    assert_close(forward(arrays), 2.0 * x)
+    assert_close(forward_res(arrays_res), 3.0 * x)
+    data = tokamax.benchmark(_doubled, x, mode="forward_res", iterations=1, method="wallclock")
+    assert len(data.evaluation_times_ms) == 1
+
+
+def test_standardize_function_runs_batched_shape_dtypes_under_vmap():
+    def gram(x, y):  # rank-2 operands only: the batch must come from vmap
+        return jnp.matmul(x, y.T, precision=jax.lax.Precision.HIGHEST)
+
+    x = tokamax.BatchedShapeDtype((3, 4), jnp.float32, [(0, 2)])
+    y = tokamax.BatchedShapeDtype((5, 4), jnp.float32, [(1, 2)])
+    assert x.vmap_shape == (2, 3, 4) and y.vmap_shape == (5, 2, 4)
+    assert x.vmap_axis_sizes == (2,)
+    assert x != jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    f_std, arrays = tokamax.standardize_function(gram, x, y, seed=7)
+    assert [a.shape for a in arrays] == [(2, 3, 4), (5, 2, 4)]
+    expected = jax.vmap(gram, in_axes=(0, 1))(*arrays)
+    assert expected.shape == (2, 3, 5)
+    assert_close(f_std(arrays), expected)
+    with pytest.raises(ValueError, match="cannot mix"):
+        tokamax.standardize_function(gram, x, jnp.ones((5, 4)))
