@@ -56,7 +56,7 @@ case "${1:-}" in
     # expensive optimizations cost more than they save there (8-15% of the suite's time).
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     .venv/bin/python -m ruff check src kernels tests benchmarks
-    .venv/bin/python -m pytest -q -n 2 tests
+    .venv/bin/python -m pytest -q -n 2 --durations=20 tests
     # Deliberate breakages (tests/mutation/mutations.py), each of which a test must catch.
     .venv/bin/python tests/mutation/run_mutations.py --jobs 2
     # bf16 here; the test suite runs the smoke in float16 and float32 (test_models.py;
