@@ -135,6 +135,12 @@ def _write(folder, text):
     '"ceilings": {"bf16_tflops": NaN, "f32_tflops": 1, "hbm_tbps": 1}, "points": []}',
     '{"schema": "tokamax_pass.calibration", "version": 1, "device_kind": "NVIDIA H200", '
     '"ceilings": {"bf16_tflops": 1, "f32_tflops": Infinity, "hbm_tbps": 1}, "points": []}',
+    '{"schema": "tokamax_pass.calibration", "version": 1, "device_kind": "NVIDIA H200", '
+    '"ceilings": {"bf16_tflops": 1' + "0" * 400 + ', "f32_tflops": 1, "hbm_tbps": 1}, '
+    '"points": []}',
+    '{"schema": "tokamax_pass.calibration", "version": 1, "device_kind": "NVIDIA H200", '
+    '"ceilings": {"bf16_tflops": 1' + "0" * 5000 + ', "f32_tflops": 1, "hbm_tbps": 1}, '
+    '"points": []}',
     "[" * 100_000 + "]" * 100_000,
     "not json",
     " " * (calibration.MAX_FILE_BYTES + 1),

@@ -100,6 +100,17 @@ def payload(request, marker):
 
 # --- the public loaders -----------------------------------------------------------------
 
+@pytest.mark.parametrize("dtype", [[], {"a": 1}, 3, None], ids=["list", "object", "int", "null"])
+def test_a_dtype_that_is_not_a_name_is_a_spec_error(dtype):
+    text = json.dumps({"op": {"dataclass": "tokamax_kernels.ragged_dot.base.RaggedDot",
+                              "fields": {}},
+                       "arguments": {"precision": {"dtype": dtype}}})
+    with pytest.raises(SpecError, match="unknown dtype"):
+        BoundArguments.from_json(text)
+    with pytest.raises(SpecError, match="unknown dtype"):
+        tk.autotuning.bound_args_from_json(f"[{text}]")
+
+
 @pytest.mark.parametrize("in_argument", [False, True], ids=["op", "argument"])
 def test_bound_arguments_from_json_resolves_no_payload(payload, in_argument):
     text = json.dumps(_bound_spec(payload, in_argument=in_argument))

@@ -83,6 +83,11 @@ def _reject_constant(name: str) -> float:
 def _positive(value: Any, where: str, maximum: float = math.inf) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CalibrationError(f"{where} must be a number, got {type(value).__name__}")
+    try:
+        value = float(value)  # an integer too large for a float is out of range, not a crash
+    except OverflowError:
+        raise CalibrationError(f"{where} must be finite, got an integer too large for a "
+                               f"float") from None
     if not math.isfinite(value) or not 0 < value <= maximum:
         raise CalibrationError(f"{where} must be finite, > 0 and <= {maximum}, got {value!r}")
     return float(value)
@@ -111,7 +116,7 @@ def parse(text: str | bytes) -> Calibration:
         data = json.loads(text, parse_constant=_reject_constant)
     except RecursionError:
         raise CalibrationError("nested too deeply") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # not JSON, or an integer past Python's digit limit
         raise CalibrationError(f"not JSON: {e}") from None
     data = _object(data, "the file", _TOP_NAMES)
     if data.get("schema") != SCHEMA or data.get("version") != VERSION:

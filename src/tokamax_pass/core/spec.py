@@ -287,7 +287,7 @@ def _check_items(value: list[Any] | dict[str, Any]) -> None:
 def _decode_object(value: dict[str, Any], depth: int) -> Any:
     if "dtype" in value:
         name = value["dtype"]
-        if name not in _DTYPE_NAMES:
+        if not isinstance(name, str) or name not in _DTYPE_NAMES:
             raise SpecError(f"unknown dtype {name!r}; known: {sorted(_DTYPE_NAMES)}")
         return np.dtype(jax.numpy.dtype(name))
     if "enum" in value:
