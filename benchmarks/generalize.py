@@ -103,9 +103,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
-def run_workers(workers: int, argv: list[str], rows_dir: pathlib.Path) -> list[dict[str, Any]]:
+def run_workers(workers: int, argv: list[str], rows_dir: pathlib.Path,
+                deadline_s: float) -> list[dict[str, Any]]:
     """Measures the shapes `argv` draws in `workers` processes, each its share, taking
-    turns on the device while the others compile; returns their rows."""
+    turns on the device while the others compile; returns their rows. A worker still
+    running after `deadline_s` (a compile that does not end) is stopped, keeping the
+    shapes it finished."""
     lock = rows_dir / "device.lock"
     parts = [rows_dir / f"worker{i}.jsonl" for i in range(workers)]
     # Each worker returns device memory between calls (`sweep.run_workers` says why).
@@ -114,7 +117,15 @@ def run_workers(workers: int, argv: list[str], rows_dir: pathlib.Path) -> list[d
                                    "--shard", f"{i}/{workers}", "--lock", str(lock),
                                    "--rows-out", str(part)], env=env)
                  for i, part in enumerate(parts)]
-    failed = [p.args for p in processes if p.wait() != 0]
+    stop = time.monotonic() + deadline_s
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.0, stop - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            print(f"stopped a worker past the deadline: {p.args[-1]}", file=sys.stderr)
+    failed = [p.args for p in processes if p.returncode not in (0, -9)]
     if failed:
         raise RuntimeError(f"generalization workers failed: {failed}")
     return [json.loads(line) for part in parts if part.exists()
@@ -185,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU check)")
     parser.add_argument("--workers", type=int, default=1,
                         help="processes that compile side by side and time in turn")
+    parser.add_argument("--grace-seconds", type=float, default=120.0,
+                        help="with --workers: stop a worker this long after --max-seconds")
     parser.add_argument("--append", action="store_true",
                         help="keep the output file's shapes and add this run's")
     parser.add_argument("--out", type=pathlib.Path, default=None)
@@ -204,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                      "--seed", str(seed)]
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as rows_dir:
-            rows = run_workers(options.workers, forwarded, pathlib.Path(rows_dir))
+            rows = run_workers(options.workers, forwarded, pathlib.Path(rows_dir),
+                               options.max_seconds + options.grace_seconds)
     else:
         rows = measure(families, options, seed)
     if options.rows_out is not None:
-        options.rows_out.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return 0
     for name, entry in sorted(summarize(rows).items()):
         print(f"{name}: {entry['shapes']} shapes, None within {WITHIN:.0%} of the fastest at "
@@ -229,9 +242,14 @@ def measure(families: list[str], options: argparse.Namespace, seed: int) -> list
     for family, params in draws[index::count]:
         if time.monotonic() > deadline:
             break
-        rows += measure_shape(family, params, seed=seed % benchmarking.MAX_SEED,
-                              iterations=options.iterations, call_seconds=options.call_seconds,
-                              method=options.method, lock=options.lock)
+        shape_rows = measure_shape(family, params, seed=seed % benchmarking.MAX_SEED,
+                                   iterations=options.iterations,
+                                   call_seconds=options.call_seconds, method=options.method,
+                                   lock=options.lock)
+        rows += shape_rows
+        if options.rows_out is not None:  # a worker: each shape is kept as it is done
+            with options.rows_out.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in shape_rows)
         print(f"{family} {params}: done", flush=True)
     return rows
 
