@@ -8,7 +8,7 @@ small and odd shapes where a fused kernel's fixed costs could lose (short sequen
 batch 1, GQA, causal, head dims 64-256), so the rule can be checked, not assumed.
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/cudnn_vs_xla_attention_sweep.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/cudnn_vs_xla_attention_sweep.py
 One JSON line per shape and mode goes to `$OUT/cudnn_vs_xla.jsonl` as it is measured
 (CUPTI, median of 20 after warm-up, `tokamax_pass.benchmarking`).
 """
@@ -22,7 +22,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from conftest import random_normal
+from benchmarks.probes._probe import random_normal
 from tokamax_pass.benchmarking import compile_benchmark, standardize_function
 
 OUT = os.environ.get("OUT", "/tmp")

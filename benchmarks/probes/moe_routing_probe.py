@@ -5,7 +5,7 @@ values. The expert computation between them is left out (rows go straight to the
 combine), so the times are the routing's own.
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/moe_routing_probe.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/moe_routing_probe.py
 Writes `$OUT/moe_routing_probe.jsonl`.
 """
 

@@ -14,7 +14,7 @@ swapped in, each in a fresh process (no compilation cache). Then times `delta` i
 for each order at each shape (CUPTI, one process).
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/delta_compile_probe.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/delta_compile_probe.py
 (`--run-times-only`: the run times alone.) Writes `$OUT/delta_compile_probe.jsonl`.
 """
 

@@ -44,3 +44,35 @@ def timed(record: dict, fn: Callable, args: tuple, flops: float) -> Any:
     ms = data.median_evaluation_time_ms
     record.update(ms=ms, tflops=flops / ms / 1e9, timer=data.method)
     return result
+
+
+def random_normal(seed: int, shape: tuple[int, ...], dtype: Any = None) -> Any:
+    """Fresh random normal inputs (never zeros), drawn in float32 and cast to `dtype`."""
+    import jax
+    import jax.numpy as jnp
+
+    values = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    return values if dtype is None else values.astype(dtype)
+
+
+def seed_f_grad_loss(x: Any, scale: Any) -> Any:
+    """The seed-usage program whose `jax.grad` the autotuning probes tune: layer norms and
+    attentions with pinned and open implementations."""
+    import jax.numpy as jnp
+
+    import tokamax_pass as tokamax
+
+    x = tokamax.layer_norm(x, scale=scale, offset=None, implementation="triton")
+    x = tokamax.dot_product_attention(x, x, x, implementation="xla_chunked")
+    x = tokamax.layer_norm(x, scale=scale, offset=None, implementation=None)
+    x = tokamax.dot_product_attention(x, x, x, implementation="mosaic")
+    return jnp.sum(x)
+
+
+def device_time_ms(f: Callable, x: Any, scale: Any) -> float:
+    """Median device time of `f(x=x, scale=scale)` over 20 calls after warm-up."""
+    from tokamax_pass import benchmarking
+
+    f_std, args = benchmarking.standardize_function(f, kwargs={"x": x, "scale": scale})
+    run = benchmarking.compile_benchmark(f_std, args)
+    return run(args, iterations=20).median_evaluation_time_ms

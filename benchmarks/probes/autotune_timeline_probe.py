@@ -1,8 +1,8 @@
 """Device probe: when each phase of autotuning the seed-usage `f_grad` runs (issue 5).
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:. python3 tests/gpu/autotune_timeline_probe.py
-It autotunes `tests/test_autotuning_gpu.py`'s `f_grad` from nothing with the
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/autotune_timeline_probe.py
+It autotunes the seed-usage `f_grad` (`_probe.seed_f_grad_loss`) from nothing with the
 autotuner's candidate compiles, input preparation and reference outputs wrapped to
 record when each started and ended (seconds from the probe's start), then times the
 tuned program. The first line of `$OUT/autotune_timeline.jsonl` is the summary (total
@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 
 import tokamax_pass as tokamax
-from tests.gpu._timeline import Timeline
-from tests.test_autotuning_gpu import _device_time_ms, _loss
+from benchmarks.probes._probe import device_time_ms as _device_time_ms
+from benchmarks.probes._probe import seed_f_grad_loss as _loss
+from benchmarks.probes._timeline import Timeline
 
 TIMELINE = Timeline()
 

@@ -8,7 +8,7 @@ autotuning costs), then the other configs until a time budget is spent. Also the
 `discovery` takes to find the op calls, twice, and once while export workers start.
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/model_candidate_compile_probe.py mixtral 120
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/model_candidate_compile_probe.py mixtral 120
 (120: seconds for the configs after the first). One JSON line per event goes to
 `$OUT/compile_cost_<model>.jsonl` (session 19's, taken before hopeless implementations
 went untimed: `benchmarks/results/nvidia_h200/compile_cost_{mixtral,gemma2}_s19.jsonl`):

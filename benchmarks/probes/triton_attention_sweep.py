@@ -1,6 +1,6 @@
 """Device sweep for the Pallas Triton flash-attention kernels (run on the H200, by hand).
 
-`PYTHONPATH=src:kernels python3 tests/gpu/triton_attention_sweep.py [OUT_DIR]` times the
+`PYTHONPATH=src:kernels:. python3 benchmarks/probes/triton_attention_sweep.py [OUT_DIR]` times the
 forward and the two backward kernels over small config grids at the benchmark shapes,
 beside cuDNN in the same process, checks the best configs against a float32 XLA
 reference and a bitwise rerun, and writes `triton_attention_sweep.json`. It imports

@@ -1,7 +1,7 @@
 # ruff: noqa: B023, E731  (lambdas are called at once, inside their loop iteration)
 """Device sweep for the Triton layer norm, ragged dot and GLU kernels (run on the H200).
 
-`PYTHONPATH=src:kernels python3 tests/gpu/triton_small_ops_sweep.py OUT_DIR [sections]`
+`PYTHONPATH=src:kernels:. python3 benchmarks/probes/triton_small_ops_sweep.py OUT_DIR [sections]`
 checks each kernel against a float32 reference at the benchmark shapes and times it
 and the XLA peer with CUPTI (median of 20 calls after a warm-up). One JSON line per
 measurement goes to OUT_DIR/sweep.jsonl as it is taken, so a timeout keeps the rest.

@@ -1,7 +1,7 @@
 """Device probe for the Mosaic GPU attention kernels: numerics and CUPTI timings vs cuDNN.
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels python3 tests/gpu/mosaic_attention_probe.py [phase ...]
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/mosaic_attention_probe.py [phase ...]
 Each phase runs in its own subprocess with a timeout (a deadlocked kernel costs one
 phase, not the run) and appends JSON lines to `$OUT/mosaic_attention.jsonl`.
 """

@@ -7,7 +7,7 @@ upstream Tokamax does), and `jax.grad` of a loss with a random cotangent (as in 
 five shapes, twice each (CUPTI, median after warm-up).
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/glu_vjp_modes_probe.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/glu_vjp_modes_probe.py
 One JSON line per timing goes to `$OUT/glu_vjp_probe3.jsonl` (session 17's:
 `benchmarks/results/nvidia_h200/glu_vjp_probe_s17.jsonl`, probe named by this file).
 """
@@ -21,8 +21,8 @@ import os
 import jax
 
 import tokamax_pass as tokamax
-from tests.gpu._probe import timed
-from tests.gpu.glu_vjp_variants_probe import (
+from benchmarks.probes._probe import timed
+from benchmarks.probes.glu_vjp_variants_probe import (
     ACTIVATIONS,
     SHAPES,
     fwd_bwd,

@@ -3,7 +3,7 @@
 it at the same tiles, against cuDNN, in one process; and how far the two outputs differ.
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/softmax_overlap_probe.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/softmax_overlap_probe.py
 It runs in a subprocess with a timeout (a deadlocked kernel costs the run, not the
 machine) and appends JSON lines to `$OUT/softmax_overlap.jsonl` (TFLOP/s with causal
 counted at half). Numerics against the float32 reference:
@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from _probe import run_phases, timed
+from benchmarks.probes._probe import run_phases, timed
 
 OUT = os.environ.get("OUT", "/tmp")
 TIMEOUT_S = 360
@@ -59,7 +59,7 @@ def bench() -> None:
     import jax
     import jax.numpy as jnp
 
-    from conftest import random_normal
+    from benchmarks.probes._probe import random_normal
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
     from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionConfig
 

@@ -1,6 +1,6 @@
 """The `xla` attention backward against the plain expression's autodiff, on the device.
 
-    python tests/gpu/attention_xla_vjp_probe.py OUT.jsonl
+    python3 benchmarks/probes/attention_xla_vjp_probe.py OUT.jsonl
 
 For causal GQA and soft-capped windowed attention (bf16, the benchmark shapes): forward
 + backward device time (CUPTI, median of 10 after warm-up) of the plain expression a user

@@ -1,8 +1,8 @@
 """Device probe: where autotuning the seed-usage `f_grad` spends its time (issue 5).
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:. python3 tests/gpu/autotune_cost_probe.py [ALONE]
-For each op call of `tests/test_autotuning_gpu.py`'s `f_grad` it prints a JSON line: the
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/autotune_cost_probe.py [ALONE]
+For each op call of the seed-usage `f_grad` (`_probe.seed_f_grad_loss`) it prints a JSON line: the
 lowering and compile times of its first ALONE (default 4) candidates one at a time (XLA's in-process
 GEMM autotuning cache cold for each), their compile again with XLA's GEMM autotuning off
 (`xla_gpu_autotune_level=0`), and the wall time of compiling the other candidates at once
@@ -22,7 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from tests.test_autotuning_gpu import _loss
+from benchmarks.probes._probe import seed_f_grad_loss as _loss
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import get_bound_args, keys
 from tokamax_pass.autotuning.autotuner import call_op, candidate_configs, timing_arguments

@@ -1,6 +1,6 @@
 """Device sweep: `xla_chunked` linear softmax cross entropy over tile sizes, against plain JAX.
 
-    PYTHONPATH=src:kernels:. python tests/gpu/lce_chunk_sweep.py --out sweep.jsonl
+    PYTHONPATH=src:kernels:. python3 benchmarks/probes/lce_chunk_sweep.py --out sweep.jsonl
 
 One JSON line per (shape, implementation/config): forward+backward device time (CUPTI,
 median of 10 after warm-up), the compiled temporaries (MB) and the ratio to plain JAX's

@@ -1,7 +1,7 @@
 """Device probe: where a model's `autotune(..., all_implementations=True)` time goes.
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:. python3 tests/gpu/model_autotune_timeline_probe.py llama
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/model_autotune_timeline_probe.py llama
 It tunes one model of `benchmarks/models` from an empty user cache with the autotuner's
 candidate compiles, input preparation, reference outputs and timings wrapped to record
 when each started and ended (seconds from the probe's start). The first line of
@@ -24,7 +24,7 @@ import jax
 
 import tokamax_pass as tokamax
 from benchmarks.models import MODELS, ops, run
-from tests.gpu._timeline import Timeline
+from benchmarks.probes._timeline import Timeline
 from tokamax_pass.autotuning import cache
 
 TIMELINE = Timeline()

@@ -4,7 +4,7 @@ behind an optimization barrier, and `jax.grad` with a random cotangent), at thre
 shapes, twice each: is a gap in one benchmark run the op or run-to-run variance?
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/cudnn_mode_probe.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/cudnn_mode_probe.py
 Writes `$OUT/cudnn_mode_probe.jsonl` (session 17's:
 `benchmarks/results/nvidia_h200/cudnn_mode_probe_s17.jsonl`).
 """
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import tokamax_pass as tokamax
-from tests.gpu._probe import timed
+from benchmarks.probes._probe import timed
 
 OUT = os.environ.get("OUT", "/tmp")
 SHAPES = ((4, 8192, 16, 128, False), (4, 8192, 16, 128, True), (32, 2048, 16, 64, False))

@@ -12,7 +12,7 @@ The parent then writes, per configuration and piece, whether every process agree
 A piece that differs while its inputs agree is the one that varies.
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/compile_reproducibility_probe.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/compile_reproducibility_probe.py
 Writes `$OUT/compile_reproducibility.jsonl` (one line per process and piece, then the
 summary lines).
 """
@@ -49,7 +49,7 @@ def _pieces(name: str) -> dict[str, str]:
     import jax
     import jax.numpy as jnp
 
-    from conftest import random_normal
+    from benchmarks.probes._probe import random_normal
     from tokamax_kernels.attention import (
         PallasMosaicGpuFlashAttention,
         PallasMosaicGpuFlashAttentionVjp,

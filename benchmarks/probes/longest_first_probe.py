@@ -5,7 +5,7 @@ heuristics' pick for the shape), against cuDNN, in one process; and whether the 
 orders agree bitwise (they should: a block's work does not depend on when it runs).
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/longest_first_probe.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/longest_first_probe.py
 It runs in a subprocess with a timeout (a deadlocked kernel costs the run, not the
 machine) and appends JSON lines to `$OUT/longest_first.jsonl` as each timing lands
 (TFLOP/s with causal counted at half, the backward at 2.5 forwards). Numerics against
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from _probe import run_phases, timed
+from benchmarks.probes._probe import run_phases, timed
 
 OUT = os.environ.get("OUT", "/tmp")
 TIMEOUT_S = 230
@@ -92,7 +92,7 @@ def bench() -> None:
     import jax
     import jax.numpy as jnp
 
-    from conftest import random_normal
+    from benchmarks.probes._probe import random_normal
 
     for name, (b, s, h, hk, d) in WORKLOADS:
         q, do = (random_normal(i, (b, s, h, d), jnp.bfloat16) for i in (0, 3))

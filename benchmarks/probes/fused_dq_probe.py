@@ -4,7 +4,7 @@ and "atomic" (dq added up by the dk/dv kernel), each split by columns or rows, a
 cuDNN, in one process.
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/fused_dq_probe.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/fused_dq_probe.py
 It runs in a subprocess with a timeout (a deadlocked kernel costs the run, not the
 machine) and appends JSON lines to `$OUT/fused_dq.jsonl`. `FUSED_DQ_VARIANTS` (comma
 separated names, e.g. "cudnn,mosaic separate") keeps only those variants, and
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from _probe import run_phases
+from benchmarks.probes._probe import run_phases
 
 OUT = os.environ.get("OUT", "/tmp")
 
@@ -56,7 +56,7 @@ def _fwd_bwd(implementation, **statics):
 def _inputs(b, sq, sk, h, hk, d, seed=0):
     import jax.numpy as jnp
 
-    from conftest import random_normal
+    from benchmarks.probes._probe import random_normal
     return (random_normal(seed, (b, sq, h, d), jnp.bfloat16),
             random_normal(seed + 1, (b, sk, hk, d), jnp.bfloat16),
             random_normal(seed + 2, (b, sk, hk, d), jnp.bfloat16),

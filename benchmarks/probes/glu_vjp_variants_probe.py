@@ -8,7 +8,7 @@ stacked) or as autodiff of `(x @ w[:, 0], x @ w[:, 1])` makes them. Timed forwar
 model), at five shapes, twice each (CUPTI, median after warm-up).
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/glu_vjp_variants_probe.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/glu_vjp_variants_probe.py
 One JSON line per timing goes to `$OUT/glu_vjp_probe2.jsonl` (session 17's:
 `benchmarks/results/nvidia_h200/glu_vjp_probe_s17.jsonl`, probe named by this file).
 """
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import tokamax_pass as tokamax
-from tests.gpu._probe import timed
+from benchmarks.probes._probe import timed
 
 OUT = os.environ.get("OUT", "/tmp")
 F32 = jnp.float32

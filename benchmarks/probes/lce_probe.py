@@ -2,7 +2,8 @@
 compiled temporary memory of plain JAX, xla, xla_chunked and mosaic.
 
 Run on the H200 from the repository root (about 3-4 minutes):
-  PYTHONPATH=src:kernels:. python3 tests/gpu/lce_probe.py --out $OUT/lce_probe.jsonl [phase ...]
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/lce_probe.py \
+      --out $OUT/lce_probe.jsonl [phase ...]
 Each phase runs in its own subprocess with a timeout (a deadlocked kernel costs one
 phase, not the run) and appends one JSON line per measurement to `--out`.
 """

@@ -38,7 +38,7 @@ The phases, each in a subprocess with a timeout, CUPTI medians after warm-up, bf
 * `ncu_fwd`: one forward each of cuDNN and ours at the non-causal d128 workload, for
   `ncu` with sections (where ours trails cuDNN inside a tile).
 * `ncu`: one forward+backward each of cuDNN and Mosaic at the Llama layer and the d128
-  workload, run as `ncu ... python3 tests/gpu/attention_limits_probe.py --phase ncu` to
+  workload, run as `ncu ... python3 benchmarks/probes/attention_limits_probe.py --phase ncu` to
   read the kernels' hardware counters (launch shape, registers, durations; with
   sections, tensor pipe, issue slots and stalls). Set `XLA_PYTHON_CLIENT_PREALLOCATE=false`
   for the sections: `ncu` saves and restores all allocated GPU memory on every replay
@@ -46,7 +46,7 @@ The phases, each in a subprocess with a timeout, CUPTI medians after warm-up, bf
 
 Run on the H200 from the repository root (the two CUPTI phases take about 10 minutes
 together; give each its own device call):
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/attention_limits_probe.py [split] [features]
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/attention_limits_probe.py [split] [features]
 Appends JSON lines to `$OUT/attention_limits.jsonl`.
 """
 
@@ -56,7 +56,7 @@ import json
 import os
 import sys
 
-from _probe import run_phases, timed
+from benchmarks.probes._probe import run_phases, timed
 
 OUT = os.environ.get("OUT", "/tmp")
 
@@ -87,7 +87,7 @@ def _log(record: dict) -> None:
 def _inputs(b, s, h, hk, d):
     import jax.numpy as jnp
 
-    from conftest import random_normal
+    from benchmarks.probes._probe import random_normal
     return (random_normal(0, (b, s, h, d), jnp.bfloat16),
             random_normal(1, (b, s, hk, d), jnp.bfloat16),
             random_normal(2, (b, s, hk, d), jnp.bfloat16),
@@ -156,7 +156,7 @@ def _ceiling() -> None:
     import jax
     import jax.numpy as jnp
 
-    from conftest import random_normal
+    from benchmarks.probes._probe import random_normal
     n = 8192
     a, b = random_normal(4, (n, n), jnp.bfloat16), random_normal(5, (n, n), jnp.bfloat16)
     record = dict(phase="split", workload=f"dense matmul {n}^3 bf16", variant="xla dot")

@@ -7,7 +7,7 @@ the default on the timed programs' outputs (max abs difference of dq, dk, dv; th
 rounds dk/dv once, the default once per query head before its float32 sum).
 
 Run on the H200 from the repository root:
-  PYTHONPATH=src:kernels:tests:. python3 tests/gpu/gqa_dkv_probe.py
+  PYTHONPATH=src:kernels:. python3 benchmarks/probes/gqa_dkv_probe.py
 It runs in a subprocess with a timeout (a deadlocked kernel costs the run, not the
 machine) and appends JSON lines to `$OUT/gqa_dkv.jsonl`. Numerics against the float32
 reference: `tests/gpu/test_mosaic_attention_gpu.py -k group_in_block`.
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from _probe import run_phases
+from benchmarks.probes._probe import run_phases
 
 OUT = os.environ.get("OUT", "/tmp")
 ITERATIONS = 10  # CUPTI runs a timing after a warm-up run; the median is recorded
@@ -72,7 +72,7 @@ def _programs(implementation, causal: bool, statics: dict):
 def _inputs(b, s, h, hk, d, seed=0):
     import jax.numpy as jnp
 
-    from conftest import random_normal
+    from benchmarks.probes._probe import random_normal
     return (random_normal(seed, (b, s, h, d), jnp.bfloat16),
             random_normal(seed + 1, (b, s, hk, d), jnp.bfloat16),
             random_normal(seed + 2, (b, s, hk, d), jnp.bfloat16),
