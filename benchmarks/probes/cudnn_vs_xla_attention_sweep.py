@@ -9,7 +9,8 @@ batch 1, GQA, causal, head dims 64-256), so the rule can be checked, not assumed
 
 Run on the H200 from the repository root:
   PYTHONPATH=src:kernels:. python3 benchmarks/probes/cudnn_vs_xla_attention_sweep.py
-One JSON line per shape and mode goes to `$OUT/cudnn_vs_xla.jsonl` as it is measured
+One JSON line per shape and mode goes to `$OUT/cudnn_vs_xla_attention.jsonl` (replaced) as it is
+measured
 (CUPTI, median of 20 after warm-up, `tokamax_pass.benchmarking`).
 """
 
@@ -48,6 +49,8 @@ def _step(implementation: str, causal: bool, backward: bool):
 
 
 def main() -> None:
+    out = os.path.join(OUT, "cudnn_vs_xla_attention.jsonl")
+    open(out, "w").close()
     for (b, s, h, hk, d), causal in itertools.product(SHAPES, (False, True)):
         q = random_normal(0, (b, s, h, d), jnp.bfloat16)
         k = random_normal(1, (b, s, hk, d), jnp.bfloat16)
@@ -68,7 +71,7 @@ def main() -> None:
             if all(isinstance(row.get(i), float) for i in ("xla", "cudnn")):
                 row["cudnn_vs_xla"] = row["xla"] / row["cudnn"]
             print(json.dumps(row), flush=True)
-            with open(os.path.join(OUT, "cudnn_vs_xla.jsonl"), "a") as f:
+            with open(out, "a") as f:
                 f.write(json.dumps(row) + "\n")
             jax.clear_caches()
 

@@ -54,7 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     shapes, tiles = ((((64, 32, 300),), ((64, 128), (16, 64))) if args.tiny
                      else (SHAPES, TILES))
-    with open(args.out, "a") as out:
+    with open(args.out, "w") as out:
         for tokens, h, v in shapes:
             x, labels, w = _inputs(tokens, h, v)
             candidates = {"plain": workloads._plain_lce,
