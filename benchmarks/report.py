@@ -3,24 +3,28 @@
     python -m benchmarks.report           # rewrite the tables between the pages' markers
     python -m benchmarks.report --check   # exit 1 when a page differs (CI runs this)
 
-The pages are README.md and every `docs/**/*.md`. Six tables, each between its markers
-(`<!-- report:NAME -->` ... `<!-- /report:NAME -->`) on exactly one page: `models` (one run
-of `python -m benchmarks.models` per row, `MODEL_ROWS`), `ops` (one run of
-`python -m benchmarks.run` per row, `OP_ROWS`: ratios only to peers measured in that run,
-and the peers of the family that did not run named), `seed` (`SEED_RUN`), `tpu` (public
-per-chip figures, not measurements), `generalization` (`GENERALIZATION`, the last run of
-`python -m benchmarks.generalize`) and `calibration` (`SWEEP`, the calibration sweep's
-rows, and `CALIBRATION`, the calibration fitted from them).
+The pages are README.md and every `docs/**/*.md`. Results are named by benchmark: the
+results folder's `index.json` maps each benchmark to its current file. Six tables, each
+between its markers (`<!-- report:NAME -->` ... `<!-- /report:NAME -->`) on exactly one
+page: `models` (one benchmark of `python -m benchmarks.models` per row, `MODEL_ROWS`),
+`ops` (one benchmark of `python -m benchmarks.run` per row, `OP_ROWS`: ratios only to peers
+measured in that run, and the peers of the family that did not run named), `seed`
+(`SEED_RUN`), `tpu` (public per-chip figures, not measurements), `generalization`
+(`GENERALIZATION`) and `calibration` (`SWEEP`, the calibration sweep's rows, and
+`CALIBRATION`, the calibration fitted from them).
 Every number is read from the file the row names. A figure quoted in the prose is written
-`<!--fig FILE PATH FORMAT-->value<!--/fig-->`: the value at PATH in the results file
-(dotted keys and list indices, `~` standing for a space; `[key=value;...]` picks the one
-list item that matches), in Python's FORMAT, so it is rewritten and checked with the
-tables.
+`<!--fig BENCHMARK PATH FORMAT-->value<!--/fig-->`: the value at PATH in the benchmark's
+results file (dotted keys and list indices, `~` standing for a space; `[key=value;...]`
+picks the one list item that matches), in Python's FORMAT. A number the code defines (a
+threshold, a limit) is written `<!--const MODULE:NAME[/DIVISOR] FORMAT-->value<!--/const-->`:
+the attribute NAME (dotted) of MODULE, divided by DIVISOR, in FORMAT. Both are rewritten
+and checked with the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import pathlib
 import re
@@ -34,41 +38,50 @@ RESULTS = ROOT / "benchmarks" / "results" / "nvidia_h200"
 CALIBRATION = ROOT / "src" / "tokamax_pass" / "data" / "calibration" / "nvidia_h200.json"
 BEGIN, END = "<!-- report:models -->", "<!-- /report:models -->"
 
-# (results file, workload) per row of the op table, in the README's order.
+
+def results_file(benchmark: str) -> pathlib.Path:
+    """The current results file of `benchmark`, as the results folder's index names it."""
+    index = json.loads((RESULTS / "index.json").read_text())["benchmarks"]
+    if benchmark not in index:
+        raise SystemExit(f"{benchmark!r} is not a benchmark of {RESULTS / 'index.json'}")
+    return RESULTS / index[benchmark]["file"]
+
+
+# (benchmark, workload) per row of the op table, in the page's order.
 OP_ROWS = (
-    ("benchmark_llama_ops_s17.json", "glu 16384x2048x5632 (llama)"),
-    ("benchmark_llama_ops_s17.json", "rms norm 16384x2048 f32 scale (llama)"),
-    ("benchmark_llama_ops_s17.json", "rms norm + residual 16384x2048 f32 scale (llama)"),
-    ("benchmark_llama_ops_s17.json", "lce 16384x2048x32000 (llama model)"),
-    ("benchmark_lce.json", "lce 16384x4096x128256 (llama 3, liger)"),
-    ("benchmark_lce.json", "lce 8192x2304x256000 (gemma 2 2b, cce)"),
-    ("benchmark_attention_s27.json", "attention b32 s2048 h16 d64"),
-    ("benchmark_self_attention_s18.json", "self-attention x,x,x b32 s2048 h16 d64 (seed)"),
-    ("benchmark_attention_s27.json", "attention b4 s8192 h16 d128"),
-    ("benchmark_attention_s27.json", "attention b4 s8192 h16 d128 causal"),
-    ("benchmark_self_attention_s18.json", "self-attention x,x,x b4 s8192 h16 d128"),
-    ("benchmark_attention_s27.json", "attention gqa b4 s4096 hq32 hkv8 d128 causal"),
-    ("benchmark_attention_gqa_s28.json", "attention gqa b4 s4096 hq32 hkv8 d128 causal"),
-    ("benchmark_attention_s27.json", "attention b16 s4096 h8 d256"),
-    ("benchmark_attention_softcap_s27.json",
+    ("ops_llama", "glu 16384x2048x5632 (llama)"),
+    ("ops_llama", "rms norm 16384x2048 f32 scale (llama)"),
+    ("ops_llama", "rms norm + residual 16384x2048 f32 scale (llama)"),
+    ("ops_llama", "lce 16384x2048x32000 (llama model)"),
+    ("ops_lce", "lce 16384x4096x128256 (llama 3, liger)"),
+    ("ops_lce", "lce 8192x2304x256000 (gemma 2 2b, cce)"),
+    ("ops_attention", "attention b32 s2048 h16 d64"),
+    ("ops_self_attention", "self-attention x,x,x b32 s2048 h16 d64 (seed)"),
+    ("ops_attention", "attention b4 s8192 h16 d128"),
+    ("ops_attention", "attention b4 s8192 h16 d128 causal"),
+    ("ops_self_attention", "self-attention x,x,x b4 s8192 h16 d128"),
+    ("ops_attention", "attention gqa b4 s4096 hq32 hkv8 d128 causal"),
+    ("ops_attention_gqa", "attention gqa b4 s4096 hq32 hkv8 d128 causal"),
+    ("ops_attention", "attention b16 s4096 h8 d256"),
+    ("ops_attention_softcap",
      "attention soft cap 50 window 4096 b4 s8192 h16 d128 causal"),
-    ("benchmark_attention_softcap_s27.json",
+    ("ops_attention_softcap",
      "attention soft cap 50 window 4096 b2 s8192 hq8 hkv4 d256 causal (gemma 2)"),
-    ("benchmark.json", "ragged dot m16384 k4096 n4096 g8"),
-    ("benchmark_norms.json", "layer norm 65536x4096"),
-    ("benchmark_norms.json", "rms norm 65536x4096"),
-    ("benchmark_norms.json", "layer norm 65536x1024"),
-    ("benchmark_norms.json", "layer norm 32x2048x16x64 no offset (seed)"),
+    ("ops", "ragged dot m16384 k4096 n4096 g8"),
+    ("ops_norms", "layer norm 65536x4096"),
+    ("ops_norms", "rms norm 65536x4096"),
+    ("ops_norms", "layer norm 65536x1024"),
+    ("ops_norms", "layer norm 32x2048x16x64 no offset (seed)"),
 )
 
-# model -> the results file of its run of record.
+# model -> the benchmark that holds its row.
 MODEL_ROWS = {
-    "llama": "models_llama_s28.json",
-    "mixtral": "models_mixtral_s27.json",
-    "deepseek_moe": "models_moe.json",
-    "moe_decode": "models_moe.json",
-    "gemma2": "models_gemma2_s27.json",
-    "encoder": "models_encoder_s27.json",
+    "llama": "models_llama",
+    "mixtral": "models_mixtral",
+    "deepseek_moe": "models_moe",
+    "moe_decode": "models_moe",
+    "gemma2": "models_gemma2",
+    "encoder": "models_encoder",
 }
 VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"), ("tuned", "tuned"),
             ("upstream", "upstream Tokamax 0.0.17"))
@@ -95,8 +108,9 @@ def model_table() -> str:
               + " | `autotune` (all implementations) | results file |")
     lines = [header, "|" + "---|" * (len(VARIANTS) + 4)]
     device = None
-    for name, file in MODEL_ROWS.items():
-        data = json.loads((RESULTS / file).read_text())
+    for name, benchmark in MODEL_ROWS.items():
+        file = results_file(benchmark)
+        data = json.loads(file.read_text())
         device = data["device_kind"]
         row = data["models"][name]
         autotune = (f"{row['autotune_s']:.1f} s, {row['autotune_op_calls']} op calls"
@@ -104,7 +118,7 @@ def model_table() -> str:
         label = f"{name} (forward only)" if MODELS[name].forward_only else name
         lines.append(f"| {label} | {row['plain']['ms']:.2f} ms | "
                      + " | ".join(_cell(row, v) for v, _ in VARIANTS)
-                     + f" | {autotune} | `{file}` |")
+                     + f" | {autotune} | `{file.name}` |")
     intro = (f"{device}, one training step (`jax.grad` of the loss over all parameters; "
              "the loss alone where the row says forward only), "
              "device time (CUPTI), median of 10 after warm-up; ratios are plain JAX's time "
@@ -120,16 +134,16 @@ def _family(workload: str) -> str:
     return workload.split()[0].removeprefix("self-")
 
 
-def _rows(file: str) -> list[dict[str, Any]]:
-    return json.loads((RESULTS / file).read_text())["rows"]
+def _rows(benchmark: str) -> list[dict[str, Any]]:
+    return json.loads(results_file(benchmark).read_text())["rows"]
 
 
 def _rate(row: dict[str, Any]) -> str:
     return f"{row['rate']:.{0 if row['unit'] == 'TFLOP/s' else 2}f} {row['unit']}"
 
 
-def _date(file: str) -> str:
-    return json.loads((RESULTS / file).read_text())["date"][:10]
+def _date(benchmark: str) -> str:
+    return json.loads(results_file(benchmark).read_text())["date"][:10]
 
 
 def op_table() -> str:
@@ -161,7 +175,8 @@ def op_table() -> str:
                 f"{fastest['implementation'].removeprefix('tokamax ')} {_rate(fastest)} | "
                 + (f"{best['implementation']} {_rate(best)} | {none['rate'] / best['rate']:.2f}x"
                    if best else "- | -")
-                + f" | {', '.join(missing) or '-'} | {_date(file)} | `{file}` |")
+                + f" | {', '.join(missing) or '-'} | {_date(file)} | "
+                f"`{results_file(file).name}` |")
     return ("H200, bf16, device time (CUPTI), median of 10-20 after warm-up; TFLOP/s (attention "
             "counts `4*b*h*s^2*d` forward, 3.5x that forward+backward, half for causal; "
             "ragged dot and GLU `2*m*k*n`, 3x forward+backward) or TB/s (norms: bytes read "
@@ -173,13 +188,13 @@ def op_table() -> str:
             + "\n".join(lines))
 
 
-# The seed model's run of record (`python -m benchmarks.seed_e2e --artifact DIR`).
-SEED_RUN = "seed_e2e_s18_export.json"
+# The seed model end to end (`python -m benchmarks.seed_e2e --artifact DIR`).
+SEED_RUN = "seed_e2e"
 
 
 def seed_table() -> str:
     """The seed model end to end, from `SEED_RUN`."""
-    data = json.loads((RESULTS / SEED_RUN).read_text())
+    data = json.loads(results_file(SEED_RUN).read_text())
     plain = data["plain_jax_cudnn_ms"]
     tuned_ops = data["autotune_result"].split(",", 1)[1].split(")", 1)[0].strip()
     rows = [("plain JAX (XLA norm + `jax.nn` cuDNN attention)", plain),
@@ -191,7 +206,8 @@ def seed_table() -> str:
     lines = ["| variant | ms | vs plain JAX |", "|---|---|---|"]
     lines += [f"| {name} | {ms:.2f} | {plain / ms:.3f}x |" for name, ms in rows]
     return ("`grad(loss)` of the seed model (bf16[32,2048,16,64], f32[64]), one run "
-            f"(`{SEED_RUN}`, `python -m benchmarks.seed_e2e --artifact DIR`); the "
+            f"(`{results_file(SEED_RUN).name}`, `python -m benchmarks.seed_e2e --artifact DIR`); "
+            "the "
             f"artifact's output is bitwise equal to in process: "
             f"{data['artifact_bitwise_equal']}.\n\n" + "\n".join(lines))
 
@@ -215,10 +231,10 @@ def tpu_roofline_table() -> str:
     return "\n".join(lines)
 
 
-# The generalization benchmark's results (`python -m benchmarks.generalize`, replaced on each
-# run) and the calibration sweep's rows (`python -m benchmarks.sweep run`).
-GENERALIZATION = "generalization.json"
-SWEEP = "sweep.jsonl"
+# The generalization benchmark (`python -m benchmarks.generalize`) and the calibration
+# sweep's rows (`python -m benchmarks.sweep run`).
+GENERALIZATION = "generalization"
+SWEEP = "sweep"
 
 
 def _shape(params: dict[str, Any]) -> str:
@@ -247,8 +263,9 @@ def generalization_table() -> str:
     return (f"{provenance['device_kind']}, {provenance['date'][:10]}, "
             f"{runs} run{'s' if runs > 1 else ''} (seed{'s' if len(seeds) > 1 else ''} "
             f"{', '.join(str(s) for s in seeds)}), "
-            f"{len(drawn)} shapes in all (`{GENERALIZATION}`); a ratio is `None`'s time over "
-            "the fastest implementation's or peer's at that shape, device time (CUPTI).\n\n"
+            f"{len(drawn)} shapes in all (`{results_file(GENERALIZATION).name}`); a ratio is "
+            "`None`'s time over the fastest implementation's or peer's at that shape, device "
+            "time (CUPTI).\n\n"
             + "\n".join(lines))
 
 
@@ -269,8 +286,9 @@ def calibration_table() -> str:
         lines.append(f"| `{family}` | {len(timed)} ({forward} / {len(timed) - forward}) | "
                      f"{names} |")
     ceilings = fit["ceilings"]
-    return (f"{fit['device_kind']}, `{SWEEP}` ({len(rows) - ceiling_rows} timed op calls "
-            f"and {ceiling_rows} ceiling measurements) fitted into `{CALIBRATION.name}` "
+    return (f"{fit['device_kind']}, `{results_file(SWEEP).name}` "
+            f"({len(rows) - ceiling_rows} timed op calls and {ceiling_rows} ceiling "
+            f"measurements) fitted into `{CALIBRATION.name}` "
             f"({fit['provenance']['date']}): "
             f"ceilings bf16 {ceilings['bf16_tflops']:.0f} TFLOP/s, f32 "
             f"{ceilings['f32_tflops']:.0f} TFLOP/s, HBM {ceilings['hbm_tbps']:.2f} TB/s; "
@@ -281,17 +299,30 @@ TABLES = {"models": model_table, "ops": op_table, "seed": seed_table,
           "tpu": tpu_roofline_table, "generalization": generalization_table,
           "calibration": calibration_table}
 FIGURE = re.compile(r"<!--fig (\S+) (\S+) ([^\s>-]+)-->(.*?)<!--/fig-->", re.S)
+CONSTANT = re.compile(r"<!--const (\S+) ([^\s>-]+)-->(.*?)<!--/const-->", re.S)
 
 
-def _load(file: str) -> Any:
-    text = (RESULTS / file).read_text()
-    if file.endswith(".jsonl"):
+def _load(benchmark: str) -> Any:
+    file = results_file(benchmark)
+    text = file.read_text()
+    if file.suffix == ".jsonl":
         return [json.loads(line) for line in text.splitlines() if line.strip()]
     return json.loads(text)
 
 
+def constant(reference: str, fmt: str) -> str:
+    """`MODULE:NAME[/DIVISOR]`: the attribute NAME (dotted) of MODULE, over DIVISOR, in `fmt`."""
+    module_name, _, name = reference.partition(":")
+    name, _, divisor = name.partition("/")
+    value: Any = importlib.import_module(module_name)
+    for part in name.split("."):
+        value = getattr(value, part)
+    return format(value / int(divisor) if divisor else value, fmt)
+
+
 def figure(file: str, path: str, fmt: str) -> str:
-    """The value at `path` in a results file, formatted (see the module docstring)."""
+    """The value at `path` in a benchmark's results file, formatted (see the module
+    docstring)."""
     value = _load(file)
     for part in re.findall(r"\[[^\]]*\]|[^.\[\]]+", path):
         if part.startswith("["):
@@ -320,8 +351,10 @@ def rendered(page: str) -> str:
         head, rest = page.split(begin, 1)
         _, tail = rest.split(end, 1)
         page = f"{head}{begin}\n{table()}\n{end}{tail}"
-    return FIGURE.sub(lambda m: f"<!--fig {m[1]} {m[2]} {m[3]}-->{figure(m[1], m[2], m[3])}"
+    page = FIGURE.sub(lambda m: f"<!--fig {m[1]} {m[2]} {m[3]}-->{figure(m[1], m[2], m[3])}"
                       "<!--/fig-->", page)
+    return CONSTANT.sub(lambda m: f"<!--const {m[1]} {m[2]}-->{constant(m[1], m[2])}"
+                        "<!--/const-->", page)
 
 
 def pages(readme: pathlib.Path = README, docs: pathlib.Path = DOCS) -> list[pathlib.Path]:
