@@ -18,7 +18,8 @@ results file (dotted keys and list indices, `~` standing for a space; `[key=valu
 picks the one list item that matches), in Python's FORMAT. A number the code defines (a
 threshold, a limit) is written `<!--const MODULE:NAME[/DIVISOR] FORMAT-->value<!--/const-->`:
 the attribute NAME (dotted) of MODULE, divided by DIVISOR, in FORMAT. Both are rewritten
-and checked with the tables.
+and checked with the tables, and `--check` fails on a measured-looking number written by
+hand anywhere else on a page (`hand_written_figures`).
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ def _date(benchmark: str) -> str:
 def op_table() -> str:
     """Per workload and mode: ours `None`, our fastest implementation, the best peer of the
     same run and the ratio, and the family's peers that did not run in that run."""
+    from benchmarks import workloads as wl
+
     known: dict[str, set[str]] = {}
     for file, _ in OP_ROWS:
         for row in _rows(file):
@@ -178,8 +181,9 @@ def op_table() -> str:
                 + f" | {', '.join(missing) or '-'} | {_date(file)} | "
                 f"`{results_file(file).name}` |")
     return ("H200, bf16, device time (CUPTI), median of 10-20 after warm-up; TFLOP/s (attention "
-            "counts `4*b*h*s^2*d` forward, 3.5x that forward+backward, half for causal; "
-            "ragged dot and GLU `2*m*k*n`, 3x forward+backward) or TB/s (norms: bytes read "
+            f"counts `4*b*h*s^2*d` forward, {wl.ATTENTION_FWD_BWD_WORK:g}x that "
+            "forward+backward, half for causal; ragged dot and GLU `2*m*k*n`, "
+            f"{wl.MATMUL_FWD_BWD_WORK:g}x forward+backward) or TB/s (norms: bytes read "
             "and written). The ratio compares only with peers timed in the same run; `run` is "
             "the date of that run. Rows run before 2026-12-01 measured `None` under a rule "
             "that ran kernels first, measured or not. Rows run before 2026-12-02 time "
@@ -357,6 +361,30 @@ def rendered(page: str) -> str:
                         "<!--/const-->", page)
 
 
+# A number with a unit or a ratio: `1.24x`, `43%`, `9.5 ms`, `256 MiB`, `3.4 TB/s`,
+# `700 TFLOP/s`. A digit or letter right after the `x` makes it a shape (`16384x2048`), and
+# `2 x M` (spaced) is a product, not a ratio.
+MEASURED = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:x(?![\w.]\w)|×|"
+    r"\s?(?:%|percent\b|[kMGTP]?FLOP/?s\b|[kMGTP]?FLOPS\b|[KMGTP]i?B/s\b|[KMGTP]i?B\b|bytes\b|"
+    r"[nuµm]?s\b|sec(?:ond)?s?\b|min(?:ute)?s?\b|hours?\b|times (?:faster|slower)\b))")
+# What a page may hold that is not a figure: generated blocks, figures, constants, code
+# (fenced and inline), HTML comments and link targets.
+NOT_PROSE = (re.compile(r"<!-- report:(\w+) -->.*?<!-- /report:\1 -->", re.S), FIGURE, CONSTANT,
+             re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M), re.compile(r"`[^`\n]*`"),
+             re.compile(r"<!--.*?-->", re.S), re.compile(r"\]\([^)\s]*\)"))
+
+
+def hand_written_figures(page: str) -> list[str]:
+    """`line N: text` for each measured-looking number (`MEASURED`) in `page`'s prose
+    outside the generated blocks, figures, constants and code (`NOT_PROSE`)."""
+    for pattern in NOT_PROSE:
+        page = pattern.sub(lambda m: re.sub(r"[^\n]", " ", m[0]), page)
+    return [f"line {number}: {found[0].strip()}"
+            for number, line in enumerate(page.splitlines(), 1)
+            for found in MEASURED.finditer(line)]
+
+
 def pages(readme: pathlib.Path = README, docs: pathlib.Path = DOCS) -> list[pathlib.Path]:
     """README.md, then every markdown page under `docs` in path order."""
     return [readme, *sorted(docs.rglob("*.md"))] if docs.is_dir() else [readme]
@@ -389,6 +417,13 @@ def main(argv: list[str] | None = None, readme: pathlib.Path = README,
         if not args.check:
             path.write_text(wanted)
     if args.check:
+        loose = [f"{path}: {where}" for path, text in texts.items()
+                 for where in hand_written_figures(text)]
+        for where in loose:
+            print(f"{where}: a figure written by hand (put it in a <!--fig--> or "
+                  "<!--const--> marker, or a generated table)", file=sys.stderr)
+        if loose:
+            return 1
         if stale:
             names = ", ".join(str(path) for path in stale)
             print(f"{names}: tables or figures differ from the results files: run "
