@@ -1,4 +1,4 @@
-"""Device probe: what limits the Mosaic GPU attention against cuDNN (issue 16's goals).
+"""Device probe: what limits the Mosaic GPU attention against cuDNN.
 
 The phases, each in a subprocess with a timeout, CUPTI medians after warm-up, bf16:
 
@@ -400,7 +400,7 @@ BALANCED_SHAPES = [
     ("gqa b16 s1024 hq32 hkv8 d128 causal", (16, 1024, 32, 8, 128), True, None, None),
     ("gqa b8 s2048 hq16 hkv4 d64 causal", (8, 2048, 16, 4, 64), True, None, None),
     # d64 with 64 x 128 tiles: two grid blocks fit an SM, one persistent block does not
-    # (the `prefetch` phase measured the first, session 27).
+    # (the `prefetch` phase measures the first).
     ("mha b8 s2048 h16 d64 causal", (8, 2048, 16, 16, 64), True, None, None),
     ("mha b32 s2048 h16 d64 causal", (32, 2048, 16, 16, 64), True, None, None),
     ("soft cap 50 window 4096 b4 s8192 h16 d128", (4, 8192, 16, 16, 128), True, (4096, 0),
@@ -582,7 +582,7 @@ def registers() -> None:
 def row_term() -> None:
     """At the Llama layer, causal d128 and d64: forward+backward of cuDNN and of our Mosaic kernels
     (the VJP config `None` runs) with the backward's row term from its own pass
-    (`softmax_row_term`, as before session 28) and summed by the dq kernel
+    (`softmax_row_term`) and summed by the dq kernel
     (`mosaic_attention_dq_and_delta`); the two forms' gradients compared."""
     import jax
     import numpy as np
@@ -633,8 +633,8 @@ def ncu() -> None:
 def ncu_fwd() -> None:
     """One forward each of cuDNN and our Mosaic kernel (the config `None` runs) at the
     non-causal d128 workload, where ours trails cuDNN by 5% with or without the
-    persistent launch (`attention_prefetch_s27.jsonl`): for `ncu --section ...` to read
-    where the time goes inside a tile (tensor pipe, issue slots, stalls)."""
+    persistent launch (`benchmarks/probes/attention_limits_probe.py prefetch`): for `ncu --section
+    ...` to read where the time goes inside a tile (tensor pipe, issue slots, stalls)."""
     import jax
 
     name, (b, s, h, hk, d), causal = WORKLOADS[1]

@@ -1,4 +1,4 @@
-"""Device probe: where autotuning the seed-usage `f_grad` spends its time (issue 5).
+"""Device probe: where autotuning the seed-usage `f_grad` spends its time.
 
 Run on the H200 from the repository root:
   PYTHONPATH=src:kernels:. python3 benchmarks/probes/autotune_cost_probe.py [ALONE]

@@ -1,4 +1,4 @@
-"""Device probe: when each phase of autotuning the seed-usage `f_grad` runs (issue 5).
+"""Device probe: when each phase of autotuning the seed-usage `f_grad` runs.
 
 Run on the H200 from the repository root:
   PYTHONPATH=src:kernels:. python3 benchmarks/probes/autotune_timeline_probe.py

@@ -1,8 +1,8 @@
 """Device probe: which piece of the default Mosaic attention backward changes from one
-compile to the next. In session 14 two configurations (GQA d256 with the head dim split
-over two dq warpgroups; a causal d64 window of 200 with one) gave one of two dq/dk
-results per compile, while reruns of one compiled program agreed and out and dv never
-changed (`benchmarks/results/nvidia_h200/longest_first_bitwise_s14.jsonl`).
+compile to the next. Two configurations (GQA d256 with the head dim split over two dq
+warpgroups; a causal d64 window of 200 with one) gave one of two dq/dk results per compile
+when `delta` had no fixed order, while reruns of one compiled program agreed and out and
+dv never changed (`benchmarks/probes/longest_first_probe.py` shows it).
 
 Each of `--processes` worker processes (run at once, so their compiles and timings
 interleave as they did when the difference showed) compiles every piece on its own:

@@ -5,8 +5,7 @@ shapes, twice each: is a gap in one benchmark run the op or run-to-run variance?
 
 Run on the H200 from the repository root:
   PYTHONPATH=src:kernels:. python3 benchmarks/probes/cudnn_mode_probe.py
-Writes `$OUT/cudnn_mode_probe.jsonl` (session 17's:
-`benchmarks/results/nvidia_h200/cudnn_mode_probe_s17.jsonl`).
+Writes `$OUT/cudnn_mode_probe.jsonl`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Device probe: what does the fixed-order `delta` (`attention/_softmax_row_term.py`) cost
-in compile time and run time on the GPU? In session 15 the gemma2 step under
-`None` (Mosaic attention at head dim 256, the only suite model whose backward runs it)
-compiled in 74-85 s, against 16 s in session 14's run, made with `delta` as a plain sum
-(`models_gemma2_encoder_s14.json`, `models_gemma2_s15_tuned.json`); llama and mixtral
-(cuDNN attention) compiled as before. Session 16 measured the pairwise tree of halves
-the library used then at 52.7 s to compile alone at head dim 256 (the step: 89 s), the
-chain of adds 4.1 s (28 s), a plain sum 2.4 s (27 s); run, the chain took 0.566 ms, the
-tree 0.328, the plain sum 0.033: the library now sums in a Pallas Triton kernel on CUDA.
+in compile time and run time on the GPU? The gemma2 step under `None` (Mosaic attention
+at head dim 256, the only suite model whose backward runs it) is where a slow-compiling
+order shows; a pairwise tree of halves compiled far slower than a chain of adds or a plain
+sum, and ran slower than the plain sum, which is why the library sums in a Pallas Triton
+kernel on CUDA.
 
 Compiles `softmax_row_term` alone at gemma2's shape and at d128/d64, then the gemma2
 `None` step, each with the library's kernel, a plain `jnp.sum`, the chain and the tree
@@ -39,7 +36,7 @@ def _plain_sum(out, dout, dlse=None):
 
 
 def _pairwise(out, dout, dlse=None):
-    """Another fixed order, the one session 15 shipped: elementwise adds of halves."""
+    """Another fixed order: elementwise adds of halves (a pairwise tree)."""
     import jax.numpy as jnp
     terms = out.astype(jnp.float32) * dout.astype(jnp.float32)
     width = 1 << max(terms.shape[-1] - 1, 0).bit_length()

@@ -1,15 +1,14 @@
 """Device probe: the jnp GLU against our XLA GLU under three ways of timing a backward.
 
-`forward_and_vjp` with the output as its own cotangent and nothing between them (the op
-benchmark before session 17: XLA may fuse the backward with the product that made the
-cotangent), the same behind `jax.lax.optimization_barrier` (the benchmark since, as
-upstream Tokamax does), and `jax.grad` of a loss with a random cotangent (as in a model);
-five shapes, twice each (CUPTI, median after warm-up).
+`forward_and_vjp` with the output as its own cotangent and nothing between them (XLA may
+fuse the backward with the product that made the cotangent), the same behind
+`jax.lax.optimization_barrier` (the op benchmark's way, as upstream Tokamax does), and `jax.grad` of
+a loss with a random cotangent (as in a model); five shapes, twice each (CUPTI, median after
+warm-up).
 
 Run on the H200 from the repository root:
   PYTHONPATH=src:kernels:. python3 benchmarks/probes/glu_vjp_modes_probe.py
-One JSON line per timing goes to `$OUT/glu_vjp_probe3.jsonl` (session 17's:
-`benchmarks/results/nvidia_h200/glu_vjp_probe_s17.jsonl`, probe named by this file).
+One JSON line per timing goes to `$OUT/glu_vjp_probe3.jsonl`.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ model), at five shapes, twice each (CUPTI, median after warm-up).
 
 Run on the H200 from the repository root:
   PYTHONPATH=src:kernels:. python3 benchmarks/probes/glu_vjp_variants_probe.py
-One JSON line per timing goes to `$OUT/glu_vjp_probe2.jsonl` (session 17's:
-`benchmarks/results/nvidia_h200/glu_vjp_probe_s17.jsonl`, probe named by this file).
+One JSON line per timing goes to `$OUT/glu_vjp_probe2.jsonl`.
 """
 
 from __future__ import annotations

@@ -10,9 +10,8 @@ autotuning costs), then the other configs until a time budget is spent. Also the
 Run on the H200 from the repository root:
   PYTHONPATH=src:kernels:. python3 benchmarks/probes/model_candidate_compile_probe.py mixtral 120
 (120: seconds for the configs after the first). One JSON line per event goes to
-`$OUT/compile_cost_<model>.jsonl` (session 19's, taken before hopeless implementations
-went untimed: `benchmarks/results/nvidia_h200/compile_cost_{mixtral,gemma2}_s19.jsonl`):
-`lower_s` and `compile_s` in wall seconds, `_cpu` the process's CPU seconds meanwhile.
+`$OUT/compile_cost_<model>.jsonl`: `lower_s` and `compile_s` in wall seconds, `_cpu` the process's
+CPU seconds meanwhile.
 """
 
 from __future__ import annotations
