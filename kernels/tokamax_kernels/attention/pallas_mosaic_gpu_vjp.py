@@ -271,7 +271,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
         if runs_shared_kernel(ba.arguments):
-            # 64 x 64 tiles led at d64 and d128 on the H200 (`shared_dx.jsonl`): larger
+            # 64 x 64 tiles led at d64 and d128 on the H200 (an A/B of the tile configs): larger
             # ones spill registers (1.4-2.3x slower).
             for config in (MosaicAttentionVjpConfig(block_q_dkv=64, block_kv_dkv=64),
                            MosaicAttentionVjpConfig(block_q_dkv=64, block_kv_dkv=64,

@@ -15,7 +15,8 @@ Why (H200, the Llama step of `benchmarks/models`): autotuning was compile-bound,
 of which 44 s compiled 115 candidates, most of them the configs of implementations that
 lose to XLA by more than any config changes (the Mosaic and chunked LM-head kernels alone
 took 274 s of compile threads); across its 15 tuned calls the heuristics config was
-within 9% of the best config of its search space (`autotune_timeline_llama.jsonl`).
+within 9% of the best config of its search space
+(`benchmarks/probes/model_autotune_timeline_probe.py`).
 
 Before stage one, an implementation the evidence `None` ranks by (the caches of this
 device kind, at the call's shape or its nearest measured neighbour) shows
@@ -39,7 +40,7 @@ changes. Compiling stage two's likely candidates (foretold from the evidence) wh
 times was tried again in session 20 and withdrawn again, as in session 11: the compile
 threads starved the timing thread of the interpreter lock, stage one's timings took
 25 s instead of 10 and the tuning 42.5 s
-(`autotune_timeline_mixtral_s20_compile_during_timing.jsonl`).
+(`benchmarks/probes/model_autotune_timeline_probe.py`).
 """
 
 from __future__ import annotations
