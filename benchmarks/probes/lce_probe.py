@@ -5,7 +5,7 @@ Run on the H200 from the repository root (about 3-4 minutes):
   PYTHONPATH=src:kernels:. python3 benchmarks/probes/lce_probe.py \
       --out $OUT/lce_probe.jsonl [phase ...]
 Each phase runs in its own subprocess with a timeout (a deadlocked kernel costs one
-phase, not the run) and appends one JSON line per measurement to `--out`.
+phase, not the run) and writes one JSON line per measurement to `--out` (replaced).
 """
 
 from __future__ import annotations
@@ -145,6 +145,7 @@ def main() -> None:
         else:
             _bench(args.out, args.inner)
         return
+    open(args.out, "w").close()  # a run replaces the file's previous run
     for phase in args.phases:
         start = time.time()
         try:
