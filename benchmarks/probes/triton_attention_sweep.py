@@ -14,6 +14,7 @@ import concurrent.futures
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 import types
@@ -205,6 +206,13 @@ def run_shape(name, results):
     print(json.dumps(row), flush=True)
 
 
+def _commit() -> str:
+    """The git commit of the code that measured (`"unknown"` outside a checkout)."""
+    run = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                         cwd=_HERE, check=False)
+    return run.stdout.strip() or "unknown"
+
+
 def main() -> None:
     out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
     results: list = []
@@ -217,7 +225,8 @@ def main() -> None:
             results.append({"shape": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
             print(results[-1], flush=True)
         with open(os.path.join(out_dir, "triton_attention_sweep.json"), "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "results": results}, f, indent=1)
+            json.dump({"provenance": {"commit": _commit()}, "device": jax.devices()[0].device_kind,
+                       "results": results}, f, indent=1)
     print(f"total {time.time() - START:.0f}s")
 
 
