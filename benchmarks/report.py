@@ -153,14 +153,14 @@ def op_table() -> str:
     from benchmarks import workloads as wl
 
     known: dict[str, set[str]] = {}
-    for file, _ in OP_ROWS:
-        for row in _rows(file):
+    for benchmark, _ in OP_ROWS:
+        for row in _rows(benchmark):
             if row["kind"] == "peer":
                 known.setdefault(_family(row["workload"]), set()).add(row["implementation"])
     lines = ["| workload | mode | ours `None` | our fastest | best peer in the run | "
              "`None` / best peer | peers that did not run | run | file |", "|" + "---|" * 9]
-    for file, workload in OP_ROWS:
-        rows = [r for r in _rows(file) if r["workload"] == workload]
+    for benchmark, workload in OP_ROWS:
+        rows = [r for r in _rows(benchmark) if r["workload"] == workload]
         for mode in dict.fromkeys(r["mode"] for r in rows):
             timed = [r for r in rows if r["mode"] == mode and "rate" in r]
             ours = {r["implementation"]: r for r in timed if r["kind"] == "ours"}
@@ -178,8 +178,8 @@ def op_table() -> str:
                 f"{fastest['implementation'].removeprefix('tokamax ')} {_rate(fastest)} | "
                 + (f"{best['implementation']} {_rate(best)} | {none['rate'] / best['rate']:.2f}x"
                    if best else "- | -")
-                + f" | {', '.join(missing) or '-'} | {_date(file)} | "
-                f"`{results_file(file).name}` |")
+                + f" | {', '.join(missing) or '-'} | {_date(benchmark)} | "
+                f"`{results_file(benchmark).name}` |")
     return ("H200, bf16, device time (CUPTI), median of 10-20 after warm-up; TFLOP/s (attention "
             f"counts `4*b*h*s^2*d` forward, {wl.ATTENTION_FWD_BWD_WORK:g}x that "
             "forward+backward, half for causal; ragged dot and GLU `2*m*k*n`, "
@@ -324,17 +324,17 @@ def constant(reference: str, fmt: str) -> str:
     return format(value / int(divisor) if divisor else value, fmt)
 
 
-def figure(file: str, path: str, fmt: str) -> str:
+def figure(benchmark: str, path: str, fmt: str) -> str:
     """The value at `path` in a benchmark's results file, formatted (see the module
     docstring)."""
-    value = _load(file)
+    value = _load(benchmark)
     for part in re.findall(r"\[[^\]]*\]|[^.\[\]]+", path):
         if part.startswith("["):
             conditions = dict(c.replace("~", " ").split("=", 1) for c in part[1:-1].split(";"))
             matches = [row for row in value
                        if all(str(row.get(k)) == v for k, v in conditions.items())]
             if len(matches) != 1:
-                raise SystemExit(f"{file}: {part} matches {len(matches)} rows, not one")
+                raise SystemExit(f"{benchmark}: {part} matches {len(matches)} rows, not one")
             value = matches[0]
         elif isinstance(value, list):
             value = value[int(part)]
