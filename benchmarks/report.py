@@ -109,10 +109,12 @@ def model_table() -> str:
               + " | `autotune` (all implementations) | results file |")
     lines = [header, "|" + "---|" * (len(VARIANTS) + 4)]
     device = None
+    iterations = set()
     for name, benchmark in MODEL_ROWS.items():
         file = results_file(benchmark)
         data = json.loads(file.read_text())
         device = data["device_kind"]
+        iterations.add(data["iterations"])
         row = data["models"][name]
         autotune = (f"{row['autotune_s']:.1f} s, {row['autotune_op_calls']} op calls"
                     if "autotune_s" in row else "-")
@@ -122,7 +124,8 @@ def model_table() -> str:
                      + f" | {autotune} | `{file.name}` |")
     intro = (f"{device}, one training step (`jax.grad` of the loss over all parameters; "
              "the loss alone where the row says forward only), "
-             "device time (CUPTI), median of 10 after warm-up; ratios are plain JAX's time "
+             f"device time (CUPTI), median of {' or '.join(map(str, sorted(iterations)))} after "
+             "warm-up; ratios are plain JAX's time "
              "over the variant's, every variant of a row measured in one process.")
     return intro + "\n\n" + "\n".join(lines)
 
