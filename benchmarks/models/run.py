@@ -186,11 +186,10 @@ def alternated(step: Any, params: Any, batch: Any, result: Any, iterations: int,
 
     The `tuned` variant alone is timed once, right after the tuning's minute of device
     work; mixtral's tuned ran 0.5-0.8% under untuned in three runs whose tuned and untuned
-    programs chose the same kernels and configs (session 18). Alternating takes the order
-    out of the comparison, and each round swaps which goes first (untuned, tuned; tuned,
-    untuned; ...): times drift within a process, and with untuned always first, session
-    20's llama rounds ran untuned 49.66, 50.79, 52.03 ms and tuned 50.63, 51.77, 52.01
-    (one program, 0.981x). Over an even number of rounds a steady drift cancels."""
+    programs chose the same kernels and configs. Alternating takes the order out of the
+    comparison, and each round swaps which goes first (untuned, tuned; tuned, untuned;
+    ...): times drift within a process, so with untuned always first one program timed
+    twice per round reads as two. Over an even number of rounds a steady drift cancels."""
     untuned = _runner(jax.jit(step), params, batch)
     with result:
         tuned = _runner(jax.jit(step), params, batch)
