@@ -170,7 +170,7 @@ def standardize_function(
     upstream Tokamax does): without it XLA fuses the backward with the expression that
     made the cotangent, which no training step allows. At the Llama GLU the jnp
     expression gained 6% on our XLA GLU that way, and lost 5% to it inside `jax.grad`
-    (`benchmarks/results/nvidia_h200/glu_vjp_probe_s17.jsonl`).
+    (`benchmarks/probes/glu_vjp_variants_probe.py`).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be 'forward', 'forward_res', 'vjp' or 'forward_and_vjp', "
