@@ -68,6 +68,12 @@ def heuristics_config(*, m: int, k: int, n: int, groups: int, dot_dtype: Any) ->
                         block_k=fit(k, depth), num_warps=8, num_stages=3 if itemsize <= 2 else 2)
 
 
+def _zero(ref: Any) -> int | float:
+    """The fill of masked loads from `ref`, of its kind (Triton casts no integer to
+    float8)."""
+    return 0.0 if jnp.issubdtype(ref.dtype, jnp.floating) else 0
+
+
 def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
             config: MatmulConfig, transpose_rhs: bool, dot_dtype: Any, has_lhs_scale: bool,
             has_rhs_scale: bool) -> None:
@@ -87,13 +93,13 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
     def step(kk: Any, acc: jax.Array) -> jax.Array:
         ks = kk * bk + jnp.arange(bk)
         a = plgpu.load(lhs_ref.at[pl.ds(r0, bm), pl.ds(kk * bk, bk)],
-                       mask=in_rows[:, None] & (ks < c)[None, :], other=0)
+                       mask=in_rows[:, None] & (ks < c)[None, :], other=_zero(lhs_ref))
         if transpose_rhs:
             b = plgpu.load(rhs_ref.at[rhs_g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)],
-                           mask=(cols < n)[:, None] & (ks < c)[None, :], other=0)
+                           mask=(cols < n)[:, None] & (ks < c)[None, :], other=_zero(rhs_ref))
         else:
             b = plgpu.load(rhs_ref.at[rhs_g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
-                           mask=(ks < c)[:, None] & (cols < n)[None, :], other=0)
+                           mask=(ks < c)[:, None] & (cols < n)[None, :], other=_zero(rhs_ref))
         exact = jnp.dtype(dot_dtype) == jnp.float32
         return acc + plgpu.dot(a.astype(dot_dtype), b.astype(dot_dtype), trans_b=transpose_rhs,
                                allow_tf32=not exact)
