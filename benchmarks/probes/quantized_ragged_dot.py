@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     workloads = SMOKE_WORKLOADS if args.smoke else WORKLOADS
-    iterations = 2 if args.smoke else args.iterations
+    iterations = min(args.iterations, 2) if args.smoke else args.iterations
     out_dir = pathlib.Path(os.environ.get("OUT", "."))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "quantized_ragged_dot.jsonl"
