@@ -70,9 +70,10 @@ class QuantizedArray:
         size (one scale per tile); every other axis shares one scale. Scales take `x`'s
         dtype. Tiles of zeros get scale 1."""
         qtype = jnp.dtype(qtype)
-        if qtype not in VALUE_DTYPES:
-            raise ValueError(f"quantize: qtype must be one of {[str(d) for d in VALUE_DTYPES]}, "
-                             f"got {qtype}")
+        signed = [d for d in VALUE_DTYPES if d != jnp.dtype(jnp.uint8)]
+        if qtype not in signed:
+            raise ValueError(f"quantize: qtype must be one of {[str(d) for d in signed]} "
+                             f"(symmetric quantization), got {qtype}")
         tiled = dict(tiled_axes or {})
         scale_shape = []
         for axis, size in enumerate(x.shape):

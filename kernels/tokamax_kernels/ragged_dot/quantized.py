@@ -40,15 +40,13 @@ _WIDE_FLOATS = tuple(jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float
 
 
 def dot_dtypes(lhs_dtype: Any, rhs_dtype: Any) -> tuple[Any, Any, Any]:
-    """`(lhs dtype, rhs dtype, accumulator dtype)` the dot runs in: two 8-bit operands of
-    one kind as they are; an 8-bit operand with a 16/32-bit float one in that float; an
-    integer with a float8 operand both in bf16 (each conversion exact)."""
+    """`(lhs dtype, rhs dtype, accumulator dtype)` the dot runs in: two int8 or two
+    float8 operands of one kind as they are; an 8-bit (or int4) operand with a 16/32-bit
+    float one in that float; any other pair in bf16 (each conversion exact)."""
     a, b = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
-    integer = [jnp.issubdtype(d, jnp.integer) for d in (a, b)]
-    if all(integer):
-        common = a if a == b else jnp.dtype(jnp.int8)
-        return common, common, jnp.dtype(jnp.int32)
-    if a == b:
+    if a == b == jnp.dtype(jnp.int8):
+        return a, b, jnp.dtype(jnp.int32)
+    if a == b and jnp.issubdtype(a, jnp.floating):
         return a, b, jnp.dtype(jnp.float32)
     wide = [d for d in (a, b) if d in _WIDE_FLOATS]
     common = jnp.dtype(jnp.result_type(*wide)) if wide else jnp.dtype(jnp.bfloat16)

@@ -109,6 +109,24 @@ def test_forward_matches_dequantized_reference(implementation, lhs_qtype, rhs_qt
     assert not np.asarray(got[int(SIZES.sum()):]).any()  # rows past the groups
 
 
+def test_int4_and_mixed_integer_values_in_xla():
+    unsigned = QuantizedArray(
+        jax.random.randint(jax.random.key(2), (G, K, N), 0, 256).astype(jnp.uint8),
+        random_normal(3, (G, 1, N)))
+    for lhs, rhs in ((activations(), weights(jnp.int4)), (activations(INT8), unsigned)):
+        got = tokamax_pass.ragged_dot(lhs, rhs, SIZES, implementation="xla")
+        assert_close(got, reference(lhs, rhs))
+
+
+def test_under_vmap_each_batch_entry_has_its_own_groups():
+    xs = jnp.stack([activations(seed=0), activations(seed=5)])
+    sizes = jnp.stack([SIZES, jnp.asarray([10, 10, 0, 20], jnp.int32)])
+    rhs = weights(INT8)
+    got = jax.vmap(lambda x, s: tokamax_pass.ragged_dot(x, rhs, s))(xs, sizes)
+    for i in range(2):
+        assert_close(got[i], reference(xs[i], rhs, sizes[i]))
+
+
 @pytest.mark.parametrize("path", ["lax", "tiled"])
 def test_xla_forms_scale_after_the_dot(path):
     lhs, rhs = activations(dtype=jnp.bfloat16), weights(INT8)
