@@ -9,8 +9,9 @@ Two workloads, 8 groups each, router-like uneven group sizes filling every row:
 - `int8_memory_bound` (64 rows a group: m 512, k 4096, n 14336): bf16 activations
   times int8 weights (a scale per group and column).
 
-Each runs our quantized `triton` and `xla`, our bf16 `triton`, `mosaic` and `xla` on the
-same (dequantized) values, and upstream Tokamax's `ragged_dot` on qwix `QArray`s where
+Each runs our quantized `triton` (its heuristics, and on the GPU the tiles of
+`TRITON_TILES`) and `xla`, our bf16 `triton`, `mosaic` and `xla` on the same
+(dequantized) values, and upstream Tokamax's `ragged_dot` on qwix `QArray`s where
 `tokamax` and `qwix` import. Every candidate is checked against a float32 HIGHEST
 product of the dequantized operands (relative error norm, and upstream's test
 tolerances: atol 0.01 / rtol 0.005, or atol 1 / rtol 0.5 for float8 activations), then
@@ -40,9 +41,20 @@ import numpy as np
 import tokamax_pass
 from benchmarks.probes.ragged_dot_small_rows import relative_error, router_sizes
 from tokamax_kernels.ragged_dot import PallasTritonRaggedDot, QuantizedArray
+from tokamax_kernels.ragged_dot.pallas_triton import Config as TritonConfig
 from tokamax_pass import benchmarking
 
 GOAL_SPEEDUP = 1.5
+
+# Triton tiles tried beside the heuristics' (block_m, block_n, block_k, warps, stages), by
+# workload: float8 products want deep steps; few rows a group want narrow row tiles and
+# many weight tiles in flight.
+TRITON_TILES = {
+    "fp8_compute_bound": ((128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 64, 8, 4),
+                          (64, 256, 128, 4, 4), (128, 128, 256, 8, 3)),
+    "int8_memory_bound": ((64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (32, 128, 256, 4, 4),
+                          (64, 128, 256, 4, 3), (16, 128, 256, 4, 4), (64, 64, 256, 4, 4)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +133,9 @@ def candidates(w: Workload, on_gpu: bool) -> list[tuple[str, str, Callable[..., 
              ("triton", "bf16", bf16(PallasTritonRaggedDot(interpret=interpret))),
              ("xla", "bf16", bf16("xla"))]
     if on_gpu:
+        found += [(f"triton {' '.join(map(str, tiles))}", "quantized",
+                   quantized(PallasTritonRaggedDot(config=TritonConfig(*tiles))))
+                  for tiles in TRITON_TILES[w.name]]
         found.append(("mosaic", "bf16", bf16("mosaic")))
         found += upstream(unpack)
     return found
