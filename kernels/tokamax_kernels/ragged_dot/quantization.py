@@ -149,20 +149,29 @@ def dequantize(x: Any) -> jax.Array:
     return (values * _repeat(x.scale.astype(jnp.float32), x.shape)).astype(x.scale.dtype)
 
 
-def post_scale(x: Any, contracting_axis: int) -> tuple[jax.Array, jax.Array | None]:
+def blocked_scale(x: Any, contracting_axis: int) -> tuple[jax.Array, jax.Array | None]:
     """`(values, scale)` for a dot over `contracting_axis`: the stored values and their
-    scales repeated to full size on the other axes (size 1 on the contracting one), to
-    multiply the product after the dot. A plain array gives `(x, None)`; a quantized one
-    whose scales vary along the contracting axis, or with a zero point, is dequantized
-    instead (`(dequantize(x), None)`)."""
+    scales repeated to full size on the other axes, one per block on the contracting
+    axis (its size there: the number of blocks, 1 when constant along it). A plain array
+    gives `(x, None)`; a quantized one with a zero point is dequantized instead
+    (`(dequantize(x), None)`)."""
     if not is_quantized(x):
         return x, None
     x = as_quantized_array(x)
-    if x.zero_point is not None or x.scale.shape[contracting_axis] != 1:
+    if x.zero_point is not None:
         return dequantize(x), None
     full = list(x.shape)
-    full[contracting_axis] = 1
+    full[contracting_axis] = x.scale.shape[contracting_axis]
     return x.qvalue, _repeat(x.scale, full)
+
+
+def post_scale(x: Any, contracting_axis: int) -> tuple[jax.Array, jax.Array | None]:
+    """`blocked_scale` where the scales are constant along the contracting axis (size 1
+    there: they multiply the product after the dot); others are dequantized."""
+    values, scale = blocked_scale(x, contracting_axis)
+    if scale is not None and scale.shape[contracting_axis] != 1:
+        return dequantize(x), None
+    return values, scale
 
 
 def zero_cotangent(x: Any) -> Any:

@@ -4,8 +4,9 @@ A quantized operand whose scales are constant along the contraction (per row of 
 per group and column of `rhs`, or one for all) is multiplied as stored: the dot reads
 the 8-bit values, accumulates in float32 (int32 for two integer operands), and the
 scales multiply the product afterwards, `out[r] = (lhs_q[r] @ rhs_q[g]) * ls[r] * rs[g]`.
-Scales that vary along the contraction (per group of K) or a zero point are
-dequantized first. Values of two different kinds are converted to one before the dot,
+Scales that vary along the contraction (per block of K) multiply each step's product
+in `triton` (where its step divides the blocks) and are dequantized first in `xla`; a
+zero point is dequantized first. Values of two different kinds are converted to one before the dot,
 each exactly (8-bit integers and float8 e4m3 fit in bf16): bf16 activations with int8
 weights run a bf16 dot whose weights are read as int8.
 
@@ -28,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tokamax_kernels._triton import MatmulConfig
 from tokamax_kernels.ragged_dot import pallas_triton_quantized as triton_quantized
 from tokamax_kernels.ragged_dot import quantization as q
 from tokamax_kernels.ragged_dot.base import RaggedDot, xla_ragged_dot
@@ -68,9 +70,25 @@ class XlaBackend:
 
     path: str = "auto"
 
-    def rows(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-             lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, transpose_rhs: bool,
+    def forward(self, lhs: Any, rhs: Any, group_sizes: jax.Array, *, precision: Any,
+                out_dtype: Any) -> jax.Array:
+        """`lhs (M, K) x rhs (G, K, N)`, either quantized: scales constant along K after
+        the dot, others dequantized first."""
+        lhs_values, lhs_scale = q.post_scale(lhs, 1)
+        rhs_values, rhs_scale = q.post_scale(rhs, 1)
+        return self._rows(lhs_values, rhs_values, group_sizes, lhs_scale=lhs_scale,
+                          rhs_scale=rhs_scale, transpose_rhs=False, precision=precision,
+                          out_dtype=out_dtype)
+
+    def dlhs(self, dout: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
              precision: Any, out_dtype: Any) -> jax.Array:
+        """`dout (M, N) x rhs (G, K, N)^T`, `rhs` as stored (8-bit or float)."""
+        return self._rows(dout, rhs, group_sizes, lhs_scale=None, rhs_scale=None,
+                          transpose_rhs=True, precision=precision, out_dtype=out_dtype)
+
+    def _rows(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+              lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, transpose_rhs: bool,
+              precision: Any, out_dtype: Any) -> jax.Array:
         """`out[r] = (lhs[r] @ rhs[g(r)]) * lhs_scale[r] * rhs_scale[g(r)]`, `rhs[g]`
         transposed with `transpose_rhs`; `lhs_scale` (M, 1), `rhs_scale` (G, 1, N)."""
         lhs_dtype, rhs_dtype, acc = dot_dtypes(lhs.dtype, rhs.dtype)
@@ -88,24 +106,44 @@ class XlaBackend:
 
 @dataclasses.dataclass(frozen=True)
 class TritonBackend:
-    """Row-grouped ragged dots by `pallas_triton_quantized` (scales in the epilogue)."""
+    """Row-grouped ragged dots by `pallas_triton_quantized`: scales constant along K in
+    the epilogue, scales per block of K on each step's product."""
 
     op: PallasTritonRaggedDot
 
-    def rows(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-             lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, transpose_rhs: bool,
-             precision: Any, out_dtype: Any) -> jax.Array:
+    def _config(self, m: int, k: int, n: int, groups: int, dot_dtype: Any) -> MatmulConfig:
+        return self.op.config or triton_quantized.heuristics_config(
+            m=m, k=k, n=n, groups=groups, dot_dtype=dot_dtype)
+
+    def forward(self, lhs: Any, rhs: Any, group_sizes: jax.Array, *, precision: Any,
+                out_dtype: Any) -> jax.Array:
         del precision  # 8/16-bit products are exact in the float32 accumulator
-        dot_dtype = triton_quantized.kernel_dot_dtype(lhs.dtype, rhs.dtype)
-        n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-        config = self.op.config or triton_quantized.heuristics_config(
-            m=lhs.shape[0], k=lhs.shape[1], n=n, groups=rhs.shape[0], dot_dtype=dot_dtype)
+        (m, k), (groups, _, n) = lhs.shape, rhs.shape
+        lhs_values, lhs_scale = q.blocked_scale(lhs, 1)
+        rhs_values, rhs_scale = q.blocked_scale(rhs, 1)
+        dot_dtype = triton_quantized.kernel_dot_dtype(lhs_values.dtype, rhs_values.dtype)
+        config = self._config(m, k, n, groups, dot_dtype)
+        blocks = [1 if s is None else s.shape[1] for s in (lhs_scale, rhs_scale)]
+        block_k = triton_quantized.block_k_for_scales(config.block_k, k, *blocks)
+        if block_k is None:  # no step divides the scales' blocks: dequantized instead
+            lhs_values, lhs_scale = q.post_scale(lhs, 1)
+            rhs_values, rhs_scale = q.post_scale(rhs, 1)
+        else:
+            config = dataclasses.replace(config, block_k=block_k)
         return triton_quantized.ragged_dot(
-            lhs, rhs, group_sizes,
-            lhs_scale=None if lhs_scale is None else lhs_scale[:, 0],
-            rhs_scale=None if rhs_scale is None else rhs_scale[:, 0, :],
-            transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config,
+            lhs_values, rhs_values, group_sizes, lhs_scale=lhs_scale,
+            rhs_scale=rhs_scale, transpose_rhs=False, out_dtype=out_dtype, config=config,
             interpret=self.op.interpret)
+
+    def dlhs(self, dout: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+             precision: Any, out_dtype: Any) -> jax.Array:
+        del precision
+        dot_dtype = triton_quantized.kernel_dot_dtype(dout.dtype, rhs.dtype)
+        config = self._config(dout.shape[0], dout.shape[1], rhs.shape[1], rhs.shape[0],
+                              dot_dtype)
+        return triton_quantized.ragged_dot(
+            dout, rhs, group_sizes, lhs_scale=None, rhs_scale=None, transpose_rhs=True,
+            out_dtype=out_dtype, config=config, interpret=self.op.interpret)
 
 
 def _backend(op: Op, lhs: Any, rhs: Any) -> XlaBackend | TritonBackend:
@@ -154,11 +192,8 @@ def _differentiable(backend: XlaBackend | TritonBackend, precision: Any,
     """The quantized forward with its gradient rule (module docstring)."""
 
     def forward(lhs: Any, rhs: Any, group_sizes: jax.Array) -> jax.Array:
-        lhs_values, lhs_scale = q.post_scale(lhs, 1)
-        rhs_values, rhs_scale = q.post_scale(rhs, 1)
-        return backend.rows(lhs_values, rhs_values, group_sizes, lhs_scale=lhs_scale,
-                            rhs_scale=rhs_scale, transpose_rhs=False, precision=precision,
-                            out_dtype=out_dtype)
+        return backend.forward(lhs, rhs, group_sizes, precision=precision,
+                               out_dtype=out_dtype)
 
     @jax.custom_vjp
     def f(lhs: Any, rhs: Any, group_sizes: jax.Array) -> jax.Array:
@@ -176,8 +211,7 @@ def _differentiable(backend: XlaBackend | TritonBackend, precision: Any,
             if rhs_scale is not None:
                 per_row = rhs_scale[:, 0, :][group_of_rows(group_sizes, lhs.shape[0])]
                 scaled = scaled * per_row.astype(jnp.float32)
-            dlhs = backend.rows(scaled.astype(lhs.dtype), rhs_values, group_sizes,
-                                lhs_scale=None, rhs_scale=None, transpose_rhs=True,
+            dlhs = backend.dlhs(scaled.astype(lhs.dtype), rhs_values, group_sizes,
                                 precision=precision, out_dtype=lhs.dtype)
         if not q.is_quantized(rhs):
             values = q.dequantize(lhs).astype(rhs.dtype)

@@ -15,6 +15,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 import tokamax_pass
 from conftest import H200, assert_close, random_normal, reference_precision
 from tokamax_kernels.ragged_dot import PallasTritonRaggedDot, QuantizedArray
+from tokamax_kernels.ragged_dot import pallas_triton_quantized as triton_quantized
 from tokamax_kernels.ragged_dot.general import (
     RAGGED_CONTRACTING_DIMENSION_NUMBERS,
     TRANSPOSED_RHS_DIMENSION_NUMBERS,
@@ -178,14 +179,27 @@ def test_gradient_of_unquantized_weights_with_quantized_activations():
 
 
 @pytest.mark.parametrize("implementation", ["xla", TRITON], ids=["xla", "triton"])
-def test_scales_along_k_and_zero_points_are_dequantized(implementation):
-    lhs = activations()
-    per_tile = weights(INT8, tiled_axes={1: 16}, channelwise_axes=(0, 2))
-    assert per_tile.scale.shape == (G, K // 16, N)
-    shifted = dataclasses.replace(per_tile, zero_point=jnp.full(per_tile.scale.shape, 3, INT8))
-    for rhs in (per_tile, shifted):
+def test_scales_per_block_of_k_and_zero_points(implementation):
+    """Scales per 16 or 32 values of K (triton: on each 16-deep step's product), per 8
+    (no step of 16 or more divides them: dequantized), a zero point (dequantized)."""
+    x = random_normal(0, (M, K))
+    for tile in (16, 32, 8):
+        lhs = QuantizedArray.quantize(x, FP8, tiled_axes={1: tile}, channelwise_axes=(0,))
+        rhs = weights(FP8, tiled_axes={1: 2 * tile}, channelwise_axes=(0, 2))
+        assert lhs.scale.shape == (M, K // tile) and rhs.scale.shape == (G, K // tile // 2, N)
         got = tokamax_pass.ragged_dot(lhs, rhs, SIZES, implementation=implementation)
         assert_close(got, reference(lhs, rhs))
+    per_tile = weights(INT8, tiled_axes={1: 16}, channelwise_axes=(0, 2))
+    shifted = dataclasses.replace(per_tile, zero_point=jnp.full(per_tile.scale.shape, 3, INT8))
+    got = tokamax_pass.ragged_dot(activations(), shifted, SIZES, implementation=implementation)
+    assert_close(got, reference(activations(), shifted))
+
+
+def test_triton_step_divides_the_scale_blocks():
+    assert triton_quantized.block_k_for_scales(128, 512, 4, 1) == 128
+    assert triton_quantized.block_k_for_scales(128, 512, 8, 16) == 32
+    assert triton_quantized.block_k_for_scales(128, 512, 64) is None  # blocks of 8
+    assert triton_quantized.block_k_for_scales(64, 96, 2) == 16  # blocks of 48
 
 
 @jax.tree_util.register_dataclass
@@ -252,20 +266,25 @@ def _h200():
         abstract_device=AbstractDevice(H200, None, "cuda")))
 
 
-@pytest.mark.parametrize(("lhs_dtype", "rhs_dtype"), [(jnp.bfloat16, INT8), (FP8, FP8)])
-def test_triton_lowers_for_cuda_forward_and_gradient(lhs_dtype, rhs_dtype):
+@pytest.mark.parametrize(("lhs_dtype", "rhs_dtype", "k_block"),
+                         [(jnp.bfloat16, INT8, None), (FP8, FP8, None), (FP8, FP8, 128)])
+def test_triton_lowers_for_cuda_forward_and_gradient(lhs_dtype, rhs_dtype, k_block):
+    """bf16 x int8 (forward and dlhs), float8 x float8 with scales per row and column,
+    and per 128 values of K (as block-quantized float8 models store them)."""
     m, k, n, g = 1024, 512, 384, 8
+    blocks = 1 if k_block is None else k // k_block
 
     def f(x, qvalue, scale, sizes):
         rhs = QuantizedArray(qvalue, scale)
         if jnp.dtype(lhs_dtype) == FP8:
-            x = QuantizedArray(x, jnp.ones((m, 1), jnp.bfloat16))
+            x = QuantizedArray(x, jnp.ones((m, blocks), jnp.bfloat16))
             return tokamax_pass.ragged_dot(x, rhs, sizes, implementation="triton")
         return jax.value_and_grad(lambda x: tokamax_pass.ragged_dot(
             x, rhs, sizes, implementation="triton").astype(jnp.float32).sum())(x)
 
     args = (jax.ShapeDtypeStruct((m, k), lhs_dtype), jax.ShapeDtypeStruct((g, k, n), rhs_dtype),
-            jax.ShapeDtypeStruct((g, 1, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32))
+            jax.ShapeDtypeStruct((g, blocks, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((g,), jnp.int32))
     with _h200():
         exported = jax.export.export(
             jax.jit(f), platforms=["cuda"],
