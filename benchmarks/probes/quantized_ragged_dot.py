@@ -16,7 +16,7 @@ Each runs our quantized `triton` (its heuristics, and on the GPU the tiles of
 product of the dequantized operands (relative error norm, and upstream's test
 tolerances: atol 0.01 / rtol 0.005, or atol 1 / rtol 0.5 for float8 activations), then
 timed (`tokamax_pass.benchmarking`, median): forward, and forward with the activations'
-gradient. One JSON line per measurement goes to `$OUT/quantized_ragged_dot.jsonl` (or
+gradient (the weights constant in every candidate, bf16 ones too). One JSON line per measurement goes to `$OUT/quantized_ragged_dot.jsonl` (or
 the working directory), then one summary line per workload: each quantized candidate's
 speedup over our fastest bf16 kernel and whether it meets the goal (1.5x). `--smoke`
 runs tiny shapes on CPU (Triton in Pallas interpret mode) to show the script works.
@@ -101,8 +101,9 @@ def _parts(a: Any) -> tuple[jax.Array, ...]:
 
 
 def candidates(w: Workload, on_gpu: bool) -> list[tuple[str, str, Callable[..., Any]]]:
-    """`(name, kind, fn(lhs parts..., rhs qvalue, rhs scale, sizes))`; kind "quantized",
-    "bf16" (the same values, dequantized to bf16) or "upstream"."""
+    """`(name, kind, fn)`: kind "quantized" and "upstream" take `fn(lhs parts..., rhs
+    qvalue, rhs scale, sizes)`; "bf16" takes `fn(lhs, rhs, sizes)`, the same values
+    dequantized to bf16 before timing."""
     lhs_quantized = w.lhs_qtype is not None
     interpret = not on_gpu
 
@@ -120,12 +121,10 @@ def candidates(w: Workload, on_gpu: bool) -> list[tuple[str, str, Callable[..., 
         return fn
 
     def bf16(implementation: Any) -> Callable[..., Any]:
-        def fn(*args: jax.Array) -> jax.Array:
-            lhs, rhs, sizes = unpack(args)
-            lhs, rhs = (a.qvalue.astype(jnp.float32) * a.scale.astype(jnp.float32)
-                        if isinstance(a, QuantizedArray) else a for a in (lhs, rhs))
-            return tokamax_pass.ragged_dot(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16),
-                                           sizes, implementation=implementation)
+        def fn(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
+            # Constant weights, as quantized ones are: both time the activations' gradient.
+            rhs = jax.lax.stop_gradient(rhs)
+            return tokamax_pass.ragged_dot(lhs, rhs, sizes, implementation=implementation)
         return fn
 
     found = [("triton", "quantized", quantized(PallasTritonRaggedDot(interpret=interpret))),
@@ -235,7 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         for index, w in enumerate(workloads):
             ops = operands(w, index)
             sizes = router_sizes(w.m, w.groups, index)
-            call_args = (*_parts(ops["lhs"]), *_parts(ops["rhs"]), sizes)
+            quantized_args = (*_parts(ops["lhs"]), *_parts(ops["rhs"]), sizes)
+            bf16_args = (ops["lhs_f32"].astype(jnp.bfloat16),
+                         ops["rhs_f32"].astype(jnp.bfloat16), sizes)
             reference = jax.jit(lambda a, b, s: jax.lax.ragged_dot(
                 a, b, s, precision=jax.lax.Precision.HIGHEST))(
                     ops["lhs_f32"], ops["rhs_f32"], sizes)
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                     found = [dict(workload=w.name, implementation=name, kind=kind,
                                   skipped="time budget")]
                 else:
+                    call_args = bf16_args if kind == "bf16" else quantized_args
                     found = measure(w, name, kind, fn, call_args, reference, iterations)
                 for row in found:
                     log.write(json.dumps(row) + "\n")
