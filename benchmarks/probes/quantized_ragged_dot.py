@@ -16,10 +16,11 @@ Each runs our quantized `triton` (its heuristics, and on the GPU the tiles of
 product of the dequantized operands (relative error norm, and upstream's test
 tolerances: atol 0.01 / rtol 0.005, or atol 1 / rtol 0.5 for float8 activations), then
 timed (`tokamax_pass.benchmarking`, median): forward, and forward with the activations'
-gradient (the weights constant in every candidate, bf16 ones too). One JSON line per measurement goes to `$OUT/quantized_ragged_dot.jsonl` (or
-the working directory), then one summary line per workload: each quantized candidate's
-speedup over our fastest bf16 kernel and whether it meets the goal (1.5x). `--smoke`
-runs tiny shapes on CPU (Triton in Pallas interpret mode) to show the script works.
+gradient (the weights constant in every candidate, bf16 ones too). One JSON line per
+measurement goes to `$OUT/quantized_ragged_dot.jsonl` (or the working directory), then
+one summary line per workload: each quantized candidate's speedup over our fastest bf16
+kernel and whether it meets the goal (1.5x). `--smoke` runs tiny shapes on CPU (Triton
+in Pallas interpret mode) to show the script works.
 """
 
 from __future__ import annotations
