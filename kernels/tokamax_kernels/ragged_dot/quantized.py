@@ -2,13 +2,13 @@
 
 A quantized operand whose scales are constant along the contraction (per row of `lhs`,
 per group and column of `rhs`, or one for all) is multiplied as stored: the dot reads
-the 8-bit values, accumulates in float32 (int32 for two integer operands), and the
-scales multiply the product afterwards, `out[r] = (lhs_q[r] @ rhs_q[g]) * ls[r] * rs[g]`.
-Scales that vary along the contraction (per block of K) multiply each step's product
-in `triton` (where its step divides the blocks) and are dequantized first in `xla`; a
-zero point is dequantized first. Values of two different kinds are converted to one before the dot,
-each exactly (8-bit integers and float8 e4m3 fit in bf16): bf16 activations with int8
-weights run a bf16 dot whose weights are read as int8.
+the 8-bit values, accumulates in float32 (int32 for two int8 operands in `xla`), and
+the scales multiply the product afterwards, `out[r] = (lhs_q[r] @ rhs_q[g]) * ls[r] *
+rs[g]`. Scales that vary along the contraction (per block of K) multiply each step's
+product in `triton` (where its step divides the blocks) and are dequantized first in
+`xla`; a zero point is dequantized first. Values of two different kinds are converted to
+one before the dot, each exactly (8-bit integers and float8 e4m3 fit in bf16): bf16
+activations with int8 weights run a bf16 dot whose weights are read as int8.
 
 Implementations: `xla` (`jax.lax.ragged_dot` or the tiled form, as for plain operands)
 and `triton` (`pallas_triton_quantized`: the conversion in the kernel, the scales in its
