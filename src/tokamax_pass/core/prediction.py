@@ -133,8 +133,8 @@ def efficiency(calibration: calibration_lib.Calibration, name: str, dtype: str,
     """`(efficiency, near)` of op `name` in `dtype` at `work` and `features`: interpolated
     from the nearest points within `NEIGHBOUR_RADIUS` (`near`), else from the nearest
     few all the same (held-out calls are predicted better so than by the op's median),
-    or `None` with no point. Points recorded with other features than the call's are compared on their
-    work only, after the points that match."""
+    or `None` with no point. Where no point has as many features as the call, points
+    are compared on their work only."""
     points = calibration.by_op.get(name, ())
     same_dtype = [p for p in points if p.dtype == dtype]
     if not same_dtype:
