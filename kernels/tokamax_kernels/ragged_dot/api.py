@@ -57,7 +57,8 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     Either operand may be quantized: a `QuantizedArray` or a qwix `QArray` (any object
     with its fields), int8 or float8 values with scales; see `quantized.py` for where
     the scales apply, which implementations take them (`xla`, `triton`; `None` runs
-    `triton` where the target runs it, else `xla`) and the gradients (zeros for a quantized operand).
+    `triton` where the target runs it, else `xla`) and the gradients (zeros for a
+    quantized operand).
     """
     if group_offset is not None:
         raise NotImplementedError("ragged_dot: group_offset is not supported")
