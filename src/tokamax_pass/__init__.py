@@ -68,10 +68,21 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "DISABLE_JAX_EXPORT_CHECKS", "BoundArguments", "NullConfig", "Op", "export", "inspect",
-    "SpecError", "__version__", "__version_info__", "load_artifact", "optimize",
-    "register_serializable", "snake_case_name", *_LAZY,
+    "DISABLE_JAX_EXPORT_CHECKS",
+    "BoundArguments",
+    "NullConfig",
+    "Op",
+    "SpecError",
+    "__version__",
+    "__version_info__",
+    "export",
+    "inspect",
+    "load_artifact",
+    "optimize",
+    "register_serializable",
+    "snake_case_name",
 ]
+__all__ += list(_LAZY)
 
 # Registers the autotuning results and caches as a config source (cheap: no compilation).
 import tokamax_pass.autotuning  # noqa: E402, F401

@@ -205,7 +205,7 @@ def yields_to_cudnn(other: BoundArguments) -> bool:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DotProductAttention(Op[NullConfig]):
+class DotProductAttention(Op[Any]):
     """Multi-head dot-product attention; this class is the XLA reference.
 
     It materializes the (B, H, Sq, Sk) logits in float32 (float64 for float64

@@ -102,7 +102,7 @@ def _check_activation(activation: Callable[[Any], Any], x: Any, weights: Any) ->
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GatedLinearUnit(Op[NullConfig]):
+class GatedLinearUnit(Op[Any]):
     """The gated linear unit in XLA, as fast as the expression a user writes.
 
     The products run in the inputs' dtype (bf16 GEMMs with float32 accumulation for

@@ -17,7 +17,7 @@ _OP = "layer_norm"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LayerNorm(Op[NullConfig]):
+class LayerNorm(Op[Any]):
     """`(x - mean) * rsqrt(var + epsilon) * scale + offset` over `axis`, in float32.
 
     `subtract_mean=False` is RMSNorm. Residuals are `(mean, rstd)` in float32 with

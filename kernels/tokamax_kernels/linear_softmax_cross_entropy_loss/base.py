@@ -122,7 +122,7 @@ def token_losses(lse: jax.Array, label_logits: jax.Array, labels: jax.Array,
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LinearSoftmaxCrossEntropyLoss(Op[NullConfig]):
+class LinearSoftmaxCrossEntropyLoss(Op[Any]):
     """The reference: the (tokens, V) logits materialized, as plain JAX computes the loss
     (`x @ weights` in the inputs' dtype, then optax-style float32 softmax cross entropy)."""
 

@@ -202,7 +202,7 @@ def xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any,
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RaggedDot(Op[NullConfig]):
+class RaggedDot(Op[Any]):
     """The ragged dot (all three variants) by `jax.lax.ragged_dot_general`."""
 
     def partition_rule(self, ba: BoundArguments) -> Any:

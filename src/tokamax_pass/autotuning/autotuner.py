@@ -24,6 +24,7 @@ timed, so they compile without XLA's GEMM autotuning. The implementations of one
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -74,10 +75,8 @@ def candidate_configs(ba: BoundArguments, max_configs: int | None = None) -> lis
     if ba.op.config_cls is NullConfig:
         return [NullConfig()]
     configs: list[Any] = []
-    try:
+    with contextlib.suppress(NotImplementedError):
         configs.append(ba.heuristics_config)
-    except NotImplementedError:
-        pass
     rest = sorted(set(ba.op._get_autotuning_configs(ba)) - set(configs),
                   key=lambda c: spec.dumps(spec.encode_config(c)))
     if max_configs is not None and configs and len(configs) + len(rest) > max_configs:

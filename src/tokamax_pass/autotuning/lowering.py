@@ -82,7 +82,7 @@ def export_candidate(op: Op, vmap: Any, arguments: dict[str, Any], platform: str
 def deserialized(blob: bytes) -> Callable[[list[Any]], Any]:
     """The standardized function `f_std(arrays)` of an exported candidate."""
     exported = jax.export.deserialize(bytearray(blob))
-    return lambda arrays: exported.call(arrays)
+    return exported.call
 
 
 def process_count(requested: int | None, candidates: int, cpus: int) -> int:

@@ -52,7 +52,8 @@ def runnable_implementations() -> tuple[list[Any], list[str]]:
     for family_name in {name for name, _ in SEED_IMPLEMENTATIONS}:
         getattr(tokamax, family_name)  # imports the op family, which registers it
     chosen, notes = [], []
-    for family_name, implementation in SEED_IMPLEMENTATIONS:
+    for family_name, requested in SEED_IMPLEMENTATIONS:
+        implementation = requested
         if implementation is not None:
             # A name may stand for several implementations ("mosaic": one per platform).
             ops, _ = registry.families()[family_name].resolve(implementation)

@@ -178,8 +178,12 @@ class Op[C]:
         bound.apply_defaults()
         return BoundArguments(self, dict(bound.arguments))
 
-    def _fwd(self, *args: Any, config: C, return_residuals: bool, **kwargs: Any) -> tuple[Any, Any]:
-        """Computes `(out, residuals)`; residuals may be `None` when not asked for."""
+    def _fwd(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Computes `(out, residuals)` from the bound arguments and the keywords `config`
+        and `return_residuals`; residuals may be `None` when not asked for.
+
+        Each implementation declares its own arguments; `(*args, **kwargs)` here lets a
+        type checker accept them."""
         raise NotImplementedError(f"{type(self).__name__} does not define _fwd")
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
@@ -316,7 +320,7 @@ class Op[C]:
 
 def family_class(cls: type[Op]) -> type[Op]:
     """The op family of an implementation: the class right under `Op` (or `VjpOp`)."""
-    VjpOp = HOOKS.vjp_base  # noqa: N806 - the class, by the name it has everywhere else
+    VjpOp = HOOKS.vjp_base
     for klass in cls.__mro__:
         if klass is not VjpOp and (Op in klass.__bases__ or VjpOp in klass.__bases__):
             return klass

@@ -130,7 +130,7 @@ def predict(ba: BoundArguments,
         return None
     dtype = call_dtype(ba)
     work = call_work(ba)
-    if dtype is None or work is None or work.flops <= 0 and work.bytes <= 0:
+    if dtype is None or work is None or (work.flops <= 0 and work.bytes <= 0):
         return None
     roofline = calibration.ceilings.roofline_seconds(work, dtype)
     found = efficiency(calibration, op_name(ba.op), dtype, work)

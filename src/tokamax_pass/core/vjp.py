@@ -72,8 +72,10 @@ class VjpOp(Op):
             self, {"residuals": residuals, "out": out, "dout": dout, **forward_arguments, **extra}
         )
 
-    def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
+    def _fwd(self, residuals: Any, out: Any, dout: Any, *args: Any,
              **forward_arguments: Any) -> tuple[dict[str, Any], None]:
+        """The input gradients, from the forward's arguments and the keywords `config` and
+        `return_residuals`; each implementation declares the forward arguments it takes."""
         raise NotImplementedError(f"{type(self).__name__} does not define _fwd")
 
     def _default_vjp(self) -> Op:

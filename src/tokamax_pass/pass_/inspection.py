@@ -159,7 +159,7 @@ def inspect_path(source: str | os.PathLike[str], *,
         text = data.decode()
     except UnicodeDecodeError:
         text = None
-    if text is None or path.suffix == ".stablehlo" and not _is_text(text):
+    if text is None or (path.suffix == ".stablehlo" and not _is_text(text)):
         return Inspection.from_text(deserialize(data))
     if not (_is_text(text) or METADATA_KEY in text):
         # A JSON file or notes: "no tokamax_pass ops" would be a wrong answer.
