@@ -1,7 +1,7 @@
 """The cache stack that config resolution consults, and the on-disk caches.
 
 Order, first hit wins: active `AutotuningResult`s (innermost first) -> the user
-cache (`$TOKAMAX_PASS_CACHE_DIR` or `~/.cache/tokamax_pass/`, one
+cache (`$TOKAMAX_PASS_CACHE_DIR`, else the platform's user cache directory, one
 `<device_kind_key>.json` per device kind) -> the library cache shipped as package
 data (`tokamax_pass/data/autotuning/<device_kind_key>/*.json`). Every file is an
 `AutotuningResult` document. Entries whose provenance no longer matches (another
@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import filelock
+import platformdirs
 
 from tokamax_pass.autotuning import keys, neighbours
 from tokamax_pass.autotuning.result import (
@@ -58,10 +59,13 @@ class UnsavedResultError(CacheError):
 
 
 def cache_dir(directory: str | os.PathLike | None = None) -> pathlib.Path:
+    """The user cache's directory: `directory` if given, else `$TOKAMAX_PASS_CACHE_DIR`,
+    else the platform's user cache directory (`~/.cache/tokamax_pass` on Linux, or under
+    `$XDG_CACHE_HOME`; `~/Library/Caches/tokamax_pass` on macOS)."""
     if directory is not None:
         return checks.as_path("user cache", "directory", directory)
     env = os.environ.get(ENV_CACHE_DIR)
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "tokamax_pass"
+    return pathlib.Path(env) if env else pathlib.Path(platformdirs.user_cache_dir("tokamax_pass"))
 
 
 def cache_file(device_kind: str | None, directory: str | os.PathLike | None = None) -> pathlib.Path:
@@ -172,7 +176,7 @@ class _UserCache:
         except NotADirectoryError:
             _report_once(("not a directory", path.parent),
                          f"ignoring the user autotuning cache: {path.parent} (${ENV_CACHE_DIR}"
-                         f" or ~/.cache/tokamax_pass) is a file, not a directory")
+                         f" or the platform's user cache directory) is a file, not a directory")
             return None
         except OSError:
             return None
