@@ -24,6 +24,7 @@ from tokamax_pass.autotuning import keys
 from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.op import BoundArguments
+from tokamax_pass.tables import render_table
 
 FORMAT = "tokamax_pass.AutotuningResult"
 
@@ -366,7 +367,7 @@ class AutotuningResult:
     # --- display ----------------------------------------------------------------------
 
     def __repr__(self) -> str:
-        rows = [("op", "arguments", "best config", "median ms", "ok/configs")]
+        rows: list[tuple[str, ...]] = []
         for entry in self._entries.values():
             fastest = entry.fastest
             arrays = [v for v in entry.bound.arguments_spec().values() if isinstance(v, str)]
@@ -377,12 +378,9 @@ class AutotuningResult:
                 "-" if fastest is None else f"{fastest[1].median_ms:.4g}",
                 f"{sum(m.ok for m in entry.data.values())}/{len(entry.data)}",
             ))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        out = io.StringIO()
-        out.write(f"AutotuningResult(device_kind={self.device_kind!r}, {len(self)} ops)\n")
-        for row in rows:
-            out.write("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + "\n")
-        return out.getvalue().rstrip("\n")
+        table = render_table(("op", "arguments", "best config", "median ms", "ok/configs"),
+                             rows, right_aligned=("median ms", "ok/configs"), indent=2)
+        return f"AutotuningResult(device_kind={self.device_kind!r}, {len(self)} ops)\n{table}"
 
 
 def _require_bound(where: str, ba: Any, *, argument: str = "ba") -> None:

@@ -24,6 +24,7 @@ from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import autotuner, discovery
 from tokamax_pass.commands import _argtypes
 from tokamax_pass.core import BoundArguments, current_target, registry, spec
+from tokamax_pass.tables import render_table
 
 SEED_IMPLEMENTATIONS = (
     ("layer_norm", "triton"),
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
               f"tuned: {tuned.median_evaluation_time_ms:.3f} ms")
     print()
 
-    rows = [("op call", "implementation", "config", "arguments", "ms")]
+    rows: list[tuple[str, ...]] = []
     failed = []
     for ba in op_calls(jax.grad(seed_loss(implementations)), x, scale):
         time_ms = functools.partial(op_time_ms, ba, args.iterations)
@@ -150,11 +151,8 @@ def run(args: argparse.Namespace) -> int:
             failed.append(f"{type(ba.op).__name__}: {type(e).__name__}: {e}")
         rows.append((type(ba.op).__name__, ba.op.implementation, _config_text(ba.op.config),
                      _arrays_text(ba), ms))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for i, row in enumerate(rows):
-        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
-        if i == 0:
-            print("  " + "  ".join("-" * w for w in widths))
+    print(render_table(("op call", "implementation", "config", "arguments", "ms"), rows,
+                       indent=2))
     if failed:
         print(f"\n  {len(failed)} op call{'s' * (len(failed) > 1)} failed:")
         for line in failed:
