@@ -47,13 +47,13 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(module), name)
     for package in _KERNEL_PACKAGES:
         try:
-            module = importlib.import_module(f"tokamax_kernels.{package}")
+            family = importlib.import_module(f"tokamax_kernels.{package}")
         except ModuleNotFoundError as e:
             if e.name != f"tokamax_kernels.{package}":
                 raise
             continue
-        if name in getattr(module, "__all__", ()):
-            return getattr(module, name)
+        if name in getattr(family, "__all__", ()):
+            return getattr(family, name)
     raise AttributeError(f"module 'tokamax_pass' has no attribute {name!r}")
 
 

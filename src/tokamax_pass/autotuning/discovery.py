@@ -112,7 +112,11 @@ def _program_specs(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[
         return specs_from_text(f.as_text())
     if isinstance(f, jax.stages.Compiled):
         _reject_further_arguments("a jax.stages.Compiled", "compiled", args, kwargs)
-        return specs_from_text(f.as_text())
+        text = f.as_text()
+        if text is None:
+            raise ValueError("get_bound_args: this jax.stages.Compiled has no program text "
+                             "to read op calls from; pass the jax.stages.Lowered instead")
+        return specs_from_text(text)
     if not callable(f):
         raise TypeError(
             f"get_bound_args: expected a callable, a jax.stages.Lowered or StableHLO text, "

@@ -16,7 +16,7 @@ import os
 import statistics
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import jax
 
@@ -327,7 +327,7 @@ class AutotuningResult:
             jax_version=data.get("jax_version"),
         )
 
-    def dump(self, path_or_file: str | os.PathLike | IO[str], *,
+    def dump(self, path_or_file: str | os.PathLike | IO[str] | IO[bytes], *,
              prune_errors: bool = False) -> None:
         """Writes `dumps(prune_errors=...)` to a path (in an existing directory) or an open
         text file.
@@ -342,7 +342,10 @@ class AutotuningResult:
             text = self.dumps(prune_errors=prune_errors)
             # A file opened in binary mode (`load` reads one) raised a bare "a bytes-like
             # object is required, not 'str'".
-            path_or_file.write(text.encode() if _is_binary(path_or_file) else text)
+            if _is_binary(path_or_file):
+                cast(IO[bytes], path_or_file).write(text.encode())
+            else:
+                cast(IO[str], path_or_file).write(text)
         else:
             raise TypeError(f"AutotuningResult.dump: path_or_file must be a path or a "
                             f"writable file, got {type(path_or_file).__name__}")

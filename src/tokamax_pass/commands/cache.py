@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         for path in files:
             try:
                 result = cache.read(path)
-                print(f"  {path.name}: {result.device_kind!r}, {len(result)} entries")
+                if result is not None:  # None: removed since it was listed
+                    print(f"  {path.name}: {result.device_kind!r}, {len(result)} entries")
             except spec.SpecError as e:
                 print(f"  {path.name}: unreadable ({e})")
         if not files:

@@ -143,9 +143,9 @@ def run(args: argparse.Namespace) -> int:
     rows: list[tuple[str, ...]] = []
     failed = []
     for ba in op_calls(jax.grad(seed_loss(implementations)), x, scale):
-        time_ms = functools.partial(op_time_ms, ba, args.iterations)
+        call_ms = functools.partial(op_time_ms, ba, args.iterations)
         try:
-            ms = f"{time_ms():.3f}"
+            ms = f"{call_ms():.3f}"
         except Exception as e:  # noqa: BLE001 - show the failure in the table
             ms = f"failed: {type(e).__name__}"
             failed.append(f"{type(ba.op).__name__}: {type(e).__name__}: {e}")

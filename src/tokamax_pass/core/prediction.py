@@ -75,7 +75,7 @@ def performed_work(ba: BoundArguments) -> Work | None:
     its nested calls' work added up, for one that makes op calls (`evidence_calls`),
     else its forward family's `vjp_roofline` of the forward arguments."""
     op = ba.op
-    if not isinstance(op, HOOKS.vjp_base):
+    if HOOKS.vjp_base is None or not isinstance(op, HOOKS.vjp_base):
         return op.performed_work(ba)
     nested = op.evidence_calls(ba)
     if nested is not None:
@@ -84,8 +84,9 @@ def performed_work(ba: BoundArguments) -> Work | None:
             return None
         return functools.reduce(operator.add, works)
     family = op.forward_family
-    if family is None and isinstance(getattr(op, "forward", None), Op):
-        family = type(op.forward)
+    forward_op = getattr(op, "forward", None)
+    if family is None and isinstance(forward_op, Op):
+        family = type(forward_op)
     if family is None:
         return None
     forward = {k: v for k, v in ba.arguments.items() if k not in NOT_FORWARD}
