@@ -176,7 +176,7 @@ class LinearSoftmaxCrossEntropyLoss(Op[Any]):
         ))
 
     def _fwd(self, x: jax.Array, labels: jax.Array, weights: jax.Array, *, reduction: str,
-             logits_soft_cap: float | None, precision: Any, config: NullConfig,
+             logits_soft_cap: float | None, precision: Any, config: Any,
              return_residuals: bool) -> tuple[jax.Array, Any]:
         logits = float32_logits(x, weights, precision, logits_soft_cap)
         lse = jax.nn.logsumexp(logits, axis=-1)

@@ -15,7 +15,16 @@ from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
 from tokamax_kernels.ragged_dot.routing import MoeRouting, moe_combine, moe_dispatch
 
 __all__ = [
-    "MoeRouting", "PallasMosaicGpuRaggedDot", "PallasMosaicTpuRaggedDot", "PallasTritonRaggedDot",
-    "RaggedDot", "RaggedDotVjp", "moe_combine", "moe_dispatch", "ragged_dot",
-    "RaggedDotGroupSizes", "generate_ragged_dot_group_sizes", "ragged_dot_general",
+    "MoeRouting",
+    "PallasMosaicGpuRaggedDot",
+    "PallasMosaicTpuRaggedDot",
+    "PallasTritonRaggedDot",
+    "RaggedDot",
+    "RaggedDotGroupSizes",
+    "RaggedDotVjp",
+    "generate_ragged_dot_group_sizes",
+    "moe_combine",
+    "moe_dispatch",
+    "ragged_dot",
+    "ragged_dot_general",
 ]
