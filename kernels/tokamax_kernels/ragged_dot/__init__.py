@@ -12,6 +12,7 @@ from tokamax_kernels.ragged_dot.group_sizes import (
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
+from tokamax_kernels.ragged_dot.quantization import QuantizedArray
 from tokamax_kernels.ragged_dot.routing import MoeRouting, moe_combine, moe_dispatch
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "PallasMosaicGpuRaggedDot",
     "PallasMosaicTpuRaggedDot",
     "PallasTritonRaggedDot",
+    "QuantizedArray",
     "RaggedDot",
     "RaggedDotGroupSizes",
     "RaggedDotVjp",
