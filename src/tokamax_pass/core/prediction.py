@@ -93,7 +93,7 @@ def _forward_call(ba: BoundArguments) -> BoundArguments | None:
     """The forward call a call belongs to: itself, or a VJP op's forward arguments bound
     to its forward family."""
     op = ba.op
-    if not isinstance(op, HOOKS.vjp_base):
+    if HOOKS.vjp_base is None or not isinstance(op, HOOKS.vjp_base):
         return ba
     family = op.forward_family
     forward_op = getattr(op, "forward", None)
