@@ -580,7 +580,7 @@ def test_unmeasured_none_runs_xla_where_cudnn_lost_the_sweep(monkeypatch, shape,
     x = jax.ShapeDtypeStruct((vmapped, *shape) if vmapped > 1 else shape, jnp.bfloat16)
 
     def f(q):
-        attend = lambda q: dot_product_attention(q, q, q, is_causal=True)  # noqa: E731
+        attend = lambda q: dot_product_attention(q, q, q, is_causal=True)
         out = jax.vmap(attend)(q) if vmapped > 1 else attend(q)
         return out.astype(jnp.float32).sum()
 

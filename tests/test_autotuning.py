@@ -62,7 +62,7 @@ def test_user_defined_op_autotune_keeps_failures_and_picks_a_correct_config():
     best = result.best_config(ba)
     assert best in {ChunkConfig(16), ChunkConfig(32), ChunkConfig(64)}
     assert all(m.ok for c, m in data.items() if c.chunk in (16, 32, 64))
-    f = lambda x, w: chunked_matmul(x, w, implementation="xla_chunked")  # noqa: E731
+    f = lambda x, w: chunked_matmul(x, w, implementation="xla_chunked")
     with result:
         assert _chosen_configs(f, x, w) == [{"dataclass": spec.import_path(ChunkConfig),
                                             "fields": {"chunk": best.chunk}}]
@@ -100,7 +100,7 @@ def test_function_jitted_outside_retraces_inside_the_context():
 
 def test_nested_contexts_innermost_wins():
     x, w = _inputs()
-    f = lambda x, w: chunked_matmul(x, w, implementation="xla_chunked")  # noqa: E731
+    f = lambda x, w: chunked_matmul(x, w, implementation="xla_chunked")
     outer, inner = _result({ChunkConfig(16): 1.0}), _result({ChunkConfig(64): 1.0})
     with outer:
         with inner:
@@ -134,7 +134,7 @@ def _chunked_entry(time_ms, shape=(M, K, N), dtype=jnp.float32):
 
 def test_implementation_none_runs_a_kernel_only_where_measured_faster():
     x, w = _inputs()
-    f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
+    f = lambda x, w: chunked_matmul(x, w)
     kind = current_target().device_kind
     # Nothing measured: the plain-JAX path, although the kernel comes first in the family.
     assert _chosen_class(f, x, w) == "ChunkedMatmul"
@@ -152,7 +152,7 @@ def test_implementation_none_runs_a_kernel_only_where_measured_faster():
 
 def test_a_measured_neighbouring_shape_stands_in_for_an_unmeasured_one():
     x, w = _inputs()
-    f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
+    f = lambda x, w: chunked_matmul(x, w)
     kind = current_target().device_kind
     near, far, farther = (M * 2, K, N), (M * 4, K, N), (M * 8, K, N)
     with tokamax.AutotuningResult(kind, [_chunked_entry(0.5, near), _xla_entry(1.0, near)]):
@@ -191,7 +191,7 @@ def test_a_candidate_that_failed_every_config_ranks_last():
     """The family's first choice failed every config (out of memory, say): `None` takes
     the measured one instead of falling back to the family order."""
     x, w = _inputs()
-    f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
+    f = lambda x, w: chunked_matmul(x, w)
     reference = _result({ChunkConfig(16): 2.0}, ChunkedMatmul()).entries[0]
     xla = Entry(reference.bound, {tokamax.NullConfig(): Measurement((3.0,))},
                 reference.provenance)
@@ -264,7 +264,7 @@ def test_repr_is_a_table():
 
 def test_get_bound_args_accepts_callables_lowered_and_text():
     x, w = _inputs()
-    f = lambda x, w: jnp.sum(chunked_matmul(x, w, implementation="xla_chunked") ** 2)  # noqa: E731
+    f = lambda x, w: jnp.sum(chunked_matmul(x, w, implementation="xla_chunked") ** 2)
     forward = tokamax.autotuning.get_bound_args(f, x, w)
     assert [type(b.op).__name__ for b in forward] == ["XlaChunkedMatmul"]
     assert forward[0].op.config is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import threading
 
 import jax
@@ -63,7 +64,7 @@ def test_resolution_order_result_then_user_then_library_then_heuristics(tmp_path
 def test_save_merges_writes_atomically_and_records_provenance():
     path = _result(16).save_to_cache()
     _result(8, _ba(m=32)).save_to_cache()
-    data = json.loads(open(path).read())
+    data = json.loads(pathlib.Path(path).read_text())
     assert len(data["entries"]) == 2
     provenance = data["entries"][0]["provenance"]
     assert provenance["jax"] == jax.__version__ and provenance["tokamax_pass"] == "0.1.0"

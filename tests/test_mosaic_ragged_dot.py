@@ -82,7 +82,7 @@ def test_gradient_lowers_dlhs_and_drhs_kernels():
 
 def test_none_prefers_mosaic_on_hopper_where_measured_faster():
     assert ragged_api.FAMILY.automatic[0] == "mosaic_gpu"
-    f = lambda a, b, s: ragged_dot(a, b, s)  # noqa: E731
+    f = lambda a, b, s: ragged_dot(a, b, s)
     assert "mosaic_gpu_v2" not in _export_text(f, *_shapes("forward"))  # unmeasured
     with _target():
         evidence = measured(H200, {PallasMosaicGpuRaggedDot(): 1.0, RaggedDot(): 4.0},

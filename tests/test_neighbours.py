@@ -124,7 +124,7 @@ def test_a_gemma2_layer_at_another_window_borrows_the_measured_layers_choice(
         return Entry(ba, {config: Measurement((ms,))}, keys.provenance(op))
 
     def chosen(window):
-        f = lambda q, k: tokamax.dot_product_attention(  # noqa: E731
+        f = lambda q, k: tokamax.dot_product_attention(
             q, k, k, is_causal=True, logits_soft_cap=50.0, local_window_size=window)
         with core.targeting("NVIDIA H200"):
             (row,) = tokamax.optimize(f).plan(q, k)

@@ -215,7 +215,7 @@ def test_a_good_file_loads_for_its_device_kind_only(calibration_dir):
 def test_the_vjp_argument_names_are_the_vjp_modules():
     from tokamax_pass.core import vjp
 
-    assert prediction.NOT_FORWARD == set(vjp.RESERVED_NAMES)
+    assert set(vjp.RESERVED_NAMES) == prediction.NOT_FORWARD
 
 
 def test_a_rerunning_gradient_counts_as_measurements_count_it():

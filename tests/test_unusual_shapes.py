@@ -250,7 +250,7 @@ def test_layer_norm_unusual(case, implementation):
         return _norm_reference(x, scale, offset, axis, subtract_mean, residual)
 
     out, grads = _out_and_grads(f, (x, scale, offset, residual), 4, dtype)
-    f32 = lambda a: None if a is None else _f32(a)  # noqa: E731
+    f32 = lambda a: None if a is None else _f32(a)
     want, grads_ref = _out_and_grads(reference, tuple(map(f32, (x, scale, offset, residual))),
                                      4, dtype)
     for got, expected in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):

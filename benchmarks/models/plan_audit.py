@@ -331,7 +331,7 @@ def audit_model(name: str, overrides: list[str]) -> Iterator[dict[str, Any]]:
 def _cudnn_assumed() -> Iterator[None]:
     """cuDNN taken as installed, as on the H200, while planning from this machine (its
     library check would otherwise drop the cuDNN attention, a plain-JAX path there)."""
-    import tokamax_kernels.attention.cudnn as cudnn
+    from tokamax_kernels.attention import cudnn
 
     original = cudnn._require_cudnn_library
     cudnn._require_cudnn_library = lambda: None

@@ -78,9 +78,9 @@ def smoke(names: list[str], models: dict[str, Model] | None = None,
     """
     variants = ops.variants()
     failures = []
-    for name, dtype in itertools.product(names, dtypes or [None]):
+    for name, dtype_name in itertools.product(names, dtypes or [None]):
         model = (models or MODELS)[name]
-        model = model if dtype is None else in_dtype(model, dtype)
+        model = model if dtype_name is None else in_dtype(model, dtype_name)
         dtype = model.smoke_config.dtype
         params, batch = _inputs(model, smoke=True)
         outputs = {}

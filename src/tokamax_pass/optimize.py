@@ -27,7 +27,7 @@ import jax
 from tokamax_pass.artifact import make_artifact
 from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, device, spec
-from tokamax_pass.core.op import NullConfig
+from tokamax_pass.core.op import BoundArguments, NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax_pass.pass_ import emit, patterns
 from tokamax_pass.pass_.plan import Plan
@@ -94,8 +94,9 @@ class Optimized:
         # The statics `None` where not given, as `jax.jit`'s defaults: it then finds the
         # positions `static_argnames` names (given `()`, it did not, and `f(x, "sum")`, "sum"
         # static by name, failed in JAX as a non-array argument).
-        self._jit_kwargs = dict(static_argnums=static_argnums, static_argnames=static_argnames,
-                                donate_argnums=donate_argnums)
+        self._jit_kwargs: dict[str, Any] = dict(
+            static_argnums=static_argnums, static_argnames=static_argnames,
+            donate_argnums=donate_argnums)
         self._tuned: list[Any] = []
         self._tuned_signatures: set[Any] = set()
         self._jitted = self._jit(platforms=None, record=None)
@@ -226,7 +227,8 @@ class Optimized:
         signature = _signature(args, kwargs)
         if signature in self._tuned_signatures:
             return
-        to_tune, compare = {}, False
+        to_tune: dict[str, BoundArguments] = {}
+        compare = False
         decisions, matches = self._trace(args, kwargs, platforms=None)
         for decision in decisions:
             if _needs_tuning(decision, self.autotune):
@@ -277,7 +279,7 @@ def _warn_if_no_results_apply(results: Sequence[Any], targets: Sequence[device.T
                        for r in results):
         warnings.warn(
             f"optimize: results= are for {sorted({r.device_kind for r in results})}, but "
-            f"this program is compiled for {sorted(kinds)}: none of them is used (an "
+            f"this program is compiled for {sorted(map(str, kinds))}: none of them is used (an "
             f"AutotuningResult applies to the device kind it was tuned on)", stacklevel=2)
 
 

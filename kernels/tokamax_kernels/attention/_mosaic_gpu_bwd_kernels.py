@@ -30,6 +30,7 @@ reproducible). Fused, a block walks its query tiles last to first.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.experimental.pallas as pl
@@ -311,6 +312,7 @@ def _dq_kernel(q, k, v, dout, lse, row_input, kv_lengths, *, scale: float, causa
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         *written_barrier(split),
     ]
+    out_type: jax.ShapeDtypeStruct | tuple[jax.ShapeDtypeStruct, ...]
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     if delta_in_kernel:
         out_type = (out_type, jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32))
@@ -697,7 +699,7 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
     out_heads = kv_heads if in_block else heads
     dkv_type = jax.ShapeDtypeStruct((batch, seq_kv, out_heads, head_dim), dtype)
     operands = [q, k, v, dout, lse, delta, *([kv_lengths] if has_lengths else [])]
-    dq_acc = None
+    dq_acc: Any = None  # a ref while the kernels add into it, then its array
     if fused:  # added into in place: a zeroed float32 buffer the kernel writes through
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         operands.append(dq_acc)

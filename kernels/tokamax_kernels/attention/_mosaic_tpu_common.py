@@ -139,7 +139,7 @@ def lengths(x: jax.Array | None, batch: int, seq: int) -> jax.Array:
     return jnp.clip(x.astype(jnp.int32), 0, seq)
 
 
-def visible(spec: KernelSpec, r0: Any, c0: Any, shape: tuple[int, int], kv_len: Any,
+def visible(spec: KernelSpec, r0: Any, c0: Any, shape: tuple[int, ...], kv_len: Any,
             q_len: Any) -> jax.Array:
     """Which of the (rows from `r0`) x (keys from `c0`) tile is seen: window, causal, the
     key length, and the query length (rows past it see nothing)."""

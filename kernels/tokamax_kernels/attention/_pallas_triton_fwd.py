@@ -54,11 +54,8 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, o_ref,
                 ok = ok & (mask_ref[:, pl.ds(c0, block_k)] != 0)
             s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        if masked:
-            # A row with nothing visible yet keeps m = -inf; subtract 0 instead (exp2 -> 0).
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        else:
-            m_use = m_new
+        # A masked row with nothing visible yet keeps m = -inf; subtract 0 instead (exp2 -> 0).
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         p = jnp.exp2(s - m_use[:, None])
         alpha = jnp.exp2(m - m_use)
         denom = denom * alpha + jnp.sum(p, axis=1)
@@ -111,6 +108,7 @@ def flash_attention_forward(
     seq_k, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     num_qb, num_kb = seq_q // block_q, seq_k // block_k
+    in_specs: list[pl.BlockSpec | None]  # `None`: an absent bias, mask or lengths
     reverse = spec.right is not None and spec.left is None  # causal: heavy blocks first
 
     def q_index(i, b, h):

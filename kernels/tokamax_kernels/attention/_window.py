@@ -64,7 +64,7 @@ def kv_tiles(window: tuple[int, int], row0: Any, rows: int, tile: int, num_tiles
     full_first = _div(jnp.maximum(last - left + tile - 1, 0), tile)
     full_end = _div(jnp.maximum(row0 + right + 1, 0), tile)
     end = _div(jnp.maximum(last + right + tile, 0), tile)
-    limit = num_tiles
+    limit: int | jax.Array = num_tiles
     if kv_len is not None:
         limit = jnp.minimum(limit, _div(kv_len + tile - 1, tile))
         full_end = jnp.minimum(full_end, _div(kv_len, tile))

@@ -96,6 +96,7 @@ def _nonempty_rows(q_len: int, kv_len: int, a: dict[str, Any]) -> jax.Array:
                          is_causal=a["is_causal"], local_window_size=a["local_window_size"],
                          query_seq_lengths=a["query_seq_lengths"],
                          key_value_seq_lengths=a["key_value_seq_lengths"])
+        assert keep is not None  # a mask is given
         return jnp.transpose(jnp.any(keep, axis=-1), (0, 2, 1))[..., None]
     row = jnp.arange(q_len)
     lo, hi = jnp.zeros_like(row), jnp.full_like(row, kv_len - 1)
@@ -166,8 +167,8 @@ class _CudnnCall:
     def forward(self) -> tuple[jax.Array, jax.Array]:
         """(out, softmax statistics (B, H, Sq) float32)."""
         return fused._dot_product_attention_fwd(
-            *self.operands, **self.params, cudnn_version=fused.check_cudnn_version(),
-            return_residual=True)
+            *self.operands, **{**self.params, "cudnn_version": fused.check_cudnn_version(),
+                               "return_residual": True})
 
     def backward(self, lse: jax.Array, out: jax.Array,
                  dout: jax.Array) -> tuple[jax.Array, ...]:

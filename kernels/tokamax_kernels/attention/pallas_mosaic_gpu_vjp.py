@@ -92,7 +92,7 @@ def fills_gpu_by_kv_head(config: MosaicAttentionVjpConfig, batch: int, heads: in
     return blocks >= GROUP_IN_BLOCK_BLOCKS_PER_SM * sm_count()
 
 
-def _with_measured_rules(config: MosaicAttentionVjpConfig, arguments: dict[str, Any]
+def _with_measured_rules(config: MosaicAttentionVjpConfig, arguments: Mapping[str, Any]
                          ) -> MosaicAttentionVjpConfig:
     """`config` with `group_in_block` and `longest_first` set where they were measured
     to win."""
@@ -136,7 +136,7 @@ def runs_shared_kernel(arguments: Mapping[str, Any]) -> bool:
     (causal, lengths, a local window, a soft cap, head dim 256: its accumulator and four
     score tiles would take 256 registers a thread) needs the general kernels: then one
     kernel computes their summed gradient."""
-    return (any(_QKV <= set(group) for group in arguments.get("shared_inputs", ()))
+    return (any(set(group) >= _QKV for group in arguments.get("shared_inputs", ()))
             and not common.splits_head_dim(arguments["query"].shape[-1])
             and not arguments["is_causal"] and arguments["query_seq_lengths"] is None
             and arguments["key_value_seq_lengths"] is None
@@ -222,10 +222,13 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: MosaicAttentionVjpConfig,
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
-             bias: Any, mask: Any, scale: float, is_causal: bool, query_seq_lengths: Any,
-             key_value_seq_lengths: Any, local_window_size: Any, logits_soft_cap: Any,
+             bias: Any, mask: Any, scale: float | None = None, is_causal: bool = False,
+             query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
+             local_window_size: Any = None, logits_soft_cap: Any = None,
              shared_inputs: Any = (), dresiduals: Any = None,
              **unsupported: Any) -> tuple[dict[str, Any], None]:
+        # The defaults are `bind`'s, which always passes every one of them.
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
         del return_residuals, unsupported["precision"]
         check_unsupported_features(dict(bias=bias, mask=mask, **unsupported), _WHAT)
         window = _window.bounds(local_window_size, is_causal)
@@ -248,6 +251,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
             # An lse of +inf makes every probability of a row that sees nothing zero.
             lse = jnp.where(visible[:, None, :], lse, jnp.inf)
         if shared:
+            assert delta is not None  # the shared kernel always takes the row-term pass
             dx = mosaic_attention_shared_dx(query, dout, lse, delta, scale=scale, config=config)
             return {"query": dx}, None
         lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])

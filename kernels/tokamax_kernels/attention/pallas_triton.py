@@ -137,7 +137,7 @@ class PallasTritonFlashAttention(TritonKernel, DotProductAttention):
             num_warps=config.num_warps, num_stages=config.num_stages,
             return_lse=return_residuals, interpret=self.interpret)
         out = out[:, :seq_q, :, :head_dim]
-        if not return_residuals:
+        if lse is None:  # residuals not asked for
             return out, None
         return out, (lse[:, :, :seq_q],)
 

@@ -153,7 +153,7 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
             "key": dk[:, :seq_k, :, :head_dim],
             "value": dv[:, :seq_k, :, :head_dim],
         }
-        if bias is not None:
+        if bias is not None and dbias is not None:  # a bias has a gradient
             dbias = dbias[:, :, :seq_q, :seq_k]
             axes = tuple(i for i, n in enumerate(bias.shape) if n == 1 and dbias.shape[i] != 1)
             grads["bias"] = jnp.sum(dbias, axis=axes, keepdims=True).astype(bias.dtype)

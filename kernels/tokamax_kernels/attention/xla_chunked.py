@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +76,13 @@ def heuristic_config(batch: int, heads: int, q_len: int, kv_len: int, *,
     return max(largest_blocks(batch, heads, q_len, kv_len), key=lambda c: getattr(c, long_side))
 
 
+@overload
+def _pad_axis(x: jax.Array, axis: int, size: int, *, broadcast: bool = True) -> jax.Array: ...
+@overload
+def _pad_axis(x: None, axis: int, size: int, *, broadcast: bool = True) -> None: ...
+@overload
+def _pad_axis(x: jax.Array | None, axis: int, size: int, *,
+              broadcast: bool = True) -> jax.Array | None: ...
 def _pad_axis(x: jax.Array | None, axis: int, size: int, *,
               broadcast: bool = True) -> jax.Array | None:
     """Zero (False) padding of `axis` to `size`; with `broadcast`, size-1 axes (a bias's or
@@ -88,6 +95,12 @@ def _pad_axis(x: jax.Array | None, axis: int, size: int, *,
     return jnp.pad(x, widths)
 
 
+@overload
+def _slice_qk(x: jax.Array, q_start: Any, q_size: int, k_start: Any,
+              k_size: int) -> jax.Array: ...
+@overload
+def _slice_qk(x: jax.Array | None, q_start: Any, q_size: int, k_start: Any,
+              k_size: int) -> jax.Array | None: ...
 def _slice_qk(x: jax.Array | None, q_start: Any, q_size: int, k_start: Any,
               k_size: int) -> jax.Array | None:
     """The (B|1, H|1, q, k) block of a broadcastable bias or mask."""
@@ -412,7 +425,8 @@ class XlaChunkedDotProductAttentionVjp(DotProductAttentionVjp):
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: XlaChunkedConfig,
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
              bias: jax.Array | None, mask: jax.Array | None,
-             query_seq_lengths: jax.Array | None, key_value_seq_lengths: jax.Array | None,
+             query_seq_lengths: jax.Array | None = None,
+             key_value_seq_lengths: jax.Array | None = None,
              dresiduals: Any = None, **statics: Any) -> tuple[dict[str, Any], None]:
         if _empty(query, key):
             return DotProductAttentionVjp._fwd(

@@ -66,7 +66,7 @@ def glu_rows(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.
             compute_context=compute_context)
 
     def kernel(sizes_gmem, x_gmem, gate_gmem, up_gmem, out_gmem, *residual_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on bodies)
+        ignore = lambda *_, **__: None
 
         @functools.partial(
             pl.run_scoped,
@@ -142,7 +142,7 @@ def glu_rows(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.
 
                 @pl.when((hi > lo) & tail & (wg < common.NUM_COMPUTE_WGS))
                 def _():
-                    zeros = lambda a, b: jnp.zeros((cfg.tile_m, b - a), dtype)  # noqa: E731
+                    zeros = lambda a, b: jnp.zeros((cfg.tile_m, b - a), dtype)
                     store_all(zeros, zeros, zeros)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

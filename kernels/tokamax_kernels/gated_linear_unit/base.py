@@ -31,7 +31,7 @@ from tokamax_kernels.gated_linear_unit._grouped import (
     grouped_forward,
 )
 from tokamax_kernels.ragged_dot.base import RaggedDot, canonical_precision
-from tokamax_pass.core import BoundArguments, NullConfig, Op, Target, VjpOp, spec
+from tokamax_pass.core import BoundArguments, Op, Target, VjpOp, spec
 
 _OP = "gated_linear_unit"
 
@@ -102,7 +102,7 @@ def _check_activation(activation: Callable[[Any], Any], x: Any, weights: Any) ->
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GatedLinearUnit(Op[NullConfig]):
+class GatedLinearUnit(Op[Any]):
     """The gated linear unit in XLA, as fast as the expression a user writes.
 
     The products run in the inputs' dtype (bf16 GEMMs with float32 accumulation for
@@ -179,7 +179,7 @@ class GatedLinearUnit(Op[NullConfig]):
         ))
 
     def _fwd(self, x: jax.Array, weights: Any, *, activation: Callable[[Any], Any],
-             precision: Any, config: NullConfig, return_residuals: bool,
+             precision: Any, config: Any, return_residuals: bool,
              group_sizes: jax.Array | None = None) -> tuple[jax.Array, Any]:
         if group_sizes is not None:
             out, residuals = grouped_forward(x, weights, group_sizes, activation=activation,

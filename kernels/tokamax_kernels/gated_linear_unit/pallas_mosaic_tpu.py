@@ -239,7 +239,8 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
                 # sublane groups instead (as the ragged dot's row blocks always are).
                 rows = -(-m // _ROW_ALIGN) * _ROW_ALIGN
             outs = grouped_glu_forward(
-                x.reshape(-1, k), *(w.reshape(-1, *w.shape[2:]) for w in (w_gate, w_up)),
+                x.reshape(-1, k), w_gate.reshape(-1, *w_gate.shape[2:]),
+                w_up.reshape(-1, *w_up.shape[2:]),
                 sizes, up_offset=up_offset, activation=activation, residuals=residuals,
                 block_m=rows, block_n=block_n, block_k=block_k,
                 interpret=self.pallas_interpret())

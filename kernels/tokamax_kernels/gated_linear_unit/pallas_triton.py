@@ -89,8 +89,11 @@ class PallasTritonGatedLinearUnit(TritonKernel, GatedLinearUnit):
         check_triton_glu_inputs(ba)
 
     def _fwd(self, x: jax.Array, weights: Any, *, activation: Callable[[Any], Any],
-             precision: Any, config: Config, return_residuals: bool) -> tuple[jax.Array, None]:
+             precision: Any, config: Config, return_residuals: bool,
+             group_sizes: jax.Array | None = None) -> tuple[jax.Array, None]:
         del precision  # f16/bf16 products are exact in f32; f32 inputs run at full precision
+        if group_sizes is not None:
+            raise NotImplementedError("the Triton GLU runs dense calls only")
         return glu_forward(x, weights, activation=activation, config=config,
                            interpret=self.interpret), None
 

@@ -81,9 +81,9 @@ class PallasMosaicTpuLayerNormVjp(MosaicTpuKernel, VjpOp):
         grads = {"x": dx.reshape(x.shape)}
         if residual is not None:
             grads["residual"] = grads["x"]
-        if scale is not None:
+        if scale is not None and dscale is not None:  # asked for exactly with a scale
             grads["scale"] = dscale.astype(scale.dtype)
-        if offset is not None:
+        if offset is not None and doffset is not None:
             grads["offset"] = doffset.astype(offset.dtype)
         return grads, None
 

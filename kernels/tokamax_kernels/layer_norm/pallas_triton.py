@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -120,6 +121,7 @@ def _normalize_rows(x_ref: Any, residual_ref: Any, scale_ref: Any, offset_ref: A
     num_chunks = _triton.cdiv(n, block_n)
     load_x = functools.partial(load_rows, x_ref, r0, row_mask=row_mask, n=n, block_n=block_n,
                                block_rows=block_rows)
+    load: Callable[[Any], tuple[jax.Array, Any, Any]]
     if residual_ref is None:
         load = load_x
     else:

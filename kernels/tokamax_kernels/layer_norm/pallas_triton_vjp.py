@@ -78,7 +78,7 @@ def _bwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
     exact = is_exact(rows, n, rows_per_program, block_n)
     zeros = jnp.zeros((block_rows, block_n), jnp.float32)
 
-    def row_block(i: Any) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
+    def row_block(i: Any) -> tuple[Any, jax.Array | None, jax.Array, jax.Array]:
         r0 = pl.multiple_of(first_row + i * block_rows, block_rows)
         row_mask = row_mask_of(r0, rows=rows, block_rows=block_rows, exact=exact)
         stats = pl.ds(r0, block_rows)
@@ -240,9 +240,9 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
         grads = {"x": dx}
         if residual is not None:
             grads["residual"] = dx
-        if scale is not None:
+        if scale is not None and dscale is not None:  # asked for exactly with a scale
             grads["scale"] = dscale.astype(scale.dtype)
-        if offset is not None:
+        if offset is not None and doffset is not None:
             grads["offset"] = doffset.astype(offset.dtype)
         return grads, None
 

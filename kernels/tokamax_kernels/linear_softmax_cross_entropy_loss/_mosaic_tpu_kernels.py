@@ -106,7 +106,7 @@ def _dot(a: jax.Array, b: jax.Array, contracting: tuple[int, int]) -> jax.Array:
                            precision=precision, preferred_element_type=jnp.float32)
 
 
-def _iota(shape: tuple[int, int], axis: int, start: Any) -> jax.Array:
+def _iota(shape: tuple[int, ...], axis: int, start: Any) -> jax.Array:
     return start + lax.broadcasted_iota(jnp.int32, shape, axis)
 
 

@@ -122,7 +122,7 @@ def token_losses(lse: jax.Array, label_logits: jax.Array, labels: jax.Array,
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LinearSoftmaxCrossEntropyLoss(Op[NullConfig]):
+class LinearSoftmaxCrossEntropyLoss(Op[Any]):
     """The reference: the (tokens, V) logits materialized, as plain JAX computes the loss
     (`x @ weights` in the inputs' dtype, then optax-style float32 softmax cross entropy)."""
 
@@ -176,7 +176,7 @@ class LinearSoftmaxCrossEntropyLoss(Op[NullConfig]):
         ))
 
     def _fwd(self, x: jax.Array, labels: jax.Array, weights: jax.Array, *, reduction: str,
-             logits_soft_cap: float | None, precision: Any, config: NullConfig,
+             logits_soft_cap: float | None, precision: Any, config: Any,
              return_residuals: bool) -> tuple[jax.Array, Any]:
         logits = float32_logits(x, weights, precision, logits_soft_cap)
         lse = jax.nn.logsumexp(logits, axis=-1)

@@ -188,7 +188,8 @@ class PallasMosaicTpuLinearSoftmaxCrossEntropyLoss(MosaicTpuKernel, LinearSoftma
              return_residuals: bool) -> tuple[jax.Array, Any]:
         del precision  # bf16 products are exact in f32; f32 inputs run at full precision
         flat_x, flat_labels = _flat(x, labels)
-        tl = tiling(config, flat_x.shape[0], *weights.shape, x.dtype, logits_soft_cap)
+        tl = tiling(config, flat_x.shape[0], weights.shape[0], weights.shape[1], x.dtype,
+                    logits_soft_cap)
         lse, picked = lce_forward(flat_x, flat_labels, weights, tl=tl,
                                   interpret=self.pallas_interpret())
         lse, picked = lse.reshape(labels.shape), picked.reshape(labels.shape)
@@ -225,7 +226,7 @@ class PallasMosaicTpuLinearSoftmaxCrossEntropyLossVjp(MosaicTpuKernel,
         (lse,) = residuals
         flat_x, flat_labels = _flat(x, labels)
         tokens = flat_x.shape[0]
-        tl = tiling(config, tokens, *weights.shape, x.dtype, logits_soft_cap)
+        tl = tiling(config, tokens, weights.shape[0], weights.shape[1], x.dtype, logits_soft_cap)
         g = token_cotangent(dout, labels, weights.shape[1], reduction).reshape(tokens, 1)
         operands = (flat_x, flat_labels, weights, lse.reshape(tokens, 1).astype(jnp.float32), g)
         interpret = self.pallas_interpret()

@@ -129,7 +129,7 @@ class PallasMosaicGpuRaggedDot(RaggedDot):
         itemsize = jnp.dtype(args["lhs"].dtype).itemsize
         tile_m = 128 if (rows % 128 == 0 if variant == "drhs" else rows >= 128) else 64
         tile_n = 128 if columns % 256 == 0 else 64
-        depths = (4, 3, 2)
+        depths: tuple[int, ...] = (4, 3, 2)
         if few_rows_per_group(ba):
             tile_m, depths = 64, (6, 5, 4, 3, 2)
         for stages in depths:

@@ -87,7 +87,9 @@ def swizzled(minor_elems: int, dtype) -> tuple:
     """TMA/wgmma-friendly SMEM transforms for tiles whose minor dimension is `minor_elems`."""
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    # JAX declares both transforms abstract (`transform_array`), yet builds them itself.
+    return (plgpu.TilingTransform((8, swizzle // itemsize)),  # type: ignore[abstract]
+            plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
 
 
 def compiler_params() -> plgpu.CompilerParams:

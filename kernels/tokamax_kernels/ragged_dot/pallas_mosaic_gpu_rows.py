@@ -96,7 +96,7 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
             compute_context=compute_context)
 
     def kernel(sizes_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on bodies)
+        ignore = lambda *_, **__: None
 
         @functools.partial(
             pl.run_scoped,
@@ -118,10 +118,7 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                 wg_cols = pl.ds(wg * cfg.tile_n, cfg.tile_n)
 
                 def mma(_, lhs_smem, rhs_smem, acc_ref):
-                    if transpose_rhs:
-                        b = rhs_smem.at[wg_cols, :].T
-                    else:
-                        b = rhs_smem.at[:, wg_cols]
+                    b = rhs_smem.at[wg_cols, :].T if transpose_rhs else rhs_smem.at[:, wg_cols]
                     plgpu.wgmma(acc_ref, lhs_smem, b)
                     plgpu.wgmma_wait(0)
                     return acc_ref

@@ -143,13 +143,13 @@ class PallasMosaicTpuRaggedDot(MosaicTpuKernel, RaggedDot):
             (out,) = entry_folded(drhs, 0)(lhs[None], rhs[None], group_sizes[None])
             return out[0], None
 
-        def rows(lhs: jax.Array, sizes: jax.Array, rhs: jax.Array) -> tuple[jax.Array]:
+        def by_rows(lhs: jax.Array, sizes: jax.Array, rhs: jax.Array) -> tuple[jax.Array]:
             out = ragged_dot_rows(_rows(lhs), rhs.reshape(-1, *rhs.shape[2:]), sizes,
                                   transpose_rhs=variant == "dlhs", out_dtype=out_dtype,
                                   **blocks)
             return (out.reshape(sizes.shape[0], -1, out.shape[1]),)
 
-        (out,) = entry_folded(rows, 1)(lhs[None], group_sizes[None], rhs[None])
+        (out,) = entry_folded(by_rows, 1)(lhs[None], group_sizes[None], rhs[None])
         return out[0], None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:

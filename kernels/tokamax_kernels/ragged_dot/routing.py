@@ -145,7 +145,8 @@ def _require_tokens_unsharded(op: str, name: str, array: jax.Array) -> None:
     together, so its token axes (all but the last) must be whole on each device."""
     sharding = getattr(jax.typeof(array), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    if (sharding is None or mesh is None or mesh.empty
+            or jax.sharding.AxisType.Explicit not in mesh.axis_types):
         return
     sharded = [axis for axis in tuple(sharding.spec)[:array.ndim - 1] if axis is not None]
     if sharded:

@@ -23,8 +23,8 @@ from tokamax_pass.autotuning import compat as _compat  # noqa: F401  # isort: sk
 register_config_source(_cache.SOURCE)
 
 __all__ = [
-    "AutotuningResult",
     "Autotuner",
+    "AutotuningResult",
     "CacheError",
     "Measurement",
     "UnsavedResultError",

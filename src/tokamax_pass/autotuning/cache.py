@@ -1,7 +1,7 @@
 """The cache stack that config resolution consults, and the on-disk caches.
 
 Order, first hit wins: active `AutotuningResult`s (innermost first) -> the user
-cache (`$TOKAMAX_PASS_CACHE_DIR` or `~/.cache/tokamax_pass/`, one
+cache (`$TOKAMAX_PASS_CACHE_DIR`, else the platform's user cache directory, one
 `<device_kind_key>.json` per device kind) -> the library cache shipped as package
 data (`tokamax_pass/data/autotuning/<device_kind_key>/*.json`). Every file is an
 `AutotuningResult` document. Entries whose provenance no longer matches (another
@@ -18,10 +18,11 @@ import logging
 import os
 import pathlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import filelock
+import platformdirs
 
 from tokamax_pass.autotuning import keys, neighbours
 from tokamax_pass.autotuning.result import (
@@ -58,10 +59,13 @@ class UnsavedResultError(CacheError):
 
 
 def cache_dir(directory: str | os.PathLike | None = None) -> pathlib.Path:
+    """The user cache's directory: `directory` if given, else `$TOKAMAX_PASS_CACHE_DIR`,
+    else the platform's user cache directory (`~/.cache/tokamax_pass` on Linux, or under
+    `$XDG_CACHE_HOME`; `~/Library/Caches/tokamax_pass` on macOS)."""
     if directory is not None:
         return checks.as_path("user cache", "directory", directory)
     env = os.environ.get(ENV_CACHE_DIR)
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "tokamax_pass"
+    return pathlib.Path(env) if env else pathlib.Path(platformdirs.user_cache_dir("tokamax_pass"))
 
 
 def cache_file(device_kind: str | None, directory: str | os.PathLike | None = None) -> pathlib.Path:
@@ -172,7 +176,7 @@ class _UserCache:
         except NotADirectoryError:
             _report_once(("not a directory", path.parent),
                          f"ignoring the user autotuning cache: {path.parent} (${ENV_CACHE_DIR}"
-                         f" or ~/.cache/tokamax_pass) is a file, not a directory")
+                         f" or the platform's user cache directory) is a file, not a directory")
             return None
         except OSError:
             return None
@@ -291,7 +295,8 @@ class CacheStack:
 
     def find_config(self, ba: BoundArguments, device_kind: str | None) -> tuple[Any, str] | None:
         found = _answering_entry(ba, device_kind)
-        return None if found is None else (found[0].fastest[0], found[1])
+        fastest = None if found is None else found[0].fastest
+        return None if found is None or fastest is None else (fastest[0], found[1])
 
     def rank(self, candidates: Sequence[BoundArguments], device_kind: str | None,
              usable: Sequence[bool] | None = None) -> list[int] | None:
@@ -318,7 +323,8 @@ def measured_losers(ba: BoundArguments, best: Any, device_kind: str | None) -> f
     are not counted: an out-of-memory or a timeout may not recur). Empty where no entry
     answers `ba` with `best`."""
     found = _answering_entry(ba, device_kind)
-    if found is None or found[0].fastest[0] != best:
+    fastest = None if found is None else found[0].fastest
+    if found is None or fastest is None or fastest[0] != best:
         return frozenset()
     return frozenset(c for c, m in found[0].data.items() if m.ok and c != best)
 
@@ -358,9 +364,10 @@ def _kernels_by_own_times(order: list[int], candidates: Sequence[BoundArguments]
     fastest (an `autotune` result times the kernels, not the plain paths its evidence
     showed hopeless: `staging.hopeless`)."""
     kernels = [i for i in order if not candidates[i].op.runs_without_evidence]
-    if len(kernels) < 2 or any(exact[i] is None for i in kernels):
+    known = {i: t for i, t in enumerate(exact) if t is not None}
+    if len(kernels) < 2 or any(i not in known for i in kernels):
         return order
-    return _rank_by_time(kernels, exact) + [i for i in order if i not in kernels]
+    return _rank_by_time(kernels, known) + [i for i in order if i not in kernels]
 
 
 def _ranked_subset(kept: Sequence[int], order: list[int] | None) -> list[int] | None:
@@ -427,10 +434,11 @@ def rank_with_evidence(candidates: Sequence[BoundArguments],
     cuDNN beats XLA too, on a CPU machine exporting for cuda as on the GPU.
     """
     usable = [True] * len(candidates) if usable is None else list(usable)
+    known = {i: t for i, t in enumerate(times) if t is not None}
     plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
     if not plain:
-        measured = [i for i, t in enumerate(times) if t is not None and usable[i]]
-        return (_rank_by_time(measured, times)
+        measured = [i for i in known if usable[i]]
+        return (_rank_by_time(measured, known)
                 if all(t is not None for t in times) and measured else None)
     measured_plain = [i for i in plain if times[i] is not None]
     unmeasured = [i for i in plain if times[i] is None]
@@ -438,22 +446,22 @@ def rank_with_evidence(candidates: Sequence[BoundArguments],
                                      for i in unmeasured):
         return None
     usable_plain = [i for i in measured_plain if usable[i]]
-    bounds = [times[j] for i in unmeasured if usable[i] for j in measured_plain
+    bounds = [known[j] for i in unmeasured if usable[i] for j in measured_plain
               if candidates[i].op.yields_unmeasured_to(candidates[i], candidates[j])]
     if not usable_plain and not bounds:
         return None
-    best_plain = min([times[i] * (RERUN_SHARE if candidates[i].op.reruns_forward(candidates[i])
+    best_plain = min([known[i] * (RERUN_SHARE if candidates[i].op.reruns_forward(candidates[i])
                                   else 1.0) for i in usable_plain] + bounds)
     winners = [i for i, ba in enumerate(candidates) if not ba.op.runs_without_evidence
-               and usable[i] and times[i] is not None
-               and times[i] < best_plain * (1 - max(ba.op.kernel_margin_for(ba), TIE_MARGIN))]
+               and usable[i] and i in known
+               and known[i] < best_plain * (1 - max(ba.op.kernel_margin_for(ba), TIE_MARGIN))]
     if not usable_plain and not winners:
         return None  # no kernel beat the bound: the bound alone cannot rank them
-    return (_rank_by_time(winners, times) + _rank_by_time(usable_plain, times)
+    return (_rank_by_time(winners, known) + _rank_by_time(usable_plain, known)
             + [i for i in unmeasured if usable[i]])
 
 
-def _rank_by_time(indices: Sequence[int], times: Sequence[float]) -> list[int]:
+def _rank_by_time(indices: Sequence[int], times: Mapping[int, float]) -> list[int]:
     """`indices`: those within `TIE_MARGIN` of the fastest in their given order, then the
     rest fastest first."""
     if not indices:

@@ -28,9 +28,9 @@ __all__ = [
     "VjpOp",
     "Work",
     "current_target",
-    "targeting",
     "register_config_source",
     "register_family",
     "snake_case_name",
+    "targeting",
     "tokamax_call_p",
 ]

@@ -153,8 +153,8 @@ def parse(text: str | bytes) -> Calibration:
     if not isinstance(points, list) or len(points) > MAX_POINTS:
         raise CalibrationError(f"points must be a list of at most {MAX_POINTS} objects")
     parsed = []
-    for i, point in enumerate(points):
-        point = _object(point, f"points[{i}]", _POINT_NAMES + _OPTIONAL_POINT_NAMES)
+    for i, raw_point in enumerate(points):
+        point = _object(raw_point, f"points[{i}]", _POINT_NAMES + _OPTIONAL_POINT_NAMES)
         if not set(_POINT_NAMES) <= set(point):
             raise CalibrationError(f"points[{i}] must give {list(_POINT_NAMES)}")
         parsed.append(Point(

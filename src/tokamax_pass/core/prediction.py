@@ -77,7 +77,7 @@ def performed_work(ba: BoundArguments) -> Work | None:
     its nested calls' work added up, for one that makes op calls (`evidence_calls`),
     else its forward family's `vjp_roofline` of the forward arguments."""
     op = ba.op
-    if not isinstance(op, HOOKS.vjp_base):
+    if HOOKS.vjp_base is None or not isinstance(op, HOOKS.vjp_base):
         return op.performed_work(ba)
     nested = op.evidence_calls(ba)
     if nested is not None:
@@ -93,11 +93,12 @@ def _forward_call(ba: BoundArguments) -> BoundArguments | None:
     """The forward call a call belongs to: itself, or a VJP op's forward arguments bound
     to its forward family."""
     op = ba.op
-    if not isinstance(op, HOOKS.vjp_base):
+    if HOOKS.vjp_base is None or not isinstance(op, HOOKS.vjp_base):
         return ba
     family = op.forward_family
-    if family is None and isinstance(getattr(op, "forward", None), Op):
-        family = type(op.forward)
+    forward_op = getattr(op, "forward", None)
+    if family is None and isinstance(forward_op, Op):
+        family = type(forward_op)
     if family is None:
         return None
     forward = {k: v for k, v in ba.arguments.items() if k not in NOT_FORWARD}
@@ -162,7 +163,7 @@ def predict(ba: BoundArguments,
         return None
     dtype = call_dtype(ba)
     work = call_work(ba)
-    if dtype is None or work is None or work.flops <= 0 and work.bytes <= 0:
+    if dtype is None or work is None or (work.flops <= 0 and work.bytes <= 0):
         return None
     roofline = calibration.ceilings.roofline_seconds(work, dtype)
     found = efficiency(calibration, op_name(ba.op), dtype, work, call_features(ba))

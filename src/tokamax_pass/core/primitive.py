@@ -132,7 +132,7 @@ class OpCall:
         def fn(*operands: Any) -> Any:
             arguments = self.arguments(operands)
             shared = arguments.get("shared_inputs", ()) if isinstance(op, VjpOp) else ()
-            if shared and not op.accepts_shared_inputs:
+            if shared and not (isinstance(op, VjpOp) and op.accepts_shared_inputs):
                 del arguments["shared_inputs"]
             out, residuals = op._fwd(
                 **arguments, config=config, return_residuals=self.return_residuals

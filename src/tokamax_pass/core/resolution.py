@@ -121,8 +121,8 @@ def _ranked(
     predicted = _by_prediction(everything, usable, plain, target)
     if predicted is None:
         return plain or candidates, ""
-    order, text = predicted
-    return order or candidates, text
+    ranked, text = predicted
+    return ranked or candidates, text
 
 
 def _by_prediction(everything: list[BoundArguments], usable: list[bool],
@@ -144,11 +144,12 @@ def _by_prediction(everything: list[BoundArguments], usable: list[bool],
     if not plain_times:
         return None
     best_plain = min(plain_times.values())
+    seconds = {i: t.seconds for i, t in enumerate(times) if t is not None}
     winners = sorted(
         (i for i, ba in enumerate(everything)
-         if usable[i] and not ba.op.runs_without_evidence and times[i] is not None
-         and times[i].seconds < best_plain * (1 - ba.op.kernel_margin_for(ba))),
-        key=lambda i: times[i].seconds)
+         if usable[i] and not ba.op.runs_without_evidence and i in seconds
+         and seconds[i] < best_plain * (1 - ba.op.kernel_margin_for(ba))),
+        key=seconds.__getitem__)
     if all(id(ba) in plain_times for ba in plain):
         plain = sorted(plain, key=lambda ba: plain_times[id(ba)])
     shown = sorted((t.seconds, prediction.op_name(ba.op)) for ba, t in

@@ -53,7 +53,7 @@ class Ceilings:
         return max(work.flops / (tflops * 1e12), work.bytes / (self.hbm_tbps * 1e12))
 
 
-def nbytes(array: object) -> float:
+def nbytes(array: Any) -> float:
     """Bytes of an array (or `jax.ShapeDtypeStruct`); 0 for `None`."""
     if array is None:
         return 0.0

@@ -79,7 +79,7 @@ def source_line(eqn: Any) -> str:
 
 # The ragged-dot family's variants (`tokamax_kernels.ragged_dot.base`) as
 # `(lhs contracting, rhs contracting, lhs ragged, rhs group)` dimensions, no batch.
-_RAGGED_DOT_VARIANTS = {
+_RAGGED_DOT_VARIANTS: dict[tuple[tuple[int, ...], ...], str] = {
     ((1,), (1,), (0,), (0,)): "forward",
     ((1,), (2,), (0,), (0,)): "dlhs",
     ((0,), (0,), (0,), ()): "drhs",
