@@ -56,7 +56,7 @@ from tokamax_pass import core
 from tokamax_pass.autotuning import cache, keys, neighbours
 from tokamax_pass.core import spec
 from tokamax_pass.core.op import BoundArguments, CannotLowerHere
-from tokamax_pass.pass_.plan import PlanRow
+from tokamax_pass.passes.plan import PlanRow
 
 DEVICE_KIND = "NVIDIA H200"
 WIDTHS = (1024, 3072, 4096)

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from tokamax_pass.core import atomic_io, checks, device, spec
-from tokamax_pass.pass_.inspection import Inspection, custom_call_targets, inspect_path
+from tokamax_pass.passes.inspection import Inspection, custom_call_targets, inspect_path
 from tokamax_pass.version import __version__
 
 MANIFEST = "manifest.json"

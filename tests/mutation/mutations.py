@@ -598,7 +598,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "the pass's memo of resolved op calls is keyed by shape alone, not dtype",
-        "src/tokamax_pass/pass_/rewrite.py",
+        "src/tokamax_pass/passes/rewrite.py",
         "key = (call, tuple((tuple(a.shape), a.dtype) for a in avals))",
         "key = (call, tuple(tuple(a.shape) for a in avals))",
         ("tests/test_optimize.py::"

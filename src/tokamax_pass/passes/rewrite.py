@@ -31,7 +31,7 @@ from tokamax_pass.core.device import Target
 from tokamax_pass.core.op import BoundArguments, NullConfig, Op
 from tokamax_pass.core.primitive import OpCall, bind_call, bind_partitioned, is_tokamax_call
 from tokamax_pass.core.vjp import AutodiffVjp
-from tokamax_pass.pass_ import emit, patterns
+from tokamax_pass.passes import emit, patterns, walk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +171,7 @@ class Rewriter:
             note(False, {}, candidate.reason)
             return None
         try:
-            traced = emit.trace_plain(jax.make_jaxpr(candidate.function),
+            traced = walk.trace_plain(jax.make_jaxpr(candidate.function),
                                       *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
                                         for v in eqn.invars))
         except (ValueError, TypeError, NotImplementedError) as e:
@@ -236,10 +236,10 @@ class Rewriter:
         if is_tokamax_call(eqn.primitive):
             call = self.resolve_call(eqn.params["call"], [v.aval for v in eqn.invars], path)
             return eqn.replace(params={**eqn.params, "call": call})
-        if eqn.primitive.name in emit.OPAQUE:
+        if eqn.primitive.name in walk.OPAQUE:
             return eqn
-        sub = path if emit.is_op_wrapper(eqn) else "/".join(
-            p for p in (path, emit.path_label(eqn)) if p)
+        sub = path if walk.is_op_wrapper(eqn) else "/".join(
+            p for p in (path, walk.path_label(eqn)) if p)
         params = {name: self._rewrite_param(name, value, sub)
                   for name, value in eqn.params.items()}
         if all(params[name] is value for name, value in eqn.params.items()):
@@ -272,7 +272,7 @@ def _op_calls(jaxpr: Jaxpr) -> Iterator[Any]:
     for eqn in jaxpr.eqns:
         if is_tokamax_call(eqn.primitive):
             yield eqn
-        elif eqn.primitive.name not in emit.OPAQUE:
+        elif eqn.primitive.name not in walk.OPAQUE:
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from _op_calls(sub)
 
