@@ -20,7 +20,7 @@ from tokamax_kernels.layer_norm.pallas_triton import Config, PallasTritonLayerNo
 from tokamax_kernels.layer_norm.pallas_triton_vjp import Config as VjpConfig
 from tokamax_kernels.layer_norm.pallas_triton_vjp import PallasTritonLayerNormVjp
 from tokamax_pass import core
-from tokamax_pass.autotuning import cache
+from tokamax_pass.core import selection
 
 EPS = 1e-6
 SHAPE = (3, 5, 40)
@@ -241,13 +241,13 @@ def test_kernel_margins_hold_with_a_residual():
     for residual in (None, x):
         forward = [_bind(PallasTritonLayerNorm(), x, residual=residual),
                    _bind(LayerNorm(), x, residual=residual)]
-        assert cache.rank_with_evidence(forward, [0.066, 0.0864]) == [1]
-        assert cache.rank_with_evidence(forward, [0.04, 0.0864]) == [0, 1]
+        assert selection.rank_with_evidence(forward, [0.066, 0.0864]) == [1]
+        assert selection.rank_with_evidence(forward, [0.04, 0.0864]) == [0, 1]
         gradient = [_bind(PallasTritonLayerNormVjp(), x, residual=residual),
                     _bind(xla_vjp, x, residual=residual)]
         assert xla_vjp.reruns_forward(gradient[1])
-        assert cache.rank_with_evidence(gradient, [0.0877, 0.156]) == [1]
-        assert cache.rank_with_evidence(gradient, [0.04, 0.156]) == [0, 1]
+        assert selection.rank_with_evidence(gradient, [0.0877, 0.156]) == [1]
+        assert selection.rank_with_evidence(gradient, [0.04, 0.156]) == [0, 1]
 
 
 def _bind(op, x, residual=None):

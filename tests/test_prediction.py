@@ -179,9 +179,3 @@ def test_the_vjp_argument_names_are_the_vjp_modules():
     from tokamax_pass.core import vjp
 
     assert prediction.NOT_FORWARD == set(vjp.RESERVED_NAMES)
-
-
-def test_a_rerunning_gradient_counts_as_measurements_count_it():
-    from tokamax_pass.autotuning import cache
-
-    assert prediction.RERUN_SHARE == cache.RERUN_SHARE

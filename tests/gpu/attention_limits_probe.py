@@ -131,7 +131,7 @@ def _vjp_config(q, k, causal, window=None, soft_cap=None):
 
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttentionVjp
     from tokamax_pass.core.device import current_target
-    from tokamax_pass.core.resolution import resolve_config
+    from tokamax_pass.core.selection import resolve_config
 
     sds = jax.ShapeDtypeStruct
     b, s, h, d = q.shape
@@ -248,7 +248,7 @@ def _fwd_config(q, k, causal, window=None, soft_cap=None):
 
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
     from tokamax_pass.core.device import current_target
-    from tokamax_pass.core.resolution import resolve_config
+    from tokamax_pass.core.selection import resolve_config
 
     sds = jax.ShapeDtypeStruct
     qs, ks = sds(q.shape, q.dtype), sds(k.shape, k.dtype)

@@ -117,7 +117,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "an unmeasured plain path never yields to a measured one (XLA's attention to cuDNN's)",
-        "src/tokamax_pass/autotuning/cache.py",
+        "src/tokamax_pass/core/selection.py",
         "    if not measured_plain or not all(",
         "    if not measured_plain or unmeasured or not all(",
         ("tests/test_neighbours.py::"
@@ -136,7 +136,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "an implementation this machine cannot lower leaves no evidence (CPU exports lose "
         "cuDNN's measurements)",
-        "src/tokamax_pass/core/resolution.py",
+        "src/tokamax_pass/core/selection.py",
         "            if isinstance(e, CannotLowerHere):",
         "            if isinstance(e, CannotLowerHere) and False:",
         ("tests/test_attention.py::"
@@ -153,14 +153,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "an op's explicit config is ignored",
-        "src/tokamax_pass/core/resolution.py",
+        "src/tokamax_pass/core/selection.py",
         '    if op.config is not None:\n        return op.config, "explicit"',
         '    if False:\n        return op.config, "explicit"',
         ("tests/test_core.py::test_pinned_config_is_used",),
     ),
     Mutation(
         "configs from autotuning results and the caches are ignored",
-        "src/tokamax_pass/core/resolution.py",
+        "src/tokamax_pass/core/selection.py",
         "hit = source.find_config(ba.replace(op=op), target.device_kind)",
         "hit = None",
         ("tests/test_cache.py"
@@ -190,7 +190,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "None ranks XLA gradients that rerun their forward by their lone time",
-        "src/tokamax_pass/autotuning/cache.py",
+        "src/tokamax_pass/core/selection.py",
         "RERUN_SHARE = 0.5",
         "RERUN_SHARE = 1.0",
         ("tests/test_layer_norm_residual.py::test_kernel_margins_hold_with_a_residual",),

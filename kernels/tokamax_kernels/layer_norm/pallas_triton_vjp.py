@@ -211,7 +211,7 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
     config_cls = Config
     forward_family = LayerNorm
     # See PallasTritonLayerNorm.kernel_margin; the XLA gradient it is ranked against
-    # reruns the forward, which `cache.RERUN_SHARE` accounts for.
+    # reruns the forward, which `selection.RERUN_SHARE` accounts for.
     kernel_margin = 0.4
 
     def reference_op(self) -> Op:

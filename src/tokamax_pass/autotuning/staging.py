@@ -7,7 +7,7 @@ candidate (the config `None` runs today where one is measured, else the heuristi
 config). Stage two searches the rest of an implementation's
 configs only where `implementation=None` could then choose it: its first time, improved
 by `TUNING_GAIN`, ranks it first among the family's measurements
-(`cache.rank_with_evidence`, with the family's kernel margins and rerun shares), or its
+(`selection.rank_with_evidence`, with the family's kernel margins and rerun shares), or its
 first config failed (another may run). A call some of whose implementations a cache
 already answers (not re-timed, so not compared) is searched whole in stage one.
 
@@ -51,6 +51,7 @@ from typing import Any
 from tokamax_pass.autotuning import cache
 from tokamax_pass.autotuning.autotuner import Autotuner
 from tokamax_pass.autotuning.result import Entry
+from tokamax_pass.core import selection
 from tokamax_pass.core.op import BoundArguments
 
 # The most a search space is taken to improve on its heuristics config (time ratio).
@@ -88,7 +89,7 @@ def worth_searching(candidates: Sequence[BoundArguments],
             worth.append(True)
             continue
         hoped = [t * TUNING_GAIN if j == i else t for j, t in enumerate(first_times)]
-        order = cache.rank_with_evidence(candidates, hoped)
+        order = selection.rank_with_evidence(candidates, hoped)
         worth.append(order is None or _chosen(i, order, candidates, hoped))
     return worth
 
@@ -100,7 +101,7 @@ def _chosen(i: int, order: list[int], candidates: Sequence[BoundArguments],
     if i == first:
         return True
     plain = candidates[i].op.runs_without_evidence and candidates[first].op.runs_without_evidence
-    return plain and times[i] <= times[first] * (1 + cache.TIE_MARGIN)
+    return plain and times[i] <= times[first] * (1 + selection.TIE_MARGIN)
 
 
 def hopeless(candidates: Sequence[BoundArguments], device_kind: str | None
@@ -108,9 +109,9 @@ def hopeless(candidates: Sequence[BoundArguments], device_kind: str | None
     """For each of one call's implementations, `None` where it is to be timed, else the
     implementations measured `HOPELESS_RATIO` times faster than it in the caches of
     `device_kind` (`cache.evidence_times`; a plain gradient that reruns its forward
-    counted at `cache.RERUN_SHARE` of its time, as `None` counts it)."""
+    counted at `selection.RERUN_SHARE` of its time, as `None` counts it)."""
     times = cache.evidence_times(candidates, device_kind)
-    share = [cache.RERUN_SHARE if ba.op.runs_without_evidence and ba.op.reruns_forward(ba)
+    share = [selection.RERUN_SHARE if ba.op.runs_without_evidence and ba.op.reruns_forward(ba)
              else 1.0 for ba in candidates]
     cost = [None if t is None else t * f for t, f in zip(times, share, strict=True)]
     verdicts: list[tuple[int, ...] | None] = []
