@@ -7,12 +7,12 @@ query head (GQA/MQA shares summed after it), or with `group_in_block` per K/V he
 group's query heads walked in the block and dk/dv summed in registers: chosen where its
 blocks still fill the GPU (`fills_gpu_by_kv_head`). Self-attention on one array
 (`attention(x, x, x)`, non-causal, no lengths, below d256) runs one kernel for `dq + dk + dv`
-instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
+instead (`_mosaic_gpu_self_attention_bwd_kernel.py`). No atomics: reruns are bitwise identical.
 Logits soft cap and local windows run in the general kernels (tiles outside a window are
 never loaded).
 
 Head dim 256 (Gemma-2 style, with soft cap and windows) splits the head dim in halves
-(`_mosaic_gpu_head_split.py`), from the register budget: `wgmma` gives each compute
+(`_mosaic_gpu_head_dim_split.py`), from the register budget: `wgmma` gives each compute
 warpgroup at least 64 rows, and dk and dv for them whole would be 2 x 64 x 256 float32
 over 128 threads = 256 registers a thread before the two 64 x 64 score tiles (+64), over
 the 255-register hardware limit (the compute warpgroups get 232). Split, the dk/dv kernel
@@ -50,9 +50,10 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from tokamax_kernels._triton import sm_count
+from tokamax_kernels._gpu import sm_count
 from tokamax_kernels.attention import _mosaic_gpu_common as common
 from tokamax_kernels.attention import _window
+from tokamax_kernels.attention._delta import attention_delta
 from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
     computes_delta,
     fused_fits,
@@ -66,8 +67,7 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     check_inputs,
     check_unsupported_features,
 )
-from tokamax_kernels.attention._mosaic_gpu_shared_bwd_kernel import mosaic_attention_shared_dx
-from tokamax_kernels.attention._softmax_row_term import softmax_row_term
+from tokamax_kernels.attention._mosaic_gpu_self_attention_bwd_kernel import mosaic_self_attention_dx
 from tokamax_kernels.attention.base import DotProductAttentionVjp
 from tokamax_pass.core import BoundArguments, Target
 
@@ -239,7 +239,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         # over `out` and `dout` fewer); the lse output's cotangent needs the row-term pass.
         delta = (None if dresiduals is None and not shared and not config.fused
                  and computes_delta(query.shape[3])
-                 else softmax_row_term(out, dout, None if dresiduals is None
+                 else attention_delta(out, dout, None if dresiduals is None
                                        else dresiduals[0]))
         lse = lse.astype(jnp.float32)
         visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1],
@@ -248,7 +248,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
             # An lse of +inf makes every probability of a row that sees nothing zero.
             lse = jnp.where(visible[:, None, :], lse, jnp.inf)
         if shared:
-            dx = mosaic_attention_shared_dx(query, dout, lse, delta, scale=scale, config=config)
+            dx = mosaic_self_attention_dx(query, dout, lse, delta, scale=scale, config=config)
             return {"query": dx}, None
         lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])
         kwargs = dict(scale=scale, causal=is_causal, config=config, window=window,

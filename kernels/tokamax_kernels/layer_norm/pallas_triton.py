@@ -26,7 +26,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import TritonKernel
-from tokamax_kernels.layer_norm._pallas_triton_common import (
+from tokamax_kernels.layer_norm._triton_common import (
     block_rows_choices,
     check_multiple,
     check_powers_of_2,

@@ -31,17 +31,17 @@ _BLOCK_ELEMENTS = 8192
 _NUM_WARPS = 4
 
 
-def softmax_row_term(out: jax.Array, dout: jax.Array,
+def attention_delta(out: jax.Array, dout: jax.Array,
                      dlse: jax.Array | None = None) -> jax.Array:
     """`delta[b, h, q] = sum_d out * dout` in float32 (minus the lse output's cotangent,
     whose d lse / d logits is p): the softmax Jacobian's row term the flash backward
     kernels take, `(batch, heads, seq)`, summed in a fixed order on every platform."""
-    delta = jax.lax.platform_dependent(out, dout, cuda=row_term_triton,
-                                       default=row_term_chain)
+    delta = jax.lax.platform_dependent(out, dout, cuda=delta_by_triton,
+                                       default=delta_by_chain)
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
-def row_term_chain(out: jax.Array, dout: jax.Array) -> jax.Array:
+def delta_by_chain(out: jax.Array, dout: jax.Array) -> jax.Array:
     """`delta` as a chain of elementwise adds, column by column, in XLA."""
     terms = out.astype(jnp.float32) * dout.astype(jnp.float32)
     total = terms[..., 0]
@@ -50,7 +50,7 @@ def row_term_chain(out: jax.Array, dout: jax.Array) -> jax.Array:
     return jnp.swapaxes(total, 1, 2)
 
 
-def _row_term_kernel(out_ref, dout_ref, delta_ref, *, seq: int, head_dim: int,
+def _delta_kernel(out_ref, dout_ref, delta_ref, *, seq: int, head_dim: int,
                      block_q: int, width: int) -> None:
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
     inside = (rows[:, None] < seq) & (jnp.arange(width)[None, :] < head_dim)
@@ -59,7 +59,7 @@ def _row_term_kernel(out_ref, dout_ref, delta_ref, *, seq: int, head_dim: int,
     plgpu.store(delta_ref, jnp.sum(out * dout, axis=1), mask=rows < seq)
 
 
-def row_term_triton(out: jax.Array, dout: jax.Array, *, interpret: bool = False
+def delta_by_triton(out: jax.Array, dout: jax.Array, *, interpret: bool = False
                     ) -> jax.Array:
     """`delta` by a Pallas Triton kernel over `(seq / block_q, batch, heads)` programs,
     read straight from the `(batch, seq, heads, head_dim)` operands (no padding pass: a
@@ -69,10 +69,10 @@ def row_term_triton(out: jax.Array, dout: jax.Array, *, interpret: bool = False
     block_q = max(16, min(128, _BLOCK_ELEMENTS // width))
     tile = pl.BlockSpec((None, block_q, None, width), lambda i, b, h: (b, i, h, 0))
     return pl.pallas_call(
-        functools.partial(_row_term_kernel, seq=seq, head_dim=head_dim, block_q=block_q,
+        functools.partial(_delta_kernel, seq=seq, head_dim=head_dim, block_q=block_q,
                           width=width),
         grid=(pl.cdiv(seq, block_q), batch, heads), in_specs=[tile, tile],
         out_specs=pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
         out_shape=jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=1),
-        interpret=interpret, name="softmax_row_term")(out, dout)
+        interpret=interpret, name="attention_delta")(out, dout)
