@@ -277,8 +277,8 @@ def test_get_bound_args_accepts_callables_lowered_and_text():
 
 
 def test_an_op_call_that_cannot_be_read_back_is_skipped_with_a_warning():
-    """A GLU with a lambda activation cannot be keyed in a cache: it used to stop the
-    whole autotune; now the program's other calls are found, and alone it still raises."""
+    """A GLU with a lambda activation cannot be keyed in a cache: it does not stop the
+    whole autotune (the program's other calls are found), and alone it still raises."""
     x, w = _inputs()
     glu_w = jnp.ones((K, 2, 4), jnp.float32)
 
@@ -632,8 +632,8 @@ def test_shared_inputs_are_timed_on_one_array():
 
 def test_export_workers_start_without_warnings():
     """A worker as `ExportWorkers` starts it, every warning an error: it starts, serves
-    until stdin closes and exits cleanly, printing nothing (it used to print runpy's
-    "found in sys.modules" RuntimeWarning, once per worker)."""
+    until stdin closes and exits cleanly, printing nothing (not even runpy's "found in
+    sys.modules" RuntimeWarning, once per worker)."""
     import os
     import subprocess
     import sys

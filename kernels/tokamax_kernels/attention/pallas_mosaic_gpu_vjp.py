@@ -34,10 +34,9 @@ tile's dS by K and hands the float32 dq share to a warp of the memory warpgroup 
 TMA-adds it into global memory: five `wgmma`s a tile pair instead of seven. "ordered"
 fixes the adds' order with a semaphore per query tile (bitwise reruns); "atomic" does
 not, and runs only when named (under `--xla_gpu_deterministic_ops` it runs "ordered").
-On the H200 (`fused_dq_s21.jsonl`, forward+backward, same process) "ordered" ran 0.99x
-the two kernels at non-causal d128, 0.89-0.94x causal and GQA, 0.80x at d64 (atomic
-1.00x, 0.92-0.96x; 1.06x at d64 in the run before), so neither the heuristics nor the
-search space hold them.
+On the H200 (forward+backward) "ordered" is slower than the two kernels at every shape
+measured (non-causal and causal d128, GQA, d64) and "atomic" no faster, so neither the
+heuristics nor the search space hold them.
 """
 
 from __future__ import annotations
@@ -75,9 +74,9 @@ _WHAT = "PallasMosaicGpuFlashAttentionVjp"
 
 
 # `group_in_block` needs this many dk/dv blocks (batch x K/V heads x key blocks) per SM.
-# H200, forward+backward (`gqa_dkv_s13.jsonl`): 512-1024 blocks (3.9-7.8 per SM) ran
-# 1.01-1.08x the per-query-head kernel at GQA d64, d128 and d256 (Gemma-2's soft cap and
-# window included); MQA's 128 (under one per SM, each block 16 heads long) 0.73x.
+# H200, forward+backward: with 512-1024 blocks (4-8 per SM) it beats the per-query-head
+# kernel at GQA d64, d128 and d256 (Gemma-2's soft cap and window included); with MQA's
+# 128 (under one per SM, each block 16 heads long) it loses clearly.
 GROUP_IN_BLOCK_BLOCKS_PER_SM = 3
 
 
@@ -280,8 +279,8 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
                     return config
         preferred = []
         if head_dim <= 64:
-            # The seed f_grad's d64 backward on the H200 (four autotunes, session 5):
-            # 3.54-3.57 ms here against 3.65 ms with block_q_dq=64, block_kv_dq=128.
+            # The seed f_grad's d64 backward on the H200 runs fastest with these blocks
+            # (against block_q_dq=64, block_kv_dq=128, over four autotunes).
             preferred.append(MosaicAttentionVjpConfig(block_q_dq=128, block_kv_dq=64,
                                                       block_q_dkv=128, block_kv_dkv=64))
         # Two warpgroups also at d256 (splitting the head dim in both kernels), by analogy

@@ -216,11 +216,9 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
     config_cls = Config
     # In a model XLA fuses the norm with its neighbours (the residual add before it, the
     # gradient's add into the residual stream after it), which a kernel cannot: alone at
-    # the Llama shape (16384x2048) this kernel measured 10% faster than XLA's forward and
-    # its VJP 30% faster, yet the Llama step ran 1-1.5% slower with them (H200). Calls
-    # given the `residual` too: alone 1.31x XLA's forward, yet forward+backward 0.97x
-    # (`benchmark_norm_residual.json`) and the Llama step 0.97x plain JAX with them
-    # (session 9's first run of record).
+    # the Llama shape (16384x2048) this kernel and its VJP measure faster than XLA's, yet
+    # the Llama step runs slower with them (H200). Calls given the `residual` too: faster
+    # alone, yet slower forward+backward and in the Llama step.
     kernel_margin = 0.4
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:

@@ -4,7 +4,7 @@ Order, first hit wins: active `AutotuningResult`s (innermost first) -> the user
 cache (`$TOKAMAX_PASS_CACHE_DIR` or `~/.cache/tokamax_pass/`, one
 `<device_kind_key>.json` per device kind) -> the library cache shipped as package
 data (`tokamax_pass/data/autotuning/<device_kind_key>/*.json`). Every file is an
-`AutotuningResult` document. Entries whose provenance no longer matches (another
+`AutotuningResult` document. Entries whose provenance does not match (another
 library or jax version, a changed implementation source) are reported once and
 skipped; a corrupt file is reported and left in place, never overwritten.
 """
