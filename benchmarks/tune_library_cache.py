@@ -190,9 +190,9 @@ def retune_stale(output: pathlib.Path) -> int:
 def report_untimed(entries: list[Any]) -> int:
     """1, with each call and its first error printed, if some call got no timed config.
 
-    Such a call keeps its stale entry rather than an empty one: a call whose every config
-    failed (out of device memory, say) would otherwise be written as a fresh, empty entry,
-    sending `None` back to the plain path there unnoticed."""
+    Such a call keeps its stale entry rather than an empty one: a retune can lose every
+    config of a call (large VJP calls' allocations fail on the device), and an empty entry
+    written as fresh would send `None` back to its fallback there unnoticed."""
     untimed = [e for e in entries if e.fastest is None]
     for entry in untimed:
         errors = [m.error for m in entry.data.values() if m.error]

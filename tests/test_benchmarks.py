@@ -252,7 +252,7 @@ def test_report_rewrites_and_checks_the_figures_quoted_in_prose(tmp_path):
     assert report.main(["--check"], readme=readme, docs=docs) == 1
     assert report.main([], readme=readme, docs=docs) == 0
     assert f"{marker}{value}<!--/fig-->" in page.read_text()
-    ablation = report.figure("ablation_llama.jsonl", "[variant=ours;model=llama].vs_plain", ".3f")
+    ablation = report.figure("ablation_llama", "[variant=ours;model=llama].vs_plain", ".3f")
     assert float(ablation) > 0
 
 

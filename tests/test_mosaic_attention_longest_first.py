@@ -7,7 +7,7 @@ kernels bitwise equal to the ascending order (a block's work does not depend on 
 runs), the traced program unchanged without a causal mask, lowering for an H200, and
 the config checks. Interpret mode runs the grid in order, so the launch order itself is
 the device's to measure: `tests/gpu/test_mosaic_attention_gpu.py -k longest_first` and
-`tests/gpu/longest_first_probe.py`.
+`benchmarks/probes/longest_first_probe.py`.
 """
 
 from __future__ import annotations

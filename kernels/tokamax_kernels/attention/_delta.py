@@ -5,14 +5,14 @@ and Mosaic (GPU, TPU) VJPs.
 reproducible backward), so it is never an XLA reduction: XLA picks a reduction's (or an
 einsum's GEMM's) tiling per compile, and a different tiling adds in a different order;
 on the H200 an einsum and a plain sum each take one of two values per compile, a fixed
-order one (`tests/gpu/compile_reproducibility_probe.py`).
+order one (`benchmarks/probes/compile_reproducibility_probe.py`).
 
 On CUDA it is a small Pallas Triton kernel (the preprocessing pass FlashAttention's
 backward runs too): one program per block of query rows of one head sums each row in
 registers, in the order the compiled kernel fixes. Elsewhere (TPU, CPU) it is a chain of
 elementwise adds, column by column, which XLA never reassociates. On the H200 the chain
 is many times slower than an XLA sum (a strided read per column), and a pairwise tree of
-halves compiles for minutes at head dim 256 (`tests/gpu/delta_compile_probe.py`).
+halves compiles for minutes at head dim 256 (`benchmarks/probes/delta_compile_probe.py`).
 """
 
 from __future__ import annotations

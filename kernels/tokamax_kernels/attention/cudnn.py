@@ -189,7 +189,7 @@ def _nonempty_lse_rows(nonempty: jax.Array) -> jax.Array:
 
 
 # cuDNN against `jax.nn.dot_product_attention`'s default (XLA), forward and forward+
-# backward, H200 (`tests/gpu/cudnn_vs_xla_attention_sweep.py`, 60 shapes x causal):
+# backward, H200 (`benchmarks/probes/cudnn_vs_xla_attention_sweep.py`, 60 shapes x causal):
 # cuDNN leads everywhere but at b1 s128 h8, the smallest call swept, with head dims over
 # 64 (its fixed cost dominates there). Calls with at most that many score elements go to
 # XLA unless measured.

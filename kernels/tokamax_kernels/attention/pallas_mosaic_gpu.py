@@ -56,10 +56,11 @@ def fits(config: MosaicAttentionConfig, seq_q: int, seq_kv: int, head_dim: int) 
 def groups_fit(config: MosaicAttentionConfig, heads: int, kv_heads: int) -> bool:
     """Whether a block's `query_heads_per_block` heads share one K/V head.
 
-    `group_in_block` is a tuning choice, never the heuristics': on the H200 (forward, the
-    heuristics' tiles, grid and persistent) it ties a block per query head at causal and
-    non-causal GQA d128 and Gemma-2's windowed d256 layer, and wins only a little at its
-    global (soft-capped) d256 layer."""
+    `group_in_block` is a tuning choice, never the heuristics': on the H200
+    (`benchmarks/probes/attention_limits_probe.py`, forward, the heuristics' tiles, grid and
+    persistent) it ties a block per query head at causal and non-causal GQA d128 and
+    Gemma-2's windowed d256 layer, and wins only a little at its global (soft-capped) d256
+    layer."""
     return (heads // kv_heads) % config.query_heads_per_block == 0
 
 
@@ -74,9 +75,10 @@ def persistent_twin(config: MosaicAttentionConfig, head_dim: int) -> MosaicAtten
     """The persistent launch of `config`, prefetching each next tile's Q
     (`MosaicAttentionConfig.prefetch_query`) where the second Q buffer fits in SMEM.
 
-    On the H200 (forward, 64 x 128 tiles) the prefetch is at least as fast as the
-    persistent launch without it at every shape measured (d128 and d64, MHA and GQA,
-    causal, windowed and not), and gains the most where tiles are short."""
+    On the H200 (`benchmarks/probes/attention_limits_probe.py prefetch`, forward, 64 x 128
+    tiles) the prefetch is at least as fast as the persistent launch without it at every
+    shape measured (d128 and d64, MHA and GQA, causal, windowed and not), and gains the
+    most where tiles are short."""
     twin = dataclasses.replace(config, persistent=True, prefetch_query=True)
     if forward_smem_bytes(twin, head_dim, 2) <= common.SMEM_BYTES:
         return twin
@@ -99,13 +101,14 @@ def persistent_measured(config: MosaicAttentionConfig, heads: int, kv_heads: int
     balanced schedule of `_mosaic_gpu_tile_order` applies), or share K/V (GQA/MQA) with a
     block that fills an SM.
 
-    On the H200 (forward, the heuristics' tiles) the balanced persistent launch with the
-    Q prefetch beats the grid at causal d128 shapes (MHA and GQA, 1024-8192 rows), at
-    causal d64 shapes (though two grid blocks fit an SM there) and at the d128 soft cap +
-    window. Without a mask (every tile alike, round robin) it ties the grid at GQA d128
-    (the L2 sections keep a group's shared K/V hot) and at MHA d128. Not chosen at d256
-    (the prefetch does not fit beside 64 x 64 tiles, and without it the grid wins), nor
-    without a mask where two blocks fit an SM (the grid wins clearly there)."""
+    On the H200 (forward, the heuristics' tiles; `benchmarks/probes/attention_limits_probe.py
+    prefetch` and `persistent`) the balanced persistent launch with the Q prefetch beats
+    the grid at causal d128 shapes (MHA and GQA, 1024-8192 rows), at causal d64 shapes
+    (though two grid blocks fit an SM there) and at the d128 soft cap + window. Without a
+    mask (every tile alike, round robin) it ties the grid at GQA d128 (the L2 sections
+    keep a group's shared K/V hot) and at MHA d128. Not chosen at d256 (the prefetch does
+    not fit beside 64 x 64 tiles, and without it the grid wins), nor without a mask where
+    two blocks fit an SM (the grid wins clearly there)."""
     if head_dim > 128:
         return False
     return uneven or (heads > kv_heads and one_block_per_sm(config, head_dim))
@@ -172,7 +175,7 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
         causal = ba.arguments["is_causal"]
         # Measured on the H200: at d64 128 x 128 tiles lead (448 TFLOP/s against 424 for
-        # 64 x 128, `fwd_variant_ab.jsonl`); 64-row query tiles with 128-row K/V tiles
+        # 64 x 128, an A/B of the two forms on the H200); 64-row query tiles with 128-row K/V tiles
         # lead at d128; d256 fits only 64 x 64 (registers).
         if head_dim <= 64 and not causal:
             preferred = [MosaicAttentionConfig(block_q=128, block_kv=128, num_stages=2)]

@@ -34,9 +34,9 @@ tile's dS by K and hands the float32 dq share to a warp of the memory warpgroup 
 TMA-adds it into global memory: five `wgmma`s a tile pair instead of seven. "ordered"
 fixes the adds' order with a semaphore per query tile (bitwise reruns); "atomic" does
 not, and runs only when named (under `--xla_gpu_deterministic_ops` it runs "ordered").
-On the H200 (forward+backward) "ordered" is slower than the two kernels at every shape
-measured (non-causal and causal d128, GQA, d64) and "atomic" no faster, so neither the
-heuristics nor the search space hold them.
+On the H200 (`benchmarks/probes/fused_dq_probe.py`, forward+backward) "ordered" is slower
+than the two kernels at every shape measured (non-causal and causal d128, GQA, d64) and
+"atomic" no faster, so neither the heuristics nor the search space hold them.
 """
 
 from __future__ import annotations
@@ -74,9 +74,10 @@ _WHAT = "PallasMosaicGpuFlashAttentionVjp"
 
 
 # `group_in_block` needs this many dk/dv blocks (batch x K/V heads x key blocks) per SM.
-# H200, forward+backward: with 512-1024 blocks (4-8 per SM) it beats the per-query-head
-# kernel at GQA d64, d128 and d256 (Gemma-2's soft cap and window included); with MQA's
-# 128 (under one per SM, each block 16 heads long) it loses clearly.
+# H200, forward+backward (`benchmarks/probes/gqa_dkv_probe.py`): with 512-1024 blocks (4-8
+# per SM) it beats the per-query-head kernel at GQA d64, d128 and d256 (Gemma-2's soft
+# cap and window included); with MQA's 128 (under one per SM, each block 16 heads long)
+# it loses clearly.
 GROUP_IN_BLOCK_BLOCKS_PER_SM = 3
 
 
@@ -270,7 +271,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
         if runs_shared_kernel(ba.arguments):
-            # 64 x 64 tiles led at d64 and d128 on the H200 (`shared_dx.jsonl`): larger
+            # 64 x 64 tiles led at d64 and d128 on the H200 (an A/B of the tile configs): larger
             # ones spill registers (1.4-2.3x slower).
             for config in (MosaicAttentionVjpConfig(block_q_dkv=64, block_kv_dkv=64),
                            MosaicAttentionVjpConfig(block_q_dkv=64, block_kv_dkv=64,

@@ -217,8 +217,9 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
     # In a model XLA fuses the norm with its neighbours (the residual add before it, the
     # gradient's add into the residual stream after it), which a kernel cannot: alone at
     # the Llama shape (16384x2048) this kernel and its VJP measure faster than XLA's, yet
-    # the Llama step runs slower with them (H200). Calls given the `residual` too: faster
-    # alone, yet slower forward+backward and in the Llama step.
+    # the Llama step runs slower with them (H200, the model suite). Calls given the
+    # `residual` too: faster alone, yet slower forward+backward (`python -m benchmarks.run
+    # --only "rms norm + residual"`) and in the Llama step.
     kernel_margin = 0.4
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:

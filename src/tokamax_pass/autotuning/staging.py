@@ -13,15 +13,16 @@ already answers (not re-timed, so not compared) is searched whole in stage one.
 
 Why: autotuning a model is compile-bound, and most candidates are the configs of
 implementations that lose to XLA by more than any config changes, while the heuristics
-config is close to the best of its search space.
+config is close to the best of its search space
+(`benchmarks/probes/model_autotune_timeline_probe.py`).
 
 Before stage one, an implementation the evidence `None` ranks by (the caches of this
 device kind, at the call's shape or its nearest measured neighbour) shows
 `HOPELESS_RATIO` times slower than the fastest of its family is not timed at all: no
 config makes up such a gap, and these losers' compiles are the critical path of a
-model's tuning (compiled one after another, as XLA's GEMM autotuning runs them). Where
-every implementation that made one hopeless fails in stage one, the hopeless one is
-timed in stage two after all.
+model's tuning (compiled one after another, as XLA's GEMM autotuning runs them;
+`benchmarks/probes/model_candidate_compile_probe.py`). Where every implementation that
+made one hopeless fails in stage one, the hopeless one is timed in stage two after all.
 
 Nor is a config timed again that the caches measured at the call's own shape, in the
 entry whose fastest is the config `None` runs today: that search was done, and its
