@@ -221,8 +221,8 @@ def seed_table() -> str:
 
 def tpu_roofline_table() -> str:
     """What the TPU kernels should approach per generation, from the public figures in
-    `tokamax_kernels._pallas_tpu.GENERATIONS` (specifications, not measurements)."""
-    from tokamax_kernels._pallas_tpu import GENERATIONS
+    `tokamax_kernels._mosaic_tpu.GENERATIONS` (specifications, not measurements)."""
+    from tokamax_kernels._mosaic_tpu import GENERATIONS
 
     flops = 2 * 16384 * 4096 * 4096  # the ragged dot m16384 k4096 n4096; = attention
     assert flops == 4 * 32 * 16 * 2048**2 * 64  # b32 s2048 h16 d64's forward

@@ -19,9 +19,9 @@ from test_autotuning_ops import (
     XlaChunkedMatmul,
     chunked_matmul,
 )
-from tokamax_pass.autotuning import cache, discovery, keys
+from tokamax_pass.autotuning import discovery, keys
 from tokamax_pass.autotuning.result import Entry, Measurement
-from tokamax_pass.core import current_target, spec
+from tokamax_pass.core import current_target, selection, spec
 
 M, K, N = 16, 64, 32
 
@@ -145,7 +145,7 @@ def test_implementation_none_runs_a_kernel_only_where_measured_faster():
     with tokamax.AutotuningResult(kind, [_chunked_entry(0.5), _xla_entry(1.0)]):
         assert _chosen_class(f, x, w) == "XlaChunkedMatmul"
     # Faster, but within the noise margin: the plain path stays.
-    within = 1.0 - cache.TIE_MARGIN / 2
+    within = 1.0 - selection.TIE_MARGIN / 2
     with tokamax.AutotuningResult(kind, [_chunked_entry(within), _xla_entry(1.0)]):
         assert _chosen_class(f, x, w) == "ChunkedMatmul"
 
@@ -182,9 +182,9 @@ def test_a_measured_neighbouring_shape_stands_in_for_an_unmeasured_one():
 
 def test_ranking_keeps_the_given_order_within_the_tie_margin():
     times = [1.0, 1.03, 0.99, 2.0, 1.5]
-    assert cache._rank_by_time(range(5), times) == [0, 1, 2, 4, 3]
-    assert cache._rank_by_time([0, 1], [3.0, 1.0]) == [1, 0]
-    assert cache._rank_by_time([0, 1, 2], [math.inf, 2.0, 1.0]) == [2, 1, 0]  # failed: last
+    assert selection._rank_by_time(range(5), times) == [0, 1, 2, 4, 3]
+    assert selection._rank_by_time([0, 1], [3.0, 1.0]) == [1, 0]
+    assert selection._rank_by_time([0, 1, 2], [math.inf, 2.0, 1.0]) == [2, 1, 0]  # failed: last
 
 
 def test_a_candidate_that_failed_every_config_ranks_last():
@@ -277,8 +277,8 @@ def test_get_bound_args_accepts_callables_lowered_and_text():
 
 
 def test_an_op_call_that_cannot_be_read_back_is_skipped_with_a_warning():
-    """A GLU with a lambda activation cannot be keyed in a cache: it used to stop the
-    whole autotune; now the program's other calls are found, and alone it still raises."""
+    """A GLU with a lambda activation cannot be keyed in a cache: it does not stop the
+    whole autotune (the program's other calls are found), and alone it still raises."""
     x, w = _inputs()
     glu_w = jnp.ones((K, 2, 4), jnp.float32)
 
@@ -632,8 +632,8 @@ def test_shared_inputs_are_timed_on_one_array():
 
 def test_export_workers_start_without_warnings():
     """A worker as `ExportWorkers` starts it, every warning an error: it starts, serves
-    until stdin closes and exits cleanly, printing nothing (it used to print runpy's
-    "found in sys.modules" RuntimeWarning, once per worker)."""
+    until stdin closes and exits cleanly, printing nothing (not even runpy's "found in
+    sys.modules" RuntimeWarning, once per worker)."""
     import os
     import subprocess
     import sys

@@ -13,7 +13,7 @@ import tokamax_pass as tokamax
 from test_autotuning_ops import ChunkConfig, XlaChunkedMatmul
 from tokamax_pass.autotuning import cache, keys
 from tokamax_pass.autotuning.result import Entry, Measurement
-from tokamax_pass.core import current_target, resolution
+from tokamax_pass.core import current_target, selection
 
 KIND = None  # filled per test from the default device
 
@@ -43,7 +43,7 @@ def _result(chunk, ba=None, provenance=None):
 
 def _resolve(ba=None):
     ba = ba or _ba()
-    return resolution.resolve_config(ba.op, ba)
+    return selection.resolve_config(ba.op, ba)
 
 
 def test_resolution_order_result_then_user_then_library_then_heuristics(tmp_path, monkeypatch):

@@ -16,8 +16,8 @@ import tokamax_pass
 from conftest import H200, assert_close, measured, random_normal, reference_precision
 from tokamax_kernels.ragged_dot import PallasMosaicGpuRaggedDot, RaggedDot, ragged_dot
 from tokamax_kernels.ragged_dot import api as ragged_api
+from tokamax_kernels.ragged_dot._mosaic_gpu_common import SMEM_BUDGET_BYTES
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import Config
-from tokamax_kernels.ragged_dot.pallas_mosaic_gpu_common import SMEM_BUDGET_BYTES
 
 SIZES = (100, 0, 37, 119)  # uneven, one empty group, rows 256..: past the last group
 M, K, N = 296, 128, 256

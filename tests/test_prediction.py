@@ -216,9 +216,3 @@ def test_the_vjp_argument_names_are_the_vjp_modules():
     from tokamax_pass.core import vjp
 
     assert set(vjp.RESERVED_NAMES) == prediction.NOT_FORWARD
-
-
-def test_a_rerunning_gradient_counts_as_measurements_count_it():
-    from tokamax_pass.autotuning import cache
-
-    assert prediction.RERUN_SHARE == cache.RERUN_SHARE

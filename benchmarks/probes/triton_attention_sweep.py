@@ -32,9 +32,9 @@ for _name, _path in (("tokamax_kernels", _PKG), ("tokamax_kernels.attention",
     _module.__path__ = [_path]
     sys.modules.setdefault(_name, _module)
 
-from tokamax_kernels.attention import _pallas_triton_common as common  # noqa: E402
-from tokamax_kernels.attention._pallas_triton_bwd import flash_attention_backward  # noqa: E402
-from tokamax_kernels.attention._pallas_triton_fwd import flash_attention_forward  # noqa: E402
+from tokamax_kernels.attention import _triton_common as common  # noqa: E402
+from tokamax_kernels.attention._triton_bwd import flash_attention_backward  # noqa: E402
+from tokamax_kernels.attention._triton_fwd import flash_attention_forward  # noqa: E402
 
 START = time.time()
 BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", "250"))

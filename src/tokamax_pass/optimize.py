@@ -9,7 +9,7 @@ under a mesh each device's call is resolved for the shapes that device sees. So 
 rewrite happens once per signature, inside jit's own trace, and a later call with
 the same signature is exactly a `jax.jit` call.
 
-Plain-JAX patterns (`pass_.patterns`: `jax.lax.ragged_dot`) are replaced by op calls in
+Plain-JAX patterns (`passes.patterns`: `jax.lax.ragged_dot`) are replaced by op calls in
 the same evaluation, where `implementation=None` picks a kernel for them (`rewrite=`).
 """
 
@@ -29,9 +29,9 @@ from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.op import BoundArguments, NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
-from tokamax_pass.pass_ import emit, patterns
-from tokamax_pass.pass_.plan import Plan
-from tokamax_pass.pass_.rewrite import Decision, Rewriter, tuning_key
+from tokamax_pass.passes import emit, patterns, walk
+from tokamax_pass.passes.plan import Plan
+from tokamax_pass.passes.rewrite import Decision, Rewriter, tuning_key
 
 Autotune = Literal["never", "missing", "always"]
 _AUTOTUNE_MODES = ("never", "missing", "always")
@@ -192,7 +192,7 @@ class Optimized:
                 return fun(*call_args, **call_kwargs)
 
             values = [leaves[i] for i in dynamic]
-            jaxpr, out_shape = emit.trace_plain(
+            jaxpr, out_shape = walk.trace_plain(
                 jax.make_jaxpr(flat_fun, return_shape=True), *values)
             targets = _targets(platforms)
             _warn_if_no_results_apply(self.results, targets)

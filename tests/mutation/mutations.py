@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-_TRITON_FWD = "kernels/tokamax_kernels/attention/_pallas_triton_fwd.py"
-_TRITON_BWD = "kernels/tokamax_kernels/attention/_pallas_triton_bwd.py"
+_TRITON_FWD = "kernels/tokamax_kernels/attention/_triton_fwd.py"
+_TRITON_BWD = "kernels/tokamax_kernels/attention/_triton_bwd.py"
 _TRITON_ATTENTION_TESTS = "tests/test_triton_attention.py"
 
 
@@ -75,7 +75,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "triton attention drops the softmax scale",
-        "kernels/tokamax_kernels/attention/_pallas_triton_common.py",
+        "kernels/tokamax_kernels/attention/_triton_common.py",
         'scale=arguments["scale"], left=left',
         "scale=1.0, left=left",
         (f"{_TRITON_ATTENTION_TESTS}::test_plain_forward_and_gradient",),
@@ -117,7 +117,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "an unmeasured plain path never yields to a measured one (XLA's attention to cuDNN's)",
-        "src/tokamax_pass/autotuning/cache.py",
+        "src/tokamax_pass/core/selection.py",
         "    if not measured_plain or not all(",
         "    if not measured_plain or unmeasured or not all(",
         ("tests/test_neighbours.py::"
@@ -136,7 +136,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "an implementation this machine cannot lower leaves no evidence (CPU exports lose "
         "cuDNN's measurements)",
-        "src/tokamax_pass/core/resolution.py",
+        "src/tokamax_pass/core/selection.py",
         "            if isinstance(e, CannotLowerHere):",
         "            if isinstance(e, CannotLowerHere) and False:",
         ("tests/test_attention.py::"
@@ -153,14 +153,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "an op's explicit config is ignored",
-        "src/tokamax_pass/core/resolution.py",
+        "src/tokamax_pass/core/selection.py",
         '    if op.config is not None:\n        return op.config, "explicit"',
         '    if False:\n        return op.config, "explicit"',
         ("tests/test_core.py::test_pinned_config_is_used",),
     ),
     Mutation(
         "configs from autotuning results and the caches are ignored",
-        "src/tokamax_pass/core/resolution.py",
+        "src/tokamax_pass/core/selection.py",
         "hit = source.find_config(ba.replace(op=op), target.device_kind)",
         "hit = None",
         ("tests/test_cache.py"
@@ -190,7 +190,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "None ranks XLA gradients that rerun their forward by their lone time",
-        "src/tokamax_pass/autotuning/cache.py",
+        "src/tokamax_pass/core/selection.py",
         "RERUN_SHARE = 0.5",
         "RERUN_SHARE = 1.0",
         ("tests/test_layer_norm_residual.py::test_kernel_margins_hold_with_a_residual",),
@@ -272,14 +272,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "the mosaic tpu layer norm drops the fused residual add",
-        "kernels/tokamax_kernels/layer_norm/_pallas_mosaic_tpu_kernels.py",
+        "kernels/tokamax_kernels/layer_norm/_mosaic_tpu_kernels.py",
         "s = (x + residual_ref[...].astype(jnp.float32)).astype(s_ref.dtype)",
         "s = x.astype(s_ref.dtype)",
         ("tests/test_mosaic_tpu_layer_norm.py::test_kernels_in_the_tpu_interpreter",),
     ),
     Mutation(
         "the mosaic tpu layer norm backward sums the rows read past the end",
-        "kernels/tokamax_kernels/layer_norm/_pallas_mosaic_tpu_kernels.py",
+        "kernels/tokamax_kernels/layer_norm/_mosaic_tpu_kernels.py",
         "    if rows % block_rows:  # rows past the end",
         "    if False:  # rows past the end",
         ("tests/test_mosaic_tpu_layer_norm.py::test_kernels_in_the_tpu_interpreter",),
@@ -308,7 +308,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "vmapped mosaic tpu ragged dot: entries read the wrong rhs (e // R, not e % R)",
-        "kernels/tokamax_kernels/ragged_dot/pallas_mosaic_tpu_kernels.py",
+        "kernels/tokamax_kernels/ragged_dot/_mosaic_tpu_kernels.py",
         "matrix = (jnp.arange(e, dtype=jnp.int32)[:, None] % rhs_entries) * g",
         "matrix = (jnp.arange(e, dtype=jnp.int32)[:, None] // rhs_entries) * g",
         ("tests/test_mosaic_tpu_ragged_dot.py::test_work_lists_of_entries_cover_every_row_once",),
@@ -456,7 +456,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                 and computes_delta(query.shape[3])",
         "                 and computes_delta(query.shape[3]) and False",
         ("tests/test_mosaic_attention_dq_delta.py::"
-         "test_the_gradient_runs_the_row_term_pass_only_where_needed",),
+         "test_the_gradient_runs_the_delta_pass_only_where_needed",),
     ),
     Mutation(
         "the attention backward's SMEM count ignores the dq kernel's rows of out (a config"
@@ -485,14 +485,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "the backward's delta is a reduction again, which XLA tiles per compile",
-        "kernels/tokamax_kernels/attention/_softmax_row_term.py",
+        "kernels/tokamax_kernels/attention/_delta.py",
         "    for column in range(1, terms.shape[-1]):",
         "    total = jnp.sum(terms, axis=-1)\n    for column in range(0):",
         ("tests/test_softmax_row_term.py::test_sums_without_a_reduction_or_a_dot",),
     ),
     Mutation(
         "the backward's delta kernel reads every head's rows from head 0",
-        "kernels/tokamax_kernels/attention/_softmax_row_term.py",
+        "kernels/tokamax_kernels/attention/_delta.py",
         "lambda i, b, h: (b, i, h, 0)",
         "lambda i, b, h: (b, i, 0, 0)",
         ("tests/test_softmax_row_term.py::test_triton_kernel_matches_a_float64_sum",),
@@ -598,7 +598,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "the pass's memo of resolved op calls is keyed by shape alone, not dtype",
-        "src/tokamax_pass/pass_/rewrite.py",
+        "src/tokamax_pass/passes/rewrite.py",
         "key = (call, tuple((tuple(a.shape), a.dtype) for a in avals))",
         "key = (call, tuple(tuple(a.shape) for a in avals))",
         ("tests/test_optimize.py::"
@@ -632,7 +632,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "the Triton attention forward's window counts a block fully visible from the floor "
         "of its left edge, not the ceil",
-        "kernels/tokamax_kernels/attention/_pallas_triton_common.py",
+        "kernels/tokamax_kernels/attention/_flash_tiles.py",
         "else _div(jnp.maximum(r1 - spec.left + bk - 1, 0), bk)",
         "else _div(jnp.maximum(r1 - spec.left, 0), bk)",
         (f"{_TRITON_ATTENTION_TESTS}::"
@@ -641,7 +641,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "the Triton attention backward's window counts a block fully visible up to the ceil "
         "of its left edge, not the floor",
-        "kernels/tokamax_kernels/attention/_pallas_triton_common.py",
+        "kernels/tokamax_kernels/attention/_flash_tiles.py",
         "else _div(jnp.maximum(c0 - spec.offset + spec.left + 1, 0), bq))",
         "else _div(jnp.maximum(c0 - spec.offset + spec.left + bq, 0), bq))",
         (f"{_TRITON_ATTENTION_TESTS}::"
@@ -649,7 +649,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "Mosaic TPU layer norm takes its statistics of the unrounded residual sum",
-        "kernels/tokamax_kernels/layer_norm/_pallas_mosaic_tpu_kernels.py",
+        "kernels/tokamax_kernels/layer_norm/_mosaic_tpu_kernels.py",
         "        x = s.astype(jnp.float32)\n",
         "        x = x + residual_ref[...].astype(jnp.float32)\n",
         ("tests/test_mosaic_tpu_layer_norm.py::"
@@ -657,7 +657,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "Mosaic TPU layer norm adds epsilon to the standard deviation, not the variance",
-        "kernels/tokamax_kernels/layer_norm/_pallas_mosaic_tpu_kernels.py",
+        "kernels/tokamax_kernels/layer_norm/_mosaic_tpu_kernels.py",
         "rstd = lax.rsqrt(jnp.mean(centered * centered, axis=1, keepdims=True) + epsilon)",
         "rstd = 1.0 / (jnp.sqrt(jnp.mean(centered * centered, axis=1, keepdims=True)) + epsilon)",
         ("tests/test_mosaic_tpu_layer_norm.py::test_a_large_epsilon_is_added_to_the_variance",),

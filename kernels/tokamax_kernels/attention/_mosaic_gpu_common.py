@@ -20,7 +20,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from tokamax_kernels._triton import sm_count
+from tokamax_kernels._gpu import sm_count
 from tokamax_kernels.attention import _window
 from tokamax_pass.core import Target
 
@@ -43,7 +43,7 @@ def splits_head_dim(head_dim: int) -> bool:
     """Whether the backward kernels split this head dim in two halves of columns (d256):
     dk and dv of 64 key rows at d256 would take 256 float32 registers a thread, over the
     hardware's 255, so each of two warpgroups accumulates one half
-    (`_mosaic_gpu_head_split.py`)."""
+    (`_mosaic_gpu_head_dim_split.py`)."""
     return head_dim > WHOLE_HEAD_DIM
 
 

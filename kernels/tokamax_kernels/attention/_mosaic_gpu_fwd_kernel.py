@@ -22,7 +22,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from tokamax_kernels._triton import sm_count
+from tokamax_kernels._gpu import sm_count
 from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_common import (
     COMPUTE_REGISTERS,

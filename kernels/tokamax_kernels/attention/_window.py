@@ -6,7 +6,7 @@ A window `(left, right)` lets query `i` see keys `i - left .. i + right` (the fa
 splits the tiles of the other operand into four runs: tiles no row sees (skipped, never
 loaded), tiles on the window's lower edge (masked), tiles every row sees whole (no mask),
 and tiles on the upper edge (masked). The Triton kernels' `kv_block_ranges` and
-`q_block_ranges` (`_pallas_triton_common.py`, also used by the TPU kernels) do the same
+`q_block_ranges` (`_triton_common.py`, also used by the TPU kernels) do the same
 with a query offset and key lengths folded in; this module is the offset-free form the
 Mosaic GPU kernels use. Arguments are Python ints or traced int32 scalars.
 """

@@ -230,8 +230,7 @@ class DotProductAttention(Op[Any]):
         """XLA's attention yields to cuDNN's wherever cuDNN runs a call and is not one of
         the tiny calls it loses: `benchmarks/probes/cudnn_vs_xla_attention_sweep.py`, 60 shapes
         (batch 1-8, sequence 128-2048, GQA, head dims 64-256) causal and not, forward
-        and forward+backward, had cuDNN 1.08-6.8x faster everywhere else
-        (`cudnn_vs_xla_attention.jsonl`)."""
+        and forward+backward, has cuDNN faster everywhere else."""
         del ba
         return yields_to_cudnn(other)
 

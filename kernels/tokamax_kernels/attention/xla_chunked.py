@@ -277,7 +277,7 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     mm = dict(precision=s["precision"], preferred_element_type=pb.dtype)
     k_blocks, v_blocks = pb.blocks_of(pb.key, ck), pb.blocks_of(pb.value, ck)
     if pb.bias is not None:
-        delta_blocks = delta_blocks + _row_term_blocks(pb, q_blocks, do_blocks, lse_blocks,
+        delta_blocks = delta_blocks + _delta_blocks(pb, q_blocks, do_blocks, lse_blocks,
                                                        k_blocks, v_blocks)
 
     def kv_chunk(carry: Any, xs: Any) -> tuple[Any, Any]:
@@ -324,7 +324,7 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     return dq, dk, dv, dbias
 
 
-def _row_term_blocks(pb: _Problem, q_blocks: jax.Array, do_blocks: jax.Array,
+def _delta_blocks(pb: _Problem, q_blocks: jax.Array, do_blocks: jax.Array,
                      lse_blocks: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array
                      ) -> jax.Array:
     """`rowsum(P * dP)` (nq, B, Hkv, G, cq) in float32, block by block: the softmax row term
@@ -354,11 +354,11 @@ def _row_term_blocks(pb: _Problem, q_blocks: jax.Array, do_blocks: jax.Array,
     return acc
 
 
-def exact_row_term(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+def exact_delta(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
                    mask: jax.Array | None, lse: jax.Array, dout: jax.Array,
                    dlse: jax.Array | None = None, **statics: Any) -> jax.Array:
     """`delta (B, H, Sq) = rowsum(P * dP) - dlse` in float32 from the lse residual, for
-    another implementation's backward (`_row_term_blocks`: the row term of a biased call,
+    another implementation's backward (`_delta_blocks`: the row term of a biased call,
     whose bias gradient takes the error of `out . dout` whole)."""
     pb = problem_for(query, key, value, bias, mask, **statics)
     batch, q_pad, kv_heads, groups, _ = pb.query.shape
@@ -366,7 +366,7 @@ def exact_row_term(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     lse = _pad_axis(lse, 2, q_pad, broadcast=False).reshape(batch, kv_heads, groups, -1, cq)
     dout = _pad_axis(dout, 1, q_pad, broadcast=False).reshape(pb.query.shape)
-    rows = _row_term_blocks(pb, pb.blocks_of(pb.query, cq), pb.blocks_of(dout, cq),
+    rows = _delta_blocks(pb, pb.blocks_of(pb.query, cq), pb.blocks_of(dout, cq),
                             jnp.moveaxis(lse, 3, 0), pb.blocks_of(pb.key, ck),
                             pb.blocks_of(pb.value, ck))
     delta = jnp.moveaxis(rows, 0, 3).reshape(batch, kv_heads * groups, q_pad)[:, :, :pb.q_len]

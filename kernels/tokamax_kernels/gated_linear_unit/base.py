@@ -207,10 +207,10 @@ class GatedLinearUnitVjp(VjpOp):
     The products are recomputed (one (K, 2N) GEMM for fused weights, which XLA merges
     with the forward's when both are in one program); `dgate` and `dup` come out of one
     elementwise fusion in the products' dtype and feed the four GEMMs autodiff of
-    `(x @ w[:, 0], x @ w[:, 1])` makes. On the H200, inside `jax.grad` at five shapes
-    (`benchmarks/probes/glu_vjp_variants_probe.py`), that ran 1.010-1.059x the jnp expression; the
-    same GEMMs written by hand (einsums, the two `dweights` stacked) ran 0.985-1.049x, and
-    `[dgate | dup]` concatenated for one GEMM each 0.95-0.99x.
+    `(x @ w[:, 0], x @ w[:, 1])` makes. On the H200, inside `jax.grad`
+    (`benchmarks/probes/glu_vjp_variants_probe.py`), that runs at least as fast as the jnp
+    expression; the same GEMMs written by hand (einsums, the two `dweights` stacked) are
+    no faster, and `[dgate | dup]` concatenated for one GEMM each is slower.
 
     With `group_sizes`: `dgate` and `dup` from the forward's residuals (no GEMM is
     recomputed), then the ragged dots autodiff of the plain expression runs, each a call

@@ -26,7 +26,7 @@ from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu_vjp import (
     PallasMosaicGpuGatedLinearUnitVjp,
 )
-from tokamax_kernels.ragged_dot import pallas_mosaic_gpu_common as common
+from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
 from tokamax_pass.core import BoundArguments, Op, Target
 
 Config = common.Config

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tokamax_kernels import _triton
+from tokamax_kernels import _gpu, _triton
 from tokamax_kernels._triton import TritonKernel
-from tokamax_kernels.layer_norm._pallas_triton_common import (
+from tokamax_kernels.layer_norm._triton_common import (
     block_rows_choices,
     check_multiple,
     check_powers_of_2,
@@ -211,7 +211,7 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
     config_cls = Config
     forward_family = LayerNorm
     # The XLA gradient it is ranked against reruns the forward and fuses with its
-    # neighbours in a model, which `cache.RERUN_SHARE` (half its time alone) accounts for:
+    # neighbours in a model, which `selection.RERUN_SHARE` (half its time alone) accounts for:
     # the kernel is chosen where it takes under half the XLA gradient's time alone, as on
     # narrow rows, and not at model widths, where it saves less than that.
 
@@ -254,7 +254,7 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
         block_n = row_chunk(n)
         block_rows = max(1, min(64, 2048 // block_n))
         # ~4 programs per SM: enough to hide latency, few partial rows to sum.
-        per_program = _triton.cdiv(rows, 4 * _triton.sm_count())
+        per_program = _triton.cdiv(rows, 4 * _gpu.sm_count())
         rows_per_program = max(block_rows, _triton.next_power_of_2(per_program))
         num_warps = max(4, min(16, block_rows * block_n // 256))
         return Config(block_rows=block_rows, block_n=block_n, rows_per_program=rows_per_program,
@@ -267,7 +267,7 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
         block_n = row_chunk(n)
         for r, w, s, programs_per_sm in itertools.product(block_rows_choices(block_n), (4, 8, 16),
                                                           (2, 3), (2, 4, 8)):
-            per_program = _triton.cdiv(rows, programs_per_sm * _triton.sm_count())
+            per_program = _triton.cdiv(rows, programs_per_sm * _gpu.sm_count())
             rpp = max(r, _triton.next_power_of_2(per_program))
             configs.add(Config(block_rows=r, block_n=block_n, rows_per_program=rpp,
                                num_warps=w, num_stages=s))

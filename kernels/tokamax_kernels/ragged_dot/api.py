@@ -42,7 +42,7 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     other entries unaffected). The gradients are ragged dots of their own, tuned
     separately.
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
-    here: see `tokamax_pass.core.resolution`), a name
+    here: see `tokamax_pass.core.selection`), a name
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
     TPU), an `Op` instance, a function, or a sequence of those, tried in order until one
     does not raise `NotImplementedError` (as upstream Tokamax does). A function is called

@@ -612,8 +612,8 @@ class Autotuner:
         """The reference op's output on `arguments`, or None (numerics go unchecked) where
         it cannot run. Awaited here: a reference that fails on the device (XLA's attention
         gradient asks 48 GiB at b4 s8192 h16 d128) reports it when its output is used, and
-        unawaited that failure surfaced in every config's numerics check instead, so no
-        config of the call was timed (`python -m benchmarks.tune_library_cache --stale`)."""
+        unawaited that failure would surface in every config's numerics check instead, so
+        no config of the call would be timed."""
         reference = ba.op.reference_op()
         try:
             f_std, arrays = benchmarking.standardize_function(

@@ -119,7 +119,7 @@ def provenance(op: Op) -> dict[str, Any]:
 
 
 def stale_reason(op: Op, recorded: Mapping[str, Any] | None) -> str | None:
-    """Why a recorded provenance no longer matches this process, or `None`."""
+    """Why a recorded provenance does not match this process, or `None`."""
     if not recorded:
         return "it has no provenance"
     current = provenance(op)

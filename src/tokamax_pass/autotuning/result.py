@@ -101,8 +101,8 @@ class Entry:
     def merged(self, other: Entry) -> Entry:
         """`other`'s measurements over this one's, config by config; wholly `other`'s
         when both record a provenance and they differ: measurements of other code (or
-        another jax) are not stamped with `other`'s provenance (a retuned entry kept
-        configs its search no longer held, timed on the old code, as fresh)."""
+        another jax) are not stamped with `other`'s provenance (a retuned entry would keep
+        configs its search does not hold, timed on other code, as fresh)."""
         if self.provenance and other.provenance and self.provenance != other.provenance:
             return other
         return Entry(other.bound, {**self.data, **other.data}, other.provenance)

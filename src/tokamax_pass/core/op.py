@@ -33,7 +33,7 @@ class CannotLowerHere(NotImplementedError):
     that target (the lowering queries a library this machine lacks: cuDNN when a CPU
     machine exports for cuda). The call goes to another implementation, while the
     implementation's measurements on the target still inform the choice among the rest
-    (`resolution.choose`)."""
+    (`selection.choose`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +252,7 @@ class Op[C]:
         """True for an XLA gradient that recomputes its forward's products (autodiff of the
         forward, or logits recomputed from a saved log-sum-exp). Inside one program with
         the XLA forward, XLA merges those products with the forward's, so the time it was
-        measured at alone overstates what it costs there (`cache.rank_with_evidence`)."""
+        measured at alone overstates what it costs there (`selection.rank_with_evidence`)."""
         return False
 
     def evidence_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:

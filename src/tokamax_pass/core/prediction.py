@@ -33,12 +33,8 @@ from tokamax_pass.core.roofline import Work
 # one of them) of a call are its neighbours; the nearest few are interpolated.
 NEIGHBOUR_RADIUS = 1.0
 NEIGHBOURS = 4
-# What an XLA gradient that reruns its forward (`Op.reruns_forward`) is taken to cost
-# inside a program, as a share of its time alone (`autotuning.cache.RERUN_SHARE`, which
-# measurements use alike): calibration points are times alone.
-RERUN_SHARE = 0.5
 # Arguments of a VJP call that are not the forward's (`core.vjp.RESERVED_NAMES`; that
-# module imports the resolution, which imports this one).
+# module imports the selection, which imports this one).
 NOT_FORWARD = frozenset({"residuals", "out", "dout", "shared_inputs", "dresiduals"})
 
 

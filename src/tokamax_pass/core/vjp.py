@@ -130,7 +130,7 @@ class AutodiffVjp(VjpOp):
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              **forward_arguments: Any) -> tuple[dict[str, Any], None]:
-        from tokamax_pass.core.resolution import resolve_config
+        from tokamax_pass.core.selection import resolve_config
 
         forward = self.forward
         abstract = BoundArguments(forward, forward_arguments)

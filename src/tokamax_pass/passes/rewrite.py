@@ -2,7 +2,7 @@
 
 Each `tokamax_call` equation, at any depth (inside `jit`, `custom_vjp`/`custom_jvp`,
 `scan`, `cond`, `while`, `remat`, `shard_map`, ...), is resolved with
-`resolution.choose` for every target platform and its `OpCall` replaced by one whose
+`selection.choose` for every target platform and its `OpCall` replaced by one whose
 candidates are exactly the chosen ops, configs pinned. Programs traced later (a
 `custom_vjp` forward or backward, traced only when the caller differentiates) are
 wrapped so that they are rewritten the same way, under the same results, when they
@@ -26,12 +26,12 @@ import jax
 from jax.extend import linear_util as lu
 from jax.extend.core import Jaxpr
 
-from tokamax_pass.core import resolution
+from tokamax_pass.core import selection
 from tokamax_pass.core.device import Target
 from tokamax_pass.core.op import BoundArguments, NullConfig, Op
 from tokamax_pass.core.primitive import OpCall, bind_call, bind_partitioned, is_tokamax_call
 from tokamax_pass.core.vjp import AutodiffVjp
-from tokamax_pass.pass_ import emit, patterns
+from tokamax_pass.passes import emit, patterns, walk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,7 @@ class Decision:
 
     path: str
     target: Target
-    choice: resolution.Choice
+    choice: selection.Choice
     source: str
     # Every candidate of an `implementation=None` call, unconfigured (what autotuning compares).
     alternatives: tuple[BoundArguments, ...]
@@ -94,7 +94,7 @@ class Rewriter:
         self.pattern_primitives = patterns.primitives(rewrite)
         self._matches = matches
         self._autotuned = autotuned
-        self._memo: dict[Any, tuple[OpCall, list[tuple[Target, resolution.Choice, str]],
+        self._memo: dict[Any, tuple[OpCall, list[tuple[Target, selection.Choice, str]],
                                     tuple[BoundArguments, ...]]] = {}
         # Set when a call is partitioned by `custom_partitioning`: its per-device calls
         # are resolved (and recorded) only when the program is compiled.
@@ -122,7 +122,7 @@ class Rewriter:
         return new_call
 
     def _resolved(self, call: OpCall, avals: Sequence[Any]) -> tuple[
-            OpCall, list[tuple[Target, resolution.Choice, str]], tuple[BoundArguments, ...]]:
+            OpCall, list[tuple[Target, selection.Choice, str]], tuple[BoundArguments, ...]]:
         key = (call, tuple((tuple(a.shape), a.dtype) for a in avals))
         if key not in self._memo:
             self._memo[key] = self._resolve(call, avals)
@@ -171,7 +171,7 @@ class Rewriter:
             note(False, {}, candidate.reason)
             return None
         try:
-            traced = emit.trace_plain(jax.make_jaxpr(candidate.function),
+            traced = walk.trace_plain(jax.make_jaxpr(candidate.function),
                                       *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
                                         for v in eqn.invars))
         except (ValueError, TypeError, NotImplementedError) as e:
@@ -199,7 +199,7 @@ class Rewriter:
         return emit.emit(self, traced, operands, path)
 
     def _resolve(self, call: OpCall, avals: Sequence[Any]) -> tuple[
-            OpCall, list[tuple[Target, resolution.Choice, str]], tuple[BoundArguments, ...]]:
+            OpCall, list[tuple[Target, selection.Choice, str]], tuple[BoundArguments, ...]]:
         candidates = [call.bound(op, avals) for op in call.candidates]
         choices = []
         with self.active():
@@ -236,10 +236,10 @@ class Rewriter:
         if is_tokamax_call(eqn.primitive):
             call = self.resolve_call(eqn.params["call"], [v.aval for v in eqn.invars], path)
             return eqn.replace(params={**eqn.params, "call": call})
-        if eqn.primitive.name in emit.OPAQUE:
+        if eqn.primitive.name in walk.OPAQUE:
             return eqn
-        sub = path if emit.is_op_wrapper(eqn) else "/".join(
-            p for p in (path, emit.path_label(eqn)) if p)
+        sub = path if walk.is_op_wrapper(eqn) else "/".join(
+            p for p in (path, walk.path_label(eqn)) if p)
         params = {name: self._rewrite_param(name, value, sub)
                   for name, value in eqn.params.items()}
         if all(params[name] is value for name, value in eqn.params.items()):
@@ -272,7 +272,7 @@ def _op_calls(jaxpr: Jaxpr) -> Iterator[Any]:
     for eqn in jaxpr.eqns:
         if is_tokamax_call(eqn.primitive):
             yield eqn
-        elif eqn.primitive.name not in emit.OPAQUE:
+        elif eqn.primitive.name not in walk.OPAQUE:
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from _op_calls(sub)
 
@@ -286,7 +286,7 @@ def _pin_forward_config(op: Op, ba: BoundArguments, target: Target) -> Op:
     forward_arguments = {k: v for k, v in ba.arguments.items()
                          if k not in ("residuals", "out", "dout")}
     forward_ba = BoundArguments(op.forward, forward_arguments, ba.vmap)
-    config, _ = resolution.resolve_config(op.forward, forward_ba, target)
+    config, _ = selection.resolve_config(op.forward, forward_ba, target)
     return op.replace(forward=op.forward.replace(config=config))
 
 

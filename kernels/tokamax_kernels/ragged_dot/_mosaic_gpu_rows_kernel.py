@@ -20,7 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tokamax_kernels.ragged_dot import pallas_mosaic_gpu_common as common
+from tokamax_kernels import _gpu
+from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
 
 
 def _row_block(group_sizes_gmem, num_groups: int, m: int, tile_m: int, index):
@@ -161,7 +162,7 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, n), dtype),
-        grid=(common.num_sms(),),
+        grid=(_gpu.num_sms(),),
         grid_names=("sm",),
         num_threads=common.NUM_COMPUTE_WGS + 1,
         thread_name="wg",

@@ -17,7 +17,7 @@ from typing import Any
 
 from tokamax_pass.core import spec
 from tokamax_pass.core.primitive import METADATA_KEY
-from tokamax_pass.pass_.plan import format_table
+from tokamax_pass.passes.plan import format_table
 
 _SPEC_KEY = re.compile(METADATA_KEY + r"\s*=\s*")
 _MLIR_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')

@@ -1,28 +1,37 @@
-"""Which implementation and config an op call gets, and where the choice came from.
+"""The selection policy: which implementation and config an op call gets, and why.
 
-Config order, first hit wins: a pinned config -> the registered config sources
-(active `AutotuningResult`s, the user cache, the library cache; registered by
-`tokamax_pass.autotuning`) -> the implementation's heuristics.
+This module is the one place the rule lives. Op calls reach it through
+`OpCall.choose` (`core.primitive`), whether bound eagerly, under `jax.jit`, or rewritten
+by `optimize` (`passes.rewrite`); the autotuner's staging (`autotuning.staging`) asks it
+which implementations could still be chosen. It sits in `core` because ops must be able
+to run with no autotuning package imported: `tokamax_pass.autotuning` plugs its
+measurements in as a `ConfigSource` (`register_config_source`); kernels never import it.
 
-For `implementation=None` the promise is never to be slower than plain JAX. The order,
-first that ranks wins:
+The order, first that answers wins:
 
-1. measurements: a kernel runs where a source measured it faster than the plain-JAX
-   paths (the XLA reference, `jax.nn`'s cuDNN attention) on this shape, or on a
-   measured neighbouring shape (`autotuning.neighbours`);
-2. predictions (`core.prediction`), where the target's device kind has a calibration: a
-   kernel runs where it is predicted faster than the fastest plain-JAX path by more than
-   its `Op.kernel_margin_for` the call, and the plain-JAX paths follow fastest predicted
-   first;
-3. otherwise the plain-JAX paths run, in the family's order (less those that lose
-   unmeasured at the call, `Op.unmeasured_plain_path_loses`: cuDNN attention on tiny
-   calls).
+1. an explicit config or implementation (`implementation="triton"`, `op.replace(config=...)`);
+2. active `AutotuningResult`s (innermost first), then the user cache, then the library
+   cache shipped for the device kind: the registered config sources;
+3. for `implementation=None`, the measurements of those sources at a measured
+   neighbouring shape (`autotuning.neighbours` finds it; `rank_measured` weighs it);
+4. predictions (`core.prediction`), where the target's device kind has a calibration,
+   and the implementation's heuristics config;
+5. `xla`: the plain-JAX paths, in the family's order.
+
+For `implementation=None` the promise is never to be slower than plain JAX: a kernel runs
+only where it was measured (at the shape, else at a neighbour) or predicted faster than
+every plain-JAX path by more than its margin. Families state the facts the rule weighs,
+as `Op` members: `plain_jax_path` and `runs_without_evidence` (what may run unmeasured),
+`kernel_margin`/`kernel_margin_for` (how much faster a kernel must be),
+`reruns_forward` (counted at `RERUN_SHARE`), `unmeasured_plain_path_loses` and
+`yields_unmeasured_to` (plain paths known slower than another), `evidence_calls` (an op
+measured as its nested calls). The rule that weighs them is here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from tokamax_pass.core import prediction
@@ -52,6 +61,16 @@ class ConfigSource(Protocol):
 
 
 _SOURCES: list[ConfigSource] = []
+
+# Timings this close are a tie (H200 run-to-run noise is ~4%): among kernels, and among
+# plain paths, ties keep the family's automatic order. A kernel displaces the plain-JAX
+# paths (`Op.runs_without_evidence`) only when measured faster by more than its
+# `Op.kernel_margin_for` the call (this, or more for ops XLA fuses with their neighbours).
+TIE_MARGIN = 0.05
+# What an XLA gradient that reruns its forward (`Op.reruns_forward`) is taken to cost
+# inside a program, as a fraction of its time measured (or predicted) alone: XLA merges
+# the rerun with the forward's products, so its lone time overstates it.
+RERUN_SHARE = 0.5
 
 
 def register_config_source(source: ConfigSource) -> None:
@@ -133,12 +152,12 @@ def _by_prediction(everything: list[BoundArguments], usable: list[bool],
     where each has a prediction, else in their order), and the predictions as text.
     `None` where no plain path has a prediction (no calibration for the target, or none
     for these ops). A plain gradient that reruns its forward counts at
-    `prediction.RERUN_SHARE` of its time, as measured ones do."""
+    `RERUN_SHARE` of its time, as measured ones do."""
     times = prediction.predict_all(everything, target.device_kind)
     if times is None:
         return None
     plain_times = {
-        id(ba): t.seconds * (prediction.RERUN_SHARE if ba.op.reruns_forward(ba) else 1.0)
+        id(ba): t.seconds * (RERUN_SHARE if ba.op.reruns_forward(ba) else 1.0)
         for ba, t in zip(everything, times, strict=True)
         if ba.op.runs_without_evidence and t is not None}
     if not plain_times:
@@ -222,3 +241,115 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
         f"no implementation can run on {target.platform} ({target.device_kind}):\n  "
         + "\n  ".join(reasons)
     )
+
+
+def rank_measured(candidates: Sequence[BoundArguments],
+                  exact_times: Callable[[Sequence[BoundArguments]], list[float | None]],
+                  neighbour_times: Callable[[Sequence[BoundArguments]], list[float | None]],
+                  usable: Sequence[bool] | None = None) -> list[int] | None:
+    """`rank_with_evidence` over a source's measurements: at the call's own shape first,
+    else at the nearest measured neighbour, whose order keeps the kernels re-ranked by
+    their own times where the call's shape has them; `None` where neither settles it.
+
+    `exact_times`/`neighbour_times` give each candidate's time at the shape / at the
+    nearest neighbour (`None`: not measured). Where unusable candidates (`usable`) left
+    it unsettled, the usable ones are ranked on their own measurements.
+    """
+    exact = exact_times(candidates)
+    order = rank_with_evidence(candidates, exact, usable)
+    if order is not None:
+        return order
+    order = rank_with_evidence(candidates, neighbour_times(candidates), usable)
+    if order is not None:
+        return _kernels_by_own_times(order, candidates, exact)
+    if usable is None or all(usable):
+        return None
+    kept = [i for i, ok in enumerate(usable) if ok]
+    return _ranked_subset(kept, rank_measured([candidates[i] for i in kept], exact_times,
+                                              neighbour_times))
+
+
+def rank_with_evidence(candidates: Sequence[BoundArguments],
+                       times: Sequence[float | None],
+                       usable: Sequence[bool] | None = None) -> list[int] | None:
+    """Indices of the usable candidates `implementation=None` may use, best first, or
+    `None` when the measurements cannot compare them with the plain-JAX paths.
+
+    A kernel (an implementation that does not run without evidence) is listed only when
+    it was measured faster than every usable plain-JAX candidate by more than its
+    `kernel_margin_for` the call, a plain gradient that reruns its forward counting at
+    `RERUN_SHARE` of its time; the plain-JAX candidates follow (measured ones fastest
+    first), so the call never runs a kernel that was measured slower, or not measured, on
+    this shape. A plain candidate not measured counts only where it yields to a measured
+    one (`Op.yields_unmeasured_to`: XLA's attention to cuDNN's, by a device sweep); it
+    then comes last, and the time it yields to stands as a bound on its own.
+
+    `usable` (default: all): a candidate that is not usable cannot run on this machine
+    (`CannotLowerHere`) and is never listed, but its time still bounds those that yield
+    to it: with cuDNN's attention measured and XLA's not, a kernel measured faster than
+    cuDNN beats XLA too, on a CPU machine exporting for cuda as on the GPU.
+    """
+    usable = [True] * len(candidates) if usable is None else list(usable)
+    known = {i: t for i, t in enumerate(times) if t is not None}
+    plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
+    if not plain:
+        measured = [i for i in known if usable[i]]
+        return (_rank_by_time(measured, known)
+                if all(t is not None for t in times) and measured else None)
+    measured_plain = [i for i in plain if times[i] is not None]
+    unmeasured = [i for i in plain if times[i] is None]
+    if not measured_plain or not all(yields(candidates, i, measured_plain)
+                                     for i in unmeasured):
+        return None
+    usable_plain = [i for i in measured_plain if usable[i]]
+    bounds = [known[j] for i in unmeasured if usable[i] for j in measured_plain
+              if candidates[i].op.yields_unmeasured_to(candidates[i], candidates[j])]
+    if not usable_plain and not bounds:
+        return None
+    best_plain = min([known[i] * (RERUN_SHARE if candidates[i].op.reruns_forward(candidates[i])
+                                  else 1.0) for i in usable_plain] + bounds)
+    winners = [i for i, ba in enumerate(candidates) if not ba.op.runs_without_evidence
+               and usable[i] and i in known
+               and known[i] < best_plain * (1 - max(ba.op.kernel_margin_for(ba), TIE_MARGIN))]
+    if not usable_plain and not winners:
+        return None  # no kernel beat the bound: the bound alone cannot rank them
+    return (_rank_by_time(winners, known) + _rank_by_time(usable_plain, known)
+            + [i for i in unmeasured if usable[i]])
+
+
+def _rank_by_time(indices: Sequence[int], times: Mapping[int, float]) -> list[int]:
+    """`indices`: those within `TIE_MARGIN` of the fastest in their given order, then the
+    rest fastest first."""
+    if not indices:
+        return []
+    best = min(times[i] for i in indices)
+    ties = [i for i in indices if times[i] <= best * (1 + TIE_MARGIN)]
+    rest = sorted((i for i in indices if times[i] > best * (1 + TIE_MARGIN)),
+                  key=lambda i: times[i])
+    return ties + rest
+
+
+def yields(candidates: Sequence[BoundArguments], i: int, others: Sequence[int]) -> bool:
+    """Whether plain candidate `i` is known slower than one of `others` at its call
+    (`Op.yields_unmeasured_to`), so it need not be measured where they are."""
+    ba = candidates[i]
+    return any(j != i and ba.op.yields_unmeasured_to(ba, candidates[j]) for j in others)
+
+
+def _kernels_by_own_times(order: list[int], candidates: Sequence[BoundArguments],
+                          exact: Sequence[float | None]) -> list[int]:
+    """`order` (ranked at a neighbour) with its kernels re-ranked by their times at the
+    call's own shape where every one of them was measured there: the neighbour says
+    which kernels beat the plain-JAX paths, the call's own times which kernel is
+    fastest (an `autotune` result times the kernels, not the plain paths its evidence
+    showed hopeless: `staging.hopeless`)."""
+    kernels = [i for i in order if not candidates[i].op.runs_without_evidence]
+    known = {i: t for i, t in enumerate(exact) if t is not None}
+    if len(kernels) < 2 or any(i not in known for i in kernels):
+        return order
+    return _rank_by_time(kernels, known) + [i for i in order if i not in kernels]
+
+
+def _ranked_subset(kept: Sequence[int], order: list[int] | None) -> list[int] | None:
+    """`order`, ranked over `kept`'s candidates, as indices of the full candidate list."""
+    return None if order is None else [kept[i] for i in order]

@@ -9,8 +9,8 @@ from typing import Any
 
 from tokamax_pass.core import spec
 from tokamax_pass.core.op import BoundArguments, NullConfig
-from tokamax_pass.pass_.patterns import RewriteMatch
-from tokamax_pass.pass_.rewrite import Decision
+from tokamax_pass.passes.patterns import RewriteMatch
+from tokamax_pass.passes.rewrite import Decision
 from tokamax_pass.tables import render_table
 
 _COLUMNS = ("path", "platform", "arguments", "implementation", "config", "source")

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tokamax_kernels._pallas_tpu import compiler_params
+from tokamax_kernels._mosaic_tpu import compiler_params
 
 
 def _forward_kernel(*refs: Any, epsilon: float, subtract_mean: bool, has_residual: bool,

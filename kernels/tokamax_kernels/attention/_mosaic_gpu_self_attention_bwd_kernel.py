@@ -53,7 +53,7 @@ def _zeros(shape: tuple[int, int]) -> jax.Array:
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), _WGMMA)
 
 
-def mosaic_attention_shared_dx(x: jax.Array, dout: jax.Array, lse: jax.Array,
+def mosaic_self_attention_dx(x: jax.Array, dout: jax.Array, lse: jax.Array,
                                delta: jax.Array, *, scale: float,
                                config: MosaicAttentionVjpConfig) -> jax.Array:
     """dx (B, S, H, D) in x's dtype for `out = attention(x, x, x)`, non-causal.

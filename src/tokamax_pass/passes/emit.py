@@ -14,7 +14,7 @@ the shapes it sees), or bound as is. Sub-jaxprs holding op calls (`jit`, `scan`,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 from jax._src import source_info_util
@@ -23,38 +23,24 @@ from jax._src.interpreters import partial_eval as pe
 from jax.extend import linear_util as lu
 from jax.extend.core import Jaxpr, Literal
 
-from tokamax_pass.core import sharding
 from tokamax_pass.core.primitive import is_tokamax_call
-
-if TYPE_CHECKING:
-    from tokamax_pass.pass_.rewrite import Rewriter
-
-# Primitives whose sub-jaxprs are kernel bodies, never holding op calls.
-OPAQUE = frozenset({"pallas_call", "core_map"})
-# Primitives whose rules hold op calls traced only when called.
-_RULES = frozenset({"custom_vjp_call", "custom_jvp_call"})
+from tokamax_pass.passes.walk import OPAQUE, holds_calls, is_op_wrapper, path_label, trace_plain
 
 
-def holds_calls(jaxpr: Jaxpr, primitives: frozenset[str] = frozenset()) -> bool:
-    """Whether `jaxpr` (at any depth) holds an op call, a custom rule that may, or an
-    equation of `primitives` (where a plain-JAX pattern starts)."""
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if is_tokamax_call(eqn.primitive) or name in _RULES or name in primitives:
-            return True
-        if name not in OPAQUE and any(holds_calls(j, primitives)
-                                      for j in jax.extend.core.jaxprs_in_params(eqn.params)):
-            return True
-    return False
+class Binder(Protocol):
+    """What evaluating a jaxpr needs from the pass (`rewrite.Rewriter` is one)."""
+
+    pattern_primitives: frozenset[str]
+
+    def bind_call(self, call: Any, operands: Sequence[Any], path: str) -> list[Any]: ...
+
+    def bind_pattern(self, eqn: Any, operands: Sequence[Any], path: str
+                     ) -> list[Any] | None: ...
+
+    def rewrite_eqn(self, eqn: Any, path: str) -> Any: ...
 
 
-def trace_plain(fn: Any, *args: Any) -> Any:
-    """`fn(*args)` with every op call bound as a plain `tokamax_call`."""
-    with sharding.partitioning(False):
-        return fn(*args)
-
-
-def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") -> list[Any]:
+def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") -> list[Any]:
     """Evaluates `jaxpr` on `args` in the current trace, op calls bound by `rewriter`."""
     env: dict[Any, Any] = {}
 
@@ -82,7 +68,7 @@ def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") 
     return [read(v) for v in jaxpr.outvars]
 
 
-def retrace(rewriter: Rewriter, jaxpr: Jaxpr, path: str) -> Jaxpr:
+def retrace(rewriter: Binder, jaxpr: Jaxpr, path: str) -> Jaxpr:
     """`jaxpr` traced again with its op calls re-emitted (the same object if it holds none)."""
     if not holds_calls(jaxpr, rewriter.pattern_primitives):
         return jaxpr
@@ -95,26 +81,7 @@ def retrace(rewriter: Rewriter, jaxpr: Jaxpr, path: str) -> Jaxpr:
     return new.with_consts(consts) if consts else new
 
 
-_PATH_NAMES = {"remat2": "checkpoint", "custom_vjp_call": "custom_vjp",
-               "custom_jvp_call": "custom_jvp"}
-
-
-def path_label(eqn: Any) -> str:
-    kind = _PATH_NAMES.get(eqn.primitive.name, eqn.primitive.name)
-    name = eqn.params.get("name")
-    if name is None and kind == "custom_jvp":
-        name = getattr(eqn.params["call_jaxpr"].debug_info, "func_name", None)
-    return f"{kind}[{name}]" if isinstance(name, str) else kind
-
-
-def is_op_wrapper(eqn: Any) -> bool:
-    """The framework's own `custom_vjp` around one op call adds nothing to a path."""
-    body = eqn.params.get("call_jaxpr")
-    return (eqn.primitive.name == "custom_vjp_call" and isinstance(body, Jaxpr)
-            and len(body.eqns) == 1 and is_tokamax_call(body.eqns[0].primitive))
-
-
-def _params(rewriter: Rewriter, eqn: Any, path: str) -> dict[str, Any]:
+def _params(rewriter: Binder, eqn: Any, path: str) -> dict[str, Any]:
     if eqn.primitive.name in OPAQUE:
         return eqn.params
     if eqn.primitive.name == "shard_map":  # already per device: rewrite in place
@@ -123,7 +90,7 @@ def _params(rewriter: Rewriter, eqn: Any, path: str) -> dict[str, Any]:
     return {name: _param(rewriter, name, value, sub) for name, value in eqn.params.items()}
 
 
-def _param(rewriter: Rewriter, name: str, value: Any, path: str) -> Any:
+def _param(rewriter: Binder, name: str, value: Any, path: str) -> Any:
     if isinstance(value, Jaxpr):
         return retrace(rewriter, value, path)
     if isinstance(value, tuple) and value and all(isinstance(v, Jaxpr) for v in value):
@@ -136,7 +103,7 @@ def _param(rewriter: Rewriter, name: str, value: Any, path: str) -> Any:
     return value
 
 
-def wrap_thunk(rewriter: Rewriter, thunk: lu.WrappedFun, path: str) -> lu.WrappedFun:
+def wrap_thunk(rewriter: Binder, thunk: lu.WrappedFun, path: str) -> lu.WrappedFun:
     """A custom_vjp forward / custom_jvp rule thunk whose jaxpr comes back re-emitted."""
 
     def emitted_thunk(*args: Any) -> Any:
@@ -147,7 +114,7 @@ def wrap_thunk(rewriter: Rewriter, thunk: lu.WrappedFun, path: str) -> lu.Wrappe
     return lu.wrap_init(emitted_thunk, debug_info=thunk.debug_info)
 
 
-def wrap_bwd(rewriter: Rewriter, bwd: lu.WrappedFun, path: str) -> lu.WrappedFun:
+def wrap_bwd(rewriter: Binder, bwd: lu.WrappedFun, path: str) -> lu.WrappedFun:
     """A custom_vjp backward traced with partitioning off, then re-emitted."""
 
     def emitted_bwd(*args: Any) -> Any:
