@@ -15,6 +15,7 @@ the same evaluation, where `implementation=None` picks a kernel for them (`rewri
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -29,7 +30,7 @@ from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.op import NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
-from tokamax_pass.pass_ import emit, patterns
+from tokamax_pass.pass_ import emit, patterns, patterns_attention
 from tokamax_pass.pass_.plan import Plan
 from tokamax_pass.pass_.rewrite import Decision, Rewriter, tuning_key
 
@@ -191,8 +192,6 @@ class Optimized:
                 return fun(*call_args, **call_kwargs)
 
             values = [leaves[i] for i in dynamic]
-            jaxpr, out_shape = emit.trace_plain(
-                jax.make_jaxpr(flat_fun, return_shape=True), *values)
             targets = _targets(platforms)
             _warn_if_no_results_apply(self.results, targets)
             rewriter = Rewriter(targets, contexts=self._contexts, record=record,
@@ -200,7 +199,11 @@ class Optimized:
                                 matches=matches)
             if rewriters is not None:
                 rewriters.append(rewriter)
-            outs = emit.emit(rewriter, jaxpr, values)
+            with (patterns_attention.intercepting(rewriter.choose_rewrite)
+                  if patterns_attention.NAME in self.rewrite else contextlib.nullcontext()):
+                jaxpr, out_shape = emit.trace_plain(
+                    jax.make_jaxpr(flat_fun, return_shape=True), *values)
+                outs = emit.emit(rewriter, jaxpr, values)
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
         return body

@@ -25,6 +25,7 @@ from jax.extend.core import Jaxpr, Literal
 
 from tokamax_pass.core import sharding
 from tokamax_pass.core.primitive import is_tokamax_call
+from tokamax_pass.pass_.graph import Graph
 
 if TYPE_CHECKING:
     from tokamax_pass.pass_.rewrite import Rewriter
@@ -63,6 +64,7 @@ def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") 
 
     for var, value in zip(jaxpr.all_invars, [*jaxpr.consts, *args], strict=True):
         env[var] = value
+    graph = Graph(jaxpr) if rewriter.pattern_primitives else None
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -70,7 +72,7 @@ def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") 
               eqn.ctx.manager):
             if is_tokamax_call(eqn.primitive):
                 outs = rewriter.bind_call(eqn.params["call"], invals, path)
-            elif (replaced := rewriter.bind_pattern(eqn, invals, path)) is not None:
+            elif (replaced := rewriter.bind_pattern(eqn, read, path, graph)) is not None:
                 outs = replaced
             else:
                 params = _params(rewriter, eqn, path)

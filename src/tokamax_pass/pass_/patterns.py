@@ -23,16 +23,9 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 
 from tokamax_pass.core.op import BoundArguments
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """What a pattern makes of one equation: `function(*operands)` computing its outputs
-    through an op, or `None` and the `reason` it is left alone."""
-
-    pattern: str
-    function: Callable[..., Any] | None
-    reason: str = ""
+from tokamax_pass.pass_ import patterns_glu, patterns_norm
+from tokamax_pass.pass_.candidate import Candidate
+from tokamax_pass.pass_.graph import Graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +131,16 @@ def _match_ragged_dot(eqn: Any) -> Candidate:
     return Candidate("ragged_dot", function)
 
 
-# Pattern name -> (primitive it starts at, matcher).
-_PATTERNS: dict[str, tuple[str, Callable[[Any], Candidate]]] = {
-    "ragged_dot": ("ragged_dot_general", _match_ragged_dot),
+# Pattern name -> (primitives it is matched at, matcher). A matcher answers `None` where
+# the equation is no instance at all. `"dot_product_attention"` is matched while the
+# function is traced (`patterns_attention`), at no equation.
+_PATTERNS: dict[str, tuple[frozenset[str], Callable[[Any, Graph | None], Candidate | None]
+                           | None]] = {
+    "ragged_dot": (frozenset({"ragged_dot_general"}),
+                   lambda eqn, graph: _match_ragged_dot(eqn)),
+    "dot_product_attention": (frozenset(), None),
+    "layer_norm": (patterns_norm.PRIMITIVES, patterns_norm.match),
+    "gated_linear_unit": (patterns_glu.PRIMITIVES, patterns_glu.match),
 }
 NAMES = tuple(_PATTERNS)
 
@@ -163,14 +163,16 @@ def selected(rewrite: bool | str | Sequence[str]) -> frozenset[str]:
 
 
 def primitives(names: frozenset[str]) -> frozenset[str]:
-    """The primitives the patterns `names` start at."""
-    return frozenset(_PATTERNS[name][0] for name in names)
+    """The primitives the patterns `names` are matched at."""
+    return frozenset().union(*(_PATTERNS[name][0] for name in names))
 
 
-def match(eqn: Any, names: frozenset[str]) -> Candidate | None:
-    """The candidate of the first pattern in `names` that starts at `eqn`, if any."""
+def match(eqn: Any, names: frozenset[str], graph: Graph | None = None) -> Candidate | None:
+    """The candidate of the first pattern in `names` that matches at `eqn`, if any."""
     for name in NAMES:
-        primitive, matcher = _PATTERNS[name]
-        if name in names and eqn.primitive.name == primitive:
-            return matcher(eqn)
+        primitive_names, matcher = _PATTERNS[name]
+        if name in names and matcher is not None and eqn.primitive.name in primitive_names:
+            candidate = matcher(eqn, graph)
+            if candidate is not None:
+                return candidate
     return None
