@@ -76,17 +76,19 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
 
 
 def _extended(eqn: Any, graph: Graph) -> bool:
-    """Whether the one equation using `eqn`'s result ends a larger norm (the scale after
+    """Whether an equation using `eqn`'s result ends a larger norm (the scale after
     the normalization, the offset after the scale): that one is the match."""
-    users = graph.users(eqn.outvars[0])
-    if len(users) != 1 or users[0].primitive.name not in PRIMITIVES:
-        return False
-    try:
-        return any(e is eqn for e in _parse(users[0], graph).core)
-    except _NoMatch:
-        return False
-    except _NearMiss:
-        return True
+    for user in graph.users(eqn.outvars[0]):
+        if user.primitive.name not in PRIMITIVES:
+            continue
+        try:
+            if any(e is eqn for e in _parse(user, graph).core):
+                return True
+        except _NoMatch:
+            continue
+        except _NearMiss:
+            return True
+    return False
 
 
 def _function(norm: _Norm) -> Any:
@@ -234,7 +236,7 @@ def _normalized(graph: Graph, norm: _Norm, eqn: Any) -> None:
     if convert is not None and jnp.issubdtype(convert.invars[0].aval.dtype, jnp.floating):
         x = convert.invars[0]
     if x32.aval.dtype != jnp.float32:
-        raise _NearMiss(f"the statistics are computed in {x32.aval.dtype}, not float32")
+        raise _NoMatch  # the op computes its statistics in float32
     norm.x = x
 
 
@@ -320,7 +322,7 @@ def _variance(graph: Graph, norm: _Norm, var: Any, x: Any, centered: Any) -> Non
         if not norm.subtract_mean or operand is not x or axes != {(len(x.aval.shape) - 1,)}:
             raise _NoMatch
         if literal_value(ddof) != 0:
-            raise _NearMiss(f"the variance divides by n - {literal_value(ddof)} (ddof), "
+            raise _NearMiss(f"the variance divides by n - {int(literal_value(ddof))} (ddof), "
                             "the op by n")
         norm.core.append(jnp_var)
         return
