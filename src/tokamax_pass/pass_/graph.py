@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 from jax.extend.core import Jaxpr, Literal
 
 # Equations that only move or repeat values: a pattern looks through them where it says so.
@@ -66,9 +67,8 @@ def same_value(graph: Graph, a: Any, b: Any, depth: int = 8) -> bool:
     if a is b:
         return True
     if isinstance(a, Literal) or isinstance(b, Literal):
-        return (isinstance(a, Literal) and isinstance(b, Literal)
-                and a.aval == b.aval and bool((a.val == b.val).all()
-                                              if hasattr(a.val, "all") else a.val == b.val))
+        return (isinstance(a, Literal) and isinstance(b, Literal) and a.aval == b.aval
+                and bool(np.all(np.asarray(a.val) == np.asarray(b.val))))
     ea, eb = graph.producer(a), graph.producer(b)
     if depth == 0 or ea is None or eb is None or ea.primitive != eb.primitive:
         return False

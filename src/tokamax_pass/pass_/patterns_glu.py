@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import linear_util as lu
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
@@ -198,7 +199,7 @@ def _same_structure(graph: Graph, var: Any, reference: Jaxpr, ref_var: Any,
     if isinstance(ref_var, Literal):
         value = literal_value(var)
         return value is not None and var.aval == ref_var.aval and bool(
-            jnp.all(jnp.asarray(value) == jnp.asarray(ref_var.val)))
+            np.all(np.asarray(value) == np.asarray(ref_var.val)))
     if ref_var in reference.invars:
         if ref_var in bound:
             return bound[ref_var] is var
