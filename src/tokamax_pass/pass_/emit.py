@@ -20,6 +20,7 @@ import jax
 from jax._src import source_info_util
 from jax._src.ad_util import Zero  # the symbolic zero a custom_vjp backward may return
 from jax._src.interpreters import partial_eval as pe
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import linear_util as lu
 from jax.extend.core import Jaxpr, Literal
 
@@ -150,18 +151,23 @@ def wrap_thunk(rewriter: Rewriter, thunk: lu.WrappedFun, path: str) -> lu.Wrappe
 
 
 def wrap_bwd(rewriter: Rewriter, bwd: lu.WrappedFun, path: str) -> lu.WrappedFun:
-    """A custom_vjp backward traced with partitioning off, then re-emitted."""
+    """A custom_vjp backward traced with partitioning off, then re-emitted. Symbolic zero
+    cotangents (`symbolic_zeros=True` rules) reach it as they are, not as arrays."""
 
     def emitted_bwd(*args: Any) -> Any:
         zeros: dict[int, Any] = {}
+        symbolic = {i: a for i, a in enumerate(args) if isinstance(a, SymbolicZero)}
+        arrays = [a for i, a in enumerate(args) if i not in symbolic]
 
         def traced(*inner: Any) -> Any:
-            cts, logs = bwd.call_wrapped(*inner)
+            given = iter(inner)
+            cts, logs = bwd.call_wrapped(*(symbolic[i] if i in symbolic else next(given)
+                                           for i in range(len(args))))
             zeros.update((i, ct) for i, ct in enumerate(cts) if isinstance(ct, Zero))
             return [ct for ct in cts if not isinstance(ct, Zero)], logs
 
-        closed, shapes = trace_plain(jax.make_jaxpr(traced, return_shape=True), *args)
-        flat = emit(rewriter, closed, args, path)
+        closed, shapes = trace_plain(jax.make_jaxpr(traced, return_shape=True), *arrays)
+        flat = emit(rewriter, closed, arrays, path)
         nonzero, logs = jax.tree.unflatten(jax.tree.structure(shapes), flat)
         nonzero = iter(nonzero)
         count = len(zeros) + len(shapes[0])
