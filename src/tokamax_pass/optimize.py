@@ -9,8 +9,10 @@ under a mesh each device's call is resolved for the shapes that device sees. So 
 rewrite happens once per signature, inside jit's own trace, and a later call with
 the same signature is exactly a `jax.jit` call.
 
-Plain-JAX patterns (`pass_.patterns`: `jax.lax.ragged_dot`) are replaced by op calls in
-the same evaluation, where `implementation=None` picks a kernel for them (`rewrite=`).
+Plain-JAX patterns (`pass_.patterns`: `jax.lax.ragged_dot`, norms and gated linear units
+written in `jnp`) are replaced by op calls in the same evaluation, and
+`jax.nn.dot_product_attention` calls while the function is traced, where
+`implementation=None` picks a kernel for them (`rewrite=`).
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] | N
         fastest is chosen. Measuring runs on first call per signature.
       results: an `AutotuningResult` (or a sequence, later ones winning) whose configs
         take precedence over the caches for this function.
-      rewrite: which plain-JAX patterns (`patterns.NAMES`, e.g. `"ragged_dot"` for
-        `jax.lax.ragged_dot`) are replaced by op calls where a kernel is chosen for them:
+      rewrite: which plain-JAX patterns (`patterns.NAMES`: `"ragged_dot"`,
+        `"dot_product_attention"`, `"layer_norm"`, `"gated_linear_unit"`) are replaced by
+        op calls where a kernel is chosen for them:
         `True` all, `False` none, or a sequence of pattern names.
     """
     optimized = Optimized(fun, static_argnums=static_argnums, static_argnames=static_argnames,

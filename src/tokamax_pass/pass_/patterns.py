@@ -1,15 +1,21 @@
 """Plain-JAX patterns `optimize` recognizes in a jaxpr and can replace by an op call.
 
-A pattern looks at one equation and answers with a `Candidate`: a function computing
-the same value through an op family (traced by the pass, which keeps it only where
-`implementation=None` picks a kernel), or the reason it is left alone (a near-miss:
-dimension numbers, dtypes or options the op does not cover).
+A pattern looks at one equation (and, for `graph` patterns, the region of equations it
+ends) and answers with a `Candidate`: a function computing the same value through an op
+family (traced by the pass, which keeps it only where `implementation=None` picks a
+kernel), or the reason it is left alone (a near-miss: dimension numbers, dtypes or
+options the op does not cover).
 
 Patterns:
 
 - `"ragged_dot"`: `ragged_dot_general` equations (what `jax.lax.ragged_dot` binds, and
   the ragged dots of its gradient and of `jax.vmap` over it) whose dimension numbers
   are one of the ragged-dot family's variants, after leading batch dimensions.
+- `"dot_product_attention"`: `jax.nn.dot_product_attention` calls, recognized while the
+  function is traced (`patterns_attention`).
+- `"layer_norm"`: LayerNorm and RMSNorm written in `jnp` (`patterns_norm`).
+- `"gated_linear_unit"`: `act(x @ w_gate) * (x @ w_up)` and the fused weight split in
+  two (`patterns_glu`).
 """
 
 from __future__ import annotations
