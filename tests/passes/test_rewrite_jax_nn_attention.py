@@ -17,6 +17,7 @@ from _rewriting import h200_plan, keep_every_candidate, op_names, outcomes, weig
 
 import tokamax_pass as tokamax
 from conftest import assert_close, random_normal
+from test_selection import calibrate
 from tokamax_pass.pass_ import patterns_attention
 
 B, T, S, N, K, H = 2, 8, 8, 4, 2, 16
@@ -224,3 +225,19 @@ def test_where_the_plain_path_is_chosen_the_call_stays(monkeypatch):
     (match,) = plan.matches
     assert not match.rewritten and match.reason.startswith("the plain path is chosen")
     assert len(plan) == 0
+
+
+def test_export_records_the_rewrite_and_its_cpu_program_computes_the_same(calibration_dir):
+    """Kept for the H200's kernel, the rewrite runs the op's `xla` path on CPU."""
+    calibrate(calibration_dir, {"PallasMosaicGpuFlashAttention": 0.8,
+                                "PallasTritonFlashAttention": 0.7, "DotProductAttention": 0.05})
+    q = random_normal(0, (B, 1024, N, 64), jnp.bfloat16)
+    k, v = (random_normal(i, (B, 1024, K, 64), jnp.bfloat16) for i in (1, 2))
+    artifact = tokamax.optimize(causal).export(q, k, v, platforms=["cpu", "cuda"],
+                                               device_kind="NVIDIA H200")
+    (entry,) = artifact.manifest["rewrites"]
+    assert entry["pattern"] == "dot_product_attention" and entry["rewritten"]
+    assert entry["implementation"]["cpu"] == "xla" and entry["implementation"]["cuda"] != "xla"
+    assert entry["source_line"].endswith("(causal)")
+    expected = jax.jit(causal)(*(a.astype(jnp.float32) for a in (q, k, v)))
+    assert_close(artifact.exported.call(q, k, v), expected, jnp.bfloat16)
