@@ -16,6 +16,8 @@ Patterns:
 - `"layer_norm"`: LayerNorm and RMSNorm written in `jnp` (`patterns_norm`).
 - `"gated_linear_unit"`: `act(x @ w_gate) * (x @ w_up)` and the fused weight split in
   two (`patterns_glu`).
+- `"linear_softmax_cross_entropy_loss"`: the per-token softmax cross-entropy of `x @ w`
+  against integer labels (`patterns_cross_entropy`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 
 from tokamax_pass.core.op import BoundArguments
-from tokamax_pass.pass_ import patterns_glu, patterns_norm
+from tokamax_pass.pass_ import patterns_cross_entropy, patterns_glu, patterns_norm
 from tokamax_pass.pass_.candidate import Candidate
 from tokamax_pass.pass_.graph import Graph
 
@@ -147,6 +149,8 @@ _PATTERNS: dict[str, tuple[frozenset[str], Callable[[Any, Graph | None], Candida
     "dot_product_attention": (frozenset(), None),
     "layer_norm": (patterns_norm.PRIMITIVES, patterns_norm.match),
     "gated_linear_unit": (patterns_glu.PRIMITIVES, patterns_glu.match),
+    "linear_softmax_cross_entropy_loss": (patterns_cross_entropy.PRIMITIVES,
+                                          patterns_cross_entropy.match),
 }
 NAMES = tuple(_PATTERNS)
 

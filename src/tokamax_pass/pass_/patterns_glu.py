@@ -18,12 +18,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.extend import linear_util as lu
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import Jaxpr, Literal
 
 from tokamax_pass.pass_.candidate import Candidate
-from tokamax_pass.pass_.graph import Graph, literal_value, same_value
+from tokamax_pass.pass_.graph import Graph, same_structure, same_value
 
 NAME = "gated_linear_unit"
 PRIMITIVES = frozenset({"mul"})
@@ -179,7 +177,7 @@ def _activation(graph: Graph, gate: Any
         reference = _reference(activation, tuple(gate.aval.shape), gate.aval.dtype)
         bound: dict[Any, Any] = {}
         region: list[Any] = []
-        if _same_structure(graph, gate, reference, reference.outvars[0], bound, region):
+        if same_structure(graph, gate, reference, reference.outvars[0], bound, region):
             (operand,) = bound.values() or (None,)
             if operand is not None and graph.producer(operand, "dot_general", "split",
                                                       "slice") is not None:
@@ -190,46 +188,3 @@ def _activation(graph: Graph, gate: Any
 @functools.lru_cache(maxsize=256)
 def _reference(activation: Callable[[Any], Any], shape: tuple[int, ...], dtype: Any) -> Jaxpr:
     return jax.make_jaxpr(activation)(jax.ShapeDtypeStruct(shape, dtype)).jaxpr
-
-
-def _same_structure(graph: Graph, var: Any, reference: Jaxpr, ref_var: Any,
-                    bound: dict[Any, Any], region: list[Any]) -> bool:
-    """Whether `var` is computed as `reference` computes `ref_var` (its input bound to
-    one variable, recorded in `bound`); the equations are added to `region`."""
-    if isinstance(ref_var, Literal):
-        value = literal_value(var)
-        return value is not None and var.aval == ref_var.aval and bool(
-            np.all(np.asarray(value) == np.asarray(ref_var.val)))
-    if ref_var in reference.invars:
-        if ref_var in bound:
-            return bound[ref_var] is var
-        if isinstance(var, Literal):
-            return False
-        bound[ref_var] = var
-        return True
-    ref_eqn = next((e for e in reference.eqns if any(o is ref_var for o in e.outvars)), None)
-    eqn = graph.producer(var)
-    if ref_eqn is None or eqn is None or eqn.primitive != ref_eqn.primitive:
-        return False
-    if len(eqn.outvars) != len(ref_eqn.outvars) or len(eqn.invars) != len(ref_eqn.invars):
-        return False
-    if [o is var for o in eqn.outvars] != [o is ref_var for o in ref_eqn.outvars]:
-        return False
-    if _params_key(eqn.params) != _params_key(ref_eqn.params):
-        return False
-    region.append(eqn)
-    return all(_same_structure(graph, a, reference, b, bound, region)
-               for a, b in zip(eqn.invars, ref_eqn.invars, strict=True))
-
-
-def _params_key(params: dict[str, Any]) -> dict[str, str]:
-    """Parameters comparable across traces: sub-jaxprs by their text, functions by kind."""
-    key = {}
-    for name, value in params.items():
-        if isinstance(value, (Jaxpr, ClosedJaxpr)):
-            key[name] = str(value)
-        elif isinstance(value, lu.WrappedFun) or callable(value):
-            key[name] = type(value).__name__
-        else:
-            key[name] = repr(value)
-    return key
