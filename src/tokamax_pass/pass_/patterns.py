@@ -18,6 +18,8 @@ Patterns:
   two (`patterns_glu`).
 - `"linear_softmax_cross_entropy_loss"`: the per-token softmax cross-entropy of `x @ w`
   against integer labels (`patterns_cross_entropy`).
+- `"attention"`: attention written out, `softmax(scale * q @ k^T ...) @ v`
+  (`patterns_attention_einsum`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 
 from tokamax_pass.core.op import BoundArguments
-from tokamax_pass.pass_ import patterns_cross_entropy, patterns_glu, patterns_norm
+from tokamax_pass.pass_ import (
+    patterns_attention_einsum,
+    patterns_cross_entropy,
+    patterns_glu,
+    patterns_norm,
+)
 from tokamax_pass.pass_.candidate import Candidate
 from tokamax_pass.pass_.graph import Graph
 
@@ -151,6 +158,7 @@ _PATTERNS: dict[str, tuple[frozenset[str], Callable[[Any, Graph | None], Candida
     "gated_linear_unit": (patterns_glu.PRIMITIVES, patterns_glu.match),
     "linear_softmax_cross_entropy_loss": (patterns_cross_entropy.PRIMITIVES,
                                           patterns_cross_entropy.match),
+    "attention": (patterns_attention_einsum.PRIMITIVES, patterns_attention_einsum.match),
 }
 NAMES = tuple(_PATTERNS)
 
