@@ -131,5 +131,14 @@ def _params_key(params: dict[str, Any]) -> dict[str, str]:
         elif isinstance(value, lu.WrappedFun) or callable(value):
             key[name] = type(value).__name__
         else:
-            key[name] = repr(value)
+            key[name] = repr(_plain(value))
     return key
+
+
+def _plain(value: Any) -> Any:
+    """NumPy scalars as Python numbers (`jax.vmap` leaves `np.int64` axes in parameters)."""
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, np.integer):
+        return int(value)
+    return value

@@ -180,7 +180,7 @@ def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
     eqn = graph.producer(logits, "mul", "div")
     if eqn is None:
         return logits
-    for body, factor in (eqn.invars, eqn.invars[::-1] if eqn.primitive.name == "mul" else ()):
+    for body, factor in _operand_orders(eqn):
         value = literal_value(factor)
         if value is not None and np.ndim(value) == 0 and graph.producer(body, "dot_general"):
             attention.scale *= float(value) if eqn.primitive.name == "mul" else 1 / float(value)
@@ -189,11 +189,18 @@ def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
     return logits
 
 
+def _operand_orders(eqn: Any) -> list[tuple[Any, Any]]:
+    """`(body, factor)` pairs of a product (either order) or a quotient."""
+    if eqn.primitive.name == "mul":
+        return [tuple(eqn.invars), tuple(eqn.invars[::-1])]
+    return [tuple(eqn.invars)]
+
+
 def _unscaled_query(graph: Graph, attention: _Attention, query: Any) -> Any:
     eqn = graph.producer(query, "mul", "div")
     if eqn is None or len(graph.users(query)) != 1:
         return query
-    for body, factor in (eqn.invars, eqn.invars[::-1] if eqn.primitive.name == "mul" else ()):
+    for body, factor in _operand_orders(eqn):
         value = literal_value(factor)
         if value is not None and np.ndim(value) == 0 and tuple(body.aval.shape) == tuple(
                 query.aval.shape):
