@@ -9,10 +9,10 @@ under a mesh each device's call is resolved for the shapes that device sees. So 
 rewrite happens once per signature, inside jit's own trace, and a later call with
 the same signature is exactly a `jax.jit` call.
 
-Plain-JAX patterns (`pass_.patterns`: `jax.lax.ragged_dot`, norms, gated linear units and
-cross-entropy losses written in `jnp`) are replaced by op calls in the same evaluation, and
-`jax.nn.dot_product_attention` calls while the function is traced, where
-`implementation=None` picks a kernel for them (`rewrite=`).
+Plain-JAX patterns (`pass_.patterns`: `jax.lax.ragged_dot`, norms, gated linear units,
+cross-entropy losses and attention written in `jnp`) are replaced by op calls in the
+same evaluation, and `jax.nn.dot_product_attention` calls while the function is traced,
+where `implementation=None` picks a kernel for them (`rewrite=`).
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] | N
         take precedence over the caches for this function.
       rewrite: which plain-JAX patterns (`patterns.NAMES`: `"ragged_dot"`,
         `"dot_product_attention"`, `"layer_norm"`, `"gated_linear_unit"`,
-        `"linear_softmax_cross_entropy_loss"`) are replaced by op calls where a kernel is
-        chosen for them:
+        `"linear_softmax_cross_entropy_loss"`, `"attention"`) are replaced by op calls
+        where a kernel is chosen for them:
         `True` all, `False` none, or a sequence of pattern names.
     """
     optimized = Optimized(fun, static_argnums=static_argnums, static_argnames=static_argnames,
