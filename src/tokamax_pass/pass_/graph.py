@@ -22,7 +22,7 @@ class Graph:
         self._producers: dict[Any, Any] = {}
         self._users: dict[Any, list[Any]] = defaultdict(list)
         self._outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
-        live = self._live(jaxpr)
+        self._live_ids = live = self._live(jaxpr)
         for eqn in jaxpr.eqns:
             for var in eqn.invars:
                 if not isinstance(var, Literal) and id(eqn) in live:  # a dead use is none
@@ -40,6 +40,10 @@ class Graph:
                 live.add(id(eqn))
                 needed.update(v for v in eqn.invars if not isinstance(v, Literal))
         return live
+
+    def live(self, eqn: Any) -> bool:
+        """Whether `eqn`'s results are needed (a dead region is not worth a match)."""
+        return id(eqn) in self._live_ids
 
     def producer(self, var: Any, *primitives: str) -> Any:
         """The equation making `var`, if it is one of `primitives` (any, if none given)."""

@@ -77,7 +77,7 @@ class _NoMatch(Exception):
 
 def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     """The op's candidate of the attention whose second product is `eqn`, if it is one."""
-    if graph is None:
+    if graph is None or not graph.live(eqn):
         return None
     try:
         attention = _parse(eqn, graph)

@@ -70,7 +70,7 @@ def _reference(spelling: Callable[[Any, Any], Any], logits: tuple[tuple[int, ...
 
 def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     """The op's candidate of the per-token loss `eqn` ends, if it is one."""
-    if graph is None:
+    if graph is None or not graph.live(eqn):
         return None
     (out,) = eqn.outvars
     if out.aval.dtype != jnp.float32:

@@ -40,7 +40,7 @@ ACTIVATIONS: tuple[Callable[[Any], Any], ...] = (
 
 def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     """The `gated_linear_unit` candidate of the product `eqn`, if it is a GLU's."""
-    if graph is None or len(eqn.invars) != 2:
+    if graph is None or not graph.live(eqn) or len(eqn.invars) != 2:
         return None
     full = tuple(eqn.outvars[0].aval.shape)
     if any(tuple(v.aval.shape) != full or isinstance(v, Literal) for v in eqn.invars):

@@ -58,7 +58,7 @@ class _Norm:
 def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     """The `layer_norm` candidate of the norm ending at `eqn`, if `eqn` ends one (and not
     a step before a larger one, such as the scale before the offset)."""
-    if graph is None:
+    if graph is None or not graph.live(eqn):
         return None
     try:
         norm = _parse(eqn, graph)
