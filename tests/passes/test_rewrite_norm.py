@@ -204,3 +204,33 @@ def test_rewrite_option_selects_the_pattern(calibration_dir):
         assert len(plan) == 0 and not plan.matches
     assert [row.op for row in h200_plan(rms_rsqrt, X, SCALE, rewrite=("layer_norm",))] == [
         "PallasTritonLayerNorm"]
+
+
+def test_jit_and_custom_vjp_bodies(rewritten):
+    x, scale = operands(rms_rsqrt)
+    cotangent = random_normal(9, (B, T, D))
+
+    @jax.custom_vjp
+    def custom(x, scale):
+        return rms_rsqrt(x, scale)
+
+    def custom_fwd(x, scale):
+        return rms_rsqrt(x, scale), (x, scale)
+
+    def custom_bwd(saved, g):
+        return jax.vjp(rms_rsqrt, *saved)[1](g)
+
+    custom.defvjp(custom_fwd, custom_bwd)
+
+    def model(x, scale):
+        return ((jax.jit(rms_rsqrt)(x, scale) + custom(x, scale)) * cotangent).sum()
+
+    optimized = tokamax.optimize(model)
+    matches = optimized.plan(x, scale).matches
+    assert [m.path for m in matches] == ["jit[rms_rsqrt]/layer_norm", "custom_vjp/layer_norm"]
+    assert all(m.rewritten for m in matches)
+    expected = jax.jit(jax.value_and_grad(model, argnums=(0, 1)))(x, scale)
+    value, grads = jax.value_and_grad(optimized, argnums=(0, 1))(x, scale)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
