@@ -72,7 +72,7 @@ class Graph:
 
 
 def literal_value(var: Any) -> Any:
-    """The Python value of a literal or scalar constant variable, else `None`."""
+    """The Python value of a literal (a constant written into the jaxpr), else `None`."""
     if isinstance(var, Literal):
         return var.val
     return None
