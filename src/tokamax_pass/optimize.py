@@ -9,12 +9,15 @@ under a mesh each device's call is resolved for the shapes that device sees. So 
 rewrite happens once per signature, inside jit's own trace, and a later call with
 the same signature is exactly a `jax.jit` call.
 
-Plain-JAX patterns (`passes.patterns`: `jax.lax.ragged_dot`) are replaced by op calls in
-the same evaluation, where `implementation=None` picks a kernel for them (`rewrite=`).
+Plain-JAX patterns (`passes.patterns`: `jax.lax.ragged_dot`, norms, gated linear units,
+cross-entropy losses and attention written in `jnp`) are replaced by op calls in the
+same evaluation, and `jax.nn.dot_product_attention` calls while the function is traced,
+where `implementation=None` picks a kernel for them (`rewrite=`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -29,7 +32,7 @@ from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.op import BoundArguments, NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
-from tokamax_pass.passes import emit, patterns, walk
+from tokamax_pass.passes import emit, patterns, patterns_attention, walk
 from tokamax_pass.passes.plan import Plan
 from tokamax_pass.passes.rewrite import Decision, Rewriter, tuning_key
 
@@ -53,8 +56,10 @@ def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] | N
         fastest is chosen. Measuring runs on first call per signature.
       results: an `AutotuningResult` (or a sequence, later ones winning) whose configs
         take precedence over the caches for this function.
-      rewrite: which plain-JAX patterns (`patterns.NAMES`, e.g. `"ragged_dot"` for
-        `jax.lax.ragged_dot`) are replaced by op calls where a kernel is chosen for them:
+      rewrite: which plain-JAX patterns (`patterns.NAMES`: `"ragged_dot"`,
+        `"dot_product_attention"`, `"layer_norm"`, `"gated_linear_unit"`,
+        `"linear_softmax_cross_entropy_loss"`, `"attention"`) are replaced by op calls
+        where a kernel is chosen for them:
         `True` all, `False` none, or a sequence of pattern names.
     """
     optimized = Optimized(fun, static_argnums=static_argnums, static_argnames=static_argnames,
@@ -192,8 +197,6 @@ class Optimized:
                 return fun(*call_args, **call_kwargs)
 
             values = [leaves[i] for i in dynamic]
-            jaxpr, out_shape = walk.trace_plain(
-                jax.make_jaxpr(flat_fun, return_shape=True), *values)
             targets = _targets(platforms)
             _warn_if_no_results_apply(self.results, targets)
             rewriter = Rewriter(targets, contexts=self._contexts, record=record,
@@ -201,7 +204,11 @@ class Optimized:
                                 matches=matches)
             if rewriters is not None:
                 rewriters.append(rewriter)
-            outs = emit.emit(rewriter, jaxpr, values)
+            with (patterns_attention.intercepting(rewriter.choose_rewrite)
+                  if patterns_attention.NAME in self.rewrite else contextlib.nullcontext()):
+                jaxpr, out_shape = walk.trace_plain(
+                    jax.make_jaxpr(flat_fun, return_shape=True), *values)
+                outs = emit.emit(rewriter, jaxpr, values)
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
         return body

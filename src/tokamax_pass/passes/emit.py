@@ -13,17 +13,19 @@ the shapes it sees), or bound as is. Sub-jaxprs holding op calls (`jit`, `scan`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import jax
 from jax._src import source_info_util
 from jax._src.ad_util import Zero  # the symbolic zero a custom_vjp backward may return
 from jax._src.interpreters import partial_eval as pe
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import linear_util as lu
 from jax.extend.core import Jaxpr, Literal
 
 from tokamax_pass.core.primitive import is_tokamax_call
+from tokamax_pass.passes.graph import Graph
 from tokamax_pass.passes.walk import OPAQUE, holds_calls, is_op_wrapper, path_label, trace_plain
 
 
@@ -34,8 +36,8 @@ class Binder(Protocol):
 
     def bind_call(self, call: Any, operands: Sequence[Any], path: str) -> list[Any]: ...
 
-    def bind_pattern(self, eqn: Any, operands: Sequence[Any], path: str
-                     ) -> list[Any] | None: ...
+    def bind_pattern(self, eqn: Any, read: Callable[[Any], Any], path: str,
+                     graph: Graph | None) -> list[Any] | None: ...
 
     def rewrite_eqn(self, eqn: Any, path: str) -> Any: ...
 
@@ -49,6 +51,7 @@ def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") ->
 
     for var, value in zip(jaxpr.all_invars, [*jaxpr.consts, *args], strict=True):
         env[var] = value
+    graph = Graph(jaxpr) if rewriter.pattern_primitives else None
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -56,7 +59,7 @@ def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") ->
               eqn.ctx.manager):
             if is_tokamax_call(eqn.primitive):
                 outs = rewriter.bind_call(eqn.params["call"], invals, path)
-            elif (replaced := rewriter.bind_pattern(eqn, invals, path)) is not None:
+            elif (replaced := rewriter.bind_pattern(eqn, read, path, graph)) is not None:
                 outs = replaced
             else:
                 params = _params(rewriter, eqn, path)
@@ -115,18 +118,23 @@ def wrap_thunk(rewriter: Binder, thunk: lu.WrappedFun, path: str) -> lu.WrappedF
 
 
 def wrap_bwd(rewriter: Binder, bwd: lu.WrappedFun, path: str) -> lu.WrappedFun:
-    """A custom_vjp backward traced with partitioning off, then re-emitted."""
+    """A custom_vjp backward traced with partitioning off, then re-emitted. Symbolic zero
+    cotangents (`symbolic_zeros=True` rules) reach it as they are, not as arrays."""
 
     def emitted_bwd(*args: Any) -> Any:
         zeros: dict[int, Any] = {}
+        symbolic = {i: a for i, a in enumerate(args) if isinstance(a, SymbolicZero)}
+        arrays = [a for i, a in enumerate(args) if i not in symbolic]
 
         def traced(*inner: Any) -> Any:
-            cts, logs = bwd.call_wrapped(*inner)
+            given = iter(inner)
+            cts, logs = bwd.call_wrapped(*(symbolic[i] if i in symbolic else next(given)
+                                           for i in range(len(args))))
             zeros.update((i, ct) for i, ct in enumerate(cts) if isinstance(ct, Zero))
             return [ct for ct in cts if not isinstance(ct, Zero)], logs
 
-        closed, shapes = trace_plain(jax.make_jaxpr(traced, return_shape=True), *args)
-        flat = emit(rewriter, closed, args, path)
+        closed, shapes = trace_plain(jax.make_jaxpr(traced, return_shape=True), *arrays)
+        flat = emit(rewriter, closed, arrays, path)
         nonzero, logs = jax.tree.unflatten(jax.tree.structure(shapes), flat)
         nonzero = iter(nonzero)
         count = len(zeros) + len(shapes[0])

@@ -32,6 +32,8 @@ from tokamax_pass.core.op import BoundArguments, NullConfig, Op
 from tokamax_pass.core.primitive import OpCall, bind_call, bind_partitioned, is_tokamax_call
 from tokamax_pass.core.vjp import AutodiffVjp
 from tokamax_pass.passes import emit, patterns, walk
+from tokamax_pass.passes.candidate import Candidate
+from tokamax_pass.passes.graph import Graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,35 +151,49 @@ class Rewriter:
 
     # --- plain-JAX patterns ------------------------------------------------------------
 
-    def bind_pattern(self, eqn: Any, operands: Sequence[Any], path: str) -> list[Any] | None:
-        """`eqn`'s outputs computed by an op call, where a selected pattern matches it and
-        `implementation=None` picks a kernel for some target; `None` where the equation
-        is to be bound as it is (no pattern, a near-miss, or the plain path chosen)."""
+    def bind_pattern(self, eqn: Any, read: Callable[[Any], Any], path: str,
+                     graph: Graph | None = None) -> list[Any] | None:
+        """`eqn`'s outputs computed by an op call, where a selected pattern matches it (or
+        the region of `graph` it ends) and `implementation=None` picks a kernel for some
+        target; `None` where the equation is to be bound as it is (no pattern, a
+        near-miss, or the plain path chosen). `read` gives a variable's value."""
         if eqn.primitive.name not in self.pattern_primitives:
             return None
-        candidate = patterns.match(eqn, self.rewrite_patterns)
+        candidate = patterns.match(eqn, self.rewrite_patterns, graph)
         if candidate is None:
             return None
+        inputs = eqn.invars if candidate.inputs is None else candidate.inputs
         label = "/".join(p for p in (path, candidate.pattern) if p)
+        traced = self.choose_rewrite(candidate, [v.aval for v in inputs],
+                                     [v.aval for v in eqn.outvars], label,
+                                     patterns.source_line(eqn))
+        if traced is None:
+            return None
+        return emit.emit(self, traced, [read(v) for v in inputs], path)
+
+    def choose_rewrite(self, candidate: Candidate, in_avals: Sequence[Any],
+                       out_avals: Sequence[Any], label: str, line: str) -> Any:
+        """The jaxpr of `candidate.function` on `in_avals` where it is kept (a kernel is
+        chosen for some target), else `None`; the match is recorded either way."""
 
         def note(rewritten: bool, implementation: dict[str, str], reason: str = "",
                  plain_calls: tuple[BoundArguments, ...] = ()) -> None:
             if self._matches is not None:
                 self._matches.append(patterns.RewriteMatch(
-                    candidate.pattern, label, patterns.source_line(eqn), rewritten,
-                    implementation, reason, plain_calls))
+                    candidate.pattern, label, line, rewritten, implementation, reason,
+                    plain_calls))
 
         if candidate.function is None:
             note(False, {}, candidate.reason)
             return None
         try:
             traced = walk.trace_plain(jax.make_jaxpr(candidate.function),
-                                      *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                        for v in eqn.invars))
+                                      *(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                        for a in in_avals))
         except (ValueError, TypeError, NotImplementedError) as e:
             note(False, {}, f"the op does not take it: {e}")
             return None
-        wanted = [(tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars]
+        wanted = [(tuple(a.shape), a.dtype) for a in out_avals]
         if [(tuple(a.shape), a.dtype) for a in traced.out_avals] != wanted:
             note(False, {}, "the op's output shapes or dtypes differ")
             return None
@@ -196,7 +212,7 @@ class Rewriter:
                       for _, choices, _ in resolved for _, choice, _ in choices))
             return None
         note(True, {platform: op.implementation for platform, op in chosen.items()})
-        return emit.emit(self, traced, operands, path)
+        return traced
 
     def _resolve(self, call: OpCall, avals: Sequence[Any]) -> tuple[
             OpCall, list[tuple[Target, selection.Choice, str]], tuple[BoundArguments, ...]]:
