@@ -110,9 +110,12 @@ def _runs_tiled(path: str, rule: xla_tiled.TilingRule, variant: str, lhs: Any, r
                 group_sizes: Any) -> bool:
     """`path` "auto": tiled on platforms whose `jax.lax.ragged_dot` is dense per group
     (`xla_tiled.TILED_PLATFORMS`), for floating operands of one dtype, where
-    `rule` predicts the tiled form well ahead of `jax.lax.ragged_dot`."""
+    `rule` predicts the tiled form well ahead of `jax.lax.ragged_dot`. Never for symbolic
+    shapes (`jax.export`): the tiles need the row count, `jax.lax.ragged_dot` does not."""
     if path != "auto":
         return path == "tiled"
+    if not all(isinstance(d, int) for d in (*lhs.shape, *rhs.shape)):
+        return False
     if current_target().platform not in xla_tiled.TILED_PLATFORMS:
         return False
     if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):

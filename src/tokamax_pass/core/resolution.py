@@ -185,6 +185,35 @@ def _fallback_order(supported: list[BoundArguments], target: Target) -> list[Bou
     return [*kernels, *(ba for ba in supported if ba.op.runs_without_evidence)]
 
 
+SYMBOLIC_SOURCE = "symbolic shapes: the XLA reference"
+
+
+def choose_for_symbolic_shapes(candidates: Sequence[BoundArguments], target: Target) -> Choice:
+    """The first candidate that is an `xla` implementation without a config, for a call
+    whose shapes hold symbolic dimensions (`jax.export` with `jax.export.symbolic_shape`).
+
+    Only those compute in shape-polymorphic `jax.numpy`: a kernel's grid and tiles, and a
+    config's chunk sizes, need every dimension known, and no cache or measurement is keyed
+    by a symbol. Raises `NotImplementedError` naming each candidate left out when none fits.
+    """
+    reasons: list[str] = []
+    for ba in candidates:
+        name = type(ba.op).__name__
+        if ba.op.implementation != "xla" or ba.op.config_cls is not NullConfig:
+            reasons.append(f"{name}: needs every dimension known (symbolic shapes run the "
+                           "XLA reference, implementation='xla')")
+            continue
+        try:
+            ba.op.check_supported(ba, target)
+        except NotImplementedError as e:
+            reasons.append(f"{name}: {e}")
+            continue
+        config = ba.op.config if ba.op.config is not None else NullConfig()
+        return Choice(ba.replace(op=ba.op.replace(config=config)), SYMBOLIC_SOURCE)
+    raise NotImplementedError("no implementation takes symbolic shapes:\n  "
+                              + "\n  ".join(reasons))
+
+
 def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bool) -> Choice:
     """The first candidate that supports `target`, with its config resolved.
 
