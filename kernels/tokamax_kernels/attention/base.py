@@ -219,8 +219,15 @@ class DotProductAttention(Op[NullConfig]):
         return partition_rule(ba)
 
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
+        """Also: a value head dim other than the query's (MLA) runs in the `xla`
+        implementation only; the kernels and the chunked form tile one head dim."""
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)
+        query, value = ba.arguments["query"], ba.arguments["value"]
+        if value.shape[3] != query.shape[3] and self.implementation != "xla":
+            raise NotImplementedError(
+                f"{type(self).__name__}: value head_dim {value.shape[3]} differs from the "
+                f"query's {query.shape[3]}; implementation='xla' takes it")
 
     def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
         """XLA's attention yields to cuDNN's wherever cuDNN runs a call and is not one of
@@ -273,7 +280,10 @@ class DotProductAttention(Op[NullConfig]):
         if key.shape[3] != head_dim:
             raise ValueError(
                 f"{_OP}: key head_dim {key.shape[3]} != query head_dim {head_dim}")
-        v.require_shape("value", value, key.shape, op=_OP, why="the shape of key")
+        if tuple(value.shape[:3]) != tuple(key.shape[:3]) or not value.shape[3]:
+            raise ValueError(
+                f"{_OP}: value must have key's batch, sequence and heads {tuple(key.shape[:3])} "
+                f"and a head_dim of at least 1, got {tuple(value.shape)}")
         kv_heads = key.shape[2]
         if heads % kv_heads:
             raise ValueError(f"{_OP}: key/value heads ({kv_heads}) must divide query heads "
@@ -330,7 +340,7 @@ class DotProductAttention(Op[NullConfig]):
         probs = probs / safe_denom
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(value.dtype), value,
                          precision=precision, preferred_element_type=dtype)
-        out = out.reshape(batch, q_len, heads, head_dim).astype(query.dtype)
+        out = out.reshape(batch, q_len, heads, value.shape[3]).astype(query.dtype)
         if not return_residuals:
             return out, None
         lse = jnp.where(denom > 0, row_max + jnp.log(safe_denom), -jnp.inf)[..., 0]
@@ -353,8 +363,15 @@ class DotProductAttentionVjp(VjpOp):
     accepts_residual_cotangents = True
 
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
+        """Also: a value head dim other than the query's (MLA) runs in the `xla`
+        implementation only; the kernels and the chunked form tile one head dim."""
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)
+        query, value = ba.arguments["query"], ba.arguments["value"]
+        if value.shape[3] != query.shape[3] and self.implementation != "xla":
+            raise NotImplementedError(
+                f"{type(self).__name__}: value head_dim {value.shape[3]} differs from the "
+                f"query's {query.shape[3]}; implementation='xla' takes it")
 
     def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
         """As the forward's (`DotProductAttention.yields_unmeasured_to`): the sweep timed
@@ -421,7 +438,7 @@ class XlaDotProductAttentionVjp(DotProductAttentionVjp):
         if keep is not None:  # fully masked rows (lse -inf) are all masked: probs 0
             probs = jnp.where(keep, probs, 0.0)
         q = query.reshape(batch, q_len, kv_heads, groups, head_dim)
-        do = dout.reshape(q.shape)
+        do = dout.reshape(*q.shape[:4], dout.shape[3])
         dv = jnp.einsum("bhgqk,bqhgd->bkhd", probs.astype(value.dtype), do, **mm)
         dprobs = jnp.einsum("bqhgd,bkhd->bhgqk", do, value, **mm)
         if bias is None:

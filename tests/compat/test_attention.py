@@ -1,0 +1,188 @@
+"""Upstream Tokamax's attention cases run through `tokamax_pass.dot_product_attention`:
+its api test's grids (GQA groups, vmap, mask modes) and the base test's shape cases
+that the public function takes, with upstream's shapes and tolerances. The reference is
+float32 attention at `Precision.HIGHEST`."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tokamax_pass as tokamax
+from compat._upstream import as_float32, assert_trees_all_close, random_arrays
+
+HIGHEST = jax.lax.Precision.HIGHEST
+# Upstream's api test runs its grids for None, "xla" and "xla_chunked" on CPU.
+IMPLEMENTATIONS = (None, "xla", "xla_chunked")
+
+
+def _reference(q, k, v, bias=None, mask=None, *, is_causal=False, query_seq_lengths=None,
+               key_value_seq_lengths=None, local_window_size=None, logits_soft_cap=None):
+    """Float32 attention at HIGHEST precision, value head dim free, GQA by repetition."""
+    q, k, v, bias = as_float32((q, k, v, bias))
+    groups = q.shape[-2] // k.shape[-2]
+    k, v = jnp.repeat(k, groups, axis=-2), jnp.repeat(v, groups, axis=-2)
+    logits = jnp.einsum("...qhd,...khd->...hqk", q, k, precision=HIGHEST) / jnp.sqrt(
+        jnp.float32(q.shape[-1]))
+    if bias is not None:
+        logits = logits + bias
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    t, s = logits.shape[-2:]
+    rows, cols = jnp.arange(t)[:, None], jnp.arange(s)[None, :]
+    keep = jnp.ones((t, s), bool)
+    if is_causal:
+        keep &= cols <= rows
+    if local_window_size is not None:
+        left, right = local_window_size
+        keep &= (cols >= rows - left) & (cols <= rows + right)
+    keep = jnp.broadcast_to(keep, logits.shape)
+    if mask is not None:
+        keep &= mask
+    if key_value_seq_lengths is not None:
+        keep &= cols < key_value_seq_lengths[:, None, None, None]
+    if query_seq_lengths is not None:
+        keep &= rows < query_seq_lengths[:, None, None, None]
+    logits = jnp.where(keep, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, -1, keepdims=True, initial=-jnp.inf))
+    probs = jnp.exp(logits - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    probs = probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
+    return jnp.einsum("...hqk,...khd->...qhd", probs, v, precision=HIGHEST)
+
+
+def _check_vjp(f, f_ref, args, *, seed, atol, rtol, atol_grads=None, rtol_grads=None):
+    """Value and gradients of `f` against `f_ref` (at float32 inputs) with a random
+    cotangent."""
+    expected, pullback_ref = jax.vjp(f_ref, *as_float32(args))
+    actual, pullback = jax.vjp(f, *args)
+    assert_trees_all_close(actual, expected, atol=atol, rtol=rtol)
+    (dout,) = random_arrays(seed, (actual.shape, actual.dtype))
+    assert_trees_all_close(pullback(dout), pullback_ref(dout.astype(jnp.float32)),
+                           atol=atol_grads or atol, rtol=rtol_grads or rtol)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("group_num", [1, 2, 4])
+@pytest.mark.parametrize("use_vmap", [False, True])
+def test_dot_product_attention(implementation, dtype, group_num, use_vmap):
+    """Upstream's api `test_dot_product_attention` (from JAX's `nn_test`): GQA groups,
+    with and without a `vmap` over the batch, within 0.01."""
+    b, s, t, n, h = 2, 128, 128, 4, 64
+    q, k, v = random_arrays(0, ((b, t, n, h), dtype), ((b, s, n // group_num, h), dtype),
+                            ((b, s, n // group_num, h), dtype))
+    f = functools.partial(tokamax.dot_product_attention, implementation=implementation)
+    if use_vmap:
+        f = jax.vmap(f, in_axes=(0, 0, 0))
+    _check_vjp(f, _reference, (q, k, v), seed=1, atol=0.01, rtol=0.01)
+
+
+MASK_MODES = ["bias", "causal", "padding", "custom", ("causal", "padding"),
+              ("custom", "padding"), ("bias", "causal"), ("causal", "sliding_window"),
+              ("causal", "custom")]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("mask_mode", MASK_MODES)
+def test_dot_product_attention_mask(implementation, mask_mode):
+    """Upstream's api `testDotProductAttentionMask`: bias, causal, padding, custom and
+    sliding-window masks and their pairs, bfloat16, rows past the query lengths zeroed."""
+    mask_mode = (mask_mode,) if isinstance(mask_mode, str) else mask_mode
+    b, s, t, n, h = 2, 256, 256, 4, 64
+    dtype = jnp.bfloat16
+    q, k, v, bias = random_arrays(2, ((b, t, n, h), dtype), ((b, s, n, h), dtype),
+                                  ((b, s, n, h), dtype), ((1, n, t, s), dtype))
+    bias = bias if "bias" in mask_mode else None
+    is_causal = "causal" in mask_mode
+    keywords = dict(is_causal=is_causal)
+    if "padding" in mask_mode:
+        keywords.update(query_seq_lengths=jnp.array([t // 2, t // 4], jnp.int32),
+                        key_value_seq_lengths=jnp.array([s // 4, s // 2], jnp.int32))
+    mask = None
+    if "custom" in mask_mode:
+        custom = (jnp.arange(t)[:, None] + jnp.arange(s)[None, :]) % 2 == 0
+        mask = jnp.broadcast_to(custom, (b, 1, t, s))
+    if "sliding_window" in mask_mode:
+        keywords["local_window_size"] = (3, 2) if is_causal else (3, 0)
+
+    def zero_padding_rows(out):
+        if "padding" not in mask_mode:
+            return out
+        rows = jnp.arange(t)[None, :] < keywords["query_seq_lengths"][:, None]
+        return out * rows[:, :, None, None]
+
+    def f(q, k, v, bias):
+        return zero_padding_rows(tokamax.dot_product_attention(
+            q, k, v, bias, mask, implementation=implementation, **keywords))
+
+    def f_ref(q, k, v, bias):
+        return zero_padding_rows(_reference(q, k, v, bias, mask, **keywords))
+
+    args = (q, k, v, bias)
+    expected, pullback_ref = jax.vjp(f_ref, *as_float32(args))
+    actual, pullback = jax.vjp(f, *args)
+    assert_trees_all_close(actual, expected, atol=0.01, rtol=0.01)
+    (dout,) = random_arrays(3, (actual.shape, actual.dtype))
+    grads = pullback(dout)
+    grads_ref = pullback_ref(dout.astype(jnp.float32))
+    for got, want, tol in zip(grads, grads_ref, (0.02, 0.02, 0.015, 0.05), strict=True):
+        if want is not None:
+            assert_trees_all_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("implementation", ["xla", None])
+@pytest.mark.parametrize("input_dim", [24, 128])
+@pytest.mark.parametrize("output_dim", [64, 112])
+def test_different_output_head_dim(implementation, input_dim, output_dim):
+    """Upstream's `test_different_output_head_dim`: a value head dim other than the
+    query's (MLA), float32, within 2e-6 (gradients 5e-6)."""
+    q, k, v = random_arrays(4, ((2, 1024, 4, input_dim), jnp.float32),
+                            ((2, 1024, 4, input_dim), jnp.float32),
+                            ((2, 1024, 4, output_dim), jnp.float32))
+    f = functools.partial(tokamax.dot_product_attention, precision=HIGHEST,
+                          implementation=implementation)
+    _check_vjp(f, _reference, (q, k, v), seed=5, atol=2e-6, rtol=2e-7, atol_grads=5e-6,
+               rtol_grads=5e-7)
+
+
+def test_value_head_dim_moves_past_kernels():
+    """A kernel that tiles one head dim raises `NotImplementedError` for another value
+    head dim, so a sequence moves on to `xla`."""
+    q, v = random_arrays(6, ((2, 64, 4, 32), jnp.float32), ((2, 64, 4, 16), jnp.float32))
+    with pytest.raises(NotImplementedError, match="value head_dim"):
+        tokamax.dot_product_attention(q, q, v, implementation="xla_chunked")
+    out = tokamax.dot_product_attention(q, q, v, implementation=("xla_chunked", "xla"))
+    assert out.shape == (2, 64, 4, 16)
+
+
+# Upstream's base-test shape cases that the public function takes: (query shape, key/value
+# shape or None, keywords, forward atol).
+SHAPE_CASES = {
+    "self_attention_float32": ((2, 1024, 4, 64), None, {}, 1e-6),
+    "cross_attention": ((2, 1024, 4, 64), (2, 2048, 4, 64), {}, 1e-6),
+    "multi_query": ((2, 1024, 4, 64), (2, 1024, 1, 64), {}, 1e-6),
+    "grouped_query": ((2, 1024, 16, 64), (2, 1024, 4, 64), {}, 1e-6),
+    "non_power_of_two_q_seq_len": ((2, 1000, 4, 64), (2, 1024, 4, 64), {}, 1e-6),
+    "non_power_of_two_head_dim": ((2, 1024, 4, 48), None, {}, 1e-6),
+    "small_non_power_of_two_head_dim": ((2, 1024, 4, 24), None, {}, 1e-6),
+    "causal_mask": ((2, 1024, 4, 64), None, {"is_causal": True}, 1e-6),
+    "local_attention": ((2, 1024, 4, 64), None, {"local_window_size": (128, 128)}, 1e-6),
+    "tanh_clipping": ((2, 1024, 4, 64), None, {"logits_soft_cap": 10.0}, 2e-6),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked"])
+@pytest.mark.parametrize("case", sorted(SHAPE_CASES))
+def test_attention_shapes(implementation, case):
+    q_shape, kv_shape, keywords, atol = SHAPE_CASES[case]
+    kv_shape = kv_shape or q_shape
+    q, k, v = random_arrays(7, (q_shape, jnp.float32), (kv_shape, jnp.float32),
+                            (kv_shape, jnp.float32))
+    f = functools.partial(tokamax.dot_product_attention, precision=HIGHEST,
+                          implementation=implementation, **keywords)
+    _check_vjp(f, functools.partial(_reference, **keywords), (q, k, v), seed=8, atol=atol,
+               rtol=max(atol / 10, 1e-6), atol_grads=max(2 * atol, 5e-6))
