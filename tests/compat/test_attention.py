@@ -133,7 +133,7 @@ def test_dot_product_attention_mask(implementation, mask_mode):
             assert_trees_all_close(got, want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("implementation", ["xla", None])
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked", None])
 @pytest.mark.parametrize("input_dim", [24, 128])
 @pytest.mark.parametrize("output_dim", [64, 112])
 def test_different_output_head_dim(implementation, input_dim, output_dim):
@@ -149,12 +149,16 @@ def test_different_output_head_dim(implementation, input_dim, output_dim):
 
 
 def test_value_head_dim_moves_past_kernels():
-    """A kernel that tiles one head dim raises `NotImplementedError` for another value
-    head dim, so a sequence moves on to `xla`."""
+    """A kernel that tiles one head dim for query and value raises `NotImplementedError`
+    for another value head dim (here at the support check, before any lowering), so a
+    sequence moves on."""
+    from tokamax_kernels.attention.pallas_triton import PallasTritonFlashAttention
+
     q, v = random_arrays(6, ((2, 64, 4, 32), jnp.float32), ((2, 64, 4, 16), jnp.float32))
+    kernel = PallasTritonFlashAttention(interpret=True)
     with pytest.raises(NotImplementedError, match="value head_dim"):
-        tokamax.dot_product_attention(q, q, v, implementation="xla_chunked")
-    out = tokamax.dot_product_attention(q, q, v, implementation=("xla_chunked", "xla"))
+        tokamax.dot_product_attention(q, q, v, implementation=kernel)
+    out = tokamax.dot_product_attention(q, q, v, implementation=(kernel, "xla"))
     assert out.shape == (2, 64, 4, 16)
 
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -218,16 +218,20 @@ class DotProductAttention(Op[NullConfig]):
 
         return partition_rule(ba)
 
+    # Implementations that take a value head dim other than the query's (MLA); the
+    # others tile one head dim for both.
+    _any_value_dim: ClassVar[frozenset[str]] = frozenset({"xla", "xla_chunked"})
+
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
-        """Also: a value head dim other than the query's (MLA) runs in the `xla`
-        implementation only; the kernels and the chunked form tile one head dim."""
+        """Also: a value head dim other than the query's (MLA) runs only in the
+        implementations of `_any_value_dim`."""
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)
         query, value = ba.arguments["query"], ba.arguments["value"]
-        if value.shape[3] != query.shape[3] and self.implementation != "xla":
+        if value.shape[3] != query.shape[3] and self.implementation not in self._any_value_dim:
             raise NotImplementedError(
                 f"{type(self).__name__}: value head_dim {value.shape[3]} differs from the "
-                f"query's {query.shape[3]}; implementation='xla' takes it")
+                f"query's {query.shape[3]}; implementation='xla' or 'xla_chunked' takes it")
 
     def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
         """XLA's attention yields to cuDNN's wherever cuDNN runs a call and is not one of
@@ -362,16 +366,20 @@ class DotProductAttentionVjp(VjpOp):
     forward_family = DotProductAttention
     accepts_residual_cotangents = True
 
+    # Implementations that take a value head dim other than the query's (MLA); the
+    # others tile one head dim for both.
+    _any_value_dim: ClassVar[frozenset[str]] = frozenset({"xla", "xla_chunked"})
+
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
-        """Also: a value head dim other than the query's (MLA) runs in the `xla`
-        implementation only; the kernels and the chunked form tile one head dim."""
+        """Also: a value head dim other than the query's (MLA) runs only in the
+        implementations of `_any_value_dim`."""
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)
         query, value = ba.arguments["query"], ba.arguments["value"]
-        if value.shape[3] != query.shape[3] and self.implementation != "xla":
+        if value.shape[3] != query.shape[3] and self.implementation not in self._any_value_dim:
             raise NotImplementedError(
                 f"{type(self).__name__}: value head_dim {value.shape[3]} differs from the "
-                f"query's {query.shape[3]}; implementation='xla' takes it")
+                f"query's {query.shape[3]}; implementation='xla' or 'xla_chunked' takes it")
 
     def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
         """As the forward's (`DotProductAttention.yields_unmeasured_to`): the sweep timed
