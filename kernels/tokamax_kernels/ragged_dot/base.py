@@ -40,9 +40,10 @@ _DIMENSION_NUMBERS = {
 
 
 def canonical_precision(precision: Any, *, op: str) -> Any:
-    """`None`, one `jax.lax.Precision`, or a pair of them (strings like "highest" accepted)."""
-    if precision is None:
-        return None
+    """`None`, one `jax.lax.Precision`, a pair of them (strings like "highest" accepted), or
+    a `jax.lax.DotAlgorithmPreset` (as `jax.lax.dot_general` and upstream Tokamax take)."""
+    if precision is None or isinstance(precision, jax.lax.DotAlgorithmPreset):
+        return precision
     try:
         if isinstance(precision, (tuple, list)):
             if len(precision) != 2:
@@ -51,8 +52,8 @@ def canonical_precision(precision: Any, *, op: str) -> Any:
         return jax.lax.Precision(precision)
     except (ValueError, TypeError, KeyError):
         raise ValueError(
-            f"{op}: precision must be None, a jax.lax.Precision (or its name, e.g. 'highest') "
-            f"or a pair of them, got {precision!r}"
+            f"{op}: precision must be None, a jax.lax.Precision (or its name, e.g. 'highest'), "
+            f"a pair of them or a jax.lax.DotAlgorithmPreset, got {precision!r}"
         ) from None
 
 
