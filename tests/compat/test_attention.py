@@ -148,14 +148,45 @@ def test_different_output_head_dim(implementation, input_dim, output_dim):
                rtol_grads=5e-7)
 
 
+def _triton_interpreted():
+    from tokamax_kernels.attention.pallas_triton import (
+        PallasTritonFlashAttention,
+        PallasTritonFlashAttentionConfig,
+    )
+    from tokamax_kernels.attention.pallas_triton_vjp import (
+        PallasTritonFlashAttentionVjp,
+        PallasTritonFlashAttentionVjpConfig,
+    )
+
+    return PallasTritonFlashAttention(
+        interpret=True,
+        config=PallasTritonFlashAttentionConfig(block_q=16, block_k=16, num_warps=4,
+                                                num_stages=2),
+        vjp=PallasTritonFlashAttentionVjp(
+            interpret=True, config=PallasTritonFlashAttentionVjpConfig(16, 16, 4, 2, 16, 16, 4, 2)))
+
+
+@pytest.mark.parametrize(("value_dim", "keywords"), [
+    (48, {}), (8, {"is_causal": True}), (40, {"key_value_seq_lengths": jnp.array([20, 40])})])
+def test_triton_value_head_dim(value_dim, keywords):
+    """The Triton kernels (Pallas interpret mode) take a value head dim other than the
+    query's: padded, causal and length-masked calls with GQA, forward and gradient."""
+    q, k, v = random_arrays(9, ((2, 40, 4, 32), jnp.float32), ((2, 40, 2, 32), jnp.float32),
+                            ((2, 40, 2, value_dim), jnp.float32))
+    f = functools.partial(tokamax.dot_product_attention, precision=HIGHEST,
+                          implementation=_triton_interpreted(), **keywords)
+    _check_vjp(f, functools.partial(_reference, **keywords), (q, k, v), seed=10, atol=2e-5,
+               rtol=1e-5)
+
+
 def test_value_head_dim_moves_past_kernels():
-    """A kernel that tiles one head dim for query and value raises `NotImplementedError`
-    for another value head dim (here at the support check, before any lowering), so a
-    sequence moves on."""
-    from tokamax_kernels.attention.pallas_triton import PallasTritonFlashAttention
+    """A kernel that tiles one head dim for query and value (here the Mosaic TPU one, in
+    interpret mode) raises `NotImplementedError` for another value head dim, so a sequence
+    moves on."""
+    from tokamax_kernels.attention.pallas_mosaic_tpu import PallasMosaicTpuFlashAttention
 
     q, v = random_arrays(6, ((2, 64, 4, 32), jnp.float32), ((2, 64, 4, 16), jnp.float32))
-    kernel = PallasTritonFlashAttention(interpret=True)
+    kernel = PallasMosaicTpuFlashAttention(interpret=True)
     with pytest.raises(NotImplementedError, match="value head_dim"):
         tokamax.dot_product_attention(q, q, v, implementation=kernel)
     out = tokamax.dot_product_attention(q, q, v, implementation=(kernel, "xla"))

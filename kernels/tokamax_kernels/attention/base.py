@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +198,21 @@ def compute_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+# Implementations that take a value head dim other than the query's (MLA); the others
+# tile one head dim for query, key and value.
+ANY_VALUE_HEAD_DIM = frozenset({"xla", "xla_chunked", "triton"})
+
+
+def check_value_head_dim(op: Op, ba: BoundArguments) -> None:
+    """`NotImplementedError` where the value head dim differs from the query's and `op` is
+    not among `ANY_VALUE_HEAD_DIM`, so a sequence of implementations or `None` moves on."""
+    query, value = ba.arguments["query"], ba.arguments["value"]
+    if value.shape[3] != query.shape[3] and op.implementation not in ANY_VALUE_HEAD_DIM:
+        raise NotImplementedError(
+            f"{type(op).__name__}: value head_dim {value.shape[3]} differs from the query's "
+            f"{query.shape[3]}; implementations {sorted(ANY_VALUE_HEAD_DIM)} take it")
+
+
 def yields_to_cudnn(other: BoundArguments) -> bool:
     """Whether `other` is cuDNN's attention (forward or gradient) at a call where it is
     not among the tiny ones XLA wins (`Op.unmeasured_plain_path_loses`)."""
@@ -218,20 +233,10 @@ class DotProductAttention(Op[NullConfig]):
 
         return partition_rule(ba)
 
-    # Implementations that take a value head dim other than the query's (MLA); the
-    # others tile one head dim for both.
-    _any_value_dim: ClassVar[frozenset[str]] = frozenset({"xla", "xla_chunked"})
-
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
-        """Also: a value head dim other than the query's (MLA) runs only in the
-        implementations of `_any_value_dim`."""
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)
-        query, value = ba.arguments["query"], ba.arguments["value"]
-        if value.shape[3] != query.shape[3] and self.implementation not in self._any_value_dim:
-            raise NotImplementedError(
-                f"{type(self).__name__}: value head_dim {value.shape[3]} differs from the "
-                f"query's {query.shape[3]}; implementation='xla' or 'xla_chunked' takes it")
+        check_value_head_dim(self, ba)
 
     def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
         """XLA's attention yields to cuDNN's wherever cuDNN runs a call and is not one of
@@ -366,20 +371,10 @@ class DotProductAttentionVjp(VjpOp):
     forward_family = DotProductAttention
     accepts_residual_cotangents = True
 
-    # Implementations that take a value head dim other than the query's (MLA); the
-    # others tile one head dim for both.
-    _any_value_dim: ClassVar[frozenset[str]] = frozenset({"xla", "xla_chunked"})
-
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
-        """Also: a value head dim other than the query's (MLA) runs only in the
-        implementations of `_any_value_dim`."""
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)
-        query, value = ba.arguments["query"], ba.arguments["value"]
-        if value.shape[3] != query.shape[3] and self.implementation not in self._any_value_dim:
-            raise NotImplementedError(
-                f"{type(self).__name__}: value head_dim {value.shape[3]} differs from the "
-                f"query's {query.shape[3]}; implementation='xla' or 'xla_chunked' takes it")
+        check_value_head_dim(self, ba)
 
     def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
         """As the forward's (`DotProductAttention.yields_unmeasured_to`): the sweep timed
