@@ -11,6 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+# `implementation=None` runs the XLA path on CPU, as `"xla"` does: its cases repeat the
+# `"xla"` ones there and run with the slow set (`pytest -m slow`).
+NONE_ON_CPU = pytest.param(None, marks=pytest.mark.slow)
 
 
 def assert_trees_all_close(actual, expected, *, atol: float = 1e-6, rtol: float = 1e-6) -> None:

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from compat._upstream import as_float32, assert_trees_all_close, random_arrays
+from compat._upstream import NONE_ON_CPU, as_float32, assert_trees_all_close, random_arrays
 
 HIGHEST = jax.lax.Precision.HIGHEST
 # Upstream's api test runs its grids for None, "xla" and "xla_chunked" on CPU.
-IMPLEMENTATIONS = (None, "xla", "xla_chunked")
+IMPLEMENTATIONS = (NONE_ON_CPU, "xla", "xla_chunked")
 
 
 def _reference(q, k, v, bias=None, mask=None, *, is_causal=False, query_seq_lengths=None,
@@ -133,7 +133,7 @@ def test_dot_product_attention_mask(implementation, mask_mode):
             assert_trees_all_close(got, want, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "xla_chunked", None])
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked", NONE_ON_CPU])
 @pytest.mark.parametrize("input_dim", [24, 128])
 @pytest.mark.parametrize("output_dim", [64, 112])
 def test_different_output_head_dim(implementation, input_dim, output_dim):
@@ -167,7 +167,8 @@ def _triton_interpreted():
 
 
 @pytest.mark.parametrize(("value_dim", "keywords"), [
-    (48, {}), (8, {"is_causal": True}), (40, {"key_value_seq_lengths": jnp.array([20, 40])})])
+    (48, {}), pytest.param(8, {"is_causal": True}, marks=pytest.mark.slow),
+    pytest.param(40, {"key_value_seq_lengths": jnp.array([20, 40])}, marks=pytest.mark.slow)])
 def test_triton_value_head_dim(value_dim, keywords):
     """The Triton kernels (Pallas interpret mode) take a value head dim other than the
     query's: padded, causal and length-masked calls with GQA, forward and gradient."""

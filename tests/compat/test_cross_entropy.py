@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from compat._upstream import assert_trees_all_close
+from compat._upstream import NONE_ON_CPU, assert_trees_all_close
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -39,7 +39,7 @@ SIZES = {"small": (1024, 512, 2048), "small_unaligned": (1024, 520, 2049),
          "medium": (4096, 1024, 4096)}
 
 
-@pytest.mark.parametrize("implementation", ["xla", "chunked_xla", None])
+@pytest.mark.parametrize("implementation", ["xla", "chunked_xla", NONE_ON_CPU])
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("size", [
     "small", "small_unaligned", pytest.param("medium", marks=pytest.mark.slow)])

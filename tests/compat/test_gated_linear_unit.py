@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from compat._upstream import assert_trees_all_close, random_arrays
+from compat._upstream import NONE_ON_CPU, assert_trees_all_close, random_arrays
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -38,7 +38,7 @@ CASE_PARAMS = [pytest.param(name, marks=BATCHED_WEIGHT_GRADIENT_ON_CPU) if name 
                else name for name in sorted(GLU_CASES)]
 
 
-@pytest.mark.parametrize("implementation", ["xla", None])
+@pytest.mark.parametrize("implementation", ["xla", NONE_ON_CPU])
 @pytest.mark.parametrize("case", CASE_PARAMS)
 def test_gated_linear_unit(implementation, case):
     """Upstream's `test_gated_linear_unit` (m = n = 256, k = 64, bfloat16 against float32):
