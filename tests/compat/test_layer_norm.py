@@ -135,3 +135,38 @@ def test_basic_api_value_and_symbolic_export(implementation):
         jax.ShapeDtypeStruct((rows, 32), x.dtype), params, params)
     rehydrated = jax.export.deserialize(exported.serialize())
     assert_trees_all_close(jax.jit(rehydrated.call)(x, scale, offset), golden)
+
+
+# Upstream's `test_bench` specs (AlphaFold pair activations, bfloat16 with float32 scale
+# and offset): (x shape, axis).
+BENCH_SPECS = {
+    "alphafold_384res_64chan": ((384, 384, 64), -1),
+    "alphafold_384res_128chan": ((384, 384, 128), -1),
+    "alphafold_768res_128chan": ((768, 768, 128), -1),
+    "alphafold_384res_128chan_axis0": ((128, 384, 384), 0),
+    "alphafold_768res_128chan_axis0": ((128, 768, 768), 0),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BENCH_SPECS))
+def test_bench(name):
+    shape, axis = BENCH_SPECS[name]
+    keys = jax.random.split(jax.random.key(1), 4)
+    x = jax.random.normal(keys[0], shape, jnp.float32).astype(jnp.bfloat16)
+    scale = jax.random.uniform(keys[1], (shape[axis],))
+    offset = jax.random.uniform(keys[2], (shape[axis],))
+    f = functools.partial(tokamax.layer_norm, axis=axis, implementation="xla")
+    f_ref = functools.partial(_reference, axis=axis, epsilon=1e-6, scale_offset=0.0,
+                              subtract_mean=True)
+    atol = ATOL[x.dtype] * math.sqrt(shape[axis])
+    expected, pullback_ref = jax.vjp(f_ref, x, scale, offset)
+    actual, pullback = jax.vjp(f, x, scale, offset)
+    assert_trees_all_close(actual, expected, atol=atol)
+    dy = jax.random.normal(keys[3], shape, jnp.float32).astype(x.dtype)
+    dx, dscale, doffset = pullback(dy)
+    dx_ref, dscale_ref, doffset_ref = pullback_ref(dy)
+    assert_trees_all_close(dx, dx_ref, atol=atol)
+    broadcast = math.prod(d for i, d in enumerate(shape) if i != axis % len(shape))
+    assert_trees_all_close(dscale, dscale_ref, atol=ATOL[x.dtype] * 10 * math.sqrt(broadcast))
+    assert_trees_all_close(doffset, doffset_ref, atol=ATOL[x.dtype] * 25 * math.sqrt(broadcast))

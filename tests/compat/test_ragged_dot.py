@@ -142,3 +142,26 @@ def test_generate_group_sizes(m, num_groups, p):
     sizes = tokamax.generate_ragged_dot_group_sizes(m=m, num_groups=num_groups, p=p)
     assert len(sizes) == num_groups
     assert sum(int(s) for s in sizes) == m
+
+
+# Upstream's `test_bench` specs: (groups, m, n, k, representative group sizes).
+BENCH_SPECS = {
+    "memory_bound": (8, 8, 4096, 4096, [1] * 8),
+    "compute_bound": pytest.param((8, 4096, 4096, 4096, [4096] + [0] * 7),
+                                  marks=pytest.mark.slow),
+}
+
+
+@pytest.mark.parametrize("spec", BENCH_SPECS.values(), ids=BENCH_SPECS)
+def test_bench(spec):
+    """bf16 operands at a benchmark shape, within atol 0.01, rtol 0.005 over the grouped
+    rows."""
+    num_groups, m, n, k, sizes = spec
+    ka, kb = jax.random.split(jax.random.key(7))
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(kb, (num_groups, k, n), jnp.float32).astype(jnp.bfloat16)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    count = sum(sizes)
+    actual = tokamax.ragged_dot(a, b, group_sizes, implementation="xla")
+    assert_trees_all_close(actual[:count], _reference(a, b, group_sizes)[:count],
+                           atol=0.01, rtol=0.005)
