@@ -133,6 +133,34 @@ def test_dot_product_attention_mask(implementation, mask_mode):
             assert_trees_all_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("batch_size", [1, 16])
+@pytest.mark.parametrize("use_vmap", [False, True])
+def test_dot_product_attention_bias_gradient(implementation, batch_size, use_vmap):
+    """Upstream's api bias-gradient case: self-attention with a full bias and a key mask of
+    shape (1, 1, S), optionally vmapped over the batch (rank-3 calls inside); output
+    within 0.01, bias gradient within 0.25."""
+    b, s, n, h = batch_size, 128, 4, 64
+    x, bias = random_arrays(13, ((b, s, n, h), jnp.bfloat16), ((b, n, s, s), jnp.bfloat16))
+    mask = jnp.ones((1, 1, s), jnp.bool_)
+
+    def attention(fn):
+        def f(x, bias):
+            return fn(x, x, x, bias, mask)
+        return jax.vmap(f) if use_vmap else f
+
+    ours = attention(functools.partial(tokamax.dot_product_attention,
+                                       implementation=implementation))
+    ref = attention(_reference)
+    expected, pullback_ref = jax.vjp(ref, *as_float32((x, bias)))
+    actual, pullback = jax.vjp(ours, x, bias)
+    assert_trees_all_close(actual, expected, atol=0.01, rtol=0.01)
+    (dout,) = random_arrays(14, (actual.shape, actual.dtype))
+    dbias = pullback(dout)[1]
+    dbias_ref = pullback_ref(dout.astype(jnp.float32))[1]
+    assert_trees_all_close(dbias, dbias_ref, atol=0.25, rtol=0.25)
+
+
 @pytest.mark.parametrize("implementation", ["xla", "xla_chunked", NONE_ON_CPU])
 @pytest.mark.parametrize("input_dim", [24, 128])
 @pytest.mark.parametrize("output_dim", [64, 112])
@@ -145,6 +173,17 @@ def test_different_output_head_dim(implementation, input_dim, output_dim):
     f = functools.partial(tokamax.dot_product_attention, precision=HIGHEST,
                           implementation=implementation)
     _check_vjp(f, _reference, (q, k, v), seed=5, atol=2e-6, rtol=2e-7, atol_grads=5e-6,
+               rtol_grads=5e-7)
+
+
+@pytest.mark.parametrize("batch", [(), (3, 2)])
+def test_value_head_dim_with_other_batch_ranks(batch):
+    """No batch axis, or several (upstream's public function takes both), with a value
+    head dim other than the query's: the output takes the value's head dim."""
+    q, k, v = random_arrays(11, ((*batch, 64, 4, 32), jnp.float32),
+                            ((*batch, 64, 2, 32), jnp.float32), ((*batch, 64, 2, 8), jnp.float32))
+    f = functools.partial(tokamax.dot_product_attention, precision=HIGHEST, implementation="xla")
+    _check_vjp(f, _reference, (q, k, v), seed=12, atol=2e-6, rtol=2e-7, atol_grads=5e-6,
                rtol_grads=5e-7)
 
 
@@ -201,11 +240,15 @@ SHAPE_CASES = {
     "cross_attention": ((2, 1024, 4, 64), (2, 2048, 4, 64), {}, 1e-6),
     "multi_query": ((2, 1024, 4, 64), (2, 1024, 1, 64), {}, 1e-6),
     "grouped_query": ((2, 1024, 16, 64), (2, 1024, 4, 64), {}, 1e-6),
-    "non_power_of_two_q_seq_len": ((2, 1000, 4, 64), (2, 1024, 4, 64), {}, 1e-6),
+    "non_power_of_two_q_seq_len": ((2, 112, 4, 64), (2, 1024, 4, 64), {}, 1e-6),
+    "no_batch_dim": ((1024, 4, 64), None, {}, 1e-6),
+    "multiple_batch_dims": ((2, 3, 4, 256, 4, 64), None, {}, 1e-6),
     "non_power_of_two_head_dim": ((2, 1024, 4, 48), None, {}, 1e-6),
     "small_non_power_of_two_head_dim": ((2, 1024, 4, 24), None, {}, 1e-6),
     "causal_mask": ((2, 1024, 4, 64), None, {"is_causal": True}, 1e-6),
-    "local_attention": ((2, 1024, 4, 64), None, {"local_window_size": (128, 128)}, 1e-6),
+    # Upstream's `CausalMask(window_size=128)`: each row sees itself and 127 keys before.
+    "local_attention": ((2, 1024, 4, 64), None,
+                        {"is_causal": True, "local_window_size": (127, 0)}, 1e-6),
     "tanh_clipping": ((2, 1024, 4, 64), None, {"logits_soft_cap": 10.0}, 2e-6),
 }
 
