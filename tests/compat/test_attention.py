@@ -233,23 +233,48 @@ def test_value_head_dim_moves_past_kernels():
     assert out.shape == (2, 64, 4, 16)
 
 
-# Upstream's base-test shape cases that the public function takes: (query shape, key/value
-# shape or None, keywords, forward atol).
+# Upstream's base-test cases that the public function takes: query shape, and where they
+# differ from the defaults, key/value shape, bias and mask shapes, dtype, keywords and the
+# forward atol (upstream's rules: rtol = atol / 10, gradients at 2 * atol, at least 5e-6).
+F32 = jnp.float32
 SHAPE_CASES = {
-    "self_attention_float32": ((2, 1024, 4, 64), None, {}, 1e-6),
-    "cross_attention": ((2, 1024, 4, 64), (2, 2048, 4, 64), {}, 1e-6),
-    "multi_query": ((2, 1024, 4, 64), (2, 1024, 1, 64), {}, 1e-6),
-    "grouped_query": ((2, 1024, 16, 64), (2, 1024, 4, 64), {}, 1e-6),
-    "non_power_of_two_q_seq_len": ((2, 112, 4, 64), (2, 1024, 4, 64), {}, 1e-6),
-    "no_batch_dim": ((1024, 4, 64), None, {}, 1e-6),
-    "multiple_batch_dims": ((2, 3, 4, 256, 4, 64), None, {}, 1e-6),
-    "non_power_of_two_head_dim": ((2, 1024, 4, 48), None, {}, 1e-6),
-    "small_non_power_of_two_head_dim": ((2, 1024, 4, 24), None, {}, 1e-6),
-    "causal_mask": ((2, 1024, 4, 64), None, {"is_causal": True}, 1e-6),
+    "self_attention_float32": dict(q=(2, 1024, 4, 64)),
+    "self_attention_bfloat16": dict(q=(2, 1024, 4, 64), dtype=jnp.bfloat16, atol=1e-2),
+    "self_attention_float16": dict(q=(2, 1024, 4, 64), dtype=jnp.float16, atol=5e-4),
+    "cross_attention": dict(q=(2, 1024, 4, 64), kv=(2, 1536, 4, 64)),
+    "cross_attention_bias": dict(q=(2, 1024, 4, 64), kv=(2, 1536, 4, 64),
+                                 bias=(2, 4, 1024, 1536), atol=3e-6),
+    "multi_query": dict(q=(2, 1024, 4, 64), kv=(2, 1024, 1, 64)),
+    "grouped_query": dict(q=(2, 1024, 16, 64), kv=(2, 1024, 4, 64)),
+    "no_batch_dim": dict(q=(1024, 4, 64)),
+    "multiple_batch_dims": dict(q=(2, 3, 4, 256, 4, 64)),
+    "non_power_of_two_q_seq_len": dict(q=(2, 112, 4, 64), kv=(2, 1024, 4, 64)),
+    "non_power_of_two_head_dim": dict(q=(2, 1024, 4, 48)),
+    "small_non_power_of_two_head_dim": dict(q=(2, 1024, 4, 24)),
+    "causal_mask": dict(q=(2, 1024, 4, 64), keywords={"is_causal": True}),
+    "causal_mask_cross_attention_512": dict(q=(2, 1024, 4, 64), kv=(2, 512, 4, 64),
+                                            keywords={"is_causal": True}, atol=1e-5),
+    "causal_mask_cross_attention_539": dict(q=(2, 1024, 4, 64), kv=(2, 539, 4, 64),
+                                            keywords={"is_causal": True}, atol=1e-5),
+    "padding_mask": dict(q=(2, 1024, 4, 64), keywords={
+        "query_seq_lengths": jnp.array([456, 987]),
+        "key_value_seq_lengths": jnp.array([123, 999])}),
     # Upstream's `CausalMask(window_size=128)`: each row sees itself and 127 keys before.
-    "local_attention": ((2, 1024, 4, 64), None,
-                        {"is_causal": True, "local_window_size": (127, 0)}, 1e-6),
-    "tanh_clipping": ((2, 1024, 4, 64), None, {"logits_soft_cap": 10.0}, 2e-6),
+    "local_attention": dict(q=(2, 1024, 4, 64),
+                            keywords={"is_causal": True, "local_window_size": (127, 0)}),
+    "tanh_clipping": dict(q=(2, 1024, 4, 64), keywords={"logits_soft_cap": 10.0}, atol=2e-6),
+    "tanh_clipping_bias": dict(q=(2, 1024, 4, 64), bias=(2, 4, 1024, 1024),
+                               keywords={"logits_soft_cap": 10.0}, atol=2e-6),
+    **{f"small_sequences_{sq}_{sk}": dict(q=(2, sq, 4, 64), kv=(2, sk, 4, 64), uniform=True,
+                                          atol_grads=2e-5)
+       for sq, sk in ((8, 256), (256, 8), (7, 8), (15, 16), (15, 15))},
+    **{f"bias_{'x'.join(map(str, shape))}": dict(q=(2, 1024, 4, 64), bias=shape, atol=5e-6)
+       for shape in ((2, 4, 1024, 1024), (2, 4, 1024, 1), (2, 4, 1, 1024), (2, 1, 1024, 1024),
+                     (1, 4, 1024, 1024), (4, 1024, 1024))},
+    **{f"mask_{'x'.join(map(str, shape))}": dict(q=(2, 1024, 4, 64), mask=shape)
+       for shape in ((2, 4, 1024, 1024), (2, 4, 1024, 1), (2, 4, 1, 1024), (2, 1, 1024, 1024),
+                     (1, 4, 1024, 1024), (2, 1, 1024, 1), (1, 4, 1024, 1), (2, 1, 1, 1024),
+                     (1, 4, 1, 1024))},
 }
 
 
@@ -257,11 +282,28 @@ SHAPE_CASES = {
 @pytest.mark.parametrize("implementation", ["xla", "xla_chunked"])
 @pytest.mark.parametrize("case", sorted(SHAPE_CASES))
 def test_attention_shapes(implementation, case):
-    q_shape, kv_shape, keywords, atol = SHAPE_CASES[case]
-    kv_shape = kv_shape or q_shape
-    q, k, v = random_arrays(7, (q_shape, jnp.float32), (kv_shape, jnp.float32),
-                            (kv_shape, jnp.float32))
-    f = functools.partial(tokamax.dot_product_attention, precision=HIGHEST,
-                          implementation=implementation, **keywords)
-    _check_vjp(f, functools.partial(_reference, **keywords), (q, k, v), seed=8, atol=atol,
-               rtol=max(atol / 10, 1e-6), atol_grads=max(2 * atol, 5e-6))
+    spec = SHAPE_CASES[case]
+    dtype, q_shape = spec.get("dtype", F32), spec["q"]
+    kv_shape = spec.get("kv", q_shape)
+    if spec.get("uniform"):  # upstream keeps values away from 0 here (heavy padding)
+        keys = jax.random.split(jax.random.key(7), 3)
+        q, k, v = (jax.random.uniform(key, shape, F32, 1.0, 2.0) for key, shape in
+                   zip(keys, (q_shape, kv_shape, kv_shape), strict=True))
+    else:
+        q, k, v = random_arrays(7, (q_shape, dtype), (kv_shape, dtype), (kv_shape, dtype))
+    bias = None if "bias" not in spec else random_arrays(15, (spec["bias"], dtype))[0]
+    mask = None if "mask" not in spec else random_arrays(16, (spec["mask"], jnp.bool_))[0]
+    keywords = spec.get("keywords", {})
+    precision = HIGHEST if dtype == F32 else None
+    atol = spec.get("atol", 1e-6)
+
+    def f(q, k, v, bias):
+        return tokamax.dot_product_attention(q, k, v, bias, mask, precision=precision,
+                                             implementation=implementation, **keywords)
+
+    def f_ref(q, k, v, bias):
+        return _reference(q, k, v, bias, mask, **keywords)
+
+    atol_grads = spec.get("atol_grads", max(2 * atol, 5e-6))
+    _check_vjp(f, f_ref, (q, k, v, bias), seed=8, atol=atol, rtol=max(atol / 10, 1e-6),
+               atol_grads=atol_grads, rtol_grads=max(atol_grads / 10, 1e-6))
