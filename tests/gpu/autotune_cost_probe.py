@@ -21,8 +21,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-
 from tests.test_autotuning_gpu import _loss
+
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import get_bound_args, keys
 from tokamax_pass.autotuning.autotuner import call_op, candidate_configs, timing_arguments

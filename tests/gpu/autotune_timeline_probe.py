@@ -17,10 +17,10 @@ import time
 
 import jax
 import jax.numpy as jnp
+from tests.test_autotuning_gpu import _device_time_ms, _loss
 
 import tokamax_pass as tokamax
 from tests.gpu._timeline import Timeline
-from tests.test_autotuning_gpu import _device_time_ms, _loss
 
 TIMELINE = Timeline()
 

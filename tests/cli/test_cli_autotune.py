@@ -24,7 +24,7 @@ def _cache_dir(tmp_path, monkeypatch):
 
 def test_autotune_command_writes_a_result(tmp_path, capsys):
     out = tmp_path / "result.json"
-    assert cli.main(["autotune", "test_autotuning_ops:loss", "--args", *SHAPES, "--grad",
+    assert cli.main(["autotune", "_tunable_ops:loss", "--args", *SHAPES, "--grad",
                      "-o", str(out), "--no-progress"]) == 0
     result = tokamax.AutotuningResult.load(out)
     [(ba, data)] = list(result)
@@ -39,7 +39,7 @@ def test_autotune_command_writes_the_result_the_cache_refused(tmp_path, monkeypa
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     out = tmp_path / "result.json"
     with pytest.raises(SystemExit, match="UnsavedResultError: .* the result is in "):
-        cli.main(["autotune", "test_autotuning_ops:loss", "--args", *SHAPES, "--grad",
+        cli.main(["autotune", "_tunable_ops:loss", "--args", *SHAPES, "--grad",
                   "-o", str(out), "--cache", "--no-progress"])
     [(ba, data)] = list(tokamax.AutotuningResult.load(out))
     assert type(ba.op).__name__ == "XlaChunkedMatmul" and len(data) == 5
@@ -55,7 +55,7 @@ def test_autotune_all_implementations_searches_losers_only_when_asked(
 
     monkeypatch.setattr(staging, "TUNING_GAIN", 1e9)  # no kernel could win after tuning
     out = tmp_path / "result.json"
-    assert cli.main(["autotune", "test_autotuning_ops:loss", "--args", *SHAPES, "--grad",
+    assert cli.main(["autotune", "_tunable_ops:loss", "--args", *SHAPES, "--grad",
                      "--all-implementations", "--ignore-cache", "-o", str(out),
                      "--no-progress", *flags]) == 0
     timed = {type(ba.op).__name__: len(data) for ba, data in tokamax.AutotuningResult.load(out)}
@@ -65,7 +65,7 @@ def test_autotune_all_implementations_searches_losers_only_when_asked(
 
 def test_bound_args_command_then_autotune_from_the_file(tmp_path):
     listing = tmp_path / "bound_args.json"
-    assert cli.main(["bound-args", "test_autotuning_ops:loss", "--args", *SHAPES, "--grad",
+    assert cli.main(["bound-args", "_tunable_ops:loss", "--args", *SHAPES, "--grad",
                      "-o", str(listing)]) == 0
     bound = tokamax.autotuning.bound_args_from_json(str(listing))
     assert sorted(type(b.op).__name__ for b in bound) == ["AutodiffVjp", "XlaChunkedMatmul"]
@@ -81,7 +81,7 @@ def test_bound_args_command_then_autotune_from_the_file(tmp_path):
 
 def test_cache_commands(tmp_path, capsys):
     out = tmp_path / "result.json"
-    cli.main(["autotune", "test_autotuning_ops:loss", "--args", *SHAPES, "-o", str(out),
+    cli.main(["autotune", "_tunable_ops:loss", "--args", *SHAPES, "-o", str(out),
               "--no-progress"])
     folder = tmp_path / "elsewhere"
     assert cli.main(["cache", "--cache-dir", str(folder), "import", str(out)]) == 0

@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from conftest import assert_close, random_normal
-from test_autotuning_ops import (
+from _tunable_ops import (
     ChunkConfig,
     ChunkedMatmul,
     SlowLoweringMatmul,
     XlaChunkedMatmul,
     chunked_matmul,
 )
+from conftest import assert_close, random_normal
 from tokamax_pass.autotuning import cache, discovery, keys
 from tokamax_pass.autotuning.result import Entry, Measurement
 from tokamax_pass.core import current_target, spec

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^(\s*)```(.*)$")
 NEEDS_DEVICE = re.compile(r"#\s*needs\s+an?\s+(GPU|TPU)\b", re.IGNORECASE)
 

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from conftest import H200, assert_close, random_normal
-from test_selection import calibrate
+from conftest import H200, assert_close, calibrate, random_normal
 from tokamax_pass import core
 from tokamax_pass.pass_ import rewrite
 

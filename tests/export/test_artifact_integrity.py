@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from test_autotuning_ops import ChunkConfig, XlaChunkedMatmul
+from _tunable_ops import ChunkConfig, XlaChunkedMatmul
 from tokamax_pass.artifact import Artifact, ArtifactIntegrityError
 from tokamax_pass.autotuning import cache, keys
 from tokamax_pass.autotuning.result import Entry, Measurement

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tk
+from _square_op import ChunkConfig, fastest_result, square_bound, square_loss
 from conftest import H200, assert_close, random_normal, reference_precision
-from test_optimize import ChunkConfig, _result, _square_bound, square_loss
 from tokamax_pass.export import Artifact, ArtifactMismatchError, check_compatible
 
 # Kernels first, where the platform runs them (`None` would run the XLA paths at these
@@ -67,7 +67,7 @@ def test_cpu_round_trip(xs, tmp_path):
 
 def test_string_specs_and_an_optimized_function(xs):
     x, scale = xs[0][0, :, 0], xs[1]
-    result = _result((_square_bound(x, scale), ChunkConfig(4)))
+    result = fastest_result((square_bound(x, scale), ChunkConfig(4)))
     optimized = tk.optimize(square_loss, results=result)
     artifact = tk.export(optimized, "f32[16,64]", "f32[64]", name="tuned")
     assert artifact.name == "tuned"

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tokamax_pass as tokamax
+from _tunable_ops import ChunkConfig, ChunkedMatmul, XlaChunkedMatmul, chunked_matmul
 from conftest import random_normal
-from test_autotuning_ops import ChunkConfig, ChunkedMatmul, XlaChunkedMatmul, chunked_matmul
 from tokamax_pass.autotuning import cache, keys, staging
 from tokamax_pass.autotuning.result import Entry, Measurement
 from tokamax_pass.core import NullConfig, current_target

@@ -1,34 +1,20 @@
 """`implementation=None` with predictions: a calibration for the target ranks kernels
 against the plain-JAX paths where nothing was measured (exported for an H200 from CPU)."""
 
-import json
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from conftest import H200, measured
+from conftest import H200, calibrate, measured
 from tokamax_pass import core
-from tokamax_pass.core import calibration
 
 LHS = jax.ShapeDtypeStruct((64 * 96, 2048), jnp.bfloat16)
 RHS = jax.ShapeDtypeStruct((64, 2048, 1408), jnp.bfloat16)
 SIZES = jax.ShapeDtypeStruct((64,), jnp.int32)
 X = jax.ShapeDtypeStruct((20000, 768), jnp.float32)
 SCALE = jax.ShapeDtypeStruct((768,), jnp.float32)
-
-
-def calibrate(folder, efficiencies, device_kind=H200):
-    """A calibration for `device_kind` in which each op named in `efficiencies` reaches
-    that efficiency everywhere (one far point: every call takes the op's median)."""
-    points = [{"op": op, "dtype": dtype, "flops": 1.0, "bytes": 1.0, "efficiency": e}
-              for op, e in efficiencies.items() for dtype in ("bfloat16", "float32")]
-    (folder / f"{core.device.device_kind_key(device_kind)}.json").write_text(json.dumps({
-        "schema": calibration.SCHEMA, "version": calibration.VERSION,
-        "device_kind": device_kind,
-        "ceilings": {"bf16_tflops": 700.0, "f32_tflops": 50.0, "hbm_tbps": 4.0},
-        "points": points}))
 
 
 def ragged_loss(lhs, rhs, sizes):

@@ -1,7 +1,7 @@
 """Snapshot the StableHLO of the Mosaic GPU attention (forward and gradient, exported for
 `cuda` on CPU) at the benchmark-like shapes, to compare two versions of the kernels:
 
-    PYTHONPATH=src:kernels:. python tests/mosaic_attention_stablehlo_snapshot.py OUT_DIR
+    PYTHONPATH=src:kernels:. python benchmarks/probes/mosaic_attention_stablehlo_snapshot.py OUT_DIR
     diff -r BEFORE_DIR AFTER_DIR
 
 Source locations are left out of the lowering (`jax_traceback_in_locations_limit=0`) and

@@ -15,7 +15,7 @@ import pytest
 from mutation import run_mutations
 from mutation.mutations import MUTATIONS, Mutation
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m.name)

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tk
+from _square_op import ChunkConfig, fastest_result, square_bound
 from conftest import H200, assert_close, measured, random_normal, reference_precision
-from test_optimize import ChunkConfig, _result, _square_bound
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_kernels.layer_norm.pallas_triton import PallasTritonLayerNorm
 from tokamax_pass.cli import main
@@ -19,7 +19,7 @@ from tokamax_pass.cli import main
 MODEL = textwrap.dedent("""
     import jax.numpy as jnp
     import tokamax_pass as tk
-    from test_optimize import square
+    from _square_op import square
 
     def loss(x, scale):
         return jnp.sum(tk.layer_norm(x, scale, None) ** 2)
@@ -60,7 +60,7 @@ def test_export_then_inspect(model, tmp_path, capsys):
 def test_export_for_cpu_and_h200_with_results(model, tmp_path, capsys):
     x, scale = random_normal(0, (8, 16)), random_normal(1, (16,))
     tuned = tmp_path / "tuned.json"
-    _result((_square_bound(x, scale), ChunkConfig(4))).dump(str(tuned))
+    fastest_result((square_bound(x, scale), ChunkConfig(4))).dump(str(tuned))
     # The H200 measured the Triton norm faster at this shape: `None` takes it for cuda.
     x64 = jax.ShapeDtypeStruct((8, 64), jnp.float32)
     scale64 = jax.ShapeDtypeStruct((64,), jnp.float32)

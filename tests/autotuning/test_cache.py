@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import tokamax_pass as tokamax
-from test_autotuning_ops import ChunkConfig, XlaChunkedMatmul
+from _tunable_ops import ChunkConfig, XlaChunkedMatmul
 from tokamax_pass.autotuning import cache, keys
 from tokamax_pass.autotuning.result import Entry, Measurement
 from tokamax_pass.core import current_target, resolution

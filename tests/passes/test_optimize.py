@@ -3,120 +3,22 @@ shard_map, custom_jvp), its plan, results that win, autotuning, and its per-call
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import tokamax_pass as tk
+from _square_op import (
+    ChunkConfig,
+    ChunkedSquare,
+    fastest_result,
+    square,
+    square_bound,
+    square_loss,
+    square_vjp_bound,
+)
 from conftest import assert_close, random_normal, reference_precision
-from tokamax_pass.autotuning import AutotuningResult
-from tokamax_pass.autotuning.result import Entry, Measurement
-from tokamax_pass.core import BoundArguments, Family, NullConfig, Op, VjpOp, register_family
-
-# --- a tunable user-defined op: y = x * x * scale, computed in row chunks ---------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ChunkConfig:
-    chunk: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Square(Op[NullConfig]):
-    """`x * x * scale` (scale broadcast over rows); the XLA reference."""
-
-    def bind(self, x: Any, scale: Any) -> BoundArguments:
-        if x.ndim != 2 or scale.shape != (x.shape[1],):
-            raise ValueError(f"square: x must be (rows, n) and scale (n,), got {x.shape}, "
-                             f"{scale.shape}")
-        return BoundArguments(self, dict(x=x, scale=scale))
-
-    def _fwd(self, x, scale, *, config, return_residuals):
-        return x * x * scale, None
-
-
-def _chunked(fn, x, chunk):
-    rows, n = x.shape
-    return fn(x.reshape(rows // chunk, chunk, n)).reshape(rows, n)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ChunkedSquare(Square):
-    config_cls = ChunkConfig
-    implementation = "chunked"
-    # A user's op may declare its kernel safe to run unmeasured; these tests exercise
-    # config resolution, not the choice of implementation.
-    plain_jax_path = True
-
-    def check_supported(self, ba, target):
-        super().check_supported(ba, target)
-        if ba.arguments["x"].shape[0] % 4:
-            raise NotImplementedError("rows must be a multiple of 4")
-
-    def _fwd(self, x, scale, *, config, return_residuals):
-        return _chunked(lambda c: c * c * scale, x, config.chunk), None
-
-    def _get_heuristics_config(self, ba):
-        return ChunkConfig(2)
-
-    def _get_autotuning_configs(self, ba):
-        return {ChunkConfig(1), ChunkConfig(4)}
-
-    def _default_vjp(self):
-        return ChunkedSquareVjp()
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ChunkedSquareVjp(VjpOp):
-    config_cls = ChunkConfig
-    implementation = "chunked"
-    plain_jax_path = True
-
-    def _fwd(self, residuals, out, dout, *, config, return_residuals, x, scale):
-        dx = _chunked(lambda c: c, 2 * x * scale * dout, config.chunk)
-        return {"x": dx, "scale": jnp.sum(x * x * dout, axis=0)}, None
-
-    def _get_heuristics_config(self, ba):
-        return ChunkConfig(2)
-
-    def _get_autotuning_configs(self, ba):
-        return {ChunkConfig(1), ChunkConfig(4)}
-
-
-SQUARE = register_family(Family("square",
-                                {"chunked": ChunkedSquare, "xla": Square},
-                                automatic=("chunked", "xla")))
-
-
-def square(x, scale, implementation=None):
-    return SQUARE(implementation, x, scale)
-
-
-def square_loss(x, scale):
-    return jnp.sum(jnp.sin(square(x, scale)))
-
-
-def _result(*pairs: tuple[BoundArguments, ChunkConfig]) -> AutotuningResult:
-    """A result measuring one config per call as fastest (what `autotune` would return)."""
-    entries = [Entry(ba, {cfg: Measurement(evaluation_times_ms=(1.0,)),
-                          ChunkConfig(2): Measurement(evaluation_times_ms=(5.0,))}, {})
-               for ba, cfg in pairs]
-    return AutotuningResult(jax.devices()[0].device_kind, entries)
-
-
-def _square_bound(x, scale):
-    return ChunkedSquare().bind(jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                jax.ShapeDtypeStruct(scale.shape, scale.dtype))
-
-
-def _square_vjp_bound(x, scale):
-    s = jax.ShapeDtypeStruct
-    return ChunkedSquareVjp().bind(None, s(x.shape, x.dtype), s(x.shape, x.dtype),
-                                   x=s(x.shape, x.dtype), scale=s(scale.shape, scale.dtype))
 
 
 @pytest.fixture
@@ -160,7 +62,7 @@ def test_plan_sources_and_results_win(xs):
     plan = tk.optimize(square_loss).plan(x, scale)
     assert [(r.path, r.implementation, r.config, r.source) for r in plan] == [
         ("square", "chunked", "ChunkConfig(chunk=2)", "heuristics")]
-    result = _result((_square_bound(x, scale), ChunkConfig(4)))
+    result = fastest_result((square_bound(x, scale), ChunkConfig(4)))
     optimized = tk.optimize(square_loss, results=result)
     (row,) = optimized.plan(x, scale)
     assert (row.config, row.source) == ("ChunkConfig(chunk=4)", "autotuning result")
@@ -184,7 +86,7 @@ def test_calls_of_one_shape_in_two_dtypes_are_resolved_each_for_its_own(xs):
         return (jnp.sum(square(x, scale)) +
                 jnp.sum(square(x16, scale16).astype(jnp.float32)))
 
-    result = _result((_square_bound(x16, scale16), ChunkConfig(4)))
+    result = fastest_result((square_bound(x16, scale16), ChunkConfig(4)))
     optimized = tk.optimize(two_dtypes, results=result)
     rows = optimized.plan(x, scale, x16, scale16)
     assert [(r.config, r.source) for r in rows] == [
@@ -199,8 +101,8 @@ def test_results_reach_a_backward_traced_later(xs):
     """`jax.grad(optimize(f))`: the custom_vjp backward is traced after optimize ran, outside
     any `with result:`; it still gets the result's VJP config."""
     x, scale = xs
-    result = _result((_square_bound(x, scale), ChunkConfig(4)),
-                     (_square_vjp_bound(x, scale), ChunkConfig(1)))
+    result = fastest_result((square_bound(x, scale), ChunkConfig(4)),
+                     (square_vjp_bound(x, scale), ChunkConfig(1)))
     grad_fn = jax.grad(tk.optimize(square_loss, results=result), argnums=(0, 1))
     text = jax.jit(grad_fn).lower(x, scale).as_text()
     assert "ChunkedSquareVjp" in text and "\\22chunk\\22:1" in text
@@ -374,8 +276,8 @@ def test_autotune_missing_measures_and_is_used(xs, tmp_path, monkeypatch):
                                                 ("ChunkedSquareVjp", "autotuned")]
     assert len(optimized._tuned) == 1  # measured once for this signature
     # Configs given by a result are not measured again.
-    result = _result((_square_bound(x, scale), ChunkConfig(4)),
-                     (_square_vjp_bound(x, scale), ChunkConfig(1)))
+    result = fastest_result((square_bound(x, scale), ChunkConfig(4)),
+                     (square_vjp_bound(x, scale), ChunkConfig(1)))
     given = tk.optimize(jax.grad(square_loss), autotune="missing", results=result)
     assert [r.source for r in given.plan(x, scale)] == ["autotuning result"] * 2
     assert given._tuned == []
@@ -405,7 +307,7 @@ def test_autotune_always_measures_even_cached_configs(xs, tmp_path, monkeypatch)
     # was faster at its first config on this machine (`staging.py`).
     monkeypatch.setattr(staging, "TUNING_GAIN", 1e-9)
     x, scale = xs
-    result = _result((_square_bound(x, scale), ChunkConfig(4)))
+    result = fastest_result((square_bound(x, scale), ChunkConfig(4)))
     optimized = tk.optimize(square_loss, autotune="always")
     with result:  # an active result does not stop "always" from measuring
         (row,) = optimized.plan(x, scale)

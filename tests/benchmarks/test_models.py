@@ -94,23 +94,23 @@ def test_tiny_timing_writes_every_variant_and_the_tuned_result(tmp_path):
 def test_plan_changes_names_the_calls_a_tuned_result_changes():
     """The suite records which calls tuning changed: none means tuned and untuned run the
     same kernels and configs, and any time between them is run-to-run variance."""
+    from _square_op import ChunkConfig, fastest_result, square_bound, square_loss
     from conftest import random_normal
-    from test_optimize import ChunkConfig, _result, _square_bound, square_loss
 
     x, scale = random_normal(0, (16, 64)), random_normal(1, (64,))
-    assert run.plan_changes(square_loss, x, scale, _result()) == []
+    assert run.plan_changes(square_loss, x, scale, fastest_result()) == []
     changed = run.plan_changes(square_loss, x, scale,
-                               _result((_square_bound(x, scale), ChunkConfig(4))))
+                               fastest_result((square_bound(x, scale), ChunkConfig(4))))
     assert len(changed) == 1 and changed[0].endswith("ChunkConfig(chunk=4)"), changed
 
 
 def test_alternated_times_untuned_and_tuned_in_turn():
+    from _square_op import ChunkConfig, fastest_result, square_bound, square_loss
     from conftest import random_normal
-    from test_optimize import ChunkConfig, _result, _square_bound, square_loss
 
     x, scale = random_normal(0, (16, 64)), random_normal(1, (64,))
     found = run.alternated(jax.grad(square_loss), x, scale,
-                           _result((_square_bound(x, scale), ChunkConfig(4))), iterations=2,
+                           fastest_result((square_bound(x, scale), ChunkConfig(4))), iterations=2,
                            rounds=2)
     assert len(found["untuned_ms"]) == len(found["tuned_ms"]) == 2
     assert min(found["untuned_ms"] + found["tuned_ms"]) > 0
@@ -122,7 +122,7 @@ def test_alternated_swaps_which_goes_first_so_a_steady_drift_cancels(monkeypatch
     """Two runners of one program whose times grow by 1 ms per timing: the rounds go
     untuned, tuned, tuned, untuned, ... and the speedup comes out 1 exactly (always
     untuned first, it would read below 1)."""
-    from test_optimize import ChunkConfig, _result, _square_bound, square_loss
+    from _square_op import ChunkConfig, fastest_result, square_bound, square_loss
 
     order, clock = [], iter(range(100))
 
@@ -137,7 +137,7 @@ def test_alternated_swaps_which_goes_first_so_a_steady_drift_cancels(monkeypatch
     monkeypatch.setattr(run, "_runner", runner)
     x, scale = jax.ShapeDtypeStruct((16, 64), "float32"), jax.ShapeDtypeStruct((64,), "float32")
     found = run.alternated(jax.grad(square_loss), x, scale,
-                           _result((_square_bound(x, scale), ChunkConfig(4))), iterations=2,
+                           fastest_result((square_bound(x, scale), ChunkConfig(4))), iterations=2,
                            rounds=4)
     assert order == ["untuned", "tuned", "tuned", "untuned"] * 2
     assert found["tuned_speedup"] == 1.0

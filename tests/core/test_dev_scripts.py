@@ -7,7 +7,7 @@ import pathlib
 import shutil
 import subprocess
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _run(argv, env=None):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = {"tokamax_pass": ROOT / "src" / "tokamax_pass",
             "tokamax_kernels": ROOT / "kernels" / "tokamax_kernels"}
 # Circles still to untie, each spelled as `circles` reports it. The list only shrinks:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-TESTS = pathlib.Path(__file__).parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]  # where `_tunable_ops` lives
 
 WORKER = textwrap.dedent("""
     import json, sys
@@ -21,7 +21,7 @@ WORKER = textwrap.dedent("""
                                process_id=pid, initialization_timeout=60)
     import tokamax_pass as tk
     from tokamax_pass.autotuning import autotuner
-    from test_autotuning_ops import XlaChunkedMatmul
+    from _tunable_ops import XlaChunkedMatmul
 
     tuned = []
     original = autotuner.Autotuner.tune_many
