@@ -57,7 +57,7 @@ case "${1:-}" in
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     .venv/bin/python -m ruff check src kernels tests benchmarks
     .venv/bin/python -m pytest -q -n 2 --durations=20 tests
-    # Deliberate breakages (tests/mutation/mutations.py), each of which a test must catch.
+    # Deliberate breakages (tests/mutation/patches/), each of which a test must catch.
     .venv/bin/python tests/mutation/run_mutations.py --jobs 2
     # bf16 here; the test suite runs the smoke in float16 and float32 (test_models.py;
     # test_plan_audit.py's under `pytest -m slow`).
