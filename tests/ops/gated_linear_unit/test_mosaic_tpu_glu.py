@@ -1,7 +1,6 @@
-"""PallasMosaicTpuGatedLinearUnit on CPU: the forward in Pallas interpret mode and its
-gradients (the family's XLA gradient) against the float32 HIGHEST XLA reference (fused and
-pair weights, swish and gelu, bf16 and f32, a row count no row block divides), the kernel
-alone in the TPU interpreter, the family's residual contract with another gradient, what
+"""PallasMosaicTpuGatedLinearUnit on CPU beyond the base suite
+(`test_gated_linear_unit_suite.py`, which runs its numerics in Pallas interpret mode): the
+kernel alone in the TPU interpreter, the family's residual contract with another gradient, what
 the kernel refuses, its heuristics per TPU generation, the forward lowered for TPUs
 (`tpu_custom_call`) by `jax.export`, and `None` running it only where measured faster.
 
@@ -60,46 +59,10 @@ def _inputs(dtype, fused: bool, seed: int = 0):
     return x, w if fused else (w[:, 0], w[:, 1])
 
 
-def _float32(weights):
-    return jax.tree.map(lambda a: a.astype(jnp.float32), weights)
-
-
 def _loss(implementation, activation, cotangent, x, weights):
     out = api.gated_linear_unit(x, weights, activation=activation,
                                 implementation=implementation)
     return jnp.sum(out.astype(jnp.float32) * cotangent)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("activation", [jax.nn.swish, jax.nn.gelu], ids=["swish", "gelu"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pair"])
-def test_forward_and_gradients_match_reference(fused, activation, dtype):
-    x, weights = _inputs(dtype, fused)
-    op = _op()  # one op named: it runs or raises, never falls back
-    got = op(x, weights, activation=activation)
-    with reference_precision():
-        want = GatedLinearUnit()(x.astype(jnp.float32), _float32(weights),
-                                 activation=activation)
-    assert got.dtype == dtype and got.shape == (*LEAD, N)
-    assert_close(got, want, dtype)
-
-    cotangent = random_normal(5, (*LEAD, N))
-    grads = jax.jit(jax.grad(functools.partial(_loss, op, activation, cotangent),
-                             argnums=(0, 1)))(x, weights)
-    with reference_precision():
-        want_grads = jax.grad(functools.partial(_loss, "xla", activation, cotangent),
-                              argnums=(0, 1))(x.astype(jnp.float32), _float32(weights))
-    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
-        assert g.dtype == dtype
-        assert_close(g, w, dtype)
-
-
-def test_heuristics_config_matches_reference():
-    """`config=None`: the generation's heuristic tiles (one block of all 38 rows here)."""
-    x, weights = _inputs(jnp.float32, True, seed=3)
-    with reference_precision():
-        want = GatedLinearUnit()(x, weights)
-    assert_close(_op(None)(x, weights), want)
 
 
 def test_kernel_in_the_tpu_interpreter():
