@@ -3,13 +3,12 @@
 A patch file starts with a header that `git apply` skips, then the diff (paths relative to
 the repository root, `a/` and `b/` prefixes, as `git diff` writes them):
 
-    Mutation: triton layer norm drops the scale
+    Mutation: triton ragged dot ends each group one row late
     Caught by:
-      tests/ops/layer_norm/test_triton_layer_norm.py
-      tests/ops/layer_norm/test_layer_norm.py::test_forward
+      tests/ops/ragged_dot/test_triton_ragged_dot.py::test_variants_match_reference
 
-    --- a/kernels/tokamax_kernels/layer_norm/pallas_triton.py
-    +++ b/kernels/tokamax_kernels/layer_norm/pallas_triton.py
+    --- a/kernels/tokamax_kernels/ragged_dot/pallas_triton.py
+    +++ b/kernels/tokamax_kernels/ragged_dot/pallas_triton.py
     @@ ...
 
 One of the tests under `Caught by:` (pytest node ids, relative to the root) must fail on a

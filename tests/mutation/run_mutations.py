@@ -121,14 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=1, help="mutations run at once")
     parser.add_argument("--only", nargs="+", default=(), metavar="TEXT",
-                        help="run the mutations whose name contains one of these")
+                        help="run the mutations whose name or patch file name contains one "
+                        "of these")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed for one mutation's tests")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    mutations = [m for m in all_mutations() if not args.only or any(t in m.name for t in args.only)]
+    mutations = [m for m in all_mutations()
+                 if not args.only or any(t in m.name or t in m.patch.stem for t in args.only)]
     if not mutations:
         parser.error(f"--only {' '.join(args.only)} matches no mutation (see --list)")
     if args.list:
