@@ -2,7 +2,7 @@
 implementation (ours or a peer) at random shapes inside each op's documented range.
 
     python -m benchmarks.generalize [--families ragged_dot,layer_norm] [--shapes 6]
-        [--seed N] [--max-seconds 480] [--out FILE.json]
+        [--seed N] [--max-seconds 480] [--workers 4] [--append] [--out FILE.json]
 
 Each run draws new shapes (`benchmarks.shapes.draw`; the seed defaults to a fresh one and
 is recorded), times `None`, every implementation of ours and the cheap peers forward
@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
 import random
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -51,7 +54,8 @@ def _chosen(family: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 
 def measure_shape(family: str, params: dict[str, Any], *, seed: int, iterations: int,
-                  call_seconds: float, method: str | None) -> list[dict[str, Any]]:
+                  call_seconds: float, method: str | None,
+                  lock: pathlib.Path | None = None) -> list[dict[str, Any]]:
     """One row per candidate and mode: `None`, ours, the peers."""
     args, kwargs = shapes.build(family, params, seed)
     candidates = [("none", "None", _none(family))] + [
@@ -67,7 +71,7 @@ def measure_shape(family: str, params: dict[str, Any], *, seed: int, iterations:
                 row["chosen"] = chosen
             row.update(sweep.time_call(fn, args, kwargs, std_mode, seed=seed,
                                        iterations=iterations, budget_s=call_seconds,
-                                       method=method))
+                                       method=method, lock=lock))
             rows.append(row)
     return rows
 
@@ -99,6 +103,83 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
+def run_workers(workers: int, argv: list[str], rows_dir: pathlib.Path,
+                deadline_s: float) -> list[dict[str, Any]]:
+    """Measures the shapes `argv` draws in `workers` processes, each its share, taking
+    turns on the device while the others compile; returns their rows. A worker still
+    running after `deadline_s` (a compile that does not end) is stopped, keeping the
+    shapes it finished."""
+    lock = rows_dir / "device.lock"
+    parts = [rows_dir / f"worker{i}.jsonl" for i in range(workers)]
+    # Each worker returns device memory between calls (`sweep.run_workers` says why).
+    env = {**os.environ, "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+    processes = [subprocess.Popen([sys.executable, "-m", "benchmarks.generalize", *argv,
+                                   "--shard", f"{i}/{workers}", "--lock", str(lock),
+                                   "--rows-out", str(part)], env=env)
+                 for i, part in enumerate(parts)]
+    stop = time.monotonic() + deadline_s
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.0, stop - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            print(f"stopped a worker past the deadline: {p.args[-1]}", file=sys.stderr)
+    for p in processes:
+        if p.returncode not in (0, -9):
+            print(f"a worker failed ({p.returncode}); its finished shapes are kept: "
+                  f"{p.args[-1]}", file=sys.stderr)
+    return [json.loads(line) for part in parts if part.exists()
+            for line in part.read_text().splitlines() if line.strip()]
+
+
+def _forwarded(argv: list[str]) -> list[str]:
+    """`argv` without the options only the parent process acts on."""
+    drop = {"--workers", "--out"}
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in drop:
+            skip = True
+        elif arg != "--append" and not any(arg.startswith(d + "=") for d in drop):
+            kept.append(arg)
+    return kept
+
+
+def write(out: pathlib.Path, rows: list[dict[str, Any]], seed: int, append: bool) -> None:
+    """Writes `rows` (after the file's own with `append`) with their summary and provenance."""
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    seeds, runs = [seed], [now]
+    if append and out.exists():
+        old = json.loads(out.read_text())
+        rows = old["rows"] + rows
+        seeds = [*_listed(old["provenance"]["seed"]), seed]
+        runs = [*_listed(old["provenance"].get("runs", old["provenance"]["date"])), now]
+    provenance: dict[str, Any] = {
+        "commit": sweep.source_commit(), "jax": jax.__version__,
+        "device_kind": jax.devices()[0].device_kind, "date": now,
+        "seed": seeds if len(seeds) > 1 else seed}
+    if len(runs) > 1:
+        provenance["runs"] = runs
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"provenance": provenance, "summary": summarize(rows),
+                               "rows": rows}, indent=1) + "\n")
+
+
+def _listed(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _shard(text: str) -> tuple[int, int]:
+    index, _, count = text.partition("/")
+    shard = int(index), int(count)
+    if not 0 <= shard[0] < shard[1]:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N with 0 <= I < N, got {text!r}")
+    return shard
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.generalize",
                                      description=__doc__,
@@ -114,41 +195,64 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--method", default=None, help="timer (default: the best available)")
     parser.add_argument("--tiny", action="store_true", help="small shapes (CPU check)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="processes that compile side by side and time in turn")
+    parser.add_argument("--grace-seconds", type=float, default=120.0,
+                        help="with --workers: stop a worker this long after --max-seconds")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the output file's shapes and add this run's")
     parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--shard", type=_shard, default=(0, 1), help=argparse.SUPPRESS)
+    parser.add_argument("--lock", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rows-out", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     families = [f for f in options.families.split(",") if f]
     unknown = set(families) - set(shapes.FAMILIES)
     if unknown:
         parser.error(f"unknown families {sorted(unknown)}; known: {shapes.FAMILIES}")
     seed = options.seed if options.seed is not None else random.SystemRandom().randrange(2**31)
-    rng = random.Random(seed)
-    device_kind = jax.devices()[0].device_kind
     out = options.out or (pathlib.Path(__file__).parent / "results" /
-                          device_kind_key(device_kind) / "generalization.json")
-    draws = [(family, shapes.draw(family, rng, options.tiny))
-             for _ in range(options.shapes) for family in families]
-    deadline = time.monotonic() + options.max_seconds
-    rows: list[dict[str, Any]] = []
-    for family, params in draws:
-        if time.monotonic() > deadline:
-            break
-        rows += measure_shape(family, params, seed=seed % benchmarking.MAX_SEED,
-                              iterations=options.iterations,
-                              call_seconds=options.call_seconds, method=options.method)
-        print(f"{family} {params}: done", flush=True)
-    summary = summarize(rows)
-    for name, entry in sorted(summary.items()):
+                          device_kind_key(jax.devices()[0].device_kind) / "generalization.json")
+    if options.workers > 1:
+        forwarded = [*_forwarded(list(sys.argv[1:] if argv is None else argv)),
+                     "--seed", str(seed)]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as rows_dir:
+            rows = run_workers(options.workers, forwarded, pathlib.Path(rows_dir),
+                               options.max_seconds + options.grace_seconds)
+    else:
+        rows = measure(families, options, seed)
+    if options.rows_out is not None:
+        return 0
+    for name, entry in sorted(summarize(rows).items()):
         print(f"{name}: {entry['shapes']} shapes, None within {WITHIN:.0%} of the fastest at "
               f"{entry['within_fraction']:.0%}, worst {entry['worst_ratio']:.2f}x", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "provenance": {"commit": sweep.source_commit(), "jax": jax.__version__,
-                       "device_kind": device_kind,
-                       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                       "seed": seed},
-        "summary": summary, "rows": rows}, indent=1) + "\n")
+    write(out, rows, seed, options.append)
     print(f"wrote {out}")
     return 0
+
+
+def measure(families: list[str], options: argparse.Namespace, seed: int) -> list[dict[str, Any]]:
+    """The rows of this process's share of the shapes the seed draws."""
+    rng = random.Random(seed)
+    draws = [(family, shapes.draw(family, rng, options.tiny))
+             for _ in range(options.shapes) for family in families]
+    index, count = options.shard
+    deadline = time.monotonic() + options.max_seconds
+    rows: list[dict[str, Any]] = []
+    for family, params in draws[index::count]:
+        if time.monotonic() > deadline:
+            break
+        shape_rows = measure_shape(family, params, seed=seed % benchmarking.MAX_SEED,
+                                   iterations=options.iterations,
+                                   call_seconds=options.call_seconds, method=options.method,
+                                   lock=options.lock)
+        rows += shape_rows
+        if options.rows_out is not None:  # a worker: each shape is kept as it is done
+            with options.rows_out.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in shape_rows)
+        print(f"{family} {params}: done", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

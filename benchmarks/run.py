@@ -6,7 +6,9 @@ Times each candidate on the device (CUPTI on a GPU, the profiler elsewhere;
 median after warm-up), checks its forward output against a float32 reference,
 prints a table (ms, TFLOP/s or TB/s, % of the H200's nominal ceiling, ratio to the
 best peer, % of the workload's measured ceiling: a copy for the norms, a dense matmul
-for the ragged dot), and writes JSON and a PNG chart to `benchmarks/results/<device_kind>/`.
+for the ragged dot), and writes JSON and a PNG chart named after the benchmark to
+`benchmarks/results/<device_kind>/` (`--name`; `ops`, or `ops_` and the `--only` words),
+replacing the benchmark's previous run.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import datetime
 import json
 import pathlib
+import re
 import sys
 import traceback
 from typing import Any
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 
 import tokamax_pass as tokamax
 from benchmarks import workloads as wl
+from benchmarks.sweep import source_commit
 from tokamax_pass import benchmarking
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.device import device_kind_key
@@ -128,8 +132,16 @@ def _chart(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=90)
 
 
+def benchmark_name(only: list[str]) -> str:
+    """The default name of a run's results: `ops` for every workload, else `ops_` and the
+    `--only` words (`["rms norm"]` -> `ops_rms_norm`)."""
+    words = re.sub(r"[^a-z0-9]+", "_", "_".join(only).lower()).strip("_")
+    return f"ops_{words}" if words else "ops"
+
+
 def _write(out: pathlib.Path, device: Any, rows: list[dict[str, Any]]) -> None:
     write_atomic(out, json.dumps({
+        "provenance": {"commit": source_commit()},
         "device_kind": device.device_kind,
         "jax_version": jax.__version__,
         "tokamax_pass_version": tokamax.__version__,
@@ -143,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=[], help="run workloads whose name has these")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--output", default=None, help="JSON path (default: results/<device>/)")
+    parser.add_argument("--name", default=None,
+                        help="the benchmark's name: results/<device>/NAME.json and .png, replaced "
+                        "when re-run (default: `ops`, or `ops_` and the --only words)")
+    parser.add_argument("--output", default=None, help="JSON path (default: from --name)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the suite")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
@@ -152,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     selected = [w for w in candidates
                 if not args.only or any(s in w.name for s in args.only)]
     out = pathlib.Path(args.output) if args.output else (
-        RESULTS / device_kind_key(device.device_kind) / "benchmark.json")
+        RESULTS / device_kind_key(device.device_kind)
+        / f"{args.name or benchmark_name(args.only)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     for workload in selected:

@@ -32,8 +32,9 @@ class Reach:
 
 
 # Config fields that change only the order in which the same blocks launch, set by a
-# measured rule and timed on their own (`longest_first`: `longest_first_s14.jsonl`):
-# a candidate matches a measured config whatever these say.
+# measured rule and timed on their own (`longest_first`:
+# `benchmarks/probes/longest_first_probe.py`): a candidate matches a measured config whatever these
+# say.
 ORDER_FIELDS = ("longest_first",)
 
 

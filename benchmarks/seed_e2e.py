@@ -16,6 +16,7 @@ the in-process result here (in process with the kernels the artifact names).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import pathlib
 import sys
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import tokamax_pass as tokamax
+from benchmarks.sweep import source_commit
 from examples import seed_model
 from tokamax_pass import benchmarking
 from tokamax_pass.core.atomic_io import write_atomic
@@ -81,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     x = jax.random.normal(jax.random.key(1), SHAPE, jnp.bfloat16)
     scale = jax.random.normal(jax.random.key(0), (SHAPE[-1],), jnp.float32)
-    results: dict[str, object] = {"device_kind": jax.devices()[0].device_kind}
+    results: dict[str, object] = {
+        "provenance": {"commit": source_commit(), "jax": jax.__version__,
+                       "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")},
+        "device_kind": jax.devices()[0].device_kind}
     output = pathlib.Path(args.output)
 
     def record(key: str, value: object) -> None:  # written at once: a cut-short run keeps it

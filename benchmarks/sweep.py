@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -61,15 +63,33 @@ def ours(family: str) -> dict[str, Callable[..., Any]]:
 
 
 def peers(family: str) -> dict[str, Callable[..., Any]]:
-    """The plain-JAX functions a user calls in place of `family`, where they are cheap."""
+    """What a user calls in place of `family`: the plain-JAX functions where they are
+    cheap, and upstream Tokamax's op (`implementation=None`) where its package is
+    importable (`benchmarks/peers/README.md` says how to install it beside ours)."""
+    found: dict[str, Callable[..., Any]] = {}
     if family == "ragged_dot":
-        return {"jax.lax.ragged_dot": jax.lax.ragged_dot}
+        found["jax.lax.ragged_dot"] = jax.lax.ragged_dot
     if family == "dot_product_attention":
         def nn(implementation: str) -> Callable[..., Any]:
             return lambda q, k, v, is_causal=False: jax.nn.dot_product_attention(
                 q, k, v, is_causal=is_causal, implementation=implementation)
-        return {"jax.nn xla": nn("xla"), "jax.nn cudnn": nn("cudnn")}
-    return {}
+        found.update({"jax.nn xla": nn("xla"), "jax.nn cudnn": nn("cudnn")})
+    upstream = _upstream_tokamax()
+    if upstream is not None and hasattr(upstream, family):
+        found["upstream tokamax None"] = getattr(upstream, family)
+    return found
+
+
+@functools.cache
+def _upstream_tokamax() -> Any:
+    """The upstream Tokamax package, or `None` where it is not installed."""
+    if importlib.util.find_spec("tokamax") is None:
+        return None
+    try:
+        return importlib.import_module("tokamax")
+    except Exception as e:  # noqa: BLE001 - a broken install is reported, not fatal
+        print(f"upstream tokamax not usable: {_short_error(e)}", file=sys.stderr)
+        return None
 
 
 @contextlib.contextmanager
@@ -97,8 +117,11 @@ def time_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     try:
         f_std, arrays = benchmarking.standardize_function(fn, *args, kwargs=kwargs, mode=mode,
                                                           seed=seed)
-        run = benchmarking.compile_benchmark(f_std, arrays)
+        # Lowering (tracing, Pallas kernels' compilation) runs beside the other workers;
+        # XLA's compile runs on the device's turn, as its autotuner times kernels there.
+        jax.jit(f_std).lower(arrays)
         with device_turn(lock):
+            run = benchmarking.compile_benchmark(f_std, arrays)
             data = run(arrays, iterations=MIN_ITERATIONS, method=method)
             left = budget_s - (time.perf_counter() - start)
             more = min(iterations,

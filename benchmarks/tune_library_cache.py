@@ -4,6 +4,7 @@
     python -m benchmarks.tune_library_cache --stale   # retune only the stale shipped entries
     python -m benchmarks.tune_library_cache --merge RESULT.json ...   # ship dumped results
     python -m benchmarks.tune_library_cache --drop-stale   # no device: forget stale entries
+    python -m benchmarks.tune_library_cache --restamp   # no device: a refactor kept the programs
 
 Every op call of each workload's gradient program (forward and VJP ops) is timed with
 every implementation of its family and their configs (`all_implementations=True`),
@@ -17,11 +18,15 @@ unless `--force`. `--stale` retunes just the shipped entries whose kernel source
 on the device), failures dropped, so `None` knows the models' own shapes.
 `--drop-stale` (any machine, for the H200 cache unless `--device-kind`) deletes the stale
 entries instead: `None` then runs the plain-JAX path on their shapes until they are retuned.
+`--restamp` (any machine) gives the stale entries the current provenance, keeping their
+measurements: only for a change that leaves every kernel's program as it was (a renamed
+helper, a moved function), which the change's reviewer checks in its diff.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import sys
 import time
@@ -68,9 +73,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="autotuning result files (AutotuningResult.dump) to ship")
     parser.add_argument("--drop-stale", action="store_true",
                         help="delete the stale entries of the shipped cache (no device needed)")
+    parser.add_argument("--restamp", action="store_true",
+                        help="stamp the stale entries as current, measurements kept (only "
+                             "after a change that keeps every kernel's program)")
     parser.add_argument("--device-kind", default="NVIDIA H200",
-                        help="the cache --drop-stale edits")
+                        help="the cache --drop-stale and --restamp edit")
     args = parser.parse_args(argv)
+    if args.restamp:
+        return restamp(pathlib.Path(args.output) / device_kind_key(args.device_kind))
     if args.drop_stale:
         return drop_stale(pathlib.Path(args.output) / device_kind_key(args.device_kind))
     if args.merge:
@@ -137,6 +147,26 @@ def drop_stale(folder: pathlib.Path) -> int:
     return 0
 
 
+def restamp(folder: pathlib.Path) -> int:
+    """Rewrites each file of `folder` with its stale entries stamped as current, and says
+    which and why they were stale."""
+    import tokamax_kernels  # noqa: F401 - registers the op families the entries name
+
+    for path in sorted(folder.glob("*.json")):
+        result = tokamax.AutotuningResult.load(path)
+        entries, restamped = [], 0
+        for entry in result.entries:
+            reason = keys.stale_reason(entry.bound.op, entry.provenance)
+            if reason is not None:
+                print(f"{path.name}: {entry.bound!r}: {reason}: restamped")
+                entry = dataclasses.replace(entry, provenance=keys.provenance(entry.bound.op))
+                restamped += 1
+            entries.append(entry)
+        if restamped:
+            tokamax.AutotuningResult(result.device_kind, entries).dump(path)
+    return 0
+
+
 def retune_stale(output: pathlib.Path) -> int:
     folder = output / device_kind_key(jax.devices()[0].device_kind)
     calls = stale_calls(folder)
@@ -160,10 +190,9 @@ def retune_stale(output: pathlib.Path) -> int:
 def report_untimed(entries: list[Any]) -> int:
     """1, with each call and its first error printed, if some call got no timed config.
 
-    Such a call keeps its stale entry rather than an empty one: session 25's retune lost
-    every config of two b4 s8192 d128 VJP calls (the device log shows 32 and 48 GiB
-    allocations failing), and their empty entries were written as fresh, sending `None`
-    back to cuDNN there unnoticed."""
+    Such a call keeps its stale entry rather than an empty one: a retune can lose every
+    config of a call (large VJP calls' allocations fail on the device), and an empty entry
+    written as fresh would send `None` back to its fallback there unnoticed."""
     untimed = [e for e in entries if e.fastest is None]
     for entry in untimed:
         errors = [m.error for m in entry.data.values() if m.error]

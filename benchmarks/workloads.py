@@ -23,6 +23,10 @@ from benchmarks import ceilings
 
 H200_BF16_TFLOPS = 776.0
 H200_COPY_TBPS = 4.29
+# Forward+backward work in units of the forward's: attention's backward recomputes the
+# scores and does five products to the forward's two; a matmul's backward does two.
+ATTENTION_FWD_BWD_WORK = 3.5
+MATMUL_FWD_BWD_WORK = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +172,7 @@ def attention(name: str, b: int, s: int, h: int, d: int, causal: bool, *,
     return Workload(
         name=name, family="dot_product_attention",
         make=lambda: tuple(_normal(i, shape) for i, shape in enumerate(shapes)),
-        work=lambda mode: fwd_flops * (3.5 if mode == "fwd+bwd" else 1.0),
+        work=lambda mode: fwd_flops * (ATTENTION_FWD_BWD_WORK if mode == "fwd+bwd" else 1.0),
         unit="TFLOP/s", reference=_attention_reference(causal, window, soft_cap), ours=ours,
         peers=peers,
     )
@@ -301,7 +305,7 @@ def glu(name: str, m: int, k: int, n: int) -> Workload:
     return Workload(
         name=name, family="gated_linear_unit",
         make=lambda: (_normal(0, (m, k)), _normal(1, (k, 2, n)) / math.sqrt(k)),
-        work=lambda mode: 2 * m * k * 2 * n * (3.0 if mode == "fwd+bwd" else 1.0),
+        work=lambda mode: 2 * m * k * 2 * n * (MATMUL_FWD_BWD_WORK if mode == "fwd+bwd" else 1.0),
         unit="TFLOP/s", reference=reference, ours=ours, peers=peers,
         ceilings={"dense matmul (xla)": lambda x, w: ceilings.dense_matmul_xla(
             x, w.reshape(1, k, 2 * n))},
@@ -336,7 +340,7 @@ def ragged(name: str, m: int, k: int, n: int, groups: tuple[int, ...]) -> Worklo
     return Workload(
         name=name, family="ragged_dot",
         make=lambda: (_normal(0, (m, k)), _normal(1, (len(groups), k, n))),
-        work=lambda mode: 2 * m * k * n * (3.0 if mode == "fwd+bwd" else 1.0),
+        work=lambda mode: 2 * m * k * n * (MATMUL_FWD_BWD_WORK if mode == "fwd+bwd" else 1.0),
         unit="TFLOP/s", reference=reference, ours=ours, peers=peers,
         ceilings={"dense matmul (xla)": ceilings.dense_matmul_xla,
                   "dense matmul (hopper_matmul_mgpu)": ceilings.dense_matmul_mgpu},
@@ -375,7 +379,7 @@ def moe_glu(name: str, m: int, k: int, n: int, groups: tuple[int, ...]) -> Workl
     return Workload(
         name=name, family="gated_linear_unit",
         make=lambda: (_normal(0, (m, k)), _normal(1, (g, k, 2, n)) / math.sqrt(k)),
-        work=lambda mode: 2 * m * k * 2 * n * (3.0 if mode == "fwd+bwd" else 1.0),
+        work=lambda mode: 2 * m * k * 2 * n * (MATMUL_FWD_BWD_WORK if mode == "fwd+bwd" else 1.0),
         unit="TFLOP/s", reference=reference, ours=ours,
         peers={"jax.lax.ragged_dot, then swish(gate) * up": plain},
     )
@@ -418,7 +422,7 @@ def lce(name: str, tokens: int, h: int, v: int) -> Workload:
 
     return Workload(
         name=name, family="linear_softmax_cross_entropy_loss", make=make,
-        work=lambda mode: 2 * tokens * h * v * (3.0 if mode == "fwd+bwd" else 1.0),
+        work=lambda mode: 2 * tokens * h * v * (MATMUL_FWD_BWD_WORK if mode == "fwd+bwd" else 1.0),
         unit="TFLOP/s", reference=reference, ours=ours,
         peers={"plain jax (optax-style)": _plain_lce},
     )

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from benchmarks.models import MODELS, ops, run
+from benchmarks.sweep import source_commit
 from tokamax_pass import benchmarking
 
 # First match wins; tested against the kernel's name and its HLO op's name together.
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="breakdown.json")
     args = parser.parse_args(argv)
     switch = ops.variants(upstream=True)
-    results: dict[str, Any] = {"device_kind": jax.devices()[0].device_kind,
+    results: dict[str, Any] = {"provenance": {"commit": source_commit()},
+                               "device_kind": jax.devices()[0].device_kind,
                                "jax": jax.__version__, "models": {}}
     for name in args.only:
         model = MODELS[name]

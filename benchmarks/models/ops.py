@@ -225,8 +225,8 @@ def variants(upstream: bool = False) -> dict[str, Any]:
     try:
         import tokamax  # the upstream wheel, a peer where installed
     except ImportError as e:
-        # Said, not swallowed: a wheel installed without one of its dependencies looked
-        # like no wheel at all (session 17's mixtral run).
+        # Said, not swallowed: a wheel installed without one of its dependencies would
+        # look like no wheel at all.
         print(f"upstream tokamax not importable, its variant is skipped: {e}", file=sys.stderr)
         return found
     if getattr(tokamax, "__name__", "") == "tokamax" and tokamax is not tokamax_pass:

@@ -5,8 +5,9 @@ Variants: `plain` (plain JAX), `ours` (our ops, `implementation=None`, under `ja
 ignore_cache=True)`, its wall time recorded), and `upstream` (the Tokamax wheel, where
 installed). Device time (CUPTI on a GPU), median of `--iterations` runs after warm-up;
 every variant of a model in one process, its ratio to plain JAX beside it. Results go to
-`benchmarks/results/<device_kind>/models.json` (and `.png`), written after every number
-so a run cut short keeps what it measured.
+`benchmarks/results/<device_kind>/NAME.json` (and `.png`; `--name`, by default `models_`
+and the models run, with the `--set` fields), replacing the benchmark's previous run,
+written after every number so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import statistics
 import sys
 import tempfile
@@ -32,6 +34,7 @@ import numpy as np
 
 import tokamax_pass as tokamax
 from benchmarks.models import MODELS, Model, blocks, ops
+from benchmarks.sweep import source_commit
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import cache
 from tokamax_pass.core.device import device_kind_key
@@ -183,11 +186,10 @@ def alternated(step: Any, params: Any, batch: Any, result: Any, iterations: int,
 
     The `tuned` variant alone is timed once, right after the tuning's minute of device
     work; mixtral's tuned ran 0.5-0.8% under untuned in three runs whose tuned and untuned
-    programs chose the same kernels and configs (session 18). Alternating takes the order
-    out of the comparison, and each round swaps which goes first (untuned, tuned; tuned,
-    untuned; ...): times drift within a process, and with untuned always first, session
-    20's llama rounds ran untuned 49.66, 50.79, 52.03 ms and tuned 50.63, 51.77, 52.01
-    (one program, 0.981x). Over an even number of rounds a steady drift cancels."""
+    programs chose the same kernels and configs. Alternating takes the order out of the
+    comparison, and each round swaps which goes first (untuned, tuned; tuned, untuned;
+    ...): times drift within a process, so with untuned always first one program timed
+    twice per round reads as two. Over an even number of rounds a steady drift cancels."""
     untuned = _runner(jax.jit(step), params, batch)
     with result:
         tuned = _runner(jax.jit(step), params, batch)
@@ -290,6 +292,14 @@ def _summary(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def benchmark_name(names: Sequence[str], overrides: Sequence[str]) -> str:
+    """The default name of a run's results: `models_` and the models, then each `--set`
+    field and value (`["llama"], ["width=4096"]` -> `models_llama_width4096`), so a resized
+    run never replaces the suite's."""
+    words = [*names, *(item.replace("=", "") for item in overrides)]
+    return "_".join(["models", *(re.sub(r"[^A-Za-z0-9_]+", "", w) for w in words)])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(MODELS), help="models to run")
@@ -301,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="--smoke: the dtypes to check each model in (over a --set dtype)")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--output", help="results JSON (default: results/<device>/models.json)")
+    parser.add_argument("--name", help="the benchmark's name: results/<device>/NAME.json and "
+                        ".png, replaced when re-run (default: `models_` and the models run, with "
+                        "the --set fields)")
+    parser.add_argument("--output", help="results JSON (default: from --name)")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="override config fields of every model run (`width=4096 "
                         "mlp=14336`, `dtype=float16`): the same models at sizes and dtypes "
@@ -337,11 +350,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     device_kind = jax.devices()[0].device_kind
     output = pathlib.Path(args.output) if args.output else (
-        RESULTS / device_kind_key(device_kind) / "models.json")
+        RESULTS / device_kind_key(device_kind)
+        / f"{args.name or benchmark_name(names, args.set)}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
-        "device_kind": device_kind, "jax": jax.__version__,
-        "date": datetime.date.today().isoformat(), "iterations": args.iterations,
+        "provenance": {"commit": source_commit()}, "device_kind": device_kind,
+        "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+        "iterations": args.iterations,
         "timer": "device time (CUPTI on a GPU), median after warm-up", "models": {}}
     models = {name: resized(MODELS[name], args.set, parser.error) for name in names}
     for name, model in models.items():

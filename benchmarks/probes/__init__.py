@@ -1,1 +1,1 @@
-"""Kept experiments: device scripts, one line of purpose each."""
+"""Kept experiments: device scripts, each asking one question (see README.md)."""

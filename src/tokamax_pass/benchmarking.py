@@ -34,6 +34,9 @@ from tokamax_pass.core import checks, spec
 Mode = Literal["forward", "forward_res", "vjp", "forward_and_vjp"]
 MODES = ("forward", "forward_res", "vjp", "forward_and_vjp")
 METHODS = ("cupti", "profiler", "wallclock")
+# Runs timed in one CUPTI session: a bound keeps its activity buffers from overflowing
+# (which ends the process) on programs that launch many kernels.
+CUPTI_RUNS_A_SESSION = 8
 DEFAULT_ITERATIONS = 5
 # The largest `seed`: it reaches the random-input program as an int32 argument (a larger
 # one overflowed there, deep in JAX's argument parsing).
@@ -167,7 +170,7 @@ def standardize_function(
     upstream Tokamax does): without it XLA fuses the backward with the expression that
     made the cotangent, which no training step allows. At the Llama GLU the jnp
     expression gained 6% on our XLA GLU that way, and lost 5% to it inside `jax.grad`
-    (`benchmarks/results/nvidia_h200/glu_vjp_probe_s17.jsonl`).
+    (`benchmarks/probes/glu_vjp_variants_probe.py`).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be 'forward', 'forward_res', 'vjp' or 'forward_and_vjp', "
@@ -302,10 +305,14 @@ def _profiler_times(compiled: Any, args: list[Any], iterations: int, module: str
 def _cupti_times(compiled: Any, args: list[Any], iterations: int) -> list[float]:
     from jax.experimental.mosaic.gpu import profiler
 
-    _, timings = profiler.Cupti(finalize=False).measure(compiled, iterations=iterations)(args)
-    if timings is None:
-        raise RuntimeError("CUPTI recorded no kernel launches for this function")
-    return [float(t) for t in ([timings] if iterations == 1 else timings)]
+    times: list[float] = []
+    while len(times) < iterations:
+        count = min(CUPTI_RUNS_A_SESSION, iterations - len(times))
+        _, timings = profiler.Cupti(finalize=False).measure(compiled, iterations=count)(args)
+        if timings is None:
+            raise RuntimeError("CUPTI recorded no kernel launches for this function")
+        times += [float(t) for t in ([timings] if count == 1 else timings)]
+    return times
 
 
 def _wallclock_times(compiled: Any, args: list[Any], iterations: int) -> list[float]:

@@ -3,7 +3,7 @@ export and artifacts, benchmarking, the command line) is a clear error naming th
 and what it expects, raised at the API's entry: never a crash deep in JAX, `json` or `os`,
 never a silently ignored value.
 
-`tests/test_bad_inputs.py` holds the ops' own bad inputs; each row here is a case an audit
+`tests/ops/test_bad_inputs.py` holds the ops' own bad inputs; each row here is a case an audit
 tried, most of which crashed deep or were silently accepted before it.
 """
 

@@ -1,6 +1,6 @@
 """Bad input to the tuning APIs (`autotune`, `AutotuningResult`, the user cache,
-`benchmarking`) found by an audit after `tests/test_bad_framework_inputs.py`: each crashed
-deep (in `threading`, XLA, `dict`, a file's `write`) or lost results silently before.
+`benchmarking`) found by an audit after `tests/autotuning/test_bad_framework_inputs.py`: each
+crashed deep (in `threading`, XLA, `dict`, a file's `write`) or lost results silently before.
 """
 
 from __future__ import annotations

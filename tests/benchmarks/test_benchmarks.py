@@ -101,6 +101,33 @@ def test_stale_retuning_retunes_exactly_the_stale_entries(tmp_path, capsys):
     assert tune_library_cache.stale_calls(folder) == []
 
 
+def test_restamp_marks_stale_entries_current_and_keeps_their_measurements(tmp_path, capsys):
+    from benchmarks import tune_library_cache
+
+    assert tune_library_cache.main(["--smoke", "--only", "layer norm", "--output",
+                                    str(tmp_path)]) == 0
+    path = next(tmp_path.glob("*/layer_norm.json"))
+    data = json.loads(path.read_text())
+    data["entries"][0]["provenance"]["source_hash"] = "0" * 16
+    path.write_text(json.dumps(data))
+    kind = tokamax.AutotuningResult.load(path).device_kind
+    assert tune_library_cache.main(["--restamp", "--output", str(tmp_path),
+                                    "--device-kind", kind]) == 0
+    assert "restamped" in capsys.readouterr().out
+    assert tune_library_cache.stale_calls(path.parent) == []
+    after = json.loads(path.read_text())
+    assert after["entries"][0]["configs"] == data["entries"][0]["configs"]
+
+
+def test_source_hash_ignores_docstrings_and_comments_but_not_statements():
+    from tokamax_pass.autotuning import keys
+
+    base = keys.code_text('def f(x):\n    """Doc."""\n    return x + 1\n')
+    assert keys.code_text('def f(x):\n    # why\n    return x + 1  # note\n') == base
+    assert keys.code_text('def f(x):\n    """Other doc."""\n\n    return x + 1\n') == base
+    assert keys.code_text('def f(x):\n    return x + 2\n') != base
+
+
 def test_a_stale_entry_no_config_could_be_timed_for_is_kept_and_reported(tmp_path, capsys,
                                                                          monkeypatch):
     """Every config failing on the device (say out of memory) must not ship an empty
@@ -225,7 +252,7 @@ def test_report_rewrites_and_checks_the_figures_quoted_in_prose(tmp_path):
     assert report.main(["--check"], readme=readme, docs=docs) == 1
     assert report.main([], readme=readme, docs=docs) == 0
     assert f"{marker}{value}<!--/fig-->" in page.read_text()
-    ablation = report.figure("ablation_llama.jsonl", "[variant=ours;model=llama].vs_plain", ".3f")
+    ablation = report.figure("ablation_llama", "[variant=ours;model=llama].vs_plain", ".3f")
     assert float(ablation) > 0
 
 

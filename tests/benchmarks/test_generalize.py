@@ -53,3 +53,23 @@ def test_a_tiny_run_writes_one_file_with_provenance(tmp_path):
         "None", "xla", "jax.lax.ragged_dot"}
     assert generalize.main(args) == 0  # a fresh draw replaces the file
     assert len(json.loads(out.read_text())["rows"]) == len(data["rows"])
+
+
+def test_workers_split_the_shapes_and_append_keeps_earlier_runs(tmp_path):
+    out = tmp_path / "generalization.json"
+    args = ["--tiny", "--families", "layer_norm", "--shapes", "2", "--iterations", "3",
+            "--method", "wallclock", "--out", str(out)]
+    assert generalize.main([*args, "--seed", "5", "--workers", "2"]) == 0
+    first = json.loads(out.read_text())
+    single = tmp_path / "single.json"
+    assert generalize.main([*args[:-1], str(single), "--seed", "5"]) == 0
+    assert _shapes(first) == _shapes(json.loads(single.read_text()))
+    assert generalize.main([*args, "--seed", "6", "--append"]) == 0
+    both = json.loads(out.read_text())
+    assert both["provenance"]["seed"] == [5, 6] and len(both["provenance"]["runs"]) == 2
+    assert len(both["rows"]) == 2 * len(first["rows"])
+    assert both["summary"]["layer_norm fwd"]["shapes"] == 4
+
+
+def _shapes(data):
+    return sorted(json.dumps(r["params"]) for r in data["rows"])

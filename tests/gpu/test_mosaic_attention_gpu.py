@@ -404,8 +404,9 @@ def test_group_in_block_matches_reference(shape, wgs, causal, window, lengths):
 def test_default_backward_is_bitwise_equal_across_compiles(shape, block_kv, fwd_wgs,
                                                             vjp_wgs, window):
     """The same call compiled three times (caches cleared in between) gives the same
-    bits: in session 14 these two configurations' dq and dk took one of two values per
-    compile (`longest_first_bitwise_s14.jsonl`) while reruns of one compile agreed."""
+    bits: these two configurations' dq and dk are the ones that took one of two values per
+    compile when `delta` had no fixed order, while reruns of one compile agreed
+    (`benchmarks/probes/compile_reproducibility_probe.py` asks it of each piece)."""
     q, k, v, do = _inputs(*shape)
     results = []
     for _ in range(3):

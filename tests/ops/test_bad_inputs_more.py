@@ -1,10 +1,10 @@
-"""A second hardening audit of the ops' bad input (see `tests/test_bad_inputs.py`): each
+"""A second hardening audit of the ops' bad input (see `tests/ops/test_bad_inputs.py`): each
 row crashed deep inside JAX or the op (an `AttributeError`, an `OverflowError`, JAX's
 "not a valid JAX type"), or returned a silently wrong result, before the fix it names.
 
 The last section does the same for the library layer (autotuning results and the user
 cache, `bound_args_to_json`, export, benchmarking, the command line); the earlier audit
-of it is `tests/test_bad_framework_inputs.py`.
+of it is `tests/autotuning/test_bad_framework_inputs.py`.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@
 reproducible backward), so it is never an XLA reduction: XLA picks a reduction's (or an
 einsum's GEMM's) tiling per compile, and a different tiling adds in a different order;
 the H200 took one of two values per compile with an einsum and with a plain sum
-(`longest_first_bitwise_s14.jsonl`), none with a fixed order
-(`compile_reproducibility_s15.jsonl`).
+(`benchmarks/probes/compile_reproducibility_probe.py`), none with a fixed order
+(`benchmarks/probes/compile_reproducibility_probe.py`).
 
 On CUDA it is a small Pallas Triton kernel (the preprocessing pass FlashAttention's
 backward runs too): one program per block of query rows of one head sums each row in
 registers, in the order the compiled kernel fixes. Elsewhere (TPU, CPU) it is a chain of
 elementwise adds, column by column, which XLA never reassociates. Measured on the H200
-(`delta_compile_probe_s16.jsonl`): at head dim 256 an XLA sum ran in 0.033 ms, the chain
+(`benchmarks/probes/delta_compile_probe.py`): at head dim 256 an XLA sum ran in 0.033 ms, the chain
 in 0.566 ms (a strided read per column), a pairwise tree of halves in 0.328 ms and took
 52.7 s to compile (the gemma2 step 89 s against 28 s).
 """

@@ -224,10 +224,10 @@ class DotProductAttention(Op[NullConfig]):
 
     def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
         """XLA's attention yields to cuDNN's wherever cuDNN runs a call and is not one of
-        the tiny calls it loses: `tests/gpu/cudnn_vs_xla_attention_sweep.py`, 60 shapes
+        the tiny calls it loses: `benchmarks/probes/cudnn_vs_xla_attention_sweep.py`, 60 shapes
         (batch 1-8, sequence 128-2048, GQA, head dims 64-256) causal and not, forward
         and forward+backward, had cuDNN 1.08-6.8x faster everywhere else
-        (`cudnn_vs_xla_attention_s13.jsonl`)."""
+        (`cudnn_vs_xla_attention.jsonl`)."""
         del ba
         return yields_to_cudnn(other)
 

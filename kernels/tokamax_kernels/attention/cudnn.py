@@ -189,7 +189,7 @@ def _nonempty_lse_rows(nonempty: jax.Array) -> jax.Array:
 
 
 # cuDNN against `jax.nn.dot_product_attention`'s default (XLA), forward and forward+
-# backward, H200 (`cudnn_vs_xla_attention_s13.jsonl`, 60 shapes x causal): cuDNN led
+# backward, H200 (`cudnn_vs_xla_attention.jsonl`, 60 shapes x causal): cuDNN led
 # everywhere (1.08-6.8x) but at b1 s128 h8, the smallest call swept, with head dims over
 # 64 (d256: 0.79-0.92x, d128 causal forward+backward 0.95x; a microsecond or two of fixed
 # cost). Calls with at most that many score elements go to XLA unless measured.

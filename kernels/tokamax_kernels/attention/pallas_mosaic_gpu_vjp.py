@@ -34,8 +34,8 @@ tile's dS by K and hands the float32 dq share to a warp of the memory warpgroup 
 TMA-adds it into global memory: five `wgmma`s a tile pair instead of seven. "ordered"
 fixes the adds' order with a semaphore per query tile (bitwise reruns); "atomic" does
 not, and runs only when named (under `--xla_gpu_deterministic_ops` it runs "ordered").
-On the H200 (`fused_dq_s21.jsonl`, forward+backward, same process) "ordered" ran 0.99x
-the two kernels at non-causal d128, 0.89-0.94x causal and GQA, 0.80x at d64 (atomic
+On the H200 (`benchmarks/probes/fused_dq_probe.py`, forward+backward, same process) "ordered" ran
+0.99x the two kernels at non-causal d128, 0.89-0.94x causal and GQA, 0.80x at d64 (atomic
 1.00x, 0.92-0.96x; 1.06x at d64 in the run before), so neither the heuristics nor the
 search space hold them.
 """
@@ -75,8 +75,8 @@ _WHAT = "PallasMosaicGpuFlashAttentionVjp"
 
 
 # `group_in_block` needs this many dk/dv blocks (batch x K/V heads x key blocks) per SM.
-# H200, forward+backward (`gqa_dkv_s13.jsonl`): 512-1024 blocks (3.9-7.8 per SM) ran
-# 1.01-1.08x the per-query-head kernel at GQA d64, d128 and d256 (Gemma-2's soft cap and
+# H200, forward+backward (`benchmarks/probes/gqa_dkv_probe.py`): 512-1024 blocks (3.9-7.8 per SM)
+# ran 1.01-1.08x the per-query-head kernel at GQA d64, d128 and d256 (Gemma-2's soft cap and
 # window included); MQA's 128 (under one per SM, each block 16 heads long) 0.73x.
 GROUP_IN_BLOCK_BLOCKS_PER_SM = 3
 
@@ -271,7 +271,7 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
         if runs_shared_kernel(ba.arguments):
-            # 64 x 64 tiles led at d64 and d128 on the H200 (`shared_dx.jsonl`): larger
+            # 64 x 64 tiles led at d64 and d128 on the H200 (an A/B of the tile configs): larger
             # ones spill registers (1.4-2.3x slower).
             for config in (MosaicAttentionVjpConfig(block_q_dkv=64, block_kv_dkv=64),
                            MosaicAttentionVjpConfig(block_q_dkv=64, block_kv_dkv=64,

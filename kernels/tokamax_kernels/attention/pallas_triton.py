@@ -65,7 +65,7 @@ class PallasTritonFlashAttentionConfig:
 
 def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool
                       ) -> PallasTritonFlashAttentionConfig:
-    """H200 choices from `tests/gpu/triton_attention_sweep.py` (bf16, benchmark shapes).
+    """H200 choices from `benchmarks/probes/triton_attention_sweep.py` (bf16, benchmark shapes).
 
     d64 (b32 s2048): 64x64 tiles, 4 warps, 3 stages: 382 TFLOP/s (128x64: 358).
     d128 (b4 s8192): 128x128 tiles, 8 warps, 3 stages: 487 TFLOP/s, 437 causal

@@ -208,8 +208,8 @@ class GatedLinearUnitVjp(VjpOp):
     with the forward's when both are in one program); `dgate` and `dup` come out of one
     elementwise fusion in the products' dtype and feed the four GEMMs autodiff of
     `(x @ w[:, 0], x @ w[:, 1])` makes. On the H200, inside `jax.grad` at five shapes
-    (`glu_vjp_probe_s17.jsonl`), that ran 1.010-1.059x the jnp expression; the same
-    GEMMs written by hand (einsums, the two `dweights` stacked) ran 0.985-1.049x, and
+    (`benchmarks/probes/glu_vjp_variants_probe.py`), that ran 1.010-1.059x the jnp expression; the
+    same GEMMs written by hand (einsums, the two `dweights` stacked) ran 0.985-1.049x, and
     `[dgate | dup]` concatenated for one GEMM each 0.95-0.99x.
 
     With `group_sizes`: `dgate` and `dup` from the forward's residuals (no GEMM is

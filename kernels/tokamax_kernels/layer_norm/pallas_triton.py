@@ -219,8 +219,8 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
     # the Llama shape (16384x2048) this kernel measured 10% faster than XLA's forward and
     # its VJP 30% faster, yet the Llama step ran 1-1.5% slower with them (H200). Calls
     # given the `residual` too: alone 1.31x XLA's forward, yet forward+backward 0.97x
-    # (`benchmark_norm_residual.json`) and the Llama step 0.97x plain JAX with them
-    # (session 9's first run of record).
+    # (`python -m benchmarks.run --only "rms norm + residual"`) and the Llama step 0.97x plain JAX
+    # with them (the model suite).
     kernel_margin = 0.4
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:

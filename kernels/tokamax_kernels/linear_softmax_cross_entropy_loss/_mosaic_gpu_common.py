@@ -144,7 +144,7 @@ def check_inputs(ba: BoundArguments, target: Target | None, config: Any, what: s
 
 def heuristic_config(hidden: int, vocab: int) -> MosaicGpuLossConfig:
     """128 x 256 logits tiles (two warpgroups of 64 rows), 64-deep steps, 3 stages, 2048-wide
-    backward chunks. On the H200 at 16384 x 4096 x 128256 (`tests/gpu/lce_probe.py sweep`,
+    backward chunks. On the H200 at 16384 x 4096 x 128256 (`benchmarks/probes/lce_probe.py sweep`,
     one run): forward 23.8 ms (26.4 ms in another run; `xla`: 26.0 ms) against 26.5 ms with
     4 stages and 28.5-49.8 ms with the other tiles of the search space; forward + backward
     108 ms with 2048- or 4096-wide chunks, 119 ms with 1024 (a (16384, 2048) bf16 dlogits

@@ -12,10 +12,11 @@ from tokamax_kernels.ragged_dot.group_sizes import (
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
+from tokamax_kernels.ragged_dot.quantization import QuantizedArray
 from tokamax_kernels.ragged_dot.routing import MoeRouting, moe_combine, moe_dispatch
 
 __all__ = [
     "MoeRouting", "PallasMosaicGpuRaggedDot", "PallasMosaicTpuRaggedDot", "PallasTritonRaggedDot",
-    "RaggedDot", "RaggedDotVjp", "moe_combine", "moe_dispatch", "ragged_dot",
+    "QuantizedArray", "RaggedDot", "RaggedDotVjp", "moe_combine", "moe_dispatch", "ragged_dot",
     "RaggedDotGroupSizes", "generate_ragged_dot_group_sizes", "ragged_dot_general",
 ]

@@ -8,11 +8,13 @@ from typing import Any
 import jax.numpy as jnp
 
 from tokamax_kernels import _dispatch
-from tokamax_kernels.ragged_dot.base import RaggedDot
+from tokamax_kernels.ragged_dot import quantized
+from tokamax_kernels.ragged_dot.base import RaggedDot, canonical_precision
 from tokamax_kernels.ragged_dot.group_sizes import RaggedDotGroupSizes
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
+from tokamax_kernels.ragged_dot.quantization import is_quantized
 from tokamax_pass.core import Family, register_family
 from tokamax_pass.core.registry import Implementation
 
@@ -51,6 +53,11 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     the groups included), in the accumulator's dtype (float32 for 16-bit floats) before
     the cast to the output dtype; it runs after the op, not fused into a kernel.
     `group_offset` is not supported (`NotImplementedError`, as upstream Tokamax).
+
+    Either operand may be quantized: a `QuantizedArray` or a qwix `QArray` (any object
+    with its fields), int8 or float8 values with scales; see `quantized.py` for where
+    the scales apply, which implementations take them (`xla`, `triton`; `None` runs
+    `xla`) and the gradients (zeros for a quantized operand).
     """
     if group_offset is not None:
         raise NotImplementedError("ragged_dot: group_offset is not supported")
@@ -61,10 +68,17 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
         keywords = {k: x for k, x in (("precision", precision),
                                       ("preferred_element_type", out_type)) if x is not None}
         return _dispatch.call(
-            implementation,
-            lambda impl: FAMILY(impl, lhs, rhs, group_sizes, precision=precision,
-                                preferred_element_type=out_type),
+            implementation, lambda impl: run_family(impl, out_type),
             lambda f: f(lhs, rhs, group_sizes, **keywords), op="ragged_dot")
+
+    def run_family(impl: Implementation, out_type: Any) -> Any:
+        if is_quantized(lhs) or is_quantized(rhs):
+            return quantized.ragged_dot(
+                FAMILY, lhs, rhs, jnp.asarray(group_sizes),
+                precision=canonical_precision(precision, op="ragged_dot"),
+                preferred_element_type=out_type, implementation=impl)
+        return FAMILY(impl, lhs, rhs, group_sizes, precision=precision,
+                      preferred_element_type=out_type)
 
     return with_activation(call, lhs, rhs, preferred_element_type, activation)
 

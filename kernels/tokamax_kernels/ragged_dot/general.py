@@ -6,6 +6,9 @@ as any ragged dot). Other dimension numbers (ragged contracting dimensions, batc
 dimensions) run in the `xla` implementation only, `jax.lax.ragged_dot_general` itself,
 with the ragged contracting form's gradient (which `jax.lax` lacks) as two ragged dots;
 naming only kernels for them raises `NotImplementedError`.
+
+Quantized operands (`quantized.py`) run as in `ragged_dot` in the two MoE forms; in the
+others they are dequantized first.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from tokamax_kernels import _dispatch
 from tokamax_kernels.ragged_dot.api import FAMILY, ragged_dot, with_activation
 from tokamax_kernels.ragged_dot.base import RaggedDot
 from tokamax_kernels.ragged_dot.group_sizes import RaggedDotGroupSizes
+from tokamax_kernels.ragged_dot.quantization import as_quantized_array, dequantize, is_quantized
 from tokamax_pass.core.registry import Implementation
 
 DEFAULT_DIMENSION_NUMBERS = jax.lax.RaggedDotDimensionNumbers(
@@ -123,7 +127,9 @@ def _general(lhs: Any, rhs: Any, group_sizes: Any,
         return ragged_dot(lhs, rhs, group_sizes, precision, out_type,
                           implementation=implementation)
     if _same(numbers, TRANSPOSED_RHS_DIMENSION_NUMBERS):
-        return ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2), group_sizes, precision, out_type,
+        rhs = (as_quantized_array(rhs).swapaxes(1, 2) if is_quantized(rhs)
+               else jnp.swapaxes(rhs, 1, 2))
+        return ragged_dot(lhs, rhs, group_sizes, precision, out_type,
                           implementation=implementation)
     if not _names_xla(implementation):
         raise NotImplementedError(
@@ -131,6 +137,9 @@ def _general(lhs: Any, rhs: Any, group_sizes: Any,
             f"implementation only (jax.lax.ragged_dot_general), not in "
             f"{implementation!r}; the kernels take (m, k) x (g, k, n) and (g, n, k)")
     FAMILY.resolve(implementation)  # unknown names: the family's ValueError
+    # Quantized operands in other forms: dequantized (their cotangents are zeros).
+    lhs, rhs = (jax.lax.stop_gradient(dequantize(x)) if is_quantized(x) else x
+                for x in (lhs, rhs))
     if _same(numbers, RAGGED_CONTRACTING_DIMENSION_NUMBERS) and lhs.ndim == rhs.ndim == 2:
         return _ragged_contracting(lhs, rhs, group_sizes, precision, out_type)
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, precision=precision,

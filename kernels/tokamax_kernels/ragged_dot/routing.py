@@ -10,7 +10,7 @@ Why a function of the library: written the plain way (`x[order // k]`, then
 repeated indices and the forward's `.at[].set` is a scatter. On the H200 those ran at
 1.63 ms a layer for fwd+bwd at 16384 tokens, top-2, width 2048; here every direction is
 a gather through `order` or its inverse permutation, 0.29 ms, bitwise equal results
-(`benchmarks/results/nvidia_h200/moe_routing_probe_s15.jsonl`). Plain XLA, no kernel:
+(`benchmarks/probes/moe_routing_probe.py`). Plain XLA, no kernel:
 nothing to choose or tune, so these are functions, not ops.
 """
 

@@ -373,10 +373,10 @@ def _round_robin(jobs: Sequence[_Job]) -> Iterator[tuple[_Job, Any]]:
     are slow starts early: first the XLA implementations' calls, whose compiles take the
     device for XLA's GEMM autotuning one at a time (a MoE step's XLA ragged dots, handed
     over 26 s into its compile phase, took 8-10 s each and ended it:
-    `autotune_timelines_s11_1_session10_code.jsonl`), each kind gradient (VJP) calls
+    `benchmarks/probes/model_autotune_timeline_probe.py`), each kind gradient (VJP) calls
     first, as their programs hold the most GEMMs and compile longest (in program order
     the MoE step's compile phase waited 15 s on them:
-    `autotune_timeline_mixtral_staged.jsonl`)."""
+    `benchmarks/probes/model_autotune_timeline_probe.py`)."""
     ordered = sorted(jobs, key=lambda job: (not _compiles_gemms_with_xla(job.ba.op),
                                             not isinstance(job.ba.op, VjpOp)))
     for row in itertools.zip_longest(*([(job, c) for c in job.configs] for job in ordered)):
@@ -455,9 +455,9 @@ class Autotuner:
         can run XLA's own autotuning on the device) never overlaps a timing, no wave
         waits on another's slowest compile, and preparing a wave runs its untimed
         programs rather than compiling them (a MoE step's tuning waited 9 s on that:
-        `autotune_timeline_mixtral_staged.jsonl`; a Llama step's stage two waited 5.6 s on
-        compiling a reference stage one had compiled:
-        `autotune_timelines_s11_2_inputs_ahead.jsonl`).
+        `benchmarks/probes/model_autotune_timeline_probe.py`; a Llama step's stage two waited 5.6 s
+        on compiling a reference stage one had compiled:
+        `benchmarks/probes/model_autotune_timeline_probe.py`).
         Those programs skip XLA's GEMM autotuning, so compiling them ahead never uses
         the device."""
         canonical = [keys.canonical(ba) for ba, _ in plans]
@@ -521,7 +521,7 @@ class Autotuner:
         time), and in a shared pool they held every thread while the kernels' compiles,
         which need the CPU only, waited behind them (a Gemma-2 step's Mosaic attention
         gradients started 5-10 s late and ended its compile phase:
-        `autotune_timelines_s11_3_shared_untimed.jsonl`)."""
+        `benchmarks/probes/model_autotune_timeline_probe.py`)."""
         slow = sum(len(job.configs) for job in jobs if job.ba.op.slow_lowering)
         cpus = os.cpu_count() or 1
         pools: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
@@ -604,7 +604,7 @@ class Autotuner:
         it cannot run. Awaited here: a reference that fails on the device (XLA's attention
         gradient asks 48 GiB at b4 s8192 h16 d128) reports it when its output is used, and
         unawaited that failure surfaced in every config's numerics check instead, so no
-        config of the call was timed (`library_retune_s26.log`)."""
+        config of the call was timed (`python -m benchmarks.tune_library_cache --stale`)."""
         reference = ba.op.reference_op()
         try:
             f_std, arrays = benchmarking.standardize_function(

@@ -3,11 +3,14 @@
 A measurement is keyed by the op implementation (its import path and fields,
 with `config` and `vjp` stripped), the device kind and the argument spec.
 Provenance records what produced it (library and jax versions, a hash of the
-implementation's source) so a stale entry can be recognized and ignored.
+implementation's code) so a stale entry can be recognized and ignored. The hash covers
+the code's syntax tree without docstrings: editing a comment or a docstring keeps the
+entries, editing a statement stales them.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import hashlib
@@ -51,7 +54,21 @@ def _module_hash(module_name: str) -> str:
         source = inspect.getsource(module) if module is not None else module_name
     except (OSError, TypeError):
         source = module_name
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+    return hashlib.sha256(code_text(source).encode()).hexdigest()[:16]
+
+
+def code_text(source: str) -> str:
+    """`source`'s syntax tree without docstrings or positions, as text: what the code does,
+    not how it is commented or laid out."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree, include_attributes=False)
 
 
 def _helper_modules(module_name: str) -> set[str]:

@@ -15,7 +15,8 @@ Why (H200, the Llama step of `benchmarks/models`): autotuning was compile-bound,
 of which 44 s compiled 115 candidates, most of them the configs of implementations that
 lose to XLA by more than any config changes (the Mosaic and chunked LM-head kernels alone
 took 274 s of compile threads); across its 15 tuned calls the heuristics config was
-within 9% of the best config of its search space (`autotune_timeline_llama.jsonl`).
+within 9% of the best config of its search space
+(`benchmarks/probes/model_autotune_timeline_probe.py`).
 
 Before stage one, an implementation the evidence `None` ranks by (the caches of this
 device kind, at the call's shape or its nearest measured neighbour) shows
@@ -23,23 +24,23 @@ device kind, at the call's shape or its nearest measured neighbour) shows
 config makes up such a gap, and on the H200 these losers' compiles were the critical
 path of a model's tuning: compiled one after another, mixtral's 21 XLA candidates took
 35 s (8 s with XLA's GEMM autotuning off), and its XLA ragged dots, attention and GLU,
-7-46x slower than the kernels (`mixtral_tuned_s18.json`), 28 s of it
-(`compile_cost_mixtral_s19.jsonl`). With them untimed, and `discovery` building no kernels,
-mixtral's tuning went from 62 to 36 s
-(`autotune_timeline_mixtral_s19.jsonl`). Where every implementation that made one
-hopeless fails in stage one, the hopeless one is timed in stage two after all.
+7-46x slower than the kernels (`python -m benchmarks.models --only mixtral --variants tuned`), 28 s
+of it (`benchmarks/probes/model_candidate_compile_probe.py mixtral`). With them untimed, and
+`discovery` building no kernels, mixtral's tuning went from 62 to 36 s
+(`benchmarks/probes/model_autotune_timeline_probe.py mixtral`). Where every implementation that made
+one hopeless fails in stage one, the hopeless one is timed in stage two after all.
 
 Nor is a config timed again that the caches measured at the call's own shape, in the
 entry whose fastest is the config `None` runs today: that search was done, and its
 losers lost in the same run as the winner (`without_known_losers`; failures are timed
 again, as they may not recur). At the suite's shapes, which the library cache holds,
 mixtral's tuning compiled 40 candidates instead of 85 and took 22.4 s instead of 36
-(`autotune_timeline_mixtral_s20.jsonl`); at shapes no cache holds nothing changes.
-Compiling stage two's likely candidates (foretold from the evidence) while stage one
+(`benchmarks/probes/model_autotune_timeline_probe.py mixtral`); at shapes no cache holds nothing
+changes. Compiling stage two's likely candidates (foretold from the evidence) while stage one
 times was tried again in session 20 and withdrawn again, as in session 11: the compile
 threads starved the timing thread of the interpreter lock, stage one's timings took
 25 s instead of 10 and the tuning 42.5 s
-(`autotune_timeline_mixtral_s20_compile_during_timing.jsonl`).
+(`benchmarks/probes/model_autotune_timeline_probe.py`).
 """
 
 from __future__ import annotations

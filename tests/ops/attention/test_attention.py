@@ -592,7 +592,7 @@ def test_unmeasured_none_runs_xla_where_cudnn_lost_the_sweep(monkeypatch, shape,
                                                              plain):
     """`None` without a measurement: cuDNN attention, plain JAX's fused path, lost to
     `jax.nn`'s default XLA attention only on the tiniest swept calls at head dims over 64
-    (`cudnn_vs_xla_attention_s13.jsonl`); there XLA runs, forward and backward."""
+    (`cudnn_vs_xla_attention.jsonl`); there XLA runs, forward and backward."""
     from tokamax_kernels.attention import cudnn
 
     monkeypatch.setattr(cudnn, "_require_cudnn_library", lambda: None)  # a CPU machine

@@ -48,7 +48,7 @@ from tokamax_pass import core
 # On CPU: numerics in Pallas's GPU interpret mode against the float32 HIGHEST reference
 # (GQA, MQA, causal, a window, key lengths, d64/d128/d256), the dk/dv kernel against the
 # default one, lowering for an H200, and the config checks. On the device:
-# `tests/gpu/test_mosaic_attention_gpu.py` and `tests/gpu/gqa_dkv_probe.py`.
+# `tests/gpu/test_mosaic_attention_gpu.py` and `benchmarks/probes/gqa_dkv_probe.py`.
 
 
 TILES_64 = MosaicAttentionConfig(block_q=64, block_kv=64)

@@ -549,7 +549,7 @@ def test_a_non_bool_overlap_is_refused():
 # runs), the traced program unchanged without a causal mask, lowering for an H200, and
 # the config checks. Interpret mode runs the grid in order, so the launch order itself is
 # the device's to measure: `tests/gpu/test_mosaic_attention_gpu.py -k longest_first` and
-# `tests/gpu/longest_first_probe.py`.
+# `benchmarks/probes/longest_first_probe.py`.
 
 
 def _fwd(**fields) -> MosaicAttentionConfig:

@@ -6,7 +6,7 @@ reference, and the gradient from those residuals (through the Mosaic ragged dots
 interpreted, or the XLA ones) against the reference's; the forward and gradient lower for
 an H200 through `jax.export` (`mosaic_gpu_v2` custom calls with their JSON specs);
 unsupported inputs and devices raise `NotImplementedError`; configs and heuristics.
-On the GPU: `python -m pytest -m gpu tests/test_mosaic_glu.py`.
+On the GPU: `python -m pytest -m gpu tests/ops/gated_linear_unit/test_mosaic_gpu_glu.py`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ EPS = 1e-6
 SHAPE = (3, 5, 40)
 
 # The row in one block; rows looped in chunks that do not divide n, with row blocks that
-# do not divide the row count (as tests/test_triton_layer_norm.py).
+# do not divide the row count (as tests/ops/layer_norm/test_triton_layer_norm.py).
 TRITON = {
     "triton one_block": (
         Config(block_rows=4, block_n=64, rows_per_program=4, num_warps=4, num_stages=1),

@@ -8,7 +8,7 @@ reference; unsupported inputs and devices raise `NotImplementedError`; configs a
 heuristics. On the GPU, at larger shapes:
 
     PYTHONPATH=src:kernels:. python -m pytest -m gpu \
-        tests/test_mosaic_linear_softmax_cross_entropy.py
+        tests/ops/linear_softmax_cross_entropy_loss/test_mosaic_gpu_linear_softmax_cross_entropy.py
 
 (loss and gradients against the float32 HIGHEST reference; the backward's compiled
 temporary memory against the `xla` implementation's at 16384 x 4096 x 128256).
