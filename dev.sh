@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh machine, then runs one job:
 #   ./dev.sh demo    the seed example end to end, with a table of op calls
-#   ./dev.sh test    the CPU test suite, the mutation check, then `bazel test //...`
+#   ./dev.sh test    ruff and mypy, the CPU test suite, the mutation check, then `bazel test //...`
 # Both create (or reuse) .venv with Python 3.12 and the pinned dependencies.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -55,7 +55,11 @@ case "${1:-}" in
     # The CPU tests compile thousands of small programs and run them once: LLVM's
     # expensive optimizations cost more than they save there (8-15% of the suite's time).
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    .venv/bin/python -m ruff check src kernels tests benchmarks
+    # The checks of .pre-commit-config.yaml, run as the same commands: CI calls the tools
+    # directly rather than through pre-commit, which sets up (and, for hooks from other
+    # repositories, fetches) environments that an offline CI machine cannot.
+    .venv/bin/python -m ruff check .
+    .venv/bin/python -m mypy  # src/ and kernels/, as [tool.mypy] in pyproject.toml says
     .venv/bin/python -m pytest -q -n 2 --durations=20 tests
     # Deliberate breakages (tests/mutation/patches/), each of which a test must catch.
     .venv/bin/python tests/mutation/run_mutations.py --jobs 2

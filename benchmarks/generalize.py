@@ -154,7 +154,8 @@ def write(out: pathlib.Path, rows: list[dict[str, Any]], seed: int, append: bool
     seeds, runs = [seed], [now]
     if append and out.exists():
         old = json.loads(out.read_text())
-        rows = old["rows"] + rows
+        measured = {r["family"] for r in rows}  # a family measured again is replaced
+        rows = [r for r in old["rows"] if r["family"] not in measured] + rows
         seeds = [*_listed(old["provenance"]["seed"]), seed]
         runs = [*_listed(old["provenance"].get("runs", old["provenance"]["date"])), now]
     provenance: dict[str, Any] = {
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grace-seconds", type=float, default=120.0,
                         help="with --workers: stop a worker this long after --max-seconds")
     parser.add_argument("--append", action="store_true",
-                        help="keep the output file's shapes and add this run's")
+                        help="keep the output file's rows of the families not measured now")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     parser.add_argument("--shard", type=_shard, default=(0, 1), help=argparse.SUPPRESS)
     parser.add_argument("--lock", type=pathlib.Path, default=None, help=argparse.SUPPRESS)

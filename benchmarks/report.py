@@ -135,7 +135,7 @@ def _family(workload: str) -> str:
     whose peers are the same."""
     if "+ residual" in workload:
         return "residual norm"
-    return workload.split()[0].removeprefix("self-")
+    return workload.split(maxsplit=1)[0].removeprefix("self-")
 
 
 def _rows(benchmark: str) -> list[dict[str, Any]]:
@@ -221,8 +221,8 @@ def seed_table() -> str:
 
 def tpu_roofline_table() -> str:
     """What the TPU kernels should approach per generation, from the public figures in
-    `tokamax_kernels._pallas_tpu.GENERATIONS` (specifications, not measurements)."""
-    from tokamax_kernels._pallas_tpu import GENERATIONS
+    `tokamax_kernels._mosaic_tpu.GENERATIONS` (specifications, not measurements)."""
+    from tokamax_kernels._mosaic_tpu import GENERATIONS
 
     flops = 2 * 16384 * 4096 * 4096  # the ragged dot m16384 k4096 n4096; = attention
     assert flops == 4 * 32 * 16 * 2048**2 * 64  # b32 s2048 h16 d64's forward
@@ -368,7 +368,7 @@ def rendered(page: str) -> str:
 # `700 TFLOP/s`. A digit or letter right after the `x` makes it a shape (`16384x2048`), and
 # `2 x M` (spaced) is a product, not a ratio.
 MEASURED = re.compile(
-    r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:x(?![\w.]\w)|×|"
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:x(?![\w.]\w)|×|"  # noqa: RUF001 - the sign, on purpose
     r"\s?(?:%|percent\b|[kMGTP]?FLOP/?s\b|[kMGTP]?FLOPS\b|[KMGTP]i?B/s\b|[KMGTP]i?B\b|bytes\b|"
     r"[nuµm]?s\b|sec(?:ond)?s?\b|min(?:ute)?s?\b|hours?\b|times (?:faster|slower)\b))")
 # What a page may hold that is not a figure: generated blocks, figures, constants, code

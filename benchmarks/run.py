@@ -31,6 +31,7 @@ from benchmarks.sweep import source_commit
 from tokamax_pass import benchmarking
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.device import device_kind_key
+from tokamax_pass.tables import render_table
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MODES = {"fwd": "forward", "fwd+bwd": "forward_and_vjp"}
@@ -75,7 +76,7 @@ def measure(workload: wl.Workload, modes: list[str], iterations: int) -> list[di
                                 temp_memory_mb=data.temp_memory_mb)
             rows.append(mode_row)
             _add_ratios(rows)
-            print(_format_row(mode_row), flush=True)
+            print(_progress_line(mode_row), flush=True)
     return rows
 
 
@@ -99,16 +100,26 @@ def _ceiling(unit: str) -> float:
     return wl.H200_BF16_TFLOPS if unit == "TFLOP/s" else wl.H200_COPY_TBPS
 
 
-def _format_row(r: dict[str, Any]) -> str:
-    head = f"{r['workload']:<38} {r['mode']:<8} {r['kind']:<7} {r['implementation']:<26}"
+COLUMNS = ("workload", "mode", "kind", "implementation", "ms", "rate", "unit", "%nominal",
+           "vs best peer", "error", "of ceiling")
+_NUMBER_COLUMNS = ("ms", "rate", "%nominal", "vs best peer", "error", "of ceiling")
+
+
+def _cells(r: dict[str, Any]) -> tuple[str, ...]:
+    """A result row's cells under `COLUMNS` (a failure's message in its `ms` cell)."""
+    head = (r["workload"], r["mode"], r["kind"], r["implementation"])
     if "error" in r:
-        return f"{head} FAILED {r['error']}"
-    ratio = f"{r['vs_best_peer']:.2f}x" if "vs_best_peer" in r else "-"
-    percent = 100 * r["rate"] / _ceiling(r["unit"])
-    error = f"err {r['relative_error']:.1e}" if "relative_error" in r else ""
-    of_ceiling = f"{100 * r['of_ceiling']:.0f}% of ceiling" if "of_ceiling" in r else ""
-    return (f"{head} {r['ms']:9.3f} ms {r['rate']:8.1f} {r['unit']:<8} "
-            f"{percent:5.1f}% {ratio:>6} {error} {of_ceiling}").rstrip()
+        return (*head, f"FAILED {r['error']}", *[""] * (len(COLUMNS) - len(head) - 1))
+    return (*head, f"{r['ms']:.3f}", f"{r['rate']:.1f}", r["unit"],
+            f"{100 * r['rate'] / _ceiling(r['unit']):.1f}%",
+            f"{r['vs_best_peer']:.2f}x" if "vs_best_peer" in r else "-",
+            f"{r['relative_error']:.1e}" if "relative_error" in r else "",
+            f"{100 * r['of_ceiling']:.0f}%" if "of_ceiling" in r else "")
+
+
+def _progress_line(r: dict[str, Any]) -> str:
+    return " ".join(f"{name}={cell}" for name, cell in zip(COLUMNS, _cells(r), strict=True)
+                    if cell)
 
 
 def _chart(rows: list[dict[str, Any]], path: pathlib.Path) -> None:
@@ -177,10 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # noqa: BLE001 - report and go on with the next workload
             traceback.print_exc()
         _write(out, device, rows)  # after each workload, so a cut-short run keeps its rows
-    print("\nworkload                               mode     kind    implementation"
-          "                    time        rate       %ceil  vs best peer")
-    for row in rows:
-        print(_format_row(row))
+    print()
+    print(render_table(COLUMNS, [_cells(row) for row in rows], right_aligned=_NUMBER_COLUMNS))
     _chart(rows, out.with_suffix(".png"))
     print(f"wrote {out}")
     return 0

@@ -20,6 +20,7 @@ from tokamax_pass import core
 from tokamax_pass.autotuning import cache
 from tokamax_pass.autotuning.autotuner import candidate_configs
 from tokamax_pass.autotuning.result import Entry
+from tokamax_pass.tables import render_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +72,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device-kind", default="NVIDIA H200")
     parser.add_argument("--min-configs", type=int, default=5)
     args = parser.parse_args(argv)
-    print("k  entries  worst  10th pct  median  below 0.97")
+    columns = ("k", "entries", "worst", "10th pct", "median", "below 0.97")
+    rows = []
     for k in (1, 2, 4, 5, 6, 8):
         values = sorted(r.reach for r in reaches(args.device_kind, k, args.min_configs))
         if not values:
             print("no entry has enough configs measured")
             return 1
         n = len(values)
-        print(f"{k:<2} {n:>8}  {values[0]:.3f}  {values[n // 10]:8.3f}  {values[n // 2]:.3f}"
-              f"  {sum(v < 0.97 for v in values):>10}")
+        rows.append((k, n, f"{values[0]:.3f}", f"{values[n // 10]:.3f}",
+                     f"{values[n // 2]:.3f}", sum(v < 0.97 for v in values)))
+    print(render_table(columns, rows, right_aligned=columns))
     return 0
 
 

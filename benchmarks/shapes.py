@@ -184,7 +184,7 @@ def draw(family: str, rng: random.Random, tiny: bool = False) -> Params:
     """One call drawn at random inside the family's documented range (off the grid: sizes
     are drawn in log space, then rounded to what models use)."""
     def log_int(low: int, high: int, multiple: int = 1) -> int:
-        value = int(round(2 ** rng.uniform(np.log2(low), np.log2(high))))
+        value = round(2 ** rng.uniform(np.log2(low), np.log2(high)))
         return max(multiple, value // multiple * multiple)
 
     scale = 64 if tiny else 1

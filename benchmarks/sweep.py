@@ -171,8 +171,11 @@ def _measure_ceilings(f: Any, done: set[str], device_kind: str, *, seed: int, ti
 
 
 def source_commit() -> str:
-    """The git commit of the code that measured (`"unknown"` outside a checkout), for the
-    provenance of a results file."""
+    """The git commit of the code that measured, for the provenance of a results file:
+    `$TOKAMAX_PASS_SOURCE_COMMIT` where set (a copy of a working tree whose `.git` is not
+    its own), else the checkout's, else `"unknown"`."""
+    if os.environ.get("TOKAMAX_PASS_SOURCE_COMMIT"):
+        return os.environ["TOKAMAX_PASS_SOURCE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True, cwd=pathlib.Path(__file__).parent).stdout.strip()

@@ -21,8 +21,8 @@ from typing import Any
 import jax
 
 from benchmarks import shapes, sweep
+from tokamax_pass.core import atomic_io, prediction, registry
 from tokamax_pass.core import calibration as calibration_lib
-from tokamax_pass.core import prediction, registry
 from tokamax_pass.core.device import device_kind_key
 from tokamax_pass.core.op import BoundArguments
 from tokamax_pass.core.roofline import Ceilings
@@ -91,7 +91,8 @@ def points(rows: list[dict[str, Any]], ceilings: Ceilings) -> list[calibration_l
         if efficiency > calibration_lib.MAX_EFFICIENCY:
             continue  # faster than the roofline allows: a timing fault, not data
         found.append(calibration_lib.Point(prediction.op_name(ba.op), dtype, work.flops,
-                                           work.bytes, efficiency))
+                                           work.bytes, efficiency,
+                                           prediction.call_features(ba)))
     return found
 
 
@@ -156,7 +157,7 @@ def fit(results: list[pathlib.Path], out: pathlib.Path | None, *, holdout: float
     data = {
         "schema": calibration_lib.SCHEMA, "version": calibration_lib.VERSION,
         "device_kind": device_kind, "ceilings": vars(ceilings),
-        "points": [vars(p) for p in found],
+        "points": [{**vars(p), "features": list(p.features)} for p in found],
         "provenance": {"commit": sweep.source_commit(), "jax": jax.__version__,
                        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")},
     }
@@ -164,6 +165,6 @@ def fit(results: list[pathlib.Path], out: pathlib.Path | None, *, holdout: float
     calibration_lib.parse(text)  # the file must load as it will be read
     out = out or PACKAGE_FOLDER / f"{device_kind_key(device_kind)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    atomic_io.write_atomic(out, text + "\n")
     print(f"wrote {len(found)} points to {out}")
     return 0

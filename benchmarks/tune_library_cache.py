@@ -157,11 +157,12 @@ def restamp(folder: pathlib.Path) -> int:
         entries, restamped = [], 0
         for entry in result.entries:
             reason = keys.stale_reason(entry.bound.op, entry.provenance)
-            if reason is not None:
-                print(f"{path.name}: {entry.bound!r}: {reason}: restamped")
-                entry = dataclasses.replace(entry, provenance=keys.provenance(entry.bound.op))
-                restamped += 1
-            entries.append(entry)
+            if reason is None:
+                entries.append(entry)
+                continue
+            print(f"{path.name}: {entry.bound!r}: {reason}: restamped")
+            entries.append(dataclasses.replace(entry, provenance=keys.provenance(entry.bound.op)))
+            restamped += 1
         if restamped:
             tokamax.AutotuningResult(result.device_kind, entries).dump(path)
     return 0

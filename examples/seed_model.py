@@ -1,8 +1,8 @@
 """The seed example's model: layer norm -> attention -> layer norm -> attention, summed.
 
 Every implementation is `None`, so each platform gets its best kernel: the XLA ones on
-CPU, the Pallas kernels or cuDNN on an H200. `make_loss` names them instead (used to
-rerun an exported artifact's kernel choice in process).
+CPU, the Pallas kernels or cuDNN on an H200. `make_loss` names them instead (to rerun
+an exported artifact's kernel choice in process).
 """
 
 from collections.abc import Callable

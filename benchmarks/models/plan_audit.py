@@ -54,9 +54,9 @@ import tokamax_pass as tokamax
 from benchmarks.models import MODELS, Model, blocks, ops, run
 from tokamax_pass import core
 from tokamax_pass.autotuning import cache, keys, neighbours
-from tokamax_pass.core import spec
+from tokamax_pass.core import selection, spec
 from tokamax_pass.core.op import BoundArguments, CannotLowerHere
-from tokamax_pass.pass_.plan import PlanRow
+from tokamax_pass.passes.plan import PlanRow
 
 DEVICE_KIND = "NVIDIA H200"
 WIDTHS = (1024, 3072, 4096)
@@ -273,7 +273,7 @@ def _kernel_evidence(kernel: BoundArguments, plain: Sequence[BoundArguments],
     # A plain path known slower than another (`Op.yields_unmeasured_to`, fitted to a device
     # sweep) need not be beaten separately: the other stands for it.
     plain = [ba for i, ba in enumerate(plain)
-             if not neighbours.yields(plain, i, range(len(plain)))]
+             if not selection.yields(plain, i, range(len(plain)))]
     slots = [ba.op.evidence_calls(ba) or [ba] for ba in (kernel, *plain)]
     if len({len(s) for s in slots}) != 1:
         slots = [[ba] for ba in (kernel, *plain)]
@@ -331,7 +331,7 @@ def audit_model(name: str, overrides: list[str]) -> Iterator[dict[str, Any]]:
 def _cudnn_assumed() -> Iterator[None]:
     """cuDNN taken as installed, as on the H200, while planning from this machine (its
     library check would otherwise drop the cuDNN attention, a plain-JAX path there)."""
-    import tokamax_kernels.attention.cudnn as cudnn
+    from tokamax_kernels.attention import cudnn
 
     original = cudnn._require_cudnn_library
     cudnn._require_cudnn_library = lambda: None

@@ -78,9 +78,9 @@ def smoke(names: list[str], models: dict[str, Model] | None = None,
     """
     variants = ops.variants()
     failures = []
-    for name, dtype in itertools.product(names, dtypes or [None]):
+    for name, dtype_name in itertools.product(names, dtypes or [None]):
         model = (models or MODELS)[name]
-        model = model if dtype is None else in_dtype(model, dtype)
+        model = model if dtype_name is None else in_dtype(model, dtype_name)
         dtype = model.smoke_config.dtype
         params, batch = _inputs(model, smoke=True)
         outputs = {}
@@ -184,12 +184,12 @@ def alternated(step: Any, params: Any, batch: Any, result: Any, iterations: int,
     """The step untuned and under `result`, timed in alternating rounds (each round a
     median of `iterations`), and untuned's median over tuned's (above 1: tuning won).
 
-    The `tuned` variant alone is timed once, right after the tuning's minute of device
-    work; mixtral's tuned ran 0.5-0.8% under untuned in three runs whose tuned and untuned
-    programs chose the same kernels and configs. Alternating takes the order out of the
-    comparison, and each round swaps which goes first (untuned, tuned; tuned, untuned;
-    ...): times drift within a process, so with untuned always first one program timed
-    twice per round reads as two. Over an even number of rounds a steady drift cancels."""
+    The `tuned` variant alone is timed once, right after the tuning's device work, which
+    leaves the device in another state than the untuned run found it: even two identical
+    programs differ that way. Alternating takes the order out of the comparison, and each
+    round swaps which goes first (untuned, tuned; tuned, untuned; ...): times drift within
+    a process, so the one always first would look faster. Over an even number of rounds a
+    steady drift cancels."""
     untuned = _runner(jax.jit(step), params, batch)
     with result:
         tuned = _runner(jax.jit(step), params, batch)

@@ -131,7 +131,7 @@ def _vjp_config(q, k, causal, window=None, soft_cap=None):
 
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttentionVjp
     from tokamax_pass.core.device import current_target
-    from tokamax_pass.core.resolution import resolve_config
+    from tokamax_pass.core.selection import resolve_config
 
     sds = jax.ShapeDtypeStruct
     b, s, h, d = q.shape
@@ -176,13 +176,13 @@ def _split_workload(name: str, shape: tuple[int, ...], causal: bool) -> None:
     import jax
     import jax.numpy as jnp
 
+    from tokamax_kernels.attention._delta import attention_delta
     from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
         mosaic_attention_dkv,
         mosaic_attention_dq,
     )
     from tokamax_kernels.attention._mosaic_gpu_common import MosaicAttentionConfig
     from tokamax_kernels.attention._mosaic_gpu_fwd_kernel import mosaic_attention_forward
-    from tokamax_kernels.attention._softmax_row_term import softmax_row_term
 
     b, s, h, hk, d = shape
     q, k, v, do = _inputs(b, s, h, hk, d)
@@ -203,7 +203,7 @@ def _split_workload(name: str, shape: tuple[int, ...], causal: bool) -> None:
         config=str(config), config_source=source)
     out, lse = _jitted(mosaic_attention_forward, **statics,
                        config=MosaicAttentionConfig(block_q=64, block_kv=64))(q, k, v)
-    residuals = (q, k, v, do, lse.astype(jnp.float32), jax.jit(softmax_row_term)(out, do))
+    residuals = (q, k, v, do, lse.astype(jnp.float32), jax.jit(attention_delta)(out, do))
     log("mosaic dq kernel", _jitted(mosaic_attention_dq, **statics, config=config),
         residuals, 1.5)
     log("mosaic dk/dv kernel", _jitted(mosaic_attention_dkv, **statics, config=config),
@@ -248,7 +248,7 @@ def _fwd_config(q, k, causal, window=None, soft_cap=None):
 
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttention
     from tokamax_pass.core.device import current_target
-    from tokamax_pass.core.resolution import resolve_config
+    from tokamax_pass.core.selection import resolve_config
 
     sds = jax.ShapeDtypeStruct
     qs, ks = sds(q.shape, q.dtype), sds(k.shape, k.dtype)
@@ -544,8 +544,8 @@ def registers() -> None:
     import numpy as np
 
     from tokamax_kernels.attention import _mosaic_gpu_bwd_kernels as bwd_module
+    from tokamax_kernels.attention._delta import attention_delta
     from tokamax_kernels.attention._mosaic_gpu_fwd_kernel import mosaic_attention_forward
-    from tokamax_kernels.attention._softmax_row_term import softmax_row_term
 
     for name, (b, s, h, hk, d), causal in WORKLOADS[:4]:
         q, k, v, do = _inputs(b, s, h, hk, d)
@@ -554,7 +554,7 @@ def registers() -> None:
         statics = dict(scale=d ** -0.5, causal=causal)
         out, lse = _jitted(mosaic_attention_forward, **statics,
                            config=_fwd_config(q, k, causal)[0])(q, k, v)
-        residuals = (q, k, v, do, lse, jax.jit(softmax_row_term)(out, do))
+        residuals = (q, k, v, do, lse, jax.jit(attention_delta)(out, do))
         outs = {}
         for compute, memory in REGISTER_SPLITS:
             bwd_module.COMPUTE_REGISTERS, bwd_module.MEMORY_REGISTERS = compute, memory
@@ -582,7 +582,7 @@ def registers() -> None:
 def row_term() -> None:
     """At the Llama layer, causal d128 and d64: forward+backward of cuDNN and of our Mosaic kernels
     (the VJP config `None` runs) with the backward's row term from its own pass
-    (`softmax_row_term`) and summed by the dq kernel
+    (`attention_delta`) and summed by the dq kernel
     (`mosaic_attention_dq_and_delta`); the two forms' gradients compared."""
     import jax
     import numpy as np

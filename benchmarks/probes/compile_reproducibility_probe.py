@@ -6,7 +6,7 @@ dv never changed (`benchmarks/probes/longest_first_probe.py` shows it).
 
 Each of `--processes` worker processes (run at once, so their compiles and timings
 interleave as they did when the difference showed) compiles every piece on its own:
-the forward kernel (out, lse), `softmax_row_term` (delta), the dq and dk/dv kernels fed
+the forward kernel (out, lse), `attention_delta` (delta), the dq and dk/dv kernels fed
 that process's lse and delta, and the whole `jax.vjp` step; it hashes each output.
 The parent then writes, per configuration and piece, whether every process agreed.
 A piece that differs while its inputs agree is the one that varies.
@@ -56,6 +56,7 @@ def _pieces(name: str) -> dict[str, str]:
         _window,
         dot_product_attention,
     )
+    from tokamax_kernels.attention._delta import attention_delta
     from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
         mosaic_attention_dkv,
         mosaic_attention_dq,
@@ -65,7 +66,6 @@ def _pieces(name: str) -> dict[str, str]:
         MosaicAttentionVjpConfig,
     )
     from tokamax_kernels.attention._mosaic_gpu_fwd_kernel import mosaic_attention_forward
-    from tokamax_kernels.attention._softmax_row_term import softmax_row_term
 
     (b, sq, sk, h, hk, d), fwd_wgs, vjp_wgs, block_kv, window = CASES[name]
     q, do = (random_normal(i, (b, sq, h, d), jnp.bfloat16) for i in (0, 3))
@@ -75,7 +75,7 @@ def _pieces(name: str) -> dict[str, str]:
     kw = dict(scale=d ** -0.5, causal=True, window=_window.bounds(window, True))
     out, lse = jax.jit(lambda q, k, v: mosaic_attention_forward(
         q, k, v, config=fwd_config, **kw))(q, k, v)
-    delta = jax.jit(softmax_row_term)(out, do)
+    delta = jax.jit(attention_delta)(out, do)
     dq = jax.jit(lambda *a: mosaic_attention_dq(*a, config=vjp_config, **kw))(
         q, k, v, do, lse, delta)
     dk, dv = jax.jit(lambda *a: mosaic_attention_dkv(*a, config=vjp_config, **kw))(

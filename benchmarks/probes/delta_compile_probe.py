@@ -1,11 +1,11 @@
-"""Device probe: what does the fixed-order `delta` (`attention/_softmax_row_term.py`) cost
+"""Device probe: what does the fixed-order `delta` (`attention/_delta.py`) cost
 in compile time and run time on the GPU? The gemma2 step under `None` (Mosaic attention
 at head dim 256, the only suite model whose backward runs it) is where a slow-compiling
 order shows; a pairwise tree of halves compiled far slower than a chain of adds or a plain
 sum, and ran slower than the plain sum, which is why the library sums in a Pallas Triton
 kernel on CUDA.
 
-Compiles `softmax_row_term` alone at gemma2's shape and at d128/d64, then the gemma2
+Compiles `attention_delta` alone at gemma2's shape and at d128/d64, then the gemma2
 `None` step, each with the library's kernel, a plain `jnp.sum`, the chain and the tree
 swapped in, each in a fresh process (no compilation cache). Then times `delta` itself
 for each order at each shape (CUPTI, one process).
@@ -53,8 +53,8 @@ def _chain(out, dout, dlse=None):
     """The fixed order the library sums off CUDA: a chain of adds, column by column."""
     import jax.numpy as jnp
 
-    from tokamax_kernels.attention._softmax_row_term import row_term_chain
-    delta = row_term_chain(out, dout)
+    from tokamax_kernels.attention._delta import delta_by_chain
+    delta = delta_by_chain(out, dout)
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
@@ -67,7 +67,7 @@ def _use(delta: str) -> None:
     if DELTAS[delta] is not None:
         for name in VJP_MODULES:
             module = importlib.import_module(f"tokamax_kernels.attention.{name}")
-            module.softmax_row_term = DELTAS[delta]
+            module.attention_delta = DELTAS[delta]
 
 
 def _worker(what: str, delta: str, smoke: bool) -> dict:
@@ -82,7 +82,7 @@ def _worker(what: str, delta: str, smoke: bool) -> dict:
     if what in DELTA_SHAPES:
         shape = (2, 16, 2, 32) if smoke else DELTA_SHAPES[what]
         s = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-        jax.jit(pallas_triton_vjp.softmax_row_term).lower(s, s).compile()
+        jax.jit(pallas_triton_vjp.attention_delta).lower(s, s).compile()
     else:
         model = MODELS["gemma2"]
         params = model.init(jax.random.key(0), model.sized(smoke))
@@ -99,7 +99,7 @@ def _run_times(smoke: bool) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from tokamax_kernels.attention._softmax_row_term import softmax_row_term
+    from tokamax_kernels.attention._delta import attention_delta
     from tokamax_pass import benchmarking
 
     records = []
@@ -109,7 +109,7 @@ def _run_times(smoke: bool) -> list[dict]:
         want = np.einsum("bqhd,bqhd->bhq", np.asarray(out, np.float64),
                          np.asarray(dout, np.float64))
         for delta, fn in DELTAS.items():
-            step = jax.jit(fn or softmax_row_term)
+            step = jax.jit(fn or attention_delta)
             data = benchmarking.benchmark(step, out, dout, iterations=50)
             error = float(np.max(np.abs(np.asarray(step(out, dout), np.float64) - want)))
             records.append(dict(what=what, delta=delta, run_ms=data.median_evaluation_time_ms,

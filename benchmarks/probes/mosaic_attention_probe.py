@@ -322,7 +322,7 @@ def main(argv: list[str]) -> None:
         if name == "small":
             phase_small()
             return
-        if name.endswith("d128") and name.split("_")[0] in ("compile", "run") or "wgs1" in name:
+        if (name.endswith("d128") and name.split("_")[0] in ("compile", "run")) or "wgs1" in name:
             phase_d128(name)
             return
         if name.startswith("quick"):

@@ -32,9 +32,9 @@ for _name, _path in (("tokamax_kernels", _PKG), ("tokamax_kernels.attention",
     _module.__path__ = [_path]
     sys.modules.setdefault(_name, _module)
 
-from tokamax_kernels.attention import _pallas_triton_common as common  # noqa: E402
-from tokamax_kernels.attention._pallas_triton_bwd import flash_attention_backward  # noqa: E402
-from tokamax_kernels.attention._pallas_triton_fwd import flash_attention_forward  # noqa: E402
+from tokamax_kernels.attention import _triton_common as common  # noqa: E402
+from tokamax_kernels.attention._triton_bwd import flash_attention_backward  # noqa: E402
+from tokamax_kernels.attention._triton_fwd import flash_attention_forward  # noqa: E402
 
 START = time.time()
 BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", "250"))
@@ -165,7 +165,7 @@ def run_shape(name, results):
         ms, _ = time_kernels(exe, (q, k, v), iters)
         row[kind][str(c)] = {"ms": ms, "tflops": fl / ms / 1e9}
     ok = {c: r for c, r in row["fwd_lse"].items() if isinstance(r, dict)}
-    best_fwd = eval(min(ok, key=lambda c: ok[c]["ms"]))  # noqa: S307 - our own tuple repr
+    best_fwd = eval(min(ok, key=lambda c: ok[c]["ms"]))
     out, lse = jax.jit(fwd_fn(spec, best_fwd, True))(q, k, v)
     plain = jax.jit(fwd_fn(spec, best_fwd, False)).lower(q, k, v).compile()
     ms, _ = time_kernels(plain, (q, k, v), iters)
@@ -186,7 +186,7 @@ def run_shape(name, results):
         # Best dkv and best dq may come from different pairs: combine them.
         best_dkv = min(okb, key=lambda p: okb[p]["per_kernel"].get("dkdv", 1e9))
         best_dq = min(okb, key=lambda p: okb[p]["per_kernel"].get("dq", 1e9))
-        pair = (eval(best_dkv)[0], eval(best_dq)[1])  # noqa: S307
+        pair = (eval(best_dkv)[0], eval(best_dq)[1])
         fwd_ms = row["fwd_lse"][str(best_fwd)]["ms"]
         bwd_exe = jax.jit(bwd_fn(spec, pair)).lower(*bargs).compile()
         bwd_ms, per = time_kernels(bwd_exe, bargs, iters)

@@ -1,4 +1,4 @@
-# ruff: noqa: B023, E731  (lambdas are called at once, inside their loop iteration)
+# ruff: noqa: B023  (lambdas are called at once, inside their loop iteration)
 """Device sweep for the Triton layer norm, ragged dot and GLU kernels (run on the H200).
 
 `PYTHONPATH=src:kernels:. python3 benchmarks/probes/triton_small_ops_sweep.py OUT_DIR [sections]`

@@ -8,14 +8,10 @@ from typing import Any, ClassVar
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
-from tokamax_pass.core import Target, current_target
+from tokamax_pass.core import Target
 
 # Dtypes Triton computes with; float64 has no tensor-core or fast path there.
 TRITON_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-
-# Streaming multiprocessors per device kind: grids are sized to fill them.
-_SM_COUNTS = {"H200": 132, "H100": 132, "H800": 132, "H20": 78, "A100": 108, "L40": 142}
-DEFAULT_SM_COUNT = 132
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,12 +68,6 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def sm_count() -> int:
-    """SMs of the device the program is built for (from its kind; H200 when unknown)."""
-    kind = current_target().device_kind or ""
-    return next((n for key, n in _SM_COUNTS.items() if key in kind), DEFAULT_SM_COUNT)
 
 
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:

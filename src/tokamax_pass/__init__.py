@@ -47,13 +47,13 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(module), name)
     for package in _KERNEL_PACKAGES:
         try:
-            module = importlib.import_module(f"tokamax_kernels.{package}")
+            family = importlib.import_module(f"tokamax_kernels.{package}")
         except ModuleNotFoundError as e:
             if e.name != f"tokamax_kernels.{package}":
                 raise
             continue
-        if name in getattr(module, "__all__", ()):
-            return getattr(module, name)
+        if name in getattr(family, "__all__", ()):
+            return getattr(family, name)
     raise AttributeError(f"module 'tokamax_pass' has no attribute {name!r}")
 
 
@@ -68,10 +68,21 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "DISABLE_JAX_EXPORT_CHECKS", "BoundArguments", "NullConfig", "Op", "export", "inspect",
-    "SpecError", "__version__", "__version_info__", "load_artifact", "optimize",
-    "register_serializable", "snake_case_name", *_LAZY,
+    "DISABLE_JAX_EXPORT_CHECKS",
+    "BoundArguments",
+    "NullConfig",
+    "Op",
+    "SpecError",
+    "__version__",
+    "__version_info__",
+    "export",
+    "inspect",
+    "load_artifact",
+    "optimize",
+    "register_serializable",
+    "snake_case_name",
 ]
+__all__ += list(_LAZY)
 
 # Registers the autotuning results and caches as a config source (cheap: no compilation).
 import tokamax_pass.autotuning  # noqa: E402, F401

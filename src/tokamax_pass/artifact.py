@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from tokamax_pass.core import atomic_io, checks, device, spec
-from tokamax_pass.pass_.inspection import Inspection, custom_call_targets, inspect_path
+from tokamax_pass.passes.inspection import Inspection, custom_call_targets, inspect_path
 from tokamax_pass.version import __version__
 
 MANIFEST = "manifest.json"
@@ -199,8 +199,8 @@ def load_artifact(directory: str | os.PathLike[str] | Artifact, *, check: bool =
 # Custom-call targets whose runtime a Python module sets up on import: a Mosaic GPU
 # kernel's host code links against `libmosaic_gpu_runtime.so`, which XLA finds only once
 # `jax.experimental.mosaic.gpu` has been imported (it names the library's path). A fresh
-# process that loads an artifact imports no kernel code, and its first call failed on the
-# H200 with "Symbols not found: mosaic_gpu_launch_kernel" (session 18).
+# process that loads an artifact imports no kernel code, and without the import its first
+# call fails with "Symbols not found: mosaic_gpu_launch_kernel".
 _RUNTIME_MODULES = {"mosaic_gpu": "jax.experimental.mosaic.gpu"}
 
 

@@ -168,9 +168,9 @@ def standardize_function(
     become inputs of `f_std` together with a random cotangent. `"forward_and_vjp"`
     times both, with the output as its own cotangent behind an optimization barrier (as
     upstream Tokamax does): without it XLA fuses the backward with the expression that
-    made the cotangent, which no training step allows. At the Llama GLU the jnp
-    expression gained 6% on our XLA GLU that way, and lost 5% to it inside `jax.grad`
-    (`benchmarks/probes/glu_vjp_variants_probe.py`).
+    made the cotangent, which no training step allows (a jnp expression timed without it
+    can rank ahead of an op it trails inside `jax.grad`:
+    `benchmarks/probes/glu_vjp_variants_probe.py`).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be 'forward', 'forward_res', 'vjp' or 'forward_and_vjp', "

@@ -9,12 +9,15 @@ under a mesh each device's call is resolved for the shapes that device sees. So 
 rewrite happens once per signature, inside jit's own trace, and a later call with
 the same signature is exactly a `jax.jit` call.
 
-Plain-JAX patterns (`pass_.patterns`: `jax.lax.ragged_dot`) are replaced by op calls in
-the same evaluation, where `implementation=None` picks a kernel for them (`rewrite=`).
+Plain-JAX patterns (`passes.patterns`: `jax.lax.ragged_dot`, norms, gated linear units,
+cross-entropy losses and attention written in `jnp`) are replaced by op calls in the
+same evaluation, and `jax.nn.dot_product_attention` calls while the function is traced,
+where `implementation=None` picks a kernel for them (`rewrite=`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -27,11 +30,11 @@ import jax
 from tokamax_pass.artifact import make_artifact
 from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, device, spec
-from tokamax_pass.core.op import NullConfig
+from tokamax_pass.core.op import BoundArguments, NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
-from tokamax_pass.pass_ import emit, patterns
-from tokamax_pass.pass_.plan import Plan
-from tokamax_pass.pass_.rewrite import Decision, Rewriter, tuning_key
+from tokamax_pass.passes import emit, patterns, patterns_attention, walk
+from tokamax_pass.passes.plan import Plan
+from tokamax_pass.passes.rewrite import Decision, Rewriter, tuning_key
 
 Autotune = Literal["never", "missing", "always"]
 _AUTOTUNE_MODES = ("never", "missing", "always")
@@ -53,8 +56,10 @@ def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] | N
         fastest is chosen. Measuring runs on first call per signature.
       results: an `AutotuningResult` (or a sequence, later ones winning) whose configs
         take precedence over the caches for this function.
-      rewrite: which plain-JAX patterns (`patterns.NAMES`, e.g. `"ragged_dot"` for
-        `jax.lax.ragged_dot`) are replaced by op calls where a kernel is chosen for them:
+      rewrite: which plain-JAX patterns (`patterns.NAMES`: `"ragged_dot"`,
+        `"dot_product_attention"`, `"layer_norm"`, `"gated_linear_unit"`,
+        `"linear_softmax_cross_entropy_loss"`, `"attention"`) are replaced by op calls
+        where a kernel is chosen for them:
         `True` all, `False` none, or a sequence of pattern names.
     """
     optimized = Optimized(fun, static_argnums=static_argnums, static_argnames=static_argnames,
@@ -94,8 +99,9 @@ class Optimized:
         # The statics `None` where not given, as `jax.jit`'s defaults: it then finds the
         # positions `static_argnames` names (given `()`, it did not, and `f(x, "sum")`, "sum"
         # static by name, failed in JAX as a non-array argument).
-        self._jit_kwargs = dict(static_argnums=static_argnums, static_argnames=static_argnames,
-                                donate_argnums=donate_argnums)
+        self._jit_kwargs: dict[str, Any] = dict(
+            static_argnums=static_argnums, static_argnames=static_argnames,
+            donate_argnums=donate_argnums)
         self._tuned: list[Any] = []
         self._tuned_signatures: set[Any] = set()
         self._jitted = self._jit(platforms=None, record=None)
@@ -191,8 +197,6 @@ class Optimized:
                 return fun(*call_args, **call_kwargs)
 
             values = [leaves[i] for i in dynamic]
-            jaxpr, out_shape = emit.trace_plain(
-                jax.make_jaxpr(flat_fun, return_shape=True), *values)
             targets = _targets(platforms)
             _warn_if_no_results_apply(self.results, targets)
             rewriter = Rewriter(targets, contexts=self._contexts, record=record,
@@ -200,7 +204,11 @@ class Optimized:
                                 matches=matches)
             if rewriters is not None:
                 rewriters.append(rewriter)
-            outs = emit.emit(rewriter, jaxpr, values)
+            with (patterns_attention.intercepting(rewriter.choose_rewrite)
+                  if patterns_attention.NAME in self.rewrite else contextlib.nullcontext()):
+                jaxpr, out_shape = walk.trace_plain(
+                    jax.make_jaxpr(flat_fun, return_shape=True), *values)
+                outs = emit.emit(rewriter, jaxpr, values)
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
         return body
@@ -226,7 +234,8 @@ class Optimized:
         signature = _signature(args, kwargs)
         if signature in self._tuned_signatures:
             return
-        to_tune, compare = {}, False
+        to_tune: dict[str, BoundArguments] = {}
+        compare = False
         decisions, matches = self._trace(args, kwargs, platforms=None)
         for decision in decisions:
             if _needs_tuning(decision, self.autotune):
@@ -277,7 +286,7 @@ def _warn_if_no_results_apply(results: Sequence[Any], targets: Sequence[device.T
                        for r in results):
         warnings.warn(
             f"optimize: results= are for {sorted({r.device_kind for r in results})}, but "
-            f"this program is compiled for {sorted(kinds)}: none of them is used (an "
+            f"this program is compiled for {sorted(map(str, kinds))}: none of them is used (an "
             f"AutotuningResult applies to the device kind it was tuned on)", stacklevel=2)
 
 

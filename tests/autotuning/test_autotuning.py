@@ -19,9 +19,9 @@ from _tunable_ops import (
     chunked_matmul,
 )
 from conftest import assert_close, random_normal
-from tokamax_pass.autotuning import cache, discovery, keys
+from tokamax_pass.autotuning import discovery, keys
 from tokamax_pass.autotuning.result import Entry, Measurement
-from tokamax_pass.core import current_target, spec
+from tokamax_pass.core import current_target, selection, spec
 
 M, K, N = 16, 64, 32
 
@@ -62,7 +62,7 @@ def test_user_defined_op_autotune_keeps_failures_and_picks_a_correct_config():
     best = result.best_config(ba)
     assert best in {ChunkConfig(16), ChunkConfig(32), ChunkConfig(64)}
     assert all(m.ok for c, m in data.items() if c.chunk in (16, 32, 64))
-    f = lambda x, w: chunked_matmul(x, w, implementation="xla_chunked")  # noqa: E731
+    f = lambda x, w: chunked_matmul(x, w, implementation="xla_chunked")
     with result:
         assert _chosen_configs(f, x, w) == [{"dataclass": spec.import_path(ChunkConfig),
                                             "fields": {"chunk": best.chunk}}]
@@ -100,7 +100,7 @@ def test_function_jitted_outside_retraces_inside_the_context():
 
 def test_nested_contexts_innermost_wins():
     x, w = _inputs()
-    f = lambda x, w: chunked_matmul(x, w, implementation="xla_chunked")  # noqa: E731
+    f = lambda x, w: chunked_matmul(x, w, implementation="xla_chunked")
     outer, inner = _result({ChunkConfig(16): 1.0}), _result({ChunkConfig(64): 1.0})
     with outer:
         with inner:
@@ -134,7 +134,7 @@ def _chunked_entry(time_ms, shape=(M, K, N), dtype=jnp.float32):
 
 def test_implementation_none_runs_a_kernel_only_where_measured_faster():
     x, w = _inputs()
-    f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
+    f = lambda x, w: chunked_matmul(x, w)
     kind = current_target().device_kind
     # Nothing measured: the plain-JAX path, although the kernel comes first in the family.
     assert _chosen_class(f, x, w) == "ChunkedMatmul"
@@ -145,14 +145,14 @@ def test_implementation_none_runs_a_kernel_only_where_measured_faster():
     with tokamax.AutotuningResult(kind, [_chunked_entry(0.5), _xla_entry(1.0)]):
         assert _chosen_class(f, x, w) == "XlaChunkedMatmul"
     # Faster, but within the noise margin: the plain path stays.
-    within = 1.0 - cache.TIE_MARGIN / 2
+    within = 1.0 - selection.TIE_MARGIN / 2
     with tokamax.AutotuningResult(kind, [_chunked_entry(within), _xla_entry(1.0)]):
         assert _chosen_class(f, x, w) == "ChunkedMatmul"
 
 
 def test_a_measured_neighbouring_shape_stands_in_for_an_unmeasured_one():
     x, w = _inputs()
-    f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
+    f = lambda x, w: chunked_matmul(x, w)
     kind = current_target().device_kind
     near, far, farther = (M * 2, K, N), (M * 4, K, N), (M * 8, K, N)
     with tokamax.AutotuningResult(kind, [_chunked_entry(0.5, near), _xla_entry(1.0, near)]):
@@ -182,16 +182,16 @@ def test_a_measured_neighbouring_shape_stands_in_for_an_unmeasured_one():
 
 def test_ranking_keeps_the_given_order_within_the_tie_margin():
     times = [1.0, 1.03, 0.99, 2.0, 1.5]
-    assert cache._rank_by_time(range(5), times) == [0, 1, 2, 4, 3]
-    assert cache._rank_by_time([0, 1], [3.0, 1.0]) == [1, 0]
-    assert cache._rank_by_time([0, 1, 2], [math.inf, 2.0, 1.0]) == [2, 1, 0]  # failed: last
+    assert selection._rank_by_time(range(5), times) == [0, 1, 2, 4, 3]
+    assert selection._rank_by_time([0, 1], [3.0, 1.0]) == [1, 0]
+    assert selection._rank_by_time([0, 1, 2], [math.inf, 2.0, 1.0]) == [2, 1, 0]  # failed: last
 
 
 def test_a_candidate_that_failed_every_config_ranks_last():
     """The family's first choice failed every config (out of memory, say): `None` takes
     the measured one instead of falling back to the family order."""
     x, w = _inputs()
-    f = lambda x, w: chunked_matmul(x, w)  # noqa: E731
+    f = lambda x, w: chunked_matmul(x, w)
     reference = _result({ChunkConfig(16): 2.0}, ChunkedMatmul()).entries[0]
     xla = Entry(reference.bound, {tokamax.NullConfig(): Measurement((3.0,))},
                 reference.provenance)
@@ -264,7 +264,7 @@ def test_repr_is_a_table():
 
 def test_get_bound_args_accepts_callables_lowered_and_text():
     x, w = _inputs()
-    f = lambda x, w: jnp.sum(chunked_matmul(x, w, implementation="xla_chunked") ** 2)  # noqa: E731
+    f = lambda x, w: jnp.sum(chunked_matmul(x, w, implementation="xla_chunked") ** 2)
     forward = tokamax.autotuning.get_bound_args(f, x, w)
     assert [type(b.op).__name__ for b in forward] == ["XlaChunkedMatmul"]
     assert forward[0].op.config is None
@@ -277,8 +277,8 @@ def test_get_bound_args_accepts_callables_lowered_and_text():
 
 
 def test_an_op_call_that_cannot_be_read_back_is_skipped_with_a_warning():
-    """A GLU with a lambda activation cannot be keyed in a cache: it used to stop the
-    whole autotune; now the program's other calls are found, and alone it still raises."""
+    """A GLU with a lambda activation cannot be keyed in a cache: it does not stop the
+    whole autotune (the program's other calls are found), and alone it still raises."""
     x, w = _inputs()
     glu_w = jnp.ones((K, 2, 4), jnp.float32)
 
@@ -632,8 +632,8 @@ def test_shared_inputs_are_timed_on_one_array():
 
 def test_export_workers_start_without_warnings():
     """A worker as `ExportWorkers` starts it, every warning an error: it starts, serves
-    until stdin closes and exits cleanly, printing nothing (it used to print runpy's
-    "found in sys.modules" RuntimeWarning, once per worker)."""
+    until stdin closes and exits cleanly, printing nothing (not even runpy's "found in
+    sys.modules" RuntimeWarning, once per worker)."""
     import os
     import subprocess
     import sys

@@ -220,8 +220,8 @@ def test_a_corrupt_user_cache_file_is_reported_and_skipped(tmp_path, corrupt):
     message = ("skipping cache file .*entry 0" if corrupt == "unknown op"
                else "ignoring the user autotuning cache")
     with pytest.warns(UserWarning, match=message):
-        # Every op call reads the user cache: it used to crash here (a directory or
-        # non-UTF-8 bytes where the file should be) instead of running without it.
+        # Every op call reads the user cache: a directory or non-UTF-8 bytes where the
+        # file should be must not crash it; it runs without the cache.
         assert float(jax.jit(lambda x, s: _loss_default(x, s))(X, S)) == float(_loss(X, S))
     if corrupt == "unknown op":
         AutotuningResult("cpu").save_to_cache()

@@ -190,7 +190,7 @@ def test_keywords_of_f_still_reach_it():
 def test_optimize_autotune_names_an_unhashable_static_argument():
     """With `autotune=` the set of tuned signatures raised a bare "unhashable type: 'set'";
     `jax.jit` (`autotune="never"`) raises a `ValueError` naming the static argument."""
-    f = lambda q, axes: _attention(q).sum()  # noqa: E731
+    f = lambda q, axes: _attention(q).sum()
     for autotune in ("never", "missing"):
         with pytest.raises(ValueError, match="static arguments|Non-hashable static"):
             tokamax.optimize(f, static_argnums=1, autotune=autotune)(Q, {1, 2})

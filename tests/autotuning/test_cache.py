@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import threading
 
 import jax
@@ -12,7 +13,7 @@ import tokamax_pass as tokamax
 from _tunable_ops import ChunkConfig, XlaChunkedMatmul
 from tokamax_pass.autotuning import cache, keys
 from tokamax_pass.autotuning.result import Entry, Measurement
-from tokamax_pass.core import current_target, resolution
+from tokamax_pass.core import current_target, selection
 
 KIND = None  # filled per test from the default device
 
@@ -42,7 +43,7 @@ def _result(chunk, ba=None, provenance=None):
 
 def _resolve(ba=None):
     ba = ba or _ba()
-    return resolution.resolve_config(ba.op, ba)
+    return selection.resolve_config(ba.op, ba)
 
 
 def test_resolution_order_result_then_user_then_library_then_heuristics(tmp_path, monkeypatch):
@@ -63,7 +64,7 @@ def test_resolution_order_result_then_user_then_library_then_heuristics(tmp_path
 def test_save_merges_writes_atomically_and_records_provenance():
     path = _result(16).save_to_cache()
     _result(8, _ba(m=32)).save_to_cache()
-    data = json.loads(open(path).read())
+    data = json.loads(pathlib.Path(path).read_text())
     assert len(data["entries"]) == 2
     provenance = data["entries"][0]["provenance"]
     assert provenance["jax"] == jax.__version__ and provenance["tokamax_pass"] == "0.1.0"

@@ -13,6 +13,7 @@ from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_kernels.layer_norm.pallas_triton_vjp import PallasTritonLayerNormVjp
 from tokamax_pass.autotuning import keys, neighbours
+from tokamax_pass.core import selection
 
 
 def _sds(shape, dtype=jnp.bfloat16):
@@ -124,7 +125,7 @@ def test_a_gemma2_layer_at_another_window_borrows_the_measured_layers_choice(
         return Entry(ba, {config: Measurement((ms,))}, keys.provenance(op))
 
     def chosen(window):
-        f = lambda q, k: tokamax.dot_product_attention(  # noqa: E731
+        f = lambda q, k: tokamax.dot_product_attention(
             q, k, k, is_causal=True, logits_soft_cap=50.0, local_window_size=window)
         with core.targeting("NVIDIA H200"):
             (row,) = tokamax.optimize(f).plan(q, k)
@@ -168,32 +169,28 @@ def test_unmeasured_xla_attention_yields_to_measured_cudnn_except_on_tiny_calls(
     """XLA's attention, not measured, counts as slower than a measured cuDNN (a device
     sweep), so a kernel measured faster than cuDNN runs; on the tiny calls where cuDNN
     lost that sweep it does not yield, and nothing measured can rank the candidates."""
-    from tokamax_pass.autotuning import cache
-
     large = _attention_vjps((4, 2048, 8, 64))
-    assert cache.rank_with_evidence(large, [10.0, 8.0, None]) == [1, 0, 2]
-    assert cache.rank_with_evidence(large, [10.0, 9.9, None]) == [0, 2]  # within the margin
-    assert cache.rank_with_evidence(large, [None, 8.0, None]) is None
+    assert selection.rank_with_evidence(large, [10.0, 8.0, None]) == [1, 0, 2]
+    assert selection.rank_with_evidence(large, [10.0, 9.9, None]) == [0, 2]  # within the margin
+    assert selection.rank_with_evidence(large, [None, 8.0, None]) is None
     tiny = _attention_vjps((1, 128, 8, 128))
-    assert cache.rank_with_evidence(tiny, [10.0, 8.0, None]) is None
-    assert cache.rank_with_evidence(tiny, [10.0, 8.0, 12.0]) == [1, 0, 2]
+    assert selection.rank_with_evidence(tiny, [10.0, 8.0, None]) is None
+    assert selection.rank_with_evidence(tiny, [10.0, 8.0, 12.0]) == [1, 0, 2]
 
 
 def test_a_measured_cudnn_this_machine_cannot_lower_still_bounds_unmeasured_xla():
     """A CPU machine exporting for cuda cannot lower cuDNN (`CannotLowerHere`), but the
     target's measurement of it still says XLA is slower: a kernel measured faster than
     cuDNN runs, cuDNN is never listed, and a kernel slower than cuDNN settles nothing."""
-    from tokamax_pass.autotuning import cache
-
     large = _attention_vjps((4, 2048, 8, 64))
     no_cudnn = [False, True, True]
-    assert cache.rank_with_evidence(large, [10.0, 8.0, None], no_cudnn) == [1, 2]
-    assert cache.rank_with_evidence(large, [10.0, 9.9, None], no_cudnn) is None
-    assert cache.rank_with_evidence(large, [10.0, 9.9, 30.0], no_cudnn) == [1, 2]
-    assert cache.rank_with_evidence(large, [10.0, 9.9, 9.0], no_cudnn) == [2]
-    assert cache.rank_with_evidence(large, [10.0, 8.0, None], [True] * 3) == [1, 0, 2]
+    assert selection.rank_with_evidence(large, [10.0, 8.0, None], no_cudnn) == [1, 2]
+    assert selection.rank_with_evidence(large, [10.0, 9.9, None], no_cudnn) is None
+    assert selection.rank_with_evidence(large, [10.0, 9.9, 30.0], no_cudnn) == [1, 2]
+    assert selection.rank_with_evidence(large, [10.0, 9.9, 9.0], no_cudnn) == [2]
+    assert selection.rank_with_evidence(large, [10.0, 8.0, None], [True] * 3) == [1, 0, 2]
     tiny = _attention_vjps((1, 128, 8, 128))
-    assert cache.rank_with_evidence(tiny, [10.0, 8.0, None], no_cudnn) is None
+    assert selection.rank_with_evidence(tiny, [10.0, 8.0, None], no_cudnn) is None
 
 
 def test_a_neighbour_with_cudnn_measured_and_xla_not_lends_its_measurements(monkeypatch):

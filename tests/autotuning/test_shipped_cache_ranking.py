@@ -1,9 +1,9 @@
 """Every op call the shipped H200 library cache measured can be ranked by it.
 
-A measurement the ranking cannot use is dead weight, and worse: session 17 found the
-seed model's self-attention backward back on cuDNN, although the shipped cache measured
-the Mosaic shared-input kernel faster, because XLA's gradient was not measured there and
-the ranking gave up (`Op.yields_unmeasured_to` fixed that). This test ranks every
+A measurement the ranking cannot use is dead weight, and worse: the seed model's
+self-attention backward goes back to cuDNN, although the shipped cache measured the
+Mosaic shared-input kernel faster, where XLA's gradient was not measured and the ranking
+gives up (`Op.yields_unmeasured_to` prevents that). This test ranks every
 shipped call's implementations, as `implementation=None` does on the H200, and fails on
 any call that cannot be ranked: a new entry whose plain-JAX side was not timed needs
 `python -m benchmarks.tune_library_cache` on the device for that workload.

@@ -56,7 +56,7 @@ def test_cupti_on_cpu_is_a_clear_error_and_unknown_methods_are_rejected():
 
 
 def test_abstract_inputs_become_random_normal_and_statics_are_baked_in():
-    f = lambda x, n, *, power: jnp.sum(x ** power) * n  # noqa: E731
+    f = lambda x, n, *, power: jnp.sum(x ** power) * n
     f_std, args = benchmarking.standardize_function(
         f, jax.ShapeDtypeStruct((64,), jnp.float32), 3, kwargs={"power": 2})
     [x] = args

@@ -64,11 +64,18 @@ def test_workers_split_the_shapes_and_append_keeps_earlier_runs(tmp_path):
     single = tmp_path / "single.json"
     assert generalize.main([*args[:-1], str(single), "--seed", "5"]) == 0
     assert _shapes(first) == _shapes(json.loads(single.read_text()))
-    assert generalize.main([*args, "--seed", "6", "--append"]) == 0
+    other = ["--tiny", "--families", "ragged_dot", "--shapes", "1", "--iterations", "3",
+             "--method", "wallclock", "--out", str(out)]
+    assert generalize.main([*other, "--seed", "6", "--append"]) == 0
     both = json.loads(out.read_text())
     assert both["provenance"]["seed"] == [5, 6] and len(both["provenance"]["runs"]) == 2
-    assert len(both["rows"]) == 2 * len(first["rows"])
-    assert both["summary"]["layer_norm fwd"]["shapes"] == 4
+    assert both["summary"]["layer_norm fwd"]["shapes"] == 2
+    assert both["summary"]["ragged_dot fwd"]["shapes"] == 1
+    # Measuring a family again replaces its rows.
+    assert generalize.main([*args, "--seed", "7", "--append"]) == 0
+    again = json.loads(out.read_text())
+    assert again["summary"]["layer_norm fwd"]["shapes"] == 2
+    assert _shapes(again) != _shapes(both) and again["provenance"]["seed"] == [5, 6, 7]
 
 
 def _shapes(data):

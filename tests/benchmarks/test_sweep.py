@@ -61,7 +61,7 @@ def test_worker_shards_split_the_plan_without_overlap():
     whole = [json.dumps(c, sort_keys=True) for c in sweep._plan(families, 3, tiny=True)]
     shards = [[json.dumps(c, sort_keys=True) for c in sweep._plan(families, 3, True, (i, 3))]
               for i in range(3)]
-    assert sorted(sum(shards, [])) == sorted(whole)
+    assert sorted(c for shard in shards for c in shard) == sorted(whole)
     assert all(shards)
     with pytest.raises(argparse.ArgumentTypeError):
         sweep._shard("3/3")

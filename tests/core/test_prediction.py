@@ -16,8 +16,8 @@ CEILINGS = {"bf16_tflops": 800.0, "f32_tflops": 50.0, "hbm_tbps": 4.0}
 def calibration_file(points, device_kind="NVIDIA H200", **changes):
     data = {"schema": calibration.SCHEMA, "version": calibration.VERSION,
             "device_kind": device_kind, "ceilings": CEILINGS,
-            "points": [dict(zip(("op", "dtype", "flops", "bytes", "efficiency"), p,
-                                strict=True)) for p in points]}
+            "points": [dict(zip(("op", "dtype", "flops", "bytes", "efficiency", "features"),
+                                p, strict=False)) for p in points]}
     return {**data, **changes}
 
 
@@ -31,7 +31,7 @@ def test_roofline_is_the_slower_of_compute_and_memory_per_dtype():
     assert ceilings.roofline_seconds(memory_bound, "int8") is None
 
 
-def test_efficiency_interpolates_near_points_and_falls_back_to_the_median():
+def test_efficiency_interpolates_near_points_and_falls_back_to_the_nearest():
     cal = calibration.parse(json.dumps(calibration_file([
         ("K", "bfloat16", 1e12, 1e9, 0.8), ("K", "bfloat16", 2e12, 2e9, 0.4),
         ("K", "bfloat16", 1e15, 1e12, 0.1), ("K", "float32", 1e12, 1e9, 0.3)])))
@@ -39,12 +39,45 @@ def test_efficiency_interpolates_near_points_and_falls_back_to_the_median():
         (0.8, True), rel=0.05)
     between, near = prediction.efficiency(cal, "K", "bfloat16", Work(1.41e12, 1.41e9))
     assert near and 0.4 < between < 0.8
-    # Far from every point: the op's median in that dtype.
-    assert prediction.efficiency(cal, "K", "bfloat16", Work(1e6, 1e6)) == (0.4, False)
+    # Far from every point: the nearest few, weighted by closeness, not counted as near.
+    small, near = prediction.efficiency(cal, "K", "bfloat16", Work(1e6, 1e6))
+    large, _ = prediction.efficiency(cal, "K", "bfloat16", Work(1e18, 1e15))
+    assert not near and 0.1 < large < small < 0.8
     # No point of the dtype: the op's median over all of them.
     assert prediction.efficiency(cal, "K", "float16", Work(1e12, 1e9)) == (
         pytest.approx(0.35), False)
     assert prediction.efficiency(cal, "other", "bfloat16", Work(1e12, 1e9)) is None
+
+
+def test_points_are_matched_on_the_familys_shape_features_too():
+    cal = calibration.parse(json.dumps(calibration_file([
+        ("K", "float32", 1e12, 1e9, 0.8, [6.0]), ("K", "float32", 1e12, 1e9, 0.2, [8.0])])))
+    assert cal.points[0].features == (6.0,)
+    assert prediction.efficiency(cal, "K", "float32", Work(1e12, 1e9), (6.0,)) == (
+        pytest.approx(0.8, rel=0.01), True)
+    assert prediction.efficiency(cal, "K", "float32", Work(1e12, 1e9), (8.0,)) == (
+        pytest.approx(0.2, rel=0.01), True)
+    # A call without features (another family's rule) is matched on its work alone.
+    assert prediction.efficiency(cal, "K", "float32", Work(1e12, 1e9))[0] == pytest.approx(0.4)
+
+
+def test_attention_head_dim_sets_which_points_a_prediction_uses():
+    from tokamax_kernels.attention import DotProductAttention, PallasTritonFlashAttention
+
+    q64 = jax.ShapeDtypeStruct((2, 1024, 8, 64), jnp.float32)
+    q256 = jax.ShapeDtypeStruct((2, 1024, 8, 256), jnp.float32)
+    calls = [PallasTritonFlashAttention().bind(q, q, q) for q in (q64, q256)]
+    assert [prediction.call_features(ba) for ba in calls] == [(6.0,), (8.0,)]
+    vjp = PallasTritonFlashAttention().vjp_op().bind(None, q256, q256, query=q256, key=q256,
+                                                     value=q256)
+    assert prediction.call_features(vjp) == (8.0,)
+    works = [DotProductAttention().roofline(ba) for ba in calls]
+    # Both points at each call's work: only the head dim tells them apart.
+    cal = calibration.parse(json.dumps(calibration_file([
+        ("PallasTritonFlashAttention", "float32", w.flops, w.bytes, e, [f])
+        for w in works for e, f in ((0.6, 6.0), (0.1, 8.0))])))
+    fast, slow = (prediction.predict(ba, cal) for ba in calls)
+    assert fast.efficiency > 0.5 and slow.efficiency < 0.15
 
 
 def test_predict_divides_the_roofline_of_the_performed_work_by_the_efficiency():
@@ -126,6 +159,10 @@ def _write(folder, text):
     calibration_file([("K", "bfloat16", 1e9, 1e9, 50.0)]),
     calibration_file([("K", "bfloat16", 1e9, 1e9, "0.5")]),
     calibration_file([("K", "bfloat16", 1e9, 1e9, True)]),
+    calibration_file([("K", "bfloat16", 1e9, 1e9, 0.5, "6")]),
+    calibration_file([("K", "bfloat16", 1e9, 1e9, 0.5, [1e300])]),
+    calibration_file([("K", "bfloat16", 1e9, 1e9, 0.5, [1.0] * 20)]),
+    calibration_file([("K", "bfloat16", 1e9, 1e9, 0.5, [True])]),
     calibration_file([(["K"], "bfloat16", 1e9, 1e9, 0.5)]),
     calibration_file([("K" * 1000, "bfloat16", 1e9, 1e9, 0.5)]),
     calibration_file([], extra={"code": "import os"}),
@@ -178,10 +215,4 @@ def test_a_good_file_loads_for_its_device_kind_only(calibration_dir):
 def test_the_vjp_argument_names_are_the_vjp_modules():
     from tokamax_pass.core import vjp
 
-    assert prediction.NOT_FORWARD == set(vjp.RESERVED_NAMES)
-
-
-def test_a_rerunning_gradient_counts_as_measurements_count_it():
-    from tokamax_pass.autotuning import cache
-
-    assert prediction.RERUN_SHARE == cache.RERUN_SHARE
+    assert set(vjp.RESERVED_NAMES) == prediction.NOT_FORWARD

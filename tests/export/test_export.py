@@ -157,8 +157,8 @@ def test_inspect_every_form(multi_platform, xs, tmp_path):
 
 def test_a_fresh_process_loads_the_mosaic_gpu_runtime_an_artifact_needs(tmp_path):
     """A process that only loads an artifact imports no kernel code; a Mosaic GPU kernel
-    then finds no runtime library (the H200, session 18: "Symbols not found:
-    mosaic_gpu_launch_kernel"). Deserializing the program imports its runtime first."""
+    then finds no runtime library ("Symbols not found: mosaic_gpu_launch_kernel" on the
+    H200). Deserializing the program imports its runtime first."""
     import subprocess
     import sys
 

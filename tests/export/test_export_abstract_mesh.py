@@ -2,8 +2,8 @@
 (`AbstractMesh(..., abstract_device=AbstractDevice("NVIDIA H200", None, "cuda"))`, the way
 JAX documents ahead-of-time lowering), with Explicit axes (the default) and Auto axes.
 
-Every Triton kernel family lowers there (the Explicit mesh used to be dropped with its
-device: "No supported GPU devices found"), and the attention gradient at b4 s8192 h16
+Every Triton kernel family lowers there (the Explicit mesh keeps its device, or the
+lowering fails with "No supported GPU devices found"), and the attention gradient at b4 s8192 h16
 d128, where the target would run cuDNN (which cannot be lowered here), holds the fused
 Mosaic kernels, never the materializing XLA attention, and the export says so."""
 

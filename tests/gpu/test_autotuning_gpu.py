@@ -56,6 +56,5 @@ def test_seed_f_grad_autotunes_and_is_not_slower():
         tuned_ops)
     assert_close(tuned_grad, untuned_grad, jnp.bfloat16)
     assert tuned <= untuned * 1.05
-    # Issue 5: at most half the upstream Tokamax's 46 s for its Mosaic search of this f_grad
-    # (13.5-18.0 s over six runs in session 5).
+    # At most half the upstream Tokamax's time for its Mosaic search of this f_grad.
     assert tuning_s <= 23.0

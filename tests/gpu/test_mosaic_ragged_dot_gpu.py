@@ -49,7 +49,7 @@ def _reference(variant, a, b, sizes):
     """float32 HIGHEST reference by explicit per-group slices (no jax.lax.ragged_dot)."""
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
-    dot = lambda x, y: jnp.dot(x, y, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
+    dot = lambda x, y: jnp.dot(x, y, precision=jax.lax.Precision.HIGHEST)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
     if variant == "drhs":
         out = np.zeros((len(sizes), a.shape[1], b.shape[1]), np.float32)

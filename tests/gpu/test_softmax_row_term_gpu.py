@@ -1,4 +1,4 @@
-"""The backward's `delta` on the GPU: the Pallas Triton kernel `softmax_row_term` runs on
+"""The backward's `delta` on the GPU: the Pallas Triton kernel `attention_delta` runs on
 CUDA against a float64 sum (a head dim padded in the kernel, a partial last block, GQA-
 and d256-sized heads), and two separate compiles give bitwise equal values."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import random_normal
-from tokamax_kernels.attention._softmax_row_term import softmax_row_term
+from tokamax_kernels.attention._delta import attention_delta
 
 pytestmark = pytest.mark.gpu
 
@@ -21,8 +21,8 @@ def test_kernel_matches_a_float64_sum_and_every_compile(shape):
     dlse = random_normal(5, (shape[0], shape[2], shape[1]), jnp.float32)
     want = np.einsum("bqhd,bqhd->bhq", np.asarray(out, np.float64),
                      np.asarray(dout, np.float64)) - np.asarray(dlse, np.float64)
-    first = np.asarray(jax.jit(softmax_row_term)(out, dout, dlse))
+    first = np.asarray(jax.jit(attention_delta)(out, dout, dlse))
     np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-5 * np.sqrt(shape[-1]))
     jax.clear_caches()
-    again = np.asarray(jax.jit(softmax_row_term)(out, dout, dlse))
+    again = np.asarray(jax.jit(attention_delta)(out, dout, dlse))
     np.testing.assert_array_equal(first, again)

@@ -117,8 +117,8 @@ ATTENTION_CASES = {
 
 
 # Every case in the chunked form (chunks of 3 x 5: no length here is a multiple, and the
-# t1_s1 case is the regression of a chunk longer than a length-1 sequence, which failed to
-# reshape); `None` (which runs `xla` on a CPU) and `xla` on a few.
+# t1_s1 case holds a chunk longer than a length-1 sequence, which must still reshape);
+# `None` (which runs `xla` on a CPU) and `xla` on a few.
 _XLA_ONLY = ("mqa_d72", "window_right_wider_than_seq")
 _ATTENTION_PARAMS = [
     *((case, "xla" if case in _XLA_ONLY else "xla_chunked_odd") for case in ATTENTION_CASES),
@@ -250,7 +250,7 @@ def test_layer_norm_unusual(case, implementation):
         return _norm_reference(x, scale, offset, axis, subtract_mean, residual)
 
     out, grads = _out_and_grads(f, (x, scale, offset, residual), 4, dtype)
-    f32 = lambda a: None if a is None else _f32(a)  # noqa: E731
+    f32 = lambda a: None if a is None else _f32(a)
     want, grads_ref = _out_and_grads(reference, tuple(map(f32, (x, scale, offset, residual))),
                                      4, dtype)
     for got, expected in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):

@@ -235,7 +235,7 @@ def _smooth_jvp(primals, tangents):
 
 def test_custom_jvp(xs):
     x, _ = xs
-    fn = lambda x: jnp.sum(_smooth(x) ** 2)  # noqa: E731
+    fn = lambda x: jnp.sum(_smooth(x) ** 2)
     assert_close(jax.grad(tk.optimize(fn))(x), jax.grad(jax.jit(fn))(x))
     assert_close(tk.optimize(jax.grad(fn))(x), jax.jit(jax.grad(fn))(x))
     assert [r.path for r in tk.optimize(fn).plan(x)] == ["custom_jvp[_smooth]/square"]

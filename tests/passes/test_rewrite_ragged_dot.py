@@ -15,7 +15,7 @@ import pytest
 import tokamax_pass as tokamax
 from conftest import H200, assert_close, calibrate, random_normal
 from tokamax_pass import core
-from tokamax_pass.pass_ import rewrite
+from tokamax_pass.passes import rewrite
 
 HIGHEST = jax.lax.Precision.HIGHEST
 M, K, N, G = 24, 16, 8, 3

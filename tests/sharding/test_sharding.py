@@ -157,7 +157,7 @@ def test_explicit_mesh_uses_shard_map(name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_explicit_mesh_with_replicated_operands(name):
     """Replicated operands under Explicit axes: a replicated call, forward and gradient
-    (`jax.lax.ragged_dot_general` used to fail here for want of an `out_sharding`)."""
+    (`jax.lax.ragged_dot_general` fails here without an `out_sharding`)."""
     fn, inputs, _, argnums = CASES[name]
     with reference_precision():
         expected, expected_grads = fn(*inputs), _loss(fn, argnums)(*inputs)

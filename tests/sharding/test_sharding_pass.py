@@ -84,7 +84,7 @@ def test_optimize_under_set_mesh_at_depth():
                     (P(None, ("data", "model"), None), P()))
 
     def fn(x, scale):
-        ln = lambda v: tk.layer_norm(v, scale, None)  # noqa: E731
+        ln = lambda v: tk.layer_norm(v, scale, None)
         y = jax.lax.scan(lambda c, row: (c, jax.jit(ln)(row)), 0.0, x)[1]
         return jnp.sum(jax.checkpoint(lambda v: ln(jnp.sin(v)))(y))
 

@@ -15,7 +15,7 @@ Each step of both issues the scores' and dP's `wgmma`s together and runs the sof
 dP's runs (FlashAttention-3's order; the one pass below keeps the scores alone first).
 
 Head dim 256 (`splits_head_dim`) splits the accumulated columns in halves of 128 between
-two warpgroups sharing their rows (`_mosaic_gpu_head_split.py`): always in the dk/dv
+two warpgroups sharing their rows (`_mosaic_gpu_head_dim_split.py`): always in the dk/dv
 kernel (dk + dv whole would take 256 registers a thread, over the hardware's 255), and in
 the dq kernel with `compute_wgs=2` (one warpgroup holds its 64 x 256 whole).
 
@@ -30,6 +30,7 @@ reproducible). Fused, a block walks its query tiles last to first.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.experimental.pallas as pl
@@ -54,7 +55,7 @@ from tokamax_kernels.attention._mosaic_gpu_dq_adds import (
     DqAdds,
     first_kv_block,
 )
-from tokamax_kernels.attention._mosaic_gpu_head_split import (
+from tokamax_kernels.attention._mosaic_gpu_head_dim_split import (
     columns,
     own_tile,
     store,
@@ -106,11 +107,11 @@ def mosaic_attention_dq_and_delta(q, k, v, dout, out, lse, kv_lengths=None, *, s
     """`(dq, delta)`: `mosaic_attention_dq` with the row term `delta = rowsum(out * dout)`
     ((B, H, Sq) float32) computed by the dq kernel itself from the rows of `out` and
     `dout` it holds, and written out for the dk/dv kernel: no separate pass over `out`
-    and `dout` (`softmax_row_term`). Each row sums in the order the compiled kernel fixes,
+    and `dout` (`attention_delta`). Each row sums in the order the compiled kernel fixes,
     so reruns stay bitwise equal. Needs `computes_delta(head_dim)`."""
     if not computes_delta(q.shape[3]):
         raise ValueError(f"the dq kernel computes delta at head dims up to 128, got "
-                         f"{q.shape[3]}: use mosaic_attention_dq with softmax_row_term's "
+                         f"{q.shape[3]}: use mosaic_attention_dq with attention_delta's "
                          f"delta")
     return _dq_kernel(q, k, v, dout, lse, out, kv_lengths, scale=scale, causal=causal,
                       config=config, window=window, soft_cap=soft_cap, delta_in_kernel=True)
@@ -311,6 +312,7 @@ def _dq_kernel(q, k, v, dout, lse, row_input, kv_lengths, *, scale: float, causa
         plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         *written_barrier(split),
     ]
+    out_type: jax.ShapeDtypeStruct | tuple[jax.ShapeDtypeStruct, ...]
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
     if delta_in_kernel:
         out_type = (out_type, jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32))
@@ -697,7 +699,7 @@ def _dkv_kernel(q, k, v, dout, lse, delta, kv_lengths, *, scale: float, causal: 
     out_heads = kv_heads if in_block else heads
     dkv_type = jax.ShapeDtypeStruct((batch, seq_kv, out_heads, head_dim), dtype)
     operands = [q, k, v, dout, lse, delta, *([kv_lengths] if has_lengths else [])]
-    dq_acc = None
+    dq_acc: Any = None  # a ref while the kernels add into it, then its array
     if fused:  # added into in place: a zeroed float32 buffer the kernel writes through
         dq_acc = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         operands.append(dq_acc)

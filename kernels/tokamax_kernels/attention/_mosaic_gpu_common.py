@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from tokamax_kernels._triton import sm_count
+from tokamax_kernels._gpu import sm_count
 from tokamax_kernels.attention import _window
 from tokamax_pass.core import Target
 
@@ -42,7 +43,7 @@ def splits_head_dim(head_dim: int) -> bool:
     """Whether the backward kernels split this head dim in two halves of columns (d256):
     dk and dv of 64 key rows at d256 would take 256 float32 registers a thread, over the
     hardware's 255, so each of two warpgroups accumulates one half
-    (`_mosaic_gpu_head_split.py`)."""
+    (`_mosaic_gpu_head_dim_split.py`)."""
     return head_dim > WHOLE_HEAD_DIM
 
 
@@ -239,7 +240,7 @@ def query_block(num_q_blocks: int, longest_first: bool) -> Any:
     return num_q_blocks - 1 - qi if longest_first else qi
 
 
-def longest_first_measured(arguments: dict[str, Any]) -> bool:
+def longest_first_measured(arguments: Mapping[str, Any]) -> bool:
     """Whether the heuristics launch causal query blocks longest first for this call:
     causal, no local window, head dim <= 128, where it was measured on the H200
     (`longest_first.jsonl`, four causal workloads at d64/d128, MHA and GQA: forward
@@ -262,8 +263,9 @@ def _check_tiles(rows: int, streamed: int, stages: int, wgs: int) -> None:
 def tile_transforms(dtype: Any) -> tuple[Any, ...]:
     """SMEM tiling + 128-byte swizzle that `wgmma` and TMA expect for 16-bit tiles."""
     swizzle = 128
-    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-            plgpu.SwizzleTransform(swizzle))
+    # JAX declares both transforms abstract (`transform_array`), yet builds them itself.
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),  # type: ignore[abstract]
+            plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
 
 
 def mask_scores(s: Any, row0: Any, col0: Any, *, causal: bool, kv_len: Any,
@@ -355,14 +357,14 @@ def check_lengths(seq_q: int, seq_kv: int, q_tile: int, kv_tile: int, what: str)
         raise NotImplementedError(f"{what}: key length {seq_kv} must be a multiple of {kv_tile}")
 
 
-def check_unsupported_features(arguments: dict[str, Any], what: str) -> None:
+def check_unsupported_features(arguments: Mapping[str, Any], what: str) -> None:
     """The family features the Mosaic kernels do not implement."""
     for name in ("bias", "mask"):
         if arguments.get(name) is not None:
             raise NotImplementedError(f"{what} does not support {name} (use 'triton' or 'xla')")
 
 
-def check_inputs(arguments: dict[str, Any], target: Target | None, *,
+def check_inputs(arguments: Mapping[str, Any], target: Target | None, *,
                  head_dims: tuple[int, ...], q_multiple: int, kv_multiple: int,
                  what: str) -> None:
     """The checks the forward and backward kernels share (`NotImplementedError`)."""

@@ -8,6 +8,8 @@ the turn-taking.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -56,6 +58,8 @@ class DqAdds:
                  first_block):
         self.ds_smem, self.dq_smem, self.dq_full, self.dq_free, *barriers = scratch
         # By columns: every warpgroup's dS is in SMEM / every one is done with the keys.
+        self.shared: Any
+        self.keys_read: Any
         self.shared, self.keys_read = barriers if barriers else (None, None)
         self.dq_ref, self.wg, self.wgs, self.by_rows = dq_ref, wg, wgs, by_rows
         self.width = dq_ref.shape[-1] // (1 if by_rows else wgs)
@@ -76,7 +80,9 @@ class DqAdds:
         product, the hand-over barriers (products written / read by the warp) and (by
         columns) the barriers the warpgroups meet at once their dS is in and once they
         are done reading each other's keys."""
-        f32_transforms = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+        # JAX declares both transforms abstract (`transform_array`), yet builds them itself.
+        f32_transforms = (plgpu.TilingTransform((8, 32)),  # type: ignore[abstract]
+                          plgpu.SwizzleTransform(128))  # type: ignore[abstract]
         width = head_dim if by_rows else head_dim // wgs
         return [plgpu.SMEM((1 if by_rows else 2, wgs, block_kv, block_q), dtype,
                            transforms=tile_transforms(dtype)),

@@ -14,13 +14,15 @@ barriers carried from tile to tile.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 from jax import lax
 
-from tokamax_kernels._triton import sm_count
+from tokamax_kernels._gpu import sm_count
 from tokamax_kernels.attention import _window
 from tokamax_kernels.attention._mosaic_gpu_common import (
     COMPUTE_REGISTERS,
@@ -475,7 +477,7 @@ def mosaic_attention_forward(q: jax.Array, k: jax.Array, v: jax.Array,
 
     transforms = tile_transforms(dtype)
     buffers = config.query_buffers
-    scratch = [
+    scratch: list[Any] = [
         plgpu.SMEM((buffers * wgs, block_q, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((stages, block_kv, head_dim), dtype, transforms=transforms),

@@ -23,15 +23,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tokamax_kernels._pallas_tpu import compiler_params
+from tokamax_kernels._mosaic_tpu import compiler_params
 from tokamax_kernels.attention import _mosaic_tpu_common as tpu
-from tokamax_kernels.attention._mosaic_tpu_fwd_kernel import visible_kv_blocks
-from tokamax_kernels.attention._pallas_triton_common import (
+from tokamax_kernels.attention._flash_tiles import (
     KernelSpec,
     dlogits,
     logits2,
     q_block_ranges,
 )
+from tokamax_kernels.attention._mosaic_tpu_fwd_kernel import visible_kv_blocks
 
 
 def _visible_q_blocks(spec: KernelSpec, j: Any, block_k: int, block_q: int, num_qb: int,

@@ -1,7 +1,7 @@
 """Shared pieces of the Pallas Mosaic TPU flash-attention kernels (forward, dK/dV, dQ).
 
 The math helpers (base-2 logits, the soft cap's derivative, which key blocks a query
-block can see) are the Triton kernels' (`_pallas_triton_common`): they are plain
+block can see) are the Triton kernels' (`_triton_common`): they are plain
 `jax.numpy` on scalars and tiles. What is TPU-specific lives here: the (batch, heads,
 seq, head_dim) layout the kernels read (a (block, head_dim) tile per head is a legal
 TPU block; a head axis of 1 next to head_dim is not), padding to whole blocks, the
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tokamax_kernels import _pallas_tpu
-from tokamax_kernels.attention._pallas_triton_common import KernelSpec, round_up
+from tokamax_kernels import _mosaic_tpu
+from tokamax_kernels.attention._flash_tiles import KernelSpec, round_up
 
 # Blocks are multiples of 16 rows (bf16 packs two rows per 32-bit sublane).
 ROW_ALIGN = 16
@@ -54,7 +54,7 @@ def heuristics_config(ba: Any) -> BlockConfig:
     v4/v5, 512 x 256 on v6e), halved past head_dim 128 so the f32 accumulator and the
     logits tile stay within VMEM; clamped to the sequences."""
     q, k = ba.arguments["query"], ba.arguments["key"]
-    mxu = _pallas_tpu.current_generation().mxu
+    mxu = _mosaic_tpu.current_generation().mxu
     shrink = 2 if q.shape[-1] > 128 else 1
     return BlockConfig(2 * mxu // shrink, mxu // shrink).clamped(q.shape[1], k.shape[1])
 
@@ -139,7 +139,7 @@ def lengths(x: jax.Array | None, batch: int, seq: int) -> jax.Array:
     return jnp.clip(x.astype(jnp.int32), 0, seq)
 
 
-def visible(spec: KernelSpec, r0: Any, c0: Any, shape: tuple[int, int], kv_len: Any,
+def visible(spec: KernelSpec, r0: Any, c0: Any, shape: tuple[int, ...], kv_len: Any,
             q_len: Any) -> jax.Array:
     """Which of the (rows from `r0`) x (keys from `c0`) tile is seen: window, causal, the
     key length, and the query length (rows past it see nothing)."""

@@ -24,9 +24,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tokamax_kernels._pallas_tpu import compiler_params
+from tokamax_kernels._mosaic_tpu import compiler_params
 from tokamax_kernels.attention import _mosaic_tpu_common as tpu
-from tokamax_kernels.attention._pallas_triton_common import (
+from tokamax_kernels.attention._flash_tiles import (
     LN2,
     KernelSpec,
     kv_block_ranges,

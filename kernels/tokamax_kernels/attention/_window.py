@@ -6,7 +6,7 @@ A window `(left, right)` lets query `i` see keys `i - left .. i + right` (the fa
 splits the tiles of the other operand into four runs: tiles no row sees (skipped, never
 loaded), tiles on the window's lower edge (masked), tiles every row sees whole (no mask),
 and tiles on the upper edge (masked). The Triton kernels' `kv_block_ranges` and
-`q_block_ranges` (`_pallas_triton_common.py`, also used by the TPU kernels) do the same
+`q_block_ranges` (`_triton_common.py`, also used by the TPU kernels) do the same
 with a query offset and key lengths folded in; this module is the offset-free form the
 Mosaic GPU kernels use. Arguments are Python ints or traced int32 scalars.
 """
@@ -64,7 +64,7 @@ def kv_tiles(window: tuple[int, int], row0: Any, rows: int, tile: int, num_tiles
     full_first = _div(jnp.maximum(last - left + tile - 1, 0), tile)
     full_end = _div(jnp.maximum(row0 + right + 1, 0), tile)
     end = _div(jnp.maximum(last + right + tile, 0), tile)
-    limit = num_tiles
+    limit: int | jax.Array = num_tiles
     if kv_len is not None:
         limit = jnp.minimum(limit, _div(kv_len + tile - 1, tile))
         full_end = jnp.minimum(full_end, _div(kv_len, tile))

@@ -74,7 +74,7 @@ def dot_product_attention(
       logits_soft_cap: `cap * tanh(logits / cap)` before masking.
       precision: matmul precision (`jax.lax.Precision` or its name).
       implementation: `None` (the plain-JAX path, unless a measurement shows a
-        kernel faster here: see `tokamax_pass.core.resolution`), a name from
+        kernel faster here: see `tokamax_pass.core.selection`), a name from
         `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
         TPU), an `Op` instance, a function, or a sequence of those, tried in order until
         one does not raise `NotImplementedError` (as upstream Tokamax does). A function

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +159,10 @@ def keep_mask(q_pos: jax.Array, k_pos: jax.Array, *, mask: jax.Array | None, is_
     return keep
 
 
+@overload
+def split_heads(x: jax.Array, num_kv_heads: int) -> jax.Array: ...
+@overload
+def split_heads(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None: ...
 def split_heads(x: jax.Array | None, num_kv_heads: int) -> jax.Array | None:
     """(B, H|1, ...) -> (B, Hkv|1, G|1, ...): query heads grouped by their kv head."""
     if x is None:
@@ -205,7 +209,7 @@ def yields_to_cudnn(other: BoundArguments) -> bool:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DotProductAttention(Op[NullConfig]):
+class DotProductAttention(Op[Any]):
     """Multi-head dot-product attention; this class is the XLA reference.
 
     It materializes the (B, H, Sq, Sk) logits in float32 (float64 for float64
@@ -226,8 +230,7 @@ class DotProductAttention(Op[NullConfig]):
         """XLA's attention yields to cuDNN's wherever cuDNN runs a call and is not one of
         the tiny calls it loses: `benchmarks/probes/cudnn_vs_xla_attention_sweep.py`, 60 shapes
         (batch 1-8, sequence 128-2048, GQA, head dims 64-256) causal and not, forward
-        and forward+backward, had cuDNN 1.08-6.8x faster everywhere else
-        (`cudnn_vs_xla_attention.jsonl`)."""
+        and forward+backward, has cuDNN faster everywhere else."""
         del ba
         return yields_to_cudnn(other)
 
@@ -311,7 +314,7 @@ class DotProductAttention(Op[NullConfig]):
              mask: jax.Array | None, *, scale: float, is_causal: bool,
              query_seq_lengths: jax.Array | None, key_value_seq_lengths: jax.Array | None,
              local_window_size: tuple[int, int] | None, logits_soft_cap: float | None,
-             precision: jax.lax.Precision | None, config: NullConfig,
+             precision: jax.lax.Precision | None, config: Any,
              return_residuals: bool) -> tuple[jax.Array, Any]:
         batch, q_len, heads, head_dim = query.shape
         dtype = compute_dtype(query.dtype)

@@ -96,6 +96,7 @@ def _nonempty_rows(q_len: int, kv_len: int, a: dict[str, Any]) -> jax.Array:
                          is_causal=a["is_causal"], local_window_size=a["local_window_size"],
                          query_seq_lengths=a["query_seq_lengths"],
                          key_value_seq_lengths=a["key_value_seq_lengths"])
+        assert keep is not None  # a mask is given
         return jnp.transpose(jnp.any(keep, axis=-1), (0, 2, 1))[..., None]
     row = jnp.arange(q_len)
     lo, hi = jnp.zeros_like(row), jnp.full_like(row, kv_len - 1)
@@ -166,8 +167,8 @@ class _CudnnCall:
     def forward(self) -> tuple[jax.Array, jax.Array]:
         """(out, softmax statistics (B, H, Sq) float32)."""
         return fused._dot_product_attention_fwd(
-            *self.operands, **self.params, cudnn_version=fused.check_cudnn_version(),
-            return_residual=True)
+            *self.operands, **{**self.params, "cudnn_version": fused.check_cudnn_version(),
+                               "return_residual": True})
 
     def backward(self, lse: jax.Array, out: jax.Array,
                  dout: jax.Array) -> tuple[jax.Array, ...]:
@@ -189,10 +190,10 @@ def _nonempty_lse_rows(nonempty: jax.Array) -> jax.Array:
 
 
 # cuDNN against `jax.nn.dot_product_attention`'s default (XLA), forward and forward+
-# backward, H200 (`cudnn_vs_xla_attention.jsonl`, 60 shapes x causal): cuDNN led
-# everywhere (1.08-6.8x) but at b1 s128 h8, the smallest call swept, with head dims over
-# 64 (d256: 0.79-0.92x, d128 causal forward+backward 0.95x; a microsecond or two of fixed
-# cost). Calls with at most that many score elements go to XLA unless measured.
+# backward, H200 (`benchmarks/probes/cudnn_vs_xla_attention_sweep.py`, 60 shapes x causal):
+# cuDNN leads everywhere but at b1 s128 h8, the smallest call swept, with head dims over
+# 64 (its fixed cost dominates there). Calls with at most that many score elements go to
+# XLA unless measured.
 TINY_SCORE_ELEMENTS = 1 * 8 * 128 * 128
 TINY_MIN_HEAD_DIM = 128
 

@@ -121,12 +121,12 @@ def fold(query: Any, key: Any, value: Any, bias: Any, mask: Any, query_seq_lengt
     full = (*batch, int(query.shape[-2]), int(query.shape[-3]), int(key.shape[-3]))
     folded = {name: x.reshape(flat, *x.shape[-_TRAILING:])
               for name, x in (("query", query), ("key", key), ("value", value))}
-    for name, x in (("bias", bias), ("mask", mask)):
-        x = _array(name, x)
+    for name, given in (("bias", bias), ("mask", mask)):
+        x = _array(name, given)
         folded[name] = None if x is None else _fold_logits_operand(name, x, batch, full)
-    for name, x in (("query_seq_lengths", query_seq_lengths),
-                    ("key_value_seq_lengths", key_value_seq_lengths)):
-        x = _array(name, x)
+    for name, given in (("query_seq_lengths", query_seq_lengths),
+                        ("key_value_seq_lengths", key_value_seq_lengths)):
+        x = _array(name, given)
         folded[name] = None if x is None else _fold_lengths(name, x, batch)
     return folded, tuple(int(d) for d in query.shape)
 

@@ -58,8 +58,9 @@ def groups_fit(config: MosaicAttentionConfig, heads: int, kv_heads: int) -> bool
 
     `group_in_block` is a tuning choice, never the heuristics': on the H200
     (`benchmarks/probes/attention_limits_probe.py`, forward, the heuristics' tiles, grid and
-    persistent) it ran 0.99-1.00x a block per query head at causal and non-causal GQA d128 and
-    Gemma-2's windowed d256 layer, and 1.026x at its global (soft-capped) d256 layer."""
+    persistent) it ties a block per query head at causal and non-causal GQA d128 and
+    Gemma-2's windowed d256 layer, and wins only a little at its global (soft-capped) d256
+    layer."""
     return (heads // kv_heads) % config.query_heads_per_block == 0
 
 
@@ -74,10 +75,10 @@ def persistent_twin(config: MosaicAttentionConfig, head_dim: int) -> MosaicAtten
     """The persistent launch of `config`, prefetching each next tile's Q
     (`MosaicAttentionConfig.prefetch_query`) where the second Q buffer fits in SMEM.
 
-    On the H200 (`benchmarks/probes/attention_limits_probe.py prefetch`, forward, 64 x 128 tiles,
-    one process) the prefetch ran 1.001-1.081x the persistent launch without it at all twelve shapes
-    measured (d128 and d64, MHA and GQA, causal, windowed and not), the most where tiles
-    are short (GQA b16 s1024 causal: 472 -> 510 TFLOP/s)."""
+    On the H200 (`benchmarks/probes/attention_limits_probe.py prefetch`, forward, 64 x 128
+    tiles) the prefetch is at least as fast as the persistent launch without it at every
+    shape measured (d128 and d64, MHA and GQA, causal, windowed and not), and gains the
+    most where tiles are short."""
     twin = dataclasses.replace(config, persistent=True, prefetch_query=True)
     if forward_smem_bytes(twin, head_dim, 2) <= common.SMEM_BYTES:
         return twin
@@ -100,17 +101,14 @@ def persistent_measured(config: MosaicAttentionConfig, heads: int, kv_heads: int
     balanced schedule of `_mosaic_gpu_tile_order` applies), or share K/V (GQA/MQA) with a
     block that fills an SM.
 
-    On the H200 (forward, the heuristics' tiles, one process each):
-    `benchmarks/probes/attention_limits_probe.py prefetch` ran the balanced persistent launch with
-    the Q prefetch 1.026-1.237x the grid at seven causal d128 shapes (MHA and GQA, 1024-8192 rows;
-    1.018-1.066x cuDNN), 1.082-1.098x at two causal d64 shapes (1.002-1.016x cuDNN,
-    though two grid blocks fit an SM there) and 1.043x at the d128 soft cap + window.
-    Without a mask (every tile alike, round robin) it ran 1.004x the grid at GQA d128
-    (`benchmarks/probes/attention_limits_probe.py`: 1.009-1.028x without the prefetch, the L2
-    sections keeping a group's shared K/V hot) but 0.986-1.000x at MHA d128. Not chosen
-    at d256 (the prefetch does not fit beside 64 x 64 tiles; 0.94-0.97x at Gemma-2's
-    global layer without it), nor without a mask where two blocks fit an SM (0.70x at
-    d64 with 128 x 128 tiles, `benchmarks/probes/attention_limits_probe.py persistent`)."""
+    On the H200 (forward, the heuristics' tiles; `benchmarks/probes/attention_limits_probe.py
+    prefetch` and `persistent`) the balanced persistent launch with the Q prefetch beats
+    the grid at causal d128 shapes (MHA and GQA, 1024-8192 rows), at causal d64 shapes
+    (though two grid blocks fit an SM there) and at the d128 soft cap + window. Without a
+    mask (every tile alike, round robin) it ties the grid at GQA d128 (the L2 sections
+    keep a group's shared K/V hot) and at MHA d128. Not chosen at d256 (the prefetch does
+    not fit beside 64 x 64 tiles, and without it the grid wins), nor without a mask where
+    two blocks fit an SM (the grid wins clearly there)."""
     if head_dim > 128:
         return False
     return uneven or (heads > kv_heads and one_block_per_sm(config, head_dim))

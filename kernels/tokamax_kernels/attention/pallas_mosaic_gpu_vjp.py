@@ -7,12 +7,12 @@ query head (GQA/MQA shares summed after it), or with `group_in_block` per K/V he
 group's query heads walked in the block and dk/dv summed in registers: chosen where its
 blocks still fill the GPU (`fills_gpu_by_kv_head`). Self-attention on one array
 (`attention(x, x, x)`, non-causal, no lengths, below d256) runs one kernel for `dq + dk + dv`
-instead (`_mosaic_gpu_shared_bwd_kernel.py`). No atomics: reruns are bitwise identical.
+instead (`_mosaic_gpu_self_attention_bwd_kernel.py`). No atomics: reruns are bitwise identical.
 Logits soft cap and local windows run in the general kernels (tiles outside a window are
 never loaded).
 
 Head dim 256 (Gemma-2 style, with soft cap and windows) splits the head dim in halves
-(`_mosaic_gpu_head_split.py`), from the register budget: `wgmma` gives each compute
+(`_mosaic_gpu_head_dim_split.py`), from the register budget: `wgmma` gives each compute
 warpgroup at least 64 rows, and dk and dv for them whole would be 2 x 64 x 256 float32
 over 128 threads = 256 registers a thread before the two 64 x 64 score tiles (+64), over
 the 255-register hardware limit (the compute warpgroups get 232). Split, the dk/dv kernel
@@ -34,10 +34,9 @@ tile's dS by K and hands the float32 dq share to a warp of the memory warpgroup 
 TMA-adds it into global memory: five `wgmma`s a tile pair instead of seven. "ordered"
 fixes the adds' order with a semaphore per query tile (bitwise reruns); "atomic" does
 not, and runs only when named (under `--xla_gpu_deterministic_ops` it runs "ordered").
-On the H200 (`benchmarks/probes/fused_dq_probe.py`, forward+backward, same process) "ordered" ran
-0.99x the two kernels at non-causal d128, 0.89-0.94x causal and GQA, 0.80x at d64 (atomic
-1.00x, 0.92-0.96x; 1.06x at d64 in the run before), so neither the heuristics nor the
-search space hold them.
+On the H200 (`benchmarks/probes/fused_dq_probe.py`, forward+backward) "ordered" is slower
+than the two kernels at every shape measured (non-causal and causal d128, GQA, d64) and
+"atomic" no faster, so neither the heuristics nor the search space hold them.
 """
 
 from __future__ import annotations
@@ -50,9 +49,10 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from tokamax_kernels._triton import sm_count
+from tokamax_kernels._gpu import sm_count
 from tokamax_kernels.attention import _mosaic_gpu_common as common
 from tokamax_kernels.attention import _window
+from tokamax_kernels.attention._delta import attention_delta
 from tokamax_kernels.attention._mosaic_gpu_bwd_kernels import (
     computes_delta,
     fused_fits,
@@ -66,8 +66,7 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     check_inputs,
     check_unsupported_features,
 )
-from tokamax_kernels.attention._mosaic_gpu_shared_bwd_kernel import mosaic_attention_shared_dx
-from tokamax_kernels.attention._softmax_row_term import softmax_row_term
+from tokamax_kernels.attention._mosaic_gpu_self_attention_bwd_kernel import mosaic_self_attention_dx
 from tokamax_kernels.attention.base import DotProductAttentionVjp
 from tokamax_pass.core import BoundArguments, Target
 
@@ -75,9 +74,10 @@ _WHAT = "PallasMosaicGpuFlashAttentionVjp"
 
 
 # `group_in_block` needs this many dk/dv blocks (batch x K/V heads x key blocks) per SM.
-# H200, forward+backward (`benchmarks/probes/gqa_dkv_probe.py`): 512-1024 blocks (3.9-7.8 per SM)
-# ran 1.01-1.08x the per-query-head kernel at GQA d64, d128 and d256 (Gemma-2's soft cap and
-# window included); MQA's 128 (under one per SM, each block 16 heads long) 0.73x.
+# H200, forward+backward (`benchmarks/probes/gqa_dkv_probe.py`): with 512-1024 blocks (4-8
+# per SM) it beats the per-query-head kernel at GQA d64, d128 and d256 (Gemma-2's soft
+# cap and window included); with MQA's 128 (under one per SM, each block 16 heads long)
+# it loses clearly.
 GROUP_IN_BLOCK_BLOCKS_PER_SM = 3
 
 
@@ -92,7 +92,7 @@ def fills_gpu_by_kv_head(config: MosaicAttentionVjpConfig, batch: int, heads: in
     return blocks >= GROUP_IN_BLOCK_BLOCKS_PER_SM * sm_count()
 
 
-def _with_measured_rules(config: MosaicAttentionVjpConfig, arguments: dict[str, Any]
+def _with_measured_rules(config: MosaicAttentionVjpConfig, arguments: Mapping[str, Any]
                          ) -> MosaicAttentionVjpConfig:
     """`config` with `group_in_block` and `longest_first` set where they were measured
     to win."""
@@ -136,7 +136,7 @@ def runs_shared_kernel(arguments: Mapping[str, Any]) -> bool:
     (causal, lengths, a local window, a soft cap, head dim 256: its accumulator and four
     score tiles would take 256 registers a thread) needs the general kernels: then one
     kernel computes their summed gradient."""
-    return (any(_QKV <= set(group) for group in arguments.get("shared_inputs", ()))
+    return (any(set(group) >= _QKV for group in arguments.get("shared_inputs", ()))
             and not common.splits_head_dim(arguments["query"].shape[-1])
             and not arguments["is_causal"] and arguments["query_seq_lengths"] is None
             and arguments["key_value_seq_lengths"] is None
@@ -222,10 +222,13 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: MosaicAttentionVjpConfig,
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
-             bias: Any, mask: Any, scale: float, is_causal: bool, query_seq_lengths: Any,
-             key_value_seq_lengths: Any, local_window_size: Any, logits_soft_cap: Any,
+             bias: Any, mask: Any, scale: float | None = None, is_causal: bool = False,
+             query_seq_lengths: Any = None, key_value_seq_lengths: Any = None,
+             local_window_size: Any = None, logits_soft_cap: Any = None,
              shared_inputs: Any = (), dresiduals: Any = None,
              **unsupported: Any) -> tuple[dict[str, Any], None]:
+        # The defaults are `bind`'s, which always passes every one of them.
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
         del return_residuals, unsupported["precision"]
         check_unsupported_features(dict(bias=bias, mask=mask, **unsupported), _WHAT)
         window = _window.bounds(local_window_size, is_causal)
@@ -236,10 +239,10 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=local_window_size, logits_soft_cap=logits_soft_cap))
         # The two-kernel backward's dq kernel computes delta itself where it can (one pass
-        # over `out` and `dout` fewer); the lse output's cotangent needs the row-term pass.
+        # over `out` and `dout` fewer); the lse output's cotangent needs the delta pass.
         delta = (None if dresiduals is None and not shared and not config.fused
                  and computes_delta(query.shape[3])
-                 else softmax_row_term(out, dout, None if dresiduals is None
+                 else attention_delta(out, dout, None if dresiduals is None
                                        else dresiduals[0]))
         lse = lse.astype(jnp.float32)
         visible = common.visible_rows(query_seq_lengths, key_value_seq_lengths, query.shape[1],
@@ -248,7 +251,8 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
             # An lse of +inf makes every probability of a row that sees nothing zero.
             lse = jnp.where(visible[:, None, :], lse, jnp.inf)
         if shared:
-            dx = mosaic_attention_shared_dx(query, dout, lse, delta, scale=scale, config=config)
+            assert delta is not None  # the self-attention kernel always takes the delta pass
+            dx = mosaic_self_attention_dx(query, dout, lse, delta, scale=scale, config=config)
             return {"query": dx}, None
         lengths = common.kernel_lengths(key_value_seq_lengths, key.shape[1])
         kwargs = dict(scale=scale, causal=is_causal, config=config, window=window,
@@ -280,8 +284,8 @@ class PallasMosaicGpuFlashAttentionVjp(DotProductAttentionVjp):
                     return config
         preferred = []
         if head_dim <= 64:
-            # The seed f_grad's d64 backward on the H200 (four autotunes, session 5):
-            # 3.54-3.57 ms here against 3.65 ms with block_q_dq=64, block_kv_dq=128.
+            # The seed f_grad's d64 backward on the H200 runs fastest with these blocks
+            # (against block_q_dq=64, block_kv_dq=128, over four autotunes).
             preferred.append(MosaicAttentionVjpConfig(block_q_dq=128, block_kv_dq=64,
                                                       block_q_dkv=128, block_kv_dkv=64))
         # Two warpgroups also at d256 (splitting the head dim in both kernels), by analogy

@@ -18,10 +18,10 @@ from typing import Any, ClassVar
 
 import jax
 
-from tokamax_kernels._pallas_tpu import MosaicTpuKernel
+from tokamax_kernels._mosaic_tpu import MosaicTpuKernel
 from tokamax_kernels.attention import _mosaic_tpu_common as tpu
+from tokamax_kernels.attention._flash_tiles import round_up
 from tokamax_kernels.attention._mosaic_tpu_fwd_kernel import flash_attention_forward
-from tokamax_kernels.attention._pallas_triton_common import round_up
 from tokamax_kernels.attention.base import DotProductAttention
 from tokamax_pass.core import BoundArguments, Op, Target
 

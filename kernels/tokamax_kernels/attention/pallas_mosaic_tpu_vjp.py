@@ -17,11 +17,11 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from tokamax_kernels._pallas_tpu import MosaicTpuKernel
+from tokamax_kernels._mosaic_tpu import MosaicTpuKernel
 from tokamax_kernels.attention import _mosaic_tpu_common as tpu
+from tokamax_kernels.attention._delta import attention_delta
+from tokamax_kernels.attention._flash_tiles import LOG2E, round_up
 from tokamax_kernels.attention._mosaic_tpu_bwd_kernels import flash_attention_backward
-from tokamax_kernels.attention._pallas_triton_common import LOG2E, round_up
-from tokamax_kernels.attention._softmax_row_term import softmax_row_term
 from tokamax_kernels.attention.base import DotProductAttentionVjp
 from tokamax_pass.core import BoundArguments, Target
 
@@ -64,7 +64,7 @@ class PallasMosaicTpuFlashAttentionVjp(MosaicTpuKernel, DotProductAttentionVjp):
         blocks = config.clamped(seq_q, seq_k)
         pad_q, pad_k = round_up(seq_q, blocks.block_q), round_up(seq_k, blocks.block_k)
         q_len = tpu.lengths(statics["query_seq_lengths"], batch, seq_q)
-        delta = softmax_row_term(out, dout, None if dresiduals is None else dresiduals[0])
+        delta = attention_delta(out, dout, None if dresiduals is None else dresiduals[0])
         # Rows that see nothing (lse = -inf) or lie past their query length get
         # lse2 = +inf, so the kernels' p = exp2(s - lse2) is exactly 0 there.
         empty = ~jnp.isfinite(lse) | (jnp.arange(seq_q)[None, None, :] >= q_len[:, None, None])

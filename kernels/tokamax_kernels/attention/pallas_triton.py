@@ -4,7 +4,7 @@ Supports every option of the family: causal, bool mask, bias, GQA/MQA, cross
 attention, query/key sequence lengths, local windows and soft cap, in f16, bf16 and
 f32, head dims up to 256. Sequence lengths that the blocks do not divide are padded
 (and the padded keys masked); head dims are padded to a power of 2 (at least 16).
-The kernel is in `_pallas_triton_fwd.py`, its gradient in `pallas_triton_vjp.py`.
+The kernel is in `_triton_fwd.py`, its gradient in `pallas_triton_vjp.py`.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_kernels._triton import TritonKernel
-from tokamax_kernels.attention import _pallas_triton_common as common
-from tokamax_kernels.attention._pallas_triton_common import (
+from tokamax_kernels.attention import _flash_tiles as tiles
+from tokamax_kernels.attention import _triton_common as common
+from tokamax_kernels.attention._triton_common import (
     check_inputs,
     kernel_spec,
     lengths_i32,
     prepare_pairwise,
     prepare_qkv,
 )
-from tokamax_kernels.attention._pallas_triton_fwd import flash_attention_forward
+from tokamax_kernels.attention._triton_fwd import flash_attention_forward
 from tokamax_kernels.attention.base import DotProductAttention
 from tokamax_kernels.attention.pallas_triton_vjp import PallasTritonFlashAttentionVjp
 from tokamax_pass.core import BoundArguments, Op, Target
@@ -127,7 +128,7 @@ class PallasTritonFlashAttention(TritonKernel, DotProductAttention):
         seq_k = key.shape[1]
         block_q = common.clamp_block(config.block_q, seq_q)
         block_k = common.clamp_block(config.block_k, seq_k)
-        pad_q, pad_k = common.round_up(seq_q, block_q), common.round_up(seq_k, block_k)
+        pad_q, pad_k = tiles.round_up(seq_q, block_q), tiles.round_up(seq_k, block_k)
         q, k, v = prepare_qkv(query, key, value, pad_q, pad_k)
         out, lse = flash_attention_forward(
             q, k, v, prepare_pairwise(bias, seq_q, seq_k, pad_q, pad_k),
@@ -137,7 +138,7 @@ class PallasTritonFlashAttention(TritonKernel, DotProductAttention):
             num_warps=config.num_warps, num_stages=config.num_stages,
             return_lse=return_residuals, interpret=self.interpret)
         out = out[:, :seq_q, :, :head_dim]
-        if not return_residuals:
+        if lse is None:  # residuals not asked for
             return out, None
         return out, (lse[:, :, :seq_q],)
 

@@ -3,7 +3,7 @@
 It consumes the family's residuals `(lse,)` with the forward's `out` and the
 cotangent `dout` (and, where lse was an output, its cotangent in `delta`), and
 returns dq, dk, dv and (for a float bias) dbias. Two kernels (dK/dV over key blocks,
-dQ over query blocks; `_pallas_triton_bwd.py`) each own their outputs: no atomics,
+dQ over query blocks; `_triton_bwd.py`) each own their outputs: no atomics,
 so reruns are bitwise identical.
 """
 
@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_kernels._triton import TritonKernel
-from tokamax_kernels.attention import _pallas_triton_common as common
-from tokamax_kernels.attention._pallas_triton_bwd import flash_attention_backward
-from tokamax_kernels.attention._softmax_row_term import softmax_row_term
+from tokamax_kernels.attention import _flash_tiles as tiles
+from tokamax_kernels.attention import _triton_common as common
+from tokamax_kernels.attention._delta import attention_delta
+from tokamax_kernels.attention._triton_bwd import flash_attention_backward
 from tokamax_kernels.attention.base import DotProductAttentionVjp
-from tokamax_kernels.attention.xla_chunked import exact_row_term
+from tokamax_kernels.attention.xla_chunked import exact_delta
 from tokamax_pass.core import BoundArguments, Target
 
 _WHAT = "PallasTritonFlashAttentionVjp"
@@ -120,22 +121,22 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         seq_k = key.shape[1]
         q_lengths = common.lengths_i32(statics["query_seq_lengths"])
         kv_lengths = common.lengths_i32(statics["key_value_seq_lengths"])
-        pad_q = common.round_up(seq_q, max(config.block_q_dkv, config.block_q_dq))
-        pad_k = common.round_up(seq_k, max(config.block_k_dkv, config.block_k_dq))
+        pad_q = tiles.round_up(seq_q, max(config.block_q_dkv, config.block_q_dq))
+        pad_k = tiles.round_up(seq_k, max(config.block_k_dkv, config.block_k_dq))
         q, k, v = common.prepare_qkv(query, key, value, pad_q, pad_k)
         d = q.shape[-1]
         do = common.pad_axis(common.pad_axis(dout.astype(query.dtype), 1, pad_q), 3, d)
         dlse = None if dresiduals is None else dresiduals[0]
         if bias is None:
-            delta = softmax_row_term(out, dout, dlse)
+            delta = attention_delta(out, dout, dlse)
         else:  # the bias gradient takes the row term's error whole: its exact value
-            delta = exact_row_term(query, key, value, bias, mask, lse, dout, dlse, **statics)
+            delta = exact_delta(query, key, value, bias, mask, lse, dout, dlse, **statics)
         # Rows that see nothing (lse = -inf) or lie past their query length get
         # lse2 = +inf, so the kernels' p = exp2(s - lse2) is exactly 0 there.
         empty = ~jnp.isfinite(lse)
         if q_lengths is not None:
             empty = empty | (jnp.arange(seq_q)[None, None, :] >= q_lengths[:, None, None])
-        lse2 = jnp.where(empty, jnp.inf, lse * common.LOG2E)
+        lse2 = jnp.where(empty, jnp.inf, lse * tiles.LOG2E)
         lse2 = common.pad_axis(lse2, 2, pad_q, jnp.inf)
         delta = common.pad_axis(jnp.where(empty, 0.0, delta), 2, pad_q)
         spec = common.kernel_spec(dict(statics, bias=bias, mask=mask), seq_q, seq_k)
@@ -153,7 +154,7 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
             "key": dk[:, :seq_k, :, :head_dim],
             "value": dv[:, :seq_k, :, :head_dim],
         }
-        if bias is not None:
+        if bias is not None and dbias is not None:  # a bias has a gradient
             dbias = dbias[:, :, :seq_q, :seq_k]
             axes = tuple(i for i, n in enumerate(bias.shape) if n == 1 and dbias.shape[i] != 1)
             grads["bias"] = jnp.sum(dbias, axis=axes, keepdims=True).astype(bias.dtype)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +76,13 @@ def heuristic_config(batch: int, heads: int, q_len: int, kv_len: int, *,
     return max(largest_blocks(batch, heads, q_len, kv_len), key=lambda c: getattr(c, long_side))
 
 
+@overload
+def _pad_axis(x: jax.Array, axis: int, size: int, *, broadcast: bool = True) -> jax.Array: ...
+@overload
+def _pad_axis(x: None, axis: int, size: int, *, broadcast: bool = True) -> None: ...
+@overload
+def _pad_axis(x: jax.Array | None, axis: int, size: int, *,
+              broadcast: bool = True) -> jax.Array | None: ...
 def _pad_axis(x: jax.Array | None, axis: int, size: int, *,
               broadcast: bool = True) -> jax.Array | None:
     """Zero (False) padding of `axis` to `size`; with `broadcast`, size-1 axes (a bias's or
@@ -88,6 +95,12 @@ def _pad_axis(x: jax.Array | None, axis: int, size: int, *,
     return jnp.pad(x, widths)
 
 
+@overload
+def _slice_qk(x: jax.Array, q_start: Any, q_size: int, k_start: Any,
+              k_size: int) -> jax.Array: ...
+@overload
+def _slice_qk(x: jax.Array | None, q_start: Any, q_size: int, k_start: Any,
+              k_size: int) -> jax.Array | None: ...
 def _slice_qk(x: jax.Array | None, q_start: Any, q_size: int, k_start: Any,
               k_size: int) -> jax.Array | None:
     """The (B|1, H|1, q, k) block of a broadcastable bias or mask."""
@@ -264,7 +277,7 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     mm = dict(precision=s["precision"], preferred_element_type=pb.dtype)
     k_blocks, v_blocks = pb.blocks_of(pb.key, ck), pb.blocks_of(pb.value, ck)
     if pb.bias is not None:
-        delta_blocks = delta_blocks + _row_term_blocks(pb, q_blocks, do_blocks, lse_blocks,
+        delta_blocks = delta_blocks + _delta_blocks(pb, q_blocks, do_blocks, lse_blocks,
                                                        k_blocks, v_blocks)
 
     def kv_chunk(carry: Any, xs: Any) -> tuple[Any, Any]:
@@ -311,7 +324,7 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     return dq, dk, dv, dbias
 
 
-def _row_term_blocks(pb: _Problem, q_blocks: jax.Array, do_blocks: jax.Array,
+def _delta_blocks(pb: _Problem, q_blocks: jax.Array, do_blocks: jax.Array,
                      lse_blocks: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array
                      ) -> jax.Array:
     """`rowsum(P * dP)` (nq, B, Hkv, G, cq) in float32, block by block: the softmax row term
@@ -341,11 +354,11 @@ def _row_term_blocks(pb: _Problem, q_blocks: jax.Array, do_blocks: jax.Array,
     return acc
 
 
-def exact_row_term(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+def exact_delta(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
                    mask: jax.Array | None, lse: jax.Array, dout: jax.Array,
                    dlse: jax.Array | None = None, **statics: Any) -> jax.Array:
     """`delta (B, H, Sq) = rowsum(P * dP) - dlse` in float32 from the lse residual, for
-    another implementation's backward (`_row_term_blocks`: the row term of a biased call,
+    another implementation's backward (`_delta_blocks`: the row term of a biased call,
     whose bias gradient takes the error of `out . dout` whole)."""
     pb = problem_for(query, key, value, bias, mask, **statics)
     batch, q_pad, kv_heads, groups, _ = pb.query.shape
@@ -353,7 +366,7 @@ def exact_row_term(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     lse = _pad_axis(lse, 2, q_pad, broadcast=False).reshape(batch, kv_heads, groups, -1, cq)
     dout = _pad_axis(dout, 1, q_pad, broadcast=False).reshape(pb.query.shape)
-    rows = _row_term_blocks(pb, pb.blocks_of(pb.query, cq), pb.blocks_of(dout, cq),
+    rows = _delta_blocks(pb, pb.blocks_of(pb.query, cq), pb.blocks_of(dout, cq),
                             jnp.moveaxis(lse, 3, 0), pb.blocks_of(pb.key, ck),
                             pb.blocks_of(pb.value, ck))
     delta = jnp.moveaxis(rows, 0, 3).reshape(batch, kv_heads * groups, q_pad)[:, :, :pb.q_len]
@@ -412,7 +425,8 @@ class XlaChunkedDotProductAttentionVjp(DotProductAttentionVjp):
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: XlaChunkedConfig,
              return_residuals: bool, query: jax.Array, key: jax.Array, value: jax.Array,
              bias: jax.Array | None, mask: jax.Array | None,
-             query_seq_lengths: jax.Array | None, key_value_seq_lengths: jax.Array | None,
+             query_seq_lengths: jax.Array | None = None,
+             key_value_seq_lengths: jax.Array | None = None,
              dresiduals: Any = None, **statics: Any) -> tuple[dict[str, Any], None]:
         if _empty(query, key):
             return DotProductAttentionVjp._fwd(

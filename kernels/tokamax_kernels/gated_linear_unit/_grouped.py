@@ -38,6 +38,7 @@ def check_grouped(x: Any, weights: Any, group_sizes: Any) -> None:
                          f"{group_sizes.dtype}")
     m, k = x.shape
     v.require_sizes_dtype_holds("group_sizes", group_sizes, m, op=_OP, rows_of="x")
+    parts: tuple[Any, ...]
     if isinstance(weights, tuple):
         if len(weights) != 2:
             raise ValueError(f"{_OP}: weights must be one (G, K, 2, N) array or a pair "

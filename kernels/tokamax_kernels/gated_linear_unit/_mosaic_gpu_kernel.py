@@ -2,7 +2,7 @@
 
 out[r] = activation(x[r] @ w_gate[g(r)]) * (x[r] @ w_up[g(r)])   x (M, K), w_* (G, K, N)
 
-The Mosaic ragged dot's forward (`ragged_dot/pallas_mosaic_gpu_rows.py`) with two
+The Mosaic ragged dot's forward (`ragged_dot/_mosaic_gpu_rows_kernel.py`) with two
 accumulators per output tile: the memory warpgroup streams an x tile and the matching
 gate and up weight tiles (columns `[c, c + cta_n)` of each) into SMEM with TMA; each
 compute warpgroup owns `tile_n` of those columns and accumulates `x @ w_gate` and
@@ -26,8 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tokamax_kernels.ragged_dot import pallas_mosaic_gpu_common as common
-from tokamax_kernels.ragged_dot.pallas_mosaic_gpu_rows import (  # one definition for both
+from tokamax_kernels import _gpu
+from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
+from tokamax_kernels.ragged_dot._mosaic_gpu_rows_kernel import (  # one definition for both
     _row_block,
     _store_rows,
 )
@@ -66,7 +67,7 @@ def glu_rows(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.
             compute_context=compute_context)
 
     def kernel(sizes_gmem, x_gmem, gate_gmem, up_gmem, out_gmem, *residual_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on bodies)
+        ignore = lambda *_, **__: None
 
         @functools.partial(
             pl.run_scoped,
@@ -142,7 +143,7 @@ def glu_rows(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.
 
                 @pl.when((hi > lo) & tail & (wg < common.NUM_COMPUTE_WGS))
                 def _():
-                    zeros = lambda a, b: jnp.zeros((cfg.tile_m, b - a), dtype)  # noqa: E731
+                    zeros = lambda a, b: jnp.zeros((cfg.tile_m, b - a), dtype)
                     store_all(zeros, zeros, zeros)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -154,7 +155,7 @@ def glu_rows(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.
     call = plgpu.kernel(
         kernel,
         out_type=tuple(out_type),
-        grid=(common.num_sms(),),
+        grid=(_gpu.num_sms(),),
         grid_names=("sm",),
         num_threads=common.NUM_COMPUTE_WGS + 1,
         thread_name="wg",

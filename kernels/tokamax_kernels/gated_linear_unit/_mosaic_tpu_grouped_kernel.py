@@ -2,7 +2,7 @@
 
 out[r] = activation(x[r] @ w_gate[g(r)]) * (x[r] @ w_up[g(r)])   x (M, K), w_* (G, K, N)
 
-The TPU ragged dot's forward (`ragged_dot/pallas_mosaic_tpu_kernels.py`, whose work list
+The TPU ragged dot's forward (`ragged_dot/_mosaic_tpu_kernels.py`, whose work list
 `row_tiles` this kernel shares) with a gate and an up accumulator per output tile. XLA
 first lists the work tiles, one per (group, row block of `block_m` rows) pair a group
 touches, in row order, the rows past `sum(group_sizes)` forming a "tail" group. The
@@ -33,12 +33,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tokamax_kernels._pallas_tpu import compiler_params
+from tokamax_kernels._mosaic_tpu import compiler_params
 from tokamax_kernels.gated_linear_unit._mosaic_tpu_kernel import (  # one definition for both
     _dot,
     vmem_bytes,
 )
-from tokamax_kernels.ragged_dot.pallas_mosaic_tpu_kernels import row_tiles
+from tokamax_kernels.ragged_dot._mosaic_tpu_kernels import row_tiles
 
 
 def _grouped_kernel(tiles_ref, x_ref, gate_ref, up_ref, out_ref, *rest,

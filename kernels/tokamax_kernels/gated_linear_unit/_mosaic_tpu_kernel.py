@@ -29,7 +29,7 @@ from jax._src.pallas.mosaic import lowering as mosaic_lowering
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tokamax_kernels._pallas_tpu import compiler_params
+from tokamax_kernels._mosaic_tpu import compiler_params
 
 
 def _primitives(jaxpr: Any) -> set[Any]:

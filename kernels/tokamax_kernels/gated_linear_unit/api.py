@@ -47,7 +47,7 @@ def gated_linear_unit(x: Any, weights: Any, *, group_sizes: Any = None,
     platform's Mosaic one).
 
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
-    here: see `tokamax_pass.core.resolution`), a name
+    here: see `tokamax_pass.core.selection`), a name
     from `FAMILY.implementations`, an `Op` instance, a function, or a sequence of those,
     tried in order until one does not raise `NotImplementedError` (as upstream Tokamax
     does). A function is called as `f(x, weights, **keywords)` with the keywords this call

@@ -31,7 +31,7 @@ from tokamax_kernels.gated_linear_unit._grouped import (
     grouped_forward,
 )
 from tokamax_kernels.ragged_dot.base import RaggedDot, canonical_precision
-from tokamax_pass.core import BoundArguments, NullConfig, Op, Target, VjpOp, spec
+from tokamax_pass.core import BoundArguments, Op, Target, VjpOp, spec
 
 _OP = "gated_linear_unit"
 
@@ -102,7 +102,7 @@ def _check_activation(activation: Callable[[Any], Any], x: Any, weights: Any) ->
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GatedLinearUnit(Op[NullConfig]):
+class GatedLinearUnit(Op[Any]):
     """The gated linear unit in XLA, as fast as the expression a user writes.
 
     The products run in the inputs' dtype (bf16 GEMMs with float32 accumulation for
@@ -179,7 +179,7 @@ class GatedLinearUnit(Op[NullConfig]):
         ))
 
     def _fwd(self, x: jax.Array, weights: Any, *, activation: Callable[[Any], Any],
-             precision: Any, config: NullConfig, return_residuals: bool,
+             precision: Any, config: Any, return_residuals: bool,
              group_sizes: jax.Array | None = None) -> tuple[jax.Array, Any]:
         if group_sizes is not None:
             out, residuals = grouped_forward(x, weights, group_sizes, activation=activation,
@@ -207,10 +207,10 @@ class GatedLinearUnitVjp(VjpOp):
     The products are recomputed (one (K, 2N) GEMM for fused weights, which XLA merges
     with the forward's when both are in one program); `dgate` and `dup` come out of one
     elementwise fusion in the products' dtype and feed the four GEMMs autodiff of
-    `(x @ w[:, 0], x @ w[:, 1])` makes. On the H200, inside `jax.grad` at five shapes
-    (`benchmarks/probes/glu_vjp_variants_probe.py`), that ran 1.010-1.059x the jnp expression; the
-    same GEMMs written by hand (einsums, the two `dweights` stacked) ran 0.985-1.049x, and
-    `[dgate | dup]` concatenated for one GEMM each 0.95-0.99x.
+    `(x @ w[:, 0], x @ w[:, 1])` makes. On the H200, inside `jax.grad`
+    (`benchmarks/probes/glu_vjp_variants_probe.py`), that runs at least as fast as the jnp
+    expression; the same GEMMs written by hand (einsums, the two `dweights` stacked) are
+    no faster, and `[dgate | dup]` concatenated for one GEMM each is slower.
 
     With `group_sizes`: `dgate` and `dup` from the forward's residuals (no GEMM is
     recomputed), then the ragged dots autodiff of the plain expression runs, each a call

@@ -26,7 +26,7 @@ from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu_vjp import (
     PallasMosaicGpuGatedLinearUnitVjp,
 )
-from tokamax_kernels.ragged_dot import pallas_mosaic_gpu_common as common
+from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
 from tokamax_pass.core import BoundArguments, Op, Target
 
 Config = common.Config
@@ -135,6 +135,8 @@ class PallasMosaicGpuGatedLinearUnit(GatedLinearUnit):
              precision: Any, config: Config, return_residuals: bool,
              group_sizes: jax.Array | None = None) -> tuple[jax.Array, Any]:
         del precision  # bf16/f16 operands, float32 accumulation
+        if group_sizes is None:
+            raise NotImplementedError("the Mosaic GPU GLU runs grouped calls only")
         w_gate, up_offset, w_up = gate_up_weights(weights)
         n = w_gate.shape[2] - up_offset
         out, *residuals = glu_rows(x, w_gate, w_up, group_sizes, up_offset=up_offset, n=n,

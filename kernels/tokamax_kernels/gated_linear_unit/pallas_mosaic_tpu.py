@@ -6,7 +6,7 @@ The dense kernel is in `_mosaic_tpu_kernel.py`, the grouped one (`group_sizes`, 
 expert GEMMs) in `_mosaic_tpu_grouped_kernel.py`; this module merges x's leading axes
 into rows, checks what the kernels take, and picks their tiles per TPU generation from
 the generation's VMEM budget, MXU width, peak rate and HBM bandwidth
-(`tokamax_kernels._pallas_tpu`); one `Config` and one roofline serve both.
+(`tokamax_kernels._mosaic_tpu`); one `Config` and one roofline serve both.
 
 Under `jax.vmap`: Pallas batches the dense kernel itself (one more, parallel, grid axis;
 it has no scalar-prefetch operand, and mapped weights are read per entry in place); the
@@ -40,8 +40,8 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from tokamax_kernels import _pallas_tpu
-from tokamax_kernels._pallas_tpu import MosaicTpuKernel, TpuGeneration, lane_block
+from tokamax_kernels import _mosaic_tpu
+from tokamax_kernels._mosaic_tpu import MosaicTpuKernel, TpuGeneration, lane_block
 from tokamax_kernels.gated_linear_unit._grouped import gate_up_weights
 from tokamax_kernels.gated_linear_unit._mosaic_tpu_grouped_kernel import (
     grouped_glu_forward,
@@ -53,7 +53,7 @@ from tokamax_kernels.gated_linear_unit._mosaic_tpu_kernel import (
     vmem_bytes,
 )
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
-from tokamax_kernels.ragged_dot.pallas_mosaic_tpu_kernels import entry_folded
+from tokamax_kernels.ragged_dot._mosaic_tpu_kernels import entry_folded
 from tokamax_pass.core import BoundArguments, Target
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -138,14 +138,14 @@ class _Problem:
         compute = 2 * 2 * block_m * mxu_n * mxu_k / rate
         traffic = (block_m * block_k + 2 * block_k * block_n) * self.itemsize / (
             gen.hbm_gb_per_s * 1e9)
-        return steps * (max(compute, traffic) + _pallas_tpu.STEP_SECONDS) + traffic
+        return steps * (max(compute, traffic) + _mosaic_tpu.STEP_SECONDS) + traffic
 
 
 def _fitting(ba: BoundArguments) -> dict[tuple[int, int, int], Config]:
     """The distinct tilings of the search space that run this call on the current
     generation, each with the smallest config that gives it."""
     problem = _Problem.of(ba)
-    gen = _pallas_tpu.current_generation()
+    gen = _mosaic_tpu.current_generation()
     found: dict[tuple[int, int, int], Config] = {}
     for block_m, block_n, block_k in itertools.product(_BLOCKS, repeat=3):
         config = Config(block_m, block_n, block_k)
@@ -194,7 +194,7 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
                 f"the Mosaic TPU GLU needs K ({problem.k}) and N ({problem.n}) multiples of "
                 f"{_LANES} lanes")
         check_activation(ba.arguments["activation"])
-        gen = _pallas_tpu.current_generation()
+        gen = _mosaic_tpu.current_generation()
         if self.config is not None and not problem.fits(self.config, gen):
             raise NotImplementedError(
                 f"{self.config} does not fit the GLU {problem.m}x{problem.k}x{problem.n} on "
@@ -239,7 +239,8 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
                 # sublane groups instead (as the ragged dot's row blocks always are).
                 rows = -(-m // _ROW_ALIGN) * _ROW_ALIGN
             outs = grouped_glu_forward(
-                x.reshape(-1, k), *(w.reshape(-1, *w.shape[2:]) for w in (w_gate, w_up)),
+                x.reshape(-1, k), w_gate.reshape(-1, *w_gate.shape[2:]),
+                w_up.reshape(-1, *w_up.shape[2:]),
                 sizes, up_offset=up_offset, activation=activation, residuals=residuals,
                 block_m=rows, block_n=block_n, block_k=block_k,
                 interpret=self.pallas_interpret())
@@ -255,7 +256,7 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
         """The tiling the roofline model (`_Problem.seconds`) finds fastest on this
         generation among those that fit half its VMEM; ties go to the least VMEM."""
         problem = _Problem.of(ba)
-        gen = _pallas_tpu.current_generation()
+        gen = _mosaic_tpu.current_generation()
         candidates = _fitting(ba)
         if not candidates:
             raise NotImplementedError(

@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import TritonKernel
-from tokamax_kernels.gated_linear_unit._pallas_triton_common import (
+from tokamax_kernels.gated_linear_unit._triton_common import (
     Config,
     check_triton_glu_inputs,
     dual_products,
@@ -89,8 +89,11 @@ class PallasTritonGatedLinearUnit(TritonKernel, GatedLinearUnit):
         check_triton_glu_inputs(ba)
 
     def _fwd(self, x: jax.Array, weights: Any, *, activation: Callable[[Any], Any],
-             precision: Any, config: Config, return_residuals: bool) -> tuple[jax.Array, None]:
+             precision: Any, config: Config, return_residuals: bool,
+             group_sizes: jax.Array | None = None) -> tuple[jax.Array, None]:
         del precision  # f16/bf16 products are exact in f32; f32 inputs run at full precision
+        if group_sizes is not None:
+            raise NotImplementedError("the Triton GLU runs dense calls only")
         return glu_forward(x, weights, activation=activation, config=config,
                            interpret=self.interpret), None
 

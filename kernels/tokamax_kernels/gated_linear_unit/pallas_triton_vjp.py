@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import TritonKernel
-from tokamax_kernels.gated_linear_unit._pallas_triton_common import (
+from tokamax_kernels.gated_linear_unit._triton_common import (
     Config,
     check_triton_glu_inputs,
     dual_products,

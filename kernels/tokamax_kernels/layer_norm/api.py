@@ -35,7 +35,7 @@ def layer_norm(x: Any, scale: Any, offset: Any, *, axis: int = -1, epsilon: floa
     residual step, `s = residual + x; y = norm(s)` in one pass: the call then returns
     `(y, s)`, `s` rounded to `x`'s dtype as plain JAX rounds it, both differentiable.
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
-    here: see `tokamax_pass.core.resolution`), a name
+    here: see `tokamax_pass.core.selection`), a name
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic TPU kernel, the family's only
     Mosaic one), an `Op` instance, a function, or a sequence of those, tried in order until
     one does not raise `NotImplementedError` (as upstream Tokamax does). A function is

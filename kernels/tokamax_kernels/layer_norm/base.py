@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_kernels import _validation as v
-from tokamax_pass.core import BoundArguments, NullConfig, Op
+from tokamax_pass.core import BoundArguments, Op
 
 _OP = "layer_norm"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LayerNorm(Op[NullConfig]):
+class LayerNorm(Op[Any]):
     """`(x - mean) * rsqrt(var + epsilon) * scale + offset` over `axis`, in float32.
 
     `subtract_mean=False` is RMSNorm. Residuals are `(mean, rstd)` in float32 with
@@ -70,7 +70,7 @@ class LayerNorm(Op[NullConfig]):
         return BoundArguments(self, arguments)
 
     def _fwd(self, x: jax.Array, scale: jax.Array | None, offset: jax.Array | None, *,
-             axis: int, epsilon: float, subtract_mean: bool, config: NullConfig,
+             axis: int, epsilon: float, subtract_mean: bool, config: Any,
              return_residuals: bool, residual: jax.Array | None = None) -> tuple[Any, Any]:
         if residual is None:
             return _normalized(x, scale, offset, axis, epsilon, subtract_mean)

@@ -1,9 +1,9 @@
 """`PallasMosaicTpuLayerNorm`: layer norm / RMSNorm over the last axis as a Pallas Mosaic
 TPU kernel, with the pre-norm residual add fused when `residual=` is given.
 
-The kernel is in `_pallas_mosaic_tpu_kernels.py`; this module flattens the call to
+The kernel is in `_mosaic_tpu_kernels.py`; this module flattens the call to
 `(rows, n)`, checks what the kernel takes, and picks its row block per TPU generation
-(`_pallas_mosaic_tpu_common.py`). The gradient is `PallasMosaicTpuLayerNormVjp`, from
+(`_mosaic_tpu_common.py`). The gradient is `PallasMosaicTpuLayerNormVjp`, from
 the family's `(mean, rstd)` residuals (any forward's).
 
 Nothing here has run on a TPU: it is tested in Pallas's interpreter on a CPU and lowered
@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 
 import jax
 
-from tokamax_kernels._pallas_tpu import MosaicTpuKernel
-from tokamax_kernels.layer_norm._pallas_mosaic_tpu_common import (
+from tokamax_kernels._mosaic_tpu import MosaicTpuKernel
+from tokamax_kernels.layer_norm._mosaic_tpu_common import (
     Config,
     check_inputs,
     fitting,
@@ -28,7 +28,7 @@ from tokamax_kernels.layer_norm._pallas_mosaic_tpu_common import (
     footprint,
     heuristics_config,
 )
-from tokamax_kernels.layer_norm._pallas_mosaic_tpu_kernels import layer_norm_forward
+from tokamax_kernels.layer_norm._mosaic_tpu_kernels import layer_norm_forward
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_kernels.layer_norm.pallas_mosaic_tpu_vjp import PallasMosaicTpuLayerNormVjp
 from tokamax_pass.core import BoundArguments, Op, Target

@@ -2,7 +2,7 @@
 
 From the family's `(mean, rstd)` residuals (any forward's), one kernel writes dx and each
 row block's column sums for dscale and doffset, which XLA adds up
-(`_pallas_mosaic_tpu_kernels.py`). With a `residual`, the forward returned `(y, s)`: the
+(`_mosaic_tpu_kernels.py`). With a `residual`, the forward returned `(y, s)`: the
 kernel normalizes `s` (the saved output: nothing is recomputed) and adds `ds` to dx as
 it writes it, `dx + ds` being the one gradient of both `x` and `residual`.
 
@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from tokamax_kernels._pallas_tpu import MosaicTpuKernel
-from tokamax_kernels.layer_norm._pallas_mosaic_tpu_common import (
+from tokamax_kernels._mosaic_tpu import MosaicTpuKernel
+from tokamax_kernels.layer_norm._mosaic_tpu_common import (
     DTYPES,
     Config,
     check_inputs,
@@ -28,7 +28,7 @@ from tokamax_kernels.layer_norm._pallas_mosaic_tpu_common import (
     footprint,
     heuristics_config,
 )
-from tokamax_kernels.layer_norm._pallas_mosaic_tpu_kernels import layer_norm_backward
+from tokamax_kernels.layer_norm._mosaic_tpu_kernels import layer_norm_backward
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_pass.core import AutodiffVjp, BoundArguments, Op, Target, VjpOp
 
@@ -81,9 +81,9 @@ class PallasMosaicTpuLayerNormVjp(MosaicTpuKernel, VjpOp):
         grads = {"x": dx.reshape(x.shape)}
         if residual is not None:
             grads["residual"] = grads["x"]
-        if scale is not None:
+        if scale is not None and dscale is not None:  # asked for exactly with a scale
             grads["scale"] = dscale.astype(scale.dtype)
-        if offset is not None:
+        if offset is not None and doffset is not None:
             grads["offset"] = doffset.astype(offset.dtype)
         return grads, None
 

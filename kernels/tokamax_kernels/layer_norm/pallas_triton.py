@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import TritonKernel
-from tokamax_kernels.layer_norm._pallas_triton_common import (
+from tokamax_kernels.layer_norm._triton_common import (
     block_rows_choices,
     check_multiple,
     check_powers_of_2,
@@ -120,6 +121,7 @@ def _normalize_rows(x_ref: Any, residual_ref: Any, scale_ref: Any, offset_ref: A
     num_chunks = _triton.cdiv(n, block_n)
     load_x = functools.partial(load_rows, x_ref, r0, row_mask=row_mask, n=n, block_n=block_n,
                                block_rows=block_rows)
+    load: Callable[[Any], tuple[jax.Array, Any, Any]]
     if residual_ref is None:
         load = load_x
     else:
@@ -216,11 +218,10 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
     config_cls = Config
     # In a model XLA fuses the norm with its neighbours (the residual add before it, the
     # gradient's add into the residual stream after it), which a kernel cannot: alone at
-    # the Llama shape (16384x2048) this kernel measured 10% faster than XLA's forward and
-    # its VJP 30% faster, yet the Llama step ran 1-1.5% slower with them (H200). Calls
-    # given the `residual` too: alone 1.31x XLA's forward, yet forward+backward 0.97x
-    # (`python -m benchmarks.run --only "rms norm + residual"`) and the Llama step 0.97x plain JAX
-    # with them (the model suite).
+    # the Llama shape (16384x2048) this kernel and its VJP measure faster than XLA's, yet
+    # the Llama step runs slower with them (H200, the model suite). Calls given the
+    # `residual` too: faster alone, yet slower forward+backward (`python -m benchmarks.run
+    # --only "rms norm + residual"`) and in the Llama step.
     kernel_margin = 0.4
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tokamax_kernels import _triton
+from tokamax_kernels import _gpu, _triton
 from tokamax_kernels._triton import TritonKernel
-from tokamax_kernels.layer_norm._pallas_triton_common import (
+from tokamax_kernels.layer_norm._triton_common import (
     block_rows_choices,
     check_multiple,
     check_powers_of_2,
@@ -78,7 +78,7 @@ def _bwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
     exact = is_exact(rows, n, rows_per_program, block_n)
     zeros = jnp.zeros((block_rows, block_n), jnp.float32)
 
-    def row_block(i: Any) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
+    def row_block(i: Any) -> tuple[Any, jax.Array | None, jax.Array, jax.Array]:
         r0 = pl.multiple_of(first_row + i * block_rows, block_rows)
         row_mask = row_mask_of(r0, rows=rows, block_rows=block_rows, exact=exact)
         stats = pl.ds(r0, block_rows)
@@ -210,9 +210,10 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
 
     config_cls = Config
     forward_family = LayerNorm
-    # See PallasTritonLayerNorm.kernel_margin; the XLA gradient it is ranked against
-    # reruns the forward, which `cache.RERUN_SHARE` accounts for.
-    kernel_margin = 0.4
+    # The XLA gradient it is ranked against reruns the forward and fuses with its
+    # neighbours in a model, which `selection.RERUN_SHARE` (half its time alone) accounts for:
+    # the kernel is chosen where it takes under half the XLA gradient's time alone, as on
+    # narrow rows, and not at model widths, where it saves less than that.
 
     def reference_op(self) -> Op:
         return AutodiffVjp(forward=LayerNorm())
@@ -239,9 +240,9 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
         grads = {"x": dx}
         if residual is not None:
             grads["residual"] = dx
-        if scale is not None:
+        if scale is not None and dscale is not None:  # asked for exactly with a scale
             grads["scale"] = dscale.astype(scale.dtype)
-        if offset is not None:
+        if offset is not None and doffset is not None:
             grads["offset"] = doffset.astype(offset.dtype)
         return grads, None
 
@@ -253,7 +254,7 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
         block_n = row_chunk(n)
         block_rows = max(1, min(64, 2048 // block_n))
         # ~4 programs per SM: enough to hide latency, few partial rows to sum.
-        per_program = _triton.cdiv(rows, 4 * _triton.sm_count())
+        per_program = _triton.cdiv(rows, 4 * _gpu.sm_count())
         rows_per_program = max(block_rows, _triton.next_power_of_2(per_program))
         num_warps = max(4, min(16, block_rows * block_n // 256))
         return Config(block_rows=block_rows, block_n=block_n, rows_per_program=rows_per_program,
@@ -266,7 +267,7 @@ class PallasTritonLayerNormVjp(TritonKernel, VjpOp):
         block_n = row_chunk(n)
         for r, w, s, programs_per_sm in itertools.product(block_rows_choices(block_n), (4, 8, 16),
                                                           (2, 3), (2, 4, 8)):
-            per_program = _triton.cdiv(rows, programs_per_sm * _triton.sm_count())
+            per_program = _triton.cdiv(rows, programs_per_sm * _gpu.sm_count())
             rpp = max(r, _triton.next_power_of_2(per_program))
             configs.add(Config(block_rows=r, block_n=block_n, rows_per_program=rpp,
                                num_warps=w, num_stages=s))

@@ -29,11 +29,16 @@ from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
 )
 
 __all__ = [
-    "LinearSoftmaxCrossEntropyLoss", "LinearSoftmaxCrossEntropyLossVjp", "XlaChunkedLossConfig",
-    "XlaChunkedLinearSoftmaxCrossEntropyLoss", "XlaChunkedLinearSoftmaxCrossEntropyLossVjp",
-    "linear_softmax_cross_entropy_loss", "MosaicGpuLossConfig", "MosaicTpuLossConfig",
+    "LinearSoftmaxCrossEntropyLoss",
+    "LinearSoftmaxCrossEntropyLossVjp",
+    "MosaicGpuLossConfig",
+    "MosaicTpuLossConfig",
     "PallasMosaicGpuLinearSoftmaxCrossEntropyLoss",
     "PallasMosaicGpuLinearSoftmaxCrossEntropyLossVjp",
     "PallasMosaicTpuLinearSoftmaxCrossEntropyLoss",
     "PallasMosaicTpuLinearSoftmaxCrossEntropyLossVjp",
+    "XlaChunkedLinearSoftmaxCrossEntropyLoss",
+    "XlaChunkedLinearSoftmaxCrossEntropyLossVjp",
+    "XlaChunkedLossConfig",
+    "linear_softmax_cross_entropy_loss",
 ]

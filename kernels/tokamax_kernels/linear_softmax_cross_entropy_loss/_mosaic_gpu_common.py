@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from tokamax_kernels._gpu import num_sms
 from tokamax_kernels.linear_softmax_cross_entropy_loss._mosaic_gpu_kernels import (
     NUM_COMPUTE_WGS,
     Tiles,
 )
-from tokamax_kernels.ragged_dot.pallas_mosaic_gpu_common import num_sms
 from tokamax_pass.core import BoundArguments, Target
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

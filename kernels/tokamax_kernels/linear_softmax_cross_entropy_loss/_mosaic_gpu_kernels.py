@@ -63,7 +63,9 @@ def _transforms(minor_elems: int, dtype: Any) -> tuple[Any, ...]:
     """SMEM tiling + swizzle that TMA and `wgmma` expect for 16-bit tiles."""
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    # JAX declares both transforms abstract (`transform_array`), yet builds them itself.
+    return (plgpu.TilingTransform((8, swizzle // itemsize)),  # type: ignore[abstract]
+            plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
 
 
 def _block_start(i: Any, block: int, size: int) -> Any:
@@ -178,7 +180,7 @@ def _vocab_loop_kernel(
                 plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k * bh, bh), pl.ds(column0(v), bv)],
                                         w_smem.at[slot], w_ready.at[slot])
 
-    ring = [
+    ring: list[Any] = [
         plgpu.SMEM((stages, bt, bh), dtype, transforms=_transforms(bh, dtype)),
         plgpu.SMEM((stages, bh, bv), dtype, transforms=_transforms(bv, dtype)),
         plgpu.Barrier(num_barriers=stages),

@@ -41,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tokamax_kernels._pallas_tpu import compiler_params
+from tokamax_kernels._mosaic_tpu import compiler_params
 
 _LANES = 128  # a (rows, 1) vector occupies a (rows, 128) VMEM tile
 
@@ -106,7 +106,7 @@ def _dot(a: jax.Array, b: jax.Array, contracting: tuple[int, int]) -> jax.Array:
                            precision=precision, preferred_element_type=jnp.float32)
 
 
-def _iota(shape: tuple[int, int], axis: int, start: Any) -> jax.Array:
+def _iota(shape: tuple[int, ...], axis: int, start: Any) -> jax.Array:
     return start + lax.broadcasted_iota(jnp.int32, shape, axis)
 
 

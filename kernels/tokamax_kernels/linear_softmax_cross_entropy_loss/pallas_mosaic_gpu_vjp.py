@@ -123,7 +123,7 @@ def mosaic_backward(x: jax.Array, labels: jax.Array, weights: jax.Array, lse: ja
             g.astype(jnp.float32), fill=(0, -1, 0.0, 0.0)))
         two_pass = config.dx_token_chunk > 0
         dx, dweights = _vocab_pass(rows, weights, with_dx=not two_pass, cap=cap, config=config)
-        dx = _token_pass(rows, weights, cap=cap, config=config) if two_pass else dx
+        dx = _token_pass(rows, weights, cap=cap, config=config) if dx is None else dx
         return dx[:tokens].astype(x.dtype), dweights
 
     return common.map_batch(run)(x, labels, weights, lse, g)

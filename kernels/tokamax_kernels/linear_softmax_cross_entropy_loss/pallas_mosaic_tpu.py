@@ -3,7 +3,7 @@
 The kernels are in `_mosaic_tpu_kernels.py` (forward, dx, dweights: tiles of logits
 built over H blocks in VMEM, never the (tokens, V) logits). This module flattens the
 call to (T, H) tokens, checks what the kernels take, picks their tiles per TPU
-generation (`tokamax_kernels._pallas_tpu`), and leaves the per-token loss and the
+generation (`tokamax_kernels._mosaic_tpu`), and leaves the per-token loss and the
 reduction to XLA, as the family's other implementations do (`base.py`).
 
 Under `jax.vmap` the kernels are batched by Pallas (one more, parallel, grid axis).
@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from tokamax_kernels import _pallas_tpu
-from tokamax_kernels._pallas_tpu import MosaicTpuKernel, TpuGeneration, lane_block
+from tokamax_kernels import _mosaic_tpu
+from tokamax_kernels._mosaic_tpu import MosaicTpuKernel, TpuGeneration, lane_block
 from tokamax_kernels.linear_softmax_cross_entropy_loss._mosaic_tpu_kernels import (
     Tiling,
     lce_dweights,
@@ -108,7 +108,7 @@ def _model_seconds(tl: Tiling, backward: bool, gen: TpuGeneration) -> float:
     peak = gen.bf16_tflops * 1e12 / (1 if tl.itemsize == 2 else 6)  # f32 HIGHEST: 6 passes
     steps = tl.nt * tl.nv * tl.nh * (2 if backward else 1)
     seconds = (max(flops / peak, traffic / (gen.hbm_gb_per_s * 1e9))
-               + steps * _pallas_tpu.STEP_SECONDS)
+               + steps * _mosaic_tpu.STEP_SECONDS)
     return seconds * (2 if backward else 1)
 
 
@@ -120,7 +120,7 @@ def _fitting(ba: BoundArguments, backward: bool,
              configs: Iterable[MosaicTpuLossConfig]) -> dict[MosaicTpuLossConfig, Tiling]:
     """The configs whose tiles (clamped to the call, one config per distinct tiling)
     fit the generation's VMEM budget."""
-    gen = _pallas_tpu.current_generation()
+    gen = _mosaic_tpu.current_generation()
     tokens, hidden, vocab, dtype = _sizes(ba)
     found: dict[Tiling, MosaicTpuLossConfig] = {}
     for config in sorted(configs, key=dataclasses.astuple):
@@ -136,7 +136,7 @@ def heuristics_config(ba: BoundArguments, backward: bool) -> MosaicTpuLossConfig
     the roofline model (`_model_seconds`) finds fastest on this generation among those
     whose blocks fit half its VMEM (for the VJP: the dx and dweights kernels, with their
     (block, H) accumulators); ties go to the smaller tile."""
-    gen = _pallas_tpu.current_generation()
+    gen = _mosaic_tpu.current_generation()
     configs = {MosaicTpuLossConfig(bt, bv, _HEURISTIC_H_BLOCK)
                for bt, bv in itertools.product(_TOKEN_BLOCKS, _VOCAB_BLOCKS)}
     candidates = _fitting(ba, backward, configs) or _fitting(ba, backward, _SEARCH_SPACE)
@@ -159,7 +159,7 @@ def _check(op: Op, ba: BoundArguments, backward: bool) -> None:
     config = op.config
     if config is not None:
         tl = tiling(config, *_sizes(ba))
-        gen = _pallas_tpu.current_generation()
+        gen = _mosaic_tpu.current_generation()
         if not _fits(tl, backward, gen):
             raise NotImplementedError(
                 f"{config} needs {_vmem(tl, backward)} bytes of VMEM, more than the "
@@ -188,7 +188,8 @@ class PallasMosaicTpuLinearSoftmaxCrossEntropyLoss(MosaicTpuKernel, LinearSoftma
              return_residuals: bool) -> tuple[jax.Array, Any]:
         del precision  # bf16 products are exact in f32; f32 inputs run at full precision
         flat_x, flat_labels = _flat(x, labels)
-        tl = tiling(config, flat_x.shape[0], *weights.shape, x.dtype, logits_soft_cap)
+        tl = tiling(config, flat_x.shape[0], weights.shape[0], weights.shape[1], x.dtype,
+                    logits_soft_cap)
         lse, picked = lce_forward(flat_x, flat_labels, weights, tl=tl,
                                   interpret=self.pallas_interpret())
         lse, picked = lse.reshape(labels.shape), picked.reshape(labels.shape)
@@ -225,7 +226,7 @@ class PallasMosaicTpuLinearSoftmaxCrossEntropyLossVjp(MosaicTpuKernel,
         (lse,) = residuals
         flat_x, flat_labels = _flat(x, labels)
         tokens = flat_x.shape[0]
-        tl = tiling(config, tokens, *weights.shape, x.dtype, logits_soft_cap)
+        tl = tiling(config, tokens, weights.shape[0], weights.shape[1], x.dtype, logits_soft_cap)
         g = token_cotangent(dout, labels, weights.shape[1], reduction).reshape(tokens, 1)
         operands = (flat_x, flat_labels, weights, lse.reshape(tokens, 1).astype(jnp.float32), g)
         interpret = self.pallas_interpret()

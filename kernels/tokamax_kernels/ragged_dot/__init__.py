@@ -16,7 +16,17 @@ from tokamax_kernels.ragged_dot.quantization import QuantizedArray
 from tokamax_kernels.ragged_dot.routing import MoeRouting, moe_combine, moe_dispatch
 
 __all__ = [
-    "MoeRouting", "PallasMosaicGpuRaggedDot", "PallasMosaicTpuRaggedDot", "PallasTritonRaggedDot",
-    "QuantizedArray", "RaggedDot", "RaggedDotVjp", "moe_combine", "moe_dispatch", "ragged_dot",
-    "RaggedDotGroupSizes", "generate_ragged_dot_group_sizes", "ragged_dot_general",
+    "MoeRouting",
+    "PallasMosaicGpuRaggedDot",
+    "PallasMosaicTpuRaggedDot",
+    "PallasTritonRaggedDot",
+    "QuantizedArray",
+    "RaggedDot",
+    "RaggedDotGroupSizes",
+    "RaggedDotVjp",
+    "generate_ragged_dot_group_sizes",
+    "moe_combine",
+    "moe_dispatch",
+    "ragged_dot",
+    "ragged_dot_general",
 ]

@@ -42,7 +42,7 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     other entries unaffected). The gradients are ragged dots of their own, tuned
     separately.
     `implementation`: `None` (the plain-JAX path, unless a measurement shows a kernel faster
-    here: see `tokamax_pass.core.resolution`), a name
+    here: see `tokamax_pass.core.selection`), a name
     from `FAMILY.implementations` (`"mosaic"`: the Mosaic kernel of the platform, GPU or
     TPU), an `Op` instance, a function, or a sequence of those, tried in order until one
     does not raise `NotImplementedError` (as upstream Tokamax does). A function is called
@@ -57,7 +57,8 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     Either operand may be quantized: a `QuantizedArray` or a qwix `QArray` (any object
     with its fields), int8 or float8 values with scales; see `quantized.py` for where
     the scales apply, which implementations take them (`xla`, `triton`; `None` runs
-    `xla`) and the gradients (zeros for a quantized operand).
+    `triton` where the target runs it, else `xla`) and the gradients (zeros for a
+    quantized operand).
     """
     if group_offset is not None:
         raise NotImplementedError("ragged_dot: group_offset is not supported")

@@ -26,7 +26,7 @@ from jax.lax import RaggedDotDimensionNumbers
 
 from tokamax_kernels import _validation as v
 from tokamax_kernels.ragged_dot import xla_tiled
-from tokamax_pass.core import BoundArguments, NullConfig, Op, Target, VjpOp, current_target
+from tokamax_pass.core import BoundArguments, Op, Target, VjpOp, current_target
 
 _OP = "ragged_dot"
 VARIANTS = ("forward", "dlhs", "drhs")
@@ -202,7 +202,7 @@ def xla_ragged_dot(variant: str, precision: Any, preferred_element_type: Any,
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RaggedDot(Op[NullConfig]):
+class RaggedDot(Op[Any]):
     """The ragged dot (all three variants) by `jax.lax.ragged_dot_general`."""
 
     def partition_rule(self, ba: BoundArguments) -> Any:
@@ -256,7 +256,7 @@ class RaggedDot(Op[NullConfig]):
         ))
 
     def _fwd(self, lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, precision: Any,
-             preferred_element_type: Any, variant: str, config: NullConfig,
+             preferred_element_type: Any, variant: str, config: Any,
              return_residuals: bool) -> tuple[jax.Array, None]:
         return xla_ragged_dot(variant, precision, preferred_element_type)(
             lhs, rhs, group_sizes), None

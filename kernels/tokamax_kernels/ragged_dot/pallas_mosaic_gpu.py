@@ -1,7 +1,7 @@
 """`PallasMosaicGpuRaggedDot`: the ragged dot (forward, dlhs, drhs) as Hopper Mosaic GPU kernels.
 
-The forward and dlhs group their output rows (`pallas_mosaic_gpu_rows.py`); the drhs
-contracts over the grouped rows (`pallas_mosaic_gpu_drhs.py`). All three are
+The forward and dlhs group their output rows (`_mosaic_gpu_rows_kernel.py`); the drhs
+contracts over the grouped rows (`_mosaic_gpu_drhs_kernel.py`). All three are
 persistent, warp-specialized TMA + `wgmma` kernels accumulating in float32. The
 gradient is `RaggedDotVjp`, which calls this op again for the dlhs and drhs.
 """
@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from tokamax_kernels.ragged_dot import pallas_mosaic_gpu_common as common
+from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
+from tokamax_kernels.ragged_dot._mosaic_gpu_drhs_kernel import ragged_dot_drhs
+from tokamax_kernels.ragged_dot._mosaic_gpu_rows_kernel import ragged_dot_rows
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp, few_rows_per_group
-from tokamax_kernels.ragged_dot.pallas_mosaic_gpu_drhs import ragged_dot_drhs
-from tokamax_kernels.ragged_dot.pallas_mosaic_gpu_rows import ragged_dot_rows
 from tokamax_pass.core import BoundArguments, Op, Target
 
 Config = common.Config
@@ -129,7 +129,7 @@ class PallasMosaicGpuRaggedDot(RaggedDot):
         itemsize = jnp.dtype(args["lhs"].dtype).itemsize
         tile_m = 128 if (rows % 128 == 0 if variant == "drhs" else rows >= 128) else 64
         tile_n = 128 if columns % 256 == 0 else 64
-        depths = (4, 3, 2)
+        depths: tuple[int, ...] = (4, 3, 2)
         if few_rows_per_group(ba):
             tile_m, depths = 64, (6, 5, 4, 3, 2)
         for stages in depths:

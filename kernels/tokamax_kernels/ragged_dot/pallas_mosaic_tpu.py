@@ -1,7 +1,7 @@
 """`PallasMosaicTpuRaggedDot`: the ragged dot (forward, dlhs, drhs) as Pallas Mosaic TPU kernels.
 
-The kernels are in `pallas_mosaic_tpu_kernels.py`; this module checks what they
-take, and picks their tiles per TPU generation (`tokamax_kernels._pallas_tpu`). The
+The kernels are in `_mosaic_tpu_kernels.py`; this module checks what they
+take, and picks their tiles per TPU generation (`tokamax_kernels._mosaic_tpu`). The
 gradient is `RaggedDotVjp`, which calls this op again for the dlhs and drhs. Under
 `jax.vmap` the mapped axes fold into the kernels' entries (`entry_folded`): one launch
 whose work list covers every entry's groups.
@@ -19,14 +19,14 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
-from tokamax_kernels import _pallas_tpu
-from tokamax_kernels._pallas_tpu import MosaicTpuKernel, lane_block
-from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
-from tokamax_kernels.ragged_dot.pallas_mosaic_tpu_kernels import (
+from tokamax_kernels import _mosaic_tpu
+from tokamax_kernels._mosaic_tpu import MosaicTpuKernel, lane_block
+from tokamax_kernels.ragged_dot._mosaic_tpu_kernels import (
     entry_folded,
     ragged_dot_drhs,
     ragged_dot_rows,
 )
+from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp
 from tokamax_pass.core import BoundArguments, Op, Target
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -118,7 +118,7 @@ class PallasMosaicTpuRaggedDot(MosaicTpuKernel, RaggedDot):
         rows, contraction, columns = _problem(lhs, rhs, variant)
         if self.config is not None and not _fits(
                 self.config, rows, contraction, columns, variant, dtype.itemsize,
-                _pallas_tpu.current_generation().vmem_budget()):
+                _mosaic_tpu.current_generation().vmem_budget()):
             raise NotImplementedError(
                 f"{self.config} does not fit {variant} ({rows}, {contraction}, {columns}): the "
                 "contraction must be a multiple of block_k and the blocks must fit VMEM")
@@ -143,13 +143,13 @@ class PallasMosaicTpuRaggedDot(MosaicTpuKernel, RaggedDot):
             (out,) = entry_folded(drhs, 0)(lhs[None], rhs[None], group_sizes[None])
             return out[0], None
 
-        def rows(lhs: jax.Array, sizes: jax.Array, rhs: jax.Array) -> tuple[jax.Array]:
+        def by_rows(lhs: jax.Array, sizes: jax.Array, rhs: jax.Array) -> tuple[jax.Array]:
             out = ragged_dot_rows(_rows(lhs), rhs.reshape(-1, *rhs.shape[2:]), sizes,
                                   transpose_rhs=variant == "dlhs", out_dtype=out_dtype,
                                   **blocks)
             return (out.reshape(sizes.shape[0], -1, out.shape[1]),)
 
-        (out,) = entry_folded(rows, 1)(lhs[None], group_sizes[None], rhs[None])
+        (out,) = entry_folded(by_rows, 1)(lhs[None], group_sizes[None], rhs[None])
         return out[0], None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
@@ -162,7 +162,7 @@ class PallasMosaicTpuRaggedDot(MosaicTpuKernel, RaggedDot):
         variant = args["variant"]
         rows, contraction, columns = _problem(args["lhs"], args["rhs"], variant)
         itemsize = jnp.dtype(args["lhs"].dtype).itemsize
-        gen = _pallas_tpu.current_generation()
+        gen = _mosaic_tpu.current_generation()
         wide = 2 * gen.mxu
         if variant == "drhs":  # the contraction is M, walked in block_m steps: any M fits
             return Config(block_m=256, block_k=wide, block_n=wide)
@@ -179,7 +179,7 @@ class PallasMosaicTpuRaggedDot(MosaicTpuKernel, RaggedDot):
         variant = args["variant"]
         rows, contraction, columns = _problem(args["lhs"], args["rhs"], variant)
         itemsize = jnp.dtype(args["lhs"].dtype).itemsize
-        budget = _pallas_tpu.current_generation().vmem_budget()
+        budget = _mosaic_tpu.current_generation().vmem_budget()
         space = itertools.product((128, 256, 512), (128, 256, 512, 1024), (128, 256, 512))
         return {config for config in (Config(bm, bk, bn) for bm, bk, bn in space)
                 if _fits(config, rows, contraction, columns, variant, itemsize, budget)}

@@ -82,8 +82,9 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
     (applied in the epilogue), more for scales per block of `c // blocks` (applied to
     each step's product; `block_k` divides a block)."""
     scale_refs, out_ref = refs[:-1], refs[-1]
-    lhs_scale_ref = scale_refs[0] if lhs_blocks else None
-    rhs_scale_ref = scale_refs[-1] if rhs_blocks else None
+    # Refs exactly where their operand is quantized by blocks (only then read).
+    lhs_scale_ref: Any = scale_refs[0] if lhs_blocks else None
+    rhs_scale_ref: Any = scale_refs[-1] if rhs_blocks else None
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     j, t = pl.program_id(0), pl.program_id(1)
     group, block = tiles_ref[0, t], tiles_ref[1, t]

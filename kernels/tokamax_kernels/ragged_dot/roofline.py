@@ -6,6 +6,8 @@ does not change with the prediction rules.
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from tokamax_kernels.ragged_dot import xla_tiled
@@ -46,6 +48,14 @@ def xla_ragged_dot_work(ba: BoundArguments) -> Work:
     return Work(ideal.flops * max(1, p.groups), ideal.bytes)
 
 
+def features(ba: BoundArguments) -> tuple[float, ...]:
+    """The mean rows a group (log2): few rows a group leave a kernel's row tiles mostly
+    empty and make the weights' bytes dominate, at any total work."""
+    rows = ba.arguments["lhs"].shape[0]
+    groups = max(1, ba.arguments["group_sizes"].shape[0])
+    return (math.log2(max(1.0, rows / groups)),)
+
+
 # The gradient is two more ragged dots (`RaggedDotVjp.evidence_calls`): their work adds up.
-register_family_work(RaggedDot, ragged_dot_work)
+register_family_work(RaggedDot, ragged_dot_work, features=features)
 register_performed_work(RaggedDot, xla_ragged_dot_work)

@@ -7,10 +7,9 @@ and adds each token's copies, weighted.
 
 Why a function of the library: written the plain way (`x[order // k]`, then
 `zeros.at[order].set(out)`), autodiff transposes the row gather into a scatter-add with
-repeated indices and the forward's `.at[].set` is a scatter. On the H200 those ran at
-1.63 ms a layer for fwd+bwd at 16384 tokens, top-2, width 2048; here every direction is
-a gather through `order` or its inverse permutation, 0.29 ms, bitwise equal results
-(`benchmarks/probes/moe_routing_probe.py`). Plain XLA, no kernel:
+repeated indices and the forward's `.at[].set` is a scatter, several times slower on the
+H200; here every direction is a gather through `order` or its inverse permutation, with
+bitwise equal results (`benchmarks/probes/moe_routing_probe.py`). Plain XLA, no kernel:
 nothing to choose or tune, so these are functions, not ops.
 """
 
@@ -145,7 +144,8 @@ def _require_tokens_unsharded(op: str, name: str, array: jax.Array) -> None:
     together, so its token axes (all but the last) must be whole on each device."""
     sharding = getattr(jax.typeof(array), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+    if (sharding is None or mesh is None or mesh.empty
+            or jax.sharding.AxisType.Explicit not in mesh.axis_types):
         return
     sharded = [axis for axis in tuple(sharding.spec)[:array.ndim - 1] if axis is not None]
     if sharded:

@@ -157,7 +157,7 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, 
     out_dtype = _output_dtype(lhs, rhs, group_sizes, dimension_numbers, preferred_element_type)
     acc_dtype = _accumulation_dtype(out_dtype)
     if variant == "drhs":
-        out_shape = (groups, lhs.shape[1], rhs.shape[1])
+        out_shape: tuple[int, ...] = (groups, lhs.shape[1], rhs.shape[1])
     else:
         out_shape = (m, rhs.shape[1] if variant == "dlhs" else rhs.shape[2])
     if m == 0 or groups == 0:

@@ -1,7 +1,7 @@
 """Autotuning: discover op calls, measure their configs, keep and apply the results.
 
 Importing this package registers the cache stack (active results, user cache,
-library cache) as a config source of `tokamax_pass.core.resolution`.
+library cache) as a config source of `tokamax_pass.core.selection`.
 """
 
 from tokamax_pass.autotuning.api import autotune
@@ -15,7 +15,7 @@ from tokamax_pass.autotuning.discovery import (
     get_bound_args,
 )
 from tokamax_pass.autotuning.result import AutotuningResult, Measurement, active_results
-from tokamax_pass.core.resolution import register_config_source
+from tokamax_pass.core.selection import register_config_source
 
 from tokamax_pass.autotuning import cache as _cache  # isort: skip
 from tokamax_pass.autotuning import compat as _compat  # noqa: F401  # isort: skip  (hooks)
@@ -23,8 +23,8 @@ from tokamax_pass.autotuning import compat as _compat  # noqa: F401  # isort: sk
 register_config_source(_cache.SOURCE)
 
 __all__ = [
-    "AutotuningResult",
     "Autotuner",
+    "AutotuningResult",
     "CacheError",
     "Measurement",
     "UnsavedResultError",

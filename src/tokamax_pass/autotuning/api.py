@@ -47,7 +47,8 @@ def _collect(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[BoundA
 def _expand(bound: list[BoundArguments], target: Any) -> list[list[BoundArguments]]:
     """Each call once per implementation of its family that supports it here, grouped
     by call (a call already in an earlier group is dropped from later ones)."""
-    groups, seen = [], set()
+    groups: list[list[BoundArguments]] = []
+    seen: set[tuple[str, str]] = set()
     for ba in bound:
         group = []
         for op in registry.implementations_of(ba.op):

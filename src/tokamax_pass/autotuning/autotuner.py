@@ -24,6 +24,7 @@ timed, so they compile without XLA's GEMM autotuning. The implementations of one
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -74,10 +75,8 @@ def candidate_configs(ba: BoundArguments, max_configs: int | None = None) -> lis
     if ba.op.config_cls is NullConfig:
         return [NullConfig()]
     configs: list[Any] = []
-    try:
+    with contextlib.suppress(NotImplementedError):
         configs.append(ba.heuristics_config)
-    except NotImplementedError:
-        pass
     rest = sorted(set(ba.op._get_autotuning_configs(ba)) - set(configs),
                   key=lambda c: spec.dumps(spec.encode_config(c)))
     if max_configs is not None and configs and len(configs) + len(rest) > max_configs:
@@ -205,7 +204,9 @@ def _compiled_hook(ba: BoundArguments, seed: int) -> Callable[[int], dict[str, A
     """The op's `random_arguments` hook compiled now as one program (`None` where it
     cannot be traced: it then runs as written when the wave is prepared). Run op by op,
     each of its random draws and casts compiled a program of its own when prepared."""
-    hook = ba.op.random_arguments
+    hook = getattr(ba.op, "random_arguments", None)
+    if hook is None:
+        return None
     traced: dict[str, Any] = {}
 
     def arrays(seed: jax.Array) -> list[jax.Array]:
@@ -242,7 +243,9 @@ class _Untimed:
 def _compile_untimed(ba: BoundArguments, check_numerics: bool, seed: int) -> _Untimed:
     """`_Untimed` of `ba` (a part that cannot be compiled ahead is left to `_prepare`)."""
     arguments = _operand_shapes(ba)
-    forward = random = None
+    forward: Callable[[Any], Any] | None = None
+    random: Callable[[int], dict[str, Any]] | None
+    program: Any  # the random inputs' program, then the VJP call's forward
     own_inputs = getattr(ba.op, "random_arguments", None) is None
     if own_inputs:
         leaves, _, index = _array_leaves(arguments)
@@ -344,6 +347,12 @@ class _Job:
     failed: dict[Any, Measurement] = dataclasses.field(default_factory=dict)
     prepared: concurrent.futures.Future | None = None
     untimed: concurrent.futures.Future | None = None  # `_Untimed`, compiled ahead
+
+    def prepared_inputs(self) -> Any:
+        """The prepared `(arrays, expected output)`, waited for."""
+        if self.prepared is None:
+            raise RuntimeError(f"{type(self.ba.op).__name__}: timed before it was prepared")
+        return self.prepared.result()
 
     def collect(self, deadline: float, timeout: float) -> None:
         """Waits for the compiles (until the deadline); records failures."""
@@ -505,7 +514,7 @@ class Autotuner:
         self._prepare_wave(wave, preparer)
         # Every input and reference of the wave is ready before any timing: their device
         # work would otherwise run under the timer.
-        inputs = [job.prepared.result() for job in wave]
+        inputs = [job.prepared_inputs() for job in wave]
         for job, (arrays, expected) in zip(wave, inputs, strict=True):
             job.prepared = job.untimed = None  # inputs and programs go once timed
             entries.append(self._time(job, arrays, expected))
@@ -603,8 +612,8 @@ class Autotuner:
         """The reference op's output on `arguments`, or None (numerics go unchecked) where
         it cannot run. Awaited here: a reference that fails on the device (XLA's attention
         gradient asks 48 GiB at b4 s8192 h16 d128) reports it when its output is used, and
-        unawaited that failure surfaced in every config's numerics check instead, so no
-        config of the call was timed (`python -m benchmarks.tune_library_cache --stale`)."""
+        unawaited that failure would surface in every config's numerics check instead, so
+        no config of the call would be timed."""
         reference = ba.op.reference_op()
         try:
             f_std, arrays = benchmarking.standardize_function(
@@ -615,7 +624,8 @@ class Autotuner:
 
     def _measure(self, run: Any, f_args: list[Any], expected: Any, best: float) -> Measurement:
         """Checks numerics, then times: a few runs, and the rest only if it can still win."""
-        base = dict(lower_time_ms=None, compile_time_ms=None, peak_memory_mb=None)
+        base: dict[str, Any] = dict(lower_time_ms=None, compile_time_ms=None,
+                                    peak_memory_mb=None)
         try:
             out = jax.block_until_ready(run.compiled(f_args))
             if expected is not None:

@@ -1,10 +1,10 @@
 """The cache stack that config resolution consults, and the on-disk caches.
 
 Order, first hit wins: active `AutotuningResult`s (innermost first) -> the user
-cache (`$TOKAMAX_PASS_CACHE_DIR` or `~/.cache/tokamax_pass/`, one
+cache (`$TOKAMAX_PASS_CACHE_DIR`, else the platform's user cache directory, one
 `<device_kind_key>.json` per device kind) -> the library cache shipped as package
 data (`tokamax_pass/data/autotuning/<device_kind_key>/*.json`). Every file is an
-`AutotuningResult` document. Entries whose provenance no longer matches (another
+`AutotuningResult` document. Entries whose provenance does not match (another
 library or jax version, a changed implementation source) are reported once and
 skipped; a corrupt file is reported and left in place, never overwritten.
 """
@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import filelock
+import platformdirs
 
 from tokamax_pass.autotuning import keys, neighbours
 from tokamax_pass.autotuning.result import (
@@ -30,7 +31,7 @@ from tokamax_pass.autotuning.result import (
     active_results,
     register_cache_writer,
 )
-from tokamax_pass.core import checks, spec
+from tokamax_pass.core import checks, selection, spec
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.device import check_device_kind, device_kind_key
 from tokamax_pass.core.op import BoundArguments, snake_case_name
@@ -58,10 +59,13 @@ class UnsavedResultError(CacheError):
 
 
 def cache_dir(directory: str | os.PathLike | None = None) -> pathlib.Path:
+    """The user cache's directory: `directory` if given, else `$TOKAMAX_PASS_CACHE_DIR`,
+    else the platform's user cache directory (`~/.cache/tokamax_pass` on Linux, or under
+    `$XDG_CACHE_HOME`; `~/Library/Caches/tokamax_pass` on macOS)."""
     if directory is not None:
         return checks.as_path("user cache", "directory", directory)
     env = os.environ.get(ENV_CACHE_DIR)
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "tokamax_pass"
+    return pathlib.Path(env) if env else pathlib.Path(platformdirs.user_cache_dir("tokamax_pass"))
 
 
 def cache_file(device_kind: str | None, directory: str | os.PathLike | None = None) -> pathlib.Path:
@@ -172,7 +176,7 @@ class _UserCache:
         except NotADirectoryError:
             _report_once(("not a directory", path.parent),
                          f"ignoring the user autotuning cache: {path.parent} (${ENV_CACHE_DIR}"
-                         f" or ~/.cache/tokamax_pass) is a file, not a directory")
+                         f" or the platform's user cache directory) is a file, not a directory")
             return None
         except OSError:
             return None
@@ -287,29 +291,22 @@ def _fresh_entry(result: AutotuningResult, label: str, ba: BoundArguments) -> En
 
 
 class CacheStack:
-    """The `ConfigSource` registered with `core.resolution`: results, user and library caches."""
+    """The `ConfigSource` registered with `core.selection`: results, user and library caches."""
 
     def find_config(self, ba: BoundArguments, device_kind: str | None) -> tuple[Any, str] | None:
         found = _answering_entry(ba, device_kind)
-        return None if found is None else (found[0].fastest[0], found[1])
+        fastest = None if found is None else found[0].fastest
+        return None if found is None or fastest is None else (fastest[0], found[1])
 
     def rank(self, candidates: Sequence[BoundArguments], device_kind: str | None,
              usable: Sequence[bool] | None = None) -> list[int] | None:
         stack = layers(device_kind)
-        slots = _evidence_slots(candidates)
-        exact = _exact_times(slots, stack)
-        order = rank_with_evidence(candidates, exact, usable)
-        if order is not None:
-            return order
-        near = _summed([neighbours.nearest_times(slot, stack) for slot in slots])
-        order = rank_with_evidence(candidates, near, usable)
-        if order is not None:
-            return _kernels_by_own_times(order, candidates, exact)
-        if usable is None or all(usable):
-            return None
-        # The unusable candidates' sites settled nothing: the usable ones' own neighbours.
-        kept = [i for i, ok in enumerate(usable) if ok]
-        return _ranked_subset(kept, self.rank([candidates[i] for i in kept], device_kind))
+        return selection.rank_measured(
+            candidates,
+            lambda calls: _exact_times(_evidence_slots(calls), stack),
+            lambda calls: _summed([neighbours.nearest_times(slot, stack)
+                                   for slot in _evidence_slots(calls)]),
+            usable)
 
 
 def measured_losers(ba: BoundArguments, best: Any, device_kind: str | None) -> frozenset:
@@ -318,7 +315,8 @@ def measured_losers(ba: BoundArguments, best: Any, device_kind: str | None) -> f
     are not counted: an out-of-memory or a timeout may not recur). Empty where no entry
     answers `ba` with `best`."""
     found = _answering_entry(ba, device_kind)
-    if found is None or found[0].fastest[0] != best:
+    fastest = None if found is None else found[0].fastest
+    if found is None or fastest is None or fastest[0] != best:
         return frozenset()
     return frozenset(c for c, m in found[0].data.items() if m.ok and c != best)
 
@@ -350,24 +348,6 @@ def _exact_times(slots: Sequence[Sequence[BoundArguments]],
     return _summed([[_first_time(ba, stack) for ba in slot] for slot in slots])
 
 
-def _kernels_by_own_times(order: list[int], candidates: Sequence[BoundArguments],
-                          exact: Sequence[float | None]) -> list[int]:
-    """`order` (ranked at a neighbour) with its kernels re-ranked by their times at the
-    call's own shape where every one of them was measured there: the neighbour says
-    which kernels beat the plain-JAX paths, the call's own times which kernel is
-    fastest (an `autotune` result times the kernels, not the plain paths its evidence
-    showed hopeless: `staging.hopeless`)."""
-    kernels = [i for i in order if not candidates[i].op.runs_without_evidence]
-    if len(kernels) < 2 or any(exact[i] is None for i in kernels):
-        return order
-    return _rank_by_time(kernels, exact) + [i for i in order if i not in kernels]
-
-
-def _ranked_subset(kept: Sequence[int], order: list[int] | None) -> list[int] | None:
-    """`order`, ranked over `kept`'s candidates, as indices of the full candidate list."""
-    return None if order is None else [kept[i] for i in order]
-
-
 def _evidence_slots(candidates: Sequence[BoundArguments]) -> list[list[BoundArguments]]:
     """The calls measured for each candidate, slot by slot: `[candidates]` for ops measured
     as themselves; for ops made of nested calls (`Op.evidence_calls`), one slot per nested
@@ -392,77 +372,6 @@ def _first_time(ba: BoundArguments, stack: Sequence[Layer]) -> float | None:
         if entry is not None:
             return entry.best_time_ms
     return None
-
-
-# Timings this close are a tie (H200 run-to-run noise is ~4%): among kernels, and among
-# plain paths, ties keep the family's automatic order. A kernel displaces the plain-JAX
-# paths (`Op.runs_without_evidence`) only when measured faster by more than its
-# `Op.kernel_margin_for` the call (this, or more for ops XLA fuses with their neighbours).
-TIE_MARGIN = 0.05
-# What an XLA gradient that reruns its forward (`Op.reruns_forward`) is taken to cost
-# inside a program, as a fraction of its time measured alone: XLA merges the rerun with
-# the forward. The layer norm's measured 0.086 of 0.156 ms forward (Llama shape, H200);
-# with the Triton norms' gradients picked by their lone times, the Llama step ran 0.97x.
-RERUN_SHARE = 0.5
-
-
-def rank_with_evidence(candidates: Sequence[BoundArguments],
-                       times: Sequence[float | None],
-                       usable: Sequence[bool] | None = None) -> list[int] | None:
-    """Indices of the usable candidates `implementation=None` may use, best first, or
-    `None` when the measurements cannot compare them with the plain-JAX paths.
-
-    A kernel (an implementation that does not run without evidence) is listed only when
-    it was measured faster than every usable plain-JAX candidate by more than its
-    `kernel_margin_for` the call, a plain gradient that reruns its forward counting at
-    `RERUN_SHARE` of its time; the plain-JAX candidates follow (measured ones fastest
-    first), so the call never runs a kernel that was measured slower, or not measured, on
-    this shape. A plain candidate not measured counts only where it yields to a measured
-    one (`Op.yields_unmeasured_to`: XLA's attention to cuDNN's, by a device sweep); it
-    then comes last, and the time it yields to stands as a bound on its own.
-
-    `usable` (default: all): a candidate that is not usable cannot run on this machine
-    (`CannotLowerHere`) and is never listed, but its time still bounds those that yield
-    to it: with cuDNN's attention measured and XLA's not, a kernel measured faster than
-    cuDNN beats XLA too, on a CPU machine exporting for cuda as on the GPU.
-    """
-    usable = [True] * len(candidates) if usable is None else list(usable)
-    plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
-    if not plain:
-        measured = [i for i, t in enumerate(times) if t is not None and usable[i]]
-        return (_rank_by_time(measured, times)
-                if all(t is not None for t in times) and measured else None)
-    measured_plain = [i for i in plain if times[i] is not None]
-    unmeasured = [i for i in plain if times[i] is None]
-    if not measured_plain or not all(neighbours.yields(candidates, i, measured_plain)
-                                     for i in unmeasured):
-        return None
-    usable_plain = [i for i in measured_plain if usable[i]]
-    bounds = [times[j] for i in unmeasured if usable[i] for j in measured_plain
-              if candidates[i].op.yields_unmeasured_to(candidates[i], candidates[j])]
-    if not usable_plain and not bounds:
-        return None
-    best_plain = min([times[i] * (RERUN_SHARE if candidates[i].op.reruns_forward(candidates[i])
-                                  else 1.0) for i in usable_plain] + bounds)
-    winners = [i for i, ba in enumerate(candidates) if not ba.op.runs_without_evidence
-               and usable[i] and times[i] is not None
-               and times[i] < best_plain * (1 - max(ba.op.kernel_margin_for(ba), TIE_MARGIN))]
-    if not usable_plain and not winners:
-        return None  # no kernel beat the bound: the bound alone cannot rank them
-    return (_rank_by_time(winners, times) + _rank_by_time(usable_plain, times)
-            + [i for i in unmeasured if usable[i]])
-
-
-def _rank_by_time(indices: Sequence[int], times: Sequence[float]) -> list[int]:
-    """`indices`: those within `TIE_MARGIN` of the fastest in their given order, then the
-    rest fastest first."""
-    if not indices:
-        return []
-    best = min(times[i] for i in indices)
-    ties = [i for i in indices if times[i] <= best * (1 + TIE_MARGIN)]
-    rest = sorted((i for i in indices if times[i] > best * (1 + TIE_MARGIN)),
-                  key=lambda i: times[i])
-    return ties + rest
 
 
 SOURCE = CacheStack()

@@ -64,8 +64,8 @@ def dedupe(bound: Iterable[BoundArguments]) -> list[BoundArguments]:
     """Configs stripped (`op.replace(config=None)`), duplicates dropped, order kept."""
     seen: dict[tuple[str, str], BoundArguments] = {}
     for ba in bound:
-        ba = ba.replace(op=ba.op.replace(config=None))
-        seen.setdefault(keys.entry_key(ba), ba)
+        stripped = ba.replace(op=ba.op.replace(config=None))
+        seen.setdefault(keys.entry_key(stripped), stripped)
     return list(seen.values())
 
 
@@ -112,17 +112,20 @@ def _program_specs(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[
         return specs_from_text(f.as_text())
     if isinstance(f, jax.stages.Compiled):
         _reject_further_arguments("a jax.stages.Compiled", "compiled", args, kwargs)
-        return specs_from_text(f.as_text())
+        text = f.as_text()
+        if text is None:
+            raise ValueError("get_bound_args: this jax.stages.Compiled has no program text "
+                             "to read op calls from; pass the jax.stages.Lowered instead")
+        return specs_from_text(text)
     if not callable(f):
         raise TypeError(
             f"get_bound_args: expected a callable, a jax.stages.Lowered or StableHLO text, "
             f"got {type(f).__name__}"
         )
-    with recording_lowerings() as lowered_specs:
-        with specs_only():
-            lowered = _fresh_jit(f, args, kwargs).lower(*args, **kwargs)
-            if _PARTITIONED_CALL in lowered.as_text():
-                lowered.compile()
+    with recording_lowerings() as lowered_specs, specs_only():
+        lowered = _fresh_jit(f, args, kwargs).lower(*args, **kwargs)
+        if _PARTITIONED_CALL in lowered.as_text():
+            lowered.compile()
     return list(dict.fromkeys(lowered_specs))
 
 
@@ -164,7 +167,7 @@ def _fresh_jit(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
                 f"get_bound_args: {name} ({type(value).__name__}) holds no array, so it is "
                 f"passed as a static argument, which must be hashable; pass arrays or "
                 f"jax.ShapeDtypeStruct (a tuple for a static sequence), got {value!r:.80}")
-    return jax.jit(lambda *a, **k: f(*a, **k),
+    return jax.jit(lambda *a, **k: f(*a, **k),  # noqa: PLW0108 - a new function: a fresh trace
                    static_argnums=[i for i, a in enumerate(args) if static(a)],
                    static_argnames=[k for k, v in kwargs.items() if static(v)])
 

@@ -21,6 +21,7 @@ def serve() -> None:
             request = pickle.load(requests)
         except EOFError:
             return
+        answer: tuple[bool, bytearray | str]
         try:
             answer = (True, export_candidate(*request))
         except Exception as e:  # noqa: BLE001 - the tuning process lowers it itself

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import inspect
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -117,8 +118,8 @@ def provenance(op: Op) -> dict[str, Any]:
     }
 
 
-def stale_reason(op: Op, recorded: dict[str, Any] | None) -> str | None:
-    """Why a recorded provenance no longer matches this process, or `None`."""
+def stale_reason(op: Op, recorded: Mapping[str, Any] | None) -> str | None:
+    """Why a recorded provenance does not match this process, or `None`."""
     if not recorded:
         return "it has no provenance"
     current = provenance(op)

@@ -64,7 +64,7 @@ def call_op(op: Op, vmap: Any, arguments: dict[str, Any]) -> Callable[[dict], An
 
 
 def export_candidate(op: Op, vmap: Any, arguments: dict[str, Any], platform: str,
-                     device_kind: str | None) -> bytes:
+                     device_kind: str | None) -> bytearray:
     """The serialized `jax.export` of `op` called on `arguments` (abstract), in the
     standardized form the autotuner compiles. Runs in a worker."""
     from tokamax_pass import benchmarking
@@ -79,10 +79,10 @@ def export_candidate(op: Op, vmap: Any, arguments: dict[str, Any], platform: str
     return exported.serialize()
 
 
-def deserialized(blob: bytes) -> Callable[[list[Any]], Any]:
+def deserialized(blob: bytes | bytearray) -> Callable[[list[Any]], Any]:
     """The standardized function `f_std(arrays)` of an exported candidate."""
     exported = jax.export.deserialize(bytearray(blob))
-    return lambda arrays: exported.call(arrays)
+    return exported.call
 
 
 def process_count(requested: int | None, candidates: int, cpus: int) -> int:
@@ -119,9 +119,10 @@ class ExportWorkers:
         self._alive = len(self._workers)
         self._lock = threading.Lock()
 
-    def export(self, *request: Any) -> bytes:
+    def export(self, *request: Any) -> bytearray:
         """`export_candidate(*request)` in a worker; raises what it raised there."""
         worker = self._take()
+        assert worker.stdin is not None and worker.stdout is not None  # started with PIPEs
         try:
             pickle.dump(request, worker.stdin)
             worker.stdin.flush()
@@ -146,5 +147,6 @@ class ExportWorkers:
     def close(self) -> None:
         for worker in self._workers:
             with contextlib.suppress(OSError):
-                worker.stdin.close()
+                if worker.stdin is not None:
+                    worker.stdin.close()
             worker.terminate()

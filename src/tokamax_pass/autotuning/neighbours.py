@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokamax_pass.autotuning import keys
+from tokamax_pass.core import selection
 from tokamax_pass.core.op import BoundArguments
 
 # A neighbour's sizes may differ from the call's by at most this factor, each size alone.
@@ -89,7 +90,7 @@ def nearest_times(candidates: Sequence[BoundArguments],
     plain = [i for i, ba in enumerate(candidates) if ba.op.runs_without_evidence]
     # A plain path known slower than another (`Op.yields_unmeasured_to`) need not be
     # measured at the site: the other stands for it.
-    required = [i for i in plain if not yields(candidates, i, plain)] or range(
+    required = [i for i in plain if not selection.yields(candidates, i, plain)] or range(
         len(candidates))
     sites = set.intersection(*(set(measured[i]) for i in required)) if required else set()
 
@@ -105,13 +106,6 @@ def nearest_times(candidates: Sequence[BoundArguments],
     if best is None:
         return [None] * len(candidates)
     return [found.get(best) for found in measured]
-
-
-def yields(candidates: Sequence[BoundArguments], i: int, others: Sequence[int]) -> bool:
-    """Whether plain candidate `i` is known slower than one of `others` at its call
-    (`Op.yields_unmeasured_to`), so it need not be measured where they are."""
-    ba = candidates[i]
-    return any(j != i and ba.op.yields_unmeasured_to(ba, candidates[j]) for j in others)
 
 
 def _nearest(sites: Sequence[Sizes], keyed: Sequence[tuple[str, Sizes]],

@@ -16,7 +16,7 @@ import os
 import statistics
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import jax
 
@@ -24,6 +24,7 @@ from tokamax_pass.autotuning import keys
 from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.op import BoundArguments
+from tokamax_pass.tables import render_table
 
 FORMAT = "tokamax_pass.AutotuningResult"
 
@@ -100,8 +101,8 @@ class Entry:
     def merged(self, other: Entry) -> Entry:
         """`other`'s measurements over this one's, config by config; wholly `other`'s
         when both record a provenance and they differ: measurements of other code (or
-        another jax) are not stamped with `other`'s provenance (a retuned entry kept
-        configs its search no longer held, timed on the old code, as fresh)."""
+        another jax) are not stamped with `other`'s provenance (a retuned entry would keep
+        configs its search does not hold, timed on other code, as fresh)."""
         if self.provenance and other.provenance and self.provenance != other.provenance:
             return other
         return Entry(other.bound, {**self.data, **other.data}, other.provenance)
@@ -326,7 +327,7 @@ class AutotuningResult:
             jax_version=data.get("jax_version"),
         )
 
-    def dump(self, path_or_file: str | os.PathLike | IO[str], *,
+    def dump(self, path_or_file: str | os.PathLike | IO[str] | IO[bytes], *,
              prune_errors: bool = False) -> None:
         """Writes `dumps(prune_errors=...)` to a path (in an existing directory) or an open
         text file.
@@ -341,7 +342,10 @@ class AutotuningResult:
             text = self.dumps(prune_errors=prune_errors)
             # A file opened in binary mode (`load` reads one) raised a bare "a bytes-like
             # object is required, not 'str'".
-            path_or_file.write(text.encode() if _is_binary(path_or_file) else text)
+            if _is_binary(path_or_file):
+                cast(IO[bytes], path_or_file).write(text.encode())
+            else:
+                cast(IO[str], path_or_file).write(text)
         else:
             raise TypeError(f"AutotuningResult.dump: path_or_file must be a path or a "
                             f"writable file, got {type(path_or_file).__name__}")
@@ -366,7 +370,7 @@ class AutotuningResult:
     # --- display ----------------------------------------------------------------------
 
     def __repr__(self) -> str:
-        rows = [("op", "arguments", "best config", "median ms", "ok/configs")]
+        rows: list[tuple[str, ...]] = []
         for entry in self._entries.values():
             fastest = entry.fastest
             arrays = [v for v in entry.bound.arguments_spec().values() if isinstance(v, str)]
@@ -377,12 +381,9 @@ class AutotuningResult:
                 "-" if fastest is None else f"{fastest[1].median_ms:.4g}",
                 f"{sum(m.ok for m in entry.data.values())}/{len(entry.data)}",
             ))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        out = io.StringIO()
-        out.write(f"AutotuningResult(device_kind={self.device_kind!r}, {len(self)} ops)\n")
-        for row in rows:
-            out.write("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + "\n")
-        return out.getvalue().rstrip("\n")
+        table = render_table(("op", "arguments", "best config", "median ms", "ok/configs"),
+                             rows, right_aligned=("median ms", "ok/configs"), indent=2)
+        return f"AutotuningResult(device_kind={self.device_kind!r}, {len(self)} ops)\n{table}"
 
 
 def _require_bound(where: str, ba: Any, *, argument: str = "ba") -> None:

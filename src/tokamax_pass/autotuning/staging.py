@@ -7,40 +7,29 @@ candidate (the config `None` runs today where one is measured, else the heuristi
 config). Stage two searches the rest of an implementation's
 configs only where `implementation=None` could then choose it: its first time, improved
 by `TUNING_GAIN`, ranks it first among the family's measurements
-(`cache.rank_with_evidence`, with the family's kernel margins and rerun shares), or its
+(`selection.rank_with_evidence`, with the family's kernel margins and rerun shares), or its
 first config failed (another may run). A call some of whose implementations a cache
 already answers (not re-timed, so not compared) is searched whole in stage one.
 
-Why (H200, the Llama step of `benchmarks/models`): autotuning was compile-bound, 58.8 s
-of which 44 s compiled 115 candidates, most of them the configs of implementations that
-lose to XLA by more than any config changes (the Mosaic and chunked LM-head kernels alone
-took 274 s of compile threads); across its 15 tuned calls the heuristics config was
-within 9% of the best config of its search space
+Why: autotuning a model is compile-bound, and most candidates are the configs of
+implementations that lose to XLA by more than any config changes, while the heuristics
+config is close to the best of its search space
 (`benchmarks/probes/model_autotune_timeline_probe.py`).
 
 Before stage one, an implementation the evidence `None` ranks by (the caches of this
 device kind, at the call's shape or its nearest measured neighbour) shows
 `HOPELESS_RATIO` times slower than the fastest of its family is not timed at all: no
-config makes up such a gap, and on the H200 these losers' compiles were the critical
-path of a model's tuning: compiled one after another, mixtral's 21 XLA candidates took
-35 s (8 s with XLA's GEMM autotuning off), and its XLA ragged dots, attention and GLU,
-7-46x slower than the kernels (`python -m benchmarks.models --only mixtral --variants tuned`), 28 s
-of it (`benchmarks/probes/model_candidate_compile_probe.py mixtral`). With them untimed, and
-`discovery` building no kernels, mixtral's tuning went from 62 to 36 s
-(`benchmarks/probes/model_autotune_timeline_probe.py mixtral`). Where every implementation that made
-one hopeless fails in stage one, the hopeless one is timed in stage two after all.
+config makes up such a gap, and these losers' compiles are the critical path of a
+model's tuning (compiled one after another, as XLA's GEMM autotuning runs them;
+`benchmarks/probes/model_candidate_compile_probe.py`). Where every implementation that
+made one hopeless fails in stage one, the hopeless one is timed in stage two after all.
 
 Nor is a config timed again that the caches measured at the call's own shape, in the
 entry whose fastest is the config `None` runs today: that search was done, and its
 losers lost in the same run as the winner (`without_known_losers`; failures are timed
-again, as they may not recur). At the suite's shapes, which the library cache holds,
-mixtral's tuning compiled 40 candidates instead of 85 and took 22.4 s instead of 36
-(`benchmarks/probes/model_autotune_timeline_probe.py mixtral`); at shapes no cache holds nothing
-changes. Compiling stage two's likely candidates (foretold from the evidence) while stage one
-times was tried again in session 20 and withdrawn again, as in session 11: the compile
-threads starved the timing thread of the interpreter lock, stage one's timings took
-25 s instead of 10 and the tuning 42.5 s
-(`benchmarks/probes/model_autotune_timeline_probe.py`).
+again, as they may not recur). At shapes no cache holds nothing changes. Stage two's
+candidates are not compiled while stage one times: compile threads would starve the
+timing thread of the interpreter lock and skew its timings.
 """
 
 from __future__ import annotations
@@ -52,6 +41,7 @@ from typing import Any
 from tokamax_pass.autotuning import cache
 from tokamax_pass.autotuning.autotuner import Autotuner
 from tokamax_pass.autotuning.result import Entry
+from tokamax_pass.core import selection
 from tokamax_pass.core.op import BoundArguments
 
 # The most a search space is taken to improve on its heuristics config (time ratio).
@@ -89,7 +79,7 @@ def worth_searching(candidates: Sequence[BoundArguments],
             worth.append(True)
             continue
         hoped = [t * TUNING_GAIN if j == i else t for j, t in enumerate(first_times)]
-        order = cache.rank_with_evidence(candidates, hoped)
+        order = selection.rank_with_evidence(candidates, hoped)
         worth.append(order is None or _chosen(i, order, candidates, hoped))
     return worth
 
@@ -101,7 +91,7 @@ def _chosen(i: int, order: list[int], candidates: Sequence[BoundArguments],
     if i == first:
         return True
     plain = candidates[i].op.runs_without_evidence and candidates[first].op.runs_without_evidence
-    return plain and times[i] <= times[first] * (1 + cache.TIE_MARGIN)
+    return plain and times[i] <= times[first] * (1 + selection.TIE_MARGIN)
 
 
 def hopeless(candidates: Sequence[BoundArguments], device_kind: str | None
@@ -109,9 +99,9 @@ def hopeless(candidates: Sequence[BoundArguments], device_kind: str | None
     """For each of one call's implementations, `None` where it is to be timed, else the
     implementations measured `HOPELESS_RATIO` times faster than it in the caches of
     `device_kind` (`cache.evidence_times`; a plain gradient that reruns its forward
-    counted at `cache.RERUN_SHARE` of its time, as `None` counts it)."""
+    counted at `selection.RERUN_SHARE` of its time, as `None` counts it)."""
     times = cache.evidence_times(candidates, device_kind)
-    share = [cache.RERUN_SHARE if ba.op.runs_without_evidence and ba.op.reruns_forward(ba)
+    share = [selection.RERUN_SHARE if ba.op.runs_without_evidence and ba.op.reruns_forward(ba)
              else 1.0 for ba in candidates]
     cost = [None if t is None else t * f for t, f in zip(times, share, strict=True)]
     verdicts: list[tuple[int, ...] | None] = []

@@ -36,7 +36,7 @@ def load_function(target: str, grad: bool = False) -> Callable[..., Any]:
         sys.path.insert(0, cwd)
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # the user's module may raise anything while it imports
+    except Exception as e:  # noqa: BLE001 - the user's module may raise anything on import
         reason = " ".join(f"{type(e).__name__}: {e}".split())
         raise SystemExit(f"cannot import {module_name!r} (from {target!r}, working directory "
                          f"{cwd}): {reason}") from None

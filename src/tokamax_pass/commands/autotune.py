@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from tokamax_pass.commands import _argtypes, _target
+
+if TYPE_CHECKING:
+    from tokamax_pass.core.op import BoundArguments
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -42,6 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokamax_pass import autotuning
+    from tokamax_pass.autotuning.api import DEFAULT_MAX_CONFIGS
     from tokamax_pass.core import checks
 
     if (args.function is None) == (args.bound_args is None):
@@ -50,11 +56,15 @@ def run(args: argparse.Namespace) -> int:
         checks.file_to_write("autotune", "--output", args.output)
     if args.write_library_cache:
         checks.directory_to_write("autotune", "--write-library-cache", args.write_library_cache)
+    target: list[BoundArguments] | Callable[..., Any]
     if args.bound_args:
         target, call_args = autotuning.bound_args_from_json(args.bound_args), []
     else:
         target = _target.load_function(args.function, args.grad)
         call_args = _target.parse_args(args.args)
+    # --max-configs 0: no limit; not given: autotune's default.
+    max_configs = (DEFAULT_MAX_CONFIGS if args.max_configs is None
+                   else args.max_configs or None)
     start = time.perf_counter()
     try:
         result = autotuning.autotune(
@@ -62,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             all_implementations=args.all_implementations, search_losers=args.search_losers,
             timeout=args.timeout,
             max_workers=args.max_workers, cache=args.cache, progress=not args.no_progress,
-            **({} if args.max_configs is None else {"max_configs": args.max_configs or None}))
+            max_configs=max_configs)
     except autotuning.UnsavedResultError as e:
         if args.output:  # the result the cache refused still reaches --output
             e.result.dump(args.output)

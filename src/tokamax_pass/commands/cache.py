@@ -10,7 +10,8 @@ from tokamax_pass.commands import _argtypes
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("cache", help="inspect or edit the user autotuning cache")
     parser.add_argument("--cache-dir", type=_argtypes.non_empty,
-                        help="default: $TOKAMAX_PASS_CACHE_DIR or ~/.cache/tokamax_pass")
+                        help="default: $TOKAMAX_PASS_CACHE_DIR, else the platform's user "
+                             "cache directory (~/.cache/tokamax_pass on Linux)")
     actions = parser.add_subparsers(dest="action", required=True)
     actions.add_parser("list", help="the cache files, their device kinds and entry counts")
     show = actions.add_parser("show", help="the entries of one device kind as a table")
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         for path in files:
             try:
                 result = cache.read(path)
-                print(f"  {path.name}: {result.device_kind!r}, {len(result)} entries")
+                if result is not None:  # None: removed since it was listed
+                    print(f"  {path.name}: {result.device_kind!r}, {len(result)} entries")
             except spec.SpecError as e:
                 print(f"  {path.name}: unreadable ({e})")
         if not files:

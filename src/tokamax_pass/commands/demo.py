@@ -24,6 +24,7 @@ from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import autotuner, discovery
 from tokamax_pass.commands import _argtypes
 from tokamax_pass.core import BoundArguments, current_target, registry, spec
+from tokamax_pass.tables import render_table
 
 SEED_IMPLEMENTATIONS = (
     ("layer_norm", "triton"),
@@ -52,7 +53,8 @@ def runnable_implementations() -> tuple[list[Any], list[str]]:
     for family_name in {name for name, _ in SEED_IMPLEMENTATIONS}:
         getattr(tokamax, family_name)  # imports the op family, which registers it
     chosen, notes = [], []
-    for family_name, implementation in SEED_IMPLEMENTATIONS:
+    for family_name, requested in SEED_IMPLEMENTATIONS:
+        implementation = requested
         if implementation is not None:
             # A name may stand for several implementations ("mosaic": one per platform).
             ops, _ = registry.families()[family_name].resolve(implementation)
@@ -138,22 +140,19 @@ def run(args: argparse.Namespace) -> int:
               f"tuned: {tuned.median_evaluation_time_ms:.3f} ms")
     print()
 
-    rows = [("op call", "implementation", "config", "arguments", "ms")]
+    rows: list[tuple[str, ...]] = []
     failed = []
     for ba in op_calls(jax.grad(seed_loss(implementations)), x, scale):
-        time_ms = functools.partial(op_time_ms, ba, args.iterations)
+        call_ms = functools.partial(op_time_ms, ba, args.iterations)
         try:
-            ms = f"{time_ms():.3f}"
+            ms = f"{call_ms():.3f}"
         except Exception as e:  # noqa: BLE001 - show the failure in the table
             ms = f"failed: {type(e).__name__}"
             failed.append(f"{type(ba.op).__name__}: {type(e).__name__}: {e}")
         rows.append((type(ba.op).__name__, ba.op.implementation, _config_text(ba.op.config),
                      _arrays_text(ba), ms))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for i, row in enumerate(rows):
-        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
-        if i == 0:
-            print("  " + "  ".join("-" * w for w in widths))
+    print(render_table(("op call", "implementation", "config", "arguments", "ms"), rows,
+                       indent=2))
     if failed:
         print(f"\n  {len(failed)} op call{'s' * (len(failed) > 1)} failed:")
         for line in failed:

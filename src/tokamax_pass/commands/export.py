@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokamax_pass.core.resolution import UNLOWERABLE_NOTE
+    from tokamax_pass.core.selection import UNLOWERABLE_NOTE
     from tokamax_pass.export import export
     from tokamax_pass.optimize import optimize
 

@@ -11,8 +11,8 @@ from tokamax_pass.core.op import (
 )
 from tokamax_pass.core.primitive import METADATA_KEY, tokamax_call_p
 from tokamax_pass.core.registry import Family, register_family
-from tokamax_pass.core.resolution import register_config_source
 from tokamax_pass.core.roofline import Work
+from tokamax_pass.core.selection import register_config_source
 from tokamax_pass.core.vjp import AutodiffVjp, VjpOp
 
 __all__ = [
@@ -28,9 +28,9 @@ __all__ = [
     "VjpOp",
     "Work",
     "current_target",
-    "targeting",
     "register_config_source",
     "register_family",
     "snake_case_name",
+    "targeting",
     "tokamax_call_p",
 ]

@@ -11,7 +11,7 @@ calibration, and `implementation=None` chooses as it does without one.
     {"schema": "tokamax_pass.calibration", "version": 1, "device_kind": "NVIDIA H200",
      "ceilings": {"bf16_tflops": ..., "f32_tflops": ..., "hbm_tbps": ...},
      "points": [{"op": "PallasTritonRaggedDot", "dtype": "bfloat16",
-                 "flops": ..., "bytes": ..., "efficiency": ...}, ...],
+                 "flops": ..., "bytes": ..., "efficiency": ..., "features": [...]}, ...],
      "provenance": {"commit": "...", "jax": "...", "date": "..."}}
 """
 
@@ -39,8 +39,12 @@ MAX_POINTS = 100_000
 MAX_NAME_CHARS = 200
 # An efficiency above this is a measurement error (the roofline is a bound), not data.
 MAX_EFFICIENCY = 4.0
+MAX_FEATURES = 8
+# Shape features are log2 sizes (`roofline.FeatureRule`).
+MAX_FEATURE = 64.0
 _CEILING_NAMES = ("bf16_tflops", "f32_tflops", "hbm_tbps")
 _POINT_NAMES = ("op", "dtype", "flops", "bytes", "efficiency")
+_OPTIONAL_POINT_NAMES = ("features",)
 _TOP_NAMES = {"schema", "version", "device_kind", "ceilings", "points", "provenance"}
 
 
@@ -51,13 +55,15 @@ class CalibrationError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Point:
     """One measured call: the op (`prediction.op_name`), the call's dtype, its work and
-    the efficiency the implementation reached there."""
+    the efficiency the implementation reached there, and the call's shape features
+    (`roofline.register_family_work`; `()` for a family that declares none)."""
 
     op: str
     dtype: str
     flops: float
     bytes: float
     efficiency: float
+    features: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +84,24 @@ class Calibration:
 
 def _reject_constant(name: str) -> float:
     raise CalibrationError(f"non-finite number {name}")
+
+
+def _features(value: Any, where: str) -> tuple[float, ...]:
+    if not isinstance(value, list) or len(value) > MAX_FEATURES:
+        raise CalibrationError(f"{where} must be a list of at most {MAX_FEATURES} numbers")
+    found = []
+    for j, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, (int, float)):
+            raise CalibrationError(f"{where}[{j}] must be a number, got {type(item).__name__}")
+        try:
+            number = float(item)
+        except OverflowError:
+            number = math.inf
+        if not (math.isfinite(number) and abs(number) <= MAX_FEATURE):
+            raise CalibrationError(f"{where}[{j}] must be finite and within "
+                                   f"+-{MAX_FEATURE}, got {item!r}")
+        found.append(number)
+    return tuple(found)
 
 
 def _positive(value: Any, where: str, maximum: float = math.inf) -> float:
@@ -129,9 +153,9 @@ def parse(text: str | bytes) -> Calibration:
     if not isinstance(points, list) or len(points) > MAX_POINTS:
         raise CalibrationError(f"points must be a list of at most {MAX_POINTS} objects")
     parsed = []
-    for i, point in enumerate(points):
-        point = _object(point, f"points[{i}]", _POINT_NAMES)
-        if set(point) != set(_POINT_NAMES):
+    for i, raw_point in enumerate(points):
+        point = _object(raw_point, f"points[{i}]", _POINT_NAMES + _OPTIONAL_POINT_NAMES)
+        if not set(_POINT_NAMES) <= set(point):
             raise CalibrationError(f"points[{i}] must give {list(_POINT_NAMES)}")
         parsed.append(Point(
             op=_name(point["op"], f"points[{i}].op"),
@@ -139,7 +163,8 @@ def parse(text: str | bytes) -> Calibration:
             flops=_positive(point["flops"], f"points[{i}].flops"),
             bytes=_positive(point["bytes"], f"points[{i}].bytes"),
             efficiency=_positive(point["efficiency"], f"points[{i}].efficiency",
-                                 MAX_EFFICIENCY)))
+                                 MAX_EFFICIENCY),
+            features=_features(point.get("features", []), f"points[{i}].features")))
     provenance = data.get("provenance", {})
     if not isinstance(provenance, dict) or not all(
             isinstance(v, str) and len(v) <= MAX_NAME_CHARS for v in provenance.values()):

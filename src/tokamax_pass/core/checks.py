@@ -14,7 +14,7 @@ import numbers
 import os
 import pathlib
 from collections.abc import Collection
-from typing import Any
+from typing import Any, cast
 
 
 def _is_int(value: Any) -> bool:
@@ -36,7 +36,8 @@ def require_positive_number(who: str, name: str, value: Any) -> None:
     """`value` is a real number (not a bool) > 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{who}: {name} must be a number of seconds > 0, got {value!r}")
-    if not value > 0:
+    # typeshed's `numbers.Real` declares no `>`; a real number compares as a float does.
+    if not cast(float, value) > 0:  # not `<= 0`: NaN is no number of seconds either
         raise ValueError(f"{who}: {name} must be > 0, got {value!r}")
 
 

@@ -15,7 +15,7 @@ import functools
 import inspect
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import jax
 
@@ -24,13 +24,16 @@ from tokamax_pass.core import roofline as roofline_lib
 from tokamax_pass.core.device import Target
 from tokamax_pass.core.roofline import Work
 
+if TYPE_CHECKING:
+    from tokamax_pass.core.vjp import AutodiffVjp, VjpOp
+
 
 class CannotLowerHere(NotImplementedError):
     """The target device runs this implementation, but this machine cannot lower it for
     that target (the lowering queries a library this machine lacks: cuDNN when a CPU
     machine exports for cuda). The call goes to another implementation, while the
     implementation's measurements on the target still inform the choice among the rest
-    (`resolution.choose`)."""
+    (`selection.choose`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,11 @@ class SizeLike:
                              f"got {self.value}")
 
 
+def _hook_not_set(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("tokamax_pass.core.op: a hook was called before the module that sets "
+                       "it was imported (import tokamax_pass first)")
+
+
 @dataclasses.dataclass
 class _Hooks:
     """What `Op` uses from the modules built on it, which fill it in when they are imported
@@ -61,11 +69,11 @@ class _Hooks:
     `cached_measurements` are `tokamax_pass.autotuning.compat`'s (`BoundArguments.autotune`,
     `Op.get_autotuning_cache`), set when the autotuning package is imported."""
 
-    call_ops: Callable[..., Any] | None = None
-    autodiff_vjp: type | None = None
-    vjp_base: type | None = None
-    tune_bound: Callable[..., Any] | None = None
-    cached_measurements: Callable[..., Any] | None = None
+    call_ops: Callable[..., Any] = _hook_not_set
+    autodiff_vjp: Callable[..., AutodiffVjp] = _hook_not_set
+    vjp_base: type[VjpOp] | None = None
+    tune_bound: Callable[..., Any] = _hook_not_set
+    cached_measurements: Callable[..., Any] = _hook_not_set
 
 
 HOOKS = _Hooks()
@@ -94,7 +102,9 @@ class _OpOrClassMethod:
 
     def __init__(self, function: Any) -> None:
         self.function = function
-        functools.update_wrapper(self, function)
+        # The descriptor takes the function's name and docstring; typeshed types
+        # `update_wrapper`'s wrapper as a callable, which a descriptor is not.
+        functools.update_wrapper(cast(Any, self), function)
 
     def __get__(self, op: Op | None, cls: type[Op]) -> Any:
         bound = functools.partial(self.function, cls() if op is None else op)
@@ -159,7 +169,8 @@ class Op[C]:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "bind" in cls.__dict__ and not isinstance(cls.__dict__["bind"], _OpOrClassMethod):
-            cls.bind = _OpOrClassMethod(cls.__dict__["bind"])
+            # A descriptor in place of the method: mypy allows no assignment to a method.
+            cls.bind = _OpOrClassMethod(cls.__dict__["bind"])  # type: ignore[method-assign]
 
     # --- what a family or implementation overrides -----------------------------------
 
@@ -178,8 +189,12 @@ class Op[C]:
         bound.apply_defaults()
         return BoundArguments(self, dict(bound.arguments))
 
-    def _fwd(self, *args: Any, config: C, return_residuals: bool, **kwargs: Any) -> tuple[Any, Any]:
-        """Computes `(out, residuals)`; residuals may be `None` when not asked for."""
+    def _fwd(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Computes `(out, residuals)` from the bound arguments and the keywords `config`
+        and `return_residuals`; residuals may be `None` when not asked for.
+
+        Each implementation declares its own arguments; `(*args, **kwargs)` here lets a
+        type checker accept them."""
         raise NotImplementedError(f"{type(self).__name__} does not define _fwd")
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
@@ -237,7 +252,7 @@ class Op[C]:
         """True for an XLA gradient that recomputes its forward's products (autodiff of the
         forward, or logits recomputed from a saved log-sum-exp). Inside one program with
         the XLA forward, XLA merges those products with the forward's, so the time it was
-        measured at alone overstates what it costs there (`cache.rank_with_evidence`)."""
+        measured at alone overstates what it costs there (`selection.rank_with_evidence`)."""
         return False
 
     def evidence_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
@@ -316,7 +331,7 @@ class Op[C]:
 
 def family_class(cls: type[Op]) -> type[Op]:
     """The op family of an implementation: the class right under `Op` (or `VjpOp`)."""
-    VjpOp = HOOKS.vjp_base  # noqa: N806 - the class, by the name it has everywhere else
+    VjpOp = HOOKS.vjp_base
     for klass in cls.__mro__:
         if klass is not VjpOp and (Op in klass.__bases__ or VjpOp in klass.__bases__):
             return klass

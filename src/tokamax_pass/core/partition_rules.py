@@ -176,7 +176,7 @@ def assignment_by_order(order: Sequence[str], shapes: Sequence[Sequence[int]],
             continue
         preferred = factors[i:i + 1] + factors
         for factor in preferred:
-            axes = assignment.get(factor, ()) + (axis,)
+            axes = (*assignment.get(factor, ()), axis)
             if _divides(math.prod(mesh_sizes[a] for a in axes), sizes[factor]):
                 assignment[factor] = axes
                 break

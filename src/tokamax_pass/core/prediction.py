@@ -5,9 +5,10 @@ The work comes from the op (`performed_work`: the family's ideal work, `Op.roofl
 unless the implementation does work of another kind; a VJP op's from its family's
 gradient rule or its nested calls). The efficiency comes from the
 device's calibration (`core.calibration`): the measured points of this op and dtype
-nearest the call in log-size space (FLOPs and bytes), interpolated; where none is near,
-the op's median efficiency. No calibration for the device kind, no work, or no point of
-the op: no prediction.
+nearest the call in log space (FLOPs, bytes and the family's shape features, such as
+attention's head dim, which set a kernel's speed beyond its work), interpolated; where
+none is near, the nearest few all the same. No calibration for the device kind, no
+work, or no point of the op: no prediction.
 """
 
 from __future__ import annotations
@@ -23,20 +24,17 @@ from collections.abc import Sequence
 import numpy as np
 
 from tokamax_pass.core import calibration as calibration_lib
+from tokamax_pass.core import roofline as roofline_lib
 from tokamax_pass.core import spec
-from tokamax_pass.core.op import HOOKS, BoundArguments, Op
+from tokamax_pass.core.op import HOOKS, BoundArguments, Op, family_class
 from tokamax_pass.core.roofline import Work
 
 # Points within this distance (log2 units of FLOPs and bytes: 1.0 is a factor of 2 in
 # one of them) of a call are its neighbours; the nearest few are interpolated.
 NEIGHBOUR_RADIUS = 1.0
 NEIGHBOURS = 4
-# What an XLA gradient that reruns its forward (`Op.reruns_forward`) is taken to cost
-# inside a program, as a share of its time alone (`autotuning.cache.RERUN_SHARE`, which
-# measurements use alike): calibration points are times alone.
-RERUN_SHARE = 0.5
 # Arguments of a VJP call that are not the forward's (`core.vjp.RESERVED_NAMES`; that
-# module imports the resolution, which imports this one).
+# module imports the selection, which imports this one).
 NOT_FORWARD = frozenset({"residuals", "out", "dout", "shared_inputs", "dresiduals"})
 
 
@@ -75,7 +73,7 @@ def performed_work(ba: BoundArguments) -> Work | None:
     its nested calls' work added up, for one that makes op calls (`evidence_calls`),
     else its forward family's `vjp_roofline` of the forward arguments."""
     op = ba.op
-    if not isinstance(op, HOOKS.vjp_base):
+    if HOOKS.vjp_base is None or not isinstance(op, HOOKS.vjp_base):
         return op.performed_work(ba)
     nested = op.evidence_calls(ba)
     if nested is not None:
@@ -83,13 +81,35 @@ def performed_work(ba: BoundArguments) -> Work | None:
         if not works or any(w is None for w in works):
             return None
         return functools.reduce(operator.add, works)
+    forward = _forward_call(ba)
+    return None if forward is None else forward.op.vjp_roofline(forward)
+
+
+def _forward_call(ba: BoundArguments) -> BoundArguments | None:
+    """The forward call a call belongs to: itself, or a VJP op's forward arguments bound
+    to its forward family."""
+    op = ba.op
+    if HOOKS.vjp_base is None or not isinstance(op, HOOKS.vjp_base):
+        return ba
     family = op.forward_family
-    if family is None and isinstance(getattr(op, "forward", None), Op):
-        family = type(op.forward)
+    forward_op = getattr(op, "forward", None)
+    if family is None and isinstance(forward_op, Op):
+        family = type(forward_op)
     if family is None:
         return None
     forward = {k: v for k, v in ba.arguments.items() if k not in NOT_FORWARD}
-    return family().vjp_roofline(BoundArguments(family(), forward, ba.vmap))
+    return BoundArguments(family(), forward, ba.vmap)
+
+
+def call_features(ba: BoundArguments) -> tuple[float, ...]:
+    """The shape features of the call's family (`roofline.register_family_work`), or `()`."""
+    forward = _forward_call(ba)
+    if forward is None:
+        return ()
+    rules = roofline_lib.FAMILY_WORK.get(family_class(type(forward.op)))
+    if rules is None or rules.features is None:
+        return ()
+    return tuple(float(f) for f in rules.features(forward))
 
 
 def call_work(ba: BoundArguments) -> Work | None:
@@ -101,26 +121,35 @@ def call_work(ba: BoundArguments) -> Work | None:
     return Work(work.flops * copies, work.bytes * copies)
 
 
-def _features(flops: float, nbytes: float) -> tuple[float, float]:
-    return math.log2(max(flops, 1.0)), math.log2(max(nbytes, 1.0))
+def _position(flops: float, nbytes: float, features: Sequence[float]) -> tuple[float, ...]:
+    return (math.log2(max(flops, 1.0)), math.log2(max(nbytes, 1.0)), *features)
 
 
 def efficiency(calibration: calibration_lib.Calibration, name: str, dtype: str,
-               work: Work) -> tuple[float, bool] | None:
-    """`(efficiency, near)` of op `name` in `dtype` at `work`, or `None` with no point."""
+               work: Work, features: Sequence[float] = ()) -> tuple[float, bool] | None:
+    """`(efficiency, near)` of op `name` in `dtype` at `work` and `features`: interpolated
+    from the nearest points within `NEIGHBOUR_RADIUS` (`near`), else from the nearest
+    few all the same (held-out calls are predicted better so than by the op's median),
+    or `None` with no point. Where no point has as many features as the call, points
+    are compared on their work only."""
     points = calibration.by_op.get(name, ())
     same_dtype = [p for p in points if p.dtype == dtype]
     if not same_dtype:
         return (statistics.median(p.efficiency for p in points), False) if points else None
-    x = _features(work.flops, work.bytes)
-    distances = sorted(
-        (math.dist(x, _features(p.flops, p.bytes)), p.efficiency) for p in same_dtype)
+    matching = [p for p in same_dtype if len(p.features) == len(features)]
+    if matching:
+        x = _position(work.flops, work.bytes, features)
+        distances = sorted((math.dist(x, _position(p.flops, p.bytes, p.features)),
+                            p.efficiency) for p in matching)
+    else:
+        x = _position(work.flops, work.bytes, ())
+        distances = sorted((math.dist(x, _position(p.flops, p.bytes, ())), p.efficiency)
+                           for p in same_dtype)
     near = [(d, e) for d, e in distances[:NEIGHBOURS] if d <= NEIGHBOUR_RADIUS]
-    if not near:
-        return statistics.median(p.efficiency for p in same_dtype), False
-    weights = [1.0 / (d + 0.05) for d, _ in near]
-    log_efficiency = sum(w * math.log(e) for w, (_, e) in zip(weights, near, strict=True))
-    return math.exp(log_efficiency / sum(weights)), True
+    found = near or distances[:NEIGHBOURS]
+    weights = [1.0 / (d + 0.05) for d, _ in found]
+    log_efficiency = sum(w * math.log(e) for w, (_, e) in zip(weights, found, strict=True))
+    return math.exp(log_efficiency / sum(weights)), bool(near)
 
 
 def predict(ba: BoundArguments,
@@ -130,10 +159,10 @@ def predict(ba: BoundArguments,
         return None
     dtype = call_dtype(ba)
     work = call_work(ba)
-    if dtype is None or work is None or work.flops <= 0 and work.bytes <= 0:
+    if dtype is None or work is None or (work.flops <= 0 and work.bytes <= 0):
         return None
     roofline = calibration.ceilings.roofline_seconds(work, dtype)
-    found = efficiency(calibration, op_name(ba.op), dtype, work)
+    found = efficiency(calibration, op_name(ba.op), dtype, work, call_features(ba))
     if roofline is None or found is None:
         return None
     value, near = found

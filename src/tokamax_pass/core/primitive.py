@@ -25,7 +25,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend.core import Primitive, subjaxprs
 from jax.interpreters import ad, batching, mlir
 
-from tokamax_pass.core import device, resolution, sharding, spec
+from tokamax_pass.core import device, selection, sharding, spec
 from tokamax_pass.core.op import HOOKS, BoundArguments, Op, VmapLevel, family_class
 from tokamax_pass.core.vjp import (
     RESERVED_NAMES,
@@ -89,11 +89,11 @@ class OpCall:
     # when no candidate can run on a platform it is lowered for).
     rejected: tuple[str, ...] = ()
 
-    def choose(self, candidates: Sequence[BoundArguments], target: Any) -> resolution.Choice:
-        """`resolution.choose` for this call; failing, it also says why the implementations
+    def choose(self, candidates: Sequence[BoundArguments], target: Any) -> selection.Choice:
+        """`selection.choose` for this call; failing, it also says why the implementations
         left out at trace time could not run."""
         try:
-            return resolution.choose(candidates, target, explicit=self.explicit)
+            return selection.choose(candidates, target, explicit=self.explicit)
         except NotImplementedError as e:
             if not self.rejected:
                 raise
@@ -132,7 +132,7 @@ class OpCall:
         def fn(*operands: Any) -> Any:
             arguments = self.arguments(operands)
             shared = arguments.get("shared_inputs", ()) if isinstance(op, VjpOp) else ()
-            if shared and not op.accepts_shared_inputs:
+            if shared and not (isinstance(op, VjpOp) and op.accepts_shared_inputs):
                 del arguments["shared_inputs"]
             out, residuals = op._fwd(
                 **arguments, config=config, return_residuals=self.return_residuals

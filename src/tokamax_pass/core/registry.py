@@ -1,7 +1,7 @@
 """Op families and their implementations; the `implementation=` rule.
 
 `implementation=None` takes the family's automatic list (GPU kernels first, `xla`
-last, so it always works), from which `core.resolution` runs a kernel only where a
+last, so it always works), from which `core.selection` runs a kernel only where a
 measurement shows it beating the plain-JAX paths; a name tries that implementation alone and raises
 its `NotImplementedError` when it cannot run; a sequence tries each in order. An
 alias names several implementations, tried in order (`"mosaic"`: the Mosaic GPU and

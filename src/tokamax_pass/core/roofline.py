@@ -53,7 +53,7 @@ class Ceilings:
         return max(work.flops / (tflops * 1e12), work.bytes / (self.hbm_tbps * 1e12))
 
 
-def nbytes(array: object) -> float:
+def nbytes(array: Any) -> float:
     """Bytes of an array (or `jax.ShapeDtypeStruct`); 0 for `None`."""
     if array is None:
         return 0.0
@@ -63,24 +63,32 @@ def nbytes(array: object) -> float:
 
 # Work of a call, from its `BoundArguments` (typed loosely: `core.op` imports this module).
 WorkRule = Callable[[Any], Work]
+# What else than its work sets how fast a call runs (attention's head dim, a norm's row
+# width): numbers in log2 units, from the forward call's `BoundArguments`.
+FeatureRule = Callable[[Any], tuple[float, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
 class FamilyWork:
     """A family's ideal work: of a forward call, and of its gradient (from the forward
-    call's arguments; `None` where the family's VJP ops make nested op calls instead)."""
+    call's arguments; `None` where the family's VJP ops make nested op calls instead);
+    and the call's shape features, which calibration points are matched on besides
+    their work (`core.prediction`)."""
 
     forward: WorkRule
     vjp: WorkRule | None = None
+    features: FeatureRule | None = None
 
 
 FAMILY_WORK: dict[type, FamilyWork] = {}
 PERFORMED_WORK: dict[type, WorkRule] = {}
 
 
-def register_family_work(family: type, forward: WorkRule, vjp: WorkRule | None = None) -> None:
-    """Declares the ideal work of `family`'s calls (every implementation shares it)."""
-    FAMILY_WORK[family] = FamilyWork(forward, vjp)
+def register_family_work(family: type, forward: WorkRule, vjp: WorkRule | None = None,
+                         features: FeatureRule | None = None) -> None:
+    """Declares the ideal work of `family`'s calls (every implementation shares it) and,
+    optionally, the shape features its implementations' speed depends on beyond it."""
+    FAMILY_WORK[family] = FamilyWork(forward, vjp, features)
 
 
 def register_performed_work(implementation: type, rule: WorkRule) -> None:

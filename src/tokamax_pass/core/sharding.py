@@ -64,7 +64,8 @@ def partitioning(enabled: bool) -> Iterator[None]:
         _ENABLED.reset(token)
 
 
-def _call_rule(call: Any, avals: Sequence[Any]) -> tuple[PartitionRule, list[Dims], list[Dims]]:
+def _call_rule(call: Any,
+               avals: Sequence[Any]) -> tuple[PartitionRule, list[Dims], list[Dims]] | None:
     """The rule of `call` and the `Dims` of each operand and each flat output, or `None`."""
     from tokamax_pass.core.vjp import VjpOp
 
@@ -114,12 +115,13 @@ def _local_function(call: Any, rule: PartitionRule, out_dims: Sequence[Dims],
 
     def local(*operands: Any) -> list[Any]:
         arguments = call.arguments(operands)
+        local_operands = list(operands)
         if rule.localize is not None:
             leaves = jax.tree.leaves(rule.localize(arguments, shard), is_leaf=lambda v: v is None)
-            operands = [leaves[i] for i in call.operand_indices]
-        outs = list(bind(*operands))
+            local_operands = [leaves[i] for i in call.operand_indices]
+        outs = list(bind(*local_operands))
         if rule.restore is not None:
-            treedef = call.output_structure(operands)[0]
+            treedef = call.output_structure(local_operands)[0]
             restored = rule.restore(jax.tree.unflatten(treedef, outs), arguments, shard)
             outs = jax.tree.leaves(restored)
         for i, d in enumerate(out_dims):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib
 import json
 import re
@@ -128,9 +129,6 @@ _BUILTIN_MODULES = (
     "tokamax_kernels.gated_linear_unit",
     "tokamax_kernels.linear_softmax_cross_entropy_loss",
 )
-_builtins_loaded = False
-
-
 def _builtin_functions() -> dict[str, Callable[..., Any]]:
     """The functions ops take as arguments (GLU activations), by their public names."""
     nn_names = ("celu", "elu", "gelu", "hard_sigmoid", "hard_silu", "hard_swish", "hard_tanh",
@@ -142,10 +140,8 @@ def _builtin_functions() -> dict[str, Callable[..., Any]]:
     return table
 
 
+@functools.cache
 def _load_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
     for name, function in _builtin_functions().items():
         register_serializable(function, name=name)
     for enum_cls in (jax.lax.Precision, jax.lax.DotAlgorithmPreset):
@@ -160,7 +156,6 @@ def _load_builtins() -> None:
     for cls in (core.NullConfig, core.AutodiffVjp):
         if not is_registered(cls):
             register_serializable(cls)
-    _builtins_loaded = True
 
 
 def register_serializable[T](obj: T, *, name: str | None = None) -> T:

@@ -49,8 +49,9 @@ class VjpOp(Op):
         forward = {k: val for k, val in arguments.items() if k not in RESERVED_NAMES}
         shared = arguments.get("shared_inputs")
         family = self.forward_family
-        if family is None and isinstance(getattr(self, "forward", None), Op):
-            family = type(self.forward)
+        forward_op = getattr(self, "forward", None)
+        if family is None and isinstance(forward_op, Op):
+            family = type(forward_op)
         found = family().similarity_arguments(forward) if family is not None else forward
         return {**found, "shared_inputs": shared} if shared else found
 
@@ -72,8 +73,10 @@ class VjpOp(Op):
             self, {"residuals": residuals, "out": out, "dout": dout, **forward_arguments, **extra}
         )
 
-    def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
+    def _fwd(self, residuals: Any, out: Any, dout: Any, *args: Any,
              **forward_arguments: Any) -> tuple[dict[str, Any], None]:
+        """The input gradients, from the forward's arguments and the keywords `config` and
+        `return_residuals`; each implementation declares the forward arguments it takes."""
         raise NotImplementedError(f"{type(self).__name__} does not define _fwd")
 
     def _default_vjp(self) -> Op:
@@ -127,7 +130,7 @@ class AutodiffVjp(VjpOp):
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              **forward_arguments: Any) -> tuple[dict[str, Any], None]:
-        from tokamax_pass.core.resolution import resolve_config
+        from tokamax_pass.core.selection import resolve_config
 
         forward = self.forward
         abstract = BoundArguments(forward, forward_arguments)
@@ -182,8 +185,8 @@ def _sum_shared(grads: dict[str, Any], forward_arguments: dict[str, Any],
             continue
         dtype = forward_arguments[first].dtype
         wide = jnp.promote_types(dtype, jnp.float32)
-        parts = [grads.get(name) for name in (first, *rest)]
-        parts = [p.astype(wide) for p in parts if p is not None]
+        found = [grads.get(name) for name in (first, *rest)]
+        parts: list[jax.Array] = [p.astype(wide) for p in found if p is not None]
         grads[first] = sum(parts[1:], parts[0]).astype(dtype) if parts else None
         for name in rest:
             grads[name] = None

@@ -526,9 +526,8 @@ def test_self_attention_backward_runs_the_measured_shared_input_kernel_on_the_h2
     """`dot_product_attention(x, x, x)` (the seed model) on the H200: the shipped cache
     measured the Mosaic shared-input backward faster than cuDNN's at these shapes, and not
     XLA's gradient, which a device sweep shows slower than cuDNN's
-    (`Op.yields_unmeasured_to`). Without that rule the unmeasured XLA gradient made the
-    measurements incomparable and `None` fell back to cuDNN (session 17's benchmark:
-    1.16x left unused at d128)."""
+    (`Op.yields_unmeasured_to`). Without that rule the unmeasured XLA gradient would make
+    the measurements incomparable and `None` would fall back to cuDNN."""
     from tokamax_kernels.attention import cudnn
 
     monkeypatch.setattr(cudnn, "_require_cudnn_library", lambda: None)  # a CPU machine
@@ -552,8 +551,8 @@ def test_a_cpu_export_for_the_h200_runs_the_measured_kernels_without_cudnn(shape
     """Exporting for the H200 from a CPU machine, where cuDNN cannot be lowered
     (`CannotLowerHere`): the self-attention gradient still runs the Mosaic shared-input
     kernel, measured faster than cuDNN's and so than XLA's, which yields to cuDNN's
-    unmeasured. Before, with cuDNN dropped, its measurement was lost too, and the d128
-    gradient ran XLA's (45 ms against the kernel's 12.6 on the H200, session 18)."""
+    unmeasured. With cuDNN dropped and its measurement lost with it, the d128 gradient
+    would run XLA's, several times slower than the kernel on the H200."""
     from tokamax_kernels.attention import cudnn
 
     with pytest.raises(tokamax.core.CannotLowerHere):
@@ -592,14 +591,14 @@ def test_unmeasured_none_runs_xla_where_cudnn_lost_the_sweep(monkeypatch, shape,
                                                              plain):
     """`None` without a measurement: cuDNN attention, plain JAX's fused path, lost to
     `jax.nn`'s default XLA attention only on the tiniest swept calls at head dims over 64
-    (`cudnn_vs_xla_attention.jsonl`); there XLA runs, forward and backward."""
+    (a device sweep of 60 shapes, causal and not); there XLA runs, forward and backward."""
     from tokamax_kernels.attention import cudnn
 
     monkeypatch.setattr(cudnn, "_require_cudnn_library", lambda: None)  # a CPU machine
     x = jax.ShapeDtypeStruct((vmapped, *shape) if vmapped > 1 else shape, jnp.bfloat16)
 
     def f(q):
-        attend = lambda q: dot_product_attention(q, q, q, is_causal=True)  # noqa: E731
+        attend = lambda q: dot_product_attention(q, q, q, is_causal=True)
         out = jax.vmap(attend)(q) if vmapped > 1 else attend(q)
         return out.astype(jnp.float32).sum()
 

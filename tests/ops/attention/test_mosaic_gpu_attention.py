@@ -123,7 +123,7 @@ def test_sequence_lengths_lower_forward_and_gradient(lengths):
 
 def test_automatic_picks_mosaic_for_h200_where_measured_faster_and_xla_otherwise():
     q = _sds((1, 256, 2, 64))
-    f = lambda q: dot_product_attention(q, q, q)  # noqa: E731
+    f = lambda q: dot_product_attention(q, q, q)
     assert "mosaic_gpu_v2" not in _export(f, q).mlir_module()  # unmeasured: plain paths
     evidence = measured(H200, {PallasMosaicGpuFlashAttention(): 1.0, DotProductAttention(): 3.0,
                                CudnnDotProductAttention(): 2.0}, q, q, q)

@@ -383,7 +383,7 @@ def _gradient_text(head_dim, *, through_lse=False, config=None):
                                  )(q, kv, kv).mlir_module()
 
 
-@pytest.mark.parametrize("head_dim, through_lse, config, row_term_pass", [
+@pytest.mark.parametrize("head_dim, through_lse, config, delta_pass", [
     (128, False, None, False),
     (64, False, V(compute_wgs=1), False),
     (128, True, None, True),
@@ -391,8 +391,8 @@ def _gradient_text(head_dim, *, through_lse=False, config=None):
     (256, False, V(compute_wgs=1), True),
     (128, False, V(dq_accumulation="ordered"), True),
 ])
-def test_the_gradient_runs_the_row_term_pass_only_where_needed(head_dim, through_lse, config,
-                                                               row_term_pass):
+def test_the_gradient_runs_the_delta_pass_only_where_needed(head_dim, through_lse, config,
+                                                           delta_pass):
     text = _gradient_text(head_dim, through_lse=through_lse, config=config)
     assert text.count("mosaic_gpu_v2") == (2 if config and config.fused else 3)
-    assert ("softmax_row_term" in text) == row_term_pass
+    assert ("attention_delta" in text) == delta_pass

@@ -119,7 +119,7 @@ def test_rank_one_x_and_vmap():
 
 def _specs(text):
     payloads = set(re.findall(r'tokamax_pass_spec = "((?:[^"\\]|\\.)*)"', text))
-    unescape = lambda s: re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), s)  # noqa: E731
+    unescape = lambda s: re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), s)
     return [unescape(p) for p in payloads]
 
 

@@ -77,7 +77,7 @@ def test_forward_and_gradients_match_reference(implementation, fused, activation
     def loss(fn, x, weights):
         return jnp.sum(fn(x, weights).astype(jnp.float32) * cotangent)
 
-    ours = lambda x, w: op(x, w, activation=act)  # noqa: E731
+    ours = lambda x, w: op(x, w, activation=act)
     out = ours(x, weights)
     grads = jax.jit(jax.grad(lambda *a: loss(ours, *a), argnums=(0, 1)))(x, weights)
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (x, weights))
@@ -106,7 +106,7 @@ def test_vmap_over_x_and_over_the_weights(implementation):
             return jax.vmap(lambda row: fn(row, w))(x)
         return lambda w, x: jnp.sum(jax.vmap(over_rows, in_axes=(0, None))(w, x) * cotangent)
 
-    ours = lambda x, w: op(x, w, activation=jax.nn.swish)  # noqa: E731
+    ours = lambda x, w: op(x, w, activation=jax.nn.swish)
     if implementation in WITHOUT_VMAP:
         with pytest.raises(NotImplementedError, match="does not support jax.vmap"):
             total(ours)(stacked, x)

@@ -104,13 +104,13 @@ def test_a_dense_kernel_forward_must_beat_xla_by_half():
     """XLA's GLU gradient reruns the products, which XLA merges with its forward's inside
     a program: a kernel forward puts those GEMMs back, so `None` wants it twice as fast.
     A grouped call's gradient reads the residuals instead: the default margin."""
-    from tokamax_pass.autotuning import cache
+    from tokamax_pass.core import selection
 
     x = jax.ShapeDtypeStruct((16384, 2048), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((2048, 2, 5632), jnp.bfloat16)
     candidates = [op.bind(x, w) for op in (PallasTritonGatedLinearUnit(), GatedLinearUnit())]
-    assert cache.rank_with_evidence(candidates, [0.8, 1.05]) == [1]
-    assert cache.rank_with_evidence(candidates, [0.5, 1.05]) == [0, 1]
+    assert selection.rank_with_evidence(candidates, [0.8, 1.05]) == [1]
+    assert selection.rank_with_evidence(candidates, [0.5, 1.05]) == [0, 1]
     grouped = GatedLinearUnit().bind(
         x, jax.ShapeDtypeStruct((4, 2048, 2, 5632), jnp.bfloat16),
         group_sizes=jax.ShapeDtypeStruct((4,), jnp.int32))

@@ -19,7 +19,7 @@ from tokamax_kernels.layer_norm.pallas_triton import Config, PallasTritonLayerNo
 from tokamax_kernels.layer_norm.pallas_triton_vjp import Config as VjpConfig
 from tokamax_kernels.layer_norm.pallas_triton_vjp import PallasTritonLayerNormVjp
 from tokamax_pass import core
-from tokamax_pass.autotuning import cache
+from tokamax_pass.core import selection
 
 EPS = 1e-6
 SHAPE = (3, 5, 40)
@@ -174,25 +174,28 @@ def test_bad_residual_raises_value_error_naming_it(residual, match):
 
 
 def test_kernel_margins_hold_with_a_residual():
-    """A Triton norm measured alone must beat XLA's by 40%, with a residual or without,
-    and XLA's gradient, which reruns the forward it merges with inside a model, counts at
-    half its lone time: on the H200 the residual norm alone ran 1.31x XLA's forward and
-    its gradient 1.78x, yet forward+backward 0.97x and the Llama step 0.97x with them."""
+    """A Triton norm's forward measured alone must beat XLA's by 40%, with a residual or
+    without (XLA fuses the norm with its neighbours in a model). Its gradient is ranked
+    against XLA's at half the lone time of XLA's (which reruns the forward it merges with
+    inside a model): the kernel runs where it takes under half that time alone, not at
+    the Llama shape, where the Llama step runs slower with it."""
     x = jax.ShapeDtypeStruct((16384, 2048), jnp.bfloat16)
-    for kernel in (PallasTritonLayerNorm(), PallasTritonLayerNormVjp()):
-        for residual in (None, x):
-            assert kernel.kernel_margin_for(_bind(kernel, x, residual=residual)) == 0.4
+    for residual in (None, x):
+        assert PallasTritonLayerNorm().kernel_margin_for(
+            _bind(PallasTritonLayerNorm(), x, residual=residual)) == 0.4
+        assert PallasTritonLayerNormVjp().kernel_margin_for(
+            _bind(PallasTritonLayerNormVjp(), x, residual=residual)) == selection.TIE_MARGIN
     xla_vjp = core.AutodiffVjp(forward=LayerNorm())
     for residual in (None, x):
         forward = [_bind(PallasTritonLayerNorm(), x, residual=residual),
                    _bind(LayerNorm(), x, residual=residual)]
-        assert cache.rank_with_evidence(forward, [0.066, 0.0864]) == [1]
-        assert cache.rank_with_evidence(forward, [0.04, 0.0864]) == [0, 1]
+        assert selection.rank_with_evidence(forward, [0.066, 0.0864]) == [1]
+        assert selection.rank_with_evidence(forward, [0.04, 0.0864]) == [0, 1]
         gradient = [_bind(PallasTritonLayerNormVjp(), x, residual=residual),
                     _bind(xla_vjp, x, residual=residual)]
         assert xla_vjp.reruns_forward(gradient[1])
-        assert cache.rank_with_evidence(gradient, [0.0877, 0.156]) == [1]
-        assert cache.rank_with_evidence(gradient, [0.04, 0.156]) == [0, 1]
+        assert selection.rank_with_evidence(gradient, [0.0877, 0.156]) == [1]
+        assert selection.rank_with_evidence(gradient, [0.07, 0.156]) == [0, 1]
 
 
 def _bind(op, x, residual=None):

@@ -10,7 +10,7 @@ import pytest
 
 import tokamax_pass as tokamax
 from conftest import assert_close, random_normal
-from tokamax_kernels.layer_norm._pallas_mosaic_tpu_common import Config as MosaicConfig
+from tokamax_kernels.layer_norm._mosaic_tpu_common import Config as MosaicConfig
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_kernels.layer_norm.pallas_mosaic_tpu import PallasMosaicTpuLayerNorm
 from tokamax_kernels.layer_norm.pallas_mosaic_tpu_vjp import PallasMosaicTpuLayerNormVjp

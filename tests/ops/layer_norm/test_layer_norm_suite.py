@@ -29,7 +29,7 @@ from tokamax_kernels.layer_norm import (
     PallasMosaicTpuLayerNormVjp,
     api,
 )
-from tokamax_kernels.layer_norm import _pallas_mosaic_tpu_common as mosaic_tpu
+from tokamax_kernels.layer_norm import _mosaic_tpu_common as mosaic_tpu
 from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_kernels.layer_norm.pallas_triton import Config as TritonConfig
 from tokamax_kernels.layer_norm.pallas_triton import PallasTritonLayerNorm

@@ -22,8 +22,8 @@ from tokamax_kernels.layer_norm import (
     PallasMosaicTpuLayerNormVjp,
     api,
 )
-from tokamax_kernels.layer_norm._pallas_mosaic_tpu_common import Config
-from tokamax_kernels.layer_norm._pallas_mosaic_tpu_kernels import (
+from tokamax_kernels.layer_norm._mosaic_tpu_common import Config
+from tokamax_kernels.layer_norm._mosaic_tpu_kernels import (
     layer_norm_backward,
     layer_norm_forward,
 )

@@ -27,8 +27,7 @@ from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
     heuristic_config,
     search_space,
 )
-from tokamax_pass.autotuning import cache
-from tokamax_pass.core import BoundArguments
+from tokamax_pass.core import BoundArguments, selection
 from tokamax_pass.core.op import VmapLevel
 
 B, S, H, V = 2, 13, 16, 37  # 26 tokens, a vocabulary no tile below divides
@@ -296,8 +295,8 @@ def test_a_kernel_lm_head_forward_must_beat_xla_by_half():
     w = jax.ShapeDtypeStruct((2048, 32000), jnp.bfloat16)
     candidates = [op.bind(x, labels, w) for op in (
         PallasMosaicGpuLinearSoftmaxCrossEntropyLoss(), LinearSoftmaxCrossEntropyLoss())]
-    assert cache.rank_with_evidence(candidates, [2.96, 3.32]) == [1]
-    assert cache.rank_with_evidence(candidates, [1.5, 3.32]) == [0, 1]
+    assert selection.rank_with_evidence(candidates, [2.96, 3.32]) == [1]
+    assert selection.rank_with_evidence(candidates, [1.5, 3.32]) == [0, 1]
 
 
 def test_random_arguments_hooks_compile_ahead_to_the_same_arguments():

@@ -16,8 +16,8 @@ import tokamax_pass
 from conftest import H200, assert_close, measured, random_normal, reference_precision
 from tokamax_kernels.ragged_dot import PallasMosaicGpuRaggedDot, RaggedDot, ragged_dot
 from tokamax_kernels.ragged_dot import api as ragged_api
+from tokamax_kernels.ragged_dot._mosaic_gpu_common import SMEM_BUDGET_BYTES
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import Config
-from tokamax_kernels.ragged_dot.pallas_mosaic_gpu_common import SMEM_BUDGET_BYTES
 
 SIZES = (100, 0, 37, 119)  # uneven, one empty group, rows 256..: past the last group
 M, K, N = 296, 128, 256
@@ -82,7 +82,7 @@ def test_gradient_lowers_dlhs_and_drhs_kernels():
 
 def test_none_prefers_mosaic_on_hopper_where_measured_faster():
     assert ragged_api.FAMILY.automatic[0] == "mosaic_gpu"
-    f = lambda a, b, s: ragged_dot(a, b, s)  # noqa: E731
+    f = lambda a, b, s: ragged_dot(a, b, s)
     assert "mosaic_gpu_v2" not in _export_text(f, *_shapes("forward"))  # unmeasured
     with _target():
         evidence = measured(H200, {PallasMosaicGpuRaggedDot(): 1.0, RaggedDot(): 4.0},

@@ -13,14 +13,14 @@ from jax.experimental.pallas import tpu as pltpu
 
 from conftest import assert_close, measured, random_normal, reference_precision
 from tokamax_kernels.ragged_dot import api as ragged_api
-from tokamax_kernels.ragged_dot.base import RaggedDot
-from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import Config, PallasMosaicTpuRaggedDot
-from tokamax_kernels.ragged_dot.pallas_mosaic_tpu_kernels import (
+from tokamax_kernels.ragged_dot._mosaic_tpu_kernels import (
     group_tiles,
     ragged_dot_drhs,
     ragged_dot_rows,
     row_tiles,
 )
+from tokamax_kernels.ragged_dot.base import RaggedDot
+from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import Config, PallasMosaicTpuRaggedDot
 from tokamax_pass import core
 
 # 44 rows in 16-row blocks: the last block is partial; N = 192 gives a partial column tile.

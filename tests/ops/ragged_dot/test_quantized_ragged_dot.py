@@ -294,3 +294,22 @@ def test_triton_lowers_for_cuda_forward_and_gradient(lhs_dtype, rhs_dtype, k_blo
     assert text.count("__gpu$xla.gpu.triton") == calls
     assert "tokamax_quantized_ragged_dot_forward" in text
     assert ("tokamax_quantized_ragged_dot_dlhs" in text) == (calls == 2)
+
+
+def test_none_runs_triton_for_a_gpu_target_and_xla_on_cpu():
+    """`implementation=None` takes the kernel where the target runs it (an export aimed at
+    the H200 from this CPU machine) and the plain path here."""
+    m, k, n, g = 256, 256, 128, 4
+
+    def f(x, qvalue, scale, sizes):
+        return tokamax_pass.ragged_dot(x, QuantizedArray(qvalue, scale), sizes)
+
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), INT8),
+            jax.ShapeDtypeStruct((g, 1, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32))
+    with _h200():
+        exported = jax.export.export(
+            jax.jit(f), platforms=["cuda"],
+            disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(*args)
+    assert "tokamax_quantized_ragged_dot_forward" in exported.mlir_module()
+    here = jax.jit(f).lower(*args).as_text()
+    assert "triton" not in here

@@ -63,7 +63,7 @@ def _inputs(sizes, dtype=jnp.float32):
 def _specs(text):
     """Every op spec stamped in lowered StableHLO text, parsed back."""
     payloads = set(re.findall(r'tokamax_pass_spec = "((?:[^"\\]|\\.)*)"', text))
-    unescape = lambda s: re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), s)  # noqa: E731
+    unescape = lambda s: re.sub(r"\\([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), s)
     return [tokamax.BoundArguments.from_json(unescape(p)) for p in payloads]
 
 
@@ -135,7 +135,7 @@ def test_gradient_variants_called_directly_and_differentiated(variant):
     assert_close(out, ref)
     # The gradient of each variant is again ragged dots (jax.lax cannot differentiate drhs).
     ct = random_normal(4, out.shape)
-    f = lambda a, b: jnp.sum(op(a, b, group_sizes, precision="highest", variant=variant) * ct)  # noqa: E731
+    f = lambda a, b: jnp.sum(op(a, b, group_sizes, precision="highest", variant=variant) * ct)
     da, db = jax.grad(f, (0, 1))(a, b)
     if variant == "dlhs":
         want_a, want_b = ref_forward(ct, w, sizes), ref_drhs(ct, dy, sizes)

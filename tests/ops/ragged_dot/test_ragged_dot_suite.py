@@ -77,7 +77,7 @@ def _check(op: RaggedDot, lhs, rhs, sizes, dtype, seed=2) -> None:
     def loss(fn, lhs, rhs):
         return jnp.sum(fn(lhs, rhs).astype(jnp.float32) * cotangent)
 
-    ours = lambda a, b: op(a, b, group_sizes)  # noqa: E731
+    ours = lambda a, b: op(a, b, group_sizes)
     out = ours(lhs, rhs)
     dlhs, drhs = jax.jit(jax.grad(lambda a, b: loss(ours, a, b), argnums=(0, 1)))(lhs, rhs)
     f32 = (lhs.astype(jnp.float32), rhs.astype(jnp.float32))

@@ -20,7 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from tokamax_kernels.ragged_dot import pallas_mosaic_gpu_common as common
+from tokamax_kernels import _gpu
+from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
 
 
 def _row_block(group_sizes_gmem, num_groups: int, m: int, tile_m: int, index):
@@ -96,7 +97,7 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
             compute_context=compute_context)
 
     def kernel(sizes_gmem, lhs_gmem, rhs_gmem, out_gmem):
-        ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on bodies)
+        ignore = lambda *_, **__: None
 
         @functools.partial(
             pl.run_scoped,
@@ -118,10 +119,7 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                 wg_cols = pl.ds(wg * cfg.tile_n, cfg.tile_n)
 
                 def mma(_, lhs_smem, rhs_smem, acc_ref):
-                    if transpose_rhs:
-                        b = rhs_smem.at[wg_cols, :].T
-                    else:
-                        b = rhs_smem.at[:, wg_cols]
+                    b = rhs_smem.at[wg_cols, :].T if transpose_rhs else rhs_smem.at[:, wg_cols]
                     plgpu.wgmma(acc_ref, lhs_smem, b)
                     plgpu.wgmma_wait(0)
                     return acc_ref
@@ -164,7 +162,7 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, n), dtype),
-        grid=(common.num_sms(),),
+        grid=(_gpu.num_sms(),),
         grid_names=("sm",),
         num_threads=common.NUM_COMPUTE_WGS + 1,
         thread_name="wg",

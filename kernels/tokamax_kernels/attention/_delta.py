@@ -1,19 +1,18 @@
-"""The flash backward's row term, shared by the Triton and Mosaic (GPU, TPU) VJPs.
+"""The flash backward's `delta` (the softmax Jacobian's row term), shared by the Triton
+and Mosaic (GPU, TPU) VJPs.
 
 `delta[b, h, q] = sum_d out * dout` must round the same in every compile (the
 reproducible backward), so it is never an XLA reduction: XLA picks a reduction's (or an
 einsum's GEMM's) tiling per compile, and a different tiling adds in a different order;
-the H200 took one of two values per compile with an einsum and with a plain sum
-(`benchmarks/probes/compile_reproducibility_probe.py`), none with a fixed order
-(`benchmarks/probes/compile_reproducibility_probe.py`).
+on the H200 an einsum and a plain sum each take one of two values per compile, a fixed
+order one (`benchmarks/probes/compile_reproducibility_probe.py`).
 
 On CUDA it is a small Pallas Triton kernel (the preprocessing pass FlashAttention's
 backward runs too): one program per block of query rows of one head sums each row in
 registers, in the order the compiled kernel fixes. Elsewhere (TPU, CPU) it is a chain of
-elementwise adds, column by column, which XLA never reassociates. Measured on the H200
-(`benchmarks/probes/delta_compile_probe.py`): at head dim 256 an XLA sum ran in 0.033 ms, the chain
-in 0.566 ms (a strided read per column), a pairwise tree of halves in 0.328 ms and took
-52.7 s to compile (the gemma2 step 89 s against 28 s).
+elementwise adds, column by column, which XLA never reassociates. On the H200 the chain
+is many times slower than an XLA sum (a strided read per column), and a pairwise tree of
+halves compiles for minutes at head dim 256 (`benchmarks/probes/delta_compile_probe.py`).
 """
 
 from __future__ import annotations
@@ -31,17 +30,17 @@ _BLOCK_ELEMENTS = 8192
 _NUM_WARPS = 4
 
 
-def softmax_row_term(out: jax.Array, dout: jax.Array,
+def attention_delta(out: jax.Array, dout: jax.Array,
                      dlse: jax.Array | None = None) -> jax.Array:
     """`delta[b, h, q] = sum_d out * dout` in float32 (minus the lse output's cotangent,
     whose d lse / d logits is p): the softmax Jacobian's row term the flash backward
     kernels take, `(batch, heads, seq)`, summed in a fixed order on every platform."""
-    delta = jax.lax.platform_dependent(out, dout, cuda=row_term_triton,
-                                       default=row_term_chain)
+    delta = jax.lax.platform_dependent(out, dout, cuda=delta_by_triton,
+                                       default=delta_by_chain)
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
-def row_term_chain(out: jax.Array, dout: jax.Array) -> jax.Array:
+def delta_by_chain(out: jax.Array, dout: jax.Array) -> jax.Array:
     """`delta` as a chain of elementwise adds, column by column, in XLA."""
     terms = out.astype(jnp.float32) * dout.astype(jnp.float32)
     total = terms[..., 0]
@@ -50,7 +49,7 @@ def row_term_chain(out: jax.Array, dout: jax.Array) -> jax.Array:
     return jnp.swapaxes(total, 1, 2)
 
 
-def _row_term_kernel(out_ref, dout_ref, delta_ref, *, seq: int, head_dim: int,
+def _delta_kernel(out_ref, dout_ref, delta_ref, *, seq: int, head_dim: int,
                      block_q: int, width: int) -> None:
     rows = pl.program_id(0) * block_q + jnp.arange(block_q)
     inside = (rows[:, None] < seq) & (jnp.arange(width)[None, :] < head_dim)
@@ -59,7 +58,7 @@ def _row_term_kernel(out_ref, dout_ref, delta_ref, *, seq: int, head_dim: int,
     plgpu.store(delta_ref, jnp.sum(out * dout, axis=1), mask=rows < seq)
 
 
-def row_term_triton(out: jax.Array, dout: jax.Array, *, interpret: bool = False
+def delta_by_triton(out: jax.Array, dout: jax.Array, *, interpret: bool = False
                     ) -> jax.Array:
     """`delta` by a Pallas Triton kernel over `(seq / block_q, batch, heads)` programs,
     read straight from the `(batch, seq, heads, head_dim)` operands (no padding pass: a
@@ -69,10 +68,10 @@ def row_term_triton(out: jax.Array, dout: jax.Array, *, interpret: bool = False
     block_q = max(16, min(128, _BLOCK_ELEMENTS // width))
     tile = pl.BlockSpec((None, block_q, None, width), lambda i, b, h: (b, i, h, 0))
     return pl.pallas_call(
-        functools.partial(_row_term_kernel, seq=seq, head_dim=head_dim, block_q=block_q,
+        functools.partial(_delta_kernel, seq=seq, head_dim=head_dim, block_q=block_q,
                           width=width),
         grid=(pl.cdiv(seq, block_q), batch, heads), in_specs=[tile, tile],
         out_specs=pl.BlockSpec((None, None, block_q), lambda i, b, h: (b, h, i)),
         out_shape=jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=1),
-        interpret=interpret, name="softmax_row_term")(out, dout)
+        interpret=interpret, name="attention_delta")(out, dout)

@@ -17,7 +17,7 @@ from typing import Any
 
 from tokamax_pass.core import spec
 from tokamax_pass.core.primitive import METADATA_KEY
-from tokamax_pass.pass_.plan import format_table
+from tokamax_pass.passes.plan import format_table
 
 _SPEC_KEY = re.compile(METADATA_KEY + r"\s*=\s*")
 _MLIR_STRING = re.compile(r'"((?:[^"\\]|\\.)*)"')
@@ -82,12 +82,17 @@ def _spec_strings(text: str) -> list[str]:
     return found
 
 
+def _object(value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, else an empty one."""
+    return value if isinstance(value, dict) else {}
+
+
 def _found(raw: str, count: int) -> FoundOp:
     data = spec.loads(raw, what=f"a {METADATA_KEY} attribute")
-    data = data if isinstance(data, dict) else {}
-    op = data.get("op") if isinstance(data.get("op"), dict) else {}
+    data = _object(data)
+    op = _object(data.get("op"))
     op_path = str(op.get("dataclass", "?"))
-    fields = op.get("fields") if isinstance(op.get("fields"), dict) else {}
+    fields = _object(op.get("fields"))
     try:
         implementation = str(spec.resolve(op_path, kind="dataclass").implementation)
     except (spec.SpecError, AttributeError):
@@ -98,7 +103,7 @@ def _found(raw: str, count: int) -> FoundOp:
         config_text = f"{name}({', '.join(f'{k}={v}' for k, v in config['fields'].items())})"
     else:
         config_text = "-"
-    arguments = data.get("arguments") if isinstance(data.get("arguments"), dict) else {}
+    arguments = _object(data.get("arguments"))
     args_text = ", ".join(
         f"{k}={v}" for k, v in arguments.items()
         if isinstance(v, str) and re.fullmatch(r"[a-z0-9]+\[[0-9,]*\]", v)
@@ -159,7 +164,7 @@ def inspect_path(source: str | os.PathLike[str], *,
         text = data.decode()
     except UnicodeDecodeError:
         text = None
-    if text is None or path.suffix == ".stablehlo" and not _is_text(text):
+    if text is None or (path.suffix == ".stablehlo" and not _is_text(text)):
         return Inspection.from_text(deserialize(data))
     if not (_is_text(text) or METADATA_KEY in text):
         # A JSON file or notes: "no tokamax_pass ops" would be a wrong answer.

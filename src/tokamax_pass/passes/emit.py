@@ -13,48 +13,36 @@ the shapes it sees), or bound as is. Sub-jaxprs holding op calls (`jit`, `scan`,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import jax
 from jax._src import source_info_util
 from jax._src.ad_util import Zero  # the symbolic zero a custom_vjp backward may return
 from jax._src.interpreters import partial_eval as pe
+from jax.custom_derivatives import SymbolicZero
 from jax.extend import linear_util as lu
 from jax.extend.core import Jaxpr, Literal
 
-from tokamax_pass.core import sharding
 from tokamax_pass.core.primitive import is_tokamax_call
-
-if TYPE_CHECKING:
-    from tokamax_pass.pass_.rewrite import Rewriter
-
-# Primitives whose sub-jaxprs are kernel bodies, never holding op calls.
-OPAQUE = frozenset({"pallas_call", "core_map"})
-# Primitives whose rules hold op calls traced only when called.
-_RULES = frozenset({"custom_vjp_call", "custom_jvp_call"})
+from tokamax_pass.passes.graph import Graph
+from tokamax_pass.passes.walk import OPAQUE, holds_calls, is_op_wrapper, path_label, trace_plain
 
 
-def holds_calls(jaxpr: Jaxpr, primitives: frozenset[str] = frozenset()) -> bool:
-    """Whether `jaxpr` (at any depth) holds an op call, a custom rule that may, or an
-    equation of `primitives` (where a plain-JAX pattern starts)."""
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if is_tokamax_call(eqn.primitive) or name in _RULES or name in primitives:
-            return True
-        if name not in OPAQUE and any(holds_calls(j, primitives)
-                                      for j in jax.extend.core.jaxprs_in_params(eqn.params)):
-            return True
-    return False
+class Binder(Protocol):
+    """What evaluating a jaxpr needs from the pass (`rewrite.Rewriter` is one)."""
+
+    pattern_primitives: frozenset[str]
+
+    def bind_call(self, call: Any, operands: Sequence[Any], path: str) -> list[Any]: ...
+
+    def bind_pattern(self, eqn: Any, read: Callable[[Any], Any], path: str,
+                     graph: Graph | None) -> list[Any] | None: ...
+
+    def rewrite_eqn(self, eqn: Any, path: str) -> Any: ...
 
 
-def trace_plain(fn: Any, *args: Any) -> Any:
-    """`fn(*args)` with every op call bound as a plain `tokamax_call`."""
-    with sharding.partitioning(False):
-        return fn(*args)
-
-
-def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") -> list[Any]:
+def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") -> list[Any]:
     """Evaluates `jaxpr` on `args` in the current trace, op calls bound by `rewriter`."""
     env: dict[Any, Any] = {}
 
@@ -63,6 +51,7 @@ def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") 
 
     for var, value in zip(jaxpr.all_invars, [*jaxpr.consts, *args], strict=True):
         env[var] = value
+    graph = Graph(jaxpr) if rewriter.pattern_primitives else None
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -70,7 +59,7 @@ def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") 
               eqn.ctx.manager):
             if is_tokamax_call(eqn.primitive):
                 outs = rewriter.bind_call(eqn.params["call"], invals, path)
-            elif (replaced := rewriter.bind_pattern(eqn, invals, path)) is not None:
+            elif (replaced := rewriter.bind_pattern(eqn, read, path, graph)) is not None:
                 outs = replaced
             else:
                 params = _params(rewriter, eqn, path)
@@ -82,7 +71,7 @@ def emit(rewriter: Rewriter, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") 
     return [read(v) for v in jaxpr.outvars]
 
 
-def retrace(rewriter: Rewriter, jaxpr: Jaxpr, path: str) -> Jaxpr:
+def retrace(rewriter: Binder, jaxpr: Jaxpr, path: str) -> Jaxpr:
     """`jaxpr` traced again with its op calls re-emitted (the same object if it holds none)."""
     if not holds_calls(jaxpr, rewriter.pattern_primitives):
         return jaxpr
@@ -95,26 +84,7 @@ def retrace(rewriter: Rewriter, jaxpr: Jaxpr, path: str) -> Jaxpr:
     return new.with_consts(consts) if consts else new
 
 
-_PATH_NAMES = {"remat2": "checkpoint", "custom_vjp_call": "custom_vjp",
-               "custom_jvp_call": "custom_jvp"}
-
-
-def path_label(eqn: Any) -> str:
-    kind = _PATH_NAMES.get(eqn.primitive.name, eqn.primitive.name)
-    name = eqn.params.get("name")
-    if name is None and kind == "custom_jvp":
-        name = getattr(eqn.params["call_jaxpr"].debug_info, "func_name", None)
-    return f"{kind}[{name}]" if isinstance(name, str) else kind
-
-
-def is_op_wrapper(eqn: Any) -> bool:
-    """The framework's own `custom_vjp` around one op call adds nothing to a path."""
-    body = eqn.params.get("call_jaxpr")
-    return (eqn.primitive.name == "custom_vjp_call" and isinstance(body, Jaxpr)
-            and len(body.eqns) == 1 and is_tokamax_call(body.eqns[0].primitive))
-
-
-def _params(rewriter: Rewriter, eqn: Any, path: str) -> dict[str, Any]:
+def _params(rewriter: Binder, eqn: Any, path: str) -> dict[str, Any]:
     if eqn.primitive.name in OPAQUE:
         return eqn.params
     if eqn.primitive.name == "shard_map":  # already per device: rewrite in place
@@ -123,7 +93,7 @@ def _params(rewriter: Rewriter, eqn: Any, path: str) -> dict[str, Any]:
     return {name: _param(rewriter, name, value, sub) for name, value in eqn.params.items()}
 
 
-def _param(rewriter: Rewriter, name: str, value: Any, path: str) -> Any:
+def _param(rewriter: Binder, name: str, value: Any, path: str) -> Any:
     if isinstance(value, Jaxpr):
         return retrace(rewriter, value, path)
     if isinstance(value, tuple) and value and all(isinstance(v, Jaxpr) for v in value):
@@ -136,7 +106,7 @@ def _param(rewriter: Rewriter, name: str, value: Any, path: str) -> Any:
     return value
 
 
-def wrap_thunk(rewriter: Rewriter, thunk: lu.WrappedFun, path: str) -> lu.WrappedFun:
+def wrap_thunk(rewriter: Binder, thunk: lu.WrappedFun, path: str) -> lu.WrappedFun:
     """A custom_vjp forward / custom_jvp rule thunk whose jaxpr comes back re-emitted."""
 
     def emitted_thunk(*args: Any) -> Any:
@@ -147,19 +117,24 @@ def wrap_thunk(rewriter: Rewriter, thunk: lu.WrappedFun, path: str) -> lu.Wrappe
     return lu.wrap_init(emitted_thunk, debug_info=thunk.debug_info)
 
 
-def wrap_bwd(rewriter: Rewriter, bwd: lu.WrappedFun, path: str) -> lu.WrappedFun:
-    """A custom_vjp backward traced with partitioning off, then re-emitted."""
+def wrap_bwd(rewriter: Binder, bwd: lu.WrappedFun, path: str) -> lu.WrappedFun:
+    """A custom_vjp backward traced with partitioning off, then re-emitted. Symbolic zero
+    cotangents (`symbolic_zeros=True` rules) reach it as they are, not as arrays."""
 
     def emitted_bwd(*args: Any) -> Any:
         zeros: dict[int, Any] = {}
+        symbolic = {i: a for i, a in enumerate(args) if isinstance(a, SymbolicZero)}
+        arrays = [a for i, a in enumerate(args) if i not in symbolic]
 
         def traced(*inner: Any) -> Any:
-            cts, logs = bwd.call_wrapped(*inner)
+            given = iter(inner)
+            cts, logs = bwd.call_wrapped(*(symbolic[i] if i in symbolic else next(given)
+                                           for i in range(len(args))))
             zeros.update((i, ct) for i, ct in enumerate(cts) if isinstance(ct, Zero))
             return [ct for ct in cts if not isinstance(ct, Zero)], logs
 
-        closed, shapes = trace_plain(jax.make_jaxpr(traced, return_shape=True), *args)
-        flat = emit(rewriter, closed, args, path)
+        closed, shapes = trace_plain(jax.make_jaxpr(traced, return_shape=True), *arrays)
+        flat = emit(rewriter, closed, arrays, path)
         nonzero, logs = jax.tree.unflatten(jax.tree.structure(shapes), flat)
         nonzero = iter(nonzero)
         count = len(zeros) + len(shapes[0])

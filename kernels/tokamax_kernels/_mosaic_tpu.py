@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from jax.experimental.pallas import tpu as pltpu
 
@@ -95,7 +95,12 @@ class MosaicTpuKernel:
         return self.interpret
 
 
-def compiler_params(semantics: Sequence[str], vmem_bytes: int) -> pltpu.CompilerParams:
+# A grid axis's semantics, as `pltpu.CompilerParams` names them.
+GridSemantics = Literal["parallel", "core_parallel", "subcore_parallel", "arbitrary"]
+
+
+def compiler_params(semantics: Sequence[GridSemantics],
+                    vmem_bytes: int) -> pltpu.CompilerParams:
     """Mosaic parameters: grid axis semantics and a VMEM limit with 25% headroom."""
     return pltpu.CompilerParams(dimension_semantics=tuple(semantics),
                                 vmem_limit_bytes=int(vmem_bytes * 1.25) + _MIB)

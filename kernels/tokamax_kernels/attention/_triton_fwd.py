@@ -19,8 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tokamax_kernels.attention import _pallas_triton_common as common
-from tokamax_kernels.attention._pallas_triton_common import KernelSpec
+from tokamax_kernels.attention import _flash_tiles as tiles
+from tokamax_kernels.attention._flash_tiles import KernelSpec
 
 
 def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, o_ref, lse_ref, *,
@@ -43,22 +43,19 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, o_ref,
         v = v_ref[pl.ds(c0, block_k), :]
         qk = spec.dot(q, k.T)
         bias = bias_ref[:, pl.ds(c0, block_k)] if spec.has_bias else None
-        s, _ = common.logits2(spec, qk, bias)
+        s, _ = tiles.logits2(spec, qk, bias)
         masked = positional or spec.has_mask
         if masked:
             ok = jnp.ones(s.shape, jnp.bool_)
             if positional:
                 cols = c0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-                ok = common.visible(spec, rows, cols, kv_len)
+                ok = tiles.visible(spec, rows, cols, kv_len)
             if spec.has_mask:
                 ok = ok & (mask_ref[:, pl.ds(c0, block_k)] != 0)
             s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        if masked:
-            # A row with nothing visible yet keeps m = -inf; subtract 0 instead (exp2 -> 0).
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        else:
-            m_use = m_new
+        # A masked row with nothing visible yet keeps m = -inf; subtract 0 instead (exp2 -> 0).
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
         p = jnp.exp2(s - m_use[:, None])
         alpha = jnp.exp2(m - m_use)
         denom = denom * alpha + jnp.sum(p, axis=1)
@@ -70,7 +67,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, o_ref,
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    a, bb, c, d = common.kv_block_ranges(spec, r0, block_q, block_k, num_kb, kv_len)
+    a, bb, c, d = tiles.kv_block_ranges(spec, r0, block_q, block_k, num_kb, kv_len)
     if spec.has_q_lengths:
         d = jnp.where(r0 < q_len, d, a)
         bb, c = jnp.minimum(bb, d), jnp.minimum(c, d)
@@ -89,10 +86,10 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, o_ref,
         empty = empty | (rows >= q_len)
     if element_masks or needs_edges or spec.has_q_lengths:
         inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, denom))
-        lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, denom))) * common.LN2)
+        lse = jnp.where(empty, -jnp.inf, (m + jnp.log2(jnp.where(empty, 1.0, denom))) * tiles.LN2)
     else:
         inv = 1.0 / denom
-        lse = (m + jnp.log2(denom)) * common.LN2
+        lse = (m + jnp.log2(denom)) * tiles.LN2
     o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
     if lse_ref is not None:
         lse_ref[...] = lse
@@ -111,6 +108,7 @@ def flash_attention_forward(
     seq_k, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
     num_qb, num_kb = seq_q // block_q, seq_k // block_k
+    in_specs: list[pl.BlockSpec | None]  # `None`: an absent bias, mask or lengths
     reverse = spec.right is not None and spec.left is None  # causal: heavy blocks first
 
     def q_index(i, b, h):

@@ -9,8 +9,9 @@ from typing import Any
 
 from tokamax_pass.core import spec
 from tokamax_pass.core.op import BoundArguments, NullConfig
-from tokamax_pass.pass_.patterns import RewriteMatch
-from tokamax_pass.pass_.rewrite import Decision
+from tokamax_pass.passes.patterns import RewriteMatch
+from tokamax_pass.passes.rewrite import Decision
+from tokamax_pass.tables import render_table
 
 _COLUMNS = ("path", "platform", "arguments", "implementation", "config", "source")
 _MATCH_COLUMNS = ("pattern", "path", "source line", "outcome")
@@ -111,12 +112,5 @@ class Plan:
 
 
 def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A plain-text table, columns padded to their widest cell."""
-    if not rows:
-        return "(no tokamax_pass ops)"
-    cells = [list(columns)] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-             for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    """A plain-text table of op calls, or a line saying there are none."""
+    return render_table(columns, rows) if rows else "(no tokamax_pass ops)"

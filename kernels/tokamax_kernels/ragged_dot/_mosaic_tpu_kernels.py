@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from tokamax_kernels._pallas_tpu import compiler_params
+from tokamax_kernels._mosaic_tpu import compiler_params
 
 
 def _bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:

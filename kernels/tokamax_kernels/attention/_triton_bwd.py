@@ -21,8 +21,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from tokamax_kernels.attention import _pallas_triton_common as common
-from tokamax_kernels.attention._pallas_triton_common import KernelSpec
+from tokamax_kernels.attention import _flash_tiles as tiles
+from tokamax_kernels.attention._flash_tiles import KernelSpec
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, do_ref, lse_ref,
@@ -35,7 +35,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, d
     k = k_ref[...]
     v = v_ref[...]
     cols = c0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-    a, bb, c, d = common.q_block_ranges(spec, c0, block_k, block_q, num_qb, q_len, kv_len)
+    a, bb, c, d = tiles.q_block_ranges(spec, c0, block_k, block_q, num_qb, q_len, kv_len)
     needs_edges = spec.positional or spec.has_kv_lengths or spec.seq_k % block_k
 
     def body(qb: Any, carry: Any, *, g: Any, positional: bool) -> Any:
@@ -49,19 +49,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, d
         bias = None
         if spec.has_bias:
             bias = bias_ref[g if bias_heads > 1 else 0, rows, :].T
-        s, t = common.logits2(spec, spec.dot(k, q.T), bias)  # (block_k, block_q)
+        s, t = tiles.logits2(spec, spec.dot(k, q.T), bias)  # (block_k, block_q)
         if positional or spec.has_mask:
             ok = jnp.ones(s.shape, jnp.bool_)
             if positional:
                 row_ids = r0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-                ok = common.visible(spec, row_ids, cols, kv_len, transposed=True)
+                ok = tiles.visible(spec, row_ids, cols, kv_len, transposed=True)
             if spec.has_mask:
                 ok = ok & (mask_ref[g if mask_heads > 1 else 0, rows, :].T != 0)
             s = jnp.where(ok, s, -jnp.inf)
         p = jnp.exp2(s - lse[None, :])
         dv = dv + spec.dot(p.astype(do.dtype), do)
         dp = spec.dot(v, do.T)
-        ds = common.dlogits(spec, p * (dp - delta[None, :]), t)
+        ds = tiles.dlogits(spec, p * (dp - delta[None, :]), t)
         dk = dk + spec.dot(ds.astype(q.dtype), q)
         return dk, dv
 
@@ -101,23 +101,23 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, do_
         k = k_ref[pl.ds(c0, block_k), :]
         v = v_ref[pl.ds(c0, block_k), :]
         bias = bias_ref[:, pl.ds(c0, block_k)] if spec.has_bias else None
-        s, t = common.logits2(spec, spec.dot(q, k.T), bias)
+        s, t = tiles.logits2(spec, spec.dot(q, k.T), bias)
         if positional or spec.has_mask:
             ok = jnp.ones(s.shape, jnp.bool_)
             if positional:
                 cols = c0 + lax.broadcasted_iota(jnp.int32, (block_k,), 0)
-                ok = common.visible(spec, rows, cols, kv_len)
+                ok = tiles.visible(spec, rows, cols, kv_len)
             if spec.has_mask:
                 ok = ok & (mask_ref[:, pl.ds(c0, block_k)] != 0)
             s = jnp.where(ok, s, -jnp.inf)
         p = jnp.exp2(s - lse[:, None])
         dp = spec.dot(do, v.T)
-        ds = common.dlogits(spec, p * (dp - delta[:, None]), t)
+        ds = tiles.dlogits(spec, p * (dp - delta[:, None]), t)
         if dbias_ref is not None:
             dbias_ref[:, pl.ds(c0, block_k)] = ds.astype(dbias_ref.dtype)
         return dq + spec.dot(ds.astype(k.dtype), k)
 
-    a, bb, c, d = common.kv_block_ranges(spec, r0, block_q, block_k, num_kb, kv_len)
+    a, bb, c, d = tiles.kv_block_ranges(spec, r0, block_q, block_k, num_kb, kv_len)
     if spec.has_q_lengths:
         d = jnp.where(r0 < q_len, d, a)
         bb, c = jnp.minimum(bb, d), jnp.minimum(c, d)

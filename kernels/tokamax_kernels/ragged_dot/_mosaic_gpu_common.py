@@ -1,6 +1,6 @@
 """Shared pieces of the Mosaic GPU ragged-dot kernels: the config, the SM count, SMEM layouts.
 
-Both kernels (`pallas_mosaic_gpu_rows.py` for forward/dlhs, `pallas_mosaic_gpu_drhs.py`)
+Both kernels (`_mosaic_gpu_rows_kernel.py` for forward/dlhs, `_mosaic_gpu_drhs_kernel.py`)
 are persistent, warp specialized Hopper kernels: one memory warpgroup streams tiles
 into SMEM with TMA, two compute warpgroups each own half of a CTA's output tile and
 accumulate it in float32 with `wgmma`.
@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # SMEM a Hopper CTA may use (227 KiB), less room for the pipeline's barriers.
 SMEM_BUDGET_BYTES = 227 * 1024 - 2048
-# The H200 (and H100 SXM) have 132 SMs; used when no device can be asked.
-DEFAULT_NUM_SMS = 132
 NUM_COMPUTE_WGS = 2
 # Registers kept by the memory warpgroup (it only issues TMA copies).
 MEMORY_REGISTERS = 40
@@ -72,22 +69,13 @@ class Config:
         return self.num_stages * stage + epilogue
 
 
-def num_sms() -> int:
-    """SMs of the GPU being compiled for (the local one, else the abstract target)."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
-    if device is not None and getattr(device, "num_cores", None):
-        return int(device.num_cores)
-    try:
-        return int(jax.devices("cuda")[0].core_count)
-    except (RuntimeError, AttributeError, TypeError):
-        return DEFAULT_NUM_SMS
-
-
 def swizzled(minor_elems: int, dtype) -> tuple:
     """TMA/wgmma-friendly SMEM transforms for tiles whose minor dimension is `minor_elems`."""
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    # JAX declares both transforms abstract (`transform_array`), yet builds them itself.
+    return (plgpu.TilingTransform((8, swizzle // itemsize)),  # type: ignore[abstract]
+            plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
 
 
 def compiler_params() -> plgpu.CompilerParams:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from tokamax_kernels._pallas_tpu import compiler_params
+from tokamax_kernels._mosaic_tpu import compiler_params
 
 
 def _forward_kernel(*refs: Any, epsilon: float, subtract_mean: bool, has_residual: bool,
@@ -44,7 +44,7 @@ def _forward_kernel(*refs: Any, epsilon: float, subtract_mean: bool, has_residua
     scale_ref = next(it) if has_scale else None
     offset_ref = next(it) if has_offset else None
     y_ref = next(it)
-    s_ref = next(it) if has_residual else None
+    s_ref: Any = next(it) if has_residual else None  # a ref exactly where residual_ref is
     mean_ref, rstd_ref = it
     x = x_ref[...].astype(jnp.float32)
     if residual_ref is not None:

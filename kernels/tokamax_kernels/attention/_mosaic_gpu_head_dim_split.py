@@ -23,6 +23,8 @@ store, so the d<=128 kernels trace as before.
 
 from __future__ import annotations
 
+import functools
+
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -58,7 +60,7 @@ def store(written: list, wg, copies: list) -> None:
     wait_for_both(written)
     for i, (smem, gmem) in enumerate(copies):
         if written:
-            pl.when(wg == i)(lambda smem=smem, gmem=gmem: plgpu.copy_smem_to_gmem(smem, gmem))
+            pl.when(wg == i)(functools.partial(plgpu.copy_smem_to_gmem, smem, gmem))
         else:
             plgpu.copy_smem_to_gmem(smem, gmem)
     plgpu.wait_smem_to_gmem(0)

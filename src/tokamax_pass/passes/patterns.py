@@ -1,15 +1,25 @@
 """Plain-JAX patterns `optimize` recognizes in a jaxpr and can replace by an op call.
 
-A pattern looks at one equation and answers with a `Candidate`: a function computing
-the same value through an op family (traced by the pass, which keeps it only where
-`implementation=None` picks a kernel), or the reason it is left alone (a near-miss:
-dimension numbers, dtypes or options the op does not cover).
+A pattern looks at one equation (and, for `graph` patterns, the region of equations it
+ends) and answers with a `Candidate`: a function computing the same value through an op
+family (traced by the pass, which keeps it only where `implementation=None` picks a
+kernel), or the reason it is left alone (a near-miss: dimension numbers, dtypes or
+options the op does not cover).
 
 Patterns:
 
 - `"ragged_dot"`: `ragged_dot_general` equations (what `jax.lax.ragged_dot` binds, and
   the ragged dots of its gradient and of `jax.vmap` over it) whose dimension numbers
   are one of the ragged-dot family's variants, after leading batch dimensions.
+- `"dot_product_attention"`: `jax.nn.dot_product_attention` calls, recognized while the
+  function is traced (`patterns_attention`).
+- `"layer_norm"`: LayerNorm and RMSNorm written in `jnp` (`patterns_norm`).
+- `"gated_linear_unit"`: `act(x @ w_gate) * (x @ w_up)` and the fused weight split in
+  two (`patterns_glu`).
+- `"linear_softmax_cross_entropy_loss"`: the per-token softmax cross-entropy of `x @ w`
+  against integer labels (`patterns_cross_entropy`).
+- `"attention"`: attention written out, `softmax(scale * q @ k^T ...) @ v`
+  (`patterns_attention_einsum`).
 """
 
 from __future__ import annotations
@@ -23,16 +33,14 @@ import jax.numpy as jnp
 from jax._src import source_info_util
 
 from tokamax_pass.core.op import BoundArguments
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """What a pattern makes of one equation: `function(*operands)` computing its outputs
-    through an op, or `None` and the `reason` it is left alone."""
-
-    pattern: str
-    function: Callable[..., Any] | None
-    reason: str = ""
+from tokamax_pass.passes import (
+    patterns_attention_einsum,
+    patterns_cross_entropy,
+    patterns_glu,
+    patterns_norm,
+)
+from tokamax_pass.passes.candidate import Candidate
+from tokamax_pass.passes.graph import Graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +87,7 @@ def source_line(eqn: Any) -> str:
 
 # The ragged-dot family's variants (`tokamax_kernels.ragged_dot.base`) as
 # `(lhs contracting, rhs contracting, lhs ragged, rhs group)` dimensions, no batch.
-_RAGGED_DOT_VARIANTS = {
+_RAGGED_DOT_VARIANTS: dict[tuple[tuple[int, ...], ...], str] = {
     ((1,), (1,), (0,), (0,)): "forward",
     ((1,), (2,), (0,), (0,)): "dlhs",
     ((0,), (0,), (0,), ()): "drhs",
@@ -138,9 +146,19 @@ def _match_ragged_dot(eqn: Any) -> Candidate:
     return Candidate("ragged_dot", function)
 
 
-# Pattern name -> (primitive it starts at, matcher).
-_PATTERNS: dict[str, tuple[str, Callable[[Any], Candidate]]] = {
-    "ragged_dot": ("ragged_dot_general", _match_ragged_dot),
+# Pattern name -> (primitives it is matched at, matcher). A matcher answers `None` where
+# the equation is no instance at all. `"dot_product_attention"` is matched while the
+# function is traced (`patterns_attention`), at no equation.
+_PATTERNS: dict[str, tuple[frozenset[str], Callable[[Any, Graph | None], Candidate | None]
+                           | None]] = {
+    "ragged_dot": (frozenset({"ragged_dot_general"}),
+                   lambda eqn, graph: _match_ragged_dot(eqn)),
+    "dot_product_attention": (frozenset(), None),
+    "layer_norm": (patterns_norm.PRIMITIVES, patterns_norm.match),
+    "gated_linear_unit": (patterns_glu.PRIMITIVES, patterns_glu.match),
+    "linear_softmax_cross_entropy_loss": (patterns_cross_entropy.PRIMITIVES,
+                                          patterns_cross_entropy.match),
+    "attention": (patterns_attention_einsum.PRIMITIVES, patterns_attention_einsum.match),
 }
 NAMES = tuple(_PATTERNS)
 
@@ -163,14 +181,16 @@ def selected(rewrite: bool | str | Sequence[str]) -> frozenset[str]:
 
 
 def primitives(names: frozenset[str]) -> frozenset[str]:
-    """The primitives the patterns `names` start at."""
-    return frozenset(_PATTERNS[name][0] for name in names)
+    """The primitives the patterns `names` are matched at."""
+    return frozenset().union(*(_PATTERNS[name][0] for name in names))
 
 
-def match(eqn: Any, names: frozenset[str]) -> Candidate | None:
-    """The candidate of the first pattern in `names` that starts at `eqn`, if any."""
+def match(eqn: Any, names: frozenset[str], graph: Graph | None = None) -> Candidate | None:
+    """The candidate of the first pattern in `names` that matches at `eqn`, if any."""
     for name in NAMES:
-        primitive, matcher = _PATTERNS[name]
-        if name in names and eqn.primitive.name == primitive:
-            return matcher(eqn)
+        primitive_names, matcher = _PATTERNS[name]
+        if name in names and matcher is not None and eqn.primitive.name in primitive_names:
+            candidate = matcher(eqn, graph)
+            if candidate is not None:
+                return candidate
     return None

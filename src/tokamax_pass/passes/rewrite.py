@@ -2,7 +2,7 @@
 
 Each `tokamax_call` equation, at any depth (inside `jit`, `custom_vjp`/`custom_jvp`,
 `scan`, `cond`, `while`, `remat`, `shard_map`, ...), is resolved with
-`resolution.choose` for every target platform and its `OpCall` replaced by one whose
+`selection.choose` for every target platform and its `OpCall` replaced by one whose
 candidates are exactly the chosen ops, configs pinned. Programs traced later (a
 `custom_vjp` forward or backward, traced only when the caller differentiates) are
 wrapped so that they are rewritten the same way, under the same results, when they
@@ -26,12 +26,14 @@ import jax
 from jax.extend import linear_util as lu
 from jax.extend.core import Jaxpr
 
-from tokamax_pass.core import resolution
+from tokamax_pass.core import selection
 from tokamax_pass.core.device import Target
 from tokamax_pass.core.op import BoundArguments, NullConfig, Op
 from tokamax_pass.core.primitive import OpCall, bind_call, bind_partitioned, is_tokamax_call
 from tokamax_pass.core.vjp import AutodiffVjp
-from tokamax_pass.pass_ import emit, patterns
+from tokamax_pass.passes import emit, patterns, walk
+from tokamax_pass.passes.candidate import Candidate
+from tokamax_pass.passes.graph import Graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,7 @@ class Decision:
 
     path: str
     target: Target
-    choice: resolution.Choice
+    choice: selection.Choice
     source: str
     # Every candidate of an `implementation=None` call, unconfigured (what autotuning compares).
     alternatives: tuple[BoundArguments, ...]
@@ -94,7 +96,7 @@ class Rewriter:
         self.pattern_primitives = patterns.primitives(rewrite)
         self._matches = matches
         self._autotuned = autotuned
-        self._memo: dict[Any, tuple[OpCall, list[tuple[Target, resolution.Choice, str]],
+        self._memo: dict[Any, tuple[OpCall, list[tuple[Target, selection.Choice, str]],
                                     tuple[BoundArguments, ...]]] = {}
         # Set when a call is partitioned by `custom_partitioning`: its per-device calls
         # are resolved (and recorded) only when the program is compiled.
@@ -122,7 +124,7 @@ class Rewriter:
         return new_call
 
     def _resolved(self, call: OpCall, avals: Sequence[Any]) -> tuple[
-            OpCall, list[tuple[Target, resolution.Choice, str]], tuple[BoundArguments, ...]]:
+            OpCall, list[tuple[Target, selection.Choice, str]], tuple[BoundArguments, ...]]:
         key = (call, tuple((tuple(a.shape), a.dtype) for a in avals))
         if key not in self._memo:
             self._memo[key] = self._resolve(call, avals)
@@ -149,35 +151,49 @@ class Rewriter:
 
     # --- plain-JAX patterns ------------------------------------------------------------
 
-    def bind_pattern(self, eqn: Any, operands: Sequence[Any], path: str) -> list[Any] | None:
-        """`eqn`'s outputs computed by an op call, where a selected pattern matches it and
-        `implementation=None` picks a kernel for some target; `None` where the equation
-        is to be bound as it is (no pattern, a near-miss, or the plain path chosen)."""
+    def bind_pattern(self, eqn: Any, read: Callable[[Any], Any], path: str,
+                     graph: Graph | None = None) -> list[Any] | None:
+        """`eqn`'s outputs computed by an op call, where a selected pattern matches it (or
+        the region of `graph` it ends) and `implementation=None` picks a kernel for some
+        target; `None` where the equation is to be bound as it is (no pattern, a
+        near-miss, or the plain path chosen). `read` gives a variable's value."""
         if eqn.primitive.name not in self.pattern_primitives:
             return None
-        candidate = patterns.match(eqn, self.rewrite_patterns)
+        candidate = patterns.match(eqn, self.rewrite_patterns, graph)
         if candidate is None:
             return None
+        inputs = eqn.invars if candidate.inputs is None else candidate.inputs
         label = "/".join(p for p in (path, candidate.pattern) if p)
+        traced = self.choose_rewrite(candidate, [v.aval for v in inputs],
+                                     [v.aval for v in eqn.outvars], label,
+                                     patterns.source_line(eqn))
+        if traced is None:
+            return None
+        return emit.emit(self, traced, [read(v) for v in inputs], path)
+
+    def choose_rewrite(self, candidate: Candidate, in_avals: Sequence[Any],
+                       out_avals: Sequence[Any], label: str, line: str) -> Any:
+        """The jaxpr of `candidate.function` on `in_avals` where it is kept (a kernel is
+        chosen for some target), else `None`; the match is recorded either way."""
 
         def note(rewritten: bool, implementation: dict[str, str], reason: str = "",
                  plain_calls: tuple[BoundArguments, ...] = ()) -> None:
             if self._matches is not None:
                 self._matches.append(patterns.RewriteMatch(
-                    candidate.pattern, label, patterns.source_line(eqn), rewritten,
-                    implementation, reason, plain_calls))
+                    candidate.pattern, label, line, rewritten, implementation, reason,
+                    plain_calls))
 
         if candidate.function is None:
             note(False, {}, candidate.reason)
             return None
         try:
-            traced = emit.trace_plain(jax.make_jaxpr(candidate.function),
-                                      *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                        for v in eqn.invars))
+            traced = walk.trace_plain(jax.make_jaxpr(candidate.function),
+                                      *(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                        for a in in_avals))
         except (ValueError, TypeError, NotImplementedError) as e:
             note(False, {}, f"the op does not take it: {e}")
             return None
-        wanted = [(tuple(v.aval.shape), v.aval.dtype) for v in eqn.outvars]
+        wanted = [(tuple(a.shape), a.dtype) for a in out_avals]
         if [(tuple(a.shape), a.dtype) for a in traced.out_avals] != wanted:
             note(False, {}, "the op's output shapes or dtypes differ")
             return None
@@ -196,10 +212,10 @@ class Rewriter:
                       for _, choices, _ in resolved for _, choice, _ in choices))
             return None
         note(True, {platform: op.implementation for platform, op in chosen.items()})
-        return emit.emit(self, traced, operands, path)
+        return traced
 
     def _resolve(self, call: OpCall, avals: Sequence[Any]) -> tuple[
-            OpCall, list[tuple[Target, resolution.Choice, str]], tuple[BoundArguments, ...]]:
+            OpCall, list[tuple[Target, selection.Choice, str]], tuple[BoundArguments, ...]]:
         candidates = [call.bound(op, avals) for op in call.candidates]
         choices = []
         with self.active():
@@ -236,10 +252,10 @@ class Rewriter:
         if is_tokamax_call(eqn.primitive):
             call = self.resolve_call(eqn.params["call"], [v.aval for v in eqn.invars], path)
             return eqn.replace(params={**eqn.params, "call": call})
-        if eqn.primitive.name in emit.OPAQUE:
+        if eqn.primitive.name in walk.OPAQUE:
             return eqn
-        sub = path if emit.is_op_wrapper(eqn) else "/".join(
-            p for p in (path, emit.path_label(eqn)) if p)
+        sub = path if walk.is_op_wrapper(eqn) else "/".join(
+            p for p in (path, walk.path_label(eqn)) if p)
         params = {name: self._rewrite_param(name, value, sub)
                   for name, value in eqn.params.items()}
         if all(params[name] is value for name, value in eqn.params.items()):
@@ -272,7 +288,7 @@ def _op_calls(jaxpr: Jaxpr) -> Iterator[Any]:
     for eqn in jaxpr.eqns:
         if is_tokamax_call(eqn.primitive):
             yield eqn
-        elif eqn.primitive.name not in emit.OPAQUE:
+        elif eqn.primitive.name not in walk.OPAQUE:
             for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from _op_calls(sub)
 
@@ -286,7 +302,7 @@ def _pin_forward_config(op: Op, ba: BoundArguments, target: Target) -> Op:
     forward_arguments = {k: v for k, v in ba.arguments.items()
                          if k not in ("residuals", "out", "dout")}
     forward_ba = BoundArguments(op.forward, forward_arguments, ba.vmap)
-    config, _ = resolution.resolve_config(op.forward, forward_ba, target)
+    config, _ = selection.resolve_config(op.forward, forward_ba, target)
     return op.replace(forward=op.forward.replace(config=config))
 
 

@@ -27,6 +27,7 @@ while `pt` does not underflow where `p` matters: a head whose lse spans more tha
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.experimental.pallas as pl
@@ -52,7 +53,7 @@ def _zeros(shape: tuple[int, int]) -> jax.Array:
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), _WGMMA)
 
 
-def mosaic_attention_shared_dx(x: jax.Array, dout: jax.Array, lse: jax.Array,
+def mosaic_self_attention_dx(x: jax.Array, dout: jax.Array, lse: jax.Array,
                                delta: jax.Array, *, scale: float,
                                config: MosaicAttentionVjpConfig) -> jax.Array:
     """dx (B, S, H, D) in x's dtype for `out = attention(x, x, x)`, non-causal.
@@ -182,7 +183,7 @@ def mosaic_attention_shared_dx(x: jax.Array, dout: jax.Array, lse: jax.Array,
                 plgpu.copy_gmem_to_smem(up_ref.at[vec], up_smem.at[slot], up_ready.at[slot])
 
     transforms = tile_transforms(dtype)
-    scratch = [
+    scratch: list[Any] = [
         plgpu.SMEM((wgs, block_j, head_dim), dtype, transforms=transforms),
         plgpu.SMEM((wgs, block_j, head_dim), dtype, transforms=transforms),
         *(plgpu.SMEM((wgs, block_j), jnp.float32) for _ in range(3)),

@@ -3,7 +3,7 @@ the row-block choice per TPU generation (VMEM footprint and a roofline model).
 
 Nothing here has been timed on a TPU: the footprints count the kernels' blocks as Mosaic
 lays them out in VMEM, and the model uses the generations' public HBM bandwidths
-(`tokamax_kernels._pallas_tpu`).
+(`tokamax_kernels._mosaic_tpu`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from tokamax_kernels import _pallas_tpu
-from tokamax_kernels._pallas_tpu import TpuGeneration
+from tokamax_kernels import _mosaic_tpu
+from tokamax_kernels._mosaic_tpu import TpuGeneration
 from tokamax_pass.core import BoundArguments
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -85,7 +85,7 @@ class Footprint:
         row_bytes = self.features * self.itemsize * self.row_arrays + 2 * 4
         traffic = self.rows * row_bytes + steps * self.partial_sums * self.features * 4
         exposed = block_rows * row_bytes
-        return (traffic + exposed) / (gen.hbm_gb_per_s * 1e9) + steps * _pallas_tpu.STEP_SECONDS
+        return (traffic + exposed) / (gen.hbm_gb_per_s * 1e9) + steps * _mosaic_tpu.STEP_SECONDS
 
 
 def footprint(args: Mapping[str, Any], *, backward: bool) -> Footprint:
@@ -111,7 +111,7 @@ def fitting(ba: BoundArguments, *, backward: bool) -> dict[int, Config]:
     """The distinct row blocks of `BLOCK_ROWS` on this call that fit the generation's
     VMEM budget, each with the smallest config that gives it."""
     fp = footprint(ba.arguments, backward=backward)
-    budget = _pallas_tpu.current_generation().vmem_budget()
+    budget = _mosaic_tpu.current_generation().vmem_budget()
     found: dict[int, Config] = {}
     for block_rows in BLOCK_ROWS:
         config = Config(block_rows)
@@ -125,7 +125,7 @@ def heuristics_config(ba: BoundArguments, *, backward: bool) -> Config:
     """The row block the roofline model (`Footprint.seconds`) finds fastest on this
     generation among those that fit half its VMEM; ties go to the smaller block."""
     fp = footprint(ba.arguments, backward=backward)
-    gen = _pallas_tpu.current_generation()
+    gen = _mosaic_tpu.current_generation()
     candidates = fitting(ba, backward=backward)
     if not candidates:
         smallest = min(_ROW_ALIGN, fp.rows)
@@ -155,7 +155,7 @@ def check_inputs(ba: BoundArguments, config: Config | None, *, backward: bool) -
     if config is not None:
         fp = footprint(ba.arguments, backward=backward)
         block = fp.block_rows(config)
-        gen = _pallas_tpu.current_generation()
+        gen = _mosaic_tpu.current_generation()
         if fp.vmem_bytes(block) > gen.vmem_budget():
             raise NotImplementedError(
                 f"{config} needs {fp.vmem_bytes(block)} bytes of VMEM on this call, more "

@@ -1,12 +1,8 @@
-"""Shared pieces of the Pallas Triton flash-attention kernels (forward, dK/dV, dQ).
-
-One `KernelSpec` carries every static choice a kernel body needs (scale, window,
-soft cap, which optional inputs exist); the helpers below compute the logits in the
-base-2 domain (`log2(e)` folded into the scale so the softmax uses `exp2`), the
-positional visibility of a tile, and the ranges of blocks a tile row or column
-can see, so fully masked blocks are skipped and fully visible ones skip the mask.
-The input checks and the padding of the operands to whole blocks live here too: the
-forward op and its VJP op both use them.
+"""The tile math of flash attention that every tiled kernel shares (Pallas Triton and
+Pallas Mosaic TPU): the static facts of a call (`KernelSpec`), logits in the base-2 domain
+(`log2(e)` folded into the scale so the softmax uses `exp2`), the positional visibility
+of a tile, and the ranges of blocks a tile row or column can see, so fully masked blocks
+are skipped and fully visible ones skip the mask.
 """
 
 from __future__ import annotations
@@ -19,10 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tokamax_pass.core import BoundArguments, Target
-
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +54,6 @@ class KernelSpec:
 
 def round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
-
-
-def clamp_block(block: int, seq: int) -> int:
-    """A block no longer than the (power-of-2 padded, at least 16) sequence."""
-    return max(16, min(block, pl_next_pow2(seq)))
-
-
-def pl_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def logits2(spec: KernelSpec, qk: jax.Array, bias: jax.Array | None) -> tuple[jax.Array, Any]:
@@ -150,71 +136,3 @@ def q_block_ranges(spec: KernelSpec, c0: Any, bk: int, bq: int, num_qb: int, q_l
     b = jnp.clip(full_lo, a, d)
     c = jnp.clip(full_hi, b, d)
     return a, b, c, d
-
-
-MAX_HEAD_DIM = 256
-
-
-def check_inputs(ba: BoundArguments, target: Target | None, what: str) -> None:
-    """What both Triton kernels need of the inputs and the device."""
-    query = ba.arguments["query"]
-    if target is not None and target.platform == "cuda" and not target.is_ampere_or_newer:
-        raise NotImplementedError(f"{what} needs an Ampere or newer GPU, not {target.device_kind}")
-    if jnp.dtype(query.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
-                                      jnp.dtype(jnp.float32)):
-        raise NotImplementedError(f"{what} supports bf16, f16 and f32, not {query.dtype}")
-    if query.shape[-1] > MAX_HEAD_DIM:
-        raise NotImplementedError(
-            f"{what} supports head_dim <= {MAX_HEAD_DIM}, got {query.shape[-1]}")
-
-
-def kernel_spec(arguments: dict[str, Any], seq_q: int, seq_k: int) -> KernelSpec:
-    """The kernels' static view of the family's arguments."""
-    window = arguments["local_window_size"]
-    left, right = window if window is not None else (None, None)
-    if arguments["is_causal"]:
-        right = 0 if right is None else min(right, 0)
-    return KernelSpec(
-        scale=arguments["scale"], left=left, right=right, offset=0,
-        soft_cap=arguments["logits_soft_cap"], seq_q=seq_q, seq_k=seq_k,
-        has_bias=arguments["bias"] is not None, has_mask=arguments["mask"] is not None,
-        has_q_lengths=arguments["query_seq_lengths"] is not None,
-        has_kv_lengths=arguments["key_value_seq_lengths"] is not None,
-        precision=arguments["precision"],
-    )
-
-
-def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def padded_head_dim(head_dim: int) -> int:
-    return max(16, pl_next_pow2(head_dim))
-
-
-def prepare_pairwise(x: jax.Array | None, seq_q: int, seq_k: int, pad_q: int, pad_k: int,
-                     dtype: Any = None) -> jax.Array | None:
-    """A bias or mask, broadcast along its query/key axes and padded to the kernel tiles."""
-    if x is None:
-        return None
-    x = jnp.broadcast_to(x, (*x.shape[:2], seq_q, seq_k))
-    if dtype is not None:
-        x = x.astype(dtype)
-    return pad_axis(pad_axis(x, 2, pad_q), 3, pad_k)
-
-
-def prepare_qkv(q: jax.Array, k: jax.Array, v: jax.Array, pad_q: int, pad_k: int
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    d = padded_head_dim(q.shape[-1])
-    q = pad_axis(pad_axis(q, 1, pad_q), 3, d)
-    k = pad_axis(pad_axis(k, 1, pad_k), 3, d)
-    v = pad_axis(pad_axis(v, 1, pad_k), 3, d)
-    return q, k, v
-
-
-def lengths_i32(x: jax.Array | None) -> jax.Array | None:
-    return None if x is None else x.astype(jnp.int32)

@@ -1,0 +1,148 @@
+"""`Graph`: who produces and who uses each variable of one jaxpr, for patterns that span
+several equations (a region ending at the equation where the pattern is matched)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from jax.extend import linear_util as lu
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+# Equations that only move or repeat values: a pattern looks through them where it says so.
+SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape"})
+
+
+class Graph:
+    """The producers and users of every variable of `jaxpr` (its top level)."""
+
+    def __init__(self, jaxpr: Jaxpr) -> None:
+        self._producers: dict[Any, Any] = {}
+        self._users: dict[Any, list[Any]] = defaultdict(list)
+        self._outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+        self._live_ids = live = self._live(jaxpr)
+        for eqn in jaxpr.eqns:
+            for var in eqn.invars:
+                if not isinstance(var, Literal) and id(eqn) in live:  # a dead use is none
+                    self._users[var].append(eqn)
+            for var in eqn.outvars:
+                self._producers[var] = eqn
+
+    def _live(self, jaxpr: Jaxpr) -> set[int]:
+        """The ids of the equations whose results reach an output or an effect (`jnp`
+        functions leave dead ones, such as `logsumexp`'s unused `sign`)."""
+        needed = set(self._outputs)
+        live: set[int] = set()
+        for eqn in reversed(jaxpr.eqns):
+            if eqn.effects or any(v in needed for v in eqn.outvars):
+                live.add(id(eqn))
+                needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+        return live
+
+    def live(self, eqn: Any) -> bool:
+        """Whether `eqn`'s results are needed (a dead region is not worth a match)."""
+        return id(eqn) in self._live_ids
+
+    def producer(self, var: Any, *primitives: str) -> Any:
+        """The equation making `var`, if it is one of `primitives` (any, if none given)."""
+        if isinstance(var, Literal):
+            return None
+        eqn = self._producers.get(var)
+        if eqn is None or (primitives and eqn.primitive.name not in primitives):
+            return None
+        return eqn
+
+    def users(self, var: Any) -> list[Any]:
+        return [] if isinstance(var, Literal) else self._users.get(var, [])
+
+    def private(self, interior: Iterable[Any], root: Any) -> bool:
+        """Whether every value `interior` makes is used only by `interior` and `root`,
+        the region's last equation (so computing `root` otherwise drops them all)."""
+        interior = list(interior)
+        inside = {id(eqn) for eqn in interior} | {id(root)}
+        for eqn in interior:
+            for var in eqn.outvars:
+                if var in self._outputs:
+                    return False
+                if any(id(user) not in inside for user in self.users(var)):
+                    return False
+        return True
+
+
+def literal_value(var: Any) -> Any:
+    """The Python value of a literal (a constant written into the jaxpr), else `None`."""
+    if isinstance(var, Literal):
+        return var.val
+    return None
+
+
+def same_value(graph: Graph, a: Any, b: Any, depth: int = 8) -> bool:
+    """Whether `a` and `b` are one variable, or made by equal equations of equal inputs
+    (`x - mean` spelled twice)."""
+    if a is b:
+        return True
+    if isinstance(a, Literal) or isinstance(b, Literal):
+        return (isinstance(a, Literal) and isinstance(b, Literal) and a.aval == b.aval
+                and bool(np.all(np.asarray(a.val) == np.asarray(b.val))))
+    ea, eb = graph.producer(a), graph.producer(b)
+    if depth == 0 or ea is None or eb is None or ea.primitive != eb.primitive:
+        return False
+    if len(ea.outvars) != 1 or repr(ea.params) != repr(eb.params):
+        return False
+    return len(ea.invars) == len(eb.invars) and all(
+        same_value(graph, x, y, depth - 1) for x, y in zip(ea.invars, eb.invars, strict=True))
+
+
+def same_structure(graph: Graph, var: Any, reference: Jaxpr, ref_var: Any,
+                   bound: dict[Any, Any], region: list[Any]) -> bool:
+    """Whether `var` is computed as `reference` (a jaxpr traced from a known spelling)
+    computes `ref_var`, each input of `reference` bound to one variable of `graph`
+    (recorded in `bound`); the equations are added to `region`."""
+    if isinstance(ref_var, Literal):
+        value = literal_value(var)
+        return value is not None and var.aval == ref_var.aval and bool(
+            np.all(np.asarray(value) == np.asarray(ref_var.val)))
+    if ref_var in reference.invars:
+        if ref_var in bound:
+            return bound[ref_var] is var
+        if isinstance(var, Literal):
+            return False
+        bound[ref_var] = var
+        return True
+    ref_eqn = next((e for e in reference.eqns if any(o is ref_var for o in e.outvars)), None)
+    eqn = graph.producer(var)
+    if ref_eqn is None or eqn is None or eqn.primitive != ref_eqn.primitive:
+        return False
+    if len(eqn.outvars) != len(ref_eqn.outvars) or len(eqn.invars) != len(ref_eqn.invars):
+        return False
+    if [o is var for o in eqn.outvars] != [o is ref_var for o in ref_eqn.outvars]:
+        return False
+    if _params_key(eqn.params) != _params_key(ref_eqn.params):
+        return False
+    region.append(eqn)
+    return all(same_structure(graph, a, reference, b, bound, region)
+               for a, b in zip(eqn.invars, ref_eqn.invars, strict=True))
+
+
+def _params_key(params: dict[str, Any]) -> dict[str, str]:
+    """Parameters comparable across traces: sub-jaxprs by their text, functions by kind."""
+    key = {}
+    for name, value in params.items():
+        if isinstance(value, (Jaxpr, ClosedJaxpr)):
+            key[name] = str(value)
+        elif isinstance(value, lu.WrappedFun) or callable(value):
+            key[name] = type(value).__name__
+        else:
+            key[name] = repr(_plain(value))
+    return key
+
+
+def _plain(value: Any) -> Any:
+    """NumPy scalars as Python numbers (`jax.vmap` leaves `np.int64` axes in parameters)."""
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, np.integer):
+        return int(value)
+    return value

@@ -1,0 +1,190 @@
+"""`"gated_linear_unit"`: `act(x @ w_gate) * (x @ w_up)` written in plain JAX, replaced
+by the `gated_linear_unit` op.
+
+Matched at the product, either operand order: two matmuls of one `x` (its last axis
+against the first of a `(K, N)` weight), or one matmul with a `(K, 2N)` weight split in
+two halves (`jnp.split`, or slices) whose halves are the gate and the up projection;
+`act` is `jax.nn.silu`/`swish`, `jax.nn.gelu` (tanh or exact), `jax.nn.relu` or
+`jax.nn.sigmoid` (recognized by the equations they trace to), or none (the bilinear GLU).
+Matmuls whose values feed anything else (a gradient traced inside `optimize` keeps
+them for its backward) are left as written.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Jaxpr, Literal
+
+from tokamax_pass.passes.candidate import Candidate
+from tokamax_pass.passes.graph import Graph, same_structure, same_value
+
+NAME = "gated_linear_unit"
+PRIMITIVES = frozenset({"mul"})
+
+
+def gelu_exact(x: Any) -> Any:
+    """`jax.nn.gelu(x, approximate=False)`, as a module-level function (an op's spec
+    names its activation)."""
+    return jax.nn.gelu(x, approximate=False)
+
+
+# The activations recognized, by the function the op is then given.
+ACTIVATIONS: tuple[Callable[[Any], Any], ...] = (
+    jax.nn.silu, jax.nn.gelu, gelu_exact, jax.nn.relu, jax.nn.sigmoid)
+
+
+def match(eqn: Any, graph: Graph | None) -> Candidate | None:
+    """The `gated_linear_unit` candidate of the product `eqn`, if it is a GLU's."""
+    if graph is None or not graph.live(eqn) or len(eqn.invars) != 2:
+        return None
+    full = tuple(eqn.outvars[0].aval.shape)
+    if any(tuple(v.aval.shape) != full or isinstance(v, Literal) for v in eqn.invars):
+        return None
+    for gate, up in (eqn.invars, eqn.invars[::-1]):
+        found = _activation(graph, gate)
+        if found is None:
+            continue
+        activation, projected, region = found
+        candidate = _separate(graph, eqn, projected, up, activation, region)
+        if candidate is None:
+            candidate = _fused(graph, eqn, projected, up, activation, region)
+        if candidate is not None:
+            return candidate
+    return None
+
+
+def _candidate(graph: Graph, root: Any, region: list[Any], inputs: tuple[Any, ...],
+               function: Callable[..., Any]) -> Candidate:
+    if not graph.private(region, root):
+        return Candidate(NAME, None, "the matmuls' values are used elsewhere (a gradient "
+                                     "traced inside optimize keeps them for its backward)")
+    return Candidate(NAME, function, inputs=inputs)
+
+
+def _separate(graph: Graph, root: Any, gate: Any, up: Any,
+              activation: Callable[[Any], Any] | None, region: list[Any]) -> Candidate | None:
+    gate_dot, up_dot = _dense_dot(graph, gate), _dense_dot(graph, up)
+    if gate_dot is None or up_dot is None or gate_dot is up_dot:
+        return None
+    x, w_gate = gate_dot.invars
+    x_up, w_up = up_dot.invars
+    if not same_value(graph, x, x_up) or tuple(w_gate.aval.shape) != tuple(w_up.aval.shape):
+        return None
+    if gate_dot.params["precision"] != up_dot.params["precision"]:
+        return None
+    precision = gate_dot.params["precision"]
+    region = [*region, gate_dot, up_dot]
+    if x_up is not x:
+        region.append(graph.producer(x_up))
+
+    def function(x: Any, w_gate: Any, w_up: Any) -> Any:
+        from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
+
+        return gated_linear_unit(x, (w_gate, w_up), activation=activation, precision=precision)
+
+    return _candidate(graph, root, region, (x, w_gate, w_up), function)
+
+
+def _fused(graph: Graph, root: Any, gate: Any, up: Any,
+           activation: Callable[[Any], Any] | None, region: list[Any]) -> Candidate | None:
+    halves = _halves(graph, gate, up)
+    if halves is None:
+        return None
+    projected, gate_first, split_eqns = halves
+    dot = _dense_dot(graph, projected)
+    if dot is None:
+        return None
+    x, w = dot.invars
+    precision = dot.params["precision"]
+    region = [*region, *split_eqns, dot]
+
+    def function(x: Any, w: Any) -> Any:
+        from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
+
+        k, two_n = w.shape
+        n = two_n // 2
+        weights = w.reshape(k, 2, n) if gate_first else (w[:, n:], w[:, :n])
+        return gated_linear_unit(x, weights, activation=activation, precision=precision)
+
+    return _candidate(graph, root, region, (x, w), function)
+
+
+def _dense_dot(graph: Graph, var: Any) -> Any:
+    """The `x @ w` equation making `var`: `x`'s last axis against a `(K, N)` `w`'s first,
+    no batch axes, the result in `x`'s dtype."""
+    eqn = graph.producer(var, "dot_general")
+    if eqn is None:
+        return None
+    x, w = eqn.invars
+    rank = len(x.aval.shape)
+    if len(w.aval.shape) != 2 or rank < 1:
+        return None
+    if eqn.params["dimension_numbers"] != (((rank - 1,), (0,)), ((), ())):
+        return None
+    if not all(jnp.issubdtype(a.aval.dtype, jnp.floating) for a in (x, w)):
+        return None
+    return eqn
+
+
+def _halves(graph: Graph, gate: Any, up: Any) -> tuple[Any, bool, list[Any]] | None:
+    """`(h, gate_first, equations)` where `gate` and `up` are the two halves of `h`'s
+    last axis (`jnp.split` or slices)."""
+    split = graph.producer(gate, "split")
+    if split is not None and split is graph.producer(up, "split"):
+        (h,) = split.invars
+        rank = len(h.aval.shape)
+        sizes = tuple(int(s) for s in split.params["sizes"])
+        if split.params["axis"] != rank - 1 or len(sizes) != 2 or sizes[0] != sizes[1]:
+            return None
+        return h, split.outvars[0] is gate, [split]
+    slices = [graph.producer(v, "slice") for v in (gate, up)]
+    if None in slices or slices[0].invars[0] is not slices[1].invars[0]:
+        return None
+    h = slices[0].invars[0]
+    shape = tuple(h.aval.shape)
+    n = shape[-1] // 2
+    if shape[-1] % 2:
+        return None
+    bounds = []
+    for eqn in slices:
+        p = eqn.params
+        if p["strides"] not in (None, (1,) * len(shape)):
+            return None
+        if tuple(p["start_indices"][:-1]) != (0,) * (len(shape) - 1):
+            return None
+        if tuple(p["limit_indices"][:-1]) != shape[:-1]:
+            return None
+        bounds.append((p["start_indices"][-1], p["limit_indices"][-1]))
+    if bounds == [(0, n), (n, 2 * n)]:
+        return h, True, slices
+    if bounds == [(n, 2 * n), (0, n)]:
+        return h, False, slices
+    return None
+
+
+def _activation(graph: Graph, gate: Any
+                ) -> tuple[Callable[[Any], Any] | None, Any, list[Any]] | None:
+    """`(activation, its operand, its equations)` where `gate` is one of `ACTIVATIONS`
+    applied to a matmul or a half of one (`None`, no equations: `gate` is that itself)."""
+    if graph.producer(gate, "dot_general", "split", "slice") is not None:
+        return None, gate, []
+    for activation in ACTIVATIONS:
+        reference = _reference(activation, tuple(gate.aval.shape), gate.aval.dtype)
+        bound: dict[Any, Any] = {}
+        region: list[Any] = []
+        if same_structure(graph, gate, reference, reference.outvars[0], bound, region):
+            (operand,) = bound.values() or (None,)
+            if operand is not None and graph.producer(operand, "dot_general", "split",
+                                                      "slice") is not None:
+                return activation, operand, list({id(e): e for e in region}.values())
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _reference(activation: Callable[[Any], Any], shape: tuple[int, ...], dtype: Any) -> Jaxpr:
+    return jax.make_jaxpr(activation)(jax.ShapeDtypeStruct(shape, dtype)).jaxpr

@@ -1,0 +1,363 @@
+"""`"layer_norm"`: LayerNorm and RMSNorm written in `jnp`, over the last axis, with
+float32 statistics, replaced by the `layer_norm` op.
+
+Matched (from the equation that ends it), `x` possibly upcast to float32 first and the
+result rounded back to `x`'s dtype at the end:
+
+- statistics: `mean(x)` as `jnp.mean` (`sum / n`, with or without `keepdims`), the
+  variance as `mean(square(x - mean))` (`square`, `** 2` or a product) or `jnp.var`
+  (`ddof=0`), RMSNorm's as `mean(square(x))`;
+- normalization: `x_c * rsqrt(var + eps)`, `x_c / sqrt(var + eps)` or
+  `x_c * (1 / sqrt(var + eps))`;
+- then optionally `* scale` (or `* (scale + c)`, Gemma's `1 + scale`) and `+ offset`,
+  each a vector of the last axis' length.
+
+A norm whose values feed anything but the next step (a gradient traced inside
+`optimize` keeps `rsqrt(var + eps)` for its backward) is left as written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+from tokamax_pass.passes.candidate import Candidate
+from tokamax_pass.passes.graph import SHAPE_ONLY, Graph, literal_value, same_value
+
+NAME = "layer_norm"
+PRIMITIVES = frozenset({"convert_element_type", "add", "mul", "div"})
+
+
+class _NoMatch(Exception):
+    """The equations are not a norm."""
+
+
+class _NearMiss(Exception):
+    """A norm the op does not compute as written, and why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclasses.dataclass
+class _Norm:
+    """What a matched norm computes, and the equations it spans."""
+
+    x: Any = None
+    scale: Any = None
+    offset: Any = None
+    scale_offset: float = 0.0
+    epsilon: float = 0.0
+    subtract_mean: bool = False
+    core: list[Any] = dataclasses.field(default_factory=list)
+
+
+def match(eqn: Any, graph: Graph | None) -> Candidate | None:
+    """The `layer_norm` candidate of the norm ending at `eqn`, if `eqn` ends one (and not
+    a step before a larger one, such as the scale before the offset)."""
+    if graph is None or not graph.live(eqn):
+        return None
+    try:
+        norm = _parse(eqn, graph)
+    except _NoMatch:
+        return None
+    except _NearMiss as near:
+        return None if _extended(eqn, graph) else Candidate(NAME, None, near.reason)
+    if _extended(eqn, graph):
+        return None
+    if not graph.private([e for e in norm.core if e is not eqn], eqn):
+        return Candidate(NAME, None, "values inside the norm are used elsewhere (a gradient "
+                                     "traced inside optimize keeps them for its backward)")
+    return Candidate(NAME, _function(norm), inputs=tuple(
+        v for v in (norm.x, norm.scale, norm.offset) if v is not None))
+
+
+def _extended(eqn: Any, graph: Graph) -> bool:
+    """Whether an equation using `eqn`'s result ends a larger norm (the scale after
+    the normalization, the offset after the scale): that one is the match."""
+    for user in graph.users(eqn.outvars[0]):
+        if user.primitive.name not in PRIMITIVES:
+            continue
+        try:
+            if any(e is eqn for e in _parse(user, graph).core):
+                return True
+        except _NoMatch:
+            continue
+        except _NearMiss:
+            return True
+    return False
+
+
+def _function(norm: _Norm) -> Any:
+    has_scale, has_offset = norm.scale is not None, norm.offset is not None
+
+    def function(x: Any, *vectors: Any) -> Any:
+        from tokamax_kernels.layer_norm.api import layer_norm
+
+        vectors_left = list(vectors)
+        scale = vectors_left.pop(0) if has_scale else None
+        offset = vectors_left.pop(0) if has_offset else None
+        return layer_norm(x, scale, offset, epsilon=norm.epsilon,
+                          scale_offset=norm.scale_offset, subtract_mean=norm.subtract_mean)
+
+    return function
+
+
+def _parse(root: Any, graph: Graph) -> _Norm:
+    norm = _Norm(core=[root])
+    (out,) = root.outvars
+    if not out.aval.shape or not jnp.issubdtype(out.aval.dtype, jnp.floating):
+        raise _NoMatch
+    eqn = root
+    if root.primitive.name == "convert_element_type":
+        (inner,) = root.invars
+        if inner.aval.dtype != jnp.float32 or out.aval.dtype == jnp.float32:
+            raise _NoMatch
+        eqn = _take(graph, norm, inner, "add", "mul", "div")
+    if eqn.primitive.name == "add":
+        eqn = _offset(graph, norm, eqn)
+    if eqn.primitive.name == "mul":
+        eqn = _scale(graph, norm, eqn)
+    _normalized(graph, norm, eqn)
+    if root.primitive.name == "convert_element_type":
+        if norm.x.aval.dtype != out.aval.dtype:
+            raise _NoMatch
+    elif norm.x.aval.dtype != jnp.float32:
+        raise _NoMatch
+    return norm
+
+
+def _take(graph: Graph, norm: _Norm, var: Any, *primitives: str) -> Any:
+    eqn = graph.producer(var, *primitives)
+    if eqn is None:
+        raise _NoMatch
+    norm.core.append(eqn)
+    return eqn
+
+
+def _vector(graph: Graph, var: Any, length: int) -> Any:
+    """The `(length,)` array `var` broadcasts along the last axis, else `None`."""
+    rank = len(var.aval.shape)
+    while True:
+        eqn = graph.producer(var, "broadcast_in_dim", "reshape", "convert_element_type")
+        if eqn is None:
+            break
+        if eqn.primitive.name == "broadcast_in_dim":
+            operand = eqn.invars[0]
+            dims = tuple(eqn.params["broadcast_dimensions"])
+            if dims != tuple(range(rank - len(operand.aval.shape), rank)):
+                return None
+        elif eqn.primitive.name == "convert_element_type" and not jnp.issubdtype(
+                eqn.invars[0].aval.dtype, jnp.floating):
+            return None
+        var = eqn.invars[0]
+    shape = tuple(var.aval.shape)
+    if literal_value(var) is not None:
+        return None
+    return var if shape == (length,) and jnp.issubdtype(var.aval.dtype, jnp.floating) else None
+
+
+def _offset(graph: Graph, norm: _Norm, eqn: Any) -> Any:
+    length = eqn.outvars[0].aval.shape[-1]
+    for body, other in (eqn.invars, eqn.invars[::-1]):
+        offset = _vector(graph, other, length)
+        if offset is not None and tuple(body.aval.shape) == tuple(eqn.outvars[0].aval.shape):
+            norm.offset = offset
+            return _take(graph, norm, body, "mul", "div")
+    raise _NoMatch
+
+
+def _scale(graph: Graph, norm: _Norm, eqn: Any) -> Any:
+    """`eqn` if it is the normalization itself, else the scale's and what it scales."""
+    length = eqn.outvars[0].aval.shape[-1]
+    full = tuple(eqn.outvars[0].aval.shape)
+    for body, other in (eqn.invars, eqn.invars[::-1]):
+        if tuple(body.aval.shape) != full:
+            continue
+        scale = _vector(graph, other, length)
+        by = 0.0
+        if scale is None:
+            scale, by = _shifted_vector(graph, other, length)
+        if scale is not None:
+            norm.scale, norm.scale_offset = scale, by
+            return _take(graph, norm, body, "mul", "div")
+    return eqn
+
+
+def _shifted_vector(graph: Graph, var: Any, length: int) -> tuple[Any, float]:
+    """`(scale, c)` for `scale + c` broadcast along the last axis (Gemma's `1 + scale`)."""
+    rank = len(var.aval.shape)
+    eqn = graph.producer(var, "broadcast_in_dim")
+    if eqn is not None and tuple(eqn.params["broadcast_dimensions"]) == (rank - 1,):
+        var = eqn.invars[0]
+    add = graph.producer(var, "add")
+    if add is None:
+        return None, 0.0
+    for a, b in (add.invars, add.invars[::-1]):
+        c = literal_value(b)
+        if c is not None and tuple(a.aval.shape) == (length,):
+            vector = _vector(graph, a, length) or (a if literal_value(a) is None else None)
+            if vector is not None and len(graph.users(add.outvars[0])) == 1:
+                return vector, float(c)
+    return None, 0.0
+
+
+def _normalized(graph: Graph, norm: _Norm, eqn: Any) -> None:
+    """`x_c * rsqrt(var + eps)`, `x_c / sqrt(var + eps)`, `x_c * (1 / sqrt(var + eps))`."""
+    full = tuple(eqn.outvars[0].aval.shape)
+    if eqn.primitive.name == "div":
+        centered, denominator = eqn.invars
+        variance_plus = _through(graph, norm, denominator, "sqrt")
+    elif eqn.primitive.name == "mul":
+        for centered, factor in (eqn.invars, eqn.invars[::-1]):
+            if tuple(centered.aval.shape) == full and _statistic(graph, factor):
+                break
+        else:
+            raise _NoMatch
+        variance_plus = _reciprocal_sqrt(graph, norm, factor)
+    else:
+        raise _NoMatch
+    if tuple(centered.aval.shape) != full:
+        raise _NoMatch
+    add = _take(graph, norm, variance_plus, "add")
+    with_epsilon = [(a, b) for a, b in (add.invars, add.invars[::-1])
+                    if literal_value(b) is not None]
+    if not with_epsilon:
+        raise _NoMatch
+    variance, eps = with_epsilon[0]
+    norm.epsilon = float(literal_value(eps))
+    x32 = _centered(graph, norm, centered)
+    _variance(graph, norm, variance, x32, centered)
+    x = x32
+    convert = graph.producer(x32, "convert_element_type")
+    if convert is not None and jnp.issubdtype(convert.invars[0].aval.dtype, jnp.floating):
+        x = convert.invars[0]
+    if x32.aval.dtype != jnp.float32:
+        raise _NoMatch  # the op computes its statistics in float32
+    norm.x = x
+
+
+def _statistic(graph: Graph, var: Any) -> bool:
+    """Whether `var` is one value per row (last axis 1), possibly broadcast."""
+    eqn = graph.producer(var, "broadcast_in_dim")
+    if eqn is not None:
+        var = eqn.invars[0]
+    return len(var.aval.shape) >= 1 and var.aval.shape[-1] == 1
+
+
+def _through(graph: Graph, norm: _Norm, var: Any, primitive: str) -> Any:
+    """The operand of the `primitive` equation making `var`, broadcasts looked through."""
+    var = _unbroadcast(graph, norm, var)
+    return _take(graph, norm, var, primitive).invars[0]
+
+
+def _unbroadcast(graph: Graph, norm: _Norm, var: Any) -> Any:
+    while (eqn := graph.producer(var, *SHAPE_ONLY)) is not None:
+        norm.core.append(eqn)
+        var = eqn.invars[0]
+    return var
+
+
+def _reciprocal_sqrt(graph: Graph, norm: _Norm, var: Any) -> Any:
+    var = _unbroadcast(graph, norm, var)
+    eqn = _take(graph, norm, var, "rsqrt", "div")
+    if eqn.primitive.name == "rsqrt":
+        return eqn.invars[0]
+    one, denominator = eqn.invars
+    if literal_value(one) != 1:
+        raise _NoMatch
+    return _through(graph, norm, denominator, "sqrt")
+
+
+def _centered(graph: Graph, norm: _Norm, var: Any) -> Any:
+    """`x` of `x - mean(x)` (LayerNorm, `subtract_mean`), else `var` itself (RMSNorm)."""
+    sub = graph.producer(var, "sub")
+    if sub is not None:
+        x, mean = sub.invars
+        if _is_mean_of(graph, mean, x, []):
+            norm.core.append(sub)
+            norm.subtract_mean = True
+            _is_mean_of(graph, mean, x, norm.core)
+            return x
+    return var
+
+
+def _is_mean_of(graph: Graph, var: Any, x: Any, core: list[Any]) -> bool:
+    """Whether `var` is the mean of `x` over its last axis (`sum / n`, broadcasts aside);
+    the equations are added to `core`."""
+    eqns = []
+    while (eqn := graph.producer(var, *SHAPE_ONLY)) is not None:
+        eqns.append(eqn)
+        var = eqn.invars[0]
+    div = graph.producer(var, "div")
+    if div is None:
+        return False
+    eqns.append(div)
+    total, count = div.invars
+    while (eqn := graph.producer(total, *SHAPE_ONLY)) is not None:
+        eqns.append(eqn)
+        total = eqn.invars[0]
+    reduce = graph.producer(total, "reduce_sum")
+    if reduce is None or not same_value(graph, reduce.invars[0], x):
+        return False
+    rank = len(x.aval.shape)
+    if tuple(reduce.params["axes"]) != (rank - 1,) or literal_value(count) != x.aval.shape[-1]:
+        return False
+    core.extend([*eqns, reduce])
+    return True
+
+
+def _variance(graph: Graph, norm: _Norm, var: Any, x: Any, centered: Any) -> None:
+    """`var` is the variance of `x` (`mean(square(centered))`, `jnp.var`), or for RMSNorm
+    the mean of `square(x)`."""
+    var = _unbroadcast(graph, norm, var)
+    jnp_var = graph.producer(var, "jit")
+    if jnp_var is not None and jnp_var.params.get("name") == "_var":
+        operand, ddof = jnp_var.invars
+        inner = jnp_var.params["jaxpr"].jaxpr
+        axes = {tuple(e.params["axes"]) for e in inner.eqns if e.primitive.name == "reduce_sum"}
+        if not norm.subtract_mean or operand is not x or axes != {(len(x.aval.shape) - 1,)}:
+            raise _NoMatch
+        if literal_value(ddof) != 0:
+            raise _NearMiss(f"the variance divides by n - {int(literal_value(ddof))} (ddof), "
+                            "the op by n")
+        norm.core.append(jnp_var)
+        return
+    square = _square_of(graph, var)
+    if square is None:
+        raise _NoMatch
+    if not _is_mean_of(graph, var, square.outvars[0], norm.core):
+        raise _NoMatch
+    operand = square.invars[0]
+    if not same_value(graph, operand, centered):
+        raise _NoMatch
+    norm.core.append(square)
+    if operand is not centered:
+        norm.core.append(graph.producer(operand))
+
+
+def _square_of(graph: Graph, mean: Any) -> Any:
+    """The squaring equation whose values `mean` averages, if it is one."""
+    while (eqn := graph.producer(mean, *SHAPE_ONLY)) is not None:
+        mean = eqn.invars[0]
+    div = graph.producer(mean, "div")
+    if div is None:
+        return None
+    total = div.invars[0]
+    while (eqn := graph.producer(total, *SHAPE_ONLY)) is not None:
+        total = eqn.invars[0]
+    reduce = graph.producer(total, "reduce_sum")
+    if reduce is None:
+        return None
+    square = graph.producer(reduce.invars[0], "square", "integer_pow", "mul")
+    if square is None:
+        return None
+    name = square.primitive.name
+    if name == "integer_pow" and square.params["y"] != 2:
+        return None
+    if name == "mul" and square.invars[0] is not square.invars[1]:
+        return None
+    return square

@@ -1,0 +1,204 @@
+"""`optimize` rewrites attention written out in plain JAX,
+`softmax(scale * q @ k^T [+ bias] [soft cap] [masked]) @ v`, into the
+`dot_product_attention` op where `implementation=None` picks a kernel for it, and leaves
+near-misses as written.
+
+On CPU the plain path is chosen, so `rewritten` keeps every candidate: values and
+gradients of the rewritten program (the op's `xla` path and its VJP) are compared with
+`jax.jit` of the user's function, in float32 at HIGHEST precision.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_pass as tokamax
+from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from conftest import assert_close, calibrate, random_normal
+
+B, T, S, N, K, H = 2, 8, 10, 4, 2, 16
+REWRITTEN = "rewritten: cpu xla"
+
+
+@pytest.fixture
+def rewritten(monkeypatch):
+    keep_every_candidate(monkeypatch)
+
+
+def einsum(spec, a, b):
+    return jnp.einsum(spec, a, b, precision=HIGHEST)
+
+
+def matmul(a, b):
+    return jnp.matmul(a, b, precision=HIGHEST)
+
+
+def einsum_scaled_after(q, k, v, mask):
+    logits = einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(H)
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def einsum_ellipsis_flax_style(q, k, v, mask):
+    q = q / np.sqrt(H)
+    logits = einsum("...qhd,...khd->...hqk", q, k)
+    logits = jnp.where(mask, logits, -1e10)
+    return einsum("...hqk,...khd->...qhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def matmul_heads_first_soft_cap(q, k, v, mask):
+    q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))  # (B, N, T, H)
+    logits = matmul(q * 0.3, jnp.swapaxes(k, -1, -2))
+    logits = 20.0 * jnp.tanh(logits / 20.0)
+    logits = jnp.where(mask, logits, -jnp.inf)
+    return jnp.swapaxes(matmul(jax.nn.softmax(logits, axis=-1), v), 1, 2)
+
+
+def grouped_query_by_repeat(q, k, v, mask):
+    k, v = (jnp.repeat(a[:, :, :K], N // K, axis=2) for a in (k, v))
+    logits = einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    weights = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+    weights = weights / weights.sum(axis=-1, keepdims=True)
+    return einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def with_bias(q, k, v, bias):
+    logits = einsum("bqhd,bkhd->bhqk", q, k) * 0.25 + bias
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+SPELLINGS = [einsum_scaled_after, einsum_ellipsis_flax_style, matmul_heads_first_soft_cap,
+             grouped_query_by_repeat, with_bias]
+
+
+def operands(f, seed=0, hide_a_row=False):
+    q = random_normal(seed, (B, T, N, H))
+    k, v = random_normal(seed + 1, (B, S, N, H)), random_normal(seed + 2, (B, S, N, H))
+    if f is with_bias:
+        return q, k, v, random_normal(seed + 3, (B, N, T, S))
+    mask = np.array(jax.random.bernoulli(jax.random.key(seed + 3), 0.7, (B, 1, T, S)))
+    mask[:, :, :, 0] = True  # every row sees a key ...
+    if hide_a_row:
+        mask[0, 0, 3, :] = False  # ... but this one
+    return q, k, v, jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("f", SPELLINGS, ids=lambda f: f.__name__)
+def test_values_and_gradients_match_jit(rewritten, f):
+    args = operands(f)
+    cotangent = random_normal(9, (B, T, N, H))
+    loss = weighted(f, cotangent)
+    floats = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
+    expected = jax.jit(jax.value_and_grad(loss, argnums=floats))(*args)
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, *args) == [REWRITTEN]
+    assert op_names(optimized, *args) == ["DotProductAttention"]
+    assert_close(optimized(*args), jax.jit(f)(*args))
+    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=floats)(*args)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
+
+
+@pytest.mark.parametrize("f", [einsum_scaled_after, matmul_heads_first_soft_cap],
+                         ids=lambda f: f.__name__)
+def test_a_row_with_every_key_hidden_is_plain_jaxs(rewritten, f):
+    """A finite fill averages the values there; `-inf` gives NaN."""
+    args = operands(f, hide_a_row=True)
+    expected = jax.jit(f)(*args)
+    actual = tokamax.optimize(f)(*args)
+    assert outcomes(tokamax.optimize(f), *args) == [REWRITTEN]
+    assert np.array_equal(np.isnan(actual), np.isnan(expected))
+    assert np.isnan(expected).any() == (f is matmul_heads_first_soft_cap)
+    assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+
+def test_vmap_scan_and_remat_bodies(rewritten):
+    q, k, v, mask = operands(einsum_scaled_after)
+    cotangent = random_normal(9, (B, T, N, H))
+
+    def per_example(q, k, v, mask):
+        return einsum_scaled_after(q[None], k[None], v[None], mask[None])[0]
+
+    def model(q, k, v, mask):
+        def layer(h, _):
+            return jax.checkpoint(jax.vmap(per_example))(h, k, v, mask), None
+
+        return (jax.lax.scan(layer, q, length=2)[0] * cotangent).sum()
+
+    optimized = tokamax.optimize(model)
+    matches = optimized.plan(q, k, v, mask).matches
+    assert [m.path for m in matches] == ["scan/checkpoint/attention"]
+    assert all(m.rewritten for m in matches)
+    expected = jax.jit(jax.value_and_grad(model, argnums=(0, 1, 2)))(q, k, v, mask)
+    value, grads = jax.value_and_grad(optimized, argnums=(0, 1, 2))(q, k, v, mask)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
+
+
+def fill_not_large_enough(q, k, v, mask):
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k) * 0.25, -10.0)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def softmax_over_queries(q, k, v, mask):
+    logits = einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-2), v)
+
+
+def dropout(q, k, v, mask):
+    logits = einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    kept = jax.random.bernoulli(jax.random.key(0), 0.9, logits.shape)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1) * kept / 0.9, v)
+
+
+def mask_before_the_soft_cap(q, k, v, mask):
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k), -1e10)
+    logits = 20.0 * jnp.tanh(logits / 20.0)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+@pytest.mark.parametrize("f", [fill_not_large_enough, softmax_over_queries, dropout,
+                               mask_before_the_soft_cap], ids=lambda f: f.__name__)
+def test_near_misses_are_left_as_written(rewritten, f):
+    args = operands(f)
+    optimized = tokamax.optimize(f)
+    assert not any(m.rewritten for m in optimized.plan(*args).matches)
+    assert op_names(optimized, *args) == []
+    assert_close(optimized(*args), jax.jit(f)(*args))
+
+
+def test_probabilities_used_elsewhere_are_named(rewritten):
+    def also_returns_probabilities(q, k, v, mask):
+        probabilities = jax.nn.softmax(einsum("bqhd,bkhd->bhqk", q, k) * 0.25, axis=-1)
+        return einsum("bhqk,bkhd->bqhd", probabilities, v), probabilities
+
+    args = operands(einsum_scaled_after)
+    optimized = tokamax.optimize(also_returns_probabilities)
+    (match,) = optimized.plan(*args).matches
+    assert not match.rewritten and "used elsewhere" in match.reason
+
+
+# --- selection: only where a kernel is chosen ------------------------------------------
+
+Q = jax.ShapeDtypeStruct((4, 4096, 16, 128), jnp.bfloat16)
+
+
+def causal_attention(q, k, v):
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 128**0.5
+    mask = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def test_a_kernel_predicted_faster_replaces_the_attention(calibration_dir):
+    calibrate(calibration_dir, {"PallasMosaicGpuFlashAttention": 0.8,
+                                "PallasTritonFlashAttention": 0.7, "DotProductAttention": 0.05})
+    plan = h200_plan(causal_attention, Q, Q, Q)
+    (match,) = plan.matches
+    assert match.rewritten and match.implementation["cuda"] != "xla", match.outcome
+    assert match.source_line.endswith("(causal_attention)")
+    for option in (False, ("layer_norm",)):
+        assert not h200_plan(causal_attention, Q, Q, Q, rewrite=option).matches

@@ -1,0 +1,167 @@
+"""`optimize` rewrites `x @ w` followed by softmax cross-entropy with integer labels,
+written in plain JAX (`log_softmax` + `take_along_axis`, or as optax spells it), into the
+`linear_softmax_cross_entropy_loss` op where `implementation=None` picks a kernel for
+it, and leaves near-misses as written.
+
+On CPU the plain path is chosen, so `rewritten` keeps every candidate: values and
+gradients of the rewritten program (the op's `xla` path and its VJP) are compared with
+`jax.jit` of the user's function, in float32 at HIGHEST precision.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tokamax_pass as tokamax
+from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes
+from conftest import assert_close, calibrate, random_normal
+
+B, T, H, V = 2, 6, 16, 24
+REWRITTEN = "rewritten: cpu xla"
+
+
+@pytest.fixture
+def rewritten(monkeypatch):
+    keep_every_candidate(monkeypatch)
+
+
+def logits_of(x, w):
+    return jnp.matmul(x, w, precision=HIGHEST).astype(jnp.float32)
+
+
+def log_softmax_loss(x, w, labels):
+    log_probs = jax.nn.log_softmax(logits_of(x, w), axis=-1)
+    return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+
+
+def optax_spelling(x, w, labels):
+    """`optax.softmax_cross_entropy_with_integer_labels(x @ w, labels)`, as optax writes it."""
+    logits = logits_of(x, w)
+    label_logits = jnp.take_along_axis(logits, jnp.expand_dims(labels, -1), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - label_logits.squeeze(-1)
+
+
+def mean_loss(x, w, labels):
+    return optax_spelling(x, w, labels).mean()
+
+
+def operands(seed=0, dtype=jnp.float32):
+    x = random_normal(seed, (B, T, H), dtype)
+    w = random_normal(seed + 1, (H, V), dtype)
+    # Negative labels count from the end, as take_along_axis indexes.
+    labels = jax.random.randint(jax.random.key(seed + 2), (B, T), -V, V)
+    return x, w, labels
+
+
+@pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, mean_loss],
+                         ids=lambda f: f.__name__)
+def test_values_and_gradients_match_jit(rewritten, f):
+    x, w, labels = operands()
+    cotangent = random_normal(9, jax.eval_shape(f, x, w, labels).shape)
+
+    def loss(x, w, labels):
+        return (f(x, w, labels) * cotangent).sum()
+
+    expected = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w, labels)
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, x, w, labels) == [REWRITTEN]
+    assert op_names(optimized, x, w, labels) == ["LinearSoftmaxCrossEntropyLoss"]
+    assert_close(optimized(x, w, labels), jax.jit(f)(x, w, labels))
+    value, grads = jax.value_and_grad(lambda x, w, labels: (optimized(x, w, labels)
+                                                            * cotangent).sum(),
+                                      argnums=(0, 1))(x, w, labels)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
+
+
+def test_labels_out_of_range_give_nan_as_take_along_axis_does(rewritten):
+    x, w, _ = operands()
+    labels = jnp.array([[0, V, -V - 1, 3, -1, 2]] * B, jnp.int32)
+    expected = jax.jit(log_softmax_loss)(x, w, labels)
+    actual = tokamax.optimize(log_softmax_loss)(x, w, labels)
+    assert jnp.array_equal(jnp.isnan(actual), jnp.isnan(expected))
+    assert jnp.isnan(expected).sum() == 2 * B
+    assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+
+def test_a_gradient_traced_inside_optimize_keeps_the_plain_loss(rewritten):
+    x, w, labels = operands()
+    grad = jax.grad(mean_loss, argnums=(0, 1))
+    optimized = tokamax.optimize(grad)
+    assert not any(m.rewritten for m in optimized.plan(x, w, labels).matches)
+    assert op_names(optimized, x, w, labels) == []
+    for actual, wanted in zip(optimized(x, w, labels), jax.jit(grad)(x, w, labels),
+                              strict=True):
+        assert_close(actual, wanted)
+
+
+def logits_used_twice(x, w, labels):
+    logits = logits_of(x, w)
+    label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(logits, axis=-1) - label_logits + logits.max(-1)
+
+
+def softmax_over_the_wrong_axis(x, w, labels):
+    log_probs = jax.nn.log_softmax(logits_of(x, w), axis=0)
+    return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+
+
+def smoothed_labels(x, w, labels):
+    log_probs = jax.nn.log_softmax(logits_of(x, w), axis=-1)
+    picked = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+    return -(0.9 * picked + 0.1 * log_probs.mean(-1))
+
+
+def bfloat16_logits(x, w, labels):
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    log_probs = jax.nn.log_softmax(x @ w, axis=-1)
+    return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+
+
+@pytest.mark.parametrize("f", [softmax_over_the_wrong_axis, smoothed_labels, bfloat16_logits],
+                         ids=lambda f: f.__name__)
+def test_near_misses_are_left_as_written(rewritten, f):
+    x, w, labels = operands()
+    optimized = tokamax.optimize(f)
+    assert not any(m.rewritten for m in optimized.plan(x, w, labels).matches)
+    assert op_names(optimized, x, w, labels) == []
+    assert_close(optimized(x, w, labels), jax.jit(f)(x, w, labels))
+
+
+def test_logits_used_elsewhere_are_named(rewritten):
+    x, w, labels = operands()
+    optimized = tokamax.optimize(logits_used_twice)
+    (match,) = optimized.plan(x, w, labels).matches
+    assert not match.rewritten and "used elsewhere" in match.reason
+    assert_close(optimized(x, w, labels), jax.jit(logits_used_twice)(x, w, labels))
+
+
+# --- selection: only where a kernel is chosen ------------------------------------------
+
+X = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16)
+W = jax.ShapeDtypeStruct((4096, 128256), jnp.bfloat16)
+LABELS = jax.ShapeDtypeStruct((8192,), jnp.int32)
+
+
+def lm_head_loss(x, w, labels):
+    logits = (x @ w).astype(jnp.float32)
+    label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return (jax.nn.logsumexp(logits, axis=-1) - label_logits).mean()
+
+
+def test_a_kernel_predicted_faster_replaces_the_loss(calibration_dir):
+    calibrate(calibration_dir, {"PallasMosaicGpuLinearSoftmaxCrossEntropyLoss": 0.8,
+                                "LinearSoftmaxCrossEntropyLoss": 0.05})
+    plan = h200_plan(lm_head_loss, X, W, LABELS)
+    (match,) = plan.matches
+    assert match.rewritten and match.implementation["cuda"] != "xla", match.outcome
+    assert match.source_line.endswith("(lm_head_loss)")
+
+
+def test_rewrite_option_selects_the_pattern(calibration_dir):
+    calibrate(calibration_dir, {"PallasMosaicGpuLinearSoftmaxCrossEntropyLoss": 0.8,
+                                "LinearSoftmaxCrossEntropyLoss": 0.05})
+    for option in (False, ("layer_norm",)):
+        plan = h200_plan(lm_head_loss, X, W, LABELS, rewrite=option)
+        assert len(plan) == 0 and not plan.matches

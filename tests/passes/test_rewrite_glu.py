@@ -1,0 +1,190 @@
+"""`optimize` rewrites gated linear units written in plain JAX, `act(x @ w_gate) *
+(x @ w_up)` and the fused `x @ w` split in two, into the `gated_linear_unit` op where
+`implementation=None` picks a kernel for it, and leaves near-misses as written.
+
+On CPU the plain path is chosen, so `rewritten` keeps every candidate: values and
+gradients of the rewritten program (the op's `xla` path and its VJP) are compared with
+`jax.jit` of the user's function, in float32 at HIGHEST precision.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tokamax_pass as tokamax
+from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from conftest import assert_close, calibrate, random_normal
+
+B, T, K, N = 2, 6, 16, 8
+REWRITTEN = "rewritten: cpu xla"
+
+
+@pytest.fixture
+def rewritten(monkeypatch):
+    keep_every_candidate(monkeypatch)
+
+
+def dot(x, w):
+    return jnp.matmul(x, w, precision=HIGHEST)
+
+
+def separate(activation):
+    def glu(x, w_gate, w_up):
+        return activation(dot(x, w_gate)) * dot(x, w_up)
+
+    glu.__name__ = f"glu_{getattr(activation, '__name__', 'none')}"
+    return glu
+
+
+def up_first(x, w_gate, w_up):
+    return dot(x, w_up) * jax.nn.gelu(dot(x, w_gate), approximate=False)
+
+
+def bilinear(x, w_gate, w_up):
+    return dot(x, w_gate) * dot(x, w_up)
+
+
+def fused_split(x, w):
+    gate, up = jnp.split(dot(x, w), 2, axis=-1)
+    return jax.nn.swish(gate) * up
+
+
+def fused_slices_gate_second(x, w):
+    h = dot(x, w)
+    return h[..., :N] * jax.nn.relu(h[..., N:])
+
+
+SEPARATE = [separate(a) for a in (jax.nn.silu, jax.nn.swish, jax.nn.gelu, jax.nn.relu,
+                                  jax.nn.sigmoid)] + [up_first, bilinear]
+FUSED = [fused_split, fused_slices_gate_second]
+
+
+def operands(f, seed=0):
+    x = random_normal(seed, (B, T, K))
+    if f in FUSED:
+        return x, random_normal(seed + 1, (K, 2 * N))
+    return x, random_normal(seed + 1, (K, N)), random_normal(seed + 2, (K, N))
+
+
+@pytest.mark.parametrize("f", SEPARATE + FUSED, ids=lambda f: f.__name__)
+def test_values_and_gradients_match_jit(rewritten, f):
+    args = operands(f)
+    cotangent = random_normal(9, (B, T, N))
+    argnums = tuple(range(len(args)))
+    loss = weighted(f, cotangent)
+    expected = jax.jit(jax.value_and_grad(loss, argnums=argnums))(*args)
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, *args) == [REWRITTEN]
+    assert op_names(optimized, *args) == ["GatedLinearUnit"]
+    assert_close(optimized(*args), jax.jit(f)(*args))
+    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=argnums)(*args)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
+
+
+def test_vmap_scan_and_remat_bodies(rewritten):
+    x = random_normal(0, (B, T, K))
+    gates, ups = random_normal(1, (3, K, K)), random_normal(2, (3, K, K))
+    cotangent = random_normal(3, (B, T, K))
+    glu = separate(jax.nn.silu)
+
+    def model(x, gates, ups):
+        def layer(h, ws):
+            return jax.checkpoint(jax.vmap(glu, (0, None, None)))(h, *ws), None
+
+        return (jax.lax.scan(layer, x, (gates, ups))[0] * cotangent).sum()
+
+    optimized = tokamax.optimize(model)
+    matches = optimized.plan(x, gates, ups).matches
+    assert [m.path for m in matches] == ["scan/checkpoint/gated_linear_unit"]
+    assert all(m.rewritten for m in matches)
+    expected = jax.jit(jax.value_and_grad(model, argnums=(0, 1, 2)))(x, gates, ups)
+    value, grads = jax.value_and_grad(optimized, argnums=(0, 1, 2))(x, gates, ups)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
+
+
+def test_a_gradient_traced_inside_optimize_keeps_the_plain_unit(rewritten):
+    """The plain backward reads the matmuls' values (and JAX splits the activation in a
+    forward and a backward part): the unit stays as written."""
+    glu = separate(jax.nn.silu)
+    args = operands(glu)
+    loss = weighted(glu, random_normal(9, (B, T, N)))
+    optimized = tokamax.optimize(jax.grad(loss, argnums=(0, 1, 2)))
+    assert not any(m.rewritten for m in optimized.plan(*args).matches)
+    assert op_names(optimized, *args) == []
+    for actual, wanted in zip(optimized(*args), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args),
+                              strict=True):
+        assert_close(actual, wanted)
+
+
+def tanh_gate(x, w_gate, w_up):
+    return jnp.tanh(dot(x, w_gate)) * dot(x, w_up)
+
+
+def two_inputs(x, w_gate, w_up):
+    return jax.nn.silu(dot(x, w_gate)) * dot(jnp.flip(x, 0), w_up)
+
+
+def uneven_halves(x, w):
+    h = dot(x, w)
+    return jax.nn.silu(h[..., :N - 1]) * h[..., N + 1:]
+
+
+def float32_from_bfloat16(x, w_gate, w_up):
+    x, w_gate, w_up = (a.astype(jnp.bfloat16) for a in (x, w_gate, w_up))
+    gate = jnp.matmul(x, w_gate, preferred_element_type=jnp.float32)
+    up = jnp.matmul(x, w_up, preferred_element_type=jnp.float32)
+    return jax.nn.silu(gate) * up
+
+
+@pytest.mark.parametrize("f,reason", [
+    (tanh_gate, None), (two_inputs, None), (uneven_halves, None),
+    (float32_from_bfloat16, "the op's output shapes or dtypes differ"),
+], ids=lambda p: getattr(p, "__name__", ""))
+def test_near_misses_are_left_as_written(rewritten, f, reason):
+    args = operands(fused_split if f is uneven_halves else f)
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, *args) == ([] if reason is None else [f"left alone: {reason}"])
+    assert op_names(optimized, *args) == []
+    assert_close(optimized(*args), jax.jit(f)(*args))
+
+
+# --- selection: only where a kernel is chosen ------------------------------------------
+
+X = jax.ShapeDtypeStruct((8192, 4096), jnp.bfloat16)
+W = jax.ShapeDtypeStruct((4096, 14336), jnp.bfloat16)
+KERNELS_FASTER = {"PallasTritonGatedLinearUnit": 0.8, "PallasMosaicGpuGatedLinearUnit": 0.7,
+                  "GatedLinearUnit": 0.05}
+
+
+def swiglu(x, w_gate, w_up):
+    return jax.nn.silu(x @ w_gate) * (x @ w_up)
+
+
+def test_a_kernel_predicted_faster_replaces_the_unit(calibration_dir):
+    calibrate(calibration_dir, KERNELS_FASTER)
+    plan = h200_plan(swiglu, X, W, W)
+    assert len(plan) == 1 and plan[0].op != "GatedLinearUnit"
+    (match,) = plan.matches
+    assert match.rewritten and match.implementation["cuda"] != "xla"
+    assert match.source_line.endswith("(swiglu)")
+
+
+def test_without_evidence_for_a_kernel_the_unit_stays(calibration_dir):
+    calibrate(calibration_dir, {name: 0.05 for name in KERNELS_FASTER} | {
+        "GatedLinearUnit": 0.8})
+    plan = h200_plan(swiglu, X, W, W)
+    assert len(plan) == 0
+    assert [m.outcome for m in plan.matches] == [
+        "left alone: the plain path is chosen (cuda xla)"]
+
+
+def test_rewrite_option_selects_the_pattern(calibration_dir):
+    calibrate(calibration_dir, KERNELS_FASTER)
+    for option in (False, ("layer_norm",)):
+        plan = h200_plan(swiglu, X, W, W, rewrite=option)
+        assert len(plan) == 0 and not plan.matches
+    assert len(h200_plan(swiglu, X, W, W, rewrite=("gated_linear_unit",))) == 1

@@ -1,0 +1,235 @@
+"""`optimize` rewrites LayerNorm and RMSNorm written in `jnp` into the `layer_norm` op
+where `implementation=None` picks a kernel for it, and leaves near-misses as written.
+
+On CPU the plain path is chosen, so `rewritten` keeps every candidate: values and
+gradients of the rewritten program (the op's `xla` path and its VJP) are compared with
+`jax.jit` of the user's function, in float32 at HIGHEST precision.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tokamax_pass as tokamax
+from _rewriting import h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from conftest import assert_close, calibrate, random_normal
+
+B, T, D = 2, 6, 32
+REWRITTEN = "rewritten: cpu xla"
+
+
+@pytest.fixture
+def rewritten(monkeypatch):
+    keep_every_candidate(monkeypatch)
+
+
+def rms_rsqrt(x, scale):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + 1e-6)
+    return (normed * scale).astype(x.dtype)
+
+
+def rms_sqrt_no_keepdims(x, scale):
+    variance = jnp.mean(x * x, axis=-1)
+    return x / jnp.sqrt(variance[..., None] + 1e-5) * scale
+
+
+def rms_gemma(x, scale):
+    x32 = x.astype(jnp.float32)
+    normed = x32 * (1 / jnp.sqrt(jnp.mean(x32 ** 2, axis=-1, keepdims=True) + 1e-6))
+    return (normed * (1 + scale)).astype(x.dtype)
+
+
+def rms_no_scale(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
+
+
+def layer_norm_var(x, scale, offset):
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    variance = jnp.var(x32, axis=-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(variance + 1e-5) * scale + offset).astype(x.dtype)
+
+
+def layer_norm_spelled_out(x, scale, offset):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    variance = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return scale * ((x - mean) / jnp.sqrt(variance + 1e-5)) + offset
+
+
+SPELLINGS = [rms_rsqrt, rms_sqrt_no_keepdims, rms_gemma, rms_no_scale, layer_norm_var,
+             layer_norm_spelled_out]
+
+
+def operands(f, dtype=jnp.float32, seed=0):
+    x = random_normal(seed, (B, T, D), dtype)
+    vectors = [random_normal(seed + 1 + i, (D,)) for i in range(f.__code__.co_argcount - 1)]
+    return (x, *vectors)
+
+
+def check_values_and_gradients(f, args, cotangent, dtype=jnp.float32):
+    argnums = tuple(range(len(args)))
+    loss = weighted(f, cotangent)
+    with jax.default_matmul_precision("highest"):
+        expected = jax.jit(jax.value_and_grad(loss, argnums=argnums))(*args)
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, *args) == [REWRITTEN]
+    assert op_names(optimized, *args) == ["LayerNorm"]
+    out = optimized(*args)
+    assert out.dtype == jax.jit(f)(*args).dtype
+    assert_close(out, jax.jit(f)(*args), dtype)
+    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=argnums)(*args)
+    assert_close(value, expected[0], dtype)
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted, dtype)
+
+
+@pytest.mark.parametrize("f", SPELLINGS, ids=lambda f: f.__name__)
+def test_values_and_gradients_match_jit(rewritten, f):
+    check_values_and_gradients(f, operands(f), random_normal(9, (B, T, D)))
+
+
+def test_bfloat16_input_with_float32_statistics(rewritten):
+    args = operands(layer_norm_var, jnp.bfloat16)
+    check_values_and_gradients(layer_norm_var, args, random_normal(9, (B, T, D)),
+                               jnp.bfloat16)
+
+
+def test_vmap_scan_and_remat_bodies(rewritten):
+    x = random_normal(0, (B, T, D))
+    scales = random_normal(1, (3, D))
+    cotangent = random_normal(2, (B, T, D))
+
+    def model(x, scales):
+        def layer(h, scale):
+            return jnp.tanh(jax.checkpoint(jax.vmap(rms_rsqrt, (0, None)))(h, scale)), None
+
+        return (jax.lax.scan(layer, x, scales)[0] * cotangent).sum()
+
+    optimized = tokamax.optimize(model)
+    matches = optimized.plan(x, scales).matches
+    assert [m.path for m in matches] == ["scan/checkpoint/layer_norm"]
+    assert all(m.rewritten for m in matches)
+    expected = jax.jit(jax.value_and_grad(model, argnums=(0, 1)))(x, scales)
+    value, grads = jax.value_and_grad(optimized, argnums=(0, 1))(x, scales)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
+
+
+def test_a_gradient_traced_inside_optimize_keeps_the_plain_norm(rewritten):
+    """The plain backward reads `rsqrt(var + eps)`: the norm stays as written, and the
+    gradient is still right."""
+    args = operands(rms_rsqrt)
+    loss = weighted(rms_rsqrt, random_normal(9, (B, T, D)))
+    optimized = tokamax.optimize(jax.grad(loss, argnums=(0, 1)))
+    (match,) = optimized.plan(*args).matches
+    assert not match.rewritten and "used elsewhere" in match.reason
+    assert op_names(optimized, *args) == []
+    for actual, wanted in zip(optimized(*args), jax.jit(jax.grad(loss, argnums=(0, 1)))(*args),
+                              strict=True):
+        assert_close(actual, wanted)
+
+
+def eps_outside_sqrt(x, scale):
+    return x / (jnp.sqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True)) + 1e-6) * scale
+
+
+def statistics_in_bfloat16(x, scale):
+    total = jnp.sum(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(total / x.shape[-1] + 1e-6) * scale
+
+
+def mean_rounded_to_bfloat16(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def unbiased_variance(x, scale, offset):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    variance = jnp.var(x, axis=-1, keepdims=True, ddof=1)
+    return (x - mean) * jax.lax.rsqrt(variance + 1e-5) * scale + offset
+
+
+def over_the_first_axis(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=0, keepdims=True) + 1e-6) * scale
+
+
+@pytest.mark.parametrize("f,dtype,reason", [
+    (eps_outside_sqrt, jnp.float32, None),
+    (over_the_first_axis, jnp.float32, None),
+    (mean_rounded_to_bfloat16, jnp.bfloat16, None),
+    (statistics_in_bfloat16, jnp.bfloat16, None),
+    (unbiased_variance, jnp.float32, "the variance divides by n - 1"),
+], ids=lambda p: getattr(p, "__name__", ""))
+def test_near_misses_are_left_as_written(rewritten, f, dtype, reason):
+    args = operands(f, dtype)
+    if f is over_the_first_axis:
+        args = (args[0], random_normal(5, (B, T, D)))
+    optimized = tokamax.optimize(f)
+    matches = optimized.plan(*args).matches
+    assert [m.reason for m in matches] == ([] if reason is None else [
+        m.reason for m in matches if reason in m.reason and not m.rewritten])
+    assert reason is None or matches
+    assert op_names(optimized, *args) == []
+    assert_close(optimized(*args), jax.jit(f)(*args), dtype)
+
+
+# --- selection: only where a kernel is chosen ------------------------------------------
+
+X = jax.ShapeDtypeStruct((20000, 768), jnp.float32)
+SCALE = jax.ShapeDtypeStruct((768,), jnp.float32)
+
+
+def test_a_kernel_predicted_faster_replaces_the_norm(calibration_dir):
+    calibrate(calibration_dir, {"PallasTritonLayerNorm": 0.8, "LayerNorm": 0.05})
+    plan = h200_plan(rms_rsqrt, X, SCALE)
+    assert [row.op for row in plan] == ["PallasTritonLayerNorm"]
+    assert [m.outcome for m in plan.matches] == ["rewritten: cuda triton"]
+    assert plan.matches[0].source_line.endswith("(rms_rsqrt)")
+
+
+def test_without_evidence_for_a_kernel_the_norm_stays(calibration_dir):
+    calibrate(calibration_dir, {"PallasTritonLayerNorm": 0.05, "LayerNorm": 0.8})
+    plan = h200_plan(rms_rsqrt, X, SCALE)
+    assert len(plan) == 0
+    assert [m.outcome for m in plan.matches] == [
+        "left alone: the plain path is chosen (cuda xla)"]
+
+
+def test_rewrite_option_selects_the_pattern(calibration_dir):
+    calibrate(calibration_dir, {"PallasTritonLayerNorm": 0.8, "LayerNorm": 0.05})
+    for option in (False, ("ragged_dot", "gated_linear_unit")):
+        plan = h200_plan(rms_rsqrt, X, SCALE, rewrite=option)
+        assert len(plan) == 0 and not plan.matches
+    assert [row.op for row in h200_plan(rms_rsqrt, X, SCALE, rewrite=("layer_norm",))] == [
+        "PallasTritonLayerNorm"]
+
+
+def test_jit_and_custom_vjp_bodies(rewritten):
+    x, scale = operands(rms_rsqrt)
+    cotangent = random_normal(9, (B, T, D))
+
+    @jax.custom_vjp
+    def custom(x, scale):
+        return rms_rsqrt(x, scale)
+
+    def custom_fwd(x, scale):
+        return rms_rsqrt(x, scale), (x, scale)
+
+    def custom_bwd(saved, g):
+        return jax.vjp(rms_rsqrt, *saved)[1](g)
+
+    custom.defvjp(custom_fwd, custom_bwd)
+
+    def model(x, scale):
+        return ((jax.jit(rms_rsqrt)(x, scale) + custom(x, scale)) * cotangent).sum()
+
+    optimized = tokamax.optimize(model)
+    matches = optimized.plan(x, scale).matches
+    assert [m.path for m in matches] == ["jit[rms_rsqrt]/layer_norm", "custom_vjp/layer_norm"]
+    assert all(m.rewritten for m in matches)
+    expected = jax.jit(jax.value_and_grad(model, argnums=(0, 1)))(x, scale)
+    value, grads = jax.value_and_grad(optimized, argnums=(0, 1))(x, scale)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
