@@ -84,7 +84,8 @@ MODEL_ROWS = {
     "gemma2": "models_gemma2",
     "encoder": "models_encoder",
 }
-VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"), ("tuned", "tuned"),
+VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"),
+            ("rewrite", "plain JAX through `optimize`"), ("tuned", "tuned"),
             ("upstream", "upstream Tokamax 0.0.17"))
 
 

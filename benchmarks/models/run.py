@@ -40,7 +40,7 @@ from tokamax_pass.autotuning import cache
 from tokamax_pass.core.device import device_kind_key
 
 RESULTS = pathlib.Path(__file__).parent.parent / "results"
-VARIANTS = ("plain", "ours", "optimize", "tuned", "upstream")
+VARIANTS = ("plain", "ours", "optimize", "rewrite", "tuned", "upstream")
 # Smoke tolerance by the model's dtype: the relative norm of the difference, per gradient
 # leaf and for the loss, of two programs whose roundings differ in place (about 1.5x the
 # worst difference seen at bfloat16, 2.5x at float16, 10x at float32).
@@ -127,7 +127,9 @@ def time_model(model: Model, variants: list[str], iterations: int, record: Any, 
     step_of = {name: model.step_fn(lib, smoke=tiny) for name, lib in switch.items()}
     steps = {"plain": lambda: jax.jit(step_of["plain"]),
              "ours": lambda: jax.jit(step_of["ours"]),
-             "optimize": lambda: tokamax.optimize(step_of["ours"])}
+             "optimize": lambda: tokamax.optimize(step_of["ours"]),
+             # The plain twin, unmodified, through the pass: its patterns become our ops.
+             "rewrite": lambda: tokamax.optimize(step_of["plain"])}
     if "upstream" in switch:
         steps["upstream"] = lambda: jax.jit(step_of["upstream"])
     for variant in variants:
@@ -141,6 +143,11 @@ def time_model(model: Model, variants: list[str], iterations: int, record: Any, 
                 record(variant, _device_ms(steps[variant](), params, batch, iterations))
             if variant == "optimize":
                 record("optimize_plan", str(tokamax.optimize(step_of["ours"]).plan(params, batch)))
+            if variant == "rewrite":
+                matches = tokamax.optimize(step_of["plain"]).plan(params, batch).matches
+                record("rewrite_matches", [f"{m.pattern} {m.path}: "
+                                           f"{dict(m.implementation) or m.reason}"
+                                           for m in matches])
         except Exception as e:  # noqa: BLE001 - a failing variant is a result
             traceback.print_exc()
             record(variant, {"error": f"{type(e).__name__}: {str(e)[:300]}"})

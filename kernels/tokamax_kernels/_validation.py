@@ -140,8 +140,11 @@ def require_sizes_dtype_holds(name: str, sizes: Any, rows: int, *, op: str,
                               rows_of: str) -> None:
     """A group-size dtype that can count all `rows`: `jax.lax.ragged_dot` sums the sizes
     in their own dtype, so int8 sizes over 128+ rows wrapped and silently put rows in the
-    wrong groups. Checked from the dtype alone, so traced sizes are covered too."""
+    wrong groups. Checked from the dtype alone, so traced sizes are covered too; a symbolic
+    row count (`jax.export`) asks for a dtype that counts any int32 number of rows."""
     largest = int(jnp.iinfo(sizes.dtype).max)
+    if not isinstance(rows, (int, np.integer)):
+        rows = int(jnp.iinfo(jnp.int32).max)
     if largest < rows:
         raise ValueError(
             f"{op}: {name} of dtype {sizes.dtype} (at most {largest}) cannot count the "

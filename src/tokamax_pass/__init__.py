@@ -30,6 +30,7 @@ _LAZY = {
     "autotune": "tokamax_pass.autotuning",
     "AutotuningResult": "tokamax_pass.autotuning",
     "autotuning": None,
+    "config": None,
     "benchmarking": None,
     "batching": None,
     "benchmark": "tokamax_pass.benchmarking",

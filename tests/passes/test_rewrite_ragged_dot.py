@@ -270,3 +270,24 @@ def test_cond_while_and_custom_vjp_bodies(rewritten):
         assert_close(value, expected[0])
         for a, e in zip(grads, expected[1], strict=True):
             assert_close(a, e)
+
+
+def test_a_replicated_out_sharding_is_rewritten_a_split_one_left_alone(calibration_dir):
+    """JAX's transposes carry a replicated `out_sharding` under an abstract mesh (the
+    gradient of a model planned for the H200 here); one that splits the output is not the
+    op's default and stays as written."""
+    from jax.sharding import PartitionSpec as P
+
+    from tokamax_pass.passes import patterns
+
+    calibrate(calibration_dir, KERNELS_FASTER)
+
+    def with_spec(spec):
+        def f(x, w, sizes):
+            return jax.lax.ragged_dot(x, w, sizes, out_sharding=spec)
+        return f
+
+    plan = h200_plan(with_spec(P(None, None)), LHS, RHS, GROUPS)
+    assert [m.outcome for m in plan.matches] == ["rewritten: cuda triton"]
+    split = jax.sharding.NamedSharding(jax.sharding.AbstractMesh((2,), ("x",)), P("x", None))
+    assert not patterns._replicated(split) and patterns._replicated(None)

@@ -74,11 +74,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, d
             return lax.fori_loop(c, d, masked, carry)
         return lax.fori_loop(a, d, plain, carry)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     if group == 1:
-        dk, dv = group_body(0, (zeros, zeros))
+        dk, dv = group_body(0, zeros)
     else:
-        dk, dv = lax.fori_loop(0, group, group_body, (zeros, zeros))
+        dk, dv = lax.fori_loop(0, group, group_body, zeros)
     dk_ref[...] = (dk * spec.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -144,14 +144,15 @@ def flash_attention_backward(
     blocks_dq: tuple[int, int], params_dkv: tuple[int, int], params_dq: tuple[int, int],
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """`(dq, dk, dv, dbias)` for padded inputs (shapes as in `flash_attention_forward`).
+    """`(dq, dk, dv, dbias)` for padded inputs (shapes as in `flash_attention_forward`;
+    `dout` has v's head dim).
 
     `lse2` is the base-2 logsumexp `(B, H, Sq_pad)` with `+inf` on rows that saw nothing,
     `delta = rowsum(out * dout)` `(B, H, Sq_pad)` float32. `dbias` is float32
     `(B, H, Sq_pad, Sk_pad)` (summed over broadcast axes by the caller).
     """
     batch, seq_q, heads, head_dim = q.shape
-    seq_k, kv_heads = k.shape[1], k.shape[2]
+    seq_k, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = heads // kv_heads
     common_operands = [q, k, v, bias, mask, q_lengths, kv_lengths, dout, lse2, delta]
 
@@ -169,18 +170,20 @@ def flash_attention_backward(
     def lengths_spec(x: jax.Array | None) -> pl.BlockSpec | None:
         return None if x is None else pl.BlockSpec((batch,), lambda *_: (0,))
 
-    kv_tile = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
+    k_tile = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
+    v_tile = pl.BlockSpec((None, bk, None, value_dim), lambda j, b, h: (b, j, h, 0))
     q_group = pl.BlockSpec((None, seq_q, group, head_dim), lambda j, b, h: (b, 0, h, 0))
+    do_group = pl.BlockSpec((None, seq_q, group, value_dim), lambda j, b, h: (b, 0, h, 0))
     row_group = pl.BlockSpec((None, group, seq_q), lambda j, b, h: (b, h, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkdv_kernel, spec=spec, block_q=bq, block_k=bk, num_qb=seq_q // bq,
                           group=group, bias_heads=1 if bias is None else bias.shape[1],
                           mask_heads=1 if mask is None else mask.shape[1]),
         grid=(seq_k // bk, batch, kv_heads),
-        in_specs=[q_group, kv_tile, kv_tile, extra_spec_dkv(bias), extra_spec_dkv(mask),
-                  lengths_spec(q_lengths), lengths_spec(kv_lengths), q_group, row_group,
+        in_specs=[q_group, k_tile, v_tile, extra_spec_dkv(bias), extra_spec_dkv(mask),
+                  lengths_spec(q_lengths), lengths_spec(kv_lengths), do_group, row_group,
                   row_group],
-        out_specs=[kv_tile, kv_tile],
+        out_specs=[k_tile, v_tile],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=plgpu.CompilerParams(num_warps=params_dkv[0], num_stages=params_dkv[1]),
@@ -199,7 +202,9 @@ def flash_attention_backward(
                             lambda i, b, h: (b if bb > 1 else 0, h if hb > 1 else 0, i, 0))
 
     q_tile = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
-    kv_full = pl.BlockSpec((None, seq_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    do_tile = pl.BlockSpec((None, bq, None, value_dim), lambda i, b, h: (b, i, h, 0))
+    k_full = pl.BlockSpec((None, seq_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0))
+    v_full = pl.BlockSpec((None, seq_k, None, value_dim), lambda i, b, h: (b, 0, h // group, 0))
     row_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
     out_specs = [q_tile]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -213,8 +218,9 @@ def flash_attention_backward(
     outs = pl.pallas_call(
         kernel,
         grid=(seq_q // bq, batch, heads),
-        in_specs=[q_tile, kv_full, kv_full, extra_spec_dq(bias), extra_spec_dq(mask),
-                  lengths_spec(q_lengths), lengths_spec(kv_lengths), q_tile, row_tile, row_tile],
+        in_specs=[q_tile, k_full, v_full, extra_spec_dq(bias), extra_spec_dq(mask),
+                  lengths_spec(q_lengths), lengths_spec(kv_lengths), do_tile, row_tile,
+                  row_tile],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=params_dq[0], num_stages=params_dq[1]),

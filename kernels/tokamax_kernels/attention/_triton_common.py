@@ -34,9 +34,10 @@ def check_inputs(ba: BoundArguments, target: Target | None, what: str) -> None:
     if jnp.dtype(query.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                                       jnp.dtype(jnp.float32)):
         raise NotImplementedError(f"{what} supports bf16, f16 and f32, not {query.dtype}")
-    if query.shape[-1] > MAX_HEAD_DIM:
-        raise NotImplementedError(
-            f"{what} supports head_dim <= {MAX_HEAD_DIM}, got {query.shape[-1]}")
+    for name in ("query", "value"):
+        if ba.arguments[name].shape[-1] > MAX_HEAD_DIM:
+            raise NotImplementedError(f"{what} supports head_dim <= {MAX_HEAD_DIM}, got "
+                                      f"{ba.arguments[name].shape[-1]} for {name}")
 
 
 def kernel_spec(arguments: dict[str, Any], seq_q: int, seq_k: int) -> KernelSpec:
@@ -83,7 +84,7 @@ def prepare_qkv(q: jax.Array, k: jax.Array, v: jax.Array, pad_q: int, pad_k: int
     d = padded_head_dim(q.shape[-1])
     q = pad_axis(pad_axis(q, 1, pad_q), 3, d)
     k = pad_axis(pad_axis(k, 1, pad_k), 3, d)
-    v = pad_axis(pad_axis(v, 1, pad_k), 3, d)
+    v = pad_axis(pad_axis(v, 1, pad_k), 3, padded_head_dim(v.shape[-1]))
     return q, k, v
 
 

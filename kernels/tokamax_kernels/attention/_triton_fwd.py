@@ -33,7 +33,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, o_ref,
     kv_len = jnp.minimum(kvlen_ref[b], spec.seq_k) if spec.has_kv_lengths else spec.seq_k
     q = q_ref[...]
     rows = r0 + lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-    head_dim = q.shape[-1]
+    value_dim = v_ref.shape[-1]
     element_masks = spec.has_mask or spec.has_bias  # per-element inputs on every block
 
     def body(kb: Any, carry: Any, *, positional: bool) -> Any:
@@ -63,7 +63,7 @@ def _kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, o_ref,
         return acc, m_new, denom
 
     carry = (
-        jnp.zeros((block_q, head_dim), jnp.float32),
+        jnp.zeros((block_q, value_dim), jnp.float32),
         jnp.full((block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
@@ -101,11 +101,12 @@ def flash_attention_forward(
     block_q: int, block_k: int, num_warps: int, num_stages: int, return_lse: bool,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """`(out, lse)` for padded inputs: q `(B, Sq_pad, H, D)`, k/v `(B, Sk_pad, Hk, D)`,
+    """`(out, lse)` for padded inputs: q `(B, Sq_pad, H, D)`, k `(B, Sk_pad, Hk, D)`, v
+    `(B, Sk_pad, Hk, Dv)` (out `(B, Sq_pad, H, Dv)`),
     bias/mask `(Bb, Hb, Sq_pad, Sk_pad)` with `Bb in (1, B)`, `Hb in (1, H)`; lse is
     `(B, H, Sq_pad)` float32 natural-log logsumexp (`-inf` where a row sees nothing)."""
     batch, seq_q, heads, head_dim = q.shape
-    seq_k, kv_heads = k.shape[1], k.shape[2]
+    seq_k, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = heads // kv_heads
     num_qb, num_kb = seq_q // block_q, seq_k // block_k
     in_specs: list[pl.BlockSpec | None]  # `None`: an absent bias, mask or lengths
@@ -120,7 +121,7 @@ def flash_attention_forward(
     in_specs = [
         pl.BlockSpec((None, block_q, None, head_dim), q_index),
         pl.BlockSpec((None, seq_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
-        pl.BlockSpec((None, seq_k, None, head_dim), lambda i, b, h: (b, 0, h // group, 0)),
+        pl.BlockSpec((None, seq_k, None, value_dim), lambda i, b, h: (b, 0, h // group, 0)),
     ]
     operands: list[Any] = [q, k, v]
     for extra in (bias, mask):
@@ -137,8 +138,8 @@ def flash_attention_forward(
     for lengths in (q_lengths, kv_lengths):
         in_specs.append(None if lengths is None else pl.BlockSpec((batch,), lambda i, b, h: (0,)))
         operands.append(lengths)
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [pl.BlockSpec((None, block_q, None, head_dim), q_index)]
+    out_shape = [jax.ShapeDtypeStruct((batch, seq_q, heads, value_dim), q.dtype)]
+    out_specs = [pl.BlockSpec((None, block_q, None, value_dim), q_index)]
     if return_lse:
         out_shape.append(jax.ShapeDtypeStruct((batch, heads, seq_q), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, block_q),

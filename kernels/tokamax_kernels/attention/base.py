@@ -202,6 +202,21 @@ def compute_dtype(dtype: Any) -> Any:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+# Implementations that take a value head dim other than the query's (MLA); the others
+# tile one head dim for query, key and value.
+ANY_VALUE_HEAD_DIM = frozenset({"xla", "xla_chunked", "triton"})
+
+
+def check_value_head_dim(op: Op, ba: BoundArguments) -> None:
+    """`NotImplementedError` where the value head dim differs from the query's and `op` is
+    not among `ANY_VALUE_HEAD_DIM`, so a sequence of implementations or `None` moves on."""
+    query, value = ba.arguments["query"], ba.arguments["value"]
+    if value.shape[3] != query.shape[3] and op.implementation not in ANY_VALUE_HEAD_DIM:
+        raise NotImplementedError(
+            f"{type(op).__name__}: value head_dim {value.shape[3]} differs from the query's "
+            f"{query.shape[3]}; implementations {sorted(ANY_VALUE_HEAD_DIM)} take it")
+
+
 def yields_to_cudnn(other: BoundArguments) -> bool:
     """Whether `other` is cuDNN's attention (forward or gradient) at a call where it is
     not among the tiny ones XLA wins (`Op.unmeasured_plain_path_loses`)."""
@@ -225,6 +240,7 @@ class DotProductAttention(Op[Any]):
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)
+        check_value_head_dim(self, ba)
 
     def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
         """XLA's attention yields to cuDNN's wherever cuDNN runs a call and is not one of
@@ -276,7 +292,10 @@ class DotProductAttention(Op[Any]):
         if key.shape[3] != head_dim:
             raise ValueError(
                 f"{_OP}: key head_dim {key.shape[3]} != query head_dim {head_dim}")
-        v.require_shape("value", value, key.shape, op=_OP, why="the shape of key")
+        if tuple(value.shape[:3]) != tuple(key.shape[:3]) or not value.shape[3]:
+            raise ValueError(
+                f"{_OP}: value must have key's batch, sequence and heads {tuple(key.shape[:3])} "
+                f"and a head_dim of at least 1, got {tuple(value.shape)}")
         kv_heads = key.shape[2]
         if heads % kv_heads:
             raise ValueError(f"{_OP}: key/value heads ({kv_heads}) must divide query heads "
@@ -333,7 +352,7 @@ class DotProductAttention(Op[Any]):
         probs = probs / safe_denom
         out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(value.dtype), value,
                          precision=precision, preferred_element_type=dtype)
-        out = out.reshape(batch, q_len, heads, head_dim).astype(query.dtype)
+        out = out.reshape(batch, q_len, heads, value.shape[3]).astype(query.dtype)
         if not return_residuals:
             return out, None
         lse = jnp.where(denom > 0, row_max + jnp.log(safe_denom), -jnp.inf)[..., 0]
@@ -358,6 +377,7 @@ class DotProductAttentionVjp(VjpOp):
     def check_supported(self, ba: BoundArguments, target: Any) -> None:
         super().check_supported(ba, target)
         check_nonempty_sequences(self, ba)
+        check_value_head_dim(self, ba)
 
     def yields_unmeasured_to(self, ba: BoundArguments, other: BoundArguments) -> bool:
         """As the forward's (`DotProductAttention.yields_unmeasured_to`): the sweep timed
@@ -424,7 +444,7 @@ class XlaDotProductAttentionVjp(DotProductAttentionVjp):
         if keep is not None:  # fully masked rows (lse -inf) are all masked: probs 0
             probs = jnp.where(keep, probs, 0.0)
         q = query.reshape(batch, q_len, kv_heads, groups, head_dim)
-        do = dout.reshape(q.shape)
+        do = dout.reshape(*q.shape[:4], dout.shape[3])
         dv = jnp.einsum("bhgqk,bqhgd->bkhd", probs.astype(value.dtype), do, **mm)
         dprobs = jnp.einsum("bqhgd,bkhd->bhgqk", do, value, **mm)
         if bias is None:

@@ -110,7 +110,7 @@ def needs_folding(query: Any, key: Any, value: Any, bias: Any, mask: Any) -> boo
 def fold(query: Any, key: Any, value: Any, bias: Any, mask: Any, query_seq_lengths: Any,
          key_value_seq_lengths: Any) -> tuple[dict[str, Any], tuple[int, ...]]:
     """The arguments in the family's form (one batch axis, rank-4 bias and mask) and the
-    output's shape (the query's).
+    output's shape (the query's, with the value's head dim).
 
     Raises `ValueError` naming the argument where shapes do not line up as `jax.nn` needs.
     """
@@ -128,7 +128,7 @@ def fold(query: Any, key: Any, value: Any, bias: Any, mask: Any, query_seq_lengt
                         ("key_value_seq_lengths", key_value_seq_lengths)):
         x = _array(name, given)
         folded[name] = None if x is None else _fold_lengths(name, x, batch)
-    return folded, tuple(int(d) for d in query.shape)
+    return folded, (*(int(d) for d in query.shape[:-1]), int(value.shape[-1]))
 
 
 def lse_as_jax_nn(lse: jax.Array, query_shape: tuple[int, ...], dtype: Any) -> jax.Array:

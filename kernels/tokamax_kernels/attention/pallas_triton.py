@@ -137,7 +137,7 @@ class PallasTritonFlashAttention(TritonKernel, DotProductAttention):
             spec=kernel_spec(arguments, seq_q, seq_k), block_q=block_q, block_k=block_k,
             num_warps=config.num_warps, num_stages=config.num_stages,
             return_lse=return_residuals, interpret=self.interpret)
-        out = out[:, :seq_q, :, :head_dim]
+        out = out[:, :seq_q, :, :value.shape[-1]]
         if lse is None:  # residuals not asked for
             return out, None
         return out, (lse[:, :, :seq_q],)

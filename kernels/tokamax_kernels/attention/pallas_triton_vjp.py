@@ -124,8 +124,8 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         pad_q = tiles.round_up(seq_q, max(config.block_q_dkv, config.block_q_dq))
         pad_k = tiles.round_up(seq_k, max(config.block_k_dkv, config.block_k_dq))
         q, k, v = common.prepare_qkv(query, key, value, pad_q, pad_k)
-        d = q.shape[-1]
-        do = common.pad_axis(common.pad_axis(dout.astype(query.dtype), 1, pad_q), 3, d)
+        do = common.pad_axis(common.pad_axis(dout.astype(query.dtype), 1, pad_q), 3,
+                             v.shape[-1])
         dlse = None if dresiduals is None else dresiduals[0]
         if bias is None:
             delta = attention_delta(out, dout, dlse)
@@ -152,7 +152,7 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         grads = {
             "query": dq[:, :seq_q, :, :head_dim],
             "key": dk[:, :seq_k, :, :head_dim],
-            "value": dv[:, :seq_k, :, :head_dim],
+            "value": dv[:, :seq_k, :, :value.shape[-1]],
         }
         if bias is not None and dbias is not None:  # a bias has a gradient
             dbias = dbias[:, :, :seq_q, :seq_k]

@@ -199,7 +199,8 @@ def problem_for(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Ar
 
 def chunked_forward(pb: _Problem) -> tuple[jax.Array, jax.Array]:
     """`(out (B, Sq, H, D) in the input dtype, lse (B, H, Sq) float32)`."""
-    batch, q_pad, kv_heads, groups, head_dim = pb.query.shape
+    batch, q_pad, kv_heads, groups, _ = pb.query.shape
+    value_dim = pb.value.shape[3]  # may differ from the query's head dim (MLA)
     k_blocks = pb.blocks_of(pb.key, pb.chunk_k)
     v_blocks = pb.blocks_of(pb.value, pb.chunk_k)
     stat_shape = (batch, kv_heads, groups, pb.chunk_q)
@@ -224,7 +225,7 @@ def chunked_forward(pb: _Problem) -> tuple[jax.Array, jax.Array]:
             return (new_max, row_sum, acc), None
 
         init = (jnp.full(stat_shape, -jnp.inf, pb.dtype), jnp.zeros(stat_shape, pb.dtype),
-                jnp.zeros((*stat_shape, head_dim), pb.dtype))
+                jnp.zeros((*stat_shape, value_dim), pb.dtype))
         n_k = k_blocks.shape[0]
         (row_max, row_sum, acc), _ = jax.lax.scan(
             kv_chunk, init, (jnp.arange(n_k), k_blocks, v_blocks))
@@ -237,7 +238,7 @@ def chunked_forward(pb: _Problem) -> tuple[jax.Array, jax.Array]:
     q_blocks = pb.blocks_of(pb.query, pb.chunk_q)
     out, lse = jax.lax.map(q_chunk, (jnp.arange(q_blocks.shape[0]), q_blocks))
     # out: (nq, B, Hkv, G, cq, D) -> (B, nq, cq, Hkv, G, D); lse: (nq, B, Hkv, G, cq).
-    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(batch, q_pad, -1, head_dim)
+    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(batch, q_pad, -1, value_dim)
     lse = jnp.transpose(lse, (1, 2, 3, 0, 4)).reshape(batch, kv_heads * groups, q_pad)
     return out[:, :pb.q_len].astype(pb.key.dtype), lse[..., :pb.q_len].astype(jnp.float32)
 
@@ -257,6 +258,7 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     """`(dq, dk, dv, dbias)` from the lse residual; no (Sq, Sk) temporary. `dlse` (B, H, Sq),
     the cotangent of lse as an output, enters as `delta - dlse` (see `base`)."""
     batch, q_pad, kv_heads, groups, head_dim = pb.query.shape
+    value_dim = pb.value.shape[3]
     cq, ck, s = pb.chunk_q, pb.chunk_k, pb.statics
     if pb.bias is None:
         delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
@@ -267,7 +269,7 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     delta = _pad_axis(delta, 1, q_pad, broadcast=False).reshape(batch, q_pad, kv_heads, groups)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # fully masked rows: probabilities are 0
     lse = _pad_axis(lse, 2, q_pad, broadcast=False).reshape(batch, kv_heads, groups, -1, cq)
-    dout = _pad_axis(dout, 1, q_pad, broadcast=False).reshape(pb.query.shape)
+    dout = _pad_axis(dout, 1, q_pad, broadcast=False).reshape(*pb.query.shape[:4], value_dim)
     q_blocks, do_blocks = pb.blocks_of(pb.query, cq), pb.blocks_of(dout, cq)
     lse_blocks = jnp.moveaxis(lse, 3, 0)  # (nq, B, Hkv, G, cq)
     delta_blocks = jnp.transpose(
@@ -305,9 +307,10 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
             dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", dlogits, q_blk, **mm)
             return (dk, dv, dq_acc, dbias_acc), None
 
-        zeros = jnp.zeros((batch, ck, kv_heads, head_dim), pb.dtype)
+        dk0 = jnp.zeros((batch, ck, kv_heads, head_dim), pb.dtype)
+        dv0 = jnp.zeros((batch, ck, kv_heads, value_dim), pb.dtype)
         (dk, dv, dq_acc, dbias_acc), _ = jax.lax.scan(
-            q_chunk, (zeros, zeros, dq_acc, dbias_acc),
+            q_chunk, (dk0, dv0, dq_acc, dbias_acc),
             (jnp.arange(n_q), q_blocks, do_blocks, lse_blocks, delta_blocks))
         return (dq_acc, dbias_acc), (dk, dv)
 
@@ -317,7 +320,7 @@ def chunked_backward(pb: _Problem, lse: jax.Array, out: jax.Array, dout: jax.Arr
     q_len, kv_len = pb.q_len, pb.kv_len
     dq = jnp.moveaxis(dq, 0, 1).reshape(batch, q_pad, kv_heads * groups, head_dim)[:, :q_len]
     dk = jnp.moveaxis(dk, 0, 1).reshape(batch, -1, kv_heads, head_dim)[:, :kv_len]
-    dv = jnp.moveaxis(dv, 0, 1).reshape(batch, -1, kv_heads, head_dim)[:, :kv_len]
+    dv = jnp.moveaxis(dv, 0, 1).reshape(batch, -1, kv_heads, value_dim)[:, :kv_len]
     if dbias is not None:
         dbias = dbias[:, :, :q_len if dbias.shape[2] != 1 else 1,
                       :kv_len if dbias.shape[3] != 1 else 1]
@@ -365,7 +368,8 @@ def exact_delta(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Ar
     cq, ck = pb.chunk_q, pb.chunk_k
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
     lse = _pad_axis(lse, 2, q_pad, broadcast=False).reshape(batch, kv_heads, groups, -1, cq)
-    dout = _pad_axis(dout, 1, q_pad, broadcast=False).reshape(pb.query.shape)
+    dout = _pad_axis(dout, 1, q_pad, broadcast=False).reshape(
+        *pb.query.shape[:4], pb.value.shape[3])
     rows = _delta_blocks(pb, pb.blocks_of(pb.query, cq), pb.blocks_of(dout, cq),
                             jnp.moveaxis(lse, 3, 0), pb.blocks_of(pb.key, ck),
                             pb.blocks_of(pb.value, ck))

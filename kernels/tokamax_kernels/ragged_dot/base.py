@@ -40,9 +40,10 @@ _DIMENSION_NUMBERS = {
 
 
 def canonical_precision(precision: Any, *, op: str) -> Any:
-    """`None`, one `jax.lax.Precision`, or a pair of them (strings like "highest" accepted)."""
-    if precision is None:
-        return None
+    """`None`, one `jax.lax.Precision`, a pair of them (strings like "highest" accepted), or
+    a `jax.lax.DotAlgorithmPreset` (as `jax.lax.dot_general` and upstream Tokamax take)."""
+    if precision is None or isinstance(precision, jax.lax.DotAlgorithmPreset):
+        return precision
     try:
         if isinstance(precision, (tuple, list)):
             if len(precision) != 2:
@@ -51,8 +52,8 @@ def canonical_precision(precision: Any, *, op: str) -> Any:
         return jax.lax.Precision(precision)
     except (ValueError, TypeError, KeyError):
         raise ValueError(
-            f"{op}: precision must be None, a jax.lax.Precision (or its name, e.g. 'highest') "
-            f"or a pair of them, got {precision!r}"
+            f"{op}: precision must be None, a jax.lax.Precision (or its name, e.g. 'highest'), "
+            f"a pair of them or a jax.lax.DotAlgorithmPreset, got {precision!r}"
         ) from None
 
 
@@ -110,9 +111,12 @@ def _runs_tiled(path: str, rule: xla_tiled.TilingRule, variant: str, lhs: Any, r
                 group_sizes: Any) -> bool:
     """`path` "auto": tiled on platforms whose `jax.lax.ragged_dot` is dense per group
     (`xla_tiled.TILED_PLATFORMS`), for floating operands of one dtype, where
-    `rule` predicts the tiled form well ahead of `jax.lax.ragged_dot`."""
+    `rule` predicts the tiled form well ahead of `jax.lax.ragged_dot`. Never for symbolic
+    shapes (`jax.export`): the tiles need the row count, `jax.lax.ragged_dot` does not."""
     if path != "auto":
         return path == "tiled"
+    if not all(isinstance(d, int) for d in (*lhs.shape, *rhs.shape)):
+        return False
     if current_target().platform not in xla_tiled.TILED_PLATFORMS:
         return False
     if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):

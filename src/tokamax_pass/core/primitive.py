@@ -89,10 +89,14 @@ class OpCall:
     # when no candidate can run on a platform it is lowered for).
     rejected: tuple[str, ...] = ()
 
-    def choose(self, candidates: Sequence[BoundArguments], target: Any) -> selection.Choice:
-        """`selection.choose` for this call; failing, it also says why the implementations
-        left out at trace time could not run."""
+    def choose(self, candidates: Sequence[BoundArguments], target: Any,
+               symbolic: bool = False) -> selection.Choice:
+        """`selection.choose` for this call (`choose_for_symbolic_shapes` where a dimension
+        is `symbolic`); failing, it also says why the implementations left out at trace
+        time could not run."""
         try:
+            if symbolic:
+                return selection.choose_for_symbolic_shapes(candidates, target)
             return selection.choose(candidates, target, explicit=self.explicit)
         except NotImplementedError as e:
             if not self.rejected:
@@ -216,6 +220,12 @@ def _batch(operands: Sequence[Any], dims: Sequence[Any], *, call: OpCall) -> tup
     return outs, [0] * len(outs)
 
 
+def has_symbolic_dims(avals: Sequence[Any]) -> bool:
+    """True where a shape holds a dimension that is not an integer (`jax.export`'s
+    symbolic dimensions)."""
+    return any(not isinstance(d, (int, np.integer)) for a in avals for d in a.shape)
+
+
 def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence[Any]:
     partitioned = sharding.partitioned_at_lowering(
         ctx, call, lambda *xs: bind_call(call, *xs))
@@ -223,10 +233,14 @@ def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence
         return mlir.lower_fun(partitioned, multiple_results=True)(ctx, *operands)
     target = device.lowering_target(platform)
     candidates = [call.bound(op, ctx.avals_in) for op in call.candidates]
-    choice = call.choose(candidates, target)
-    encoded = choice.bound.to_json()
+    symbolic = has_symbolic_dims(ctx.avals_in)
+    choice = call.choose(candidates, target, symbolic)
+    # A spec records concrete shapes; a symbolic call is stamped with none, so inspection
+    # and autotuning, which key everything by shape, do not see it.
+    encoded = None if symbolic else choice.bound.to_json()
     for recorder in _RECORDERS:
-        recorder.append(encoded)
+        if encoded is not None:
+            recorder.append(encoded)
     body = call.flat_function(choice.op, choice.op.config)
 
     def fn(*xs: Any) -> list[Any]:
@@ -240,7 +254,8 @@ def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence
         if not _makes_op_calls(jaxpr):
             return mlir.lower_fun(_stand_in(ctx.avals_out), multiple_results=True)(
                 ctx, *operands)
-    with device.lowering_for(target), set_xla_metadata(**{METADATA_KEY: encoded}):
+    metadata = {} if encoded is None else {METADATA_KEY: encoded}
+    with device.lowering_for(target), set_xla_metadata(**metadata):
         return mlir.lower_fun(fn, multiple_results=True)(
             sharding.without_explicit_shardings(ctx), *operands)
 
@@ -353,9 +368,12 @@ def _bind(call: OpCall, operands: Sequence[Any]) -> Any:
 
 def _cotangents(call: OpCall, operands: Sequence[Any], grads: dict[str, Any]) -> tuple[Any, ...]:
     grad_leaves = jax.tree.flatten(grads, is_leaf=_is_none)[0]
-    cotangents = []
+    cotangents: list[Any] = []
     for i, operand in zip(call.operand_indices, operands, strict=True):
         grad = grad_leaves[i]
+        if grad is None and has_symbolic_dims([operand]):
+            cotangents.append(None)  # `custom_vjp` reads `None` as a zero cotangent
+            continue
         if grad is None:
             grad = np.zeros(operand.shape, jax.dtypes.float0)
         cotangents.append(sharding.like_operand(grad, operand))

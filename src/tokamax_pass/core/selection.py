@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from tokamax_pass.core import prediction
+from tokamax_pass.core import options, prediction
 from tokamax_pass.core.device import Target, current_target, lowering_for
 from tokamax_pass.core.op import BoundArguments, CannotLowerHere, NullConfig, Op
 
@@ -105,12 +105,33 @@ def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> 
     if op.config_cls is NullConfig:
         return NullConfig(), "no config"
     target = target or current_target()
-    for source in _SOURCES:
+    for source in _consulted_sources():
         hit = source.find_config(ba.replace(op=op), target.device_kind)
         if hit is not None:
             return hit
+    fallback = options.autotuning_cache_miss_fallback.value
+    if fallback == "error":
+        raise ValueError(
+            f"no config found for {type(op).__name__} on "
+            f"{target.device_kind}, and tokamax_pass.config.autotuning_cache_miss_fallback "
+            "is 'error': autotune this call or pin a config")
+    if fallback == "autotune":
+        return _fastest_measured(ba.replace(op=op)), "autotuned on a cache miss"
     with lowering_for(target):
         return op._get_heuristics_config(ba.replace(op=op)), "heuristics"
+
+
+def _consulted_sources() -> Sequence[ConfigSource]:
+    """The config sources, or none under `tokamax_pass.config.ignore_autotuning_cache`."""
+    return () if options.ignore_autotuning_cache.value else _SOURCES
+
+
+def _fastest_measured(ba: BoundArguments) -> Any:
+    """The fastest of `ba.op`'s candidate configs, measured now (and cached)."""
+    measured = {config: m for config, m in ba.autotune().items() if m.ok}
+    if not measured:
+        raise NotImplementedError(f"{type(ba.op).__name__}: no candidate config ran here")
+    return min(measured, key=lambda config: min(measured[config].evaluation_times_ms))
 
 
 def _ranked(
@@ -130,7 +151,7 @@ def _ranked(
         return candidates, ""
     everything = [*candidates, *evidence_only]
     usable = [i < len(candidates) for i in range(len(everything))]
-    for source in _SOURCES:
+    for source in _consulted_sources():
         order = source.rank(everything, target.device_kind, usable)
         if order is not None:
             return [everything[i] for i in order if usable[i]], ""
@@ -203,6 +224,35 @@ def _fallback_order(supported: list[BoundArguments], target: Target) -> list[Bou
     kernels += [ba for ba in supported
                 if not ba.op.runs_without_evidence and not any(ba is k for k in kernels)]
     return [*kernels, *(ba for ba in supported if ba.op.runs_without_evidence)]
+
+
+SYMBOLIC_SOURCE = "symbolic shapes: the XLA reference"
+
+
+def choose_for_symbolic_shapes(candidates: Sequence[BoundArguments], target: Target) -> Choice:
+    """The first candidate that is an `xla` implementation without a config, for a call
+    whose shapes hold symbolic dimensions (`jax.export` with `jax.export.symbolic_shape`).
+
+    Only those compute in shape-polymorphic `jax.numpy`: a kernel's grid and tiles, and a
+    config's chunk sizes, need every dimension known, and no cache or measurement is keyed
+    by a symbol. Raises `NotImplementedError` naming each candidate left out when none fits.
+    """
+    reasons: list[str] = []
+    for ba in candidates:
+        name = type(ba.op).__name__
+        if ba.op.implementation != "xla" or ba.op.config_cls is not NullConfig:
+            reasons.append(f"{name}: needs every dimension known (symbolic shapes run the "
+                           "XLA reference, implementation='xla')")
+            continue
+        try:
+            ba.op.check_supported(ba, target)
+        except NotImplementedError as e:
+            reasons.append(f"{name}: {e}")
+            continue
+        config = ba.op.config if ba.op.config is not None else NullConfig()
+        return Choice(ba.replace(op=ba.op.replace(config=config)), SYMBOLIC_SOURCE)
+    raise NotImplementedError("no implementation takes symbolic shapes:\n  "
+                              + "\n  ".join(reasons))
 
 
 def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bool) -> Choice:

@@ -117,8 +117,9 @@ def _match_ragged_dot(eqn: Any) -> Candidate:
                                              "ragged_dot")
     if params.get("group_offset") is not None:
         return Candidate("ragged_dot", None, "group_offset is not supported")
-    if params.get("out_sharding") is not None:
-        return Candidate("ragged_dot", None, "an out_sharding is not supported")
+    if not _replicated(params.get("out_sharding")):
+        return Candidate("ragged_dot", None, "an out_sharding that splits the output is not "
+                                             "supported")
     lhs, rhs = (v.aval for v in eqn.invars[:2])
     if not all(jnp.issubdtype(a.dtype, jnp.floating) for a in (lhs, rhs)):
         return Candidate("ragged_dot", None, f"operands {lhs.dtype} and {rhs.dtype} are not "
@@ -194,3 +195,12 @@ def match(eqn: Any, names: frozenset[str], graph: Graph | None = None) -> Candid
             if candidate is not None:
                 return candidate
     return None
+
+
+def _replicated(sharding: Any) -> bool:
+    """Whether an `out_sharding` param asks for nothing beyond the default: none, or a
+    spec that splits no dimension (as JAX's transposes carry under an abstract mesh)."""
+    if sharding is None:
+        return True
+    spec = getattr(sharding, "spec", None)
+    return spec is not None and all(axis is None for axis in spec)
