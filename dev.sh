@@ -61,7 +61,7 @@ case "${1:-}" in
     .venv/bin/python -m ruff check .
     .venv/bin/python -m mypy  # src/ and kernels/, as [tool.mypy] in pyproject.toml says
     .venv/bin/python -m pytest -q -n 2 --durations=20 tests
-    # Deliberate breakages (tests/mutation/mutations.py), each of which a test must catch.
+    # Deliberate breakages (tests/mutation/patches/), each of which a test must catch.
     .venv/bin/python tests/mutation/run_mutations.py --jobs 2
     # bf16 here; the test suite runs the smoke in float16 and float32 (test_models.py;
     # test_plan_audit.py's under `pytest -m slow`).

@@ -22,7 +22,7 @@ kernel at float16 or float32. The run of 2 December 2026 (40 to 50 s): 308
 configurations (bfloat16 147, float16 81, float32 80), 2880 distinct op calls (1368, 756,
 756), none flagged; at float16 and float32 every call ran a plain-JAX path (cuDNN
 attention at float16 only, as plain JAX runs it). A lookup made blind to dtypes on purpose
-is flagged (tests/test_plan_audit.py). `--export-from-cpu` plans as `tokamax-pass export`
+is flagged (tests/passes/test_plan_audit.py). `--export-from-cpu` plans as `tokamax-pass export`
 does on this machine, where cuDNN cannot be lowered (`CannotLowerHere`): a kernel is then
 justified by beating the plain paths lowered here, or cuDNN's measurement on the target;
 2 December: the same 2880 calls, none flagged.

@@ -1,10 +1,10 @@
-"""The mutation check: every breakage in `mutations.MUTATIONS` must fail a test.
+"""The mutation check: every breakage in `tests/mutation/patches/` must fail a test.
 
     python tests/mutation/run_mutations.py [--jobs N] [--only TEXT ...] [--list]
 
-For each mutation: copy `src/`, `kernels/`, `tests/`, `benchmarks/` and `pyproject.toml` to a
-temporary directory, apply the mutation there (the snippet must still occur as many
-times as the mutation says, else the list is stale and the check fails), and run the
+For each mutation (`mutation_patch.py` describes the patch files): copy `src/`, `kernels/`,
+`tests/`, `benchmarks/` and `pyproject.toml` to a temporary directory, apply the patch there
+with `git apply` (a patch that does not apply is stale and fails the check), and run the
 mutation's tests on the copy with pytest. The mutation is caught when one of them fails
 (pytest's exit status 1 with a `FAILED` test); passing tests (a surviving mutation),
 errors (in collection, set-up or usage), or a timeout fail the check. The repository
@@ -28,16 +28,17 @@ _TESTS = str(pathlib.Path(__file__).resolve().parents[1])
 if _TESTS not in sys.path:  # run as a script; pytest puts tests/ on the path itself
     sys.path.insert(0, _TESTS)
 
-from mutation.mutations import MUTATIONS, Mutation  # noqa: E402
+from mutation.mutation_patch import (  # noqa: E402
+    Mutation,
+    StaleMutation,
+    all_mutations,
+    apply,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COPIED = ("src", "kernels", "tests", "benchmarks", "pyproject.toml")
 _IGNORED = shutil.ignore_patterns("__pycache__", ".pytest_cache", "*.pyc")
 PYTEST_FAILED = 1  # pytest's exit status when tests ran and some failed
-
-
-class StaleMutation(ValueError):
-    """The mutation's snippet no longer occurs as often as it says in its file."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,21 +65,6 @@ def copy_repository(root: pathlib.Path, dest: pathlib.Path) -> None:
             shutil.copytree(source, dest / name, ignore=_IGNORED)
         else:
             shutil.copy2(source, dest / name)
-
-
-def apply(mutation: Mutation, tree: pathlib.Path) -> None:
-    """Rewrites `mutation.path` under `tree`; raises `StaleMutation` when the snippet is
-    not found exactly `mutation.count` times."""
-    path = tree / mutation.path
-    if not path.is_file():
-        raise StaleMutation(f"{mutation.path} does not exist")
-    text = path.read_text()
-    found = text.count(mutation.original)
-    if found != mutation.count:
-        raise StaleMutation(
-            f"{mutation.path}: the snippet occurs {found} times, the mutation expects "
-            f"{mutation.count}; update tests/mutation/mutations.py: {mutation.original!r}")
-    path.write_text(text.replace(mutation.original, mutation.replacement))
 
 
 def environment_for(tree: pathlib.Path) -> dict[str, str]:
@@ -135,19 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=1, help="mutations run at once")
     parser.add_argument("--only", nargs="+", default=(), metavar="TEXT",
-                        help="run the mutations whose name contains one of these")
+                        help="run the mutations whose name or patch file name contains one "
+                        "of these")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed for one mutation's tests")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
-    mutations = [m for m in MUTATIONS if not args.only or any(t in m.name for t in args.only)]
+    mutations = [m for m in all_mutations()
+                 if not args.only or any(t in m.name or t in m.patch.stem for t in args.only)]
     if not mutations:
         parser.error(f"--only {' '.join(args.only)} matches no mutation (see --list)")
     if args.list:
         for m in mutations:
-            print(f"{m.name}\n    {m.path}\n    tests: {' '.join(m.tests)}")
+            print(f"{m.name}\n    {m.patch.name}: {' '.join(m.paths)}\n"
+                  f"    tests: {' '.join(m.tests)}")
         return 0
 
     with tempfile.TemporaryDirectory(prefix="tokamax_mutation_probe_") as tmp:

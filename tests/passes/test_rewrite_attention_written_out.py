@@ -12,11 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes, weighted
 
 import tokamax_pass as tokamax
-from conftest import assert_close, random_normal
-from test_selection import calibrate
+from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from conftest import assert_close, calibrate, random_normal
 
 B, T, S, N, K, H = 2, 8, 10, 4, 2, 16
 REWRITTEN = "rewritten: cpu xla"

@@ -11,11 +11,10 @@ gradients of the rewritten program (the op's `xla` path and its VJP) are compare
 import jax
 import jax.numpy as jnp
 import pytest
-from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes
 
 import tokamax_pass as tokamax
-from conftest import assert_close, random_normal
-from test_selection import calibrate
+from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes
+from conftest import assert_close, calibrate, random_normal
 
 B, T, H, V = 2, 6, 16, 24
 REWRITTEN = "rewritten: cpu xla"

@@ -10,11 +10,10 @@ gradients of the rewritten program (the op's `xla` path and its VJP) are compare
 import jax
 import jax.numpy as jnp
 import pytest
-from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes, weighted
 
 import tokamax_pass as tokamax
-from conftest import assert_close, random_normal
-from test_selection import calibrate
+from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from conftest import assert_close, calibrate, random_normal
 
 B, T, K, N = 2, 6, 16, 8
 REWRITTEN = "rewritten: cpu xla"

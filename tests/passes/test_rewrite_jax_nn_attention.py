@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _rewriting import h200_plan, keep_every_candidate, op_names, outcomes, weighted
 
 import tokamax_pass as tokamax
-from conftest import assert_close, random_normal
-from test_selection import calibrate
+from _rewriting import h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from conftest import assert_close, calibrate, random_normal
 from tokamax_pass.passes import patterns_attention
 
 B, T, S, N, K, H = 2, 8, 8, 4, 2, 16

@@ -9,11 +9,10 @@ gradients of the rewritten program (the op's `xla` path and its VJP) are compare
 import jax
 import jax.numpy as jnp
 import pytest
-from _rewriting import h200_plan, keep_every_candidate, op_names, outcomes, weighted
 
 import tokamax_pass as tokamax
-from conftest import assert_close, random_normal
-from test_selection import calibrate
+from _rewriting import h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from conftest import assert_close, calibrate, random_normal
 
 B, T, D = 2, 6, 32
 REWRITTEN = "rewritten: cpu xla"

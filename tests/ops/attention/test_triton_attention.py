@@ -1,0 +1,185 @@
+"""PallasTritonFlashAttention (+ VJP) on CPU beyond the base suite (`test_attention.py`, which
+runs its numerics in Pallas interpret mode): windows wider than a block, the soft cap with a
+per-batch bias, head dims that are not powers of two, the lse residual and its gradient,
+configs and heuristics, cuda lowering through jax.export."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import H200, assert_close, random_normal, reference_precision
+from tokamax_kernels.attention import (
+    PallasTritonFlashAttention,
+    PallasTritonFlashAttentionConfig,
+    PallasTritonFlashAttentionVjp,
+    PallasTritonFlashAttentionVjpConfig,
+)
+from tokamax_kernels.attention.api import dot_product_attention
+from tokamax_pass import core
+
+FWD_CONFIG = PallasTritonFlashAttentionConfig(block_q=16, block_k=16, num_warps=4, num_stages=2)
+VJP_CONFIG = PallasTritonFlashAttentionVjpConfig(16, 16, 4, 2, 16, 16, 4, 2)
+OP = PallasTritonFlashAttention(
+    interpret=True, config=FWD_CONFIG,
+    vjp=PallasTritonFlashAttentionVjp(interpret=True, config=VJP_CONFIG))
+
+
+BATCH = 2  # batch > 1: a kernel that mixes up batch elements must fail
+
+
+def inputs(seq_q=32, seq_k=32, heads=2, kv_heads=2, head_dim=16, dtype=jnp.float32):
+    q = random_normal(0, (BATCH, seq_q, heads, head_dim), dtype)
+    k = random_normal(1, (BATCH, seq_k, kv_heads, head_dim), dtype)
+    v = random_normal(2, (BATCH, seq_k, kv_heads, head_dim), dtype)
+    return q, k, v
+
+
+def check(q, k, v, bias=None, *, grad=True, **options):
+    """Forward and (optionally) the gradient of a nonlinear loss with a random cotangent,
+    kernel vs reference."""
+    cotangent = random_normal(7, q.shape)
+
+    def loss(impl, q, k, v, bias):
+        out = dot_product_attention(q, k, v, bias, implementation=impl, precision="highest",
+                                    **options)
+        return jnp.sum(jnp.sin(out) * cotangent)
+
+    with reference_precision():
+        out = dot_product_attention(q, k, v, bias, implementation=OP, precision="highest",
+                                    **options)
+        ref = dot_product_attention(q, k, v, bias, implementation="xla", precision="highest",
+                                    **options)
+        assert_close(out, ref, q.dtype, scale_rtol=1e-4 if q.dtype == jnp.float32 else None)
+        if not grad:
+            return
+        argnums = (1, 2, 3) if bias is None else (1, 2, 3, 4)
+        grads = jax.grad(loss, argnums=argnums)(OP, q, k, v, bias)
+        refs = jax.grad(loss, argnums=argnums)("xla", q, k, v, bias)
+    for g, r in zip(grads, refs, strict=True):
+        assert_close(g, r, q.dtype, scale_rtol=1e-4 if q.dtype == jnp.float32 else None)
+
+
+def test_local_window_wider_than_a_block_with_edges_inside_blocks():
+    """Windows that span several 16-wide blocks with both edges inside a block: the blocks
+    wholly inside the window run unmasked, and the edge blocks stay masked."""
+    check(*inputs(seq_q=48, seq_k=48, heads=1, kv_heads=1), local_window_size=(21, 19))
+
+
+def test_soft_cap_with_bias_causal():
+    q, k, v = inputs(heads=1, kv_heads=1)
+    # Per batch element, broadcast over heads and query rows.
+    check(q, k, v, random_normal(5, (BATCH, 1, 1, 32)), is_causal=True, logits_soft_cap=3.0)
+
+
+def test_head_dim_not_a_power_of_two():
+    check(*inputs(head_dim=24, heads=1, kv_heads=1), grad=False, is_causal=True)
+
+
+def test_residuals_are_the_family_lse():
+    q, k, v = inputs()
+    ba = OP.bind(q, k, v, is_causal=True)
+    ref = ba.op.reference_op()
+    with reference_precision():
+        _, (lse,) = OP._fwd(**ba.arguments, config=FWD_CONFIG, return_residuals=True)
+        _, (ref_lse,) = ref._fwd(**ba.arguments, config=core.NullConfig(),
+                                 return_residuals=True)
+    assert lse.shape == (BATCH, 2, 32) and lse.dtype == jnp.float32
+    assert_close(lse, ref_lse, scale_rtol=1e-5)
+
+
+def test_triton_without_interpret_on_cpu_raises():
+    q, k, v = inputs()
+    with pytest.raises(NotImplementedError, match="cuda"):
+        dot_product_attention(q, k, v, implementation="triton")
+    # implementation=None moves on to a CPU implementation.
+    assert dot_product_attention(q, k, v).shape == q.shape
+
+
+def test_configs_reject_bad_blocks():
+    with pytest.raises(ValueError, match="block_q"):
+        PallasTritonFlashAttentionConfig(block_q=48)
+    with pytest.raises(ValueError, match="block_k_dq"):
+        PallasTritonFlashAttentionVjpConfig(block_k_dq=8)
+
+
+def test_heuristics_and_search_space():
+    q, k, v = (jax.ShapeDtypeStruct((4, 8192, 16, 128), jnp.bfloat16),) * 3
+    ba = PallasTritonFlashAttention().bind(q, k, v, is_causal=True)
+    config = ba.heuristics_config
+    assert isinstance(config, PallasTritonFlashAttentionConfig)
+    assert len(ba.autotuning_configs) > 10
+    vjp_ba = PallasTritonFlashAttentionVjp().bind((None,), None, None, **ba.arguments)
+    assert isinstance(vjp_ba.heuristics_config, PallasTritonFlashAttentionVjpConfig)
+    assert len(vjp_ba.autotuning_configs) > 10
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_for_cuda_forward_and_gradient(causal):
+    import tokamax_pass
+
+    shapes = [jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16),
+              jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16),
+              jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)]
+
+    def forward(q, k, v):
+        return dot_product_attention(q, k, v, is_causal=causal, implementation="triton")
+
+    def gradient(q, k, v):
+        return jax.grad(lambda *a: forward(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(
+            q, k, v)
+
+    for fn in (forward, gradient):
+        with core.targeting(H200):
+            exported = jax.export.export(
+                jax.jit(fn), platforms=["cuda"],
+                disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(*shapes)
+        text = exported.mlir_module()
+        assert "__gpu$xla.gpu.triton" in text
+        assert core.METADATA_KEY in text
+        if fn is gradient:
+            assert "PallasTritonFlashAttentionVjp" in text
+
+
+def test_gradient_through_lse_with_bias_mask_and_lengths():
+    """`return_residual=True`, both outputs in the loss: dq, dk, dv and dbias against the
+    reference (the lse cotangent enters the kernels' delta; rows that see nothing, from
+    the mask or past the query length, get none)."""
+    q, k, v = inputs(seq_q=32, seq_k=48, heads=4, kv_heads=2)
+    bias = random_normal(3, (BATCH, 4, 32, 48))
+    mask = jax.random.bernoulli(jax.random.key(4), 0.8, (BATCH, 1, 32, 48)).at[0, :, 5].set(False)
+    lengths = dict(query_seq_lengths=jnp.array([32, 20], jnp.int32),
+                   key_value_seq_lengths=jnp.array([40, 48], jnp.int32))
+    ct, ct_lse = random_normal(5, q.shape), random_normal(6, q.shape[:-1])
+
+    def loss(impl, q, k, v, bias):
+        out, lse = dot_product_attention(q, k, v, bias, mask, implementation=impl,
+                                         precision="highest", return_residual=True, **lengths)
+        return jnp.sum(out * ct) + jnp.sum(jnp.where(lse > -1e30, lse, 0.0) * ct_lse)
+
+    with reference_precision():
+        grads = jax.grad(loss, argnums=(1, 2, 3, 4))(OP, q, k, v, bias)
+        refs = jax.grad(loss, argnums=(1, 2, 3, 4))("xla", q, k, v, bias)
+    for g, r in zip(grads, refs, strict=True):
+        assert_close(g, r, scale_rtol=1e-4)
+
+
+def test_gradient_through_lse_lowers_for_cuda():
+    import tokamax_pass
+
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+
+    def gradient(q, k, v):
+        def loss(q, k, v):
+            out, lse = dot_product_attention(q, k, v, implementation="triton",
+                                             return_residual=True)
+            return out.astype(jnp.float32).sum() + lse.astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    with core.targeting(H200):
+        text = jax.export.export(jax.jit(gradient), platforms=["cuda"],
+                                 disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(
+                                     q, kv, kv).mlir_module()
+    assert "PallasTritonFlashAttentionVjp" in text and "dresiduals" in text
