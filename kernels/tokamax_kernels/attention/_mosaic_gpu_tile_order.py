@@ -19,7 +19,8 @@ Where the tiles' lengths differ (causal masks, windows), a block taking every
 last: up to 15% after the others at a causal MHA b4 s4096 d128 forward. There
 `balanced_schedule` hands the order out as a dynamic scheduler would with equally fast
 SMs, each tile in turn to the block that frees first (list scheduling, longest first:
-within 1% of an even split at the shapes of `tests/ops/attention/test_mosaic_gpu_attention_forward.py`).
+within 1% of an even split at the persistent-schedule shapes of
+`tests/ops/attention/test_mosaic_gpu_attention_forward.py`).
 Built at trace time from the tiles' static K/V step counts, it needs no atomic counter,
 and which block runs a tile never changes its numerics.
 """
