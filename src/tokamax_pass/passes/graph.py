@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import linear_util as lu
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
@@ -69,6 +70,23 @@ class Graph:
                 if any(id(user) not in inside for user in self.users(var)):
                     return False
         return True
+
+
+def dense_matmul(graph: Graph, var: Any) -> Any:
+    """The `x @ w` equation making `var` (`x`'s last axis against the first of a `(K, N)`
+    floating `w`, no batch axes, `x` floating too), or `None`."""
+    eqn = graph.producer(var, "dot_general")
+    if eqn is None:
+        return None
+    x, w = eqn.invars
+    rank = len(x.aval.shape)
+    if len(w.aval.shape) != 2 or rank < 1:
+        return None
+    if eqn.params["dimension_numbers"] != (((rank - 1,), (0,)), ((), ())):
+        return None
+    if not all(jnp.issubdtype(a.aval.dtype, jnp.floating) for a in (x, w)):
+        return None
+    return eqn
 
 
 def literal_value(var: Any) -> Any:

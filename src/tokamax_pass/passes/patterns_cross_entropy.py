@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.extend.core import Jaxpr
 
 from tokamax_pass.passes.candidate import Candidate
-from tokamax_pass.passes.graph import Graph, same_structure
+from tokamax_pass.passes.graph import Graph, dense_matmul, same_structure
 
 NAME = "linear_softmax_cross_entropy_loss"
 PRIMITIVES = frozenset({"neg", "sub"})
@@ -135,16 +135,11 @@ def _logits_matmul(graph: Graph, logits: Any) -> tuple[Any, Any, Any, list[Any]]
     if convert is not None:
         plumbing.append(convert)
         logits = convert.invars[0]
-    dot = graph.producer(logits, "dot_general")
+    dot = dense_matmul(graph, logits)
     if dot is None:
         return None
     x, w = dot.invars
-    rank = len(x.aval.shape)
-    if len(w.aval.shape) != 2 or rank < 1:
-        return None
-    if dot.params["dimension_numbers"] != (((rank - 1,), (0,)), ((), ())):
-        return None
-    if x.aval.dtype != w.aval.dtype or not jnp.issubdtype(x.aval.dtype, jnp.floating):
+    if x.aval.dtype != w.aval.dtype:
         return None
     return x, w, dot.params["precision"], [*plumbing, dot]
 

@@ -17,11 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend.core import Jaxpr, Literal
 
 from tokamax_pass.passes.candidate import Candidate
-from tokamax_pass.passes.graph import Graph, same_structure, same_value
+from tokamax_pass.passes.graph import Graph, dense_matmul, same_structure, same_value
 
 NAME = "gated_linear_unit"
 PRIMITIVES = frozenset({"mul"})
@@ -68,7 +67,7 @@ def _candidate(graph: Graph, root: Any, region: list[Any], inputs: tuple[Any, ..
 
 def _separate(graph: Graph, root: Any, gate: Any, up: Any,
               activation: Callable[[Any], Any] | None, region: list[Any]) -> Candidate | None:
-    gate_dot, up_dot = _dense_dot(graph, gate), _dense_dot(graph, up)
+    gate_dot, up_dot = dense_matmul(graph, gate), dense_matmul(graph, up)
     if gate_dot is None or up_dot is None or gate_dot is up_dot:
         return None
     x, w_gate = gate_dot.invars
@@ -96,7 +95,7 @@ def _fused(graph: Graph, root: Any, gate: Any, up: Any,
     if halves is None:
         return None
     projected, gate_first, split_eqns = halves
-    dot = _dense_dot(graph, projected)
+    dot = dense_matmul(graph, projected)
     if dot is None:
         return None
     x, w = dot.invars
@@ -112,23 +111,6 @@ def _fused(graph: Graph, root: Any, gate: Any, up: Any,
         return gated_linear_unit(x, weights, activation=activation, precision=precision)
 
     return _candidate(graph, root, region, (x, w), function)
-
-
-def _dense_dot(graph: Graph, var: Any) -> Any:
-    """The `x @ w` equation making `var`: `x`'s last axis against a `(K, N)` `w`'s first,
-    no batch axes, the result in `x`'s dtype."""
-    eqn = graph.producer(var, "dot_general")
-    if eqn is None:
-        return None
-    x, w = eqn.invars
-    rank = len(x.aval.shape)
-    if len(w.aval.shape) != 2 or rank < 1:
-        return None
-    if eqn.params["dimension_numbers"] != (((rank - 1,), (0,)), ((), ())):
-        return None
-    if not all(jnp.issubdtype(a.aval.dtype, jnp.floating) for a in (x, w)):
-        return None
-    return eqn
 
 
 def _halves(graph: Graph, gate: Any, up: Any) -> tuple[Any, bool, list[Any]] | None:
