@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import pathlib
 import random
 import subprocess
@@ -109,14 +108,9 @@ def run_workers(workers: int, argv: list[str], rows_dir: pathlib.Path,
     turns on the device while the others compile; returns their rows. A worker still
     running after `deadline_s` (a compile that does not end) is stopped, keeping the
     shapes it finished."""
-    lock = rows_dir / "device.lock"
     parts = [rows_dir / f"worker{i}.jsonl" for i in range(workers)]
-    # Each worker returns device memory between calls (`sweep.run_workers` says why).
-    env = {**os.environ, "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
-    processes = [subprocess.Popen([sys.executable, "-m", "benchmarks.generalize", *argv,
-                                   "--shard", f"{i}/{workers}", "--lock", str(lock),
-                                   "--rows-out", str(part)], env=env)
-                 for i, part in enumerate(parts)]
+    processes = sweep.start_workers("benchmarks.generalize", argv, rows_dir / "device.lock",
+                                    parts, "--rows-out")
     stop = time.monotonic() + deadline_s
     for p in processes:
         try:
@@ -173,14 +167,6 @@ def _listed(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else [value]
 
 
-def _shard(text: str) -> tuple[int, int]:
-    index, _, count = text.partition("/")
-    shard = int(index), int(count)
-    if not 0 <= shard[0] < shard[1]:
-        raise argparse.ArgumentTypeError(f"--shard takes I/N with 0 <= I < N, got {text!r}")
-    return shard
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.generalize",
                                      description=__doc__,
@@ -203,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true",
                         help="keep the output file's rows of the families not measured now")
     parser.add_argument("--out", type=pathlib.Path, default=None)
-    parser.add_argument("--shard", type=_shard, default=(0, 1), help=argparse.SUPPRESS)
+    parser.add_argument("--shard", type=sweep.shard_argument, default=(0, 1),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--lock", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--rows-out", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)

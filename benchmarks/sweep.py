@@ -248,19 +248,27 @@ def run_sweep(families: list[str], out: pathlib.Path, *, seed: int, max_seconds:
     return written
 
 
+def start_workers(module: str, argv: list[str], lock: pathlib.Path,
+                  outputs: list[pathlib.Path], output_flag: str) -> list[subprocess.Popen[bytes]]:
+    """Starts `python -m module argv` once per file of `outputs`, each with its shard
+    (`--shard I/N`), the device `lock` they take turns on (`device_turn`), and its output
+    file after `output_flag`."""
+    # Each worker returns device memory between calls (JAX's default allocator keeps what
+    # it grew to, and workers that each hold their largest call's memory run out).
+    env = {**os.environ, "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
+    return [subprocess.Popen([sys.executable, "-m", module, *argv,
+                              "--shard", f"{i}/{len(outputs)}", "--lock", str(lock),
+                              output_flag, str(part)], env=env)
+            for i, part in enumerate(outputs)]
+
+
 def run_workers(workers: int, out: pathlib.Path, argv: list[str]) -> int:
     """Runs the sweep `argv` describes in `workers` processes, each its shard of the calls
     into a file of its own, taking turns on the device (`device_turn`) while the others
     compile; then appends their rows to `out`. Returns the number of rows added."""
     lock = out.with_name(out.name + ".lock")
     parts = [out.with_name(f"{out.name}.worker{i}") for i in range(workers)]
-    # Each worker returns device memory between calls (JAX's default allocator keeps what
-    # it grew to, and workers that each hold their largest call's memory run out).
-    env = {**os.environ, "XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}
-    processes = [subprocess.Popen([sys.executable, "-m", "benchmarks.sweep", *argv,
-                                   "--shard", f"{i}/{workers}", "--lock", str(lock),
-                                   "--out", str(part)], env=env)
-                 for i, part in enumerate(parts)]
+    processes = start_workers("benchmarks.sweep", argv, lock, parts, "--out")
     failed = [p.args for p in processes if p.wait() != 0]
     added = 0
     with out.open("a") as f:
@@ -275,7 +283,8 @@ def run_workers(workers: int, out: pathlib.Path, argv: list[str]) -> int:
     return added
 
 
-def _shard(text: str) -> tuple[int, int]:
+def shard_argument(text: str) -> tuple[int, int]:
+    """`--shard I/N`: this worker's index and the number of workers."""
     index, _, count = text.partition("/")
     shard = int(index), int(count)
     if not 0 <= shard[0] < shard[1]:
@@ -302,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--tiny", action="store_true", help="a few small calls (CPU check)")
     run.add_argument("--workers", type=int, default=1,
                      help="processes that compile side by side and time in turn")
-    run.add_argument("--shard", type=_shard, default=(0, 1), help=argparse.SUPPRESS)
+    run.add_argument("--shard", type=shard_argument, default=(0, 1), help=argparse.SUPPRESS)
     run.add_argument("--lock", type=pathlib.Path, default=None, help=argparse.SUPPRESS)
     run.add_argument("--method", choices=benchmarking.METHODS, default=None,
                      help="timer (default: the best available, CUPTI on a GPU)")

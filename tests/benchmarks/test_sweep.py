@@ -64,7 +64,7 @@ def test_worker_shards_split_the_plan_without_overlap():
     assert sorted(c for shard in shards for c in shard) == sorted(whole)
     assert all(shards)
     with pytest.raises(argparse.ArgumentTypeError):
-        sweep._shard("3/3")
+        sweep.shard_argument("3/3")
 
 
 def test_fit_writes_a_calibration_that_loads_and_predicts_the_measured_calls(tmp_path):
