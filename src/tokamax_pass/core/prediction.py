@@ -137,14 +137,10 @@ def efficiency(calibration: calibration_lib.Calibration, name: str, dtype: str,
     if not same_dtype:
         return (statistics.median(p.efficiency for p in points), False) if points else None
     matching = [p for p in same_dtype if len(p.features) == len(features)]
-    if matching:
-        x = _position(work.flops, work.bytes, features)
-        distances = sorted((math.dist(x, _position(p.flops, p.bytes, p.features)),
-                            p.efficiency) for p in matching)
-    else:
-        x = _position(work.flops, work.bytes, ())
-        distances = sorted((math.dist(x, _position(p.flops, p.bytes, ())), p.efficiency)
-                           for p in same_dtype)
+    compared, used = (matching, tuple(features)) if matching else (same_dtype, ())
+    x = _position(work.flops, work.bytes, used)
+    distances = sorted((math.dist(x, _position(p.flops, p.bytes, p.features[:len(used)])),
+                        p.efficiency) for p in compared)
     near = [(d, e) for d, e in distances[:NEIGHBOURS] if d <= NEIGHBOUR_RADIUS]
     found = near or distances[:NEIGHBOURS]
     weights = [1.0 / (d + 0.05) for d, _ in found]
