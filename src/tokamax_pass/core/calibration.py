@@ -91,30 +91,32 @@ def _features(value: Any, where: str) -> tuple[float, ...]:
         raise CalibrationError(f"{where} must be a list of at most {MAX_FEATURES} numbers")
     found = []
     for j, item in enumerate(value):
-        if isinstance(item, bool) or not isinstance(item, (int, float)):
-            raise CalibrationError(f"{where}[{j}] must be a number, got {type(item).__name__}")
-        try:
-            number = float(item)
-        except OverflowError:
-            number = math.inf
-        if not (math.isfinite(number) and abs(number) <= MAX_FEATURE):
-            raise CalibrationError(f"{where}[{j}] must be finite and within "
-                                   f"+-{MAX_FEATURE}, got {item!r}")
+        number = _finite(item, f"{where}[{j}]")
+        if abs(number) > MAX_FEATURE:
+            raise CalibrationError(f"{where}[{j}] must be within +-{MAX_FEATURE}, got {item!r}")
         found.append(number)
     return tuple(found)
 
 
-def _positive(value: Any, where: str, maximum: float = math.inf) -> float:
+def _finite(value: Any, where: str) -> float:
+    """`value` as a float: a JSON number (not a bool) that is finite."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise CalibrationError(f"{where} must be a number, got {type(value).__name__}")
     try:
-        value = float(value)  # an integer too large for a float is out of range, not a crash
+        number = float(value)  # an integer too large for a float is out of range, not a crash
     except OverflowError:
         raise CalibrationError(f"{where} must be finite, got an integer too large for a "
                                f"float") from None
-    if not math.isfinite(value) or not 0 < value <= maximum:
+    if not math.isfinite(number):
+        raise CalibrationError(f"{where} must be finite, got {value!r}")
+    return number
+
+
+def _positive(value: Any, where: str, maximum: float = math.inf) -> float:
+    number = _finite(value, where)
+    if not 0 < number <= maximum:
         raise CalibrationError(f"{where} must be finite, > 0 and <= {maximum}, got {value!r}")
-    return float(value)
+    return number
 
 
 def _name(value: Any, where: str) -> str:
