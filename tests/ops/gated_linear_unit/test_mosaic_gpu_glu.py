@@ -1,11 +1,12 @@
 """The grouped GLU's Mosaic GPU kernel (`implementation="mosaic_gpu"`).
 
-On CPU: the forward kernel runs in Pallas's GPU interpret mode (`force_gpu_interpret_mode`,
-about 7 s a call here) for the output and the residuals against the float32 HIGHEST
-reference, and the gradient from those residuals (through the Mosaic ragged dots, also
-interpreted, or the XLA ones) against the reference's; the forward and gradient lower for
-an H200 through `jax.export` (`mosaic_gpu_v2` custom calls with their JSON specs);
-unsupported inputs and devices raise `NotImplementedError`; configs and heuristics.
+On CPU: the forward kernel runs in Pallas's GPU interpret mode
+(`_mosaic_gpu_interpret.interpret_mode`) for the output and the residuals against the
+float32 HIGHEST reference, and the gradient from those residuals (through the Mosaic
+ragged dots, also interpreted, or the XLA ones) against the reference's; the forward and
+gradient lower for an H200 through `jax.export` (`mosaic_gpu_v2` custom calls with their
+JSON specs); unsupported inputs and devices raise `NotImplementedError`; configs and
+heuristics.
 On the GPU: `python -m pytest -m gpu tests/ops/gated_linear_unit/test_mosaic_gpu_glu.py`.
 """
 
@@ -15,13 +16,13 @@ import functools
 import re
 
 import jax
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import tokamax_pass as tokamax
+from _mosaic_gpu_interpret import interpret_mode
 from conftest import H200, assert_close, random_normal
 from test_grouped_glu import check_against_reference, inputs, reference
 from tokamax_kernels.gated_linear_unit import (
@@ -210,7 +211,7 @@ def test_interpreted_kernel_matches_reference(fused, activation, mosaic_backward
     x, weights = inputs(fused, jnp.bfloat16, seed=21, m=M, k=K, n=N)
     sizes = jnp.array(SIZES, jnp.int32)
     statics = dict(activation=activation, precision=None)
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    with interpret_mode():
         out, residuals = Op()._fwd(x, weights, **statics, config=SMALL, return_residuals=True,
                                    group_sizes=sizes)
         cotangent = random_normal(28, out.shape).astype(out.dtype)
@@ -239,7 +240,7 @@ def test_interpreted_kernel_matches_reference(fused, activation, mosaic_backward
 def test_interpreted_kernel_without_residuals():
     x, weights = inputs(True, jnp.bfloat16, seed=31, m=M, k=K, n=N)
     sizes = jnp.array((0, 200, 0, 0), jnp.int32)  # one group takes every row
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    with interpret_mode():
         out, residuals = Op()._fwd(x, weights, activation=jax.nn.gelu, precision=None,
                                    config=SMALL, return_residuals=False, group_sizes=sizes)
     assert residuals is None

@@ -1,11 +1,10 @@
 """The Mosaic GPU LM-head loss (`implementation="mosaic"`).
 
 On CPU: the forward and the gradient lower for an H200 through `jax.export` (the
-`mosaic_gpu_v2` custom calls, with their JSON specs) at several shapes; the kernels run
-in Pallas's GPU interpret mode (`plgpu.force_gpu_interpret_mode`, about 5 s a kernel
-call at these small shapes) for the loss and its gradients against the float32 HIGHEST
-reference; unsupported inputs and devices raise `NotImplementedError`; configs and
-heuristics. On the GPU, at larger shapes:
+`mosaic_gpu_v2` custom calls, with their JSON specs) at several shapes; the kernels run in
+Pallas's GPU interpret mode (`_mosaic_gpu_interpret.interpret_mode`) for the loss and its
+gradients against the float32 HIGHEST reference; unsupported inputs and devices raise
+`NotImplementedError`; configs and heuristics. On the GPU, at larger shapes:
 
     PYTHONPATH=src:kernels:. python -m pytest -m gpu \
         tests/ops/linear_softmax_cross_entropy_loss/test_mosaic_gpu_linear_softmax_cross_entropy.py
@@ -20,13 +19,13 @@ import dataclasses
 import re
 
 import jax
-import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import tokamax_pass as tokamax
+from _mosaic_gpu_interpret import interpret_mode
 from conftest import H200, assert_close, random_normal
 from tokamax_kernels.linear_softmax_cross_entropy_loss import (
     MosaicGpuLossConfig,
@@ -241,7 +240,7 @@ def _interpreted(lead, h, v, reduction, cap, backward_config, seed):
     GPU interpret mode, against the reference, forward and gradients."""
     x, labels, w = _inputs(lead, h, v, jnp.bfloat16, seed)
     statics = dict(reduction=reduction, logits_soft_cap=cap, precision=None)
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    with interpret_mode():
         out, residuals = Op()._fwd(x, labels, w, **statics, config=INTERPRET,
                                    return_residuals=True)
         cotangent = random_normal(seed + 7, out.shape)
@@ -282,7 +281,7 @@ def test_interpreted_few_tokens_and_vmap():
         return _reference(x, labels, w, "mean", None)
 
     for weights, axis in ((w, None), (ws, 0)):
-        with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+        with interpret_mode():
             out = jax.vmap(per_example, in_axes=(0, 0, axis))(x, labels, weights)
         want = jax.vmap(reference, in_axes=(0, 0, axis))(x, labels, weights)
         assert_close(out, want, jnp.bfloat16)

@@ -10,6 +10,13 @@ the interpreter runs that form. It also gives TMA stores a `reduction_op="add"` 
 interpreter raises `NotImplementedError` on any `reduction_op`): inside `interpret_mode()`
 such a store adds the SMEM tile into GMEM, `dst += src`, atomically with respect to other
 reduce-adds. Tests only: the kernels' own code is unchanged.
+
+The interpreter simulates every memory access, barrier and `wgmma` through an
+`io_callback`, whose CPU implementation first `device_put`s the callback's NumPy arguments
+back onto the CPU device; the interpreter's callbacks read them as NumPy values anyway.
+Inside `interpret_mode()` the arguments go to the callbacks as they come (NumPy arrays),
+which spares a conversion of every argument of every simulated access (the shared-memory
+model's integer conversion, `_to_int`, is taught NumPy scalars for that).
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
+from jax._src import callback as jax_callback
 from jax._src import core as jax_core
+from jax._src import tree_util
 from jax._src.pallas.mosaic_gpu import primitives as gpu_primitives
 from jax._src.pallas.mosaic_gpu.core import WGMMAAbstractAccumulatorRef
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, jaxpr_interpret, shared_memory
@@ -218,6 +227,26 @@ def _copy_smem_to_gmem_reducing(original):
     return copy_smem_to_gmem
 
 
+def _io_callback_on_host_values(*args, result_avals, callback, sharding, ordered):
+    """`jax._src.callback.io_callback_impl` without its `device_put` of the arguments: the
+    callback gets the host (NumPy) values the runtime handed over."""
+    del result_avals, sharding, ordered
+    return tree_util.tree_map(np.asarray, callback(*args))
+
+
+def _to_int_accepting_numpy(original):
+    """`shared_memory._to_int` (`original`) that also takes NumPy scalars and 0-d arrays,
+    which the callbacks now receive where they received CPU `jax.Array`s."""
+
+    @functools.wraps(original)
+    def to_int(x):
+        if isinstance(x, np.ndarray | np.generic):
+            return x.item()
+        return original(x)
+
+    return to_int
+
+
 @contextlib.contextmanager
 def interpret_mode() -> Iterator[None]:
     """GPU interpret mode for the Mosaic GPU kernels traced inside, `run_state` and
@@ -239,10 +268,14 @@ def interpret_mode() -> Iterator[None]:
         original_deallocate(self)
 
     original_copy = gpu_callbacks.copy_smem_to_gmem
+    original_io_callback = jax_callback.io_callback_impl
+    original_to_int = shared_memory._to_int
 
     jaxpr_interpret.JaxprInterpreter.interpret = interpret
     shared_memory.Barrier.deallocate = deallocate
     gpu_callbacks.copy_smem_to_gmem = _copy_smem_to_gmem_reducing(original_copy)
+    jax_callback.io_callback_impl = _io_callback_on_host_values
+    shared_memory._to_int = _to_int_accepting_numpy(original_to_int)
     try:
         with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
             yield
@@ -250,3 +283,5 @@ def interpret_mode() -> Iterator[None]:
         jaxpr_interpret.JaxprInterpreter.interpret = original
         shared_memory.Barrier.deallocate = original_deallocate
         gpu_callbacks.copy_smem_to_gmem = original_copy
+        jax_callback.io_callback_impl = original_io_callback
+        shared_memory._to_int = original_to_int
