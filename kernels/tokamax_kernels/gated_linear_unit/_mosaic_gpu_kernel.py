@@ -155,7 +155,7 @@ def glu_rows(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.
     call = plgpu.kernel(
         kernel,
         out_type=tuple(out_type),
-        grid=(_gpu.num_sms(),),
+        grid=(_gpu.sm_count(),),
         grid_names=("sm",),
         num_threads=common.NUM_COMPUTE_WGS + 1,
         thread_name="wg",

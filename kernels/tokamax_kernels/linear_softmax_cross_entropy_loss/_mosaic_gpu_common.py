@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tokamax_kernels._gpu import num_sms
+from tokamax_kernels._gpu import sm_count
 from tokamax_kernels.linear_softmax_cross_entropy_loss._mosaic_gpu_kernels import (
     NUM_COMPUTE_WGS,
     Tiles,
@@ -176,7 +176,7 @@ def search_space(hidden: int, vocab: int, *, backward: bool) -> set[MosaicGpuLos
 def vocab_splits(tokens: int, vocab_blocks: int, block_tokens: int) -> int:
     """Vocabulary splits that give every SM a block when the tokens alone do not."""
     token_blocks = math.ceil(tokens / block_tokens)
-    splits = max(1, min(vocab_blocks, math.ceil(num_sms() / token_blocks)))
+    splits = max(1, min(vocab_blocks, math.ceil(sm_count() / token_blocks)))
     return math.ceil(vocab_blocks / math.ceil(vocab_blocks / splits))  # none left empty
 
 

@@ -129,7 +129,7 @@ def ragged_dot_drhs(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *,
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((g, k, n), dtype),
-        grid=(_gpu.num_sms(),),
+        grid=(_gpu.sm_count(),),
         grid_names=("sm",),
         num_threads=common.NUM_COMPUTE_WGS + 1,
         thread_name="wg",

@@ -162,7 +162,7 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((m, n), dtype),
-        grid=(_gpu.num_sms(),),
+        grid=(_gpu.sm_count(),),
         grid_names=("sm",),
         num_threads=common.NUM_COMPUTE_WGS + 1,
         thread_name="wg",
