@@ -53,8 +53,15 @@ case "${1:-}" in
   test)
     setup_venv
     # The CPU tests compile thousands of small programs and run them once: LLVM's
-    # expensive optimizations cost more than they save there (8-15% of the suite's time).
+    # expensive optimizations cost more than they save there.
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    # One XLA compilation cache for this run: the mutation check re-runs tests whose
+    # programs the suite compiled already (a mutation changes the programs it breaks, and
+    # with them their cache keys).
+    JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
+    trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+    export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
     # The checks of .pre-commit-config.yaml, run as the same commands: CI calls the tools
     # directly rather than through pre-commit, which sets up (and, for hooks from other
     # repositories, fetches) environments that an offline CI machine cannot.
