@@ -59,7 +59,8 @@ def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") ->
               eqn.ctx.manager):
             if is_tokamax_call(eqn.primitive):
                 outs = rewriter.bind_call(eqn.params["call"], invals, path)
-            elif (replaced := rewriter.bind_pattern(eqn, read, path, graph)) is not None:
+            elif (replaced := rewriter.bind_pattern(
+                    eqn if graph is None else graph.view(eqn), read, path, graph)) is not None:
                 outs = replaced
             else:
                 params = _params(rewriter, eqn, path)

@@ -96,6 +96,8 @@ class Rewriter:
         self.pattern_primitives = patterns.primitives(rewrite)
         self._matches = matches
         self._autotuned = autotuned
+        # Tracebacks (by id, kept alive) of equations matched before a transformation.
+        self._matched_before_transform: dict[int, Any] = {}
         self._memo: dict[Any, tuple[OpCall, list[tuple[Target, selection.Choice, str]],
                                     tuple[BoundArguments, ...]]] = {}
         # Set when a call is partitioned by `custom_partitioning`: its per-device calls
@@ -157,9 +159,26 @@ class Rewriter:
         the region of `graph` it ends) and `implementation=None` picks a kernel for some
         target; `None` where the equation is to be bound as it is (no pattern, a
         near-miss, or the plain path chosen). `read` gives a variable's value."""
+        kept = self.kept_pattern(eqn, path, graph)
+        if kept is None:
+            return None
+        _, inputs, traced = kept
+        return emit.emit(self, traced, [read(v) for v in inputs], path)
+
+    def kept_pattern(self, eqn: Any, path: str, graph: Graph | None,
+                     names: frozenset[str] | None = None
+                     ) -> tuple[Candidate, Sequence[Any], Any] | None:
+        """The candidate of the pattern (of `names`, all selected ones if `None`) matched
+        at `eqn`, its input variables and the jaxpr of its function, where the rewrite
+        is kept; `None` otherwise (the match, if any, is recorded either way). Equations
+        derived from ones already matched before a transformation (`transforms`) are
+        not matched by `patterns.REGIONS` again."""
         if eqn.primitive.name not in self.pattern_primitives:
             return None
-        candidate = patterns.match(eqn, self.rewrite_patterns, graph)
+        names = self.rewrite_patterns if names is None else names
+        if id(eqn.source_info.traceback) in self._matched_before_transform:
+            names = names - patterns.REGIONS
+        candidate = patterns.match(eqn, names, graph)
         if candidate is None:
             return None
         inputs = eqn.invars if candidate.inputs is None else candidate.inputs
@@ -167,9 +186,13 @@ class Rewriter:
         traced = self.choose_rewrite(candidate, [v.aval for v in inputs],
                                      [v.aval for v in eqn.outvars], label,
                                      patterns.source_line(eqn))
-        if traced is None:
-            return None
-        return emit.emit(self, traced, [read(v) for v in inputs], path)
+        return None if traced is None else (candidate, inputs, traced)
+
+    def matched_before_transform(self, jaxpr: Jaxpr) -> None:
+        """Notes that `jaxpr`'s equations were matched before a transformation: what JAX
+        derives from them keeps their tracebacks, and is not matched again."""
+        for traceback in walk.tracebacks(jaxpr):
+            self._matched_before_transform[id(traceback)] = traceback
 
     def choose_rewrite(self, candidate: Candidate, in_avals: Sequence[Any],
                        out_avals: Sequence[Any], label: str, line: str) -> Any:
