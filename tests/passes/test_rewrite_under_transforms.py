@@ -251,3 +251,18 @@ def test_the_rule_decides_under_a_gradient(calibration_dir, kernel_wins):
         assert [m.outcome for m in plan.matches] == [
             "left alone: the plain path is chosen (cuda xla)"]
         assert len(plan) == 0
+
+
+def test_the_librarys_own_autodiff_is_left_to_jax(rewritten):
+    """An op's autodiff differentiates its reference with `jax.vjp`: not rewritten into
+    the op itself."""
+    namespace = {"__name__": "tokamax_kernels.reference", "jax": jax, "rms_norm": rms_norm}
+    exec("def pullback(x, scale, cotangent):\n"
+         "    return jax.vjp(rms_norm, x, scale)[1](cotangent)\n", namespace)
+    x, scale = CASES["rms_norm"][1]
+    cotangent = random_normal(9, (B, T, D))
+    optimized = tokamax.optimize(namespace["pullback"])
+    matches = optimized.plan(x, scale, cotangent).matches
+    assert [(m.path, m.rewritten) for m in matches] == [("layer_norm", False)]
+    assert_trees_close(optimized(x, scale, cotangent),
+                       jax.jit(namespace["pullback"])(x, scale, cotangent))
