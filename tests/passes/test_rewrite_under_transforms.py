@@ -224,11 +224,10 @@ def test_shard_map_bodies(rewritten, check_vma):
 def test_left_alone_under_a_gradient_is_listed_once_and_unchanged():
     f, args, _ = CASES["rms_norm"]
     step = training_step(f, random_normal(9, (B, T, D)))
-    assert outcomes(tokamax.optimize(step), *args) == [
-        "left alone: the plain path is chosen (cpu xla)"]
-    for option in (False, ("ragged_dot",)):
+    for option, listed in ((True, ["left alone: the plain path is chosen (cpu xla)"]),
+                           (False, []), (("ragged_dot",), [])):
         optimized = tokamax.optimize(step, rewrite=option)
-        assert outcomes(optimized, *args) == []
+        assert outcomes(optimized, *args) == listed
         assert optimized.lower(*args).as_text() == jax.jit(step).lower(*args).as_text()
 
 
