@@ -16,7 +16,7 @@ import pytest
 
 import tokamax_pass as tokamax
 from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes
-from conftest import assert_close, calibrate, random_normal
+from conftest import H200, assert_close, calibrate, random_normal
 
 B, T, D = 2, 6, 32
 REWRITTEN = "rewritten: cpu xla"
@@ -154,6 +154,26 @@ def test_has_aux_argnums_and_nested_parameters(rewritten):
     assert_trees_close(optimized(x, params), jax.jit(step)(x, params))
 
 
+def test_scan_and_remat_bodies_under_a_gradient(rewritten):
+    x = random_normal(0, (B, T, D))
+    scales = random_normal(1, (3, D))
+    cotangent = random_normal(2, (B, T, D))
+
+    def loss(x, scales):
+        def layer(h, scale):
+            return jnp.tanh(jax.checkpoint(rms_norm)(h, scale)), None
+
+        return (jax.lax.scan(layer, x, scales)[0] * cotangent).sum()
+
+    def step(x, scales):
+        return jax.value_and_grad(loss, argnums=(0, 1))(x, scales)
+
+    optimized = tokamax.optimize(step)
+    assert [(m.path, m.outcome) for m in optimized.plan(x, scales).matches] == [
+        ("vjp/scan/checkpoint/layer_norm", REWRITTEN)]
+    assert_trees_close(optimized(x, scales), jax.jit(step)(x, scales))
+
+
 def test_vjp_inside_optimize_and_forward_mode_as_written(rewritten):
     """An op has no forward-mode derivative: under `jax.jvp` the norm stays as written."""
     x, scale = CASES["rms_norm"][1]
@@ -246,6 +266,11 @@ def test_the_rule_decides_under_a_gradient(calibration_dir, kernel_wins):
         assert [m.outcome for m in plan.matches] == ["rewritten: cuda triton"]
         assert [(row.path, row.op) for row in plan] == [("layer_norm", "PallasTritonLayerNorm"),
                                                         ("layer_norm_vjp", "AutodiffVjp")]
+        artifact = tokamax.optimize(step).export(X, SCALE, platforms=["cpu", "cuda"],
+                                                 device_kind=H200)
+        (entry,) = artifact.manifest["rewrites"]
+        assert entry["path"] == "vjp/layer_norm" and entry["rewritten"]
+        assert entry["implementation"] == {"cpu": "xla", "cuda": "triton"}
     else:
         assert [m.outcome for m in plan.matches] == [
             "left alone: the plain path is chosen (cuda xla)"]
