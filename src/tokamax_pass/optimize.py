@@ -12,7 +12,9 @@ the same signature is exactly a `jax.jit` call.
 Plain-JAX patterns (`passes.patterns`: `jax.lax.ragged_dot`, norms, gated linear units,
 cross-entropy losses and attention written in `jnp`) are replaced by op calls in the
 same evaluation, and `jax.nn.dot_product_attention` calls while the function is traced,
-where `implementation=None` picks a kernel for them (`rewrite=`).
+where `implementation=None` picks a kernel for them (`rewrite=`). A function that
+`jax.grad`, `jax.value_and_grad`, `jax.vjp` or `jax.shard_map` transforms while it is
+traced is rewritten before it is transformed (`passes.transforms`).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ partitioned per device as `sharding.bind` decides (each device's call resolved f
 the shapes it sees), or bound as is. Sub-jaxprs holding op calls (`jit`, `scan`,
 `cond`, `while`, `remat`, `custom_vjp`/`custom_jvp`) are traced again the same way;
 `custom_vjp`/`custom_jvp` rules traced later are wrapped to be re-emitted too.
-`shard_map` bodies are already per device: they are rewritten in place.
+`shard_map` bodies are already per device: they are rewritten in place (their
+plain-JAX patterns were replaced when the body was traced, `transforms`).
 """
 
 from __future__ import annotations

@@ -39,8 +39,9 @@ from tokamax_pass.passes.graph import Graph
 from tokamax_pass.passes.rewrite import Rewriter
 
 # Reverse mode: `jax.vjp`, and the function `jax.grad` and `jax.value_and_grad` call
-# (wherever they were made, before `optimize` too). Forward mode (`jax.jvp`, `jacfwd`)
-# is not rewritten: an op's `custom_vjp` has no forward-mode derivative.
+# (wherever they were made, before `optimize` too). A function `jax.jvp` or
+# `jax.linearize` differentiates is not rewritten: JAX has no forward mode of an op's
+# `custom_vjp`.
 _VJP = "vjp"
 _GRAD_FUNCTION = "value_and_grad_f"  # what `jax.grad` and `jax.value_and_grad` return
 # `jax` functions whose function argument (the first) is rewritten when user code calls them.
@@ -89,8 +90,8 @@ def _intercepted(name: str, callers: Callable[[Any], bool]) -> Callable[..., Any
         if _ACTIVE.get() is None or not callers(sys._getframe(1)):
             return original(*args, **kwargs)
         if not args or args[0] is None:  # `jax.shard_map(mesh=..., ...)` as a decorator
-            return lambda fun: original(rewritten(fun, name), *args[1:], **kwargs)
-        return original(rewritten(args[0], name), *args[1:], **kwargs)
+            return lambda fun: original(_rewritten(fun, name), *args[1:], **kwargs)
+        return original(_rewritten(args[0], name), *args[1:], **kwargs)
 
     return intercepted
 
@@ -112,7 +113,7 @@ _FROM_USER_CODE = {name: _intercepted(name, _from_user_code) for name in _PUBLIC
 _FROM_JAX_API = _intercepted(_VJP, _from_grad)
 
 
-def rewritten(fun: Callable[..., Any], transform: str) -> Callable[..., Any]:
+def _rewritten(fun: Callable[..., Any], transform: str) -> Callable[..., Any]:
     """`fun`, computing the matches the rule keeps by op calls when called while
     `optimize` traces (else `fun` itself); matches are listed under `transform`."""
 
