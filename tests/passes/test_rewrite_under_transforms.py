@@ -17,6 +17,7 @@ import pytest
 import tokamax_pass as tokamax
 from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes
 from conftest import H200, assert_close, calibrate, random_normal
+from tokamax_pass.passes import rewrite
 
 B, T, D = 2, 6, 32
 REWRITTEN = "rewritten: cpu xla"
@@ -255,26 +256,45 @@ X = jax.ShapeDtypeStruct((20000, 768), jnp.float32)
 SCALE = jax.ShapeDtypeStruct((768,), jnp.float32)
 
 
-@pytest.mark.parametrize("kernel_wins", [True, False])
-def test_the_rule_decides_under_a_gradient(calibration_dir, kernel_wins):
-    fast, slow = 0.8, 0.05
-    calibrate(calibration_dir, {"PallasTritonLayerNorm": fast if kernel_wins else slow,
-                                "LayerNorm": slow if kernel_wins else fast})
+FAST, SLOW = 0.8, 0.05
+
+
+def test_the_rule_keeps_a_norm_whose_kernel_wins_under_a_gradient(calibration_dir):
+    calibrate(calibration_dir, {"PallasTritonLayerNorm": FAST, "LayerNorm": SLOW,
+                                "PallasTritonLayerNormVjp": SLOW, "AutodiffVjp": FAST})
     step = training_step(rms_norm, np.float32(1.0))
     plan = h200_plan(step, X, SCALE)
-    if kernel_wins:
-        assert [m.outcome for m in plan.matches] == ["rewritten: cuda triton"]
-        assert [(row.path, row.op) for row in plan] == [("layer_norm", "PallasTritonLayerNorm"),
-                                                        ("layer_norm_vjp", "AutodiffVjp")]
-        artifact = tokamax.optimize(step).export(X, SCALE, platforms=["cpu", "cuda"],
-                                                 device_kind=H200)
-        (entry,) = artifact.manifest["rewrites"]
-        assert entry["path"] == "vjp/layer_norm" and entry["rewritten"]
-        assert entry["implementation"] == {"cpu": "xla", "cuda": "triton"}
-    else:
-        assert [m.outcome for m in plan.matches] == [
-            "left alone: the plain path is chosen (cuda xla)"]
-        assert len(plan) == 0
+    assert [m.outcome for m in plan.matches] == [
+        "rewritten: cuda layer_norm triton, layer_norm_vjp xla"]
+    assert [(row.path, row.op) for row in plan] == [("layer_norm", "PallasTritonLayerNorm"),
+                                                    ("layer_norm_vjp", "AutodiffVjp")]
+    artifact = tokamax.optimize(step).export(X, SCALE, platforms=["cpu", "cuda"],
+                                             device_kind=H200)
+    (entry,) = artifact.manifest["rewrites"]
+    assert entry["path"] == "vjp/layer_norm" and entry["rewritten"]
+    assert entry["implementation"] == {
+        "cpu": "xla", "cuda": "layer_norm triton, layer_norm_vjp xla"}
+
+
+def test_the_rule_decides_for_the_ops_gradient_too(monkeypatch):
+    """Under a gradient the op's VJP call is chosen for as well: a kernel for the
+    gradient alone (the forward on XLA) keeps the match, as the library cache makes the
+    encoder's norms run XLA forward and the Triton gradient on the H200."""
+    monkeypatch.setattr(rewrite, "rewrite_wins", lambda chosen: any(
+        rewrite.op_label(op).endswith("_vjp") for op in chosen))
+    f, args, _ = CASES["rms_norm"]
+    assert outcomes(tokamax.optimize(f), *args) == [
+        "left alone: the plain path is chosen (cpu xla)"]
+    assert outcomes(tokamax.optimize(training_step(f, np.float32(1.0))), *args) == [REWRITTEN]
+
+
+def test_the_rule_leaves_a_norm_without_evidence_for_a_kernel(calibration_dir):
+    calibrate(calibration_dir, {"PallasTritonLayerNorm": SLOW, "LayerNorm": FAST,
+                                "PallasTritonLayerNormVjp": SLOW, "AutodiffVjp": FAST})
+    plan = h200_plan(training_step(rms_norm, np.float32(1.0)), X, SCALE)
+    assert [m.outcome for m in plan.matches] == [
+        "left alone: the plain path is chosen (cuda xla)"]
+    assert len(plan) == 0
 
 
 def test_the_librarys_own_autodiff_is_left_to_jax(rewritten):

@@ -123,7 +123,8 @@ def _rewritten(fun: Callable[..., Any], transform: str) -> Callable[..., Any]:
         if rewriter is None:
             return fun(*args, **kwargs)
         jaxpr, values, out_tree = walk.trace_arguments(fun, args, kwargs)
-        outs = walk.trace_plain(emit.emit, _PrimalBinder(rewriter), jaxpr, values, transform)
+        binder = _PrimalBinder(rewriter, differentiated=transform == _VJP)
+        outs = walk.trace_plain(emit.emit, binder, jaxpr, values, transform)
         rewriter.matched_before_transform(jaxpr)
         return jax.tree.unflatten(out_tree, outs)
 
@@ -133,10 +134,12 @@ def _rewritten(fun: Callable[..., Any], transform: str) -> Callable[..., Any]:
 class _PrimalBinder:
     """Evaluates a jaxpr in the current trace (`emit.emit`) with the matches the rule
     keeps computed by their ops; op calls are bound unresolved (the pass resolves them
-    in the transformed program) and `shard_map` bodies as they are."""
+    in the transformed program) and `shard_map` bodies as they are. `differentiated`:
+    the rule decides for each op and its VJP (a kernel for either keeps the match)."""
 
-    def __init__(self, rewriter: Rewriter) -> None:
+    def __init__(self, rewriter: Rewriter, *, differentiated: bool) -> None:
         self._rewriter = rewriter
+        self._differentiated = differentiated
         self._names = rewriter.rewrite_patterns & patterns.REGIONS
         self.pattern_primitives = patterns.primitives(self._names)
 
@@ -145,7 +148,8 @@ class _PrimalBinder:
 
     def bind_pattern(self, eqn: Any, read: Callable[[Any], Any], path: str,
                      graph: Graph | None) -> list[Any] | None:
-        kept = self._rewriter.kept_pattern(eqn, path, graph, self._names)
+        kept = self._rewriter.kept_pattern(eqn, path, graph, self._names,
+                                           differentiated=self._differentiated)
         if kept is None:
             return None
         candidate, inputs, _ = kept
