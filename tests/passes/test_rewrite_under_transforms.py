@@ -286,6 +286,17 @@ def test_the_rule_decides_for_the_ops_gradient_too(monkeypatch):
     assert outcomes(tokamax.optimize(f), *args) == [
         "left alone: the plain path is chosen (cpu xla)"]
     assert outcomes(tokamax.optimize(training_step(f, np.float32(1.0))), *args) == [REWRITTEN]
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+
+    def sharded(x, scale):
+        return jax.shard_map(f, mesh=mesh, in_specs=(jax.P("d"), jax.P()),
+                             out_specs=jax.P("d"))(x, scale)
+
+    assert outcomes(tokamax.optimize(sharded), *args) == [
+        "left alone: the plain path is chosen (cpu xla)"]
+    assert outcomes(tokamax.optimize(training_step(sharded, np.float32(1.0))), *args) == [
+        REWRITTEN]
 
 
 def test_the_rule_leaves_a_norm_without_evidence_for_a_kernel(calibration_dir):

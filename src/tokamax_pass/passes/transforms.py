@@ -15,7 +15,8 @@ other.
 What JAX derives from equations matched here keeps their tracebacks, and the pass does
 not match it again (`Rewriter.matched_before_transform`). `jax.grad` and
 `value_and_grad` are reached wherever they were made; `jax.vjp` and `jax.shard_map`
-where the call is spelled so (not a name imported from `jax` before). Calls made by the
+where they are called while `optimize` traces, spelled so (not a name imported from
+`jax` before, nor a `shard_map` function made before). Calls made by the
 library's own code (an op's autodiff) or by JAX's other internals, in other threads or
 outside `optimize` are JAX's own.
 """
@@ -50,6 +51,10 @@ _ORIGINALS: dict[str, Callable[..., Any]] = {name: getattr(jax, name) for name i
 _LIBRARY_PACKAGES = ("tokamax_pass", "tokamax_kernels")
 _ACTIVE: contextvars.ContextVar[Rewriter | None] = contextvars.ContextVar(
     "tokamax_pass_transforms_rewriter", default=None)
+# Set while a function about to be differentiated is traced: a `shard_map` body inside
+# it is differentiated too.
+_DIFFERENTIATED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "tokamax_pass_transforms_differentiated", default=False)
 _LOCK = threading.Lock()
 # Blocks active now: JAX's functions are ours while any is (one list item, mutated).
 _INSTALLED = [0]
@@ -122,9 +127,14 @@ def _rewritten(fun: Callable[..., Any], transform: str) -> Callable[..., Any]:
         rewriter = _ACTIVE.get()
         if rewriter is None:
             return fun(*args, **kwargs)
-        jaxpr, values, out_tree = walk.trace_arguments(fun, args, kwargs)
-        binder = _PrimalBinder(rewriter, differentiated=transform == _VJP)
-        outs = walk.trace_plain(emit.emit, binder, jaxpr, values, transform)
+        differentiated = transform == _VJP or _DIFFERENTIATED.get()
+        token = _DIFFERENTIATED.set(differentiated)
+        try:
+            jaxpr, values, out_tree = walk.trace_arguments(fun, args, kwargs)
+            binder = _PrimalBinder(rewriter, differentiated=differentiated)
+            outs = walk.trace_plain(emit.emit, binder, jaxpr, values, transform)
+        finally:
+            _DIFFERENTIATED.reset(token)
         rewriter.matched_before_transform(jaxpr)
         return jax.tree.unflatten(out_tree, outs)
 
