@@ -12,7 +12,9 @@ the same signature is exactly a `jax.jit` call.
 Plain-JAX patterns (`passes.patterns`: `jax.lax.ragged_dot`, norms, gated linear units,
 cross-entropy losses and attention written in `jnp`) are replaced by op calls in the
 same evaluation, and `jax.nn.dot_product_attention` calls while the function is traced,
-where `implementation=None` picks a kernel for them (`rewrite=`).
+where `implementation=None` picks a kernel for them (`rewrite=`). A function that
+`jax.grad`, `jax.value_and_grad`, `jax.vjp` or `jax.shard_map` transforms while it is
+traced is rewritten before it is transformed (`passes.transforms`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.op import BoundArguments, NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
-from tokamax_pass.passes import emit, patterns, patterns_attention, walk
+from tokamax_pass.passes import emit, patterns, patterns_attention, transforms, walk
 from tokamax_pass.passes.plan import Plan
 from tokamax_pass.passes.rewrite import Decision, Rewriter, tuning_key
 
@@ -186,17 +188,6 @@ class Optimized:
 
         @functools.wraps(fun)
         def body(*args: Any, **kwargs: Any) -> Any:
-            leaves, treedef = jax.tree.flatten((args, kwargs))
-            dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.core.Tracer)]
-
-            def flat_fun(*values: Any) -> Any:
-                filled = list(leaves)
-                for i, value in zip(dynamic, values, strict=True):
-                    filled[i] = value
-                call_args, call_kwargs = jax.tree.unflatten(treedef, filled)
-                return fun(*call_args, **call_kwargs)
-
-            values = [leaves[i] for i in dynamic]
             targets = _targets(platforms)
             _warn_if_no_results_apply(self.results, targets)
             rewriter = Rewriter(targets, contexts=self._contexts, record=record,
@@ -205,11 +196,12 @@ class Optimized:
             if rewriters is not None:
                 rewriters.append(rewriter)
             with (patterns_attention.intercepting(rewriter.choose_rewrite)
-                  if patterns_attention.NAME in self.rewrite else contextlib.nullcontext()):
-                jaxpr, out_shape = walk.trace_plain(
-                    jax.make_jaxpr(flat_fun, return_shape=True), *values)
+                  if patterns_attention.NAME in self.rewrite else contextlib.nullcontext()), \
+                    (transforms.intercepting(rewriter) if self.rewrite & patterns.REGIONS
+                     else contextlib.nullcontext()):
+                jaxpr, values, out_tree = walk.trace_arguments(fun, args, kwargs)
                 outs = emit.emit(rewriter, jaxpr, values)
-            return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+            return jax.tree.unflatten(out_tree, outs)
 
         return body
 

@@ -8,7 +8,8 @@ partitioned per device as `sharding.bind` decides (each device's call resolved f
 the shapes it sees), or bound as is. Sub-jaxprs holding op calls (`jit`, `scan`,
 `cond`, `while`, `remat`, `custom_vjp`/`custom_jvp`) are traced again the same way;
 `custom_vjp`/`custom_jvp` rules traced later are wrapped to be re-emitted too.
-`shard_map` bodies are already per device: they are rewritten in place.
+`shard_map` bodies are already per device: they are rewritten in place (their
+plain-JAX patterns were replaced when the body was traced, `transforms`).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") ->
               eqn.ctx.manager):
             if is_tokamax_call(eqn.primitive):
                 outs = rewriter.bind_call(eqn.params["call"], invals, path)
-            elif (replaced := rewriter.bind_pattern(eqn, read, path, graph)) is not None:
+            elif (replaced := rewriter.bind_pattern(
+                    eqn if graph is None else graph.view(eqn), read, path, graph)) is not None:
                 outs = replaced
             else:
                 params = _params(rewriter, eqn, path)

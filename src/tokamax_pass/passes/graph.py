@@ -16,27 +16,57 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape"})
 
 
+# Equations that cast a value to another type of the same values (`pvary`: varying over
+# `shard_map` mesh axes, as `jnp` inserts under `check_vma`): patterns read through them.
+_SAME_VALUES = frozenset({"pvary"})
+
+
 class Graph:
-    """The producers and users of every variable of `jaxpr` (its top level)."""
+    """The producers and users of every variable of `jaxpr` (its top level), read through
+    `_SAME_VALUES` casts: `view(eqn)` is the equation as patterns see it."""
 
     def __init__(self, jaxpr: Jaxpr) -> None:
         self._producers: dict[Any, Any] = {}
         self._users: dict[Any, list[Any]] = defaultdict(list)
-        self._outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
-        self._live_ids = live = self._live(jaxpr)
-        for eqn in jaxpr.eqns:
+        self._views: dict[int, Any] = {}
+        eqns = self._read_through_casts(jaxpr.eqns)
+        self._outputs = {self._source.get(v, v) for v in jaxpr.outvars
+                         if not isinstance(v, Literal)}
+        self._live_ids = live = self._live(eqns)
+        for eqn in eqns:
             for var in eqn.invars:
                 if not isinstance(var, Literal) and id(eqn) in live:  # a dead use is none
                     self._users[var].append(eqn)
             for var in eqn.outvars:
                 self._producers[var] = eqn
 
-    def _live(self, jaxpr: Jaxpr) -> set[int]:
+    def _read_through_casts(self, eqns: list[Any]) -> list[Any]:
+        """`eqns` with each use of a `_SAME_VALUES` cast's result reading its operand
+        instead (the casts themselves then dead); `_views` maps the ids of the changed
+        equations to their replacements."""
+        self._source: dict[Any, Any] = {}
+        viewed = []
+        for eqn in eqns:
+            invars = [self._source.get(v, v) if not isinstance(v, Literal) else v
+                      for v in eqn.invars]
+            view = eqn
+            if any(a is not b for a, b in zip(invars, eqn.invars, strict=True)):
+                view = self._views[id(eqn)] = eqn.replace(invars=invars)
+            if view.primitive.name in _SAME_VALUES:
+                self._source.update(zip(view.outvars, view.invars, strict=True))
+            viewed.append(view)
+        return viewed
+
+    def view(self, eqn: Any) -> Any:
+        """`eqn` as patterns see it: reading through casts that keep values."""
+        return self._views.get(id(eqn), eqn)
+
+    def _live(self, eqns: list[Any]) -> set[int]:
         """The ids of the equations whose results reach an output or an effect (`jnp`
         functions leave dead ones, such as `logsumexp`'s unused `sign`)."""
         needed = set(self._outputs)
         live: set[int] = set()
-        for eqn in reversed(jaxpr.eqns):
+        for eqn in reversed(eqns):
             if eqn.effects or any(v in needed for v in eqn.outvars):
                 live.add(id(eqn))
                 needed.update(v for v in eqn.invars if not isinstance(v, Literal))

@@ -162,6 +162,11 @@ _PATTERNS: dict[str, tuple[frozenset[str], Callable[[Any, Graph | None], Candida
     "attention": (patterns_attention_einsum.PRIMITIVES, patterns_attention_einsum.match),
 }
 NAMES = tuple(_PATTERNS)
+# Patterns matched over several equations, whose derivatives read values inside them: a
+# function JAX differentiates or maps is rewritten before (`transforms`). A ragged dot is
+# one equation, and JAX's derivative of it ragged dots this pattern matches too.
+REGIONS = frozenset({"layer_norm", "gated_linear_unit", "linear_softmax_cross_entropy_loss",
+                     "attention"})
 
 
 def selected(rewrite: bool | str | Sequence[str]) -> frozenset[str]:

@@ -96,6 +96,8 @@ class Rewriter:
         self.pattern_primitives = patterns.primitives(rewrite)
         self._matches = matches
         self._autotuned = autotuned
+        # Tracebacks (by id, kept alive) of equations matched before a transformation.
+        self._matched_before_transform: dict[int, Any] = {}
         self._memo: dict[Any, tuple[OpCall, list[tuple[Target, selection.Choice, str]],
                                     tuple[BoundArguments, ...]]] = {}
         # Set when a call is partitioned by `custom_partitioning`: its per-device calls
@@ -157,24 +159,48 @@ class Rewriter:
         the region of `graph` it ends) and `implementation=None` picks a kernel for some
         target; `None` where the equation is to be bound as it is (no pattern, a
         near-miss, or the plain path chosen). `read` gives a variable's value."""
+        kept = self.kept_pattern(eqn, path, graph)
+        if kept is None:
+            return None
+        _, inputs, traced = kept
+        return emit.emit(self, traced, [read(v) for v in inputs], path)
+
+    def kept_pattern(self, eqn: Any, path: str, graph: Graph | None,
+                     names: frozenset[str] | None = None, *, differentiated: bool = False
+                     ) -> tuple[Candidate, Sequence[Any], Any] | None:
+        """The candidate of the pattern (of `names`, all selected ones if `None`) matched
+        at `eqn`, its input variables and the jaxpr of its function, where the rewrite
+        is kept (`choose_rewrite`); `None` otherwise (the match, if any, is recorded
+        either way). Equations derived from ones already matched before a
+        transformation (`transforms`) are not matched by `patterns.REGIONS` again."""
         if eqn.primitive.name not in self.pattern_primitives:
             return None
-        candidate = patterns.match(eqn, self.rewrite_patterns, graph)
+        names = self.rewrite_patterns if names is None else names
+        if id(eqn.source_info.traceback) in self._matched_before_transform:
+            names = names - patterns.REGIONS
+        candidate = patterns.match(eqn, names, graph)
         if candidate is None:
             return None
         inputs = eqn.invars if candidate.inputs is None else candidate.inputs
         label = "/".join(p for p in (path, candidate.pattern) if p)
         traced = self.choose_rewrite(candidate, [v.aval for v in inputs],
                                      [v.aval for v in eqn.outvars], label,
-                                     patterns.source_line(eqn))
-        if traced is None:
-            return None
-        return emit.emit(self, traced, [read(v) for v in inputs], path)
+                                     patterns.source_line(eqn), differentiated=differentiated)
+        return None if traced is None else (candidate, inputs, traced)
+
+    def matched_before_transform(self, jaxpr: Jaxpr) -> None:
+        """Notes that `jaxpr`'s equations were matched before a transformation: what JAX
+        derives from them keeps their tracebacks, and is not matched again."""
+        for traceback in walk.tracebacks(jaxpr):
+            self._matched_before_transform[id(traceback)] = traceback
 
     def choose_rewrite(self, candidate: Candidate, in_avals: Sequence[Any],
-                       out_avals: Sequence[Any], label: str, line: str) -> Any:
+                       out_avals: Sequence[Any], label: str, line: str, *,
+                       differentiated: bool = False) -> Any:
         """The jaxpr of `candidate.function` on `in_avals` where it is kept (a kernel is
-        chosen for some target), else `None`; the match is recorded either way."""
+        chosen for some target), else `None`; the match is recorded either way.
+        `differentiated`: the match is about to be differentiated, so the op's VJP
+        call is chosen for too, and a kernel chosen for either keeps it."""
 
         def note(rewritten: bool, implementation: dict[str, str], reason: str = "",
                  plain_calls: tuple[BoundArguments, ...] = ()) -> None:
@@ -186,10 +212,11 @@ class Rewriter:
         if candidate.function is None:
             note(False, {}, candidate.reason)
             return None
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in in_avals]
         try:
-            traced = walk.trace_plain(jax.make_jaxpr(candidate.function),
-                                      *(jax.ShapeDtypeStruct(a.shape, a.dtype)
-                                        for a in in_avals))
+            traced = walk.trace_plain(jax.make_jaxpr(candidate.function), *specs)
+            decided = traced if not differentiated else walk.trace_plain(
+                jax.make_jaxpr(_with_vjp(candidate.function)), *specs)
         except (ValueError, TypeError, NotImplementedError) as e:
             note(False, {}, f"the op does not take it: {e}")
             return None
@@ -199,19 +226,20 @@ class Rewriter:
             return None
         try:
             resolved = [self._resolved(call.params["call"], [v.aval for v in call.invars])
-                        for call in _op_calls(traced.jaxpr)]
+                        for call in _op_calls(decided.jaxpr)]
         except NotImplementedError as e:
             note(False, {}, str(e))
             return None
-        chosen = {target.platform: choice.op for _, choices, _ in resolved
-                  for target, choice, _ in choices}
-        if not rewrite_wins(chosen.values()):
+        chosen = [(target.platform, choice.op) for _, choices, _ in resolved
+                  for target, choice, _ in choices]
+        implementation = _implementations(chosen)
+        if not rewrite_wins(op for _, op in chosen):
             note(False, {}, "the plain path is chosen (" + ", ".join(
-                f"{platform} {op.implementation}" for platform, op in chosen.items()) + ")",
+                f"{platform} {name}" for platform, name in implementation.items()) + ")",
                 tuple(choice.bound.replace(op=choice.op.replace(config=None))
                       for _, choices, _ in resolved for _, choice, _ in choices))
             return None
-        note(True, {platform: op.implementation for platform, op in chosen.items()})
+        note(True, implementation)
         return traced
 
     def _resolve(self, call: OpCall, avals: Sequence[Any]) -> tuple[
@@ -281,6 +309,31 @@ def rewrite_wins(chosen: Iterable[Op]) -> bool:
     where every target runs the plain path (`xla` computes what the user's equation
     does), the user's equation stays."""
     return any(not op.runs_without_evidence for op in chosen)
+
+
+def _with_vjp(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` and its VJP at its own outputs: the op calls its gradient makes too."""
+
+    def both(*args: Any) -> Any:
+        out, pullback = jax.vjp(function, *args)
+        return out, pullback(out)
+
+    return both
+
+
+def _implementations(chosen: Sequence[tuple[str, Op]]) -> dict[str, str]:
+    """Per platform, the implementation chosen for a match's op calls (in order: the op,
+    then its VJP's): `"triton"`, or each call's where they differ
+    (`"layer_norm xla, layer_norm_vjp triton"`)."""
+    per_platform: dict[str, list[Op]] = {}
+    for platform, op in chosen:
+        per_platform.setdefault(platform, []).append(op)
+    described = {}
+    for platform, ops in per_platform.items():
+        names = {op.implementation for op in ops}
+        described[platform] = names.pop() if len(names) == 1 else ", ".join(
+            f"{op_label(op)} {op.implementation}" for op in ops)
+    return described
 
 
 def _op_calls(jaxpr: Jaxpr) -> Iterator[Any]:

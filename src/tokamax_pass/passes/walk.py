@@ -5,8 +5,10 @@ with every op call a plain `tokamax_call`. Both `emit` (evaluating a jaxpr) and 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 from jax.extend.core import Jaxpr, jaxprs_in_params
 
 from tokamax_pass.core import sharding
@@ -35,6 +37,36 @@ def trace_plain(fn: Any, *args: Any) -> Any:
     """`fn(*args)` with every op call bound as a plain `tokamax_call`."""
     with sharding.partitioning(False):
         return fn(*args)
+
+
+def trace_arguments(fun: Callable[..., Any], args: Any, kwargs: Any
+                    ) -> tuple[Any, list[Any], Any]:
+    """`fun(*args, **kwargs)` traced plainly to a closed jaxpr of its traced arguments
+    (other leaves, such as Python numbers, are seen by `fun` as they are); returns the
+    jaxpr, the values it takes and the tree of its outputs."""
+    leaves, treedef = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.core.Tracer)]
+
+    def flat_fun(*values: Any) -> Any:
+        filled = list(leaves)
+        for i, value in zip(dynamic, values, strict=True):
+            filled[i] = value
+        call_args, call_kwargs = jax.tree.unflatten(treedef, filled)
+        return fun(*call_args, **call_kwargs)
+
+    values = [leaves[i] for i in dynamic]
+    jaxpr, out_shape = trace_plain(jax.make_jaxpr(flat_fun, return_shape=True), *values)
+    return jaxpr, values, jax.tree.structure(out_shape)
+
+
+def tracebacks(jaxpr: Jaxpr) -> Iterator[Any]:
+    """The tracebacks of `jaxpr`'s equations, at any depth (kernel bodies aside)."""
+    for eqn in jaxpr.eqns:
+        if eqn.source_info.traceback is not None:
+            yield eqn.source_info.traceback
+        if eqn.primitive.name not in OPAQUE:
+            for sub in jaxprs_in_params(eqn.params):
+                yield from tracebacks(sub)
 
 
 _PATH_NAMES = {"remat2": "checkpoint", "custom_vjp_call": "custom_vjp",
