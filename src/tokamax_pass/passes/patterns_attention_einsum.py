@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Jaxpr
 
+from tokamax_pass.passes import band_mask
 from tokamax_pass.passes.candidate import Candidate
 from tokamax_pass.passes.graph import Graph, literal_value, same_structure
 
@@ -54,7 +56,12 @@ def _reference(softmax: Callable[[Any], Any], shape: tuple[int, ...], dtype: Any
 
 @dataclasses.dataclass
 class _Attention:
-    """What a matched attention computes, and the equations it spans."""
+    """What a matched attention computes, and the equations it spans.
+
+    `axes` names each axis of the logits (and probabilities): `("batch", i)` for the
+    product's `i`-th batch axis (shared by q, k and v), `("query", a)` for q's free axis
+    `a` (the query rows, and grouped-query heads that share a key), `("key", a)` for k's
+    free axis `a`, always last."""
 
     query: Any = None
     key: Any = None
@@ -65,9 +72,15 @@ class _Attention:
     fill: float = 0.0
     scale: float = 1.0
     soft_cap: float | None = None
-    logits_numbers: Any = None
-    output_numbers: Any = None
-    probabilities_first: bool = True
+    band: band_mask.Band | None = None
+    is_causal: bool = False
+    local_window_size: tuple[int, int] | None = None
+    axes: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    query_numbers: Any = None  # (batch axes, contracting axis) of q
+    key_numbers: Any = None  # (batch axes, contracting axis) of k
+    value_numbers: Any = None  # ({logits axis: v axis} of the batch axes, keys, features)
+    row: int = 0  # the logits axis of the query rows
+    output_axes: list[Any] = dataclasses.field(default_factory=list)
     region: list[Any] = dataclasses.field(default_factory=list)
 
 
@@ -89,8 +102,8 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
                                      "backward)")
     arrays = [attention.query, attention.key, attention.value]
     arrays += [a for a in (attention.bias, attention.mask) if a is not None]
-    return Candidate(NAME, functools.partial(_compute, attention, tuple(eqn.outvars[0]
-                                                                         .aval.shape)),
+    out = eqn.outvars[0].aval
+    return Candidate(NAME, functools.partial(_compute, attention, tuple(out.shape), out.dtype),
                      inputs=tuple(arrays))
 
 
@@ -101,21 +114,43 @@ def _parse(root: Any, graph: Graph) -> _Attention:
         rank = len(probabilities.aval.shape)
         p_contract, v_contract = (lc, rc) if first == 0 else (rc, lc)
         p_batch, v_batch = (lb, rb) if first == 0 else (rb, lb)
-        if rank < 2 or tuple(p_contract) != (rank - 1,):
+        if rank < 2 or tuple(p_contract) != (rank - 1,) or len(v_contract) != 1:
             continue
-        if sorted(p_batch) != list(range(rank - 2)):
+        if len(value.aval.shape) != len(p_batch) + 2:
             continue
-        if len(value.aval.shape) != rank:
-            continue
-        softmax_input = _softmax_input(graph, probabilities, attention.region)
+        softmax_input = _softmax_input(graph, _uncast(graph, probabilities, attention.region),
+                                       attention.region)
         if softmax_input is None:
             continue
-        attention.probabilities_first = first == 0
         attention.value = value
-        attention.output_numbers = (tuple(p_batch), tuple(v_batch), tuple(v_contract))
         _logits(graph, attention, softmax_input)
+        batch = {j for j, (role, _) in enumerate(attention.axes) if role == "batch"}
+        if set(p_batch) != batch:
+            raise _NoMatch
+        (v_keys,) = v_contract
+        v_features = next(a for a in range(len(value.aval.shape))
+                          if a not in (*v_batch, v_keys))
+        attention.value_numbers = (dict(zip(p_batch, v_batch, strict=True)), v_keys,
+                                   v_features)
+        rows = [j for j, (role, _) in enumerate(attention.axes) if role == "query"]
+        # The second product's output: its batch axes, then p's free axes and v's (or
+        # v's first where v is the product's first operand).
+        if first == 0:
+            attention.output_axes = [*p_batch, *rows, "features"]
+        else:
+            attention.output_axes = [*p_batch, "features", *rows]
         return attention
     raise _NoMatch
+
+
+def _uncast(graph: Graph, probabilities: Any, region: list[Any]) -> Any:
+    """The probabilities before a cast to another float type (`.astype(v.dtype)`)."""
+    cast = graph.producer(probabilities, "convert_element_type")
+    if cast is None or not all(jnp.issubdtype(a.aval.dtype, jnp.floating)
+                               for a in (cast.invars[0], probabilities)):
+        return probabilities
+    region.append(cast)
+    return cast.invars[0]
 
 
 def _softmax_input(graph: Graph, probabilities: Any, region: list[Any]) -> Any:
@@ -129,6 +164,20 @@ def _softmax_input(graph: Graph, probabilities: Any, region: list[Any]) -> Any:
             region.extend({id(e): e for e in found}.values())
             return logits
     return None
+
+
+def _product(graph: Graph, var: Any) -> tuple[Any, Any]:
+    """`(dot_general, transpose)` making `var`: a product, possibly transposed after (as
+    `jnp.einsum` writes an output order the product does not give), or `(None, None)`."""
+    product = graph.producer(var, "dot_general")
+    if product is not None:
+        return product, None
+    transpose = graph.producer(var, "transpose")
+    if transpose is not None:
+        product = graph.producer(transpose.invars[0], "dot_general")
+        if product is not None:
+            return product, transpose
+    return None, None
 
 
 def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
@@ -148,6 +197,8 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
             raise _NoMatch
         attention.fill = float(fill)
         attention.region.append(where)
+        if not attention.mask_negated:
+            attention.band = band_mask.band(graph, condition, shape)
     capped = _soft_cap(graph, attention, logits)
     if capped is not None:
         logits = capped
@@ -155,25 +206,85 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     if add is not None:
         for body, bias in (add.invars, add.invars[::-1]):
             if (tuple(body.aval.shape) == shape and literal_value(bias) is None
-                    and graph.producer(body, "dot_general", "mul", "div") is not None):
+                    and (graph.producer(body, "mul", "div") is not None
+                         or _product(graph, body)[0] is not None)):
                 attention.bias, logits = bias, body
                 attention.region.append(add)
                 break
         else:
             raise _NoMatch
     logits = _scaled(graph, attention, logits)
-    product = graph.producer(logits, "dot_general")
+    product, transpose = _product(graph, logits)
     if product is None:
         raise _NoMatch
-    attention.region.append(product)
-    query, key = product.invars
-    ((qc, kc), (qb, kb)) = product.params["dimension_numbers"]
-    rank = len(shape)
-    if len(qc) != 1 or len(kc) != 1 or len(qb) != rank - 2 or len(query.aval.shape) != rank:
+    attention.region += [e for e in (product, transpose) if e is not None]
+    _operands(graph, attention, product, transpose)
+    _mask_as_band(attention, shape)
+
+
+def _operands(graph: Graph, attention: _Attention, product: Any, transpose: Any) -> None:
+    """Names the logits' axes and finds q and k: k is the operand whose one free axis is
+    the logits' last (the softmax's), q the other."""
+    x, y = product.invars
+    ((xc, yc), (xb, yb)) = product.params["dimension_numbers"]
+    if len(xc) != 1 or len(yc) != 1:
         raise _NoMatch
+    x_free = [a for a in range(len(x.aval.shape)) if a not in (*xc, *xb)]
+    y_free = [a for a in range(len(y.aval.shape)) if a not in (*yc, *yb)]
+    axes = ([("batch", i) for i in range(len(xb))] + [("x", a) for a in x_free]
+            + [("y", a) for a in y_free])
+    if transpose is not None:
+        axes = [axes[p] for p in transpose.params["permutation"]]
+    key_side = axes[-1][0]
+    if key_side == "batch" or len(x_free if key_side == "x" else y_free) != 1:
+        raise _NoMatch
+    query, key = (y, x) if key_side == "x" else (x, y)
+    q_numbers, k_numbers = ((yb, yc[0]), (xb, xc[0])) if key_side == "x" else (
+        (xb, xc[0]), (yb, yc[0]))
+    attention.axes = [(role if role == "batch" else "key" if role == key_side else "query",
+                       int(a)) for role, a in axes]
     attention.query = _unscaled_query(graph, attention, query)
     attention.key = key
-    attention.logits_numbers = (tuple(qb), tuple(kb), int(qc[0]), int(kc[0]))
+    attention.query_numbers = (tuple(int(a) for a in q_numbers[0]), int(q_numbers[1]))
+    attention.key_numbers = (tuple(int(a) for a in k_numbers[0]), int(k_numbers[1]))
+
+
+def _mask_as_band(attention: _Attention, shape: tuple[int, ...]) -> None:
+    """Picks the query rows' axis; a mask that is a band of the rows and keys whose every
+    row sees a key becomes `is_causal` and `local_window_size` (no mask array)."""
+    rows = [j for j, (role, _) in enumerate(attention.axes) if role == "query"]
+    attention.row = len(shape) - 2 if len(shape) - 2 in rows else rows[0]
+    band = attention.band
+    if band is None or band.row_axis not in rows:
+        attention.band = None
+        return
+    window = _window(band, shape[band.row_axis], shape[-1])
+    if window is None:
+        attention.band = None
+        return
+    attention.row, attention.mask = band.row_axis, None
+    attention.is_causal, attention.local_window_size = window
+
+
+def _window(band: band_mask.Band, rows: int, keys: int
+            ) -> tuple[bool, tuple[int, int] | None] | None:
+    """`(is_causal, local_window_size)` keeping the band's entries (`local_window_size`:
+    query i sees keys i-left .. i+right), or `None` where some row sees no key (plain
+    JAX's value there differs from the op's) or the band does not hold the diagonal
+    within the op's non-negative window."""
+    low, high = band.low, band.high
+    if low > high or high < 0 or low > keys - 1 or rows - 1 + low > keys - 1:
+        return None
+    unbounded = rows + keys
+    left = unbounded if low == -math.inf else int(min(-low, unbounded))
+    right = unbounded if high == math.inf else int(min(high, unbounded))
+    if left < 0:
+        return None
+    if low == -math.inf and high == math.inf:
+        return False, None
+    if right == 0:
+        return True, None if low == -math.inf else (left, 0)
+    return False, (left, right)
 
 
 def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
@@ -182,7 +293,7 @@ def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
         return logits
     for body, factor in _operand_orders(eqn):
         value = literal_value(factor)
-        if value is not None and np.ndim(value) == 0 and graph.producer(body, "dot_general"):
+        if value is not None and np.ndim(value) == 0 and _product(graph, body)[0] is not None:
             attention.scale *= float(value) if eqn.primitive.name == "mul" else 1 / float(value)
             attention.region.append(eqn)
             return body
@@ -229,45 +340,74 @@ def _soft_cap(graph: Graph, attention: _Attention, logits: Any) -> Any:
     return None
 
 
-def _leading(x: Any, batch: tuple[int, ...], *rest: int) -> Any:
-    """`x` with its axes `batch` first, in that order, then `rest`."""
-    return jnp.transpose(x, (*batch, *rest))
-
-
-def _compute(attention: _Attention, out_shape: tuple[int, ...], query: Any, key: Any,
-             value: Any, *extra: Any) -> Any:
-    """The matched attention's result computed by the op (one head per batch entry)."""
+def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, query: Any,
+             key: Any, value: Any, *extra: Any) -> Any:
+    """The matched attention's result computed by the op: the batch axes but one as the
+    op's batch, the query rows as its sequence, the last batch axis and the query's other
+    free axes (grouped-query heads sharing a key) as its heads."""
     from tokamax_kernels.attention.api import dot_product_attention
 
-    qb, kb, qc, kc = attention.logits_numbers
-    rank = query.ndim
-    q_free = next(d for d in range(rank) if d not in (*qb, qc))
-    k_free = next(d for d in range(rank) if d not in (*kb, kc))
-    p_batch, v_batch, (v_contract,) = attention.output_numbers
-    v_free = next(d for d in range(rank) if d not in (*v_batch, v_contract))
-    # The logits' batch axes are q's, in `qb` order; the probabilities' the same ones.
-    v_order = tuple(v_batch[p_batch.index(i)] for i in range(rank - 2))
-    q = _leading(query, qb, q_free, qc)[..., None, :]
-    k = _leading(key, kb, k_free, kc)[..., None, :]
-    v = _leading(value, v_order, v_contract, v_free)[..., None, :]
-    logits_shape = (*q.shape[:-3], q.shape[-3], k.shape[-3])
+    axes, row = attention.axes, attention.row
+    logits_shape = _sizes(attention, query, key)
+    batch = [j for j, (role, _) in enumerate(axes) if role == "batch"]
+    groups = [j for j, (role, _) in enumerate(axes) if role == "query" and j != row]
+    heads = [batch[-1]] if groups and batch else []
+    others = [j for j in batch if j not in heads]
+    (qb, qc), (kb, kc) = attention.query_numbers, attention.key_numbers
+    v_batch, v_keys, v_features = attention.value_numbers
+
+    def q_axis(j: int) -> int:
+        role, a = axes[j]
+        return qb[a] if role == "batch" else a
+
+    other_sizes = [logits_shape[j] for j in others]
+    head_count = math.prod(logits_shape[j] for j in (*heads, *groups))
+    q = jnp.transpose(query, [q_axis(j) for j in (*others, row, *heads, *groups)] + [qc])
+    q = q.reshape(*other_sizes, logits_shape[row], head_count, q.shape[-1])
+    k = jnp.transpose(key, [kb[axes[j][1]] for j in others] + [axes[-1][1]]
+                      + [kb[axes[j][1]] for j in heads] + [kc])
+    v = jnp.transpose(value, [v_batch[j] for j in others] + [v_keys]
+                      + [v_batch[j] for j in heads] + [v_features])
+    if not heads:
+        k, v = k[..., None, :], v[..., None, :]
+
+    def per_head(x: Any) -> Any:
+        """A bias or mask of the logits, as the op's `(*batch, heads, rows, keys)`."""
+        x = jnp.transpose(jnp.broadcast_to(x, logits_shape),
+                          (*others, *heads, *groups, row, len(axes) - 1))
+        return x.reshape(*other_sizes, head_count, logits_shape[row], logits_shape[-1])
+
     extra_arrays = list(extra)
     bias = mask = None
     if attention.bias is not None:
-        bias = jnp.broadcast_to(extra_arrays.pop(0), logits_shape)[..., None, :, :]
+        bias = per_head(extra_arrays.pop(0))
     if attention.mask is not None:
-        mask = jnp.broadcast_to(extra_arrays.pop(0), logits_shape)
+        mask = per_head(extra_arrays.pop(0))
         mask = ~mask if attention.mask_negated else mask
-    out = dot_product_attention(q, k, v, bias, None if mask is None else mask[..., None, :, :],
-                                scale=attention.scale, logits_soft_cap=attention.soft_cap)
-    out = out[..., 0, :]  # (batch..., T, H)
+    out = dot_product_attention(q, k, v, bias, mask, scale=attention.scale,
+                                is_causal=attention.is_causal,
+                                local_window_size=attention.local_window_size,
+                                logits_soft_cap=attention.soft_cap)
     if mask is not None:
-        hidden = ~jnp.any(mask, axis=-1)[..., None]
+        hidden = jnp.swapaxes(~jnp.any(mask, axis=-1), -1, -2)[..., None]
         if attention.fill == -np.inf:
             plain = jnp.full_like(out, np.nan)
         else:
-            plain = jnp.mean(v[..., 0, :].astype(jnp.float32), axis=-2, keepdims=True)
+            plain = jnp.mean(v.astype(jnp.float32), axis=-3, keepdims=True)
+            plain = jnp.repeat(plain, head_count // v.shape[-2], axis=-2)
         out = jnp.where(hidden, plain.astype(out.dtype), out)
-    if not attention.probabilities_first:
-        out = jnp.swapaxes(out, -1, -2)
-    return out.reshape(out_shape)
+    out = out.reshape(*other_sizes, logits_shape[row],
+                      *[logits_shape[j] for j in (*heads, *groups)], out.shape[-1])
+    labels = [*others, row, *heads, *groups, "features"]
+    out = jnp.transpose(out, [labels.index(a) for a in attention.output_axes])
+    return out.reshape(out_shape).astype(out_dtype)
+
+
+def _sizes(attention: _Attention, query: Any, key: Any) -> list[int]:
+    """The logits' shape, read from q and k."""
+    qb, _ = attention.query_numbers
+    sizes = []
+    for role, a in attention.axes:
+        sizes.append(query.shape[qb[a]] if role == "batch" else
+                     query.shape[a] if role == "query" else key.shape[a])
+    return sizes

@@ -1,0 +1,285 @@
+"""A boolean mask built from index comparisons, read as a band of key offsets.
+
+Causal and sliding-window masks are written as comparisons of `jnp.arange` rows and
+columns (`cols <= rows`, `rows - cols <= window`, `cols > rows - window - 1`) combined
+with `&`, or as `jnp.tril`/`jnp.triu` of ones. Each such mask keeps exactly the entries
+whose offset `col - row` lies in one interval `[low, high]`, which the attention op takes
+as `is_causal` and `local_window_size` instead of a mask array. The mask's equations are
+read symbolically (integer values as affine functions of the array's indices, booleans
+as intervals of such functions), so no mask array is built; any other mask (one reading
+data, a comparison that is no band, `|`) is not a band.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Literal
+
+from tokamax_pass.passes.graph import Graph
+
+_MAX_DEPTH = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class _Affine:
+    """An integer array whose entry at index `i` is `sum(coefficients * i) + constant`."""
+
+    coefficients: tuple[int, ...]
+    constant: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Intervals:
+    """A boolean array: True where each linear form `sum(form * i)` of the index lies in
+    its interval `[low, high]` (`constraints` empty: True everywhere); `false`: False
+    everywhere."""
+
+    constraints: tuple[tuple[tuple[int, ...], float, float], ...]
+    false: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """`col - row` in `[low, high]` (either may be infinite) keeps an entry; `row_axis`
+    is the axis (of the array the mask is broadcast to) holding the rows, the last axis
+    the columns."""
+
+    row_axis: int
+    low: float
+    high: float
+
+
+def band(graph: Graph, mask: Any, shape: tuple[int, ...]) -> Band | None:
+    """The band `mask` keeps once broadcast (right-aligned) to `shape`, or `None`."""
+    value = _Reader(graph).value(mask, 0)
+    if not isinstance(value, _Intervals) or value.false:
+        return None
+    offset = len(shape) - len(mask.aval.shape)
+    row_axis, low, high = None, -math.inf, math.inf
+    for form, form_low, form_high in value.constraints:
+        full, lo, hi = (0,) * offset + form, form_low, form_high
+        if full[-1] == -1:
+            full, lo, hi = tuple(-c for c in full), -form_high, -form_low
+        others = [a for a, c in enumerate(full[:-1]) if c]
+        if full[-1] != 1 or len(others) != 1 or full[others[0]] != -1:
+            return None
+        if row_axis not in (None, others[0]):
+            return None
+        row_axis, low, high = others[0], max(low, lo), min(high, hi)
+    if row_axis is None:
+        return Band(len(shape) - 2, low, high) if len(shape) >= 2 else None
+    return Band(row_axis, low, high)
+
+
+class _Reader:
+    """Symbolic values of the variables of `graph` (and of `jit` calls' jaxprs)."""
+
+    def __init__(self, graph: Graph) -> None:
+        self._graph = graph
+        self._memo: dict[Any, Any] = {}
+
+    def value(self, var: Any, depth: int) -> Any:
+        if isinstance(var, Literal):
+            return _literal(var)
+        if var in self._memo:
+            return self._memo[var]
+        eqn = self._graph.producer(var)
+        result = None
+        if eqn is not None and depth < _MAX_DEPTH and len(eqn.outvars) == 1:
+            operands = [self.value(v, depth + 1) for v in eqn.invars]
+            result = _apply(eqn, operands)
+        self._memo[var] = result
+        return result
+
+
+def _literal(var: Any) -> Any:
+    value = np.asarray(var.val)
+    if value.ndim != 0:
+        return None
+    if value.dtype == np.bool_:
+        return _Intervals((), false=not bool(value))
+    if np.issubdtype(value.dtype, np.integer):
+        return _Affine((), int(value))
+    return None
+
+
+def _evaluate(closed: ClosedJaxpr, operands: list[Any]) -> list[Any]:
+    """The symbolic values of a sub-jaxpr's outputs, given its inputs'."""
+    env: dict[Any, Any] = dict(zip(closed.jaxpr.invars, operands, strict=True))
+
+    def read(var: Any) -> Any:
+        return _literal(var) if isinstance(var, Literal) else env.get(var)
+
+    for eqn in closed.jaxpr.eqns:
+        if len(eqn.outvars) == 1:
+            env[eqn.outvars[0]] = _apply(eqn, [read(v) for v in eqn.invars])
+    return [read(v) for v in closed.jaxpr.outvars]
+
+
+def _apply(eqn: Any, operands: list[Any]) -> Any:
+    """The symbolic value of `eqn`'s one result, or `None` where it is not one."""
+    name = eqn.primitive.name
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    if name == "iota":
+        coefficients = [0] * len(out_shape)
+        coefficients[eqn.params["dimension"]] = 1
+        return _Affine(_unit_axes_zeroed(coefficients, out_shape), 0)
+    if name in ("jit", "pjit"):
+        if any(o is None for o in operands):
+            return None
+        (result,) = _evaluate(eqn.params["jaxpr"], operands)
+        return result
+    if any(o is None for o in operands):
+        return None
+    if name == "broadcast_in_dim":
+        return _remap(operands[0], dict(enumerate(eqn.params["broadcast_dimensions"])),
+                      len(out_shape), out_shape)
+    if name == "reshape":
+        return _reshape(operands[0], tuple(eqn.invars[0].aval.shape), out_shape)
+    if name == "convert_element_type":
+        return operands[0] if _same_kind(eqn) else None
+    if name in ("add", "sub", "mul", "neg"):
+        return _arithmetic(name, operands, out_shape)
+    if name in ("lt", "le", "gt", "ge", "eq"):
+        return _compare(name, operands, out_shape)
+    if name == "and":
+        return _conjunction(*operands) if all(isinstance(o, _Intervals)
+                                              for o in operands) else None
+    if name == "not":
+        return _negation(operands[0])
+    if name == "select_n" and len(operands) == 3:
+        return _select(*operands)
+    return None
+
+
+def _same_kind(eqn: Any) -> bool:
+    """Whether a conversion keeps the values: integers to integers, booleans to booleans."""
+    before, after = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+    if np.bool_ in (before, after):
+        return before == after
+    return np.issubdtype(before, np.integer) and np.issubdtype(after, np.integer)
+
+
+def _unit_axes_zeroed(coefficients: Any, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The coefficients with those of size-1 axes dropped (their index is always 0)."""
+    return tuple(0 if size == 1 else int(c) for c, size in zip(coefficients, shape,
+                                                                strict=True))
+
+
+def _remap(value: Any, axis_map: dict[int, int], rank: int, out_shape: tuple[int, ...]) -> Any:
+    """`value` with its axis `a` moved to `axis_map[a]` in an array of rank `rank`."""
+
+    def form(coefficients: tuple[int, ...]) -> tuple[int, ...]:
+        new = [0] * rank
+        for axis, c in enumerate(coefficients):
+            if c:
+                new[axis_map[axis]] = c
+        return _unit_axes_zeroed(new, out_shape)
+
+    if isinstance(value, _Affine):
+        if not value.coefficients:
+            return _Affine((0,) * rank, value.constant)
+        return _Affine(form(value.coefficients), value.constant)
+    if value.false:
+        return value
+    return _Intervals(tuple((form(f), lo, hi) for f, lo, hi in value.constraints))
+
+
+def _reshape(value: Any, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> Any:
+    """A reshape that only adds or drops size-1 axes moves the others; any other is none."""
+    kept_in = [a for a, size in enumerate(in_shape) if size != 1]
+    kept_out = [a for a, size in enumerate(out_shape) if size != 1]
+    if [in_shape[a] for a in kept_in] != [out_shape[a] for a in kept_out]:
+        return None
+    axis_map = dict(zip(kept_in, kept_out, strict=True))
+    axis_map.update({a: 0 for a, size in enumerate(in_shape) if size == 1})
+    return _remap(value, axis_map, len(out_shape), out_shape)
+
+
+def _widened(value: _Affine, rank: int) -> _Affine:
+    return value if value.coefficients else _Affine((0,) * rank, value.constant)
+
+
+def _arithmetic(name: str, operands: list[Any], out_shape: tuple[int, ...]) -> Any:
+    if not all(isinstance(o, _Affine) for o in operands):
+        return None
+    rank = len(out_shape)
+    values = [_widened(o, rank) for o in operands]
+    if name == "neg":
+        (a,) = values
+        return _Affine(tuple(-c for c in a.coefficients), -a.constant)
+    a, b = values
+    if name == "mul":
+        if any(a.coefficients) and any(b.coefficients):
+            return None
+        factor, other = (a, b) if not any(a.coefficients) else (b, a)
+        return _Affine(tuple(factor.constant * c for c in other.coefficients),
+                       factor.constant * other.constant)
+    sign = 1 if name == "add" else -1
+    return _Affine(tuple(x + sign * y for x, y in zip(a.coefficients, b.coefficients,
+                                                      strict=True)),
+                   a.constant + sign * b.constant)
+
+
+def _compare(name: str, operands: list[Any], out_shape: tuple[int, ...]) -> Any:
+    """`lhs - rhs = form . i + k` compared with 0: the interval of `form . i`."""
+    difference = _arithmetic("sub", operands, out_shape)
+    if difference is None:
+        return None
+    form, k = difference.coefficients, difference.constant
+    low, high = {"lt": (-math.inf, -k - 1), "le": (-math.inf, -k), "gt": (-k + 1, math.inf),
+                 "ge": (-k, math.inf), "eq": (-k, -k)}[name]
+    return _constraint(form, low, high)
+
+
+def _constraint(form: tuple[int, ...], low: float, high: float) -> _Intervals:
+    """`low <= form . i <= high`, the form's first coefficient made positive."""
+    if not any(form):
+        return _Intervals((), false=not low <= 0 <= high)
+    if next(c for c in form if c) < 0:
+        form, low, high = tuple(-c for c in form), -high, -low
+    return _Intervals(((form, low, high),))
+
+
+def _conjunction(a: _Intervals, b: _Intervals) -> _Intervals:
+    if a.false or b.false:
+        return _Intervals((), false=True)
+    merged: dict[tuple[int, ...], tuple[float, float]] = {}
+    for form, low, high in (*a.constraints, *b.constraints):
+        lo, hi = merged.get(form, (-math.inf, math.inf))
+        merged[form] = (max(lo, low), min(hi, high))
+    return _Intervals(tuple((form, lo, hi) for form, (lo, hi) in merged.items()))
+
+
+def _negation(value: Any) -> Any:
+    """`~value` where it is again an interval: of one one-sided constraint, or a constant."""
+    if not isinstance(value, _Intervals):
+        return None
+    if value.false:
+        return _Intervals(())
+    if not value.constraints:
+        return _Intervals((), false=True)
+    if len(value.constraints) != 1:
+        return None
+    ((form, low, high),) = value.constraints
+    if low == -math.inf and high != math.inf:
+        return _Intervals(((form, high + 1, math.inf),))
+    if high == math.inf and low != -math.inf:
+        return _Intervals(((form, -math.inf, low - 1),))
+    return None
+
+
+def _select(predicate: Any, on_false: Any, on_true: Any) -> Any:
+    """`select_n(p, a, b)` (`b` where `p`) of booleans, one of `a` and `b` all False."""
+    if not all(isinstance(o, _Intervals) for o in (predicate, on_false, on_true)):
+        return None
+    if on_false.false:
+        return _conjunction(predicate, on_true)
+    if on_true.false:
+        negated = _negation(predicate)
+        return None if negated is None else _conjunction(negated, on_false)
+    return None
