@@ -1,0 +1,198 @@
+"""`optimize` rewrites attention written as Gemma-2's is when `jax.nn` cannot take its
+soft cap: grouped query heads by reshaping q against un-repeated k and v, float32 logits,
+the cap, a causal and a sliding-window mask of `arange` rows and columns, softmax cast
+back. A mask that is a band of key offsets becomes the op's `is_causal` and
+`local_window_size`; any other mask is passed to the op as an array.
+
+On CPU the plain path is chosen, so `rewritten` keeps every candidate: values and
+gradients of the rewritten program are compared with `jax.jit` of the user's function,
+in float32 at HIGHEST precision.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import tokamax_pass as tokamax
+from _rewriting import HIGHEST, h200_plan, keep_every_candidate, weighted
+from benchmarks.models.ops import _jnp_attention
+from conftest import assert_close, calibrate, random_normal
+
+B, T, N, K, H = 2, 12, 4, 2, 16  # group of 2 query heads per key head
+WINDOW = 3
+SOFT_CAP = 5.0
+
+
+@pytest.fixture
+def rewritten(monkeypatch):
+    keep_every_candidate(monkeypatch)
+
+
+def rows_minus_cols(rows, cols):
+    return (cols <= rows) & (rows - cols <= WINDOW)
+
+
+def cols_above_rows_minus_window(rows, cols):
+    return (rows >= cols) & (cols > rows - WINDOW - 1)
+
+
+def window_without_causal(rows, cols):
+    return rows - cols <= WINDOW
+
+
+def grouped(q, k, v, keep, *, cap=SOFT_CAP, softmax_axis=-1):
+    """Gemma-2's attention in jnp, `keep(rows, cols)` the mask."""
+    b, t, n, d = q.shape
+    q = q.reshape(b, t, K, n // K, d)
+    logits = jnp.einsum("bthgd,bshd->bhgts", q, k, preferred_element_type=jnp.float32,
+                        precision=HIGHEST)
+    logits = logits / math.sqrt(d)
+    logits = cap * jnp.tanh(logits / cap)
+    rows, cols = jnp.arange(t)[:, None], jnp.arange(k.shape[1])[None, :]
+    logits = jnp.where(keep(rows, cols), logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=softmax_axis).astype(v.dtype)
+    out = jnp.einsum("bhgts,bshd->bthgd", probs, v, precision=HIGHEST)
+    return out.reshape(b, t, n, d)
+
+
+def operands(seed=0):
+    return (random_normal(seed, (B, T, N, H)), random_normal(seed + 1, (B, T, K, H)),
+            random_normal(seed + 2, (B, T, K, H)))
+
+
+def attention_arguments(optimized, *args):
+    """The `is_causal`, `local_window_size` and whether a mask array is passed, of each
+    attention call the optimized program plans (forward and gradient alike)."""
+    found = set()
+    for row in optimized.plan(*args):
+        arguments = row.bound["arguments"]
+        window = arguments["local_window_size"]
+        found.add((arguments["is_causal"], None if window is None else tuple(window),
+                   arguments["mask"] is not None))
+    return found
+
+
+def check_values_and_gradients(f, args, cotangent):
+    expected = jax.jit(jax.value_and_grad(weighted(f, cotangent), argnums=(0, 1, 2)))(*args)
+    optimized = tokamax.optimize(f)
+    assert_close(optimized(*args), jax.jit(f)(*args))
+    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=(0, 1, 2))(*args)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
+
+
+@pytest.mark.parametrize(("keep", "causal", "window"), [
+    (rows_minus_cols, True, (WINDOW, 0)),
+    (cols_above_rows_minus_window, True, (WINDOW, 0)),
+    (window_without_causal, False, (WINDOW, 2 * T)),
+], ids=lambda x: getattr(x, "__name__", str(x)))
+def test_a_band_mask_becomes_the_ops_window(rewritten, keep, causal, window):
+    def f(q, k, v):
+        return grouped(q, k, v, keep)
+
+    args = operands()
+    assert attention_arguments(tokamax.optimize(f), *args) == {(causal, window, False)}
+    check_values_and_gradients(f, args, random_normal(9, (B, T, N, H)))
+
+
+def tril_and_triu_of_ones(rows, cols):
+    return jnp.tril(jnp.ones((T, T), bool)) & jnp.triu(jnp.ones((T, T), bool), -WINDOW)
+
+
+def negated_comparisons(rows, cols):
+    return ~(cols > rows) & ~(rows - cols > WINDOW)
+
+
+@pytest.mark.parametrize("keep", [tril_and_triu_of_ones, negated_comparisons],
+                         ids=lambda f: f.__name__)
+def test_other_spellings_of_the_causal_window(rewritten, keep):
+    def f(q, k, v):
+        return grouped(q, k, v, keep)
+
+    args = operands(3)
+    assert attention_arguments(tokamax.optimize(f), *args) == {(True, (WINDOW, 0), False)}
+    assert_close(tokamax.optimize(f)(*args), jax.jit(f)(*args))
+
+
+def test_inside_value_and_grad_the_attention_and_its_gradient_are_the_op(rewritten):
+    cotangent = random_normal(9, (B, T, N, H))
+
+    def f(q, k, v):
+        return grouped(q, k, v, rows_minus_cols)
+
+    step = jax.value_and_grad(weighted(f, cotangent), argnums=(0, 1, 2))
+    args = operands(5)
+    optimized = tokamax.optimize(step)
+    assert [m.path for m in optimized.plan(*args).matches if m.rewritten] == ["vjp/attention"]
+    assert attention_arguments(optimized, *args) == {(True, (WINDOW, 0), False)}
+    expected, actual = jax.jit(step)(*args), optimized(*args)
+    assert_close(actual[0], expected[0])
+    for got, wanted in zip(actual[1], expected[1], strict=True):
+        assert_close(got, wanted)
+
+
+def anti_diagonal(rows, cols):
+    return rows + cols <= T
+
+
+def strictly_causal(rows, cols):
+    return cols < rows  # row 0 sees no key: plain JAX gives NaN there
+
+
+@pytest.mark.parametrize("keep", [anti_diagonal, strictly_causal], ids=lambda f: f.__name__)
+def test_a_mask_that_is_no_band_is_passed_as_an_array(rewritten, keep):
+    def f(q, k, v):
+        return grouped(q, k, v, keep)
+
+    args = operands(7)
+    optimized = tokamax.optimize(f)
+    assert attention_arguments(optimized, *args) == {(False, None, True)}
+    expected, actual = jax.jit(f)(*args), optimized(*args)
+    assert np.array_equal(np.isnan(actual), np.isnan(expected))
+    assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+
+def test_a_mask_reading_data_is_passed_as_an_array(rewritten):
+    def f(q, k, v, offsets):
+        return grouped(q, k, v, lambda rows, cols: cols <= rows + offsets[:, None, None, None,
+                                                                          None])
+
+    args = (*operands(11), jnp.array([0, 2]))
+    optimized = tokamax.optimize(f)
+    assert attention_arguments(optimized, *args) == {(False, None, True)}
+    assert_close(optimized(*args), jax.jit(f)(*args))
+
+
+def test_softmax_over_the_queries_is_left_as_written(rewritten):
+    def f(q, k, v):
+        return grouped(q, k, v, rows_minus_cols, softmax_axis=-2)
+
+    args = operands()
+    assert not any(m.rewritten for m in tokamax.optimize(f).plan(*args).matches)
+
+
+def test_the_gemma2_twins_attention_plans_the_hand_ported_calls(calibration_dir):
+    """The model suite's plain twin (bfloat16, logits in float32, probabilities cast
+    back) planned for an H200: the calls of the hand-ported model."""
+    calibrate(calibration_dir, {"PallasMosaicGpuFlashAttention": 0.8,
+                                "PallasTritonFlashAttention": 0.7, "DotProductAttention": 0.05})
+    q = jax.ShapeDtypeStruct((2, 2048, 8, 256), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 2048, 4, 256), jnp.bfloat16)
+
+    def twin(q, k, v):
+        return _jnp_attention(q, k, v, causal=True, window=512, soft_cap=50.0)
+
+    plan = h200_plan(twin, q, kv, kv)
+    (match,) = plan.matches
+    assert match.rewritten and match.implementation["cuda"] != "xla", match.outcome
+    (row,) = plan.rows
+    arguments = row.bound["arguments"]
+    assert (arguments["query"], arguments["key"]) == ("bf16[2,2048,8,256]",
+                                                       "bf16[2,2048,4,256]")
+    assert (arguments["is_causal"], arguments["local_window_size"], arguments["mask"],
+            arguments["logits_soft_cap"], arguments["scale"]) == (True, [512, 0], None,
+                                                                  50.0, 1 / 16)
