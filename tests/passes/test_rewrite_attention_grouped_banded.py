@@ -21,7 +21,7 @@ from _rewriting import HIGHEST, h200_plan, keep_every_candidate, weighted
 from benchmarks.models.ops import _jnp_attention
 from conftest import assert_close, calibrate, random_normal
 
-B, T, N, K, H = 2, 12, 4, 2, 16  # group of 2 query heads per key head
+B, T, S, N, K, H = 2, 12, 14, 4, 2, 16  # group of 2 query heads per key head
 WINDOW = 3
 SOFT_CAP = 5.0
 
@@ -43,7 +43,7 @@ def window_without_causal(rows, cols):
     return rows - cols <= WINDOW
 
 
-def grouped(q, k, v, keep, *, cap=SOFT_CAP, softmax_axis=-1):
+def grouped(q, k, v, keep, *, cap=SOFT_CAP, softmax_axis=-1, fill=-jnp.inf):
     """Gemma-2's attention in jnp, `keep(rows, cols)` the mask."""
     b, t, n, d = q.shape
     q = q.reshape(b, t, K, n // K, d)
@@ -52,15 +52,15 @@ def grouped(q, k, v, keep, *, cap=SOFT_CAP, softmax_axis=-1):
     logits = logits / math.sqrt(d)
     logits = cap * jnp.tanh(logits / cap)
     rows, cols = jnp.arange(t)[:, None], jnp.arange(k.shape[1])[None, :]
-    logits = jnp.where(keep(rows, cols), logits, -jnp.inf)
+    logits = jnp.where(keep(rows, cols), logits, fill)
     probs = jax.nn.softmax(logits, axis=softmax_axis).astype(v.dtype)
     out = jnp.einsum("bhgts,bshd->bthgd", probs, v, precision=HIGHEST)
     return out.reshape(b, t, n, d)
 
 
 def operands(seed=0):
-    return (random_normal(seed, (B, T, N, H)), random_normal(seed + 1, (B, T, K, H)),
-            random_normal(seed + 2, (B, T, K, H)))
+    return (random_normal(seed, (B, T, N, H)), random_normal(seed + 1, (B, S, K, H)),
+            random_normal(seed + 2, (B, S, K, H)))
 
 
 def attention_arguments(optimized, *args):
@@ -88,7 +88,7 @@ def check_values_and_gradients(f, args, cotangent):
 @pytest.mark.parametrize(("keep", "causal", "window"), [
     (rows_minus_cols, True, (WINDOW, 0)),
     (cols_above_rows_minus_window, True, (WINDOW, 0)),
-    (window_without_causal, False, (WINDOW, 2 * T)),
+    (window_without_causal, False, (WINDOW, T + S)),
 ], ids=lambda x: getattr(x, "__name__", str(x)))
 def test_a_band_mask_becomes_the_ops_window(rewritten, keep, causal, window):
     def f(q, k, v):
@@ -100,7 +100,7 @@ def test_a_band_mask_becomes_the_ops_window(rewritten, keep, causal, window):
 
 
 def tril_and_triu_of_ones(rows, cols):
-    return jnp.tril(jnp.ones((T, T), bool)) & jnp.triu(jnp.ones((T, T), bool), -WINDOW)
+    return jnp.tril(jnp.ones((T, S), bool)) & jnp.triu(jnp.ones((T, S), bool), -WINDOW)
 
 
 def negated_comparisons(rows, cols):
@@ -143,10 +143,14 @@ def strictly_causal(rows, cols):
     return cols < rows  # row 0 sees no key: plain JAX gives NaN there
 
 
-@pytest.mark.parametrize("keep", [anti_diagonal, strictly_causal], ids=lambda f: f.__name__)
-def test_a_mask_that_is_no_band_is_passed_as_an_array(rewritten, keep):
+@pytest.mark.parametrize(("keep", "fill"), [(anti_diagonal, -jnp.inf), (strictly_causal, -jnp.inf),
+                                            (strictly_causal, -1e30)],
+                         ids=["anti_diagonal", "strictly_causal", "strictly_causal_finite_fill"])
+def test_a_mask_that_is_no_band_is_passed_as_an_array(rewritten, keep, fill):
+    """A row that sees no key gets plain JAX's value: NaN for `-inf`, else the mean of
+    its key head's values."""
     def f(q, k, v):
-        return grouped(q, k, v, keep)
+        return grouped(q, k, v, keep, fill=fill)
 
     args = operands(7)
     optimized = tokamax.optimize(f)

@@ -8,11 +8,16 @@ heads included, shared by q, k and v; one query, one key and one feature axis), 
 scale a number multiplying (or dividing) the logits or q, a `bias` added to the logits,
 a Gemma-2 soft cap `cap * tanh(logits / cap)`, a mask applied last by
 `jnp.where(mask, logits, fill)` with `fill` `-inf` or at most `-1e9`, then
-`jax.nn.softmax` (or `exp(l - max) / sum`) over the keys. Keys and values repeated for
-grouped-query attention (`jnp.repeat`) are taken as repeated.
+`jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
+second product. The logits may come out of the product transposed (as `jnp.einsum`
+writes them). Grouped-query attention: q may have more free axes than the query rows
+(`(..., kv_heads, group, head_dim)` against un-repeated k and v), which become the op's
+query heads; keys and values repeated (`jnp.repeat`) are taken as repeated.
 
-A query row whose keys the mask all hides gets plain JAX's value there: the mean of the
-values for a finite fill, NaN for `-inf`.
+A mask that is a band of key offsets built from indices (`band_mask`), where every query
+row sees a key, becomes `is_causal` and `local_window_size`; any other mask is passed as
+an array. A query row whose keys the mask all hides gets plain JAX's value there: the
+mean of the values for a finite fill, NaN for `-inf`.
 """
 
 from __future__ import annotations
@@ -237,6 +242,8 @@ def _operands(graph: Graph, attention: _Attention, product: Any, transpose: Any)
         axes = [axes[p] for p in transpose.params["permutation"]]
     key_side = axes[-1][0]
     if key_side == "batch" or len(x_free if key_side == "x" else y_free) != 1:
+        raise _NoMatch
+    if not (y_free if key_side == "x" else x_free):  # q has no rows
         raise _NoMatch
     query, key = (y, x) if key_side == "x" else (x, y)
     q_numbers, k_numbers = ((yb, yc[0]), (xb, xc[0])) if key_side == "x" else (
