@@ -76,11 +76,14 @@ def _zero(ref: Any) -> int | float:
 
 
 def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
-            config: MatmulConfig, transpose_rhs: bool, dot_dtype: Any,
+            config: MatmulConfig, transpose_rhs: bool, rhs_first: bool, dot_dtype: Any,
             lhs_blocks: int | None, rhs_blocks: int | None) -> None:
     """`*_blocks`: `None` for no scales, 1 for scales constant along the contraction
     (applied in the epilogue), more for scales per block of `c // blocks` (applied to
-    each step's product; `block_k` divides a block)."""
+    each step's product; `block_k` divides a block). `rhs_first`: the tile accumulates
+    transposed, `rhs_tile^T-side @ lhs_tile^T`, so the converted rhs tile is the
+    product's left operand (which Hopper's `wgmma` reads from registers) and the lhs
+    tile its right one (read from shared memory); the epilogue transposes it back."""
     scale_refs, out_ref = refs[:-1], refs[-1]
     # Refs exactly where their operand is quantized by blocks (only then read).
     lhs_scale_ref: Any = scale_refs[0] if lhs_blocks else None
@@ -96,12 +99,14 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
     rhs_g = jnp.minimum(group, g - 1)
 
     def row_scale(kb: Any) -> jax.Array:
-        return plgpu.load(lhs_scale_ref.at[pl.ds(r0, bm), kb], mask=in_rows,
-                          other=0).astype(jnp.float32)[:, None]
+        scale = plgpu.load(lhs_scale_ref.at[pl.ds(r0, bm), kb], mask=in_rows,
+                           other=0).astype(jnp.float32)
+        return scale[None, :] if rhs_first else scale[:, None]
 
     def col_scale(kb: Any) -> jax.Array:
-        return plgpu.load(rhs_scale_ref.at[rhs_g, kb, pl.ds(j * bn, bn)], mask=cols < n,
-                          other=0).astype(jnp.float32)[None, :]
+        scale = plgpu.load(rhs_scale_ref.at[rhs_g, kb, pl.ds(j * bn, bn)], mask=cols < n,
+                           other=0).astype(jnp.float32)
+        return scale[:, None] if rhs_first else scale[None, :]
 
     def step(kk: Any, acc: jax.Array) -> jax.Array:
         ks = kk * bk + jnp.arange(bk)
@@ -113,9 +118,13 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
         else:
             b = plgpu.load(rhs_ref.at[rhs_g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
                            mask=(ks < c)[:, None] & (cols < n)[None, :], other=_zero(rhs_ref))
-        exact = jnp.dtype(dot_dtype) == jnp.float32
-        product = plgpu.dot(a.astype(dot_dtype), b.astype(dot_dtype), trans_b=transpose_rhs,
-                            allow_tf32=not exact)
+        a, b = a.astype(dot_dtype), b.astype(dot_dtype)
+        allow_tf32 = jnp.dtype(dot_dtype) != jnp.float32
+        if rhs_first:  # (bn, bm) = b^T @ a^T, b^T from b (bk, bn) or (bn, bk)
+            product = plgpu.dot(b, a, trans_a=not transpose_rhs, trans_b=True,
+                                allow_tf32=allow_tf32)
+        else:
+            product = plgpu.dot(a, b, trans_b=transpose_rhs, allow_tf32=allow_tf32)
         if lhs_blocks and lhs_blocks > 1:
             product = product * row_scale(kk * bk // (c // lhs_blocks))
         if rhs_blocks and rhs_blocks > 1:
@@ -124,11 +133,14 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
 
     active = (hi > lo) & (group < g)
     steps = active.astype(jnp.int32) * _triton.cdiv(c, bk)
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
+    acc_shape = (bn, bm) if rhs_first else (bm, bn)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(acc_shape, jnp.float32))
     if lhs_blocks == 1:
         acc = acc * row_scale(jnp.int32(0))
     if rhs_blocks == 1:
         acc = acc * col_scale(jnp.int32(0))
+    if rhs_first:
+        acc = acc.T
     mask = ((rows >= lo) & (rows < hi))[:, None] & (cols < n)[None, :]
     plgpu.store(out_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], acc.astype(out_ref.dtype),
                 mask=mask)
@@ -147,17 +159,17 @@ def block_k_for_scales(block_k: int, c: int, *blocks: int) -> int | None:
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, transpose_rhs: bool,
-               out_dtype: Any, config: MatmulConfig, interpret: bool = False) -> jax.Array:
+               out_dtype: Any, config: MatmulConfig, rhs_first: bool = False,
+               interpret: bool = False) -> jax.Array:
     """`out[r] = sum over K blocks b of (lhs[r, b] @ rhs[g, b]) * lhs_scale[r, b] *
-    rhs_scale[g, b]`: `lhs (M, C)`, `rhs (G, C, N)` (`(G, N, C)` with `transpose_rhs`, then
-    without `rhs_scale`), `lhs_scale (M, Bl)`, `rhs_scale (G, Br, N)` (one block: scales
-    applied in the epilogue), each optional; `config.block_k` must divide every block.
-    Rows past `sum(group_sizes)` are zeros."""
+    rhs_scale[g, b]`: `lhs (M, C)`, `rhs (G, C, N)` (`(G, N, C)`, contraction-major, with
+    `transpose_rhs`), `lhs_scale (M, Bl)`, `rhs_scale (G, Br, N)` (one block: scales
+    applied in the epilogue; one per output column either way), each optional;
+    `config.block_k` must divide every block. `rhs_first`: `_kernel`'s transposed
+    accumulation (the same values). Rows past `sum(group_sizes)` are zeros."""
     m, c = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    if transpose_rhs and rhs_scale is not None:
-        raise ValueError("rhs_scale of a transposed rhs is not supported")
     lhs_blocks = None if lhs_scale is None else lhs_scale.shape[1]
     rhs_blocks = None if rhs_scale is None else rhs_scale.shape[1]
     if block_k_for_scales(config.block_k, c, lhs_blocks or 1,
@@ -169,7 +181,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     scales = [s for s in (lhs_scale, rhs_scale) if s is not None]
     kernel = functools.partial(
         _kernel, m=m, c=c, n=n, g=g, config=config, transpose_rhs=transpose_rhs,
-        dot_dtype=dot_dtype, lhs_blocks=lhs_blocks, rhs_blocks=rhs_blocks)
+        rhs_first=rhs_first, dot_dtype=dot_dtype, lhs_blocks=lhs_blocks, rhs_blocks=rhs_blocks)
     variant = "dlhs" if transpose_rhs else "forward"
     return pl.pallas_call(
         kernel,
