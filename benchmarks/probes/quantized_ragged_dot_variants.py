@@ -8,8 +8,9 @@ tile configs, the weights' two layouts (`(G, K, N)`, and `(G, N, K)` contraction
 as Hopper's float8 `wgmma` reads both operands) and both accumulation orientations
 (`rhs_first`: the converted weight tile as the product's register operand), beside our
 bf16 `mosaic` kernel on the same values. Each variant is checked against a float32 HIGHEST
-product of the dequantized operands. With `--ptx` (on the GPU) it counts the `wgmma`
-instructions of each variant's PTX by operand types. One JSON line per variant goes to
+product of the dequantized operands, float8 dots under each `LIMITS` accumulation rule.
+`--ptx-dump DIR` (an XLA dump folder the process was started with) counts the `wgmma`
+instructions of the dumped PTX by type at the end. One JSON line per variant goes to
 `$OUT/quantized_ragged_dot_variants.jsonl`.
 """
 
@@ -22,7 +23,6 @@ import os
 import pathlib
 import re
 import sys
-import tempfile
 from typing import Any
 
 import jax
@@ -33,6 +33,7 @@ import tokamax_pass
 from benchmarks.probes.quantized_ragged_dot import SMOKE_WORKLOADS, WORKLOADS, operands
 from benchmarks.probes.ragged_dot_small_rows import relative_error, router_sizes
 from tokamax_kernels._triton import MatmulConfig
+from tokamax_kernels._triton_float8_dot import set_float8_imprecise_accumulation
 from tokamax_kernels.ragged_dot import pallas_triton_quantized as kernel
 from tokamax_pass import benchmarking
 
@@ -43,30 +44,30 @@ TILES = {
                           (64, 128, 256, 4, 3), (64, 256, 128, 8, 3), (64, 64, 128, 4, 6)),
 }
 SMOKE_TILES = (16, 16, 32, 4, 1)
+# `maxNumImpreciseAcc` of the float8 dots: Pallas's 0, a promotion each 128-deep step,
+# Triton's Hopper default.
+LIMITS = (None, 128, 2**30)
 
 
-def wgmma_counts(fn: Any, args: tuple) -> dict[str, int]:
-    """`wgmma` instructions in `fn`'s PTX by their type suffix (XLA's dump)."""
-    folder = tempfile.mkdtemp()
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={folder}"
-    try:
-        jax.jit(fn).lower(*args).compile()
-    finally:
-        os.environ["XLA_FLAGS"] = flags
-    counts: collections.Counter[str] = collections.Counter()
-    for path in pathlib.Path(folder).rglob("*.ptx"):
+def wgmma_summary(folder: str) -> dict[str, dict[str, int]]:
+    """`wgmma`/`mma` instructions by type in each PTX file of an XLA dump (`XLA_FLAGS=
+    --xla_dump_to=folder` set before the process starts)."""
+    found: dict[str, dict[str, int]] = {}
+    for path in sorted(pathlib.Path(folder).rglob("*.ptx")):
+        counts: collections.Counter[str] = collections.Counter()
         for line in path.read_text().splitlines():
-            found = re.search(r"(wgmma\.mma_async\S*|mma\.sync\S*)", line)
-            if found:
-                counts[found.group(1)] += 1
-    return dict(counts)
+            match = re.search(r"(wgmma\.\S*|mma\.sync\S*)", line)
+            if match:
+                counts[match.group(1)] += 1
+        if counts:
+            found[path.name] = dict(counts)
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--ptx", action="store_true")
+    parser.add_argument("--ptx-dump", help="an XLA dump folder to summarize at the end")
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             flops = 2 * w.m * w.k * w.n
             base = dict(workload=w.name, m=w.m, k=w.k, n=w.n, groups=w.groups)
 
-            def timed(name: str, fn: Any, call_args: tuple, ptx: bool, **fields: Any) -> None:
+            def timed(name: str, fn: Any, call_args: tuple, **fields: Any) -> None:
                 row = dict(base, variant=name, **fields)
                 try:
                     out = np.asarray(jax.jit(fn)(*call_args), np.float32)
@@ -101,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
                                                   iterations=args.iterations)
                     row.update(ms=data.median_evaluation_time_ms, method=data.method)
                     row["tflops"] = flops / row["ms"] / 1e9
-                    if ptx:
-                        row["wgmma"] = wgmma_counts(fn, call_args)
                 except Exception as e:  # noqa: BLE001 - a variant that fails is a result
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 emit(row)
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             if on_gpu:
                 bf16 = (ops["lhs_f32"].astype(jnp.bfloat16), ops["rhs_f32"].astype(jnp.bfloat16))
                 timed("bf16 mosaic", lambda a, b, s: tokamax_pass.ragged_dot(
-                    a, b, s, implementation="mosaic"), (*bf16, sizes), False)
+                    a, b, s, implementation="mosaic"), (*bf16, sizes))
             tiles_list = TILES[w.name] if on_gpu else (SMOKE_TILES,)
             for tiles in tiles_list:
                 config = MatmulConfig(*tiles)
@@ -129,9 +128,14 @@ def main(argv: list[str] | None = None) -> int:
 
                         weights = rhs_nk if k_major else rhs.qvalue
                         call_args = (lhs_values, weights, rhs.scale, sizes, lhs_scale)
-                        timed(f"triton {' '.join(map(str, tiles))}", fn, call_args,
-                              args.ptx and on_gpu and tiles == tiles_list[0],
-                              k_major=k_major, rhs_first=rhs_first)
+                        for limit in LIMITS if w.lhs_qtype is not None else (None,):
+                            set_float8_imprecise_accumulation(limit)
+                            timed(f"triton {' '.join(map(str, tiles))}", fn, call_args,
+                                  k_major=k_major, rhs_first=rhs_first,
+                                  float8_imprecise_acc=limit)
+                        set_float8_imprecise_accumulation(None)
+    if args.ptx_dump:
+        print(json.dumps(wgmma_summary(args.ptx_dump)))
     print(f"wrote {path}")
     return 0
 

@@ -1,6 +1,6 @@
 """Row-grouped ragged dots (forward, dlhs) of 8-bit operands as a Pallas Triton kernel.
 
-The work tiles are `pallas_triton`'s (`row_tiles`). Each program loads its tiles as
+The work tiles start at their group's first row (`group_tiles`). Each program loads its tiles as
 stored (int8, float8 or 16/32-bit floats: 8-bit weights are read at one byte an
 element), converts them in registers to the dot's dtype (`kernel_dot_dtype`: float8
 pairs stay float8, anything else meets in bf16/f16/f32, exactly), accumulates in float32,
@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import MatmulConfig
 from tokamax_kernels.ragged_dot import quantization as q
-from tokamax_kernels.ragged_dot.pallas_triton import row_tiles
+from tokamax_kernels.ragged_dot import xla_tiled
 
 _FLOAT8 = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
 _STORED = (*_FLOAT8, *(jnp.dtype(d) for d in (
@@ -90,12 +90,10 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
     rhs_scale_ref: Any = scale_refs[-1] if rhs_blocks else None
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     j, t = pl.program_id(0), pl.program_id(1)
-    group, block = tiles_ref[0, t], tiles_ref[1, t]
-    lo, hi = tiles_ref[2, t], tiles_ref[3, t]
-    r0 = pl.multiple_of(block * bm, bm)
+    group, r0, count = tiles_ref[0, t], tiles_ref[1, t], tiles_ref[2, t]
     rows = jnp.arange(bm)
     cols = j * bn + jnp.arange(bn)
-    in_rows = r0 + rows < m
+    in_rows = rows < count
     rhs_g = jnp.minimum(group, g - 1)
 
     def row_scale(kb: Any) -> jax.Array:
@@ -131,7 +129,7 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
             product = product * col_scale(kk * bk // (c // rhs_blocks))
         return acc + product
 
-    active = (hi > lo) & (group < g)
+    active = (count > 0) & (group < g)
     steps = active.astype(jnp.int32) * _triton.cdiv(c, bk)
     acc_shape = (bn, bm) if rhs_first else (bm, bn)
     acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(acc_shape, jnp.float32))
@@ -141,9 +139,20 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
         acc = acc * col_scale(jnp.int32(0))
     if rhs_first:
         acc = acc.T
-    mask = ((rows >= lo) & (rows < hi))[:, None] & (cols < n)[None, :]
     plgpu.store(out_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], acc.astype(out_ref.dtype),
-                mask=mask)
+                mask=in_rows[:, None] & (cols < n)[None, :])
+
+
+def group_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
+    """(3, T) int32 work list: group, first row and row count of each tile, the tiles
+    starting at their group's first row, so a group of at most `block_m` rows is one
+    tile and its weights are read once for each column block (tiles aligned to multiples
+    of `block_m` split most groups of few rows in two and read their weights twice).
+    Group G holds the rows past `sum(group_sizes)` (their outputs are zeros); unused
+    entries have no rows."""
+    total = jnp.minimum(jnp.sum(group_sizes.astype(jnp.int32)), m)
+    with_tail = jnp.append(group_sizes.astype(jnp.int32), m - total)
+    return jnp.stack(xla_tiled.row_tiles(with_tail, m, block_m)).astype(jnp.int32)
 
 
 def block_k_for_scales(block_k: int, c: int, *blocks: int) -> int | None:
@@ -177,7 +186,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         raise ValueError(f"block_k={config.block_k} does not divide the scale blocks of "
                          f"lhs_scale {lhs_blocks} and rhs_scale {rhs_blocks} over {c}")
     dot_dtype = kernel_dot_dtype(lhs.dtype, rhs.dtype)
-    tiles = row_tiles(group_sizes, m, config.block_m)
+    tiles = group_tiles(group_sizes, m, config.block_m)
     scales = [s for s in (lhs_scale, rhs_scale) if s is not None]
     kernel = functools.partial(
         _kernel, m=m, c=c, n=n, g=g, config=config, transpose_rhs=transpose_rhs,
