@@ -38,15 +38,17 @@ from tokamax_kernels.ragged_dot import pallas_triton_quantized as kernel
 from tokamax_pass import benchmarking
 
 TILES = {
-    "fp8_compute_bound": ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (128, 128, 128, 8, 4),
-                          (128, 256, 64, 8, 4)),
-    "int8_memory_bound": ((64, 128, 128, 4, 4), (64, 128, 128, 4, 6), (64, 64, 256, 4, 4),
-                          (64, 128, 256, 4, 3), (64, 256, 128, 8, 3), (64, 64, 128, 4, 6)),
+    "fp8_compute_bound": ((128, 256, 128, 8, 3), (128, 256, 128, 8, 2), (128, 128, 128, 8, 3),
+                          (128, 128, 128, 4, 3), (256, 128, 128, 8, 3), (128, 256, 64, 8, 4),
+                          (64, 256, 128, 4, 4), (128, 128, 256, 8, 2)),
+    "int8_memory_bound": ((64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (64, 128, 256, 4, 3),
+                          (64, 64, 128, 4, 4), (64, 128, 64, 4, 6)),
 }
 SMOKE_TILES = (16, 16, 32, 4, 1)
 # `maxNumImpreciseAcc` of the float8 dots: Pallas's 0, a promotion each 128-deep step,
 # Triton's Hopper default.
-LIMITS = (None, 128, 2**30)
+LIMITS = (2**30,)
+CONVERTS = ("cvt", "magic_cvt", "magic_bits")
 
 
 def wgmma_summary(folder: str) -> dict[str, dict[str, int]]:
@@ -113,17 +115,15 @@ def main(argv: list[str] | None = None) -> int:
             tiles_list = TILES[w.name] if on_gpu else (SMOKE_TILES,)
             for tiles in tiles_list:
                 config = MatmulConfig(*tiles)
-                for k_major in (False, True):
-                    for rhs_first in (False, True):
-                        if rhs_first and w.lhs_qtype is not None and on_gpu:
-                            continue  # float8 x float8: both tiles from shared memory
+                for k_major in (False, True) if w.lhs_qtype is None else (True,):
+                    for convert in CONVERTS if w.lhs_qtype is None else ("cvt",):
 
                         def fn(x: Any, ws: Any, rs: Any, s: Any, xs: Any = None,
                                config: MatmulConfig = config, k_major: bool = k_major,
-                               rhs_first: bool = rhs_first) -> jax.Array:
+                               convert: str = convert) -> jax.Array:
                             return kernel.ragged_dot(
                                 x, ws, s, lhs_scale=xs, rhs_scale=rs, transpose_rhs=k_major,
-                                out_dtype=jnp.bfloat16, config=config, rhs_first=rhs_first,
+                                out_dtype=jnp.bfloat16, config=config, convert=convert,
                                 interpret=not on_gpu)
 
                         weights = rhs_nk if k_major else rhs.qvalue
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                         for limit in LIMITS if w.lhs_qtype is not None else (None,):
                             set_float8_imprecise_accumulation(limit)
                             timed(f"triton {' '.join(map(str, tiles))}", fn, call_args,
-                                  k_major=k_major, rhs_first=rhs_first,
+                                  k_major=k_major, convert=convert,
                                   float8_imprecise_acc=limit)
                         set_float8_imprecise_accumulation(None)
     if args.ptx_dump:

@@ -8,7 +8,9 @@ builds the `tt.dot` without the attribute, so it is 0, and Triton then waits for
 wraps Pallas Triton's `dot_general` lowering so the `tt.dot` of two float8 operands
 carries `maxNumImpreciseAcc = n` (the products of up to `n` contraction values summed in
 the tensor cores before each float32 addition); `None` restores Pallas's own rule.
-Other dots are unchanged.
+Only dots of two contraction-major tiles (`a (M, K) . b (N, K)`) take it: with a
+`(K, N)` `b` tile, the attribute makes Triton's float8 dot several times slower on the
+H200 (`benchmarks/probes/quantized_ragged_dot_variants.py`). Other dots are unchanged.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def _is_float8(value: Any) -> bool:
 def _rule(limit: int) -> Any:
     def lower(ctx: Any, a: Any, b: Any, **params: Any) -> Any:
         out = _PALLAS_RULE(ctx, a, b, **params)
+        (a_contracting, b_contracting), _ = params["dimension_numbers"]
+        if tuple(a_contracting) != (1,) or tuple(b_contracting) != (1,):
+            return out  # not both tiles contraction-major
         dot = _dot_op(out)
         if dot is not None and _is_float8(dot.operands[0]) and _is_float8(dot.operands[1]):
             dot.attributes[_ATTRIBUTE] = ir.IntegerAttr.get(

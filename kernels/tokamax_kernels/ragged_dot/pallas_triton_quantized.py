@@ -69,6 +69,20 @@ def heuristics_config(*, m: int, k: int, n: int, groups: int, dot_dtype: Any) ->
                         block_k=fit(k, depth), num_warps=8, num_stages=3 if itemsize <= 2 else 2)
 
 
+def _int8_as(x: jax.Array, dtype: Any, convert: str) -> jax.Array:
+    """`x` (int8) as `dtype`; "magic": bf16 by one integer and one float addition (the
+    float32 with bits `0x4B000080 + x` is `2**23 + 128 + x`), then the float32's high
+    half (exact: 8 significant bits), in place of conversion instructions."""
+    if convert == "cvt" or jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+        return x.astype(dtype)
+    bits = x.astype(jnp.int32) + 0x4B000080
+    exact = jax.lax.bitcast_convert_type(bits, jnp.float32) - 8388736.0
+    if convert == "magic_cvt":
+        return exact.astype(dtype)
+    high = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(exact, jnp.int32), 16)
+    return jax.lax.bitcast_convert_type(high.astype(jnp.int16), jnp.bfloat16)
+
+
 def _zero(ref: Any) -> int | float:
     """The fill of masked loads from `ref`, of its kind (Triton casts no integer to
     float8)."""
@@ -76,7 +90,8 @@ def _zero(ref: Any) -> int | float:
 
 
 def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
-            config: MatmulConfig, transpose_rhs: bool, rhs_first: bool, dot_dtype: Any,
+            config: MatmulConfig, transpose_rhs: bool, rhs_first: bool, convert: str,
+            dot_dtype: Any,
             lhs_blocks: int | None, rhs_blocks: int | None) -> None:
     """`*_blocks`: `None` for no scales, 1 for scales constant along the contraction
     (applied in the epilogue), more for scales per block of `c // blocks` (applied to
@@ -116,7 +131,8 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
         else:
             b = plgpu.load(rhs_ref.at[rhs_g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
                            mask=(ks < c)[:, None] & (cols < n)[None, :], other=_zero(rhs_ref))
-        a, b = a.astype(dot_dtype), b.astype(dot_dtype)
+        a = _int8_as(a, dot_dtype, convert) if a.dtype == jnp.int8 else a.astype(dot_dtype)
+        b = _int8_as(b, dot_dtype, convert) if b.dtype == jnp.int8 else b.astype(dot_dtype)
         allow_tf32 = jnp.dtype(dot_dtype) != jnp.float32
         if rhs_first:  # (bn, bm) = b^T @ a^T, b^T from b (bk, bn) or (bn, bk)
             product = plgpu.dot(b, a, trans_a=not transpose_rhs, trans_b=True,
@@ -169,7 +185,7 @@ def block_k_for_scales(block_k: int, c: int, *blocks: int) -> int | None:
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, transpose_rhs: bool,
                out_dtype: Any, config: MatmulConfig, rhs_first: bool = False,
-               interpret: bool = False) -> jax.Array:
+               convert: str = "cvt", interpret: bool = False) -> jax.Array:
     """`out[r] = sum over K blocks b of (lhs[r, b] @ rhs[g, b]) * lhs_scale[r, b] *
     rhs_scale[g, b]`: `lhs (M, C)`, `rhs (G, C, N)` (`(G, N, C)`, contraction-major, with
     `transpose_rhs`), `lhs_scale (M, Bl)`, `rhs_scale (G, Br, N)` (one block: scales
@@ -190,7 +206,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     scales = [s for s in (lhs_scale, rhs_scale) if s is not None]
     kernel = functools.partial(
         _kernel, m=m, c=c, n=n, g=g, config=config, transpose_rhs=transpose_rhs,
-        rhs_first=rhs_first, dot_dtype=dot_dtype, lhs_blocks=lhs_blocks, rhs_blocks=rhs_blocks)
+        rhs_first=rhs_first, convert=convert, dot_dtype=dot_dtype, lhs_blocks=lhs_blocks, rhs_blocks=rhs_blocks)
     variant = "dlhs" if transpose_rhs else "forward"
     return pl.pallas_call(
         kernel,
