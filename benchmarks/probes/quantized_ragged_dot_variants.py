@@ -4,24 +4,18 @@
 
 For each workload of `quantized_ragged_dot` (float8 activations and weights; bf16
 activations and int8 weights) it times `pallas_triton_quantized.ragged_dot` directly over
-tile configs, the weights' two layouts (`(G, K, N)`, and `(G, N, K)` contraction-major,
-as Hopper's float8 `wgmma` reads both operands) and both accumulation orientations
-(`rhs_first`: the converted weight tile as the product's register operand), beside our
-bf16 `mosaic` kernel on the same values. Each variant is checked against a float32 HIGHEST
-product of the dequantized operands, float8 dots under each `LIMITS` accumulation rule.
-`--ptx-dump DIR` (an XLA dump folder the process was started with) counts the `wgmma`
-instructions of the dumped PTX by type at the end. One JSON line per variant goes to
-`$OUT/quantized_ragged_dot_variants.jsonl`.
+tile configs and the weights' two layouts (`(G, K, N)`, and `(G, N, K)` contraction-major,
+as Hopper's float8 `wgmma` reads both operands), beside our bf16 `mosaic` kernel on the
+same values. Each variant is checked against a float32 HIGHEST product of the dequantized
+operands. One JSON line per variant goes to `$OUT/quantized_ragged_dot_variants.jsonl`.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import pathlib
-import re
 import sys
 from typing import Any
 
@@ -33,7 +27,6 @@ import tokamax_pass
 from benchmarks.probes.quantized_ragged_dot import SMOKE_WORKLOADS, WORKLOADS, operands
 from benchmarks.probes.ragged_dot_small_rows import relative_error, router_sizes
 from tokamax_kernels._triton import MatmulConfig
-from tokamax_kernels._triton_float8_dot import set_float8_imprecise_accumulation
 from tokamax_kernels.ragged_dot import pallas_triton_quantized as kernel
 from tokamax_pass import benchmarking
 
@@ -45,31 +38,27 @@ TILES = {
                           (64, 64, 128, 4, 4), (64, 128, 64, 4, 6)),
 }
 SMOKE_TILES = (16, 16, 32, 4, 1)
-# `maxNumImpreciseAcc` of the float8 dots: Pallas's 0, a promotion each 128-deep step,
-# Triton's Hopper default.
-LIMITS = (2**30,)
-CONVERTS = ("cvt", "magic_cvt", "magic_bits")
 
 
-def wgmma_summary(folder: str) -> dict[str, dict[str, int]]:
-    """`wgmma`/`mma` instructions by type in each PTX file of an XLA dump (`XLA_FLAGS=
-    --xla_dump_to=folder` set before the process starts)."""
-    found: dict[str, dict[str, int]] = {}
-    for path in sorted(pathlib.Path(folder).rglob("*.ptx")):
-        counts: collections.Counter[str] = collections.Counter()
-        for line in path.read_text().splitlines():
-            match = re.search(r"(wgmma\.\S*|mma\.sync\S*)", line)
-            if match:
-                counts[match.group(1)] += 1
-        if counts:
-            found[path.name] = dict(counts)
-    return found
+def timed(row: dict[str, Any], fn: Any, args: tuple, reference: np.ndarray, flops: int,
+          iterations: int) -> dict[str, Any]:
+    """`row` with `fn(*args)`'s relative error against `reference` and its median time
+    (or the error it raised)."""
+    row = dict(row)
+    try:
+        out = np.asarray(jax.jit(fn)(*args), np.float32)
+        row["rel_err"] = relative_error(out, reference)
+        data = benchmarking.benchmark(fn, *args, mode="forward", iterations=iterations)
+        row.update(ms=data.median_evaluation_time_ms, method=data.method)
+        row["tflops"] = flops / row["ms"] / 1e9
+    except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--ptx-dump", help="an XLA dump folder to summarize at the end")
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
@@ -95,47 +84,28 @@ def main(argv: list[str] | None = None) -> int:
             flops = 2 * w.m * w.k * w.n
             base = dict(workload=w.name, m=w.m, k=w.k, n=w.n, groups=w.groups)
 
-            def timed(name: str, fn: Any, call_args: tuple, **fields: Any) -> None:
-                row = dict(base, variant=name, **fields)
-                try:
-                    out = np.asarray(jax.jit(fn)(*call_args), np.float32)
-                    row["rel_err"] = relative_error(out, reference)
-                    data = benchmarking.benchmark(fn, *call_args, mode="forward",
-                                                  iterations=args.iterations)
-                    row.update(ms=data.median_evaluation_time_ms, method=data.method)
-                    row["tflops"] = flops / row["ms"] / 1e9
-                except Exception as e:  # noqa: BLE001 - a variant that fails is a result
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                emit(row)
-
             if on_gpu:
                 bf16 = (ops["lhs_f32"].astype(jnp.bfloat16), ops["rhs_f32"].astype(jnp.bfloat16))
-                timed("bf16 mosaic", lambda a, b, s: tokamax_pass.ragged_dot(
-                    a, b, s, implementation="mosaic"), (*bf16, sizes))
+                emit(timed(dict(base, variant="bf16 mosaic"),
+                           lambda a, b, s: tokamax_pass.ragged_dot(
+                               a, b, s, implementation="mosaic"),
+                           (*bf16, sizes), reference, flops, args.iterations))
             tiles_list = TILES[w.name] if on_gpu else (SMOKE_TILES,)
             for tiles in tiles_list:
                 config = MatmulConfig(*tiles)
-                for k_major in (False, True) if w.lhs_qtype is None else (True,):
-                    for convert in CONVERTS if w.lhs_qtype is None else ("cvt",):
+                for k_major in (False, True):
 
-                        def fn(x: Any, ws: Any, rs: Any, s: Any, xs: Any = None,
-                               config: MatmulConfig = config, k_major: bool = k_major,
-                               convert: str = convert) -> jax.Array:
-                            return kernel.ragged_dot(
-                                x, ws, s, lhs_scale=xs, rhs_scale=rs, transpose_rhs=k_major,
-                                out_dtype=jnp.bfloat16, config=config, convert=convert,
-                                interpret=not on_gpu)
+                    def fn(x: Any, ws: Any, rs: Any, s: Any, xs: Any = None,
+                           config: MatmulConfig = config, k_major: bool = k_major) -> jax.Array:
+                        return kernel.ragged_dot(
+                            x, ws, s, lhs_scale=xs, rhs_scale=rs, transpose_rhs=k_major,
+                            out_dtype=jnp.bfloat16, config=config, interpret=not on_gpu)
 
-                        weights = rhs_nk if k_major else rhs.qvalue
-                        call_args = (lhs_values, weights, rhs.scale, sizes, lhs_scale)
-                        for limit in LIMITS if w.lhs_qtype is not None else (None,):
-                            set_float8_imprecise_accumulation(limit)
-                            timed(f"triton {' '.join(map(str, tiles))}", fn, call_args,
-                                  k_major=k_major, convert=convert,
-                                  float8_imprecise_acc=limit)
-                        set_float8_imprecise_accumulation(None)
-    if args.ptx_dump:
-        print(json.dumps(wgmma_summary(args.ptx_dump)))
+                    weights = rhs_nk if k_major else rhs.qvalue
+                    row = dict(base, variant=f"triton {' '.join(map(str, tiles))}",
+                               k_major=k_major)
+                    emit(timed(row, fn, (lhs_values, weights, rhs.scale, sizes, lhs_scale),
+                               reference, flops, args.iterations))
     print(f"wrote {path}")
     return 0
 

@@ -1,7 +1,7 @@
 """Row-grouped ragged dots (forward, dlhs) of 8-bit operands as a Pallas Triton kernel.
 
-The work tiles start at their group's first row (`group_tiles`). Each program loads its tiles as
-stored (int8, float8 or 16/32-bit floats: 8-bit weights are read at one byte an
+The work tiles start at their group's first row (`group_tiles`). Each program loads its
+tiles as stored (int8, float8 or 16/32-bit floats: 8-bit weights are read at one byte an
 element), converts them in registers to the dot's dtype (`kernel_dot_dtype`: float8
 pairs stay float8, anything else meets in bf16/f16/f32, exactly), accumulates in float32,
 and in the epilogue multiplies its rows by `lhs_scale[r]` and its columns by
@@ -21,12 +21,17 @@ from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import MatmulConfig
+from tokamax_kernels._triton_float8_dot import set_float8_imprecise_accumulation
 from tokamax_kernels.ragged_dot import quantization as q
 from tokamax_kernels.ragged_dot import xla_tiled
 
-_FLOAT8 = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
-_STORED = (*_FLOAT8, *(jnp.dtype(d) for d in (
+FLOAT8 = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2))
+_STORED = (*FLOAT8, *(jnp.dtype(d) for d in (
     jnp.int8, jnp.uint8, jnp.bfloat16, jnp.float16, jnp.float32)))
+# Products of this many contraction values summed in the tensor cores before each float32
+# addition of a float8 dot (one 128-deep step): as fast on the H200 as Triton's Hopper
+# default (the whole contraction), and as exact as Pallas's 0 (which stalls `wgmma`).
+FLOAT8_IMPRECISE_ACCUMULATION = 128
 
 
 def kernel_dot_dtype(lhs_dtype: Any, rhs_dtype: Any) -> Any:
@@ -34,9 +39,9 @@ def kernel_dot_dtype(lhs_dtype: Any, rhs_dtype: Any) -> Any:
     of the two (bf16 for two integer tiles: their products and sums stay exact in the
     float32 accumulator up to 2**24)."""
     a, b = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
-    if a in _FLOAT8 and b in _FLOAT8:
+    if a in FLOAT8 and b in FLOAT8:
         return a if a == b else jnp.dtype(jnp.bfloat16)
-    floats = [d for d in (a, b) if jnp.issubdtype(d, jnp.floating) and d not in _FLOAT8]
+    floats = [d for d in (a, b) if jnp.issubdtype(d, jnp.floating) and d not in FLOAT8]
     return jnp.dtype(jnp.result_type(*floats)) if floats else jnp.dtype(jnp.bfloat16)
 
 
@@ -53,34 +58,23 @@ def check_supported(lhs: Any, rhs: Any) -> None:
 
 
 def heuristics_config(*, m: int, k: int, n: int, groups: int, dot_dtype: Any) -> MatmulConfig:
-    """`pallas_triton`'s choices by the dot's element size: float8 takes 128-deep steps
-    (a float8 `wgmma` step is 32 deep); few rows a group (64 or fewer) take 64 x 128 tiles,
-    128-deep steps over 4 stages, as the unquantized kernel does."""
+    """Tiles by the dot's element size, as measured on the H200
+    (`benchmarks/probes/quantized_ragged_dot_variants.py`): float8 takes 128 x 256 tiles
+    and 128-deep steps (a float8 `wgmma` step is 32 deep) over 3 stages, both tiles
+    contraction-major (`TritonBackend` stores the weights so); few rows a group (64 or
+    fewer) take 64 x 64 tiles and 128-deep steps over 4 stages (many programs, each
+    reading a narrow strip of weights); others `pallas_triton`'s choices."""
     itemsize = jnp.dtype(dot_dtype).itemsize
 
     def fit(size: int, most: int) -> int:
         return max(16, min(most, _triton.next_power_of_2(size)))
 
     if groups and m / groups <= 64:
-        return MatmulConfig(block_m=fit(m, 64), block_n=fit(n, 128), block_k=fit(k, 128),
+        return MatmulConfig(block_m=fit(m, 64), block_n=fit(n, 64), block_k=fit(k, 128),
                             num_warps=4, num_stages=4)
     depth = {1: 128, 2: 64}.get(itemsize, 32)
     return MatmulConfig(block_m=fit(m, 128), block_n=fit(n, 256 if itemsize <= 2 else 128),
                         block_k=fit(k, depth), num_warps=8, num_stages=3 if itemsize <= 2 else 2)
-
-
-def _int8_as(x: jax.Array, dtype: Any, convert: str) -> jax.Array:
-    """`x` (int8) as `dtype`; "magic": bf16 by one integer and one float addition (the
-    float32 with bits `0x4B000080 + x` is `2**23 + 128 + x`), then the float32's high
-    half (exact: 8 significant bits), in place of conversion instructions."""
-    if convert == "cvt" or jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
-        return x.astype(dtype)
-    bits = x.astype(jnp.int32) + 0x4B000080
-    exact = jax.lax.bitcast_convert_type(bits, jnp.float32) - 8388736.0
-    if convert == "magic_cvt":
-        return exact.astype(dtype)
-    high = jax.lax.shift_right_logical(jax.lax.bitcast_convert_type(exact, jnp.int32), 16)
-    return jax.lax.bitcast_convert_type(high.astype(jnp.int16), jnp.bfloat16)
 
 
 def _zero(ref: Any) -> int | float:
@@ -90,15 +84,11 @@ def _zero(ref: Any) -> int | float:
 
 
 def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
-            config: MatmulConfig, transpose_rhs: bool, rhs_first: bool, convert: str,
-            dot_dtype: Any,
+            config: MatmulConfig, transpose_rhs: bool, dot_dtype: Any,
             lhs_blocks: int | None, rhs_blocks: int | None) -> None:
     """`*_blocks`: `None` for no scales, 1 for scales constant along the contraction
     (applied in the epilogue), more for scales per block of `c // blocks` (applied to
-    each step's product; `block_k` divides a block). `rhs_first`: the tile accumulates
-    transposed, `rhs_tile^T-side @ lhs_tile^T`, so the converted rhs tile is the
-    product's left operand (which Hopper's `wgmma` reads from registers) and the lhs
-    tile its right one (read from shared memory); the epilogue transposes it back."""
+    each step's product; `block_k` divides a block)."""
     scale_refs, out_ref = refs[:-1], refs[-1]
     # Refs exactly where their operand is quantized by blocks (only then read).
     lhs_scale_ref: Any = scale_refs[0] if lhs_blocks else None
@@ -112,14 +102,12 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
     rhs_g = jnp.minimum(group, g - 1)
 
     def row_scale(kb: Any) -> jax.Array:
-        scale = plgpu.load(lhs_scale_ref.at[pl.ds(r0, bm), kb], mask=in_rows,
-                           other=0).astype(jnp.float32)
-        return scale[None, :] if rhs_first else scale[:, None]
+        return plgpu.load(lhs_scale_ref.at[pl.ds(r0, bm), kb], mask=in_rows,
+                          other=0).astype(jnp.float32)[:, None]
 
     def col_scale(kb: Any) -> jax.Array:
-        scale = plgpu.load(rhs_scale_ref.at[rhs_g, kb, pl.ds(j * bn, bn)], mask=cols < n,
-                           other=0).astype(jnp.float32)
-        return scale[:, None] if rhs_first else scale[None, :]
+        return plgpu.load(rhs_scale_ref.at[rhs_g, kb, pl.ds(j * bn, bn)], mask=cols < n,
+                          other=0).astype(jnp.float32)[None, :]
 
     def step(kk: Any, acc: jax.Array) -> jax.Array:
         ks = kk * bk + jnp.arange(bk)
@@ -131,14 +119,9 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
         else:
             b = plgpu.load(rhs_ref.at[rhs_g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
                            mask=(ks < c)[:, None] & (cols < n)[None, :], other=_zero(rhs_ref))
-        a = _int8_as(a, dot_dtype, convert) if a.dtype == jnp.int8 else a.astype(dot_dtype)
-        b = _int8_as(b, dot_dtype, convert) if b.dtype == jnp.int8 else b.astype(dot_dtype)
-        allow_tf32 = jnp.dtype(dot_dtype) != jnp.float32
-        if rhs_first:  # (bn, bm) = b^T @ a^T, b^T from b (bk, bn) or (bn, bk)
-            product = plgpu.dot(b, a, trans_a=not transpose_rhs, trans_b=True,
-                                allow_tf32=allow_tf32)
-        else:
-            product = plgpu.dot(a, b, trans_b=transpose_rhs, allow_tf32=allow_tf32)
+        exact = jnp.dtype(dot_dtype) == jnp.float32
+        product = plgpu.dot(a.astype(dot_dtype), b.astype(dot_dtype), trans_b=transpose_rhs,
+                            allow_tf32=not exact)
         if lhs_blocks and lhs_blocks > 1:
             product = product * row_scale(kk * bk // (c // lhs_blocks))
         if rhs_blocks and rhs_blocks > 1:
@@ -147,14 +130,11 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
 
     active = (count > 0) & (group < g)
     steps = active.astype(jnp.int32) * _triton.cdiv(c, bk)
-    acc_shape = (bn, bm) if rhs_first else (bm, bn)
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(acc_shape, jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
     if lhs_blocks == 1:
         acc = acc * row_scale(jnp.int32(0))
     if rhs_blocks == 1:
         acc = acc * col_scale(jnp.int32(0))
-    if rhs_first:
-        acc = acc.T
     plgpu.store(out_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], acc.astype(out_ref.dtype),
                 mask=in_rows[:, None] & (cols < n)[None, :])
 
@@ -184,14 +164,14 @@ def block_k_for_scales(block_k: int, c: int, *blocks: int) -> int | None:
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, transpose_rhs: bool,
-               out_dtype: Any, config: MatmulConfig, rhs_first: bool = False,
-               convert: str = "cvt", interpret: bool = False) -> jax.Array:
+               out_dtype: Any, config: MatmulConfig, variant: str = "forward",
+               interpret: bool = False) -> jax.Array:
     """`out[r] = sum over K blocks b of (lhs[r, b] @ rhs[g, b]) * lhs_scale[r, b] *
     rhs_scale[g, b]`: `lhs (M, C)`, `rhs (G, C, N)` (`(G, N, C)`, contraction-major, with
     `transpose_rhs`), `lhs_scale (M, Bl)`, `rhs_scale (G, Br, N)` (one block: scales
     applied in the epilogue; one per output column either way), each optional;
-    `config.block_k` must divide every block. `rhs_first`: `_kernel`'s transposed
-    accumulation (the same values). Rows past `sum(group_sizes)` are zeros."""
+    `config.block_k` must divide every block. Rows past `sum(group_sizes)` are zeros.
+    `variant` ("forward" or "dlhs") names the kernel."""
     m, c = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -202,12 +182,13 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         raise ValueError(f"block_k={config.block_k} does not divide the scale blocks of "
                          f"lhs_scale {lhs_blocks} and rhs_scale {rhs_blocks} over {c}")
     dot_dtype = kernel_dot_dtype(lhs.dtype, rhs.dtype)
+    if dot_dtype in FLOAT8:
+        set_float8_imprecise_accumulation(FLOAT8_IMPRECISE_ACCUMULATION)
     tiles = group_tiles(group_sizes, m, config.block_m)
     scales = [s for s in (lhs_scale, rhs_scale) if s is not None]
     kernel = functools.partial(
         _kernel, m=m, c=c, n=n, g=g, config=config, transpose_rhs=transpose_rhs,
-        rhs_first=rhs_first, convert=convert, dot_dtype=dot_dtype, lhs_blocks=lhs_blocks, rhs_blocks=rhs_blocks)
-    variant = "dlhs" if transpose_rhs else "forward"
+        dot_dtype=dot_dtype, lhs_blocks=lhs_blocks, rhs_blocks=rhs_blocks)
     return pl.pallas_call(
         kernel,
         grid=(_triton.cdiv(n, config.block_n), tiles.shape[1]),
