@@ -12,7 +12,8 @@ activations with int8 weights run a bf16 dot whose weights are read as int8.
 
 Implementations: `xla` (`jax.lax.ragged_dot` or the tiled form, as for plain operands)
 and `triton` (`pallas_triton_quantized`: the conversion in the kernel, the scales in its
-epilogue). The Mosaic kernels take bf16/f16 operands only and raise
+epilogue; float8 weights read contraction-major, (G, N, K), as Hopper's float8 `wgmma`
+takes them). The Mosaic kernels take bf16/f16 operands only and raise
 `NotImplementedError`, so a sequence moves on. `implementation=None` runs `triton` where
 the target runs it, else `xla`.
 
