@@ -10,14 +10,16 @@ Two workloads, 8 groups each, router-like uneven group sizes filling every row:
   times int8 weights (a scale per group and column).
 
 Each runs our quantized `triton` (its heuristics, and on the GPU the tiles of
-`TRITON_TILES`) and `xla`, our bf16 `triton`, `mosaic` and `xla` on the same
+`TRITON_TILES`; and on the GPU with the weights stored (G, N, K), through
+`ragged_dot_general`'s transposed form) and `xla`, our bf16 `triton`, `mosaic` and `xla` on the same
 (dequantized) values, and upstream Tokamax's `ragged_dot` on qwix `QArray`s where
 `tokamax` and `qwix` import. Every candidate is checked against a float32 HIGHEST
 product of the dequantized operands (relative error norm, and upstream's test
 tolerances: atol 0.01 / rtol 0.005, or atol 1 / rtol 0.5 for float8 activations), then
 timed (`tokamax_pass.benchmarking`, median): forward, and forward with the activations'
 gradient (the weights constant in every candidate, bf16 ones too). One JSON line per
-measurement goes to `$OUT/quantized_ragged_dot.jsonl` (or the working directory), then
+measurement goes to `$OUT/quantized_ragged_dot.jsonl` (or the working directory), after
+one provenance line (commit, date, jax version, device), then
 one summary line per workload: each quantized candidate's speedup over our fastest bf16
 kernel and whether it meets the goal (1.5x). `--smoke` runs tiny shapes on CPU (Triton
 in Pallas interpret mode) to show the script works.
@@ -41,20 +43,22 @@ import numpy as np
 
 import tokamax_pass
 from benchmarks.probes.ragged_dot_small_rows import relative_error, router_sizes
+from benchmarks.sweep import source_commit
 from tokamax_kernels.ragged_dot import PallasTritonRaggedDot, QuantizedArray
+from tokamax_kernels.ragged_dot.general import TRANSPOSED_RHS_DIMENSION_NUMBERS
 from tokamax_kernels.ragged_dot.pallas_triton import Config as TritonConfig
 from tokamax_pass import benchmarking
 
 GOAL_SPEEDUP = 1.5
+# The candidate whose weights are stored (G, N, K): its arguments hold them so.
+NK_WEIGHTS = "triton (g, n, k) weights"
 
 # Triton tiles tried beside the heuristics' (block_m, block_n, block_k, warps, stages), by
 # workload: float8 products want deep steps; few rows a group want narrow row tiles and
 # many weight tiles in flight.
 TRITON_TILES = {
-    "fp8_compute_bound": ((128, 256, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 64, 8, 4),
-                          (64, 256, 128, 4, 4), (128, 128, 256, 8, 3)),
-    "int8_memory_bound": ((64, 128, 128, 4, 4), (64, 256, 128, 8, 3), (32, 128, 256, 4, 4),
-                          (64, 128, 256, 4, 3), (16, 128, 256, 4, 4), (64, 64, 256, 4, 4)),
+    "fp8_compute_bound": ((128, 256, 128, 8, 4), (128, 128, 128, 4, 3)),
+    "int8_memory_bound": ((64, 128, 64, 4, 6), (64, 64, 64, 4, 8), (64, 128, 128, 4, 4)),
 }
 
 
@@ -121,6 +125,16 @@ def candidates(w: Workload, on_gpu: bool) -> list[tuple[str, str, Callable[..., 
             return tokamax_pass.ragged_dot(lhs, rhs, sizes, implementation=implementation)
         return fn
 
+    def quantized_nk(implementation: Any) -> Callable[..., Any]:
+        """The weights stored (G, N, K), contraction-major (`args` holds them so), through
+        `ragged_dot_general`'s transposed form."""
+        def fn(*args: jax.Array) -> jax.Array:
+            lhs, rhs, sizes = unpack(args)
+            return tokamax_pass.ragged_dot_general(
+                lhs, rhs, sizes, TRANSPOSED_RHS_DIMENSION_NUMBERS,
+                implementation=implementation)
+        return fn
+
     def bf16(implementation: Any) -> Callable[..., Any]:
         def fn(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array) -> jax.Array:
             # Constant weights, as quantized ones are: both time the activations' gradient.
@@ -133,6 +147,7 @@ def candidates(w: Workload, on_gpu: bool) -> list[tuple[str, str, Callable[..., 
              ("triton", "bf16", bf16(PallasTritonRaggedDot(interpret=interpret))),
              ("xla", "bf16", bf16("xla"))]
     if on_gpu:
+        found.insert(1, (NK_WEIGHTS, "quantized", quantized_nk(PallasTritonRaggedDot())))
         found += [(f"triton {' '.join(map(str, tiles))}", "quantized",
                    quantized(PallasTritonRaggedDot(config=TritonConfig(*tiles))))
                   for tiles in TRITON_TILES[w.name]]
@@ -232,10 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     path = out_dir / "quantized_ragged_dot.jsonl"
     start = time.perf_counter()
     with path.open("w") as log:
+        provenance = dict(commit=source_commit(), date=time.strftime("%Y-%m-%d"),
+                          jax=jax.__version__, device=jax.devices()[0].device_kind)
+        log.write(json.dumps(dict(provenance=provenance)) + "\n")
         for index, w in enumerate(workloads):
             ops = operands(w, index)
             sizes = router_sizes(w.m, w.groups, index)
             quantized_args = (*_parts(ops["lhs"]), *_parts(ops["rhs"]), sizes)
+            nk_args = (*_parts(ops["lhs"]), *_parts(ops["rhs"].swapaxes(1, 2)), sizes)
             bf16_args = (ops["lhs_f32"].astype(jnp.bfloat16),
                          ops["rhs_f32"].astype(jnp.bfloat16), sizes)
             reference = jax.jit(lambda a, b, s: jax.lax.ragged_dot(
@@ -247,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                     found = [dict(workload=w.name, implementation=name, kind=kind,
                                   skipped="time budget")]
                 else:
-                    call_args = bf16_args if kind == "bf16" else quantized_args
+                    call_args = (bf16_args if kind == "bf16" else
+                                 nk_args if name == NK_WEIGHTS else quantized_args)
                     found = measure(w, name, kind, fn, call_args, reference, iterations)
                 for row in found:
                     log.write(json.dumps(row) + "\n")

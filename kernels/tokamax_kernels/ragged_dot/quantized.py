@@ -12,7 +12,8 @@ activations with int8 weights run a bf16 dot whose weights are read as int8.
 
 Implementations: `xla` (`jax.lax.ragged_dot` or the tiled form, as for plain operands)
 and `triton` (`pallas_triton_quantized`: the conversion in the kernel, the scales in its
-epilogue). The Mosaic kernels take bf16/f16 operands only and raise
+epilogue; float8 weights read contraction-major, (G, N, K), as Hopper's float8 `wgmma`
+takes them). The Mosaic kernels take bf16/f16 operands only and raise
 `NotImplementedError`, so a sequence moves on. `implementation=None` runs `triton` where
 the target runs it, else `xla`.
 
@@ -131,9 +132,16 @@ class TritonBackend:
             rhs_values, rhs_scale = q.post_scale(rhs, 1)
         else:
             config = dataclasses.replace(config, block_k=block_k)
+        # Hopper's float8 `wgmma` reads both tiles contraction-major: float8 weights go in
+        # as (G, N, K) (free where they are stored so and reach here swapped, as the
+        # transposed form of `ragged_dot_general` passes them: the two transposes cancel).
+        k_major = triton_quantized.kernel_dot_dtype(
+            lhs_values.dtype, rhs_values.dtype) in triton_quantized.FLOAT8
+        if k_major:
+            rhs_values = jnp.swapaxes(rhs_values, 1, 2)
         return triton_quantized.ragged_dot(
             lhs_values, rhs_values, group_sizes, lhs_scale=lhs_scale,
-            rhs_scale=rhs_scale, transpose_rhs=False, out_dtype=out_dtype, config=config,
+            rhs_scale=rhs_scale, transpose_rhs=k_major, out_dtype=out_dtype, config=config,
             interpret=self.op.interpret)
 
     def dlhs(self, dout: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -144,7 +152,7 @@ class TritonBackend:
                               dot_dtype)
         return triton_quantized.ragged_dot(
             dout, rhs, group_sizes, lhs_scale=None, rhs_scale=None, transpose_rhs=True,
-            out_dtype=out_dtype, config=config, interpret=self.op.interpret)
+            out_dtype=out_dtype, config=config, variant="dlhs", interpret=self.op.interpret)
 
 
 def _backend(op: Op, lhs: Any, rhs: Any) -> XlaBackend | TritonBackend:

@@ -5,6 +5,7 @@ forward and gradients, against float32 HIGHEST products of the dequantized opera
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,7 @@ M, K, N = 40, 64, 48
 # Uneven, with an empty group, and rows past the sum (zeros).
 SIZES = jnp.asarray([5, 0, 20, 3], jnp.int32)
 G = int(SIZES.shape[0])
-# 16-row tiles straddle every group boundary; 16 divides K and N.
+# 16-row tiles: the 20-row group takes two, the rows past the sum one; 16 divides K and N.
 TILES = Config(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
 TRITON = PallasTritonRaggedDot(interpret=True, config=TILES)
 INT8, FP8 = jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn)
@@ -245,6 +246,70 @@ def test_ragged_dot_general_transposed_and_ragged_contracting_forms():
             lhs, reference_dequantize(dout), SIZES, RAGGED_CONTRACTING_DIMENSION_NUMBERS,
             precision=jax.lax.Precision.HIGHEST)
     assert_close(got, want)
+
+
+def test_group_tiles_start_at_their_group_and_cover_every_row_once():
+    sizes = jnp.asarray([70, 0, 64, 1, 30], jnp.int32)
+    m, block_m = 180, 64
+    group, first, rows = np.asarray(triton_quantized.group_tiles(sizes, m, block_m))
+    assert len(group) == -(-m // block_m) + len(sizes) + 1  # the tail is one more group
+    used = rows > 0
+    starts = np.concatenate([[0], np.cumsum(sizes)])  # the tail (group 5) starts at 165
+    owner = np.full(m, -1)
+    for g, r0, count in zip(group[used], first[used], rows[used], strict=True):
+        assert (r0 - starts[g]) % block_m == 0 and count <= block_m
+        assert (owner[r0:r0 + count] == -1).all()
+        owner[r0:r0 + count] = g
+    np.testing.assert_array_equal(owner, np.repeat(np.arange(6), [*np.asarray(sizes), 15]))
+    # A group of at most block_m rows is one tile (its weights read once a column block).
+    assert [int((group[used] == g).sum()) for g in range(6)] == [2, 0, 1, 1, 1, 1]
+
+
+def test_float8_weights_stored_contraction_major():
+    """(G, N, K) float8 weights through the transposed form: the kernel reads them as
+    they are, scales per group and column in its epilogue."""
+    lhs = activations(FP8)
+    rhs = QuantizedArray.quantize(random_normal(4, (G, N, K)), FP8, channelwise_axes=(0, 1))
+    got = ragged_dot_general(lhs, rhs, SIZES, TRANSPOSED_RHS_DIMENSION_NUMBERS,
+                             implementation=TRITON)
+    assert_close(got, reference(lhs, rhs.swapaxes(1, 2)))
+    assert not np.asarray(got[int(SIZES.sum()):]).any()
+
+
+def _exported_dot(dtype, trans_b: bool) -> str:
+    """The Triton module (serialized) of one Pallas Triton dot of two `dtype` tiles, from
+    its cuda export for an H200."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(a_ref, b_ref, o_ref):
+        o_ref[...] = plgpu.dot(a_ref[...], b_ref[...], trans_b=trans_b)
+
+    def f(a, b):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                              compiler_params=plgpu.CompilerParams(num_warps=4))(a, b)
+
+    tile = jax.ShapeDtypeStruct((64, 64), dtype)
+    with _h200():
+        text = jax.export.export(jax.jit(f), platforms=["cuda"],
+                                 disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(
+            tile, tile).mlir_module()
+    return re.search(r'ir = "(.*?)", name = "kernel"', text, re.S).group(1)
+
+
+@pytest.mark.parametrize(("dtype", "trans_b", "changed"),
+                         [(FP8, True, True), (FP8, False, False), (jnp.bfloat16, True, False)])
+def test_float8_accumulation_rule_marks_only_contraction_major_float8_dots(dtype, trans_b,
+                                                                          changed):
+    from tokamax_kernels._triton_float8_dot import set_float8_imprecise_accumulation
+    try:
+        set_float8_imprecise_accumulation(None)
+        pallas = _exported_dot(dtype, trans_b)
+        set_float8_imprecise_accumulation(128)
+        ours = _exported_dot(dtype, trans_b)
+    finally:
+        set_float8_imprecise_accumulation(triton_quantized.FLOAT8_IMPRECISE_ACCUMULATION)
+    assert (ours != pallas) == changed
 
 
 def test_mosaic_does_not_take_quantized_operands_and_a_sequence_moves_on():
