@@ -270,6 +270,10 @@ def traced_hlo_ops(run: Callable[[], Any], iterations: int) -> list[tuple[str, d
     with tempfile.TemporaryDirectory() as tmp:
         options = jax.profiler.ProfileOptions()
         options.python_tracer_level = 0
+        # The events name their HLO ops and modules themselves; the HLO protos of every
+        # executable the process holds would be serialized into the trace as well, which
+        # makes each timing slower the more programs the process has compiled.
+        options.enable_hlo_proto = False
         with jax.profiler.trace(tmp, profiler_options=options):
             for _ in range(iterations):
                 jax.block_until_ready(run())
