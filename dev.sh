@@ -55,20 +55,21 @@ case "${1:-}" in
     # The CPU tests compile thousands of small programs and run them once: LLVM's
     # expensive optimizations cost more than they save there.
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    # One XLA compilation cache for the run: tests build the same programs in both pytest
+    # workers and again in the mutation check (a mutation changes the programs it breaks,
+    # and with them their cache keys).
+    JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
+    trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+    export JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
     # The checks of .pre-commit-config.yaml, run as the same commands: CI calls the tools
     # directly rather than through pre-commit, which sets up (and, for hooks from other
     # repositories, fetches) environments that an offline CI machine cannot.
     .venv/bin/python -m ruff check .
     .venv/bin/python -m mypy  # src/ and kernels/, as [tool.mypy] in pyproject.toml says
     .venv/bin/python -m pytest -q -n 2 --durations=20 tests
-    # Deliberate breakages (tests/mutation/patches/), each of which a test must catch. The
-    # mutations share one XLA compilation cache: most of them run tests of the same files,
-    # and a mutation changes the programs it breaks, and with them their cache keys.
-    cache=$(mktemp -d)
-    JAX_COMPILATION_CACHE_DIR=$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1 \
-      .venv/bin/python tests/mutation/run_mutations.py --jobs 2
-    rm -rf "$cache"
+    # Deliberate breakages (tests/mutation/patches/), each of which a test must catch.
+    .venv/bin/python tests/mutation/run_mutations.py --jobs 2
     # bf16 here; the test suite runs the smoke in float16 and float32 (test_models.py;
     # test_plan_audit.py's under `pytest -m slow`).
     .venv/bin/python -m benchmarks.models --smoke --dtypes bfloat16
