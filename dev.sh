@@ -71,12 +71,15 @@ case "${1:-}" in
     # Deliberate breakages (tests/mutation/patches/), each of which a test must catch.
     .venv/bin/python tests/mutation/run_mutations.py --jobs 2
     # bf16 here; the test suite runs the smoke in float16 and float32 (test_models.py;
-    # test_plan_audit.py's under `pytest -m slow`).
-    .venv/bin/python -m benchmarks.models --smoke --dtypes bfloat16
+    # test_plan_audit.py's under `pytest -m slow`). It runs beside bazel, which mostly
+    # waits on one core.
+    .venv/bin/python -m benchmarks.models --smoke --dtypes bfloat16 &
+    smoke=$!
     .venv/bin/python -m benchmarks.report --check
     setup_bazel
     bazel test --config=ci //...
     bazel shutdown
+    wait "$smoke"
     ;;
   *)
     echo "usage: ./dev.sh demo | ./dev.sh test" >&2
