@@ -22,7 +22,6 @@ import contextvars
 import functools
 import inspect
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tokamax_pass.passes.candidate import Candidate
+from tokamax_pass.passes.swap import CountedSwap
 
 NAME = "dot_product_attention"
 _ARRAYS = ("query", "key", "value", "bias", "mask", "query_seq_lengths",
@@ -43,9 +43,6 @@ _DECIDE: contextvars.ContextVar[Decide | None] = contextvars.ContextVar(
     "tokamax_pass_attention_decide", default=None)
 _ORIGINAL = jax.nn.dot_product_attention
 _SIGNATURE = inspect.signature(_ORIGINAL)
-_LOCK = threading.Lock()
-# Blocks active now: `jax.nn`'s function is ours while any is (one list item, mutated).
-_INSTALLED = [0]
 
 
 @contextlib.contextmanager
@@ -53,20 +50,19 @@ def intercepting(decide: Decide) -> Iterator[None]:
     """Within the block (this context only), `jax.nn.dot_product_attention` calls are
     decided by `decide`."""
     token = _DECIDE.set(decide)
-    _install(+1)
     try:
-        yield
+        with _SWAP.held():
+            yield
     finally:
-        _install(-1)
         _DECIDE.reset(token)
 
 
-def _install(change: int) -> None:
-    """Puts `_intercepted` in `jax.nn` while any block is active (counted, so nested and
-    concurrent blocks restore `jax.nn`'s function only when the last one ends)."""
-    with _LOCK:
-        _INSTALLED[0] += change
-        jax.nn.dot_product_attention = _intercepted if _INSTALLED[0] else _ORIGINAL
+def _put(active: bool) -> None:
+    """`_intercepted` in `jax.nn` when `active`, JAX's own function otherwise."""
+    jax.nn.dot_product_attention = _intercepted if active else _ORIGINAL
+
+
+_SWAP = CountedSwap(_put)
 
 
 @functools.wraps(_ORIGINAL)

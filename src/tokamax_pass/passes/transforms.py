@@ -27,7 +27,6 @@ import contextlib
 import contextvars
 import functools
 import sys
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from tokamax_pass.core.primitive import bind_call
 from tokamax_pass.passes import emit, patterns, walk
 from tokamax_pass.passes.graph import Graph
 from tokamax_pass.passes.rewrite import Rewriter
+from tokamax_pass.passes.swap import CountedSwap
 
 # Reverse mode: `jax.vjp`, and the function `jax.grad` and `jax.value_and_grad` call
 # (wherever they were made, before `optimize` too). A function `jax.jvp` or
@@ -55,9 +55,6 @@ _ACTIVE: contextvars.ContextVar[Rewriter | None] = contextvars.ContextVar(
 # it is differentiated too.
 _DIFFERENTIATED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "tokamax_pass_transforms_differentiated", default=False)
-_LOCK = threading.Lock()
-# Blocks active now: JAX's functions are ours while any is (one list item, mutated).
-_INSTALLED = [0]
 
 
 @contextlib.contextmanager
@@ -65,24 +62,22 @@ def intercepting(rewriter: Rewriter) -> Iterator[None]:
     """Within the block (this context only), functions handed to JAX's transformations
     are rewritten by `rewriter`'s `patterns.REGIONS` before JAX transforms them."""
     token = _ACTIVE.set(rewriter)
-    _install(+1)
     try:
-        yield
+        with _SWAP.held():
+            yield
     finally:
-        _install(-1)
         _ACTIVE.reset(token)
 
 
-def _install(change: int) -> None:
-    """Puts the intercepting functions in `jax` (and the `vjp` of `jax._src.api`, which
-    its `grad` calls) while any block is active (counted, so nested and concurrent
-    blocks restore JAX's own only when the last one ends)."""
-    with _LOCK:
-        _INSTALLED[0] += change
-        active = bool(_INSTALLED[0])
-        for name in _PUBLIC:
-            setattr(jax, name, _FROM_USER_CODE[name] if active else _ORIGINALS[name])
-        jax_api.vjp = _FROM_JAX_API if active else _ORIGINALS[_VJP]
+def _put(active: bool) -> None:
+    """The intercepting functions in `jax` (and the `vjp` of `jax._src.api`, which its
+    `grad` calls) when `active`, JAX's own otherwise."""
+    for name in _PUBLIC:
+        setattr(jax, name, _FROM_USER_CODE[name] if active else _ORIGINALS[name])
+    jax_api.vjp = _FROM_JAX_API if active else _ORIGINALS[_VJP]
+
+
+_SWAP = CountedSwap(_put)
 
 
 def _intercepted(name: str, callers: Callable[[Any], bool]) -> Callable[..., Any]:
