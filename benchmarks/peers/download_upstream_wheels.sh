@@ -22,9 +22,10 @@ pure=(
   annotated-types==0.8.0
   typing-inspection==0.4.5
   typing-extensions==4.16.0
-  # 0.3.1 asks for triton>=3.6 (the image's 3.6.0); 0.4.x asks for 3.7 and disables the
-  # NVIDIA backend under 3.6.
-  jax-triton==0.3.1
+  # tokamax 0.0.17 calls `triton_call(out_type=...)`, which 0.4.1 is the release to take;
+  # it asks for triton 3.7 (the image has 3.6): install_on_device.sh keeps its NVIDIA
+  # backend on.
+  jax-triton==0.4.1
 )
 # Wheels with compiled code: the device's interpreter and platform.
 binary=(

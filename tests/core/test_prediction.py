@@ -115,6 +115,64 @@ def test_predict_divides_the_roofline_of_the_performed_work_by_the_efficiency():
     assert lax.seconds == pytest.approx(max(64 * flops / 800e12, moved / 4e12) / 0.5)
 
 
+def test_a_grouped_glu_is_predicted_as_its_ragged_dot_and_its_gradient_as_theirs():
+    from tokamax_kernels.gated_linear_unit import GatedLinearUnit
+    from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu import PallasMosaicGpuGatedLinearUnit
+    from tokamax_kernels.ragged_dot import PallasMosaicGpuRaggedDot, RaggedDot
+
+    x = jax.ShapeDtypeStruct((1536, 2048), jnp.bfloat16)
+    fused = jax.ShapeDtypeStruct((64, 2048, 2, 1408), jnp.bfloat16)
+    pair = (jax.ShapeDtypeStruct((64, 2048, 1408), jnp.bfloat16),) * 2
+    sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+    both = jax.ShapeDtypeStruct((64, 2048, 2816), jnp.bfloat16)
+    # The family's own points are dense calls: a grouped call must not be read off them.
+    cal = calibration.parse(json.dumps(calibration_file([
+        ("PallasMosaicGpuRaggedDot", "bfloat16", 1e9, 1e9, 0.6),
+        ("RaggedDot", "bfloat16", 1e9, 1e9, 0.2),
+        ("GatedLinearUnit", "bfloat16", 1e9, 1e9, 0.9)])))
+    for op, ragged in ((PallasMosaicGpuGatedLinearUnit(), PallasMosaicGpuRaggedDot()),
+                       (GatedLinearUnit(), RaggedDot())):
+        gemm = prediction.predict(ragged.bind(x, both, sizes), cal)
+        for weights in (fused, pair):
+            call = op.bind(x, weights, group_sizes=sizes, activation=jax.nn.silu)
+            assert prediction.predict(call, cal) == gemm
+    kernel = PallasMosaicGpuGatedLinearUnit()
+    call = kernel.bind(x, fused, group_sizes=sizes, activation=jax.nn.silu)
+    out = jax.ShapeDtypeStruct((1536, 1408), jnp.bfloat16)
+    vjp = kernel.vjp_op().bind(None, out, out, **call.arguments)
+    nested = [prediction.predict(c, cal) for c in vjp.op.evidence_calls(vjp)]
+    assert [type(c.op) for c in vjp.op.evidence_calls(vjp)] == [PallasMosaicGpuRaggedDot] * 2
+    assert prediction.predict(vjp, cal).seconds == pytest.approx(sum(p.seconds for p in nested))
+    # A dense call keeps the family's points.
+    dense = GatedLinearUnit().bind(x, jax.ShapeDtypeStruct((2048, 2, 1408), jnp.bfloat16),
+                                   activation=jax.nn.silu)
+    assert prediction.predict(dense, cal).efficiency == pytest.approx(0.9)
+
+
+def test_an_op_without_points_of_its_own_is_predicted_from_its_nested_calls():
+    from tokamax_kernels.ragged_dot import PallasMosaicGpuRaggedDot
+
+    lhs = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((64, 2048, 1408), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
+    out = jax.ShapeDtypeStruct((4096, 1408), jnp.bfloat16)
+    op = PallasMosaicGpuRaggedDot()
+    vjp = op.vjp_op().bind(None, out, out, **op.bind(lhs, rhs, sizes).arguments)
+    nested = vjp.op.evidence_calls(vjp)
+    forward_only = calibration.parse(json.dumps(calibration_file([
+        ("PallasMosaicGpuRaggedDot", "bfloat16", 1e9, 1e9, 0.5)])))
+    parts = [prediction.predict(c, forward_only) for c in nested]
+    assert prediction.predict(vjp, forward_only).seconds == pytest.approx(
+        sum(p.seconds for p in parts))
+    # Its own points, where it has them, win over its nested calls'.
+    own = calibration.parse(json.dumps(calibration_file([
+        ("PallasMosaicGpuRaggedDot", "bfloat16", 1e9, 1e9, 0.5),
+        ("RaggedDotVjp(PallasMosaicGpuRaggedDot)", "bfloat16", 1e9, 1e9, 0.05)])))
+    assert prediction.predict(vjp, own).efficiency == pytest.approx(0.05)
+    assert prediction.predict(vjp, own).seconds > 5 * prediction.predict(
+        vjp, forward_only).seconds
+
+
 def test_vjp_work_is_the_sum_of_its_nested_calls_or_the_familys_gradient():
     from tokamax_kernels.layer_norm import LayerNorm
     from tokamax_kernels.ragged_dot import PallasTritonRaggedDot

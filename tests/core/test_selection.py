@@ -77,6 +77,25 @@ def test_the_backward_is_predicted_and_chosen_apart_from_the_forward(calibration
     assert inner_name(forward) == inner_name(backward) == "PallasTritonRaggedDot"
 
 
+def test_a_fine_grained_grouped_glu_runs_the_kernel_its_ragged_dot_predicts(calibration_dir):
+    """A grouped GLU has no calibration points of its own: it is predicted as the ragged
+    dot it runs, so at 64 experts (XLA's dense product per group) the Mosaic GPU kernel
+    runs, forward and gradient, on a shape nobody measured."""
+    calibrate(calibration_dir, {"PallasMosaicGpuRaggedDot": 0.5, "RaggedDot": 0.5,
+                                "GatedLinearUnit": 0.9, "GatedLinearUnitVjp": 0.9})
+    x = jax.ShapeDtypeStruct((64 * 24, 2048), jnp.bfloat16)
+    weights = jax.ShapeDtypeStruct((64, 2048, 2, 1408), jnp.bfloat16)
+
+    def glu_loss(x, weights, sizes):
+        out = tokamax.gated_linear_unit(x, weights, group_sizes=sizes, activation=jax.nn.silu)
+        return out.astype(jnp.float32).sum()
+
+    forward, backward = plan(jax.grad(glu_loss, argnums=(0, 1)), x, weights, SIZES)
+    assert forward.op == "PallasMosaicGpuGatedLinearUnit"
+    assert "predicted: PallasMosaicGpuGatedLinearUnit" in forward.source
+    assert backward.op == "PallasMosaicGpuGatedLinearUnitVjp"
+
+
 def test_measurements_override_predictions(calibration_dir):
     from tokamax_kernels.ragged_dot import PallasTritonRaggedDot, RaggedDot
 

@@ -127,6 +127,27 @@ class GatedLinearUnit(Op[Any]):
         (as the LM head's did: 0.97x on the Llama step). Grouped calls keep residuals."""
         return self.kernel_margin if "group_sizes" in ba.arguments else 0.5
 
+    def ragged_dot_op(self) -> Op:
+        """The `ragged_dot` op whose GEMM a grouped call of this implementation runs, the
+        activation applied after it (XLA) or in its epilogue (a kernel)."""
+        return RaggedDot()
+
+    def prediction_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
+        """A grouped call runs at the speed of one ragged dot of `x` against every weight
+        column, (G, K, 2N) (the family's calibration points are dense calls); a dense
+        call is predicted from them."""
+        if "group_sizes" not in ba.arguments:
+            return None
+        arguments = ba.arguments
+        x, weights, group_sizes = arguments["x"], arguments["weights"], arguments["group_sizes"]
+        w = weights[0] if isinstance(weights, tuple) else weights
+        g, k, n = w.shape[0], w.shape[1], w.shape[-1]
+        return [self.ragged_dot_op().bind(
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            jax.ShapeDtypeStruct((g, k, 2 * n), w.dtype),
+            jax.ShapeDtypeStruct(group_sizes.shape, group_sizes.dtype),
+            precision=arguments["precision"]).replace(vmap=ba.vmap)]
+
     def similarity_arguments(self, arguments: Any) -> dict[str, Any]:
         """Rows x K: how x's leading axes split does not change the GEMMs' speed."""
         x = arguments["x"]
@@ -223,6 +244,11 @@ class GatedLinearUnitVjp(VjpOp):
     def ragged_dot_op(self) -> Op:
         """The `ragged_dot` op that runs a grouped call's gradient GEMMs."""
         return RaggedDot()
+
+    def prediction_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
+        """A grouped call's gradient: its ragged dots (the family's calibration points
+        are dense calls)."""
+        return self.evidence_calls(ba)
 
     def reruns_forward(self, ba: BoundArguments) -> bool:
         # The products, for a dense call (a grouped one reads the residuals); not kernels.

@@ -27,6 +27,7 @@ from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu_vjp import (
     PallasMosaicGpuGatedLinearUnitVjp,
 )
 from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
+from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_pass.core import BoundArguments, Op, Target
 
 Config = common.Config
@@ -103,6 +104,10 @@ class PallasMosaicGpuGatedLinearUnit(GatedLinearUnit):
     platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
     slow_lowering: ClassVar[bool] = True
     grouped: ClassVar[bool] = True
+
+    def ragged_dot_op(self) -> Op:
+        """The kernel is the Mosaic GPU ragged dot's, with the GLU in its epilogue."""
+        return PallasMosaicGpuRaggedDot()
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

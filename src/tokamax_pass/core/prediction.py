@@ -150,9 +150,41 @@ def efficiency(calibration: calibration_lib.Calibration, name: str, dtype: str,
 
 def predict(ba: BoundArguments,
             calibration: calibration_lib.Calibration | None) -> Prediction | None:
-    """The predicted time of `ba` on the calibrated device, or `None` (see the module)."""
+    """The predicted time of `ba` on the calibrated device, or `None` (see the module).
+
+    A call whose op names the calls that set its speed (`Op.prediction_calls`) is
+    predicted as their sum; so is one of an op with no calibration points that makes
+    nested op calls (`Op.evidence_calls`: the Mosaic GPU grouped-GLU gradient's ragged
+    dots)."""
     if calibration is None:
         return None
+    calls = ba.op.prediction_calls(ba)
+    if calls is not None:
+        return _predict_sum(calls, calibration)
+    own = _predict_own(ba, calibration)
+    if own is None and op_name(ba.op) not in calibration.by_op:
+        nested = ba.op.evidence_calls(ba)
+        if nested:
+            return _predict_sum(nested, calibration)
+    return own
+
+
+def _predict_sum(calls: Sequence[BoundArguments],
+                 calibration: calibration_lib.Calibration) -> Prediction | None:
+    """The predictions of `calls` added up (`None` unless every one has a prediction);
+    the efficiency is that of the whole: the parts' roofline times over their sum."""
+    parts = [predict(call, calibration) for call in calls]
+    if not parts or any(part is None for part in parts):
+        return None
+    known = [part for part in parts if part is not None]
+    seconds = sum(part.seconds for part in known)
+    ideal = sum(part.seconds * part.efficiency for part in known)
+    return Prediction(seconds, ideal / seconds, all(part.near for part in known))
+
+
+def _predict_own(ba: BoundArguments,
+                 calibration: calibration_lib.Calibration) -> Prediction | None:
+    """`ba` predicted from the calibration points of its own op (`op_name`)."""
     dtype = call_dtype(ba)
     work = call_work(ba)
     if dtype is None or work is None or (work.flops <= 0 and work.bytes <= 0):
