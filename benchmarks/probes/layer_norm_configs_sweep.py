@@ -1,4 +1,4 @@
-# ruff: noqa: B023  (lambdas are called at once, inside their loop iteration)
+
 """The Triton layer norm's configs across row widths, against XLA and upstream Tokamax.
 
     PYTHONPATH=src:kernels:. python benchmarks/probes/layer_norm_configs_sweep.py OUT_DIR
