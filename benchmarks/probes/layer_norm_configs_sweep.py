@@ -1,14 +1,16 @@
 
 """The Triton layer norm's configs across row widths, against XLA and upstream Tokamax.
 
-    PYTHONPATH=src:kernels:. python benchmarks/probes/layer_norm_configs_sweep.py OUT_DIR
+    PYTHONPATH=src:kernels:. python benchmarks/probes/layer_norm_configs_sweep.py OUT_DIR \
+        [--heuristics]
 
 At shapes off the benchmark list (rows x width, dtype, mean subtracted or not, offset or
 not), times the forward and forward+backward of: XLA's norm, upstream Tokamax's where
 `import tokamax` works, our Triton kernel at its heuristic config and at a grid of
 configs around it. Every Triton result is checked against a float32 reference first.
 One JSON line per measurement goes to OUT_DIR/layer_norm_configs.jsonl as it is taken.
-This is the data the Triton norm's heuristics are fitted to.
+This is the data the Triton norm's heuristics are fitted to; `--heuristics` times the
+heuristic configs alone (to OUT_DIR/layer_norm_heuristics.jsonl), at one more shape.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from tokamax_kernels.layer_norm.base import LayerNorm
 from tokamax_pass import benchmarking
 
 OUT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+HEURISTICS_ONLY = "--heuristics" in sys.argv[2:]
+RESULTS = OUT / ("layer_norm_heuristics.jsonl" if HEURISTICS_ONLY else "layer_norm_configs.jsonl")
 START = time.time()
 # (rows, width, dtype, subtract_mean, offset)
 SHAPES = (
@@ -42,12 +46,14 @@ SHAPES = (
     (50000, 5120, "bfloat16", True, True),
     (16384, 2048, "bfloat16", False, False),
 )
+# Checked with `--heuristics` too: the shape the norm kernels were first tuned at.
+HELD_OUT = ((65536, 4096, "bfloat16", True, True),)
 
 
 def log(**row: object) -> None:
     row["t"] = round(time.time() - START, 1)
     print(json.dumps(row), flush=True)
-    with open(OUT / "layer_norm_configs.jsonl", "a") as f:
+    with open(RESULTS, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
@@ -116,7 +122,8 @@ def sweep_shape(rows: int, n: int, dtype: str, subtract_mean: bool, has_offset: 
         except Exception as e:  # noqa: BLE001
             log(**shape, impl=name, error=f"{type(e).__name__}: {str(e)[:300]}")
     heuristic = ln_triton.PallasTritonLayerNorm().bind(x, s, o).heuristics_config
-    for config in sorted(forward_configs(rows, n) | {heuristic}, key=str):
+    grid = set() if HEURISTICS_ONLY else forward_configs(rows, n)
+    for config in sorted(grid | {heuristic}, key=str):
         op = ln_triton.PallasTritonLayerNorm(config=config)
         try:
             err = rel_err(jax.jit(norm(op))(*args), want_y)
@@ -127,7 +134,8 @@ def sweep_shape(rows: int, n: int, dtype: str, subtract_mean: bool, has_offset: 
             log(**shape, impl="triton_fwd", config=str(config), error=str(e)[:300])
     vjp_heuristic = ln_vjp.PallasTritonLayerNormVjp()._get_heuristics_config(
         ln_triton.PallasTritonLayerNorm().bind(x, s, o))
-    for config in sorted(backward_configs(rows, n) | {vjp_heuristic}, key=str):
+    grid = set() if HEURISTICS_ONLY else backward_configs(rows, n)
+    for config in sorted(grid | {vjp_heuristic}, key=str):
         op = ln_triton.PallasTritonLayerNorm(vjp=ln_vjp.PallasTritonLayerNormVjp(config=config))
         try:
             _, grads = jax.jit(with_vjp(norm(op)))(*args, dy)
@@ -147,7 +155,7 @@ def main() -> None:
         log(upstream=f"not importable: {type(e).__name__}: {e}")
         upstream = None
     log(device_kind=jax.devices()[0].device_kind, jax=jax.__version__)
-    for shape in SHAPES:
+    for shape in SHAPES + (HELD_OUT if HEURISTICS_ONLY else ()):
         sweep_shape(*shape, upstream)
 
 

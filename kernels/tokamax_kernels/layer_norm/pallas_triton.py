@@ -239,15 +239,17 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
         return out, ((mean, rstd) if return_residuals else None)
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
-        """H200, 65536x4096 bf16: one row per program and one warp per 4K-element block
-        measured best (4.03 TB/s layer norm, 96% of a copy, against 3.83 with 4 warps): a
-        warp reduces its row with shuffles alone, no shared memory or barrier, and small
-        programs keep more rows in flight per SM. Looping rows per program was slower."""
-        n = ba.arguments["x"].shape[-1]
+        """Blocks of about 1K elements (several short rows to a program, one row from
+        1K up) and one warp per 8 KiB of block: fitted on the H200 to
+        `benchmarks/probes/layer_norm_configs_sweep.py` (widths 256 to 6400, float32 and
+        bfloat16; `layer_norm_configs.jsonl`). A warp reduces its rows with shuffles
+        alone, no shared memory or barrier; more warps pay off on wide float32 rows."""
+        x = ba.arguments["x"]
+        n = x.shape[-1]
         block_n = row_chunk(n)
-        # Small rows: several per program so each program moves >= ~4K elements.
-        block_rows = max(1, min(16, 4096 // block_n))
-        num_warps = max(1, min(16, block_rows * block_n // 4096))
+        block_rows = max(1, 1024 // block_n)
+        block_bytes = block_rows * block_n * jnp.dtype(x.dtype).itemsize
+        num_warps = max(1, min(8, block_bytes // 8192))
         return Config(block_rows=block_rows, block_n=block_n, rows_per_program=block_rows,
                       num_warps=num_warps, num_stages=1 if block_n >= n else 2)
 
