@@ -240,7 +240,7 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
         """Blocks of about 1K elements (several short rows to a program, one row from
-        1K up) and one warp per 8 KiB of block: fitted on the H200 to
+        1K up) and one warp per 16 KiB of block: fitted on the H200 to
         `benchmarks/probes/layer_norm_configs_sweep.py` (widths 256 to 6400, float32 and
         bfloat16; `layer_norm_configs.jsonl`). A warp reduces its rows with shuffles
         alone, no shared memory or barrier; more warps pay off on wide float32 rows."""
@@ -249,7 +249,7 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
         block_n = row_chunk(n)
         block_rows = max(1, 1024 // block_n)
         block_bytes = block_rows * block_n * jnp.dtype(x.dtype).itemsize
-        num_warps = max(1, min(8, block_bytes // 8192))
+        num_warps = max(1, min(8, block_bytes // 16384))
         return Config(block_rows=block_rows, block_n=block_n, rows_per_program=block_rows,
                       num_warps=num_warps, num_stages=1 if block_n >= n else 2)
 
