@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.probes._probe import random_normal
+from benchmarks.sweep import source_commit
 from tokamax_kernels import _gpu
 from tokamax_kernels.layer_norm import pallas_triton as ln_triton
 from tokamax_kernels.layer_norm import pallas_triton_vjp as ln_vjp
@@ -154,7 +155,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001
         log(upstream=f"not importable: {type(e).__name__}: {e}")
         upstream = None
-    log(device_kind=jax.devices()[0].device_kind, jax=jax.__version__)
+    log(device_kind=jax.devices()[0].device_kind, jax=jax.__version__, commit=source_commit())
     for shape in SHAPES + (HELD_OUT if HEURISTICS_ONLY else ()):
         sweep_shape(*shape, upstream)
 

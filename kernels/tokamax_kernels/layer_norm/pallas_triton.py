@@ -208,6 +208,12 @@ def layer_norm_forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array 
     return y.reshape(x.shape), s, mean.reshape(lead), rstd.reshape(lead)
 
 
+# The heuristic config (`PallasTritonLayerNorm._get_heuristics_config`): elements a block
+# holds (several short rows to a program), and block bytes per warp.
+HEURISTIC_BLOCK_ELEMENTS = 1024
+HEURISTIC_BYTES_PER_WARP = 16384
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasTritonLayerNorm(TritonKernel, LayerNorm):
     """Layer norm / RMSNorm over the last axis as a Pallas Triton kernel (CUDA).
@@ -247,9 +253,9 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
         x = ba.arguments["x"]
         n = x.shape[-1]
         block_n = row_chunk(n)
-        block_rows = max(1, 1024 // block_n)
+        block_rows = max(1, HEURISTIC_BLOCK_ELEMENTS // block_n)
         block_bytes = block_rows * block_n * jnp.dtype(x.dtype).itemsize
-        num_warps = max(1, min(8, block_bytes // 16384))
+        num_warps = max(1, min(8, block_bytes // HEURISTIC_BYTES_PER_WARP))
         return Config(block_rows=block_rows, block_n=block_n, rows_per_program=block_rows,
                       num_warps=num_warps, num_stages=1 if block_n >= n else 2)
 
