@@ -208,9 +208,9 @@ def layer_norm_forward(x: jax.Array, scale: jax.Array | None, offset: jax.Array 
     return y.reshape(x.shape), s, mean.reshape(lead), rstd.reshape(lead)
 
 
-# The heuristic config (`PallasTritonLayerNorm._get_heuristics_config`): elements a block
+# The heuristic config (`PallasTritonLayerNorm._get_heuristics_config`): bytes a block
 # holds (several short rows to a program), and block bytes per warp.
-HEURISTIC_BLOCK_ELEMENTS = 1024
+HEURISTIC_BLOCK_BYTES = 4096
 HEURISTIC_BYTES_PER_WARP = 16384
 
 
@@ -245,16 +245,18 @@ class PallasTritonLayerNorm(TritonKernel, LayerNorm):
         return out, ((mean, rstd) if return_residuals else None)
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
-        """Blocks of about 1K elements (several short rows to a program, one row from
-        1K up) and one warp per 16 KiB of block: fitted on the H200 to
+        """Blocks of about 4 KiB (up to 16 short rows to a program, one row from 4 KiB
+        up) and one warp per 16 KiB of block: fitted on the H200 to
         `benchmarks/probes/layer_norm_configs_sweep.py` (widths 256 to 6400, float32 and
-        bfloat16; `layer_norm_configs.jsonl`). A warp reduces its rows with shuffles
-        alone, no shared memory or barrier; more warps pay off on wide float32 rows."""
+        bfloat16; `layer_norm_configs.jsonl`) and the library cache's autotuned entries.
+        A warp reduces its rows with shuffles alone, no shared memory or barrier; more
+        warps pay off on wide float32 rows."""
         x = ba.arguments["x"]
         n = x.shape[-1]
+        itemsize = jnp.dtype(x.dtype).itemsize
         block_n = row_chunk(n)
-        block_rows = max(1, HEURISTIC_BLOCK_ELEMENTS // block_n)
-        block_bytes = block_rows * block_n * jnp.dtype(x.dtype).itemsize
+        block_rows = max(1, min(16, HEURISTIC_BLOCK_BYTES // (block_n * itemsize)))
+        block_bytes = block_rows * block_n * itemsize
         num_warps = max(1, min(8, block_bytes // HEURISTIC_BYTES_PER_WARP))
         return Config(block_rows=block_rows, block_n=block_n, rows_per_program=block_rows,
                       num_warps=num_warps, num_stages=1 if block_n >= n else 2)

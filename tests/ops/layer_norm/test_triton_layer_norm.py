@@ -105,9 +105,10 @@ def test_heuristics_and_search_space():
         assert len(ba.autotuning_configs) > 10
         long_row = PallasTritonLayerNorm().bind(jax.ShapeDtypeStruct((4, 100_000), jnp.bfloat16))
         assert long_row.heuristics_config.block_n < 100_000
-        # Fitted to the width sweep (layer_norm_configs.jsonl): ~1K-element blocks, one
-        # warp per 16 KiB of block; the gradient 4 warps at every width.
+        # Fitted to the width sweep (layer_norm_configs.jsonl): ~4 KiB blocks (up to 16
+        # rows), one warp per 16 KiB of block.
         for width, dtype, rows, warps in ((256, jnp.float32, 4, 1), (768, jnp.float32, 1, 1),
+                                          (1024, jnp.bfloat16, 2, 1), (64, jnp.bfloat16, 16, 1),
                                           (2688, jnp.bfloat16, 1, 1),
                                           (6400, jnp.float32, 1, 2),
                                           (5120, jnp.bfloat16, 1, 1)):
@@ -115,8 +116,6 @@ def test_heuristics_and_search_space():
             forward = call.heuristics_config
             assert (forward.block_rows, forward.num_warps) == (rows, warps), width
             assert forward.block_n >= width and forward.rows_per_program == forward.block_rows
-            backward = PallasTritonLayerNormVjp()._get_heuristics_config(call)
-            assert backward.num_warps == 4 and backward.block_rows * backward.block_n >= 2048
 
 
 def test_implementation_triton_on_cpu_raises_and_none_falls_back():
