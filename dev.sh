@@ -66,8 +66,13 @@ case "${1:-}" in
     # directly rather than through pre-commit, which sets up (and, for hooks from other
     # repositories, fetches) environments that an offline CI machine cannot.
     .venv/bin/python -m ruff check .
-    .venv/bin/python -m mypy  # src/ and kernels/, as [tool.mypy] in pyproject.toml says
+    # mypy (src/ and kernels/, as [tool.mypy] in pyproject.toml says) runs on one core
+    # beside the test suite, whose two workers leave a core idle while they import and
+    # whenever one waits on the other at the end.
+    .venv/bin/python -m mypy &
+    typecheck=$!
     .venv/bin/python -m pytest -q -n 2 --durations=20 tests
+    wait "$typecheck"
     # Deliberate breakages (tests/mutation/patches/), each of which a test must catch.
     .venv/bin/python tests/mutation/run_mutations.py --jobs 2
     # bf16 here; the test suite runs the smoke in float16 and float32 (test_models.py;

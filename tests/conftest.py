@@ -98,6 +98,16 @@ def calibration_dir(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture
+def rewritten(monkeypatch):
+    """`optimize` keeps every rewrite candidate, though the plain path is chosen on CPU:
+    a test then compares the values and gradients of the program the rewrite makes (the
+    op's `xla` path and its VJP) with `jax.jit` of the user's function."""
+    from tokamax_pass.passes import rewrite
+
+    monkeypatch.setattr(rewrite, "rewrite_wins", lambda chosen: True)
+
+
+@pytest.fixture
 def fake_devices() -> None:
     """Fails (never skips) a test that needs `FAKE_DEVICES` devices where there are fewer."""
     if jax.device_count() < FAKE_DEVICES:

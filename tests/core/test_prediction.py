@@ -21,6 +21,16 @@ def calibration_file(points, device_kind="NVIDIA H200", **changes):
     return {**data, **changes}
 
 
+def ragged_dot_calls(op, m, k, n, groups):
+    """`(forward, vjp)`: `op`'s bf16 call of (m, k) rows against (groups, k, n) weights,
+    and its VJP op's call, on shapes only."""
+    lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16)
+    forward = op.bind(lhs, rhs, jax.ShapeDtypeStruct((groups,), jnp.int32))
+    out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    return forward, op.vjp_op().bind(None, out, out, **forward.arguments)
+
+
 def test_roofline_is_the_slower_of_compute_and_memory_per_dtype():
     ceilings = Ceilings(**CEILINGS)
     compute_bound = Work(flops=8e12, bytes=4e9)
@@ -152,12 +162,7 @@ def test_a_grouped_glu_is_predicted_as_its_ragged_dot_and_its_gradient_as_theirs
 def test_an_op_without_points_of_its_own_is_predicted_from_its_nested_calls():
     from tokamax_kernels.ragged_dot import PallasMosaicGpuRaggedDot
 
-    lhs = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
-    rhs = jax.ShapeDtypeStruct((64, 2048, 1408), jnp.bfloat16)
-    sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
-    out = jax.ShapeDtypeStruct((4096, 1408), jnp.bfloat16)
-    op = PallasMosaicGpuRaggedDot()
-    vjp = op.vjp_op().bind(None, out, out, **op.bind(lhs, rhs, sizes).arguments)
+    _, vjp = ragged_dot_calls(PallasMosaicGpuRaggedDot(), 4096, 2048, 1408, 64)
     nested = vjp.op.evidence_calls(vjp)
     forward_only = calibration.parse(json.dumps(calibration_file([
         ("PallasMosaicGpuRaggedDot", "bfloat16", 1e9, 1e9, 0.5)])))
@@ -177,13 +182,7 @@ def test_vjp_work_is_the_sum_of_its_nested_calls_or_the_familys_gradient():
     from tokamax_kernels.layer_norm import LayerNorm
     from tokamax_kernels.ragged_dot import PallasTritonRaggedDot
 
-    lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
-    rhs = jax.ShapeDtypeStruct((8, 256, 128), jnp.bfloat16)
-    sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
-    out = jax.ShapeDtypeStruct((512, 128), jnp.bfloat16)
-    op = PallasTritonRaggedDot()
-    forward = op.bind(lhs, rhs, sizes)
-    vjp = op.vjp_op().bind(None, out, out, **forward.arguments)
+    forward, vjp = ragged_dot_calls(PallasTritonRaggedDot(), 512, 256, 128, 8)
     assert prediction.op_name(vjp.op) == "RaggedDotVjp(PallasTritonRaggedDot)"
     assert prediction.call_work(vjp).flops == pytest.approx(2 * forward.op.roofline(forward).flops)
     x = jax.ShapeDtypeStruct((4, 1024), jnp.float32)

@@ -17,18 +17,13 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import HIGHEST, h200_plan, keep_every_candidate, weighted
+from _rewriting import HIGHEST, h200_plan, weighted
 from benchmarks.models.ops import _jnp_attention
 from conftest import assert_close, calibrate, random_normal
 
 B, T, S, N, K, H = 2, 12, 14, 4, 2, 16  # group of 2 query heads per key head
 WINDOW = 3
 SOFT_CAP = 5.0
-
-
-@pytest.fixture
-def rewritten(monkeypatch):
-    keep_every_candidate(monkeypatch)
 
 
 def rows_minus_cols(rows, cols):

@@ -14,16 +14,10 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from _rewriting import HIGHEST, REWRITTEN, h200_plan, op_names, outcomes, weighted
 from conftest import assert_close, calibrate, random_normal
 
 B, T, S, N, K, H = 2, 8, 10, 4, 2, 16
-REWRITTEN = "rewritten: cpu xla"
-
-
-@pytest.fixture
-def rewritten(monkeypatch):
-    keep_every_candidate(monkeypatch)
 
 
 def einsum(spec, a, b):

@@ -13,16 +13,10 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes
+from _rewriting import HIGHEST, REWRITTEN, h200_plan, op_names, outcomes
 from conftest import assert_close, calibrate, random_normal
 
 B, T, H, V = 2, 6, 16, 24
-REWRITTEN = "rewritten: cpu xla"
-
-
-@pytest.fixture
-def rewritten(monkeypatch):
-    keep_every_candidate(monkeypatch)
 
 
 def logits_of(x, w):

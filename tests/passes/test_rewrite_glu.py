@@ -12,16 +12,10 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from _rewriting import HIGHEST, REWRITTEN, h200_plan, op_names, outcomes, weighted
 from conftest import assert_close, calibrate, random_normal
 
 B, T, K, N = 2, 6, 16, 8
-REWRITTEN = "rewritten: cpu xla"
-
-
-@pytest.fixture
-def rewritten(monkeypatch):
-    keep_every_candidate(monkeypatch)
 
 
 def dot(x, w):

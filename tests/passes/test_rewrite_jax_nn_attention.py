@@ -15,17 +15,11 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from _rewriting import REWRITTEN, h200_plan, op_names, outcomes, weighted
 from conftest import assert_close, calibrate, random_normal
 from tokamax_pass.passes import patterns_attention
 
 B, T, S, N, K, H = 2, 8, 8, 4, 2, 16
-REWRITTEN = "rewritten: cpu xla"
-
-
-@pytest.fixture
-def rewritten(monkeypatch):
-    keep_every_candidate(monkeypatch)
 
 
 def qkv(seed=0, t=T, s=S):

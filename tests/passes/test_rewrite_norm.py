@@ -11,16 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import h200_plan, keep_every_candidate, op_names, outcomes, weighted
+from _rewriting import REWRITTEN, h200_plan, op_names, outcomes, weighted
 from conftest import assert_close, calibrate, random_normal
 
 B, T, D = 2, 6, 32
-REWRITTEN = "rewritten: cpu xla"
-
-
-@pytest.fixture
-def rewritten(monkeypatch):
-    keep_every_candidate(monkeypatch)
 
 
 def rms_rsqrt(x, scale):

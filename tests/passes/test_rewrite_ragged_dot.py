@@ -15,19 +15,12 @@ import pytest
 import tokamax_pass as tokamax
 from conftest import H200, assert_close, calibrate, random_normal
 from tokamax_pass import core
-from tokamax_pass.passes import rewrite
 
 HIGHEST = jax.lax.Precision.HIGHEST
 M, K, N, G = 24, 16, 8, 3
 SIZES = jnp.array([7, 0, 12], jnp.int32)  # an empty group, and rows past the sum
 KERNELS_FASTER = {"PallasTritonRaggedDot": 0.5, "PallasMosaicGpuRaggedDot": 0.4,
                   "RaggedDot": 0.05}
-
-
-@pytest.fixture
-def rewritten(monkeypatch):
-    """Every candidate kept, though the plain path is chosen on CPU."""
-    monkeypatch.setattr(rewrite, "rewrite_wins", lambda chosen: True)
 
 
 def ragged(x, w, sizes):

@@ -15,17 +15,11 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import HIGHEST, h200_plan, keep_every_candidate, op_names, outcomes
+from _rewriting import HIGHEST, REWRITTEN, h200_plan, op_names, outcomes
 from conftest import H200, assert_close, calibrate, random_normal
 from tokamax_pass.passes import rewrite
 
 B, T, D = 2, 6, 32
-REWRITTEN = "rewritten: cpu xla"
-
-
-@pytest.fixture
-def rewritten(monkeypatch):
-    keep_every_candidate(monkeypatch)
 
 
 def dot(a, b):
