@@ -69,10 +69,12 @@ case "${1:-}" in
     # mypy (src/ and kernels/, as [tool.mypy] in pyproject.toml says) runs on one core
     # beside the test suite, whose two workers leave a core idle while they import and
     # whenever one waits on the other at the end.
-    .venv/bin/python -m mypy &
+    .venv/bin/python -m mypy > "$JAX_COMPILATION_CACHE_DIR/mypy.log" 2>&1 &
     typecheck=$!
+    trap 'kill "$typecheck" 2>/dev/null; rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
     .venv/bin/python -m pytest -q -n 2 --durations=20 tests
-    wait "$typecheck"
+    wait "$typecheck" || { cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"; exit 1; }
+    cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"
     # Deliberate breakages (tests/mutation/patches/), each of which a test must catch.
     .venv/bin/python tests/mutation/run_mutations.py --jobs 2
     # bf16 here; the test suite runs the smoke in float16 and float32 (test_models.py;

@@ -7,11 +7,12 @@ implementation (ours or a peer) at random shapes inside each op's documented ran
 Each run draws new shapes (`benchmarks.shapes.draw`; the seed defaults to a fresh one and
 is recorded), times `None`, every implementation of ours and the cheap peers forward
 and forward+backward on the device, and reports per op and mode the share of shapes
-where `None` is within 10% of the fastest and the worst ratio. Where `None` looks more
-than 10% slower, it and the fastest are timed again, taking turns (`CONFIRM_ROUNDS`
-each), and the ratio is read from those paired timings (`confirmed_ms`): timings taken
-minutes apart on the device drift by more than that (one program timed as `None` and as
-its implementation measured 13% apart in one run). The JSON (default
+where `None` is within 10% of the fastest and the worst ratio. `None` and the fastest
+other candidate are then timed again, taking turns in the order A B B A
+(`CONFIRM_ROUNDS` pairs), and the ratio is read from those paired timings
+(`confirmed_ms`): timings taken minutes apart on the device drift by more than 10% (one
+program timed as `None` and as its own implementation has measured that far apart), and
+the fastest of several first timings is biased low. The JSON (default
 `benchmarks/results/<device>/generalization.json`, replaced on each run) holds every
 timing, the summary and the provenance (commit, date, jax version, seed).
 """
@@ -40,8 +41,8 @@ from tokamax_pass.core.device import device_kind_key
 
 MODES = {"fwd": "forward", "fwd+bwd": "forward_and_vjp"}
 WITHIN = 0.10
-# Paired re-timings of `None` and the fastest where `None` looks slower than `WITHIN`.
-CONFIRM_ROUNDS = 3
+# Paired re-timings of `None` and the fastest other candidate (A B B A per two pairs).
+CONFIRM_ROUNDS = 2
 
 
 def _none(family: str) -> Any:
@@ -80,7 +81,7 @@ def measure_shape(family: str, params: dict[str, Any], *, seed: int, iterations:
                                        iterations=iterations, budget_s=call_seconds,
                                        method=method, lock=lock))
             timed.append((row, fn))
-        pair = _apparent_miss(timed)
+        pair = _none_and_fastest(timed)
         if pair is not None:
             for row, fn in _confirmation_order(pair):
                 times = row.setdefault("confirmed_ms", [])
@@ -92,23 +93,21 @@ def measure_shape(family: str, params: dict[str, Any], *, seed: int, iterations:
     return rows
 
 
-def _apparent_miss(timed: list[tuple[dict[str, Any], Any]]
-                   ) -> tuple[tuple[dict[str, Any], Any], tuple[dict[str, Any], Any]] | None:
-    """`(None's (row, fn), the fastest other's)` where `None` was timed more than `WITHIN`
-    slower than the fastest other candidate; else `None`."""
+def _none_and_fastest(timed: list[tuple[dict[str, Any], Any]]
+                      ) -> tuple[tuple[dict[str, Any], Any], tuple[dict[str, Any], Any]] | None:
+    """`(None's (row, fn), the fastest other candidate's)`, or `None` where either did not
+    run."""
     none = [item for item in timed if item[0]["kind"] == "none" and "ms" in item[0]]
     others = [item for item in timed if item[0]["kind"] != "none" and "ms" in item[0]]
     if not none or not others:
         return None
-    fastest = min(others, key=lambda item: item[0]["ms"])
-    if none[0][0]["ms"] <= fastest[0]["ms"] * (1 + WITHIN):
-        return None
-    return none[0], fastest
+    return none[0], min(others, key=lambda item: item[0]["ms"])
 
 
 def _confirmation_order(pair: tuple[Any, Any]) -> list[Any]:
-    """The two candidates taking turns, `CONFIRM_ROUNDS` timings each."""
-    return [pair[i % 2] for i in range(2 * CONFIRM_ROUNDS)]
+    """The two candidates taking turns, A B B A for each two pairs, so that a steady drift
+    of the device's speed weighs on both alike."""
+    return [pair[(i + 1) // 2 % 2] for i in range(2 * CONFIRM_ROUNDS)]
 
 
 def _ratio_ms(row: dict[str, Any], partner: dict[str, Any]) -> tuple[float, float]:
@@ -123,7 +122,7 @@ def _ratio_ms(row: dict[str, Any], partner: dict[str, Any]) -> tuple[float, floa
 def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per `family mode`: shapes compared, the share with `None` within `WITHIN` of the
     fastest other candidate, and the worst ratio (None's time over the fastest; from
-    their paired re-timings where `measure_shape` took them)."""
+    their paired re-timings where `measure_shape` took them in full)."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for row in rows:
         key = (row["family"], row["mode"], json.dumps(row["params"], sort_keys=True))
@@ -192,19 +191,22 @@ def _forwarded(argv: list[str]) -> list[str]:
 def write(out: pathlib.Path, rows: list[dict[str, Any]], seed: int, append: bool) -> None:
     """Writes `rows` (after the file's own with `append`) with their summary and provenance."""
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    seeds, runs = [seed], [now]
+    commit = sweep.source_commit()
+    seeds, runs, commits = [seed], [now], [commit]
     if append and out.exists():
         old = json.loads(out.read_text())
         measured = {r["family"] for r in rows}  # a family measured again is replaced
         rows = [r for r in old["rows"] if r["family"] not in measured] + rows
         seeds = [*_listed(old["provenance"]["seed"]), seed]
         runs = [*_listed(old["provenance"].get("runs", old["provenance"]["date"])), now]
+        commits = [*_listed(old["provenance"].get("commits", old["provenance"]["commit"])),
+                   commit]
     provenance: dict[str, Any] = {
-        "commit": sweep.source_commit(), "jax": jax.__version__,
+        "commit": commit, "jax": jax.__version__,
         "device_kind": jax.devices()[0].device_kind, "date": now,
         "seed": seeds if len(seeds) > 1 else seed}
     if len(runs) > 1:
-        provenance["runs"] = runs
+        provenance.update(runs=runs, commits=commits)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"provenance": provenance, "summary": summarize(rows),
                                "rows": rows}, indent=1) + "\n")

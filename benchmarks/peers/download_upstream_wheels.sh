@@ -11,6 +11,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 python="${1:-python3}"
 dest="${root}/.whl"
 mkdir -p "${dest}"
+# One version of each: an older pin left beside the new one would make pip pick either.
+rm -f "${dest}"/*.whl
 
 # Pure-Python wheels (one wheel for every platform).
 pure=(

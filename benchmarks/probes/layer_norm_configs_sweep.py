@@ -1,4 +1,3 @@
-
 """The Triton layer norm's configs across row widths, against XLA and upstream Tokamax.
 
     PYTHONPATH=src:kernels:. python benchmarks/probes/layer_norm_configs_sweep.py OUT_DIR \
@@ -76,7 +75,7 @@ def rel_err(got, want) -> float:
     return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
 
 
-def forward_configs(rows: int, n: int) -> set[ln_triton.Config]:
+def forward_configs(n: int) -> set[ln_triton.Config]:
     block_n = row_chunk(n)
     return {ln_triton.Config(block_rows=r, block_n=block_n, rows_per_program=r, num_warps=w,
                              num_stages=1 if block_n >= n else 2)
@@ -123,7 +122,7 @@ def sweep_shape(rows: int, n: int, dtype: str, subtract_mean: bool, has_offset: 
         except Exception as e:  # noqa: BLE001
             log(**shape, impl=name, error=f"{type(e).__name__}: {str(e)[:300]}")
     heuristic = ln_triton.PallasTritonLayerNorm().bind(x, s, o).heuristics_config
-    grid = set() if HEURISTICS_ONLY else forward_configs(rows, n)
+    grid = set() if HEURISTICS_ONLY else forward_configs(n)
     for config in sorted(grid | {heuristic}, key=str):
         op = ln_triton.PallasTritonLayerNorm(config=config)
         try:
@@ -150,6 +149,7 @@ def sweep_shape(rows: int, n: int, dtype: str, subtract_mean: bool, has_offset: 
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
+    RESULTS.unlink(missing_ok=True)
     try:
         import tokamax as upstream  # the upstream wheel, a peer where installed
     except Exception as e:  # noqa: BLE001

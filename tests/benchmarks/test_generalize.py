@@ -37,13 +37,14 @@ def test_summary_counts_shapes_within_ten_percent_and_the_worst_ratio():
     assert entry["worst_params"] == {"a": 2} and entry["worst_fastest"] == "triton"
 
 
-def test_an_apparent_miss_is_timed_again_in_turns_and_judged_on_those_times(monkeypatch):
-    """`None` timed 20% slower than the fastest: both are re-timed, taking turns, and the
-    summary reads the ratio from the re-timings; a shape within 10% is not re-timed."""
+def test_none_and_the_fastest_are_timed_again_in_turns_and_judged_on_those_times(
+        monkeypatch):
+    """After every candidate's first timing, `None` and the fastest other are timed again
+    in the order A B B A, and the summary reads the ratio from those re-timings."""
     from benchmarks import sweep
 
     first = {"None": 1.2, "xla": 1.0, "triton": 1.5}
-    again = {"None": [1.01, 1.02, 1.0], "xla": [1.0, 1.0, 1.0]}
+    again = {"None": [1.01, 1.0], "xla": [1.0, 1.0]}
     calls = []
 
     def fake_time_call(fn, *args, **kwargs):
@@ -62,20 +63,15 @@ def test_an_apparent_miss_is_timed_again_in_turns_and_judged_on_those_times(monk
     monkeypatch.setattr(shapes, "build", lambda *a: ((), {}))
     rows = generalize.measure_shape("f", {"a": 1}, seed=0, iterations=3, call_seconds=1.0,
                                     method=None)
-    assert calls == ["None", "xla", "triton", "None", "xla", "None", "xla", "None", "xla"]
+    assert calls == ["None", "xla", "triton", "None", "xla", "xla", "None"]
     by_name = {r["implementation"]: r for r in rows}
     assert by_name["None"]["confirmed_ms"] == again["None"]
     assert "confirmed_ms" not in by_name["triton"]
     entry = generalize.summarize(rows)["f fwd"]
-    assert entry["within_fraction"] == 1.0 and entry["worst_ratio"] == pytest.approx(1.01)
-    # Without re-timings (or with a failed one) the first timings decide.
+    assert entry["within_fraction"] == 1.0 and entry["worst_ratio"] == pytest.approx(1.005)
+    # Without full re-timings (one failed) the first timings decide.
     by_name["xla"]["confirmed_ms"][1] = None
     assert generalize.summarize(rows)["f fwd"]["worst_ratio"] == pytest.approx(1.2)
-    calls.clear()
-    first["None"] = 1.05
-    generalize.measure_shape("f", {"a": 2}, seed=0, iterations=3, call_seconds=1.0,
-                             method=None)
-    assert calls == ["None", "xla", "triton"]
 
 
 def test_a_tiny_run_writes_one_file_with_provenance(tmp_path):
@@ -110,6 +106,7 @@ def test_workers_split_the_shapes_and_append_keeps_earlier_runs(tmp_path):
     assert generalize.main([*other, "--seed", "6", "--append"]) == 0
     both = json.loads(out.read_text())
     assert both["provenance"]["seed"] == [5, 6] and len(both["provenance"]["runs"]) == 2
+    assert len(both["provenance"]["commits"]) == 2
     assert both["summary"]["layer_norm fwd"]["shapes"] == 2
     assert both["summary"]["ragged_dot fwd"]["shapes"] == 1
     # Measuring a family again replaces its rows.

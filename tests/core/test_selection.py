@@ -82,6 +82,8 @@ def test_a_fine_grained_grouped_glu_runs_the_kernel_its_ragged_dot_predicts(cali
     dot it runs, so at 64 experts (XLA's dense product per group) the Mosaic GPU kernel
     runs, forward and gradient, on a shape nobody measured."""
     calibrate(calibration_dir, {"PallasMosaicGpuRaggedDot": 0.5, "RaggedDot": 0.5,
+                                "RaggedDotVjp(PallasMosaicGpuRaggedDot)": 0.5,
+                                "RaggedDotVjp(RaggedDot)": 0.5,
                                 "GatedLinearUnit": 0.9, "GatedLinearUnitVjp": 0.9})
     x = jax.ShapeDtypeStruct((64 * 24, 2048), jnp.bfloat16)
     weights = jax.ShapeDtypeStruct((64, 2048, 2, 1408), jnp.bfloat16)

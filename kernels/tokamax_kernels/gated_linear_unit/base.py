@@ -246,9 +246,23 @@ class GatedLinearUnitVjp(VjpOp):
         return RaggedDot()
 
     def prediction_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
-        """A grouped call's gradient: its ragged dots (the family's calibration points
-        are dense calls)."""
-        return self.evidence_calls(ba)
+        """A grouped call's gradient: the gradient of the ragged dot of `x` against every
+        weight column, (G, K, 2N) (the dlhs and drhs it runs), predicted from the
+        `ragged_dot` family's gradient points (the family's own points are dense calls)."""
+        if "group_sizes" not in ba.arguments:
+            return None
+        arguments = ba.arguments
+        x, weights, group_sizes = arguments["x"], arguments["weights"], arguments["group_sizes"]
+        w = weights[0] if isinstance(weights, tuple) else weights
+        g, k, n = w.shape[0], w.shape[1], w.shape[-1]
+        ragged = self.ragged_dot_op()
+        forward = ragged.bind(jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              jax.ShapeDtypeStruct((g, k, 2 * n), w.dtype),
+                              jax.ShapeDtypeStruct(group_sizes.shape, group_sizes.dtype),
+                              precision=arguments["precision"])
+        out = jax.ShapeDtypeStruct((x.shape[0], 2 * n), x.dtype)
+        return [ragged.vjp_op().bind(None, out, out, **forward.arguments).replace(
+            vmap=ba.vmap)]
 
     def reruns_forward(self, ba: BoundArguments) -> bool:
         # The products, for a dense call (a grouped one reads the residuals); not kernels.

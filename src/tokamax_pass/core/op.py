@@ -264,8 +264,7 @@ class Op[C]:
         """The op calls whose predicted times add up to this call's (`core.prediction`),
         for a call whose speed is that of another op's calls rather than of its own
         family's calibration points: a grouped GLU runs at the speed of its ragged dot.
-        `None` (the default): the call is predicted from its own op's points, else, where
-        it has none, from its nested calls (`evidence_calls`)."""
+        `None` (the default): the call is predicted from its own op's points."""
         return None
 
     def _default_vjp(self) -> Op:

@@ -7,8 +7,9 @@ gradient rule or its nested calls). The efficiency comes from the
 device's calibration (`core.calibration`): the measured points of this op and dtype
 nearest the call in log space (FLOPs, bytes and the family's shape features, such as
 attention's head dim, which set a kernel's speed beyond its work), interpolated; where
-none is near, the nearest few all the same. No calibration for the device kind, no
-work, or no point of the op: no prediction.
+none is near, the nearest few all the same. A call whose speed is that of other calls
+(`Op.prediction_calls`) is predicted as their sum. No calibration for the device kind,
+no work, or no point of the op: no prediction.
 """
 
 from __future__ import annotations
@@ -152,21 +153,14 @@ def predict(ba: BoundArguments,
             calibration: calibration_lib.Calibration | None) -> Prediction | None:
     """The predicted time of `ba` on the calibrated device, or `None` (see the module).
 
-    A call whose op names the calls that set its speed (`Op.prediction_calls`) is
-    predicted as their sum; so is one of an op with no calibration points that makes
-    nested op calls (`Op.evidence_calls`: the Mosaic GPU grouped-GLU gradient's ragged
-    dots)."""
+    A call whose op names the calls that set its speed (`Op.prediction_calls`: a
+    grouped GLU's ragged dot) is predicted as their sum."""
     if calibration is None:
         return None
     calls = ba.op.prediction_calls(ba)
     if calls is not None:
         return _predict_sum(calls, calibration)
-    own = _predict_own(ba, calibration)
-    if own is None and op_name(ba.op) not in calibration.by_op:
-        nested = ba.op.evidence_calls(ba)
-        if nested:
-            return _predict_sum(nested, calibration)
-    return own
+    return _predict_own(ba, calibration)
 
 
 def _predict_sum(calls: Sequence[BoundArguments],
