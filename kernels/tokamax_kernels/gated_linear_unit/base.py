@@ -101,6 +101,19 @@ def _check_activation(activation: Callable[[Any], Any], x: Any, weights: Any) ->
                          f"the real part or the magnitude inside the activation")
 
 
+def grouped_gemm_call(ragged_dot: Op, ba: BoundArguments) -> BoundArguments:
+    """`ragged_dot`'s call, on shapes, of a grouped GLU call's `x` against every weight
+    column as one (G, K, 2N) array: the GEMM whose speed sets the call's."""
+    arguments = ba.arguments
+    x, weights, group_sizes = arguments["x"], arguments["weights"], arguments["group_sizes"]
+    w = weights[0] if isinstance(weights, tuple) else weights
+    g, k, n = w.shape[0], w.shape[1], w.shape[-1]
+    return ragged_dot.bind(jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           jax.ShapeDtypeStruct((g, k, 2 * n), w.dtype),
+                           jax.ShapeDtypeStruct(group_sizes.shape, group_sizes.dtype),
+                           precision=arguments["precision"])
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GatedLinearUnit(Op[Any]):
     """The gated linear unit in XLA, as fast as the expression a user writes.
@@ -138,15 +151,7 @@ class GatedLinearUnit(Op[Any]):
         call is predicted from them."""
         if "group_sizes" not in ba.arguments:
             return None
-        arguments = ba.arguments
-        x, weights, group_sizes = arguments["x"], arguments["weights"], arguments["group_sizes"]
-        w = weights[0] if isinstance(weights, tuple) else weights
-        g, k, n = w.shape[0], w.shape[1], w.shape[-1]
-        return [self.ragged_dot_op().bind(
-            jax.ShapeDtypeStruct(x.shape, x.dtype),
-            jax.ShapeDtypeStruct((g, k, 2 * n), w.dtype),
-            jax.ShapeDtypeStruct(group_sizes.shape, group_sizes.dtype),
-            precision=arguments["precision"]).replace(vmap=ba.vmap)]
+        return [grouped_gemm_call(self.ragged_dot_op(), ba).replace(vmap=ba.vmap)]
 
     def similarity_arguments(self, arguments: Any) -> dict[str, Any]:
         """Rows x K: how x's leading axes split does not change the GEMMs' speed."""
@@ -251,17 +256,10 @@ class GatedLinearUnitVjp(VjpOp):
         `ragged_dot` family's gradient points (the family's own points are dense calls)."""
         if "group_sizes" not in ba.arguments:
             return None
-        arguments = ba.arguments
-        x, weights, group_sizes = arguments["x"], arguments["weights"], arguments["group_sizes"]
-        w = weights[0] if isinstance(weights, tuple) else weights
-        g, k, n = w.shape[0], w.shape[1], w.shape[-1]
-        ragged = self.ragged_dot_op()
-        forward = ragged.bind(jax.ShapeDtypeStruct(x.shape, x.dtype),
-                              jax.ShapeDtypeStruct((g, k, 2 * n), w.dtype),
-                              jax.ShapeDtypeStruct(group_sizes.shape, group_sizes.dtype),
-                              precision=arguments["precision"])
-        out = jax.ShapeDtypeStruct((x.shape[0], 2 * n), x.dtype)
-        return [ragged.vjp_op().bind(None, out, out, **forward.arguments).replace(
+        forward = grouped_gemm_call(self.ragged_dot_op(), ba)
+        lhs, rhs = forward.arguments["lhs"], forward.arguments["rhs"]
+        out = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype)
+        return [forward.op.vjp_op().bind(None, out, out, **forward.arguments).replace(
             vmap=ba.vmap)]
 
     def reruns_forward(self, ba: BoundArguments) -> bool:
