@@ -69,39 +69,40 @@ def measure_shape(family: str, params: dict[str, Any], *, seed: int, iterations:
         ("ours", n, fn) for n, fn in sweep.ours(family).items()] + [
         ("peer", n, fn) for n, fn in sweep.peers(family).items()]
     chosen = _chosen(family, args, kwargs)
+
+    def timed(fn: Any, mode: benchmarking.Mode) -> dict[str, Any]:
+        return sweep.time_call(fn, args, kwargs, mode, seed=seed, iterations=iterations,
+                               budget_s=call_seconds, method=method, lock=lock)
+
     rows = []
     for mode, std_mode in MODES.items():
-        timed = []
+        mode_rows, functions = [], {}
         for kind, name, fn in candidates:
             row = {"family": family, "params": params, "mode": mode, "kind": kind,
                    "implementation": name}
             if kind == "none":
                 row["chosen"] = chosen
-            row.update(sweep.time_call(fn, args, kwargs, std_mode, seed=seed,
-                                       iterations=iterations, budget_s=call_seconds,
-                                       method=method, lock=lock))
-            timed.append((row, fn))
-        pair = _none_and_fastest(timed)
+            row.update(timed(fn, std_mode))
+            mode_rows.append(row)
+            functions[id(row)] = fn
+        pair = _none_and_fastest(mode_rows)
         if pair is not None:
-            for row, fn in _confirmation_order(pair):
-                times = row.setdefault("confirmed_ms", [])
-                result = sweep.time_call(fn, args, kwargs, std_mode, seed=seed,
-                                         iterations=iterations, budget_s=call_seconds,
-                                         method=method, lock=lock)
-                times.append(result.get("ms"))
-        rows.extend(row for row, _ in timed)
+            for row in _confirmation_order(pair):
+                row.setdefault("confirmed_ms", []).append(
+                    timed(functions[id(row)], std_mode).get("ms"))
+        rows.extend(mode_rows)
     return rows
 
 
-def _none_and_fastest(timed: list[tuple[dict[str, Any], Any]]
-                      ) -> tuple[tuple[dict[str, Any], Any], tuple[dict[str, Any], Any]] | None:
-    """`(None's (row, fn), the fastest other candidate's)`, or `None` where either did not
-    run."""
-    none = [item for item in timed if item[0]["kind"] == "none" and "ms" in item[0]]
-    others = [item for item in timed if item[0]["kind"] != "none" and "ms" in item[0]]
+def _none_and_fastest(rows: list[dict[str, Any]]
+                      ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """`(None's row, the fastest other candidate's)` among one shape's and mode's timed
+    rows, or `None` where either did not run."""
+    none = [r for r in rows if r["kind"] == "none" and "ms" in r]
+    others = [r for r in rows if r["kind"] != "none" and "ms" in r]
     if not none or not others:
         return None
-    return none[0], min(others, key=lambda item: item[0]["ms"])
+    return none[0], min(others, key=lambda r: r["ms"])
 
 
 def _confirmation_order(pair: tuple[Any, Any]) -> list[Any]:
@@ -129,12 +130,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         groups.setdefault(key, []).append(row)
     summary: dict[str, dict[str, Any]] = {}
     for (family, mode, params), group in groups.items():
-        none = [r for r in group if r["kind"] == "none" and "ms" in r]
-        others = [r for r in group if r["kind"] != "none" and "ms" in r]
-        if not none or not others:
+        pair = _none_and_fastest(group)
+        if pair is None:
             continue
-        fastest = min(others, key=lambda r: r["ms"])
-        none_ms, fastest_ms = _ratio_ms(none[0], fastest)
+        none, fastest = pair
+        none_ms, fastest_ms = _ratio_ms(none, fastest)
         ratio = none_ms / fastest_ms
         entry = summary.setdefault(f"{family} {mode}", {"shapes": 0, "within": 0,
                                                          "worst_ratio": 0.0})

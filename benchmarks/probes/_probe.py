@@ -1,12 +1,60 @@
 """What the device probes share: each phase in a subprocess with a timeout (a deadlocked
-kernel costs its phase, not the run, nor the machine), and one timing per variant."""
+kernel costs its phase, not the run, nor the machine), one timing per variant, a JSON-lines
+log, and the numerics checks."""
 
 from __future__ import annotations
 
+import json
+import pathlib
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+
+class JsonLines:
+    """`log(**row)`: prints the row and appends it to `path` as one JSON line, stamped with
+    the seconds since the log was made (`t`), so a run cut short keeps what it measured."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.start = time.time()
+
+    def __call__(self, **row: Any) -> None:
+        row["t"] = round(time.time() - self.start, 1)
+        print(json.dumps(row), flush=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def relative_error(got: Any, want: Any) -> float:
+    """`|got - want| / |want|` (Frobenius norms), both taken in float32."""
+    import jax.numpy as jnp
+
+    got, want = (jnp.asarray(a, jnp.float32) for a in (got, want))
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+def with_vjp(f: Callable[..., Any]) -> Callable[..., Any]:
+    """`(*primals, cotangent) -> (f(*primals), f's VJP at cotangent)`: a forward and
+    backward to check or time as one function."""
+    import jax
+
+    def run(*args: Any) -> Any:
+        *primals, cotangent = args
+        out, pullback = jax.vjp(f, *primals)
+        return out, pullback(cotangent)
+    return run
+
+
+def device_ms(fn: Callable[..., Any], *args: Any) -> float:
+    """Median device time of `fn(*args)` in ms, timed by `tokamax_pass.benchmarking` (CUPTI
+    on a GPU, after warm-up)."""
+    from tokamax_pass.benchmarking import compile_benchmark, standardize_function
+
+    f_std, std_args = standardize_function(fn, *args)
+    return compile_benchmark(f_std, std_args)(std_args).median_evaluation_time_ms
 
 
 def run_phases(argv: list[str], script: str, phases: Mapping[str, tuple[Callable[[], None], int]],

@@ -14,28 +14,25 @@ heuristic configs alone (to OUT_DIR/layer_norm_heuristics.jsonl), at one more sh
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.probes._probe import random_normal
+from benchmarks.probes._probe import JsonLines, device_ms, random_normal, relative_error, with_vjp
 from benchmarks.sweep import source_commit
 from tokamax_kernels import _gpu
 from tokamax_kernels.layer_norm import pallas_triton as ln_triton
 from tokamax_kernels.layer_norm import pallas_triton_vjp as ln_vjp
 from tokamax_kernels.layer_norm._triton_common import block_rows_choices, row_chunk
 from tokamax_kernels.layer_norm.base import LayerNorm
-from tokamax_pass import benchmarking
 
 OUT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 HEURISTICS_ONLY = "--heuristics" in sys.argv[2:]
 RESULTS = OUT / ("layer_norm_heuristics.jsonl" if HEURISTICS_ONLY else "layer_norm_configs.jsonl")
-START = time.time()
+log = JsonLines(RESULTS)
 # (rows, width, dtype, subtract_mean, offset)
 SHAPES = (
     (51623, 256, "float32", True, False),
@@ -48,31 +45,6 @@ SHAPES = (
 )
 # Checked with `--heuristics` too: the shape the norm kernels were first tuned at.
 HELD_OUT = ((65536, 4096, "bfloat16", True, True),)
-
-
-def log(**row: object) -> None:
-    row["t"] = round(time.time() - START, 1)
-    print(json.dumps(row), flush=True)
-    with open(RESULTS, "a") as f:
-        f.write(json.dumps(row) + "\n")
-
-
-def device_ms(fn, *args) -> float:
-    f_std, std_args = benchmarking.standardize_function(fn, *args)
-    return benchmarking.compile_benchmark(f_std, std_args)(std_args).median_evaluation_time_ms
-
-
-def with_vjp(f):
-    def run(*args):
-        *primals, dy = args
-        out, pullback = jax.vjp(f, *primals)
-        return out, pullback(dy)
-    return run
-
-
-def rel_err(got, want) -> float:
-    got, want = (jnp.asarray(a, jnp.float32) for a in (got, want))
-    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
 
 
 def forward_configs(n: int) -> set[ln_triton.Config]:
@@ -126,7 +98,7 @@ def sweep_shape(rows: int, n: int, dtype: str, subtract_mean: bool, has_offset: 
     for config in sorted(grid | {heuristic}, key=str):
         op = ln_triton.PallasTritonLayerNorm(config=config)
         try:
-            err = rel_err(jax.jit(norm(op))(*args), want_y)
+            err = relative_error(jax.jit(norm(op))(*args), want_y)
             ms = device_ms(norm(op), *args)
             log(**shape, impl="triton_fwd", config=str(config), heuristic=config == heuristic,
                 fwd_ms=ms, tbps=moved / ms / 1e9, err=err)
@@ -139,7 +111,8 @@ def sweep_shape(rows: int, n: int, dtype: str, subtract_mean: bool, has_offset: 
         op = ln_triton.PallasTritonLayerNorm(vjp=ln_vjp.PallasTritonLayerNormVjp(config=config))
         try:
             _, grads = jax.jit(with_vjp(norm(op)))(*args, dy)
-            errs = [rel_err(a, b) for a, b in zip(grads, want_g, strict=True) if b is not None]
+            errs = [relative_error(a, b) for a, b in zip(grads, want_g, strict=True)
+                    if b is not None]
             ms = device_ms(with_vjp(norm(op)), *args, dy)
             log(**shape, impl="triton_fwd_bwd", config=str(config),
                 heuristic=config == vjp_heuristic, fwd_bwd_ms=ms, errs=errs)

@@ -9,10 +9,8 @@ measurement goes to OUT_DIR/sweep.jsonl as it is taken, so a timeout keeps the r
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
-import time
 import traceback
 
 import jax
@@ -20,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
+from benchmarks.probes._probe import JsonLines, relative_error, with_vjp
 from tokamax_kernels.gated_linear_unit import pallas_triton as glu_triton
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_kernels.gated_linear_unit.pallas_triton_vjp import PallasTritonGatedLinearUnitVjp
@@ -31,14 +30,7 @@ from tokamax_kernels.ragged_dot.base import RaggedDot
 
 OUT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 SECTIONS = sys.argv[2].split(",") if len(sys.argv) > 2 else ["ln", "rd", "glu"]
-START = time.time()
-
-
-def log(**row):
-    row["t"] = round(time.time() - START, 1)
-    print(json.dumps(row), flush=True)
-    with open(OUT / "sweep.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
+log = JsonLines(OUT / "sweep.jsonl")
 
 
 def timed(fn, *args, iterations=20):
@@ -46,20 +38,6 @@ def timed(fn, *args, iterations=20):
     jax.block_until_ready(compiled(*args))
     _, times = profiler.measure(compiled, iterations=iterations)(*args)
     return float(np.median(times))
-
-
-def rel_err(got, want):
-    got = jnp.asarray(got, jnp.float32)
-    want = jnp.asarray(want, jnp.float32)
-    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
-
-
-def vjp_fn(f):
-    def run(*args):
-        *primals, dy = args
-        out, pullback = jax.vjp(f, *primals)
-        return out, pullback(dy)
-    return run
 
 
 def layer_norm_section():
@@ -75,9 +53,9 @@ def layer_norm_section():
         with jax.default_matmul_precision("highest"):
             ref = lambda x, s, o: LayerNorm()(x, s, o, subtract_mean=subtract_mean)
             f32 = [a.astype(jnp.float32) for a in (x, s, o, dy)]
-            want_y, want_g = jax.jit(vjp_fn(ref))(*f32)
+            want_y, want_g = jax.jit(with_vjp(ref))(*f32)
         xla_fwd = timed(lambda x, s, o: ref(x, s, o), x, s, o)
-        xla_all = timed(vjp_fn(ref), x, s, o, dy)
+        xla_all = timed(with_vjp(ref), x, s, o, dy)
         log(section=name, impl="xla", fwd_ms=xla_fwd, fwd_tbs=nbytes / xla_fwd / 1e9,
             fwd_bwd_ms=xla_all)
         heur = ln_triton.PallasTritonLayerNorm().bind(x, s, o).heuristics_config
@@ -90,7 +68,7 @@ def layer_norm_section():
             op = ln_triton.PallasTritonLayerNorm(config=cfg)
             try:
                 f = lambda x, s, o, op=op: op(x, s, o, subtract_mean=subtract_mean)
-                err = rel_err(jax.jit(f)(x, s, o), want_y)
+                err = relative_error(jax.jit(f)(x, s, o), want_y)
                 ms = timed(f, x, s, o)
                 log(section=name, impl="triton_fwd", config=str(cfg), heuristic=cfg == heur,
                     fwd_ms=ms, fwd_tbs=nbytes / ms / 1e9, err=err)
@@ -105,9 +83,9 @@ def layer_norm_section():
         for cfg in sorted(bwd_configs, key=str):
             op = ln_triton.PallasTritonLayerNorm(vjp=ln_vjp.PallasTritonLayerNormVjp(config=cfg))
             try:
-                f = vjp_fn(lambda x, s, o, op=op: op(x, s, o, subtract_mean=subtract_mean))
+                f = with_vjp(lambda x, s, o, op=op: op(x, s, o, subtract_mean=subtract_mean))
                 y, grads = jax.jit(f)(x, s, o, dy)
-                errs = [rel_err(a, b) for a, b in zip(grads, want_g, strict=True)]
+                errs = [relative_error(a, b) for a, b in zip(grads, want_g, strict=True)]
                 _, grads2 = jax.jit(f)(x, s, o, dy)
                 bitwise = all(bool((a == b).all()) for a, b in zip(grads, grads2, strict=True))
                 ms = timed(f, x, s, o, dy)
@@ -146,7 +124,7 @@ def ragged_section():
                 peer = lambda a, b: jax.lax.ragged_dot(a, b, gs)
                 ms = timed(peer, a, b)
                 log(section="ragged", groups=label, variant=variant, impl="jax.lax.ragged_dot",
-                    ms=ms, tflops=flops / ms / 1e9, err=rel_err(jax.jit(peer)(a, b), want))
+                    ms=ms, tflops=flops / ms / 1e9, err=relative_error(jax.jit(peer)(a, b), want))
             for cfg in sorted(configs, key=str):
                 op = rd_triton.PallasTritonRaggedDot(config=cfg)
                 f = lambda a, b, op=op, v=variant: op(a, b, gs, variant=v)
@@ -156,13 +134,13 @@ def ragged_section():
                     ms = timed(f, a, b)
                     log(section="ragged", groups=label, variant=variant, impl="triton",
                         config=str(cfg), heuristic=cfg == heur, ms=ms, tflops=flops / ms / 1e9,
-                        err=rel_err(got, want), bitwise=bitwise)
+                        err=relative_error(got, want), bitwise=bitwise)
                 except Exception as e:  # noqa: BLE001
                     log(section="ragged", groups=label, variant=variant, config=str(cfg),
                         error=repr(e)[:300])
         op = rd_triton.PallasTritonRaggedDot()
-        ours = vjp_fn(lambda a, b: op(a, b, gs))
-        peer = vjp_fn(lambda a, b: jax.lax.ragged_dot(a, b, gs))
+        ours = with_vjp(lambda a, b: op(a, b, gs))
+        peer = with_vjp(lambda a, b: jax.lax.ragged_dot(a, b, gs))
         for impl, f in (("triton", ours), ("jax.lax.ragged_dot", peer)):
             ms = timed(f, lhs, rhs, dy)
             log(section="ragged", groups=label, variant="fwd+bwd", impl=impl, ms=ms,
@@ -177,11 +155,11 @@ def glu_section():
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
     flops = 4 * m * k * n
     with jax.default_matmul_precision("highest"):
-        want_y, want_g = jax.jit(vjp_fn(GatedLinearUnit()))(
+        want_y, want_g = jax.jit(with_vjp(GatedLinearUnit()))(
             x.astype(jnp.float32), w.astype(jnp.float32), dy.astype(jnp.float32))
     ref = GatedLinearUnit()
     log(section="glu", impl="xla", fwd_ms=timed(lambda x, w: ref(x, w), x, w),
-        fwd_bwd_ms=timed(vjp_fn(ref), x, w, dy))
+        fwd_bwd_ms=timed(with_vjp(ref), x, w, dy))
     heur = glu_triton.PallasTritonGatedLinearUnit().bind(x, w).heuristics_config
     configs = {heur} | {glu_triton.Config(block_m=bm, block_n=bn, block_k=bk, num_warps=wp,
                                           num_stages=s)
@@ -192,11 +170,11 @@ def glu_section():
             config=cfg, vjp=PallasTritonGatedLinearUnitVjp(config=cfg))
         try:
             f = lambda x, w, op=op: op(x, w)
-            err = rel_err(jax.jit(f)(x, w), want_y)
+            err = relative_error(jax.jit(f)(x, w), want_y)
             fwd = timed(f, x, w)
-            y, grads = jax.jit(vjp_fn(f))(x, w, dy)
-            errs = [rel_err(a, b) for a, b in zip(grads, want_g, strict=True)]
-            both = timed(vjp_fn(f), x, w, dy)
+            y, grads = jax.jit(with_vjp(f))(x, w, dy)
+            errs = [relative_error(a, b) for a, b in zip(grads, want_g, strict=True)]
+            both = timed(with_vjp(f), x, w, dy)
             log(section="glu", impl="triton", config=str(cfg), heuristic=cfg == heur,
                 fwd_ms=fwd, fwd_tflops=flops / fwd / 1e9, fwd_bwd_ms=both, err=err, errs=errs)
         except Exception as e:  # noqa: BLE001

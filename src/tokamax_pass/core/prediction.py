@@ -168,9 +168,9 @@ def _predict_sum(calls: Sequence[BoundArguments],
     """The predictions of `calls` added up (`None` unless every one has a prediction);
     the efficiency is that of the whole: the parts' roofline times over their sum."""
     parts = [predict(call, calibration) for call in calls]
-    if not parts or any(part is None for part in parts):
-        return None
     known = [part for part in parts if part is not None]
+    if not known or len(known) < len(parts):
+        return None
     seconds = sum(part.seconds for part in known)
     ideal = sum(part.seconds * part.efficiency for part in known)
     return Prediction(seconds, ideal / seconds, all(part.near for part in known))
