@@ -71,7 +71,8 @@ case "${1:-}" in
     # whenever one waits on the other at the end.
     .venv/bin/python -m mypy > "$JAX_COMPILATION_CACHE_DIR/mypy.log" 2>&1 &
     typecheck=$!
-    trap 'kill "$typecheck" 2>/dev/null; rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+    # `|| true`: the trap runs under `set -e`, and mypy has usually ended by then.
+    trap 'kill "$typecheck" 2>/dev/null || true; rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
     .venv/bin/python -m pytest -q -n 2 --durations=20 tests
     wait "$typecheck" || { cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"; exit 1; }
     cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"

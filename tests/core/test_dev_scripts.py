@@ -50,3 +50,54 @@ def test_bazel_python_without_venv_says_to_run_dev_sh(tmp_path):
     python.chmod(0o755)
     found = _run(["bash", shim, "-c", "print(1)"])
     assert found.returncode == 0 and found.stdout == "venv python -c print(1)\n"
+
+
+def _fake_checkout(tmp_path: pathlib.Path, failing: str | None) -> pathlib.Path:
+    """A copy of `dev.sh` whose venv Python and `bazel` only log their arguments; the
+    Python exits 1 when its arguments contain `failing`."""
+    checkout = tmp_path / "checkout"
+    (checkout / "bazel").mkdir(parents=True)
+    for name in ("dev.sh", "pyproject.toml", "requirements-pinned.txt"):
+        shutil.copy2(ROOT / name, checkout / name)
+    (checkout / "bazel" / "missing_debian_packages.sh").write_text("#!/bin/sh\n")
+    (checkout / "bazel" / "missing_debian_packages.sh").chmod(0o755)
+    log = checkout / "calls.log"
+    python = checkout / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    fail = f'case "$*" in *"{failing}"*) exit 1;; esac\n' if failing else ""
+    python.write_text(f'#!/bin/sh\necho "python $*" >> {log}\n{fail}exit 0\n')
+    python.chmod(0o755)
+    stamp = subprocess.run("cat pyproject.toml requirements-pinned.txt | sha256sum",
+                           shell=True, cwd=checkout, capture_output=True, text=True,
+                           check=True).stdout.split()[0]
+    (checkout / ".venv" / ".tokamax_pass_installed").write_text(stamp + "\n")
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "bazel").write_text(f'#!/bin/sh\necho "bazel $*" >> {log}\n')
+    (tools / "bazel").chmod(0o755)
+    return checkout
+
+
+def _dev_sh_test(checkout: pathlib.Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": os.pathsep.join([str(checkout.parent / "tools"),
+                                                  "/usr/bin", "/bin"])}
+    return _run([shutil.which("bash"), checkout / "dev.sh", "test"], env=env)
+
+
+def test_dev_sh_test_passes_when_every_step_passes(tmp_path):
+    """Every step runs, and the exit status is 0: its cleanup on exit must not fail
+    (under `set -e`, a failing command there turns a green run red)."""
+    checkout = _fake_checkout(tmp_path, failing=None)
+    result = _dev_sh_test(checkout)
+    assert result.returncode == 0, result.stderr
+    calls = (checkout / "calls.log").read_text()
+    for step in ("-m ruff check", "-m mypy", "-m pytest", "run_mutations.py",
+                 "-m benchmarks.models --smoke", "-m benchmarks.report --check",
+                 "bazel test", "bazel shutdown"):
+        assert step in calls, step
+
+
+def test_dev_sh_test_fails_when_a_step_fails(tmp_path):
+    for step in ("-m pytest", "-m mypy", "-m benchmarks.models --smoke"):
+        result = _dev_sh_test(_fake_checkout(tmp_path / step.split()[-1], failing=step))
+        assert result.returncode != 0, step
