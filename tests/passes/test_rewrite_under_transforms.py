@@ -236,6 +236,41 @@ def test_shard_map_bodies(rewritten, check_vma):
     assert_trees_close(optimized(x, scale), jax.jit(step)(x, scale))
 
 
+@pytest.mark.parametrize("differentiated", [False, True])
+def test_a_shard_map_made_before_optimize(rewritten, differentiated):
+    """A `shard_map` function built before `optimize` (a model's module-level sharded
+    layer) is not handed to `optimize`'s intercepted `jax.shard_map`: its body is matched
+    where the pass meets the map, per shard, alone and under a gradient, and a collective
+    in the body still runs over the mesh axis."""
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+
+    def body(x, scale):  # the norm of each shard's rows, scaled by a mesh-wide sum
+        return rms_norm(x, scale) * jax.lax.psum(jnp.sum(x), "d")
+
+    premade = jax.shard_map(body, mesh=mesh, in_specs=(jax.P("d"), jax.P()),
+                            out_specs=jax.P("d"))
+    x, scale = random_normal(0, (4, 3, D)), random_normal(1, (D,))
+    cotangent = random_normal(2, (4, 3, D))
+
+    def step(x, scale):
+        if not differentiated:
+            return premade(x, scale)
+        return jax.value_and_grad(lambda x, scale: (premade(x, scale) * cotangent).sum(),
+                                  argnums=(0, 1))(x, scale)
+
+    optimized = tokamax.optimize(step)
+    plan = optimized.plan(x, scale)
+    prefix = "vjp/" if differentiated else ""
+    assert [(m.path, m.outcome) for m in plan.matches] == [
+        (f"{prefix}shard_map/layer_norm", REWRITTEN)]
+    assert {row.path for row in plan} == {"shard_map/layer_norm"} | (
+        {"shard_map/layer_norm_vjp"} if differentiated else set())
+    assert {row.arguments.split("x=")[1] for row in plan if "x=" in row.arguments} == {
+        "f32[1,3,32]"}  # per shard
+    assert_trees_close(optimized(x, scale), jax.jit(step)(x, scale))
+
+
 def test_left_alone_under_a_gradient_is_listed_once_and_unchanged():
     f, args, _ = CASES["rms_norm"]
     step = training_step(f, random_normal(9, (B, T, D)))

@@ -8,8 +8,10 @@ partitioned per device as `sharding.bind` decides (each device's call resolved f
 the shapes it sees), or bound as is. Sub-jaxprs holding op calls (`jit`, `scan`,
 `cond`, `while`, `remat`, `custom_vjp`/`custom_jvp`) are traced again the same way;
 `custom_vjp`/`custom_jvp` rules traced later are wrapped to be re-emitted too.
-`shard_map` bodies are already per device: they are rewritten in place (their
-plain-JAX patterns were replaced when the body was traced, `transforms`).
+`shard_map` bodies are already per device. One whose body holds a plain-JAX pattern
+(a `shard_map` function made before `optimize`, which `transforms` does not see) is
+mapped again with its body re-emitted, each device's matches and calls decided for the
+shapes it sees; other bodies are rewritten in place.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from jax.extend.core import Jaxpr, Literal
 
 from tokamax_pass.core.primitive import is_tokamax_call
 from tokamax_pass.passes.graph import Graph
-from tokamax_pass.passes.walk import OPAQUE, holds_calls, is_op_wrapper, path_label, trace_plain
+from tokamax_pass.passes.walk import (
+    OPAQUE,
+    holds_calls,
+    holds_primitives,
+    is_op_wrapper,
+    path_label,
+    trace_plain,
+)
 
 
 class Binder(Protocol):
@@ -63,6 +72,8 @@ def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") ->
             elif (replaced := rewriter.bind_pattern(
                     eqn if graph is None else graph.view(eqn), read, path, graph)) is not None:
                 outs = replaced
+            elif (mapped := _shard_map(rewriter, eqn, invals, path)) is not None:
+                outs = mapped
             else:
                 params = _params(rewriter, eqn, path)
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
@@ -84,6 +95,28 @@ def retrace(rewriter: Binder, jaxpr: Jaxpr, path: str) -> Jaxpr:
     new, _, consts = pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(fn, debug_info=jaxpr.debug_info), jaxpr.in_avals)
     return new.with_consts(consts) if consts else new
+
+
+def _shard_map(rewriter: Binder, eqn: Any, args: Sequence[Any], path: str
+               ) -> list[Any] | None:
+    """The outputs of a `shard_map` equation whose body holds a pattern's first
+    primitive, mapped again over the same mesh and specs with the body re-emitted (inside
+    the map, so each device's matches and op calls see its own shapes); `None` for other
+    equations."""
+    if eqn.primitive.name != "shard_map" or not holds_primitives(
+            eqn.params["jaxpr"], rewriter.pattern_primitives):
+        return None
+    params = eqn.params
+    body = params["jaxpr"]
+    sub = "/".join(p for p in (path, path_label(eqn)) if p)
+
+    def per_device(*xs: Any) -> tuple[Any, ...]:
+        return tuple(emit(rewriter, body, xs, sub))
+
+    mapped = jax.shard_map(per_device, mesh=params["mesh"], in_specs=params["in_specs"],
+                           out_specs=params["out_specs"], check_vma=params["check_vma"],
+                           axis_names=params["newly_manual_axes"])
+    return list(mapped(*args))
 
 
 def _params(rewriter: Binder, eqn: Any, path: str) -> dict[str, Any]:

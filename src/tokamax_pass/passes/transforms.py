@@ -16,9 +16,10 @@ What JAX derives from equations matched here keeps their tracebacks, and the pas
 not match it again (`Rewriter.matched_before_transform`). `jax.grad` and
 `value_and_grad` are reached wherever they were made; `jax.vjp` and `jax.shard_map`
 where they are called while `optimize` traces, spelled so (not a name imported from
-`jax` before, nor a `shard_map` function made before). Calls made by the
-library's own code (an op's autodiff) or by JAX's other internals, in other threads or
-outside `optimize` are JAX's own.
+`jax` before). A `shard_map` function made before is met as an equation instead, and
+mapped again with its body re-emitted (`emit`). Calls made by the library's own code
+(an op's autodiff) or by JAX's other internals, in other threads or outside `optimize`
+are JAX's own.
 """
 
 from __future__ import annotations

@@ -33,6 +33,16 @@ def holds_calls(jaxpr: Jaxpr, primitives: frozenset[str] = frozenset()) -> bool:
     return False
 
 
+def holds_primitives(jaxpr: Jaxpr, primitives: frozenset[str]) -> bool:
+    """Whether `jaxpr` (at any depth, kernel bodies aside) holds an equation of
+    `primitives`."""
+    return any(eqn.primitive.name in primitives
+               or (eqn.primitive.name not in OPAQUE
+                   and any(holds_primitives(j, primitives)
+                           for j in jaxprs_in_params(eqn.params)))
+               for eqn in jaxpr.eqns)
+
+
 def trace_plain(fn: Any, *args: Any) -> Any:
     """`fn(*args)` with every op call bound as a plain `tokamax_call`."""
     with sharding.partitioning(False):
