@@ -101,19 +101,6 @@ def _check_activation(activation: Callable[[Any], Any], x: Any, weights: Any) ->
                          f"the real part or the magnitude inside the activation")
 
 
-def grouped_gemm_call(ragged_dot: Op, ba: BoundArguments) -> BoundArguments:
-    """`ragged_dot`'s call, on shapes, of a grouped GLU call's `x` against every weight
-    column as one (G, K, 2N) array: the GEMM whose speed sets the call's."""
-    arguments = ba.arguments
-    x, weights, group_sizes = arguments["x"], arguments["weights"], arguments["group_sizes"]
-    w = weights[0] if isinstance(weights, tuple) else weights
-    g, k, n = w.shape[0], w.shape[1], w.shape[-1]
-    return ragged_dot.bind(jax.ShapeDtypeStruct(x.shape, x.dtype),
-                           jax.ShapeDtypeStruct((g, k, 2 * n), w.dtype),
-                           jax.ShapeDtypeStruct(group_sizes.shape, group_sizes.dtype),
-                           precision=arguments["precision"])
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GatedLinearUnit(Op[Any]):
     """The gated linear unit in XLA, as fast as the expression a user writes.
@@ -139,19 +126,6 @@ class GatedLinearUnit(Op[Any]):
         with the XLA forward's inside a program, so a kernel forward adds those GEMMs back
         (as the LM head's did: 0.97x on the Llama step). Grouped calls keep residuals."""
         return self.kernel_margin if "group_sizes" in ba.arguments else 0.5
-
-    def ragged_dot_op(self) -> Op:
-        """The `ragged_dot` op whose GEMM a grouped call of this implementation runs, the
-        activation applied after it (XLA) or in its epilogue (a kernel)."""
-        return RaggedDot()
-
-    def prediction_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
-        """A grouped call runs at the speed of one ragged dot of `x` against every weight
-        column, (G, K, 2N) (the family's calibration points are dense calls); a dense
-        call is predicted from them."""
-        if "group_sizes" not in ba.arguments:
-            return None
-        return [grouped_gemm_call(self.ragged_dot_op(), ba).replace(vmap=ba.vmap)]
 
     def similarity_arguments(self, arguments: Any) -> dict[str, Any]:
         """Rows x K: how x's leading axes split does not change the GEMMs' speed."""
@@ -249,18 +223,6 @@ class GatedLinearUnitVjp(VjpOp):
     def ragged_dot_op(self) -> Op:
         """The `ragged_dot` op that runs a grouped call's gradient GEMMs."""
         return RaggedDot()
-
-    def prediction_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
-        """A grouped call's gradient: the gradient of the ragged dot of `x` against every
-        weight column, (G, K, 2N) (the dlhs and drhs it runs), predicted from the
-        `ragged_dot` family's gradient points (the family's own points are dense calls)."""
-        if "group_sizes" not in ba.arguments:
-            return None
-        forward = grouped_gemm_call(self.ragged_dot_op(), ba)
-        lhs, rhs = forward.arguments["lhs"], forward.arguments["rhs"]
-        out = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype)
-        return [forward.op.vjp_op().bind(None, out, out, **forward.arguments).replace(
-            vmap=ba.vmap)]
 
     def reruns_forward(self, ba: BoundArguments) -> bool:
         # The products, for a dense call (a grouped one reads the residuals); not kernels.

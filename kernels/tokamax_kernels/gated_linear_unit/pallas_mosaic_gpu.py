@@ -27,7 +27,6 @@ from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu_vjp import (
     PallasMosaicGpuGatedLinearUnitVjp,
 )
 from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
-from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDot
 from tokamax_pass.core import BoundArguments, Op, Target
 
 Config = common.Config
@@ -105,10 +104,6 @@ class PallasMosaicGpuGatedLinearUnit(GatedLinearUnit):
     slow_lowering: ClassVar[bool] = True
     grouped: ClassVar[bool] = True
 
-    def ragged_dot_op(self) -> Op:
-        """The kernel is the Mosaic GPU ragged dot's, with the GLU in its epilogue."""
-        return PallasMosaicGpuRaggedDot()
-
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
         if "group_sizes" not in ba.arguments:
@@ -155,7 +150,7 @@ class PallasMosaicGpuGatedLinearUnit(GatedLinearUnit):
         """128 x 128 CTA tiles (two warpgroups of 128 x 64, a gate and an up accumulator
         each: the register file's limit), 64-deep steps, as many stages as SMEM holds.
         Where nothing was measured, `None` runs this kernel where the ragged dot it is
-        predicted as (`GatedLinearUnit.prediction_calls`) is predicted faster than XLA's;
+        predicted as (`roofline.py`) is predicted faster than XLA's;
         the config itself was timed at the model suite's MoE shapes only."""
         m, k, n, itemsize = _problem(ba)
         tile_m = 128 if m >= 128 else 64

@@ -54,8 +54,7 @@ from tokamax_kernels.gated_linear_unit._mosaic_tpu_kernel import (
 )
 from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
 from tokamax_kernels.ragged_dot._mosaic_tpu_kernels import entry_folded
-from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
-from tokamax_pass.core import BoundArguments, Op, Target
+from tokamax_pass.core import BoundArguments, Target
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 _LANES = 128  # a vector register is 8 x 128 32-bit words: lane blocks are multiples of 128
@@ -176,10 +175,6 @@ class PallasMosaicTpuGatedLinearUnit(MosaicTpuKernel, GatedLinearUnit):
     config_cls: ClassVar[type] = Config
     grouped: ClassVar[bool] = True
     grouped_under_vmap: ClassVar[bool] = True
-
-    def ragged_dot_op(self) -> Op:
-        """A grouped call tiles its rows as the Mosaic TPU ragged dot does."""
-        return PallasMosaicTpuRaggedDot(interpret=self.interpret)
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)

@@ -1,15 +1,30 @@
-"""The GLU's work, kept apart from `base.py` so the kernels' source hash (which
-autotuning caches key on) does not change with the prediction rules."""
+"""The GLU's work and the calls a grouped GLU is predicted as, kept apart from `base.py`
+and the kernels so their source hash (which autotuning caches key on) does not change
+with the prediction rules."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
-from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
-from tokamax_pass.core import BoundArguments, Work
-from tokamax_pass.core.roofline import nbytes, register_family_work, register_performed_work
+from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit, GatedLinearUnitVjp
+from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu import PallasMosaicGpuGatedLinearUnit
+from tokamax_kernels.gated_linear_unit.pallas_mosaic_tpu import PallasMosaicTpuGatedLinearUnit
+from tokamax_kernels.ragged_dot import (
+    PallasMosaicGpuRaggedDot,
+    PallasMosaicTpuRaggedDot,
+    RaggedDot,
+)
+from tokamax_pass.core import BoundArguments, Op, Work
+from tokamax_pass.core.roofline import (
+    nbytes,
+    register_family_work,
+    register_performed_work,
+    register_prediction_calls,
+)
 
 
 def forward_work(ba: BoundArguments) -> Work:
@@ -42,5 +57,53 @@ def xla_work(ba: BoundArguments) -> Work:
     return Work(work.flops * max(1, ba.arguments["group_sizes"].shape[0]), work.bytes)
 
 
+# The ragged dot whose GEMM each grouped implementation runs: XLA's ragged dot with the
+# activation after it, or a kernel's with the GLU in its epilogue.
+_GROUPED_GEMM: dict[type, Callable[[Any], Op]] = {
+    GatedLinearUnit: lambda op: RaggedDot(),
+    PallasMosaicGpuGatedLinearUnit: lambda op: PallasMosaicGpuRaggedDot(),
+    PallasMosaicTpuGatedLinearUnit: lambda op: PallasMosaicTpuRaggedDot(interpret=op.interpret),
+}
+
+
+def grouped_gemm_call(ragged_dot: Op, ba: BoundArguments) -> BoundArguments:
+    """`ragged_dot`'s call, on shapes, of a grouped GLU call's `x` against every weight
+    column as one (G, K, 2N) array: the GEMM whose speed sets the call's."""
+    arguments = ba.arguments
+    x, weights, group_sizes = arguments["x"], arguments["weights"], arguments["group_sizes"]
+    w = weights[0] if isinstance(weights, tuple) else weights
+    g, k, n = w.shape[0], w.shape[1], w.shape[-1]
+    return ragged_dot.bind(jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           jax.ShapeDtypeStruct((g, k, 2 * n), w.dtype),
+                           jax.ShapeDtypeStruct(group_sizes.shape, group_sizes.dtype),
+                           precision=arguments["precision"]).replace(vmap=ba.vmap)
+
+
+def forward_prediction_calls(ba: BoundArguments) -> list[BoundArguments] | None:
+    """A grouped call runs at the speed of its implementation's ragged dot of `x` against
+    every weight column, (G, K, 2N) (the family's calibration points are dense calls); a
+    dense call is predicted from those points."""
+    if "group_sizes" not in ba.arguments:
+        return None
+    ragged_dot = next(_GROUPED_GEMM[cls] for cls in type(ba.op).__mro__ if cls in _GROUPED_GEMM)
+    return [grouped_gemm_call(ragged_dot(ba.op), ba)]
+
+
+def vjp_prediction_calls(ba: BoundArguments) -> list[BoundArguments] | None:
+    """A grouped call's gradient: the gradient of the ragged dot of `x` against every
+    weight column, (G, K, 2N) (the dlhs and drhs it runs, by the VJP's `ragged_dot_op`),
+    predicted from the `ragged_dot` family's gradient points."""
+    op = ba.op
+    if "group_sizes" not in ba.arguments or not isinstance(op, GatedLinearUnitVjp):
+        return None
+    forward = grouped_gemm_call(op.ragged_dot_op(), ba)
+    lhs, rhs = forward.arguments["lhs"], forward.arguments["rhs"]
+    out = jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype)
+    return [forward.op.vjp_op().bind(None, out, out, **forward.arguments).replace(
+        vmap=ba.vmap)]
+
+
 register_family_work(GatedLinearUnit, forward_work, vjp_work)
 register_performed_work(GatedLinearUnit, xla_work)
+register_prediction_calls(GatedLinearUnit, forward_prediction_calls)
+register_prediction_calls(GatedLinearUnitVjp, vjp_prediction_calls)

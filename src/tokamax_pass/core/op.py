@@ -260,13 +260,6 @@ class Op[C]:
         only makes nested op calls (`None`: the call is measured as itself)."""
         return None
 
-    def prediction_calls(self, ba: BoundArguments) -> list[BoundArguments] | None:
-        """The op calls whose predicted times add up to this call's (`core.prediction`),
-        for a call whose speed is that of another op's calls rather than of its own
-        family's calibration points: a grouped GLU runs at the speed of its ragged dot.
-        `None` (the default): the call is predicted from its own op's points."""
-        return None
-
     def _default_vjp(self) -> Op:
         return HOOKS.autodiff_vjp(forward=self.replace(vjp=None))
 

@@ -8,8 +8,8 @@ device's calibration (`core.calibration`): the measured points of this op and dt
 nearest the call in log space (FLOPs, bytes and the family's shape features, such as
 attention's head dim, which set a kernel's speed beyond its work), interpolated; where
 none is near, the nearest few all the same. A call whose speed is that of other calls
-(`Op.prediction_calls`) is predicted as their sum. No calibration for the device kind,
-no work, or no point of the op: no prediction.
+(`roofline.register_prediction_calls`) is predicted as their sum. No calibration for the
+device kind, no work, or no point of the op: no prediction.
 """
 
 from __future__ import annotations
@@ -153,11 +153,12 @@ def predict(ba: BoundArguments,
             calibration: calibration_lib.Calibration | None) -> Prediction | None:
     """The predicted time of `ba` on the calibrated device, or `None` (see the module).
 
-    A call whose op names the calls that set its speed (`Op.prediction_calls`: a
-    grouped GLU's ragged dot) is predicted as their sum."""
+    A call whose family registered the calls that set its speed
+    (`roofline.register_prediction_calls`: a grouped GLU's ragged dot) is predicted as
+    their sum."""
     if calibration is None:
         return None
-    calls = ba.op.prediction_calls(ba)
+    calls = roofline_lib.prediction_calls(ba)
     if calls is not None:
         return _predict_sum(calls, calibration)
     return _predict_own(ba, calibration)

@@ -95,3 +95,26 @@ def register_performed_work(implementation: type, rule: WorkRule) -> None:
     """Declares the work `implementation` (that class only, not its subclasses) really
     does where it differs in kind from its family's ideal work."""
     PERFORMED_WORK[implementation] = rule
+
+
+# The calls a call is predicted as, from its `BoundArguments` (typed loosely, as above).
+PredictionCallsRule = Callable[[Any], "list[Any] | None"]
+PREDICTION_CALLS: dict[type, PredictionCallsRule] = {}
+
+
+def register_prediction_calls(op_class: type, rule: PredictionCallsRule) -> None:
+    """Declares that a call of `op_class` (or a subclass) runs at the speed of the op
+    calls `rule` returns for it, rather than of its own family's calibration points (a
+    grouped GLU runs at the speed of its ragged dot); `rule` returns `None` for calls
+    predicted from their own op's points."""
+    PREDICTION_CALLS[op_class] = rule
+
+
+def prediction_calls(ba: Any) -> list[Any] | None:
+    """The calls `ba` is predicted as the sum of (`register_prediction_calls`, the rule
+    of the nearest class in its op's hierarchy), or `None`."""
+    for cls in type(ba.op).__mro__:
+        rule = PREDICTION_CALLS.get(cls)
+        if rule is not None:
+            return rule(ba)
+    return None
