@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from benchmarks.models import decoders, encoder
+from benchmarks.models import decoders, encoder, lm_head
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,4 +107,9 @@ MODELS: dict[str, Model] = {m.name: m for m in (
           encoder.EncoderConfig(layers=2, batch=2, seq=64, width=64, heads=4, head_dim=16,
                                 mlp=128, classes=10),
           encoder.init, encoder.make_batch, encoder.loss),
+    Model("lm_head", "Llama-3-style LM head and loss alone: final RMSNorm, untied 4096 x "
+          "128256 head, mean cross-entropy over 16384 tokens (the hidden states an input)",
+          lm_head.LMHeadConfig(batch=4, seq=4096, width=4096, vocab=128256),
+          lm_head.LMHeadConfig(batch=2, seq=64, width=64, vocab=512),
+          lm_head.init, lm_head.make_batch, lm_head.loss),
 )}

@@ -105,10 +105,12 @@ def smoke(names: list[str], models: dict[str, Model] | None = None,
     return failures
 
 
-def _device_ms(step: Any, params: Any, batch: Any, iterations: int) -> dict[str, float]:
+def _device_ms(step: Any, params: Any, batch: Any, iterations: int) -> dict[str, Any]:
+    """The step's median device time, compile time, timing method and its compiled
+    program's temporary memory (beyond inputs and outputs, XLA's memory analysis)."""
     data = benchmarking.benchmark(step, params, batch, iterations=iterations)
     return {"ms": data.median_evaluation_time_ms, "compile_s": data.compile_time_ms / 1e3,
-            "method": data.method}
+            "method": data.method, "temp_memory_mb": data.temp_memory_mb}
 
 
 def time_model(model: Model, variants: list[str], iterations: int, record: Any, *,

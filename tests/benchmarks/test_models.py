@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import tokamax_pass as tokamax
 from benchmarks.models import MODELS, ops, run
 
 
@@ -16,7 +17,7 @@ def test_list_names_every_model(capsys):
     assert run.main(["--list"]) == 0
     listed = [line.split(":")[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == ["llama", "mixtral", "deepseek_moe", "moe_decode", "gemma2",
-                      "encoder"] == list(MODELS)
+                      "encoder", "lm_head"] == list(MODELS)
 
 
 def test_fine_grained_moe_training_and_decode_smoke():
@@ -33,6 +34,18 @@ def test_fine_grained_moe_training_and_decode_smoke():
     assert (train.config.experts, train.config.top_k, train.config.mlp) == (64, 6, 1408)
     grads = jax.jit(train.step_fn(ops.Plain(), smoke=True))(*run._inputs(train, smoke=True))
     assert set(grads["layers"][0]) >= {"shared_gate_up", "shared_down", "router", "down"}
+
+
+def test_lm_head_model_smoke_and_its_plain_twin_holds_the_head_and_loss_pattern():
+    """The LM head + loss model runs tiny (ours matches plain JAX); its plain twin, handed
+    to `optimize` unmodified, shows the head + cross-entropy and the norm as matches."""
+    assert run.smoke(["lm_head"], dtypes=["float32"]) == []
+    model = MODELS["lm_head"]
+    assert (model.config.width, model.config.vocab) == (4096, 128256)
+    params, batch = run._inputs(model, smoke=True)
+    plan = tokamax.optimize(model.step_fn(ops.Plain(), smoke=True)).plan(params, batch)
+    assert sorted(m.pattern for m in plan.matches) == [
+        "layer_norm", "linear_softmax_cross_entropy_loss"]
 
 
 def test_smoke_catches_a_wrong_op(monkeypatch):
