@@ -12,6 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from tokamax_pass.artifact import (
+    ArtifactIntegrityError,
+    ArtifactMismatchError,
+    ExportFallbackWarning,
+)
 from tokamax_pass.core import BoundArguments, NullConfig, Op, snake_case_name
 from tokamax_pass.core.spec import SpecError, register_serializable
 
@@ -37,6 +42,7 @@ _LAZY = {
     "BenchmarkData": "tokamax_pass.benchmarking",
     "standardize_function": "tokamax_pass.benchmarking",
     "BatchedShapeDtype": "tokamax_pass.batching",
+    "UnsavedResultError": "tokamax_pass.autotuning.cache",
 }
 
 
@@ -70,7 +76,10 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DISABLE_JAX_EXPORT_CHECKS",
+    "ArtifactIntegrityError",
+    "ArtifactMismatchError",
     "BoundArguments",
+    "ExportFallbackWarning",
     "NullConfig",
     "Op",
     "SpecError",

@@ -32,6 +32,8 @@ from tokamax_pass.version import __version__
 
 MANIFEST = "manifest.json"
 _SUFFIX = ".stablehlo"
+# Warnings name the first frame outside the package: the user's call.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 __all__ = [
     "Artifact", "ArtifactIntegrityError", "ArtifactMismatchError", "LoadedArtifact",
@@ -64,6 +66,12 @@ class Artifact:
     def __call__(self, *args: Any) -> Any:
         """Runs the program (no device check; `load_artifact` checks)."""
         return self.exported.call(*args)
+
+    def __repr__(self) -> str:
+        """Its name, platforms, op calls and program size, not the program's bytes."""
+        return (f"Artifact({self.name!r}, platforms={list(self.manifest.get('platforms', []))}, "
+                f"{len(self.manifest.get('ops', []))} op call(s), "
+                f"{len(self.serialized)} program bytes)")
 
     def mlir_text(self) -> str:
         return self.exported.mlir_module()
@@ -176,6 +184,9 @@ class LoadedArtifact:
     @property
     def manifest(self) -> Mapping[str, Any]:
         return self.artifact.manifest
+
+    def __repr__(self) -> str:
+        return f"LoadedArtifact({self.artifact!r})"
 
 
 def load_artifact(directory: str | os.PathLike[str] | Artifact, *, check: bool = True,
@@ -304,7 +315,7 @@ def _warn_fallbacks(fallbacks: Sequence[Mapping[str, Any]]) -> None:
         f"export: {len(fallbacks)} op call(s) hold another implementation than the target "
         f"would run, which cannot be lowered on this machine: {calls}. Export on the target "
         f"device for the same program it would run; the manifest lists these under "
-        f"'fallbacks'", ExportFallbackWarning, stacklevel=4)
+        f"'fallbacks'", ExportFallbackWarning, skip_file_prefixes=(_PACKAGE_DIR,))
 
 
 def function_name(fun: Any) -> str:

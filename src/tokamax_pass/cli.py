@@ -25,6 +25,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return modules[args.command].run(args)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        # A command's own one-line message, prefixed as every error line is.
+        message = e.code.removeprefix(f"{args.command}: ")
+        raise SystemExit(f"tokamax-pass {args.command}: {message}") from None
     except (OSError, ValueError, TypeError, RuntimeError) as e:
         # Bad input (a missing file, a corrupt JSON, a bad option) ends in one line naming
         # it, as argparse's errors do, not a traceback through our modules.

@@ -137,12 +137,18 @@ def test_a_platform_named_twice(platforms, twice):
 
 
 def test_cli_errors_are_prefixed_once(tmp_path):
-    """`export: export: platforms ...`, `inspect: inspect: ... neither a file`."""
-    with pytest.raises(SystemExit, match="^export: platforms names cpu more than once"):
+    """Every error line starts `tokamax-pass CMD: `, once (not `export: export: platforms
+    ...`, nor a bare `inspect: ... neither a file`, nor `cannot import ...`)."""
+    with pytest.raises(SystemExit, match="^tokamax-pass export: platforms names cpu more "
+                                         "than once"):
         main(["export", TARGET, "--args", "f32[4]", "--platforms", "cpu,cpu",
               "-o", str(tmp_path / "art")])
-    with pytest.raises(SystemExit, match="^inspect: .* neither a file nor an artifact"):
+    with pytest.raises(SystemExit, match="^tokamax-pass inspect: .* neither a file nor an "
+                                         "artifact"):
         main(["inspect", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="^tokamax-pass export: cannot import "):
+        main(["export", "no_such_module_here:f", "--args", "f32[4]",
+              "-o", str(tmp_path / "art")])
 
 
 def test_bound_args_xplane_file_is_a_directory(tmp_path):

@@ -60,6 +60,9 @@ def test_cpu_round_trip(xs, tmp_path):
     assert all({"implementation", "config", "source", "bound"} <= set(op)
                for op in manifest["ops"])
     loaded = tk.load_artifact(directory)
+    # Printed, it says what it is in a line, not the program's bytes.
+    assert repr(loaded) == (f"LoadedArtifact(Artifact('loss', platforms=['cpu'], 4 op call(s), "
+                            f"{len(artifact.serialized)} program bytes))")
     with reference_precision():
         want = jax.jit(jax.grad(loss))(x, scale)
     assert_close(loaded(x, scale), want)

@@ -42,8 +42,10 @@ def test_attention_gradient_for_the_h200_holds_the_fused_kernels_and_says_so(axe
     def loss(q, k, v):
         return jnp.sum(tokamax.dot_product_attention(q, k, v).astype(jnp.float32))
 
-    with pytest.warns(ExportFallbackWarning, match="mosaic in place of cudnn"):
+    with pytest.warns(ExportFallbackWarning, match="mosaic in place of cudnn") as warned:
         artifact = _export_grad(axes, loss, spec, spec, spec)
+    # The warning names the caller's line (`_export_grad`'s export call), not the library's.
+    assert {w.filename for w in warned} == {__file__}
     rows = {row["path"]: row for row in artifact.manifest["ops"]}
     assert {path: row["implementation"] for path, row in rows.items()} == {
         "dot_product_attention": "mosaic", "dot_product_attention_vjp": "mosaic"}
