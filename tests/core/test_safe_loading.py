@@ -390,6 +390,29 @@ def test_configs_are_bounded_in_code_and_from_files():
     assert [type(e.bound.op).__name__ for e in result.entries] == ["LayerNorm"]
 
 
+@pytest.mark.parametrize("edit, why", [
+    (lambda arguments: arguments.update(x="f32[2,8,3"), "'f32\\[2,8,3' is not an array spec"),
+    (lambda arguments: arguments.update(x="float32[2,8,32]"), "is not an array spec"),
+    (lambda arguments: arguments.update(widht=4),
+     r"LayerNorm takes no arguments named \['widht'\]"),
+])
+def test_a_damaged_argument_spec_is_reported_not_kept(edit, why):
+    """A hand-edited entry whose array spec is cut short (or misspelled, or an argument the
+    op does not take) could never match a call: loading reports it rather than keeping it
+    as a string argument."""
+    data = _bound_spec()
+    edit(data["arguments"])
+    with pytest.raises(SpecError, match=why):
+        BoundArguments.from_json(json.dumps(data))
+    entry = Entry(_layer_norm_bound(), {NullConfig(): Measurement((1.0,))},
+                  keys.provenance(tk.LayerNorm()))
+    document = json.loads(AutotuningResult("cpu", [entry]).dumps())
+    document["entries"].append(json.loads(json.dumps(document["entries"][0])))
+    edit(document["entries"][0]["arguments"])
+    with pytest.warns(BadEntryWarning, match=f"entry 0: .*{why}"):
+        assert len(AutotuningResult.loads(json.dumps(document)).entries) == 1
+
+
 # --- python -m tokamax_pass ---------------------------------------------------------------------
 
 def test_python_dash_m_runs_the_cli(tmp_path):

@@ -400,6 +400,12 @@ class BoundArguments:
         except (TypeError, ValueError):
             raise spec.SpecError(f"a bound-arguments spec's '__vmap__' must be [[axes, size], "
                                  f"...], got {data['arguments'].get('__vmap__')!r}") from None
+        parameters = _fwd_signature(type(op)).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+        unknown = set() if takes_any else set(arguments) - set(parameters)
+        if unknown:
+            raise spec.SpecError(f"{type(op).__name__} takes no arguments named "
+                                 f"{sorted(unknown)}")
         return cls(op, {k: spec.decode(v) for k, v in arguments.items()}, vmap)
 
     @classmethod

@@ -61,6 +61,9 @@ _DTYPE_NAMES: dict[str, str] = {
 }
 _SHORT_TO_DTYPE = {short: name for name, short in _DTYPE_NAMES.items()}
 _ARRAY_SPEC = re.compile(r"^([a-z0-9]+)\[([0-9,]*)\]$")
+# What only an array spec starts with (a dtype and a bracket): such a string that is not a
+# whole spec is a damaged one, not a string argument.
+_ARRAY_SPEC_START = re.compile(r"^\s*[a-z]+[0-9]*\[")
 
 
 class SpecError(ValueError):
@@ -264,7 +267,7 @@ def decode(value: Any, _depth: int = 0) -> Any:
         if len(value) > MAX_STRING_CHARS:
             raise SpecError(f"a spec string of {len(value)} characters (at most "
                             f"{MAX_STRING_CHARS}): {value[:40]!r}...")
-        return parse_array_spec(value) if _ARRAY_SPEC.match(value) else value
+        return parse_array_spec(value) if _ARRAY_SPEC_START.match(value) else value
     if isinstance(value, list):
         _check_items(value)
         return tuple(decode(v, _depth + 1) for v in value)
