@@ -271,6 +271,18 @@ def test_a_shard_map_made_before_optimize(rewritten, differentiated):
     assert_trees_close(optimized(x, scale), jax.jit(step)(x, scale))
 
 
+@pytest.mark.parametrize("name", ["gated_linear_unit", "cross_entropy", "attention"])
+def test_a_match_does_not_depend_on_the_targets_planned_before(name):
+    """The patterns compare a user's equations with their reference spellings, traced once
+    and kept: traced for one target (no mesh, or the H200's) they must still match the
+    same function planned for the other (the H200's plan found no written-out attention
+    after a CPU plan had traced the softmax's reference)."""
+    f, args, _ = CASES[name]
+    for target in ("cpu", "h200", "cpu"):
+        plan = h200_plan(f, *args) if target == "h200" else tokamax.optimize(f).plan(*args)
+        assert len(plan.matches) == 1, target
+
+
 def test_left_alone_under_a_gradient_is_listed_once_and_unchanged():
     f, args, _ = CASES["rms_norm"]
     step = training_step(f, random_normal(9, (B, T, D)))

@@ -3,10 +3,12 @@ several equations (a region ending at the equation where the pattern is matched)
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import linear_util as lu
@@ -141,6 +143,22 @@ def same_value(graph: Graph, a: Any, b: Any, depth: int = 8) -> bool:
         return False
     return len(ea.invars) == len(eb.invars) and all(
         same_value(graph, x, y, depth - 1) for x, y in zip(ea.invars, eb.invars, strict=True))
+
+
+def reference_jaxpr(spelling: Callable[..., Any],
+                    *avals: tuple[tuple[int, ...], Any]) -> Jaxpr:
+    """The jaxpr of a pattern's reference spelling on `(shape, dtype)` operands, which
+    `same_structure` compares a user's equations with. Traced once per abstract mesh in
+    effect: a target's mesh (`core.targeting`) changes what tracing records in the
+    equations, so a jaxpr traced under another would not compare equal."""
+    return _traced(spelling, avals, jax.sharding.get_abstract_mesh())
+
+
+@functools.lru_cache(maxsize=1024)
+def _traced(spelling: Callable[..., Any], avals: tuple[tuple[tuple[int, ...], Any], ...],
+            mesh: Any) -> Jaxpr:
+    del mesh  # the cache key: the mesh in effect is the one traced under
+    return jax.make_jaxpr(spelling)(*(jax.ShapeDtypeStruct(*aval) for aval in avals)).jaxpr
 
 
 def same_structure(graph: Graph, var: Any, reference: Jaxpr, ref_var: Any,

@@ -25,17 +25,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Jaxpr
 
 from tokamax_pass.passes import band_mask
 from tokamax_pass.passes.candidate import Candidate
-from tokamax_pass.passes.graph import Graph, literal_value, same_structure
+from tokamax_pass.passes.graph import Graph, literal_value, reference_jaxpr, same_structure
 
 NAME = "attention"
 PRIMITIVES = frozenset({"dot_general"})
@@ -52,11 +50,6 @@ def _softmax_written_out(logits: Any) -> Any:
 
 
 _SOFTMAXES = (_softmax, _softmax_written_out)
-
-
-@functools.lru_cache(maxsize=256)
-def _reference(softmax: Callable[[Any], Any], shape: tuple[int, ...], dtype: Any) -> Jaxpr:
-    return jax.make_jaxpr(softmax)(jax.ShapeDtypeStruct(shape, dtype)).jaxpr
 
 
 @dataclasses.dataclass
@@ -160,8 +153,8 @@ def _uncast(graph: Graph, probabilities: Any, region: list[Any]) -> Any:
 
 def _softmax_input(graph: Graph, probabilities: Any, region: list[Any]) -> Any:
     for softmax in _SOFTMAXES:
-        reference = _reference(softmax, tuple(probabilities.aval.shape),
-                               probabilities.aval.dtype)
+        reference = reference_jaxpr(softmax, (tuple(probabilities.aval.shape),
+                                              probabilities.aval.dtype))
         bound: dict[Any, Any] = {}
         found: list[Any] = []
         if same_structure(graph, probabilities, reference, reference.outvars[0], bound, found):

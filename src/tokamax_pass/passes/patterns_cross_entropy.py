@@ -13,16 +13,14 @@ does: a negative one counts from the end, and one out of range gives NaN.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Jaxpr
 
 from tokamax_pass.passes.candidate import Candidate
-from tokamax_pass.passes.graph import Graph, dense_matmul, same_structure
+from tokamax_pass.passes.graph import Graph, dense_matmul, reference_jaxpr, same_structure
 
 NAME = "linear_softmax_cross_entropy_loss"
 PRIMITIVES = frozenset({"neg", "sub"})
@@ -61,13 +59,6 @@ _SPELLINGS = {
 }
 
 
-@functools.lru_cache(maxsize=256)
-def _reference(spelling: Callable[[Any, Any], Any], logits: tuple[tuple[int, ...], Any],
-               labels: tuple[tuple[int, ...], Any]) -> Jaxpr:
-    return jax.make_jaxpr(spelling)(jax.ShapeDtypeStruct(*logits),
-                                    jax.ShapeDtypeStruct(*labels)).jaxpr
-
-
 def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     """The op's candidate of the per-token loss `eqn` ends, if it is one."""
     if graph is None or not graph.live(eqn):
@@ -95,7 +86,7 @@ def _losses(eqn: Any, graph: Graph) -> list[tuple[Any, Any, list[Any]]]:
     for spelling in _SPELLINGS[eqn.primitive.name]:
         candidates = _input_avals(eqn, graph)
         for logits_aval, labels_aval in candidates:
-            reference = _reference(spelling, logits_aval, labels_aval)
+            reference = reference_jaxpr(spelling, logits_aval, labels_aval)
             bound: dict[Any, Any] = {}
             region: list[Any] = []
             if same_structure(graph, out, reference, reference.outvars[0], bound, region):

@@ -12,15 +12,20 @@ them for its backward) are left as written.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend.core import Jaxpr, Literal
+from jax.extend.core import Literal
 
 from tokamax_pass.passes.candidate import Candidate
-from tokamax_pass.passes.graph import Graph, dense_matmul, same_structure, same_value
+from tokamax_pass.passes.graph import (
+    Graph,
+    dense_matmul,
+    reference_jaxpr,
+    same_structure,
+    same_value,
+)
 
 NAME = "gated_linear_unit"
 PRIMITIVES = frozenset({"mul"})
@@ -156,7 +161,7 @@ def _activation(graph: Graph, gate: Any
     if graph.producer(gate, "dot_general", "split", "slice") is not None:
         return None, gate, []
     for activation in ACTIVATIONS:
-        reference = _reference(activation, tuple(gate.aval.shape), gate.aval.dtype)
+        reference = reference_jaxpr(activation, (tuple(gate.aval.shape), gate.aval.dtype))
         bound: dict[Any, Any] = {}
         region: list[Any] = []
         if same_structure(graph, gate, reference, reference.outvars[0], bound, region):
@@ -166,7 +171,3 @@ def _activation(graph: Graph, gate: Any
                 return activation, operand, list({id(e): e for e in region}.values())
     return None
 
-
-@functools.lru_cache(maxsize=256)
-def _reference(activation: Callable[[Any], Any], shape: tuple[int, ...], dtype: Any) -> Jaxpr:
-    return jax.make_jaxpr(activation)(jax.ShapeDtypeStruct(shape, dtype)).jaxpr
