@@ -83,7 +83,8 @@ class Shape:
 
     def overrides(self, model: Model) -> list[str]:
         """`FIELD=VALUE` overrides for `run.resized`: heads as many as fit the width, a
-        multiple of the GQA group (which only decoders have)."""
+        multiple of the GQA group (which only decoders have); only the fields the model's
+        config has (the LM head model has no layers, heads or MLP)."""
         decoder = hasattr(model.config, "kv_heads")
         group = self.group if decoder else 1
         heads = max(group, (self.width // self.head_dim) // group * group)
@@ -95,7 +96,8 @@ class Shape:
             found.append(f"mlp={self.width * 8 // 3 // 128 * 128}")
         else:
             found.append(f"mlp={self.width * 4}")
-        return found
+        fields = {f.name for f in dataclasses.fields(model.config)}
+        return [o for o in found if o.partition("=")[0] in fields]
 
 
 def grid(limit: int | None = None, seed: int = 0,
