@@ -18,14 +18,12 @@ one that a device sweep showed slower than another, XLA's attention than cuDNN's
 kernel (an implementation that does not `runs_without_evidence`) chosen without such a
 measurement is flagged; so is a configuration that fails to plan. A measurement lends
 only to calls in its own dtypes, so the library cache's bfloat16 timings justify no
-kernel at float16 or float32. The run of 2 December 2026 (40 to 50 s): 308
-configurations (bfloat16 147, float16 81, float32 80), 2880 distinct op calls (1368, 756,
-756), none flagged; at float16 and float32 every call ran a plain-JAX path (cuDNN
-attention at float16 only, as plain JAX runs it). A lookup made blind to dtypes on purpose
-is flagged (tests/passes/test_plan_audit.py). `--export-from-cpu` plans as `tokamax-pass export`
-does on this machine, where cuDNN cannot be lowered (`CannotLowerHere`): a kernel is then
-justified by beating the plain paths lowered here, or cuDNN's measurement on the target;
-2 December: the same 2880 calls, none flagged.
+kernel at float16 or float32. A lookup made blind to dtypes on purpose is flagged
+(tests/passes/test_plan_audit.py). `--export-from-cpu` plans as `tokamax-pass export` does
+on this machine, where cuDNN cannot be lowered (`CannotLowerHere`): a kernel is then
+justified by beating the plain paths lowered here, or cuDNN's measurement on the target,
+or by standing in for the plain path the target itself runs, cuDNN's attention (the
+export's documented fallback, `Choice.fallback_from`, which its manifest lists).
 
 Output: one JSON line per distinct op call per configuration (its `dtype` named), and a
 summary, overall and per dtype. `--smoke` instead runs the suite's CPU smoke check (ours
@@ -235,10 +233,13 @@ def _slot_evidence(kernel: BoundArguments, plain: Sequence[BoundArguments],
 
 def evidence(decision: Any) -> dict[str, Any]:
     """Why `decision`'s implementation may run: `{"kind": "plain path" | "explicit" |
-    "exact" | "neighbour" | "far neighbour" | "none", ...}`."""
+    "stands in" | "exact" | "neighbour" | "far neighbour" | "none", ...}` ("stands in": for
+    the plain path the target runs, which this machine cannot lower)."""
     op = decision.choice.op
     if op.runs_without_evidence:
         return {"kind": "plain path"}
+    if decision.choice.fallback_from is not None:
+        return {"kind": "stands in", "for": decision.choice.fallback_from}
     if not decision.alternatives:
         return {"kind": "explicit"}
     target = decision.target

@@ -28,8 +28,16 @@ class TritonKernel:
     platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
 
     def check_supported_target(self, target: Target) -> None:
-        if not self.interpret:
-            super().check_supported_target(target)  # type: ignore[misc]
+        if self.interpret:
+            return
+        super().check_supported_target(target)  # type: ignore[misc]
+        if target.platform == "cuda" and target.device_kind is None:
+            # Pallas lowers Triton for the GPU it names (its compute capability); an
+            # export for `platforms=["cuda"]` with no device kind names none.
+            raise NotImplementedError(
+                f"{type(self).__name__} lowers for a known GPU: name it (export's "
+                f"device_kind=, or an abstract mesh's AbstractDevice); use "
+                f"implementation='xla' or None")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import tokamax_pass as tokamax
+from tokamax_pass.core import Target
 from tokamax_pass.export import ExportFallbackWarning
 
 H200 = AbstractDevice("NVIDIA H200", None, "cuda")
@@ -98,3 +99,38 @@ def test_every_triton_kernel_family_lowers_under_the_explicit_abstract_mesh(fami
     artifact = _export_grad("explicit", loss, *specs)
     assert [row["implementation"] for row in artifact.manifest["ops"]] == implementations
     assert any(call.startswith("__gpu") for call in artifact.manifest["custom_calls"])
+
+
+@pytest.mark.parametrize("device_kind, exported", [
+    # A Hopper GPU with nothing measured or calibrated: the target itself runs cuDNN's
+    # attention (the family's first plain path), so the fused kernel stands in for it.
+    ("NVIDIA H100 80GB HBM3", "mosaic"),
+    # No device kind: any GPU. No kernel lowers without knowing it (Triton) or runs on
+    # every GPU (Mosaic needs Hopper): the XLA attention, and the export says so.
+    (None, "xla"),
+])
+def test_a_gpu_nothing_was_measured_on_gets_what_its_plain_path_stands_for(device_kind,
+                                                                           exported):
+    spec = _sds((4, 2048, 16, 128))
+
+    def loss(q, k, v):
+        return jnp.sum(tokamax.dot_product_attention(q, k, v).astype(jnp.float32))
+
+    with pytest.warns(ExportFallbackWarning, match=f"{exported} in place of cudnn"):
+        artifact = tokamax.export(jax.grad(loss, argnums=(0, 1, 2)), spec, spec, spec,
+                                  platforms=["cuda"], device_kind=device_kind)
+    assert [row["implementation"] for row in artifact.manifest["ops"]] == [exported] * 2
+
+
+def test_kernels_refuse_a_gpu_of_no_known_kind_naming_the_fix():
+    """What `None` skipped above: a Triton kernel cannot lower without the GPU's kind (JAX
+    failed deep in the lowering), and a Mosaic kernel needs to know it is a Hopper GPU."""
+    q = _sds((2, 256, 2, 64))
+    anonymous = Target("cuda", None)
+    for op, why in ((tokamax.PallasTritonFlashAttention(), "lowers for a known GPU: name it"),
+                    (tokamax.PallasMosaicGpuFlashAttention(), "needs a Hopper GPU"),
+                    (tokamax.PallasTritonLayerNorm(), "lowers for a known GPU: name it")):
+        args = (q, None, None) if isinstance(op, tokamax.LayerNorm) else (q, q, q)
+        with pytest.raises(NotImplementedError, match=why):
+            op.check_supported(op.bind(*args), anonymous)
+        op.check_supported(op.bind(*args), Target("cuda", "NVIDIA H200"))

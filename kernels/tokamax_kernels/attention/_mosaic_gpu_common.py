@@ -323,14 +323,17 @@ def visible_rows(query_seq_lengths: Any, key_value_seq_lengths: Any, seq_q: int,
 
 
 def check_target(target: Target | None, what: str) -> None:
-    """Hopper only: `wgmma` and the Mosaic GPU pipeline need sm_90."""
+    """Hopper only: `wgmma` and the Mosaic GPU pipeline need sm_90. A CUDA target of no
+    known device kind (an export for `platforms=["cuda"]` without `device_kind`) may be
+    any GPU, so the kernel is not chosen for it either."""
     if target is None:
         return
     if target.platform != "cuda":
         raise NotImplementedError(f"{what} runs on CUDA GPUs only, not on {target.platform}")
-    if target.device_kind is not None and not target.is_hopper:
+    if not target.is_hopper:
         raise NotImplementedError(
-            f"{what} needs a Hopper GPU (sm_90: wgmma, TMA), got {target.device_kind!r}"
+            f"{what} needs a Hopper GPU (sm_90: wgmma, TMA), got "
+            f"{target.device_kind or 'a CUDA target of no known device kind'!r}"
         )
 
 

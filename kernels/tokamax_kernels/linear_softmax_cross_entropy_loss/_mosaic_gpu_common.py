@@ -117,9 +117,11 @@ def check_inputs(ba: BoundArguments, target: Target | None, config: Any, what: s
         if target.platform != "cuda":
             raise NotImplementedError(f"{what} runs on CUDA GPUs only, not on {target.platform};"
                                       f" use implementation='xla_chunked'")
-        if target.device_kind is not None and not target.is_hopper:
-            raise NotImplementedError(f"{what} needs a Hopper GPU (sm_90: wgmma, TMA), got "
-                                      f"{target.device_kind!r}; use implementation='xla_chunked'")
+        if not target.is_hopper:  # a target of no known device kind may be any GPU
+            raise NotImplementedError(
+                f"{what} needs a Hopper GPU (sm_90: wgmma, TMA), got "
+                f"{target.device_kind or 'a CUDA target of no known device kind'!r}; use "
+                f"implementation='xla_chunked'")
     args = ba.arguments
     x, weights = args["x"], args["weights"]
     if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:

@@ -199,14 +199,17 @@ def _by_prediction(everything: list[BoundArguments], usable: list[bool],
     return [*(everything[i] for i in winners), *plain], text
 
 
-def _target_runs_unlowerable(candidates: list[BoundArguments],
+def _target_runs_unlowerable(on_target: list[BoundArguments],
                              evidence_only: Sequence[BoundArguments],
                              target: Target) -> str | None:
     """The implementation `None` would run on the target itself, when it is one this
-    machine cannot lower: the program made here then differs from the target's own."""
+    machine cannot lower: the program made here then differs from the target's own.
+
+    `on_target`: the candidates the target runs, in the family's order (with no
+    measurement or prediction, the order decides: cuDNN's attention before XLA's)."""
     if not evidence_only:
         return None
-    order, _ = _ranked([*candidates, *evidence_only], target, explicit=False)
+    order, _ = _ranked(on_target, target, explicit=False)
     first = order[0] if order else None
     if first is None or not any(first is other for other in evidence_only):
         return None
@@ -272,7 +275,9 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
                 evidence_only.append(ba)
             continue
         supported.append(ba)
-    unlowerable = None if explicit else _target_runs_unlowerable(supported, evidence_only,
+    on_target = [ba for ba in candidates
+                 if any(ba is other for other in (*supported, *evidence_only))]
+    unlowerable = None if explicit else _target_runs_unlowerable(on_target, evidence_only,
                                                                   target)
     if unlowerable is None:
         order, predicted = _ranked(supported, target, explicit, evidence_only)
