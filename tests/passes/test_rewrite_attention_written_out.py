@@ -95,6 +95,32 @@ def test_values_and_gradients_match_jit(rewritten, f):
         assert_close(actual, wanted)
 
 
+def softmax_in_float32_scale_by_sqrt(q, k, v, mask):
+    """As Flax's `force_fp32_for_softmax` and most hand-written models: the scale computed
+    with jnp, the logits cast to float32 for the softmax, the probabilities cast back."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    logits = jnp.where(mask, logits, -1e10).astype(jnp.float32)
+    weights = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def test_bfloat16_softmax_in_float32_with_a_computed_scale(rewritten):
+    """The casts around the softmax and a scale spelled `1 / sqrt(d)` in jnp are read
+    through; in bfloat16 the rewrite matches the float32 reference as plain JAX does."""
+    f = softmax_in_float32_scale_by_sqrt
+    args = operands(f)
+    low = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
+    cotangent = random_normal(9, (B, T, N, H))
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, *low) == [REWRITTEN]
+    assert op_names(optimized, *low) == ["DotProductAttention"]
+    expected = jax.jit(jax.value_and_grad(weighted(f, cotangent), argnums=(0, 1, 2)))(*args)
+    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=(0, 1, 2))(*low)
+    assert_close(value, expected[0], jnp.bfloat16)
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("f", [einsum_scaled_after, matmul_heads_first_soft_cap],
                          ids=lambda f: f.__name__)
 def test_a_row_with_every_key_hidden_is_plain_jaxs(rewritten, f):
@@ -142,6 +168,12 @@ def softmax_over_queries(q, k, v, mask):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-2), v)
 
 
+def scale_from_the_data(q, k, v, mask):
+    """A scalar made from q, not from numbers: no constant scale to read."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.mean(q * q))
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
 def dropout(q, k, v, mask):
     logits = einsum("bqhd,bkhd->bhqk", q, k) * 0.25
     kept = jax.random.bernoulli(jax.random.key(0), 0.9, logits.shape)
@@ -154,7 +186,8 @@ def mask_before_the_soft_cap(q, k, v, mask):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
 
-@pytest.mark.parametrize("f", [fill_not_large_enough, softmax_over_queries, dropout,
+@pytest.mark.parametrize("f", [fill_not_large_enough, softmax_over_queries, scale_from_the_data,
+                               dropout,
                                mask_before_the_soft_cap], ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     args = operands(f)

@@ -128,6 +128,28 @@ def literal_value(var: Any) -> Any:
     return None
 
 
+# Scalar arithmetic a constant is spelled with (`1 / jnp.sqrt(64.0)`, `jnp.sqrt(d)
+# .astype(x.dtype)`), which tracing keeps as equations on literals.
+_FOLDED = frozenset({"add", "sub", "mul", "div", "neg", "sqrt", "rsqrt", "integer_pow",
+                     "pow", "exp", "log", "max", "min", "convert_element_type"})
+
+
+def scalar_constant(graph: Graph, var: Any, depth: int = 6) -> Any:
+    """The value of a scalar made from literals alone by `_FOLDED` arithmetic, computed
+    here (a literal's own value included), else `None`."""
+    if isinstance(var, Literal):
+        return var.val
+    eqn = graph.producer(var)
+    if (depth == 0 or eqn is None or tuple(var.aval.shape) != ()
+            or eqn.primitive.name not in _FOLDED or len(eqn.outvars) != 1):
+        return None
+    operands = [scalar_constant(graph, v, depth - 1) for v in eqn.invars]
+    if any(value is None for value in operands):
+        return None
+    with jax.ensure_compile_time_eval():  # a value now, not an equation of the trace
+        return np.asarray(eqn.primitive.bind(*operands, **eqn.params)).item()
+
+
 def same_value(graph: Graph, a: Any, b: Any, depth: int = 8) -> bool:
     """Whether `a` and `b` are one variable, or made by equal equations of equal inputs
     (`x - mean` spelled twice)."""

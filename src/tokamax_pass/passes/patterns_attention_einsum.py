@@ -9,8 +9,10 @@ scale a number multiplying (or dividing) the logits or q, a `bias` added to the 
 a Gemma-2 soft cap `cap * tanh(logits / cap)`, a mask applied last by
 `jnp.where(mask, logits, fill)` with `fill` `-inf` or at most `-1e9`, then
 `jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
-second product. The logits may come out of the product transposed (as `jnp.einsum`
-writes them). Grouped-query attention: q may have more free axes than the query rows
+second product. The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`),
+and the logits cast to another float type for the softmax (`.astype(jnp.float32)`). The
+logits may come out of the product transposed (as `jnp.einsum` writes them).
+Grouped-query attention: q may have more free axes than the query rows
 (`(..., kv_heads, group, head_dim)` against un-repeated k and v), which become the op's
 query heads; keys and values repeated (`jnp.repeat`) are taken as repeated.
 
@@ -33,7 +35,13 @@ import numpy as np
 
 from tokamax_pass.passes import band_mask
 from tokamax_pass.passes.candidate import Candidate
-from tokamax_pass.passes.graph import Graph, literal_value, reference_jaxpr, same_structure
+from tokamax_pass.passes.graph import (
+    Graph,
+    literal_value,
+    reference_jaxpr,
+    same_structure,
+    scalar_constant,
+)
 
 NAME = "attention"
 PRIMITIVES = frozenset({"dot_general"})
@@ -141,12 +149,13 @@ def _parse(root: Any, graph: Graph) -> _Attention:
     raise _NoMatch
 
 
-def _uncast(graph: Graph, probabilities: Any, region: list[Any]) -> Any:
-    """The probabilities before a cast to another float type (`.astype(v.dtype)`)."""
-    cast = graph.producer(probabilities, "convert_element_type")
+def _uncast(graph: Graph, var: Any, region: list[Any]) -> Any:
+    """`var` before a cast from another float type (the probabilities' `.astype(v.dtype)`,
+    the logits' `.astype(jnp.float32)`)."""
+    cast = graph.producer(var, "convert_element_type")
     if cast is None or not all(jnp.issubdtype(a.aval.dtype, jnp.floating)
-                               for a in (cast.invars[0], probabilities)):
-        return probabilities
+                               for a in (cast.invars[0], var)):
+        return var
     region.append(cast)
     return cast.invars[0]
 
@@ -179,8 +188,11 @@ def _product(graph: Graph, var: Any) -> tuple[Any, Any]:
 
 
 def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
-    """Reads the mask, soft cap, bias and scale back to the `q . k` product."""
+    """Reads the mask, soft cap, bias and scale back to the `q . k` product; a cast of the
+    logits to another float type (`.astype(jnp.float32)` for the softmax) before or after
+    the mask is read through, the op computing them in float32 anyway."""
     shape = tuple(logits.aval.shape)
+    logits = _uncast(graph, logits, attention.region)
     where = graph.producer(logits, "jit")
     if where is not None and where.params.get("name") == "_where":
         condition, on_true, on_false = where.invars
@@ -197,6 +209,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
         attention.region.append(where)
         if not attention.mask_negated:
             attention.band = band_mask.band(graph, condition, shape)
+        logits = _uncast(graph, logits, attention.region)
     capped = _soft_cap(graph, attention, logits)
     if capped is not None:
         logits = capped
@@ -292,7 +305,7 @@ def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
     if eqn is None:
         return logits
     for body, factor in _operand_orders(eqn):
-        value = literal_value(factor)
+        value = scalar_constant(graph, factor)
         if value is not None and np.ndim(value) == 0 and _product(graph, body)[0] is not None:
             attention.scale *= float(value) if eqn.primitive.name == "mul" else 1 / float(value)
             attention.region.append(eqn)
@@ -312,7 +325,7 @@ def _unscaled_query(graph: Graph, attention: _Attention, query: Any) -> Any:
     if eqn is None or len(graph.users(query)) != 1:
         return query
     for body, factor in _operand_orders(eqn):
-        value = literal_value(factor)
+        value = scalar_constant(graph, factor)
         if value is not None and np.ndim(value) == 0 and tuple(body.aval.shape) == tuple(
                 query.aval.shape):
             attention.scale *= float(value) if eqn.primitive.name == "mul" else 1 / float(value)
