@@ -15,7 +15,10 @@ TRACEBACK_ENV = "TOKAMAX_PASS_TRACEBACK"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tokamax-pass", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="tokamax-pass",
+        description="Run the demo, autotune a function, export a tuned StableHLO artifact, "
+                    "inspect one, and manage the autotuning cache (docs/cli.md).")
     subparsers = parser.add_subparsers(dest="command", required=True)
     modules = {}
     for name in COMMANDS:
