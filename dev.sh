@@ -71,10 +71,13 @@ case "${1:-}" in
     # whenever one waits on the other at the end.
     .venv/bin/python -m mypy > "$JAX_COMPILATION_CACHE_DIR/mypy.log" 2>&1 &
     typecheck=$!
-    # `|| true`: the trap runs under `set -e`, and mypy has usually ended by then.
-    trap 'kill "$typecheck" 2>/dev/null || true; rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+    # A background job still running at exit (pytest failed) is stopped; `|| true`: the
+    # trap runs under `set -e`, where a `kill` of an ended job would fail the run.
+    background=$typecheck
+    trap 'kill $background 2>/dev/null || true; rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
     .venv/bin/python -m pytest -q -n 2 --durations=20 tests
     wait "$typecheck" || { cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"; exit 1; }
+    background=""  # reaped: its process ID may be another process's now
     cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"
     # Deliberate breakages (tests/mutation/patches/), each of which a test must catch.
     .venv/bin/python tests/mutation/run_mutations.py --jobs 2
@@ -83,11 +86,13 @@ case "${1:-}" in
     # waits on one core.
     .venv/bin/python -m benchmarks.models --smoke --dtypes bfloat16 &
     smoke=$!
+    background=$smoke
     .venv/bin/python -m benchmarks.report --check
     setup_bazel
     bazel test --config=ci //...
     bazel shutdown
     wait "$smoke"
+    background=""
     ;;
   *)
     echo "usage: ./dev.sh demo | ./dev.sh test" >&2

@@ -1,4 +1,5 @@
-"""`dev.sh`'s helpers: the Debian packages Bazel needs, and Bazel's interpreter shim."""
+"""`dev.sh`: its `test` job's steps and exit status (with fake tools), the Debian packages
+Bazel needs, and Bazel's interpreter shim."""
 
 from __future__ import annotations
 
@@ -98,6 +99,12 @@ def test_dev_sh_test_passes_when_every_step_passes(tmp_path):
 
 
 def test_dev_sh_test_fails_when_a_step_fails(tmp_path):
-    for step in ("-m pytest", "-m mypy", "-m benchmarks.models --smoke"):
-        result = _dev_sh_test(_fake_checkout(tmp_path / step.split()[-1], failing=step))
-        assert result.returncode != 0, step
+    """A failing step fails the job: at once (pytest, mypy: bazel never runs), or once
+    bazel is done (the smoke check, which runs beside it)."""
+    for step, bazel_runs in (("-m pytest", False), ("-m mypy", False),
+                             ("-m benchmarks.models --smoke", True)):
+        checkout = _fake_checkout(tmp_path / step.split()[-1], failing=step)
+        result = _dev_sh_test(checkout)
+        calls = (checkout / "calls.log").read_text()
+        assert result.returncode != 0 and step in calls, step
+        assert ("bazel test" in calls) == bazel_runs, step

@@ -8,10 +8,11 @@ partitioned per device as `sharding.bind` decides (each device's call resolved f
 the shapes it sees), or bound as is. Sub-jaxprs holding op calls (`jit`, `scan`,
 `cond`, `while`, `remat`, `custom_vjp`/`custom_jvp`) are traced again the same way;
 `custom_vjp`/`custom_jvp` rules traced later are wrapped to be re-emitted too.
-`shard_map` bodies are already per device. One whose body holds a plain-JAX pattern
-(a `shard_map` function made before `optimize`, which `transforms` does not see) is
-mapped again with its body re-emitted, each device's matches and calls decided for the
-shapes it sees; other bodies are rewritten in place.
+`shard_map` bodies are already per device. One whose body holds the first primitive of a
+selected plain-JAX pattern (`dot_general`, arithmetic: most bodies; a `shard_map`
+function made before `optimize`, which `transforms` does not see, among them) is mapped
+again with its body re-emitted, each device's matches and calls decided for the shapes
+it sees; other bodies are rewritten in place.
 """
 
 from __future__ import annotations

@@ -140,7 +140,9 @@ def _rewritten(fun: Callable[..., Any], transform: str) -> Callable[..., Any]:
 class _PrimalBinder:
     """Evaluates a jaxpr in the current trace (`emit.emit`) with the matches the rule
     keeps computed by their ops; op calls are bound unresolved (the pass resolves them
-    in the transformed program) and `shard_map` bodies as they are. `differentiated`:
+    in the transformed program). A `shard_map` made before `optimize` is mapped again
+    with its body evaluated the same way (`emit`); a body without a pattern's first
+    primitive is bound as it is. `differentiated`:
     the rule decides for each op and its VJP (a kernel for either keeps the match)."""
 
     def __init__(self, rewriter: Rewriter, *, differentiated: bool) -> None:
