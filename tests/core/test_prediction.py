@@ -13,7 +13,14 @@ from tokamax_pass.core.roofline import Ceilings, Work
 CEILINGS = {"bf16_tflops": 800.0, "f32_tflops": 50.0, "hbm_tbps": 4.0}
 
 
-def calibration_file(points, device_kind="NVIDIA H200", **changes):
+# A point of no op, measured at a picosecond: the shortest measured call, which floors
+# every prediction (`Calibration.fastest_seconds`), stays below what these tests predict.
+# `test_no_prediction_goes_below_the_shortest_measured_call` tests the floor itself.
+NO_FLOOR = ("no op", "bfloat16", 1.0, 1.0, 1.0)
+
+
+def calibration_file(points, device_kind="NVIDIA H200", *, floor=NO_FLOOR, **changes):
+    points = [*points, *([floor] if floor else [])]
     data = {"schema": calibration.SCHEMA, "version": calibration.VERSION,
             "device_kind": device_kind, "ceilings": CEILINGS,
             "points": [dict(zip(("op", "dtype", "flops", "bytes", "efficiency", "features"),
@@ -240,7 +247,7 @@ def test_too_many_points_are_refused():
 
 
 def test_a_good_file_loads_for_its_device_kind_only(calibration_dir):
-    _write(calibration_dir, calibration_file([("K", "float32", 1e9, 1e9, 0.5)],
+    _write(calibration_dir, calibration_file([("K", "float32", 1e9, 1e9, 0.5)], floor=None,
                                              provenance={"commit": "abc"}))
     loaded = calibration.for_device_kind("NVIDIA H200")
     assert loaded.ceilings == Ceilings(**CEILINGS)
@@ -261,3 +268,26 @@ def test_the_vjp_argument_names_are_the_vjp_modules():
     from tokamax_pass.core import vjp
 
     assert set(vjp.RESERVED_NAMES) == prediction.NOT_FORWARD
+
+
+def test_no_prediction_goes_below_the_shortest_measured_call():
+    """Efficiencies fitted on large calls would put a tiny call far below anything the
+    device ever ran (0.1 us attention); every implementation then waits the shortest
+    measured call, and none is predicted faster than another there."""
+    from tokamax_kernels.ragged_dot import PallasTritonRaggedDot, RaggedDot
+
+    cal = calibration.parse(json.dumps(calibration_file([
+        ("PallasTritonRaggedDot", "bfloat16", 1e9, 1e9, 0.5),
+        ("RaggedDot", "bfloat16", 1e9, 1e9, 0.25)], floor=None)))
+    shortest = max(1e9 / 800e12, 1e9 / 4e12) / 0.5  # the kernel's point: 0.5 ms
+    assert cal.fastest_seconds == pytest.approx(shortest)
+    tiny = [op.bind(jax.ShapeDtypeStruct((64, 128), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((4, 128, 128), jnp.bfloat16),
+                    jax.ShapeDtypeStruct((4,), jnp.int32))
+            for op in (PallasTritonRaggedDot(), RaggedDot())]
+    kernel, plain = (prediction.predict(ba, cal) for ba in tiny)
+    assert kernel.seconds == plain.seconds == pytest.approx(shortest)
+    large = tiny[0].op.bind(jax.ShapeDtypeStruct((65536, 8192), jnp.bfloat16),
+                            jax.ShapeDtypeStruct((4, 8192, 8192), jnp.bfloat16),
+                            jax.ShapeDtypeStruct((4,), jnp.int32))
+    assert prediction.predict(large, cal).seconds > 2 * shortest  # no floor up there

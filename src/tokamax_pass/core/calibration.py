@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tokamax_pass.core.device import device_kind_key
-from tokamax_pass.core.roofline import Ceilings
+from tokamax_pass.core.roofline import Ceilings, Work
 
 SCHEMA = "tokamax_pass.calibration"
 VERSION = 1
@@ -80,6 +80,15 @@ class Calibration:
         for point in self.points:
             grouped.setdefault(point.op, []).append(point)
         return {op: tuple(points) for op, points in grouped.items()}
+
+    @functools.cached_property
+    def fastest_seconds(self) -> float:
+        """The shortest time any measured point took: a call's fixed costs (a launch, a
+        pass over a few tiles), below which no prediction goes. 0 with no points."""
+        times = (self.ceilings.roofline_seconds(Work(p.flops, p.bytes), p.dtype)
+                 for p in self.points)
+        return min((t / p.efficiency for t, p in zip(times, self.points, strict=True)
+                    if t is not None), default=0.0)
 
 
 def _reject_constant(name: str) -> float:

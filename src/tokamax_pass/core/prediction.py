@@ -189,7 +189,11 @@ def _predict_own(ba: BoundArguments,
     if roofline is None or found is None:
         return None
     value, near = found
-    return Prediction(roofline / value, value, near)
+    # Efficiencies fitted on larger calls put a tiny one's time below anything measured
+    # (a 1 x 256 x 2 x 64 attention at 0.1 us): every candidate waits at least the
+    # device's shortest measured call, so none is predicted faster there.
+    seconds = max(roofline / value, calibration.fastest_seconds)
+    return Prediction(seconds, roofline / seconds, near)
 
 
 def predict_all(candidates: Sequence[BoundArguments],
