@@ -168,3 +168,28 @@ def test_bench(spec):
     actual = tokamax.ragged_dot(a, b, group_sizes, implementation="xla")
     assert_trees_all_close(actual[:count], _reference(a, b, group_sizes)[:count],
                            atol=0.01, rtol=0.005)
+
+
+def test_bypass_device_check_is_accepted_and_changes_nothing():
+    """Upstream's keyword, which user code passes (`bypass_device_check=False`): the same
+    result with any value; a value that is not a bool is refused."""
+    ka, kb = jax.random.split(jax.random.key(3))
+    a = jax.random.normal(ka, (24, 32), jnp.float32)
+    b = jax.random.normal(kb, (3, 32, 16), jnp.float32)
+    sizes = jnp.asarray([5, 0, 15], jnp.int32)
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0])
+    plain = tokamax.ragged_dot(a, b, sizes, precision=HIGHEST)
+    general = tokamax.ragged_dot_general(a, b, sizes, numbers, precision=HIGHEST)
+    assert_trees_all_close(plain[:20], _reference(a, b, sizes)[:20])
+    for value in (None, False, True):
+        assert_trees_all_close(tokamax.ragged_dot(a, b, sizes, precision=HIGHEST,
+                                                  bypass_device_check=value), plain)
+        assert_trees_all_close(tokamax.ragged_dot_general(
+            a, b, sizes, numbers, precision=HIGHEST, bypass_device_check=value), general)
+    for op in (lambda: tokamax.ragged_dot(a, b, sizes, bypass_device_check="no"),
+               lambda: tokamax.ragged_dot_general(a, b, sizes, numbers,
+                                                  bypass_device_check=1)):
+        with pytest.raises(TypeError, match="bypass_device_check must be True or False"):
+            op()

@@ -15,7 +15,7 @@ from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import PallasMosaicGpuRaggedDo
 from tokamax_kernels.ragged_dot.pallas_mosaic_tpu import PallasMosaicTpuRaggedDot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
 from tokamax_kernels.ragged_dot.quantization import is_quantized
-from tokamax_pass.core import Family, register_family
+from tokamax_pass.core import Family, checks, register_family
 from tokamax_pass.core.registry import Implementation
 
 FAMILY = register_family(Family(
@@ -28,10 +28,17 @@ FAMILY = register_family(Family(
 ))
 
 
+def check_bypass_device_check(who: str, value: Any) -> None:
+    """`bypass_device_check` is `None`, `True` or `False` (it changes nothing here)."""
+    if value is not None:
+        checks.require_bool(who, "bypass_device_check", value)
+
+
 def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
                preferred_element_type: Any = None, group_offset: Any = None,
                activation: Callable[[Any], Any] | None = None, *,
-               implementation: Implementation = None) -> Any:
+               implementation: Implementation = None,
+               bypass_device_check: bool | None = None) -> Any:
     """Grouped matmul: rows of `lhs` (M, K) in consecutive groups times `rhs[g]` (G, K, N).
 
     Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M; or a
@@ -53,6 +60,9 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     the groups included), in the accumulator's dtype (float32 for 16-bit floats) before
     the cast to the output dtype; it runs after the op, not fused into a kernel.
     `group_offset` is not supported (`NotImplementedError`, as upstream Tokamax).
+    `bypass_device_check` (upstream Tokamax's: `True` skips its check of this machine's
+    devices) is accepted and changes nothing: implementations are checked against the
+    platform being lowered for, never against this machine's devices.
 
     Either operand may be quantized: a `QuantizedArray` or a qwix `QArray` (any object
     with its fields), int8 or float8 values with scales; see `quantized.py` for where
@@ -60,6 +70,7 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     `triton` where the target runs it, else `xla`) and the gradients (zeros for a
     quantized operand).
     """
+    check_bypass_device_check("ragged_dot", bypass_device_check)
     if group_offset is not None:
         raise NotImplementedError("ragged_dot: group_offset is not supported")
     if isinstance(group_sizes, RaggedDotGroupSizes):
