@@ -265,6 +265,7 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
     """
     supported: list[BoundArguments] = []
     evidence_only: list[BoundArguments] = []
+    on_target: list[BoundArguments] = []  # both, in the family's order
     reasons: list[str] = []
     for ba in candidates:
         try:
@@ -273,10 +274,10 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
             reasons.append(f"{type(ba.op).__name__}: {e}")
             if isinstance(e, CannotLowerHere):
                 evidence_only.append(ba)
+                on_target.append(ba)
             continue
         supported.append(ba)
-    on_target = [ba for ba in candidates
-                 if any(ba is other for other in (*supported, *evidence_only))]
+        on_target.append(ba)
     unlowerable = None if explicit else _target_runs_unlowerable(on_target, evidence_only,
                                                                   target)
     if unlowerable is None:

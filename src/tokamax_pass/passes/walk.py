@@ -20,27 +20,24 @@ OPAQUE = frozenset({"pallas_call", "core_map"})
 _RULES = frozenset({"custom_vjp_call", "custom_jvp_call"})
 
 
+def _holds(jaxpr: Jaxpr, found: Callable[[Any], bool]) -> bool:
+    """Whether an equation of `jaxpr` (at any depth, kernel bodies aside) is `found`."""
+    return any(found(eqn) or (eqn.primitive.name not in OPAQUE
+                              and any(_holds(j, found) for j in jaxprs_in_params(eqn.params)))
+               for eqn in jaxpr.eqns)
+
+
 def holds_calls(jaxpr: Jaxpr, primitives: frozenset[str] = frozenset()) -> bool:
     """Whether `jaxpr` (at any depth) holds an op call, a custom rule that may, or an
     equation of `primitives` (where a plain-JAX pattern starts)."""
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if is_tokamax_call(eqn.primitive) or name in _RULES or name in primitives:
-            return True
-        if name not in OPAQUE and any(holds_calls(j, primitives)
-                                      for j in jaxprs_in_params(eqn.params)):
-            return True
-    return False
+    return _holds(jaxpr, lambda eqn: is_tokamax_call(eqn.primitive)
+                  or eqn.primitive.name in _RULES or eqn.primitive.name in primitives)
 
 
 def holds_primitives(jaxpr: Jaxpr, primitives: frozenset[str]) -> bool:
     """Whether `jaxpr` (at any depth, kernel bodies aside) holds an equation of
     `primitives`."""
-    return any(eqn.primitive.name in primitives
-               or (eqn.primitive.name not in OPAQUE
-                   and any(holds_primitives(j, primitives)
-                           for j in jaxprs_in_params(eqn.params)))
-               for eqn in jaxpr.eqns)
+    return _holds(jaxpr, lambda eqn: eqn.primitive.name in primitives)
 
 
 def trace_plain(fn: Any, *args: Any) -> Any:
