@@ -170,9 +170,11 @@ def test_bench(spec):
                            atol=0.01, rtol=0.005)
 
 
-def test_bypass_device_check_is_accepted_and_changes_nothing():
-    """Upstream's keyword, which user code passes (`bypass_device_check=False`): the same
-    result with any value; a value that is not a bool is refused."""
+def test_upstream_hints_are_accepted_and_change_nothing():
+    """Upstream's `bypass_device_check` and `manual_axis_type`, which user code passes
+    (`bypass_device_check=False`, `manual_axis_type=None` in upstream's own test, or the
+    operand's `jax.typeof(x).manual_axis_type`): the same result with any value; a value
+    of another kind is refused."""
     ka, kb = jax.random.split(jax.random.key(3))
     a = jax.random.normal(ka, (24, 32), jnp.float32)
     b = jax.random.normal(kb, (3, 32, 16), jnp.float32)
@@ -183,13 +185,47 @@ def test_bypass_device_check_is_accepted_and_changes_nothing():
     plain = tokamax.ragged_dot(a, b, sizes, precision=HIGHEST)
     general = tokamax.ragged_dot_general(a, b, sizes, numbers, precision=HIGHEST)
     assert_trees_all_close(plain[:20], _reference(a, b, sizes)[:20])
-    for value in (None, False, True):
-        assert_trees_all_close(tokamax.ragged_dot(a, b, sizes, precision=HIGHEST,
-                                                  bypass_device_check=value), plain)
+    hints = [{"bypass_device_check": value} for value in (None, False, True)]
+    hints += [{"manual_axis_type": value} for value in (None, jax.typeof(a).manual_axis_type)]
+    for hint in hints:
+        assert_trees_all_close(tokamax.ragged_dot(a, b, sizes, precision=HIGHEST, **hint),
+                               plain)
         assert_trees_all_close(tokamax.ragged_dot_general(
-            a, b, sizes, numbers, precision=HIGHEST, bypass_device_check=value), general)
-    for op in (lambda: tokamax.ragged_dot(a, b, sizes, bypass_device_check="no"),
-               lambda: tokamax.ragged_dot_general(a, b, sizes, numbers,
-                                                  bypass_device_check=1)):
-        with pytest.raises(TypeError, match="bypass_device_check must be True or False"):
+            a, b, sizes, numbers, precision=HIGHEST, **hint), general)
+    refused = (
+        (lambda: tokamax.ragged_dot(a, b, sizes, bypass_device_check="no"),
+         "bypass_device_check must be True or False"),
+        (lambda: tokamax.ragged_dot_general(a, b, sizes, numbers, bypass_device_check=1),
+         "bypass_device_check must be True or False"),
+        (lambda: tokamax.ragged_dot(a, b, sizes, manual_axis_type="x"),
+         "ragged_dot: manual_axis_type must be None or a jax.sharding.ManualAxisType"),
+        (lambda: tokamax.ragged_dot_general(a, b, sizes, numbers, manual_axis_type={}),
+         "ragged_dot_general: manual_axis_type must be None"),
+    )
+    for op, message in refused:
+        with pytest.raises(TypeError, match=message):
             op()
+
+
+def test_manual_axis_type_inside_shard_map():
+    """Inside a `shard_map`, given the operand's own manual type as upstream's callers do:
+    each shard's product, and an output varying over the mapped axis."""
+    mesh = jax.sharding.Mesh(jax.devices()[:2], ("x",))
+    ka, kb = jax.random.split(jax.random.key(4))
+    a = jax.random.normal(ka, (2, 24, 32), jnp.float32)
+    b = jax.random.normal(kb, (3, 32, 16), jnp.float32)
+    sizes = jnp.asarray([5, 4, 15], jnp.int32)
+    kinds = []
+
+    def shard(a: jax.Array, b: jax.Array, sizes: jax.Array) -> jax.Array:
+        out = tokamax.ragged_dot(a[0], b, sizes, precision=HIGHEST,
+                                 manual_axis_type=jax.typeof(a).manual_axis_type)
+        kinds.append(jax.typeof(out).manual_axis_type.varying)
+        return out[None]
+
+    spec = jax.sharding.PartitionSpec
+    out = jax.jit(jax.shard_map(shard, mesh=mesh, in_specs=(spec("x"), spec(), spec()),
+                                out_specs=spec("x")))(a, b, sizes)
+    assert kinds == [frozenset({"x"})]
+    for i in range(2):
+        assert_trees_all_close(out[i], _reference(a[i], b, sizes))

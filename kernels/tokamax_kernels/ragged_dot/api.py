@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from tokamax_kernels import _dispatch
@@ -28,17 +29,24 @@ FAMILY = register_family(Family(
 ))
 
 
-def check_bypass_device_check(who: str, value: Any) -> None:
-    """`bypass_device_check` is `None`, `True` or `False` (it changes nothing here)."""
-    if value is not None:
-        checks.require_bool(who, "bypass_device_check", value)
+def check_upstream_hints(who: str, bypass_device_check: Any, manual_axis_type: Any) -> None:
+    """Upstream Tokamax's `bypass_device_check` is `None`, `True` or `False`, and its
+    `manual_axis_type` is `None` or a `jax.sharding.ManualAxisType`; neither changes
+    anything here, but a value of another kind is a caller's mistake."""
+    if bypass_device_check is not None:
+        checks.require_bool(who, "bypass_device_check", bypass_device_check)
+    if manual_axis_type is not None and not isinstance(
+            manual_axis_type, jax.sharding.ManualAxisType):
+        raise TypeError(f"{who}: manual_axis_type must be None or a "
+                        f"jax.sharding.ManualAxisType, got {manual_axis_type!r}")
 
 
 def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
                preferred_element_type: Any = None, group_offset: Any = None,
                activation: Callable[[Any], Any] | None = None, *,
                implementation: Implementation = None,
-               bypass_device_check: bool | None = None) -> Any:
+               bypass_device_check: bool | None = None,
+               manual_axis_type: Any = None) -> Any:
     """Grouped matmul: rows of `lhs` (M, K) in consecutive groups times `rhs[g]` (G, K, N).
 
     Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M; or a
@@ -62,7 +70,10 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     `group_offset` is not supported (`NotImplementedError`, as upstream Tokamax).
     `bypass_device_check` (upstream Tokamax's: `True` skips its check of this machine's
     devices) is accepted and changes nothing: implementations are checked against the
-    platform being lowered for, never against this machine's devices.
+    platform being lowered for, never against this machine's devices. So is upstream's
+    `manual_axis_type` (`None` or a `jax.sharding.ManualAxisType`, which upstream's TPU
+    kernel is told inside a `shard_map`): the implementations here read the manual axes
+    from the operands' own types.
 
     Either operand may be quantized: a `QuantizedArray` or a qwix `QArray` (any object
     with its fields), int8 or float8 values with scales; see `quantized.py` for where
@@ -70,7 +81,7 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     `triton` where the target runs it, else `xla`) and the gradients (zeros for a
     quantized operand).
     """
-    check_bypass_device_check("ragged_dot", bypass_device_check)
+    check_upstream_hints("ragged_dot", bypass_device_check, manual_axis_type)
     if group_offset is not None:
         raise NotImplementedError("ragged_dot: group_offset is not supported")
     if isinstance(group_sizes, RaggedDotGroupSizes):

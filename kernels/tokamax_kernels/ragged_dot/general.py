@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from tokamax_kernels import _dispatch
 from tokamax_kernels.ragged_dot.api import (
     FAMILY,
-    check_bypass_device_check,
+    check_upstream_hints,
     ragged_dot,
     with_activation,
 )
@@ -98,14 +98,16 @@ def ragged_dot_general(
     precision: Any = None, preferred_element_type: Any = None, group_offset: Any = None,
     activation: Callable[[Any], Any] | None = None, *,
     implementation: Implementation = None, bypass_device_check: bool | None = None,
+    manual_axis_type: Any = None,
 ) -> Any:
     """`jax.lax.ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers)`,
     with `ragged_dot`'s `activation` and `implementation` (see the module docstring for
     which dimension numbers run where). A function in `implementation` is called as
     `f(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, **keywords)` with the
     `precision` and `preferred_element_type` given (`jax.lax.ragged_dot_general` is one).
-    `bypass_device_check` is accepted and changes nothing, as in `ragged_dot`."""
-    check_bypass_device_check("ragged_dot_general", bypass_device_check)
+    `bypass_device_check` and `manual_axis_type` are accepted and change nothing, as in
+    `ragged_dot`."""
+    check_upstream_hints("ragged_dot_general", bypass_device_check, manual_axis_type)
     numbers = ragged_dot_dimension_numbers
     if not isinstance(numbers, jax.lax.RaggedDotDimensionNumbers):
         raise TypeError(f"ragged_dot_general: ragged_dot_dimension_numbers must be a "
