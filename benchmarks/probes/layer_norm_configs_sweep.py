@@ -1,7 +1,7 @@
 """The Triton layer norm's configs across row widths, against XLA and upstream Tokamax.
 
     PYTHONPATH=src:kernels:. python benchmarks/probes/layer_norm_configs_sweep.py OUT_DIR \
-        [--heuristics]
+        [--heuristics | --wide]
 
 At shapes off the benchmark list (rows x width, dtype, mean subtracted or not, offset or
 not), times the forward and forward+backward of: XLA's norm, upstream Tokamax's where
@@ -10,6 +10,9 @@ configs around it. Every Triton result is checked against a float32 reference fi
 One JSON line per measurement goes to OUT_DIR/layer_norm_configs.jsonl as it is taken.
 This is the data the Triton norm's heuristics are fitted to; `--heuristics` times the
 heuristic configs alone (to OUT_DIR/layer_norm_heuristics.jsonl), at one more shape.
+`--wide` times rows of 8K-16K elements (to OUT_DIR/layer_norm_wide_rows.jsonl), the
+backward also at row chunks narrower than the whole row: a whole 16K-element float32
+row a step is what the backward's heuristics give there.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from tokamax_kernels.layer_norm.base import LayerNorm
 
 OUT = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 HEURISTICS_ONLY = "--heuristics" in sys.argv[2:]
-RESULTS = OUT / ("layer_norm_heuristics.jsonl" if HEURISTICS_ONLY else "layer_norm_configs.jsonl")
+WIDE = "--wide" in sys.argv[2:]
+RESULTS = OUT / ("layer_norm_heuristics.jsonl" if HEURISTICS_ONLY else
+                 "layer_norm_wide_rows.jsonl" if WIDE else "layer_norm_configs.jsonl")
 log = JsonLines(RESULTS)
 # (rows, width, dtype, subtract_mean, offset)
 SHAPES = (
@@ -45,6 +50,11 @@ SHAPES = (
 )
 # Checked with `--heuristics` too: the shape the norm kernels were first tuned at.
 HELD_OUT = ((65536, 4096, "bfloat16", True, True),)
+WIDE_SHAPES = (
+    (1997, 11392, "float32", True, False),
+    (4096, 16384, "float32", False, False),
+    (2048, 12288, "bfloat16", True, True),
+)
 
 
 def forward_configs(n: int) -> set[ln_triton.Config]:
@@ -56,10 +66,15 @@ def forward_configs(n: int) -> set[ln_triton.Config]:
 
 
 def backward_configs(rows: int, n: int) -> set[ln_vjp.Config]:
-    block_n = row_chunk(n)
+    """Around the heuristics: rows a step, warps, programs an SM; with `--wide`, one row a
+    step in chunks of the row's, a half and a quarter of it."""
+    chunks = [row_chunk(n)]
+    if WIDE:
+        chunks += [c for c in (chunks[0] // 2, chunks[0] // 4) if c >= 2048]
     configs = set()
-    for r in block_rows_choices(block_n):
-        for w in (4, 8):
+    for block_n, r in ((c, r) for c in chunks
+                       for r in ((1,) if WIDE else block_rows_choices(c))):
+        for w in (4, 8, 16) if WIDE else (4, 8):
             for per_sm in (2, 4):
                 per_program = -(-rows // (per_sm * _gpu.sm_count()))
                 rpp = max(r, 1 << max(0, math.ceil(math.log2(per_program))))
@@ -94,7 +109,7 @@ def sweep_shape(rows: int, n: int, dtype: str, subtract_mean: bool, has_offset: 
         except Exception as e:  # noqa: BLE001
             log(**shape, impl=name, error=f"{type(e).__name__}: {str(e)[:300]}")
     heuristic = ln_triton.PallasTritonLayerNorm().bind(x, s, o).heuristics_config
-    grid = set() if HEURISTICS_ONLY else forward_configs(n)
+    grid = set() if HEURISTICS_ONLY or WIDE else forward_configs(n)
     for config in sorted(grid | {heuristic}, key=str):
         op = ln_triton.PallasTritonLayerNorm(config=config)
         try:
@@ -129,7 +144,8 @@ def main() -> None:
         log(upstream=f"not importable: {type(e).__name__}: {e}")
         upstream = None
     log(device_kind=jax.devices()[0].device_kind, jax=jax.__version__, commit=source_commit())
-    for shape in SHAPES + (HELD_OUT if HEURISTICS_ONLY else ()):
+    shapes = WIDE_SHAPES if WIDE else SHAPES + (HELD_OUT if HEURISTICS_ONLY else ())
+    for shape in shapes:
         sweep_shape(*shape, upstream)
 
 
