@@ -98,7 +98,15 @@ def _cell(row: dict[str, Any], variant: str) -> str:
     if "ms" not in value:
         return f"- ({value.get('skipped', '').split(' (')[0]})"
     plain = row["plain"]["ms"]
-    return f"{value['ms']:.2f} ms ({plain / value['ms']:.3f}x)"
+    return _timed(value, f"{plain / value['ms']:.3f}x")
+
+
+def _timed(value: dict[str, Any], ratio: str | None = None) -> str:
+    """`ms (ratio; GB)`: the time, its ratio to plain JAX's, and the compiled program's
+    temporary memory where the run recorded it."""
+    notes = [n for n in (ratio, value.get("temp_memory_mb")) if n is not None]
+    shown = [n if isinstance(n, str) else f"{n / 1e3:.2f} GB" for n in notes]
+    return f"{value['ms']:.2f} ms" + (f" ({'; '.join(shown)})" if shown else "")
 
 
 def model_table() -> str:
@@ -120,14 +128,16 @@ def model_table() -> str:
         autotune = (f"{row['autotune_s']:.1f} s, {row['autotune_op_calls']} op calls"
                     if "autotune_s" in row else "-")
         label = f"{name} (forward only)" if MODELS[name].forward_only else name
-        lines.append(f"| {label} | {row['plain']['ms']:.2f} ms | "
+        lines.append(f"| {label} | {_timed(row['plain'])} | "
                      + " | ".join(_cell(row, v) for v, _ in VARIANTS)
                      + f" | {autotune} | `{file.name}` |")
     intro = (f"{device}, one training step (`jax.grad` of the loss over all parameters; "
              "the loss alone where the row says forward only), "
              f"device time (CUPTI), median of {' or '.join(map(str, sorted(iterations)))} after "
              "warm-up; ratios are plain JAX's time "
-             "over the variant's, every variant of a row measured in one process.")
+             "over the variant's, every variant of a row measured in one process; GB, where "
+             "a run recorded it, is the compiled step's temporary device memory (XLA's "
+             "memory analysis: what it allocates beyond its inputs and outputs).")
     return intro + "\n\n" + "\n".join(lines)
 
 

@@ -320,20 +320,31 @@ def test_report_check_fails_when_a_results_file_changes(tmp_path, monkeypatch, c
                                                           else docs / page]
 
 
-def test_report_model_table_marks_failed_variants_and_forward_only_models(tmp_path,
-                                                                          monkeypatch):
+def test_report_model_table_marks_failed_variants_forward_only_models_and_memory(
+        tmp_path, monkeypatch):
     from benchmarks import report
 
     results = tmp_path / "results"
     shutil.copytree(report.RESULTS, results)
     monkeypatch.setattr(report, "RESULTS", results)
-    _edit_json(results / "models_moe.json", lambda d: d["models"]["deepseek_moe"].update(
-        upstream={"error": "TypeError: the peer failed"}))
+
+    def edit(data: dict) -> None:
+        row = data["models"]["deepseek_moe"]
+        row["upstream"] = {"error": "TypeError: the peer failed"}
+        row["plain"].update(ms=30.0, temp_memory_mb=12600.0)
+        row["ours"].update(ms=24.0, temp_memory_mb=420.0)
+
+    _edit_json(results / "models_moe.json", edit)
     rows = {line.split(" | ")[0]: line for line in report.model_table().splitlines()
             if line.startswith("| ")}
-    upstream = next(i for i, name in enumerate(rows["| model"].split(" | "))
-                    if name.startswith("upstream"))
-    assert rows["| deepseek_moe"].split(" | ")[upstream] == "failed (error in the results file)"
+    header = rows["| model"].split(" | ")
+    upstream = next(i for i, name in enumerate(header) if name.startswith("upstream"))
+    cells = rows["| deepseek_moe"].split(" | ")
+    assert cells[upstream] == "failed (error in the results file)"
+    assert cells[1] == "30.00 ms (12.60 GB)"
+    assert cells[header.index("ours `None`")] == "24.00 ms (1.250x; 0.42 GB)"
+    # A run that recorded no memory shows none.
+    assert rows["| llama"].split(" | ")[1].endswith(" ms")
     assert "| moe_decode (forward only)" in rows
     assert "| llama" in rows and "forward only" not in rows["| llama"]
 
