@@ -104,9 +104,10 @@ def _cell(row: dict[str, Any], variant: str) -> str:
 def _timed(value: dict[str, Any], ratio: str | None = None) -> str:
     """`ms (ratio; GB)`: the time, its ratio to plain JAX's, and the compiled program's
     temporary memory where the run recorded it."""
-    notes = [n for n in (ratio, value.get("temp_memory_mb")) if n is not None]
-    shown = [n if isinstance(n, str) else f"{n / 1e3:.2f} GB" for n in notes]
-    return f"{value['ms']:.2f} ms" + (f" ({'; '.join(shown)})" if shown else "")
+    notes = [] if ratio is None else [ratio]
+    if "temp_memory_mb" in value:
+        notes.append(f"{value['temp_memory_mb'] / 1e3:.2f} GB")
+    return f"{value['ms']:.2f} ms" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def model_table() -> str:
