@@ -83,6 +83,7 @@ MODEL_ROWS = {
     "moe_decode": "models_moe",
     "gemma2": "models_gemma2",
     "encoder": "models_encoder",
+    "lm_head": "models_lm_head",
 }
 VARIANTS = (("ours", "ours `None`"), ("optimize", "`optimize`"),
             ("rewrite", "plain JAX through `optimize`"), ("tuned", "tuned"),
