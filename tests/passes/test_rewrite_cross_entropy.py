@@ -153,6 +153,48 @@ def test_a_kernel_predicted_faster_replaces_the_loss(calibration_dir):
     assert match.source_line.endswith("(lm_head_loss)")
 
 
+def test_a_differentiated_loss_keeps_the_xla_path_for_its_memory(calibration_dir):
+    """With the plain path chosen everywhere (no calibration: nothing predicts a kernel),
+    a loss that is differentiated still becomes the op: its `xla` gradient keeps the
+    log-sum-exp, not the float32 log-softmax. Forward only, it stays as written."""
+    grad = jax.grad(lm_head_loss, argnums=(0, 1))
+    (match,) = h200_plan(grad, X, W, LABELS).matches
+    assert match.rewritten and match.implementation == {"cuda": "xla"}, match.outcome
+    (match,) = h200_plan(lm_head_loss, X, W, LABELS).matches
+    assert not match.rewritten and "plain path" in match.reason
+    f32 = [jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (X, W)]
+    (match,) = h200_plan(grad, *f32, LABELS).matches
+    assert not match.rewritten and "plain path" in match.reason
+
+
+def temporary_bytes(f, *args):
+    return f.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_the_kept_xla_rewrite_keeps_less_memory_and_the_same_gradients():
+    """Without the `rewritten` fixture, on CPU: a differentiated bfloat16 loss is
+    rewritten to the op's `xla` path, its gradients match a float32 HIGHEST reference
+    as the plain program's do, and the compiled step allocates less than the plain
+    program (which keeps the float32 log-softmax). With float32 inputs both keep the
+    same, and the loss stays as written."""
+    grad = jax.grad(lm_head_loss, argnums=(0, 1))
+    x32, w32 = random_normal(20, (2, 256, 64)), random_normal(21, (64, 2048)) / 8
+    labels = jax.random.randint(jax.random.key(22), (2, 256), 0, 2048)
+    x, w = x32.astype(jnp.bfloat16), w32.astype(jnp.bfloat16)
+    optimized = tokamax.optimize(grad)
+    assert outcomes(optimized, x, w, labels) == [REWRITTEN]
+    with jax.default_matmul_precision("highest"):
+        expected = jax.jit(grad)(x.astype(jnp.float32), w.astype(jnp.float32), labels)
+    for actual, plain, wanted in zip(optimized(x, w, labels), jax.jit(grad)(x, w, labels),
+                                     expected, strict=True):
+        assert_close(actual, wanted, jnp.bfloat16)
+        assert_close(plain, wanted, jnp.bfloat16)
+    assert temporary_bytes(optimized, x, w, labels) < 0.9 * temporary_bytes(
+        jax.jit(grad), x, w, labels)
+    assert outcomes(tokamax.optimize(grad), x32, w32, labels) == [
+        "left alone: the plain path is chosen (cpu xla)"]
+
+
 def test_rewrite_option_selects_the_pattern(calibration_dir):
     calibrate(calibration_dir, {"PallasMosaicGpuLinearSoftmaxCrossEntropyLoss": 0.8,
                                 "LinearSoftmaxCrossEntropyLoss": 0.05})

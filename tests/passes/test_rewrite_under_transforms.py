@@ -322,7 +322,7 @@ def test_the_rule_decides_for_the_ops_gradient_too(monkeypatch):
     gradient alone (the forward on XLA) keeps the match, as the library cache makes the
     encoder's norms run XLA forward and the Triton gradient on the H200."""
     monkeypatch.setattr(rewrite, "rewrite_wins", lambda chosen: any(
-        rewrite.op_label(op).endswith("_vjp") for op in chosen))
+        rewrite.op_label(ba.op).endswith("_vjp") for ba in chosen))
     f, args, _ = CASES["rms_norm"]
     assert outcomes(tokamax.optimize(f), *args) == [
         "left alone: the plain path is chosen (cpu xla)"]

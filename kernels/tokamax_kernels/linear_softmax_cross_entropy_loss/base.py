@@ -236,6 +236,13 @@ class LinearSoftmaxCrossEntropyLossVjp(VjpOp):
 
     forward_family = LinearSoftmaxCrossEntropyLoss
 
+    def saves_memory_over_plain(self, ba: BoundArguments) -> bool:
+        """For inputs narrower than float32: the gradient keeps each token's log-sum-exp
+        and the logits in the inputs' dtype (XLA shares them with the forward), where
+        autodiff of the plain expression keeps its float32 log-softmax as well. With
+        float32 inputs the two keep the same."""
+        return jnp.dtype(ba.arguments["x"].dtype).itemsize < 4
+
     def reruns_forward(self, ba: BoundArguments) -> bool:
         return self.implementation == "xla"  # the logits GEMM; not the kernels
 

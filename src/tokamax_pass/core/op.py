@@ -248,6 +248,15 @@ class Op[C]:
         rule = roofline_lib.PERFORMED_WORK.get(type(self))
         return self.roofline(ba) if rule is None else rule(ba)
 
+    def saves_memory_over_plain(self, ba: BoundArguments) -> bool:
+        """Whether this plain-JAX path keeps less device memory for the call `ba` than the
+        plain expression it stands for, at that expression's speed (the loss gradient
+        from a saved log-sum-exp, where autodiff of the expression keeps the float32
+        log-softmax): `optimize` then keeps the rewrite of such an expression though no
+        kernel runs (`passes.rewrite.rewrite_wins`; docs/optimize.md has the numbers)."""
+        del ba
+        return False
+
     def reruns_forward(self, ba: BoundArguments) -> bool:
         """True for an XLA gradient that recomputes its forward's products (autodiff of the
         forward, or logits recomputed from a saved log-sum-exp). Inside one program with

@@ -233,7 +233,8 @@ class Rewriter:
         chosen = [(target.platform, choice.op) for _, choices, _ in resolved
                   for target, choice, _ in choices]
         implementation = _implementations(chosen)
-        if not rewrite_wins(op for _, op in chosen):
+        if not rewrite_wins(choice.bound for _, choices, _ in resolved
+                            for _, choice, _ in choices):
             note(False, {}, "the plain path is chosen (" + ", ".join(
                 f"{platform} {name}" for platform, name in implementation.items()) + ")",
                 tuple(choice.bound.replace(op=choice.op.replace(config=None))
@@ -304,11 +305,14 @@ class Rewriter:
         return value
 
 
-def rewrite_wins(chosen: Iterable[Op]) -> bool:
-    """Whether a pattern's op call is kept, given the implementation chosen per target:
-    where every target runs the plain path (`xla` computes what the user's equation
-    does), the user's equation stays."""
-    return any(not op.runs_without_evidence for op in chosen)
+def rewrite_wins(chosen: Iterable[BoundArguments]) -> bool:
+    """Whether a pattern's op call is kept, given its calls bound to the implementation
+    chosen per target (the op's, and its VJP's where the match is differentiated): where
+    every target runs a plain path (`xla` computes what the user's equation does), the
+    user's equation stays, unless one of those keeps less memory than the equation at its
+    speed (`Op.saves_memory_over_plain`)."""
+    return any(not ba.op.runs_without_evidence or ba.op.saves_memory_over_plain(ba)
+               for ba in chosen)
 
 
 def _with_vjp(function: Callable[..., Any]) -> Callable[..., Any]:
