@@ -13,6 +13,8 @@ import argparse
 import functools
 import json
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,9 @@ SMALL = ((64, 32, 300),)
 TILES = ((16384, 2048), (16384, 4096), (8192, 4096), (4096, 8192), (1024, 4096))
 
 
-def _inputs(tokens: int, h: int, v: int) -> tuple[jax.Array, ...]:
+def lm_head_inputs(tokens: int, h: int, v: int) -> tuple[jax.Array, ...]:
+    """bf16 `(x, labels, w)`: normal tokens, weights scaled by 1/sqrt(h), one label in
+    eight ignored (-1)."""
     labels = jax.random.randint(jax.random.key(2), (tokens,), 0, v)
     ignored = jax.random.bernoulli(jax.random.key(3), 0.125, (tokens,))
     x = jax.random.normal(jax.random.key(0), (tokens, h), jnp.bfloat16)
@@ -56,32 +60,40 @@ def main() -> None:
                      else (SHAPES, TILES))
     with open(args.out, "w") as out:
         for tokens, h, v in shapes:
-            x, labels, w = _inputs(tokens, h, v)
+            x, labels, w = lm_head_inputs(tokens, h, v)
             candidates = {"plain": workloads._plain_lce,
                           "xla": functools.partial(
                               lambda x, labels, w: tokamax.linear_softmax_cross_entropy_loss(
                                   x, labels, w, reduction="mean", implementation="xla"))}
             for tile in tiles:
                 candidates[f"xla_chunked {tile[0]}x{tile[1]}"] = _ours(tile)
-            plain = None
+            plain: dict[str, Any] | None = None
             for name, fn in candidates.items():
-                try:
-                    data = benchmarking.benchmark(
-                        lambda x, w, fn=fn, labels=labels: fn(x, labels, w), x, w,
-                        mode="forward_and_vjp", iterations=10)
-                except Exception as e:  # noqa: BLE001 - a failing candidate is a result
-                    row = {"shape": [tokens, h, v], "candidate": name,
-                           "error": f"{type(e).__name__}: {str(e)[:200]}"}
-                else:
-                    row = {"shape": [tokens, h, v], "candidate": name,
-                           "ms": data.median_evaluation_time_ms,
-                           "temp_mb": data.temp_memory_mb}
-                    plain = plain or row
-                    row["time_vs_plain"] = plain["ms"] / row["ms"]
-                    row["temp_vs_plain"] = row["temp_mb"] / plain["temp_mb"]
+                row = {"shape": [tokens, h, v], "candidate": name}
+                plain = time_against_plain(row, fn, x, labels, w, plain)
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(json.dumps(row), flush=True)
+
+
+def time_against_plain(row: dict[str, Any], fn: Callable[..., jax.Array], x: jax.Array,
+                       labels: jax.Array, w: jax.Array,
+                       plain: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Adds `fn(x, labels, w)`'s forward+backward time and temporaries to `row`, with
+    their ratios to `plain`'s row (`row` itself where `plain` is `None`), or the error
+    it failed with; returns the plain row for the next candidate."""
+    try:
+        data = benchmarking.benchmark(
+            lambda x, w: fn(x, labels, w), x, w, mode="forward_and_vjp", iterations=10)
+    except Exception as e:  # noqa: BLE001 - a failing candidate is a result
+        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return plain
+    row["ms"] = data.median_evaluation_time_ms
+    row["temp_mb"] = data.temp_memory_mb
+    plain = plain or row
+    row["time_vs_plain"] = plain["ms"] / row["ms"]
+    row["temp_vs_plain"] = row["temp_mb"] / plain["temp_mb"]
+    return plain
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,20 +30,12 @@ import jax.numpy as jnp
 import tokamax_pass as tokamax
 from benchmarks import workloads
 from benchmarks.probes._probe import relative_error
-from tokamax_pass import benchmarking
+from benchmarks.probes.lce_chunk_sweep import lm_head_inputs, time_against_plain
 
 SHAPES = ((16384, 4096, 128256), (8192, 2304, 256000))
 TINY = ((64, 32, 300),)
 CHUNKS = (2048, 4096)
 TINY_CHUNKS = (16, 32)
-
-
-def _inputs(tokens: int, h: int, v: int) -> tuple[jax.Array, ...]:
-    labels = jax.random.randint(jax.random.key(2), (tokens,), 0, v)
-    ignored = jax.random.bernoulli(jax.random.key(3), 0.125, (tokens,))
-    x = jax.random.normal(jax.random.key(0), (tokens, h), jnp.bfloat16)
-    w = (jax.random.normal(jax.random.key(1), (h, v)) / math.sqrt(h)).astype(jnp.bfloat16)
-    return x, jnp.where(ignored, -1, labels), w
 
 
 def _loss_and_gradients(x: jax.Array, labels: jax.Array, w: jax.Array, chunk: int,
@@ -108,7 +99,7 @@ def main() -> None:
     shapes, chunks = (TINY, TINY_CHUNKS) if args.tiny else (SHAPES, CHUNKS)
     with open(args.out, "w") as out:
         for tokens, h, v in shapes:
-            x, labels, w = _inputs(tokens, h, v)
+            x, labels, w = lm_head_inputs(tokens, h, v)
             candidates: dict[str, Callable[..., jax.Array]] = {
                 "plain": workloads._plain_lce,
                 "xla": lambda x, labels, w: tokamax.linear_softmax_cross_entropy_loss(
@@ -123,26 +114,19 @@ def main() -> None:
                 row: dict[str, Any] = {"shape": [tokens, h, v], "candidate": name}
                 try:
                     grads = jax.jit(jax.grad(
-                        lambda x, w, fn=fn, labels=labels: fn(x, labels, w), argnums=(0, 1)))(x, w)
+                        lambda x, w, fn=fn, labels=labels: fn(x, labels, w),
+                        argnums=(0, 1)))(x, w)
+                except Exception as e:  # noqa: BLE001 - a failing candidate is a result
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                else:
                     plain_grads = plain_grads or grads
                     row["dx_error"] = relative_error(grads[0], plain_grads[0])
                     row["dw_error"] = relative_error(grads[1], plain_grads[1])
                     del grads
-                    data = benchmarking.benchmark(
-                        lambda x, w, fn=fn, labels=labels: fn(x, labels, w), x, w,
-                        mode="forward_and_vjp", iterations=10)
-                except Exception as e:  # noqa: BLE001 - a failing candidate is a result
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                else:
-                    row["ms"] = data.median_evaluation_time_ms
-                    row["temp_mb"] = data.temp_memory_mb
-                    plain = plain or row
-                    row["time_vs_plain"] = plain["ms"] / row["ms"]
-                    row["temp_vs_plain"] = row["temp_mb"] / plain["temp_mb"]
+                    plain = time_against_plain(row, fn, x, labels, w, plain)
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(json.dumps(row), flush=True)
-
 
 if __name__ == "__main__":
     main()
