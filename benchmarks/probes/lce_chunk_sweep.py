@@ -10,7 +10,6 @@ time and temporaries in the same run.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 from collections.abc import Callable
@@ -61,10 +60,10 @@ def main() -> None:
     with open(args.out, "w") as out:
         for tokens, h, v in shapes:
             x, labels, w = lm_head_inputs(tokens, h, v)
-            candidates = {"plain": workloads._plain_lce,
-                          "xla": functools.partial(
-                              lambda x, labels, w: tokamax.linear_softmax_cross_entropy_loss(
-                                  x, labels, w, reduction="mean", implementation="xla"))}
+            candidates: dict[str, Callable[..., jax.Array]] = {
+                "plain": workloads._plain_lce,
+                "xla": lambda x, labels, w: tokamax.linear_softmax_cross_entropy_loss(
+                    x, labels, w, reduction="mean", implementation="xla")}
             for tile in tiles:
                 candidates[f"xla_chunked {tile[0]}x{tile[1]}"] = _ours(tile)
             plain: dict[str, Any] | None = None
