@@ -60,10 +60,7 @@ def main() -> None:
     with open(args.out, "w") as out:
         for tokens, h, v in shapes:
             x, labels, w = lm_head_inputs(tokens, h, v)
-            candidates: dict[str, Callable[..., jax.Array]] = {
-                "plain": workloads._plain_lce,
-                "xla": lambda x, labels, w: tokamax.linear_softmax_cross_entropy_loss(
-                    x, labels, w, reduction="mean", implementation="xla")}
+            candidates = plain_and_xla()
             for tile in tiles:
                 candidates[f"xla_chunked {tile[0]}x{tile[1]}"] = _ours(tile)
             plain: dict[str, Any] | None = None
@@ -73,6 +70,14 @@ def main() -> None:
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(json.dumps(row), flush=True)
+
+
+def plain_and_xla() -> dict[str, Callable[..., jax.Array]]:
+    """The two candidates every LM-head probe starts from: plain JAX (optax-style) and our
+    `xla` path, each `(x, labels, w) -> mean loss`."""
+    return {"plain": workloads._plain_lce,
+            "xla": lambda x, labels, w: tokamax.linear_softmax_cross_entropy_loss(
+                x, labels, w, reduction="mean", implementation="xla")}
 
 
 def time_against_plain(row: dict[str, Any], fn: Callable[..., jax.Array], x: jax.Array,

@@ -27,10 +27,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-import tokamax_pass as tokamax
 from benchmarks import workloads
 from benchmarks.probes._probe import relative_error
-from benchmarks.probes.lce_chunk_sweep import lm_head_inputs, time_against_plain
+from benchmarks.probes.lce_chunk_sweep import lm_head_inputs, plain_and_xla, time_against_plain
 
 SHAPES = ((16384, 4096, 128256), (8192, 2304, 256000))
 TINY = ((64, 32, 300),)
@@ -100,10 +99,7 @@ def main() -> None:
     with open(args.out, "w") as out:
         for tokens, h, v in shapes:
             x, labels, w = lm_head_inputs(tokens, h, v)
-            candidates: dict[str, Callable[..., jax.Array]] = {
-                "plain": workloads._plain_lce,
-                "xla": lambda x, labels, w: tokamax.linear_softmax_cross_entropy_loss(
-                    x, labels, w, reduction="mean", implementation="xla")}
+            candidates = plain_and_xla()
             for chunk in chunks:
                 for accumulator in (jnp.float32, jnp.bfloat16):
                     name = f"gradient in forward {chunk} tokens, {jnp.dtype(accumulator).name} dw"
