@@ -124,5 +124,6 @@ def main() -> None:
                 out.flush()
                 print(json.dumps(row), flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -230,15 +230,15 @@ class Rewriter:
         except NotImplementedError as e:
             note(False, {}, str(e))
             return None
-        chosen = [(target.platform, choice.op) for _, choices, _ in resolved
+        chosen = [(target, choice) for _, choices, _ in resolved
                   for target, choice, _ in choices]
-        implementation = _implementations(chosen)
-        if not rewrite_wins(choice.bound for _, choices, _ in resolved
-                            for _, choice, _ in choices):
+        implementation = _implementations([(target.platform, choice.op)
+                                           for target, choice in chosen])
+        if not rewrite_wins(choice.bound for _, choice in chosen):
             note(False, {}, "the plain path is chosen (" + ", ".join(
                 f"{platform} {name}" for platform, name in implementation.items()) + ")",
                 tuple(choice.bound.replace(op=choice.op.replace(config=None))
-                      for _, choices, _ in resolved for _, choice, _ in choices))
+                      for _, choice in chosen))
             return None
         note(True, implementation)
         return traced
