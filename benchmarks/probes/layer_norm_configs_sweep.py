@@ -67,7 +67,8 @@ def forward_configs(n: int) -> set[ln_triton.Config]:
 
 def backward_configs(rows: int, n: int) -> set[ln_vjp.Config]:
     """Around the heuristics: rows a step, warps, programs an SM; with `--wide`, one row a
-    step in chunks of the row's, a half and a quarter of it."""
+    step in chunks of the row's, a half and a quarter of it, and also one row a program
+    (no column sums carried from row to row, as upstream Tokamax's backward)."""
     chunks = [row_chunk(n)]
     if WIDE:
         chunks += [c for c in (chunks[0] // 2, chunks[0] // 4) if c >= 2048]
@@ -75,7 +76,7 @@ def backward_configs(rows: int, n: int) -> set[ln_vjp.Config]:
     for block_n, r in ((c, r) for c in chunks
                        for r in ((1,) if WIDE else block_rows_choices(c))):
         for w in (4, 8, 16) if WIDE else (4, 8):
-            for per_sm in (2, 4):
+            for per_sm in (2, 4, 16) if WIDE else (2, 4):
                 per_program = -(-rows // (per_sm * _gpu.sm_count()))
                 rpp = max(r, 1 << max(0, math.ceil(math.log2(per_program))))
                 configs.add(ln_vjp.Config(block_rows=r, block_n=block_n, rows_per_program=rpp,
