@@ -17,11 +17,11 @@ Non-causal attention without lengths only; everything else takes the general ker
 
 One exponential per score: `p = pt * 2^(lse_i - c) * 2^(c - lse_j)` (log2 units, `c`
 the middle of the head's lse range), two multiplies by per-row factors instead of a
-second `exp2` (d64 on the H200: 3.09 -> 2.91 ms, an A/B of the two forms). It is exact
+second `exp2` (the faster of the two forms in an A/B on the H200). It is exact
 while `pt` does not underflow where `p` matters: a head whose lse spans more than
 `FACTORED_LSE_RANGE` takes the second `exp2` instead. `ds` is computed while the
 `wgmma` of `x_j do_i^T` runs, and the `dv` and `dk + dq` products share one wait
-(d64: 2.94 -> 2.80 ms, an A/B of the two orders).
+(each the faster of two orders in an A/B on the H200).
 """
 
 from __future__ import annotations

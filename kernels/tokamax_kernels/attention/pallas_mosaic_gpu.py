@@ -174,9 +174,9 @@ class PallasMosaicGpuFlashAttention(DotProductAttention):
         q, k = ba.arguments["query"], ba.arguments["key"]
         seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
         causal = ba.arguments["is_causal"]
-        # Measured on the H200: at d64 128 x 128 tiles lead (448 TFLOP/s against 424 for
-        # 64 x 128, an A/B of the two forms on the H200); 64-row query tiles with 128-row K/V tiles
-        # lead at d128; d256 fits only 64 x 64 (registers).
+        # Measured on the H200 (an A/B of the tile shapes): at d64 128 x 128 tiles lead
+        # 64 x 128; 64-row query tiles with 128-row K/V tiles lead at d128; d256 fits only
+        # 64 x 64 (registers).
         if head_dim <= 64 and not causal:
             preferred = [MosaicAttentionConfig(block_q=128, block_kv=128, num_stages=2)]
         elif head_dim <= 128:

@@ -68,9 +68,10 @@ def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool
                       ) -> PallasTritonFlashAttentionConfig:
     """H200 choices from `benchmarks/probes/triton_attention_sweep.py` (bf16, benchmark shapes).
 
-    d64 (b32 s2048): 64x64 tiles, 4 warps, 3 stages: 382 TFLOP/s (128x64: 358).
-    d128 (b4 s8192): 128x128 tiles, 8 warps, 3 stages: 487 TFLOP/s, 437 causal
-    (128x64x8: 429 / 434). Larger head dims get smaller tiles to fit registers.
+    d64 (b32 s2048): 64x64 tiles, 4 warps, 3 stages (ahead of 128x64).
+    d128 (b4 s8192): 128x128 tiles, 8 warps, 3 stages, causal or not (ahead of
+    128x64x8). Larger head dims get smaller tiles to fit registers. The timings are in
+    `benchmarks/results/nvidia_h200/triton_attention_sweep.json`.
     """
     del causal  # the same tiles won causal and non-causal at d128
     if head_dim <= 64:

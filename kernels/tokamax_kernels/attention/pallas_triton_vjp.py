@@ -52,9 +52,9 @@ def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool
                       ) -> PallasTritonFlashAttentionVjpConfig:
     """H200 choices from `benchmarks/probes/triton_attention_sweep.py` (bf16, benchmark shapes).
 
-    dK/dV: 64x64 tiles, 4 warps (2.49 ms at d64 b32 s2048; 7.97 ms at d128 b4 s8192,
-    vs 9.41 for 64x128x8 and 22.6 for 32x128x4). dQ: 128x64, 8 warps, 3 stages
-    (1.55 / 5.89 ms), except causal d128 where 64x64x4 won (3.08 vs 3.44 ms).
+    dK/dV: 64x64 tiles, 4 warps at d64 b32 s2048 and d128 b4 s8192 (ahead of 64x128x8
+    and 32x128x4). dQ: 128x64, 8 warps, 3 stages, except causal d128 where 64x64x4 won.
+    The timings are in `benchmarks/results/nvidia_h200/triton_attention_sweep.json`.
     """
     if head_dim <= 64:
         config = PallasTritonFlashAttentionVjpConfig(

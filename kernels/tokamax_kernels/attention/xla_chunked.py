@@ -57,9 +57,9 @@ def _next_pow2(n: int) -> int:
 def largest_blocks(batch: int, heads: int, q_len: int, kv_len: int) -> list[XlaChunkedConfig]:
     """The chunk pairs of the largest block within the memory cap (the smallest pair when
     none fits). Fewer, larger blocks always ran faster on the H200: at the seed's
-    b32 h16 s2048 every halving of the block slowed the forward and the backward (block
-    of 256K elements 10.4 ms forward, 128K 12.2, 64K 13.5, 32K 17.2), so this is the
-    whole search space: which side of the block is long is all there is to tune."""
+    b32 h16 s2048 every halving of the block slowed the forward and the backward, so
+    this is the whole search space: which side of the block is long is all there is to
+    tune."""
     q_chunks = sorted({min(c, _next_pow2(q_len)) for c in _CHUNKS})
     k_chunks = sorted({min(c, _next_pow2(kv_len)) for c in _CHUNKS})
     pairs = [(cq, ck) for cq in q_chunks for ck in k_chunks

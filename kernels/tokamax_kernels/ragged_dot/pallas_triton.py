@@ -139,8 +139,8 @@ class PallasTritonRaggedDot(TritonKernel, RaggedDot):
 
     def _get_heuristics_config(self, ba: BoundArguments) -> Config:
         """H200, measured at m16384 k4096 n4096 bf16: forward/dlhs 128 x 256 tiles, 64-deep
-        steps, 3 stages (651 TFLOP/s); drhs 128 x 128 output tiles over 64-row steps, 4
-        stages (496 TFLOP/s). f32 halves the step depth and the stages.
+        steps, 3 stages; drhs 128 x 128 output tiles over 64-row steps, 4 stages. f32
+        halves the step depth and the stages.
 
         Few rows a group (`few_rows_per_group`, a decode step): 64-row tiles (less padding
         where a group fills a fraction of a tile), 128-column tiles (more programs stream

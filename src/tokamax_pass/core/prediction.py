@@ -190,7 +190,7 @@ def _predict_own(ba: BoundArguments,
         return None
     value, near = found
     # Efficiencies fitted on larger calls put a tiny one's time below anything measured
-    # (a 1 x 256 x 2 x 64 attention at 0.1 us): every candidate waits at least the
+    # (a 1 x 256 x 2 x 64 attention, say): every candidate waits at least the
     # device's shortest measured call, so none is predicted faster there.
     seconds = max(roofline / value, calibration.fastest_seconds)
     return Prediction(seconds, roofline / seconds, near)

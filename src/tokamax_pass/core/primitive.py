@@ -321,9 +321,8 @@ def specs_only() -> Iterator[None]:
     """Inside (in this thread), an op call lowers to zeros of its outputs' shapes once
     `recording_lowerings` has its spec, unless its body makes op calls of its own (those
     are then lowered, and recorded, the same way): finding a program's op calls needs
-    their specs, not their kernels, and lowering a Mosaic GPU kernel is seconds of Python
-    work (a Gemma-2-style step lowered for cuda in 4.7 s with its kernels, 1.1 s for the
-    CPU), while tracing its body to see what it calls took 5-70 ms. Such a program
+    their specs, not their kernels, and lowering a Mosaic GPU kernel costs several times
+    more Python work than tracing its body to see what it calls. Such a program
     computes nothing useful: only `discovery` lowers one, and never runs it."""
     previous = getattr(_SPECS_ONLY, "active", False)
     _SPECS_ONLY.active = True
