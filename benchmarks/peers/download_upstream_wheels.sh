@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Downloads the upstream Tokamax wheel and the wheels it needs beyond the device image
-# (jax, jaxlib, triton, flax, absl-py, jaxtyping and tqdm are there) into .whl/ at the
+# Downloads the upstream Tokamax wheel and the wheels it and tokamax_pass need beyond the
+# device image (jax, jaxlib, triton, flax, absl-py, jaxtyping and tqdm are there; the
+# image lacks platformdirs, which tokamax_pass imports) into .whl/ at the
 # repository root, for Python 3.12 on x86_64 Linux. The device has no network: copy the
 # repository with .whl/ to it and install as benchmarks/peers/README.md says.
 #
@@ -28,6 +29,7 @@ pure=(
   # it asks for triton 3.7 (the image has 3.6): install_on_device.sh keeps its NVIDIA
   # backend on.
   jax-triton==0.4.1
+  platformdirs==4.14.9  # tokamax_pass's own dependency (requirements-pinned.txt)
 )
 # Wheels with compiled code: the device's interpreter and platform.
 binary=(
