@@ -29,7 +29,8 @@ pure=(
   # it asks for triton 3.7 (the image has 3.6): install_on_device.sh keeps its NVIDIA
   # backend on.
   jax-triton==0.4.1
-  platformdirs==4.14.9  # tokamax_pass's own dependency (requirements-pinned.txt)
+  # tokamax_pass's own dependency, at the version requirements-pinned.txt pins.
+  "$(grep "^platformdirs==" "${root}/requirements-pinned.txt")"
 )
 # Wheels with compiled code: the device's interpreter and platform.
 binary=(
