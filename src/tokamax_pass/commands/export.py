@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 
 from tokamax_pass.commands import _argtypes, _target
 
@@ -30,6 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tokamax_pass.artifact import ExportFallbackWarning
     from tokamax_pass.core.selection import UNLOWERABLE_NOTE
     from tokamax_pass.export import export
     from tokamax_pass.optimize import optimize
@@ -39,8 +41,10 @@ def run(args: argparse.Namespace) -> int:
     results = [_load_result(path) for path in args.results]
     optimized = optimize(fun, autotune=args.autotune, results=results or None)
     try:
-        artifact = export(optimized, *arg_specs, platforms=args.platforms,
-                          device_kind=args.device_kind, name=args.name)
+        with warnings.catch_warnings():  # the note below says it, once
+            warnings.simplefilter("ignore", ExportFallbackWarning)
+            artifact = export(optimized, *arg_specs, platforms=args.platforms,
+                              device_kind=args.device_kind, name=args.name)
     except (ValueError, NotImplementedError) as e:
         message = str(e)  # most already start "export: ", which was printed twice
         raise SystemExit(message if message.startswith("export:")
