@@ -5,9 +5,7 @@
 For each workload of `quantized_ragged_dot` (float8 activations and weights; bf16
 activations and int8 weights) it times `pallas_triton_quantized.ragged_dot` directly over
 tile configs and the weights' two layouts (`(G, K, N)`, and `(G, N, K)` contraction-major,
-as Hopper's float8 `wgmma` reads both operands), integer weights also as the dot's left
-operand (`weights_left`: the one `wgmma` reads from registers, where they are converted),
-beside our bf16 `mosaic` kernel on the
+as Hopper's float8 `wgmma` reads both operands), beside our bf16 `mosaic` kernel on the
 same values. Each variant is checked against a float32 HIGHEST product of the dequantized
 operands. One JSON line per variant goes to `$OUT/quantized_ragged_dot_variants.jsonl`.
 """
@@ -15,7 +13,6 @@ operands. One JSON line per variant goes to `$OUT/quantized_ragged_dot_variants.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import pathlib
@@ -63,8 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--iterations", type=int, default=20)
-    parser.add_argument("--workloads", default=None,
-                        help="comma-separated workload names (default: all)")
     args = parser.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     out_dir = pathlib.Path(os.environ.get("OUT", "."))
@@ -77,8 +72,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
 
         for index, w in enumerate(SMOKE_WORKLOADS if args.smoke else WORKLOADS):
-            if args.workloads and w.name not in args.workloads.split(","):
-                continue
             ops = operands(w, index)
             sizes = router_sizes(w.m, w.groups, index)
             reference = np.asarray(jax.jit(lambda a, b, s: jax.lax.ragged_dot(
@@ -98,24 +91,21 @@ def main(argv: list[str] | None = None) -> int:
                                a, b, s, implementation="mosaic"),
                            (*bf16, sizes), reference, flops, args.iterations))
             tiles_list = TILES[w.name] if on_gpu else (SMOKE_TILES,)
-            sides = (False, True) if jnp.issubdtype(rhs.qvalue.dtype, jnp.integer) else (False,)
-            for tiles, k_major, weights_left in itertools.product(
-                    tiles_list, (False, True), sides):
+            for tiles in tiles_list:
                 config = MatmulConfig(*tiles)
+                for k_major in (False, True):
 
-                def fn(x: Any, ws: Any, rs: Any, s: Any, xs: Any = None,
-                       config: MatmulConfig = config, k_major: bool = k_major,
-                       weights_left: bool = weights_left) -> jax.Array:
-                    return kernel.ragged_dot(
-                        x, ws, s, lhs_scale=xs, rhs_scale=rs, transpose_rhs=k_major,
-                        out_dtype=jnp.bfloat16, config=config, weights_left=weights_left,
-                        interpret=not on_gpu)
+                    def fn(x: Any, ws: Any, rs: Any, s: Any, xs: Any = None,
+                           config: MatmulConfig = config, k_major: bool = k_major) -> jax.Array:
+                        return kernel.ragged_dot(
+                            x, ws, s, lhs_scale=xs, rhs_scale=rs, transpose_rhs=k_major,
+                            out_dtype=jnp.bfloat16, config=config, interpret=not on_gpu)
 
-                weights = rhs_nk if k_major else rhs.qvalue
-                row = dict(base, variant=f"triton {' '.join(map(str, tiles))}",
-                           k_major=k_major, weights_left=weights_left)
-                emit(timed(row, fn, (lhs_values, weights, rhs.scale, sizes, lhs_scale),
-                           reference, flops, args.iterations))
+                    weights = rhs_nk if k_major else rhs.qvalue
+                    row = dict(base, variant=f"triton {' '.join(map(str, tiles))}",
+                               k_major=k_major)
+                    emit(timed(row, fn, (lhs_values, weights, rhs.scale, sizes, lhs_scale),
+                               reference, flops, args.iterations))
     print(f"wrote {path}")
     return 0
 

@@ -87,11 +87,10 @@ def _zero(ref: Any) -> int | float:
 
 def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
             config: MatmulConfig, transpose_rhs: bool, dot_dtype: Any,
-            lhs_blocks: int | None, rhs_blocks: int | None, weights_left: bool) -> None:
+            lhs_blocks: int | None, rhs_blocks: int | None) -> None:
     """`*_blocks`: `None` for no scales, 1 for scales constant along the contraction
     (applied in the epilogue), more for scales per block of `c // blocks` (applied to
-    each step's product; `block_k` divides a block). `weights_left`: the tiles are
-    multiplied as `rhs^T @ lhs^T` into a transposed accumulator, stored transposed."""
+    each step's product; `block_k` divides a block)."""
     scale_refs, out_ref = refs[:-1], refs[-1]
     # Refs exactly where their operand is quantized by blocks (only then read).
     lhs_scale_ref: Any = scale_refs[0] if lhs_blocks else None
@@ -105,14 +104,12 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
     rhs_g = jnp.minimum(group, g - 1)
 
     def row_scale(kb: Any) -> jax.Array:
-        scale = plgpu.load(lhs_scale_ref.at[pl.ds(r0, bm), kb], mask=in_rows,
-                           other=0).astype(jnp.float32)
-        return scale[None, :] if weights_left else scale[:, None]
+        return plgpu.load(lhs_scale_ref.at[pl.ds(r0, bm), kb], mask=in_rows,
+                          other=0).astype(jnp.float32)[:, None]
 
     def col_scale(kb: Any) -> jax.Array:
-        scale = plgpu.load(rhs_scale_ref.at[rhs_g, kb, pl.ds(j * bn, bn)], mask=cols < n,
-                           other=0).astype(jnp.float32)
-        return scale[:, None] if weights_left else scale[None, :]
+        return plgpu.load(rhs_scale_ref.at[rhs_g, kb, pl.ds(j * bn, bn)], mask=cols < n,
+                          other=0).astype(jnp.float32)[None, :]
 
     def step(kk: Any, acc: jax.Array) -> jax.Array:
         ks = kk * bk + jnp.arange(bk)
@@ -125,12 +122,8 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
             b = plgpu.load(rhs_ref.at[rhs_g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
                            mask=(ks < c)[:, None] & (cols < n)[None, :], other=_zero(rhs_ref))
         exact = jnp.dtype(dot_dtype) == jnp.float32
-        a, b = a.astype(dot_dtype), b.astype(dot_dtype)
-        if weights_left:
-            product = plgpu.dot(b, a, trans_a=not transpose_rhs, trans_b=True,
-                                allow_tf32=not exact)
-        else:
-            product = plgpu.dot(a, b, trans_b=transpose_rhs, allow_tf32=not exact)
+        product = plgpu.dot(a.astype(dot_dtype), b.astype(dot_dtype), trans_b=transpose_rhs,
+                            allow_tf32=not exact)
         if lhs_blocks and lhs_blocks > 1:
             product = product * row_scale(kk * bk // (c // lhs_blocks))
         if rhs_blocks and rhs_blocks > 1:
@@ -139,14 +132,11 @@ def _kernel(tiles_ref, lhs_ref, rhs_ref, *refs, m: int, c: int, n: int, g: int,
 
     active = (count > 0) & (group < g)
     steps = active.astype(jnp.int32) * _triton.cdiv(c, bk)
-    acc = jax.lax.fori_loop(0, steps, step,
-                            jnp.zeros((bn, bm) if weights_left else (bm, bn), jnp.float32))
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
     if lhs_blocks == 1:
         acc = acc * row_scale(jnp.int32(0))
     if rhs_blocks == 1:
         acc = acc * col_scale(jnp.int32(0))
-    if weights_left:
-        acc = acc.T
     plgpu.store(out_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], acc.astype(out_ref.dtype),
                 mask=in_rows[:, None] & (cols < n)[None, :])
 
@@ -177,15 +167,13 @@ def block_k_for_scales(block_k: int, c: int, *blocks: int) -> int | None:
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                lhs_scale: jax.Array | None, rhs_scale: jax.Array | None, transpose_rhs: bool,
                out_dtype: Any, config: MatmulConfig, variant: str = "forward",
-               weights_left: bool = False, interpret: bool = False) -> jax.Array:
+               interpret: bool = False) -> jax.Array:
     """`out[r] = sum over K blocks b of (lhs[r, b] @ rhs[g, b]) * lhs_scale[r, b] *
     rhs_scale[g, b]`: `lhs (M, C)`, `rhs (G, C, N)` (`(G, N, C)`, contraction-major, with
     `transpose_rhs`), `lhs_scale (M, Bl)`, `rhs_scale (G, Br, N)` (one block: scales
     applied in the epilogue; one per output column either way), each optional;
     `config.block_k` must divide every block. Rows past `sum(group_sizes)` are zeros.
-    `variant` ("forward" or "dlhs") names the kernel. `weights_left` multiplies each pair
-    of tiles as `rhs^T @ lhs^T`: the weights' tile becomes the left operand, the one
-    Hopper's `wgmma` reads from registers, where an 8-bit tile is converted."""
+    `variant` ("forward" or "dlhs") names the kernel."""
     m, c = lhs.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -203,8 +191,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     quantized = bool(scales) or 1 in (jnp.dtype(lhs.dtype).itemsize, jnp.dtype(rhs.dtype).itemsize)
     kernel = functools.partial(
         _kernel, m=m, c=c, n=n, g=g, config=config, transpose_rhs=transpose_rhs,
-        dot_dtype=dot_dtype, lhs_blocks=lhs_blocks, rhs_blocks=rhs_blocks,
-        weights_left=weights_left)
+        dot_dtype=dot_dtype, lhs_blocks=lhs_blocks, rhs_blocks=rhs_blocks)
     return pl.pallas_call(
         kernel,
         grid=(_triton.cdiv(n, config.block_n), tiles.shape[1]),

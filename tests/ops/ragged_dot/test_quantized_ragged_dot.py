@@ -265,26 +265,6 @@ def test_group_tiles_start_at_their_group_and_cover_every_row_once():
     assert [int((group[used] == g).sum()) for g in range(6)] == [2, 0, 1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("k_major", [False, True])
-@pytest.mark.parametrize("scale_block", [None, 32])
-def test_weights_as_the_left_operand_compute_the_same_product(k_major, scale_block):
-    """`weights_left` (`rhs^T @ lhs^T` into a transposed accumulator): int8 weights of
-    either layout, scales per output column or per block of K, rows of activations
-    scaled in the epilogue; rows past the sum stay zeros."""
-    axes = dict(channelwise_axes=(0, 2))
-    if scale_block:
-        axes["tiled_axes"] = {1: scale_block}
-    rhs = weights(INT8, seed=5, **axes)
-    lhs = activations(INT8, seed=6)
-    stored = jnp.swapaxes(rhs.qvalue, 1, 2) if k_major else rhs.qvalue
-    got = triton_quantized.ragged_dot(
-        lhs.qvalue, stored, SIZES, lhs_scale=lhs.scale, rhs_scale=rhs.scale,
-        transpose_rhs=k_major, out_dtype=jnp.float32, config=TILES, weights_left=True,
-        interpret=True)
-    assert_close(got, reference(lhs, rhs))
-    assert not np.asarray(got[int(SIZES.sum()):]).any()
-
-
 def test_float8_weights_stored_contraction_major():
     """(G, N, K) float8 weights through the transposed form: the kernel reads them as
     they are, scales per group and column in its epilogue."""
