@@ -97,7 +97,10 @@ def test_export_from_cpu_says_where_the_target_would_run_cudnn(tmp_path, capsys)
         assert main(["export", "examples.seed_model:loss", "--grad", "--args",
                      "bf16[32,2048,16,64]", "f32[64]", "--platforms", "cuda",
                      "--device-kind", H200, "-o", str(out)]) == 0
-    assert "note: 2 op call(s) run another implementation" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "note: 2 op call(s) run another implementation" in printed
+    assert f"  dot_product_attention on cuda ({H200}): " in printed
+    assert "in place of cudnn" in printed
     assert not [w for w in caught if issubclass(w.category, ExportFallbackWarning)]
     sources = {op["path"]: op["source"]
                for op in json.loads((out / "manifest.json").read_text())["ops"]}

@@ -32,7 +32,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokamax_pass.artifact import ExportFallbackWarning
-    from tokamax_pass.core.selection import UNLOWERABLE_NOTE
     from tokamax_pass.export import export
     from tokamax_pass.optimize import optimize
 
@@ -41,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     results = [_load_result(path) for path in args.results]
     optimized = optimize(fun, autotune=args.autotune, results=results or None)
     try:
-        with warnings.catch_warnings():  # the note below says it, once
+        with warnings.catch_warnings():  # the note below says the same, once
             warnings.simplefilter("ignore", ExportFallbackWarning)
             artifact = export(optimized, *arg_specs, platforms=args.platforms,
                               device_kind=args.device_kind, name=args.name)
@@ -54,11 +53,14 @@ def run(args: argparse.Namespace) -> int:
     ops = artifact.manifest["ops"]
     print(f"{len(ops)} op(s) on {', '.join(artifact.manifest['platforms'])}; kernels: "
           f"{', '.join(artifact.manifest['custom_calls']) or 'XLA only'}")
-    unlowerable = [op for op in ops if UNLOWERABLE_NOTE in op["source"]]
-    if unlowerable:
-        print(f"note: {len(unlowerable)} op call(s) run another implementation than the "
-              f"target's own plan, which this machine cannot lower (see each op's source "
-              f"in manifest.json); export on the target machine to include it")
+    fallbacks = artifact.manifest["fallbacks"]
+    if fallbacks:
+        print(f"note: {len(fallbacks)} op call(s) run another implementation than the "
+              f"target's own plan, which this machine cannot lower ('fallbacks' in "
+              f"manifest.json); export on the target machine to include it:")
+        for f in fallbacks:
+            print(f"  {f['path']} on {f['platform']} ({f['device_kind']}): "
+                  f"{f['exported']} in place of {f['target_runs']}")
     return 0
 
 
