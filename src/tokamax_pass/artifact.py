@@ -305,12 +305,17 @@ class ExportFallbackWarning(UserWarning):
     this machine cannot lower that one (cuDNN attention, exported from a CPU machine)."""
 
 
+def describe_fallback(fallback: Mapping[str, Any]) -> str:
+    """One entry of a manifest's `fallbacks`, as the export warning and the CLI say it."""
+    return (f"{fallback['path']} on {fallback['platform']} ({fallback['device_kind']}): "
+            f"{fallback['exported']} in place of {fallback['target_runs']}")
+
+
 def _warn_fallbacks(fallbacks: Sequence[Mapping[str, Any]]) -> None:
     """Says at export time which op calls fall back (also in the manifest's `fallbacks`)."""
     if not fallbacks:
         return
-    calls = "; ".join(f"{f['path']} on {f['platform']} ({f['device_kind']}): "
-                      f"{f['exported']} in place of {f['target_runs']}" for f in fallbacks)
+    calls = "; ".join(describe_fallback(f) for f in fallbacks)
     warnings.warn(
         f"export: {len(fallbacks)} op call(s) hold another implementation than the target "
         f"would run, which cannot be lowered on this machine: {calls}. Export on the target "

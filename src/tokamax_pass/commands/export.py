@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokamax_pass.artifact import ExportFallbackWarning
+    from tokamax_pass.artifact import ExportFallbackWarning, describe_fallback
     from tokamax_pass.export import export
     from tokamax_pass.optimize import optimize
 
@@ -58,9 +58,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {len(fallbacks)} op call(s) run another implementation than the "
               f"target's own plan, which this machine cannot lower ('fallbacks' in "
               f"manifest.json); export on the target machine to include it:")
-        for f in fallbacks:
-            print(f"  {f['path']} on {f['platform']} ({f['device_kind']}): "
-                  f"{f['exported']} in place of {f['target_runs']}")
+        for fallback in fallbacks:
+            print(f"  {describe_fallback(fallback)}")
     return 0
 
 
