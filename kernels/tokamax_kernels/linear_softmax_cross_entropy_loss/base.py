@@ -9,6 +9,10 @@ and integer `labels` (...). Semantics every implementation follows:
            0                                        for label_t < 0 (ignored: padding)
            NaN                                      for label_t >= V (only when traced:
                                                     concrete labels >= V are a ValueError)
+  The gradient of a token whose label is >= V is that of its log-sum-exp alone, as
+  autodiff of plain JAX's `lse - take_along_axis(logits, label)` gives it (the
+  out-of-range gather has none): finite, so a token masked out after the loss adds
+  nothing.
   "sum": sum_t loss_t;  "mean": that sum / max(1, #labels >= 0);  "none": loss_t (...).
 
 The loss is float32. The logits are rounded to the inputs' dtype as plain JAX's
@@ -103,22 +107,23 @@ def at_or_past(labels: jax.Array, vocab: int) -> jax.Array:
     return labels >= vocab
 
 
-def token_cotangent(dout: jax.Array, labels: jax.Array, vocab: int,
-                    reduction: str) -> jax.Array:
+def token_cotangent(dout: jax.Array, labels: jax.Array, reduction: str) -> jax.Array:
     """d(result)/d(loss_t) times the result's cotangent, per token (float32, labels' shape):
-    zero for ignored tokens, NaN for labels >= V (their loss is NaN too)."""
+    zero for ignored tokens. A label >= V matches no class, so the gradient built from it,
+    `(softmax - onehot) * g`, is its log-sum-exp's alone (see the module docstring)."""
     dout = dout.astype(jnp.float32)
     if reduction == "mean":
         dout = dout / jnp.maximum(jnp.sum(labels >= 0), 1).astype(jnp.float32)
-    g = jnp.where(labels >= 0, jnp.broadcast_to(dout, labels.shape), 0.0)
-    return jnp.where(at_or_past(labels, vocab), jnp.nan, g)
+    return jnp.where(labels >= 0, jnp.broadcast_to(dout, labels.shape), 0.0)
 
 
 def token_losses(lse: jax.Array, label_logits: jax.Array, labels: jax.Array,
                  vocab: int) -> jax.Array:
-    """`lse - label_logit` per token; 0 for ignored tokens and NaN for labels >= V."""
+    """`lse - label_logit` per token; 0 for ignored tokens and NaN for labels >= V. The
+    NaN is added, not selected, so autodiff of this (the `xla` path's reference) passes
+    the log-sum-exp's gradient through, as the VJPs compute it."""
     losses = jnp.where(labels >= 0, lse - label_logits, 0.0)
-    return jnp.where(at_or_past(labels, vocab), jnp.nan, losses)
+    return losses + jnp.where(at_or_past(labels, vocab), jnp.nan, 0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -254,7 +259,7 @@ class LinearSoftmaxCrossEntropyLossVjp(VjpOp):
         (lse,) = residuals
         vocab = weights.shape[1]
         logits = float32_logits(x, weights, precision, logits_soft_cap)
-        g = token_cotangent(dout, labels, vocab, reduction)
+        g = token_cotangent(dout, labels, reduction)
         onehot = labels[..., None] == jnp.arange(vocab)
         dlogits = (jnp.exp(logits - lse[..., None]) - onehot) * g[..., None]
         if logits_soft_cap is not None:

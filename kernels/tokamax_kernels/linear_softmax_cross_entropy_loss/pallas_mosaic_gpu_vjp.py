@@ -149,7 +149,7 @@ class PallasMosaicGpuLinearSoftmaxCrossEntropyLossVjp(LinearSoftmaxCrossEntropyL
         del out, return_residuals, precision
         (lse,) = residuals
         tokens = math.prod(labels.shape)
-        g = token_cotangent(dout, labels, weights.shape[1], reduction)
+        g = token_cotangent(dout, labels, reduction)
         dx, dweights = mosaic_backward(
             x.reshape(tokens, x.shape[-1]), labels.reshape(tokens), weights,
             lse.reshape(tokens), g.reshape(tokens), cap=logits_soft_cap, config=config)

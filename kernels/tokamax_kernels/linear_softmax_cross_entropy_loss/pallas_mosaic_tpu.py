@@ -227,7 +227,7 @@ class PallasMosaicTpuLinearSoftmaxCrossEntropyLossVjp(MosaicTpuKernel,
         flat_x, flat_labels = _flat(x, labels)
         tokens = flat_x.shape[0]
         tl = tiling(config, tokens, weights.shape[0], weights.shape[1], x.dtype, logits_soft_cap)
-        g = token_cotangent(dout, labels, weights.shape[1], reduction).reshape(tokens, 1)
+        g = token_cotangent(dout, labels, reduction).reshape(tokens, 1)
         operands = (flat_x, flat_labels, weights, lse.reshape(tokens, 1).astype(jnp.float32), g)
         interpret = self.pallas_interpret()
         dx = lce_dx(*operands, tl=tl, interpret=interpret)

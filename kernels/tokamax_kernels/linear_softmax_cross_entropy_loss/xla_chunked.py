@@ -253,7 +253,7 @@ class XlaChunkedLinearSoftmaxCrossEntropyLossVjp(LinearSoftmaxCrossEntropyLossVj
         del out, return_residuals
         (lse,) = residuals
         pb = _problem(x, labels, weights, logits_soft_cap, precision, config)
-        g = token_cotangent(dout, labels, weights.shape[1], reduction)
+        g = token_cotangent(dout, labels, reduction)
         dx, dweights = chunked_backward(pb, lse.reshape(pb.tokens), g.reshape(pb.tokens))
         return {"x": dx.reshape(x.shape), "weights": dweights}, None
 

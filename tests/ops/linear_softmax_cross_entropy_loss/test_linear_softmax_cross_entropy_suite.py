@@ -171,6 +171,41 @@ def test_traced_out_of_range_labels_give_nan_and_all_ignored_mean_is_zero(implem
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_traced_out_of_range_label_has_the_gradient_of_plain_jax(implementation):
+    """A label >= V (traced) has a NaN loss and, as autodiff of plain JAX's `lse -
+    take_along_axis(logits, label)` gives it, the gradient of its log-sum-exp alone: a
+    token masked out after the loss (`jnp.where`) adds nothing, not NaN."""
+    op = IMPLEMENTATIONS[implementation]()
+    x, labels, weights = _inputs(jnp.float32, seed=11)
+    labels = labels.at[1, 2].set(V).at[0, 5].set(V + 7)
+    out_of_range = np.asarray(labels) >= V
+    cotangent = random_normal(12, labels.shape)
+
+    def plain(x, labels, weights):
+        logits = jnp.matmul(x, weights, precision="highest")
+        picked = jnp.take_along_axis(logits, labels[..., None], axis=-1, mode="fill")[..., 0]
+        return jnp.where(labels >= 0, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0)
+
+    def ours(x, labels, weights):
+        return lce(x, labels, weights, reduction="none", precision="highest",
+                   implementation=op)
+
+    for keep_out_of_range in (False, True):  # masked out after the loss, or kept (a NaN loss)
+        def loss(fn, x, weights, labels, keep=keep_out_of_range):
+            losses = fn(x, labels, weights)
+            return jnp.sum(jnp.where(keep | (labels < V), losses, 0.0) * cotangent)
+
+        # Labels traced (an argument of the jitted function): concrete ones >= V raise.
+        grads = jax.jit(jax.grad(functools.partial(loss, ours), argnums=(0, 1)))(
+            x, weights, labels)
+        want = jax.grad(functools.partial(loss, plain), argnums=(0, 1))(x, weights, labels)
+        for got, expected in zip(grads, want, strict=True):
+            assert np.isfinite(np.asarray(got)).all()
+            assert_close(got, expected, jnp.float32)
+        assert keep_out_of_range or not np.any(np.asarray(grads[0])[out_of_range])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_bad_input_raises_value_errors_naming_the_argument(implementation):
     op = IMPLEMENTATIONS[implementation]()
     x, labels, weights = _inputs(jnp.float32, seed=8)
