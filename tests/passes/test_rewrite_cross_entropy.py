@@ -1,5 +1,6 @@
 """`optimize` rewrites `x @ w` followed by softmax cross-entropy with integer labels,
-written in plain JAX (`log_softmax` + `take_along_axis`, or as optax spells it), into the
+written in plain JAX (`log_softmax` + `take_along_axis`, as optax spells it, the label's
+log-probability negated after its mean, or against one-hot labels), into the
 `linear_softmax_cross_entropy_loss` op where `implementation=None` picks a kernel for
 it, and leaves near-misses as written.
 
@@ -39,6 +40,22 @@ def mean_loss(x, w, labels):
     return optax_spelling(x, w, labels).mean()
 
 
+def negated_mean_log_probability(x, w, labels):
+    """The minus applied after the mean, as `-log_probs[...].mean()` parses."""
+    log_probs = jax.nn.log_softmax(logits_of(x, w), axis=-1)
+    return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0].mean()
+
+
+def one_hot_loss(x, w, labels):
+    """`optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, V))`: a label outside
+    [0, V) has an all-zero row, so no loss."""
+    return -(jax.nn.one_hot(labels, V) * jax.nn.log_softmax(logits_of(x, w))).sum(-1)
+
+
+def one_hot_loss_summed_by_jnp(x, w, labels):
+    return -jnp.sum(jax.nn.log_softmax(logits_of(x, w)) * jax.nn.one_hot(labels, V), axis=-1)
+
+
 def operands(seed=0, dtype=jnp.float32):
     x = random_normal(seed, (B, T, H), dtype)
     w = random_normal(seed + 1, (H, V), dtype)
@@ -47,8 +64,9 @@ def operands(seed=0, dtype=jnp.float32):
     return x, w, labels
 
 
-@pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, mean_loss],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, mean_loss,
+                               negated_mean_log_probability, one_hot_loss,
+                               one_hot_loss_summed_by_jnp], ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):
     x, w, labels = operands()
     cotangent = random_normal(9, jax.eval_shape(f, x, w, labels).shape)
@@ -77,6 +95,26 @@ def test_labels_out_of_range_give_nan_as_take_along_axis_does(rewritten):
     assert jnp.array_equal(jnp.isnan(actual), jnp.isnan(expected))
     assert jnp.isnan(expected).sum() == 2 * B
     assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+
+def test_out_of_range_labels_masked_after_the_loss_have_the_gradients_of_jit(rewritten):
+    """Padding labels past the vocabulary, masked out with `jnp.where` after the loss:
+    plain JAX's gradients are finite there, and so are the rewritten program's."""
+    x, w, _ = operands()
+    labels = jnp.array([[0, V, -V - 1, 3, -1, 2]] * B, jnp.int32)
+    cotangent = random_normal(9, labels.shape)
+
+    def loss(x, w, labels):
+        losses = log_softmax_loss(x, w, labels)
+        return jnp.sum(jnp.where((labels < V) & (labels >= -V), losses, 0.0) * cotangent)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    optimized = tokamax.optimize(grad)
+    assert outcomes(optimized, x, w, labels) == [REWRITTEN]
+    for actual, wanted in zip(optimized(x, w, labels), jax.jit(grad)(x, w, labels),
+                              strict=True):
+        assert jnp.isfinite(actual).all()
+        assert_close(actual, wanted)
 
 
 def test_a_gradient_traced_inside_optimize_runs_the_op_and_its_vjp(rewritten):

@@ -9,10 +9,17 @@ Matched at the loss, in float32, the logits `x @ w` (`x`'s last axis against a `
 spells it, `jax.nn.logsumexp(logits, -1) - take_along_axis(logits, labels[..., None],
 -1)[..., 0]` (`jnp.expand_dims` and `squeeze` too). Labels index as `take_along_axis`
 does: a negative one counts from the end, and one out of range gives NaN.
+
+Two more spellings: the label's log-probability `take_along_axis(log_softmax(logits),
+...)[..., 0]` negated later (`-log_probs.mean()`, `-jnp.sum(...)`), replaced by the op's
+loss negated; and the one-hot form `-(jax.nn.one_hot(labels, V) * log_softmax(logits))
+.sum(-1)` (optax's `softmax_cross_entropy` of one-hot labels), where a label outside
+`[0, V)` has an all-zero one-hot row, so no loss and no gradient (the op ignores it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +30,7 @@ from tokamax_pass.passes.candidate import Candidate
 from tokamax_pass.passes.graph import Graph, dense_matmul, reference_jaxpr, same_structure
 
 NAME = "linear_softmax_cross_entropy_loss"
-PRIMITIVES = frozenset({"neg", "sub"})
+PRIMITIVES = frozenset({"neg", "sub", "squeeze"})
 
 
 def _expanded(labels: Any, expand: str) -> Any:
@@ -51,11 +58,42 @@ def _optax_spelling(expand: str, squeeze: str) -> Callable[[Any, Any], Any]:
     return loss
 
 
+def _log_probability_spelling(expand: str, squeeze: str) -> Callable[[Any, Any], Any]:
+    def log_probability(logits: Any, labels: Any) -> Any:
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        return _squeezed(jnp.take_along_axis(log_probs, _expanded(labels, expand), axis=-1),
+                         squeeze)
+
+    return log_probability
+
+
+def _one_hot_spelling(one_hot_first: bool) -> Callable[[Any, Any], Any]:
+    def loss(logits: Any, labels: Any) -> Any:
+        one_hot = jax.nn.one_hot(labels, logits.shape[-1])
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        return -(one_hot * log_probs if one_hot_first else log_probs * one_hot).sum(-1)
+
+    return loss
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spelling:
+    """A reference spelling of the per-token loss (or its negation, `negated`), and the
+    call its labels enter: `take_along_axis` (labels index as it does) or `_one_hot`
+    (labels outside `[0, V)` select nothing)."""
+
+    function: Callable[[Any, Any], Any]
+    labels_enter: str = "take_along_axis"
+    negated: bool = False
+
+
+_FORMS = [(e, s) for e in ("index", "expand_dims") for s in ("index", "squeeze")]
 _SPELLINGS = {
-    "neg": tuple(_log_softmax_spelling(e, s) for e in ("index", "expand_dims")
-                 for s in ("index", "squeeze")),
-    "sub": tuple(_optax_spelling(e, s) for e in ("index", "expand_dims")
-                 for s in ("index", "squeeze")),
+    "neg": (*(_Spelling(_log_softmax_spelling(e, s)) for e, s in _FORMS),
+            *(_Spelling(_one_hot_spelling(first), "_one_hot") for first in (True, False))),
+    "sub": tuple(_Spelling(_optax_spelling(e, s)) for e, s in _FORMS),
+    "squeeze": tuple(_Spelling(_log_probability_spelling(e, s), negated=True)
+                     for e, s in _FORMS),
 }
 
 
@@ -66,7 +104,10 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     (out,) = eqn.outvars
     if out.aval.dtype != jnp.float32:
         return None
-    for logits, labels, region in _losses(eqn, graph):
+    if eqn.primitive.name == "squeeze" and any(
+            user.primitive.name == "neg" for user in graph.users(out)):
+        return None  # the loss itself, matched at that negation
+    for spelling, logits, labels, region in _losses(eqn, graph):
         found = _logits_matmul(graph, logits)
         if found is None:
             continue
@@ -75,30 +116,33 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         if not graph.private([e for e in whole if e is not eqn], eqn):
             return Candidate(NAME, None, "the logits are used elsewhere (a gradient traced "
                                          "inside optimize keeps them for its backward)")
-        return Candidate(NAME, _function(precision), inputs=(x, labels, w))
+        return Candidate(NAME, _function(precision, spelling), inputs=(x, labels, w))
     return None
 
 
-def _losses(eqn: Any, graph: Graph) -> list[tuple[Any, Any, list[Any]]]:
-    """`(logits, labels, equations)` for each known spelling `eqn` ends."""
+def _losses(eqn: Any, graph: Graph) -> list[tuple[_Spelling, Any, Any, list[Any]]]:
+    """`(spelling, logits, labels, equations)` for each known spelling `eqn` ends."""
     (out,) = eqn.outvars
     found = []
     for spelling in _SPELLINGS[eqn.primitive.name]:
-        candidates = _input_avals(eqn, graph)
+        candidates = _input_avals(eqn, graph, spelling.labels_enter)
         for logits_aval, labels_aval in candidates:
-            reference = reference_jaxpr(spelling, logits_aval, labels_aval)
+            reference = reference_jaxpr(spelling.function, logits_aval, labels_aval)
             bound: dict[Any, Any] = {}
             region: list[Any] = []
             if same_structure(graph, out, reference, reference.outvars[0], bound, region):
                 logits, labels = (bound.get(v) for v in reference.invars)
                 if logits is not None and labels is not None:
-                    found.append((logits, labels, list({id(e): e for e in region}.values())))
+                    found.append((spelling, logits, labels,
+                                  list({id(e): e for e in region}.values())))
     return found
 
 
-def _input_avals(eqn: Any, graph: Graph) -> list[tuple[tuple[tuple[int, ...], Any], ...]]:
+def _input_avals(eqn: Any, graph: Graph, labels_enter: str
+                 ) -> list[tuple[tuple[tuple[int, ...], Any], ...]]:
     """The `(logits, labels)` shapes and dtypes a loss of `eqn`'s shape may come from: the
-    logits' vocabulary read off a `take_along_axis` among the equations before it."""
+    logits' vocabulary read off the `labels_enter` call (`take_along_axis`: its array is
+    the logits; `_one_hot`: its result is their shape) among the equations before it."""
     shape = tuple(eqn.outvars[0].aval.shape)
     seen = []
     stack, visited = list(eqn.invars), set[Any]()
@@ -108,12 +152,14 @@ def _input_avals(eqn: Any, graph: Graph) -> list[tuple[tuple[tuple[int, ...], An
         if producer is None or id(producer) in visited:
             continue
         visited.add(id(producer))
-        if producer.primitive.name == "jit" and producer.params.get("name") == "take_along_axis":
-            array, indices = producer.invars
-            if tuple(array.aval.shape[:-1]) == shape and jnp.issubdtype(indices.aval.dtype,
-                                                                         jnp.integer):
-                seen.append(((tuple(array.aval.shape), array.aval.dtype),
-                             (shape, indices.aval.dtype)))
+        if producer.primitive.name == "jit" and producer.params.get("name") == labels_enter:
+            labels = producer.invars[-1]
+            logits = (producer.invars if labels_enter == "take_along_axis"
+                      else producer.outvars)[0]
+            if tuple(logits.aval.shape[:-1]) == shape and jnp.issubdtype(labels.aval.dtype,
+                                                                          jnp.integer):
+                seen.append(((tuple(logits.aval.shape), logits.aval.dtype),
+                             (shape, labels.aval.dtype)))
             continue
         stack.extend(producer.invars)
     return list(dict.fromkeys(seen))
@@ -135,19 +181,24 @@ def _logits_matmul(graph: Graph, logits: Any) -> tuple[Any, Any, Any, list[Any]]
     return x, w, dot.params["precision"], [*plumbing, dot]
 
 
-def _function(precision: Any) -> Callable[[Any, Any, Any], Any]:
+def _function(precision: Any, spelling: _Spelling) -> Callable[[Any, Any, Any], Any]:
     def function(x: Any, labels: Any, w: Any) -> Any:
         from tokamax_kernels.linear_softmax_cross_entropy_loss.api import (
             linear_softmax_cross_entropy_loss,
         )
 
         vocabulary = w.shape[-1]
-        # As `take_along_axis` indexes: from the end for a negative label, NaN out of range
-        # (the op gives NaN for labels >= V, and ignores negative ones).
         labels = labels.astype(jnp.int32)
-        labels = jnp.where(labels < -vocabulary, vocabulary,
-                           jnp.where(labels < 0, labels + vocabulary, labels))
-        return linear_softmax_cross_entropy_loss(x, labels, w, reduction="none",
-                                                 precision=precision)
+        if spelling.labels_enter == "_one_hot":
+            # An all-zero one-hot row: the op's ignored label.
+            labels = jnp.where((labels < 0) | (labels >= vocabulary), -1, labels)
+        else:
+            # As `take_along_axis` indexes: from the end for a negative label, NaN out of
+            # range (the op gives NaN for labels >= V, and ignores negative ones).
+            labels = jnp.where(labels < -vocabulary, vocabulary,
+                               jnp.where(labels < 0, labels + vocabulary, labels))
+        losses = linear_softmax_cross_entropy_loss(x, labels, w, reduction="none",
+                                                   precision=precision)
+        return -losses if spelling.negated else losses
 
     return function
