@@ -33,7 +33,7 @@ from benchmarks.probes.lce_chunk_sweep import lm_head_inputs, plain_and_xla, tim
 
 SHAPES = ((16384, 4096, 128256), (8192, 2304, 256000))
 TINY = ((64, 32, 300),)
-CHUNKS = (2048, 4096)
+CHUNKS = (1024, 2048, 4096)
 TINY_CHUNKS = (16, 32)
 
 
