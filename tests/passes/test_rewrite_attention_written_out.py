@@ -104,11 +104,26 @@ def softmax_in_float32_scale_by_sqrt(q, k, v, mask):
     return einsum("bhqk,bkhd->bqhd", weights, v)
 
 
-def test_bfloat16_softmax_in_float32_with_a_computed_scale(rewritten):
-    """The casts around the softmax and a scale spelled `1 / sqrt(d)` in jnp are read
-    through; in bfloat16 the rewrite matches the float32 reference as plain JAX does."""
-    f = softmax_in_float32_scale_by_sqrt
-    args = operands(f)
+def logits_cast_to_float32_before_the_scale(q, k, v, mask):
+    """The product's bfloat16 logits cast to float32 first, then scaled and masked."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(H)
+    logits = jnp.where(mask, logits, -1e10)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+
+
+def logits_cast_to_float32_before_a_bias(q, k, v, bias):
+    logits = einsum("bqhd,bkhd->bhqk", q * 0.25, k).astype(jnp.float32) + bias
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+
+
+@pytest.mark.parametrize("f", [softmax_in_float32_scale_by_sqrt,
+                               logits_cast_to_float32_before_the_scale,
+                               logits_cast_to_float32_before_a_bias], ids=lambda f: f.__name__)
+def test_bfloat16_softmax_in_float32_with_a_computed_scale(rewritten, f):
+    """The casts around the softmax (before or after the scale, mask or bias) and a scale
+    spelled `1 / sqrt(d)` in jnp are read through; in bfloat16 the rewrite matches the
+    float32 reference as plain JAX does."""
+    args = operands(with_bias if f is logits_cast_to_float32_before_a_bias else f)
     low = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
     cotangent = random_normal(9, (B, T, N, H))
     optimized = tokamax.optimize(f)

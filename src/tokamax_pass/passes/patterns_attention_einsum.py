@@ -218,13 +218,13 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
         for body, bias in (add.invars, add.invars[::-1]):
             if (tuple(body.aval.shape) == shape and literal_value(bias) is None
                     and (graph.producer(body, "mul", "div") is not None
-                         or _product(graph, body)[0] is not None)):
+                         or _product(graph, _uncast(graph, body, []))[0] is not None)):
                 attention.bias, logits = bias, body
                 attention.region.append(add)
                 break
         else:
             raise _NoMatch
-    logits = _scaled(graph, attention, logits)
+    logits = _uncast(graph, _scaled(graph, attention, logits), attention.region)
     product, transpose = _product(graph, logits)
     if product is None:
         raise _NoMatch
@@ -301,12 +301,15 @@ def _window(band: band_mask.Band, rows: int, keys: int
 
 
 def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
+    """The logits before a constant scale (the product, possibly cast to another float
+    type first: `einsum(q, k).astype(jnp.float32) / sqrt(d)`), else `logits`."""
     eqn = graph.producer(logits, "mul", "div")
     if eqn is None:
         return logits
     for body, factor in _operand_orders(eqn):
         value = scalar_constant(graph, factor)
-        if value is not None and np.ndim(value) == 0 and _product(graph, body)[0] is not None:
+        if (value is not None and np.ndim(value) == 0
+                and _product(graph, _uncast(graph, body, []))[0] is not None):
             attention.scale *= float(value) if eqn.primitive.name == "mul" else 1 / float(value)
             attention.region.append(eqn)
             return body
