@@ -51,8 +51,31 @@ def layer_norm_spelled_out(x, scale, offset):
     return scale * ((x - mean) / jnp.sqrt(variance + 1e-5)) + offset
 
 
+def layer_norm_scale_before_the_divisor(x, scale, offset):
+    """As PyTorch ports write it: the scale multiplied in before the division."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    variance = jnp.var(x, axis=-1, keepdims=True)
+    return scale * (x - mean) / jnp.sqrt(variance + 1e-5) + offset
+
+
+def rms_scale_before_rsqrt(x, scale):
+    return (scale * x) * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
+
+
+def layer_norm_flax(x, scale, offset):
+    """`flax.linen.LayerNorm`'s default: the fast variance `max(0, mean(x^2) - mean^2)`,
+    the scale folded into the reciprocal standard deviation."""
+    mean = jnp.mean(x, axis=-1)
+    mean_of_squares = jnp.mean(jax.lax.square(x), axis=-1)
+    variance = jnp.maximum(0.0, mean_of_squares - jax.lax.square(mean))
+    y = x - jnp.expand_dims(mean, -1)
+    factor = jnp.expand_dims(jax.lax.rsqrt(variance + 1e-6), -1) * scale.reshape(1, 1, -1)
+    return y * factor + offset.reshape(1, 1, -1)
+
+
 SPELLINGS = [rms_rsqrt, rms_sqrt_no_keepdims, rms_gemma, rms_no_scale, layer_norm_var,
-             layer_norm_spelled_out]
+             layer_norm_spelled_out, layer_norm_scale_before_the_divisor,
+             rms_scale_before_rsqrt, layer_norm_flax]
 
 
 def operands(f, dtype=jnp.float32, seed=0):

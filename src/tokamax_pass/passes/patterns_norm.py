@@ -5,12 +5,15 @@ Matched (from the equation that ends it), `x` possibly upcast to float32 first a
 result rounded back to `x`'s dtype at the end:
 
 - statistics: `mean(x)` as `jnp.mean` (`sum / n`, with or without `keepdims`), the
-  variance as `mean(square(x - mean))` (`square`, `** 2` or a product) or `jnp.var`
-  (`ddof=0`), RMSNorm's as `mean(square(x))`;
+  variance as `mean(square(x - mean))` (`square`, `** 2` or a product), `jnp.var`
+  (`ddof=0`) or Flax's `max(0, mean(square(x)) - square(mean))`, RMSNorm's as
+  `mean(square(x))`;
 - normalization: `x_c * rsqrt(var + eps)`, `x_c / sqrt(var + eps)` or
   `x_c * (1 / sqrt(var + eps))`;
 - then optionally `* scale` (or `* (scale + c)`, Gemma's `1 + scale`) and `+ offset`,
-  each a vector of the last axis' length.
+  each a vector of the last axis' length; the scale may also be multiplied in before
+  the division (`scale * x_c / sqrt(...)`) or into the factor (`x_c * (rsqrt(...) *
+  scale)`, as Flax's `LayerNorm` does).
 
 A norm whose values feed anything but the next step (a gradient traced inside
 `optimize` keeps `rsqrt(var + eps)` for its backward) is left as written.
@@ -206,22 +209,29 @@ def _shifted_vector(graph: Graph, var: Any, length: int) -> tuple[Any, float]:
 
 
 def _normalized(graph: Graph, norm: _Norm, eqn: Any) -> None:
-    """`x_c * rsqrt(var + eps)`, `x_c / sqrt(var + eps)`, `x_c * (1 / sqrt(var + eps))`."""
+    """`x_c * rsqrt(var + eps)`, `x_c / sqrt(var + eps)`, `x_c * (1 / sqrt(var + eps))`;
+    the scale may be multiplied in before (`scale * x_c / sqrt(...)`) or folded into the
+    factor (`x_c * (rsqrt(...) * scale)`, as Flax's `LayerNorm` does)."""
     full = tuple(eqn.outvars[0].aval.shape)
     if eqn.primitive.name == "div":
         centered, denominator = eqn.invars
         variance_plus = _through(graph, norm, denominator, "sqrt")
     elif eqn.primitive.name == "mul":
         for centered, factor in (eqn.invars, eqn.invars[::-1]):
-            if tuple(centered.aval.shape) == full and _statistic(graph, factor):
+            if tuple(centered.aval.shape) != full:
+                continue
+            statistic = factor if _statistic(graph, factor) else _scaled_statistic(
+                graph, norm, factor)
+            if statistic is not None:
                 break
         else:
             raise _NoMatch
-        variance_plus = _reciprocal_sqrt(graph, norm, factor)
+        variance_plus = _reciprocal_sqrt(graph, norm, statistic)
     else:
         raise _NoMatch
     if tuple(centered.aval.shape) != full:
         raise _NoMatch
+    centered = _prescaled(graph, norm, centered)
     add = _take(graph, norm, variance_plus, "add")
     with_epsilon = [(a, b) for a, b in (add.invars, add.invars[::-1])
                     if literal_value(b) is not None]
@@ -240,8 +250,51 @@ def _normalized(graph: Graph, norm: _Norm, eqn: Any) -> None:
     norm.x = x
 
 
+def _scale_of(graph: Graph, var: Any, length: int) -> tuple[Any, float] | None:
+    """`(scale, c)` where `var` broadcasts `scale + c` (c 0 for a bare scale) along the
+    last axis, else `None`."""
+    scale = _vector(graph, var, length)
+    if scale is not None:
+        return scale, 0.0
+    scale, by = _shifted_vector(graph, var, length)
+    return None if scale is None else (scale, by)
+
+
+def _scaled_statistic(graph: Graph, norm: _Norm, factor: Any) -> Any:
+    """The per-row statistic of `statistic * scale` (the scale folded into the factor),
+    the scale recorded; `None` if `factor` is not one or a scale was found already."""
+    eqn = graph.producer(factor, "mul")
+    if eqn is None or norm.scale is not None:
+        return None
+    for statistic, other in (eqn.invars, eqn.invars[::-1]):
+        found = _scale_of(graph, other, factor.aval.shape[-1])
+        if found is not None and _statistic(graph, statistic):
+            norm.scale, norm.scale_offset = found
+            norm.core.append(eqn)
+            return statistic
+    return None
+
+
+def _prescaled(graph: Graph, norm: _Norm, centered: Any) -> Any:
+    """`x_c` of `scale * x_c` (the scale multiplied in before the division), the scale
+    recorded; else `centered` itself."""
+    eqn = graph.producer(centered, "mul")
+    if eqn is None or norm.scale is not None:
+        return centered
+    for body, other in (eqn.invars, eqn.invars[::-1]):
+        found = _scale_of(graph, other, centered.aval.shape[-1])
+        if found is not None and tuple(body.aval.shape) == tuple(centered.aval.shape):
+            norm.scale, norm.scale_offset = found
+            norm.core.append(eqn)
+            return body
+    return centered
+
+
 def _statistic(graph: Graph, var: Any) -> bool:
-    """Whether `var` is one value per row (last axis 1), possibly broadcast."""
+    """Whether `var` is one value per row (last axis 1), possibly broadcast to the rows'
+    length: a `(..., 1)` array, or the broadcast of one along the last axis."""
+    if len(var.aval.shape) >= 1 and var.aval.shape[-1] == 1:
+        return True
     eqn = graph.producer(var, "broadcast_in_dim")
     if eqn is not None:
         var = eqn.invars[0]
@@ -326,6 +379,8 @@ def _variance(graph: Graph, norm: _Norm, var: Any, x: Any, centered: Any) -> Non
                             "the op by n")
         norm.core.append(jnp_var)
         return
+    if norm.subtract_mean and _fast_variance(graph, norm, var, x):
+        return
     square = _square_of(graph, var)
     if square is None:
         raise _NoMatch
@@ -337,6 +392,40 @@ def _variance(graph: Graph, norm: _Norm, var: Any, x: Any, centered: Any) -> Non
     norm.core.append(square)
     if operand is not centered:
         norm.core.append(graph.producer(operand))
+
+
+def _fast_variance(graph: Graph, norm: _Norm, var: Any, x: Any) -> bool:
+    """Whether `var` is `max(0, mean(square(x)) - square(mean(x)))`, Flax's default
+    ("fast") variance; the equations are added to `norm.core`."""
+    maximum = graph.producer(var, "max")
+    if maximum is None:
+        return False
+    for zero, difference in (maximum.invars, maximum.invars[::-1]):
+        sub = graph.producer(difference, "sub")
+        if literal_value(zero) != 0 or sub is None:
+            continue
+        mean_of_squares, squared_mean = sub.invars
+        square = _square_of(graph, mean_of_squares)
+        outer = graph.producer(squared_mean, "square", "integer_pow", "mul")
+        if square is None or outer is None or _square_of_operand(outer) is None:
+            continue
+        core: list[Any] = []
+        if (same_value(graph, square.invars[0], x)
+                and _is_mean_of(graph, mean_of_squares, square.outvars[0], core)
+                and _is_mean_of(graph, _square_of_operand(outer), x, core)):
+            norm.core.extend([maximum, sub, square, outer, *core])
+            return True
+    return False
+
+
+def _square_of_operand(eqn: Any) -> Any:
+    """What the squaring equation `eqn` squares, else `None`."""
+    name = eqn.primitive.name
+    if name == "integer_pow" and eqn.params["y"] != 2:
+        return None
+    if name == "mul" and eqn.invars[0] is not eqn.invars[1]:
+        return None
+    return eqn.invars[0]
 
 
 def _square_of(graph: Graph, mean: Any) -> Any:
@@ -353,11 +442,4 @@ def _square_of(graph: Graph, mean: Any) -> Any:
     if reduce is None:
         return None
     square = graph.producer(reduce.invars[0], "square", "integer_pow", "mul")
-    if square is None:
-        return None
-    name = square.primitive.name
-    if name == "integer_pow" and square.params["y"] != 2:
-        return None
-    if name == "mul" and square.invars[0] is not square.invars[1]:
-        return None
-    return square
+    return None if square is None or _square_of_operand(square) is None else square
