@@ -48,9 +48,19 @@ def fused_slices_gate_second(x, w):
     return h[..., :N] * jax.nn.relu(h[..., N:])
 
 
+def silu_written_out(x, w_gate, w_up):
+    gate = dot(x, w_gate)
+    return gate * jax.nn.sigmoid(gate) * dot(x, w_up)
+
+
+def fused_silu_written_out_sigmoid_first(x, w):
+    gate, up = jnp.split(dot(x, w), 2, axis=-1)
+    return up * (jax.nn.sigmoid(gate) * gate)
+
+
 SEPARATE = [separate(a) for a in (jax.nn.silu, jax.nn.swish, jax.nn.gelu, jax.nn.relu,
-                                  jax.nn.sigmoid)] + [up_first, bilinear]
-FUSED = [fused_split, fused_slices_gate_second]
+                                  jax.nn.sigmoid)] + [up_first, bilinear, silu_written_out]
+FUSED = [fused_split, fused_slices_gate_second, fused_silu_written_out_sigmoid_first]
 
 
 def operands(f, seed=0):
@@ -127,6 +137,12 @@ def uneven_halves(x, w):
     return jax.nn.silu(h[..., :N - 1]) * h[..., N + 1:]
 
 
+def one_half_times_its_own_sigmoid(x, w):
+    """`sigmoid(a) * a` of the first half, the second half unused: no gate and up."""
+    a, _ = jnp.split(dot(x, w), 2, axis=-1)
+    return jax.nn.sigmoid(a) * a + 1.0
+
+
 def float32_from_bfloat16(x, w_gate, w_up):
     x, w_gate, w_up = (a.astype(jnp.bfloat16) for a in (x, w_gate, w_up))
     gate = jnp.matmul(x, w_gate, preferred_element_type=jnp.float32)
@@ -136,10 +152,11 @@ def float32_from_bfloat16(x, w_gate, w_up):
 
 @pytest.mark.parametrize("f,reason", [
     (tanh_gate, None), (two_inputs, None), (uneven_halves, None),
+    (one_half_times_its_own_sigmoid, None),
     (float32_from_bfloat16, "the op's output shapes or dtypes differ"),
 ], ids=lambda p: getattr(p, "__name__", ""))
 def test_near_misses_are_left_as_written(rewritten, f, reason):
-    args = operands(fused_split if f is uneven_halves else f)
+    args = operands(fused_split if f in (uneven_halves, one_half_times_its_own_sigmoid) else f)
     optimized = tokamax.optimize(f)
     assert outcomes(optimized, *args) == ([] if reason is None else [f"left alone: {reason}"])
     assert op_names(optimized, *args) == []

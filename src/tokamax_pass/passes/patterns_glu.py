@@ -4,8 +4,9 @@ by the `gated_linear_unit` op.
 Matched at the product, either operand order: two matmuls of one `x` (its last axis
 against the first of a `(K, N)` weight), or one matmul with a `(K, 2N)` weight split in
 two halves (`jnp.split`, or slices) whose halves are the gate and the up projection;
-`act` is `jax.nn.silu`/`swish`, `jax.nn.gelu` (tanh or exact), `jax.nn.relu` or
-`jax.nn.sigmoid` (recognized by the equations they trace to), or none (the bilinear GLU).
+`act` is `jax.nn.silu`/`swish` (or written out, `g * jax.nn.sigmoid(g)`), `jax.nn.gelu`
+(tanh or exact), `jax.nn.relu` or `jax.nn.sigmoid` (recognized by the equations they
+trace to), or none (the bilinear GLU).
 Matmuls whose values feed anything else (a gradient traced inside `optimize` keeps
 them for its backward) are left as written.
 """
@@ -37,9 +38,21 @@ def gelu_exact(x: Any) -> Any:
     return jax.nn.gelu(x, approximate=False)
 
 
-# The activations recognized, by the function the op is then given.
-ACTIVATIONS: tuple[Callable[[Any], Any], ...] = (
-    jax.nn.silu, jax.nn.gelu, gelu_exact, jax.nn.relu, jax.nn.sigmoid)
+def silu_written_out(x: Any) -> Any:
+    """`x * jax.nn.sigmoid(x)`: `jax.nn.silu` as models write it by hand."""
+    return x * jax.nn.sigmoid(x)
+
+
+def silu_written_out_sigmoid_first(x: Any) -> Any:
+    return jax.nn.sigmoid(x) * x
+
+
+# The activations recognized: each spelling (the equations it traces to) and the
+# function the op is then given.
+SPELLINGS: tuple[tuple[Callable[[Any], Any], Callable[[Any], Any]], ...] = (
+    *((activation, activation) for activation in (
+        jax.nn.silu, jax.nn.gelu, gelu_exact, jax.nn.relu, jax.nn.sigmoid)),
+    (silu_written_out, jax.nn.silu), (silu_written_out_sigmoid_first, jax.nn.silu))
 
 
 def match(eqn: Any, graph: Graph | None) -> Candidate | None:
@@ -120,7 +133,9 @@ def _fused(graph: Graph, root: Any, gate: Any, up: Any,
 
 def _halves(graph: Graph, gate: Any, up: Any) -> tuple[Any, bool, list[Any]] | None:
     """`(h, gate_first, equations)` where `gate` and `up` are the two halves of `h`'s
-    last axis (`jnp.split` or slices)."""
+    last axis (`jnp.split` or slices); one half times itself is not a GLU's product."""
+    if gate is up:
+        return None
     split = graph.producer(gate, "split")
     if split is not None and split is graph.producer(up, "split"):
         (h,) = split.invars
@@ -156,12 +171,13 @@ def _halves(graph: Graph, gate: Any, up: Any) -> tuple[Any, bool, list[Any]] | N
 
 def _activation(graph: Graph, gate: Any
                 ) -> tuple[Callable[[Any], Any] | None, Any, list[Any]] | None:
-    """`(activation, its operand, its equations)` where `gate` is one of `ACTIVATIONS`
-    applied to a matmul or a half of one (`None`, no equations: `gate` is that itself)."""
+    """`(activation, its operand, its equations)` where `gate` is an activation of
+    `SPELLINGS` applied to a matmul or a half of one (`None`, no equations: `gate` is
+    that itself)."""
     if graph.producer(gate, "dot_general", "split", "slice") is not None:
         return None, gate, []
-    for activation in ACTIVATIONS:
-        reference = reference_jaxpr(activation, (tuple(gate.aval.shape), gate.aval.dtype))
+    for spelling, activation in SPELLINGS:
+        reference = reference_jaxpr(spelling, (tuple(gate.aval.shape), gate.aval.dtype))
         bound: dict[Any, Any] = {}
         region: list[Any] = []
         if same_structure(graph, gate, reference, reference.outvars[0], bound, region):
