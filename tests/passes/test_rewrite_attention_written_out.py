@@ -62,8 +62,15 @@ def with_bias(q, k, v, bias):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
 
+def softmax_written_out_max_stopped(q, k, v, mask):
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k) * 0.25, -jnp.inf)
+    weights = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return einsum("bhqk,bkhd->bqhd", weights, v)
+
+
 SPELLINGS = [einsum_scaled_after, einsum_ellipsis_flax_style, matmul_heads_first_soft_cap,
-             grouped_query_by_repeat, with_bias]
+             grouped_query_by_repeat, with_bias, softmax_written_out_max_stopped]
 
 
 def operands(f, seed=0, hide_a_row=False):

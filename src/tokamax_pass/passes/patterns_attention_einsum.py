@@ -57,7 +57,13 @@ def _softmax_written_out(logits: Any) -> Any:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-_SOFTMAXES = (_softmax, _softmax_written_out)
+def _softmax_written_out_max_stopped(logits: Any) -> Any:
+    """The written-out softmax with the max's gradient stopped, as `jax.nn.softmax` does."""
+    e = jnp.exp(logits - jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True)))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+_SOFTMAXES = (_softmax, _softmax_written_out, _softmax_written_out_max_stopped)
 
 
 @dataclasses.dataclass
