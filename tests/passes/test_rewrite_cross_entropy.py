@@ -56,6 +56,12 @@ def one_hot_loss_summed_by_jnp(x, w, labels):
     return -jnp.sum(jax.nn.log_softmax(logits_of(x, w)) * jax.nn.one_hot(labels, V), axis=-1)
 
 
+def soft_capped_loss(x, w, labels):
+    """Gemma 2's final-logit soft cap before the loss."""
+    logits = 3.0 * jnp.tanh(logits_of(x, w) / 3.0)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]
+
+
 def operands(seed=0, dtype=jnp.float32):
     x = random_normal(seed, (B, T, H), dtype)
     w = random_normal(seed + 1, (H, V), dtype)
@@ -66,7 +72,8 @@ def operands(seed=0, dtype=jnp.float32):
 
 @pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, mean_loss,
                                negated_mean_log_probability, one_hot_loss,
-                               one_hot_loss_summed_by_jnp], ids=lambda f: f.__name__)
+                               one_hot_loss_summed_by_jnp, soft_capped_loss],
+                         ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):
     x, w, labels = operands()
     cotangent = random_normal(9, jax.eval_shape(f, x, w, labels).shape)

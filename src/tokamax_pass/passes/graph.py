@@ -167,6 +167,24 @@ def same_value(graph: Graph, a: Any, b: Any, depth: int = 8) -> bool:
         same_value(graph, x, y, depth - 1) for x, y in zip(ea.invars, eb.invars, strict=True))
 
 
+def soft_capped(graph: Graph, var: Any) -> tuple[Any, float, list[Any]] | None:
+    """`(logits, cap, equations)` where `var` is `cap * tanh(logits / cap)` (Gemma 2's
+    soft cap, `cap` a number), else `None`."""
+    outer = graph.producer(var, "mul")
+    if outer is None:
+        return None
+    for tanh_out, cap in (outer.invars, outer.invars[::-1]):
+        cap_value = literal_value(cap)
+        tanh = graph.producer(tanh_out, "tanh")
+        if cap_value is None or tanh is None:
+            continue
+        inner = graph.producer(tanh.invars[0], "div")
+        if inner is None or literal_value(inner.invars[1]) != cap_value:
+            continue
+        return inner.invars[0], float(cap_value), [outer, tanh, inner]
+    return None
+
+
 def reference_jaxpr(spelling: Callable[..., Any],
                     *avals: tuple[tuple[int, ...], Any]) -> Jaxpr:
     """The jaxpr of a pattern's reference spelling on `(shape, dtype)` operands, which

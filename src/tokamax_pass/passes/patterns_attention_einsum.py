@@ -41,6 +41,7 @@ from tokamax_pass.passes.graph import (
     reference_jaxpr,
     same_structure,
     scalar_constant,
+    soft_capped,
 )
 
 NAME = "attention"
@@ -345,21 +346,12 @@ def _unscaled_query(graph: Graph, attention: _Attention, query: Any) -> Any:
 
 def _soft_cap(graph: Graph, attention: _Attention, logits: Any) -> Any:
     """The logits before `cap * tanh(logits / cap)`, or `None`."""
-    outer = graph.producer(logits, "mul")
-    if outer is None:
+    found = soft_capped(graph, logits)
+    if found is None:
         return None
-    for tanh_out, cap in (outer.invars, outer.invars[::-1]):
-        cap_value = literal_value(cap)
-        tanh = graph.producer(tanh_out, "tanh")
-        if cap_value is None or tanh is None:
-            continue
-        inner = graph.producer(tanh.invars[0], "div")
-        if inner is None or literal_value(inner.invars[1]) != cap_value:
-            continue
-        attention.soft_cap = float(cap_value)
-        attention.region.extend([outer, tanh, inner])
-        return inner.invars[0]
-    return None
+    inner, attention.soft_cap, eqns = found
+    attention.region.extend(eqns)
+    return inner
 
 
 def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, query: Any,

@@ -4,7 +4,8 @@ logits `x @ w` against integer labels, written in plain JAX, replaced by the
 stays as written).
 
 Matched at the loss, in float32, the logits `x @ w` (`x`'s last axis against a `(H, V)`
-`w`) possibly cast to float32 first, spelled as
+`w`) possibly cast to float32 and then soft-capped (`cap * tanh(logits / cap)`, Gemma
+2's final-logit cap, the op's `logits_soft_cap`) first, spelled as
 `-take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]` or as optax
 spells it, `jax.nn.logsumexp(logits, -1) - take_along_axis(logits, labels[..., None],
 -1)[..., 0]` (`jnp.expand_dims` and `squeeze` too). Labels index as `take_along_axis`
@@ -27,7 +28,13 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_pass.passes.candidate import Candidate
-from tokamax_pass.passes.graph import Graph, dense_matmul, reference_jaxpr, same_structure
+from tokamax_pass.passes.graph import (
+    Graph,
+    dense_matmul,
+    reference_jaxpr,
+    same_structure,
+    soft_capped,
+)
 
 NAME = "linear_softmax_cross_entropy_loss"
 PRIMITIVES = frozenset({"neg", "sub", "squeeze"})
@@ -111,12 +118,12 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         found = _logits_matmul(graph, logits)
         if found is None:
             continue
-        x, w, precision, plumbing = found
+        x, w, precision, cap, plumbing = found
         whole = [*region, *plumbing]
         if not graph.private([e for e in whole if e is not eqn], eqn):
             return Candidate(NAME, None, "the logits are used elsewhere (a gradient traced "
                                          "inside optimize keeps them for its backward)")
-        return Candidate(NAME, _function(precision, spelling), inputs=(x, labels, w))
+        return Candidate(NAME, _function(precision, cap, spelling), inputs=(x, labels, w))
     return None
 
 
@@ -165,9 +172,15 @@ def _input_avals(eqn: Any, graph: Graph, labels_enter: str
     return list(dict.fromkeys(seen))
 
 
-def _logits_matmul(graph: Graph, logits: Any) -> tuple[Any, Any, Any, list[Any]] | None:
-    """`(x, w, precision, equations)` where `logits` is `x @ w`, possibly cast to float32."""
-    plumbing = []
+def _logits_matmul(graph: Graph, logits: Any
+                   ) -> tuple[Any, Any, Any, float | None, list[Any]] | None:
+    """`(x, w, precision, cap, equations)` where `logits` is `x @ w`, possibly cast to
+    float32, then possibly soft-capped (`cap * tanh(logits / cap)`; else `cap` None)."""
+    plumbing: list[Any] = []
+    cap = None
+    capped = soft_capped(graph, logits)
+    if capped is not None:
+        logits, cap, plumbing = capped
     convert = graph.producer(logits, "convert_element_type")
     if convert is not None:
         plumbing.append(convert)
@@ -178,10 +191,11 @@ def _logits_matmul(graph: Graph, logits: Any) -> tuple[Any, Any, Any, list[Any]]
     x, w = dot.invars
     if x.aval.dtype != w.aval.dtype:
         return None
-    return x, w, dot.params["precision"], [*plumbing, dot]
+    return x, w, dot.params["precision"], cap, [*plumbing, dot]
 
 
-def _function(precision: Any, spelling: _Spelling) -> Callable[[Any, Any, Any], Any]:
+def _function(precision: Any, cap: float | None,
+              spelling: _Spelling) -> Callable[[Any, Any, Any], Any]:
     def function(x: Any, labels: Any, w: Any) -> Any:
         from tokamax_kernels.linear_softmax_cross_entropy_loss.api import (
             linear_softmax_cross_entropy_loss,
@@ -198,7 +212,7 @@ def _function(precision: Any, spelling: _Spelling) -> Callable[[Any, Any, Any], 
             labels = jnp.where(labels < -vocabulary, vocabulary,
                                jnp.where(labels < 0, labels + vocabulary, labels))
         losses = linear_softmax_cross_entropy_loss(x, labels, w, reduction="none",
-                                                   precision=precision)
+                                                   logits_soft_cap=cap, precision=precision)
         return -losses if spelling.negated else losses
 
     return function
