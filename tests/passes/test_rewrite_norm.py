@@ -73,9 +73,17 @@ def layer_norm_flax(x, scale, offset):
     return y * factor + offset.reshape(1, 1, -1)
 
 
-SPELLINGS = [rms_rsqrt, rms_sqrt_no_keepdims, rms_gemma, rms_no_scale, layer_norm_var,
-             layer_norm_spelled_out, layer_norm_scale_before_the_divisor,
-             rms_scale_before_rsqrt, layer_norm_flax]
+def rms_power(x, scale):
+    return x * (jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) ** -0.5 * scale
+
+
+def rms_reciprocal(x, scale):
+    return x * jnp.reciprocal(jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)) * scale
+
+
+SPELLINGS = [rms_power, rms_reciprocal, rms_rsqrt, rms_sqrt_no_keepdims, rms_gemma,
+             rms_no_scale, layer_norm_var, layer_norm_spelled_out,
+             layer_norm_scale_before_the_divisor, rms_scale_before_rsqrt, layer_norm_flax]
 
 
 def operands(f, dtype=jnp.float32, seed=0):

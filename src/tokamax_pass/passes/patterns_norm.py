@@ -8,8 +8,9 @@ result rounded back to `x`'s dtype at the end:
   variance as `mean(square(x - mean))` (`square`, `** 2` or a product), `jnp.var`
   (`ddof=0`) or Flax's `max(0, mean(square(x)) - square(mean))`, RMSNorm's as
   `mean(square(x))`;
-- normalization: `x_c * rsqrt(var + eps)`, `x_c / sqrt(var + eps)` or
-  `x_c * (1 / sqrt(var + eps))`;
+- normalization: `x_c * rsqrt(var + eps)`, `x_c / sqrt(var + eps)`,
+  `x_c * (1 / sqrt(var + eps))`, `x_c * (var + eps) ** -0.5` or
+  `x_c * jnp.reciprocal(jnp.sqrt(var + eps))`;
 - then optionally `* scale` (or `* (scale + c)`, Gemma's `1 + scale`) and `+ offset`,
   each a vector of the last axis' length; the scale may also be multiplied in before
   the division (`scale * x_c / sqrt(...)`) or into the factor (`x_c * (rsqrt(...) *
@@ -315,10 +316,20 @@ def _unbroadcast(graph: Graph, norm: _Norm, var: Any) -> Any:
 
 
 def _reciprocal_sqrt(graph: Graph, norm: _Norm, var: Any) -> Any:
+    """What `var` is the reciprocal square root of: `rsqrt(v)`, `1 / sqrt(v)`,
+    `v ** -0.5` or `jnp.reciprocal(jnp.sqrt(v))`."""
     var = _unbroadcast(graph, norm, var)
-    eqn = _take(graph, norm, var, "rsqrt", "div")
+    eqn = _take(graph, norm, var, "rsqrt", "div", "pow", "integer_pow")
     if eqn.primitive.name == "rsqrt":
         return eqn.invars[0]
+    if eqn.primitive.name == "pow":
+        if literal_value(eqn.invars[1]) != -0.5:
+            raise _NoMatch
+        return eqn.invars[0]
+    if eqn.primitive.name == "integer_pow":
+        if eqn.params["y"] != -1:
+            raise _NoMatch
+        return _through(graph, norm, eqn.invars[0], "sqrt")
     one, denominator = eqn.invars
     if literal_value(one) != 1:
         raise _NoMatch
