@@ -124,6 +124,27 @@ def test_out_of_range_labels_masked_after_the_loss_have_the_gradients_of_jit(rew
         assert_close(actual, wanted)
 
 
+def test_a_per_example_loss_under_vmap_is_matched(rewritten):
+    """`jax.vmap` of a per-sequence loss with shared weights: the batched equations leave
+    NumPy integers in their parameters, which the spellings' are compared without."""
+    x, w, labels = operands()
+    per_example = jax.vmap(lambda x, w, labels: log_softmax_loss(x, w, labels).mean(),
+                           in_axes=(0, None, 0))
+    cotangent = random_normal(9, (B,))
+
+    def loss(x, w, labels):
+        return (per_example(x, w, labels) * cotangent).sum()
+
+    optimized = tokamax.optimize(per_example)
+    assert outcomes(optimized, x, w, labels) == [REWRITTEN]
+    assert_close(optimized(x, w, labels), jax.jit(per_example)(x, w, labels))
+    grads = jax.grad(lambda x, w: (optimized(x, w, labels) * cotangent).sum(),
+                     argnums=(0, 1))(x, w)
+    for actual, wanted in zip(grads, jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w, labels),
+                              strict=True):
+        assert_close(actual, wanted)
+
+
 def test_a_gradient_traced_inside_optimize_runs_the_op_and_its_vjp(rewritten):
     x, w, labels = operands()
     grad = jax.grad(mean_loss, argnums=(0, 1))

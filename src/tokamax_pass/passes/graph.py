@@ -4,6 +4,7 @@ several equations (a region ending at the equation where the pattern is matched)
 from __future__ import annotations
 
 import functools
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -232,12 +233,17 @@ def same_structure(graph: Graph, var: Any, reference: Jaxpr, ref_var: Any,
                for a, b in zip(eqn.invars, ref_eqn.invars, strict=True))
 
 
+# NumPy integers in a jaxpr's text (`jax.vmap` leaves `np.int64` axes in parameters).
+_NUMPY_INTEGER = re.compile(r"np\.u?int(?:8|16|32|64)\((-?\d+)\)")
+
+
 def _params_key(params: dict[str, Any]) -> dict[str, str]:
-    """Parameters comparable across traces: sub-jaxprs by their text, functions by kind."""
+    """Parameters comparable across traces: sub-jaxprs by their text (NumPy integers in it
+    written as numbers, as `_plain` writes them), functions by kind."""
     key = {}
     for name, value in params.items():
         if isinstance(value, (Jaxpr, ClosedJaxpr)):
-            key[name] = str(value)
+            key[name] = _NUMPY_INTEGER.sub(r"\1", str(value))
         elif isinstance(value, lu.WrappedFun) or callable(value):
             key[name] = type(value).__name__
         else:
