@@ -39,7 +39,8 @@ def window_without_causal(rows, cols):
 
 
 def grouped(q, k, v, keep, *, cap=SOFT_CAP, softmax_axis=-1, fill=-jnp.inf):
-    """Gemma-2's attention in jnp, `keep(rows, cols)` the mask."""
+    """Gemma-2's attention in jnp, `keep(rows, cols)` the mask (a tuple of them: masks
+    applied in turn, each with `fill`, or with its own where `fill` is a tuple)."""
     b, t, n, d = q.shape
     q = q.reshape(b, t, K, n // K, d)
     logits = jnp.einsum("bthgd,bshd->bhgts", q, k, preferred_element_type=jnp.float32,
@@ -47,7 +48,10 @@ def grouped(q, k, v, keep, *, cap=SOFT_CAP, softmax_axis=-1, fill=-jnp.inf):
     logits = logits / math.sqrt(d)
     logits = cap * jnp.tanh(logits / cap)
     rows, cols = jnp.arange(t)[:, None], jnp.arange(k.shape[1])[None, :]
-    logits = jnp.where(keep(rows, cols), logits, fill)
+    keeps = keep if isinstance(keep, tuple) else (keep,)
+    fills = fill if isinstance(fill, tuple) else (fill,) * len(keeps)
+    for one, one_fill in zip(keeps, fills, strict=True):
+        logits = jnp.where(one(rows, cols), logits, one_fill)
     probs = jax.nn.softmax(logits, axis=softmax_axis).astype(v.dtype)
     out = jnp.einsum("bhgts,bshd->bthgd", probs, v, precision=HIGHEST)
     return out.reshape(b, t, n, d)
@@ -153,6 +157,45 @@ def test_a_mask_that_is_no_band_is_passed_as_an_array(rewritten, keep, fill):
     expected, actual = jax.jit(f)(*args), optimized(*args)
     assert np.array_equal(np.isnan(actual), np.isnan(expected))
     assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+
+def causal(rows, cols):
+    return cols <= rows
+
+
+def test_a_causal_mask_then_a_window_mask_are_one_band(rewritten):
+    """Masks applied in turn (`jnp.where` twice, as sliding-window layers often add
+    theirs) keep the keys both keep: the band they share."""
+    def f(q, k, v):
+        return grouped(q, k, v, (causal, window_without_causal))
+
+    args = operands(5)
+    assert attention_arguments(tokamax.optimize(f), *args) == {(True, (WINDOW, 0), False)}
+    check_values_and_gradients(f, args, random_normal(9, (B, T, N, H)))
+
+
+def test_a_band_then_a_mask_reading_data_are_passed_as_arrays(rewritten):
+    def f(q, k, v, offsets):
+        return grouped(q, k, v, (
+            causal, lambda rows, cols: cols >= offsets[:, None, None, None, None]))
+
+    args = (*operands(13), jnp.array([0, 2]))
+    optimized = tokamax.optimize(f)
+    assert attention_arguments(optimized, *args) == {(False, None, True)}
+    expected, actual = jax.jit(f)(*args), optimized(*args)
+    assert np.isnan(expected).any()  # rows 0 and 1 of the second sequence see no key
+    assert np.array_equal(np.isnan(actual), np.isnan(expected))
+    assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+
+def test_masks_of_different_fills_are_left_as_written(rewritten):
+    def f(q, k, v):
+        return grouped(q, k, v, (causal, window_without_causal), fill=(-jnp.inf, -1e30))
+
+    args = operands(5)
+    optimized = tokamax.optimize(f)
+    assert attention_arguments(optimized, *args) == set()
+    assert_close(optimized(*args), jax.jit(f)(*args))
 
 
 def test_a_mask_reading_data_is_passed_as_an_array(rewritten):

@@ -7,7 +7,8 @@ that traces alike is one: `jnp.einsum` or `@`/`jnp.matmul`, any layout (each bat
 heads included, shared by q, k and v; one query, one key and one feature axis), the
 scale a number multiplying (or dividing) the logits or q, a `bias` added to the logits,
 a Gemma-2 soft cap `cap * tanh(logits / cap)`, a mask applied last by
-`jnp.where(mask, logits, fill)` with `fill` `-inf` or at most `-1e9`, then
+`jnp.where(mask, logits, fill)` with `fill` `-inf` or at most `-1e9` (or several in turn,
+one fill for all: the keys every one keeps), then
 `jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
 second product. The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`),
 and the logits cast to another float type for the softmax (`.astype(jnp.float32)`). The
@@ -17,8 +18,9 @@ Grouped-query attention: q may have more free axes than the query rows
 query heads; keys and values repeated (`jnp.repeat`) are taken as repeated.
 
 A mask that is a band of key offsets built from indices (`band_mask`), where every query
-row sees a key, becomes `is_causal` and `local_window_size`; any other mask is passed as
-an array. A query row whose keys the mask all hides gets plain JAX's value there: the
+row sees a key, becomes `is_causal` and `local_window_size` (masks applied in turn that
+are all bands, their shared band); any other mask is passed as an array (several: each,
+and the op is given the keys all of them keep). A query row whose keys the mask all hides gets plain JAX's value there: the
 mean of the values for a finite fill, NaN for `-inf`.
 """
 
@@ -80,8 +82,9 @@ class _Attention:
     key: Any = None
     value: Any = None
     bias: Any = None
-    mask: Any = None
-    mask_negated: bool = False
+    # `(condition, negated)` of each `jnp.where` applied in turn: a key is kept where
+    # every condition (negated where `negated`) holds.
+    masks: list[tuple[Any, bool]] = dataclasses.field(default_factory=list)
     fill: float = 0.0
     scale: float = 1.0
     soft_cap: float | None = None
@@ -114,7 +117,8 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
                                      "gradient traced inside optimize keeps them for its "
                                      "backward)")
     arrays = [attention.query, attention.key, attention.value]
-    arrays += [a for a in (attention.bias, attention.mask) if a is not None]
+    arrays += [a for a in (attention.bias,) if a is not None]
+    arrays += [condition for condition, _ in attention.masks]
     out = eqn.outvars[0].aval
     return Candidate(NAME, functools.partial(_compute, attention, tuple(out.shape), out.dtype),
                      inputs=tuple(arrays))
@@ -200,23 +204,26 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     the mask is read through, the op computing them in float32 anyway."""
     shape = tuple(logits.aval.shape)
     logits = _uncast(graph, logits, attention.region)
-    where = graph.producer(logits, "jit")
-    if where is not None and where.params.get("name") == "_where":
+    bands: list[band_mask.Band | None] = []
+    while (where := graph.producer(logits, "jit")) is not None and where.params.get(
+            "name") == "_where":
         condition, on_true, on_false = where.invars
         if tuple(on_true.aval.shape) == shape and literal_value(on_false) is not None:
-            attention.mask, fill, logits = condition, literal_value(on_false), on_true
+            negated, fill, logits = False, literal_value(on_false), on_true
         elif tuple(on_false.aval.shape) == shape and literal_value(on_true) is not None:
-            attention.mask, fill, logits = condition, literal_value(on_true), on_false
-            attention.mask_negated = True
+            negated, fill, logits = True, literal_value(on_true), on_false
         else:
             raise _NoMatch
         if condition.aval.dtype != jnp.bool_ or not float(fill) <= _LARGEST_FILL:
             raise _NoMatch
+        if attention.masks and float(fill) != attention.fill:
+            raise _NoMatch  # masks of different fills hide different values
         attention.fill = float(fill)
+        attention.masks.append((condition, negated))
         attention.region.append(where)
-        if not attention.mask_negated:
-            attention.band = band_mask.band(graph, condition, shape)
+        bands.append(None if negated else band_mask.band(graph, condition, shape))
         logits = _uncast(graph, logits, attention.region)
+    attention.band = _intersection(bands)
     capped = _soft_cap(graph, attention, logits)
     if capped is not None:
         logits = capped
@@ -282,8 +289,20 @@ def _mask_as_band(attention: _Attention, shape: tuple[int, ...]) -> None:
     if window is None:
         attention.band = None
         return
-    attention.row, attention.mask = band.row_axis, None
+    attention.row, attention.masks = band.row_axis, []
     attention.is_causal, attention.local_window_size = window
+
+
+def _intersection(bands: list[band_mask.Band | None]) -> band_mask.Band | None:
+    """The band every one of `bands` keeps (masks applied in turn), or `None` where one is
+    no band, they hold their rows on different axes, or there are none."""
+    if not bands or any(b is None for b in bands):
+        return None
+    rows = {b.row_axis for b in bands if b is not None}
+    if len(rows) != 1:
+        return None
+    return band_mask.Band(rows.pop(), max(b.low for b in bands if b is not None),
+                          min(b.high for b in bands if b is not None))
 
 
 def _window(band: band_mask.Band, rows: int, keys: int
@@ -395,9 +414,10 @@ def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, 
     bias = mask = None
     if attention.bias is not None:
         bias = per_head(extra_arrays.pop(0))
-    if attention.mask is not None:
-        mask = per_head(extra_arrays.pop(0))
-        mask = ~mask if attention.mask_negated else mask
+    for _, negated in attention.masks:
+        kept = per_head(extra_arrays.pop(0))
+        kept = ~kept if negated else kept
+        mask = kept if mask is None else mask & kept
     out = dot_product_attention(q, k, v, bias, mask, scale=attention.scale,
                                 is_causal=attention.is_causal,
                                 local_window_size=attention.local_window_size,
