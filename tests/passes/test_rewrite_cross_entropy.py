@@ -46,6 +46,12 @@ def negated_mean_log_probability(x, w, labels):
     return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0].mean()
 
 
+def negated_mean_of_unsqueezed_log_probabilities(x, w, labels):
+    """The picked log-probabilities left `(..., 1)` and averaged, then negated."""
+    log_probs = jax.nn.log_softmax(logits_of(x, w), axis=-1)
+    return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1).mean()
+
+
 def one_hot_loss(x, w, labels):
     """`optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, V))`: a label outside
     [0, V) has an all-zero row, so no loss."""
@@ -71,7 +77,8 @@ def operands(seed=0, dtype=jnp.float32):
 
 
 @pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, mean_loss,
-                               negated_mean_log_probability, one_hot_loss,
+                               negated_mean_log_probability,
+                               negated_mean_of_unsqueezed_log_probabilities, one_hot_loss,
                                one_hot_loss_summed_by_jnp, soft_capped_loss],
                          ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):

@@ -20,8 +20,9 @@ query heads; keys and values repeated (`jnp.repeat`) are taken as repeated.
 A mask that is a band of key offsets built from indices (`band_mask`), where every query
 row sees a key, becomes `is_causal` and `local_window_size` (masks applied in turn that
 are all bands, their shared band); any other mask is passed as an array (several: each,
-and the op is given the keys all of them keep). A query row whose keys the mask all hides gets plain JAX's value there: the
-mean of the values for a finite fill, NaN for `-inf`.
+and the op is given the keys all of them keep). A query row whose keys the mask all
+hides gets plain JAX's value there: the mean of the values for a finite fill, NaN for
+`-inf`.
 """
 
 from __future__ import annotations

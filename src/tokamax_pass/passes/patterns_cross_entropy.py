@@ -12,10 +12,11 @@ spells it, `jax.nn.logsumexp(logits, -1) - take_along_axis(logits, labels[..., N
 does: a negative one counts from the end, and one out of range gives NaN.
 
 Two more spellings: the label's log-probability `take_along_axis(log_softmax(logits),
-...)[..., 0]` negated later (`-log_probs.mean()`, `-jnp.sum(...)`), replaced by the op's
-loss negated; and the one-hot form `-(jax.nn.one_hot(labels, V) * log_softmax(logits))
-.sum(-1)` (optax's `softmax_cross_entropy` of one-hot labels), where a label outside
-`[0, V)` has an all-zero one-hot row, so no loss and no gradient (the op ignores it).
+...)[..., 0]` (or left `(..., 1)`, without the `[..., 0]`) negated later
+(`-log_probs.mean()`, `-jnp.sum(...)`), replaced by the op's loss negated; and the
+one-hot form `-(jax.nn.one_hot(labels, V) * log_softmax(logits)).sum(-1)` (optax's
+`softmax_cross_entropy` of one-hot labels), where a label outside `[0, V)` has an
+all-zero one-hot row, so no loss and no gradient (the op ignores it).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from tokamax_pass.passes.graph import (
 )
 
 NAME = "linear_softmax_cross_entropy_loss"
-PRIMITIVES = frozenset({"neg", "sub", "squeeze"})
+PRIMITIVES = frozenset({"neg", "sub", "squeeze", "jit"})
 
 
 def _expanded(labels: Any, expand: str) -> Any:
@@ -74,6 +75,14 @@ def _log_probability_spelling(expand: str, squeeze: str) -> Callable[[Any, Any],
     return log_probability
 
 
+def _picked_log_probability_spelling(expand: str) -> Callable[[Any, Any], Any]:
+    def picked(logits: Any, labels: Any) -> Any:
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        return jnp.take_along_axis(log_probs, _expanded(labels, expand), axis=-1)
+
+    return picked
+
+
 def _one_hot_spelling(one_hot_first: bool) -> Callable[[Any, Any], Any]:
     def loss(logits: Any, labels: Any) -> Any:
         one_hot = jax.nn.one_hot(labels, logits.shape[-1])
@@ -92,6 +101,8 @@ class _Spelling:
     function: Callable[[Any, Any], Any]
     labels_enter: str = "take_along_axis"
     negated: bool = False
+    # The value keeps `take_along_axis`'s trailing axis of 1 (`(..., 1)`, not squeezed).
+    keeps_axis: bool = False
 
 
 _FORMS = [(e, s) for e in ("index", "expand_dims") for s in ("index", "squeeze")]
@@ -101,6 +112,8 @@ _SPELLINGS = {
     "sub": tuple(_Spelling(_optax_spelling(e, s)) for e, s in _FORMS),
     "squeeze": tuple(_Spelling(_log_probability_spelling(e, s), negated=True)
                      for e, s in _FORMS),
+    "jit": tuple(_Spelling(_picked_log_probability_spelling(e), negated=True, keeps_axis=True)
+                 for e in ("index", "expand_dims")),
 }
 
 
@@ -114,6 +127,10 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     if eqn.primitive.name == "squeeze" and any(
             user.primitive.name == "neg" for user in graph.users(out)):
         return None  # the loss itself, matched at that negation
+    if eqn.primitive.name == "jit" and (
+            eqn.params.get("name") != "take_along_axis" or out.aval.shape[-1:] != (1,)
+            or any(user.primitive.name == "squeeze" for user in graph.users(out))):
+        return None  # not the label's log-probability left `(..., 1)`: matched later
     for spelling, logits, labels, region in _losses(eqn, graph):
         found = _logits_matmul(graph, logits)
         if found is None:
@@ -132,7 +149,7 @@ def _losses(eqn: Any, graph: Graph) -> list[tuple[_Spelling, Any, Any, list[Any]
     (out,) = eqn.outvars
     found = []
     for spelling in _SPELLINGS[eqn.primitive.name]:
-        candidates = _input_avals(eqn, graph, spelling.labels_enter)
+        candidates = _input_avals(eqn, graph, spelling)
         for logits_aval, labels_aval in candidates:
             reference = reference_jaxpr(spelling.function, logits_aval, labels_aval)
             bound: dict[Any, Any] = {}
@@ -145,14 +162,17 @@ def _losses(eqn: Any, graph: Graph) -> list[tuple[_Spelling, Any, Any, list[Any]
     return found
 
 
-def _input_avals(eqn: Any, graph: Graph, labels_enter: str
+def _input_avals(eqn: Any, graph: Graph, spelling: _Spelling
                  ) -> list[tuple[tuple[tuple[int, ...], Any], ...]]:
     """The `(logits, labels)` shapes and dtypes a loss of `eqn`'s shape may come from: the
-    logits' vocabulary read off the `labels_enter` call (`take_along_axis`: its array is
-    the logits; `_one_hot`: its result is their shape) among the equations before it."""
+    logits' vocabulary read off the call the labels enter (`take_along_axis`: its array is
+    the logits; `_one_hot`: its result is their shape), `eqn` or one before it."""
+    labels_enter = spelling.labels_enter
     shape = tuple(eqn.outvars[0].aval.shape)
+    if spelling.keeps_axis:
+        shape = shape[:-1]
     seen = []
-    stack, visited = list(eqn.invars), set[Any]()
+    stack, visited = list(eqn.outvars), set[Any]()
     while stack and len(visited) < 64:
         var = stack.pop()
         producer = graph.producer(var)
@@ -213,6 +233,7 @@ def _function(precision: Any, cap: float | None,
                                jnp.where(labels < 0, labels + vocabulary, labels))
         losses = linear_softmax_cross_entropy_loss(x, labels, w, reduction="none",
                                                    logits_soft_cap=cap, precision=precision)
-        return -losses if spelling.negated else losses
+        losses = -losses if spelling.negated else losses
+        return losses[..., None] if spelling.keeps_axis else losses
 
     return function
