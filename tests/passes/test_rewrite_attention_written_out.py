@@ -208,9 +208,15 @@ def mask_before_the_soft_cap(q, k, v, mask):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
 
+def logits_rounded_to_bfloat16(q, k, v, mask):
+    """float32 logits rounded to bfloat16 and back: the op's float32 logits would not."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.bfloat16) * 0.3
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits.astype(jnp.float32), axis=-1), v)
+
+
 @pytest.mark.parametrize("f", [fill_not_large_enough, softmax_over_queries, scale_from_the_data,
-                               dropout,
-                               mask_before_the_soft_cap], ids=lambda f: f.__name__)
+                               dropout, mask_before_the_soft_cap, logits_rounded_to_bfloat16],
+                         ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     args = operands(f)
     optimized = tokamax.optimize(f)

@@ -9,6 +9,8 @@ gradients of the rewritten program (the op's `xla` path and its VJP) are compare
 `jax.jit` of the user's function, in float32 at HIGHEST precision.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -101,14 +103,31 @@ def test_values_and_gradients_match_jit(rewritten, f):
         assert_close(actual, wanted)
 
 
-def test_labels_out_of_range_give_nan_as_take_along_axis_does(rewritten):
+@pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, negated_mean_log_probability,
+                               negated_mean_of_unsqueezed_log_probabilities, one_hot_loss],
+                         ids=lambda f: f.__name__)
+def test_labels_out_of_range_have_the_values_and_gradients_of_jit(rewritten, f):
+    """Labels past either end: `take_along_axis` gives NaN there (negative ones in range
+    count from the end) and the gradient its spelling gives (the log-sum-exp's alone for
+    optax's, none through `log_softmax`); `one_hot` selects nothing."""
     x, w, _ = operands()
-    labels = jnp.array([[0, V, -V - 1, 3, -1, 2]] * B, jnp.int32)
-    expected = jax.jit(log_softmax_loss)(x, w, labels)
-    actual = tokamax.optimize(log_softmax_loss)(x, w, labels)
+    labels = jnp.array([[0, V, -V - 1, 3, -1, V + 2]] * B, jnp.int32)
+    cotangent = random_normal(9, jax.eval_shape(f, x, w, labels).shape)
+    expected = jax.jit(f)(x, w, labels)
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, x, w, labels) == [REWRITTEN]
+    actual = optimized(x, w, labels)
     assert jnp.array_equal(jnp.isnan(actual), jnp.isnan(expected))
-    assert jnp.isnan(expected).sum() == 2 * B
     assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+    def loss(fn, x, w):
+        return (fn(x, w, labels) * cotangent).sum()
+
+    wanted = jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1)))(x, w)
+    grads = jax.grad(functools.partial(loss, optimized), argnums=(0, 1))(x, w)
+    for got, want in zip(grads, wanted, strict=True):
+        assert jnp.isfinite(want).all()
+        assert_close(got, want)
 
 
 def test_out_of_range_labels_masked_after_the_loss_have_the_gradients_of_jit(rewritten):
@@ -180,14 +199,22 @@ def smoothed_labels(x, w, labels):
     return -(0.9 * picked + 0.1 * log_probs.mean(-1))
 
 
+def float32_logits_of_a_bfloat16_product(x, w, labels):
+    """A bfloat16 product accumulated into float32 logits (`preferred_element_type`): the
+    op rounds its logits to bfloat16."""
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    log_probs = jax.nn.log_softmax(jnp.matmul(x, w, preferred_element_type=jnp.float32))
+    return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+
+
 def bfloat16_logits(x, w, labels):
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     log_probs = jax.nn.log_softmax(x @ w, axis=-1)
     return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
 
 
-@pytest.mark.parametrize("f", [softmax_over_the_wrong_axis, smoothed_labels, bfloat16_logits],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("f", [softmax_over_the_wrong_axis, smoothed_labels, bfloat16_logits,
+                               float32_logits_of_a_bfloat16_product], ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     x, w, labels = operands()
     optimized = tokamax.optimize(f)

@@ -162,11 +162,25 @@ def _parse(root: Any, graph: Graph) -> _Attention:
 
 
 def _uncast(graph: Graph, var: Any, region: list[Any]) -> Any:
-    """`var` before a cast from another float type (the probabilities' `.astype(v.dtype)`,
-    the logits' `.astype(jnp.float32)`)."""
+    """`var` before a cast from another float type (the probabilities' `.astype(v.dtype)`)."""
     cast = graph.producer(var, "convert_element_type")
     if cast is None or not all(jnp.issubdtype(a.aval.dtype, jnp.floating)
                                for a in (cast.invars[0], var)):
+        return var
+    region.append(cast)
+    return cast.invars[0]
+
+
+def _unwidened(graph: Graph, var: Any, region: list[Any]) -> Any:
+    """The logits `var` before a cast to a wider float type (`.astype(jnp.float32)`), which
+    the op's float32 logits make no difference to; a narrowing cast rounds them, which the
+    op would not, so it is not read through."""
+    cast = graph.producer(var, "convert_element_type")
+    if cast is None:
+        return var
+    before, after = jnp.dtype(cast.invars[0].aval.dtype), jnp.dtype(var.aval.dtype)
+    if not (jnp.issubdtype(before, jnp.floating) and jnp.issubdtype(after, jnp.floating)
+            and jnp.finfo(after).bits >= jnp.finfo(before).bits):
         return var
     region.append(cast)
     return cast.invars[0]
@@ -201,10 +215,11 @@ def _product(graph: Graph, var: Any) -> tuple[Any, Any]:
 
 def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     """Reads the mask, soft cap, bias and scale back to the `q . k` product; a cast of the
-    logits to another float type (`.astype(jnp.float32)` for the softmax) before or after
-    the mask is read through, the op computing them in float32 anyway."""
+    logits to a wider float type (`.astype(jnp.float32)` for the softmax) after the
+    product, scale, bias or mask is read through, the op computing them in float32
+    anyway."""
     shape = tuple(logits.aval.shape)
-    logits = _uncast(graph, logits, attention.region)
+    logits = _unwidened(graph, logits, attention.region)
     bands: list[band_mask.Band | None] = []
     while (where := graph.producer(logits, "jit")) is not None and where.params.get(
             "name") == "_where":
@@ -223,7 +238,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
         attention.masks.append((condition, negated))
         attention.region.append(where)
         bands.append(None if negated else band_mask.band(graph, condition, shape))
-        logits = _uncast(graph, logits, attention.region)
+        logits = _unwidened(graph, logits, attention.region)
     attention.band = _intersection(bands)
     capped = _soft_cap(graph, attention, logits)
     if capped is not None:
@@ -233,13 +248,13 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
         for body, bias in (add.invars, add.invars[::-1]):
             if (tuple(body.aval.shape) == shape and literal_value(bias) is None
                     and (graph.producer(body, "mul", "div") is not None
-                         or _product(graph, _uncast(graph, body, []))[0] is not None)):
+                         or _product(graph, _unwidened(graph, body, []))[0] is not None)):
                 attention.bias, logits = bias, body
                 attention.region.append(add)
                 break
         else:
             raise _NoMatch
-    logits = _uncast(graph, _scaled(graph, attention, logits), attention.region)
+    logits = _unwidened(graph, _scaled(graph, attention, logits), attention.region)
     product, transpose = _product(graph, logits)
     if product is None:
         raise _NoMatch
@@ -328,7 +343,7 @@ def _window(band: band_mask.Band, rows: int, keys: int
 
 
 def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
-    """The logits before a constant scale (the product, possibly cast to another float
+    """The logits before a constant scale (the product, possibly cast to a wider float
     type first: `einsum(q, k).astype(jnp.float32) / sqrt(d)`), else `logits`."""
     eqn = graph.producer(logits, "mul", "div")
     if eqn is None:
@@ -336,7 +351,7 @@ def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
     for body, factor in _operand_orders(eqn):
         value = scalar_constant(graph, factor)
         if (value is not None and np.ndim(value) == 0
-                and _product(graph, _uncast(graph, body, []))[0] is not None):
+                and _product(graph, _unwidened(graph, body, []))[0] is not None):
             attention.scale *= float(value) if eqn.primitive.name == "mul" else 1 / float(value)
             attention.region.append(eqn)
             return body

@@ -22,6 +22,7 @@ all-zero one-hot row, so no loss and no gradient (the op ignores it).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable
 from typing import Any
 
@@ -92,34 +93,53 @@ def _one_hot_spelling(one_hot_first: bool) -> Callable[[Any, Any], Any]:
     return loss
 
 
+class _Labels(enum.Enum):
+    """How a spelling reads its labels, which decides a label outside `[-V, V)`'s loss and
+    gradient (a negative label in `[-V, 0)` counts from the end, as indexing does)."""
+
+    # `take_along_axis` of the logits (optax's `lse - logit`): a NaN loss, and the
+    # log-sum-exp's gradient alone (the out-of-range gather has none).
+    PICKED_LOGIT = enum.auto()
+    # `take_along_axis` of `log_softmax(logits)`: a NaN loss and no gradient (the gather's
+    # transpose drops the token's cotangent before the log-softmax).
+    PICKED_LOG_PROBABILITY = enum.auto()
+    # `jax.nn.one_hot`: negative labels too select nothing, so no loss and no gradient.
+    ONE_HOT = enum.auto()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Spelling:
-    """A reference spelling of the per-token loss (or its negation, `negated`), and the
-    call its labels enter: `take_along_axis` (labels index as it does) or `_one_hot`
-    (labels outside `[0, V)` select nothing)."""
+    """A reference spelling of the per-token loss (or its negation, `negated`), and how it
+    reads its labels."""
 
     function: Callable[[Any, Any], Any]
-    labels_enter: str = "take_along_axis"
+    labels: _Labels
     negated: bool = False
     # The value keeps `take_along_axis`'s trailing axis of 1 (`(..., 1)`, not squeezed).
     keeps_axis: bool = False
 
+    @property
+    def labels_enter(self) -> str:
+        """The name of the jitted call the labels enter, which holds the vocabulary."""
+        return "_one_hot" if self.labels is _Labels.ONE_HOT else "take_along_axis"
+
 
 _FORMS = [(e, s) for e in ("index", "expand_dims") for s in ("index", "squeeze")]
+_LOG_PROBABILITY = _Labels.PICKED_LOG_PROBABILITY
 _SPELLINGS = {
-    "neg": (*(_Spelling(_log_softmax_spelling(e, s)) for e, s in _FORMS),
-            *(_Spelling(_one_hot_spelling(first), "_one_hot") for first in (True, False))),
-    "sub": tuple(_Spelling(_optax_spelling(e, s)) for e, s in _FORMS),
-    "squeeze": tuple(_Spelling(_log_probability_spelling(e, s), negated=True)
+    "neg": (*(_Spelling(_log_softmax_spelling(e, s), _LOG_PROBABILITY) for e, s in _FORMS),
+            *(_Spelling(_one_hot_spelling(first), _Labels.ONE_HOT) for first in (True, False))),
+    "sub": tuple(_Spelling(_optax_spelling(e, s), _Labels.PICKED_LOGIT) for e, s in _FORMS),
+    "squeeze": tuple(_Spelling(_log_probability_spelling(e, s), _LOG_PROBABILITY, negated=True)
                      for e, s in _FORMS),
-    "jit": tuple(_Spelling(_picked_log_probability_spelling(e), negated=True, keeps_axis=True)
-                 for e in ("index", "expand_dims")),
+    "jit": tuple(_Spelling(_picked_log_probability_spelling(e), _LOG_PROBABILITY, negated=True,
+                           keeps_axis=True) for e in ("index", "expand_dims")),
 }
 
 
 def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     """The op's candidate of the per-token loss `eqn` ends, if it is one."""
-    if graph is None or not graph.live(eqn):
+    if graph is None or not graph.live(eqn) or len(eqn.outvars) != 1:
         return None
     (out,) = eqn.outvars
     if out.aval.dtype != jnp.float32:
@@ -209,7 +229,9 @@ def _logits_matmul(graph: Graph, logits: Any
     if dot is None:
         return None
     x, w = dot.invars
-    if x.aval.dtype != w.aval.dtype:
+    # The op rounds the logits to the inputs' dtype, as a product without a wider
+    # `preferred_element_type` does.
+    if x.aval.dtype != w.aval.dtype or dot.outvars[0].aval.dtype != x.aval.dtype:
         return None
     return x, w, dot.params["precision"], cap, [*plumbing, dot]
 
@@ -221,19 +243,27 @@ def _function(precision: Any, cap: float | None,
             linear_softmax_cross_entropy_loss,
         )
 
-        vocabulary = w.shape[-1]
-        labels = labels.astype(jnp.int32)
-        if spelling.labels_enter == "_one_hot":
-            # An all-zero one-hot row: the op's ignored label.
-            labels = jnp.where((labels < 0) | (labels >= vocabulary), -1, labels)
-        else:
-            # As `take_along_axis` indexes: from the end for a negative label, NaN out of
-            # range (the op gives NaN for labels >= V, and ignores negative ones).
-            labels = jnp.where(labels < -vocabulary, vocabulary,
-                               jnp.where(labels < 0, labels + vocabulary, labels))
-        losses = linear_softmax_cross_entropy_loss(x, labels, w, reduction="none",
+        op_labels, nan = _labels_for_op(spelling.labels, labels.astype(jnp.int32),
+                                        w.shape[-1])
+        losses = linear_softmax_cross_entropy_loss(x, op_labels, w, reduction="none",
                                                    logits_soft_cap=cap, precision=precision)
+        if nan is not None:
+            losses = losses + jnp.where(nan, jnp.nan, 0.0)
         losses = -losses if spelling.negated else losses
         return losses[..., None] if spelling.keeps_axis else losses
 
     return function
+
+
+def _labels_for_op(read: _Labels, labels: Any, vocabulary: int) -> tuple[Any, Any]:
+    """`(labels, nan)`: the op's labels giving the loss and gradient the spelling gives
+    (the op ignores a negative label and gives a label >= V a NaN loss and its
+    log-sum-exp's gradient), and the tokens whose loss must be made NaN besides (`None`:
+    none)."""
+    outside = (labels < -vocabulary) | (labels >= vocabulary)
+    if read is _Labels.ONE_HOT:
+        return jnp.where(outside | (labels < 0), -1, labels), None
+    wrapped = jnp.where(labels < 0, labels + vocabulary, labels)
+    if read is _Labels.PICKED_LOGIT:
+        return jnp.where(outside, vocabulary, wrapped), None
+    return jnp.where(outside, -1, wrapped), outside
