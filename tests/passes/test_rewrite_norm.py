@@ -63,11 +63,10 @@ def rms_scale_before_rsqrt(x, scale):
 
 
 def layer_norm_flax(x, scale, offset):
-    """`flax.linen.LayerNorm`'s default: the fast variance `max(0, mean(x^2) - mean^2)`,
-    the scale folded into the reciprocal standard deviation."""
+    """`flax.linen.LayerNorm(use_fast_variance=False)`: the scale folded into the
+    reciprocal standard deviation."""
     mean = jnp.mean(x, axis=-1)
-    mean_of_squares = jnp.mean(jax.lax.square(x), axis=-1)
-    variance = jnp.maximum(0.0, mean_of_squares - jax.lax.square(mean))
+    variance = jnp.mean(jax.lax.square(x - jnp.expand_dims(mean, -1)), axis=-1)
     y = x - jnp.expand_dims(mean, -1)
     factor = jnp.expand_dims(jax.lax.rsqrt(variance + 1e-6), -1) * scale.reshape(1, 1, -1)
     return y * factor + offset.reshape(1, 1, -1)
@@ -175,6 +174,16 @@ def unbiased_variance(x, scale, offset):
     return (x - mean) * jax.lax.rsqrt(variance + 1e-5) * scale + offset
 
 
+def flax_fast_variance(x, scale, offset):
+    """`flax.linen.LayerNorm`'s default variance, `max(0, mean(x^2) - mean^2)`: far from
+    the op's two-pass one where |mean| >> std."""
+    mean = jnp.mean(x, axis=-1)
+    mean_of_squares = jnp.mean(jax.lax.square(x), axis=-1)
+    variance = jnp.maximum(0.0, mean_of_squares - jax.lax.square(mean))
+    factor = jnp.expand_dims(jax.lax.rsqrt(variance + 1e-6), -1) * scale.reshape(1, 1, -1)
+    return (x - jnp.expand_dims(mean, -1)) * factor + offset.reshape(1, 1, -1)
+
+
 def over_the_first_axis(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=0, keepdims=True) + 1e-6) * scale
 
@@ -185,6 +194,7 @@ def over_the_first_axis(x, scale):
     (mean_rounded_to_bfloat16, jnp.bfloat16, None),
     (statistics_in_bfloat16, jnp.bfloat16, None),
     (unbiased_variance, jnp.float32, "the variance divides by n - 1"),
+    (flax_fast_variance, jnp.float32, "the variance is Flax's fast one"),
 ], ids=lambda p: getattr(p, "__name__", ""))
 def test_near_misses_are_left_as_written(rewritten, f, dtype, reason):
     args = operands(f, dtype)

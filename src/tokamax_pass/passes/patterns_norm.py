@@ -5,9 +5,10 @@ Matched (from the equation that ends it), `x` possibly upcast to float32 first a
 result rounded back to `x`'s dtype at the end:
 
 - statistics: `mean(x)` as `jnp.mean` (`sum / n`, with or without `keepdims`), the
-  variance as `mean(square(x - mean))` (`square`, `** 2` or a product), `jnp.var`
-  (`ddof=0`) or Flax's `max(0, mean(square(x)) - square(mean))`, RMSNorm's as
-  `mean(square(x))`;
+  variance as `mean(square(x - mean))` (`square`, `** 2` or a product) or `jnp.var`
+  (`ddof=0`), RMSNorm's as `mean(square(x))`; Flax's fast variance
+  `max(0, mean(square(x)) - square(mean))` is a near-miss (it loses precision where the
+  op's does not);
 - normalization: `x_c * rsqrt(var + eps)`, `x_c / sqrt(var + eps)`,
   `x_c * (1 / sqrt(var + eps))`, `x_c * (var + eps) ** -0.5` or
   `x_c * jnp.reciprocal(jnp.sqrt(var + eps))`;
@@ -390,8 +391,9 @@ def _variance(graph: Graph, norm: _Norm, var: Any, x: Any, centered: Any) -> Non
                             "the op by n")
         norm.core.append(jnp_var)
         return
-    if norm.subtract_mean and _fast_variance(graph, norm, var, x):
-        return
+    if norm.subtract_mean and _fast_variance(graph, var, x):
+        raise _NearMiss("the variance is Flax's fast one, mean(x^2) - mean^2, which loses "
+                        "precision where |mean| >> std; the op's is mean((x - mean)^2)")
     square = _square_of(graph, var)
     if square is None:
         raise _NoMatch
@@ -401,13 +403,16 @@ def _variance(graph: Graph, norm: _Norm, var: Any, x: Any, centered: Any) -> Non
     if not same_value(graph, operand, centered):
         raise _NoMatch
     norm.core.append(square)
-    if operand is not centered:
-        norm.core.append(graph.producer(operand))
+    again = None if operand is centered else graph.producer(operand)
+    if again is not None:  # `x - mean` computed again for the variance
+        norm.core.append(again)
+        if again.primitive.name == "sub":  # with its own broadcast of the mean
+            _is_mean_of(graph, again.invars[1], again.invars[0], norm.core)
 
 
-def _fast_variance(graph: Graph, norm: _Norm, var: Any, x: Any) -> bool:
+def _fast_variance(graph: Graph, var: Any, x: Any) -> bool:
     """Whether `var` is `max(0, mean(square(x)) - square(mean(x)))`, Flax's default
-    ("fast") variance; the equations are added to `norm.core`."""
+    ("fast") variance."""
     maximum = graph.producer(var, "max")
     if maximum is None:
         return False
@@ -420,11 +425,9 @@ def _fast_variance(graph: Graph, norm: _Norm, var: Any, x: Any) -> bool:
         outer = graph.producer(squared_mean, "square", "integer_pow", "mul")
         if square is None or outer is None or _square_of_operand(outer) is None:
             continue
-        core: list[Any] = []
         if (same_value(graph, square.invars[0], x)
-                and _is_mean_of(graph, mean_of_squares, square.outvars[0], core)
-                and _is_mean_of(graph, _square_of_operand(outer), x, core)):
-            norm.core.extend([maximum, sub, square, outer, *core])
+                and _is_mean_of(graph, mean_of_squares, square.outvars[0], [])
+                and _is_mean_of(graph, _square_of_operand(outer), x, [])):
             return True
     return False
 
