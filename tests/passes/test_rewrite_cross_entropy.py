@@ -207,6 +207,14 @@ def float32_logits_of_a_bfloat16_product(x, w, labels):
     return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
 
 
+def soft_capped_in_bfloat16(x, w, labels):
+    """The cap applied to the bfloat16 logits before their cast: rounded where the op's
+    float32 cap is not."""
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    logits = (3.0 * jnp.tanh((x @ w) / 3.0)).astype(jnp.float32)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]
+
+
 def bfloat16_logits(x, w, labels):
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     log_probs = jax.nn.log_softmax(x @ w, axis=-1)
@@ -214,7 +222,8 @@ def bfloat16_logits(x, w, labels):
 
 
 @pytest.mark.parametrize("f", [softmax_over_the_wrong_axis, smoothed_labels, bfloat16_logits,
-                               float32_logits_of_a_bfloat16_product], ids=lambda f: f.__name__)
+                               float32_logits_of_a_bfloat16_product, soft_capped_in_bfloat16],
+                         ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     x, w, labels = operands()
     optimized = tokamax.optimize(f)

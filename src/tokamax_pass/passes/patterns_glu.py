@@ -44,6 +44,7 @@ def silu_written_out(x: Any) -> Any:
 
 
 def silu_written_out_sigmoid_first(x: Any) -> Any:
+    """`jax.nn.sigmoid(x) * x`: the written-out `jax.nn.silu`, its factors swapped."""
     return jax.nn.sigmoid(x) * x
 
 
