@@ -177,19 +177,24 @@ def _offset(graph: Graph, norm: _Norm, eqn: Any) -> Any:
 
 def _scale(graph: Graph, norm: _Norm, eqn: Any) -> Any:
     """`eqn` if it is the normalization itself, else the scale's and what it scales."""
-    length = eqn.outvars[0].aval.shape[-1]
+    found = _scaled_body(graph, eqn)
+    if found is None:
+        return eqn
+    body, (norm.scale, norm.scale_offset) = found
+    return _take(graph, norm, body, "mul", "div")
+
+
+def _scaled_body(graph: Graph, eqn: Any) -> tuple[Any, tuple[Any, float]] | None:
+    """`(body, (scale, c))` where the product `eqn` is `body * (scale + c)`, `body` of
+    `eqn`'s shape and the scale broadcast along its last axis; else `None`."""
     full = tuple(eqn.outvars[0].aval.shape)
     for body, other in (eqn.invars, eqn.invars[::-1]):
         if tuple(body.aval.shape) != full:
             continue
-        scale = _vector(graph, other, length)
-        by = 0.0
-        if scale is None:
-            scale, by = _shifted_vector(graph, other, length)
-        if scale is not None:
-            norm.scale, norm.scale_offset = scale, by
-            return _take(graph, norm, body, "mul", "div")
-    return eqn
+        found = _scale_of(graph, other, full[-1])
+        if found is not None:
+            return body, found
+    return None
 
 
 def _shifted_vector(graph: Graph, var: Any, length: int) -> tuple[Any, float]:
@@ -283,13 +288,12 @@ def _prescaled(graph: Graph, norm: _Norm, centered: Any) -> Any:
     eqn = graph.producer(centered, "mul")
     if eqn is None or norm.scale is not None:
         return centered
-    for body, other in (eqn.invars, eqn.invars[::-1]):
-        found = _scale_of(graph, other, centered.aval.shape[-1])
-        if found is not None and tuple(body.aval.shape) == tuple(centered.aval.shape):
-            norm.scale, norm.scale_offset = found
-            norm.core.append(eqn)
-            return body
-    return centered
+    found = _scaled_body(graph, eqn)
+    if found is None:
+        return centered
+    body, (norm.scale, norm.scale_offset) = found
+    norm.core.append(eqn)
+    return body
 
 
 def _statistic(graph: Graph, var: Any) -> bool:
