@@ -30,6 +30,8 @@ SMALL_CASES = [
     (1000, 256, 512, (300, 0, 457, 13, 200)),
     (1024, 256, 512, (128, 0, 256, 512, 128)),
     (96, 128, 128, (40, 0, 56)),
+    # Few rows a group (a decode step): 64 groups of 0-47 rows, starting off the 8-row grid.
+    (1536, 256, 256, tuple(int(s) for s in np.random.RandomState(0).randint(0, 48, 64))),
 ]
 BENCH = (16384, 4096, 4096, (2070, 2092, 2015, 2002, 2059, 2064, 2064, 2018))
 # bf16 rounding of the output is ~2e-3 relative; allow a little headroom.

@@ -8,8 +8,8 @@ gate and up weight tiles (columns `[c, c + cta_n)` of each) into SMEM with TMA; 
 compute warpgroup owns `tile_n` of those columns and accumulates `x @ w_gate` and
 `x @ w_up` in float32 registers with `wgmma`. The epilogue computes
 `activation(gate) * up` in float32 registers and stores only the (M, N) output, with
-the ragged dot's row grouping (a block straddling groups is computed once per group)
-and its ladder of TMA row stores. With `residuals`, it also stores gate and up in the
+the ragged dot's row tiles (each group's own, from its first row) and its ladder of TMA
+row stores. With `residuals`, it also stores gate and up in the
 inputs' dtype (what autodiff of the plain expression keeps), so the backward pass
 never recomputes the GEMM.
 """
@@ -29,8 +29,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from tokamax_kernels import _gpu
 from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
 from tokamax_kernels.ragged_dot._mosaic_gpu_rows_kernel import (  # one definition for both
-    _row_block,
+    _row_tile,
     _store_rows,
+    row_tile_count,
 )
 
 
@@ -52,7 +53,7 @@ def glu_rows(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.
     fused = up_offset != 0
     if k % cfg.tile_k or n % cfg.cta_n or m < cfg.tile_m:
         raise ValueError(f"x {x.shape} and N={n} do not fit {cfg}")
-    grid_m = pl.cdiv(m, cfg.tile_m) + g  # + g: straddled blocks, zero tail
+    grid_m = row_tile_count(m, g, cfg.tile_m)
     grid_n = n // cfg.cta_n
     w_spec = plgpu.BlockSpec((cfg.tile_k, cfg.cta_n), lambda s: (s, 0),
                              transforms=common.swizzled(cfg.cta_n, dtype))
@@ -84,8 +85,7 @@ def glu_rows(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.
             def _item(info: plgpu.NDLoopInfo):
                 mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n),
                                             cfg.grid_minor_dim, cfg.grid_tile_width)
-                group, block, lo, hi = _row_block(sizes_gmem, g, m, cfg.tile_m, mi)
-                row0 = block * cfg.tile_m
+                group, row0, lo, hi = _row_tile(sizes_gmem, g, m, cfg.tile_m, mi)
                 col0 = ni * cfg.cta_n + wg * cfg.tile_n  # this warpgroup's first column
                 wg_cols = pl.ds(wg * cfg.tile_n, cfg.tile_n)
 

@@ -3,9 +3,11 @@
 forward: out[r] = lhs[r] @ rhs[g(r)]          lhs (M, K), rhs (G, K, N)  -> (M, N)
 dlhs:    out[r] = dout[r] @ rhs[g(r)].T       dout (M, N), rhs (G, K, N) -> (M, K)
 
-The output is cut into row blocks of `tile_m`; a block that straddles a group boundary
-is computed once per group it touches, and each pass stores only its group's rows.
-Work items are (row block of a group, column tile) pairs, walked by a persistent grid.
+Each group's rows are cut into tiles of `tile_m` rows from its first row rounded down to
+a multiple of 8 (swizzled TMA tiles start on 8-row boundaries), so a group of at most
+`tile_m - 7` rows is one tile and its weights are read once for each column tile; a
+tile may hold rows of the neighbouring groups, and stores only its own group's rows.
+Work items are (row tile of a group, column tile) pairs, walked by a persistent grid.
 Rows are stored with a ladder of TMA copies of 2^i rows (a TMA box has a static
 size; any row count is a sum of powers of two), so neighbours never overwrite each other.
 """
@@ -23,31 +25,39 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from tokamax_kernels import _gpu
 from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
 
+# Row tiles start on multiples of this many rows: the TMA tiling of swizzled row tiles.
+ROW_ALIGN = 8
 
-def _row_block(group_sizes_gmem, num_groups: int, m: int, tile_m: int, index):
-    """The `index`-th (group, row block) pair: group id, block, and the group's rows in it.
 
-    Returns `(group, block, lo, hi)` with the group's rows of the block at local
-    offsets `[lo, hi)`. Rows past the last group form a pseudo-group `num_groups`
-    (their output is zeros); an index past every pair gets `lo == hi == 0`. Groups
-    are few, so the search is unrolled into selects.
+def row_tile_count(m: int, num_groups: int, tile_m: int) -> int:
+    """Work items along the rows that cover every group's tiles (and the zero tail): at
+    most `ROW_ALIGN - 1` rows of padding before each group, and one partial tile each."""
+    return pl.cdiv(m + (num_groups + 1) * (ROW_ALIGN - 1), tile_m) + num_groups + 1
+
+
+def _row_tile(group_sizes_gmem, num_groups: int, m: int, tile_m: int, index):
+    """The `index`-th row tile of a group: group id, first row, and the group's rows in it.
+
+    Returns `(group, row0, lo, hi)`: the tile covers rows `[row0, row0 + tile_m)`, of which
+    local offsets `[lo, hi)` are the group's. Rows past the last group form a
+    pseudo-group `num_groups` (their output is zeros); an index past every tile gets
+    `lo == hi == 0`. Groups are few, so the search is unrolled into selects.
     """
     tile = jnp.int32(tile_m)
-    end = offset = group = block = lo = hi = jnp.int32(0)
+    end = offset = group = row0 = lo = hi = jnp.int32(0)
     for i in range(num_groups + 1):
         start = end
         end = jnp.int32(m) if i == num_groups else end + group_sizes_gmem[i]
-        first = lax.div(start, tile)
-        count = lax.select(end > start, lax.div(end + tile - 1, tile) - first, jnp.int32(0))
+        first = start - lax.rem(start, jnp.int32(ROW_ALIGN))
+        count = lax.select(end > start, lax.div(end - first + tile - 1, tile), jnp.int32(0))
         mine = (offset <= index) & (index < offset + count)
-        this_block = first + index - offset
-        block_start = this_block * tile
+        this_row0 = first + (index - offset) * tile
         group = lax.select(mine, jnp.int32(i), group)
-        block = lax.select(mine, this_block, block)
-        lo = lax.select(mine, jnp.maximum(start - block_start, 0), lo)
-        hi = lax.select(mine, jnp.minimum(end - block_start, tile), hi)
+        row0 = lax.select(mine, this_row0, row0)
+        lo = lax.select(mine, jnp.maximum(start - this_row0, 0), lo)
+        hi = lax.select(mine, jnp.minimum(end - this_row0, tile), hi)
         offset = offset + count
-    return group, block, lo, hi
+    return group, pl.multiple_of(row0, ROW_ALIGN), lo, hi
 
 
 def _store_rows(src_smem, dst_gmem, lo, hi, max_rows: int):
@@ -76,7 +86,7 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     dtype = lhs.dtype
     if c % cfg.tile_k or n % cfg.cta_n or m < cfg.tile_m:
         raise ValueError(f"shape lhs {lhs.shape} rhs {rhs.shape} does not fit {cfg}")
-    grid_m = pl.cdiv(m, cfg.tile_m) + g  # + g: straddled blocks, zero tail
+    grid_m = row_tile_count(m, g, cfg.tile_m)
     grid_n = n // cfg.cta_n
     k_steps = c // cfg.tile_k
     lhs_transforms = common.swizzled(cfg.tile_k, dtype)
@@ -113,8 +123,8 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
             def _item(info: plgpu.NDLoopInfo):
                 mi, ni = plgpu.planar_snake(info.index[0], (grid_m, grid_n),
                                             cfg.grid_minor_dim, cfg.grid_tile_width)
-                group, block, lo, hi = _row_block(sizes_gmem, g, m, cfg.tile_m, mi)
-                rows = pl.ds(block * cfg.tile_m, cfg.tile_m)
+                group, row0, lo, hi = _row_tile(sizes_gmem, g, m, cfg.tile_m, mi)
+                rows = pl.ds(row0, cfg.tile_m)
                 cols = pl.ds(ni * cfg.cta_n, cfg.cta_n)
                 wg_cols = pl.ds(wg * cfg.tile_n, cfg.tile_n)
 
@@ -124,7 +134,7 @@ def ragged_dot_rows(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
-                out_rows = out_gmem.at[pl.ds(block * cfg.tile_m, cfg.tile_m)]
+                out_rows = out_gmem.at[rows]
 
                 def store(tile):
                     """Stores this warpgroup's (tile_m, tile_n) `tile` (rows lo..hi only)."""

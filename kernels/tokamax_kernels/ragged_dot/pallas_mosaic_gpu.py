@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
 from tokamax_kernels.ragged_dot._mosaic_gpu_drhs_kernel import ragged_dot_drhs
-from tokamax_kernels.ragged_dot._mosaic_gpu_rows_kernel import ragged_dot_rows
+from tokamax_kernels.ragged_dot._mosaic_gpu_rows_kernel import ROW_ALIGN, ragged_dot_rows
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp, few_rows_per_group
 from tokamax_pass.core import BoundArguments, Op, Target
 
@@ -26,8 +26,6 @@ Config = common.Config
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Smallest tiles a kernel can run: contraction step, output rows, output columns per CTA.
 _MIN_TILE_K, _MIN_TILE_M, _MIN_CTA_N = 64, 64, 2 * 64
-# Swizzled TMA tiles of the (M, *) operands need M to be a multiple of the 8-row tiling.
-_ROW_ALIGN = 8
 
 
 def _problem(lhs: Any, rhs: Any, variant: str) -> tuple[int, int, int]:
@@ -86,9 +84,9 @@ class PallasMosaicGpuRaggedDot(RaggedDot):
             raise NotImplementedError(
                 "Mosaic GPU ragged dot needs at least one group; implementation='xla' (or "
                 "None) computes zero groups")
-        if lhs.shape[0] % _ROW_ALIGN:
+        if lhs.shape[0] % ROW_ALIGN:
             raise NotImplementedError(
-                f"{variant}: M ({lhs.shape[0]}) must be a multiple of {_ROW_ALIGN} (the TMA "
+                f"{variant}: M ({lhs.shape[0]}) must be a multiple of {ROW_ALIGN} (the TMA "
                 "tiling of swizzled row tiles)")
         if columns % _MIN_CTA_N:
             raise NotImplementedError(

@@ -1,12 +1,9 @@
 """`PallasTritonRaggedDot`: the ragged dot (forward, dlhs, drhs) as Pallas Triton kernels.
 
-forward / dlhs group their output rows. XLA first lists the work tiles: every
-(group, row block of `block_m` rows) pair a group touches, so a block that
-straddles a group boundary appears once per group, plus the rows past
-`sum(group_sizes)` as a zero "tail" group. The kernel runs over (column tiles,
-work tiles); each program multiplies its row block by its group's matrix
-(float32 accumulation) and stores only its group's rows. Output columns vary
-fastest so the programs in flight share one lhs row block.
+forward / dlhs group their output rows: they run the row-grouped kernel of
+`pallas_triton_quantized.py` with no scales. Its work tiles start at their group's
+first row, so a group of at most `block_m` rows is one tile and its weights are read
+once for each column tile; rows past `sum(group_sizes)` form a zero "tail" group.
 
 drhs contracts over the grouped rows: one program per (column tile, K tile,
 group) walks that group's rows in `block_m` steps (rows of neighbours masked to
@@ -28,6 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from tokamax_kernels import _triton
 from tokamax_kernels._triton import MatmulConfig, TritonKernel
+from tokamax_kernels.ragged_dot import pallas_triton_quantized
 from tokamax_kernels.ragged_dot.base import RaggedDot, RaggedDotVjp, few_rows_per_group
 from tokamax_pass.core import BoundArguments, Op, Target
 
@@ -45,58 +43,6 @@ def _group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]
     """Start and end rows of each group (clipped to the M rows)."""
     ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), m)
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
-
-
-def row_tiles(group_sizes: jax.Array, m: int, block_m: int) -> jax.Array:
-    """(4, T) int32 work list: group (G = the zero tail), row block, and the group's
-    rows `[lo, hi)` inside the block; unused entries have `lo == hi == 0`."""
-    g = group_sizes.shape[0]
-    starts, ends = _group_bounds(group_sizes, m)
-    starts = jnp.append(starts, ends[-1] if g else 0)
-    ends = jnp.append(ends, m)
-    first = starts // block_m
-    count = jnp.where(ends > starts, -(-ends // block_m) - first, 0)
-    last = jnp.cumsum(count)
-    num_tiles = _triton.cdiv(m, block_m) + g
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(last, t, side="right"), g).astype(jnp.int32)
-    block = first[group] + t - (last[group] - count[group])
-    valid = t < last[-1]
-    lo = jnp.where(valid, jnp.maximum(starts[group] - block * block_m, 0), 0)
-    hi = jnp.where(valid, jnp.minimum(ends[group] - block * block_m, block_m), 0)
-    return jnp.stack([group, jnp.where(valid, block, 0), lo, hi]).astype(jnp.int32)
-
-
-def _rows_kernel(tiles_ref, lhs_ref, rhs_ref, out_ref, *, m: int, c: int, n: int, g: int,
-                 config: Config, transpose_rhs: bool, exact: bool) -> None:
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    j, t = pl.program_id(0), pl.program_id(1)
-    group, block = tiles_ref[0, t], tiles_ref[1, t]
-    lo, hi = tiles_ref[2, t], tiles_ref[3, t]
-    r0 = pl.multiple_of(block * bm, bm)
-    rows = jnp.arange(bm)
-    cols = j * bn + jnp.arange(bn)
-    in_rows = (r0 + rows < m)[:, None]
-    rhs_g = jnp.minimum(group, g - 1)
-
-    def step(kk: Any, acc: jax.Array) -> jax.Array:
-        ks = kk * bk + jnp.arange(bk)
-        a = plgpu.load(lhs_ref.at[pl.ds(r0, bm), pl.ds(kk * bk, bk)],
-                       mask=in_rows & (ks < c)[None, :], other=0.0)
-        if transpose_rhs:  # rhs[g] is (N, C): load an (bn, bk) tile and contract its columns
-            b = plgpu.load(rhs_ref.at[rhs_g, pl.ds(j * bn, bn), pl.ds(kk * bk, bk)],
-                           mask=(cols < n)[:, None] & (ks < c)[None, :], other=0.0)
-        else:
-            b = plgpu.load(rhs_ref.at[rhs_g, pl.ds(kk * bk, bk), pl.ds(j * bn, bn)],
-                           mask=(ks < c)[:, None] & (cols < n)[None, :], other=0.0)
-        return acc + plgpu.dot(a, b, trans_b=transpose_rhs, allow_tf32=not exact)
-
-    active = (hi > lo) & (group < g)
-    steps = active.astype(jnp.int32) * _triton.cdiv(c, bk)  # int32, like the loop start
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
-    mask = ((rows >= lo) & (rows < hi))[:, None] & (cols < n)[None, :]
-    plgpu.store(out_ref.at[pl.ds(r0, bm), pl.ds(j * bn, bn)], acc.astype(out_ref.dtype),
-                mask=mask)
 
 
 def _drhs_kernel(bounds_ref, lhs_ref, dout_ref, out_ref, *, k: int, n: int, config: Config,
@@ -127,32 +73,23 @@ def _drhs_kernel(bounds_ref, lhs_ref, dout_ref, out_ref, *, k: int, n: int, conf
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, variant: str,
                out_dtype: Any, config: Config, interpret: bool = False) -> jax.Array:
     """The `variant` ragged dot (shapes as in `ragged_dot/base.py`)."""
-    exact = jnp.dtype(lhs.dtype) == jnp.float32
-    params = _triton.compiler_params(config.num_warps, config.num_stages)
-    call = functools.partial(pl.pallas_call, compiler_params=params, interpret=interpret)
-    m = lhs.shape[0]
-    if variant == "drhs":
-        k, n, g = lhs.shape[1], rhs.shape[1], group_sizes.shape[0]
-        bounds = jnp.stack(_group_bounds(group_sizes, m))
-        kernel = functools.partial(_drhs_kernel, k=k, n=n, config=config, exact=exact)
-        return call(
-            kernel,
-            grid=(_triton.cdiv(n, config.block_n), _triton.cdiv(k, config.block_k), g),
-            out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
-            name="tokamax_ragged_dot_drhs",
-        )(bounds, lhs, rhs)
-    transpose_rhs = variant == "dlhs"
-    g, c = rhs.shape[0], lhs.shape[1]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    tiles = row_tiles(group_sizes, m, config.block_m)
-    kernel = functools.partial(_rows_kernel, m=m, c=c, n=n, g=g, config=config,
-                               transpose_rhs=transpose_rhs, exact=exact)
-    return call(
+    if variant != "drhs":
+        return pallas_triton_quantized.ragged_dot(
+            lhs, rhs, group_sizes, lhs_scale=None, rhs_scale=None,
+            transpose_rhs=variant == "dlhs", out_dtype=out_dtype, config=config,
+            variant=variant, interpret=interpret)
+    m, k = lhs.shape
+    n, g = rhs.shape[1], group_sizes.shape[0]
+    kernel = functools.partial(_drhs_kernel, k=k, n=n, config=config,
+                               exact=jnp.dtype(lhs.dtype) == jnp.float32)
+    return pl.pallas_call(
         kernel,
-        grid=(_triton.cdiv(n, config.block_n), tiles.shape[1]),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        name=f"tokamax_ragged_dot_{variant}",
-    )(tiles, lhs, rhs)
+        grid=(_triton.cdiv(n, config.block_n), _triton.cdiv(k, config.block_k), g),
+        out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+        compiler_params=_triton.compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="tokamax_ragged_dot_drhs",
+    )(jnp.stack(_group_bounds(group_sizes, m)), lhs, rhs)
 
 
 def _output_columns(ba: BoundArguments) -> tuple[int, int, int]:

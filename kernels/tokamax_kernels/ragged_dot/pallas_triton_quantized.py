@@ -1,4 +1,5 @@
-"""Row-grouped ragged dots (forward, dlhs) of 8-bit operands as a Pallas Triton kernel.
+"""Row-grouped ragged dots (forward, dlhs) as a Pallas Triton kernel, of 16/32-bit operands
+(`pallas_triton.py` runs it with no scales) or 8-bit ones.
 
 The work tiles start at their group's first row (`group_tiles`). Each program loads its
 tiles as stored (int8, float8 or 16/32-bit floats: 8-bit weights are read at one byte an
@@ -187,6 +188,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         set_float8_imprecise_accumulation(FLOAT8_IMPRECISE_ACCUMULATION)
     tiles = group_tiles(group_sizes, m, config.block_m)
     scales = [s for s in (lhs_scale, rhs_scale) if s is not None]
+    quantized = bool(scales) or 1 in (jnp.dtype(lhs.dtype).itemsize, jnp.dtype(rhs.dtype).itemsize)
     kernel = functools.partial(
         _kernel, m=m, c=c, n=n, g=g, config=config, transpose_rhs=transpose_rhs,
         dot_dtype=dot_dtype, lhs_blocks=lhs_blocks, rhs_blocks=rhs_blocks)
@@ -196,5 +198,5 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         compiler_params=_triton.compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
-        name=f"tokamax_quantized_ragged_dot_{variant}",
+        name=f"tokamax_{'quantized_' if quantized else ''}ragged_dot_{variant}",
     )(tiles, lhs, rhs, *scales)

@@ -9,12 +9,15 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 import tokamax_pass
+from _mosaic_gpu_interpret import interpret_mode
 from conftest import H200, assert_close, measured, random_normal, reference_precision
 from tokamax_kernels.ragged_dot import PallasMosaicGpuRaggedDot, RaggedDot, ragged_dot
+from tokamax_kernels.ragged_dot import _mosaic_gpu_rows_kernel as rows_kernel
 from tokamax_kernels.ragged_dot import api as ragged_api
 from tokamax_kernels.ragged_dot._mosaic_gpu_common import SMEM_BUDGET_BYTES
 from tokamax_kernels.ragged_dot.pallas_mosaic_gpu import Config
@@ -190,6 +193,62 @@ def test_heuristics_and_search_space_fit_smem(variant):
     small_config = op._get_heuristics_config(small)
     assert small_config.cta_n == 128
     assert small_config.tile_m == (128 if variant == "drhs" else 64)
+
+
+@pytest.mark.parametrize("sizes, m, tile_m", [
+    ((24, 23, 30, 17, 26, 0, 24), 160, 64),  # decode-like: few rows a group, a tail of 16
+    ((100, 0, 37, 119), 296, 64),  # the suite's sizes: a group spanning two tiles
+    ((1, 130, 5, 300), 440, 128),
+    (tuple(range(1, 33)), 528, 64),  # more groups than rows a tile
+])
+def test_row_tiles_start_at_their_group_and_cover_every_row_once(sizes, m, tile_m):
+    """The rows kernel's work list (`_row_tile`, walked by the persistent grid): every row
+    in exactly one tile of its group (the tail past the groups as group G), tiles starting
+    at their group's first row rounded down to 8 rows, a group of at most tile_m - 7 rows
+    in one tile (its weights read once a column tile), and nothing past the list."""
+    g = len(sizes)
+    sizes_array = np.asarray(sizes, np.int32)
+    owner = np.full(m, -1)
+    tiles_of = np.zeros(g + 1, int)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    count = rows_kernel.row_tile_count(m, g, tile_m)
+    for index in range(count):
+        group, row0, lo, hi = (int(v) for v in rows_kernel._row_tile(
+            sizes_array, g, m, tile_m, jnp.int32(index)))
+        if hi <= lo:
+            continue
+        assert row0 % rows_kernel.ROW_ALIGN == 0 and 0 <= lo < hi <= tile_m
+        assert row0 <= starts[group] < row0 + tile_m or lo == 0
+        assert (owner[row0 + lo:row0 + hi] == -1).all()
+        owner[row0 + lo:row0 + hi] = group
+        tiles_of[group] += 1
+    tail = m - sum(sizes)
+    np.testing.assert_array_equal(owner, np.repeat(np.arange(g + 1), [*sizes, tail]))
+    for group, size in enumerate([*sizes, tail]):
+        if 0 < size <= tile_m - (rows_kernel.ROW_ALIGN - 1):
+            assert tiles_of[group] == 1, (group, size)
+
+
+@pytest.mark.parametrize("variant", ["forward", "dlhs"])
+def test_interpreted_rows_kernel_matches_reference_at_few_rows_a_group(variant):
+    """The rows kernel in GPU interpret mode at decode-like sizes: groups of 17-30 rows
+    starting off the 8-row grid (tiles start before them and hold their neighbours'
+    rows), an empty group, and a tail past the groups (zeros)."""
+    sizes = (24, 23, 30, 17, 26, 0, 24)
+    m, k, n = 160, 128, 128  # dlhs contracts over n, and its output columns are k
+    lhs, rhs = (random_normal(seed, shape).astype(jnp.bfloat16) for seed, shape in (
+        (51, (m, k if variant == "forward" else n)), (52, (len(sizes), k, n))))
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    with interpret_mode():
+        got, _ = PallasMosaicGpuRaggedDot()._fwd(
+            lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+            variant=variant, return_residuals=False,
+            config=Config(tile_m=64, tile_n=64, tile_k=64, num_stages=2))
+    with reference_precision():
+        want = RaggedDot()(lhs.astype(jnp.float32), rhs.astype(jnp.float32), group_sizes,
+                           variant=variant)
+    assert_close(got, want, jnp.bfloat16)
+    assert not np.any(np.asarray(got[sum(sizes):], np.float32))
 
 
 @pytest.mark.parametrize("variant", ["forward", "dlhs"])
