@@ -27,6 +27,7 @@ from tokamax_kernels.gated_linear_unit.pallas_mosaic_gpu_vjp import (
     PallasMosaicGpuGatedLinearUnitVjp,
 )
 from tokamax_kernels.ragged_dot import _mosaic_gpu_common as common
+from tokamax_kernels.ragged_dot._mosaic_gpu_rows_kernel import ROW_ALIGN
 from tokamax_pass.core import BoundArguments, Op, Target
 
 Config = common.Config
@@ -34,8 +35,6 @@ Config = common.Config
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # Smallest tiles the kernel runs: contraction step, output rows, output columns per CTA.
 _MIN_TILE_K, _MIN_TILE_M, _MIN_CTA_N = 64, 64, 2 * 64
-# Swizzled TMA tiles of the (M, *) operands need M to be a multiple of the 8-row tiling.
-_ROW_ALIGN = 8
 # Float32 accumulator elements a compute warpgroup (128 threads) may hold: gate and up
 # tiles at 128 registers a thread, leaving room for the epilogue under the 232 it gets.
 _MAX_ACC_ELEMS = 2 * 128 * 64
@@ -117,9 +116,9 @@ class PallasMosaicGpuGatedLinearUnit(GatedLinearUnit):
         if jnp.dtype(x.dtype) not in _DTYPES:
             raise NotImplementedError(f"the Mosaic GPU GLU needs bf16 or f16 inputs, got {x.dtype}")
         m, k, n, itemsize = _problem(ba)
-        if m % _ROW_ALIGN or m < _MIN_TILE_M:
+        if m % ROW_ALIGN or m < _MIN_TILE_M:
             raise NotImplementedError(
-                f"the Mosaic GPU GLU needs M (rows of x, {m}) a multiple of {_ROW_ALIGN} and at "
+                f"the Mosaic GPU GLU needs M (rows of x, {m}) a multiple of {ROW_ALIGN} and at "
                 f"least {_MIN_TILE_M}")
         if k % _MIN_TILE_K:
             raise NotImplementedError(

@@ -41,7 +41,8 @@ def _row_tile(group_sizes_gmem, num_groups: int, m: int, tile_m: int, index):
     Returns `(group, row0, lo, hi)`: the tile covers rows `[row0, row0 + tile_m)`, of which
     local offsets `[lo, hi)` are the group's. Rows past the last group form a
     pseudo-group `num_groups` (their output is zeros); an index past every tile gets
-    `lo == hi == 0`. Groups are few, so the search is unrolled into selects.
+    `lo == hi == 0`. Groups are few, so the search is unrolled into selects. Sizes are
+    taken as given (non-negative, as the op checks where they are concrete).
     """
     tile = jnp.int32(tile_m)
     end = offset = group = row0 = lo = hi = jnp.int32(0)

@@ -200,6 +200,7 @@ def test_heuristics_and_search_space_fit_smem(variant):
     ((100, 0, 37, 119), 296, 64),  # the suite's sizes: a group spanning two tiles
     ((1, 130, 5, 300), 440, 128),
     (tuple(range(1, 33)), 528, 64),  # more groups than rows a tile
+    ((100, 100, 100), 160, 64),  # sizes past M (traced sizes are not checked): rows < M
 ])
 def test_row_tiles_start_at_their_group_and_cover_every_row_once(sizes, m, tile_m):
     """The rows kernel's work list (`_row_tile`, walked by the persistent grid): every row
@@ -208,33 +209,39 @@ def test_row_tiles_start_at_their_group_and_cover_every_row_once(sizes, m, tile_
     in one tile (its weights read once a column tile), and nothing past the list."""
     g = len(sizes)
     sizes_array = np.asarray(sizes, np.int32)
-    owner = np.full(m, -1)
+    owner = np.full(m + tile_m, -1)  # rows past M: a tile's stores there must be empty
     tiles_of = np.zeros(g + 1, int)
     starts = np.concatenate([[0], np.cumsum(sizes)])
     count = rows_kernel.row_tile_count(m, g, tile_m)
-    for index in range(count):
+    for index in range(count + 3):
         group, row0, lo, hi = (int(v) for v in rows_kernel._row_tile(
             sizes_array, g, m, tile_m, jnp.int32(index)))
         if hi <= lo:
             continue
+        assert index < count, "a tile past the persistent grid's row items"
         assert row0 % rows_kernel.ROW_ALIGN == 0 and 0 <= lo < hi <= tile_m
         assert row0 <= starts[group] < row0 + tile_m or lo == 0
         assert (owner[row0 + lo:row0 + hi] == -1).all()
         owner[row0 + lo:row0 + hi] = group
         tiles_of[group] += 1
-    tail = m - sum(sizes)
-    np.testing.assert_array_equal(owner, np.repeat(np.arange(g + 1), [*sizes, tail]))
+    clipped = np.diff(np.minimum(starts, m))
+    tail = m - clipped.sum()
+    expected = np.repeat(np.arange(g + 1), [*clipped, tail])
+    np.testing.assert_array_equal(owner[:m], expected)
+    if sum(sizes) <= m:
+        assert (owner[m:] == -1).all()
     for group, size in enumerate([*sizes, tail]):
         if 0 < size <= tile_m - (rows_kernel.ROW_ALIGN - 1):
             assert tiles_of[group] == 1, (group, size)
 
 
+@pytest.mark.parametrize("sizes", [(24, 23, 30, 17, 26, 0, 24), (5, 100, 23)])
 @pytest.mark.parametrize("variant", ["forward", "dlhs"])
-def test_interpreted_rows_kernel_matches_reference_at_few_rows_a_group(variant):
-    """The rows kernel in GPU interpret mode at decode-like sizes: groups of 17-30 rows
-    starting off the 8-row grid (tiles start before them and hold their neighbours'
-    rows), an empty group, and a tail past the groups (zeros)."""
-    sizes = (24, 23, 30, 17, 26, 0, 24)
+def test_interpreted_rows_kernel_matches_reference_at_few_rows_a_group(variant, sizes):
+    """The rows kernel in GPU interpret mode: decode-like groups of 17-30 rows starting
+    off the 8-row grid (tiles start before them and hold their neighbours' rows), an
+    empty group, a group of two tiles starting off the grid, and a tail past the groups
+    (zeros)."""
     m, k, n = 160, 128, 128  # dlhs contracts over n, and its output columns are k
     lhs, rhs = (random_normal(seed, shape).astype(jnp.bfloat16) for seed, shape in (
         (51, (m, k if variant == "forward" else n)), (52, (len(sizes), k, n))))
