@@ -1,6 +1,7 @@
 """`optimize` rewrites `x @ w` followed by softmax cross-entropy with integer labels,
-written in plain JAX (`log_softmax` + `take_along_axis`, as optax spells it, the label's
-log-probability negated after its mean, or against one-hot labels), into the
+written in plain JAX (`log_softmax` + `take_along_axis`, as optax spells it, also under
+the user's `jax.vmap`, the label's log-probability negated after its mean, the label
+picked by fancy indexing, or against one-hot labels), into the
 `linear_softmax_cross_entropy_loss` op where `implementation=None` picks a kernel for
 it, and leaves near-misses as written.
 
@@ -70,6 +71,47 @@ def soft_capped_loss(x, w, labels):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]
 
 
+def flattened(x, labels):
+    """The batch's tokens in one axis: fancy indexing by `jnp.arange(n)` picks from
+    `(n, V)` logits."""
+    return x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+
+
+def indexed_log_softmax_loss(x, w, labels):
+    x, labels = flattened(x, labels)
+    log_probs = jax.nn.log_softmax(logits_of(x, w))
+    return -log_probs[jnp.arange(x.shape[0]), labels]
+
+
+def indexed_negated_mean(x, w, labels):
+    """`-log_probs[jnp.arange(n), labels].mean()`: the minus after the mean."""
+    x, labels = flattened(x, labels)
+    log_probs = jax.nn.log_softmax(logits_of(x, w))
+    return -log_probs[jnp.arange(x.shape[0]), labels].mean()
+
+
+def indexed_logit_loss(x, w, labels):
+    x, labels = flattened(x, labels)
+    logits = logits_of(x, w)
+    return jax.nn.logsumexp(logits, axis=-1) - logits[jnp.arange(x.shape[0]), labels]
+
+
+def indexed_soft_capped_logit_loss(x, w, labels):
+    x, labels = flattened(x, labels)
+    logits = 3.0 * jnp.tanh(logits_of(x, w) / 3.0)
+    return jax.nn.logsumexp(logits, axis=-1) - logits[jnp.arange(x.shape[0]), labels]
+
+
+def optax_per_example_under_vmap(x, w, labels):
+    """optax's loss of each sequence averaged, under the user's `jax.vmap`: the batched
+    log-sum-exp broadcasts its zero otherwise than the unbatched one."""
+    return jax.vmap(lambda x, labels: optax_spelling(x, w, labels).mean())(x, labels)
+
+
+def optax_per_token_under_vmap(x, w, labels):
+    return jax.vmap(optax_spelling, in_axes=(0, None, 0))(x, w, labels)
+
+
 def operands(seed=0, dtype=jnp.float32):
     x = random_normal(seed, (B, T, H), dtype)
     w = random_normal(seed + 1, (H, V), dtype)
@@ -81,7 +123,10 @@ def operands(seed=0, dtype=jnp.float32):
 @pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, mean_loss,
                                negated_mean_log_probability,
                                negated_mean_of_unsqueezed_log_probabilities, one_hot_loss,
-                               one_hot_loss_summed_by_jnp, soft_capped_loss],
+                               one_hot_loss_summed_by_jnp, soft_capped_loss,
+                               indexed_log_softmax_loss, indexed_negated_mean,
+                               indexed_logit_loss, indexed_soft_capped_logit_loss,
+                               optax_per_example_under_vmap, optax_per_token_under_vmap],
                          ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):
     x, w, labels = operands()
@@ -104,12 +149,17 @@ def test_values_and_gradients_match_jit(rewritten, f):
 
 
 @pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, negated_mean_log_probability,
-                               negated_mean_of_unsqueezed_log_probabilities, one_hot_loss],
+                               negated_mean_of_unsqueezed_log_probabilities, one_hot_loss,
+                               indexed_log_softmax_loss, indexed_negated_mean,
+                               indexed_logit_loss, indexed_soft_capped_logit_loss,
+                               optax_per_token_under_vmap],
                          ids=lambda f: f.__name__)
 def test_labels_out_of_range_have_the_values_and_gradients_of_jit(rewritten, f):
     """Labels past either end: `take_along_axis` gives NaN there (negative ones in range
     count from the end) and the gradient its spelling gives (the log-sum-exp's alone for
-    optax's, none through `log_softmax`); `one_hot` selects nothing."""
+    optax's, none through `log_softmax`); `one_hot` selects nothing; fancy indexing
+    clamps the label into [0, V) and drops its gradient (the log-sum-exp's alone
+    through `lse - logit`, none through `log_softmax`)."""
     x, w, _ = operands()
     labels = jnp.array([[0, V, -V - 1, 3, -1, V + 2]] * B, jnp.int32)
     cotangent = random_normal(9, jax.eval_shape(f, x, w, labels).shape)
@@ -127,6 +177,26 @@ def test_labels_out_of_range_have_the_values_and_gradients_of_jit(rewritten, f):
     grads = jax.grad(functools.partial(loss, optimized), argnums=(0, 1))(x, w)
     for got, want in zip(grads, wanted, strict=True):
         assert jnp.isfinite(want).all()
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int16, jnp.uint8], ids=lambda d: d.__name__)
+def test_fancy_indexing_reads_labels_of_a_narrower_integer_type(rewritten, dtype):
+    """jnp converts the labels to the rows' int32 before pairing them: their own dtype is
+    found a few equations back, and the clamping is the same."""
+    x, w, _ = operands()
+    labels = jnp.array([[0, V, 3, V + 2, 1, 2 * V]] * B, dtype)
+    cotangent = random_normal(9, (B * T,))
+
+    def loss(fn, x, w):
+        return (fn(x, w, labels) * cotangent).sum()
+
+    optimized = tokamax.optimize(indexed_logit_loss)
+    assert outcomes(optimized, x, w, labels) == [REWRITTEN]
+    assert_close(optimized(x, w, labels), jax.jit(indexed_logit_loss)(x, w, labels))
+    wanted = jax.jit(jax.grad(functools.partial(loss, indexed_logit_loss), argnums=(0, 1)))
+    grads = jax.grad(functools.partial(loss, optimized), argnums=(0, 1))(x, w)
+    for got, want in zip(grads, wanted(x, w), strict=True):
         assert_close(got, want)
 
 
@@ -221,8 +291,42 @@ def bfloat16_logits(x, w, labels):
     return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
 
 
+def indexed_in_reversed_rows(x, w, labels):
+    """Each row's label paired with another row: not `jnp.arange(n)`."""
+    x, labels = flattened(x, labels)
+    log_probs = jax.nn.log_softmax(logits_of(x, w))
+    return -log_probs[jnp.arange(x.shape[0])[::-1], labels]
+
+
+def indexed_along_the_rows(x, w, labels):
+    """The labels index the rows and `jnp.arange(n)` the vocabulary: the other axis."""
+    x, labels = flattened(x, labels)
+    log_probs = jax.nn.log_softmax(logits_of(x, w))
+    return -log_probs[labels, jnp.arange(x.shape[0])]
+
+
+def indexed_in_clip_mode(x, w, labels):
+    """Another gather mode: a clipped label gets its gradient, unlike jnp's default."""
+    x, labels = flattened(x, labels)
+    log_probs = jax.nn.log_softmax(logits_of(x, w))
+    return -log_probs.at[jnp.arange(x.shape[0]), labels].get(mode="clip")
+
+
+def smoothed_optax_under_vmap(x, w, labels):
+    """Label smoothing in the user's `jax.vmap`: the log-sum-exp is read again."""
+    def per_example(x, labels):
+        logits = logits_of(x, w)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+        return 0.9 * (lse - picked) + 0.1 * (lse - logits.mean(-1))
+
+    return jax.vmap(per_example)(x, labels)
+
+
 @pytest.mark.parametrize("f", [softmax_over_the_wrong_axis, smoothed_labels, bfloat16_logits,
-                               float32_logits_of_a_bfloat16_product, soft_capped_in_bfloat16],
+                               float32_logits_of_a_bfloat16_product, soft_capped_in_bfloat16,
+                               indexed_in_reversed_rows, indexed_along_the_rows,
+                               indexed_in_clip_mode, smoothed_optax_under_vmap],
                          ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     x, w, labels = operands()

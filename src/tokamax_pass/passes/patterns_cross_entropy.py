@@ -17,6 +17,15 @@ Two more spellings: the label's log-probability `take_along_axis(log_softmax(log
 one-hot form `-(jax.nn.one_hot(labels, V) * log_softmax(logits)).sum(-1)` (optax's
 `softmax_cross_entropy` of one-hot labels), where a label outside `[0, V)` has an
 all-zero one-hot row, so no loss and no gradient (the op ignores it).
+
+The label picked by fancy indexing from `(n, V)` logits, `log_softmax(logits)[
+jnp.arange(n), labels]` (negated there or later) and `logsumexp(logits, -1) -
+logits[jnp.arange(n), labels]`, reads its labels as XLA's gather of jnp's default mode
+does: a label outside `[-V, V)` is clamped into `[0, V)` (the loss of label 0 or V - 1),
+and the transposed scatter drops its gradient (none through `log_softmax`; the
+log-sum-exp's alone through `lse - logit`). Optax's spelling is also matched inside a
+`jax.vmap` over the leading axis (a per-example loss the user maps), whose batched
+equations differ from the unbatched ones.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Literal
 
 from tokamax_pass.passes.candidate import Candidate
 from tokamax_pass.passes.graph import (
@@ -39,7 +49,7 @@ from tokamax_pass.passes.graph import (
 )
 
 NAME = "linear_softmax_cross_entropy_loss"
-PRIMITIVES = frozenset({"neg", "sub", "squeeze", "jit"})
+PRIMITIVES = frozenset({"neg", "sub", "squeeze", "jit", "gather"})
 
 
 def _expanded(labels: Any, expand: str) -> Any:
@@ -84,6 +94,25 @@ def _picked_log_probability_spelling(expand: str) -> Callable[[Any, Any], Any]:
     return picked
 
 
+def _indexed(array: Any, labels: Any) -> Any:
+    """`array[jnp.arange(n), labels]`, each row's label, in jnp's default mode spelled
+    out: the clamping `_Labels.INDEXED_*` read is that mode's (were jnp's default another,
+    the user's index would trace otherwise and not be matched)."""
+    return array.at[jnp.arange(array.shape[0]), labels].get(mode="promise_in_bounds")
+
+
+def _indexed_log_probability_spelling(logits: Any, labels: Any) -> Any:
+    return _indexed(jax.nn.log_softmax(logits, axis=-1), labels)
+
+
+def _indexed_log_softmax_spelling(logits: Any, labels: Any) -> Any:
+    return -_indexed_log_probability_spelling(logits, labels)
+
+
+def _indexed_logit_spelling(logits: Any, labels: Any) -> Any:
+    return jax.nn.logsumexp(logits, axis=-1) - _indexed(logits, labels)
+
+
 def _one_hot_spelling(one_hot_first: bool) -> Callable[[Any, Any], Any]:
     def loss(logits: Any, labels: Any) -> Any:
         one_hot = jax.nn.one_hot(labels, logits.shape[-1])
@@ -105,6 +134,15 @@ class _Labels(enum.Enum):
     PICKED_LOG_PROBABILITY = enum.auto()
     # `jax.nn.one_hot`: negative labels too select nothing, so no loss and no gradient.
     ONE_HOT = enum.auto()
+    # `log_softmax(logits)[jnp.arange(n), labels]`: XLA's gather clamps the label into
+    # `[0, V)`, and the scatter of its transpose drops it: that loss and no gradient.
+    INDEXED_LOG_PROBABILITY = enum.auto()
+    # `lse - logits[jnp.arange(n), labels]`: the clamped label's loss, and the
+    # log-sum-exp's gradient alone.
+    INDEXED_LOGIT = enum.auto()
+
+
+_INDEXED = frozenset({_Labels.INDEXED_LOG_PROBABILITY, _Labels.INDEXED_LOGIT})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,19 +155,37 @@ class _Spelling:
     negated: bool = False
     # The value keeps `take_along_axis`'s trailing axis of 1 (`(..., 1)`, not squeezed).
     keeps_axis: bool = False
+    # `function` is mapped by `jax.vmap` over the logits' and labels' leading axis.
+    mapped: bool = False
 
-    @property
-    def labels_enter(self) -> str:
-        """The name of the jitted call the labels enter, which holds the vocabulary."""
-        return "_one_hot" if self.labels is _Labels.ONE_HOT else "take_along_axis"
+    def enters(self, eqn: Any) -> bool:
+        """Whether the labels enter the spelling at `eqn`, which holds the vocabulary: the
+        fancy index's `gather`, else the jitted `take_along_axis` or `_one_hot` call."""
+        if self.labels in _INDEXED:
+            return eqn.primitive.name == "gather"
+        name = "_one_hot" if self.labels is _Labels.ONE_HOT else "take_along_axis"
+        return eqn.primitive.name == "jit" and eqn.params.get("name") == name
+
+    def fits(self, rank: int) -> bool:
+        """Whether the spelling is written for logits of `rank` axes: `(n, V)` for the
+        fancy index by `jnp.arange(n)`, a leading axis to map for `mapped`."""
+        if self.labels in _INDEXED:
+            return rank == 2
+        return rank >= (2 if self.mapped else 1)
 
 
 _FORMS = [(e, s) for e in ("index", "expand_dims") for s in ("index", "squeeze")]
 _LOG_PROBABILITY = _Labels.PICKED_LOG_PROBABILITY
 _SPELLINGS = {
     "neg": (*(_Spelling(_log_softmax_spelling(e, s), _LOG_PROBABILITY) for e, s in _FORMS),
-            *(_Spelling(_one_hot_spelling(first), _Labels.ONE_HOT) for first in (True, False))),
-    "sub": tuple(_Spelling(_optax_spelling(e, s), _Labels.PICKED_LOGIT) for e, s in _FORMS),
+            *(_Spelling(_one_hot_spelling(first), _Labels.ONE_HOT) for first in (True, False)),
+            _Spelling(_indexed_log_softmax_spelling, _Labels.INDEXED_LOG_PROBABILITY)),
+    "sub": (*(_Spelling(_optax_spelling(e, s), _Labels.PICKED_LOGIT) for e, s in _FORMS),
+            *(_Spelling(jax.vmap(_optax_spelling(e, s)), _Labels.PICKED_LOGIT, mapped=True)
+              for e, s in _FORMS),
+            _Spelling(_indexed_logit_spelling, _Labels.INDEXED_LOGIT)),
+    "gather": (_Spelling(_indexed_log_probability_spelling, _Labels.INDEXED_LOG_PROBABILITY,
+                         negated=True),),
     "squeeze": tuple(_Spelling(_log_probability_spelling(e, s), _LOG_PROBABILITY, negated=True)
                      for e, s in _FORMS),
     "jit": tuple(_Spelling(_picked_log_probability_spelling(e), _LOG_PROBABILITY, negated=True,
@@ -144,7 +200,7 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     (out,) = eqn.outvars
     if out.aval.dtype != jnp.float32:
         return None
-    if eqn.primitive.name == "squeeze" and any(
+    if eqn.primitive.name in ("squeeze", "gather") and any(
             user.primitive.name == "neg" for user in graph.users(out)):
         return None  # the loss itself, matched at that negation
     if eqn.primitive.name == "jit" and (
@@ -185,9 +241,8 @@ def _losses(eqn: Any, graph: Graph) -> list[tuple[_Spelling, Any, Any, list[Any]
 def _input_avals(eqn: Any, graph: Graph, spelling: _Spelling
                  ) -> list[tuple[tuple[tuple[int, ...], Any], ...]]:
     """The `(logits, labels)` shapes and dtypes a loss of `eqn`'s shape may come from: the
-    logits' vocabulary read off the call the labels enter (`take_along_axis`: its array is
-    the logits; `_one_hot`: its result is their shape), `eqn` or one before it."""
-    labels_enter = spelling.labels_enter
+    logits' vocabulary read off the equation the labels enter (`_Spelling.enters`),
+    `eqn` or one before it."""
     shape = tuple(eqn.outvars[0].aval.shape)
     if spelling.keeps_axis:
         shape = shape[:-1]
@@ -199,17 +254,46 @@ def _input_avals(eqn: Any, graph: Graph, spelling: _Spelling
         if producer is None or id(producer) in visited:
             continue
         visited.add(id(producer))
-        if producer.primitive.name == "jit" and producer.params.get("name") == labels_enter:
-            labels = producer.invars[-1]
-            logits = (producer.invars if labels_enter == "take_along_axis"
-                      else producer.outvars)[0]
-            if tuple(logits.aval.shape[:-1]) == shape and jnp.issubdtype(labels.aval.dtype,
-                                                                          jnp.integer):
-                seen.append(((tuple(logits.aval.shape), logits.aval.dtype),
-                             (shape, labels.aval.dtype)))
+        if spelling.enters(producer):
+            seen.extend(_entry_avals(graph, producer, spelling, shape))
             continue
         stack.extend(producer.invars)
     return list(dict.fromkeys(seen))
+
+
+def _entry_avals(graph: Graph, entry: Any, spelling: _Spelling, shape: tuple[int, ...]
+                 ) -> list[tuple[tuple[tuple[int, ...], Any], ...]]:
+    """The `(logits, labels)` shapes and dtypes read off `entry`, the equation the labels
+    enter: `take_along_axis`'s and the fancy index's array is the logits (or their
+    log-softmax, of their shape), `_one_hot`'s result has their shape."""
+    if spelling.labels in _INDEXED:
+        logits, indices = entry.invars
+        dtypes = _index_dtypes(graph, indices)
+    else:
+        logits = (entry.outvars if spelling.labels is _Labels.ONE_HOT else entry.invars)[0]
+        dtypes = [entry.invars[-1].aval.dtype]
+    logits_shape = tuple(logits.aval.shape)
+    if logits_shape[:-1] != shape or not spelling.fits(len(logits_shape)):
+        return []
+    return [((logits_shape, logits.aval.dtype), (shape, dtype)) for dtype in dtypes
+            if jnp.issubdtype(dtype, jnp.integer)]
+
+
+def _index_dtypes(graph: Graph, indices: Any) -> list[Any]:
+    """The dtypes of the values a fancy index's `indices` are made from, a few equations
+    back: jnp converts the labels to the rows' integer type before pairing them, so the
+    labels' own dtype is among these."""
+    dtypes = [indices.aval.dtype]
+    stack, visited = [indices], 0
+    while stack and visited < 16:
+        producer = graph.producer(stack.pop())
+        if producer is None:
+            continue
+        visited += 1
+        operands = [v for v in producer.invars if not isinstance(v, Literal)]
+        dtypes.extend(v.aval.dtype for v in operands)
+        stack.extend(operands)
+    return list(dict.fromkeys(dtypes))
 
 
 def _logits_matmul(graph: Graph, logits: Any
@@ -243,27 +327,54 @@ def _function(precision: Any, cap: float | None,
             linear_softmax_cross_entropy_loss,
         )
 
-        op_labels, nan = _labels_for_op(spelling.labels, labels.astype(jnp.int32),
-                                        w.shape[-1])
+        labels = labels.astype(jnp.int32)
+        op_labels, nan = _labels_for_op(spelling.labels, labels, w.shape[-1])
         losses = linear_softmax_cross_entropy_loss(x, op_labels, w, reduction="none",
                                                    logits_soft_cap=cap, precision=precision)
         if nan is not None:
             losses = losses + jnp.where(nan, jnp.nan, 0.0)
+        if spelling.labels in _INDEXED:
+            outside = _outside(labels, w.shape[-1])
+            losses = _clamped_gradient(spelling.labels, losses, outside, x, w, op_labels,
+                                       precision, cap)
         losses = -losses if spelling.negated else losses
         return losses[..., None] if spelling.keeps_axis else losses
 
     return function
 
 
+def _outside(labels: Any, vocabulary: int) -> Any:
+    """The labels no index reaches, even counting from the end: outside `[-V, V)`."""
+    return (labels < -vocabulary) | (labels >= vocabulary)
+
+
 def _labels_for_op(read: _Labels, labels: Any, vocabulary: int) -> tuple[Any, Any]:
     """`(labels, nan)`: the op's labels giving the loss and gradient the spelling gives
     (the op ignores a negative label and gives a label >= V a NaN loss and its
-    log-sum-exp's gradient), and the tokens whose loss must be made NaN besides (`None`:
-    none)."""
-    outside = (labels < -vocabulary) | (labels >= vocabulary)
+    log-sum-exp's gradient; a fancy index's clamped label then has its gradient fixed
+    by `_clamped_gradient`), and the tokens whose loss must be made NaN besides
+    (`None`: none)."""
+    outside = _outside(labels, vocabulary)
     if read is _Labels.ONE_HOT:
         return jnp.where(outside | (labels < 0), -1, labels), None
     wrapped = jnp.where(labels < 0, labels + vocabulary, labels)
+    if read in _INDEXED:
+        return jnp.clip(wrapped, 0, vocabulary - 1), None
     if read is _Labels.PICKED_LOGIT:
         return jnp.where(outside, vocabulary, wrapped), None
     return jnp.where(outside, -1, wrapped), outside
+
+
+def _clamped_gradient(read: _Labels, losses: Any, outside: Any, x: Any, w: Any,
+                      labels: Any, precision: Any, cap: float | None) -> Any:
+    """`losses` of the clamped `labels`, with the gradient a fancy index gives the tokens
+    `outside`: none through `log_softmax`; the log-sum-exp's alone through `lse - logit`,
+    the label logit's gradient (which the op's loss subtracts) added back by a term of
+    value zero."""
+    if read is _Labels.INDEXED_LOG_PROBABILITY:
+        return jnp.where(outside, jax.lax.stop_gradient(losses), losses)
+    logits = jnp.einsum("...h,...h->...", x, w.T[labels], precision=precision)
+    logits = logits.astype(jnp.float32)
+    if cap is not None:
+        logits = cap * jnp.tanh(logits / cap)
+    return losses + jnp.where(outside, logits - jax.lax.stop_gradient(logits), 0.0)
