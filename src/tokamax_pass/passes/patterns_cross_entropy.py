@@ -25,7 +25,8 @@ does: a label outside `[-V, V)` is clamped into `[0, V)` (the loss of label 0 or
 and the transposed scatter drops its gradient (none through `log_softmax`; the
 log-sum-exp's alone through `lse - logit`). Optax's spelling is also matched inside a
 `jax.vmap` over the leading axis (a per-example loss the user maps), whose batched
-equations differ from the unbatched ones.
+equations differ from the unbatched ones (`logsumexp` broadcasts the zero it puts in
+place of a non-finite max in two steps).
 """
 
 from __future__ import annotations
@@ -266,15 +267,13 @@ def _entry_avals(graph: Graph, entry: Any, spelling: _Spelling, shape: tuple[int
     """The `(logits, labels)` shapes and dtypes read off `entry`, the equation the labels
     enter: `take_along_axis`'s and the fancy index's array is the logits (or their
     log-softmax, of their shape), `_one_hot`'s result has their shape."""
-    if spelling.labels in _INDEXED:
-        logits, indices = entry.invars
-        dtypes = _index_dtypes(graph, indices)
-    else:
-        logits = (entry.outvars if spelling.labels is _Labels.ONE_HOT else entry.invars)[0]
-        dtypes = [entry.invars[-1].aval.dtype]
+    logits = (entry.outvars if spelling.labels is _Labels.ONE_HOT else entry.invars)[0]
     logits_shape = tuple(logits.aval.shape)
     if logits_shape[:-1] != shape or not spelling.fits(len(logits_shape)):
         return []
+    indices = entry.invars[-1]  # the labels, or the fancy index's rows and labels
+    dtypes = (_index_dtypes(graph, indices) if spelling.labels in _INDEXED
+              else [indices.aval.dtype])
     return [((logits_shape, logits.aval.dtype), (shape, dtype)) for dtype in dtypes
             if jnp.issubdtype(dtype, jnp.integer)]
 
@@ -370,7 +369,8 @@ def _clamped_gradient(read: _Labels, losses: Any, outside: Any, x: Any, w: Any,
     """`losses` of the clamped `labels`, with the gradient a fancy index gives the tokens
     `outside`: none through `log_softmax`; the log-sum-exp's alone through `lse - logit`,
     the label logit's gradient (which the op's loss subtracts) added back by a term of
-    value zero."""
+    value zero. That term reads each token's column of `w` (`n x H`), and its gradient
+    is one more `w`-sized array in the backward."""
     if read is _Labels.INDEXED_LOG_PROBABILITY:
         return jnp.where(outside, jax.lax.stop_gradient(losses), losses)
     logits = jnp.einsum("...h,...h->...", x, w.T[labels], precision=precision)
