@@ -282,7 +282,7 @@ def generalization_table() -> str:
     runs = len(provenance.get("runs", [provenance["date"]]))
     return (f"{provenance['device_kind']}, {provenance['date'][:10]}, "
             f"{runs} run{'s' if runs > 1 else ''} (seed{'s' if len(seeds) > 1 else ''} "
-            f"{', '.join(str(s) for s in seeds)}), "
+            f"{', '.join('not recorded' if s is None else str(s) for s in seeds)}), "
             f"{len(drawn)} shapes in all (`{results_file(GENERALIZATION).name}`); a ratio is "
             "`None`'s time over the fastest implementation's or peer's at that shape, device "
             "time (CUPTI).\n\n"

@@ -78,6 +78,17 @@ def test_points_are_matched_on_the_familys_shape_features_too():
     assert prediction.efficiency(cal, "K", "float32", Work(1e12, 1e9))[0] == pytest.approx(0.4)
 
 
+def test_a_point_of_the_calls_own_feature_beats_a_closer_size_of_another():
+    # The call: work (1e12, 1e9) at feature 8. One point of feature 6 at the call's work,
+    # two log2 steps away in its feature alone; one of feature 8 at 4x the FLOPs and
+    # bytes, 2.8 steps away in work. A feature step counts `FEATURE_WEIGHT` times a step
+    # in work, so the point of the call's own feature decides.
+    cal = calibration.parse(json.dumps(calibration_file([
+        ("K", "float32", 1e12, 1e9, 0.8, [6.0]), ("K", "float32", 4e12, 4e9, 0.1, [8.0])])))
+    found, _ = prediction.efficiency(cal, "K", "float32", Work(1e12, 1e9), (8.0,))
+    assert found < 0.3
+
+
 def test_attention_head_dim_sets_which_points_a_prediction_uses():
     from tokamax_kernels.attention import DotProductAttention, PallasTritonFlashAttention
 

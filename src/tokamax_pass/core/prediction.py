@@ -34,6 +34,12 @@ from tokamax_pass.core.roofline import Work
 # one of them) of a call are its neighbours; the nearest few are interpolated.
 NEIGHBOUR_RADIUS = 1.0
 NEIGHBOURS = 4
+# How much farther a step in a shape feature (log2 units, as the work's) puts a point than
+# the same step in FLOPs or bytes: a feature changes how a kernel runs (attention's head
+# dim sets its tiles and register use), not only how much it does, so a point of the
+# call's own head dim or row width is a better guide than one of another at a closer
+# size. docs/selection.md gives the fit's measure of it.
+FEATURE_WEIGHT = 3.0
 # Arguments of a VJP call that are not the forward's (`core.vjp.RESERVED_NAMES`; that
 # module imports the selection, which imports this one).
 NOT_FORWARD = frozenset({"residuals", "out", "dout", "shared_inputs", "dresiduals"})
@@ -123,7 +129,8 @@ def call_work(ba: BoundArguments) -> Work | None:
 
 
 def _position(flops: float, nbytes: float, features: Sequence[float]) -> tuple[float, ...]:
-    return (math.log2(max(flops, 1.0)), math.log2(max(nbytes, 1.0)), *features)
+    return (math.log2(max(flops, 1.0)), math.log2(max(nbytes, 1.0)),
+            *(FEATURE_WEIGHT * f for f in features))
 
 
 def efficiency(calibration: calibration_lib.Calibration, name: str, dtype: str,

@@ -1,0 +1,84 @@
+"""Device probe: do the Triton norms help or hurt inside a model's training step?
+
+    PYTHONPATH=src:kernels:. python benchmarks/probes/norms_in_models.py \
+        [--only llama encoder ...] [--rounds 3] [--out FILE.jsonl]
+
+Alone, the Triton layer norm's forward+backward runs up to twice as fast as XLA's at
+shapes the generalization benchmark draws; `None` still runs XLA's norms, because in a
+model XLA fuses a norm with its neighbours (the residual add before it, the gradient's add
+after it), which a kernel cannot. This times each model's step three ways in alternating
+rounds, in one process: plain JAX, ours (`None`), and ours with every norm
+(`rms_norm`, `add_rms_norm`, `layer_norm`) forced to `implementation="triton"`, forward
+and gradient. One JSON line per model and variant (the rounds' times and the ratio of
+plain's median to its median), after a provenance line, to `--out`
+(default `$OUT/norms_in_models.jsonl`, else the working directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+from typing import Any
+
+import jax
+
+import tokamax_pass
+from benchmarks import sweep
+from benchmarks.models import MODELS, ops, run
+
+
+class TritonNorms(ops.Library):
+    """Our ops (`implementation=None`) with the norms forced to the Triton kernels."""
+
+    def rms_norm(self, x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
+        return tokamax_pass.layer_norm(x, scale, None, epsilon=eps, subtract_mean=False,
+                                       implementation="triton")
+
+    def add_rms_norm(self, x: jax.Array, h: jax.Array, scale: jax.Array,
+                     eps: float = 1e-6) -> Any:
+        return tokamax_pass.layer_norm(h, scale, None, epsilon=eps, subtract_mean=False,
+                                       residual=x, implementation="triton")
+
+    def layer_norm(self, x: jax.Array, scale: jax.Array, offset: jax.Array,
+                   eps: float = 1e-6) -> jax.Array:
+        return tokamax_pass.layer_norm(x, scale, offset, epsilon=eps, implementation="triton")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", default=["llama", "encoder", "gemma2"],
+                        choices=sorted(MODELS))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--out", type=pathlib.Path,
+                        default=pathlib.Path(os.environ.get("OUT", ".")) / "norms_in_models.jsonl")
+    args = parser.parse_args()
+    variants = {"plain": ops.Plain(), "ours": ops.Library(tokamax_pass, "ours"),
+                "ours, triton norms": TritonNorms(tokamax_pass, "ours")}
+    with args.out.open("w") as out:
+        out.write(json.dumps({"provenance": {
+            "commit": sweep.source_commit(), "jax": jax.__version__,
+            "device_kind": jax.devices()[0].device_kind}}) + "\n")
+        for name in args.only:
+            model = MODELS[name]
+            params, batch = run._inputs(model, smoke=False)
+            steps = {v: jax.jit(model.step_fn(o, smoke=False)) for v, o in variants.items()}
+            times: dict[str, list[float]] = {v: [] for v in steps}
+            for _ in range(args.rounds):
+                for variant, step in steps.items():
+                    times[variant].append(
+                        run._device_ms(step, params, batch, args.iterations)["ms"])
+            plain = statistics.median(times["plain"])
+            for variant, ms in times.items():
+                row = {"model": name, "variant": variant, "ms": ms,
+                       "vs_plain": plain / statistics.median(ms)}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
