@@ -82,9 +82,6 @@ def _persistent(**fields) -> MosaicAttentionConfig:
 
 
 @pytest.mark.parametrize("shape, causal, window, cap, lengths, config", [
-    # GQA causal, longest first: 8 tiles over 3 blocks, 1-4 K/V tiles each.
-    pytest.param((2, 256, 256, 4, 2, 64), True, None, None, None,
-                 _persistent(longest_first=True), id="gqa-causal-longest-first"),
     # Cross attention, three stages (the ring wraps at a different tile each time).
     pytest.param((2, 128, 384, 2, 1, 64), False, None, None, None,
                  _persistent(num_stages=3, compute_wgs=1), id="mqa-cross-3-stages"),
@@ -94,8 +91,11 @@ def _persistent(**fields) -> MosaicAttentionConfig:
     # Key lengths (one of 37: most tiles of that batch element never loaded).
     pytest.param((2, 256, 256, 2, 1, 128), True, None, None, (200, 37), _persistent(),
                  id="lengths-d128"),
-    # The next tile's Q prefetched: GQA causal, and a batch element with no keys (its
-    # tiles compute no K/V step, so they prefetch after the loop).
+    # The next tile's Q prefetched: GQA causal, longest first (8 tiles over 3 blocks,
+    # 1-4 K/V tiles each), and a batch element with no keys (its tiles compute no K/V
+    # step, so they prefetch after the loop). The same GQA call without the prefetch is
+    # bitwise equal to the grid (`test_bitwise_equal_to_the_grid[False-shape0-...]`),
+    # whose numerics the grid's own interpreted tests check.
     pytest.param((2, 256, 256, 4, 2, 64), True, None, None, None,
                  _persistent(longest_first=True, prefetch_query=True), id="prefetch-gqa"),
     pytest.param((2, 256, 256, 2, 1, 64), True, None, None, (200, 0),
@@ -115,7 +115,7 @@ def test_persistent_interpreted_matches_reference(three_sms, shape, causal, wind
                 MosaicAttentionVjpConfig(compute_wgs=1), seed=11)
 
 
-@pytest.mark.parametrize("shape, causal, fields, kwargs", [
+_GRID_CASES = [
     ((2, 256, 256, 4, 2, 64), True, dict(longest_first=True), {}),
     ((2, 128, 256, 2, 2, 64), False, dict(num_stages=3), {}),
     ((2, 256, 256, 2, 1, 64), True, dict(compute_wgs=1),
@@ -124,8 +124,18 @@ def test_persistent_interpreted_matches_reference(three_sms, shape, causal, wind
     # A window over a batch element with no keys: its tiles compute no K/V step.
     ((2, 256, 256, 2, 1, 64), True, {},
      dict(window=(70, 0), kv_lengths=jnp.array([200, 0], jnp.int32))),
-])
-@pytest.mark.parametrize("prefetch", [False, True])
+]
+
+
+# Every case with the Q prefetch (the persistent loop's ring, barriers and tile table,
+# plus the second Q buffer); without it, the GQA longest-first and the three-stage cross
+# cases (the ring wrapping at different tiles), which walk the same loop with one Q buffer:
+# the window, cap and key-length cases differ only in the K/V range of a tile, which
+# does not depend on the prefetch.
+@pytest.mark.parametrize(("prefetch", "shape", "causal", "fields", "kwargs"), [
+    pytest.param(prefetch, *case, id=f"{prefetch}-shape{i}-{case[1]}-fields{i}-kwargs{i}")
+    for prefetch in (False, True) for i, case in enumerate(_GRID_CASES)
+    if prefetch or i < 2])
 def test_bitwise_equal_to_the_grid(three_sms, shape, causal, fields, kwargs, prefetch):
     """A tile's work does not depend on which block runs it, after which tile, or which
     of two Q buffers it uses: out and lse equal the grid-launched kernel's bit for bit."""
@@ -224,12 +234,18 @@ def test_balanced_schedule_is_left_to_round_robin_where_it_cannot_help(monkeypat
     assert balanced_schedule(order, steps, 132) is None  # the table would be too large
 
 
-@pytest.mark.parametrize("head_dim, causal, kwargs", [
+_LOWERED = [
     (128, True, {}),
     (64, False, dict(local_window_size=(200, 0), logits_soft_cap=30.0)),
     (256, False, dict(key_value_seq_lengths=jnp.array([300, 77], jnp.int32))),
-])
-@pytest.mark.parametrize("prefetch", [False, True])
+]
+
+
+# Every head dim and mask with the prefetch; without it once (d128 causal): the window,
+# cap, key lengths and d256 change the tile's K/V range and tiles, not the Q load.
+@pytest.mark.parametrize(("prefetch", "head_dim", "causal", "kwargs"), [
+    pytest.param(prefetch, *case, id=f"{prefetch}-{case[0]}-{case[1]}-kwargs{i}")
+    for prefetch in (False, True) for i, case in enumerate(_LOWERED) if prefetch or i == 0])
 def test_persistent_lowers_for_h200(head_dim, causal, kwargs, prefetch):
     """The persistent forward with the default backward, lowered for an H200 (16 tiles,
     so 16 blocks), with and without the Q prefetch."""
@@ -368,13 +384,13 @@ def test_group_in_block_interpreted_matches_reference(shape, causal, window, cap
     ((2, 128, 256, 4, 1, 64), False, dict(num_stages=3), {}),
     ((2, 256, 256, 2, 1, 64), True, {}, dict(window=(70, 0), soft_cap=30.0)),
     ((2, 256, 256, 2, 1, 64), True, {}, dict(kv_lengths=jnp.array([130, 0], jnp.int32))),
-    ((2, 256, 256, 4, 2, 64), True, dict(persistent=True), {}),
     ((2, 256, 256, 4, 2, 64), True, dict(persistent=True, prefetch_query=True), {}),
 ])
 def test_bitwise_equal_to_a_block_per_head(monkeypatch, shape, causal, fields, kwargs):
     """A row's K/V tiles and their order do not depend on which block runs it, so out
-    and lse equal the kernel's with a block per query head bit for bit. Persistent, over
-    three "SMs"."""
+    and lse equal the kernel's with a block per query head bit for bit. Persistent (with
+    the Q prefetch, whose loop holds the persistent one's; persistent without it is
+    bitwise equal to the grid in `test_bitwise_equal_to_the_grid`), over three "SMs"."""
     monkeypatch.setattr(fwd_kernel, "sm_count", lambda: 3)
     assert_forward_variant_bitwise_equal(shape, causal, fields, dict(group_in_block=True),
                                          **kwargs)
@@ -418,10 +434,11 @@ def test_groups_that_do_not_divide_are_refused():
     assert dataclasses.replace(_grouped(), group_in_block=False).rows_per_block == 128
 
 
-@pytest.mark.parametrize("launch", [{}, dict(persistent=True),
-                                    dict(persistent=True, prefetch_query=True)])
+@pytest.mark.parametrize("launch", [{}, dict(persistent=True, prefetch_query=True)])
 def test_group_in_block_lowers_for_h200(launch):
-    """Causal GQA with the default backward, lowered for an H200."""
+    """Causal GQA with the default backward, lowered for an H200: grid-launched, and
+    persistent with the Q prefetch (persistent without it lowers in
+    `test_persistent_lowers_for_h200[False-128-...]`)."""
     config = _grouped(longest_first=True, **launch)
     exported = export_vjp(MosaicAttentionVjpConfig(), fwd_config=config, causal=True)
     assert exported.mlir_module().count("mosaic_gpu_v2") == 3
