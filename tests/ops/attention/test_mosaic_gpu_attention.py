@@ -455,11 +455,20 @@ def test_interpreted_d256_key_and_query_lengths():
     assert not np.any(np.asarray(grads["query"][1, 50:], np.float32))
 
 
-@pytest.mark.parametrize("vjp_config", [SPLIT_DQ, WHOLE_DQ], ids=["split-dq", "whole-dq"])
-@pytest.mark.parametrize("kv_heads, causal, window, cap, lengths", [
+_D256_LOWERED = [
     (4, False, None, None, False), (2, True, (256, 0), 50.0, False),
     (1, True, None, 30.0, True), (4, False, (64, 64), None, True),
-])
+]
+
+
+# The split dq at every mask; the whole dq at the two windowed calls, which between them
+# hold causal and not, the soft cap, key lengths and GQA (its dq kernel's K/V range and
+# masks are the split one's; the plain and MQA calls add nothing the whole dq reads).
+@pytest.mark.parametrize(("kv_heads", "causal", "window", "cap", "lengths", "vjp_config"), [
+    pytest.param(*case, config,
+                 id=f"{case[0]}-{case[1]}-window{i}-{case[3]}-{case[4]}-{name}")
+    for name, config in (("split-dq", SPLIT_DQ), ("whole-dq", WHOLE_DQ))
+    for i, case in enumerate(_D256_LOWERED) if name == "split-dq" or case[2] is not None])
 def test_d256_gradient_lowers_to_three_mosaic_kernels(kv_heads, causal, window, cap, lengths,
                                                       vjp_config):
     q = jax.ShapeDtypeStruct((2, 512, 4, 256), jnp.bfloat16)

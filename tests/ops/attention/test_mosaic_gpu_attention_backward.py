@@ -8,6 +8,7 @@ On the device: `tests/gpu/test_mosaic_attention_gpu.py`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -211,18 +212,30 @@ def test_interpreted_atomic_backward_with_key_lengths():
                 TILES_64, _fused(dq_split="rows"), seed=9)
 
 
-@pytest.mark.parametrize("mode", ["ordered", "atomic"])
-@pytest.mark.parametrize("fields, kwargs", [
+_FUSED_LOWERED = [
     (dict(), dict()),
     (dict(dq_split="rows"), dict(local_window_size=(200, 0), logits_soft_cap=30.0)),
     (dict(compute_wgs=1), dict(key_value_seq_lengths=jnp.array([300, 77], jnp.int32))),
-])
+]
+
+
+@functools.cache
+def _separate_kernels(case: int) -> int:
+    """Mosaic kernels in the separate backward's program for `_FUSED_LOWERED[case]`'s
+    call (exported once, shared by both accumulation modes' cases)."""
+    kwargs = _FUSED_LOWERED[case][1]
+    return export_vjp(MosaicAttentionVjpConfig(), **kwargs).mlir_module().count("mosaic_gpu_v2")
+
+
+@pytest.mark.parametrize("mode", ["ordered", "atomic"])
+@pytest.mark.parametrize("fields, kwargs", [
+    pytest.param(*case, id=f"fields{i}-kwargs{i}") for i, case in enumerate(_FUSED_LOWERED)])
 def test_fused_backward_lowers_to_one_kernel(mode, fields, kwargs):
     """Forward + one backward kernel (the separate form has a dq kernel too)."""
     text = export_vjp(_fused(mode, **fields), **kwargs).mlir_module()
     assert text.count("mosaic_gpu_v2") == 2
-    separate = export_vjp(MosaicAttentionVjpConfig(), **kwargs).mlir_module()
-    assert separate.count("mosaic_gpu_v2") == 3
+    case = next(i for i, c in enumerate(_FUSED_LOWERED) if c[0] == fields)
+    assert _separate_kernels(case) == 3
 
 
 def test_fused_dq_configs_are_validated():
@@ -262,6 +275,16 @@ def test_every_fused_config_that_fits_stays_in_shared_memory():
     ("", False), ("--xla_gpu_deterministic_ops=true", True),
     ("--xla_dump_to=/tmp --xla_gpu_deterministic_ops", True),
     ("--xla_gpu_deterministic_ops=false", False),
+])
+def test_xla_deterministic_ops_are_read_from_the_flags(monkeypatch, flags, forced):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert common.deterministic_ops_forced() is forced
+
+
+# What the flag does to the lowered backward, forced and not (every spelling's reading is
+# `test_xla_deterministic_ops_are_read_from_the_flags`).
+@pytest.mark.parametrize("flags, forced", [
+    ("", False), ("--xla_gpu_deterministic_ops=true", True),
 ])
 def test_xla_deterministic_ops_turn_atomic_into_ordered(monkeypatch, flags, forced):
     monkeypatch.setenv("XLA_FLAGS", flags)
