@@ -27,12 +27,16 @@ def test_fine_grained_moe_training_and_decode_smoke():
     decode = MODELS["moe_decode"]
     assert decode.forward_only and not decode.config.with_attention
     assert decode.config.batch * decode.config.seq == 256
+    # The smoke above ran both steps' losses and gradients (and a non-finite loss fails
+    # it); what is left are the steps' structures, which shapes alone give (no second
+    # compilation of either model).
     params, batch = run._inputs(decode, smoke=True)
-    out = jax.jit(decode.step_fn(ops.Plain(), smoke=True))(params, batch)
-    assert out.shape == () and bool(jnp.isfinite(out))
+    out = jax.eval_shape(decode.step_fn(ops.Plain(), smoke=True), params, batch)
+    assert out.shape == ()
     train = MODELS["deepseek_moe"]
     assert (train.config.experts, train.config.top_k, train.config.mlp) == (64, 6, 1408)
-    grads = jax.jit(train.step_fn(ops.Plain(), smoke=True))(*run._inputs(train, smoke=True))
+    grads = jax.eval_shape(train.step_fn(ops.Plain(), smoke=True),
+                           *run._inputs(train, smoke=True))
     assert set(grads["layers"][0]) >= {"shared_gate_up", "shared_down", "router", "down"}
 
 

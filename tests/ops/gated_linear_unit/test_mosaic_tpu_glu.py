@@ -22,6 +22,8 @@ from jax.experimental.pallas import tpu as pltpu
 import tokamax_pass
 from conftest import assert_close, measured, random_normal, reference_precision
 from test_grouped_glu import (
+    PAIRWISE,
+    PAIRWISE_IDS,
     check_against_reference,
     check_nested_vmap,
     nested_vmap_inputs,
@@ -231,9 +233,8 @@ def _grouped(implementation, activation=jax.nn.swish):
                                               implementation=implementation)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("activation", [jax.nn.swish, jax.nn.gelu], ids=["swish", "gelu"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pair"])
+# Every pair of (fused, activation, dtype) values in four cases (`test_grouped_glu.PAIRWISE`).
+@pytest.mark.parametrize("fused, activation, dtype", PAIRWISE, ids=PAIRWISE_IDS)
 def test_grouped_forward_and_gradients_match_reference(fused, activation, dtype):
     """Forward (tail rows exactly zero) and the gradients of x and the weights (the
     family's XLA gradient, reading this kernel's residuals) under a random cotangent."""
