@@ -32,28 +32,52 @@ def _reference(x, scale, offset, *, axis, epsilon, scale_offset, subtract_mean):
     return y.astype(x.dtype)
 
 
-def _check(implementation, x_shape, scale_shape, offset_shape, *, axis=-1, epsilon=1e-6,
-           scale_offset=0.0, subtract_mean=True, vmap_in_axes=()):
+def _inputs(x_shape, scale_shape, offset_shape):
     keys = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(keys[0], x_shape, jnp.float32)
     scale = None if scale_shape is None else jax.random.uniform(keys[1], scale_shape)
     offset = None if offset_shape is None else jax.random.uniform(keys[2], offset_shape)
-    keywords = dict(axis=axis, epsilon=epsilon, scale_offset=scale_offset,
-                    subtract_mean=subtract_mean)
-    f = functools.partial(tokamax.layer_norm, implementation=implementation, **keywords)
-    f_ref = functools.partial(_reference, **keywords)
+    dy = jax.random.normal(keys[3], x.shape, x.dtype)
+    return x, scale, offset, dy
+
+
+def _vmapped(f, vmap_in_axes):
     for in_axes in vmap_in_axes:
         f = jax.vmap(f, in_axes=in_axes, out_axes=in_axes[0])
-        f_ref = jax.vmap(f_ref, in_axes=in_axes, out_axes=in_axes[0])
+    return f
+
+
+def _out_and_grads(f, x, scale, offset, dy):
+    """`jax.vjp` of `f` at the inputs and its pullback of `dy`, in one compiled program
+    (eagerly, every small op compiles on its own)."""
+    @jax.jit
+    def run(x, scale, offset, dy):
+        out, pullback = jax.vjp(f, x, scale, offset)
+        return out, pullback(dy)
+    return run(x, scale, offset, dy)
+
+
+@functools.cache
+def _expected(x_shape, scale_shape, offset_shape, keywords, vmap_in_axes):
+    """The reference's output and gradients, once per case (both implementations of a case
+    compare against the same values)."""
+    f_ref = _vmapped(functools.partial(_reference, **dict(keywords)), vmap_in_axes)
+    return _out_and_grads(f_ref, *_inputs(x_shape, scale_shape, offset_shape))
+
+
+def _check(implementation, x_shape, scale_shape, offset_shape, *, axis=-1, epsilon=1e-6,
+           scale_offset=0.0, subtract_mean=True, vmap_in_axes=()):
+    x, scale, offset, dy = _inputs(x_shape, scale_shape, offset_shape)
+    keywords = dict(axis=axis, epsilon=epsilon, scale_offset=scale_offset,
+                    subtract_mean=subtract_mean)
+    f = _vmapped(functools.partial(tokamax.layer_norm, implementation=implementation,
+                                   **keywords), vmap_in_axes)
 
     atol = ATOL[x.dtype] * math.sqrt(x.shape[axis])
-    expected, pullback_ref = jax.vjp(f_ref, x, scale, offset)
-    actual, pullback = jax.vjp(f, x, scale, offset)
+    expected, (dx_ref, dscale_ref, doffset_ref) = _expected(
+        x_shape, scale_shape, offset_shape, tuple(keywords.items()), vmap_in_axes)
+    actual, (dx, dscale, doffset) = _out_and_grads(f, x, scale, offset, dy)
     assert_trees_all_close(actual, expected, atol=atol)
-
-    dy = jax.random.normal(keys[3], x.shape, x.dtype)
-    dx, dscale, doffset = pullback(dy)
-    dx_ref, dscale_ref, doffset_ref = pullback_ref(dy)
     assert_trees_all_close(dx, dx_ref, atol=atol)
     broadcast = math.prod(d for i, d in enumerate(x.shape) if i != axis % x.ndim)
     if scale is not None:
