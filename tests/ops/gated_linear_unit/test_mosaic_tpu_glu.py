@@ -23,7 +23,6 @@ import tokamax_pass
 from conftest import assert_close, measured, random_normal, reference_precision
 from test_grouped_glu import (
     PAIRWISE,
-    PAIRWISE_IDS,
     check_against_reference,
     check_nested_vmap,
     nested_vmap_inputs,
@@ -234,7 +233,9 @@ def _grouped(implementation, activation=jax.nn.swish):
 
 
 # Every pair of (fused, activation, dtype) values in four cases (`test_grouped_glu.PAIRWISE`).
-@pytest.mark.parametrize("fused, activation, dtype", PAIRWISE, ids=PAIRWISE_IDS)
+@pytest.mark.parametrize("fused, activation, dtype", PAIRWISE, ids=[
+    f"{'fused' if f else 'pair'}-{'swish' if a is jax.nn.swish else 'gelu'}-"
+    f"{'f32' if d == jnp.float32 else 'bf16'}" for f, a, d in PAIRWISE])
 def test_grouped_forward_and_gradients_match_reference(fused, activation, dtype):
     """Forward (tail rows exactly zero) and the gradients of x and the weights (the
     family's XLA gradient, reading this kernel's residuals) under a random cotangent."""
