@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+from typing import Any
 
 import jax
 
@@ -60,19 +61,27 @@ def main(argv: list[str] | None = None) -> int:
                 variants[f"ours, plain {family}"] = ops.Swapped(ours, frozenset({family}))
             steps = {v: jax.jit(model.step_fn(o, smoke=args.tiny))
                      for v, o in variants.items()}
-            times: dict[str, list[float]] = {v: [] for v in steps}
-            for _ in range(args.rounds):
-                for variant, step in steps.items():
-                    times[variant].append(
-                        run._device_ms(step, params, batch, args.iterations)["ms"])
-            plain = statistics.median(times["plain"])
-            for variant, ms in times.items():
-                row = {"model": name, "variant": variant, "ms": ms,
-                       "vs_plain": plain / statistics.median(ms)}
+            for row in timed_in_rounds(name, steps, params, batch, args.rounds,
+                                       args.iterations):
                 out.write(json.dumps(row) + "\n")
-                print(f"{name:8s} {variant:28s} " + " ".join(f"{t:8.2f}" for t in ms)
+                print(f"{name:8s} {row['variant']:28s} "
+                      + " ".join(f"{t:8.2f}" for t in row["ms"])
                       + f"  ({row['vs_plain']:.3f}x)", flush=True)
     return 0
+
+
+def timed_in_rounds(name: str, steps: dict[str, Any], params: Any, batch: Any, rounds: int,
+                    iterations: int) -> list[dict[str, Any]]:
+    """One row per variant of model `name`: its step's device times, `steps` timed in
+    turn for `rounds` rounds (a drift of the device's speed weighs on all alike), and
+    plain's median time over its median (`steps` holds a `"plain"` variant)."""
+    times: dict[str, list[float]] = {v: [] for v in steps}
+    for _ in range(rounds):
+        for variant, step in steps.items():
+            times[variant].append(run._device_ms(step, params, batch, iterations)["ms"])
+    plain = statistics.median(times["plain"])
+    return [{"model": name, "variant": variant, "ms": ms,
+             "vs_plain": plain / statistics.median(ms)} for variant, ms in times.items()]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 from typing import Any
 
 import jax
@@ -28,6 +27,7 @@ import jax
 import tokamax_pass
 from benchmarks import sweep
 from benchmarks.models import MODELS, ops, run
+from benchmarks.models.ablation import timed_in_rounds
 
 
 class TritonNorms(ops.Library):
@@ -66,15 +66,8 @@ def main() -> None:
             model = MODELS[name]
             params, batch = run._inputs(model, smoke=False)
             steps = {v: jax.jit(model.step_fn(o, smoke=False)) for v, o in variants.items()}
-            times: dict[str, list[float]] = {v: [] for v in steps}
-            for _ in range(args.rounds):
-                for variant, step in steps.items():
-                    times[variant].append(
-                        run._device_ms(step, params, batch, args.iterations)["ms"])
-            plain = statistics.median(times["plain"])
-            for variant, ms in times.items():
-                row = {"model": name, "variant": variant, "ms": ms,
-                       "vs_plain": plain / statistics.median(ms)}
+            for row in timed_in_rounds(name, steps, params, batch, args.rounds,
+                                       args.iterations):
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(json.dumps(row), flush=True)
