@@ -327,13 +327,13 @@ def _function(precision: Any, cap: float | None,
         )
 
         labels = labels.astype(jnp.int32)
-        op_labels, nan = _labels_for_op(spelling.labels, labels, w.shape[-1])
+        outside = _outside(labels, w.shape[-1])
+        op_labels, nan = _labels_for_op(spelling.labels, labels, outside, w.shape[-1])
         losses = linear_softmax_cross_entropy_loss(x, op_labels, w, reduction="none",
                                                    logits_soft_cap=cap, precision=precision)
         if nan is not None:
             losses = losses + jnp.where(nan, jnp.nan, 0.0)
         if spelling.labels in _INDEXED:
-            outside = _outside(labels, w.shape[-1])
             losses = _clamped_gradient(spelling.labels, losses, outside, x, w, op_labels,
                                        precision, cap)
         losses = -losses if spelling.negated else losses
@@ -347,13 +347,13 @@ def _outside(labels: Any, vocabulary: int) -> Any:
     return (labels < -vocabulary) | (labels >= vocabulary)
 
 
-def _labels_for_op(read: _Labels, labels: Any, vocabulary: int) -> tuple[Any, Any]:
+def _labels_for_op(read: _Labels, labels: Any, outside: Any, vocabulary: int
+                   ) -> tuple[Any, Any]:
     """`(labels, nan)`: the op's labels giving the loss and gradient the spelling gives
     (the op ignores a negative label and gives a label >= V a NaN loss and its
     log-sum-exp's gradient; a fancy index's clamped label then has its gradient fixed
     by `_clamped_gradient`), and the tokens whose loss must be made NaN besides
-    (`None`: none)."""
-    outside = _outside(labels, vocabulary)
+    (`None`: none). `outside`: the labels outside `[-V, V)` (`_outside`)."""
     if read is _Labels.ONE_HOT:
         return jnp.where(outside | (labels < 0), -1, labels), None
     wrapped = jnp.where(labels < 0, labels + vocabulary, labels)
