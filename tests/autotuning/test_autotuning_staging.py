@@ -348,18 +348,20 @@ def test_a_hopeless_implementation_is_timed_when_what_beat_it_fails():
 
 
 def test_hopeless_counts_a_plain_gradient_that_reruns_its_forward_at_its_share():
-    """`None` counts an XLA gradient that reruns its forward at `RERUN_SHARE` of its lone
-    time; `hopeless` does too, so a kernel 1.5x slower than that gradient's lone time is
-    hopeless (3x its share) while the gradient, 2x slower alone, is not."""
-    from tokamax_kernels.layer_norm import LayerNorm, PallasTritonLayerNorm
+    """`None` counts an XLA gradient that reruns its forward (the dense GLU's products) at
+    `RERUN_SHARE` of its lone time; `hopeless` does too, so a kernel 1.5x slower than that
+    gradient's lone time is hopeless (3x its share) while the gradient, 2x slower alone,
+    is not."""
+    from tokamax_kernels.gated_linear_unit.base import GatedLinearUnit
+    from tokamax_kernels.gated_linear_unit.pallas_triton import PallasTritonGatedLinearUnit
     from tokamax_pass.autotuning.result import AutotuningResult
 
     x = jax.ShapeDtypeStruct((4096, 2048), "bfloat16")
-    scale = jax.ShapeDtypeStruct((2048,), "float32")
-    forward = LayerNorm().bind(x, scale)
-    dy = jax.ShapeDtypeStruct((4096, 2048), "bfloat16")
-    calls = [keys.canonical(op.vjp_op().bind(dy, None, None, **forward.arguments))
-             for op in (PallasTritonLayerNorm(), LayerNorm())]
+    weights = jax.ShapeDtypeStruct((2048, 2, 5632), "bfloat16")
+    forward = GatedLinearUnit().bind(x, weights)
+    dy = jax.ShapeDtypeStruct((4096, 5632), "bfloat16")
+    calls = [keys.canonical(op.vjp_op().bind(None, dy, dy, **forward.arguments))
+             for op in (PallasTritonGatedLinearUnit(), GatedLinearUnit())]
     kernel, plain = calls
     assert plain.op.reruns_forward(plain) and not kernel.op.reruns_forward(kernel)
     kind = current_target().device_kind

@@ -30,6 +30,11 @@ class LayerNorm(Op[Any]):
     left out of the bound arguments altogether, so such calls keep their cache keys.
     """
 
+    # Autodiff of the norm recomputes only the row statistics (one read of `x`); the
+    # gradient's own passes over `x`, `dout` and `dx` and its column sums for the scale
+    # and offset are most of its work, so its time alone is what it costs in a program.
+    autodiff_reruns_products = False
+
     def partition_rule(self, ba: BoundArguments) -> Any:
         """How a call splits over devices (`tokamax_pass.core.sharding`)."""
         from tokamax_kernels.layer_norm.sharding import partition_rule

@@ -161,6 +161,11 @@ class Op[C]:
     # program (a norm with the residual add before it) need more: alone, the plain path
     # pays passes over memory that it does not pay inside a program.
     kernel_margin: ClassVar[float] = 0.05
+    # Whether autodiff of this forward (`AutodiffVjp`) recomputes products that make up
+    # much of its gradient's work, which XLA merges with the forward's own inside one
+    # program (`Op.reruns_forward`): attention's scores, a GEMM's output. A norm's
+    # gradient recomputes only its row statistics, a small part of its work.
+    autodiff_reruns_products: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         """A pinned config within `config_limits` (its field and limit named)."""

@@ -126,7 +126,7 @@ class AutodiffVjp(VjpOp):
         return AutodiffVjp(forward=self.forward.reference_op())
 
     def reruns_forward(self, ba: BoundArguments) -> bool:
-        return True
+        return self.forward.autodiff_reruns_products
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
              **forward_arguments: Any) -> tuple[dict[str, Any], None]:

@@ -174,17 +174,17 @@ def test_bad_residual_raises_value_error_naming_it(residual, match):
 
 
 def test_kernel_margins_hold_with_a_residual():
-    """A Triton norm's forward measured alone must beat XLA's by 40%, with a residual or
-    without (XLA fuses the norm with its neighbours in a model). Its gradient is ranked
-    against XLA's at half the lone time of XLA's (which reruns the forward it merges with
-    inside a model): the kernel runs where it takes under half that time alone, not at
-    the Llama shape, where the Llama step runs slower with it."""
+    """A Triton norm's forward measured alone must beat XLA's by 40%, and its gradient
+    XLA's by 20%, with a residual or without (XLA fuses the norm with its neighbours in
+    a model). XLA's norm gradient reruns only the row statistics, so it is ranked at its
+    whole time alone: at the Llama shape the kernel's gradient, measured at 0.56 of it,
+    runs; one within the margin does not."""
     x = jax.ShapeDtypeStruct((16384, 2048), jnp.bfloat16)
     for residual in (None, x):
         assert PallasTritonLayerNorm().kernel_margin_for(
             _bind(PallasTritonLayerNorm(), x, residual=residual)) == 0.4
         assert PallasTritonLayerNormVjp().kernel_margin_for(
-            _bind(PallasTritonLayerNormVjp(), x, residual=residual)) == selection.TIE_MARGIN
+            _bind(PallasTritonLayerNormVjp(), x, residual=residual)) == 0.2
     xla_vjp = core.AutodiffVjp(forward=LayerNorm())
     for residual in (None, x):
         forward = [_bind(PallasTritonLayerNorm(), x, residual=residual),
@@ -193,9 +193,9 @@ def test_kernel_margins_hold_with_a_residual():
         assert selection.rank_with_evidence(forward, [0.04, 0.0864]) == [0, 1]
         gradient = [_bind(PallasTritonLayerNormVjp(), x, residual=residual),
                     _bind(xla_vjp, x, residual=residual)]
-        assert xla_vjp.reruns_forward(gradient[1])
-        assert selection.rank_with_evidence(gradient, [0.0877, 0.156]) == [1]
-        assert selection.rank_with_evidence(gradient, [0.07, 0.156]) == [0, 1]
+        assert not xla_vjp.reruns_forward(gradient[1])
+        assert selection.rank_with_evidence(gradient, [0.0877, 0.156]) == [0, 1]
+        assert selection.rank_with_evidence(gradient, [0.13, 0.156]) == [1]
 
 
 def _bind(op, x, residual=None):
