@@ -4,12 +4,12 @@
         [--only llama encoder ...] [--rounds 3] [--out FILE.jsonl]
 
 Alone, the Triton layer norm's forward+backward runs up to twice as fast as XLA's at
-shapes the generalization benchmark draws; `None` still runs XLA's norms, because in a
-model XLA fuses a norm with its neighbours (the residual add before it, the gradient's add
-after it), which a kernel cannot. This times each model's step three ways in alternating
-rounds, in one process: plain JAX, ours (`None`), and ours with every norm
-(`rms_norm`, `add_rms_norm`, `layer_norm`) forced to `implementation="triton"`, forward
-and gradient. One JSON line per model and variant (the rounds' times and the ratio of
+shapes the generalization benchmark draws; inside a model XLA fuses a norm with its
+neighbours (the residual add before it, the gradient's add after it), which a kernel
+cannot. This times each model's step four ways in alternating rounds, in one process:
+plain JAX, ours (`None`), and ours with every norm (`rms_norm`, `add_rms_norm`,
+`layer_norm`) forced to `implementation="triton"`, and to `"xla"`, forward and gradient.
+One JSON line per model and variant (the rounds' times and the ratio of
 plain's median to its median), after a provenance line, to `--out`
 (default `$OUT/norms_in_models.jsonl`, else the working directory).
 """
@@ -17,6 +17,7 @@ plain's median to its median), after a provenance line, to `--out`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -30,21 +31,25 @@ from benchmarks.models import MODELS, ops, run
 from benchmarks.models.ablation import timed_in_rounds
 
 
-class TritonNorms(ops.Library):
-    """Our ops (`implementation=None`) with the norms forced to the Triton kernels."""
+@dataclasses.dataclass(frozen=True)
+class ForcedNorms(ops.Library):
+    """Our ops (`implementation=None`) with every norm forced to `implementation`."""
+
+    implementation: str = "triton"
 
     def rms_norm(self, x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
         return tokamax_pass.layer_norm(x, scale, None, epsilon=eps, subtract_mean=False,
-                                       implementation="triton")
+                                       implementation=self.implementation)
 
     def add_rms_norm(self, x: jax.Array, h: jax.Array, scale: jax.Array,
                      eps: float = 1e-6) -> Any:
         return tokamax_pass.layer_norm(h, scale, None, epsilon=eps, subtract_mean=False,
-                                       residual=x, implementation="triton")
+                                       residual=x, implementation=self.implementation)
 
     def layer_norm(self, x: jax.Array, scale: jax.Array, offset: jax.Array,
                    eps: float = 1e-6) -> jax.Array:
-        return tokamax_pass.layer_norm(x, scale, offset, epsilon=eps, implementation="triton")
+        return tokamax_pass.layer_norm(x, scale, offset, epsilon=eps,
+                                       implementation=self.implementation)
 
 
 def main() -> None:
@@ -57,7 +62,8 @@ def main() -> None:
                         default=pathlib.Path(os.environ.get("OUT", ".")) / "norms_in_models.jsonl")
     args = parser.parse_args()
     variants = {"plain": ops.Plain(), "ours": ops.Library(tokamax_pass, "ours"),
-                "ours, triton norms": TritonNorms(tokamax_pass, "ours")}
+                "ours, triton norms": ForcedNorms(tokamax_pass, "ours", "triton"),
+                "ours, xla norms": ForcedNorms(tokamax_pass, "ours", "xla")}
     with args.out.open("w") as out:
         out.write(json.dumps({"provenance": {
             "commit": sweep.source_commit(), "jax": jax.__version__,
