@@ -1,6 +1,7 @@
 """Device probe: the LM-head loss with its gradients computed during the forward pass.
 
-    PYTHONPATH=src:kernels:. python3 benchmarks/probes/lce_gradient_in_forward.py --out FILE.jsonl
+    PYTHONPATH=src:kernels:. python3 -m benchmarks.probes.lce_gradient_in_forward --out FILE.jsonl
+        [--tiny] [--hand-written]
 
 A scalar loss ends the graph, so its cotangent is one number: the forward can compute
 `dx` and `dweights` one token chunk at a time (the chunk's logits, their softmax, then
@@ -11,6 +12,12 @@ for `dweights` that every chunk reads and writes. The question: does that beat p
 JAX's time with half its temporaries, where the log-sum-exp recomputation of our `xla`
 and `xla_chunked` paths cannot?
 
+The candidates go through the public op: `xla`, `xla_chunked` with its recomputing
+backward (`gradients="backward"`, the heuristic tiles), `xla_chunked` with its
+gradients in the forward pass at each chunk size, `xla_chunked` with its heuristic
+config, and `implementation=None`. `--hand-written` adds the custom-VJP sketch below
+(float32 and bf16 dweights accumulators), which the library mode was built from.
+
 One JSON line per (shape, candidate): forward+backward device time (CUPTI, median of 10
 after warm-up), compiled temporaries (MB), both against plain JAX in the same run, and
 the gradients' relative error against plain JAX's (bf16 inputs; the same order as our
@@ -20,6 +27,7 @@ the gradients' relative error against plain JAX's (bf16 inputs; the same order a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable
 from typing import Any
@@ -27,9 +35,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from benchmarks import workloads
+import tokamax_pass as tokamax
+from benchmarks import sweep, workloads
 from benchmarks.probes._probe import relative_error
 from benchmarks.probes.lce_chunk_sweep import lm_head_inputs, plain_and_xla, time_against_plain
+from tokamax_kernels.linear_softmax_cross_entropy_loss import (
+    XlaChunkedLinearSoftmaxCrossEntropyLoss,
+    XlaChunkedLossConfig,
+)
+from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import heuristic_config
 
 SHAPES = ((16384, 4096, 128256), (8192, 2304, 256000))
 TINY = ((64, 32, 300),)
@@ -90,20 +104,61 @@ def gradient_in_forward(chunk: int, accumulator: Any) -> Callable[..., jax.Array
     return loss
 
 
+def _public(implementation: Any) -> Callable[..., jax.Array]:
+    """`(x, labels, w) -> mean loss` through the public op with `implementation`."""
+
+    def loss(x: jax.Array, labels: jax.Array, w: jax.Array) -> jax.Array:
+        return tokamax.linear_softmax_cross_entropy_loss(
+            x, labels, w, reduction="mean", implementation=implementation)
+
+    return loss
+
+
+def _chunked(config: XlaChunkedLossConfig) -> Callable[..., jax.Array]:
+    return _public(XlaChunkedLinearSoftmaxCrossEntropyLoss(config=config))
+
+
+def library_candidates(tokens: int, v: int,
+                       chunks: tuple[int, ...]) -> dict[str, Callable[..., jax.Array]]:
+    """Plain JAX, then our implementations through the public op (see the docstring)."""
+    tiles = heuristic_config(tokens, v, "none")
+    candidates = plain_and_xla()
+    candidates["xla_chunked, recomputing backward"] = _chunked(tiles)
+    for chunk in chunks:
+        config = dataclasses.replace(tiles, gradients="forward", chunk_tokens=chunk)
+        candidates[f"xla_chunked, gradients in forward, {chunk} tokens"] = _chunked(config)
+    candidates["xla_chunked, heuristic config"] = _public("xla_chunked")
+    candidates["implementation=None"] = _public(None)
+    return candidates
+
+
+def hand_written(chunks: tuple[int, ...]) -> dict[str, Callable[..., jax.Array]]:
+    """The custom-VJP sketch at each chunk, float32 and bf16 dweights accumulators."""
+    candidates = {}
+    for chunk in chunks:
+        for accumulator in (jnp.float32, jnp.bfloat16):
+            name = f"gradient in forward {chunk} tokens, {jnp.dtype(accumulator).name} dw"
+            candidates[name] = gradient_in_forward(chunk, accumulator)
+    return candidates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true", help="small shapes (any machine)")
+    parser.add_argument("--hand-written", action="store_true",
+                        help="also the custom-VJP sketch (see hand_written)")
     args = parser.parse_args()
     shapes, chunks = (TINY, TINY_CHUNKS) if args.tiny else (SHAPES, CHUNKS)
     with open(args.out, "w") as out:
+        out.write(json.dumps({"provenance": {
+            "commit": sweep.source_commit(), "jax": jax.__version__,
+            "device_kind": jax.devices()[0].device_kind}}) + "\n")
         for tokens, h, v in shapes:
             x, labels, w = lm_head_inputs(tokens, h, v)
-            candidates = plain_and_xla()
-            for chunk in chunks:
-                for accumulator in (jnp.float32, jnp.bfloat16):
-                    name = f"gradient in forward {chunk} tokens, {jnp.dtype(accumulator).name} dw"
-                    candidates[name] = gradient_in_forward(chunk, accumulator)
+            candidates = library_candidates(tokens, v, chunks)
+            if args.hand_written:
+                candidates |= hand_written(chunks)
             plain: dict[str, Any] | None = None
             plain_grads = None
             for name, fn in candidates.items():

@@ -9,6 +9,18 @@ the `(lse,)` residual, scanning vocabulary blocks outside and token blocks insid
 written once, `dx` is one float32 (tokens, H) accumulator. Memory beyond the inputs
 and gradients: that accumulator and a few tiles.
 
+With `gradients="forward"` in the config and a scalar reduction ("sum", "mean"), a
+differentiated call computes dx and dweights during its forward pass instead, for a
+cotangent of 1 (`gradient_in_forward`): one chunk of `chunk_tokens` tokens at a time
+against the whole vocabulary (its logits, their softmax, dlogits, then
+`dx[chunk] = dlogits @ weights.T` and `dweights += x[chunk].T @ dlogits` in float32), as
+Liger-Kernel's fused linear cross entropy does. A scalar's cotangent is one number, so
+the backward only scales the two (`XlaChunkedLinearSoftmaxCrossEntropyLossVjp`): three
+GEMMs in a training step where the recomputing backward makes four, at the price of a
+float32 (H, V) accumulator and (chunk_tokens, V) tiles. Those gradients are the call's
+residuals, a form of its own (`keeps_own_residuals`) that only this module's VJP op
+reads. A forward that is not differentiated runs the tiled loss alone in either mode.
+
 Sizes the blocks do not divide are not padded (padding the (H, V) weights would copy
 them): the last block starts early, at `size - block`, and the rows or columns it
 shares with the block before it are masked out (`_fresh`).
@@ -31,22 +43,41 @@ from tokamax_kernels.linear_softmax_cross_entropy_loss.base import (
     token_cotangent,
     token_losses,
 )
-from tokamax_pass.core import BoundArguments, Op
+from tokamax_pass.core import BoundArguments, Op, Target
+
+GRADIENTS = ("backward", "forward")
 
 
 @dataclasses.dataclass(frozen=True)
 class XlaChunkedLossConfig:
-    """Tokens and vocabulary entries per tile (any positive sizes; clamped to the shape)."""
+    """Tokens and vocabulary entries per tile (any positive sizes; clamped to the shape),
+    and where a differentiated call computes its gradients.
+
+    `gradients="backward"`: the backward recomputes the logits tile by tile from the lse
+    residual. `gradients="forward"` (scalar reductions only): the forward computes them
+    `chunk_tokens` tokens at a time against the whole vocabulary and the backward scales
+    them; `chunk_tokens` counts in that mode only.
+    """
 
     block_tokens: int
     block_vocab: int
+    gradients: str = "backward"
+    chunk_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        for name in ("block_tokens", "block_vocab"):
+        for name in ("block_tokens", "block_vocab", "chunk_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(
                     f"XlaChunkedLossConfig: {name} must be a positive int, got {value!r}")
+        if self.gradients not in GRADIENTS:
+            raise ValueError(f"XlaChunkedLossConfig: gradients must be one of {GRADIENTS}, "
+                             f"got {self.gradients!r}")
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether a differentiated call computes its gradients in the forward pass."""
+        return self.gradients == "forward"
 
 
 # One float32 tile of logits at most 256 MiB (a few live at once per loop step): tiles
@@ -58,23 +89,59 @@ _TOKEN_BLOCKS = (4096, 8192, 16384, 32768)
 _VOCAB_BLOCKS = (2048, 4096)
 
 
-def _sizes(ba: BoundArguments) -> tuple[int, int]:
-    """(tokens, V) of a bound call."""
-    return math.prod(ba.arguments["labels"].shape), ba.arguments["weights"].shape[1]
+# Gradients in the forward pass from this vocabulary on, 2048 tokens a chunk: on the H200
+# (`benchmarks/results/nvidia_h200/lce_gradient_in_forward.jsonl`, 16384 x 4096 x 128256
+# and 8192 x 2304 x 256000, bf16) 2048-token chunks with a float32 dweights accumulator
+# ran at 1.005x and 0.98x plain JAX's speed with 0.17x and 0.19x its temporaries. Smaller
+# vocabularies were not measured: they keep the recomputing backward.
+_FORWARD_MIN_VOCAB = 100_000
+_FORWARD_CHUNKS = (1024, 2048, 4096)
+_FORWARD_CHUNK = 2048
+# A (chunk, V) float32 logits tile of 2 GiB at most (4096 x 128256 ran on the H200).
+_MAX_CHUNK_ELEMENTS = 1 << 29
 
 
-def heuristic_config(tokens: int, vocab: int) -> XlaChunkedLossConfig:
+def _sizes(ba: BoundArguments) -> tuple[int, int, str]:
+    """(tokens, V, reduction) of a bound call."""
+    return (math.prod(ba.arguments["labels"].shape), ba.arguments["weights"].shape[1],
+            ba.arguments["reduction"])
+
+
+def _tiles(tokens: int, vocab: int) -> XlaChunkedLossConfig:
     """Vocabulary blocks of 2048 and up to 16384 tokens per tile (clamped to the shape):
     the fastest or within 1% of it in the H200 sweep at 16384 x 4096 x 128256 and
     16384 x 2048 x 32000, with the least memory (a 128 MiB float32 tile)."""
     return XlaChunkedLossConfig(min(16384, tokens), min(2048, vocab))
 
 
-def search_space(tokens: int, vocab: int) -> set[XlaChunkedLossConfig]:
-    """Every tile of the block lists (clamped to the shape) within the tile-size cap."""
-    return {XlaChunkedLossConfig(min(bt, tokens), min(bv, vocab))
-            for bt in _TOKEN_BLOCKS for bv in _VOCAB_BLOCKS
-            if min(bt, tokens) * min(bv, vocab) <= _MAX_TILE_ELEMENTS}
+def heuristic_config(tokens: int, vocab: int, reduction: str) -> XlaChunkedLossConfig:
+    """`_tiles`, with the gradients in the forward pass in chunks of 2048 tokens for a
+    scalar reduction at a vocabulary of `_FORWARD_MIN_VOCAB` or more."""
+    tiles = _tiles(tokens, vocab)
+    if reduction == "none" or vocab < _FORWARD_MIN_VOCAB:
+        return tiles
+    return dataclasses.replace(tiles, gradients="forward",
+                               chunk_tokens=min(_FORWARD_CHUNK, tokens))
+
+
+def search_space(tokens: int, vocab: int, reduction: str) -> set[XlaChunkedLossConfig]:
+    """Every tile of the block lists (clamped to the shape) within the tile-size cap; for
+    a scalar reduction also `_tiles` with the gradients in the forward pass, at each chunk
+    of `_FORWARD_CHUNKS` (clamped to the shape) whose (chunk, V) tile is within its cap."""
+    tiles = {XlaChunkedLossConfig(min(bt, tokens), min(bv, vocab))
+             for bt in _TOKEN_BLOCKS for bv in _VOCAB_BLOCKS
+             if min(bt, tokens) * min(bv, vocab) <= _MAX_TILE_ELEMENTS}
+    if reduction == "none":
+        return tiles
+    chunks = {min(chunk, tokens) for chunk in _FORWARD_CHUNKS}
+    return tiles | {dataclasses.replace(_tiles(tokens, vocab), gradients="forward",
+                                        chunk_tokens=chunk)
+                    for chunk in chunks if chunk * vocab <= _MAX_CHUNK_ELEMENTS}
+
+
+def backward_search_space(tokens: int, vocab: int) -> set[XlaChunkedLossConfig]:
+    """The recomputing backward's configs: `search_space`'s tiles."""
+    return search_space(tokens, vocab, "none")
 
 
 def _start(i: Any, block: int, size: int) -> Any:
@@ -214,16 +281,90 @@ def chunked_backward(pb: _Problem, lse: jax.Array, g: jax.Array) -> tuple[jax.Ar
     return dx.astype(dtype), dweights
 
 
+def gradient_in_forward(pb: _Problem, reduction: str
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`(losses (T,), dx (T, H), dweights (H, V))`: the float32 per-token losses and the
+    gradients of their `reduction` ("sum" or "mean") for a cotangent of 1, one block of
+    `pb.block_tokens` tokens at a time against the whole vocabulary. dweights is summed
+    over the blocks in float32; both gradients come out in the inputs' dtype."""
+    bt, dtype = pb.block_tokens, pb.x.dtype
+    g = token_cotangent(jnp.ones((), jnp.float32), pb.labels, reduction)
+    classes = jnp.arange(pb.vocab)
+    mm = dict(precision=pb.precision, preferred_element_type=jnp.float32)
+
+    def token_block(dweights: jax.Array, it: jax.Array) -> tuple[jax.Array, Any]:
+        x_blk, labels = pb.rows(pb.x, it), pb.rows(pb.labels, it)
+        # Rows an earlier block covered add nothing to dweights (their g is zeroed).
+        g_blk = jnp.where(_fresh(it, bt, pb.tokens), pb.rows(g, it), 0.0)
+        logits = pb.logits(x_blk, pb.weights)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        hit = classes == labels[:, None]
+        label_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+        dlogits = (jnp.exp(logits - lse[:, None]) - hit) * g_blk[:, None]
+        if pb.cap is not None:
+            dlogits = dlogits * (1.0 - jnp.square(logits / pb.cap))
+        dlogits = dlogits.astype(dtype)
+        dx_blk = jnp.matmul(dlogits, pb.weights.T, **mm).astype(dtype)
+        dweights = dweights + jnp.matmul(x_blk.T, dlogits, **mm)
+        return dweights, (token_losses(lse, label_logit, labels, pb.vocab), dx_blk)
+
+    init = jnp.zeros(pb.weights.shape, jnp.float32)
+    dweights, (losses, dx) = jax.lax.scan(token_block, init,
+                                          jnp.arange(math.ceil(pb.tokens / bt)))
+    return (_unblock(losses, pb.tokens), _unblock(dx, pb.tokens),
+            dweights.astype(pb.weights.dtype))
+
+
+def scaled_gradients(residuals: tuple[jax.Array, jax.Array],
+                     dout: jax.Array) -> dict[str, jax.Array]:
+    """The gradients `gradient_in_forward` stored for a cotangent of 1, times the scalar
+    loss's cotangent `dout`."""
+    dx, dweights = residuals
+    g = dout.astype(jnp.float32)
+    return {"x": (dx * g).astype(dx.dtype), "weights": (dweights * g).astype(dweights.dtype)}
+
+
+def _check_gradients_in_forward(ba: BoundArguments, vjp: Op | None) -> None:
+    """`NotImplementedError` where gradients computed in the forward pass cannot serve:
+    a per-token loss (its cotangent is not one number), or a VJP op of another kind (it
+    reads the family's `(lse,)` residuals, not the stored gradients)."""
+    if ba.arguments["reduction"] == "none":
+        raise NotImplementedError(
+            "XlaChunkedLossConfig(gradients='forward') needs a scalar loss (reduction "
+            "'sum' or 'mean'): with reduction='none' the cotangent is per token; use "
+            "gradients='backward'")
+    if vjp is not None and not isinstance(vjp, XlaChunkedLinearSoftmaxCrossEntropyLossVjp):
+        raise NotImplementedError(
+            f"XlaChunkedLossConfig(gradients='forward') stores gradients that only "
+            f"XlaChunkedLinearSoftmaxCrossEntropyLossVjp reads, not {type(vjp).__name__}")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class XlaChunkedLinearSoftmaxCrossEntropyLoss(LinearSoftmaxCrossEntropyLoss):
     """Online log-sum-exp over vocabulary tiles in XLA loops; memory O(one tile)."""
 
     config_cls = XlaChunkedLossConfig
     implementation = "xla_chunked"
+    may_keep_own_residuals = True
+
+    def keeps_own_residuals(self) -> bool:
+        """With `gradients="forward"`: the residuals are the stored `(dx, dweights)`."""
+        return self.config is not None and self.config.in_forward
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        if self.keeps_own_residuals():
+            _check_gradients_in_forward(ba, self.vjp)
 
     def _fwd(self, x: jax.Array, labels: jax.Array, weights: jax.Array, *, reduction: str,
              logits_soft_cap: float | None, precision: Any, config: XlaChunkedLossConfig,
              return_residuals: bool) -> tuple[jax.Array, Any]:
+        if return_residuals and config.in_forward:
+            chunked = dataclasses.replace(config, block_tokens=config.chunk_tokens)
+            pb = _problem(x, labels, weights, logits_soft_cap, precision, chunked)
+            losses, dx, dweights = gradient_in_forward(pb, reduction)
+            loss = reduce_losses(losses.reshape(labels.shape), labels, reduction)
+            return loss, (dx.reshape(x.shape), dweights)
         pb = _problem(x, labels, weights, logits_soft_cap, precision, config)
         losses, lse = chunked_forward(pb)
         losses, lse = losses.reshape(labels.shape), lse.reshape(labels.shape)
@@ -236,21 +377,38 @@ class XlaChunkedLinearSoftmaxCrossEntropyLoss(LinearSoftmaxCrossEntropyLoss):
         return search_space(*_sizes(ba))
 
     def _default_vjp(self) -> Op:
-        return XlaChunkedLinearSoftmaxCrossEntropyLossVjp()
+        """The scaling VJP op, its config pinned, for gradients stored in the forward
+        pass; otherwise the recomputing one, its config resolved on its own."""
+        config = self.config if self.keeps_own_residuals() else None
+        return XlaChunkedLinearSoftmaxCrossEntropyLossVjp(config=config)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class XlaChunkedLinearSoftmaxCrossEntropyLossVjp(LinearSoftmaxCrossEntropyLossVjp):
-    """Chunked backward from the family's `(lse,)` residual (pairs with any forward)."""
+    """Chunked backward from the family's `(lse,)` residual (pairs with any forward); with
+    a `gradients="forward"` config (pinned by its forward), the stored gradients scaled."""
 
     config_cls = XlaChunkedLossConfig
     implementation = "xla_chunked"
+
+    def keeps_own_residuals(self) -> bool:
+        """With `gradients="forward"`: the residuals are the stored `(dx, dweights)`."""
+        return self.config is not None and self.config.in_forward
+
+    def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
+        super().check_supported(ba, target)
+        if self.keeps_own_residuals() and len(ba.arguments["residuals"]) != 2:
+            raise NotImplementedError(
+                "XlaChunkedLossConfig(gradients='forward') scales the (dx, dweights) its "
+                "forward stored; these residuals are the family's (lse,)")
 
     def _fwd(self, residuals: Any, out: Any, dout: jax.Array, *, config: XlaChunkedLossConfig,
              return_residuals: bool, x: jax.Array, labels: jax.Array, weights: jax.Array,
              reduction: str, logits_soft_cap: float | None,
              precision: Any) -> tuple[dict[str, Any], None]:
         del out, return_residuals
+        if config.in_forward:
+            return scaled_gradients(residuals, dout), None
         (lse,) = residuals
         pb = _problem(x, labels, weights, logits_soft_cap, precision, config)
         g = token_cotangent(dout, labels, reduction)
@@ -258,7 +416,7 @@ class XlaChunkedLinearSoftmaxCrossEntropyLossVjp(LinearSoftmaxCrossEntropyLossVj
         return {"x": dx.reshape(x.shape), "weights": dweights}, None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> XlaChunkedLossConfig:
-        return heuristic_config(*_sizes(ba))
+        return _tiles(*_sizes(ba)[:2])
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[XlaChunkedLossConfig]:
-        return search_space(*_sizes(ba))
+        return backward_search_space(*_sizes(ba)[:2])

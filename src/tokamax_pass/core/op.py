@@ -166,6 +166,10 @@ class Op[C]:
     # program (`Op.reruns_forward`): attention's scores, a GEMM's output. A norm's
     # gradient recomputes only its row statistics, a small part of its work.
     autodiff_reruns_products: ClassVar[bool] = True
+    # Whether some config of this implementation keeps residuals of its own form
+    # (`keeps_own_residuals`); only then does a differentiated call pick its implementation
+    # when it is traced (`primitive.bind_with_vjp`).
+    may_keep_own_residuals: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         """A pinned config within `config_limits` (its field and limit named)."""
@@ -260,6 +264,14 @@ class Op[C]:
         log-softmax): `optimize` then keeps the rewrite of such an expression though no
         kernel runs (`passes.rewrite.rewrite_wins`; docs/optimize.md has the numbers)."""
         del ba
+        return False
+
+    def keeps_own_residuals(self) -> bool:
+        """Whether this op, with its config, returns residuals in a form of its own that only
+        its own VJP op (`vjp_op()`, which says the same) reads, in place of the family's
+        (gradients computed in the forward pass). A call's residuals must have one form
+        when it is traced, so a differentiated call that picks such an op is traced with
+        that op alone, its config pinned (`primitive.bind_with_vjp`)."""
         return False
 
     def reruns_forward(self, ba: BoundArguments) -> bool:

@@ -160,12 +160,13 @@ class OpCall:
 
 @functools.lru_cache(maxsize=4096)
 def _output_structure(call: OpCall, avals: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
-    reference = call.candidates[0].reference_op()
-    ba = call.bound(reference, avals)
-    config = reference.config or reference._get_heuristics_config(ba)
+    first = call.candidates[0]
+    shaper = first if first.keeps_own_residuals() else first.reference_op()
+    ba = call.bound(shaper, avals)
+    config = shaper.config or shaper._get_heuristics_config(ba)
     with sharding.meshless():
         shapes = jax.eval_shape(
-            call.structured_function(reference, config),
+            call.structured_function(shaper, config),
             *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals),
         )
     leaves, treedef = jax.tree.flatten(shapes)
@@ -402,6 +403,7 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
     """
     shared = shared_input_groups(call.arguments(operands))
     residual_outputs = call.return_residuals
+    differentiated = _with_own_residuals(call, operands) or call
 
     @jax.custom_vjp
     def op_call(*operands: Any) -> Any:
@@ -410,14 +412,15 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
     def op_call_fwd(*operands: Any) -> tuple[Any, Any]:
         if residual_outputs:  # `symbolic_zeros=True` wraps each primal
             operands = tuple(p.value for p in operands)
-        out, residuals = _bind(dataclasses.replace(call, return_residuals=True), operands)
+        out, residuals = _bind(dataclasses.replace(differentiated, return_residuals=True),
+                               operands)
         primal_out = (out, residuals) if residual_outputs else out
         return primal_out, (operands, out, residuals)
 
     def op_call_bwd(saved: Any, cotangent: Any) -> tuple[Any, ...]:
         operands, out, residuals = saved
         arguments = call.arguments(operands)
-        vjp_ops = tuple(dict.fromkeys(op.vjp_op() for op in call.candidates))
+        vjp_ops = tuple(dict.fromkeys(op.vjp_op() for op in differentiated.candidates))
         extra: dict[str, Any] = {"shared_inputs": shared} if shared else {}
         dout = cotangent
         if residual_outputs:
@@ -427,12 +430,34 @@ def bind_with_vjp(call: OpCall, operands: Sequence[Any]) -> Any:
                 extra["dresiduals"] = _instantiated(dresiduals)
         grads = call_ops(
             vjp_ops, (), dict(residuals=residuals, out=out, dout=dout, **arguments, **extra),
-            explicit=call.explicit, partition_as=call.candidates[0], through_vjp_ops=False,
+            explicit=differentiated.explicit, partition_as=differentiated.candidates[0],
+            through_vjp_ops=False,
         )
         return _cotangents(call, operands, grads)
 
     op_call.defvjp(op_call_fwd, op_call_bwd, symbolic_zeros=residual_outputs)
     return op_call(*operands)
+
+
+def _with_own_residuals(call: OpCall, operands: Sequence[Any]) -> OpCall | None:
+    """`call` narrowed to the implementation it picks here, config pinned, where that one
+    keeps residuals of its own form (`Op.keeps_own_residuals`); otherwise `None`, and the
+    implementation is picked at lowering. A call's residuals get their shapes when it is
+    traced, so their form cannot wait for the lowering's choice."""
+    if not any(op.may_keep_own_residuals for op in call.candidates):
+        return None
+    avals = [jax.typeof(x) for x in operands]
+    if has_symbolic_dims(avals):
+        return None
+    candidates = [call.bound(op, avals) for op in call.candidates]
+    try:
+        choice = call.choose(candidates, device.current_target())
+    except NotImplementedError:
+        return None
+    if not choice.op.keeps_own_residuals():
+        return None
+    # Explicit: the choice is made; the lowering and the VJP call keep it.
+    return dataclasses.replace(call, candidates=(choice.op,), explicit=True)
 
 
 def _check_op_fields(op: Op) -> None:
