@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 FAKE_DEVICES = 8
@@ -34,9 +35,30 @@ TOLERANCE = {
 H200 = "NVIDIA H200"
 
 
+def normal_values(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
+    """`jax.random.normal(key, shape, float32).astype(dtype)`, value for value, from a
+    compiled program that only depends on `shape`'s size class.
+
+    With partitionable Threefry (`jax_threefry_partitionable`, JAX's default) each element
+    depends on the key and its flat index alone: the first `size` values of a longer
+    stream are the values at `shape`. The stream's length is the next power of two (at
+    least 1024), so one compiled sampler serves every shape of a size class, where calling
+    `jax.random.normal` at each new shape (and casting it eagerly) compiles new programs;
+    the slice, reshape and cast run in NumPy (ml_dtypes rounds to nearest even, as XLA's
+    convert does). Under a trace (inside `jit`, `vmap`, ...) it is `jax.random.normal`'s
+    own call."""
+    if isinstance(key, jax.core.Tracer):
+        return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    size = math.prod(shape)
+    length = max(1024, 1 << max(size - 1, 0).bit_length())
+    stream = np.asarray(jax.random.normal(key, (length,), jnp.float32))
+    return jnp.asarray(stream[:size].reshape(shape).astype(jnp.dtype(dtype)))
+
+
 def random_normal(seed: int, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
-    """Fresh random normal inputs (never zeros)."""
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+    """Fresh random normal inputs (never zeros): `jax.random.normal(key(seed), shape)`
+    cast to `dtype`."""
+    return normal_values(jax.random.key(seed), shape, dtype)
 
 
 def assert_close(actual, expected, dtype=None, *, scale_rtol: float | None = None) -> None:

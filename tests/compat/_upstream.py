@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import normal_values
+
 # `implementation=None` runs the XLA path on CPU, as `"xla"` does: its cases repeat the
 # `"xla"` ones there and run with the slow set (`pytest -m slow`).
 NONE_ON_CPU = pytest.param(None, marks=pytest.mark.slow)
@@ -37,7 +39,7 @@ def random_arrays(seed: int, *shapes_and_dtypes) -> list[jax.Array]:
         if jnp.dtype(dtype) == jnp.bool_:
             arrays.append(jax.random.bernoulli(key, shape=shape))
         else:
-            arrays.append(jax.random.normal(key, shape, jnp.float32).astype(dtype))
+            arrays.append(normal_values(key, shape, dtype))
     return arrays
 
 

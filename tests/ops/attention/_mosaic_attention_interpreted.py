@@ -50,10 +50,15 @@ def interpreted(shape, statics, config, vjp_config, seed):
         return DotProductAttention()._fwd(q, k, v, None, None, **statics, config=None,
                                           return_residuals=True)
 
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    # One compiled program (eager op-by-op compiles each of the reference's operations).
+    @jax.jit
+    def reference_and_grads(q, k, v, do):
+        (want, (want_lse,)), pullback = jax.vjp(reference, q, k, v)
+        return want, want_lse, pullback((do, (jnp.zeros_like(want_lse),)))
+
     with reference_precision():
-        (want, (want_lse,)), pullback = jax.vjp(reference, *f32)
-        want_grads = pullback((do.astype(jnp.float32), (jnp.zeros_like(want_lse),)))
+        want, want_lse, want_grads = reference_and_grads(
+            *(x.astype(jnp.float32) for x in (q, k, v, do)))
     assert_close(out, want, jnp.bfloat16)
     lse = np.asarray(residuals[0])
     seen = np.isfinite(np.asarray(want_lse))
