@@ -77,6 +77,10 @@ def _call_rule(call: Any,
     if forward is None:
         forward = call.candidates[0]
         fwd_arguments = arguments
+    if forward.keeps_own_residuals():
+        # The family's rule splits its residuals, not residuals of another form: such a
+        # call runs unpartitioned, and XLA partitions what it lowers to (`xla_chunked`).
+        return None
     else:
         fwd_arguments = {k: v for k, v in arguments.items()
                          if k not in ("residuals", "out", "dout")}

@@ -155,3 +155,24 @@ def test_a_per_token_loss_or_another_vjp_op_is_refused():
     losses = lce(x, labels, weights, reduction="none",
                  implementation=(chunked(FORWARD), "xla"))  # falls back to xla
     assert losses.shape == labels.shape
+
+
+@pytest.mark.usefixtures("fake_devices")
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_call_over_token_sharded_inputs_matches_the_reference(reduction):
+    """The family's partition rule splits its `(lse,)` residual, not stored gradients: a
+    call of this mode over sharded inputs runs unpartitioned, and XLA partitions the
+    program it lowers to (plain `jax.jit` over inputs sharded on the tokens)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    x, labels, weights = inputs(70, out_of_range=False)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec("d")))
+    g = _cotangent(75)
+    kwargs = dict(reduction=reduction, precision="highest")
+    got = value_and_gradients(lambda x, lb, w: chunked(FORWARD)(x, lb, w, **kwargs),
+                              sharded, labels, weights, g)
+    want = value_and_gradients(lambda x, lb, w: reference(x, lb, w, reduction, None),
+                               x, labels, weights, g)
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b)
