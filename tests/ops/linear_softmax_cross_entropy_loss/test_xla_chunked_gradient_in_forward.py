@@ -176,3 +176,25 @@ def test_a_call_over_token_sharded_inputs_matches_the_reference(reduction):
                                x, labels, weights, g)
     for a, b in zip(got, want, strict=True):
         assert_close(a, b)
+
+
+def test_under_vmap_each_entry_scales_its_own_gradients():
+    """Under `jax.vmap` each batch entry stores its own gradients and its own cotangent
+    scales them (per-entry cotangents of different signs)."""
+    x = random_normal(80, (3, 10, H), jnp.float32)
+    weights = random_normal(81, (3, H, V), jnp.float32) / np.sqrt(H) * 2
+    labels = jax.random.randint(jax.random.key(82), (3, 10), 0, V)
+    cotangent = jnp.array([1.5, -0.7, 2.2], jnp.float32)
+
+    def batched(loss):
+        @jax.jit
+        def run(x, weights):
+            out, pullback = jax.vjp(lambda x, w: jax.vmap(loss)(x, labels, w), x, weights)
+            return (out, *pullback(cotangent))
+        return run(x, weights)
+
+    got = batched(lambda x, lb, w: chunked(FORWARD)(x, lb, w, reduction="mean",
+                                                    precision="highest"))
+    want = batched(lambda x, lb, w: reference(x, lb, w, "mean", None))
+    for a, b in zip(got, want, strict=True):
+        assert_close(a, b)
