@@ -14,8 +14,8 @@ and `xla_chunked` paths cannot?
 
 The candidates go through the public op: `xla`, `xla_chunked` with its recomputing
 backward (`gradients="backward"`, the heuristic tiles), `xla_chunked` with its
-gradients in the forward pass at each chunk size, `xla_chunked` with its heuristic
-config, and `implementation=None`. `--hand-written` adds the custom-VJP sketch below
+gradients in the forward pass at each chunk size (a pinned config), and
+`implementation=None`. `--hand-written` adds the custom-VJP sketch below
 (float32 and bf16 dweights accumulators), which the library mode was built from.
 
 One JSON line per (shape, candidate): forward+backward device time (CUPTI, median of 10
@@ -121,13 +121,12 @@ def _chunked(config: XlaChunkedLossConfig) -> Callable[..., jax.Array]:
 def library_candidates(tokens: int, v: int,
                        chunks: tuple[int, ...]) -> dict[str, Callable[..., jax.Array]]:
     """Plain JAX, then our implementations through the public op (see the docstring)."""
-    tiles = heuristic_config(tokens, v, "none")
+    tiles = heuristic_config(tokens, v)
     candidates = plain_and_xla()
     candidates["xla_chunked, recomputing backward"] = _chunked(tiles)
     for chunk in chunks:
         config = dataclasses.replace(tiles, gradients="forward", chunk_tokens=chunk)
         candidates[f"xla_chunked, gradients in forward, {chunk} tokens"] = _chunked(config)
-    candidates["xla_chunked, heuristic config"] = _public("xla_chunked")
     candidates["implementation=None"] = _public(None)
     return candidates
 

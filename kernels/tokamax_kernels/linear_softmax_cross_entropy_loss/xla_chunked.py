@@ -20,6 +20,8 @@ GEMMs in a training step where the recomputing backward makes four, at the price
 float32 (H, V) accumulator and (chunk_tokens, V) tiles. Those gradients are the call's
 residuals, a form of its own (`keeps_own_residuals`) that only this module's VJP op
 reads. A forward that is not differentiated runs the tiled loss alone in either mode.
+Only a pinned config computes the gradients in the forward pass (`keeps_own_residuals`):
+a config from the heuristics or a cache keeps the family's residuals.
 
 Sizes the blocks do not divide are not padded (padding the (H, V) weights would copy
 them): the last block starts early, at `size - block`, and the rows or columns it
@@ -89,59 +91,26 @@ _TOKEN_BLOCKS = (4096, 8192, 16384, 32768)
 _VOCAB_BLOCKS = (2048, 4096)
 
 
-# Gradients in the forward pass from this vocabulary on, 2048 tokens a chunk: on the H200
-# (`benchmarks/results/nvidia_h200/lce_gradient_in_forward.jsonl`, 16384 x 4096 x 128256
-# and 8192 x 2304 x 256000, bf16) 2048-token chunks with a float32 dweights accumulator
-# ran at 1.005x and 0.98x plain JAX's speed with 0.17x and 0.19x its temporaries. Smaller
-# vocabularies were not measured: they keep the recomputing backward.
-_FORWARD_MIN_VOCAB = 100_000
-_FORWARD_CHUNKS = (1024, 2048, 4096)
-_FORWARD_CHUNK = 2048
-# A (chunk, V) float32 logits tile of 2 GiB at most (4096 x 128256 ran on the H200).
-_MAX_CHUNK_ELEMENTS = 1 << 29
+def _sizes(ba: BoundArguments) -> tuple[int, int]:
+    """(tokens, V) of a bound call."""
+    return math.prod(ba.arguments["labels"].shape), ba.arguments["weights"].shape[1]
 
 
-def _sizes(ba: BoundArguments) -> tuple[int, int, str]:
-    """(tokens, V, reduction) of a bound call."""
-    return (math.prod(ba.arguments["labels"].shape), ba.arguments["weights"].shape[1],
-            ba.arguments["reduction"])
-
-
-def _tiles(tokens: int, vocab: int) -> XlaChunkedLossConfig:
+def heuristic_config(tokens: int, vocab: int) -> XlaChunkedLossConfig:
     """Vocabulary blocks of 2048 and up to 16384 tokens per tile (clamped to the shape):
     the fastest or within 1% of it in the H200 sweep at 16384 x 4096 x 128256 and
-    16384 x 2048 x 32000, with the least memory (a 128 MiB float32 tile)."""
+    16384 x 2048 x 32000, with the least memory (a 128 MiB float32 tile). The gradients
+    are recomputed in the backward: computing them in the forward pass is a pinned
+    config's choice (the autotuner times a forward alone, where both modes do the same
+    work)."""
     return XlaChunkedLossConfig(min(16384, tokens), min(2048, vocab))
 
 
-def heuristic_config(tokens: int, vocab: int, reduction: str) -> XlaChunkedLossConfig:
-    """`_tiles`, with the gradients in the forward pass in chunks of 2048 tokens for a
-    scalar reduction at a vocabulary of `_FORWARD_MIN_VOCAB` or more."""
-    tiles = _tiles(tokens, vocab)
-    if reduction == "none" or vocab < _FORWARD_MIN_VOCAB:
-        return tiles
-    return dataclasses.replace(tiles, gradients="forward",
-                               chunk_tokens=min(_FORWARD_CHUNK, tokens))
-
-
-def search_space(tokens: int, vocab: int, reduction: str) -> set[XlaChunkedLossConfig]:
-    """Every tile of the block lists (clamped to the shape) within the tile-size cap; for
-    a scalar reduction also `_tiles` with the gradients in the forward pass, at each chunk
-    of `_FORWARD_CHUNKS` (clamped to the shape) whose (chunk, V) tile is within its cap."""
-    tiles = {XlaChunkedLossConfig(min(bt, tokens), min(bv, vocab))
-             for bt in _TOKEN_BLOCKS for bv in _VOCAB_BLOCKS
-             if min(bt, tokens) * min(bv, vocab) <= _MAX_TILE_ELEMENTS}
-    if reduction == "none":
-        return tiles
-    chunks = {min(chunk, tokens) for chunk in _FORWARD_CHUNKS}
-    return tiles | {dataclasses.replace(_tiles(tokens, vocab), gradients="forward",
-                                        chunk_tokens=chunk)
-                    for chunk in chunks if chunk * vocab <= _MAX_CHUNK_ELEMENTS}
-
-
-def backward_search_space(tokens: int, vocab: int) -> set[XlaChunkedLossConfig]:
-    """The recomputing backward's configs: `search_space`'s tiles."""
-    return search_space(tokens, vocab, "none")
+def search_space(tokens: int, vocab: int) -> set[XlaChunkedLossConfig]:
+    """Every tile of the block lists (clamped to the shape) within the tile-size cap."""
+    return {XlaChunkedLossConfig(min(bt, tokens), min(bv, vocab))
+            for bt in _TOKEN_BLOCKS for bv in _VOCAB_BLOCKS
+            if min(bt, tokens) * min(bv, vocab) <= _MAX_TILE_ELEMENTS}
 
 
 def _start(i: Any, block: int, size: int) -> Any:
@@ -333,7 +302,7 @@ def _check_gradients_in_forward(ba: BoundArguments, vjp: Op | None) -> None:
             "XlaChunkedLossConfig(gradients='forward') needs a scalar loss (reduction "
             "'sum' or 'mean'): with reduction='none' the cotangent is per token; use "
             "gradients='backward'")
-    if vjp is not None and not isinstance(vjp, XlaChunkedLinearSoftmaxCrossEntropyLossVjp):
+    if vjp is not None and not vjp.keeps_own_residuals():
         raise NotImplementedError(
             f"XlaChunkedLossConfig(gradients='forward') stores gradients that only "
             f"XlaChunkedLinearSoftmaxCrossEntropyLossVjp reads, not {type(vjp).__name__}")
@@ -345,7 +314,6 @@ class XlaChunkedLinearSoftmaxCrossEntropyLoss(LinearSoftmaxCrossEntropyLoss):
 
     config_cls = XlaChunkedLossConfig
     implementation = "xla_chunked"
-    may_keep_own_residuals = True
 
     def keeps_own_residuals(self) -> bool:
         """With `gradients="forward"`: the residuals are the stored `(dx, dweights)`."""
@@ -359,7 +327,7 @@ class XlaChunkedLinearSoftmaxCrossEntropyLoss(LinearSoftmaxCrossEntropyLoss):
     def _fwd(self, x: jax.Array, labels: jax.Array, weights: jax.Array, *, reduction: str,
              logits_soft_cap: float | None, precision: Any, config: XlaChunkedLossConfig,
              return_residuals: bool) -> tuple[jax.Array, Any]:
-        if return_residuals and config.in_forward:
+        if return_residuals and self.keeps_own_residuals():
             chunked = dataclasses.replace(config, block_tokens=config.chunk_tokens)
             pb = _problem(x, labels, weights, logits_soft_cap, precision, chunked)
             losses, dx, dweights = gradient_in_forward(pb, reduction)
@@ -407,7 +375,7 @@ class XlaChunkedLinearSoftmaxCrossEntropyLossVjp(LinearSoftmaxCrossEntropyLossVj
              reduction: str, logits_soft_cap: float | None,
              precision: Any) -> tuple[dict[str, Any], None]:
         del out, return_residuals
-        if config.in_forward:
+        if self.keeps_own_residuals():
             return scaled_gradients(residuals, dout), None
         (lse,) = residuals
         pb = _problem(x, labels, weights, logits_soft_cap, precision, config)
@@ -416,7 +384,7 @@ class XlaChunkedLinearSoftmaxCrossEntropyLossVjp(LinearSoftmaxCrossEntropyLossVj
         return {"x": dx.reshape(x.shape), "weights": dweights}, None
 
     def _get_heuristics_config(self, ba: BoundArguments) -> XlaChunkedLossConfig:
-        return _tiles(*_sizes(ba)[:2])
+        return heuristic_config(*_sizes(ba))
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[XlaChunkedLossConfig]:
-        return backward_search_space(*_sizes(ba)[:2])
+        return search_space(*_sizes(ba))

@@ -166,10 +166,6 @@ class Op[C]:
     # program (`Op.reruns_forward`): attention's scores, a GEMM's output. A norm's
     # gradient recomputes only its row statistics, a small part of its work.
     autodiff_reruns_products: ClassVar[bool] = True
-    # Whether some config of this implementation keeps residuals of its own form
-    # (`keeps_own_residuals`); only then does a differentiated call pick its implementation
-    # when it is traced (`primitive.bind_with_vjp`).
-    may_keep_own_residuals: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         """A pinned config within `config_limits` (its field and limit named)."""

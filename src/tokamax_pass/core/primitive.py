@@ -201,6 +201,11 @@ def _jvp(primals: Sequence[Any], tangents: Sequence[Any], *, call: OpCall) -> tu
     """Forward-mode derivative, which second-order gradients need (they differentiate the
     forward pass of `bind_with_vjp`): the call's own outputs, with tangents from autodiff
     of the family's XLA reference (kernels have no autodiff of their own)."""
+    if any(op.keeps_own_residuals() for op in call.candidates) and call.return_residuals:
+        raise NotImplementedError(
+            f"second-order gradients of {call.candidates[0]}: its residuals are of its own "
+            "form, which autodiff of the family's reference does not give; pin a config "
+            "that keeps the family's residuals")
     outs = bind_call(call, *primals)
     reference = call.candidates[0].reference_op()
     config = reference.config or reference._get_heuristics_config(call.bound(reference, primals))
@@ -444,7 +449,7 @@ def _with_own_residuals(call: OpCall, operands: Sequence[Any]) -> OpCall | None:
     keeps residuals of its own form (`Op.keeps_own_residuals`); otherwise `None`, and the
     implementation is picked at lowering. A call's residuals get their shapes when it is
     traced, so their form cannot wait for the lowering's choice."""
-    if not any(op.may_keep_own_residuals for op in call.candidates):
+    if not any(op.keeps_own_residuals() for op in call.candidates):
         return None
     avals = [jax.typeof(x) for x in operands]
     if has_symbolic_dims(avals):

@@ -77,13 +77,13 @@ def _call_rule(call: Any,
     if forward is None:
         forward = call.candidates[0]
         fwd_arguments = arguments
-    if forward.keeps_own_residuals():
-        # The family's rule splits its residuals, not residuals of another form: such a
-        # call runs unpartitioned, and XLA partitions what it lowers to (`xla_chunked`).
-        return None
     else:
         fwd_arguments = {k: v for k, v in arguments.items()
                          if k not in ("residuals", "out", "dout")}
+    if forward.keeps_own_residuals() and (call.return_residuals or "residuals" in arguments):
+        # The family's rule splits its residuals, not residuals of another form: a call
+        # that makes or reads those runs unpartitioned, and XLA partitions what it lowers to.
+        return None
     rule_fn = getattr(forward.reference_op(), "partition_rule", None)
     if rule_fn is None:
         return None

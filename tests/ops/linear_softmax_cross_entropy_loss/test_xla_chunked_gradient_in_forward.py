@@ -15,6 +15,7 @@ from conftest import assert_close, random_normal
 from tokamax_kernels.linear_softmax_cross_entropy_loss import (
     LinearSoftmaxCrossEntropyLossVjp,
     XlaChunkedLinearSoftmaxCrossEntropyLoss,
+    XlaChunkedLinearSoftmaxCrossEntropyLossVjp,
     XlaChunkedLossConfig,
 )
 
@@ -118,27 +119,40 @@ def test_only_a_differentiated_forward_computes_the_gradients():
     assert "gradients='forward'" in str(step)  # the scaling VJP op, config pinned
 
 
-def test_heuristics_pick_the_mode_through_the_public_op():
-    """`implementation="xla_chunked"` at a 100k vocabulary: gradients in the forward pass
-    for a scalar loss (three products in a step), the recomputing backward for "none"."""
-    vocab = 100_000
-    x = random_normal(3, (2, 3, 8), jnp.float32)
-    weights = random_normal(4, (8, vocab), jnp.float32) / np.sqrt(8)
-    labels = jax.random.randint(jax.random.key(5), (2, 3), 0, vocab)
+def test_only_a_pinned_config_computes_gradients_in_the_forward_pass():
+    """Pinned, the mode makes three products in a step; `implementation="xla_chunked"`
+    (its heuristics, which recompute) makes four, and so does `None` choosing it."""
+    x, labels, weights = inputs(3, False)
 
-    def step(reduction):
+    def step(implementation):
         def loss(x, w):
-            out = lce(x, labels, w, reduction=reduction, implementation="xla_chunked")
-            return out if reduction != "none" else jnp.sum(out)
+            return lce(x, labels, w, reduction="sum", implementation=implementation)
         return jax.grad(loss, argnums=(0, 1))
 
-    assert _dot_count(step("sum"), x, weights) == 3
-    assert _dot_count(step("none"), x, weights) == 4  # the logits recomputed
-    dx, dw = jax.jit(step("sum"))(x, weights)
+    assert _dot_count(step(chunked(FORWARD)), x, weights) == 3
+    assert _dot_count(step("xla_chunked"), x, weights) == 4  # the logits recomputed
+    dx, dw = jax.jit(step(chunked(FORWARD)))(x, weights)
     want = jax.grad(lambda x, w: reference(x, labels, w, "sum", None),
                     argnums=(0, 1))(x, weights)
     assert_close(dx, want[0])
     assert_close(dw, want[1])
+
+
+def test_a_vjp_op_without_the_forward_s_config_or_a_second_order_gradient_is_refused():
+    """A pinned VJP op of this module without the forward's config reads `(lse,)`; the
+    second-order gradient differentiates the family's reference, whose residuals are
+    `(lse,)` too: both a clear NotImplementedError, not a failure inside JAX."""
+    x, labels, weights = inputs(4, False)
+    unpinned = XlaChunkedLinearSoftmaxCrossEntropyLoss(
+        config=FORWARD, vjp=XlaChunkedLinearSoftmaxCrossEntropyLossVjp())
+    with pytest.raises(NotImplementedError, match="only"):
+        unpinned(x, labels, weights)
+
+    def loss(x):
+        return chunked(FORWARD)(x, labels, weights, reduction="sum")
+
+    with pytest.raises(NotImplementedError, match="second-order"):
+        jax.grad(lambda x: jnp.sum(jax.grad(loss)(x) ** 2))(x)
 
 
 def test_a_per_token_loss_or_another_vjp_op_is_refused():
