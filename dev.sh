@@ -2,6 +2,8 @@
 # Sets up everything on a fresh machine, then runs one job:
 #   ./dev.sh demo    the seed example end to end, with a table of op calls
 #   ./dev.sh test    ruff and mypy, the CPU test suite, the mutation check, then `bazel test //...`
+#   ./dev.sh test --full   the same with every CPU test: also those marked slow, among them
+#                    the cases of exhaustive grids beyond their covering subset
 # Both create (or reuse) .venv with Python 3.12 and the pinned dependencies.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -51,6 +53,9 @@ case "${1:-}" in
     exec .venv/bin/tokamax-pass demo "$@"
     ;;
   test)
+    # `-m 'not gpu'` replaces pyproject's `-m 'not gpu and not slow'`.
+    selection=()
+    [ "${2:-}" = "--full" ] && selection=(-m "not gpu")
     setup_venv
     # The CPU tests compile thousands of small programs and run them once: LLVM's
     # expensive optimizations cost more than they save there.
@@ -75,7 +80,7 @@ case "${1:-}" in
     # trap runs under `set -e`, where a `kill` of an ended job would fail the run.
     background=$typecheck
     trap 'kill $background 2>/dev/null || true; rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
-    .venv/bin/python -m pytest -q -n 2 --durations=20 tests
+    .venv/bin/python -m pytest -q -n 2 --durations=20 "${selection[@]}" tests
     wait "$typecheck" || { cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"; exit 1; }
     background=""  # reaped: its process ID may be another process's now
     cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"
@@ -95,7 +100,7 @@ case "${1:-}" in
     background=""
     ;;
   *)
-    echo "usage: ./dev.sh demo | ./dev.sh test" >&2
+    echo "usage: ./dev.sh demo | ./dev.sh test [--full]" >&2
     exit 2
     ;;
 esac

@@ -139,7 +139,34 @@ def fake_devices() -> None:
             "XLA_FLAGS before JAX starts; on an accelerator host run with JAX_PLATFORMS=cpu")
 
 
+def covering_cases(items: list) -> list:
+    """Of one test function's parametrized `items`, a fixed subset in which every value
+    of every `parametrize` axis appears at least once: greedily the case that takes the
+    most values not yet taken, the first in collection order on ties."""
+    def values(item):
+        return set(enumerate(item.callspec._idlist))
+
+    missing = set().union(*map(values, items))
+    kept = []
+    while missing:
+        best = max(items, key=lambda item: len(values(item) & missing))
+        kept.append(best)
+        missing -= values(best)
+    return kept
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the `slow` marks added here
 def pytest_collection_modifyitems(config, items):
+    grids: dict[tuple, list] = {}
+    for item in items:
+        if (item.get_closest_marker("exhaustive") and hasattr(item, "callspec")
+                and not item.get_closest_marker("slow")):
+            grids.setdefault((item.path, item.originalname), []).append(item)
+    for grid in grids.values():
+        kept = set(map(id, covering_cases(grid)))
+        for item in grid:
+            if id(item) not in kept:
+                item.add_marker(pytest.mark.slow)
     if gpu_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")

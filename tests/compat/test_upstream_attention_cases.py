@@ -80,6 +80,7 @@ def _check_vjp(f, f_ref, args, *, seed, atol, rtol, atol_grads=None, rtol_grads=
     assert_trees_all_close(grads, grads_ref, atol=atol_grads or atol, rtol=rtol_grads or rtol)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("group_num", [1, 2, 4])
@@ -101,6 +102,7 @@ MASK_MODES = ["bias", "causal", "padding", "custom", ("causal", "padding"),
               ("causal", "custom")]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("mask_mode", MASK_MODES)
 def test_dot_product_attention_mask(implementation, mask_mode):
@@ -147,6 +149,7 @@ def test_dot_product_attention_mask(implementation, mask_mode):
             assert_trees_all_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("batch_size", [1, 16])
 @pytest.mark.parametrize("use_vmap", [False, True])
@@ -173,6 +176,7 @@ def test_dot_product_attention_bias_gradient(implementation, batch_size, use_vma
     assert_trees_all_close(dbias, dbias_ref, atol=0.25, rtol=0.25)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("implementation", ["xla", "xla_chunked", NONE_ON_CPU])
 @pytest.mark.parametrize("input_dim", [24, 128])
 @pytest.mark.parametrize("output_dim", [64, 112])

@@ -56,6 +56,7 @@ SIZES = {"small": (1024, 512, 2048), "small_unaligned": (1024, 520, 2049),
          "medium": (4096, 1024, 4096)}
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("implementation", ["xla", "chunked_xla", NONE_ON_CPU])
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("size", [
@@ -72,6 +73,7 @@ def test_api_fwd_bwd_matches_reference(implementation, reduction, size):
     assert_trees_all_close(grads, grads_ref, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
 def test_chunked_matches_reference(reduction, dtype):

@@ -83,6 +83,7 @@ def test_basic_api(implementation, use_tuple_weights):
 ONE_BF16_ULP = pytest.mark.xfail(strict=True, reason="bfloat16 gradient within one ulp")
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("dtype", [pytest.param(jnp.bfloat16, marks=ONE_BF16_ULP),
                                    jnp.float32, jnp.float64])
 @pytest.mark.parametrize("precision", [jax.lax.Precision.HIGH, HIGHEST])

@@ -87,6 +87,7 @@ def _check(implementation, x_shape, scale_shape, offset_shape, *, axis=-1, epsil
                                atol=ATOL[x.dtype] * 25 * math.sqrt(broadcast))
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape", [(64,), (128, 32), (8, 128, 32), (256, 42)])
 @pytest.mark.parametrize(("use_scale_and_offset", "scale_offset"),
@@ -118,6 +119,7 @@ def _vmapped_param_shapes(shape, axis, vmap_in_axes):
     return tuple(scale_shape), tuple(offset_shape)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("axis", [0, -1])
 @pytest.mark.parametrize("vmap_in_axes", [

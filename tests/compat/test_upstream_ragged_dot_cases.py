@@ -91,6 +91,7 @@ def test_preferred_element_type(out_type):
     assert_trees_all_close(actual, _reference(a, b, group_sizes), **tolerance)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("m", [1024, 128])
 @pytest.mark.parametrize("k", [128, 64])
 @pytest.mark.parametrize("n", [256, 128])

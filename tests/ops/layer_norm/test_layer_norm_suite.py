@@ -15,6 +15,7 @@ own file beside this one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable
 
@@ -117,13 +118,19 @@ def reference(x, scale, offset, residual, *, subtract_mean=True, axis=-1):
 
 
 def _inputs(case: Case, shape=SHAPE, seed=0) -> dict:
+    """Random inputs for `case` at `shape`; the float32 arithmetic and the cast run in
+    NumPy (as elementwise XLA would, with no program to compile for them)."""
     n = shape[-1]
+    dtype = jnp.dtype(case.dtype)
+
+    def normal(i, shape):
+        return np.asarray(random_normal(seed + i, shape))
+
     return dict(
-        x=(3 * random_normal(seed, shape) - 1).astype(case.dtype),
-        scale=(1 + 0.5 * random_normal(seed + 1, (n,))).astype(case.dtype)
-        if case.scale else None,
+        x=jnp.asarray((3 * normal(0, shape) - 1).astype(dtype)),
+        scale=jnp.asarray((1 + 0.5 * normal(1, (n,))).astype(dtype)) if case.scale else None,
         offset=random_normal(seed + 2, (n,), case.dtype) if case.offset else None,
-        residual=(2 * random_normal(seed + 3, shape) + 0.5).astype(case.dtype)
+        residual=jnp.asarray((2 * normal(3, shape) + 0.5).astype(dtype))
         if case.residual else None,
     )
 
@@ -140,6 +147,19 @@ def _loss(fn, cotangents):
     return loss
 
 
+@functools.partial(jax.jit, static_argnames=("subtract_mean", "axis"))
+def _reference_value_and_grad(inputs, cotangents, *, subtract_mean, axis):
+    """`_loss`'s value (with the outputs) and gradients for the reference at the inputs
+    cast to float32, in one compiled program shared by every implementation's case (call
+    it under HIGHEST precision)."""
+    def theirs(a):
+        return reference(a["x"], a["scale"], a["offset"], a["residual"],
+                         subtract_mean=subtract_mean, axis=axis)
+
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), inputs)
+    return jax.value_and_grad(_loss(theirs, cotangents), has_aux=True)(f32)
+
+
 def _check(op: LayerNorm, case: Case, inputs: dict, *, axis=-1, seed=10) -> None:
     """Outputs and gradients of `op` on `inputs` against the float32 HIGHEST reference."""
     shape = inputs["x"].shape
@@ -148,19 +168,14 @@ def _check(op: LayerNorm, case: Case, inputs: dict, *, axis=-1, seed=10) -> None
         return op(a["x"], a["scale"], a["offset"], axis=axis, epsilon=EPS,
                   subtract_mean=case.subtract_mean, residual=a["residual"])
 
-    def theirs(a):
-        return reference(a["x"], a["scale"], a["offset"], a["residual"],
-                         subtract_mean=case.subtract_mean, axis=axis)
-
-    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), inputs)
     cotangents = [random_normal(seed + i, shape) for i in range(1 + case.residual)]
     # One compiled program for the outputs and the gradients (the forward is not compiled
     # a second time on its own).
     (_, out), grads = jax.jit(jax.value_and_grad(_loss(ours, cotangents), has_aux=True))(
         inputs)
     with reference_precision():
-        (_, want), want_grads = jax.value_and_grad(_loss(theirs, cotangents),
-                                                   has_aux=True)(f32)
+        (_, want), want_grads = _reference_value_and_grad(
+            inputs, cotangents, subtract_mean=case.subtract_mean, axis=axis)
     for got, expected in zip(jax.tree.leaves(out), jax.tree.leaves(want), strict=True):
         assert got.dtype == case.dtype and got.shape == shape
         assert_close(got, expected, case.dtype)
@@ -215,7 +230,8 @@ def test_vmap_of_forward_and_grad(implementation):
     """A batch of rows with its own scale each; the kernels batch (one more grid axis)."""
     op = IMPLEMENTATIONS[implementation]()
     x, residual = random_normal(40, (3, 19, 40)), random_normal(41, (3, 19, 40))
-    scales, offset = 1 + random_normal(42, (3, 40)), random_normal(43, (40,))
+    scales = jnp.asarray(1 + np.asarray(random_normal(42, (3, 40))))
+    offset = random_normal(43, (40,))
     cotangents = (random_normal(44, x.shape), random_normal(45, x.shape))
 
     def total(fn, x, residual, scales):
@@ -225,9 +241,11 @@ def test_vmap_of_forward_and_grad(implementation):
     def plain(x, scale, offset, *, residual):
         return reference(x, scale, offset, residual)
 
-    got = jax.value_and_grad(lambda *a: total(op, *a), argnums=(0, 1, 2))(x, residual, scales)
+    # One compiled program each for the op's value and gradients and the reference's.
+    got = jax.jit(jax.value_and_grad(lambda *a: total(op, *a), argnums=(0, 1, 2)))(
+        x, residual, scales)
     with reference_precision():
-        want = jax.value_and_grad(lambda *a: total(plain, *a), argnums=(0, 1, 2))(
+        want = jax.jit(jax.value_and_grad(lambda *a: total(plain, *a), argnums=(0, 1, 2)))(
             x, residual, scales)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_close(g, w)
