@@ -1,7 +1,6 @@
 """The benchmark suite's machinery on tiny CPU workloads."""
 
 import json
-import pathlib
 import re
 import shutil
 
@@ -368,14 +367,3 @@ def test_the_default_search_holds_a_near_best_config_for_every_shipped_entry(cap
     assert search_reach.main([]) == 0
     assert "below 0.97" in capsys.readouterr().out
 
-
-def test_the_shipped_library_cache_has_no_stale_entries():
-    """An edit to a kernel's module makes its shipped measurements stale, and `None`
-    silently stops using them: retune them on the device (`--stale`), or, for an edit
-    that leaves every program as it was, `--restamp` them."""
-    from benchmarks import tune_library_cache
-
-    shipped = pathlib.Path(tokamax.__file__).parent / "data" / "autotuning"
-    for folder in sorted(p for p in shipped.iterdir() if p.is_dir()):
-        stale = tune_library_cache.stale_calls(folder)
-        assert not stale, f"{folder.name}: {len(stale)} stale entries, e.g. {stale[0]}"
