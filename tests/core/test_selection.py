@@ -204,3 +204,16 @@ def test_a_cpu_export_weighs_kernels_against_cudnn_it_cannot_lower(calibration_d
     (row,) = plan(attention, q)
     assert row.op == "PallasMosaicGpuFlashAttention", row.source
     assert "cudnn on the target" in row.source
+
+
+def test_a_norm_gradient_is_predicted_at_its_whole_time(calibration_dir):
+    """XLA's norm gradient reruns only the row statistics: a Triton gradient predicted at
+    0.7 of its time runs (it would not against half of it), one at 0.9 does not (the
+    kernel's margin)."""
+    for kernel, expected in ((0.5 / 0.7, "PallasTritonLayerNormVjp"),
+                             (0.5 / 0.9, "AutodiffVjp")):
+        calibrate(calibration_dir, {"PallasTritonLayerNorm": 0.5, "LayerNorm": 0.5,
+                                    "PallasTritonLayerNormVjp": kernel,
+                                    "AutodiffVjp(LayerNorm)": 0.5})
+        _, backward = plan(jax.grad(norm_loss, argnums=(0, 1)), X, SCALE)
+        assert backward.op == expected, backward.source
