@@ -308,16 +308,23 @@ def _check_gradients_in_forward(ba: BoundArguments, vjp: Op | None) -> None:
             f"XlaChunkedLinearSoftmaxCrossEntropyLossVjp reads, not {type(vjp).__name__}")
 
 
+class _PinnedGradientsInForward:
+    """`keeps_own_residuals` of the forward op and its VJP op: a pinned
+    `gradients="forward"` config, whose residuals are the stored `(dx, dweights)`."""
+
+    config: XlaChunkedLossConfig | None
+
+    def keeps_own_residuals(self) -> bool:
+        return self.config is not None and self.config.in_forward
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class XlaChunkedLinearSoftmaxCrossEntropyLoss(LinearSoftmaxCrossEntropyLoss):
+class XlaChunkedLinearSoftmaxCrossEntropyLoss(_PinnedGradientsInForward,
+                                              LinearSoftmaxCrossEntropyLoss):
     """Online log-sum-exp over vocabulary tiles in XLA loops; memory O(one tile)."""
 
     config_cls = XlaChunkedLossConfig
     implementation = "xla_chunked"
-
-    def keeps_own_residuals(self) -> bool:
-        """With `gradients="forward"`: the residuals are the stored `(dx, dweights)`."""
-        return self.config is not None and self.config.in_forward
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
@@ -352,16 +359,13 @@ class XlaChunkedLinearSoftmaxCrossEntropyLoss(LinearSoftmaxCrossEntropyLoss):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class XlaChunkedLinearSoftmaxCrossEntropyLossVjp(LinearSoftmaxCrossEntropyLossVjp):
+class XlaChunkedLinearSoftmaxCrossEntropyLossVjp(_PinnedGradientsInForward,
+                                                 LinearSoftmaxCrossEntropyLossVjp):
     """Chunked backward from the family's `(lse,)` residual (pairs with any forward); with
     a `gradients="forward"` config (pinned by its forward), the stored gradients scaled."""
 
     config_cls = XlaChunkedLossConfig
     implementation = "xla_chunked"
-
-    def keeps_own_residuals(self) -> bool:
-        """With `gradients="forward"`: the residuals are the stored `(dx, dweights)`."""
-        return self.config is not None and self.config.in_forward
 
     def check_supported(self, ba: BoundArguments, target: Target | None) -> None:
         super().check_supported(ba, target)
