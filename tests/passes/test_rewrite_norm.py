@@ -72,6 +72,14 @@ def layer_norm_flax(x, scale, offset):
     return y * factor + offset.reshape(1, 1, -1)
 
 
+def rms_gemma_reference(x, scale):
+    """Gemma's reference RMSNorm: the scale given leading unit axes before `1 + scale`."""
+    variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    normed = x * jax.lax.rsqrt(variance + 1e-6)
+    scale = jnp.expand_dims(scale, range(x.ndim - 1))
+    return normed * (1 + scale)
+
+
 def rms_power(x, scale):
     return x * (jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) ** -0.5 * scale
 
@@ -81,7 +89,7 @@ def rms_reciprocal(x, scale):
 
 
 SPELLINGS = [rms_power, rms_reciprocal, rms_rsqrt, rms_sqrt_no_keepdims, rms_gemma,
-             rms_no_scale, layer_norm_var, layer_norm_spelled_out,
+             rms_gemma_reference, rms_no_scale, layer_norm_var, layer_norm_spelled_out,
              layer_norm_scale_before_the_divisor, rms_scale_before_rsqrt, layer_norm_flax]
 
 
@@ -111,6 +119,16 @@ def check_values_and_gradients(f, args, cotangent, dtype=jnp.float32):
 @pytest.mark.parametrize("f", SPELLINGS, ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):
     check_values_and_gradients(f, operands(f), random_normal(9, (B, T, D)))
+
+
+@pytest.mark.parametrize("f", [f for f in SPELLINGS if f is not rms_no_scale],
+                         ids=lambda f: f.__name__)
+def test_the_scale_and_offset_go_into_the_op(rewritten, f):
+    """Not multiplied in after it: the op fuses them, and its gradient is theirs."""
+    args = operands(f)
+    (row,) = tokamax.optimize(f).plan(*args)
+    vectors = {"scale", "offset"} if len(args) == 3 else {"scale"}
+    assert {a.split("=")[0] for a in row.arguments.split(", ")} == {"x"} | vectors
 
 
 def test_bfloat16_input_with_float32_statistics(rewritten):
@@ -188,6 +206,12 @@ def over_the_first_axis(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=0, keepdims=True) + 1e-6) * scale
 
 
+def masked_variance(x, scale, offset):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    variance = jnp.var(x, axis=-1, keepdims=True, where=jnp.arange(x.shape[-1]) < 20)
+    return (x - mean) * jax.lax.rsqrt(variance + 1e-5) * scale + offset
+
+
 @pytest.mark.parametrize("f,dtype,reason", [
     (eps_outside_sqrt, jnp.float32, None),
     (over_the_first_axis, jnp.float32, None),
@@ -195,6 +219,7 @@ def over_the_first_axis(x, scale):
     (statistics_in_bfloat16, jnp.bfloat16, None),
     (unbiased_variance, jnp.float32, "the variance divides by n - 1"),
     (flax_fast_variance, jnp.float32, "the variance is Flax's fast one"),
+    (masked_variance, jnp.float32, "the variance is masked"),
 ], ids=lambda p: getattr(p, "__name__", ""))
 def test_near_misses_are_left_as_written(rewritten, f, dtype, reason):
     args = operands(f, dtype)
@@ -207,6 +232,34 @@ def test_near_misses_are_left_as_written(rewritten, f, dtype, reason):
     assert reason is None or matches
     assert op_names(optimized, *args) == []
     assert_close(optimized(*args), jax.jit(f)(*args), dtype)
+
+def scale_along_the_rows(x, scale):
+    """The gain reshaped to `(D, 1)` scales axis -2, not the normalized one."""
+    normed = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
+    return normed * scale.reshape(-1, 1)
+
+
+def offset_along_the_rows(x, scale, offset):
+    normed = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
+    return normed * scale + offset.reshape(-1, 1)
+
+
+@pytest.mark.parametrize("f", [scale_along_the_rows, offset_along_the_rows],
+                         ids=lambda f: f.__name__)
+def test_a_vector_reshaped_onto_another_axis_is_not_the_norms(rewritten, f):
+    """Square rows (`T == D`), where the shapes alone cannot tell the axes apart: the
+    norm may be rewritten, the vector stays outside the op."""
+    x = random_normal(0, (B, D, D))
+    vectors = [random_normal(1 + i, (D,)) for i in range(f.__code__.co_argcount - 1)]
+    optimized = tokamax.optimize(f)
+    assert_close(optimized(x, *vectors), jax.jit(f)(x, *vectors))
+    loss = weighted(f, random_normal(9, (B, D, D)))
+    argnums = tuple(range(1 + len(vectors)))
+    with jax.default_matmul_precision("highest"):
+        expected = jax.grad(loss, argnums=argnums)(x, *vectors)
+    for actual, wanted in zip(jax.grad(weighted(optimized, random_normal(9, (B, D, D))),
+                                       argnums=argnums)(x, *vectors), expected, strict=True):
+        assert_close(actual, wanted)
 
 
 # --- selection: only where a kernel is chosen ------------------------------------------

@@ -144,7 +144,9 @@ def _take(graph: Graph, norm: _Norm, var: Any, *primitives: str) -> Any:
 
 
 def _vector(graph: Graph, var: Any, length: int) -> Any:
-    """The `(length,)` array `var` broadcasts along the last axis, else `None`."""
+    """The `(length,)` array `var` broadcasts along the last axis, else `None`: reshapes
+    that add or drop leading unit axes are looked through, any other (one that moves the
+    vector to another axis, `g.reshape(-1, 1)`) ends the search."""
     rank = len(var.aval.shape)
     while True:
         eqn = graph.producer(var, "broadcast_in_dim", "reshape", "convert_element_type")
@@ -155,14 +157,23 @@ def _vector(graph: Graph, var: Any, length: int) -> Any:
             dims = tuple(eqn.params["broadcast_dimensions"])
             if dims != tuple(range(rank - len(operand.aval.shape), rank)):
                 return None
-        elif eqn.primitive.name == "convert_element_type" and not jnp.issubdtype(
-                eqn.invars[0].aval.dtype, jnp.floating):
+        elif eqn.primitive.name == "reshape":
+            if _without_leading_ones(eqn.invars[0].aval.shape) != _without_leading_ones(
+                    eqn.outvars[0].aval.shape):
+                return None
+        elif not jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
             return None
         var = eqn.invars[0]
+        rank = len(var.aval.shape)
     shape = tuple(var.aval.shape)
     if literal_value(var) is not None:
         return None
     return var if shape == (length,) and jnp.issubdtype(var.aval.dtype, jnp.floating) else None
+
+
+def _without_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    leading = next((i for i, size in enumerate(shape) if size != 1), len(shape))
+    return tuple(shape[leading:])
 
 
 def _offset(graph: Graph, norm: _Norm, eqn: Any) -> Any:
@@ -198,18 +209,23 @@ def _scaled_body(graph: Graph, eqn: Any) -> tuple[Any, tuple[Any, float]] | None
 
 
 def _shifted_vector(graph: Graph, var: Any, length: int) -> tuple[Any, float]:
-    """`(scale, c)` for `scale + c` broadcast along the last axis (Gemma's `1 + scale`)."""
+    """`(scale, c)` for `scale + c` broadcast along the last axis: Gemma's `1 + scale`,
+    the scale a `(length,)` vector or one with leading unit axes
+    (`jnp.expand_dims(scale, range(x.ndim - 1))`)."""
     rank = len(var.aval.shape)
     eqn = graph.producer(var, "broadcast_in_dim")
-    if eqn is not None and tuple(eqn.params["broadcast_dimensions"]) == (rank - 1,):
-        var = eqn.invars[0]
+    if eqn is not None:
+        operand_rank = len(eqn.invars[0].aval.shape)
+        if tuple(eqn.params["broadcast_dimensions"]) == tuple(range(rank - operand_rank, rank)):
+            var = eqn.invars[0]
     add = graph.producer(var, "add")
     if add is None:
         return None, 0.0
     for a, b in (add.invars, add.invars[::-1]):
         c = literal_value(b)
-        if c is not None and tuple(a.aval.shape) == (length,):
-            vector = _vector(graph, a, length) or (a if literal_value(a) is None else None)
+        if c is not None and _without_leading_ones(a.aval.shape) == (length,):
+            vector = _vector(graph, a, length) or (
+                a if literal_value(a) is None and tuple(a.aval.shape) == (length,) else None)
             if vector is not None and len(graph.users(add.outvars[0])) == 1:
                 return vector, float(c)
     return None, 0.0
@@ -385,6 +401,9 @@ def _variance(graph: Graph, norm: _Norm, var: Any, x: Any, centered: Any) -> Non
     var = _unbroadcast(graph, norm, var)
     jnp_var = graph.producer(var, "jit")
     if jnp_var is not None and jnp_var.params.get("name") == "_var":
+        if len(jnp_var.invars) != 2:
+            raise _NearMiss("the variance is masked (`where=`); the op's takes every "
+                            "element of the row")
         operand, ddof = jnp_var.invars
         inner = jnp_var.params["jaxpr"].jaxpr
         axes = {tuple(e.params["axes"]) for e in inner.eqns if e.primitive.name == "reduce_sum"}
