@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -40,6 +41,16 @@ from tokamax_pass.passes.rewrite import Decision, Rewriter, tuning_key
 
 Autotune = Literal["never", "missing", "always"]
 _AUTOTUNE_MODES = ("never", "missing", "always")
+# A key of JAX's jit caches: a function jitted inside the optimized one and traced while
+# the pass intercepts (`jax.nn` attention, a gradient's function) holds the op calls that
+# trace chose; each such trace has a value of its own, so that trace's jaxpr is never
+# reused by a plain `jax.jit` call or by another trace.
+_INTERCEPTED_TRACE = jax.make_user_context(default_value=None)
+_INTERCEPTED_TRACES = itertools.count()
+# What `jax.jvp` of a `custom_vjp` function (an op call among them) leaves in a jaxpr: an
+# equation that raises this error when lowered or evaluated.
+_FORWARD_MODE_OF_AN_OP = frozenset({"custom_lin"})
+_FORWARD_MODE_ERROR = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
 
 
 def optimize(fun: Callable[..., Any], *, static_argnums: int | Sequence[int] | None = None,
@@ -190,16 +201,45 @@ class Optimized:
         def body(*args: Any, **kwargs: Any) -> Any:
             targets = _targets(platforms)
             _warn_if_no_results_apply(self.results, targets)
+            logs = [log for log in (record, rewriters, matches) if log is not None]
+            marks = [len(log) for log in logs]
+            outs = trace(targets, args, kwargs, intercept=True)
+            if outs is None:
+                # A region rewritten while the function was traced (a `jax.nn` attention
+                # call, a gradient's function) is differentiated in forward mode
+                # (`jax.jvp`, `jax.linearize`, `jax.jacfwd`), which an op's `custom_vjp`
+                # does not have: traced again with those left as written, the jaxpr's
+                # patterns still matched.
+                for log, mark in zip(logs, marks, strict=True):
+                    del log[mark:]
+                outs = trace(targets, args, kwargs, intercept=False)
+            assert outs is not None
+            return outs
+
+        def trace(targets: Any, args: Any, kwargs: Any, *, intercept: bool) -> Any:
+            """The function's outputs, traced and rewritten; `None` where `intercept`ing
+            put an op under forward-mode autodiff."""
             rewriter = Rewriter(targets, contexts=self._contexts, record=record,
                                 autotuned=self._was_tuned, rewrite=self.rewrite,
                                 matches=matches)
             if rewriters is not None:
                 rewriters.append(rewriter)
-            with (patterns_attention.intercepting(rewriter.choose_rewrite)
-                  if patterns_attention.NAME in self.rewrite else contextlib.nullcontext()), \
-                    (transforms.intercepting(rewriter) if self.rewrite & patterns.REGIONS
+            with (_INTERCEPTED_TRACE(next(_INTERCEPTED_TRACES)) if intercept
+                  else contextlib.nullcontext()), \
+                    (patterns_attention.intercepting(rewriter.choose_rewrite)
+                     if intercept and patterns_attention.NAME in self.rewrite
+                     else contextlib.nullcontext()), \
+                    (transforms.intercepting(rewriter)
+                     if intercept and self.rewrite & patterns.REGIONS
                      else contextlib.nullcontext()):
-                jaxpr, values, out_tree = walk.trace_arguments(fun, args, kwargs)
+                try:
+                    jaxpr, values, out_tree = walk.trace_arguments(fun, args, kwargs)
+                except TypeError as error:  # under `vmap`, as `jax.jacfwd` maps it
+                    if intercept and _FORWARD_MODE_ERROR in str(error):
+                        return None
+                    raise
+                if intercept and walk.holds_primitives(jaxpr.jaxpr, _FORWARD_MODE_OF_AN_OP):
+                    return None
                 outs = emit.emit(rewriter, jaxpr, values)
             return jax.tree.unflatten(out_tree, outs)
 

@@ -194,6 +194,53 @@ def test_jax_nn_is_its_own_outside_optimize_and_without_the_pattern(rewritten):
         assert_close(optimized(q, k, v), jax.jit(f)(q, k, v))
 
 
+def _attention_loss(q, k, v):
+    return jnp.sum(jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
+
+
+@pytest.mark.parametrize("transform", [
+    lambda f: lambda q, k, v: jax.jvp(lambda q: f(q, k, v), (q,), (v[:, :, :1] * q,))[1],
+    lambda f: lambda q, k, v: jax.jvp(jax.jit(lambda q: f(q, k, v)), (q,), (q * 0.5,))[1],
+    lambda f: lambda q, k, v: jax.linearize(lambda q: f(q, k, v), q)[1](q),
+    lambda f: lambda q, k, v: jax.jacfwd(lambda q: f(q, k, v))(q),
+], ids=["jvp", "jvp_of_jit", "linearize", "jacfwd"])
+def test_forward_mode_leaves_the_call_as_written(rewritten, transform):
+    """An op has no forward-mode derivative: the call stays `jax.nn`'s."""
+    q, k, v = qkv()
+    k, v = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
+    step = transform(_attention_loss)
+    optimized = tokamax.optimize(step)
+    assert op_names(optimized, q, k, v) == []
+    with jax.default_matmul_precision("highest"):
+        expected = jax.jit(step)(q, k, v)
+    assert_close(optimized(q, k, v), expected)
+
+
+def test_forward_over_reverse_runs_the_ops_backward(rewritten):
+    """A Hessian-vector product, `jax.jvp` of `jax.grad`: the op's VJP is plain JAX,
+    which forward mode differentiates."""
+    q, k, v = qkv()
+    tangent = random_normal(9, q.shape)
+
+    def hvp(q, k, v):
+        return jax.jvp(jax.grad(lambda q: _attention_loss(q, k, v)), (q,), (tangent,))[1]
+
+    optimized = tokamax.optimize(hvp)
+    assert outcomes(optimized, q, k, v) == [REWRITTEN]
+    with jax.default_matmul_precision("highest"):
+        expected = jax.jit(hvp)(q, k, v)
+    assert_close(optimized(q, k, v), expected)
+
+
+def test_a_function_jitted_inside_keeps_its_plain_trace_outside(rewritten):
+    """`jax.jit` caches a traced jaxpr: the one traced inside `optimize`, holding the op,
+    is not the one a plain call of the same jitted function gets."""
+    q, k, v = qkv()
+    jitted = jax.jit(_attention_loss)
+    assert outcomes(tokamax.optimize(lambda q, k, v: jitted(q, k, v)), q, k, v) == [REWRITTEN]
+    assert not tokamax.inspect(jitted.lower(q, k, v).as_text()).ops
+
+
 # --- selection: only where a kernel is chosen ------------------------------------------
 
 Q = jax.ShapeDtypeStruct((4, 4096, 32, 128), jnp.bfloat16)

@@ -223,6 +223,8 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     bands: list[band_mask.Band | None] = []
     while (where := graph.producer(logits, "jit")) is not None and where.params.get(
             "name") == "_where":
+        if len(where.invars) != 3:
+            raise _NoMatch  # `jnp.where` differentiated in forward mode
         condition, on_true, on_false = where.invars
         if tuple(on_true.aval.shape) == shape and literal_value(on_false) is not None:
             negated, fill, logits = False, literal_value(on_false), on_true
