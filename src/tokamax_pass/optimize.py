@@ -145,6 +145,16 @@ class Optimized:
             self._autotune_for(args, kwargs)
         return self._jitted.lower(*args, **kwargs)
 
+    def trace(self, *args: Any, **kwargs: Any) -> jax.stages.Traced:
+        """The traced program, like `jit.trace`."""
+        if self.autotune != "never":
+            self._autotune_for(args, kwargs)
+        return self._jitted.trace(*args, **kwargs)
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The outputs' shapes and dtypes, like `jit.eval_shape`; nothing is measured."""
+        return self._jitted.eval_shape(*args, **kwargs)
+
     def export(self, *args: Any, platforms: Sequence[str] | None = None,
                device_kind: str | Sequence[str] | None = None,
                name: str | None = None) -> Any:

@@ -54,6 +54,17 @@ def test_seed_grad_equals_jit():
     assert "layer_norm_vjp" in str(plan) and "source" in str(plan)
 
 
+def test_trace_eval_shape_and_export_of_jit_as_for_jax_jit():
+    x = random_normal(1, (2, 16, 2, 64))
+    scale = random_normal(0, (64,))
+    f = tk.optimize(jax.grad(seed_loss))
+    assert f.eval_shape(x, scale) == jax.ShapeDtypeStruct(x.shape, x.dtype)
+    assert "tokamax" in f.trace(x, scale).lower().as_text()
+    exported = jax.export.export(jax.jit(f), disabled_checks=tk.DISABLE_JAX_EXPORT_CHECKS)(
+        x, scale)
+    np.testing.assert_array_equal(np.asarray(exported.call(x, scale)), np.asarray(f(x, scale)))
+
+
 # --- results, heuristics, explicit configs: what the plan says and the lowering carries --
 
 
