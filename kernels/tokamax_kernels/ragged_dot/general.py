@@ -4,7 +4,8 @@ The two forms an MoE layer uses, `(m, k) x (g, k, n)` and its transposed weights
 `(m, k) x (g, n, k)`, run through the `ragged_dot` family (every implementation, tuned
 as any ragged dot). Other dimension numbers (ragged contracting dimensions, batch
 dimensions) run in the `xla` implementation only, `jax.lax.ragged_dot_general` itself,
-with the ragged contracting form's gradient (which `jax.lax` lacks) as two ragged dots;
+with the gradient of the ragged contracting form of two matrices, in either layout
+(which `jax.lax` lacks), as two ragged dots;
 naming only kernels for them raises `NotImplementedError`.
 
 Quantized operands (`quantized.py`) run as in `ragged_dot` in the two MoE forms; in the
@@ -74,6 +75,22 @@ def _ragged_contracting_bwd(precision: Any, out_type: Any, residuals: Any,
 
 
 _ragged_contracting.defvjp(_ragged_contracting_fwd, _ragged_contracting_bwd)
+
+
+def _ragged_contracting_operands(lhs: Any, rhs: Any,
+                                 numbers: jax.lax.RaggedDotDimensionNumbers
+                                 ) -> tuple[Any, Any] | None:
+    """`(lhs, rhs)` transposed to `(m, k) x (m, n)` where the two are matrices contracting
+    one dimension, the ragged one, in either layout (`jax.lax.ragged_dot_general` orders
+    the output `(g, lhs's other dimension, rhs's other dimension)` in every layout);
+    else `None`."""
+    (lhs_contracting, rhs_contracting), batch = numbers.dot_dimension_numbers
+    if (lhs.ndim != 2 or rhs.ndim != 2 or any(batch) or numbers.rhs_group_dimensions
+            or len(lhs_contracting) != 1
+            or list(numbers.lhs_ragged_dimensions) != list(lhs_contracting)):
+        return None
+    return (lhs if lhs_contracting[0] == 0 else lhs.T,
+            rhs if rhs_contracting[0] == 0 else rhs.T)
 
 
 def _same(a: jax.lax.RaggedDotDimensionNumbers, b: jax.lax.RaggedDotDimensionNumbers) -> bool:
@@ -149,7 +166,8 @@ def _general(lhs: Any, rhs: Any, group_sizes: Any,
     # Quantized operands in other forms: dequantized (their cotangents are zeros).
     lhs, rhs = (jax.lax.stop_gradient(dequantize(x)) if is_quantized(x) else x
                 for x in (lhs, rhs))
-    if _same(numbers, RAGGED_CONTRACTING_DIMENSION_NUMBERS) and lhs.ndim == rhs.ndim == 2:
-        return _ragged_contracting(lhs, rhs, group_sizes, precision, out_type)
+    contracted_first = _ragged_contracting_operands(lhs, rhs, numbers)
+    if contracted_first is not None:
+        return _ragged_contracting(*contracted_first, group_sizes, precision, out_type)
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, precision=precision,
                                       preferred_element_type=out_type)

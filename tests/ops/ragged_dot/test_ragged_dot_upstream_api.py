@@ -92,6 +92,18 @@ def test_general_with_ragged_contracting_dimensions_runs_in_xla():
                                    implementation=["xla", "fastest"])
 
 
+@pytest.mark.parametrize("lhs_contracting,rhs_contracting", [(0, 1), (1, 0), (1, 1)])
+def test_ragged_contracting_in_every_matrix_layout_has_a_gradient(lhs_contracting,
+                                                                    rhs_contracting):
+    numbers = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([lhs_contracting], [rhs_contracting]), ([], [])),
+        lhs_ragged_dimensions=[lhs_contracting], rhs_group_dimensions=[])
+    lhs, rhs = random_normal(4, (M, K)), random_normal(5, (M, N))
+    check(lambda a, b, g: tokamax.ragged_dot_general(
+        a if lhs_contracting == 0 else a.T, b if rhs_contracting == 0 else b.T, g, numbers,
+        HIGHEST), reference_ragged_contracting, lhs, rhs, (3, K, N), batch=per_entry)
+
+
 def test_group_offset_is_not_supported():
     lhs, rhs = random_normal(6, (M, K)), random_normal(7, (3, K, N))
     with pytest.raises(NotImplementedError, match="group_offset"):
