@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -115,10 +114,10 @@ class ConfigOption:
             raise ValueError(f"Invalid value for config `{self.flag_name}`: {value!r} "
                              f"(takes {allowed})") from None
 
-    @contextlib.contextmanager
-    def __call__(self, value: Any) -> Iterator[None]:
-        with self._scoped(self.parse(value)):
-            yield
+    def __call__(self, value: Any) -> contextlib.AbstractContextManager[Any]:
+        """A context manager setting `value` for its block; `ValueError` here, as upstream,
+        where `value` is not one of this option's values."""
+        return self._scoped(self.parse(value))
 
     @property
     def value(self) -> Any:
@@ -130,7 +129,7 @@ class ConfigOption:
         else the command line's `--tokamax_<name>` arguments, else the default."""
         if not isinstance(self._flag, CommandLineFlag):
             return self.parse(absl_flags.FLAGS[self.flag_name].value)
-        given = command_line_value(self, sys.argv[1:])
+        given = command_line_value(self, _program_args())
         return self.default if given is _UNSET else self.parse(given)
 
 
@@ -149,7 +148,7 @@ def _define_absl_flag(option: ConfigOption) -> Any:
     else:
         flag = _KeyedEnumFlag(option.flag_name, option.default, option.help, option.choices,
                               allow_override=True)
-    given = command_line_value(option, sys.argv[1:])
+    given = command_line_value(option, _program_args())
     if given is not _UNSET:
         flag.parse(given)
         flag.using_default_value = False
@@ -182,6 +181,11 @@ if absl_flags is not None:
 
     class _KeyedEnumFlag(_JitKeyedValue, absl_flags.EnumFlag):
         pass
+
+
+def _program_args() -> list[str]:
+    """The program's arguments; none where Python is embedded without a `sys.argv`."""
+    return getattr(sys, "argv", [])[1:]
 
 
 def command_line_value(option: ConfigOption, args: list[str]) -> Any:
