@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tokamax_pass.core import Op
+from tokamax_pass.core.errors import all_failed
 
 
 def given_keywords(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -51,20 +52,20 @@ def call(implementation: Any, run_family: Callable[[Any], Any],
     """`run_family(implementation)`, unless `implementation` is a callable or a sequence
     holding callables: then each group in order (`run_callable(f)` for a callable), the
     first result that is not a `NotImplementedError`; with none left, the error of a lone
-    candidate as it is, else a `NotImplementedError` naming each."""
+    candidate as it is, else an `AllImplementationsFailedError` (an `ExceptionGroup` and a
+    `NotImplementedError`) naming each."""
     if is_user_callable(implementation):
         return run_callable(implementation)
     if (not isinstance(implementation, Sequence) or isinstance(implementation, str)
             or not any(is_user_callable(item) for item in implementation)):
         return run_family(implementation)
     groups = _groups(implementation)
-    reasons = []
+    failures: list[tuple[str, Exception]] = []
     for group in groups:
         try:
             return run_callable(group) if callable(group) else run_family(group)
         except NotImplementedError as e:
             if len(groups) == 1:
                 raise
-            reasons.append(f"{getattr(group, '__name__', group)!s}: {e}")
-    raise NotImplementedError(
-        f"{op}: no implementation supports these inputs:\n  " + "\n  ".join(reasons))
+            failures.append((str(getattr(group, "__name__", group)), e))
+    raise all_failed(f"{op}: no implementation supports these inputs:", failures)

@@ -4,7 +4,8 @@ The ops (`dot_product_attention`, `layer_norm`, `ragged_dot`, `gated_linear_unit
 `linear_softmax_cross_entropy_loss`), their implementation classes and the MoE routing
 functions (`moe_dispatch`, `moe_combine`) live in `tokamax_kernels` and are re-exported
 here lazily, so `import tokamax_pass` stays
-cheap and the framework never imports a kernel from inside.
+cheap and the framework never imports a kernel from inside. `tokamax_pass.ops` is
+upstream Tokamax's `tokamax.ops` namespace over the same ops.
 """
 
 from __future__ import annotations
@@ -18,17 +19,34 @@ from tokamax_pass.artifact import (
     ExportFallbackWarning,
 )
 from tokamax_pass.core import BoundArguments, NullConfig, Op, snake_case_name
+from tokamax_pass.core.errors import AllImplementationsFailedError
 from tokamax_pass.core.spec import SpecError, register_serializable
 
 # Imported eagerly: the functions share their modules' names, and a lazy import would
 # leave the package attribute bound to the module (the import system sets it).
 from tokamax_pass.export import DISABLE_JAX_EXPORT_CHECKS, export, inspect, load_artifact
 from tokamax_pass.optimize import optimize
-from tokamax_pass.version import __version__, __version_info__
+from tokamax_pass.version import __git_revision__, __version__, __version_info__
 
 # Op families, in `tokamax_kernels`; each package's `__all__` lists what it exports.
 _KERNEL_PACKAGES = ("attention", "layer_norm", "ragged_dot", "gated_linear_unit",
                     "linear_softmax_cross_entropy_loss")
+
+# The op functions and the names that go with them (upstream Tokamax's among them), for
+# `from tokamax_pass import *`; the kernel classes are reached by name.
+_OP_NAMES = (
+    "DotProductAttentionImplementation",
+    "RaggedDotGroupSizes",
+    "dot_product_attention",
+    "gated_linear_unit",
+    "generate_ragged_dot_group_sizes",
+    "layer_norm",
+    "linear_softmax_cross_entropy_loss",
+    "moe_combine",
+    "moe_dispatch",
+    "ragged_dot",
+    "ragged_dot_general",
+)
 
 # Framework names defined in modules that are imported on first use.
 _LAZY = {
@@ -43,6 +61,7 @@ _LAZY = {
     "standardize_function": "tokamax_pass.benchmarking",
     "BatchedShapeDtype": "tokamax_pass.batching",
     "UnsavedResultError": "tokamax_pass.autotuning.cache",
+    "ops": None,
 }
 
 
@@ -76,6 +95,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DISABLE_JAX_EXPORT_CHECKS",
+    "AllImplementationsFailedError",
     "ArtifactIntegrityError",
     "ArtifactMismatchError",
     "BoundArguments",
@@ -83,6 +103,7 @@ __all__ = [
     "NullConfig",
     "Op",
     "SpecError",
+    "__git_revision__",
     "__version__",
     "__version_info__",
     "export",
@@ -93,6 +114,7 @@ __all__ = [
     "snake_case_name",
 ]
 __all__ += list(_LAZY)
+__all__ += list(_OP_NAMES)
 
 # Registers the autotuning results and caches as a config source (cheap: no compilation).
 import tokamax_pass.autotuning  # noqa: E402, F401

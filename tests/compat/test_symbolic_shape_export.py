@@ -102,3 +102,31 @@ def test_an_implementation_needing_known_shapes_moves_on():
     with pytest.raises(NotImplementedError, match="symbolic"):
         export("xla_chunked")
     assert export(("xla_chunked", "xla")).out_avals[0].shape[:2] == (b, s)
+
+
+@pytest.mark.parametrize("op", ["ragged_dot", "grouped_gated_linear_unit"])
+def test_concrete_group_sizes_with_a_symbolic_row_count(op):
+    """Group sizes known at trace time (a constant the function closes over) with a
+    symbolic row count: their total cannot be compared with the rows, so it is left to
+    run time as for traced sizes; the exported program gives the op's value."""
+    group_sizes = jnp.array([8, 0, 10], jnp.int32)
+    rows = int(group_sizes.sum())
+    if op == "ragged_dot":
+        weights = random_arrays(1, ((3, 64, 128), jnp.float32))[0]
+
+        def fn(lhs):
+            return tokamax.ragged_dot(lhs, weights, group_sizes)
+    else:
+        weights = random_arrays(1, ((3, 64, 2, 32), jnp.float32))[0]
+
+        def fn(lhs):
+            return tokamax.gated_linear_unit(lhs, weights, group_sizes=group_sizes,
+                                             activation=jax.nn.swish)
+    (m,) = jax.export.symbolic_shape("m")
+    exported = jax.export.export(
+        jax.jit(lambda lhs: fn(lhs).sum()),
+        disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS,
+    )(jax.ShapeDtypeStruct((m, 64), jnp.float32))
+    lhs = random_arrays(2, ((rows, 64), jnp.float32))[0]
+    assert_trees_all_close(exported.call(lhs), jax.jit(lambda x: fn(x).sum())(lhs),
+                           atol=1e-3, rtol=1e-5)

@@ -5,7 +5,7 @@ from tokamax_kernels.attention._mosaic_gpu_common import (
     MosaicAttentionConfig,
     MosaicAttentionVjpConfig,
 )
-from tokamax_kernels.attention.api import dot_product_attention
+from tokamax_kernels.attention.api import DotProductAttentionImplementation, dot_product_attention
 from tokamax_kernels.attention.base import (
     DotProductAttention,
     DotProductAttentionVjp,
@@ -37,6 +37,7 @@ __all__ = [
     "CudnnDotProductAttention",
     "CudnnDotProductAttentionVjp",
     "DotProductAttention",
+    "DotProductAttentionImplementation",
     "DotProductAttentionVjp",
     "MosaicAttentionConfig",
     "MosaicAttentionVjpConfig",

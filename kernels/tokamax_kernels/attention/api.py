@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import jax.numpy as jnp
 
@@ -43,6 +43,10 @@ FAMILY = register_family(Family(
     automatic=("cudnn", "mosaic_gpu", "mosaic_tpu", "triton", "xla"),
     aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu")},
 ))
+
+# The implementation names `implementation=` takes (upstream Tokamax's type of that name).
+type DotProductAttentionImplementation = Literal[
+    "cudnn", "mosaic", "mosaic_gpu", "mosaic_tpu", "triton", "xla", "xla_chunked"]
 
 
 def dot_product_attention(

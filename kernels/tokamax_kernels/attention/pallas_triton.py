@@ -34,9 +34,12 @@ from tokamax_pass.core import BoundArguments, Op, Target
 _WHAT = "PallasTritonFlashAttention"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasTritonFlashAttentionConfig:
-    """Forward tiles: `block_q` query rows per program, `block_k` keys per loop step."""
+    """Forward tiles: `block_q` query rows per program, `block_k` keys per loop step.
+
+    Keyword-only: upstream Tokamax's config of this name orders its fields `block_q,
+    block_k, num_stages, num_warps`, so a positional call would swap the last two."""
 
     block_q: int = 128
     block_k: int = 64

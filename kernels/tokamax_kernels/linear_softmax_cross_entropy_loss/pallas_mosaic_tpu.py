@@ -53,10 +53,14 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class MosaicTpuLossConfig:
     """Tiles of the TPU kernels: `block_tokens` x `block_vocab` logits per tile, built over
-    H in `block_h` steps. Clamped to the shape (a block larger than its axis covers it)."""
+    H in `block_h` steps. Clamped to the shape (a block larger than its axis covers it).
+
+    Keyword-only: upstream Tokamax's config of this TPU kernel (`ops.tpu`'s
+    `LinearSoftmaxCrossEntropyLossConfig`) orders its blocks tokens, H, vocab, so a
+    positional call would swap the H and vocab blocks."""
 
     block_tokens: int
     block_vocab: int
@@ -112,7 +116,8 @@ def _model_seconds(tl: Tiling, backward: bool, gen: TpuGeneration) -> float:
     return seconds * (2 if backward else 1)
 
 
-_SEARCH_SPACE = frozenset(MosaicTpuLossConfig(bt, bv, bh) for bt, bv, bh in
+_SEARCH_SPACE = frozenset(MosaicTpuLossConfig(block_tokens=bt, block_vocab=bv, block_h=bh)
+                          for bt, bv, bh in
                           itertools.product(_TOKEN_BLOCKS, _VOCAB_BLOCKS, _H_BLOCKS))
 
 
@@ -126,8 +131,9 @@ def _fitting(ba: BoundArguments, backward: bool,
     for config in sorted(configs, key=dataclasses.astuple):
         tl = tiling(config, tokens, hidden, vocab, dtype)
         if _fits(tl, backward, gen):
-            found.setdefault(tl, MosaicTpuLossConfig(tl.block_t, tl.block_v,
-                                                     _round_up(tl.block_h, _LANES)))
+            found.setdefault(tl, MosaicTpuLossConfig(
+                block_tokens=tl.block_t, block_vocab=tl.block_v,
+                block_h=_round_up(tl.block_h, _LANES)))
     return {config: tl for tl, config in found.items()}
 
 
@@ -137,7 +143,7 @@ def heuristics_config(ba: BoundArguments, backward: bool) -> MosaicTpuLossConfig
     whose blocks fit half its VMEM (for the VJP: the dx and dweights kernels, with their
     (block, H) accumulators); ties go to the smaller tile."""
     gen = _mosaic_tpu.current_generation()
-    configs = {MosaicTpuLossConfig(bt, bv, _HEURISTIC_H_BLOCK)
+    configs = {MosaicTpuLossConfig(block_tokens=bt, block_vocab=bv, block_h=_HEURISTIC_H_BLOCK)
                for bt, bv in itertools.product(_TOKEN_BLOCKS, _VOCAB_BLOCKS)}
     candidates = _fitting(ba, backward, configs) or _fitting(ba, backward, _SEARCH_SPACE)
     if not candidates:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import jax
@@ -25,8 +27,19 @@ FAMILY = register_family(Family(
                      "mosaic_tpu": PallasMosaicTpuRaggedDot,
                      "triton": PallasTritonRaggedDot, "xla": RaggedDot},
     automatic=("mosaic_gpu", "mosaic_tpu", "triton", "xla"),
-    aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu")},
+    # "mosaic_tpu_v2": upstream Tokamax's second TPU kernel; here the Mosaic TPU kernel, so a
+    # sequence naming it runs that kernel on TPU and moves on elsewhere.
+    aliases={"mosaic": ("mosaic_gpu", "mosaic_tpu"), "mosaic_tpu_v2": ("mosaic_tpu",)},
 ))
+
+# Upstream Tokamax's `fuse_gateup_activation` names: `act(out[..., :n // 2]) *
+# out[..., n // 2:]`. "gelu" is `jax.nn.gelu` as called bare, the tanh approximation, so
+# it equals "gelu_tanh" (as upstream).
+GATEUP_ACTIVATIONS: Mapping[str, Callable[[Any], Any]] = MappingProxyType({
+    "silu": jax.nn.silu,
+    "gelu": jax.nn.gelu,
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+})
 
 
 def check_upstream_hints(who: str, bypass_device_check: Any, manual_axis_type: Any) -> None:
@@ -41,12 +54,32 @@ def check_upstream_hints(who: str, bypass_device_check: Any, manual_axis_type: A
                         f"jax.sharding.ManualAxisType, got {manual_axis_type!r}")
 
 
+def check_forward_options(who: str, zero_initialize: Any,
+                          fuse_gateup_activation: Any) -> None:
+    """Upstream Tokamax's `zero_initialize` is a bool (rows past the groups are zeros in
+    every implementation here, so it changes nothing); `fuse_gateup_activation` is `None`
+    or a name: one of `GATEUP_ACTIVATIONS`, else `NotImplementedError` (upstream's kernel
+    for TPU knows more names, e.g. "swigluoai")."""
+    checks.require_bool(who, "zero_initialize", zero_initialize)
+    if fuse_gateup_activation is None:
+        return
+    if not isinstance(fuse_gateup_activation, str):
+        raise TypeError(f"{who}: fuse_gateup_activation must be None or a name, got "
+                        f"{fuse_gateup_activation!r}")
+    if fuse_gateup_activation not in GATEUP_ACTIVATIONS:
+        raise NotImplementedError(
+            f"{who}: fuse_gateup_activation={fuse_gateup_activation!r} is not supported; "
+            f"supported: {sorted(GATEUP_ACTIVATIONS)}")
+
+
 def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
                preferred_element_type: Any = None, group_offset: Any = None,
-               activation: Callable[[Any], Any] | None = None, *,
+               activation: Callable[[Any], Any] | None = None,
+               manual_axis_type: Any = None, *,
                implementation: Implementation = None,
                bypass_device_check: bool | None = None,
-               manual_axis_type: Any = None) -> Any:
+               zero_initialize: bool = False,
+               fuse_gateup_activation: str | None = None) -> Any:
     """Grouped matmul: rows of `lhs` (M, K) in consecutive groups times `rhs[g]` (G, K, N).
 
     Group g takes `group_sizes[g]` rows (int32, shape (G,), summing to at most M; or a
@@ -67,6 +100,14 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     `activation` (upstream Tokamax's): a function applied to the whole product (rows past
     the groups included), in the accumulator's dtype (float32 for 16-bit floats) before
     the cast to the output dtype; it runs after the op, not fused into a kernel.
+    `fuse_gateup_activation` (upstream Tokamax's): `"silu"`, `"gelu"` or `"gelu_tanh"`
+    (`"gelu"` is `jax.nn.gelu`'s default, the tanh approximation, as upstream), for rhs
+    holding the gate and up weights side by side along N: the output is
+    `act(out[:, :N // 2]) * out[:, N // 2:]`, (M, N // 2), in the accumulator's dtype,
+    before `activation`; it too runs after the op, so every implementation takes it and
+    it has a gradient. Another name raises `NotImplementedError`.
+    `zero_initialize` (upstream Tokamax's: zeros in the rows past the groups) is accepted
+    and changes nothing: every implementation here gives those zeros.
     `group_offset` is not supported (`NotImplementedError`, as upstream Tokamax).
     `bypass_device_check` (upstream Tokamax's: `True` skips its check of this machine's
     devices) is accepted and changes nothing: implementations are checked against the
@@ -82,6 +123,7 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     quantized operand).
     """
     check_upstream_hints("ragged_dot", bypass_device_check, manual_axis_type)
+    check_forward_options("ragged_dot", zero_initialize, fuse_gateup_activation)
     if group_offset is not None:
         raise NotImplementedError("ragged_dot: group_offset is not supported")
     if isinstance(group_sizes, RaggedDotGroupSizes):
@@ -103,24 +145,39 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
         return FAMILY(impl, lhs, rhs, group_sizes, precision=precision,
                       preferred_element_type=out_type)
 
-    return with_activation(call, lhs, rhs, preferred_element_type, activation)
+    return with_activation(call, lhs, rhs, preferred_element_type, activation,
+                           fuse_gateup_activation)
 
 
 def with_activation(call: Callable[[Any], Any], lhs: Any, rhs: Any,
-                    preferred_element_type: Any, activation: Callable[[Any], Any] | None) -> Any:
-    """`call(preferred_element_type)`, or with `activation`: the activation of the product
-    in the accumulator's dtype, cast to the output dtype (a float output accumulates in
-    at least float32)."""
-    if activation is None:
+                    preferred_element_type: Any, activation: Callable[[Any], Any] | None,
+                    fuse_gateup_activation: str | None = None) -> Any:
+    """`call(preferred_element_type)`, or with `fuse_gateup_activation` (a name of
+    `GATEUP_ACTIVATIONS`) and then `activation`: applied to the product in the
+    accumulator's dtype, cast to the output dtype (a float output accumulates in at least
+    float32)."""
+    if activation is None and fuse_gateup_activation is None:
         return call(preferred_element_type)
-    if not callable(activation):
+    if activation is not None and not callable(activation):
         raise TypeError(f"ragged_dot: activation must be a function or None, got "
                         f"{activation!r}")
     out_dtype = (jnp.dtype(preferred_element_type) if preferred_element_type is not None
                  else jnp.result_type(lhs.dtype, rhs.dtype))
-    if not jnp.issubdtype(out_dtype, jnp.floating):
-        return activation(call(preferred_element_type))
-    return activation(call(jnp.promote_types(out_dtype, jnp.float32))).astype(out_dtype)
+    floating = jnp.issubdtype(out_dtype, jnp.floating)
+    if fuse_gateup_activation is not None and not floating:
+        raise ValueError(f"ragged_dot: fuse_gateup_activation needs a floating output, "
+                         f"got {out_dtype}")
+    out = call(jnp.promote_types(out_dtype, jnp.float32) if floating
+               else preferred_element_type)
+    if fuse_gateup_activation is not None:
+        if out.shape[-1] % 2:
+            raise ValueError(f"ragged_dot: fuse_gateup_activation splits the output's last "
+                             f"dimension into gate and up halves; it is odd ({out.shape[-1]})")
+        gate, up = jnp.split(out, 2, axis=-1)
+        out = GATEUP_ACTIVATIONS[fuse_gateup_activation](gate) * up
+    if activation is not None:
+        out = activation(out)
+    return out.astype(out_dtype) if floating else out
 
 
 def _check_output_kind(lhs: Any, rhs: Any, preferred_element_type: Any) -> None:

@@ -92,13 +92,14 @@ def few_rows_per_group(ba: BoundArguments) -> bool:
 
 
 def _check_concrete_group_sizes(group_sizes: Any, m: int) -> None:
-    """Negative sizes or a total above M are errors when the sizes are known now."""
+    """Negative sizes or a total above M are errors when the sizes are known now (the
+    total only against a known M: a symbolic one, under `jax.export`, cannot be compared)."""
     if isinstance(group_sizes, (jax.core.Tracer, jax.ShapeDtypeStruct)):
         return
     sizes = np.asarray(group_sizes)
     if (sizes < 0).any():
         raise ValueError(f"{_OP}: group_sizes must be >= 0, got {sizes.tolist()}")
-    if int(sizes.sum()) > m:
+    if isinstance(m, int) and int(sizes.sum()) > m:
         raise ValueError(
             f"{_OP}: group_sizes sum to {int(sizes.sum())}, more than the {m} rows of lhs"
         )

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from tokamax_kernels import _dispatch
 from tokamax_kernels.ragged_dot.api import (
     FAMILY,
+    check_forward_options,
     check_upstream_hints,
     ragged_dot,
     with_activation,
@@ -113,18 +114,20 @@ def ragged_dot_general(
     lhs: Any, rhs: Any, group_sizes: Any,
     ragged_dot_dimension_numbers: jax.lax.RaggedDotDimensionNumbers,
     precision: Any = None, preferred_element_type: Any = None, group_offset: Any = None,
-    activation: Callable[[Any], Any] | None = None, *,
+    activation: Callable[[Any], Any] | None = None, manual_axis_type: Any = None, *,
     implementation: Implementation = None, bypass_device_check: bool | None = None,
-    manual_axis_type: Any = None,
+    zero_initialize: bool = False, fuse_gateup_activation: str | None = None,
 ) -> Any:
     """`jax.lax.ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers)`,
     with `ragged_dot`'s `activation` and `implementation` (see the module docstring for
     which dimension numbers run where). A function in `implementation` is called as
     `f(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, **keywords)` with the
     `precision` and `preferred_element_type` given (`jax.lax.ragged_dot_general` is one).
-    `bypass_device_check` and `manual_axis_type` are accepted and change nothing, as in
-    `ragged_dot`."""
+    `fuse_gateup_activation` splits the output's last dimension, as in `ragged_dot`;
+    `bypass_device_check`, `manual_axis_type` and `zero_initialize` are accepted and
+    change nothing, as in `ragged_dot`."""
     check_upstream_hints("ragged_dot_general", bypass_device_check, manual_axis_type)
+    check_forward_options("ragged_dot_general", zero_initialize, fuse_gateup_activation)
     numbers = ragged_dot_dimension_numbers
     if not isinstance(numbers, jax.lax.RaggedDotDimensionNumbers):
         raise TypeError(f"ragged_dot_general: ragged_dot_dimension_numbers must be a "
@@ -142,7 +145,8 @@ def ragged_dot_general(
             lambda impl: _general(lhs, rhs, group_sizes, numbers, precision, out_type, impl),
             lambda f: f(lhs, rhs, group_sizes, numbers, **keywords), op="ragged_dot_general")
 
-    return with_activation(call, lhs, rhs, preferred_element_type, activation)
+    return with_activation(call, lhs, rhs, preferred_element_type, activation,
+                           fuse_gateup_activation)
 
 
 def _general(lhs: Any, rhs: Any, group_sizes: Any,

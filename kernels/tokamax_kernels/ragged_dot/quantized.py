@@ -37,6 +37,7 @@ from tokamax_kernels.ragged_dot import quantization as q
 from tokamax_kernels.ragged_dot.base import RaggedDot, xla_ragged_dot
 from tokamax_kernels.ragged_dot.pallas_triton import PallasTritonRaggedDot
 from tokamax_pass.core import Op, current_target
+from tokamax_pass.core.errors import all_failed
 from tokamax_pass.core.registry import Family, Implementation
 
 _OP = "ragged_dot"
@@ -187,16 +188,15 @@ def ragged_dot(family: Family, lhs: Any, rhs: Any, group_sizes: jax.Array, *, pr
                           else jnp.result_type(lhs.dtype, rhs.dtype))
     ops = ((PallasTritonRaggedDot(), RaggedDot()) if implementation is None
            else family.resolve(implementation)[0])
-    reasons = []
+    failures: list[tuple[str, Exception]] = []
     for op in ops:
         try:
             backend = _backend(op, lhs, rhs)
         except NotImplementedError as e:
-            reasons.append(f"{type(op).__name__}: {e}")
+            failures.append((type(op).__name__, e))
             continue
         return _differentiable(backend, precision, out_dtype)(lhs, rhs, group_sizes)
-    raise NotImplementedError(f"{_OP}: no implementation takes these quantized operands:\n  "
-                              + "\n  ".join(reasons))
+    raise all_failed(f"{_OP}: no implementation takes these quantized operands:", failures)
 
 
 @functools.cache

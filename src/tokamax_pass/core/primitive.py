@@ -25,7 +25,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from jax.extend.core import Primitive, subjaxprs
 from jax.interpreters import ad, batching, mlir
 
-from tokamax_pass.core import device, selection, sharding, spec
+from tokamax_pass.core import device, errors, selection, sharding, spec
 from tokamax_pass.core.op import HOOKS, BoundArguments, Op, VmapLevel, family_class
 from tokamax_pass.core.vjp import (
     RESERVED_NAMES,
@@ -101,7 +101,11 @@ class OpCall:
         except NotImplementedError as e:
             if not self.rejected:
                 raise
-            raise NotImplementedError("\n  ".join((str(e), *self.rejected))) from None
+            chosen_from = list(e.exceptions) if isinstance(
+                e, errors.AllImplementationsFailedError) else [e]
+            raise errors.AllImplementationsFailedError(
+                "\n  ".join((str(e), *self.rejected)),
+                [*chosen_from, *map(NotImplementedError, self.rejected)]) from None
 
     @property
     def operand_indices(self) -> tuple[int, ...]:
@@ -533,7 +537,7 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
     device_check = explicit and not (len(ops) > 1 and device.abstract_only())
     for op in ops:
         _check_op_fields(op)
-    bound, reasons = [], []
+    bound, failures = [], []
     for op in ops:
         try:
             ba = op.bind(*args, **kwargs)
@@ -542,12 +546,12 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
         except NotImplementedError as e:
             if explicit and len(ops) == 1:
                 raise
-            reasons.append(f"{type(op).__name__}: {e}")
+            failures.append((type(op).__name__, e))
             continue
         bound.append(ba)
     if not bound:
-        raise NotImplementedError(
-            "no implementation supports these inputs:\n  " + "\n  ".join(reasons))
+        raise errors.all_failed("no implementation supports these inputs:", failures)
+    reasons = [f"{name}: {e}" for name, e in failures]
     call, operands = _make_call(bound, explicit, partition_as, reasons if explicit else ())
     call = dataclasses.replace(call, return_residuals=return_residuals)
     operands = _uniformly_varying(operands)

@@ -34,7 +34,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from tokamax_pass.core import options, prediction
+from tokamax_pass.core import errors, options, prediction
 from tokamax_pass.core.device import Target, current_target, lowering_for
 from tokamax_pass.core.op import BoundArguments, CannotLowerHere, NullConfig, Op
 
@@ -240,22 +240,22 @@ def choose_for_symbolic_shapes(candidates: Sequence[BoundArguments], target: Tar
     config's chunk sizes, need every dimension known, and no cache or measurement is keyed
     by a symbol. Raises `NotImplementedError` naming each candidate left out when none fits.
     """
-    reasons: list[str] = []
+    failures: list[tuple[str, Exception]] = []
     for ba in candidates:
         name = type(ba.op).__name__
         if ba.op.implementation != "xla" or ba.op.config_cls is not NullConfig:
-            reasons.append(f"{name}: needs every dimension known (symbolic shapes run the "
-                           "XLA reference, implementation='xla')")
+            failures.append((name, NotImplementedError(
+                "needs every dimension known (symbolic shapes run the XLA reference, "
+                "implementation='xla')")))
             continue
         try:
             ba.op.check_supported(ba, target)
         except NotImplementedError as e:
-            reasons.append(f"{name}: {e}")
+            failures.append((name, e))
             continue
         config = ba.op.config if ba.op.config is not None else NullConfig()
         return Choice(ba.replace(op=ba.op.replace(config=config)), SYMBOLIC_SOURCE)
-    raise NotImplementedError("no implementation takes symbolic shapes:\n  "
-                              + "\n  ".join(reasons))
+    raise errors.all_failed("no implementation takes symbolic shapes:", failures)
 
 
 def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bool) -> Choice:
@@ -266,12 +266,12 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
     supported: list[BoundArguments] = []
     evidence_only: list[BoundArguments] = []
     on_target: list[BoundArguments] = []  # both, in the family's order
-    reasons: list[str] = []
+    failures: list[tuple[str, Exception]] = []
     for ba in candidates:
         try:
             ba.op.check_supported(ba, target)
         except NotImplementedError as e:
-            reasons.append(f"{type(ba.op).__name__}: {e}")
+            failures.append((type(ba.op).__name__, e))
             if isinstance(e, CannotLowerHere):
                 evidence_only.append(ba)
                 on_target.append(ba)
@@ -288,15 +288,13 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
         try:
             config, source = resolve_config(ba.op, ba, target)
         except NotImplementedError as e:
-            reasons.append(f"{type(ba.op).__name__}: {e}")
+            failures.append((type(ba.op).__name__, e))
             continue
         note = "" if unlowerable is None else f"{unlowerable} on the target: {UNLOWERABLE_NOTE}"
         return Choice(ba.replace(op=ba.op.replace(config=config)), source, note,
                       fallback_from=unlowerable, prediction=predicted)
-    raise NotImplementedError(
-        f"no implementation can run on {target.platform} ({target.device_kind}):\n  "
-        + "\n  ".join(reasons)
-    )
+    raise errors.all_failed(
+        f"no implementation can run on {target.platform} ({target.device_kind}):", failures)
 
 
 def rank_measured(candidates: Sequence[BoundArguments],

@@ -159,7 +159,8 @@ IMPLEMENTATIONS = {
     "xla_chunked_padded": XlaChunkedDotProductAttention(config=XlaChunkedConfig(5, 7)),
     # 16-row blocks: the 20-, 24- and 40-long sequences leave partial blocks.
     "triton": PallasTritonFlashAttention(
-        interpret=True, config=PallasTritonFlashAttentionConfig(16, 16, 4, 2),
+        interpret=True,
+        config=PallasTritonFlashAttentionConfig(block_q=16, block_k=16, num_warps=4, num_stages=2),
         vjp=PallasTritonFlashAttentionVjp(interpret=True, config=(
             PallasTritonFlashAttentionVjpConfig(16, 16, 4, 2, 16, 16, 4, 2)))),
 }

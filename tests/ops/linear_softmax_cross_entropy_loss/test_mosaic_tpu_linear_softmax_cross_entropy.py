@@ -113,9 +113,9 @@ def test_unsupported_inputs_and_bad_configs():
     with pytest.raises(NotImplementedError, match="tpu"):
         PallasMosaicTpuLinearSoftmaxCrossEntropyLoss()(x, labels, weights)  # CPU, no interpret
     with pytest.raises(ValueError, match="block_tokens must be a positive multiple of 16"):
-        MosaicTpuLossConfig(24, 128, 128)
+        MosaicTpuLossConfig(block_tokens=24, block_vocab=128, block_h=128)
     with pytest.raises(ValueError, match="block_h must be a positive multiple of 128"):
-        MosaicTpuLossConfig(16, 128, 96)
+        MosaicTpuLossConfig(block_tokens=16, block_vocab=128, block_h=96)
 
 
 def _bound(tokens: int, hidden: int, vocab: int, dtype=jnp.bfloat16):
@@ -146,7 +146,8 @@ def test_heuristics_follow_the_tpu_generation():
     assert all(c.block_h == 512 for pair in configs.values() for c in pair)
     # The small test shape: one block per axis, rounded up to (16, 128) multiples.
     small, _ = _bound(B * S, H, V)
-    assert small.heuristics_config == MosaicTpuLossConfig(32, 384, 256)
+    assert small.heuristics_config == MosaicTpuLossConfig(block_tokens=32, block_vocab=384,
+                                                          block_h=256)
     # No tile holds the backward's accumulators at H = 65536 in v4's VMEM: not supported.
     _, huge = _bound(16384, 65536, 32000)
     with core.targeting("TPU v4", "tpu"), pytest.raises(NotImplementedError, match="VMEM"):

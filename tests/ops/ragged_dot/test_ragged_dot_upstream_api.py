@@ -10,6 +10,7 @@ import pytest
 import tokamax_pass as tokamax
 from conftest import assert_close, random_normal
 from tokamax_kernels.ragged_dot.general import TRANSPOSED_RHS_DIMENSION_NUMBERS
+from tokamax_kernels.ragged_dot.pallas_triton import Config as TritonConfig
 
 HIGHEST = jax.lax.Precision.HIGHEST
 M, K, N = 10, 16, 12
@@ -167,3 +168,68 @@ def test_ragged_dot_group_sizes_carry_their_value_and_a_representative():
         tokamax.RaggedDotGroupSizes(jnp.ones(3), 3)
     with pytest.raises(ValueError, match="representative"):
         tokamax.RaggedDotGroupSizes(GROUP_SIZES[0], (1, 2))
+
+
+def gateup_reference(name):
+    """Upstream's `act(out[:, :n // 2]) * out[:, n // 2:]`; its "gelu" is `jax.nn.gelu`'s
+    default, the tanh approximation."""
+    act = {"silu": jax.nn.silu, "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+           "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}[name]
+
+    def ref(lhs, rhs, group_sizes):
+        out = reference(lhs, rhs, group_sizes)
+        return act(out[:, :N // 2]) * out[:, N // 2:]
+    return ref
+
+
+@pytest.mark.parametrize("name", ["silu", "gelu", "gelu_tanh"])
+def test_fuse_gateup_activation_gates_the_first_half_of_n(name):
+    lhs, rhs = random_normal(20, (M, K)), random_normal(21, (3, K, N))
+    check(lambda a, b, g: tokamax.ragged_dot(a, b, g, HIGHEST, fuse_gateup_activation=name),
+          gateup_reference(name), lhs, rhs, (M, N // 2))
+
+
+def test_fuse_gateup_activation_in_general_and_kernels_and_before_activation():
+    lhs, rhs = random_normal(22, (M, K), jnp.bfloat16), random_normal(23, (3, K, N), jnp.bfloat16)
+    triton = tokamax.PallasTritonRaggedDot(interpret=True, config=TritonConfig(
+        block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2))
+    check(lambda a, b, g: tokamax.ragged_dot_general(
+        a, jnp.swapaxes(b, 1, 2), g, TRANSPOSED_RHS_DIMENSION_NUMBERS, HIGHEST,
+        activation=jnp.tanh, fuse_gateup_activation="silu", implementation=[triton]),
+        lambda a, b, g: jnp.tanh(gateup_reference("silu")(a, b, g)), lhs, rhs, (M, N // 2),
+        jnp.bfloat16, batch=per_entry)
+
+
+def test_fuse_gateup_activation_names_and_widths():
+    lhs, rhs = random_normal(24, (M, K)), random_normal(25, (3, K, N))
+    with pytest.raises(NotImplementedError, match="swigluoai"):
+        tokamax.ragged_dot(lhs, rhs, GROUP_SIZES[0], fuse_gateup_activation="swigluoai")
+    with pytest.raises(ValueError, match="odd"):
+        tokamax.ragged_dot(lhs, rhs[..., :N - 1], GROUP_SIZES[0], fuse_gateup_activation="silu")
+
+
+def test_zero_initialize_and_positional_manual_axis_type_change_nothing():
+    lhs, rhs = random_normal(26, (M, K)), random_normal(27, (3, K, N))
+    expected = tokamax.ragged_dot(lhs, rhs, GROUP_SIZES[0], HIGHEST)
+    for zero_initialize in (False, True):
+        out = tokamax.ragged_dot(lhs, rhs, GROUP_SIZES[0], HIGHEST, None, None, None,
+                                 jax.typeof(lhs).manual_axis_type,
+                                 zero_initialize=zero_initialize)
+        assert_close(out, expected)
+    with pytest.raises(TypeError, match="zero_initialize"):
+        tokamax.ragged_dot(lhs, rhs, GROUP_SIZES[0], zero_initialize=1)
+    with pytest.raises(TypeError, match="manual_axis_type"):
+        tokamax.ragged_dot_general(lhs, rhs, GROUP_SIZES[0], TRANSPOSED_RHS_DIMENSION_NUMBERS,
+                                   None, None, None, None, "x")
+
+
+def test_mosaic_tpu_v2_is_the_mosaic_tpu_kernel_and_moves_on_off_tpu():
+    lhs, rhs = random_normal(28, (M, K)), random_normal(29, (3, K, N))
+    family = tokamax.ragged_dot.__globals__["FAMILY"]
+    ops, _ = family.resolve("mosaic_tpu_v2")
+    assert [type(op) for op in ops] == [tokamax.PallasMosaicTpuRaggedDot]
+    with pytest.raises(NotImplementedError, match="tpu"):
+        tokamax.ragged_dot(lhs, rhs, GROUP_SIZES[0], implementation="mosaic_tpu_v2")
+    out = tokamax.ragged_dot(lhs, rhs, GROUP_SIZES[0], HIGHEST,
+                             implementation=("mosaic_tpu_v2", "xla"))
+    assert_close(out, reference(lhs, rhs, GROUP_SIZES[0]))
