@@ -239,11 +239,15 @@ def bound_args_from_json_file(filename: str | os.PathLike) -> list[BoundArgument
     return bound_args_from_json(pathlib.Path(filename))
 
 
-def bound_args_from_json(source: str | os.PathLike | IO[str]) -> list[BoundArguments]:
+def bound_args_from_json(source: str | os.PathLike | IO[str], *,
+                         strict: bool = True) -> list[BoundArguments]:
     """Reads a list written by `bound_args_to_json` or `xplane_to_bound_args`.
 
     `source` is a path, an open file or the JSON text itself. A bare JSON list of
-    `{"op": ..., "arguments": ...}` objects is accepted too.
+    `{"op": ..., "arguments": ...}` objects is accepted too. Each entry is checked against
+    its op's signature and `bind` (names, required arguments, kinds of values, shapes): a
+    bad one is a `spec.SpecError` naming it, or with `strict=False` it is skipped with a
+    `BadEntryWarning`.
     """
     what = "bound-arguments JSON"
     if hasattr(source, "read"):
@@ -269,4 +273,13 @@ def bound_args_from_json(source: str | os.PathLike | IO[str]) -> list[BoundArgum
     if len(data) > spec.MAX_ITEMS:
         raise spec.SpecError(f"{what} holds {len(data)} bound arguments, above the "
                              f"{spec.MAX_ITEMS} a file may list")
-    return [BoundArguments.from_spec(item) for item in data]
+    found = []
+    for i, item in enumerate(data):
+        try:
+            found.append(BoundArguments.from_spec(item))
+        except spec.SpecError as e:
+            error = spec.SpecError(f"{what}: entry {i}: {e}")
+            if strict:
+                raise error from None
+            warnings.warn(f"skipping {error}", result.BadEntryWarning, stacklevel=2)
+    return found

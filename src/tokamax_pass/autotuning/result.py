@@ -66,13 +66,27 @@ class Measurement:
                 for t in times):
             raise spec.SpecError(f"'evaluation_times_ms' must be a list of numbers, got "
                                  f"{times!r:.80} (times in ms, each >= 0)")
+        error = data.get("error")
+        if error is not None and not isinstance(error, str):
+            raise spec.SpecError(f"'error' must be a string or null, got {error!r:.80}")
         return cls(
             evaluation_times_ms=tuple(float(t) for t in times),
-            lower_time_ms=data.get("lower_time_ms"),
-            compile_time_ms=data.get("compile_time_ms"),
-            peak_memory_mb=data.get("peak_memory_mb"),
-            error=data.get("error"),
+            lower_time_ms=_optional_amount(data, "lower_time_ms"),
+            compile_time_ms=_optional_amount(data, "compile_time_ms"),
+            peak_memory_mb=_optional_amount(data, "peak_memory_mb"),
+            error=error,
         )
+
+
+def _optional_amount(data: Mapping[str, Any], name: str) -> float | None:
+    """`data[name]`: a number >= 0 or null (a string or a list there was kept and failed
+    where it was summed or formatted)."""
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise spec.SpecError(f"{name!r} must be a number >= 0 or null, got {value!r:.80}")
+    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +123,22 @@ class Entry:
 
     def without_errors(self) -> Entry:
         return Entry(self.bound, {c: m for c, m in self.data.items() if m.ok}, self.provenance)
+
+    def with_provenance(self) -> Entry:
+        """This entry, stamped with this process's provenance if it records none."""
+        return self if self.provenance else Entry(self.bound, self.data,
+                                                  keys.provenance(self.bound.op))
+
+    # An entry is also the pair `(bound, data)`, as upstream Tokamax's
+    # `AutotuningResult.data` holds them: `for ba, data in result.data` unpacks it.
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.bound, self.data))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.bound, self.data)[index]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -160,47 +190,65 @@ def active_results() -> tuple[AutotuningResult, ...]:
     return tuple(reversed(_ACTIVE.get()))
 
 
+@dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
 class AutotuningResult:
     """The measured configs of a set of op calls on one device kind.
 
-    Iterating yields `(BoundArguments, {config: Measurement})`; `a | b` merges
-    (right wins per config, and wholly where the two entries' provenance differs:
-    `Entry.merged`); `with result:` applies its fastest configs.
+    Constructed as upstream Tokamax's: `AutotuningResult(device_kind, data,
+    tokamax_version)`, where `data` holds `Entry`s or `(BoundArguments, {config:
+    Measurement, BenchmarkData or exception})` pairs (what `result.data` gives, so
+    `AutotuningResult(kind, r.data)` and `dataclasses.replace(r, data=...)` work).
+    Iterating yields `(BoundArguments, {config: Measurement})`; `a | b` merges (right wins
+    per config, and wholly where the two entries' provenance differs: `Entry.merged`);
+    `with result:` applies its fastest configs.
     """
 
-    def __init__(self, device_kind: str | None, entries: Any = (), *,
-                 tokamax_pass_version: str | None = None, jax_version: str | None = None):
+    device_kind: str | None
+    data: tuple[Entry, ...]
+    tokamax_version: str
+    jax_version: str
+    # `data` by entry key; this result's number on the jit context; its `with` blocks.
+    _entries: dict[tuple[str, str], Entry] = dataclasses.field(init=False)
+    _serial: int = dataclasses.field(init=False)
+    _contexts: list[tuple[contextvars.Token, Any]] = dataclasses.field(init=False)
+
+    def __init__(self, device_kind: str | None, data: Any = (),
+                 tokamax_version: str | None = None, *, jax_version: str | None = None,
+                 tokamax_pass_version: str | None = None):
         if device_kind is not None and not isinstance(device_kind, str):
             raise TypeError(f"AutotuningResult: device_kind must be a str (like 'NVIDIA "
                             f"H200') or None, got {device_kind!r}")
         _check_device_kind(device_kind, ValueError, "AutotuningResult: ")
-        self.device_kind = device_kind
-        self.tokamax_pass_version = tokamax_pass_version or keys.library_version()
-        self.jax_version = jax_version or jax.__version__
-        self._entries: dict[tuple[str, str], Entry] = {}
-        if not isinstance(entries, Iterable) or isinstance(entries, (str, bytes, Mapping)):
-            raise TypeError(f"AutotuningResult: entries must be a sequence of Entry, got "
-                            f"{type(entries).__name__}; AutotuningResult.loads reads JSON")
-        for entry in entries:
-            if not isinstance(entry, Entry):
-                raise TypeError(f"AutotuningResult: entries must hold Entry objects, got "
-                                f"{type(entry).__name__}")
+        if tokamax_version is not None and tokamax_pass_version is not None:
+            raise TypeError("AutotuningResult: give tokamax_version or its other name "
+                            "tokamax_pass_version, not both")
+        version = tokamax_version or tokamax_pass_version or keys.library_version()
+        if not isinstance(data, Iterable) or isinstance(data, (str, bytes, Mapping)):
+            raise TypeError(f"AutotuningResult: data must be a sequence of Entry or "
+                            f"(BoundArguments, {{config: Measurement}}) pairs, got "
+                            f"{type(data).__name__}; AutotuningResult.loads reads JSON")
+        entries: dict[tuple[str, str], Entry] = {}
+        for item in data:
+            entry = _as_entry(item)
             key = entry.key
-            self._entries[key] = self._entries[key].merged(entry) if key in self._entries else entry
-        self._serial = next(_serials)
-        self._contexts: list[tuple[contextvars.Token, Any]] = []
+            entries[key] = entries[key].merged(entry) if key in entries else entry
+        for name, value in (("device_kind", device_kind), ("data", tuple(entries.values())),
+                            ("tokamax_version", version),
+                            ("jax_version", jax_version or jax.__version__),
+                            ("_entries", entries), ("_serial", next(_serials)),
+                            ("_contexts", [])):
+            object.__setattr__(self, name, value)
 
     # --- lookups ----------------------------------------------------------------------
 
     @property
     def entries(self) -> tuple[Entry, ...]:
-        return tuple(self._entries.values())
+        return self.data
 
     @property
-    def data(self) -> tuple[tuple[BoundArguments, Mapping[Any, Measurement]], ...]:
-        """`((BoundArguments, {config: Measurement}), ...)`, as upstream Tokamax's
-        `AutotuningResult.data`."""
-        return tuple(self)
+    def tokamax_pass_version(self) -> str:
+        """The version of tokamax_pass that measured the result (`tokamax_version`)."""
+        return self.tokamax_version
 
     def entry(self, ba: BoundArguments) -> Entry | None:
         _require_bound(".entry", ba)
@@ -240,6 +288,12 @@ class AutotuningResult:
     def without_errors(self) -> AutotuningResult:
         return AutotuningResult(self.device_kind, [e.without_errors() for e in self.entries])
 
+    def with_provenance(self) -> AutotuningResult:
+        """Failures dropped, and each entry that records no provenance stamped with this
+        process's: what a cache file keeps (`save_to_cache`)."""
+        return AutotuningResult(self.device_kind,
+                                [e.with_provenance() for e in self.without_errors().entries])
+
     # --- context ----------------------------------------------------------------------
 
     def __enter__(self) -> AutotuningResult:
@@ -266,11 +320,6 @@ class AutotuningResult:
             "jax_version": self.jax_version,
             "entries": [e.to_json() for e in self._entries.values()],
         }
-
-    @property
-    def tokamax_version(self) -> str:
-        """Upstream Tokamax's name for the version that measured the result."""
-        return self.tokamax_pass_version
 
     def dumps(self, *, indent: int | None = 1, prune_errors: bool = False) -> str:
         """The result as JSON; `prune_errors=True` leaves out the configs that failed."""
@@ -307,6 +356,10 @@ class AutotuningResult:
             raise spec.SpecError(f"{what}: 'device_kind' must be a string or null, got "
                                  f"{device_kind!r}")
         _check_device_kind(device_kind, spec.SpecError, f"{what}: ")
+        for name in ("tokamax_pass_version", "jax_version"):
+            if not isinstance(data.get(name), (str, type(None))):
+                raise spec.SpecError(f"{what}: {name!r} must be a string or null, got "
+                                     f"{data[name]!r:.80}")
         if not isinstance(data.get("entries", []), list):
             raise spec.SpecError(f"{what}: 'entries' must be a list, got "
                                  f"{type(data['entries']).__name__}")
@@ -323,7 +376,7 @@ class AutotuningResult:
                 warnings.warn(f"skipping {e}", BadEntryWarning, stacklevel=2)
         return cls(
             device_kind, entries,
-            tokamax_pass_version=data.get("tokamax_pass_version"),
+            tokamax_version=data.get("tokamax_pass_version"),
             jax_version=data.get("jax_version"),
         )
 
@@ -363,6 +416,12 @@ class AutotuningResult:
                             f"file, got {path_or_file!r}")
         return cls.loads(path_or_file.read())
 
+    def dump_cache_str(self) -> str:
+        """The text of a cache file holding this result (`with_provenance`), as upstream
+        Tokamax's `dump_cache_str`: written to `<device kind>.json` in the cache directory,
+        it is read like one `save_to_cache` wrote."""
+        return self.with_provenance().dumps()
+
     def save_to_cache(self, directory: str | os.PathLike | None = None) -> str:
         """Merges this result into the user cache for its device kind; returns the file."""
         return _CACHE_WRITER[0](self, directory)
@@ -384,6 +443,35 @@ class AutotuningResult:
         table = render_table(("op", "arguments", "best config", "median ms", "ok/configs"),
                              rows, right_aligned=("median ms", "ok/configs"), indent=2)
         return f"AutotuningResult(device_kind={self.device_kind!r}, {len(self)} ops)\n{table}"
+
+
+def _as_entry(item: Any) -> Entry:
+    """An `Entry`, or one made of a `(BoundArguments, {config: measurement})` pair (no
+    provenance: `save_to_cache` stamps this process's)."""
+    if isinstance(item, Entry):
+        return item
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], BoundArguments)
+            and isinstance(item[1], Mapping)):
+        raise TypeError(f"AutotuningResult: data must hold Entry objects or (BoundArguments, "
+                        f"{{config: Measurement}}) pairs, got {item!r:.80}")
+    bound, measured = item
+    return Entry(keys.canonical(bound), {c: _as_measurement(m) for c, m in measured.items()},
+                 {})
+
+
+def _as_measurement(value: Any) -> Measurement:
+    """A `Measurement`, or one made of upstream Tokamax's autotuning values: a
+    `BenchmarkData`, or the exception a config failed with."""
+    if isinstance(value, Measurement):
+        return value
+    if isinstance(value, BaseException):
+        return Measurement(error=f"{type(value).__name__}: {value}")
+    times = getattr(value, "evaluation_times_ms", None)
+    if times is None:
+        raise TypeError(f"AutotuningResult: a config's measurement must be a Measurement, a "
+                        f"BenchmarkData or an exception, got {type(value).__name__}")
+    return Measurement(tuple(float(t) for t in times), value.lower_time_ms,
+                       value.compile_time_ms, value.peak_memory_mb)
 
 
 def _require_bound(where: str, ba: Any, *, argument: str = "ba") -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import jax
 
-from tokamax_pass.core import config_limits, spec
+from tokamax_pass.core import argument_types, config_limits, spec
 from tokamax_pass.core import roofline as roofline_lib
 from tokamax_pass.core.device import Target
 from tokamax_pass.core.roofline import Work
@@ -369,6 +369,17 @@ def _fwd_signature(cls: type[Op]) -> inspect.Signature:
     return signature.replace(parameters=params)
 
 
+def _check_binds(ba: BoundArguments) -> None:
+    """`spec.SpecError` unless the op's `bind` accepts the call read from a spec: its own
+    checks of shapes and values (a key of another head dimension than the query's) then
+    reject a bad file when it is read, not when a kernel is built from it."""
+    try:
+        ba.op.bind(*ba.args, **ba.kwargs)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        raise spec.SpecError(f"{type(ba.op).__name__}.bind rejects these arguments: "
+                             f"{e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class BoundArguments:
     """An op with its canonical arguments: what autotuning tunes and caches key on.
@@ -422,13 +433,11 @@ class BoundArguments:
         except (TypeError, ValueError):
             raise spec.SpecError(f"a bound-arguments spec's '__vmap__' must be [[axes, size], "
                                  f"...], got {data['arguments'].get('__vmap__')!r}") from None
-        parameters = _fwd_signature(type(op)).parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-        unknown = set() if takes_any else set(arguments) - set(parameters)
-        if unknown:
-            raise spec.SpecError(f"{type(op).__name__} takes no arguments named "
-                                 f"{sorted(unknown)}")
-        return cls(op, {k: spec.decode(v) for k, v in arguments.items()}, vmap)
+        decoded = {k: spec.decode(v) for k, v in arguments.items()}
+        argument_types.check_arguments(type(op), decoded)
+        ba = cls(op, decoded, vmap)
+        _check_binds(ba)
+        return ba
 
     @classmethod
     def from_json(cls, text: str) -> BoundArguments:

@@ -411,7 +411,7 @@ _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 def check_schema(data: Mapping[str, Any], *, what: str) -> None:
     version = data.get("schema_version")
-    if not isinstance(version, int):
+    if not isinstance(version, int) or isinstance(version, bool):
         raise SpecError(f"{what} has no integer 'schema_version'")
     if version > SCHEMA_VERSION:
         raise SpecError(
