@@ -89,6 +89,43 @@ def _optional_amount(data: Mapping[str, Any], name: str) -> float | None:
     return float(value)
 
 
+class AutotuningData(Mapping[Any, Measurement]):
+    """One op call's `{config: Measurement}`, read-only, as upstream Tokamax's
+    `AutotuningData`: `fastest_config`, `prune_errors()`. Equal to a dict of the same
+    items."""
+
+    def __init__(self, measurements: Mapping[Any, Measurement]):
+        self._measurements = dict(measurements)
+
+    def __getitem__(self, config: Any) -> Measurement:
+        return self._measurements[config]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._measurements)
+
+    def __len__(self) -> int:
+        return len(self._measurements)
+
+    def __repr__(self) -> str:
+        return f"AutotuningData({self._measurements!r})"
+
+    @property
+    def fastest_config(self) -> Any:
+        """The config with the lowest median time; `ValueError` when none ran (naming why
+        each failed) or there is none."""
+        ok = [(c, m) for c, m in self._measurements.items() if m.ok]
+        if ok:
+            return min(ok, key=lambda cm: cm[1].median_ms)[0]
+        if not self._measurements:
+            raise ValueError("autotuning data is empty: no config was measured")
+        errors = "; ".join(f"{c}: {m.error}" for c, m in self._measurements.items())
+        raise ValueError(f"every config failed: {errors[:2000]}")
+
+    def prune_errors(self) -> dict[Any, Measurement]:
+        """The configs that ran."""
+        return {c: m for c, m in self._measurements.items() if m.ok}
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One op call (config stripped) with a measurement per config and its provenance."""
@@ -132,13 +169,13 @@ class Entry:
     # An entry is also the pair `(bound, data)`, as upstream Tokamax's
     # `AutotuningResult.data` holds them: `for ba, data in result.data` unpacks it.
     def __iter__(self) -> Iterator[Any]:
-        return iter((self.bound, self.data))
+        return iter((self.bound, AutotuningData(self.data)))
 
     def __len__(self) -> int:
         return 2
 
     def __getitem__(self, index: int) -> Any:
-        return (self.bound, self.data)[index]
+        return tuple(self)[index]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -261,7 +298,7 @@ class AutotuningResult:
         return None if fastest is None else fastest[0]
 
     def __iter__(self) -> Iterator[tuple[BoundArguments, Mapping[Any, Measurement]]]:
-        return ((e.bound, e.data) for e in self._entries.values())
+        return (tuple(e) for e in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -334,15 +371,18 @@ class AutotuningResult:
         return json.dumps(result._to_json(), indent=indent, sort_keys=True)
 
     @classmethod
-    def loads(cls, text: str | bytes, *, what: str = "autotuning result",
-              strict: bool = False) -> AutotuningResult:
+    def loads(cls, text: str | bytes = checks.NOT_GIVEN, *, what: str = "autotuning result",
+              strict: bool = False, json_data: str | bytes = checks.NOT_GIVEN
+              ) -> AutotuningResult:
         """The result in a JSON document written by `dumps`; `spec.SpecError` names what is
         wrong with one that is not (`TypeError` for an argument that is not text).
 
         An entry that cannot be read (malformed, a config out of its limits, an op that is
         not registered) is skipped with a `BadEntryWarning` naming it, so one bad entry
         never costs the rest; `strict=True` raises its `spec.SpecError` instead.
+        `json_data=` is upstream Tokamax's name for `text`.
         """
+        text = checks.one_of("AutotuningResult.loads", "text", text, "json_data", json_data)
         if not isinstance(text, (str, bytes, bytearray)):
             raise TypeError(f"AutotuningResult.loads: text must be a JSON str or bytes, got "
                             f"{type(text).__name__} (AutotuningResult.load reads a path or "
@@ -380,14 +420,17 @@ class AutotuningResult:
             jax_version=data.get("jax_version"),
         )
 
-    def dump(self, path_or_file: str | os.PathLike | IO[str] | IO[bytes], *,
-             prune_errors: bool = False) -> None:
+    def dump(self, path_or_file: str | os.PathLike | IO[str] | IO[bytes] = checks.NOT_GIVEN,
+             *, prune_errors: bool = False,
+             fp: str | os.PathLike | IO[str] | IO[bytes] = checks.NOT_GIVEN) -> None:
         """Writes `dumps(prune_errors=...)` to a path (in an existing directory) or an open
-        text file.
+        text file (`fp=`: upstream Tokamax's name for `path_or_file`).
 
         A path is replaced atomically (`core.atomic_io.write_atomic`): a full disk or a
         killed process leaves the old file whole, never a truncated one.
         """
+        path_or_file = checks.one_of("AutotuningResult.dump", "path_or_file", path_or_file,
+                                     "fp", fp)
         if isinstance(path_or_file, (str, os.PathLike)):
             path = checks.file_to_write("AutotuningResult.dump", "path_or_file", path_or_file)
             write_atomic(path, self.dumps(prune_errors=prune_errors))
@@ -404,9 +447,13 @@ class AutotuningResult:
                             f"writable file, got {type(path_or_file).__name__}")
 
     @classmethod
-    def load(cls, path_or_file: str | os.PathLike | IO[str]) -> AutotuningResult:
+    def load(cls, path_or_file: str | os.PathLike | IO[str] = checks.NOT_GIVEN, *,
+             fp: str | os.PathLike | IO[str] = checks.NOT_GIVEN) -> AutotuningResult:
         """Reads a result from a path or an open file (`FileNotFoundError`,
-        `IsADirectoryError` or `spec.SpecError` naming the path when it holds none)."""
+        `IsADirectoryError` or `spec.SpecError` naming the path when it holds none; `fp=`:
+        upstream Tokamax's name for `path_or_file`)."""
+        path_or_file = checks.one_of("AutotuningResult.load", "path_or_file", path_or_file,
+                                     "fp", fp)
         if isinstance(path_or_file, (str, os.PathLike)):
             path = checks.file_to_read("AutotuningResult.load", "path_or_file", path_or_file)
             return cls.loads(path.read_bytes(),
