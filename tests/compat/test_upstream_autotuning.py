@@ -261,9 +261,9 @@ def test_bypass_device_check_skips_the_device_check():
     x = random_normal(28, (2, 5, 16))
     with pytest.raises(NotImplementedError, match="runs on"):
         PallasTritonLayerNorm()(x)
-    with pytest.raises(Exception) as raised:
+    # Past the check, Pallas itself refuses to lower a Triton kernel for the CPU.
+    with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
         PallasTritonLayerNorm(bypass_device_check=True)(x)
-    assert "runs on" not in str(raised.value)
 
 
 def test_an_op_without_symbolic_shapes_says_so():
