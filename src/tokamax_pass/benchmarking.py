@@ -30,6 +30,7 @@ import numpy as np
 
 from tokamax_pass import batching
 from tokamax_pass.core import checks, spec
+from tokamax_pass.core.op import NullConfig
 
 Mode = Literal["forward", "forward_res", "vjp", "forward_and_vjp"]
 MODES = ("forward", "forward_res", "vjp", "forward_and_vjp")
@@ -43,23 +44,28 @@ DEFAULT_ITERATIONS = 5
 MAX_SEED = 2**31 - 1
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class BenchmarkData:
     """Timings of one compiled function, in milliseconds (memory in MB).
 
-    `peak_memory_mb`: the compiled program's peak device memory; `temp_memory_mb`: its
-    temporaries alone, the memory beyond its inputs and outputs (XLA's memory analysis).
-    `metadata`: what the timer reports beside the times (the timing method's name), a
-    dict as upstream Tokamax's `BenchmarkData.metadata` is.
+    The first five fields are upstream Tokamax's, in its order. `metadata`: what the
+    timer reports beside the times (the timing method's name). `peak_memory_mb`: the
+    compiled program's peak device memory; `method`: the timer (`None` takes
+    `metadata["method"]`); `temp_memory_mb`: the program's temporaries alone, the memory
+    beyond its inputs and outputs (XLA's memory analysis).
     """
 
-    lower_time_ms: float
     compile_time_ms: float
+    lower_time_ms: float
     evaluation_times_ms: tuple[float, ...]
-    peak_memory_mb: float | None
-    method: str
+    metadata: dict[str, Any] = dataclasses.field(hash=False)
+    peak_memory_mb: float | None = None
+    method: str | None = None
     temp_memory_mb: float | None = None
-    metadata: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", self.metadata.get("method"))
 
     @property
     def median_evaluation_time_ms(self) -> float:
@@ -350,9 +356,15 @@ def check_method(method: str | None, platform: str) -> None:
         )
 
 
-def compile_benchmark(f_std: Callable[[list[Any]], Any],
-                      args: list[Any]) -> Callable[..., BenchmarkData]:
-    """Jits, lowers and compiles `f_std` for `args`; returns `run(args, *, method, iterations)`."""
+def compile_benchmark(f_std: Callable[[list[Any]], Any] = checks.NOT_GIVEN,
+                      args: list[Any] = checks.NOT_GIVEN, *,
+                      f: Callable[[list[Any]], Any] = checks.NOT_GIVEN,
+                      x: list[Any] = checks.NOT_GIVEN) -> Callable[..., BenchmarkData]:
+    """Jits, lowers and compiles `f_std` for `args`; returns `run(args, *, method, iterations)`.
+
+    `f=`, `x=`: upstream Tokamax's names for `f_std` and `args` (`run` takes `x=` too)."""
+    f_std = checks.one_of("compile_benchmark", "f_std", f_std, "f", f)
+    args = checks.one_of("compile_benchmark", "args", args, "x", x)
     checks.require_callable("compile_benchmark", "f_std", f_std)
     if not isinstance(args, (list, tuple)):
         raise TypeError(f"compile_benchmark: args must be the list of arrays "
@@ -369,9 +381,11 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any],
     match = re.search(r"HloModule (\S+?),", compiled.as_text() or "")
     module = match.group(1) if match else ""
 
-    def run(args: list[Any], *, method: str | None = None,
-            iterations: int = DEFAULT_ITERATIONS) -> BenchmarkData:
+    def run(args: list[Any] = checks.NOT_GIVEN, *, method: str | None = None,
+            iterations: int = DEFAULT_ITERATIONS, x: list[Any] = checks.NOT_GIVEN
+            ) -> BenchmarkData:
         """Times `iterations` runs after a warm-up; `method=None` picks the best available."""
+        args = checks.one_of("benchmark", "args", args, "x", x)
         checks.require_int("benchmark", "iterations", iterations, minimum=1)
         if not isinstance(args, (list, tuple)):  # `None` failed as "not iterable"
             raise TypeError(f"benchmark: args must be the list of arrays compile_benchmark "
@@ -426,3 +440,90 @@ def benchmark(f: Callable[..., Any], *args: Any, kwargs: dict[str, Any] | None =
     check_method(method, _platform(jax.tree.leaves((args, kwargs))))
     f_std, arrays = standardize_function(f, *args, kwargs=kwargs, mode=mode)
     return compile_benchmark(f_std, arrays)(arrays, method=method, iterations=iterations)
+
+
+def _google_benchmark() -> Any:
+    """The `google_benchmark` module, or an `ImportError` naming the package to install."""
+    try:
+        import google_benchmark  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise ImportError(
+            "register_benchmark registers a Google Benchmark, which needs the "
+            "google_benchmark package (`pip install google-benchmark`); it is not installed. "
+            "benchmarking.benchmark(f, *args) times a function without it") from e
+    return google_benchmark
+
+
+def register_benchmark(name: str, impl_name: str, impl: Callable[..., Any],
+                       kwargs: dict[str, Any] | Callable[[], dict[str, Any]] | None = None, *,
+                       mode: Mode = "forward",
+                       items_processed_fn: Callable[..., int] | None = None,
+                       raise_on_error: bool = True, metadata: dict[str, Any] | None = None,
+                       **run_kwargs: Any) -> None:
+    """Registers `impl(**kwargs)` as the Google Benchmark `{name}_{mode}_{impl_name}`, as
+    upstream Tokamax's `register_benchmark`: each run reports the median device time (the
+    manual time) and a label with the min, max, spread and `metadata`.
+
+    `kwargs` (or a function returning them, called when the benchmark runs) are `impl`'s
+    arguments; `run_kwargs` go to the timer (`method=`, `iterations=`). A
+    `NotImplementedError` skips the benchmark with its message; another error does too
+    when `raise_on_error=False`. Needs the `google_benchmark` package (`ImportError`
+    naming it otherwise).
+    """
+    google_benchmark = _google_benchmark()
+    full_name = f"{name}_{mode}_{impl_name}"
+    labels = dict(metadata or {})
+
+    @google_benchmark.option.unit(google_benchmark.kMicrosecond)
+    @google_benchmark.option.use_manual_time()
+    @google_benchmark.option.iterations(1)
+    def timed(state: Any) -> None:
+        arguments = kwargs() if callable(kwargs) else dict(kwargs or {})
+        f_std, arrays = standardize_function(impl, kwargs=arguments, mode=mode)
+        try:
+            data = compile_benchmark(f_std, arrays)(arrays, **run_kwargs)
+        except Exception as e:
+            if raise_on_error and not isinstance(e, NotImplementedError):
+                raise RuntimeError(f"benchmark {full_name} failed") from e
+            state.skip_with_error((str(e).strip().splitlines() or [type(e).__name__])[0])
+            return
+        times = data.evaluation_times_ms
+        median = data.median_evaluation_time_ms
+        label = (f"min={min(times):.3f}, max={max(times):.3f}, "
+                 f"std/median={float(np.std(times)) / median:.3f}")
+        shown = {**labels, **data.metadata}
+        if shown:
+            label += f", {shown}"
+        while state:
+            state.set_iteration_time(median / 1e3)
+        state.set_label(label)
+        if items_processed_fn is not None:
+            state.items_processed = items_processed_fn(**arguments)
+
+    google_benchmark.register(timed, name=full_name)
+
+
+def get_benchmark_registrar(impls: dict[str, Callable[..., Any]]) -> Callable[..., None]:
+    """`registrar(name, impl_name, kwargs, **options)`: `register_benchmark` for
+    `impls[impl_name]`, as upstream Tokamax's. An op (it has `bind` and `replace`) is
+    registered with the config it would run these arguments with pinned, and that config
+    shown in the label (unless it is a `NullConfig`)."""
+
+    def registrar(name: str, impl_name: str,
+                  kwargs: dict[str, Any] | Callable[[], dict[str, Any]],
+                  **options: Any) -> None:
+        impl = impls[impl_name]
+        metadata = None
+        if hasattr(impl, "bind") and hasattr(impl, "replace"):
+            arguments = kwargs() if callable(kwargs) else kwargs
+            try:
+                config = impl.bind(**arguments).default_config
+            except NotImplementedError:
+                pass
+            else:
+                impl = impl.replace(config=config)
+                if not isinstance(config, NullConfig):
+                    metadata = {"config": config}
+        register_benchmark(name, impl_name, impl, kwargs, metadata=metadata, **options)
+
+    return registrar

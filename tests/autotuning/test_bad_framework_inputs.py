@@ -178,8 +178,8 @@ def test_result_dump_to_unwritable_targets(tmp_path, target, error, match):
 @pytest.mark.parametrize("make,error,match", [
     (lambda: AutotuningResult("cpu").dumps(indent="x"), TypeError, "dumps: indent"),
     (lambda: AutotuningResult(5), TypeError, "device_kind must be a str"),
-    (lambda: AutotuningResult("cpu", 5), TypeError, "entries must be a sequence of Entry"),
-    (lambda: AutotuningResult("cpu", [1]), TypeError, "entries must hold Entry"),
+    (lambda: AutotuningResult("cpu", 5), TypeError, "data must be a sequence of Entry"),
+    (lambda: AutotuningResult("cpu", [1]), TypeError, "data must hold Entry objects"),
 ])
 def test_result_bad_construction(make, error, match):
     with pytest.raises(error, match=match):

@@ -145,3 +145,229 @@ def test_benchmark_reads_upstreams_xprof_as_the_profiler():
     data = tokamax.benchmark(lambda x: jnp.sin(x) @ x.T, random_normal(19, (2, 64)),
                              method="xprof", iterations=1)
     assert data.method == "profiler" and data.metadata == {"method": "profiler"}
+
+
+# --- constructed and called as upstream Tokamax's -------------------------------------
+
+def _loss_call(seed=20):
+    op = XlaChunkedLinearSoftmaxCrossEntropyLoss()
+    x, weights = random_normal(seed, (2, 6, 16)), random_normal(seed + 1, (16, 24))
+    labels = jax.random.randint(jax.random.key(seed + 2), (2, 6), 0, 24)
+    return op.bind(x, labels, weights)
+
+
+def test_benchmark_data_takes_upstreams_fields_in_their_order():
+    data = BenchmarkData(1.5, 0.5, (2.0, 4.0), {"method": "wallclock"})
+    assert (data.compile_time_ms, data.lower_time_ms, data.peak_memory_mb) == (1.5, 0.5, None)
+    assert data.method == "wallclock" and data.median_evaluation_time_ms == 3.0
+    assert BenchmarkData(compile_time_ms=1.0, lower_time_ms=2.0, evaluation_times_ms=(1.0,),
+                         metadata={}, peak_memory_mb=3.0).asdict()["peak_memory_mb"] == 3.0
+
+
+def test_autotuning_result_is_built_and_replaced_as_upstreams():
+    import dataclasses
+
+    from tokamax_pass.autotuning.result import AutotuningData
+
+    ba = _loss_call()
+    fast, slow = XlaChunkedLossConfig(6, 8), XlaChunkedLossConfig(12, 24)
+    data = {fast: BenchmarkData(1.0, 1.0, (0.5,), {}), slow: BenchmarkData(1.0, 1.0, (0.9,), {}),
+            XlaChunkedLossConfig(2, 8): RuntimeError("out of memory")}
+    result = tokamax.AutotuningResult(H200, ((ba, data),), tokamax_version="0.0.17")
+    assert result.tokamax_version == "0.0.17"
+    ((read_ba, read),) = result.data
+    assert isinstance(read, AutotuningData) and read.fastest_config == fast
+    assert read[XlaChunkedLossConfig(2, 8)].error == "RuntimeError: out of memory"
+    assert set(read.prune_errors()) == {fast, slow}
+    assert read_ba.cache_key == ba.cache_key
+    again = tokamax.AutotuningResult(device_kind=H200, data=result.data)
+    assert again.best_config(ba) == fast
+    emptied = dataclasses.replace(result, data=())
+    assert len(emptied) == 0 and emptied.tokamax_version == "0.0.17"
+
+
+def test_dump_cache_str_is_a_cache_file(tmp_path, monkeypatch):
+    from tokamax_pass.autotuning import cache as cache_lib
+
+    ba = _loss_call()
+    config = XlaChunkedLossConfig(6, 8)
+    result = tokamax.AutotuningResult("cpu", [(ba, {config: BenchmarkData(1, 1, (0.5,), {})})])
+    monkeypatch.setenv(cache_lib.ENV_CACHE_DIR, str(tmp_path))
+    cache_lib._USER.invalidate()
+    (tmp_path / "cpu.json").write_text(result.dump_cache_str())
+    cache_lib._USER.invalidate()
+    assert ba.cached_autotuning_data.fastest_config == config
+    assert ba.default_config == config
+
+
+def test_bound_arguments_members_of_upstream():
+    ba = _loss_call()
+    assert list(ba.signature.parameters)[:3] == ["x", "labels", "weights"]
+    assert ba.vmap_axis_sizes == ()
+    assert ba.cached_autotuning_data is None
+    assert ba.default_config == ba.get_config() == ba.heuristics_config
+    with pytest.raises(ValueError, match="no config found"):
+        ba.get_config(allow_heuristics=False)
+    fast, slow = XlaChunkedLossConfig(6, 8), XlaChunkedLossConfig(12, 24)
+    with tokamax.AutotuningResult("cpu", [(ba, {fast: Measurement((0.5,)),
+                                                slow: Measurement((0.9,))})]):
+        assert ba.cached_autotuning_data.fastest_config == fast
+        assert ba.default_config == ba.get_config() == fast
+        assert ba.get_config(check_autotuning_cache=False) == ba.heuristics_config
+    tuned = ba.get_config(autotune_configs=[slow], cache_autotuning_results=True)
+    assert tuned == slow and ba.op.get_autotuning_cache()[ba.autotuning_cache_key]
+    assert ba.cached_autotuning_data.fastest_config == slow
+    with tokamax.config.ignore_autotuning_cache(True):
+        assert ba.cached_autotuning_data is None
+
+
+def test_bound_arguments_vmap_axis_sizes_and_benchmark():
+    x = random_normal(23, (3, 2, 5, 16))
+    found = tokamax.autotuning.get_bound_args(jax.vmap(lambda x: LayerNorm()(x)), x)
+    (ba,) = found
+    assert ba.vmap_axis_sizes == (3,)
+    data = LayerNorm().bind(random_normal(24, (2, 5, 16))).benchmark("forward_and_vjp")
+    assert isinstance(data, BenchmarkData) and len(data.evaluation_times_ms) >= 1
+
+
+def test_vjp_arg_spec_binds_the_vjp_op():
+    x, scale = random_normal(25, (2, 5, 16)), random_normal(26, (16,))
+    ba = LayerNorm().bind(x, scale, None)
+    spec = ba.vjp_arg_spec
+    out, residuals = LayerNorm()(x, scale, None, return_residuals=True)
+    assert spec["out"].shape == spec["dout"].shape == out.shape == x.shape
+    assert [r.shape for r in jax.tree.leaves(spec["residuals"])] == [
+        r.shape for r in jax.tree.leaves(residuals)]
+    vjp_ba = ba.op.vjp_op().bind(**spec)
+    assert vjp_ba.arguments["x"] is x
+
+
+def test_op_members_of_upstream():
+    op = LayerNorm()
+    assert op.supports_symbolic_shapes and op.supports_batched_args_capture
+    assert list(op.signature.parameters)[:3] == ["x", "scale", "offset"]
+    x = random_normal(27, (2, 5, 16))
+    assert op.bind(x, return_residuals=True).cache_key == op.bind(x).cache_key
+    out, residuals = op(x, return_residuals=True)
+    assert_close(out, op(x)) and residuals is not None
+    bypassed = op.replace(bypass_device_check=True)
+    assert bypassed.bypass_device_check and bypassed == op
+    assert tokamax.core.spec.encode(bypassed) == tokamax.core.spec.encode(op)
+
+
+def test_bypass_device_check_skips_the_device_check():
+    from tokamax_kernels.layer_norm import PallasTritonLayerNorm
+
+    x = random_normal(28, (2, 5, 16))
+    with pytest.raises(NotImplementedError, match="runs on"):
+        PallasTritonLayerNorm()(x)
+    # Past the check, Pallas itself refuses to lower a Triton kernel for the CPU.
+    with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):
+        PallasTritonLayerNorm(bypass_device_check=True)(x)
+
+
+def test_an_op_without_symbolic_shapes_says_so():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Fixed(LayerNorm):
+        supports_symbolic_shapes = False
+
+    (b,) = jax.export.symbolic_shape("b")
+    shaped = jax.ShapeDtypeStruct((b, 16), jnp.float32)
+    with pytest.raises(NotImplementedError, match="does not support symbolic shapes"):
+        jax.eval_shape(Fixed(), shaped)
+    assert jax.eval_shape(LayerNorm(), shaped).shape == (b, 16)
+
+
+def test_keyword_names_of_upstream(tmp_path):
+    from tokamax_pass import benchmarking
+    from tokamax_pass.autotuning import bound_args_from_json, bound_args_to_json
+
+    ba = LayerNorm().bind(random_normal(29, (2, 3, 8)))
+    path = tmp_path / "calls.json"
+    assert bound_args_to_json([ba], filename=path) == path.read_text()
+    (read,) = bound_args_from_json(json_string=path.read_text())
+    assert read.cache_key == ba.cache_key
+    result = tokamax.AutotuningResult("cpu", [(ba, {ba.heuristics_config: Measurement((1.0,))})])
+    with open(tmp_path / "r.json", "w") as fp:
+        result.dump(fp=fp)
+    with open(tmp_path / "r.json") as fp:
+        assert tokamax.AutotuningResult.load(fp=fp) == result
+    assert tokamax.AutotuningResult.loads(json_data=result.dumps()) == result
+    with pytest.raises(TypeError, match="got text and its other name json_data"):
+        tokamax.AutotuningResult.loads(result.dumps(), json_data=result.dumps())
+    f_std, arrays = benchmarking.standardize_function(jnp.sin, random_normal(30, (4,)))
+    run = benchmarking.compile_benchmark(f=f_std, x=arrays)
+    assert len(run(x=arrays, iterations=1).evaluation_times_ms) == 1
+    assert tokamax.core.snake_case_name(op=LayerNorm) == "layer_norm"
+
+
+def test_register_benchmark_names_the_missing_package(monkeypatch):
+    import sys
+
+    from tokamax_pass import benchmarking
+
+    monkeypatch.setitem(sys.modules, "google_benchmark", None)
+    with pytest.raises(ImportError, match="google_benchmark package"):
+        benchmarking.register_benchmark("sin", "jnp", jnp.sin, {"x": random_normal(31, (4,))})
+
+
+class _FakeGoogleBenchmark:
+    """What `register_benchmark` uses of `google_benchmark`: options and `register`."""
+
+    kMicrosecond = "us"
+
+    def __init__(self):
+        self.registered = {}
+        passthrough = lambda *args: (lambda f: f)
+        self.option = type("option", (), {"unit": staticmethod(passthrough),
+                                          "use_manual_time": staticmethod(passthrough),
+                                          "iterations": staticmethod(passthrough)})
+
+    def register(self, f, name):
+        self.registered[name] = f
+
+
+class _State:
+    def __init__(self):
+        self.runs, self.times, self.label, self.skipped = 1, [], None, None
+
+    def __bool__(self):
+        self.runs -= 1
+        return self.runs >= 0
+
+    def set_iteration_time(self, seconds):
+        self.times.append(seconds)
+
+    def set_label(self, label):
+        self.label = label
+
+    def skip_with_error(self, message):
+        self.skipped = message
+
+
+def test_benchmark_registrar_registers_ops_with_their_config(monkeypatch):
+    import sys
+
+    from tokamax_pass import benchmarking
+
+    fake = _FakeGoogleBenchmark()
+    monkeypatch.setitem(sys.modules, "google_benchmark", fake)
+    op = XlaChunkedLinearSoftmaxCrossEntropyLoss()
+    kwargs = {"x": jax.ShapeDtypeStruct((2, 6, 16), jnp.float32),
+              "labels": jax.ShapeDtypeStruct((2, 6), jnp.int32),
+              "weights": jax.ShapeDtypeStruct((16, 24), jnp.float32)}
+    registrar = benchmarking.get_benchmark_registrar({"chunked": op, "sin": jnp.sin})
+    registrar("loss", "chunked", kwargs, method="wallclock", iterations=2)
+    registrar("sine", "sin", lambda: {"x": random_normal(32, (4,))}, mode="forward")
+    assert set(fake.registered) == {"loss_forward_chunked", "sine_forward_sin"}
+    state = _State()
+    fake.registered["loss_forward_chunked"](state)
+    assert state.skipped is None and state.times[0] > 0
+    assert "min=" in state.label and "XlaChunkedLossConfig" in state.label
+    benchmarking.register_benchmark("bad", "impl", lambda x: x.no_such, {"x": 1.0},
+                                    raise_on_error=False)
+    state = _State()
+    fake.registered["bad_forward_impl"](state)
+    assert "no_such" in state.skipped

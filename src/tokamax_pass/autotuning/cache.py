@@ -95,14 +95,6 @@ def read(path: str | os.PathLike) -> AutotuningResult | None:
     return AutotuningResult.loads(text, what=what)
 
 
-def _with_provenance(result: AutotuningResult) -> AutotuningResult:
-    entries = [
-        e if e.provenance else Entry(e.bound, e.data, keys.provenance(e.bound.op))
-        for e in result.without_errors().entries
-    ]
-    return AutotuningResult(result.device_kind, entries)
-
-
 def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -> str:
     """Merges `result` (failures dropped) into the user cache file of its device kind.
 
@@ -124,7 +116,7 @@ def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -
                 f"{e}; the file was left in place: move it away or run "
                 f"`tokamax-pass cache clear` before saving to this cache"
             ) from None
-        new = _with_provenance(result)
+        new = result.with_provenance()
         merged = new if existing is None else existing | new
         write_atomic(path, merged.dumps())
     _USER.invalidate()
@@ -233,7 +225,7 @@ def write_library_cache(result: AutotuningResult, directory: str | os.PathLike) 
     folder = checks.directory_to_write("write_library_cache", "directory", directory)
     folder = folder / device_kind_key(result.device_kind)
     by_class: dict[str, list[Entry]] = {}
-    for entry in _with_provenance(result).entries:
+    for entry in result.with_provenance().entries:
         by_class.setdefault(snake_case_name(entry.bound.op), []).append(entry)
     folder.mkdir(parents=True, exist_ok=True)
     written = []

@@ -1,7 +1,9 @@
 """Upstream Tokamax's autotuning entry points on `BoundArguments` and `Op`, built on ours.
 
 `BoundArguments.autotune` measures one call with an `Autotuner` (and can keep the result
-in the user cache); `Op.get_autotuning_cache` reads an op's measurements from the caches.
+in the user cache); `.cached_autotuning_data` reads its measurements from the active
+results and the caches; `.benchmark` times it; `.vjp_arg_spec` gives its VJP op's
+arguments; `Op.get_autotuning_cache` reads an op's measurements from the caches.
 `core.op` reaches these through its hooks, since the core never imports the framework.
 """
 
@@ -10,10 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import jax
+
+from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import cache
 from tokamax_pass.autotuning.autotuner import Autotuner
-from tokamax_pass.autotuning.result import AutotuningResult
-from tokamax_pass.core import device
+from tokamax_pass.autotuning.result import AutotuningData, AutotuningResult
+from tokamax_pass.core import device, options
 from tokamax_pass.core.op import HOOKS, BoundArguments, Op
 
 
@@ -29,7 +34,32 @@ def tune_bound(ba: BoundArguments, configs: Iterable[Any] | None, *,
     entry = autotuner.tune(ba, None if configs is None else list(configs))
     if cache_results:
         cache.save(AutotuningResult(device.current_target().device_kind, [entry]))
-    return entry.data
+    return AutotuningData(entry.data)
+
+
+def cached_data(ba: BoundArguments) -> AutotuningData | None:
+    """`ba`'s measurements, first layer that has them (see
+    `BoundArguments.cached_autotuning_data`)."""
+    if options.ignore_autotuning_cache.value:
+        return None
+    for layer in cache.layers(device.current_target().device_kind):
+        entry = layer.lookup(ba)
+        if entry is not None and entry.data:
+            return AutotuningData(entry.data)
+    return None
+
+
+def benchmark_bound(ba: BoundArguments, mode: benchmarking.Mode) -> benchmarking.BenchmarkData:
+    f_std, arrays = benchmarking.standardize_function(ba.op, *ba.args, kwargs=ba.kwargs,
+                                                      mode=mode)
+    return benchmarking.compile_benchmark(f_std, arrays)(arrays)
+
+
+def vjp_arg_spec(ba: BoundArguments) -> dict[str, Any]:
+    f_std, arrays = benchmarking.standardize_function(
+        ba.op, *ba.args, kwargs={**ba.kwargs, "return_residuals": True}, seed=None)
+    out, residuals = jax.eval_shape(f_std, arrays)
+    return {**ba.arguments, "residuals": residuals, "out": out, "dout": out}
 
 
 def _same_op(a: Op, b: Op) -> bool:
@@ -53,3 +83,6 @@ def cached_measurements(op: Op, device_kind: str | None) -> dict[str, Mapping[An
 
 HOOKS.tune_bound = tune_bound
 HOOKS.cached_measurements = cached_measurements
+HOOKS.cached_data = cached_data
+HOOKS.benchmark_bound = benchmark_bound
+HOOKS.vjp_arg_spec = vjp_arg_spec

@@ -201,12 +201,19 @@ def _as_list(f_or_list: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> lis
 
 
 def bound_args_to_json(f_or_list: Any, path: str | os.PathLike | IO[str] | None = None,
-                       *args: Any, **kwargs: Any) -> str:
+                       *args: Any, filename: str | os.PathLike | None = None,
+                       **kwargs: Any) -> str:
     """Writes the op calls of `f` (or a list of `BoundArguments`) as a JSON document.
 
-    Returns the JSON text; writes it to `path` (a path or an open file) when given.
-    `path` comes before `f`'s arguments and is checked before `f` is traced.
+    Returns the JSON text; writes it to `path` (a path or an open file) when given
+    (`filename=`: upstream Tokamax's name for it). `path` comes before `f`'s arguments and
+    is checked before `f` is traced.
     """
+    if filename is not None:
+        if path is not None:
+            raise TypeError("bound_args_to_json: got path and its other name filename; "
+                            "give one")
+        path = filename
     if isinstance(path, (str, os.PathLike)):
         path = checks.file_to_write("bound_args_to_json", "path", path)
     elif path is not None and not callable(getattr(path, "write", None)):
@@ -239,12 +246,19 @@ def bound_args_from_json_file(filename: str | os.PathLike) -> list[BoundArgument
     return bound_args_from_json(pathlib.Path(filename))
 
 
-def bound_args_from_json(source: str | os.PathLike | IO[str]) -> list[BoundArguments]:
+def bound_args_from_json(source: str | os.PathLike | IO[str] = checks.NOT_GIVEN, *,
+                         strict: bool = True,
+                         json_string: str = checks.NOT_GIVEN) -> list[BoundArguments]:
     """Reads a list written by `bound_args_to_json` or `xplane_to_bound_args`.
 
     `source` is a path, an open file or the JSON text itself. A bare JSON list of
-    `{"op": ..., "arguments": ...}` objects is accepted too.
+    `{"op": ..., "arguments": ...}` objects is accepted too. Each entry is checked against
+    its op's signature and `bind` (names, required arguments, kinds of values, shapes): a
+    bad one is a `spec.SpecError` naming it, or with `strict=False` it is skipped with a
+    `BadEntryWarning`. `json_string=` is upstream Tokamax's name for `source`.
     """
+    source = checks.one_of("bound_args_from_json", "source", source, "json_string",
+                           json_string)
     what = "bound-arguments JSON"
     if hasattr(source, "read"):
         text = source.read()
@@ -269,4 +283,13 @@ def bound_args_from_json(source: str | os.PathLike | IO[str]) -> list[BoundArgum
     if len(data) > spec.MAX_ITEMS:
         raise spec.SpecError(f"{what} holds {len(data)} bound arguments, above the "
                              f"{spec.MAX_ITEMS} a file may list")
-    return [BoundArguments.from_spec(item) for item in data]
+    found = []
+    for i, item in enumerate(data):
+        try:
+            found.append(BoundArguments.from_spec(item))
+        except spec.SpecError as e:
+            error = spec.SpecError(f"{what}: entry {i}: {e}")
+            if strict:
+                raise error from None
+            warnings.warn(f"skipping {error}", result.BadEntryWarning, stacklevel=2)
+    return found

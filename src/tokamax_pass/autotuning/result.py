@@ -66,13 +66,64 @@ class Measurement:
                 for t in times):
             raise spec.SpecError(f"'evaluation_times_ms' must be a list of numbers, got "
                                  f"{times!r:.80} (times in ms, each >= 0)")
+        error = data.get("error")
+        if error is not None and not isinstance(error, str):
+            raise spec.SpecError(f"'error' must be a string or null, got {error!r:.80}")
         return cls(
             evaluation_times_ms=tuple(float(t) for t in times),
-            lower_time_ms=data.get("lower_time_ms"),
-            compile_time_ms=data.get("compile_time_ms"),
-            peak_memory_mb=data.get("peak_memory_mb"),
-            error=data.get("error"),
+            lower_time_ms=_optional_amount(data, "lower_time_ms"),
+            compile_time_ms=_optional_amount(data, "compile_time_ms"),
+            peak_memory_mb=_optional_amount(data, "peak_memory_mb"),
+            error=error,
         )
+
+
+def _optional_amount(data: Mapping[str, Any], name: str) -> float | None:
+    """`data[name]`: a number >= 0 or null (a string or a list there was kept and failed
+    where it was summed or formatted)."""
+    value = data.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise spec.SpecError(f"{name!r} must be a number >= 0 or null, got {value!r:.80}")
+    return float(value)
+
+
+class AutotuningData(Mapping[Any, Measurement]):
+    """One op call's `{config: Measurement}`, read-only, as upstream Tokamax's
+    `AutotuningData`: `fastest_config`, `prune_errors()`. Equal to a dict of the same
+    items."""
+
+    def __init__(self, measurements: Mapping[Any, Measurement]):
+        self._measurements = dict(measurements)
+
+    def __getitem__(self, config: Any) -> Measurement:
+        return self._measurements[config]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._measurements)
+
+    def __len__(self) -> int:
+        return len(self._measurements)
+
+    def __repr__(self) -> str:
+        return f"AutotuningData({self._measurements!r})"
+
+    @property
+    def fastest_config(self) -> Any:
+        """The config with the lowest median time; `ValueError` when none ran (naming why
+        each failed) or there is none."""
+        ok = [(c, m) for c, m in self._measurements.items() if m.ok]
+        if ok:
+            return min(ok, key=lambda cm: cm[1].median_ms)[0]
+        if not self._measurements:
+            raise ValueError("autotuning data is empty: no config was measured")
+        errors = "; ".join(f"{c}: {m.error}" for c, m in self._measurements.items())
+        raise ValueError(f"every config failed: {errors[:2000]}")
+
+    def prune_errors(self) -> dict[Any, Measurement]:
+        """The configs that ran."""
+        return {c: m for c, m in self._measurements.items() if m.ok}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +160,22 @@ class Entry:
 
     def without_errors(self) -> Entry:
         return Entry(self.bound, {c: m for c, m in self.data.items() if m.ok}, self.provenance)
+
+    def with_provenance(self) -> Entry:
+        """This entry, stamped with this process's provenance if it records none."""
+        return self if self.provenance else Entry(self.bound, self.data,
+                                                  keys.provenance(self.bound.op))
+
+    # An entry is also the pair `(bound, data)`, as upstream Tokamax's
+    # `AutotuningResult.data` holds them: `for ba, data in result.data` unpacks it.
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.bound, AutotuningData(self.data)))
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> Any:
+        return tuple(self)[index]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -160,47 +227,65 @@ def active_results() -> tuple[AutotuningResult, ...]:
     return tuple(reversed(_ACTIVE.get()))
 
 
+@dataclasses.dataclass(frozen=True, init=False, eq=False, repr=False)
 class AutotuningResult:
     """The measured configs of a set of op calls on one device kind.
 
-    Iterating yields `(BoundArguments, {config: Measurement})`; `a | b` merges
-    (right wins per config, and wholly where the two entries' provenance differs:
-    `Entry.merged`); `with result:` applies its fastest configs.
+    Constructed as upstream Tokamax's: `AutotuningResult(device_kind, data,
+    tokamax_version)`, where `data` holds `Entry`s or `(BoundArguments, {config:
+    Measurement, BenchmarkData or exception})` pairs (what `result.data` gives, so
+    `AutotuningResult(kind, r.data)` and `dataclasses.replace(r, data=...)` work).
+    Iterating yields `(BoundArguments, {config: Measurement})`; `a | b` merges (right wins
+    per config, and wholly where the two entries' provenance differs: `Entry.merged`);
+    `with result:` applies its fastest configs.
     """
 
-    def __init__(self, device_kind: str | None, entries: Any = (), *,
-                 tokamax_pass_version: str | None = None, jax_version: str | None = None):
+    device_kind: str | None
+    data: tuple[Entry, ...]
+    tokamax_version: str
+    jax_version: str
+    # `data` by entry key; this result's number on the jit context; its `with` blocks.
+    _entries: dict[tuple[str, str], Entry] = dataclasses.field(init=False)
+    _serial: int = dataclasses.field(init=False)
+    _contexts: list[tuple[contextvars.Token, Any]] = dataclasses.field(init=False)
+
+    def __init__(self, device_kind: str | None, data: Any = (),
+                 tokamax_version: str | None = None, *, jax_version: str | None = None,
+                 tokamax_pass_version: str | None = None):
         if device_kind is not None and not isinstance(device_kind, str):
             raise TypeError(f"AutotuningResult: device_kind must be a str (like 'NVIDIA "
                             f"H200') or None, got {device_kind!r}")
         _check_device_kind(device_kind, ValueError, "AutotuningResult: ")
-        self.device_kind = device_kind
-        self.tokamax_pass_version = tokamax_pass_version or keys.library_version()
-        self.jax_version = jax_version or jax.__version__
-        self._entries: dict[tuple[str, str], Entry] = {}
-        if not isinstance(entries, Iterable) or isinstance(entries, (str, bytes, Mapping)):
-            raise TypeError(f"AutotuningResult: entries must be a sequence of Entry, got "
-                            f"{type(entries).__name__}; AutotuningResult.loads reads JSON")
-        for entry in entries:
-            if not isinstance(entry, Entry):
-                raise TypeError(f"AutotuningResult: entries must hold Entry objects, got "
-                                f"{type(entry).__name__}")
+        if tokamax_version is not None and tokamax_pass_version is not None:
+            raise TypeError("AutotuningResult: give tokamax_version or its other name "
+                            "tokamax_pass_version, not both")
+        version = tokamax_version or tokamax_pass_version or keys.library_version()
+        if not isinstance(data, Iterable) or isinstance(data, (str, bytes, Mapping)):
+            raise TypeError(f"AutotuningResult: data must be a sequence of Entry or "
+                            f"(BoundArguments, {{config: Measurement}}) pairs, got "
+                            f"{type(data).__name__}; AutotuningResult.loads reads JSON")
+        entries: dict[tuple[str, str], Entry] = {}
+        for item in data:
+            entry = _as_entry(item)
             key = entry.key
-            self._entries[key] = self._entries[key].merged(entry) if key in self._entries else entry
-        self._serial = next(_serials)
-        self._contexts: list[tuple[contextvars.Token, Any]] = []
+            entries[key] = entries[key].merged(entry) if key in entries else entry
+        for name, value in (("device_kind", device_kind), ("data", tuple(entries.values())),
+                            ("tokamax_version", version),
+                            ("jax_version", jax_version or jax.__version__),
+                            ("_entries", entries), ("_serial", next(_serials)),
+                            ("_contexts", [])):
+            object.__setattr__(self, name, value)
 
     # --- lookups ----------------------------------------------------------------------
 
     @property
     def entries(self) -> tuple[Entry, ...]:
-        return tuple(self._entries.values())
+        return self.data
 
     @property
-    def data(self) -> tuple[tuple[BoundArguments, Mapping[Any, Measurement]], ...]:
-        """`((BoundArguments, {config: Measurement}), ...)`, as upstream Tokamax's
-        `AutotuningResult.data`."""
-        return tuple(self)
+    def tokamax_pass_version(self) -> str:
+        """The version of tokamax_pass that measured the result (`tokamax_version`)."""
+        return self.tokamax_version
 
     def entry(self, ba: BoundArguments) -> Entry | None:
         _require_bound(".entry", ba)
@@ -213,7 +298,7 @@ class AutotuningResult:
         return None if fastest is None else fastest[0]
 
     def __iter__(self) -> Iterator[tuple[BoundArguments, Mapping[Any, Measurement]]]:
-        return ((e.bound, e.data) for e in self._entries.values())
+        return (tuple(e) for e in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -239,6 +324,12 @@ class AutotuningResult:
 
     def without_errors(self) -> AutotuningResult:
         return AutotuningResult(self.device_kind, [e.without_errors() for e in self.entries])
+
+    def with_provenance(self) -> AutotuningResult:
+        """Failures dropped, and each entry that records no provenance stamped with this
+        process's: what a cache file keeps (`save_to_cache`)."""
+        return AutotuningResult(self.device_kind,
+                                [e.with_provenance() for e in self.without_errors().entries])
 
     # --- context ----------------------------------------------------------------------
 
@@ -267,11 +358,6 @@ class AutotuningResult:
             "entries": [e.to_json() for e in self._entries.values()],
         }
 
-    @property
-    def tokamax_version(self) -> str:
-        """Upstream Tokamax's name for the version that measured the result."""
-        return self.tokamax_pass_version
-
     def dumps(self, *, indent: int | None = 1, prune_errors: bool = False) -> str:
         """The result as JSON; `prune_errors=True` leaves out the configs that failed."""
         import json
@@ -285,15 +371,18 @@ class AutotuningResult:
         return json.dumps(result._to_json(), indent=indent, sort_keys=True)
 
     @classmethod
-    def loads(cls, text: str | bytes, *, what: str = "autotuning result",
-              strict: bool = False) -> AutotuningResult:
+    def loads(cls, text: str | bytes = checks.NOT_GIVEN, *, what: str = "autotuning result",
+              strict: bool = False, json_data: str | bytes = checks.NOT_GIVEN
+              ) -> AutotuningResult:
         """The result in a JSON document written by `dumps`; `spec.SpecError` names what is
         wrong with one that is not (`TypeError` for an argument that is not text).
 
         An entry that cannot be read (malformed, a config out of its limits, an op that is
         not registered) is skipped with a `BadEntryWarning` naming it, so one bad entry
         never costs the rest; `strict=True` raises its `spec.SpecError` instead.
+        `json_data=` is upstream Tokamax's name for `text`.
         """
+        text = checks.one_of("AutotuningResult.loads", "text", text, "json_data", json_data)
         if not isinstance(text, (str, bytes, bytearray)):
             raise TypeError(f"AutotuningResult.loads: text must be a JSON str or bytes, got "
                             f"{type(text).__name__} (AutotuningResult.load reads a path or "
@@ -307,6 +396,10 @@ class AutotuningResult:
             raise spec.SpecError(f"{what}: 'device_kind' must be a string or null, got "
                                  f"{device_kind!r}")
         _check_device_kind(device_kind, spec.SpecError, f"{what}: ")
+        for name in ("tokamax_pass_version", "jax_version"):
+            if not isinstance(data.get(name), (str, type(None))):
+                raise spec.SpecError(f"{what}: {name!r} must be a string or null, got "
+                                     f"{data[name]!r:.80}")
         if not isinstance(data.get("entries", []), list):
             raise spec.SpecError(f"{what}: 'entries' must be a list, got "
                                  f"{type(data['entries']).__name__}")
@@ -323,18 +416,21 @@ class AutotuningResult:
                 warnings.warn(f"skipping {e}", BadEntryWarning, stacklevel=2)
         return cls(
             device_kind, entries,
-            tokamax_pass_version=data.get("tokamax_pass_version"),
+            tokamax_version=data.get("tokamax_pass_version"),
             jax_version=data.get("jax_version"),
         )
 
-    def dump(self, path_or_file: str | os.PathLike | IO[str] | IO[bytes], *,
-             prune_errors: bool = False) -> None:
+    def dump(self, path_or_file: str | os.PathLike | IO[str] | IO[bytes] = checks.NOT_GIVEN,
+             *, prune_errors: bool = False,
+             fp: str | os.PathLike | IO[str] | IO[bytes] = checks.NOT_GIVEN) -> None:
         """Writes `dumps(prune_errors=...)` to a path (in an existing directory) or an open
-        text file.
+        text file (`fp=`: upstream Tokamax's name for `path_or_file`).
 
         A path is replaced atomically (`core.atomic_io.write_atomic`): a full disk or a
         killed process leaves the old file whole, never a truncated one.
         """
+        path_or_file = checks.one_of("AutotuningResult.dump", "path_or_file", path_or_file,
+                                     "fp", fp)
         if isinstance(path_or_file, (str, os.PathLike)):
             path = checks.file_to_write("AutotuningResult.dump", "path_or_file", path_or_file)
             write_atomic(path, self.dumps(prune_errors=prune_errors))
@@ -351,9 +447,13 @@ class AutotuningResult:
                             f"writable file, got {type(path_or_file).__name__}")
 
     @classmethod
-    def load(cls, path_or_file: str | os.PathLike | IO[str]) -> AutotuningResult:
+    def load(cls, path_or_file: str | os.PathLike | IO[str] = checks.NOT_GIVEN, *,
+             fp: str | os.PathLike | IO[str] = checks.NOT_GIVEN) -> AutotuningResult:
         """Reads a result from a path or an open file (`FileNotFoundError`,
-        `IsADirectoryError` or `spec.SpecError` naming the path when it holds none)."""
+        `IsADirectoryError` or `spec.SpecError` naming the path when it holds none; `fp=`:
+        upstream Tokamax's name for `path_or_file`)."""
+        path_or_file = checks.one_of("AutotuningResult.load", "path_or_file", path_or_file,
+                                     "fp", fp)
         if isinstance(path_or_file, (str, os.PathLike)):
             path = checks.file_to_read("AutotuningResult.load", "path_or_file", path_or_file)
             return cls.loads(path.read_bytes(),
@@ -362,6 +462,12 @@ class AutotuningResult:
             raise TypeError(f"AutotuningResult.load: path_or_file must be a path or a readable "
                             f"file, got {path_or_file!r}")
         return cls.loads(path_or_file.read())
+
+    def dump_cache_str(self) -> str:
+        """The text of a cache file holding this result (`with_provenance`), as upstream
+        Tokamax's `dump_cache_str`: written to `<device kind>.json` in the cache directory,
+        it is read like one `save_to_cache` wrote."""
+        return self.with_provenance().dumps()
 
     def save_to_cache(self, directory: str | os.PathLike | None = None) -> str:
         """Merges this result into the user cache for its device kind; returns the file."""
@@ -384,6 +490,35 @@ class AutotuningResult:
         table = render_table(("op", "arguments", "best config", "median ms", "ok/configs"),
                              rows, right_aligned=("median ms", "ok/configs"), indent=2)
         return f"AutotuningResult(device_kind={self.device_kind!r}, {len(self)} ops)\n{table}"
+
+
+def _as_entry(item: Any) -> Entry:
+    """An `Entry`, or one made of a `(BoundArguments, {config: measurement})` pair (no
+    provenance: `save_to_cache` stamps this process's)."""
+    if isinstance(item, Entry):
+        return item
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], BoundArguments)
+            and isinstance(item[1], Mapping)):
+        raise TypeError(f"AutotuningResult: data must hold Entry objects or (BoundArguments, "
+                        f"{{config: Measurement}}) pairs, got {item!r:.80}")
+    bound, measured = item
+    return Entry(keys.canonical(bound), {c: _as_measurement(m) for c, m in measured.items()},
+                 {})
+
+
+def _as_measurement(value: Any) -> Measurement:
+    """A `Measurement`, or one made of upstream Tokamax's autotuning values: a
+    `BenchmarkData`, or the exception a config failed with."""
+    if isinstance(value, Measurement):
+        return value
+    if isinstance(value, BaseException):
+        return Measurement(error=f"{type(value).__name__}: {value}")
+    times = getattr(value, "evaluation_times_ms", None)
+    if times is None:
+        raise TypeError(f"AutotuningResult: a config's measurement must be a Measurement, a "
+                        f"BenchmarkData or an exception, got {type(value).__name__}")
+    return Measurement(tuple(float(t) for t in times), value.lower_time_ms,
+                       value.compile_time_ms, value.peak_memory_mb)
 
 
 def _require_bound(where: str, ba: Any, *, argument: str = "ba") -> None:

@@ -118,3 +118,17 @@ def directory_to_write(who: str, name: str, value: Any) -> pathlib.Path:
                     f"{os.fspath(folder)!r} is a file")
             break
     return path
+
+
+# Stands for an argument not given, where `None` is a value a caller may pass.
+NOT_GIVEN: Any = object()
+
+
+def one_of(who: str, name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    """The argument given as `name` or as its other name `alias` (upstream Tokamax's
+    keyword): `TypeError` when both or neither is given (`NOT_GIVEN`)."""
+    if value is not NOT_GIVEN and alias_value is not NOT_GIVEN:
+        raise TypeError(f"{who}: got {name} and its other name {alias}; give one")
+    if value is NOT_GIVEN and alias_value is NOT_GIVEN:
+        raise TypeError(f"{who}: missing the argument {name} (or {alias})")
+    return value if value is not NOT_GIVEN else alias_value

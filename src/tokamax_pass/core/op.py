@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import jax
 
-from tokamax_pass.core import config_limits, spec
+from tokamax_pass.core import argument_types, checks, config_limits, spec
 from tokamax_pass.core import roofline as roofline_lib
 from tokamax_pass.core.device import Target
 from tokamax_pass.core.roofline import Work
@@ -67,20 +67,29 @@ class _Hooks:
     import circle. `call_ops` binds the primitive (`core.primitive`); `autodiff_vjp` and
     `vjp_base` are `core.vjp`'s `AutodiffVjp` and `VjpOp`. `tune_bound` and
     `cached_measurements` are `tokamax_pass.autotuning.compat`'s (`BoundArguments.autotune`,
-    `Op.get_autotuning_cache`), set when the autotuning package is imported."""
+    `Op.get_autotuning_cache`), set when the autotuning package is imported, as are
+    `cached_data`, `benchmark_bound` and `vjp_arg_spec` (`BoundArguments`'s members of
+    those names); `resolve_config` is `core.selection`'s."""
 
     call_ops: Callable[..., Any] = _hook_not_set
     autodiff_vjp: Callable[..., AutodiffVjp] = _hook_not_set
     vjp_base: type[VjpOp] | None = None
     tune_bound: Callable[..., Any] = _hook_not_set
     cached_measurements: Callable[..., Any] = _hook_not_set
+    cached_data: Callable[..., Any] = _hook_not_set
+    benchmark_bound: Callable[..., Any] = _hook_not_set
+    vjp_arg_spec: Callable[..., Any] = _hook_not_set
+    resolve_config: Callable[..., tuple[Any, str]] = _hook_not_set
 
 
 HOOKS = _Hooks()
 
 
-def snake_case_name(op_or_cls: Op | type[Op]) -> str:
-    """`PallasTritonFlashAttention` -> `pallas_triton_flash_attention` (cache file names)."""
+def snake_case_name(op_or_cls: Op | type[Op] = checks.NOT_GIVEN, *,
+                    op: Op | type[Op] = checks.NOT_GIVEN) -> str:
+    """`PallasTritonFlashAttention` -> `pallas_triton_flash_attention` (cache file names);
+    `op=`: upstream Tokamax's name for `op_or_cls`."""
+    op_or_cls = checks.one_of("snake_case_name", "op_or_cls", op_or_cls, "op", op)
     cls = op_or_cls if isinstance(op_or_cls, type) else type(op_or_cls)
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", cls.__name__).lower()
 
@@ -109,11 +118,14 @@ class _OpOrClassMethod:
     def __get__(self, op: Op | None, cls: type[Op]) -> Any:
         bound = functools.partial(self.function, cls() if op is None else op)
         aliases = cls.argument_aliases
-        if not aliases:
-            return bound
 
         @functools.wraps(self.function)
-        def bind(*args: Any, **kwargs: Any) -> BoundArguments:
+        def bind(*args: Any, return_residuals: bool = False, **kwargs: Any) -> BoundArguments:
+            # Upstream Tokamax's `bind` takes `return_residuals`; what is tuned and cached
+            # is the same call either way, so it is checked and left out.
+            if not isinstance(return_residuals, bool):
+                raise TypeError(f"{cls.__name__}.bind: return_residuals must be a bool, got "
+                                f"{return_residuals!r}")
             for alias, name in aliases.items():
                 if alias in kwargs:
                     if name in kwargs:
@@ -137,8 +149,19 @@ class Op[C]:
 
     config: C | None = None
     vjp: Op | None = None
+    # Upstream Tokamax's switch: call this implementation without checking that it runs on
+    # the device (`check_supported_target` passes). How to call, not what is tuned: not part of
+    # the op's identity (equality, cache keys) or of its spec.
+    bypass_device_check: bool = dataclasses.field(
+        default=False, compare=False, metadata={spec.NOT_IN_SPEC: True})
 
     config_cls: ClassVar[type] = NullConfig
+    # Upstream Tokamax's class attributes. `supports_symbolic_shapes=False` makes a call
+    # with `jax.export.symbolic_shape` dimensions a `NotImplementedError` (the next
+    # implementation runs it); every op here captures its `jax.vmap`s
+    # (`BoundArguments.vmap`), so `supports_batched_args_capture` is true for all.
+    supports_symbolic_shapes: ClassVar[bool] = True
+    supports_batched_args_capture: ClassVar[bool] = True
     # Keyword names `bind` also accepts, each for the argument it names (upstream Tokamax
     # spells some arguments differently: attention's `q`, `k`, `v`).
     argument_aliases: ClassVar[Mapping[str, str]] = {}
@@ -287,8 +310,27 @@ class Op[C]:
 
     # --- shared behaviour -------------------------------------------------------------
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return HOOKS.call_ops((self,), args, kwargs, explicit=True)
+    def __call__(self, *args: Any, return_residuals: bool = False, **kwargs: Any) -> Any:
+        """Runs the op: its output, or `(output, residuals)` with `return_residuals=True`."""
+        if not isinstance(return_residuals, bool):
+            raise TypeError(f"{type(self).__name__}: return_residuals must be a bool, got "
+                            f"{return_residuals!r}")
+        if not self.supports_symbolic_shapes and _has_symbolic_dims((args, kwargs)):
+            raise NotImplementedError(f"{type(self).__name__} does not support symbolic "
+                                      f"shapes")
+        return HOOKS.call_ops((self,), args, kwargs, explicit=True,
+                              return_residuals=return_residuals)
+
+    @property
+    def signature(self) -> inspect.Signature:
+        """The call's signature: the family's `bind` where it defines one, else `_fwd`'s
+        arguments (as upstream Tokamax's `Op.signature`)."""
+        function = type(self).__dict__.get("bind") or next(
+            klass.__dict__["bind"] for klass in type(self).__mro__ if "bind" in klass.__dict__)
+        if function is Op.__dict__["bind"]:
+            return _fwd_signature(type(self))
+        signature = inspect.signature(function.function)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
 
     def replace(self, **changes: Any) -> Op:
         return dataclasses.replace(self, **changes)
@@ -344,12 +386,20 @@ class Op[C]:
         return True
 
     def check_supported_target(self, target: Target) -> None:
-        """The device part of `check_supported`, for callers with no arguments yet."""
+        """The device part of `check_supported`, for callers with no arguments yet (none
+        with `bypass_device_check`)."""
+        if self.bypass_device_check:
+            return
         if self.platforms is not None and target.platform not in self.platforms:
             raise NotImplementedError(
                 f"{type(self).__name__} runs on {sorted(self.platforms)}, not on "
                 f"{target.platform}; use implementation='xla' or None"
             )
+
+def _has_symbolic_dims(tree: Any) -> bool:
+    return any(not isinstance(d, int) for leaf in jax.tree.leaves(tree)
+               if spec.is_array(leaf) for d in leaf.shape)
+
 
 def family_class(cls: type[Op]) -> type[Op]:
     """The op family of an implementation: the class right under `Op` (or `VjpOp`)."""
@@ -367,6 +417,17 @@ def _fwd_signature(cls: type[Op]) -> inspect.Signature:
         if name not in ("self", "config", "return_residuals")
     ]
     return signature.replace(parameters=params)
+
+
+def _check_binds(ba: BoundArguments) -> None:
+    """`spec.SpecError` unless the op's `bind` accepts the call read from a spec: its own
+    checks of shapes and values (a key of another head dimension than the query's) then
+    reject a bad file when it is read, not when a kernel is built from it."""
+    try:
+        ba.op.bind(*ba.args, **ba.kwargs)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        raise spec.SpecError(f"{type(ba.op).__name__}.bind rejects these arguments: "
+                             f"{e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,13 +483,11 @@ class BoundArguments:
         except (TypeError, ValueError):
             raise spec.SpecError(f"a bound-arguments spec's '__vmap__' must be [[axes, size], "
                                  f"...], got {data['arguments'].get('__vmap__')!r}") from None
-        parameters = _fwd_signature(type(op)).parameters
-        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-        unknown = set() if takes_any else set(arguments) - set(parameters)
-        if unknown:
-            raise spec.SpecError(f"{type(op).__name__} takes no arguments named "
-                                 f"{sorted(unknown)}")
-        return cls(op, {k: spec.decode(v) for k, v in arguments.items()}, vmap)
+        decoded = {k: spec.decode(v) for k, v in arguments.items()}
+        argument_types.check_arguments(type(op), decoded)
+        ba = cls(op, decoded, vmap)
+        _check_binds(ba)
+        return ba
 
     @classmethod
     def from_json(cls, text: str) -> BoundArguments:
@@ -452,9 +511,10 @@ class BoundArguments:
         return self._inspect_bound.kwargs
 
     def autotune(self, configs: Any = None, autotuner: Any = None, cache_results: bool = True,
-                 timeout: float | None = None) -> Mapping[Any, Any]:
+                 timeout: float | None = None) -> Any:
         """Measures `configs` (default: the op's candidates) of this call on the default
-        device: `{config: Measurement}`, as upstream Tokamax's `BoundArguments.autotune`.
+        device: `{config: Measurement}` (an `AutotuningData`, with `fastest_config`), as
+        upstream Tokamax's `BoundArguments.autotune`.
 
         `autotuner`: a `tokamax_pass.autotuning.Autotuner` (default: a new one, with
         `timeout` seconds for compiling). `cache_results=True` merges the measurements
@@ -466,6 +526,72 @@ class BoundArguments:
     @property
     def heuristics_config(self) -> Any:
         return self.op._get_heuristics_config(self)
+
+    # --- upstream Tokamax's members -------------------------------------------------
+
+    @property
+    def signature(self) -> inspect.Signature:
+        """The op's `_fwd` arguments (what `arguments` holds)."""
+        return _fwd_signature(type(self.op))
+
+    @property
+    def vmap_axis_sizes(self) -> tuple[int, ...]:
+        """The sizes of the `jax.vmap`s around the call, in the order of `vmap`."""
+        return tuple(level.size for level in self.vmap)
+
+    @property
+    def autotuning_cache_key(self) -> str:
+        """The key of this call in `Op.get_autotuning_cache()` (`cache_key`)."""
+        return self.cache_key
+
+    @property
+    def default_config(self) -> Any:
+        """The config a call of the op runs with: the op's own, else the one
+        `implementation`'s resolution finds (active results, user cache, library cache,
+        then `tokamax_pass.config.autotuning_cache_miss_fallback`: heuristics by default)."""
+        return HOOKS.resolve_config(self.op, self)[0]
+
+    @property
+    def cached_autotuning_data(self) -> Any:
+        """`{config: Measurement}` (an `AutotuningData`, with `fastest_config`) of this
+        call from the active results, the user cache or the library cache for the current
+        device kind, the first that measured it; `None` where none did or under
+        `tokamax_pass.config.ignore_autotuning_cache`."""
+        return HOOKS.cached_data(self)
+
+    def get_config(self, check_autotuning_cache: bool = True, autotune_configs: Any = None,
+                   cache_autotuning_results: bool = True, allow_heuristics: bool = True) -> Any:
+        """A config, as upstream Tokamax's `get_config`: the op's own; else the fastest in
+        `cached_autotuning_data` (if `check_autotuning_cache`); else the fastest of
+        `autotune_configs` measured now (if given; kept in the user cache if
+        `cache_autotuning_results`); else `heuristics_config` (if `allow_heuristics`);
+        else a `ValueError`."""
+        if self.op.config is not None:
+            return self.op.config
+        if self.op.config_cls is NullConfig:
+            return NullConfig()
+        if check_autotuning_cache:
+            data = self.cached_autotuning_data
+            if data:
+                return data.fastest_config
+        if autotune_configs is not None:
+            return self.autotune(autotune_configs,
+                                 cache_results=cache_autotuning_results).fastest_config
+        if allow_heuristics:
+            return self.heuristics_config
+        raise ValueError(f"no config found for {self!r}: nothing cached, no configs to "
+                         f"autotune and allow_heuristics=False")
+
+    def benchmark(self, mode: str = "forward") -> Any:
+        """Times the op on this call's arguments (abstract ones filled with random values):
+        a `tokamax_pass.benchmarking.BenchmarkData`. `mode`: as `standardize_function`'s."""
+        return HOOKS.benchmark_bound(self, mode)
+
+    @property
+    def vjp_arg_spec(self) -> dict[str, Any]:
+        """The arguments of this call's VJP op: these arguments with `residuals`, `out` and
+        `dout` as `jax.ShapeDtypeStruct`s (`op.vjp_op().bind(**ba.vjp_arg_spec)`)."""
+        return HOOKS.vjp_arg_spec(self)
 
     @property
     def autotuning_configs(self) -> set[Any]:

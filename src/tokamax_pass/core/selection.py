@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from tokamax_pass.core import errors, options, prediction
 from tokamax_pass.core.device import Target, current_target, lowering_for
-from tokamax_pass.core.op import BoundArguments, CannotLowerHere, NullConfig, Op
+from tokamax_pass.core.op import HOOKS, BoundArguments, CannotLowerHere, NullConfig, Op
 
 # Appended to a choice's source where `None` would run, on the target itself, an
 # implementation this machine cannot lower (`CannotLowerHere`: cuDNN, when a CPU machine
@@ -119,6 +119,9 @@ def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> 
         return _fastest_measured(ba.replace(op=op)), "autotuned on a cache miss"
     with lowering_for(target):
         return op._get_heuristics_config(ba.replace(op=op)), "heuristics"
+
+
+HOOKS.resolve_config = resolve_config
 
 
 def _consulted_sources() -> Sequence[ConfigSource]:

@@ -66,6 +66,11 @@ _ARRAY_SPEC = re.compile(r"^([a-z0-9]+)\[([0-9,]*)\]$")
 _ARRAY_SPEC_START = re.compile(r"^\s*[a-z]+[0-9]*\[")
 
 
+# A dataclass field's metadata key: a field marked with it is left out of its spec (how
+# to call an op, not what the op is: `Op.bypass_device_check`).
+NOT_IN_SPEC = "tokamax_pass_not_in_spec"
+
+
 class SpecError(ValueError):
     """A JSON spec that cannot be read back (corrupt, unknown op, newer schema)."""
 
@@ -240,7 +245,8 @@ def encode(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return {"enum": import_path(type(value)), "name": value.name}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        fields = {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)
+                  if not f.metadata.get(NOT_IN_SPEC)}
         try:
             return {"dataclass": import_path(type(value)), "fields": fields}
         except SpecError:
@@ -411,7 +417,7 @@ _TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 def check_schema(data: Mapping[str, Any], *, what: str) -> None:
     version = data.get("schema_version")
-    if not isinstance(version, int):
+    if not isinstance(version, int) or isinstance(version, bool):
         raise SpecError(f"{what} has no integer 'schema_version'")
     if version > SCHEMA_VERSION:
         raise SpecError(

@@ -1,0 +1,113 @@
+"""Loaders check each bound-arguments spec against its op (signature, kinds of values,
+`bind`'s own checks) and each measurement's fields: a bad entry is a `SpecError` naming
+it when read (or, not strict, a `BadEntryWarning` and the entry skipped), never a
+failure later, deep inside autotuning or a kernel."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from tokamax_pass.autotuning import bound_args_from_json
+from tokamax_pass.autotuning.result import FORMAT, AutotuningResult, BadEntryWarning
+from tokamax_pass.core.spec import SpecError
+
+_ATTENTION = {
+    "op": {"dataclass": "tokamax_kernels.attention.xla_chunked.XlaChunkedDotProductAttention",
+           "fields": {"config": None, "vjp": None}},
+    "arguments": {"query": "bf16[2,64,2,64]", "key": "bf16[2,64,2,64]",
+                  "value": "bf16[2,64,2,64]", "bias": None, "mask": None, "is_causal": True,
+                  "scale": 0.125, "query_seq_lengths": None, "key_value_seq_lengths": None,
+                  "local_window_size": None, "logits_soft_cap": None, "precision": None},
+}
+
+
+def _with(**changes):
+    entry = copy.deepcopy(_ATTENTION)
+    for name, value in changes.items():
+        if value is _MISSING:
+            del entry["arguments"][name]
+        else:
+            entry["arguments"][name] = value
+    return entry
+
+
+_MISSING = object()
+
+_BAD_ARGUMENTS = [
+    ({"query": _MISSING}, r"missing the arguments \['query'\]"),
+    ({"no_such_arg": 1}, r"takes no arguments named \['no_such_arg'\]"),
+    ({"is_causal": "yes"}, r"argument 'is_causal' must be bool, got 'yes'"),
+    ({"scale": "x"}, r"argument 'scale' must be float, got 'x'"),
+    ({"key": "abc"}, r"argument 'key' must be jax.Array, got 'abc'"),
+    ({"local_window_size": [1, "a"]}, r"'local_window_size' must be tuple\[int, int\] \| None"),
+    ({"key": "bf16[3,7,5,9]"}, r"bind rejects these arguments: .*batch 3 != query batch 2"),
+]
+
+
+def test_a_good_entry_loads():
+    (ba,) = bound_args_from_json(json.dumps([_ATTENTION]))
+    assert ba.arguments["query"].shape == (2, 64, 2, 64) and ba.arguments["is_causal"] is True
+
+
+@pytest.mark.parametrize("changes,match", _BAD_ARGUMENTS)
+def test_bound_args_from_json_rejects_an_entry_its_op_does_not_take(changes, match):
+    text = json.dumps([_ATTENTION, _with(**changes)])
+    with pytest.raises(SpecError, match=rf"bound-arguments JSON: entry 1: .*{match}"):
+        bound_args_from_json(text)
+    with pytest.warns(BadEntryWarning, match=r"skipping .*entry 1: "):
+        assert len(bound_args_from_json(text, strict=False)) == 1
+
+
+def _result(entry_json):
+    return json.dumps({"format": FORMAT, "schema_version": 1, "device_kind": "cpu",
+                       "entries": [entry_json]})
+
+
+def _measured(arguments_entry=_ATTENTION, **fields):
+    config = {"config": {"chunk_q": 64, "chunk_k": 64}, "evaluation_times_ms": [1.0],
+              **fields}
+    return {**arguments_entry, "provenance": None, "configs": [config]}
+
+
+def test_a_good_result_entry_loads():
+    result = AutotuningResult.loads(_result(_measured(lower_time_ms=2.5)), strict=True)
+    ((_, data),) = result.data
+    assert [m.lower_time_ms for m in data.values()] == [2.5]
+
+
+@pytest.mark.parametrize("changes,match", _BAD_ARGUMENTS[:3])
+def test_result_loads_rejects_arguments_its_op_does_not_take(changes, match):
+    text = _result(_measured(_with(**changes)))
+    with pytest.raises(SpecError, match=rf"entry 0: .*{match}"):
+        AutotuningResult.loads(text, strict=True)
+    with pytest.warns(BadEntryWarning, match="entry 0"):
+        assert len(AutotuningResult.loads(text)) == 0
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"lower_time_ms": "abc"}, "'lower_time_ms' must be a number >= 0 or null, got 'abc'"),
+    ({"compile_time_ms": -1}, "'compile_time_ms' must be a number >= 0"),
+    ({"peak_memory_mb": [1]}, r"'peak_memory_mb' must be a number >= 0 or null, got \[1\]"),
+    ({"error": 5}, "'error' must be a string or null, got 5"),
+])
+def test_result_loads_rejects_measurement_fields_of_the_wrong_kind(fields, match):
+    text = _result(_measured(**fields))
+    with pytest.raises(SpecError, match=rf"entry 0: {match}"):
+        AutotuningResult.loads(text, strict=True)
+    with pytest.warns(BadEntryWarning, match="entry 0"):
+        assert len(AutotuningResult.loads(text)) == 0
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("schema_version", True, "no integer 'schema_version'"),
+    ("tokamax_pass_version", 3, "'tokamax_pass_version' must be a string or null"),
+    ("jax_version", [], "'jax_version' must be a string or null"),
+])
+def test_result_loads_rejects_header_fields_of_the_wrong_kind(field, value, match):
+    document = json.loads(_result(_measured()))
+    document[field] = value
+    with pytest.raises(SpecError, match=match):
+        AutotuningResult.loads(json.dumps(document))
