@@ -109,9 +109,11 @@ class Graph:
         return True
 
 
-def dense_matmul(graph: Graph, var: Any) -> Any:
+def dense_matmul(graph: Graph, var: Any, *, transposed: bool = False) -> Any:
     """The `x @ w` equation making `var` (`x`'s last axis against the first of a `(K, N)`
-    floating `w`, no batch axes, `x` floating too), or `None`."""
+    floating `w`, no batch axes, `x` floating too), or `None`. With `transposed`, the
+    `x @ w.T` equation of an `(N, K)` `w` contracted on its last axis instead (a tied
+    embedding's logits, `jnp.einsum("btd,vd->btv", x, embedding)`)."""
     eqn = graph.producer(var, "dot_general")
     if eqn is None:
         return None
@@ -119,7 +121,8 @@ def dense_matmul(graph: Graph, var: Any) -> Any:
     rank = len(x.aval.shape)
     if len(w.aval.shape) != 2 or rank < 1:
         return None
-    if eqn.params["dimension_numbers"] != (((rank - 1,), (0,)), ((), ())):
+    if eqn.params["dimension_numbers"] != (((rank - 1,), (1 if transposed else 0,)),
+                                           ((), ())):
         return None
     if not all(jnp.issubdtype(a.aval.dtype, jnp.floating) for a in (x, w)):
         return None
