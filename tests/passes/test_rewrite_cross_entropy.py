@@ -1,7 +1,8 @@
-"""`optimize` rewrites `x @ w` followed by softmax cross-entropy with integer labels,
-written in plain JAX (`log_softmax` + `take_along_axis`, as optax spells it, also under
-the user's `jax.vmap`, the label's log-probability negated after its mean, the label
-picked by fancy indexing, or against one-hot labels), into the
+"""`optimize` rewrites `x @ w` (or `x @ embedding.T`, a tied `(V, H)` embedding)
+followed by softmax cross-entropy with integer labels, written in plain JAX
+(`log_softmax` + `take_along_axis`, as optax spells it, also under the user's `jax.vmap`
+or in a `jax.shard_map` body, the label's log-probability negated after its mean, the
+label picked by fancy indexing, or against one-hot labels), into the
 `linear_softmax_cross_entropy_loss` op where `implementation=None` picks a kernel for
 it, and leaves near-misses as written.
 
@@ -252,6 +253,80 @@ def test_a_gradient_traced_inside_optimize_runs_the_op_and_its_vjp(rewritten):
         assert_close(actual, wanted)
 
 
+def tied_logits_loss(x, embedding, labels):
+    """A tied LM head, Gemma's: the logits against the `(V, H)` embedding, `x @ emb.T`
+    written as one `einsum` (the `dot_general` contracts the embedding's last axis)."""
+    logits = jnp.einsum("btd,vd->btv", x, embedding, precision=HIGHEST)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]
+
+
+def transposed_embedding_loss(x, embedding, labels):
+    """`x @ embedding.T` spelled with the transpose, as optax's loss of it."""
+    return optax_spelling(x, embedding.T, labels)
+
+
+@pytest.mark.parametrize("f", [tied_logits_loss, transposed_embedding_loss],
+                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("vocabulary", [V, H], ids=["V", "square"])
+def test_a_tied_embeddings_logits_are_rewritten(rewritten, f, vocabulary):
+    """The `(V, H)` embedding is the op's weights transposed: values and both gradients
+    (the embedding's in its own layout) are `jax.jit`'s; a square embedding, read the
+    wrong way round, would give other values of the same shape."""
+    x, _, labels = operands()
+    embedding = random_normal(4, (vocabulary, H))
+    labels = labels % vocabulary
+    cotangent = random_normal(9, (B, T))
+
+    def loss(fn, x, embedding):
+        return (fn(x, embedding, labels) * cotangent).sum()
+
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, x, embedding, labels) == [REWRITTEN]
+    assert op_names(optimized, x, embedding, labels) == ["LinearSoftmaxCrossEntropyLoss"]
+    expected = jax.jit(jax.value_and_grad(functools.partial(loss, f), argnums=(0, 1)))
+    value, grads = jax.value_and_grad(functools.partial(loss, optimized), argnums=(0, 1))(
+        x, embedding)
+    wanted_value, wanted_grads = expected(x, embedding)
+    assert_close(value, wanted_value)
+    for actual, wanted in zip(grads, wanted_grads, strict=True):
+        assert actual.shape == wanted.shape
+        assert_close(actual, wanted)
+
+
+def tied_language_model(tokens, embedding, labels):
+    """The embedding looked up for the input tokens and tied to the LM head."""
+    hidden = jnp.tanh(embedding[tokens])
+    return tied_logits_loss(hidden, embedding, labels).mean()
+
+
+def test_a_tied_embedding_also_looked_up_gets_the_sum_of_both_gradients(rewritten):
+    _, _, labels = operands()
+    tokens = jax.random.randint(jax.random.key(5), (B, T), 0, V)
+    embedding = random_normal(4, (V, H))
+    grad = jax.value_and_grad(tied_language_model, argnums=1)
+    optimized = tokamax.optimize(grad)
+    assert outcomes(optimized, tokens, embedding, labels) == [REWRITTEN]
+    for actual, wanted in zip(optimized(tokens, embedding, labels),
+                              jax.jit(grad)(tokens, embedding, labels), strict=True):
+        assert_close(actual, wanted)
+
+
+def test_a_loss_in_a_shard_map_body_checking_vma(rewritten):
+    """`jax.shard_map`'s default `check_vma`: the literals in `log_softmax` and
+    `take_along_axis` are cast to vary over the mesh axis (`pvary`), and still match."""
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    sharded = jax.shard_map(log_softmax_loss, mesh=mesh,
+                            in_specs=(jax.P("d"), jax.P(), jax.P("d")), out_specs=jax.P("d"))
+    x, w, labels = operands()
+    optimized = tokamax.optimize(sharded)
+    (match,) = optimized.plan(x, w, labels).matches
+    assert (match.path, match.outcome) == ("shard_map/" + match.pattern, REWRITTEN)
+    actual, expected = optimized(x, w, labels), jax.jit(sharded)(x, w, labels)
+    assert jnp.array_equal(jnp.isnan(actual), jnp.isnan(expected))
+    assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+
 def logits_used_twice(x, w, labels):
     logits = logits_of(x, w)
     label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
@@ -323,10 +398,19 @@ def smoothed_optax_under_vmap(x, w, labels):
     return jax.vmap(per_example)(x, labels)
 
 
+def embedding_against_the_wrong_axis(x, w, labels):
+    """A `(V, H)` embedding contracted with `x`'s middle axis, not its last (of the same
+    length: the last would give other logits of the same shape)."""
+    x, embedding = x[..., :T], w[:T].T
+    logits = jnp.einsum("bdt,vd->btv", x, embedding, precision=HIGHEST)
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]
+
+
 @pytest.mark.parametrize("f", [softmax_over_the_wrong_axis, smoothed_labels, bfloat16_logits,
                                float32_logits_of_a_bfloat16_product, soft_capped_in_bfloat16,
                                indexed_in_reversed_rows, indexed_along_the_rows,
-                               indexed_in_clip_mode, smoothed_optax_under_vmap],
+                               indexed_in_clip_mode, smoothed_optax_under_vmap,
+                               embedding_against_the_wrong_axis],
                          ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     x, w, labels = operands()
@@ -357,13 +441,23 @@ def lm_head_loss(x, w, labels):
     return (jax.nn.logsumexp(logits, axis=-1) - label_logits).mean()
 
 
-def test_a_kernel_predicted_faster_replaces_the_loss(calibration_dir):
+def tied_lm_head_loss(x, embedding, labels):
+    logits = jnp.einsum("td,vd->tv", x, embedding).astype(jnp.float32)
+    label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return (jax.nn.logsumexp(logits, axis=-1) - label_logits).mean()
+
+
+@pytest.mark.parametrize("f,w", [(lm_head_loss, W),
+                                 (tied_lm_head_loss, jax.ShapeDtypeStruct(W.shape[::-1],
+                                                                          W.dtype))],
+                         ids=["untied", "tied"])
+def test_a_kernel_predicted_faster_replaces_the_loss(calibration_dir, f, w):
     calibrate(calibration_dir, {"PallasMosaicGpuLinearSoftmaxCrossEntropyLoss": 0.8,
                                 "LinearSoftmaxCrossEntropyLoss": 0.05})
-    plan = h200_plan(lm_head_loss, X, W, LABELS)
+    plan = h200_plan(f, X, w, LABELS)
     (match,) = plan.matches
     assert match.rewritten and match.implementation["cuda"] != "xla", match.outcome
-    assert match.source_line.endswith("(lm_head_loss)")
+    assert match.source_line.endswith(f"({f.__name__})")
 
 
 def test_a_differentiated_loss_keeps_the_xla_path_for_its_memory(calibration_dir):

@@ -236,6 +236,37 @@ def test_shard_map_bodies(rewritten, check_vma):
     assert_trees_close(optimized(x, scale), jax.jit(step)(x, scale))
 
 
+@pytest.mark.parametrize("differentiated", [False, True], ids=["forward", "gradient"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_pattern_in_a_shard_map_body_checking_vma(rewritten, name, differentiated):
+    """Under `check_vma` (`jax.shard_map`'s default), `jnp` marks the literals inside its
+    jitted functions (`take_along_axis`, `log_softmax`) varying over the mesh axis with
+    `pvary`: the bodies compare equal to the spellings' all the same, and the op's
+    function (the labels' arithmetic of the loss) is traced with its constants varying
+    where they meet varying values."""
+    f, args, _ = CASES[name]
+    mesh = jax.make_mesh((2,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:2])
+    labels = (len(args) - 1,) if f is cross_entropy else ()
+    per_example = {"attention": (0, 1, 2)}.get(name, (0, *labels))  # the others replicated
+    in_specs = tuple(jax.P("d") if i in per_example else jax.P() for i in range(len(args)))
+    sharded = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=jax.P("d"))
+    cotangent = random_normal(9, jax.eval_shape(f, *args).shape)
+
+    def step(*args):
+        if not differentiated:
+            return sharded(*args)
+        return jax.value_and_grad(lambda *a: (sharded(*a) * cotangent).sum(),
+                                  argnums=tuple(i for i in range(len(args))
+                                                if i not in labels))(*args)
+
+    optimized = tokamax.optimize(step)
+    assert outcomes(optimized, *args) == [REWRITTEN]
+    with jax.default_matmul_precision("highest"):
+        expected = jax.jit(step)(*args)
+    assert_trees_close(optimized(*args), expected)
+
+
 @pytest.mark.parametrize("differentiated", [False, True])
 def test_a_shard_map_made_before_optimize(rewritten, differentiated):
     """A `shard_map` function built before `optimize` (a model's module-level sharded

@@ -4,7 +4,6 @@ several equations (a region ending at the equation where the pattern is matched)
 from __future__ import annotations
 
 import functools
-import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,8 +32,8 @@ class Graph:
         self._users: dict[Any, list[Any]] = defaultdict(list)
         self._views: dict[int, Any] = {}
         eqns = self._read_through_casts(jaxpr.eqns)
-        self._outputs = {self._source.get(v, v) for v in jaxpr.outvars
-                         if not isinstance(v, Literal)}
+        self._outputs = {v for v in map(self.source, jaxpr.outvars)
+                         if not isinstance(v, Literal)}  # a cast literal reads as one
         self._live_ids = live = self._live(eqns)
         for eqn in eqns:
             for var in eqn.invars:
@@ -63,6 +62,11 @@ class Graph:
     def view(self, eqn: Any) -> Any:
         """`eqn` as patterns see it: reading through casts that keep values."""
         return self._views.get(id(eqn), eqn)
+
+    def source(self, var: Any) -> Any:
+        """`var` read through casts that keep values: the operand of the `_SAME_VALUES`
+        cast making it, else `var` itself."""
+        return var if isinstance(var, Literal) else self._source.get(var, var)
 
     def _live(self, eqns: list[Any]) -> set[int]:
         """The ids of the equations whose results reach an output or an effect (`jnp`
@@ -105,9 +109,11 @@ class Graph:
         return True
 
 
-def dense_matmul(graph: Graph, var: Any) -> Any:
+def dense_matmul(graph: Graph, var: Any, *, transposed: bool = False) -> Any:
     """The `x @ w` equation making `var` (`x`'s last axis against the first of a `(K, N)`
-    floating `w`, no batch axes, `x` floating too), or `None`."""
+    floating `w`, no batch axes, `x` floating too), or `None`. With `transposed`, the
+    `x @ w.T` equation of an `(N, K)` `w` contracted on its last axis instead (a tied
+    embedding's logits, `jnp.einsum("btd,vd->btv", x, embedding)`)."""
     eqn = graph.producer(var, "dot_general")
     if eqn is None:
         return None
@@ -115,7 +121,8 @@ def dense_matmul(graph: Graph, var: Any) -> Any:
     rank = len(x.aval.shape)
     if len(w.aval.shape) != 2 or rank < 1:
         return None
-    if eqn.params["dimension_numbers"] != (((rank - 1,), (0,)), ((), ())):
+    if eqn.params["dimension_numbers"] != (((rank - 1,), (1 if transposed else 0,)),
+                                           ((), ())):
         return None
     if not all(jnp.issubdtype(a.aval.dtype, jnp.floating) for a in (x, w)):
         return None
@@ -206,14 +213,16 @@ def same_structure(graph: Graph, var: Any, reference: Jaxpr, ref_var: Any,
                    bound: dict[Any, Any], region: list[Any]) -> bool:
     """Whether `var` is computed as `reference` (a jaxpr traced from a known spelling)
     computes `ref_var`, each input of `reference` bound to one variable of `graph`
-    (recorded in `bound`); the equations are added to `region`."""
+    (recorded in `bound`); the equations are added to `region`. Casts that keep values
+    are read through, in `graph` and in the bodies of calls (`same_function`)."""
     if isinstance(ref_var, Literal):
         value = literal_value(var)
         return value is not None and var.aval == ref_var.aval and bool(
             np.all(np.asarray(value) == np.asarray(ref_var.val)))
+    var = graph.source(var)
+    if ref_var in bound:
+        return bound[ref_var] is var
     if ref_var in reference.invars:
-        if ref_var in bound:
-            return bound[ref_var] is var
         if isinstance(var, Literal):
             return False
         bound[ref_var] = var
@@ -228,22 +237,63 @@ def same_structure(graph: Graph, var: Any, reference: Jaxpr, ref_var: Any,
         return False
     if _params_key(eqn.params) != _params_key(ref_eqn.params):
         return False
+    if not all(same_function(eqn.params[name], ref_eqn.params[name])
+               for name in _bodies(ref_eqn.params)):
+        return False
     region.append(eqn)
     return all(same_structure(graph, a, reference, b, bound, region)
                for a, b in zip(eqn.invars, ref_eqn.invars, strict=True))
 
 
-# NumPy integers in a jaxpr's text (`jax.vmap` leaves `np.int64` axes in parameters).
-_NUMPY_INTEGER = re.compile(r"np\.u?int(?:8|16|32|64)\((-?\d+)\)")
+def same_function(body: Jaxpr | ClosedJaxpr, reference: Jaxpr | ClosedJaxpr) -> bool:
+    """Whether `body` (a call's jaxpr, as `jit` holds one) computes each of its outputs
+    from its inputs (in order) as `reference` does, compared by `same_structure`: so a
+    body of a `shard_map` under `check_vma`, whose `pvary` casts mark literals varying
+    over the mesh axes, is the body of the same call outside it. Without effects."""
+    jaxpr, consts = _opened(body)
+    ref_jaxpr, ref_consts = _opened(reference)
+    if jaxpr.effects or ref_jaxpr.effects:
+        return False
+    inputs, ref_inputs = [*jaxpr.constvars, *jaxpr.invars], [*ref_jaxpr.constvars,
+                                                             *ref_jaxpr.invars]
+    if ([_shape_dtype(v) for v in (*inputs, *jaxpr.outvars)]
+            != [_shape_dtype(v) for v in (*ref_inputs, *ref_jaxpr.outvars)]
+            or len(jaxpr.constvars) != len(ref_jaxpr.constvars)):
+        return False
+    if not all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(consts, ref_consts, strict=True)):
+        return False
+    graph = Graph(jaxpr)
+    bound = dict(zip(ref_inputs, inputs, strict=True))
+    return all(same_structure(graph, out, ref_jaxpr, ref_out, bound, [])
+               for out, ref_out in zip(jaxpr.outvars, ref_jaxpr.outvars, strict=True))
+
+
+def _opened(body: Jaxpr | ClosedJaxpr) -> tuple[Jaxpr, list[Any]]:
+    """`(jaxpr, consts)` of a closed jaxpr, a plain one with no constant values."""
+    if isinstance(body, ClosedJaxpr):
+        return body.jaxpr, list(body.consts)
+    return body, [None] * len(body.constvars)
+
+
+def _shape_dtype(var: Any) -> tuple[tuple[int, ...], Any]:
+    """A variable's shape and dtype, without what else its type records (the mesh axes
+    it varies over, under `check_vma`)."""
+    return tuple(var.aval.shape), var.aval.dtype
+
+
+def _bodies(params: dict[str, Any]) -> list[str]:
+    """The names of the parameters holding jaxprs (a call's body)."""
+    return [name for name, value in params.items() if isinstance(value, (Jaxpr, ClosedJaxpr))]
 
 
 def _params_key(params: dict[str, Any]) -> dict[str, str]:
-    """Parameters comparable across traces: sub-jaxprs by their text (NumPy integers in it
-    written as numbers, as `_plain` writes them), functions by kind."""
+    """Parameters comparable across traces, but for the jaxprs (compared by
+    `same_function`): functions by kind, NumPy integers as numbers."""
     key = {}
     for name, value in params.items():
         if isinstance(value, (Jaxpr, ClosedJaxpr)):
-            key[name] = _NUMPY_INTEGER.sub(r"\1", str(value))
+            key[name] = "jaxpr"
         elif isinstance(value, lu.WrappedFun) or callable(value):
             key[name] = type(value).__name__
         else:

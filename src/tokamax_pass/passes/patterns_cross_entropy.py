@@ -4,12 +4,15 @@ logits `x @ w` against integer labels, written in plain JAX, replaced by the
 stays as written).
 
 Matched at the loss, in float32, the logits `x @ w` (`x`'s last axis against a `(H, V)`
-`w`) possibly cast to float32 and then soft-capped (`cap * tanh(logits / cap)`, Gemma
-2's final-logit cap, the op's `logits_soft_cap`) first, spelled as
-`-take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]` or as optax
-spells it, `jax.nn.logsumexp(logits, -1) - take_along_axis(logits, labels[..., None],
--1)[..., 0]` (`jnp.expand_dims` and `squeeze` too). Labels index as `take_along_axis`
-does: a negative one counts from the end, and one out of range gives NaN.
+`w`, or against the last axis of a `(V, H)` `w`, a tied embedding's logits
+`jnp.einsum("btd,vd->btv", x, embedding)`, whose `w.T` the op takes: the op has no
+layout of its own for it, and its kernels read the transposed copy) possibly cast to
+float32 and then soft-capped (`cap * tanh(logits / cap)`, Gemma 2's final-logit cap, the
+op's `logits_soft_cap`) first, spelled as `-take_along_axis(jax.nn.log_softmax(logits),
+labels[..., None], -1)[..., 0]` or as optax spells it, `jax.nn.logsumexp(logits, -1) -
+take_along_axis(logits, labels[..., None], -1)[..., 0]` (`jnp.expand_dims` and `squeeze`
+too). Labels index as `take_along_axis` does: a negative one counts from the end, and
+one out of range gives NaN.
 
 Two more spellings: the label's log-probability `take_along_axis(log_softmax(logits),
 ...)[..., 0]` (or left `(..., 1)`, without the `[..., 0]`) negated later
@@ -212,12 +215,11 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         found = _logits_matmul(graph, logits)
         if found is None:
             continue
-        x, w, precision, cap, plumbing = found
-        whole = [*region, *plumbing]
+        whole = [*region, *found.equations]
         if not graph.private([e for e in whole if e is not eqn], eqn):
             return Candidate(NAME, None, "the logits are used elsewhere (a gradient traced "
                                          "inside optimize keeps them for its backward)")
-        return Candidate(NAME, _function(precision, cap, spelling), inputs=(x, labels, w))
+        return Candidate(NAME, _function(found, spelling), inputs=(found.x, labels, found.w))
     return None
 
 
@@ -295,10 +297,23 @@ def _index_dtypes(graph: Graph, indices: Any) -> list[Any]:
     return list(dict.fromkeys(dtypes))
 
 
-def _logits_matmul(graph: Graph, logits: Any
-                   ) -> tuple[Any, Any, Any, float | None, list[Any]] | None:
-    """`(x, w, precision, cap, equations)` where `logits` is `x @ w`, possibly cast to
-    float32, then possibly soft-capped (`cap * tanh(logits / cap)`; else `cap` None)."""
+@dataclasses.dataclass(frozen=True)
+class _LogitsMatmul:
+    """The logits' product `x @ w` (`x @ w.T` where `transposed`: a `(V, H)` `w`, as a
+    tied embedding is), its precision and soft cap (`None`: none), and its equations
+    from the product to the logits."""
+
+    x: Any
+    w: Any
+    precision: Any
+    cap: float | None
+    transposed: bool
+    equations: list[Any]
+
+
+def _logits_matmul(graph: Graph, logits: Any) -> _LogitsMatmul | None:
+    """The product `logits` are, possibly cast to float32, then possibly soft-capped
+    (`cap * tanh(logits / cap)`)."""
     plumbing: list[Any] = []
     cap = None
     capped = soft_capped(graph, logits)
@@ -308,7 +323,11 @@ def _logits_matmul(graph: Graph, logits: Any
     if convert is not None:
         plumbing.append(convert)
         logits = convert.invars[0]
+    transposed = False
     dot = dense_matmul(graph, logits)
+    if dot is None:
+        transposed = True
+        dot = dense_matmul(graph, logits, transposed=True)
     if dot is None:
         return None
     x, w = dot.invars
@@ -316,16 +335,20 @@ def _logits_matmul(graph: Graph, logits: Any
     # `preferred_element_type` does.
     if x.aval.dtype != w.aval.dtype or dot.outvars[0].aval.dtype != x.aval.dtype:
         return None
-    return x, w, dot.params["precision"], cap, [*plumbing, dot]
+    return _LogitsMatmul(x, w, dot.params["precision"], cap, transposed, [*plumbing, dot])
 
 
-def _function(precision: Any, cap: float | None,
-              spelling: _Spelling) -> Callable[[Any, Any, Any], Any]:
+def _function(product: _LogitsMatmul, spelling: _Spelling) -> Callable[[Any, Any, Any], Any]:
+    precision, cap, transposed = product.precision, product.cap, product.transposed
+
     def function(x: Any, labels: Any, w: Any) -> Any:
         from tokamax_kernels.linear_softmax_cross_entropy_loss.api import (
             linear_softmax_cross_entropy_loss,
         )
 
+        # The op takes `(H, V)` weights: a `(V, H)` one is passed transposed (the op has
+        # no layout of its own for it), so its gradient arrives in its own layout.
+        w = w.T if transposed else w
         labels = labels.astype(jnp.int32)
         outside = _outside(labels, w.shape[-1])
         op_labels, nan = _labels_for_op(spelling.labels, labels, outside, w.shape[-1])

@@ -162,8 +162,15 @@ class Rewriter:
         kept = self.kept_pattern(eqn, path, graph)
         if kept is None:
             return None
-        _, inputs, traced = kept
-        return emit.emit(self, traced, [read(v) for v in inputs], path)
+        candidate, inputs, traced = kept
+        values = [read(v) for v in inputs]
+        if any(jax.typeof(value).mat.varying for value in values):
+            assert candidate.function is not None  # kept: it has one
+            # Inside a `shard_map` under `check_vma`: traced again at the values' types,
+            # so that jnp marks its constants varying where they meet varying values.
+            traced = walk.trace_plain(jax.make_jaxpr(candidate.function),
+                                      *map(jax.typeof, values))
+        return emit.emit(self, traced, values, path)
 
     def kept_pattern(self, eqn: Any, path: str, graph: Graph | None,
                      names: frozenset[str] | None = None, *, differentiated: bool = False
