@@ -176,7 +176,8 @@ def standardize_function(
     upstream Tokamax does): without it XLA fuses the backward with the expression that
     made the cotangent, which no training step allows (a jnp expression timed without it
     can rank ahead of an op it trails inside `jax.grad`:
-    `benchmarks/probes/glu_vjp_variants_probe.py`).
+    `benchmarks/probes/glu_vjp_variants_probe.py`). It returns upstream's structure,
+    `(out, (gradients,))`, a gradient for every array.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be 'forward', 'forward_res', 'vjp' or 'forward_and_vjp', "
@@ -229,7 +230,10 @@ def standardize_function(
         def f_std(xs: list[Any]) -> Any:
             out, pullback = jax.vjp(lambda *d: forward_diff(xs, *d), *(xs[i] for i in diff))
             out = jax.lax.optimization_barrier(out)
-            return out, pullback(out)
+            grads = dict(zip(diff, pullback(out), strict=True))
+            # Upstream's structure, `jax.vjp` of `f_std`'s one argument: `(out,
+            # (gradients,))`, a gradient for every array (float0 zeros for integers).
+            return out, (tuple(grads.get(i, _no_gradient(x)) for i, x in enumerate(xs)),)
 
         return f_std, arrays
     if any(isinstance(a, jax.ShapeDtypeStruct) for a in arrays):
@@ -246,6 +250,11 @@ def standardize_function(
         ),
         [*residuals, *jax.tree.leaves(dout)],
     )
+
+
+def _no_gradient(x: Any) -> Any:
+    """The cotangent `jax.vjp` gives an integer array: float0 zeros of its shape."""
+    return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 def _split_like(tree: Any, seed: int) -> Any:

@@ -81,6 +81,24 @@ def test_forward_res_runs_the_forward_as_differentiation_does():
     assert len(data.evaluation_times_ms) == 1
 
 
+def test_forward_and_vjp_returns_a_gradient_for_every_array_as_upstream():
+    """Upstream's `out, (dargs,) = f_std(arrays)`: the gradients of `f_std`'s one
+    argument, the list of arrays (float0 zeros for an integer one)."""
+    x, y = random_normal(6, (2, 3)), random_normal(7, (2, 3))
+    steps = jnp.arange(6, dtype=jnp.int32).reshape(2, 3)
+
+    def f(x, y, steps):
+        return {"out": jnp.sin(x) * y + steps}
+
+    f_std, arrays = tokamax.standardize_function(f, x, y, steps, mode="forward_and_vjp")
+    out, (dargs,) = f_std(arrays)
+    expected, pullback = jax.vjp(lambda x, y: f(x, y, steps), x, y)
+    assert_close(out["out"], expected["out"])
+    for got, want in zip(dargs[:2], pullback(expected), strict=True):
+        assert_close(got, want)
+    assert dargs[2].dtype == jax.dtypes.float0 and dargs[2].shape == steps.shape
+
+
 def test_standardize_function_runs_batched_shape_dtypes_under_vmap():
     def gram(x, y):  # rank-2 operands only: the batch must come from vmap
         return jnp.matmul(x, y.T, precision=jax.lax.Precision.HIGHEST)
