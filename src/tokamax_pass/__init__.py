@@ -1,9 +1,9 @@
 """tokamax_pass: fast JAX kernels for Hopper GPUs, autotuned, and the pass that bakes them in.
 
 The ops (`dot_product_attention`, `layer_norm`, `ragged_dot`, `gated_linear_unit`,
-`linear_softmax_cross_entropy_loss`), their implementation classes and the MoE routing
-functions (`moe_dispatch`, `moe_combine`) live in `tokamax_kernels` and are re-exported
-here lazily, so `import tokamax_pass` stays
+`linear_softmax_cross_entropy_loss`, `triangle_multiplication`), their implementation
+classes and the MoE routing functions (`moe_dispatch`, `moe_combine`) live in
+`tokamax_kernels` and are re-exported here lazily, so `import tokamax_pass` stays
 cheap and the framework never imports a kernel from inside. `tokamax_pass.ops` is
 upstream Tokamax's `tokamax.ops` namespace over the same ops.
 """
@@ -30,7 +30,7 @@ from tokamax_pass.version import __git_revision__, __version__, __version_info__
 
 # Op families, in `tokamax_kernels`; each package's `__all__` lists what it exports.
 _KERNEL_PACKAGES = ("attention", "layer_norm", "ragged_dot", "gated_linear_unit",
-                    "linear_softmax_cross_entropy_loss")
+                    "linear_softmax_cross_entropy_loss", "triangle_multiplication")
 
 # The op functions and the names that go with them (upstream Tokamax's among them), for
 # `from tokamax_pass import *`; the kernel classes are reached by name.
@@ -46,6 +46,7 @@ _OP_NAMES = (
     "moe_dispatch",
     "ragged_dot",
     "ragged_dot_general",
+    "triangle_multiplication",
 )
 
 # Framework names defined in modules that are imported on first use.

@@ -17,6 +17,7 @@ from tokamax_kernels.gated_linear_unit import gated_linear_unit
 from tokamax_kernels.layer_norm import layer_norm
 from tokamax_kernels.linear_softmax_cross_entropy_loss import linear_softmax_cross_entropy_loss
 from tokamax_kernels.ragged_dot import ragged_dot, ragged_dot_general
+from tokamax_kernels.triangle_multiplication import triangle_multiplication
 
 __all__ = [
     "DotProductAttentionImplementation",
@@ -28,6 +29,7 @@ __all__ = [
     "ragged_dot",
     "ragged_dot_general",
     "tpu",
+    "triangle_multiplication",
 ]
 
 
