@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +119,28 @@ def test_standardize_function_runs_batched_shape_dtypes_under_vmap():
     assert_close(f_std(arrays), expected)
     with pytest.raises(ValueError, match="cannot mix"):
         tokamax.standardize_function(gram, x, jnp.ones((5, 4)))
+
+
+def test_an_op_written_against_upstreams_generic_op_subclasses_ours():
+    """Upstream's `Op[P, T, R, C, K]`: the config type fourth."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        block: int = 8
+
+    class Doubled(tokamax.Op[Any, jax.Array, None, Config, Any]):
+        config_cls = Config
+
+        def _fwd(self, x, *, config, return_residuals):
+            return 2.0 * x, None
+
+        def _get_heuristics_config(self, ba):
+            return Config()
+
+    class Plain(tokamax.Op[Config]):
+        config_cls = Config
+
+    x = random_normal(11, (2, 4))
+    assert_close(Doubled()(x), 2.0 * x)
+    assert typing.get_args(Doubled.__orig_bases__[0]) == typing.get_args(
+        Plain.__orig_bases__[0]) == (Config,)

@@ -167,6 +167,15 @@ class Op[C]:
     argument_aliases: ClassVar[Mapping[str, str]] = {}
     # Registry name of this implementation (`"xla"`, `"triton"`, ...).
     implementation: ClassVar[str] = "xla"
+
+    def __class_getitem__(cls, params: Any) -> Any:
+        """`Op[Config]`, or upstream Tokamax's `Op[P, T, R, Config, K]` (the config type
+        fourth), so that a class written against upstream's generic `Op` subclasses this
+        one; `config_cls` names the config in both."""
+        if isinstance(params, tuple) and len(params) == 5:
+            params = params[3]
+        return super().__class_getitem__(params)  # type: ignore[misc]
+
     # Platforms the implementation lowers for; `None` means every platform.
     platforms: ClassVar[frozenset[str] | None] = None
     # Whether tracing and lowering one call holds the Python interpreter for long (Pallas
