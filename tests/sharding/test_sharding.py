@@ -123,6 +123,29 @@ def test_jit_with_sharded_inputs_partitions_without_gathering(name):
     assert _gathers(forward_hlo) == [] and _gathers(backward_hlo) == []
 
 
+@pytest.mark.parametrize("name", ["layer_norm", "attention", "ragged_dot"])
+def test_vmap_under_set_mesh_in_either_order_with_jit(name):
+    """`jax.vmap` over op calls under a mesh: mapped inside `jax.jit` (the call is bound
+    whole) and outside it (the partitioned call is mapped whole); batched calls lower
+    unpartitioned."""
+    fn, inputs, specs, argnums = CASES[name]
+    in_axes = [0 if i in argnums else None for i in range(len(inputs))]
+    stacked = [jnp.stack([x, x[::-1] * 0.5]) if a == 0 else x
+               for x, a in zip(inputs, in_axes, strict=True)]
+    mapped = jax.vmap(fn, in_axes=in_axes)
+    with reference_precision():
+        expected = mapped(*stacked)
+        expected_grads = _loss(mapped, argnums)(*stacked)
+    mesh = _mesh()
+    sharded = [jax.device_put(x, NamedSharding(mesh, P(None, *s) if a == 0 else s))
+               for x, s, a in zip(stacked, specs, in_axes, strict=True)]
+    with jax.set_mesh(mesh), reference_precision():
+        for program in (jax.jit(mapped), jax.vmap(jax.jit(fn), in_axes=in_axes)):
+            assert_close(program(*sharded), expected)
+            for g, e in zip(_loss(program, argnums)(*sharded), expected_grads, strict=True):
+                assert_close(g, e)
+
+
 def _spec(x):
     """`x`'s PartitionSpec as a tuple with one entry per dim."""
     spec = tuple(jax.typeof(x).sharding.spec)

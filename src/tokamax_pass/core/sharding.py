@@ -34,8 +34,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import core as jax_core
 from jax._src import mesh as mesh_lib
 from jax._src import sharding_impls
+from jax._src.custom_partitioning import custom_partitioning_p
+from jax._src.interpreters import batching as jax_batching
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 
@@ -229,6 +232,11 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
     mode = _mode()
     if call.vmap or (mode in ("single", "manual") and not explicit):
         return bind_local(*operands)
+    if mode == "concrete" and not explicit and any(
+            isinstance(x, jax_batching.BatchTracer) for x in operands):
+        # Under `jax.vmap`, which `custom_partitioning` has no rule for: bound whole, the
+        # call is batched by its own rule and partitioned when it is lowered.
+        return bind_local(*operands)
     if not explicit and _explicit_axes():  # replicated operands: a replicated call
         return bind_local(*operands)
     found = _call_rule(call, [jax.typeof(x) for x in operands])
@@ -306,6 +314,7 @@ def _custom_partitioned(call: Any, rule: PartitionRule, operand_dims: Sequence[D
         local = _local_function(call, rule, out_dims, assignment, sizes, bind_local)
         return mesh, local, out_shardings, arg_shardings
 
+    setattr(partition, _OP_CALL, True)
     partitioned.def_partition(partition=partition,
                               sharding_rule=_sdy_rule(operand_dims, out_dims, shapes, out_shapes))
     return partitioned
@@ -329,3 +338,24 @@ def _sdy_rule(operand_dims: Sequence[Dims], out_dims: Sequence[Dims],
     ins = [operand(d, s) for d, s in zip(operand_dims, shapes, strict=True)]
     outs = [operand(d, s) for d, s in zip(out_dims, out_shapes, strict=True)]
     return ", ".join(ins) + " -> " + ", ".join(outs)
+
+
+# Marks the partition callbacks of op calls (`_custom_partitioned`).
+_OP_CALL = "_tokamax_pass_op_call"
+
+
+def _batched_op_call(args: Sequence[Any], dims: Sequence[Any], *, call: Any, partition: Any,
+                     **params: Any) -> tuple[list[Any], list[int]]:
+    """`jax.vmap` of an op call that `custom_partitioning` partitions (traced inside
+    `jax.jit` under a mesh, then mapped), which JAX has no batching rule for: the call is
+    mapped whole, batched by its own rule, and a batched call is lowered unpartitioned
+    (its operands gathered). Other `custom_partitioning` calls keep JAX's error."""
+    del params
+    if not getattr(partition, _OP_CALL, False):
+        raise NotImplementedError("Batching rule for 'custom_partitioning' not implemented")
+    outs = jax.vmap(jax_core.jaxpr_as_fun(call), in_axes=list(dims))(*args)
+    return list(outs), [0] * len(outs)
+
+
+if custom_partitioning_p not in jax_batching.fancy_primitive_batchers:
+    jax_batching.primitive_batchers[custom_partitioning_p] = _batched_op_call
