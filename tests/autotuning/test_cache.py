@@ -105,6 +105,16 @@ def test_corrupt_file_is_reported_left_in_place_and_not_overwritten():
     assert path.read_text() == '{"format": "tokamax_pass.AutotuningResult", "entr'
 
 
+def test_a_user_cache_entry_with_a_time_no_float_holds_is_skipped_with_a_warning():
+    path = cache.cache_file(current_target().device_kind)
+    path.parent.mkdir(parents=True)
+    document = json.loads(_result(16).dumps())
+    document["entries"][0]["configs"][0]["evaluation_times_ms"] = [10**400]
+    path.write_text(json.dumps(document))
+    with pytest.warns(UserWarning, match="entry 0: 'evaluation_times_ms' must be"):
+        assert _resolve() == (ChunkConfig(32), "heuristics")
+
+
 def test_autotune_cache_true_writes_the_user_cache():
     x = jax.random.normal(jax.random.key(0), (8, 32))
     w = jax.random.normal(jax.random.key(1), (32, 8))

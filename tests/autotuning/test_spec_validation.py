@@ -101,6 +101,23 @@ def test_result_loads_rejects_measurement_fields_of_the_wrong_kind(fields, match
         assert len(AutotuningResult.loads(text)) == 0
 
 
+@pytest.mark.parametrize("fields", [
+    {"evaluation_times_ms": [10**400]},  # an integer no float holds: OverflowError
+    {"evaluation_times_ms": [1.0, float("inf")]},
+    {"evaluation_times_ms": [float("nan")]},
+    {"lower_time_ms": 10**400},
+    {"compile_time_ms": float("inf")},
+    {"peak_memory_mb": float("nan")},
+])
+def test_result_loads_rejects_times_no_float_holds_or_not_finite(fields):
+    text = _result(_measured(**fields))
+    (name,) = fields
+    with pytest.raises(SpecError, match=rf"entry 0: '{name}' must be"):
+        AutotuningResult.loads(text, strict=True)
+    with pytest.warns(BadEntryWarning, match="entry 0"):
+        assert len(AutotuningResult.loads(text)) == 0
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("schema_version", True, "no integer 'schema_version'"),
     ("tokamax_pass_version", 3, "'tokamax_pass_version' must be a string or null"),
