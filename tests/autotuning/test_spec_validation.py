@@ -44,6 +44,9 @@ _BAD_ARGUMENTS = [
     ({"key": "abc"}, r"argument 'key' must be jax.Array, got 'abc'"),
     ({"local_window_size": [1, "a"]}, r"'local_window_size' must be tuple\[int, int\] \| None"),
     ({"key": "bf16[3,7,5,9]"}, r"bind rejects these arguments: .*batch 3 != query batch 2"),
+    ({"scale": float("nan")}, r"bind rejects these arguments: .*scale must be a finite"),
+    ({"scale": 10**400}, r"bind rejects these arguments: .*"),
+    ({"logits_soft_cap": -1.0}, r"bind rejects these arguments: .*logits_soft_cap"),
 ]
 
 

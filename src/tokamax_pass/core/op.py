@@ -452,10 +452,17 @@ def _fwd_signature(cls: type[Op]) -> inspect.Signature:
 def _check_binds(ba: BoundArguments) -> None:
     """`spec.SpecError` unless the op's `bind` accepts the call read from a spec: its own
     checks of shapes and values (a key of another head dimension than the query's) then
-    reject a bad file when it is read, not when a kernel is built from it."""
+    reject a bad file when it is read, not when a kernel is built from it.
+
+    Every argument `bind` takes is passed, also the statics an op's `_fwd` gathers in
+    `**statics` (`ba.kwargs` leaves them out): a NaN `scale` went unchecked."""
+    bound = ba._inspect_bound
+    bind_parameters = inspect.signature(ba.op.bind).parameters
+    statics = {k: v for k, v in ba.arguments.items()
+               if k not in bound.arguments and k in bind_parameters}
     try:
-        ba.op.bind(*ba.args, **ba.kwargs)
-    except (TypeError, ValueError, NotImplementedError) as e:
+        ba.op.bind(*bound.args, **bound.kwargs, **statics)
+    except (TypeError, ValueError, ArithmeticError, NotImplementedError) as e:
         raise spec.SpecError(f"{type(ba.op).__name__}.bind rejects these arguments: "
                              f"{e}") from None
 
