@@ -123,6 +123,8 @@ def test_result_loads_rejects_times_no_float_holds_or_not_finite(fields):
 
 @pytest.mark.parametrize("field,value,match", [
     ("schema_version", True, "no integer 'schema_version'"),
+    ("schema_version", -1, "schema version -1, which no tokamax_pass writes"),
+    ("schema_version", 0, "schema version 0, which no tokamax_pass writes"),
     ("tokamax_pass_version", 3, "'tokamax_pass_version' must be a string or null"),
     ("jax_version", [], "'jax_version' must be a string or null"),
 ])
