@@ -133,3 +133,23 @@ def test_result_loads_rejects_header_fields_of_the_wrong_kind(field, value, matc
     document[field] = value
     with pytest.raises(SpecError, match=match):
         AutotuningResult.loads(json.dumps(document))
+
+
+def _mlir_attribute(quoted):
+    return f'  %{len(quoted)} = stablehlo.custom_call @k() {{tokamax_pass_spec = "{quoted}"}}\n'
+
+
+@pytest.mark.parametrize("bad,match", [
+    (_mlir_attribute("\\q"), "not a valid quoted string"),
+    ('  %9 = custom-call(), frontend_attributes={tokamax_pass_spec={"op": {"dataclass"\n',
+     "not valid JSON"),
+])
+def test_get_bound_args_skips_an_unreadable_spec_in_text_and_reads_the_others(bad, match):
+    from tokamax_pass.autotuning import get_bound_args
+
+    good = json.dumps(_ATTENTION).replace("\\", "\\5C").replace('"', "\\22")
+    with pytest.warns(UserWarning, match=f"skipping an op call .*{match}"):
+        (ba,) = get_bound_args("module {\n" + _mlir_attribute(good) + bad + "}")
+    assert ba.arguments["query"].shape == (2, 64, 2, 64)
+    with pytest.raises(SpecError, match=match):
+        get_bound_args("module {\n" + bad + "}")
