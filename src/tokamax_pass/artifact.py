@@ -147,7 +147,14 @@ def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
     static = optimized.static_positions(len(arg_specs))
     args = tuple(a if i in static else _abstract(a) for i, a in enumerate(arg_specs))
     with device.targeting(device_kind) if device_kind is not None else contextlib.nullcontext():
-        exported, plan = optimized.export_with_plan(args, platforms)
+        gpu_kind = device.lowering_target("cuda").device_kind if "cuda" in platforms else None
+        try:
+            exported, plan = optimized.export_with_plan(args, platforms)
+        except RuntimeError as e:
+            unknown = None if gpu_kind is None else device.unknown_gpu_kind_error(gpu_kind)
+            if unknown is None:
+                raise
+            raise unknown from e
         kinds = {p: device.lowering_target(p).device_kind for p in platforms}
     name = name or _safe_name(getattr(optimized.fun, "__name__", "exported"))
     serialized = bytes(exported.serialize())

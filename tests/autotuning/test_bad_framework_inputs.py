@@ -10,6 +10,7 @@ tried, most of which crashed deep or were silently accepted before it.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import threading
 import warnings
@@ -149,12 +150,20 @@ def _path(tmp_path, name):
     return {"missing": tmp_path / "missing.json", "dir": tmp_path / "dir",
             "bad": tmp_path / "bad.json", "file": tmp_path / "file",
             "under_file": tmp_path / "file" / "x.json",
-            "no_parent": tmp_path / "no" / "x.json"}.get(name, name)
+            "no_parent": tmp_path / "no" / "x.json", "fifo": _fifo(tmp_path)}.get(name, name)
+
+
+def _fifo(tmp_path):
+    path = tmp_path / "fifo"
+    if not path.exists():
+        os.mkfifo(path)
+    return path
 
 
 @pytest.mark.parametrize("source,error,match", [
     ("missing", FileNotFoundError, "load: path_or_file .*missing.json' does not exist"),
     ("dir", IsADirectoryError, "load: path_or_file .* is a directory"),
+    ("fifo", OSError, "load: path_or_file .*fifo' is not a regular file"),
     ("bad", SpecError, "bad.json' is not valid JSON"),
     (5, TypeError, "load: path_or_file must be a path or a readable file"),
     (None, TypeError, "load: path_or_file"),

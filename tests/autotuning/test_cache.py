@@ -105,6 +105,50 @@ def test_corrupt_file_is_reported_left_in_place_and_not_overwritten():
     assert path.read_text() == '{"format": "tokamax_pass.AutotuningResult", "entr'
 
 
+def test_a_user_cache_entry_with_a_time_no_float_holds_is_skipped_with_a_warning():
+    path = cache.cache_file(current_target().device_kind)
+    path.parent.mkdir(parents=True)
+    document = json.loads(_result(16).dumps())
+    document["entries"][0]["configs"][0]["evaluation_times_ms"] = [10**400]
+    path.write_text(json.dumps(document))
+    with pytest.warns(UserWarning, match="entry 0: 'evaluation_times_ms' must be"):
+        assert _resolve() == (ChunkConfig(32), "heuristics")
+
+
+def _write_user_cache_file(device_kind):
+    """The user cache file of this device, holding an entry (m=48) recorded under
+    `device_kind`."""
+    path = cache.cache_file(current_target().device_kind)
+    path.parent.mkdir(parents=True)
+    document = json.loads(_result(16, _ba(m=48)).dumps())
+    document["device_kind"] = device_kind
+    path.write_text(json.dumps(document))
+    return path
+
+
+def test_a_user_cache_file_spelling_its_device_kind_otherwise_is_read_and_merged():
+    path = _write_user_cache_file(current_target().device_kind.upper())
+    assert _resolve(_ba(m=48)) == (ChunkConfig(16), "user cache")
+    _result(8).save_to_cache()
+    saved = cache.read(path)
+    assert saved.device_kind == current_target().device_kind and len(saved) == 2
+
+
+def test_a_user_cache_file_of_another_device_kind_is_skipped_and_autotune_keeps_its_result():
+    path = _write_user_cache_file("NVIDIA H200")
+    text = path.read_text()
+    with pytest.warns(UserWarning, match="records device kind 'NVIDIA H200', whose configs "
+                                         "belong in nvidia_h200.json"):
+        assert _resolve(_ba(m=48)) == (ChunkConfig(32), "heuristics")
+    x = jax.random.normal(jax.random.key(0), (8, 32))
+    w = jax.random.normal(jax.random.key(1), (32, 8))
+    with pytest.raises(tokamax.UnsavedResultError, match="left in place") as error:
+        tokamax.autotune([XlaChunkedMatmul().bind(x, w)], cache=True, progress=False,
+                         max_configs=1)
+    assert len(tokamax.AutotuningResult.load(error.value.fallback_path)) == 1
+    assert path.read_text() == text
+
+
 def test_autotune_cache_true_writes_the_user_cache():
     x = jax.random.normal(jax.random.key(0), (8, 32))
     w = jax.random.normal(jax.random.key(1), (32, 8))

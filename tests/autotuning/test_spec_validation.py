@@ -44,6 +44,9 @@ _BAD_ARGUMENTS = [
     ({"key": "abc"}, r"argument 'key' must be jax.Array, got 'abc'"),
     ({"local_window_size": [1, "a"]}, r"'local_window_size' must be tuple\[int, int\] \| None"),
     ({"key": "bf16[3,7,5,9]"}, r"bind rejects these arguments: .*batch 3 != query batch 2"),
+    ({"scale": float("nan")}, r"bind rejects these arguments: .*scale must be a finite"),
+    ({"scale": 10**400}, r"bind rejects these arguments: .*"),
+    ({"logits_soft_cap": -1.0}, r"bind rejects these arguments: .*logits_soft_cap"),
 ]
 
 
@@ -101,8 +104,27 @@ def test_result_loads_rejects_measurement_fields_of_the_wrong_kind(fields, match
         assert len(AutotuningResult.loads(text)) == 0
 
 
+@pytest.mark.parametrize("fields", [
+    {"evaluation_times_ms": [10**400]},  # an integer no float holds: OverflowError
+    {"evaluation_times_ms": [1.0, float("inf")]},
+    {"evaluation_times_ms": [float("nan")]},
+    {"lower_time_ms": 10**400},
+    {"compile_time_ms": float("inf")},
+    {"peak_memory_mb": float("nan")},
+])
+def test_result_loads_rejects_times_no_float_holds_or_not_finite(fields):
+    text = _result(_measured(**fields))
+    (name,) = fields
+    with pytest.raises(SpecError, match=rf"entry 0: '{name}' must be"):
+        AutotuningResult.loads(text, strict=True)
+    with pytest.warns(BadEntryWarning, match="entry 0"):
+        assert len(AutotuningResult.loads(text)) == 0
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("schema_version", True, "no integer 'schema_version'"),
+    ("schema_version", -1, "schema version -1, which no tokamax_pass writes"),
+    ("schema_version", 0, "schema version 0, which no tokamax_pass writes"),
     ("tokamax_pass_version", 3, "'tokamax_pass_version' must be a string or null"),
     ("jax_version", [], "'jax_version' must be a string or null"),
 ])
@@ -111,3 +133,23 @@ def test_result_loads_rejects_header_fields_of_the_wrong_kind(field, value, matc
     document[field] = value
     with pytest.raises(SpecError, match=match):
         AutotuningResult.loads(json.dumps(document))
+
+
+def _mlir_attribute(quoted):
+    return f'  %{len(quoted)} = stablehlo.custom_call @k() {{tokamax_pass_spec = "{quoted}"}}\n'
+
+
+@pytest.mark.parametrize("bad,match", [
+    (_mlir_attribute("\\q"), "not a valid quoted string"),
+    ('  %9 = custom-call(), frontend_attributes={tokamax_pass_spec={"op": {"dataclass"\n',
+     "not valid JSON"),
+])
+def test_get_bound_args_skips_an_unreadable_spec_in_text_and_reads_the_others(bad, match):
+    from tokamax_pass.autotuning import get_bound_args
+
+    good = json.dumps(_ATTENTION).replace("\\", "\\5C").replace('"', "\\22")
+    with pytest.warns(UserWarning, match=f"skipping an op call .*{match}"):
+        (ba,) = get_bound_args("module {\n" + _mlir_attribute(good) + bad + "}")
+    assert ba.arguments["query"].shape == (2, 64, 2, 64)
+    with pytest.raises(SpecError, match=match):
+        get_bound_args("module {\n" + bad + "}")

@@ -123,6 +123,20 @@ def test_a_dumped_result_round_trips(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["tuned.json"]
 
 
+def test_a_user_cache_file_that_is_a_link_is_written_through(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path / "user"))
+    shared = tmp_path / "shared" / "cache.json"
+    shared.parent.mkdir()
+    shared.write_text(_result(8).dump_cache_str())
+    link = cache.cache_file(current_target().device_kind)
+    link.parent.mkdir()
+    link.symlink_to(shared)
+    assert _result(16, m=64).save_to_cache() == str(link)
+    assert link.is_symlink() and link.resolve() == shared
+    assert len(cache.read(shared)) == 2
+    assert sorted(p.name for p in shared.parent.iterdir()) == ["cache.json"]
+
+
 @pytest.fixture
 def umask_022():
     previous = os.umask(0o022)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import jax
@@ -116,6 +117,19 @@ def test_bound_arguments_json_round_trip_with_vmap():
     assert again.cache_key == ba.cache_key
     assert '"bf16[2,3]"' in ba.to_json()
     assert ba.autotuning_configs == {ScaleConfig(1), ScaleConfig(2), ScaleConfig(3)}
+
+
+@pytest.mark.parametrize("vmap", [
+    [[[0, None], 2.7]], [[[0, None], 0]], [[[0, None], -3]], [[[0, None], float("inf")]],
+    [[[0, None], True]], [[["x"], 2]], "ab", [[[0, None]]],
+])
+def test_bound_arguments_from_json_rejects_a_bad_vmap(vmap):
+    ba = ScaledSine().bind(jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((2, 3), jnp.bfloat16))
+    data = json.loads(ba.to_json())
+    data["arguments"]["__vmap__"] = vmap
+    with pytest.raises(tokamax.SpecError, match="'__vmap__' must be"):
+        tokamax.BoundArguments.from_json(json.dumps(data))
 
 
 def test_vmapped_call_records_vmap_levels():

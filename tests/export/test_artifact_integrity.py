@@ -294,3 +294,12 @@ def test_a_torn_manifest_is_a_clear_error_not_a_load(tmp_path, programs):
     (directory / "manifest.json").write_text(text[: len(text) // 2])
     with pytest.raises(spec.SpecError, match="manifest.json"):
         Artifact.load(directory)
+
+
+def test_a_manifest_of_a_schema_version_below_1_is_refused(tmp_path, programs):
+    directory = programs[0].save(tmp_path / "art")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["schema_version"] = -5
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(spec.SpecError, match="schema version -5, which no tokamax_pass"):
+        Artifact.load(directory)

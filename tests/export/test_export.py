@@ -183,3 +183,10 @@ def test_a_fresh_process_loads_the_mosaic_gpu_runtime_an_artifact_needs(tmp_path
     ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          check=True)
     assert ran.stdout.split() == ["False", "True"], ran.stderr[-2000:]
+
+
+def test_an_unknown_cuda_device_kind_is_an_error_naming_the_known_ones():
+    with pytest.raises(ValueError, match="'NVIDIA Bogus 9000' is not a CUDA device kind JAX "
+                                         "can lower kernels for .*'NVIDIA H200'"):
+        tk.export(lambda q: tk.dot_product_attention(q, q, q), "bf16[1,128,2,64]",
+                  platforms=["cuda"], device_kind="NVIDIA Bogus 9000")

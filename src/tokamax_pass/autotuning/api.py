@@ -126,13 +126,14 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
 
 
 def _save_or_keep(result: AutotuningResult) -> None:
-    """Merges `result` into the user cache; where that fails (an unwritable or corrupt
-    cache), writes it to a fresh file in the temporary directory and raises
-    `UnsavedResultError` naming that file and holding the result: a tuning run never
-    loses its measurements to the cache."""
+    """Merges `result` into the user cache; where that fails for any reason (an
+    unwritable or corrupt cache, a cache file of another device kind), writes it to a
+    fresh file in the temporary directory and raises `UnsavedResultError` naming that
+    file and holding the result: a tuning run never loses its measurements to the
+    cache."""
     try:
         result.save_to_cache()
-    except (OSError, cache_lib.CacheError) as e:
+    except Exception as e:  # any failure: the measurements are kept in the fallback file
         try:
             fd, fallback = tempfile.mkstemp(prefix="tokamax_pass-autotune-", suffix=".json")
             os.close(fd)

@@ -82,9 +82,11 @@ def _report_once(key: Any, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def read(path: str | os.PathLike) -> AutotuningResult | None:
+def read(path: str | os.PathLike, *, kind_key: str | None = None) -> AutotuningResult | None:
     """The result stored at `path`, `None` if there is no file; `spec.SpecError` if corrupt
-    (not JSON, not UTF-8, not a result, or a directory where the file should be)."""
+    (not JSON, not UTF-8, not a result, or a directory where the file should be), or where
+    `kind_key` is given and the file's device kind does not map to it
+    (`device_kind_key`): a file of another device's configs under this one's name."""
     what = f"cache file {os.fspath(path)!r}"
     try:
         text = pathlib.Path(path).read_bytes()
@@ -92,7 +94,20 @@ def read(path: str | os.PathLike) -> AutotuningResult | None:
         return None
     except IsADirectoryError:
         raise spec.SpecError(f"{what} is a directory, not a file") from None
-    return AutotuningResult.loads(text, what=what)
+    result = AutotuningResult.loads(text, what=what)
+    if kind_key is not None and device_kind_key(result.device_kind) != kind_key:
+        raise spec.SpecError(
+            f"{what} records device kind {result.device_kind!r}, whose configs belong in "
+            f"{device_kind_key(result.device_kind)}.json, not in {pathlib.Path(path).name}")
+    return result
+
+
+def _merged(existing: AutotuningResult | None, new: AutotuningResult) -> AutotuningResult:
+    """`existing | new` for a file `read` with its `kind_key`: one device kind, maybe
+    spelled otherwise in the file (`"CPU"`, `"cpu"`); `new`'s spelling is kept."""
+    if existing is None:
+        return new
+    return AutotuningResult(new.device_kind, existing.entries) | new
 
 
 def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -> str:
@@ -110,15 +125,13 @@ def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -
     path.parent.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(f"{path}.lock"):
         try:
-            existing = read(path)
+            existing = read(path, kind_key=path.stem)
         except spec.SpecError as e:
             raise CacheError(
                 f"{e}; the file was left in place: move it away or run "
                 f"`tokamax-pass cache clear` before saving to this cache"
             ) from None
-        new = result.with_provenance()
-        merged = new if existing is None else existing | new
-        write_atomic(path, merged.dumps())
+        write_atomic(path, _merged(existing, result.with_provenance()).dumps())
     _USER.invalidate()
     return str(path)
 
@@ -177,7 +190,7 @@ class _UserCache:
         if cached is not None and cached[0] == stamp:
             return cached[1]
         try:
-            result = read(path)
+            result = read(path, kind_key=path.stem)
         except (spec.SpecError, OSError) as e:
             _report_once(("corrupt", path, stamp), f"ignoring the user autotuning cache: {e}")
             result = None
@@ -205,10 +218,13 @@ def library_result(device_kind: str | None) -> AutotuningResult | None:
             continue
         try:
             result = AutotuningResult.loads(item.read_text(), what=f"library cache {item.name}")
+            if device_kind_key(result.device_kind) != device_kind_key(device_kind):
+                raise spec.SpecError(f"library cache {item.name} records device kind "
+                                     f"{result.device_kind!r}, not {device_kind!r}")
         except spec.SpecError as e:
             _report_once(("library", str(item)), f"ignoring a library cache file: {e}")
             continue
-        merged = result if merged is None else merged | result
+        merged = _merged(merged, result)
     return merged
 
 
@@ -235,8 +251,8 @@ def write_library_cache(result: AutotuningResult, directory: str | os.PathLike) 
         # Locked across read-merge-write, like the user cache: concurrent tuning runs
         # that write one file each keep every entry.
         with filelock.FileLock(f"{path}.lock"):
-            existing = read(path)
-            write_atomic(path, (new if existing is None else existing | new).dumps())
+            existing = read(path, kind_key=folder.name)
+            write_atomic(path, _merged(existing, new).dumps())
         written.append(str(path))
     library_result.cache_clear()
     return written

@@ -39,9 +39,15 @@ _MLIR_ESCAPE = re.compile(r"\\([0-9A-Fa-f]{2})")
 
 
 def _unescape(value: str) -> str:
+    """A quoted attribute's text, unescaped; `spec.SpecError` for escapes no JSON string
+    has (`\\q`)."""
     if "\\22" in value or "\\5C" in value:
         return _MLIR_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), value)
-    return json.loads(f'"{value}"')
+    try:
+        return json.loads(f'"{value}"')
+    except ValueError as e:
+        raise spec.SpecError(f"a {METADATA_KEY} attribute is not a valid quoted string: "
+                             f"{e}") from None
 
 
 # How StableHLO/MLIR and HLO text starts (`tokamax_pass.inspect` reads files by the same).
@@ -49,14 +55,28 @@ _PROGRAM_STARTS = ("module", "HloModule", "#loc", "func")
 
 
 def specs_from_text(text: str) -> list[str]:
-    """The distinct spec JSON strings in StableHLO (MLIR) or HLO text, in program order."""
+    """The distinct spec JSON strings in StableHLO (MLIR) or HLO text, in program order.
+
+    An attribute that cannot be read (a bad escape, a truncated object) is skipped with a
+    warning naming why, so the program's other calls are still found; where none can be
+    read, its `spec.SpecError` is raised."""
     specs: dict[str, None] = {}
+    unreadable: list[spec.SpecError] = []
     for match in _ATTRIBUTE.finditer(text):
-        if match.group(1) is not None:
-            specs.setdefault(_unescape(match.group(1)))
-        else:
-            value, _ = spec.raw_decode(text, match.end(), what=f"a {METADATA_KEY} attribute")
-            specs.setdefault(spec.dumps(value))
+        try:
+            if match.group(1) is not None:
+                specs.setdefault(_unescape(match.group(1)))
+            else:
+                value, _ = spec.raw_decode(text, match.end(),
+                                           what=f"a {METADATA_KEY} attribute")
+                specs.setdefault(spec.dumps(value))
+        except spec.SpecError as e:
+            unreadable.append(e)
+    if unreadable and not specs:
+        raise unreadable[0]
+    for error in unreadable:
+        warnings.warn(f"skipping an op call whose metadata cannot be read: {error}",
+                      UserWarning, stacklevel=2)
     return list(specs)
 
 

@@ -61,16 +61,15 @@ class Measurement:
         times = data.get("evaluation_times_ms", [])
         # A string was read digit by digit ("12": times 1 and 2), and a NaN or negative
         # time was taken for the fastest config, silently.
-        if not isinstance(times, list) or not all(
-                isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0
-                for t in times):
+        amounts = [_amount(t) for t in times] if isinstance(times, list) else [None]
+        if any(a is None for a in amounts):
             raise spec.SpecError(f"'evaluation_times_ms' must be a list of numbers, got "
-                                 f"{times!r:.80} (times in ms, each >= 0)")
+                                 f"{times!r:.80} (times in ms, each >= 0 and finite)")
         error = data.get("error")
         if error is not None and not isinstance(error, str):
             raise spec.SpecError(f"'error' must be a string or null, got {error!r:.80}")
         return cls(
-            evaluation_times_ms=tuple(float(t) for t in times),
+            evaluation_times_ms=tuple(cast(list[float], amounts)),
             lower_time_ms=_optional_amount(data, "lower_time_ms"),
             compile_time_ms=_optional_amount(data, "compile_time_ms"),
             peak_memory_mb=_optional_amount(data, "peak_memory_mb"),
@@ -79,14 +78,29 @@ class Measurement:
 
 
 def _optional_amount(data: Mapping[str, Any], name: str) -> float | None:
-    """`data[name]`: a number >= 0 or null (a string or a list there was kept and failed
-    where it was summed or formatted)."""
+    """`data[name]`: a finite number >= 0 or null (a string or a list there was kept and
+    failed where it was summed or formatted)."""
     value = data.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise spec.SpecError(f"{name!r} must be a number >= 0 or null, got {value!r:.80}")
-    return float(value)
+    amount = _amount(value)
+    if amount is None:
+        raise spec.SpecError(f"{name!r} must be a number >= 0 or null, got {value!r:.80} "
+                             f"(a finite one)")
+    return amount
+
+
+def _amount(value: Any) -> float | None:
+    """`value` as a float where it is a finite number >= 0, else `None` (an integer too
+    large for a float raised a bare `OverflowError` that nothing caught, and an infinite
+    time sorted its config last or first, silently)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        amount = float(value)
+    except OverflowError:
+        return None
+    return amount if math.isfinite(amount) and amount >= 0 else None
 
 
 class AutotuningData(Mapping[Any, Measurement]):
@@ -593,7 +607,7 @@ def _entry_from_json(item: Any, index: int, *, what: str) -> Entry:
         return Entry.from_json(item)
     except spec.SpecError as e:
         raise spec.SpecError(f"{what}: entry {index}: {e}{of_op}") from None
-    except (KeyError, TypeError, AttributeError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError, ArithmeticError) as e:
         raise spec.SpecError(f"{what} has a malformed entry ({index}): {e!r}{of_op}") from None
 
 

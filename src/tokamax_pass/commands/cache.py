@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"cache directory: {folder}")
         for path in files:
             try:
-                result = cache.read(path)
+                result = cache.read(path, kind_key=path.stem)
                 if result is not None:  # None: removed since it was listed
                     print(f"  {path.name}: {result.device_kind!r}, {len(result)} entries")
             except spec.SpecError as e:
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
         kind = args.device_kind or current_target().device_kind
         path = cache.cache_file(kind, args.cache_dir)
-        result = cache.read(path)
+        result = cache.read(path, kind_key=path.stem)
         if result is None and args.device_kind:
             check_device_kind(args.device_kind)  # "H200" found no file, silently
         print(f"{path}: no cache file" if result is None else result)

@@ -1,10 +1,11 @@
 """Crash-safe writes: a file or a directory appears whole under its name, or not at all.
 
 Every file the library writes (results, caches, bound arguments, artifacts) goes through
-`write_atomic`: the data lands in a temporary file in the destination's directory, is
-flushed and fsynced, and is renamed over the destination; the directory is fsynced so
-the rename survives a power cut. A process killed at any point leaves the old file or the
-new one, never a truncated mix, and a failed write removes its temporary file.
+`write_atomic`: the data lands in a temporary file in the destination's directory (the
+directory of the file a symbolic link points to), is flushed and fsynced, and is renamed
+over the destination; the directory is fsynced so the rename survives a power cut. A
+process killed at any point leaves the old file or the new one, never a truncated mix,
+and a failed write removes its temporary file.
 `replace_directory` does the same for a directory built next to its destination.
 """
 
@@ -23,8 +24,13 @@ __all__ = [
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> pathlib.Path:
-    """Replaces `path` with `data` (str is written as UTF-8) in one rename; returns it."""
-    path = pathlib.Path(path)
+    """Replaces `path` with `data` (str is written as UTF-8) in one rename; returns it.
+
+    A symbolic link is written through: the file it points to is replaced (its temporary
+    file made beside it) and the link stays a link (a rename over the link replaced it
+    with a regular file, and a cache file linked to a shared one stopped sharing it)."""
+    given = pathlib.Path(path)
+    path = pathlib.Path(os.path.realpath(given))
     payload = data.encode() if isinstance(data, str) else bytes(data)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -40,7 +46,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> pathlib.Pat
             os.unlink(tmp)
         raise
     fsync_directory(path.parent)
-    return path
+    return given
 
 
 def fsync_directory(directory: str | os.PathLike[str]) -> None:

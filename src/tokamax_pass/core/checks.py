@@ -79,13 +79,17 @@ def as_path(who: str, name: str, value: Any) -> pathlib.Path:
 
 
 def file_to_read(who: str, name: str, value: Any) -> pathlib.Path:
-    """`value` as a path to an existing file: `FileNotFoundError` when there is nothing
-    there, `IsADirectoryError` for a directory."""
+    """`value` as a path to an existing regular file: `FileNotFoundError` when there is
+    nothing there, `IsADirectoryError` for a directory, `OSError` for anything else (a
+    pipe, a device, `/dev/stdin`: reported as missing, and read without a bound)."""
     path = as_path(who, name, value)
     if path.is_dir():
         raise IsADirectoryError(f"{who}: {name} {os.fspath(path)!r} is a directory; give "
                                 f"the path of a file")
     if not path.is_file():
+        if path.exists():
+            raise OSError(f"{who}: {name} {os.fspath(path)!r} is not a regular file (a "
+                          f"pipe or a device); give the path of a file, or pass its text")
         raise FileNotFoundError(f"{who}: {name} {os.fspath(path)!r} does not exist")
     return path
 

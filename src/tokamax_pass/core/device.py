@@ -212,6 +212,25 @@ def kinds_by_platform(device_kinds: str | Sequence[str]) -> dict[str, str]:
     return kinds
 
 
+def unknown_gpu_kind_error(device_kind: str) -> ValueError | None:
+    """The error, naming the known kinds, for a CUDA device kind that JAX cannot lower
+    Pallas kernels for from another machine (its GPU table has no such GPU, so it cannot
+    tell the compute capability), or `None` where JAX knows the kind. Without it the
+    export failed deep inside JAX's Triton lowering ("No supported GPU devices found")."""
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:  # another jax layout: JAX's own error stands
+        return None
+    if gpu_info.gpu_version_from_device_kind(device_kind) is not None:
+        return None
+    known = sorted(str(v) for v in gpu_info.GpuVersion)
+    return ValueError(
+        f"device_kind {device_kind!r} is not a CUDA device kind JAX can lower kernels for "
+        f"from this machine (it knows {', '.join(map(repr, known))}); pass the kind "
+        f"exactly as jax.devices()[0].device_kind reports it on the target GPU, export on "
+        f"that GPU, or leave device_kind out for a program for any CUDA GPU (xla kernels)")
+
+
 @contextlib.contextmanager
 def targeting(device_kind: str | Sequence[str], platform: str | None = None) -> Iterator[None]:
     """Traces and lowers for devices that are not here (`"NVIDIA H200"`, `"TPU v6 lite"`, or

@@ -102,6 +102,36 @@ class VmapLevel:
     size: int
 
 
+# The largest vmap size a spec may hold: XLA's largest dimension.
+_MAX_VMAP_SIZE = 2**63 - 1
+
+
+def _vmap_levels(raw: Any) -> tuple[VmapLevel, ...]:
+    """A spec's `__vmap__` (`[[axes, size], ...]`, each axis 0 or null, each size an int
+    >= 1) as `VmapLevel`s: `SpecError` otherwise (a size of 2.7 was read as 2, and an
+    infinite one raised a bare `OverflowError` that crashed every op call reading a
+    user cache holding it)."""
+    def bad(why: str) -> spec.SpecError:
+        return spec.SpecError(f"a bound-arguments spec's '__vmap__' must be [[axes, size], "
+                              f"...] (each axis 0 or null, each size an int >= 1): {why}, "
+                              f"got {raw!r:.120}")
+
+    if not isinstance(raw, (list, tuple)):
+        raise bad("not a list")
+    levels = []
+    for level in raw:
+        if not isinstance(level, (list, tuple)) or len(level) != 2:
+            raise bad(f"{level!r:.40} is not a pair [axes, size]")
+        axes, size = level
+        if not isinstance(axes, (list, tuple)) or not all(
+                a is None or (type(a) is int and a == 0) for a in axes):
+            raise bad(f"axes {axes!r:.40} are not a list of 0 or null")
+        if type(size) is not int or not 1 <= size <= _MAX_VMAP_SIZE:
+            raise bad(f"size {size!r:.40} is not an int from 1 to {_MAX_VMAP_SIZE}")
+        levels.append(VmapLevel(tuple(axes), size))
+    return tuple(levels)
+
+
 class _OpOrClassMethod:
     """A method that also works on the class, as on a default-constructed instance.
 
@@ -431,10 +461,17 @@ def _fwd_signature(cls: type[Op]) -> inspect.Signature:
 def _check_binds(ba: BoundArguments) -> None:
     """`spec.SpecError` unless the op's `bind` accepts the call read from a spec: its own
     checks of shapes and values (a key of another head dimension than the query's) then
-    reject a bad file when it is read, not when a kernel is built from it."""
+    reject a bad file when it is read, not when a kernel is built from it.
+
+    Every argument `bind` takes is passed, also the statics an op's `_fwd` gathers in
+    `**statics` (`ba.kwargs` leaves them out): a NaN `scale` went unchecked."""
+    bound = ba._inspect_bound
+    bind_parameters = inspect.signature(ba.op.bind).parameters
+    statics = {k: v for k, v in ba.arguments.items()
+               if k not in bound.arguments and k in bind_parameters}
     try:
-        ba.op.bind(*ba.args, **ba.kwargs)
-    except (TypeError, ValueError, NotImplementedError) as e:
+        ba.op.bind(*bound.args, **bound.kwargs, **statics)
+    except (TypeError, ValueError, ArithmeticError, NotImplementedError) as e:
         raise spec.SpecError(f"{type(ba.op).__name__}.bind rejects these arguments: "
                              f"{e}") from None
 
@@ -487,11 +524,7 @@ class BoundArguments:
             raise spec.SpecError(f"a bound-arguments spec's 'arguments' must be an object, got "
                                  f"{data['arguments']!r}")
         arguments = dict(data["arguments"])
-        try:
-            vmap = tuple(VmapLevel(tuple(a), int(s)) for a, s in arguments.pop("__vmap__", ()))
-        except (TypeError, ValueError):
-            raise spec.SpecError(f"a bound-arguments spec's '__vmap__' must be [[axes, size], "
-                                 f"...], got {data['arguments'].get('__vmap__')!r}") from None
+        vmap = _vmap_levels(arguments.pop("__vmap__", []))
         decoded = {k: spec.decode(v) for k, v in arguments.items()}
         argument_types.check_arguments(type(op), decoded)
         ba = cls(op, decoded, vmap)

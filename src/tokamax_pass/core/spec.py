@@ -419,6 +419,9 @@ def check_schema(data: Mapping[str, Any], *, what: str) -> None:
     version = data.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool):
         raise SpecError(f"{what} has no integer 'schema_version'")
+    if version < 1:
+        raise SpecError(f"{what} has schema version {version}, which no tokamax_pass writes "
+                        f"(versions start at 1)")
     if version > SCHEMA_VERSION:
         raise SpecError(
             f"{what} was written with schema version {version}, newer than this "
