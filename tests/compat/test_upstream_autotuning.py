@@ -35,6 +35,20 @@ def test_bound_arguments_args_and_kwargs_repeat_the_call():
     assert_close(ba.op(*ba.args, **ba.kwargs), _layer_norm_reference(x, scale, offset, 1e-5))
 
 
+def test_args_and_kwargs_repeat_a_call_whose_statics_the_kernel_takes_as_keywords():
+    """`XlaChunkedDotProductAttention._fwd` takes `scale`, `is_causal` and the window as
+    `**statics`: they are keywords of the call too."""
+    from tokamax_kernels.attention.xla_chunked import XlaChunkedDotProductAttention
+
+    q, k, v = (random_normal(i, (2, 16, 2, 8)) for i in (7, 8, 9))
+    ba = XlaChunkedDotProductAttention().bind(q, k, v, scale=0.3, is_causal=True,
+                                              local_window_size=(3, 0))
+    assert {"scale", "is_causal", "local_window_size"} <= set(ba.kwargs)
+    expected = tokamax.dot_product_attention(q, k, v, scale=0.3, is_causal=True,
+                                             local_window_size=(3, 0), implementation="xla")
+    assert_close(ba.op(*ba.args, **ba.kwargs), expected)
+
+
 def test_autotuning_result_data_pairs_bound_arguments_with_measurements():
     x = random_normal(3, (2, 8, 16))
     result = measured(H200, {LayerNorm(): 0.25}, x, None, None)

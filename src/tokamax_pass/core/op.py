@@ -461,16 +461,10 @@ def _fwd_signature(cls: type[Op]) -> inspect.Signature:
 def _check_binds(ba: BoundArguments) -> None:
     """`spec.SpecError` unless the op's `bind` accepts the call read from a spec: its own
     checks of shapes and values (a key of another head dimension than the query's) then
-    reject a bad file when it is read, not when a kernel is built from it.
-
-    Every argument `bind` takes is passed, also the statics an op's `_fwd` gathers in
-    `**statics` (`ba.kwargs` leaves them out): a NaN `scale` went unchecked."""
-    bound = ba._inspect_bound
-    bind_parameters = inspect.signature(ba.op.bind).parameters
-    statics = {k: v for k, v in ba.arguments.items()
-               if k not in bound.arguments and k in bind_parameters}
+    reject a bad file when it is read, not when a kernel is built from it (a NaN
+    `scale` among them)."""
     try:
-        ba.op.bind(*bound.args, **bound.kwargs, **statics)
+        ba.op.bind(*ba.args, **ba.kwargs)
     except (TypeError, ValueError, ArithmeticError, NotImplementedError) as e:
         raise spec.SpecError(f"{type(ba.op).__name__}.bind rejects these arguments: "
                              f"{e}") from None
@@ -549,8 +543,13 @@ class BoundArguments:
 
     @property
     def kwargs(self) -> dict[str, Any]:
-        """The keyword-only arguments of the op's call (see `args`)."""
-        return self._inspect_bound.kwargs
+        """The keyword arguments of the op's call (see `args`): its keyword-only ones and
+        the statics an implementation's `_fwd` takes as `**statics` (attention's `scale`,
+        `is_causal`, window)."""
+        bound = self._inspect_bound
+        statics = {k: v for k, v in self.arguments.items()
+                   if k not in bound.signature.parameters}
+        return {**bound.kwargs, **statics}
 
     def autotune(self, configs: Any = None, autotuner: Any = None, cache_results: bool = True,
                  timeout: float | None = None) -> Any:
