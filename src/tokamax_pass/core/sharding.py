@@ -232,10 +232,10 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
     mode = _mode()
     if call.vmap or (mode in ("single", "manual") and not explicit):
         return bind_local(*operands)
-    if mode == "concrete" and not explicit and any(
-            isinstance(x, jax_batching.BatchTracer) for x in operands):
-        # Under `jax.vmap`, which `custom_partitioning` has no rule for: bound whole, the
-        # call is batched by its own rule and partitioned when it is lowered.
+    if mode == "concrete" and any(isinstance(x, jax_batching.BatchTracer) for x in operands):
+        # Under `jax.vmap`, which `custom_partitioning` has no rule for, and where a
+        # family's per-device `localize`/`restore` would see the batch's values: bound
+        # whole, the call is batched by its own rule and lowered unpartitioned.
         return bind_local(*operands)
     if not explicit and _explicit_axes():  # replicated operands: a replicated call
         return bind_local(*operands)
