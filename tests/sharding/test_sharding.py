@@ -350,6 +350,22 @@ def test_explicit_mesh_with_the_contracted_axis_sharded(name):
         assert _spec(g) == _spec(sharded[i]), (i, _spec(g))
 
 
+def test_explicit_mesh_grouped_glu_with_fused_weights_sharded_on_n():
+    """Fused (G, K, 2, N) weights sharded over N on an Explicit mesh: the gradient's
+    evidence views them as (G, K, 2N) by shape (reshaping the sharded array raised
+    "This reshape is not supported"), and the gradients equal the reference's."""
+    fn, inputs, _, argnums = CASES["grouped_gated_linear_unit"]
+    with reference_precision():
+        expected_grads = _loss(fn, argnums)(*inputs)
+    mesh = _mesh(AxisType.Explicit)
+    sharded = _put(mesh, inputs, (P(), P(None, None, None, "model"), P()))
+    with jax.set_mesh(mesh), reference_precision():
+        grads = jax.jit(_loss(fn, argnums))(*sharded)
+    for i, g, e in zip(argnums, grads, expected_grads, strict=True):
+        assert_close(g, e)
+        assert _spec(g) == _spec(sharded[i]), (i, _spec(g))
+
+
 def test_ragged_dot_expert_parallel_inside_shard_map():
     from tokamax_kernels.ragged_dot.expert_parallel import expert_parallel_ragged_dot
 
