@@ -217,6 +217,33 @@ def test_explicit_mesh_uses_shard_map(name):
         assert _spec(g) == _spec(sharded[i]) == _spec(o), (i, _spec(g), _spec(o))
 
 
+@pytest.mark.parametrize("wrap", [jax.jit, tk.optimize], ids=["jit", "optimize"])
+def test_explicit_mesh_output_type_inside_a_traced_vjp(wrap):
+    """Code traced after an op call sees its output typed as partitioned, under `optimize`
+    (whose first trace binds calls whole) as under `jax.jit`: a cotangent resharded like
+    the output, inside `lax.switch`, runs (it raised "Reshard should only be used with
+    out_shardings which ... have a non-empty mesh")."""
+    x, scale = random_normal(40, (4, 8, 4, 8)), random_normal(41, (8,))
+    ct = random_normal(42, x.shape)
+    branches = [lambda x, s: _layer_norm(x, s, None), lambda x, s: x * 2.0]
+
+    def step(x, scale):
+        out, pullback = jax.vjp(lambda x, s: jax.lax.switch(0, branches, x, s), x, scale)
+        specs.append(_spec(out))
+        return pullback(jax.sharding.reshard(ct, jax.typeof(out).sharding))
+
+    with reference_precision():
+        expected = jax.vjp(lambda x, s: _layer_norm(x, s, None), x, scale)[1](ct)
+    mesh = _mesh(AxisType.Explicit)
+    sharded = _put(mesh, (x, scale), (P("data", None, "model"), P()))
+    specs: list = []
+    with jax.set_mesh(mesh), reference_precision():
+        grads = wrap(step)(*sharded)
+    assert specs[0] == ("data", None, "model", None)
+    for g, e in zip(grads, expected, strict=True):
+        assert_close(g, e)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_explicit_mesh_with_replicated_operands(name):
     """Replicated operands under Explicit axes: a replicated call, forward and gradient
