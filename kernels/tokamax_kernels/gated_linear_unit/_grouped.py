@@ -162,12 +162,15 @@ def gradient_calls(dgates: Any, x: Any, weights: Any, group_sizes: Any, precisio
 
 def abstract_gradient_calls(x: Any, weights: Any, group_sizes: Any, precision: Any
                             ) -> list[tuple[str, tuple[Any, ...], dict[str, Any]]]:
-    """`gradient_calls` on shapes only (what the gradient will run, for evidence)."""
+    """`gradient_calls` on shapes only (what the gradient will run, for evidence): fused
+    weights are viewed as (G, K, 2N) by shape, as reshaping the array itself is refused
+    where its type carries a sharding over N (Explicit axes)."""
     m, n = x.shape[0], weights[0].shape[2] if isinstance(weights, tuple) else weights.shape[3]
     if isinstance(weights, tuple):
         dgates: Any = (jax.ShapeDtypeStruct((m, n), x.dtype),) * 2
     else:
         dgates = jax.ShapeDtypeStruct((m, 2 * n), x.dtype)
+        weights = jax.ShapeDtypeStruct(weights.shape, weights.dtype)
     return gradient_calls(dgates, x, weights, group_sizes, precision)
 
 

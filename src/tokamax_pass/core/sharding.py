@@ -20,9 +20,10 @@ factors (split with no communication) in a `PartitionRule`; dims without a facto
 are gathered (with a one-time warning naming them). Outputs may be partial sums
 over a factor (a ragged dot's weight gradient over sharded rows): those are
 `psum`med. A single device (or the one-device mesh of `core.targeting`) binds the
-call as before, and so does any call traced under `partitioning(False)`: the pass
-traces a program that way to see every op call as a plain `tokamax_call`, then
-re-binds each resolved call here.
+call as before, and so does any call traced under `partitioning(False)` (under Explicit
+axes its outputs are typed with the partitioned call's shardings): the pass traces a
+program that way to see every op call as a plain `tokamax_call`, then re-binds each
+resolved call here.
 """
 
 from __future__ import annotations
@@ -225,17 +226,17 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
     (default `bind_local`) binds the unpartitioned call that `custom_partitioning`
     traces for its global shapes but only runs on one device.
     """
-    if not _ENABLED.get():
-        return bind_local(*operands)
     explicit_specs = [getattr(jax.typeof(x).sharding, "spec", None) for x in operands]
     explicit = any(s is not None and any(e is not None for e in s) for s in explicit_specs)
+    if not _ENABLED.get():
+        return _typed_as_partitioned(call, operands, explicit_specs, bind_local(*operands))
     mode = _mode()
     if call.vmap or (mode in ("single", "manual") and not explicit):
         return bind_local(*operands)
-    if mode == "concrete" and not explicit and any(
-            isinstance(x, jax_batching.BatchTracer) for x in operands):
-        # Under `jax.vmap`, which `custom_partitioning` has no rule for: bound whole, the
-        # call is batched by its own rule and partitioned when it is lowered.
+    if mode == "concrete" and any(isinstance(x, jax_batching.BatchTracer) for x in operands):
+        # Under `jax.vmap`, which `custom_partitioning` has no rule for, and where a
+        # family's per-device `localize`/`restore` would see the batch's values: bound
+        # whole, the call is batched by its own rule and lowered unpartitioned.
         return bind_local(*operands)
     if not explicit and _explicit_axes():  # replicated operands: a replicated call
         return bind_local(*operands)
@@ -256,13 +257,39 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
     else:
         assignment = assignment_by_order(rule.order, shapes, operand_dims, sizes)
     in_specs = tuple(spec_for(d, assignment) for d in operand_dims)
-    out_specs = [spec_for(Dims(tuple(None if f in d.summed else f for f in d.factors)), assignment)
-                 for d in out_dims]
+    out_specs = [_out_spec(d, assignment) for d in out_dims]
     if explicit:
         operands = [jax.sharding.reshard(x, s) for x, s in zip(operands, in_specs, strict=True)]
     local = _local_function(call, rule, out_dims, assignment, sizes, bind_local)
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)(*operands)
+
+
+def _out_spec(d: Dims, assignment: Mapping[str, tuple[str, ...]]) -> Any:
+    """An output's spec: split over its factors, whole over those it is a partial sum of
+    (summed before it leaves the per-device call)."""
+    return spec_for(Dims(tuple(None if f in d.summed else f for f in d.factors)), assignment)
+
+
+def _typed_as_partitioned(call: Any, operands: Sequence[Any],
+                          specs: Sequence[Any], outs: Sequence[Any]) -> Sequence[Any]:
+    """`outs` of a call bound whole under `partitioning(False)`, typed with the shardings
+    the partitioned call gives them where the mesh has Explicit axes: the call's own avals
+    carry no mesh, and code traced after it (`jax.typeof(out).sharding`, a cotangent
+    resharded like the output) must see what `jax.jit` shows it."""
+    if not _explicit_axes() or call.vmap:
+        return outs
+    found = _call_rule(call, [jax.typeof(x) for x in operands])
+    if found is None:
+        return outs
+    _, operand_dims, out_dims = found
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    assignment = assignment_from_specs(specs, [x.shape for x in operands], operand_dims, sizes,
+                                       call.candidates[0].family_name())
+    return [o if _has_explicit_mesh(jax.typeof(o)) else jax.sharding.reshard(
+                o, _out_spec(d, assignment))
+            for o, d in zip(outs, out_dims, strict=True)]
 
 
 def partitioned_at_lowering(ctx: Any, call: Any, bind_local: Callable[..., Sequence[Any]]
@@ -307,10 +334,7 @@ def _custom_partitioned(call: Any, rule: PartitionRule, operand_dims: Sequence[D
         assignment = assignment_from_specs(
             specs, [a.shape for a in arg_shapes], operand_dims, sizes, what)
         arg_shardings = tuple(NamedSharding(mesh, spec_for(d, assignment)) for d in operand_dims)
-        out_shardings = [
-            NamedSharding(mesh, spec_for(Dims(tuple(None if f in d.summed else f
-                                                 for f in d.factors)), assignment))
-            for d in out_dims]
+        out_shardings = [NamedSharding(mesh, _out_spec(d, assignment)) for d in out_dims]
         local = _local_function(call, rule, out_dims, assignment, sizes, bind_local)
         return mesh, local, out_shardings, arg_shardings
 
