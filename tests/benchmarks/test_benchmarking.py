@@ -77,7 +77,7 @@ def test_random_array_takes_a_key_or_an_int_seed():
 def test_vjp_modes_compute_gradients():
     x, scale = _inputs()
     f_std, args = benchmarking.standardize_function(_loss, x, scale, mode="forward_and_vjp")
-    out, grads = jax.jit(f_std)(args)
+    out, (grads,) = jax.jit(f_std)(args)
     expected = jax.vjp(_loss, x, scale)[1](out)
     assert_close(grads[0], expected[0], jnp.bfloat16)
     assert_close(grads[1], expected[1], jnp.bfloat16)
