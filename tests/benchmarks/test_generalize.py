@@ -92,6 +92,7 @@ def test_a_tiny_run_writes_one_file_with_provenance(tmp_path):
     assert len(json.loads(out.read_text())["rows"]) == len(data["rows"])
 
 
+@pytest.mark.slow  # the one-worker run below covers the measuring path
 def test_workers_split_the_shapes_and_append_keeps_earlier_runs(tmp_path):
     out = tmp_path / "generalization.json"
     args = ["--tiny", "--families", "layer_norm", "--shapes", "2", "--iterations", "3",

@@ -20,6 +20,7 @@ def test_list_names_every_model(capsys):
                       "encoder", "lm_head"] == list(MODELS)
 
 
+@pytest.mark.slow  # CI's `benchmarks.models --smoke` step runs both models
 def test_fine_grained_moe_training_and_decode_smoke():
     """The DeepSeek-MoE-style model (64 experts top-6 at full size, shared expert) and its
     decode step run tiny: ours matches plain JAX; the decode step is forward only."""

@@ -123,7 +123,9 @@ def test_jit_with_sharded_inputs_partitions_without_gathering(name):
     assert _gathers(forward_hlo) == [] and _gathers(backward_hlo) == []
 
 
-@pytest.mark.parametrize("name", ["layer_norm", "attention", "ragged_dot"])
+@pytest.mark.parametrize("name", [pytest.param("layer_norm", marks=pytest.mark.slow),
+                                  pytest.param("attention", marks=pytest.mark.slow),
+                                  "ragged_dot"])
 def test_vmap_under_set_mesh_in_either_order_with_jit(name):
     """`jax.vmap` over op calls under a mesh: mapped inside `jax.jit` (the call is bound
     whole) and outside it (the partitioned call is mapped whole); batched calls lower

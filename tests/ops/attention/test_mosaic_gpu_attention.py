@@ -365,7 +365,8 @@ def test_a_4096_key_window_over_8192_keys_loads_about_half_the_tiles():
 
 @pytest.mark.parametrize("head_dim, kv_heads, causal, window, cap", [
     (64, 2, True, (128, 0), 50.0), (128, 4, False, (64, 64), None),
-    (128, 1, False, None, 30.0), (64, 4, True, (16, 16), None),
+    pytest.param(128, 1, False, None, 30.0, marks=pytest.mark.slow),
+    pytest.param(64, 4, True, (16, 16), None, marks=pytest.mark.slow),
 ])
 def test_window_softcap_gradient_lowers_to_three_mosaic_kernels(
         head_dim, kv_heads, causal, window, cap):

@@ -227,7 +227,7 @@ def _separate_kernels(case: int) -> int:
     return export_vjp(MosaicAttentionVjpConfig(), **kwargs).mlir_module().count("mosaic_gpu_v2")
 
 
-@pytest.mark.parametrize("mode", ["ordered", "atomic"])
+@pytest.mark.parametrize("mode", ["ordered", pytest.param("atomic", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fields, kwargs", [
     pytest.param(*case, id=f"fields{i}-kwargs{i}") for i, case in enumerate(_FUSED_LOWERED)])
 def test_fused_backward_lowers_to_one_kernel(mode, fields, kwargs):

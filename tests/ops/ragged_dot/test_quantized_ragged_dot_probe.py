@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.probes import quantized_ragged_dot as probe
 
 
+@pytest.mark.slow  # a probe; the quantized ops have their own tests
 def test_smoke_run_writes_checked_timings_and_summaries(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     assert probe.main(["--smoke", "--iterations", "1"]) == 0

@@ -53,12 +53,14 @@ def test_float32_forward_and_gradient(triangle_type, implementation):
                             implementation=implementation)
 
 
+@pytest.mark.slow  # the float32 cases cover the path
 @pytest.mark.parametrize("triangle_type", ["outgoing", "incoming"])
 def test_bfloat16_forward_and_gradient(triangle_type):
     arguments = random_arguments(1, BATCH, N, C, H, D, jnp.bfloat16)
     check_against_reference(arguments, triangle_type, jnp.bfloat16)
 
 
+@pytest.mark.slow  # a batch of 2 runs in every other case
 def test_batch_matches_one_pair_representation_at_a_time_and_vmap():
     arguments = random_arguments(2, BATCH, N, C, H, D)
     weights = [arguments[name] for name in WEIGHTS]
