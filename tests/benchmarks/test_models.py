@@ -53,6 +53,7 @@ def test_lm_head_model_smoke_and_its_plain_twin_holds_the_head_and_loss_pattern(
         "layer_norm", "linear_softmax_cross_entropy_loss"]
 
 
+@pytest.mark.slow  # a check of the smoke checker
 def test_smoke_catches_a_wrong_op(monkeypatch):
     """The smoke check is what CI runs on every model; here it must fail when one of our
     ops computes something else (attention with its scale dropped, a norm off by 1%); the

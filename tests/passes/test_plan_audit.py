@@ -79,6 +79,7 @@ def test_unseen_tiny_sizes_match_plain_jax():
     assert plan_audit.smoke_unseen(["llama", "encoder"], plan_audit.SMOKE_SIZES[:1]) == []
 
 
+@pytest.mark.slow  # the same audit in the models' own dtype above covers the path
 def test_float16_and_float32_calls_run_kernels_only_on_measurements_in_their_dtype():
     rows = _rows(DTYPE_SLICE)
     flagged = [r for r in rows if r["flagged"]]
