@@ -139,20 +139,31 @@ def fake_devices() -> None:
             "XLA_FLAGS before JAX starts; on an accelerator host run with JAX_PLATFORMS=cpu")
 
 
-def covering_cases(items: list) -> list:
+def covering_cases(items: list, required: frozenset[str] = frozenset()) -> list:
     """Of one test function's parametrized `items`, a fixed subset in which every value
-    of every `parametrize` axis appears at least once: greedily the case that takes the
-    most values not yet taken, the first in collection order on ties."""
+    of every argument appears at least once (values told apart by `repr`): the cases whose
+    node ids are in `required` first, then greedily the case that takes the most values not
+    yet taken, the first in collection order on ties."""
     def values(item):
-        return set(enumerate(item.callspec._idlist))
+        return {(name, repr(value)) for name, value in item.callspec.params.items()}
 
     missing = set().union(*map(values, items))
-    kept = []
+    kept = [item for item in items if item.nodeid in required]
+    for item in kept:
+        missing -= values(item)
     while missing:
         best = max(items, key=lambda item: len(values(item) & missing))
         kept.append(best)
         missing -= values(best)
     return kept
+
+
+def _cases_named_by_mutations() -> frozenset[str]:
+    """The test cases the mutation check runs (`tests/mutation/patches/`): a covering
+    subset keeps them, so that CI runs each on the unbroken code too."""
+    from mutation.mutation_patch import all_mutations
+
+    return frozenset(test for mutation in all_mutations() for test in mutation.tests)
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the `slow` marks added here
@@ -162,8 +173,9 @@ def pytest_collection_modifyitems(config, items):
         if (item.get_closest_marker("exhaustive") and hasattr(item, "callspec")
                 and not item.get_closest_marker("slow")):
             grids.setdefault((item.path, item.originalname), []).append(item)
+    named = _cases_named_by_mutations() if grids else frozenset()
     for grid in grids.values():
-        kept = set(map(id, covering_cases(grid)))
+        kept = set(map(id, covering_cases(grid, named)))
         for item in grid:
             if id(item) not in kept:
                 item.add_marker(pytest.mark.slow)

@@ -299,3 +299,17 @@ def test_autotuning_result_load_errors(tmp_path, bad, error, match):
 def test_autotune_and_optimize_reject_what_they_cannot_run(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+def test_a_gpu_kernel_exported_from_cpu_says_how_to_name_the_device():
+    """`jax.export(..., platforms=["cuda"])` does not change the platform ops are traced
+    for: the error names the device-kind argument that does."""
+    f = jax.jit(lambda q, k, v: tokamax.dot_product_attention(q, k, v, implementation="triton"))
+    with pytest.raises(NotImplementedError, match=r"not on cpu.*device_kind='NVIDIA H200'"):
+        jax.export.export(f, platforms=["cuda"])(Q, KV, KV)
+    with pytest.raises(NotImplementedError) as raised:
+        tokamax.dot_product_attention(Q, KV, KV, implementation="triton")
+    assert "tokamax_pass.export(fun" in str(raised.value)
+    with tokamax.core.targeting("TPU v6 lite"), pytest.raises(NotImplementedError) as raised:
+        jax.jit(f).trace(Q, KV, KV)
+    assert "not on tpu" in str(raised.value) and "device_kind" not in str(raised.value)

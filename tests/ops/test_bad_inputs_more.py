@@ -230,6 +230,7 @@ def test_mosaic_gpu_key_lengths_of_a_narrow_dtype_are_not_cut():
     assert common.kernel_lengths(jnp.array([400, -3]), 300).tolist() == [300, 0]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("dtype", [jnp.int4, jnp.uint4, jnp.int2, jnp.int8, jnp.uint16])
 @pytest.mark.parametrize("make", [jnp.array, np.array], ids=["jax", "numpy"])
 def test_attention_seq_lengths_of_any_integer_dtype(dtype, make):

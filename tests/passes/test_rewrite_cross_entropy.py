@@ -265,6 +265,7 @@ def transposed_embedding_loss(x, embedding, labels):
     return optax_spelling(x, embedding.T, labels)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("f", [tied_logits_loss, transposed_embedding_loss],
                          ids=lambda f: f.__name__)
 @pytest.mark.parametrize("vocabulary", [V, H], ids=["V", "square"])

@@ -336,6 +336,7 @@ def _expert_inputs():
     return random_normal(20, (64, 16)), random_normal(21, (8, 16, 8)), EXPERT_SIZES
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 @pytest.mark.parametrize("lhs_spec", [P(), P("model", None)], ids=["rows_replicated",
                                                                   "rows_sharded"])
@@ -479,6 +480,7 @@ EXPORTS = {
 }
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=str)
 @pytest.mark.parametrize("name,implementation", [
     (name, impl) for name, (*_, impls) in EXPORTS.items() for impl in impls])

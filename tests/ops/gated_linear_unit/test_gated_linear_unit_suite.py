@@ -70,6 +70,7 @@ def _inputs(dtype, fused: bool, lead=LEAD, seed=0):
     return x, w if fused else (w[:, 0], w[:, 1])
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("fused, activation, dtype", CASES, ids=[
     f"{'fused' if f else 'pair'}-{a}-{jnp.dtype(d).name}" for f, a, d in CASES])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

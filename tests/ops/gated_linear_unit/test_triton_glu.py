@@ -32,6 +32,7 @@ def _weights(fused: bool, dtype=jnp.float32):
     return w if fused else (w[:, 0], w[:, 1])
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("activation", [jax.nn.swish, jax.nn.gelu, jax.nn.relu])
 def test_forward_and_gradient_match_reference(fused, activation):

@@ -41,6 +41,7 @@ def _params(n, dtype, with_scale, with_offset):
     return scale, offset
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("axis", [0, 1, -2])
 @pytest.mark.parametrize("subtract_mean", [True, False])
 def test_other_axes(axis, subtract_mean):

@@ -49,6 +49,7 @@ CASES = {"xla": (LayerNorm, (2, 5, 40)), "triton": (triton, (3, 5, 40)),
          "mosaic_tpu": (mosaic_tpu, (2, 19, 200))}
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("subtract_mean", [True, False])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_forward_and_gradient_match_reference(name, subtract_mean):

@@ -189,6 +189,7 @@ def _check(op: LayerNorm, case: Case, inputs: dict, *, axis=-1, seed=10) -> None
         np.testing.assert_array_equal(np.asarray(grads["x"]), np.asarray(grads["residual"]))
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_forward_and_gradients_match_reference(implementation, case):
@@ -200,6 +201,7 @@ SHAPES = {"rows-and-features-tile": (2, 8, 64), "rank-2": (5, 40), "rank-4": (2,
 
 # XLA's implementation is plain jnp with no blocking: one shape (rank 4, the most general)
 # checks it; the kernels, whose blocks and chunks depend on the shape, take all three.
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("implementation,shape", [
     (implementation, shape) for implementation in IMPLEMENTATIONS for shape in SHAPES
     if implementation != "xla" or shape == "rank-4"])

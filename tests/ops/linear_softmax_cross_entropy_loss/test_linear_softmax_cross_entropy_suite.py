@@ -121,6 +121,7 @@ def _check(op, dtype, reduction, cap, seed=0):
     assert not np.any(np.asarray(dx, np.float32)[np.asarray(labels) < 0])  # ignored: no gradient
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("reduction, dtype, cap", CASES, ids=[
     f"{r}-{jnp.dtype(d).name}" + ("-soft_cap" if c else "") for r, d, c in CASES])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -89,6 +89,7 @@ def test_forward_lowers_to_one_mosaic_kernel(lead, h, v):
     assert specs and all("PallasMosaicGpuLinearSoftmaxCrossEntropyLoss" in s for s in specs)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
 @pytest.mark.parametrize("lead, h, v", [((2, 150), 128, 1088), ((16384,), 2048, 32000)])
 def test_gradient_lowers_forward_and_dlogits_kernels(reduction, lead, h, v):

@@ -75,6 +75,7 @@ def _cotangent(seed: int) -> jax.Array:
     return 1.5 + jax.random.uniform(jax.random.key(seed), (), jnp.float32)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("cap", [None, 3.0])
 @pytest.mark.parametrize("out_of_range", [False, True])

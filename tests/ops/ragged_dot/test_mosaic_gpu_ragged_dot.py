@@ -59,6 +59,7 @@ def _specs(text: str) -> list[str]:
     return [s.replace("\\22", '"') for s in found]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("variant", ["forward", "dlhs", "drhs"])
 @pytest.mark.parametrize("shape", ["small", "bench"])
 def test_variant_lowers_to_mosaic_gpu_with_spec(variant, shape):
@@ -235,6 +236,7 @@ def test_row_tiles_start_at_their_group_and_cover_every_row_once(sizes, m, tile_
             assert tiles_of[group] == 1, (group, size)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("sizes", [(24, 23, 30, 17, 26, 0, 24), (5, 100, 23)])
 @pytest.mark.parametrize("variant", ["forward", "dlhs"])
 def test_interpreted_rows_kernel_matches_reference_at_few_rows_a_group(variant, sizes):

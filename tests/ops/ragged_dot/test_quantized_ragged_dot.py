@@ -101,6 +101,7 @@ def test_quantized_array_rejects_scales_that_do_not_tile():
 CASES = [(None, INT8), (None, FP8), (FP8, FP8), (INT8, INT8)]
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("implementation", ["xla", TRITON], ids=["xla", "triton"])
 @pytest.mark.parametrize(("lhs_qtype", "rhs_qtype"), CASES)
 def test_forward_matches_dequantized_reference(implementation, lhs_qtype, rhs_qtype):

@@ -58,6 +58,7 @@ def tiled(variant):
     return xla_ragged_dot(variant, HIGHEST, None, "tiled", SMALL_TILES)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", list(GROUP_SIZES))
 @pytest.mark.parametrize("variant", ["forward", "dlhs", "drhs"])
