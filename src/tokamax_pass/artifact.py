@@ -211,7 +211,29 @@ def load_artifact(directory: str | os.PathLike[str] | Artifact, *, check: bool =
     artifact = directory if isinstance(directory, Artifact) else Artifact.load(directory)
     if check:
         check_compatible(artifact.manifest, device or jax.devices()[0])
+        check_manifest_describes_program(artifact)
     return LoadedArtifact(artifact)
+
+
+def check_manifest_describes_program(artifact: Artifact) -> None:
+    """`ArtifactIntegrityError` unless the manifest's platforms, argument and result specs
+    and kernels are the program's own. The checks and the runtime setup read the manifest
+    (the digest ties the program to it, not it to the program): a manifest edited to
+    claim another platform or to leave a kernel out would get past `check_compatible` and
+    fail inside XLA."""
+    manifest, exported = artifact.manifest, artifact.exported
+    found = {
+        "platforms": list(exported.platforms),
+        "in_specs": [spec.array_spec(a) for a in exported.in_avals],
+        "out_specs": [spec.array_spec(a) for a in exported.out_avals],
+        "custom_calls": custom_call_targets(exported.mlir_module()),
+    }
+    for key, actual in found.items():
+        if key in manifest and manifest[key] != actual:
+            raise ArtifactIntegrityError(
+                f"artifact {artifact.name!r}: its manifest's {key!r} is {manifest[key]!r:.200} "
+                f"but its program's is {actual!r:.200} (the manifest was edited after the "
+                f"export); re-export the artifact")
 
 
 # Custom-call targets whose runtime a Python module sets up on import: a Mosaic GPU

@@ -74,6 +74,29 @@ def test_a_manifest_without_a_digest_is_refused_with_re_export(tmp_path, program
         tokamax.load_artifact(directory)
 
 
+@pytest.mark.parametrize("key,value", [
+    ("platforms", ["cpu", "cuda"]),
+    ("in_specs", ["f32[3,4]"]),
+    ("out_specs", ["bf16[]"]),
+    ("custom_calls", ["mosaic_gpu"]),
+])
+def test_a_manifest_that_misdescribes_its_program_is_refused(tmp_path, programs, key, value):
+    """The digest ties the program to its manifest; the load ties the manifest to the
+    program: a manifest edited (and digested again) to claim what the program is not
+    fails on load, not inside XLA."""
+    directory = programs[0].save(tmp_path / "art")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest[key] != value
+    manifest[key] = value
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactIntegrityError, match=rf"manifest's '{key}' is .* re-export"):
+        tokamax.load_artifact(directory)
+    x = jax.random.normal(jax.random.key(0), (2, 4))
+    if key != "platforms":  # unchecked, the program still runs as what it is
+        np.testing.assert_allclose(tokamax.load_artifact(directory, check=False)(x), jnp.sum(x),
+                                   rtol=1e-6)
+
+
 @pytest.mark.parametrize("digests,error,match", [
     ({"notes.txt": "0" * 64}, ArtifactIntegrityError, r"notes.txt does not match its manifest"),
     ({"../prog.stablehlo": "0" * 64}, ArtifactIntegrityError, "must map file names"),

@@ -173,16 +173,23 @@ def test_a_fresh_process_loads_the_mosaic_gpu_runtime_an_artifact_needs(tmp_path
                          device_kind=H200)
     assert any(t.startswith("mosaic_gpu") for t in artifact.manifest["custom_calls"])
     directory = artifact.save(tmp_path / "seed")
-    script = (
-        "import sys, tokamax_pass as tk\n"
-        "MOSAIC = 'jax.experimental.mosaic.gpu'\n"
-        f"loaded = tk.load_artifact({str(directory)!r})\n"
-        "before = MOSAIC in sys.modules\n"
-        "loaded.artifact.exported\n"
-        "print(before, MOSAIC in sys.modules)\n")
-    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True)
-    assert ran.stdout.split() == ["False", "True"], ran.stderr[-2000:]
+
+    def run(check: bool) -> list[str]:
+        script = (
+            "import sys, tokamax_pass as tk\n"
+            "MOSAIC = 'jax.experimental.mosaic.gpu'\n"
+            f"loaded = tk.load_artifact({str(directory)!r}, check={check})\n"
+            "before = MOSAIC in sys.modules\n"
+            "loaded.artifact.exported\n"
+            "print(before, MOSAIC in sys.modules)\n")
+        ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             check=True)
+        return ran.stdout.split()
+
+    assert run(check=False) == ["False", "True"]
+    # A checked load deserializes the program to compare it with its manifest: the
+    # runtime is imported before that too.
+    assert run(check=True) == ["True", "True"]
 
 
 def test_an_unknown_cuda_device_kind_is_an_error_naming_the_known_ones():
