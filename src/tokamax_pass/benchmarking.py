@@ -1,43 +1,42 @@
-"""Device-time benchmarking: standardize a function, compile it, time it.
-
-Wall-clock timing of `jax.block_until_ready(f(x))` mostly measures Python and
-dispatch overhead, so the default timers read device time: CUPTI on NVIDIA
-GPUs (kernel time only), else the `jax.profiler` trace (the union of the
-intervals of the executable's HLO ops, per run). `wallclock` is the fallback.
+"""Benchmarking: standardize a function, compile it, time it on the device.
 
     f_std, args = standardize_function(f, kwargs={"x": x, "scale": scale})
     run = compile_benchmark(f_std, args)
     data = run(args, iterations=10)     # BenchmarkData
+
+The timers are `tokamax_pass.device_timers`'s; the random inputs for abstract arguments
+are `tokamax_pass.random_inputs`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import glob
 import inspect
 import re
 import statistics
-import tempfile
 import time
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokamax_pass import batching
+from tokamax_pass import batching, device_timers
 from tokamax_pass.core import checks, spec
 from tokamax_pass.core.op import NullConfig
+from tokamax_pass.device_timers import METHODS, check_method, traced_hlo_ops
+from tokamax_pass.random_inputs import compile_random_initialize, random_array, random_initialize
+
+__all__ = [
+    "DEFAULT_ITERATIONS", "MAX_SEED", "METHODS", "MODES", "BenchmarkData", "Mode", "benchmark",
+    "check_method", "compile_benchmark", "compile_random_initialize", "get_benchmark_registrar",
+    "random_array", "random_initialize", "register_benchmark", "standardize_function",
+    "traced_hlo_ops",
+]
 
 Mode = Literal["forward", "forward_res", "vjp", "forward_and_vjp"]
 MODES = ("forward", "forward_res", "vjp", "forward_and_vjp")
-METHODS = ("cupti", "profiler", "wallclock")
-# Runs timed in one CUPTI session: a bound keeps its activity buffers from overflowing
-# (which ends the process) on programs that launch many kernels.
-CUPTI_RUNS_A_SESSION = 8
 DEFAULT_ITERATIONS = 5
 # The largest `seed`: it reaches the random-input program as an int32 argument (a larger
 # one overflowed there, deep in JAX's argument parsing).
@@ -79,70 +78,6 @@ class BenchmarkData:
         """The fields and the median evaluation time, as a plain dict (for logs, JSON)."""
         return {**dataclasses.asdict(self),
                 "median_evaluation_time_ms": self.median_evaluation_time_ms}
-
-
-def random_array(key: jax.Array | int, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """A random array: normal floats, ints in [0, 128), fair bools (never all zeros).
-    `key`: a `jax.random.key`, or an int seed."""
-    if isinstance(key, int) and not isinstance(key, bool):
-        key = jax.random.key(key)
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return jax.random.normal(key, shape, jnp.float32).astype(dtype)
-    if dtype == jnp.bool_:
-        return jax.random.bernoulli(key, 0.5, shape)
-    if jnp.issubdtype(dtype, jnp.integer):
-        high = min(128, int(jnp.iinfo(dtype).max) + 1)
-        return jax.random.randint(key, shape, 0, high, jnp.int32).astype(dtype)
-    raise ValueError(f"cannot make random inputs of dtype {dtype}")
-
-
-# Where a random array goes: its position among the arrays, its shape and dtype name.
-_Slot = tuple[int, tuple[int, ...], str]
-
-
-def _abstract_slots(arrays: Sequence[Any]) -> tuple[_Slot, ...]:
-    slots = tuple((i, a) for i, a in enumerate(arrays) if isinstance(a, jax.ShapeDtypeStruct))
-    for i, a in slots:
-        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            raise ValueError(
-                f"standardize_function: array argument {i} is a jax.ShapeDtypeStruct of PRNG "
-                f"keys ({a.dtype}); random inputs are made for numbers only: pass real keys "
-                f"(jax.random.split(jax.random.key(0), n))")
-        if any(isinstance(d, int) and d < 0 for d in a.shape):
-            # jax.ShapeDtypeStruct takes it; XLA failed with "invalid tensor dimension size".
-            raise ValueError(
-                f"standardize_function: array argument {i} is a jax.ShapeDtypeStruct of "
-                f"shape {tuple(a.shape)}; dimensions must be >= 0")
-    return tuple((i, tuple(a.shape), jnp.dtype(a.dtype).name) for i, a in slots)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _random_leaves(slots: tuple[_Slot, ...], count: int, seed: jax.Array) -> list[jax.Array]:
-    keys = jax.random.split(jax.random.key(seed), max(count, 1))
-    return [random_array(keys[i], shape, dtype) for i, shape, dtype in slots]
-
-
-def random_initialize(arrays: Sequence[Any], seed: int,
-                      program: Callable[[int], list[Any]] | None = None) -> list[Any]:
-    """Concrete arrays stay as given; abstract ones (`ShapeDtypeStruct`) become random.
-
-    All of them come from one compiled program (`program`, from
-    `compile_random_initialize`, where it was compiled ahead): made one array at a time,
-    each shape and dtype compiled programs of its own, and an autotuner preparing a
-    wave's inputs while candidates compiled waited seconds on them.
-    """
-    slots = _abstract_slots(arrays)
-    if not slots:
-        return list(arrays)
-    made = iter((program or functools.partial(_random_leaves, slots, len(arrays)))(seed))
-    return [next(made) if isinstance(a, jax.ShapeDtypeStruct) else a for a in arrays]
-
-
-def compile_random_initialize(arrays: Sequence[Any], seed: int) -> Callable[[int], list[Any]]:
-    """`random_initialize`'s program for these arrays, compiled now (no device work), to
-    pass it as `program`."""
-    return _random_leaves.lower(_abstract_slots(arrays), len(arrays), seed).compile()
 
 
 def _bind_signature(f: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -262,109 +197,6 @@ def _split_like(tree: Any, seed: int) -> Any:
     return jax.tree.unflatten(treedef, list(jax.random.split(jax.random.key(seed), len(leaves))))
 
 
-def _platform(args: Sequence[Any]) -> str:
-    for a in args:
-        if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer):
-            return next(iter(a.devices())).platform
-    return jax.default_backend()
-
-
-def _interval_union_ns(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -np.inf
-    for start, stop in sorted(intervals):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
-def traced_hlo_ops(run: Callable[[], Any], iterations: int) -> list[tuple[str, dict, float, float]]:
-    """`run()` `iterations` times under `jax.profiler`: `(event name, stats, start ns,
-    duration ns)` of every traced event that names an HLO op (`stats["hlo_op"]`, with
-    `hlo_module` and `run_id` where the profiler records them)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        options = jax.profiler.ProfileOptions()
-        options.python_tracer_level = 0
-        # The events name their HLO ops and modules themselves; the HLO protos of every
-        # executable the process holds would be serialized into the trace as well, which
-        # makes each timing slower the more programs the process has compiled.
-        options.enable_hlo_proto = False
-        with jax.profiler.trace(tmp, profiler_options=options):
-            for _ in range(iterations):
-                jax.block_until_ready(run())
-        files = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
-        profile = jax.profiler.ProfileData.from_file(files[0])
-    events = []
-    for plane in profile.planes:
-        for line in plane.lines:
-            for event in line.events:
-                with warnings.catch_warnings():  # jaxlib's stats type warns on introspection
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    stats = dict(event.stats)
-                if "hlo_op" in stats:
-                    events.append((event.name, stats, event.start_ns, event.duration_ns))
-    return events
-
-
-def _profiler_times(compiled: Any, args: list[Any], iterations: int, module: str) -> list[float]:
-    jax.block_until_ready(compiled(args))  # Warm-up.
-    runs: dict[Any, list[tuple[float, float]]] = {}
-    for _, stats, start, duration in traced_hlo_ops(lambda: compiled(args), iterations):
-        if stats.get("hlo_module", module) == module:
-            runs.setdefault(stats.get("run_id"), []).append((start, start + duration))
-    if not runs:
-        raise RuntimeError(
-            "the profiler recorded no device time for this function; use method='wallclock'")
-    if len(runs) == 1 and iterations > 1:
-        (intervals,) = runs.values()
-        return [_interval_union_ns(intervals) / 1e6 / iterations] * iterations
-    return [_interval_union_ns(v) / 1e6 for v in list(runs.values())[-iterations:]]
-
-
-def _cupti_times(compiled: Any, args: list[Any], iterations: int) -> list[float]:
-    from jax.experimental.mosaic.gpu import profiler
-
-    times: list[float] = []
-    while len(times) < iterations:
-        count = min(CUPTI_RUNS_A_SESSION, iterations - len(times))
-        _, timings = profiler.Cupti(finalize=False).measure(compiled, iterations=count)(args)
-        if timings is None:
-            raise RuntimeError("CUPTI recorded no kernel launches for this function")
-        times += [float(t) for t in ([timings] if count == 1 else timings)]
-    return times
-
-
-def _wallclock_times(compiled: Any, args: list[Any], iterations: int) -> list[float]:
-    jax.block_until_ready(compiled(args))  # Warm-up.
-    times = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
-
-
-# Upstream Tokamax's name for the profiler timer.
-METHOD_ALIASES = {"xprof": "profiler"}
-
-
-def canonical_method(method: str | None) -> str | None:
-    """`method` with upstream Tokamax's names (`"xprof"`) read as ours."""
-    return METHOD_ALIASES.get(method, method) if isinstance(method, str) else method
-
-
-def check_method(method: str | None, platform: str) -> None:
-    """A `ValueError` unless `method` is one of `METHODS` (or None, the best available)
-    and can time kernels on `platform` (a jax backend name)."""
-    if method is not None and method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS} or None, got {method!r}")
-    if method == "cupti" and platform not in ("gpu", "cuda"):
-        raise ValueError(
-            f"method='cupti' times NVIDIA GPU kernels, but these inputs are on {platform}; "
-            "use method=None (the best available), 'profiler' or 'wallclock'"
-        )
-
-
 def compile_benchmark(f_std: Callable[[list[Any]], Any] = checks.NOT_GIVEN,
                       args: list[Any] = checks.NOT_GIVEN, *,
                       f: Callable[[list[Any]], Any] = checks.NOT_GIVEN,
@@ -405,29 +237,7 @@ def compile_benchmark(f_std: Callable[[list[Any]], Any] = checks.NOT_GIVEN,
                 f"benchmark: args[{abstract[0]}] is a jax.ShapeDtypeStruct; timing needs "
                 f"arrays: make them with benchmarking.random_initialize(args, seed) "
                 f"(standardize_function with seed=None keeps its inputs abstract)")
-        platform = _platform(args)
-        method = canonical_method(method)
-        check_method(method, platform)
-        if method is None:
-            # The best timer that works here: CUPTI on GPUs, else the profiler, else wall clock.
-            order = ("cupti", "profiler") if platform in ("gpu", "cuda") else ("profiler",)
-            for name in order:
-                try:
-                    times = (_cupti_times(compiled, args, iterations) if name == "cupti"
-                             else _profiler_times(compiled, args, iterations, module))
-                except (RuntimeError, ImportError):
-                    continue
-                return _data(times, name)
-            return _data(_wallclock_times(compiled, args, iterations), "wallclock")
-        if method == "cupti":
-            times = _cupti_times(compiled, args, iterations)
-        elif method == "profiler":
-            times = _profiler_times(compiled, args, iterations, module)
-        else:
-            times = _wallclock_times(compiled, args, iterations)
-        return _data(times, method)
-
-    def _data(times: list[float], method: str) -> BenchmarkData:
+        times, method = device_timers.time_runs(compiled, args, iterations, method, module)
         return BenchmarkData(
             lower_time_ms=lower_ms, compile_time_ms=compile_ms,
             evaluation_times_ms=tuple(times),
@@ -445,8 +255,8 @@ def benchmark(f: Callable[..., Any], *args: Any, kwargs: dict[str, Any] | None =
     """`standardize_function` + `compile_benchmark` + one run."""
     # The options first: `run` checks them too, but only after `f` is compiled.
     checks.require_int("benchmark", "iterations", iterations, minimum=1)
-    method = canonical_method(method)
-    check_method(method, _platform(jax.tree.leaves((args, kwargs))))
+    method = device_timers.canonical_method(method)
+    device_timers.check_method(method, device_timers.platform_of(jax.tree.leaves((args, kwargs))))
     f_std, arrays = standardize_function(f, *args, kwargs=kwargs, mode=mode)
     return compile_benchmark(f_std, arrays)(arrays, method=method, iterations=iterations)
 
