@@ -25,12 +25,20 @@ import numpy as np
 from tokamax_pass import batching, device_timers
 from tokamax_pass.core import checks, spec
 from tokamax_pass.core.op import NullConfig
-from tokamax_pass.device_timers import METHODS, check_method, traced_hlo_ops
+from tokamax_pass.device_timers import (
+    CUPTI_RUNS_A_SESSION,
+    METHOD_ALIASES,
+    METHODS,
+    canonical_method,
+    check_method,
+    traced_hlo_ops,
+)
 from tokamax_pass.random_inputs import compile_random_initialize, random_array, random_initialize
 
 __all__ = [
-    "DEFAULT_ITERATIONS", "MAX_SEED", "METHODS", "MODES", "BenchmarkData", "Mode", "benchmark",
-    "check_method", "compile_benchmark", "compile_random_initialize", "get_benchmark_registrar",
+    "CUPTI_RUNS_A_SESSION", "DEFAULT_ITERATIONS", "MAX_SEED", "METHODS", "METHOD_ALIASES",
+    "MODES", "BenchmarkData", "Mode", "benchmark", "canonical_method", "check_method",
+    "compile_benchmark", "compile_random_initialize", "get_benchmark_registrar",
     "random_array", "random_initialize", "register_benchmark", "standardize_function",
     "traced_hlo_ops",
 ]

@@ -313,3 +313,7 @@ def test_a_gpu_kernel_exported_from_cpu_says_how_to_name_the_device():
     with tokamax.core.targeting("TPU v6 lite"), pytest.raises(NotImplementedError) as raised:
         jax.jit(f).trace(Q, KV, KV)
     assert "not on tpu" in str(raised.value) and "device_kind" not in str(raised.value)
+    x = jnp.ones((4, 128), jnp.float32)
+    with pytest.raises(NotImplementedError,
+                       match=r"platforms=\['tpu'\], device_kind='TPU v6 lite'"):
+        tokamax.layer_norm(x, None, None, implementation="mosaic_tpu")

@@ -125,7 +125,6 @@ _ATTENTION_PARAMS = [
     ("soft_cap_tiny_window_gqa", "none")]
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize(("case", "implementation"), _ATTENTION_PARAMS)
 def test_attention_unusual(case, implementation):
     _check_attention_case(case, ATTENTION_IMPLEMENTATIONS[implementation]())
@@ -227,7 +226,6 @@ def _tpu_norm():
                                     vjp=PallasMosaicTpuLayerNormVjp(interpret=True))
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize(("case", "implementation"), [
     *((case, "xla") for case in NORM_CASES if case != "rank_1"),
     ("rms_bf16_f32_scale_residual", "none"), ("axis_1_of_4d", "none"),
@@ -289,7 +287,6 @@ RAGGED_CASES = {
 }
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize(("case", "implementation"), [
     *((case, "xla") for case in RAGGED_CASES if case != "k1_n1"),
     ("empty_groups", "none"),
@@ -331,7 +328,6 @@ ACTIVATIONS = {
 }
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize(("activation", "grouped"), [
     *((activation, False) for activation in ACTIVATIONS),
     ("default_bilinear", True), ("swish", True), ("partial_exact_gelu", True)])
@@ -408,7 +404,6 @@ LOSS_IMPLEMENTATIONS = {
 }
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize(("dtype", "labels_kind", "reduction", "implementation"), [
     *((jnp.float32, labels, reduction, "xla_chunked_odd")
       for labels in ("some_ignored", "all_ignored") for reduction in ("sum", "mean", "none")),

@@ -236,7 +236,6 @@ def test_shard_map_bodies(rewritten, check_vma):
     assert_trees_close(optimized(x, scale), jax.jit(step)(x, scale))
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("differentiated", [False, True], ids=["forward", "gradient"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_each_pattern_in_a_shard_map_body_checking_vma(rewritten, name, differentiated):

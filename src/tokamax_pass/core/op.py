@@ -430,18 +430,26 @@ class Op[C]:
         if self.bypass_device_check:
             return
         if self.platforms is not None and target.platform not in self.platforms:
-            hint = _EXPORT_HINT if target.platform == "cpu" else ""
+            hint = _export_hint(self.platforms) if target.platform == "cpu" else ""
             raise NotImplementedError(
                 f"{type(self).__name__} runs on {sorted(self.platforms)}, not on "
                 f"{target.platform}; use implementation='xla' or None{hint}"
             )
 
+
 # A kernel is traced for the platform an op call is traced for, which `jax.export`'s
 # `platforms=` does not change: from a CPU machine, the target is named by its device kind.
-_EXPORT_HINT = (
-    "; to export it for a GPU or TPU from this machine, name the device: "
-    "tokamax_pass.export(fun, *args, platforms=['cuda'], device_kind='NVIDIA H200'), or "
-    "trace under tokamax_pass.core.targeting('NVIDIA H200')")
+_EXAMPLE_KINDS = {"cuda": "NVIDIA H200", "tpu": "TPU v6 lite"}
+
+
+def _export_hint(platforms: frozenset[str]) -> str:
+    platform = next((p for p in _EXAMPLE_KINDS if p in platforms), None)
+    if platform is None:
+        return ""
+    kind = _EXAMPLE_KINDS[platform]
+    return (f"; to export it for {platform} from this machine, name the device: "
+            f"tokamax_pass.export(fun, *args, platforms=['{platform}'], device_kind='{kind}'), "
+            f"or trace under tokamax_pass.core.targeting('{kind}')")
 
 
 def _has_symbolic_dims(tree: Any) -> bool:

@@ -238,7 +238,6 @@ F32_RUNS = [(impl, case) for impl in ("xla", "xla_chunked", "triton")
     ("xla_chunked_padded", "combined"), ("xla_chunked_padded", "seq_lengths")]
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("impl,case", F32_RUNS)
 def test_matches_reference_f32(impl, case):
     _check_against_reference(IMPLEMENTATIONS[impl], case, jnp.float32,
@@ -615,7 +614,6 @@ def test_unmeasured_none_runs_xla_where_cudnn_lost_the_sweep(monkeypatch, shape,
     assert [row.op for row in plan] == [forward, f"{plain}DotProductAttentionVjp"]
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("sq,sk", [(0, 12), (12, 0), (0, 0)])
 @pytest.mark.parametrize("impl", ["xla", "xla_chunked", None])
 def test_empty_sequences(impl, sq, sk):

@@ -79,7 +79,6 @@ GQA_RUNS += [("xla", jnp.float16, 2, True), ("default", jnp.bfloat16, 4, True),
              ("triton", jnp.float32, 4, True)]
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("impl,dtype,group_num,use_vmap", GQA_RUNS)
 def test_gqa(impl, dtype, group_num, use_vmap):
     B, G = 2, group_num
@@ -114,7 +113,6 @@ MASK_RUNS = [("xla", mode) for mode in MASK_MODES] + [
     ("padding", ("custom", "padding"), ("bias", "causal"), ("causal", "sliding_window"))]
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("impl,mask_mode", MASK_RUNS, ids=str)
 def test_mask_modes(impl, mask_mode):
     mask_mode = (mask_mode,) if isinstance(mask_mode, str) else mask_mode
@@ -153,7 +151,6 @@ def test_mask_modes(impl, mask_mode):
 
 # nn_test.testDotProductAttentionBiasGradient: a rank-3 mask (1, 1, S), a per-example bias
 # under vmap; ours gives the bias gradient at every batch size (cuDNN's only at batch 1).
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("impl,batch_size,use_vmap", [
     ("xla", 1, False), ("xla", 1, True), ("xla", 3, False), ("xla", 3, True),
     ("xla_chunked", 3, True), ("triton", 3, True)])
@@ -204,7 +201,6 @@ def _flat_reference(q, k, v, bias, mask, lengths):
                       is_causal=True).reshape(q.shape)
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("impl,layout", [("xla", layout) for layout in sorted(LAYOUTS)] + [
     ("xla_chunked", "no_batch_axis"), ("xla_chunked", "two_batch_axes")])
 def test_layouts(impl, layout):
@@ -331,7 +327,6 @@ def _mask_options(mask_mode, dtype, B):
     return bias, mask, options
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("impl,mask_mode", RESIDUAL_RUNS, ids=str)
 def test_return_residual_matches_jax_nn(impl, mask_mode):
     """Forward: the output and lse (shape BTN, the inputs' dtype, natural log, jax.nn's value

@@ -465,7 +465,6 @@ _D256_LOWERED = [
 # The split dq at every mask; the whole dq at the two windowed calls, which between them
 # hold causal and not, the soft cap, key lengths and GQA (its dq kernel's K/V range and
 # masks are the split one's; the plain and MQA calls add nothing the whole dq reads).
-@pytest.mark.exhaustive
 @pytest.mark.parametrize(("kv_heads", "causal", "window", "cap", "lengths", "vjp_config"), [
     pytest.param(*case, config,
                  id=f"{case[0]}-{case[1]}-window{i}-{case[3]}-{case[4]}-{name}")

@@ -406,7 +406,6 @@ def _gradient_text(head_dim, *, through_lse=False, config=None):
                                  )(q, kv, kv).mlir_module()
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("head_dim, through_lse, config, delta_pass", [
     (128, False, None, False),
     (64, False, V(compute_wgs=1), False),

@@ -132,7 +132,6 @@ _GRID_CASES = [
 # cases (the ring wrapping at different tiles), which walk the same loop with one Q buffer:
 # the window, cap and key-length cases differ only in the K/V range of a tile, which
 # does not depend on the prefetch.
-@pytest.mark.exhaustive
 @pytest.mark.parametrize(("prefetch", "shape", "causal", "fields", "kwargs"), [
     pytest.param(prefetch, *case, id=f"{prefetch}-shape{i}-{case[1]}-fields{i}-kwargs{i}")
     for prefetch in (False, True) for i, case in enumerate(_GRID_CASES)
@@ -244,7 +243,6 @@ _LOWERED = [
 
 # Every head dim and mask with the prefetch; without it once (d128 causal): the window,
 # cap, key lengths and d256 change the tile's K/V range and tiles, not the Q load.
-@pytest.mark.exhaustive
 @pytest.mark.parametrize(("prefetch", "head_dim", "causal", "kwargs"), [
     pytest.param(prefetch, *case, id=f"{prefetch}-{case[0]}-{case[1]}-kwargs{i}")
     for prefetch in (False, True) for i, case in enumerate(_LOWERED) if prefetch or i == 0])

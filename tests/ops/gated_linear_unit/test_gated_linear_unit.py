@@ -56,7 +56,6 @@ def _inputs(x_shape, dtype):
     return x, fused
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("dtype, form, activation", [
     (jnp.float32, "fused", None), (jnp.float32, "pair", None),
     (jnp.bfloat16, "fused", None), (jnp.bfloat16, "pair", None),

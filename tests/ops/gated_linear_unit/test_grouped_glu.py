@@ -90,7 +90,6 @@ PAIRWISE = [(fused, activation, jnp.bfloat16 if fused == (activation is jax.nn.s
 PAIRWISE_IDS = [f"{jnp.dtype(d).name}-{a.__name__}-{f}" for f, a, d in PAIRWISE]
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("fused, activation, dtype", PAIRWISE, ids=PAIRWISE_IDS)
 def test_xla_matches_reference(fused, activation, dtype):
     x, weights = inputs(fused, dtype, seed=3)

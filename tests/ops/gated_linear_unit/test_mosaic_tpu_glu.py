@@ -233,7 +233,6 @@ def _grouped(implementation, activation=jax.nn.swish):
 
 
 # Every pair of (fused, activation, dtype) values in four cases (`test_grouped_glu.PAIRWISE`).
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("fused, activation, dtype", PAIRWISE, ids=[
     f"{'fused' if f else 'pair'}-{'swish' if a is jax.nn.swish else 'gelu'}-"
     f"{'f32' if d == jnp.float32 else 'bf16'}" for f, a, d in PAIRWISE])

@@ -201,7 +201,6 @@ SHAPES = {"rows-and-features-tile": (2, 8, 64), "rank-2": (5, 40), "rank-4": (2,
 
 # XLA's implementation is plain jnp with no blocking: one shape (rank 4, the most general)
 # checks it; the kernels, whose blocks and chunks depend on the shape, take all three.
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("implementation,shape", [
     (implementation, shape) for implementation in IMPLEMENTATIONS for shape in SHAPES
     if implementation != "xla" or shape == "rank-4"])

@@ -115,7 +115,6 @@ def _check(implementation: str, lhs, rhs, sizes, dtype, seed=2) -> None:
             np.testing.assert_array_equal(np.asarray(drhs[g], np.float32), 0.0)
 
 
-@pytest.mark.exhaustive
 @pytest.mark.parametrize("case, dtype", CASES,
                          ids=[f"{c}-{jnp.dtype(d).name}" for c, d in CASES])
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
