@@ -197,3 +197,36 @@ def test_an_unknown_cuda_device_kind_is_an_error_naming_the_known_ones():
                                          "can lower kernels for .*'NVIDIA H200'"):
         tk.export(lambda q: tk.dot_product_attention(q, q, q), "bf16[1,128,2,64]",
                   platforms=["cuda"], device_kind="NVIDIA Bogus 9000")
+
+
+def test_an_artifact_with_symbolic_batch_and_sequence_runs_at_any_size(tmp_path):
+    """`tk.export` (and so `optimize(f).export`) takes `jax.export.symbolic_shape` dims:
+    every op call runs its XLA reference there, and the saved artifact runs, checked, at
+    sizes it never saw, matching `jax.jit` of the same function."""
+    b, t = jax.export.symbolic_shape("b, t")
+
+    def block(x, scale, labels):
+        h = tk.layer_norm(x, scale, None)
+        q = h.reshape(*h.shape[:2], 2, 8)
+        a = tk.dot_product_attention(q, q, q, is_causal=True).reshape(h.shape)
+        logits = jnp.einsum("btd,dv->btv", a, scale[:, None] * jnp.ones((16, 32)))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+        return jnp.mean(lse - picked)
+
+    grad = jax.grad(block, argnums=(0, 1))
+    specs = (jax.ShapeDtypeStruct((b, t, 16), jnp.float32),
+             jax.ShapeDtypeStruct((16,), jnp.float32), jax.ShapeDtypeStruct((b, t), jnp.int32))
+    artifact = tk.export(grad, *specs, name="symbolic")
+    assert artifact.manifest["in_specs"] == ["f32[b,t,16]", "f32[16]", "s32[b,t]"]
+    assert {row["source"] for row in artifact.manifest["ops"]} == {
+        "symbolic shapes: the XLA reference"}
+    loaded = tk.load_artifact(artifact.save(tmp_path / "symbolic"))
+    for batch, seq in ((2, 5), (3, 12)):
+        x = random_normal(batch + seq, (batch, seq, 16))
+        scale = 1 + random_normal(7, (16,))
+        labels = jax.random.randint(jax.random.key(seq), (batch, seq), 0, 32)
+        with reference_precision():
+            want = jax.jit(grad)(x, scale, labels)
+        for got, expected in zip(loaded(x, scale, labels), want, strict=True):
+            assert_close(got, expected)

@@ -92,8 +92,12 @@ def is_array(value: Any) -> bool:
 
 
 def array_spec(value: Any) -> str:
-    """`"bf16[32,2048,16,64]"` for an array, tracer or ShapeDtypeStruct."""
-    return f"{short_dtype(value.dtype)}[{','.join(str(int(d)) for d in value.shape)}]"
+    """`"bf16[32,2048,16,64]"` for an array, tracer or ShapeDtypeStruct; a symbolic
+    dimension (`jax.export.symbolic_shape`) as its expression, `"f32[2*b,16]"` (shown, never
+    parsed back: `parse_array_spec` takes integers only)."""
+    dims = (str(d).replace(" ", "") if jax.export.is_symbolic_dim(d) else str(int(d))
+            for d in value.shape)
+    return f"{short_dtype(value.dtype)}[{','.join(dims)}]"
 
 
 def parse_array_spec(text: str) -> jax.ShapeDtypeStruct:

@@ -29,7 +29,13 @@ from jax.extend.core import Jaxpr
 from tokamax_pass.core import selection
 from tokamax_pass.core.device import Target
 from tokamax_pass.core.op import BoundArguments, NullConfig, Op
-from tokamax_pass.core.primitive import OpCall, bind_call, bind_partitioned, is_tokamax_call
+from tokamax_pass.core.primitive import (
+    OpCall,
+    bind_call,
+    bind_partitioned,
+    has_symbolic_dims,
+    is_tokamax_call,
+)
 from tokamax_pass.core.vjp import AutodiffVjp
 from tokamax_pass.passes import emit, patterns, walk
 from tokamax_pass.passes.candidate import Candidate
@@ -253,10 +259,11 @@ class Rewriter:
     def _resolve(self, call: OpCall, avals: Sequence[Any]) -> tuple[
             OpCall, list[tuple[Target, selection.Choice, str]], tuple[BoundArguments, ...]]:
         candidates = [call.bound(op, avals) for op in call.candidates]
+        symbolic = has_symbolic_dims(avals)
         choices = []
         with self.active():
             for target in self.targets:
-                choice = call.choose(candidates, target)
+                choice = call.choose(candidates, target, symbolic)
                 choice = dataclasses.replace(choice, bound=choice.bound.replace(
                     op=_pin_forward_config(choice.op, choice.bound, target)))
                 source = choice.source
