@@ -221,14 +221,8 @@ def check_manifest_describes_program(artifact: Artifact) -> None:
     (the digest ties the program to it, not it to the program): a manifest edited to
     claim another platform or to leave a kernel out would get past `check_compatible` and
     fail inside XLA."""
-    manifest, exported = artifact.manifest, artifact.exported
-    found = {
-        "platforms": list(exported.platforms),
-        "in_specs": [spec.array_spec(a) for a in exported.in_avals],
-        "out_specs": [spec.array_spec(a) for a in exported.out_avals],
-        "custom_calls": custom_call_targets(exported.mlir_module()),
-    }
-    for key, actual in found.items():
+    manifest = artifact.manifest
+    for key, actual in _program_fields(artifact.exported).items():
         if key in manifest and manifest[key] != actual:
             raise ArtifactIntegrityError(
                 f"artifact {artifact.name!r}: its manifest's {key!r} is {manifest[key]!r:.200} "
@@ -307,25 +301,33 @@ def _manifest(name: str, optimized: Any, exported: jax.export.Exported, plan: An
         "name": name,
         "file": f"{name}{_SUFFIX}",
         "function": function_name(optimized.fun),
-        "platforms": list(exported.platforms),
         "device_kind": (device_kind if device_kind is None or isinstance(device_kind, str)
                         else ",".join(device_kind)),
         "device_kinds": dict(kinds),
-        "in_specs": [spec.array_spec(a) for a in exported.in_avals],
-        "out_specs": [spec.array_spec(a) for a in exported.out_avals],
+        **_program_fields(exported),
         "ops": [row.to_dict() for row in plan],
         "rewrites": [match.to_dict() for match in plan.matches],
         "fallbacks": [{"path": row.path, "platform": row.platform,
                        "device_kind": row.device_kind, "target_runs": row.fallback_from,
                        "exported": row.implementation}
                       for row in plan if row.fallback_from is not None],
-        "custom_calls": custom_call_targets(exported.mlir_module()),
         "versions": {
             "tokamax_pass": __version__,
             "jax": jax.__version__,
             "jaxlib": jaxlib.__version__,
             "calling_convention": exported.calling_convention_version,
         },
+    }
+
+
+def _program_fields(exported: jax.export.Exported) -> dict[str, Any]:
+    """The manifest's fields that describe the program itself, read from it: written at
+    export, compared on a checked load."""
+    return {
+        "platforms": list(exported.platforms),
+        "in_specs": [spec.array_spec(a) for a in exported.in_avals],
+        "out_specs": [spec.array_spec(a) for a in exported.out_avals],
+        "custom_calls": custom_call_targets(exported.mlir_module()),
     }
 
 
