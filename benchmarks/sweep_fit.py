@@ -23,8 +23,8 @@ import jax
 from benchmarks import shapes, sweep
 from tokamax_pass.core import atomic_io, prediction, registry
 from tokamax_pass.core import calibration as calibration_lib
+from tokamax_pass.core.bound_arguments import BoundArguments
 from tokamax_pass.core.device import device_kind_key
-from tokamax_pass.core.op import BoundArguments
 from tokamax_pass.core.roofline import Ceilings
 
 PACKAGE_FOLDER = (pathlib.Path(__file__).parents[1] / "src" / "tokamax_pass" / "data" /

@@ -53,7 +53,8 @@ from benchmarks.models import MODELS, Model, blocks, ops, run
 from tokamax_pass import core
 from tokamax_pass.autotuning import cache, keys, neighbours
 from tokamax_pass.core import selection, spec
-from tokamax_pass.core.op import BoundArguments, CannotLowerHere
+from tokamax_pass.core.bound_arguments import BoundArguments
+from tokamax_pass.core.op import CannotLowerHere
 from tokamax_pass.passes.plan import PlanRow
 
 DEVICE_KIND = "NVIDIA H200"

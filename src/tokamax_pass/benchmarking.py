@@ -24,7 +24,7 @@ import numpy as np
 
 from tokamax_pass import batching, device_timers
 from tokamax_pass.core import checks, spec
-from tokamax_pass.core.op import NullConfig
+from tokamax_pass.core.bound_arguments import NullConfig
 from tokamax_pass.device_timers import (
     CUPTI_RUNS_A_SESSION,
     METHOD_ALIASES,

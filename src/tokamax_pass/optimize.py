@@ -33,7 +33,7 @@ import jax
 from tokamax_pass.artifact import make_artifact
 from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, device, spec
-from tokamax_pass.core.op import BoundArguments, NullConfig
+from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax_pass.passes import emit, patterns, patterns_attention, transforms, walk
 from tokamax_pass.passes.plan import Plan

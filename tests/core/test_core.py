@@ -111,7 +111,7 @@ def test_grad_stamps_the_vjp_op():
 def test_bound_arguments_json_round_trip_with_vmap():
     ba = ScaledSine().bind(jax.ShapeDtypeStruct((2, 3), jnp.bfloat16),
                            jax.ShapeDtypeStruct((2, 3), jnp.bfloat16))
-    ba = ba.replace(vmap=(core.op.VmapLevel((0, None), 4),))
+    ba = ba.replace(vmap=(core.bound_arguments.VmapLevel((0, None), 4),))
     again = tokamax.BoundArguments.from_json(ba.to_json())
     assert again == ba
     assert again.cache_key == ba.cache_key
@@ -138,7 +138,7 @@ def test_vmapped_call_records_vmap_levels():
     (payload,) = set(re.findall(r'tokamax_pass_spec = "((?:[^"\\]|\\.)*)"', text))
     ba = tokamax.BoundArguments.from_json(payload.replace("\\22", '"'))
     assert ba.arguments["x"].shape == (3,)
-    assert ba.vmap == (core.op.VmapLevel((0, None), 2),)
+    assert ba.vmap == (core.bound_arguments.VmapLevel((0, None), 2),)
 
 
 def test_implementation_none_falls_back_on_cpu():

@@ -19,8 +19,8 @@ from tokamax_pass.autotuning import discovery, distributed, keys, lowering, stag
 from tokamax_pass.autotuning.autotuner import Autotuner, candidate_configs
 from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, registry
+from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.core.device import current_target
-from tokamax_pass.core.op import BoundArguments, NullConfig
 
 _log = logging.getLogger("tokamax_pass.autotuning")
 

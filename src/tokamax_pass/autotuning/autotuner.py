@@ -42,8 +42,9 @@ from tokamax_pass.autotuning import keys, lowering
 from tokamax_pass.autotuning.lowering import call_op
 from tokamax_pass.autotuning.result import Entry, Measurement
 from tokamax_pass.core import registry, spec
+from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.core.device import current_target
-from tokamax_pass.core.op import BoundArguments, NullConfig, Op, family_class
+from tokamax_pass.core.op import Op, family_class
 from tokamax_pass.core.vjp import RESERVED_NAMES, VjpOp
 
 # Allowed max error relative to the reference output's largest magnitude.

@@ -33,8 +33,9 @@ from tokamax_pass.autotuning.result import (
 )
 from tokamax_pass.core import checks, selection, spec
 from tokamax_pass.core.atomic_io import write_atomic
+from tokamax_pass.core.bound_arguments import BoundArguments
 from tokamax_pass.core.device import check_device_kind, device_kind_key
-from tokamax_pass.core.op import BoundArguments, snake_case_name
+from tokamax_pass.core.op import snake_case_name
 
 ENV_CACHE_DIR = "TOKAMAX_PASS_CACHE_DIR"
 _log = logging.getLogger("tokamax_pass.autotuning")

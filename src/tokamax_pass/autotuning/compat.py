@@ -19,7 +19,9 @@ from tokamax_pass.autotuning import cache
 from tokamax_pass.autotuning.autotuner import Autotuner
 from tokamax_pass.autotuning.result import AutotuningData, AutotuningResult
 from tokamax_pass.core import device, options
-from tokamax_pass.core.op import HOOKS, BoundArguments, Op
+from tokamax_pass.core.bound_arguments import BoundArguments
+from tokamax_pass.core.hooks import HOOKS
+from tokamax_pass.core.op import Op
 
 
 def tune_bound(ba: BoundArguments, configs: Iterable[Any] | None, *,

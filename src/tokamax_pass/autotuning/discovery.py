@@ -28,7 +28,7 @@ import jax
 from tokamax_pass.autotuning import keys, result
 from tokamax_pass.core import checks, spec
 from tokamax_pass.core.atomic_io import write_atomic
-from tokamax_pass.core.op import BoundArguments
+from tokamax_pass.core.bound_arguments import BoundArguments
 from tokamax_pass.core.primitive import METADATA_KEY, recording_lowerings, specs_only
 
 BOUND_ARGS_FORMAT = "tokamax_pass.BoundArgumentsList"

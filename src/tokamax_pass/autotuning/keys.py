@@ -22,7 +22,8 @@ from typing import Any
 import jax
 
 from tokamax_pass.core import spec
-from tokamax_pass.core.op import BoundArguments, Op, SizeLike
+from tokamax_pass.core.bound_arguments import BoundArguments
+from tokamax_pass.core.op import Op, SizeLike
 from tokamax_pass.version import __version__
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from tokamax_pass.autotuning import keys
 from tokamax_pass.core import selection
-from tokamax_pass.core.op import BoundArguments
+from tokamax_pass.core.bound_arguments import BoundArguments
 
 # A neighbour's sizes may differ from the call's by at most this factor, each size alone.
 MAX_RATIO = 2.0

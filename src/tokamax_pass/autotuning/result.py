@@ -23,7 +23,7 @@ import jax
 from tokamax_pass.autotuning import keys
 from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.atomic_io import write_atomic
-from tokamax_pass.core.op import BoundArguments
+from tokamax_pass.core.bound_arguments import BoundArguments
 from tokamax_pass.tables import render_table
 
 FORMAT = "tokamax_pass.AutotuningResult"

@@ -42,7 +42,7 @@ from tokamax_pass.autotuning import cache
 from tokamax_pass.autotuning.autotuner import Autotuner
 from tokamax_pass.autotuning.result import Entry
 from tokamax_pass.core import selection
-from tokamax_pass.core.op import BoundArguments
+from tokamax_pass.core.bound_arguments import BoundArguments
 
 # The most a search space is taken to improve on its heuristics config (time ratio).
 # Over the 70 H200 library-cache entries with two or more configs measured, the best

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from tokamax_pass.commands import _argtypes, _target
 
 if TYPE_CHECKING:
-    from tokamax_pass.core.op import BoundArguments
+    from tokamax_pass.core.bound_arguments import BoundArguments
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -1,14 +1,8 @@
 """The op framework: ops, bound arguments, the `tokamax_call` primitive, the registry."""
 
+from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.core.device import Target, current_target, targeting
-from tokamax_pass.core.op import (
-    BoundArguments,
-    CannotLowerHere,
-    NullConfig,
-    Op,
-    SizeLike,
-    snake_case_name,
-)
+from tokamax_pass.core.op import CannotLowerHere, Op, SizeLike, snake_case_name
 from tokamax_pass.core.primitive import METADATA_KEY, tokamax_call_p
 from tokamax_pass.core.registry import Family, register_family
 from tokamax_pass.core.roofline import Work

@@ -27,7 +27,9 @@ import numpy as np
 from tokamax_pass.core import calibration as calibration_lib
 from tokamax_pass.core import roofline as roofline_lib
 from tokamax_pass.core import spec
-from tokamax_pass.core.op import HOOKS, BoundArguments, Op, family_class
+from tokamax_pass.core.bound_arguments import BoundArguments
+from tokamax_pass.core.hooks import HOOKS
+from tokamax_pass.core.op import Op, family_class
 from tokamax_pass.core.roofline import Work
 
 # Points within this distance (log2 units of FLOPs and bytes: 1.0 is a factor of 2 in

@@ -26,7 +26,9 @@ from jax.extend.core import Primitive, subjaxprs
 from jax.interpreters import ad, batching, mlir
 
 from tokamax_pass.core import device, errors, selection, sharding, spec
-from tokamax_pass.core.op import HOOKS, BoundArguments, Op, VmapLevel, family_class
+from tokamax_pass.core.bound_arguments import BoundArguments, VmapLevel
+from tokamax_pass.core.hooks import HOOKS
+from tokamax_pass.core.op import Op, family_class
 from tokamax_pass.core.vjp import (
     RESERVED_NAMES,
     VjpOp,
@@ -230,12 +232,6 @@ def _batch(operands: Sequence[Any], dims: Sequence[Any], *, call: OpCall) -> tup
     return outs, [0] * len(outs)
 
 
-def has_symbolic_dims(avals: Sequence[Any]) -> bool:
-    """True where a shape holds a dimension that is not an integer (`jax.export`'s
-    symbolic dimensions)."""
-    return any(not isinstance(d, (int, np.integer)) for a in avals for d in a.shape)
-
-
 def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence[Any]:
     partitioned = sharding.partitioned_at_lowering(
         ctx, call, lambda *xs: bind_call(call, *xs))
@@ -243,7 +239,7 @@ def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence
         return mlir.lower_fun(partitioned, multiple_results=True)(ctx, *operands)
     target = device.lowering_target(platform)
     candidates = [call.bound(op, ctx.avals_in) for op in call.candidates]
-    symbolic = has_symbolic_dims(ctx.avals_in)
+    symbolic = spec.has_symbolic_dims(ctx.avals_in)
     choice = call.choose(candidates, target, symbolic)
     # A spec records concrete shapes; a symbolic call is stamped with none, so inspection
     # and autotuning, which key everything by shape, do not see it.
@@ -380,7 +376,7 @@ def _cotangents(call: OpCall, operands: Sequence[Any], grads: dict[str, Any]) ->
     cotangents: list[Any] = []
     for i, operand in zip(call.operand_indices, operands, strict=True):
         grad = grad_leaves[i]
-        if grad is None and has_symbolic_dims([operand]):
+        if grad is None and spec.has_symbolic_dims([operand]):
             cotangents.append(None)  # `custom_vjp` reads `None` as a zero cotangent
             continue
         if grad is None:
@@ -456,7 +452,7 @@ def _with_own_residuals(call: OpCall, operands: Sequence[Any]) -> OpCall | None:
     if not any(op.keeps_own_residuals() for op in call.candidates):
         return None
     avals = [jax.typeof(x) for x in operands]
-    if has_symbolic_dims(avals):
+    if spec.has_symbolic_dims(avals):
         return None
     candidates = [call.bound(op, avals) for op in call.candidates]
     try:

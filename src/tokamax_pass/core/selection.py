@@ -35,8 +35,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from tokamax_pass.core import errors, options, prediction
+from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.core.device import Target, current_target, lowering_for
-from tokamax_pass.core.op import HOOKS, BoundArguments, CannotLowerHere, NullConfig, Op
+from tokamax_pass.core.hooks import HOOKS
+from tokamax_pass.core.op import CannotLowerHere, Op
 
 # Appended to a choice's source where `None` would run, on the target itself, an
 # implementation this machine cannot lower (`CannotLowerHere`: cuDNN, when a CPU machine

@@ -91,7 +91,7 @@ def _call_rule(call: Any,
     rule_fn = getattr(forward.reference_op(), "partition_rule", None)
     if rule_fn is None:
         return None
-    from tokamax_pass.core.op import BoundArguments
+    from tokamax_pass.core.bound_arguments import BoundArguments
 
     rule = rule_fn(BoundArguments(forward, fwd_arguments))
     if rule is None:

@@ -91,6 +91,13 @@ def is_array(value: Any) -> bool:
     )
 
 
+def has_symbolic_dims(tree: Any) -> bool:
+    """True where an array in `tree` (arrays, tracers, avals, `ShapeDtypeStruct`s) has a
+    dimension that is not an integer: `jax.export`'s symbolic dimensions."""
+    return any(jax.export.is_symbolic_dim(d) for leaf in jax.tree.leaves(tree)
+               if is_array(leaf) for d in leaf.shape)
+
+
 def array_spec(value: Any) -> str:
     """`"bf16[32,2048,16,64]"` for an array, tracer or ShapeDtypeStruct; a symbolic
     dimension (`jax.export.symbolic_shape`) as its expression, `"f32[2*b,16]"` (shown, never

@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_pass.core import spec
-from tokamax_pass.core.op import HOOKS, BoundArguments, Op
+from tokamax_pass.core.bound_arguments import BoundArguments
+from tokamax_pass.core.hooks import HOOKS
+from tokamax_pass.core.op import Op
 
 RESERVED_NAMES = ("residuals", "out", "dout", "shared_inputs", "dresiduals")
 SharedInputs = tuple[tuple[str, ...], ...]

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import source_info_util
 
-from tokamax_pass.core.op import BoundArguments
+from tokamax_pass.core.bound_arguments import BoundArguments
 from tokamax_pass.passes import (
     patterns_attention_einsum,
     patterns_cross_entropy,

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tokamax_pass.core import spec
-from tokamax_pass.core.op import BoundArguments, NullConfig
+from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.passes.patterns import RewriteMatch
 from tokamax_pass.passes.rewrite import Decision
 from tokamax_pass.tables import render_table

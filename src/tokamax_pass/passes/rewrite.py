@@ -26,14 +26,14 @@ import jax
 from jax.extend import linear_util as lu
 from jax.extend.core import Jaxpr
 
-from tokamax_pass.core import selection
+from tokamax_pass.core import selection, spec
+from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.core.device import Target
-from tokamax_pass.core.op import BoundArguments, NullConfig, Op
+from tokamax_pass.core.op import Op
 from tokamax_pass.core.primitive import (
     OpCall,
     bind_call,
     bind_partitioned,
-    has_symbolic_dims,
     is_tokamax_call,
 )
 from tokamax_pass.core.vjp import AutodiffVjp
@@ -259,7 +259,7 @@ class Rewriter:
     def _resolve(self, call: OpCall, avals: Sequence[Any]) -> tuple[
             OpCall, list[tuple[Target, selection.Choice, str]], tuple[BoundArguments, ...]]:
         candidates = [call.bound(op, avals) for op in call.candidates]
-        symbolic = has_symbolic_dims(avals)
+        symbolic = spec.has_symbolic_dims(avals)
         choices = []
         with self.active():
             for target in self.targets:

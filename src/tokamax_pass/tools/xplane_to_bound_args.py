@@ -26,7 +26,7 @@ import jax
 
 from tokamax_pass.autotuning import discovery
 from tokamax_pass.core import spec
-from tokamax_pass.core.op import BoundArguments
+from tokamax_pass.core.bound_arguments import BoundArguments
 from tokamax_pass.core.primitive import METADATA_KEY
 
 _KEY = METADATA_KEY.encode()

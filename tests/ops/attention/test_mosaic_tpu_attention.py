@@ -290,8 +290,8 @@ def test_none_keeps_the_tpu_kernel_under_vmap_where_measured_faster():
     lengths = dict(query_seq_lengths=jax.ShapeDtypeStruct((2,), jnp.int32),
                    key_value_seq_lengths=jax.ShapeDtypeStruct((2,), jnp.int32))
     # Leaves in tree order: key, key_value_seq_lengths, query, query_seq_lengths, value.
-    vmap = (core.op.VmapLevel((None, None, 0, 0, None), OUTER),
-            core.op.VmapLevel((0, 0, 0, 0, 0), INNER))
+    vmap = (core.bound_arguments.VmapLevel((None, None, 0, 0, None), OUTER),
+            core.bound_arguments.VmapLevel((0, 0, 0, 0, 0), INNER))
     times = {PallasMosaicTpuFlashAttention(): 1.0, DotProductAttention(): 3.0}
     forward = measured("TPU v5p", times, *args, is_causal=True, vmap=vmap, **lengths)
     with forward:

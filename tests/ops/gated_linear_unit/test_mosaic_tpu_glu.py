@@ -438,7 +438,7 @@ def test_nested_vmap_lowers_for_tpu_and_none_keeps_the_kernel_where_measured(gro
     else:  # weights, x
         args, kwargs, axes = (x, jax.ShapeDtypeStruct((2048, 2, 5632), jnp.bfloat16)), {}, (
             None, 0)
-    vmap = (core.op.VmapLevel(axes, 2), core.op.VmapLevel(axes, 3))
+    vmap = (core.bound_arguments.VmapLevel(axes, 2), core.bound_arguments.VmapLevel(axes, 3))
     times = {PallasMosaicTpuGatedLinearUnit(): 1.0, GatedLinearUnit(): 3.0}
     with measured("TPU v5 lite", times, *args, vmap=vmap, **kwargs):
         assert _vmapped_export(None, grouped).count("tpu_custom_call") == 1

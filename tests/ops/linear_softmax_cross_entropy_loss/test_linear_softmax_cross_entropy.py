@@ -28,7 +28,7 @@ from tokamax_kernels.linear_softmax_cross_entropy_loss.xla_chunked import (
     search_space,
 )
 from tokamax_pass.core import BoundArguments, selection
-from tokamax_pass.core.op import VmapLevel
+from tokamax_pass.core.bound_arguments import VmapLevel
 
 B, S, H, V = 2, 13, 16, 37  # 26 tokens, a vocabulary no tile below divides
 lce = tokamax.linear_softmax_cross_entropy_loss

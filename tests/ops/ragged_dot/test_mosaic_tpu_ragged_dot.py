@@ -312,7 +312,8 @@ def test_nested_vmap_lowers_for_tpu_as_one_launch_per_kernel():
 def test_none_keeps_the_tpu_kernel_under_vmap_where_measured_faster():
     assert "tpu_custom_call" not in _export_vmapped(None)
     # Leaves in tree order: group_sizes, lhs, rhs; the outer level first.
-    vmap = (core.op.VmapLevel((0, 0, None), 2), core.op.VmapLevel((0, 0, None), 3))
+    level = core.bound_arguments.VmapLevel
+    vmap = (level((0, 0, None), 2), level((0, 0, None), 3))
     times = {PallasMosaicTpuRaggedDot(): 1.0, RaggedDot(): 3.0}
     with measured("TPU v5p", times, *TPU_ARGS, vmap=vmap):
         assert _export_vmapped(None).count("tpu_custom_call") == 1  # the forward measured
