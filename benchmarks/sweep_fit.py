@@ -9,22 +9,26 @@ predicts a held-out share of the calls from the rest and prints how close it cam
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
+import os
 import pathlib
 import random
 import statistics
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
 
 from benchmarks import shapes, sweep
-from tokamax_pass.core import atomic_io, prediction, registry
+from tokamax_pass.core import atomic_io, options, prediction, registry, selection
 from tokamax_pass.core import calibration as calibration_lib
 from tokamax_pass.core.bound_arguments import BoundArguments
-from tokamax_pass.core.device import device_kind_key
+from tokamax_pass.core.device import Target, device_kind_key, platform_of_kind
+from tokamax_pass.core.op import CannotLowerHere
 from tokamax_pass.core.roofline import Ceilings
 
 PACKAGE_FOLDER = (pathlib.Path(__file__).parents[1] / "src" / "tokamax_pass" / "data" /
@@ -101,15 +105,71 @@ def _calibration(device_kind: str, ceilings: Ceilings,
     return calibration_lib.Calibration(device_kind, ceilings, tuple(found))
 
 
+def _file_data(calibration: calibration_lib.Calibration) -> dict[str, Any]:
+    """A calibration file's fields (all but its provenance)."""
+    return {
+        "schema": calibration_lib.SCHEMA, "version": calibration_lib.VERSION,
+        "device_kind": calibration.device_kind, "ceilings": vars(calibration.ceilings),
+        "points": [{**vars(p), "features": list(p.features)} for p in calibration.points],
+    }
+
+
 def _call_key(row: dict[str, Any]) -> str:
     return json.dumps([row["family"], row["params"]], sort_keys=True)
+
+
+def rule_choice(family: str, params: dict[str, Any], direction: str,
+                calibration: calibration_lib.Calibration) -> tuple[str, ...]:
+    """The implementation `implementation=None` runs at a sweep call on the calibration's
+    device with nothing measured (caches ignored): the rule itself, its margins and
+    plain-JAX preference included, deciding from `calibration`'s predictions. Named by
+    every implementation whose op (for a VJP, whose VJP op) it is, in the family's order:
+    implementations may share their VJP op."""
+    sweep.ours(family)  # registers the family
+    target = Target(platform_of_kind(calibration.device_kind), calibration.device_kind)
+    candidates: list[tuple[str, BoundArguments]] = []
+    for name in registry.families()[family].automatic:
+        ba = bound_call({"family": family, "params": params, "implementation": name,
+                         "direction": direction})
+        try:
+            ba.op.check_supported(ba, target)
+        except CannotLowerHere:
+            pass  # the target runs it; only this machine cannot lower it
+        except NotImplementedError:
+            continue
+        candidates.append((name, ba))
+    unique = [ba for i, (_, ba) in enumerate(candidates)
+              if all(ba.op != other.op for _, other in candidates[:i])]
+    with tempfile.TemporaryDirectory() as folder, _calibration_folder(folder, calibration), \
+            options.ignore_autotuning_cache(True):
+        first = selection.rank_on_target(unique, target)[0]
+    return tuple(name for name, ba in candidates if ba.op == first.op)
+
+
+@contextlib.contextmanager
+def _calibration_folder(folder: str, calibration: calibration_lib.Calibration
+                        ) -> Iterator[None]:
+    """Predictions read `calibration` while inside (written to `folder`)."""
+    path = pathlib.Path(folder) / f"{device_kind_key(calibration.device_kind)}.json"
+    path.write_text(json.dumps(_file_data(calibration)))
+    saved = os.environ.get(calibration_lib.ENV_DIR)
+    os.environ[calibration_lib.ENV_DIR] = folder
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[calibration_lib.ENV_DIR]
+        else:
+            os.environ[calibration_lib.ENV_DIR] = saved
 
 
 def quality(rows: list[dict[str, Any]], ceilings: Ceilings, device_kind: str,
             holdout: float, seed: int) -> dict[str, Any]:
     """Fit on all calls but a held-out share; on those, the predicted-over-measured time
-    ratios and how often the predicted-fastest implementation is within `RIGHT_WITHIN` of
-    the measured fastest (per call and direction)."""
+    ratios, how often the predicted-fastest implementation is within `RIGHT_WITHIN` of
+    the measured fastest of ours (per call and direction), and how often what
+    `implementation=None` runs there (`rule_choice`) is within `RIGHT_WITHIN` of the
+    fastest measured implementation or peer, per family."""
     ours = [r for r in rows if r.get("kind") == "ours" and "ms" in r]
     calls = sorted({_call_key(r) for r in ours})
     held = set(random.Random(seed).sample(calls, max(1, int(len(calls) * holdout)))) \
@@ -138,7 +198,35 @@ def quality(rows: list[dict[str, Any]], ceilings: Ceilings, device_kind: str,
         "p90_abs_log_ratio": logs[int(0.9 * (len(logs) - 1))] if logs else None,
         "compared_choices": len(compared),
         "best_within_10pct": right / len(compared) if compared else None,
+        "rule": _rule_quality([r for r in rows if _call_key(r) in held], fitted),
     }
+
+
+def _rule_quality(rows: list[dict[str, Any]],
+                  calibration: calibration_lib.Calibration) -> dict[str, Any]:
+    """Per family, at the rows' calls and directions: how many `rule_choice` ran within
+    `RIGHT_WITHIN` of the fastest row (implementation or peer), and its worst ratio. A
+    choice that failed there (an error row) counts as a miss; one the rows never tried
+    is left out."""
+    timed: dict[tuple[str, str], dict[str, float]] = {}
+    for row in rows:
+        if row.get("kind") in ("ours", "peer"):
+            timed.setdefault((_call_key(row), row["direction"]), {})[row["implementation"]] = \
+                row.get("ms", math.inf)
+    report: dict[str, dict[str, Any]] = {}
+    for (key, direction), times in sorted(timed.items()):
+        family, params = json.loads(key)
+        tried = [times[name] for name in rule_choice(family, params, direction, calibration)
+                 if name in times]
+        fastest = min(times.values())
+        if not tried or math.isinf(fastest):
+            continue
+        ratio = min(tried) / fastest
+        entry = report.setdefault(family, {"calls": 0, "within": 0, "worst_ratio": 1.0})
+        entry["calls"] += 1
+        entry["within"] += ratio <= 1 + RIGHT_WITHIN
+        entry["worst_ratio"] = max(entry["worst_ratio"], ratio)
+    return report
 
 
 def fit(results: list[pathlib.Path], out: pathlib.Path | None, *, holdout: float = 0.2,
@@ -155,9 +243,7 @@ def fit(results: list[pathlib.Path], out: pathlib.Path | None, *, holdout: float
     print(json.dumps({"ceilings": vars(ceilings), "held_out": report}, indent=1))
     found = points(rows, ceilings)
     data = {
-        "schema": calibration_lib.SCHEMA, "version": calibration_lib.VERSION,
-        "device_kind": device_kind, "ceilings": vars(ceilings),
-        "points": [{**vars(p), "features": list(p.features)} for p in found],
+        **_file_data(_calibration(device_kind, ceilings, found)),
         "provenance": {"commit": sweep.source_commit(), "jax": jax.__version__,
                        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")},
     }

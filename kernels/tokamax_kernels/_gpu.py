@@ -1,5 +1,5 @@
 """What the GPU kernels of every family share about the device: its SM count, which
-persistent kernels size their grids by."""
+persistent kernels size their grids by, and the shared memory one program may use."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from tokamax_pass.core import current_target
 _SM_COUNTS = {"H200": 132, "H100": 132, "H800": 132, "H20": 78, "A100": 108, "L40": 142}
 # The H200 (and H100 SXM) have 132 SMs; used when nothing else says.
 DEFAULT_SM_COUNT = 132
+# Shared memory one thread block may use, in bytes, per device kind (CUDA's opt-in
+# maximum per block: 227 KiB on Hopper, 163 KiB on the A100, 99 KiB on Ada).
+_SHARED_MEMORY = {"H200": 232448, "H100": 232448, "H800": 232448, "H20": 232448,
+                  "A100": 166912, "L40": 101376, "L4": 101376}
+DEFAULT_SHARED_MEMORY = 232448
 
 
 def sm_count() -> int:
@@ -28,3 +33,10 @@ def sm_count() -> int:
         return int(jax.devices("cuda")[0].core_count)
     except (RuntimeError, AttributeError, TypeError):
         return DEFAULT_SM_COUNT
+
+
+def shared_memory_per_block() -> int:
+    """Bytes of shared memory one program may use on the GPU the program is built for
+    (its device kind's, else an H200's)."""
+    kind = current_target().device_kind or ""
+    return next((n for key, n in _SHARED_MEMORY.items() if key in kind), DEFAULT_SHARED_MEMORY)

@@ -67,7 +67,7 @@ def test_worker_shards_split_the_plan_without_overlap():
         sweep.shard_argument("3/3")
 
 
-def test_fit_writes_a_calibration_that_loads_and_predicts_the_measured_calls(tmp_path):
+def test_fit_writes_a_calibration_that_loads_and_predicts_the_measured_calls(tmp_path, capsys):
     from benchmarks import sweep_fit
     from tokamax_pass.core import calibration, prediction
 
@@ -76,7 +76,11 @@ def test_fit_writes_a_calibration_that_loads_and_predicts_the_measured_calls(tmp
                        "--iterations", "3", "--method", "wallclock", "--out",
                        str(results)]) == 0
     out = tmp_path / "cal.json"
+    capsys.readouterr()
     assert sweep.main(["fit", str(results), "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out.split("\nwrote ")[0])
+    rule = printed["held_out"]["rule"]
+    assert rule and all(0 <= e["within"] <= e["calls"] for e in rule.values())
     loaded = calibration.parse(out.read_text())
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert loaded.ceilings == sweep_fit.measured_ceilings(rows)
@@ -88,3 +92,38 @@ def test_fit_writes_a_calibration_that_loads_and_predicts_the_measured_calls(tmp
     predicted = prediction.predict(sweep_fit.bound_call(row), loaded)
     assert predicted is not None and predicted.near
     assert 0.3 < predicted.seconds / (row["ms"] * 1e-3) < 3.0
+
+
+def test_the_rule_s_choice_follows_the_calibration_and_the_kernel_margin():
+    """`sweep_fit.rule_choice` asks the selection rule itself: with the Triton layer norm
+    predicted far faster than XLA's it runs Triton, with the two alike XLA (the kernel's
+    margin); a VJP op shared by several implementations is named by all of them."""
+    from benchmarks import sweep_fit
+    from tokamax_pass.core import calibration, prediction
+    from tokamax_pass.core.roofline import Ceilings
+
+    params = {"rows": 4096, "width": 1024, "offset": True, "subtract_mean": True,
+              "dtype": "float32"}
+
+    def calibrated(triton_efficiency: float) -> calibration.Calibration:
+        points = []
+        for name, efficiency in (("xla", 0.4), ("triton", triton_efficiency)):
+            for direction in ("forward", "vjp"):
+                ba = sweep_fit.bound_call({"family": "layer_norm", "params": params,
+                                           "implementation": name, "direction": direction})
+                work = prediction.call_work(ba)
+                points.append(calibration.Point(
+                    prediction.op_name(ba.op), "float32", work.flops, work.bytes, efficiency,
+                    prediction.call_features(ba)))
+        return calibration.Calibration("NVIDIA H200", Ceilings(800.0, 400.0, 4.0),
+                                       tuple(points))
+
+    for direction in ("forward", "vjp"):
+        assert sweep_fit.rule_choice("layer_norm", params, direction,
+                                     calibrated(0.9))[0] == "triton"
+        assert sweep_fit.rule_choice("layer_norm", params, direction,
+                                     calibrated(0.42))[0] == "xla"
+    glu = {"rows": 1024, "k": 1024, "n": 1408, "dtype": "float32"}
+    # No GLU point: the plain path, whose VJP op the TPU kernel's forward shares.
+    assert sweep_fit.rule_choice("gated_linear_unit", glu, "vjp",
+                                 calibrated(0.9)) == ("mosaic_tpu", "xla")

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tokamax_kernels._gpu import shared_memory_per_block
 from tokamax_kernels.attention._flash_tiles import KernelSpec
 from tokamax_pass.core import BoundArguments, Target
 
@@ -24,6 +25,49 @@ def pl_next_pow2(n: int) -> int:
 
 
 MAX_HEAD_DIM = 256
+
+# The most shared memory the heuristics let one loop's software pipeline take: what
+# three stages of 128-row bf16 key and value tiles at head dim 128 take, tiles that
+# compile and ran fastest on the H200. Float32 and wider heads get fewer rows, then
+# fewer stages, to stay within it (the same tiles in float32 ask for more than the
+# H200's 227 KiB, and the kernel fails to compile).
+PIPELINE_BUDGET = 3 * 128 * (128 + 128) * 2
+
+
+def pipeline_bytes(stages: int, rows: int, head_dims: tuple[int, int], dtype: Any) -> int:
+    """Shared memory of a loop that streams two tiles of `rows` rows (keys and values,
+    or queries and output gradients) through `stages` buffers: the part of a kernel's
+    shared memory that grows with its config."""
+    width = sum(padded_head_dim(d) for d in head_dims)
+    return stages * rows * width * jnp.dtype(dtype).itemsize
+
+
+def fit_pipeline(rows: int, stages: int, head_dims: tuple[int, int], dtype: Any
+                 ) -> tuple[int, int]:
+    """`(rows, stages)` shrunk until their pipeline fits `PIPELINE_BUDGET`: rows halved
+    down to 32 first (a smaller tile costs less than a shallower pipeline), then stages
+    down to 1."""
+    while pipeline_bytes(stages, rows, head_dims, dtype) > PIPELINE_BUDGET:
+        if rows > 32:
+            rows //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            break
+    return rows, stages
+
+
+def check_pipeline_fits(what: str, fields: str, stages: int, rows: int,
+                        head_dims: tuple[int, int], dtype: Any) -> None:
+    """`NotImplementedError` naming the config fields where a pipeline alone needs more
+    shared memory than the GPU has: the kernel would fail to compile, deep inside XLA."""
+    needed = pipeline_bytes(stages, rows, head_dims, dtype)
+    available = shared_memory_per_block()
+    if needed > available:
+        raise NotImplementedError(
+            f"{what}: {fields} ({rows} rows, {stages} stages) need {needed // 1024} KiB of "
+            f"shared memory for head dims {head_dims} in {jnp.dtype(dtype).name}, more than "
+            f"the {available // 1024} KiB the GPU has; use fewer rows or stages")
 
 
 def check_inputs(ba: BoundArguments, target: Target | None, what: str) -> None:

@@ -53,28 +53,17 @@ class PallasTritonFlashAttentionConfig:
                 raise ValueError(f"{name} must be a power of 2 >= 16, got {value}")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool
+def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool,
+                      dtype: Any = jnp.bfloat16, value_head_dim: int | None = None
                       ) -> PallasTritonFlashAttentionConfig:
     """H200 choices from `benchmarks/probes/triton_attention_sweep.py` (bf16, benchmark shapes).
 
     d64 (b32 s2048): 64x64 tiles, 4 warps, 3 stages (ahead of 128x64).
     d128 (b4 s8192): 128x128 tiles, 8 warps, 3 stages, causal or not (ahead of
     128x64x8). Larger head dims get smaller tiles to fit registers. The timings are in
-    `benchmarks/results/nvidia_h200/triton_attention_sweep.json`.
+    `benchmarks/results/nvidia_h200/triton_attention_sweep.json`. Key blocks and stages
+    then shrink until the key/value pipeline fits `common.PIPELINE_BUDGET` in `dtype`
+    (float32 at d128: 64-key blocks).
     """
     del causal  # the same tiles won causal and non-causal at d128
     if head_dim <= 64:
@@ -86,9 +75,11 @@ def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool
     else:
         config = PallasTritonFlashAttentionConfig(block_q=64, block_k=32, num_warps=4,
                                                   num_stages=2)
+    head_dims = (head_dim, head_dim if value_head_dim is None else value_head_dim)
+    block_k, stages = common.fit_pipeline(config.block_k, config.num_stages, head_dims, dtype)
     return dataclasses.replace(
         config, block_q=common.clamp_block(config.block_q, seq_q),
-        block_k=common.clamp_block(config.block_k, seq_k))
+        block_k=common.clamp_block(block_k, seq_k), num_stages=stages)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,8 +93,9 @@ class PallasTritonFlashAttention(TritonKernel, DotProductAttention):
         check_inputs(ba, None if self.interpret else target, _WHAT)
 
     def _get_heuristics_config(self, ba: BoundArguments) -> PallasTritonFlashAttentionConfig:
-        q, k = ba.arguments["query"], ba.arguments["key"]
-        return heuristics_config(q.shape[-1], q.shape[1], k.shape[1], ba.arguments["is_causal"])
+        q, k, v = ba.arguments["query"], ba.arguments["key"], ba.arguments["value"]
+        return heuristics_config(q.shape[-1], q.shape[1], k.shape[1], ba.arguments["is_causal"],
+                                 q.dtype, v.shape[-1])
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[PallasTritonFlashAttentionConfig]:
         q, k = ba.arguments["query"], ba.arguments["key"]
@@ -132,6 +124,9 @@ class PallasTritonFlashAttention(TritonKernel, DotProductAttention):
         seq_k = key.shape[1]
         block_q = common.clamp_block(config.block_q, seq_q)
         block_k = common.clamp_block(config.block_k, seq_k)
+        if not self.interpret:
+            common.check_pipeline_fits(_WHAT, "block_k and num_stages", config.num_stages,
+                                       block_k, (head_dim, value.shape[-1]), query.dtype)
         pad_q, pad_k = tiles.round_up(seq_q, block_q), tiles.round_up(seq_k, block_k)
         q, k, v = prepare_qkv(query, key, value, pad_q, pad_k)
         out, lse = flash_attention_forward(

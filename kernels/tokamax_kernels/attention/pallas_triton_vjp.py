@@ -48,13 +48,16 @@ class PallasTritonFlashAttentionVjpConfig:
                 raise ValueError(f"{name} must be a power of 2 >= 16, got {value}")
 
 
-def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool
+def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool,
+                      dtype: Any = jnp.bfloat16, value_head_dim: int | None = None
                       ) -> PallasTritonFlashAttentionVjpConfig:
     """H200 choices from `benchmarks/probes/triton_attention_sweep.py` (bf16, benchmark shapes).
 
     dK/dV: 64x64 tiles, 4 warps at d64 b32 s2048 and d128 b4 s8192 (ahead of 64x128x8
     and 32x128x4). dQ: 128x64, 8 warps, 3 stages, except causal d128 where 64x64x4 won.
     The timings are in `benchmarks/results/nvidia_h200/triton_attention_sweep.json`.
+    The streamed blocks (queries for dK/dV, keys for dQ) and their stages then shrink
+    until each pipeline fits `common.PIPELINE_BUDGET` in `dtype`.
     """
     if head_dim <= 64:
         config = PallasTritonFlashAttentionVjpConfig(
@@ -69,6 +72,13 @@ def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool
         config = PallasTritonFlashAttentionVjpConfig(
             block_q_dkv=32, block_k_dkv=32, num_warps_dkv=4, num_stages_dkv=1,
             block_q_dq=32, block_k_dq=32, num_warps_dq=4, num_stages_dq=1)
+    head_dims = (head_dim, head_dim if value_head_dim is None else value_head_dim)
+    block_q_dkv, stages_dkv = common.fit_pipeline(config.block_q_dkv, config.num_stages_dkv,
+                                                  head_dims, dtype)
+    block_k_dq, stages_dq = common.fit_pipeline(config.block_k_dq, config.num_stages_dq,
+                                                head_dims, dtype)
+    config = dataclasses.replace(config, block_q_dkv=block_q_dkv, num_stages_dkv=stages_dkv,
+                                 block_k_dq=block_k_dq, num_stages_dq=stages_dq)
     return clamp(config, seq_q, seq_k)
 
 
@@ -94,8 +104,9 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         common.check_inputs(ba, None if self.interpret else target, _WHAT)
 
     def _get_heuristics_config(self, ba: BoundArguments) -> PallasTritonFlashAttentionVjpConfig:
-        q, k = ba.arguments["query"], ba.arguments["key"]
-        return heuristics_config(q.shape[-1], q.shape[1], k.shape[1], ba.arguments["is_causal"])
+        q, k, v = ba.arguments["query"], ba.arguments["key"], ba.arguments["value"]
+        return heuristics_config(q.shape[-1], q.shape[1], k.shape[1], ba.arguments["is_causal"],
+                                 q.dtype, v.shape[-1])
 
     def _get_autotuning_configs(self, ba: BoundArguments
                                 ) -> set[PallasTritonFlashAttentionVjpConfig]:
@@ -116,6 +127,14 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
              **statics: Any) -> tuple[dict[str, Any], None]:
         del return_residuals
         config = clamp(config, query.shape[1], key.shape[1])
+        if not self.interpret:
+            head_dims = (query.shape[-1], value.shape[-1])
+            common.check_pipeline_fits(_WHAT, "block_q_dkv and num_stages_dkv",
+                                       config.num_stages_dkv, config.block_q_dkv, head_dims,
+                                       query.dtype)
+            common.check_pipeline_fits(_WHAT, "block_k_dq and num_stages_dq",
+                                       config.num_stages_dq, config.block_k_dq, head_dims,
+                                       query.dtype)
         (lse,) = residuals
         batch, seq_q, heads, head_dim = query.shape
         seq_k = key.shape[1]

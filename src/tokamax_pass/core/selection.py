@@ -204,6 +204,13 @@ def _by_prediction(everything: list[BoundArguments], usable: list[bool],
     return [*(everything[i] for i in winners), *plain], text
 
 
+def rank_on_target(candidates: Sequence[BoundArguments], target: Target) -> list[BoundArguments]:
+    """The candidates `implementation=None` tries on `target`, best first, by the sources,
+    measured neighbours and predictions `choose` weighs (configs not yet resolved): the
+    rule as it decides on the target itself, every candidate taken to run there."""
+    return _ranked(list(candidates), target, explicit=False)[0]
+
+
 def _target_runs_unlowerable(on_target: list[BoundArguments],
                              evidence_only: Sequence[BoundArguments],
                              target: Target) -> str | None:
@@ -214,7 +221,7 @@ def _target_runs_unlowerable(on_target: list[BoundArguments],
     measurement or prediction, the order decides: cuDNN's attention before XLA's)."""
     if not evidence_only:
         return None
-    order, _ = _ranked(on_target, target, explicit=False)
+    order = rank_on_target(on_target, target)
     first = order[0] if order else None
     if first is None or not any(first is other for other in evidence_only):
         return None

@@ -183,3 +183,54 @@ def test_gradient_through_lse_lowers_for_cuda():
                                  disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(
                                      q, kv, kv).mlir_module()
     assert "PallasTritonFlashAttentionVjp" in text and "dresiduals" in text
+
+
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_heuristic_pipelines_fit_the_gpu_in_every_dtype_and_head_dim(dtype):
+    """Every heuristic config's streamed tiles fit the H200's shared memory: the bf16 tiles
+    at head dim 128 in float32 asked for 384 KiB and failed to compile; shrinking keeps
+    the measured bf16 choices."""
+    from tokamax_kernels.attention import _triton_common as common
+    from tokamax_kernels.attention import pallas_triton, pallas_triton_vjp
+
+    limit = 227 * 1024
+    for d, dv in [(d, d) for d in HEAD_DIMS] + [(192, 128), (64, 256), (128, 256)]:
+        fwd = pallas_triton.heuristics_config(d, 4096, 4096, False, dtype, dv)
+        assert common.pipeline_bytes(fwd.num_stages, fwd.block_k, (d, dv), dtype) <= limit
+        for causal in (False, True):
+            vjp = pallas_triton_vjp.heuristics_config(d, 4096, 4096, causal, dtype, dv)
+            for rows, stages in ((vjp.block_q_dkv, vjp.num_stages_dkv),
+                                 (vjp.block_k_dq, vjp.num_stages_dq)):
+                assert common.pipeline_bytes(stages, rows, (d, dv), dtype) <= limit
+    measured = pallas_triton.heuristics_config(128, 8192, 8192, True)
+    assert (measured.block_q, measured.block_k, measured.num_stages) == (128, 128, 3)
+    if dtype == jnp.float32:
+        f32 = pallas_triton.heuristics_config(128, 8192, 8192, True, dtype)
+        assert f32.block_k < 128 and f32.num_stages >= 2
+
+
+def test_a_config_whose_pipeline_cannot_fit_is_refused_before_it_reaches_xla():
+    """A pinned config that needs more shared memory than the GPU has is a
+    `NotImplementedError` naming its fields when traced for the GPU, not a compile failure
+    inside XLA; the same shape with the heuristic config lowers."""
+    import tokamax_pass
+
+    q = jax.ShapeDtypeStruct((2, 512, 4, 128), jnp.float32)
+    too_big = PallasTritonFlashAttentionConfig(block_q=128, block_k=128, num_warps=8,
+                                               num_stages=3)
+
+    def forward(impl):
+        return lambda q, k, v: dot_product_attention(q, k, v, implementation=impl)
+
+    with core.targeting(H200):
+        with pytest.raises(NotImplementedError, match=r"block_k and num_stages .*shared memory"):
+            jax.export.export(jax.jit(forward(PallasTritonFlashAttention(config=too_big))),
+                              platforms=["cuda"],
+                              disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(q, q, q)
+        text = jax.export.export(jax.jit(forward("triton")), platforms=["cuda"],
+                                 disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(
+                                     q, q, q).mlir_module()
+    assert "__gpu$xla.gpu.triton" in text
