@@ -66,7 +66,9 @@ def measured_ceilings(rows: list[dict[str, Any]]) -> Ceilings:
 
 
 def bound_call(row: dict[str, Any]) -> BoundArguments:
-    """The op call a row timed: the implementation's forward call, or its VJP op's call."""
+    """The op call a row timed: the implementation's forward call, or its VJP op's call
+    (with the family's residuals, as the XLA reference returns them: a VJP op that reads
+    them refuses a call without)."""
     family = row["family"]
     sweep.ours(family)  # registers the family
     implementation = registry.families()[family].implementations[row["implementation"]]()
@@ -75,8 +77,9 @@ def bound_call(row: dict[str, Any]) -> BoundArguments:
     if row["direction"] == "forward":
         return forward
     reference = registry.families()[family].implementations["xla"]()
-    out = jax.eval_shape(lambda *a: reference(*a, **kwargs), *args)
-    return implementation.vjp_op().bind(None, out, out, **forward.arguments)
+    out, residuals = jax.eval_shape(
+        lambda *a: reference(*a, return_residuals=True, **kwargs), *args)
+    return implementation.vjp_op().bind(residuals, out, out, **forward.arguments)
 
 
 def points(rows: list[dict[str, Any]], ceilings: Ceilings) -> list[calibration_lib.Point]:
@@ -204,10 +207,13 @@ def quality(rows: list[dict[str, Any]], ceilings: Ceilings, device_kind: str,
 
 def _rule_quality(rows: list[dict[str, Any]],
                   calibration: calibration_lib.Calibration) -> dict[str, Any]:
-    """Per family, at the rows' calls and directions: how many `rule_choice` ran within
-    `RIGHT_WITHIN` of the fastest row (implementation or peer), and its worst ratio. A
-    choice that failed there (an error row) counts as a miss; one the rows never tried
-    is left out."""
+    """Per family and direction (`"layer_norm vjp"`), at the rows' calls: how many
+    `rule_choice` ran within `RIGHT_WITHIN` of the fastest row (implementation or peer),
+    and its worst ratio. A choice that failed there (an error row) counts as a miss; one
+    the rows never tried is left out. The sweep times each VJP op alone, so an XLA
+    gradient that reruns its forward's products (`Op.reruns_forward`), which XLA merges
+    with the forward's inside a training step, is timed whole here: a VJP miss of the
+    plain path can be none in a model (the generalization benchmark times both)."""
     timed: dict[tuple[str, str], dict[str, float]] = {}
     for row in rows:
         if row.get("kind") in ("ours", "peer"):
@@ -222,7 +228,8 @@ def _rule_quality(rows: list[dict[str, Any]],
         if not tried or math.isinf(fastest):
             continue
         ratio = min(tried) / fastest
-        entry = report.setdefault(family, {"calls": 0, "within": 0, "worst_ratio": 1.0})
+        entry = report.setdefault(f"{family} {direction}",
+                                  {"calls": 0, "within": 0, "worst_ratio": 1.0})
         entry["calls"] += 1
         entry["within"] += ratio <= 1 + RIGHT_WITHIN
         entry["worst_ratio"] = max(entry["worst_ratio"], ratio)
