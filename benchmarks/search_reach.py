@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from tokamax_pass import core
 from tokamax_pass.autotuning import cache
 from tokamax_pass.autotuning.autotuner import candidate_configs
-from tokamax_pass.autotuning.result import Entry
+from tokamax_pass.autotuning.entry import Entry
 from tokamax_pass.tables import render_table
 
 

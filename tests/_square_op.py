@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from tokamax_pass.autotuning import AutotuningResult
-from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.core import BoundArguments, Family, NullConfig, Op, VjpOp, register_family
 
 

@@ -194,7 +194,7 @@ def measured(device_kind: str, times: dict, *args, vmap=(), **kwargs):
     `BoundArguments.vmap` records them) with its heuristics config: evidence for `None`."""
     from tokamax_pass import AutotuningResult, core
     from tokamax_pass.autotuning import keys
-    from tokamax_pass.autotuning.result import Entry, Measurement
+    from tokamax_pass.autotuning.entry import Entry, Measurement
 
     entries = []
     for op, ms in times.items():

@@ -20,7 +20,7 @@ from _tunable_ops import (
 )
 from conftest import assert_close, random_normal
 from tokamax_pass.autotuning import discovery, keys
-from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.core import current_target, selection, spec
 
 M, K, N = 16, 64, 32
@@ -405,7 +405,7 @@ def test_autotune_times_the_config_none_runs_today_first():
     library entries hold) is timed too, first, so tuned cannot settle below untuned."""
     from tokamax_pass.autotuning import api, keys
     from tokamax_pass.autotuning.autotuner import candidate_configs
-    from tokamax_pass.autotuning.result import Entry, Measurement
+    from tokamax_pass.autotuning.entry import Entry, Measurement
 
     ba = keys.canonical(tokamax.PallasTritonLayerNorm.bind(
         jax.ShapeDtypeStruct((65536, 4096), jnp.bfloat16), None, None))

@@ -14,7 +14,7 @@ import tokamax_pass as tokamax
 from _tunable_ops import ChunkConfig, ChunkedMatmul, XlaChunkedMatmul, chunked_matmul
 from conftest import random_normal
 from tokamax_pass.autotuning import cache, keys, staging
-from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.core import NullConfig, current_target, selection
 
 M, K, N = 16, 64, 32

@@ -16,7 +16,8 @@ import tokamax_pass as tokamax
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import cache as cache_lib
 from tokamax_pass.autotuning import keys
-from tokamax_pass.autotuning.result import AutotuningResult, Entry, Measurement
+from tokamax_pass.autotuning.entry import Entry, Measurement
+from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core.spec import SpecError
 
 X = jnp.ones((8, 32))

@@ -12,7 +12,7 @@ import pytest
 import tokamax_pass as tokamax
 from _tunable_ops import ChunkConfig, XlaChunkedMatmul
 from tokamax_pass.autotuning import cache, keys
-from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.core import current_target, selection
 
 KIND = None  # filled per test from the default device

@@ -108,7 +108,8 @@ def test_a_gemma2_layer_at_another_window_borrows_the_measured_layers_choice(
     from tokamax_kernels.attention import PallasMosaicGpuFlashAttention, cudnn
     from tokamax_pass import core
     from tokamax_pass.autotuning import cache
-    from tokamax_pass.autotuning.result import AutotuningResult, Entry, Measurement
+    from tokamax_pass.autotuning.entry import Entry, Measurement
+    from tokamax_pass.autotuning.result import AutotuningResult
 
     monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path / "user"))
     monkeypatch.setattr(cache, "library_cache_dir", lambda kind: tmp_path / "none")
@@ -219,7 +220,8 @@ def test_a_neighbour_says_which_kernels_win_the_calls_own_times_which_is_fastest
         PallasTritonLayerNorm,
     )
     from tokamax_pass.autotuning import cache
-    from tokamax_pass.autotuning.result import AutotuningResult, Entry, Measurement
+    from tokamax_pass.autotuning.entry import Entry, Measurement
+    from tokamax_pass.autotuning.result import AutotuningResult
     from tokamax_pass.core import NullConfig, current_target
 
     ops = (PallasTritonLayerNorm(), PallasMosaicTpuLayerNorm(), LayerNorm())

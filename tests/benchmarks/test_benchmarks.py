@@ -135,7 +135,7 @@ def test_a_stale_entry_no_config_could_be_timed_for_is_kept_and_reported(tmp_pat
     from benchmarks import tune_library_cache
     from tokamax_pass.autotuning import keys
     from tokamax_pass.autotuning.autotuner import Autotuner
-    from tokamax_pass.autotuning.result import Entry, Measurement
+    from tokamax_pass.autotuning.entry import Entry, Measurement
 
     assert tune_library_cache.main(["--smoke", "--only", "layer norm", "--output",
                                     str(tmp_path)]) == 0

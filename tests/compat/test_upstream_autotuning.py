@@ -16,7 +16,7 @@ from tokamax_kernels.linear_softmax_cross_entropy_loss import (
     XlaChunkedLossConfig,
 )
 from tokamax_pass.autotuning import Autotuner
-from tokamax_pass.autotuning.result import Measurement
+from tokamax_pass.autotuning.entry import Measurement
 from tokamax_pass.benchmarking import BenchmarkData
 
 
@@ -114,7 +114,8 @@ def test_autotuner_autotune_rejects_a_bad_autotuner_argument():
 
 def test_dumps_prunes_errors_and_names_the_version_as_upstream():
     from tokamax_pass.autotuning import keys
-    from tokamax_pass.autotuning.result import AutotuningResult, Entry
+    from tokamax_pass.autotuning.entry import Entry
+    from tokamax_pass.autotuning.result import AutotuningResult
 
     op = XlaChunkedLinearSoftmaxCrossEntropyLoss()
     x, weights = random_normal(12, (2, 6, 16)), random_normal(13, (16, 24))
@@ -181,7 +182,7 @@ def test_benchmark_data_takes_upstreams_fields_in_their_order():
 def test_autotuning_result_is_built_and_replaced_as_upstreams():
     import dataclasses
 
-    from tokamax_pass.autotuning.result import AutotuningData
+    from tokamax_pass.autotuning.entry import AutotuningData
 
     ba = _loss_call()
     fast, slow = XlaChunkedLossConfig(6, 8), XlaChunkedLossConfig(12, 24)

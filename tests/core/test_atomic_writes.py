@@ -15,7 +15,7 @@ import pytest
 import tokamax_pass as tokamax
 from _tunable_ops import ChunkConfig, XlaChunkedMatmul
 from tokamax_pass.autotuning import UnsavedResultError, bound_args_to_json, cache, keys
-from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.core import atomic_io, current_target
 
 

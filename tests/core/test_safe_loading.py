@@ -23,7 +23,8 @@ from tokamax_pass import cli
 from tokamax_pass.autotuning import cache as cache_lib
 from tokamax_pass.autotuning import discovery, keys
 from tokamax_pass.autotuning import result as result_lib
-from tokamax_pass.autotuning.result import AutotuningResult, BadEntryWarning, Entry, Measurement
+from tokamax_pass.autotuning.entry import Entry, Measurement
+from tokamax_pass.autotuning.result import AutotuningResult, BadEntryWarning
 from tokamax_pass.core import BoundArguments, NullConfig, Op, spec
 from tokamax_pass.core.spec import SpecError
 from tokamax_pass.tools import xplane_to_bound_args

@@ -27,7 +27,7 @@ import tokamax_pass as tokamax
 from _tunable_ops import ChunkConfig, XlaChunkedMatmul
 from tokamax_pass.artifact import Artifact, ArtifactIntegrityError
 from tokamax_pass.autotuning import cache, keys
-from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.core import current_target, spec
 
 KILLS_PER_WRITER = 10  # five writers: 50 kills in all

@@ -21,7 +21,7 @@ import tokamax_pass as tokamax
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import cache as cache_lib
 from tokamax_pass.autotuning import discovery, keys
-from tokamax_pass.autotuning.result import Entry, Measurement
+from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.cli import main
 from tokamax_pass.core.spec import SpecError
 

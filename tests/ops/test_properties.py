@@ -173,7 +173,7 @@ def result_document():
     scale = jax.ShapeDtypeStruct((16,), jnp.float32)
     ba = LayerNorm().bind(x, scale, None)
     from tokamax_pass.autotuning import keys
-    from tokamax_pass.autotuning.result import Entry, Measurement
+    from tokamax_pass.autotuning.entry import Entry, Measurement
 
     entry = Entry(keys.canonical(ba), {tokamax.NullConfig(): Measurement((1.0,))},
                   keys.provenance(ba.op))

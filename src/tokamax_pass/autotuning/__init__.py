@@ -14,7 +14,8 @@ from tokamax_pass.autotuning.discovery import (
     bound_args_to_json,
     get_bound_args,
 )
-from tokamax_pass.autotuning.result import AutotuningResult, Measurement, active_results
+from tokamax_pass.autotuning.entry import Measurement
+from tokamax_pass.autotuning.result import AutotuningResult, active_results
 from tokamax_pass.core.selection import register_config_source
 
 from tokamax_pass.autotuning import cache as _cache  # isort: skip

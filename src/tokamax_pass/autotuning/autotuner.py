@@ -39,8 +39,8 @@ import numpy as np
 
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import keys, lowering
+from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.autotuning.lowering import call_op
-from tokamax_pass.autotuning.result import Entry, Measurement
 from tokamax_pass.core import registry, spec
 from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.core.device import current_target

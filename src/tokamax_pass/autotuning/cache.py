@@ -25,12 +25,8 @@ import filelock
 import platformdirs
 
 from tokamax_pass.autotuning import keys, neighbours
-from tokamax_pass.autotuning.result import (
-    AutotuningResult,
-    Entry,
-    active_results,
-    register_cache_writer,
-)
+from tokamax_pass.autotuning.entry import Entry
+from tokamax_pass.autotuning.result import AutotuningResult, active_results, register_cache_writer
 from tokamax_pass.core import checks, selection, spec
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.bound_arguments import BoundArguments

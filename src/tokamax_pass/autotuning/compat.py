@@ -17,7 +17,8 @@ import jax
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import cache
 from tokamax_pass.autotuning.autotuner import Autotuner
-from tokamax_pass.autotuning.result import AutotuningData, AutotuningResult
+from tokamax_pass.autotuning.entry import AutotuningData
+from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import device, options
 from tokamax_pass.core.bound_arguments import BoundArguments
 from tokamax_pass.core.hooks import HOOKS

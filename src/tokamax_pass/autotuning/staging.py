@@ -40,7 +40,7 @@ from typing import Any
 
 from tokamax_pass.autotuning import cache
 from tokamax_pass.autotuning.autotuner import Autotuner
-from tokamax_pass.autotuning.result import Entry
+from tokamax_pass.autotuning.entry import Entry
 from tokamax_pass.core import selection
 from tokamax_pass.core.bound_arguments import BoundArguments
 
