@@ -209,11 +209,12 @@ def _rule_quality(rows: list[dict[str, Any]],
                   calibration: calibration_lib.Calibration) -> dict[str, Any]:
     """Per family and direction (`"layer_norm vjp"`), at the rows' calls: how many
     `rule_choice` ran within `RIGHT_WITHIN` of the fastest row (implementation or peer),
-    and its worst ratio. A choice that failed there (an error row) counts as a miss; one
-    the rows never tried is left out. The sweep times each VJP op alone, so an XLA
-    gradient that reruns its forward's products (`Op.reruns_forward`), which XLA merges
-    with the forward's inside a training step, is timed whole here: a VJP miss of the
-    plain path can be none in a model (the generalization benchmark times both)."""
+    how many it chose an implementation that failed there (an error row: counted among
+    the calls, not within), and the worst ratio of those that ran. A choice the rows
+    never tried is left out. The sweep times each VJP op alone, so an XLA gradient that
+    reruns its forward's products (`Op.reruns_forward`), which XLA merges with the
+    forward's inside a training step, is timed whole here: a VJP miss of the plain path
+    can be none in a model (the generalization benchmark times both)."""
     timed: dict[tuple[str, str], dict[str, float]] = {}
     for row in rows:
         if row.get("kind") in ("ours", "peer"):
@@ -227,10 +228,13 @@ def _rule_quality(rows: list[dict[str, Any]],
         fastest = min(times.values())
         if not tried or math.isinf(fastest):
             continue
-        ratio = min(tried) / fastest
-        entry = report.setdefault(f"{family} {direction}",
-                                  {"calls": 0, "within": 0, "worst_ratio": 1.0})
+        entry = report.setdefault(f"{family} {direction}", {
+            "calls": 0, "within": 0, "failed": 0, "worst_ratio": 1.0})
         entry["calls"] += 1
+        if math.isinf(min(tried)):
+            entry["failed"] += 1
+            continue
+        ratio = min(tried) / fastest
         entry["within"] += ratio <= 1 + RIGHT_WITHIN
         entry["worst_ratio"] = max(entry["worst_ratio"], ratio)
     return report

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 
 import numpy as np
 import pytest
@@ -94,36 +95,58 @@ def test_fit_writes_a_calibration_that_loads_and_predicts_the_measured_calls(tmp
     assert 0.3 < predicted.seconds / (row["ms"] * 1e-3) < 3.0
 
 
-def test_the_rule_s_choice_follows_the_calibration_and_the_kernel_margin():
-    """`sweep_fit.rule_choice` asks the selection rule itself: with the Triton layer norm
-    predicted far faster than XLA's it runs Triton, with the two alike XLA (the kernel's
-    margin); a VJP op shared by several implementations is named by all of them."""
+def _calibrated(family, params, efficiencies, dtype="float32"):
+    """A calibration holding a point at `params` for each implementation's forward and VJP
+    op, at the efficiency `efficiencies` gives it."""
     from benchmarks import sweep_fit
     from tokamax_pass.core import calibration, prediction
     from tokamax_pass.core.roofline import Ceilings
 
-    params = {"rows": 4096, "width": 1024, "offset": True, "subtract_mean": True,
-              "dtype": "float32"}
+    points = []
+    for name, efficiency in efficiencies.items():
+        for direction in ("forward", "vjp"):
+            ba = sweep_fit.bound_call({"family": family, "params": params,
+                                       "implementation": name, "direction": direction})
+            work = prediction.call_work(ba)
+            points.append(calibration.Point(prediction.op_name(ba.op), dtype, work.flops,
+                                            work.bytes, efficiency,
+                                            prediction.call_features(ba)))
+    return calibration.Calibration("NVIDIA H200", Ceilings(800.0, 400.0, 4.0), tuple(points))
 
-    def calibrated(triton_efficiency: float) -> calibration.Calibration:
-        points = []
-        for name, efficiency in (("xla", 0.4), ("triton", triton_efficiency)):
-            for direction in ("forward", "vjp"):
-                ba = sweep_fit.bound_call({"family": "layer_norm", "params": params,
-                                           "implementation": name, "direction": direction})
-                work = prediction.call_work(ba)
-                points.append(calibration.Point(
-                    prediction.op_name(ba.op), "float32", work.flops, work.bytes, efficiency,
-                    prediction.call_features(ba)))
-        return calibration.Calibration("NVIDIA H200", Ceilings(800.0, 400.0, 4.0),
-                                       tuple(points))
 
+def test_the_rule_s_choice_follows_the_calibration_and_the_kernel_margin(monkeypatch,
+                                                                       tmp_path):
+    """`sweep_fit.rule_choice` asks the selection rule itself: with the Triton layer norm
+    predicted far faster than XLA's it runs Triton, with the two alike XLA (the kernel's
+    margin); a VJP op shared by several implementations is named by all of them; cuDNN,
+    which this machine cannot lower, and the Mosaic GPU gradient, which reads the
+    forward's residuals, are chosen where predicted fastest; the calibration folder the
+    process had is back afterwards."""
+    from benchmarks import sweep_fit
+    from tokamax_pass.core import calibration
+
+    monkeypatch.setenv(calibration.ENV_DIR, "/nonexistent/calibration")
+    norm = {"rows": 4096, "width": 1024, "offset": True, "subtract_mean": True,
+            "dtype": "float32"}
     for direction in ("forward", "vjp"):
-        assert sweep_fit.rule_choice("layer_norm", params, direction,
-                                     calibrated(0.9))[0] == "triton"
-        assert sweep_fit.rule_choice("layer_norm", params, direction,
-                                     calibrated(0.42))[0] == "xla"
+        fast = _calibrated("layer_norm", norm, {"xla": 0.4, "triton": 0.9})
+        alike = _calibrated("layer_norm", norm, {"xla": 0.4, "triton": 0.42})
+        assert sweep_fit.rule_choice("layer_norm", norm, direction, fast)[0] == "triton"
+        assert sweep_fit.rule_choice("layer_norm", norm, direction, alike)[0] == "xla"
     glu = {"rows": 1024, "k": 1024, "n": 1408, "dtype": "float32"}
     # No GLU point: the plain path, whose VJP op the TPU kernel's forward shares.
     assert sweep_fit.rule_choice("gated_linear_unit", glu, "vjp",
-                                 calibrated(0.9)) == ("mosaic_tpu", "xla")
+                                 _calibrated("layer_norm", norm, {"xla": 0.4})) == (
+        "mosaic_tpu", "xla")
+    attention = {"batch": 2, "seq": 1024, "heads": 8, "gqa": 1, "head_dim": 64,
+                 "causal": True, "dtype": "bfloat16"}
+    for best in ("cudnn", "mosaic_gpu"):
+        efficiencies = {"xla": 0.1, "triton": 0.3, "cudnn": 0.3, "mosaic_gpu": 0.3, best: 0.6}
+        fitted = _calibrated("dot_product_attention", attention, efficiencies, "bfloat16")
+        for direction in ("forward", "vjp"):
+            assert sweep_fit.rule_choice("dot_product_attention", attention, direction,
+                                         fitted) == (best,)
+    assert os.environ[calibration.ENV_DIR] == "/nonexistent/calibration"
+    with pytest.raises(RuntimeError), sweep_fit._calibration_folder(str(tmp_path), fast):
+        raise RuntimeError
+    assert os.environ[calibration.ENV_DIR] == "/nonexistent/calibration"

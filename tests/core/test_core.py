@@ -205,6 +205,17 @@ def test_spec_encoding():
         spec.check_schema({"schema_version": spec.SCHEMA_VERSION + 1}, what="file")
 
 
+def test_null_config_loads_under_its_former_import_path():
+    """Specs that name `NullConfig` by the module it was defined in before
+    (`tokamax_pass.core.op`: profiles' stamps of plain-JAX calls) still load."""
+    encoded = spec.encode(core.NullConfig())
+    assert spec.decode(encoded) == core.NullConfig()
+    former = json.loads(json.dumps(encoded).replace("core.bound_arguments.NullConfig",
+                                                    "core.op.NullConfig"))
+    assert former != encoded
+    assert spec.decode(former) == core.NullConfig()
+
+
 def test_snake_case_names():
     assert core.snake_case_name(ScaledSine) == "scaled_sine"
     assert tokamax.snake_case_name(GpuOnlySine()) == "gpu_only_sine"

@@ -90,6 +90,7 @@ def test_self_attention_matches_reference(shape):
     results = _self_attention_fwd_bwd("mosaic")(x, do)
     hlo = _self_attention_fwd_bwd("mosaic").lower(x, do).as_text()
     assert "shared_inputs" in hlo and hlo.count("mosaic_gpu_v2") == 2  # forward, dx
+
     def reference(x, do):
         out, pullback = jax.vjp(lambda x: DotProductAttention()(x, x, x), x)
         return (out, *pullback(do))

@@ -233,6 +233,7 @@ def test_near_misses_are_left_as_written(rewritten, f, dtype, reason):
     assert op_names(optimized, *args) == []
     assert_close(optimized(*args), jax.jit(f)(*args), dtype)
 
+
 def scale_along_the_rows(x, scale):
     """The gain reshaped to `(D, 1)` scales axis -2, not the normalized one."""
     normed = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)

@@ -429,6 +429,8 @@ def test_ragged_dot_expert_block():
 def _abstract_mesh(axis_type):
     return AbstractMesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2,
                         abstract_device=AbstractDevice(H200, None, "cuda"))
+
+
 KERNEL_CALLS = {"triton": "__gpu$xla.gpu.triton", "mosaic": "mosaic_gpu_v2"}
 
 

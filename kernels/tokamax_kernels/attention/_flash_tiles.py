@@ -19,7 +19,6 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     """Static facts shared by the forward and backward kernels.

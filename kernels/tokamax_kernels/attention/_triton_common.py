@@ -28,26 +28,30 @@ MAX_HEAD_DIM = 256
 
 # The most shared memory the heuristics let one loop's software pipeline take: what
 # three stages of 128-row bf16 key and value tiles at head dim 128 take, tiles that
-# compile and ran fastest on the H200. Float32 and wider heads get fewer rows, then
-# fewer stages, to stay within it (the same tiles in float32 ask for more than the
-# H200's 227 KiB, and the kernel fails to compile).
+# compile and ran fastest on the H200 (less where the GPU has less). Float32, wider
+# heads, a bias or a mask get fewer rows, then fewer stages, to stay within it (the
+# same tiles in float32 ask for more than the H200's shared memory and fail to compile).
 PIPELINE_BUDGET = 3 * 128 * (128 + 128) * 2
 
 
-def pipeline_bytes(stages: int, rows: int, head_dims: tuple[int, int], dtype: Any) -> int:
-    """Shared memory of a loop that streams two tiles of `rows` rows (keys and values,
-    or queries and output gradients) through `stages` buffers: the part of a kernel's
-    shared memory that grows with its config."""
+def pipeline_bytes(*, stages: int, rows: int, head_dims: tuple[int, int], dtype: Any,
+                   pair_bytes: int = 0, across: int = 0) -> int:
+    """Shared memory of a loop that streams `stages` buffers of two tiles of `rows` rows
+    (keys and values, or queries and output gradients) at the (padded) `head_dims` in
+    `dtype`, and, with `pair_bytes` (a bias's itemsize, plus 1 for a mask), the bias and
+    mask tiles of `rows` x `across` (the block the loop does not stream)."""
     width = sum(padded_head_dim(d) for d in head_dims)
-    return stages * rows * width * jnp.dtype(dtype).itemsize
+    return stages * rows * (width * jnp.dtype(dtype).itemsize + across * pair_bytes)
 
 
-def fit_pipeline(rows: int, stages: int, head_dims: tuple[int, int], dtype: Any
-                 ) -> tuple[int, int]:
-    """`(rows, stages)` shrunk until their pipeline fits `PIPELINE_BUDGET`: rows halved
-    down to 32 first (a smaller tile costs less than a shallower pipeline), then stages
-    down to 1."""
-    while pipeline_bytes(stages, rows, head_dims, dtype) > PIPELINE_BUDGET:
+def fit_pipeline(*, rows: int, stages: int, head_dims: tuple[int, int], dtype: Any,
+                 pair_bytes: int = 0, across: int = 0) -> tuple[int, int]:
+    """`(rows, stages)` shrunk until their pipeline (`pipeline_bytes`) fits
+    `PIPELINE_BUDGET` and the GPU: rows halved down to 32 first (a smaller tile costs
+    less than a shallower pipeline), then stages down to 1."""
+    budget = min(PIPELINE_BUDGET, shared_memory_per_block())
+    while pipeline_bytes(stages=stages, rows=rows, head_dims=head_dims, dtype=dtype,
+                         pair_bytes=pair_bytes, across=across) > budget:
         if rows > 32:
             rows //= 2
         elif stages > 1:
@@ -57,17 +61,31 @@ def fit_pipeline(rows: int, stages: int, head_dims: tuple[int, int], dtype: Any
     return rows, stages
 
 
-def check_pipeline_fits(what: str, fields: str, stages: int, rows: int,
+def pipeline_fits(*, stages: int, rows: int, head_dims: tuple[int, int], dtype: Any) -> bool:
+    """Whether the key/value (or query/gradient) tiles alone fit the GPU's shared memory:
+    a config for which this is false cannot compile."""
+    needed = pipeline_bytes(stages=stages, rows=rows, head_dims=head_dims, dtype=dtype)
+    return needed <= shared_memory_per_block()
+
+
+def check_pipeline_fits(what: str, fields: str, *, stages: int, rows: int,
                         head_dims: tuple[int, int], dtype: Any) -> None:
-    """`NotImplementedError` naming the config fields where a pipeline alone needs more
-    shared memory than the GPU has: the kernel would fail to compile, deep inside XLA."""
-    needed = pipeline_bytes(stages, rows, head_dims, dtype)
-    available = shared_memory_per_block()
-    if needed > available:
-        raise NotImplementedError(
-            f"{what}: {fields} ({rows} rows, {stages} stages) need {needed // 1024} KiB of "
-            f"shared memory for head dims {head_dims} in {jnp.dtype(dtype).name}, more than "
-            f"the {available // 1024} KiB the GPU has; use fewer rows or stages")
+    """`NotImplementedError` naming the config fields where the streamed tiles alone need
+    more shared memory than the GPU has (`pipeline_fits`): raised when the kernel is
+    lowered for the GPU, not as a compile failure deep inside XLA."""
+    if pipeline_fits(stages=stages, rows=rows, head_dims=head_dims, dtype=dtype):
+        return
+    needed = pipeline_bytes(stages=stages, rows=rows, head_dims=head_dims, dtype=dtype)
+    raise NotImplementedError(
+        f"{what}: {fields} ({rows} rows, {stages} stages) need {needed // 1024} KiB of "
+        f"shared memory for head dims {head_dims} in {jnp.dtype(dtype).name}, more than "
+        f"the {shared_memory_per_block() // 1024} KiB the GPU has; use fewer rows or stages")
+
+
+def pair_bytes(bias: Any, mask: Any) -> int:
+    """Bytes a call's bias and mask tiles take per query-key pair: the bias's itemsize,
+    plus 1 for the mask (streamed as int8)."""
+    return (0 if bias is None else jnp.dtype(bias.dtype).itemsize) + (mask is not None)
 
 
 def check_inputs(ba: BoundArguments, target: Target | None, what: str) -> None:

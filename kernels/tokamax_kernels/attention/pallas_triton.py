@@ -54,15 +54,16 @@ class PallasTritonFlashAttentionConfig:
 
 
 def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool,
-                      dtype: Any = jnp.bfloat16, value_head_dim: int | None = None
-                      ) -> PallasTritonFlashAttentionConfig:
+                      dtype: Any = jnp.bfloat16, value_head_dim: int | None = None,
+                      pair_bytes: int = 0) -> PallasTritonFlashAttentionConfig:
     """H200 choices from `benchmarks/probes/triton_attention_sweep.py` (bf16, benchmark shapes).
 
     d64 (b32 s2048): 64x64 tiles, 4 warps, 3 stages (ahead of 128x64).
     d128 (b4 s8192): 128x128 tiles, 8 warps, 3 stages, causal or not (ahead of
     128x64x8). Larger head dims get smaller tiles to fit registers. The timings are in
     `benchmarks/results/nvidia_h200/triton_attention_sweep.json`. Key blocks and stages
-    then shrink until the key/value pipeline fits `common.PIPELINE_BUDGET` in `dtype`
+    then shrink until the pipeline fits `common.fit_pipeline`'s budget in `dtype`, with
+    the bias and mask tiles (`pair_bytes`, `common.pair_bytes`) where the call has them
     (float32 at d128: 64-key blocks).
     """
     del causal  # the same tiles won causal and non-causal at d128
@@ -76,10 +77,13 @@ def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool,
         config = PallasTritonFlashAttentionConfig(block_q=64, block_k=32, num_warps=4,
                                                   num_stages=2)
     head_dims = (head_dim, head_dim if value_head_dim is None else value_head_dim)
-    block_k, stages = common.fit_pipeline(config.block_k, config.num_stages, head_dims, dtype)
+    block_q = common.clamp_block(config.block_q, seq_q)
+    block_k, stages = common.fit_pipeline(rows=config.block_k, stages=config.num_stages,
+                                          head_dims=head_dims, dtype=dtype,
+                                          pair_bytes=pair_bytes, across=block_q)
     return dataclasses.replace(
-        config, block_q=common.clamp_block(config.block_q, seq_q),
-        block_k=common.clamp_block(block_k, seq_k), num_stages=stages)
+        config, block_q=block_q, block_k=common.clamp_block(block_k, seq_k),
+        num_stages=stages)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,14 +99,18 @@ class PallasTritonFlashAttention(TritonKernel, DotProductAttention):
     def _get_heuristics_config(self, ba: BoundArguments) -> PallasTritonFlashAttentionConfig:
         q, k, v = ba.arguments["query"], ba.arguments["key"], ba.arguments["value"]
         return heuristics_config(q.shape[-1], q.shape[1], k.shape[1], ba.arguments["is_causal"],
-                                 q.dtype, v.shape[-1])
+                                 q.dtype, v.shape[-1],
+                                 common.pair_bytes(ba.arguments["bias"], ba.arguments["mask"]))
 
     def _get_autotuning_configs(self, ba: BoundArguments) -> set[PallasTritonFlashAttentionConfig]:
-        q, k = ba.arguments["query"], ba.arguments["key"]
+        q, k, v = ba.arguments["query"], ba.arguments["key"], ba.arguments["value"]
         configs = set()
         for bq, bk, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8),
                                                        (2, 3, 4)):
             if bq * bk > 128 * 128 or (q.shape[-1] > 128 and bq * bk > 64 * 64):
+                continue
+            if not common.pipeline_fits(stages=stages, rows=common.clamp_block(bk, k.shape[1]),
+                                        head_dims=(q.shape[-1], v.shape[-1]), dtype=q.dtype):
                 continue
             configs.add(PallasTritonFlashAttentionConfig(
                 block_q=common.clamp_block(bq, q.shape[1]),
@@ -125,8 +133,10 @@ class PallasTritonFlashAttention(TritonKernel, DotProductAttention):
         block_q = common.clamp_block(config.block_q, seq_q)
         block_k = common.clamp_block(config.block_k, seq_k)
         if not self.interpret:
-            common.check_pipeline_fits(_WHAT, "block_k and num_stages", config.num_stages,
-                                       block_k, (head_dim, value.shape[-1]), query.dtype)
+            common.check_pipeline_fits(_WHAT, "block_k and num_stages",
+                                       stages=config.num_stages, rows=block_k,
+                                       head_dims=(head_dim, value.shape[-1]),
+                                       dtype=query.dtype)
         pad_q, pad_k = tiles.round_up(seq_q, block_q), tiles.round_up(seq_k, block_k)
         q, k, v = prepare_qkv(query, key, value, pad_q, pad_k)
         out, lse = flash_attention_forward(

@@ -49,15 +49,16 @@ class PallasTritonFlashAttentionVjpConfig:
 
 
 def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool,
-                      dtype: Any = jnp.bfloat16, value_head_dim: int | None = None
-                      ) -> PallasTritonFlashAttentionVjpConfig:
+                      dtype: Any = jnp.bfloat16, value_head_dim: int | None = None,
+                      pair_bytes: int = 0) -> PallasTritonFlashAttentionVjpConfig:
     """H200 choices from `benchmarks/probes/triton_attention_sweep.py` (bf16, benchmark shapes).
 
     dK/dV: 64x64 tiles, 4 warps at d64 b32 s2048 and d128 b4 s8192 (ahead of 64x128x8
     and 32x128x4). dQ: 128x64, 8 warps, 3 stages, except causal d128 where 64x64x4 won.
     The timings are in `benchmarks/results/nvidia_h200/triton_attention_sweep.json`.
     The streamed blocks (queries for dK/dV, keys for dQ) and their stages then shrink
-    until each pipeline fits `common.PIPELINE_BUDGET` in `dtype`.
+    until each pipeline fits `common.fit_pipeline`'s budget in `dtype`, with the bias and
+    mask tiles (`pair_bytes`) where the call has them.
     """
     if head_dim <= 64:
         config = PallasTritonFlashAttentionVjpConfig(
@@ -72,11 +73,14 @@ def heuristics_config(head_dim: int, seq_q: int, seq_k: int, causal: bool,
         config = PallasTritonFlashAttentionVjpConfig(
             block_q_dkv=32, block_k_dkv=32, num_warps_dkv=4, num_stages_dkv=1,
             block_q_dq=32, block_k_dq=32, num_warps_dq=4, num_stages_dq=1)
+    config = clamp(config, seq_q, seq_k)
     head_dims = (head_dim, head_dim if value_head_dim is None else value_head_dim)
-    block_q_dkv, stages_dkv = common.fit_pipeline(config.block_q_dkv, config.num_stages_dkv,
-                                                  head_dims, dtype)
-    block_k_dq, stages_dq = common.fit_pipeline(config.block_k_dq, config.num_stages_dq,
-                                                head_dims, dtype)
+    block_q_dkv, stages_dkv = common.fit_pipeline(
+        rows=config.block_q_dkv, stages=config.num_stages_dkv, head_dims=head_dims,
+        dtype=dtype, pair_bytes=pair_bytes, across=config.block_k_dkv)
+    block_k_dq, stages_dq = common.fit_pipeline(
+        rows=config.block_k_dq, stages=config.num_stages_dq, head_dims=head_dims,
+        dtype=dtype, pair_bytes=pair_bytes, across=config.block_q_dq)
     config = dataclasses.replace(config, block_q_dkv=block_q_dkv, num_stages_dkv=stages_dkv,
                                  block_k_dq=block_k_dq, num_stages_dq=stages_dq)
     return clamp(config, seq_q, seq_k)
@@ -106,19 +110,25 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
     def _get_heuristics_config(self, ba: BoundArguments) -> PallasTritonFlashAttentionVjpConfig:
         q, k, v = ba.arguments["query"], ba.arguments["key"], ba.arguments["value"]
         return heuristics_config(q.shape[-1], q.shape[1], k.shape[1], ba.arguments["is_causal"],
-                                 q.dtype, v.shape[-1])
+                                 q.dtype, v.shape[-1],
+                                 common.pair_bytes(ba.arguments["bias"], ba.arguments["mask"]))
 
     def _get_autotuning_configs(self, ba: BoundArguments
                                 ) -> set[PallasTritonFlashAttentionVjpConfig]:
-        q, k = ba.arguments["query"], ba.arguments["key"]
+        q, k, v = ba.arguments["query"], ba.arguments["key"], ba.arguments["value"]
+        head_dims = (q.shape[-1], v.shape[-1])
         configs = set()
         for (bq1, bk1), (bq2, bk2), warps, stages in itertools.product(
                 ((32, 128), (64, 128), (64, 64), (32, 64)),
                 ((128, 32), (128, 64), (64, 64), (64, 32)), (4, 8), (2, 3)):
-            configs.add(clamp(PallasTritonFlashAttentionVjpConfig(
+            config = clamp(PallasTritonFlashAttentionVjpConfig(
                 block_q_dkv=bq1, block_k_dkv=bk1, num_warps_dkv=warps, num_stages_dkv=stages,
                 block_q_dq=bq2, block_k_dq=bk2, num_warps_dq=warps, num_stages_dq=stages),
-                q.shape[1], k.shape[1]))
+                q.shape[1], k.shape[1])
+            if all(common.pipeline_fits(stages=stages, rows=rows, head_dims=head_dims,
+                                        dtype=q.dtype)
+                   for rows in (config.block_q_dkv, config.block_k_dq)):
+                configs.add(config)
         return configs
 
     def _fwd(self, residuals: Any, out: Any, dout: Any, *, config: Any, return_residuals: bool,
@@ -130,11 +140,11 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         if not self.interpret:
             head_dims = (query.shape[-1], value.shape[-1])
             common.check_pipeline_fits(_WHAT, "block_q_dkv and num_stages_dkv",
-                                       config.num_stages_dkv, config.block_q_dkv, head_dims,
-                                       query.dtype)
+                                       stages=config.num_stages_dkv, rows=config.block_q_dkv,
+                                       head_dims=head_dims, dtype=query.dtype)
             common.check_pipeline_fits(_WHAT, "block_k_dq and num_stages_dq",
-                                       config.num_stages_dq, config.block_k_dq, head_dims,
-                                       query.dtype)
+                                       stages=config.num_stages_dq, rows=config.block_k_dq,
+                                       head_dims=head_dims, dtype=query.dtype)
         (lse,) = residuals
         batch, seq_q, heads, head_dim = query.shape
         seq_k = key.shape[1]

@@ -69,12 +69,6 @@ def glu_forward(x: jax.Array, weights: Any, *, activation: Callable[[Any], Any],
     return out.reshape(*lead, n)
 
 
-
-
-
-
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasTritonGatedLinearUnit(TritonKernel, GatedLinearUnit):
     """The gated linear unit as one fused Pallas Triton kernel (f16/bf16/f32; CUDA).

@@ -61,28 +61,6 @@ class Config:
         check_multiple(self)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _fwd_kernel(*refs: Any, n: int, rows: int, block_rows: int, block_n: int,
                 rows_per_program: int, epsilon: float, subtract_mean: bool, has_scale: bool,
                 has_offset: bool, has_residual: bool) -> None:

@@ -129,6 +129,7 @@ def ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, precision: Any = None,
     if isinstance(group_sizes, RaggedDotGroupSizes):
         group_sizes = group_sizes.value
     _check_output_kind(lhs, rhs, preferred_element_type)
+
     def call(out_type: Any) -> Any:
         keywords = {k: x for k, x in (("precision", precision),
                                       ("preferred_element_type", out_type)) if x is not None}

@@ -130,7 +130,10 @@ class BoundArguments:
         if not isinstance(data, Mapping) or "op" not in data or "arguments" not in data:
             raise spec.SpecError(f"a bound-arguments spec needs 'op' and 'arguments', got {data!r}")
         op = spec.decode(data["op"])
-        if HOOKS.op_base is None or not isinstance(op, HOOKS.op_base):
+        if HOOKS.op_base is None:
+            raise RuntimeError("tokamax_pass.core: a hook was called before the module that "
+                               "sets it was imported (import tokamax_pass first)")
+        if not isinstance(op, HOOKS.op_base):
             raise spec.SpecError(f"{data['op']!r} does not name an Op")
         if not isinstance(data["arguments"], Mapping):
             raise spec.SpecError(f"a bound-arguments spec's 'arguments' must be an object, got "

@@ -32,6 +32,7 @@ class CannotLowerHere(NotImplementedError):
     implementation's measurements on the target still inform the choice among the rest
     (`selection.choose`)."""
 
+
 @dataclasses.dataclass(frozen=True)
 class SizeLike:
     """A number in `Op.similarity_arguments` that neighbouring calls may differ in, as
@@ -46,7 +47,6 @@ class SizeLike:
                              f"got {self.value}")
 
 
-
 def snake_case_name(op_or_cls: Op | type[Op] = checks.NOT_GIVEN, *,
                     op: Op | type[Op] = checks.NOT_GIVEN) -> str:
     """`PallasTritonFlashAttention` -> `pallas_triton_flash_attention` (cache file names);
@@ -54,7 +54,6 @@ def snake_case_name(op_or_cls: Op | type[Op] = checks.NOT_GIVEN, *,
     op_or_cls = checks.one_of("snake_case_name", "op_or_cls", op_or_cls, "op", op)
     cls = op_or_cls if isinstance(op_or_cls, type) else type(op_or_cls)
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", cls.__name__).lower()
-
 
 
 class _OpOrClassMethod:
@@ -375,7 +374,6 @@ def _export_hint(platforms: frozenset[str]) -> str:
     return (f"; to export it for {platform} from this machine, name the device: "
             f"tokamax_pass.export(fun, *args, platforms=['{platform}'], device_kind='{kind}'), "
             f"or trace under tokamax_pass.core.targeting('{kind}')")
-
 
 
 def family_class(cls: type[Op]) -> type[Op]:

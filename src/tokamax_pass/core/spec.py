@@ -148,6 +148,8 @@ _BUILTIN_MODULES = (
     "tokamax_kernels.gated_linear_unit",
     "tokamax_kernels.linear_softmax_cross_entropy_loss",
 )
+
+
 def _builtin_functions() -> dict[str, Callable[..., Any]]:
     """The functions ops take as arguments (GLU activations), by their public names."""
     nn_names = ("celu", "elu", "gelu", "hard_sigmoid", "hard_silu", "hard_swish", "hard_tanh",
@@ -175,6 +177,8 @@ def _load_builtins() -> None:
     for cls in (core.NullConfig, core.AutodiffVjp):
         if not is_registered(cls):
             register_serializable(cls)
+    # `NullConfig`'s former import path, which saved specs and profiles' stamps name.
+    _ALLOWED.setdefault("tokamax_pass.core.op.NullConfig", core.NullConfig)
 
 
 def register_serializable[T](obj: T, *, name: str | None = None) -> T:

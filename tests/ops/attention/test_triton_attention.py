@@ -186,25 +186,44 @@ def test_gradient_through_lse_lowers_for_cuda():
 
 
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+A100 = "NVIDIA A100-SXM4-80GB"
+
+
+def _pipelines(d, dv, dtype, pair_bytes=0):
+    """The shared memory of the heuristic configs' three pipelines at head dims d, dv:
+    per stage, the streamed rows of the two head-dim tiles (padded to a power of 2) and
+    of the bias and mask tiles across the other block."""
+    from tokamax_kernels.attention import pallas_triton, pallas_triton_vjp
+
+    width = (1 << (d - 1).bit_length()) + (1 << (dv - 1).bit_length())
+
+    def needed(stages, rows, across):
+        return stages * rows * (width * jnp.dtype(dtype).itemsize + across * pair_bytes)
+
+    fwd = pallas_triton.heuristics_config(d, 4096, 4096, False, dtype, dv, pair_bytes)
+    found = [needed(fwd.num_stages, fwd.block_k, fwd.block_q)]
+    for causal in (False, True):
+        vjp = pallas_triton_vjp.heuristics_config(d, 4096, 4096, causal, dtype, dv, pair_bytes)
+        found += [needed(vjp.num_stages_dkv, vjp.block_q_dkv, vjp.block_k_dkv),
+                  needed(vjp.num_stages_dq, vjp.block_k_dq, vjp.block_q_dq)]
+    return found
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_heuristic_pipelines_fit_the_gpu_in_every_dtype_and_head_dim(dtype):
-    """Every heuristic config's streamed tiles fit the H200's shared memory: the bf16 tiles
-    at head dim 128 in float32 asked for 384 KiB and failed to compile; shrinking keeps
-    the measured bf16 choices."""
-    from tokamax_kernels.attention import _triton_common as common
-    from tokamax_kernels.attention import pallas_triton, pallas_triton_vjp
+    """Every heuristic config's streamed tiles fit the H200's shared memory, with a float32
+    bias and a mask too: the bf16 tiles at head dim 128 in float32 asked for 384 KiB and
+    failed to compile; shrinking keeps the measured bf16 choices. On an A100 they fit
+    its smaller shared memory."""
+    from tokamax_kernels.attention import pallas_triton
 
-    limit = 227 * 1024
-    for d, dv in [(d, d) for d in HEAD_DIMS] + [(192, 128), (64, 256), (128, 256)]:
-        fwd = pallas_triton.heuristics_config(d, 4096, 4096, False, dtype, dv)
-        assert common.pipeline_bytes(fwd.num_stages, fwd.block_k, (d, dv), dtype) <= limit
-        for causal in (False, True):
-            vjp = pallas_triton_vjp.heuristics_config(d, 4096, 4096, causal, dtype, dv)
-            for rows, stages in ((vjp.block_q_dkv, vjp.num_stages_dkv),
-                                 (vjp.block_k_dq, vjp.num_stages_dq)):
-                assert common.pipeline_bytes(stages, rows, (d, dv), dtype) <= limit
+    head_dims = [(d, d) for d in HEAD_DIMS] + [(192, 128), (64, 256), (128, 256)]
+    for d, dv in head_dims:
+        assert max(_pipelines(d, dv, dtype)) <= 227 * 1024
+        assert max(_pipelines(d, dv, dtype, pair_bytes=4 + 1)) <= 227 * 1024
+    with core.targeting(A100):
+        for d, dv in head_dims:
+            assert max(_pipelines(d, dv, dtype)) <= 163 * 1024
     measured = pallas_triton.heuristics_config(128, 8192, 8192, True)
     assert (measured.block_q, measured.block_k, measured.num_stages) == (128, 128, 3)
     if dtype == jnp.float32:
@@ -212,10 +231,30 @@ def test_heuristic_pipelines_fit_the_gpu_in_every_dtype_and_head_dim(dtype):
         assert f32.block_k < 128 and f32.num_stages >= 2
 
 
+def test_autotuning_offers_only_configs_whose_pipelines_fit():
+    """Candidates that cannot compile (float32 at head dim 128 with 128-key blocks and 4
+    stages asks 512 KiB) are not offered, so autotuning spends no compile on them."""
+    from tokamax_kernels.attention import _triton_common as common
+
+    q = jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.float32)
+    ba = PallasTritonFlashAttention().bind(q, q, q)
+    vjp_ba = PallasTritonFlashAttentionVjp().bind((None,), None, None, **ba.arguments)
+    assert ba.autotuning_configs and vjp_ba.autotuning_configs
+    for config in ba.autotuning_configs:
+        assert common.pipeline_fits(stages=config.num_stages, rows=config.block_k,
+                                    head_dims=(128, 128), dtype=jnp.float32)
+    for config in vjp_ba.autotuning_configs:
+        for rows, stages in ((config.block_q_dkv, config.num_stages_dkv),
+                             (config.block_k_dq, config.num_stages_dq)):
+            assert common.pipeline_fits(stages=stages, rows=rows, head_dims=(128, 128),
+                                        dtype=jnp.float32)
+
+
 def test_a_config_whose_pipeline_cannot_fit_is_refused_before_it_reaches_xla():
     """A pinned config that needs more shared memory than the GPU has is a
-    `NotImplementedError` naming its fields when traced for the GPU, not a compile failure
-    inside XLA; the same shape with the heuristic config lowers."""
+    `NotImplementedError` naming its fields when lowered for the GPU, not a compile
+    failure inside XLA; the same shape with the heuristic config lowers, on an H200 and
+    on an A100 (whose shared memory the bf16 tiles at head dim 128 would overflow)."""
     import tokamax_pass
 
     q = jax.ShapeDtypeStruct((2, 512, 4, 128), jnp.float32)
@@ -225,12 +264,15 @@ def test_a_config_whose_pipeline_cannot_fit_is_refused_before_it_reaches_xla():
     def forward(impl):
         return lambda q, k, v: dot_product_attention(q, k, v, implementation=impl)
 
+    def export(fn, *args):
+        return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(*args)
+
     with core.targeting(H200):
         with pytest.raises(NotImplementedError, match=r"block_k and num_stages .*shared memory"):
-            jax.export.export(jax.jit(forward(PallasTritonFlashAttention(config=too_big))),
-                              platforms=["cuda"],
-                              disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(q, q, q)
-        text = jax.export.export(jax.jit(forward("triton")), platforms=["cuda"],
-                                 disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(
-                                     q, q, q).mlir_module()
-    assert "__gpu$xla.gpu.triton" in text
+            export(forward(PallasTritonFlashAttention(config=too_big)), q, q, q)
+        assert "__gpu$xla.gpu.triton" in export(forward("triton"), q, q, q).mlir_module()
+    bf16 = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+    with core.targeting(A100):
+        assert "__gpu$xla.gpu.triton" in export(forward("triton"), bf16, bf16,
+                                                bf16).mlir_module()

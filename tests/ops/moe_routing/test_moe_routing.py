@@ -61,6 +61,7 @@ def test_through_a_ragged_dot_matches_the_per_token_reference(tokens_shape, top_
     weights = jax.nn.softmax(random_normal(2, tokens_shape + (top_k,)), -1).astype(dtype)
     ids = _expert_ids(3, tokens_shape, top_k, dropped=dropped)
     dout = random_normal(4, tokens_shape + (n,), dtype)
+
     def value_and_pullback(x, w, weights, dout):
         out, pullback = jax.vjp(lambda x, w, g: _moe(x, w, g, ids), x, w, weights)
         return out, pullback(dout)

@@ -43,6 +43,7 @@ def reference_dequantize(x) -> jax.Array:
         return jnp.asarray(x, jnp.float32)
     values = np.asarray(x.qvalue.astype(jnp.float32))
     tiles = [o // s for o, s in zip(x.qvalue.shape, x.scale.shape, strict=True)]
+
     def spread(a):
         a = np.asarray(jnp.asarray(a, jnp.float32))
         for axis, t in enumerate(tiles):
