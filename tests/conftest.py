@@ -167,6 +167,19 @@ def _cases_named_by_mutations() -> frozenset[str]:
     return frozenset(test for mutation in all_mutations() for test in mutation.tests)
 
 
+def cases_named_in(args: list[str], invocation_dir: str) -> frozenset[tuple[str, str]]:
+    """`(file, case)` of each parametrized case the command line names one by one
+    (`tests/x.py::test_f[a-b]`, the file resolved from where pytest was started): a
+    covering subset keeps every one of them."""
+    named = set()
+    for arg in args:
+        path, sep, rest = arg.partition("::")
+        case = rest.rpartition("::")[2]
+        if sep and "[" in case:
+            named.add((os.path.realpath(os.path.join(invocation_dir, path)), case))
+    return frozenset(named)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the `slow` marks added here
 def pytest_collection_modifyitems(config, items):
     grids: dict[tuple, list] = {}
@@ -175,6 +188,9 @@ def pytest_collection_modifyitems(config, items):
                 and not item.get_closest_marker("slow")):
             grids.setdefault((item.path, item.originalname), []).append(item)
     named = _cases_named_by_mutations() if grids else frozenset()
+    on_command_line = cases_named_in(config.args, str(config.invocation_params.dir))
+    named |= {item.nodeid for grid in grids.values() for item in grid
+              if (os.path.realpath(item.path), item.name) in on_command_line}
     for grid in grids.values():
         kept = set(map(id, covering_cases(grid, named)))
         for item in grid:

@@ -1,0 +1,32 @@
+"""How the suite picks cases of `exhaustive` grids (`conftest.py`): a covering subset,
+plus every case a mutation patch or the command line names."""
+
+from __future__ import annotations
+
+import os
+import types
+
+from conftest import cases_named_in, covering_cases
+
+
+def _case(nodeid: str, *ids: str):
+    return types.SimpleNamespace(nodeid=nodeid, callspec=types.SimpleNamespace(_idlist=ids))
+
+
+def test_the_covering_subset_takes_every_value_and_keeps_required_cases():
+    grid = [_case(f"t[{a}-{b}]", a, b) for a in ("x", "y") for b in ("0", "1", "2")]
+    kept = covering_cases(grid)
+    assert {c.callspec._idlist[0] for c in kept} == {"x", "y"}
+    assert {c.callspec._idlist[1] for c in kept} == {"0", "1", "2"}
+    assert len(kept) == 3
+    required = next(c for c in grid if c not in kept)
+    assert required in covering_cases(grid, frozenset({required.nodeid}))
+
+
+def test_cases_named_one_by_one_on_the_command_line_are_found_by_file():
+    here = os.getcwd()
+    named = cases_named_in(
+        ["tests/x.py::test_f[a-b]", "tests/x.py::TestC::test_g[1]", "tests/y.py",
+         "tests/x.py::test_h", "-k", "f"], here)
+    assert named == {(os.path.realpath(os.path.join(here, "tests/x.py")), "test_f[a-b]"),
+                     (os.path.realpath(os.path.join(here, "tests/x.py")), "test_g[1]")}
