@@ -14,9 +14,11 @@ import importlib
 from typing import Any
 
 from tokamax_pass.artifact import (
+    Artifact,
     ArtifactIntegrityError,
     ArtifactMismatchError,
     ExportFallbackWarning,
+    LoadedArtifact,
 )
 from tokamax_pass.core import BoundArguments, NullConfig, Op, snake_case_name
 from tokamax_pass.core.errors import AllImplementationsFailedError
@@ -97,10 +99,12 @@ def __dir__() -> list[str]:
 __all__ = [
     "DISABLE_JAX_EXPORT_CHECKS",
     "AllImplementationsFailedError",
+    "Artifact",
     "ArtifactIntegrityError",
     "ArtifactMismatchError",
     "BoundArguments",
     "ExportFallbackWarning",
+    "LoadedArtifact",
     "NullConfig",
     "Op",
     "SpecError",

@@ -276,16 +276,20 @@ def check_compatible(manifest: Mapping[str, Any], dev: jax.Device) -> None:
     platform = {"gpu": "cuda"}.get(dev.platform, dev.platform)
     platforms = list(manifest.get("platforms", ()))
     if platform not in platforms:
+        # A program holds no code for a platform it was not exported for: no override.
         raise ArtifactMismatchError(
             f"artifact {manifest.get('name')!r} was exported for {platforms}, not for "
-            f"{platform} ({dev.device_kind}); re-export with --platforms {platform}{override}"
+            f"{platform} ({dev.device_kind}), and cannot run here; re-export it with "
+            f"tokamax_pass.export(..., platforms=[{platform!r}]) (the command line's "
+            f"--platforms {platform})"
         )
     wanted = manifest.get("device_kinds", {}).get(platform)
     if wanted is not None and wanted != dev.device_kind:
         raise ArtifactMismatchError(
             f"artifact {manifest.get('name')!r} was tuned for {wanted!r}, but this device is "
             f"{dev.device_kind!r}: its kernels and configs are guaranteed only on {wanted!r}; "
-            f"re-export with --device-kind {dev.device_kind!r}{override}"
+            f"re-export it with tokamax_pass.export(..., device_kind={dev.device_kind!r}) "
+            f"(the command line's --device-kind){override}"
         )
 
 

@@ -646,3 +646,16 @@ def test_export_workers_start_without_warnings():
     done = subprocess.run(command, input=b"", capture_output=True, env=env, timeout=120,
                           check=False)
     assert done.returncode == 0 and done.stderr == b"" and done.stdout == b"", done.stderr
+
+
+def test_a_function_without_op_calls_is_a_warning_naming_optimize():
+    """A model in plain JAX gave an empty result and no hint; the warning names
+    `optimize(f, autotune='always')`, which rewrites plain-JAX patterns and tunes them,
+    and points at the user's own line."""
+    from tokamax_pass.autotuning.api import NothingToTuneWarning
+
+    x = jnp.ones((2, 8))
+    with pytest.warns(NothingToTuneWarning, match=r"optimize\(f, autotune='always'\)") as w:
+        result = tokamax.autotune(lambda x: jnp.sin(x).sum(), x, progress=False)
+    assert len(result) == 0
+    assert w[0].filename == __file__

@@ -304,11 +304,14 @@ def test_export_bad_options(kwargs, error, match):
 def test_only_a_misspelled_shipped_device_kind_is_an_error(tmp_path):
     """`"H200"`, `"nvidia_h200"`: the shipped kind in another case or spelling, or without
     its vendor word, which no device reports. Real kinds that merely look alike (the H20,
-    the H200 NVL, the GH200) and kinds with no shipped cache are left alone."""
+    the H200 NVL, the GH200) and kinds with no shipped cache are left alone; a GPU kind
+    that names no GPU model anyone makes and is a typo away from a shipped one
+    (`"NVIDIA H2000"`) is a misspelling too."""
     from tokamax_pass.core import device
 
     assert "NVIDIA H200" in device.shipped_device_kinds()
-    for typo in ("H200", "h200", "nvidia_h200", "NVIDIA-H200", "nvidia h200", "NVIDIAH200"):
+    for typo in ("H200", "h200", "nvidia_h200", "NVIDIA-H200", "nvidia h200", "NVIDIAH200",
+                 "NVIDIA H2000", "NVIDIA  H200 "):
         assert device.misspelled_shipped_kind(typo) == "NVIDIA H200"
         with pytest.raises(ValueError, match="did you mean 'NVIDIA H200'"), \
                 device.targeting(typo):
@@ -318,7 +321,7 @@ def test_only_a_misspelled_shipped_device_kind_is_an_error(tmp_path):
         pass
     for real in ("NVIDIA H200", "NVIDIA H20", "NVIDIA H200 NVL", "NVIDIA GH200 480GB",
                  "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "TPU v6 lite", "TPU v5",
-                 "NVIDIA", "H 200"):
+                 "NVIDIA", "H 200", "NVIDIA B200", "NVIDIA GeForce RTX 4090", "NVIDIA L40S"):
         assert device.misspelled_shipped_kind(real) is None
     artifact = tokamax.export(_loss, X, S, device_kind="NVIDIA H20")
     assert artifact.manifest["device_kinds"] == {"cuda": "NVIDIA H20"}

@@ -188,6 +188,10 @@ def test_targeting_sets_the_device_kind():
     assert target == core.Target("cuda", "NVIDIA H200")
     assert target.is_hopper and target.is_gpu
     assert core.current_target().platform == "cpu"
+    for kind in ("NVIDIA H100 80GB HBM3", "NVIDIA H20", "NVIDIA GH200 480GB"):
+        assert core.Target("cuda", kind).is_hopper
+    for kind in ("NVIDIA H2000", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S"):
+        assert not core.Target("cuda", kind).is_hopper
 
 
 def test_spec_encoding():

@@ -156,6 +156,9 @@ def test_inspect_every_form(multi_platform, xs, tmp_path):
     hlo = jax.jit(loss).lower(*xs).as_text(dialect="hlo")
     assert {o.op for o in tk.inspect(hlo).ops} == {"LayerNorm", "DotProductAttention"}
     assert tk.inspect(Artifact.load(directory)).ops == from_dir.ops
+    # The class the docs name is the package's (`tokamax_pass.Artifact`).
+    assert tk.Artifact is Artifact and isinstance(tk.load_artifact(directory, check=False),
+                                                  tk.LoadedArtifact)
 
 
 def test_a_fresh_process_loads_the_mosaic_gpu_runtime_an_artifact_needs(tmp_path):

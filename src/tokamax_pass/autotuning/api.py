@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import tempfile
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,14 @@ from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.core.device import current_target
 
 _log = logging.getLogger("tokamax_pass.autotuning")
+
+
+# Warnings name the first frame outside the package: the user's call.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class NothingToTuneWarning(UserWarning):
+    """`autotune` was given a function that makes no op calls of this package."""
 
 # Configs timed per op by default: the heuristics config and its nearest neighbours.
 # Candidates compile at once and every extra config costs wall time. Over the H200
@@ -227,6 +236,15 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
           max_configs: int | None, lowering_processes: int | None,
           exporters: lowering.ExportWorkers | None, search_losers: bool) -> AutotuningResult:
     bound = _collect(f, args, kwargs)
+    if not bound and callable(f):
+        warnings.warn(
+            "autotune: the function makes no tokamax_pass op calls, so there is nothing to "
+            "measure. autotune measures the ops a function calls (tokamax_pass."
+            "dot_product_attention, layer_norm, ...); for a function written in plain JAX "
+            "(jax.nn.dot_product_attention, a norm or a gated MLP in jax.numpy), "
+            "tokamax_pass.optimize(f, autotune='always') rewrites those patterns into op "
+            "calls and measures them", NothingToTuneWarning,
+            skip_file_prefixes=(_PACKAGE_DIR,))
     if all_implementations:
         groups = _expand(bound, target)
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import difflib
 import functools
 import importlib.resources
 import json
@@ -20,6 +21,10 @@ from collections.abc import Iterator, Sequence
 import jax
 
 _HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+# NVIDIA GPU models by the word a device kind names them with, besides JAX's GPU table's
+# (`_known_gpu_models`): a kind naming none of them is a candidate misspelling.
+_OTHER_GPU_MODELS = ("A100", "A800", "A10", "A10G", "A30", "A40", "L4", "L40", "L40S",
+                     "V100", "T4", "P100", "K80", "P4", "B100", "B200", "GB200")
 _PRE_AMPERE_KINDS = ("V100", "T4", "P100", "K80", "P4", "RTX 20", "TITAN V")
 
 
@@ -40,8 +45,10 @@ class Target:
 
     @property
     def is_hopper(self) -> bool:
-        kind = self.device_kind or ""
-        return self.platform == "cuda" and any(k in kind for k in _HOPPER_KINDS)
+        """A Hopper GPU: its kind names a Hopper model as a word ("NVIDIA H100 80GB HBM3";
+        not "NVIDIA H2000")."""
+        models = {k.lower() for k in _HOPPER_KINDS}
+        return self.platform == "cuda" and bool(models & set(_words(self.device_kind or "")))
 
     @property
     def is_ampere_or_newer(self) -> bool:
@@ -155,13 +162,26 @@ def _words(kind: str) -> tuple[str, ...]:
     return tuple(w for w in re.split(r"[^0-9a-z]+", kind.lower()) if w)
 
 
+@functools.cache
+def _known_gpu_models() -> frozenset[str]:
+    """The words NVIDIA device kinds name their GPU model with (`"h200"`, `"a100"`,
+    `"4090"`): ours and JAX's GPU table's."""
+    models = {m.lower() for m in (*_HOPPER_KINDS, *_OTHER_GPU_MODELS)}
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:  # another jax layout: ours alone
+        return frozenset(models)
+    return frozenset(models | {_words(v.value)[-1] for v in gpu_info.GpuVersion})
+
+
 def misspelled_shipped_kind(device_kind: str) -> str | None:
     """The shipped device kind (`shipped_device_kinds`) that `device_kind` names another
     way, or `None`: the same words in another case or with other separators
-    (`"nvidia_h200"`, `"nvidia-h200"`), or the kind without its leading word(s)
-    (`"H200"`). JAX reports a device's kind whole and spelled one way, so no device
-    reports such a name; a kind that is merely similar (`"NVIDIA H20"`, `"NVIDIA H200
-    NVL"`, both real devices) is not matched."""
+    (`"nvidia_h200"`, `"nvidia-h200"`), the kind without its leading word(s) (`"H200"`),
+    or, for a GPU kind that names no GPU model anyone makes (`_known_gpu_models`), one a
+    typo away (`"NVIDIA H2000"`). JAX reports a device's kind whole and spelled one way,
+    so no device reports such a name; a kind that is merely similar (`"NVIDIA H20"`,
+    `"NVIDIA H200 NVL"`, both real devices) is not matched."""
     if device_kind in shipped_device_kinds():
         return None
     words = _words(device_kind)
@@ -171,6 +191,11 @@ def misspelled_shipped_kind(device_kind: str) -> str | None:
                       or (len(words) < len(known_words)
                           and known_words[len(known_words) - len(words):] == words)):
             return known
+    if platform_of_kind(device_kind) == "cuda" and not set(words) & _known_gpu_models():
+        gpus = [k for k in shipped_device_kinds() if platform_of_kind(k) == "cuda"]
+        close = difflib.get_close_matches(device_kind, gpus, n=1, cutoff=0.9)
+        if close:
+            return close[0]
     return None
 
 
