@@ -99,6 +99,14 @@ class Choice:
     def op(self) -> Op:
         return self.bound.op
 
+    def described(self, source: str | None = None) -> str:
+        """Why this implementation: `source` (default: this choice's; a plan's may say
+        more, "autotuned"), the note, and the predictions, as plans and manifests show
+        them."""
+        source = self.source if source is None else source
+        return "; ".join(part for part in (
+            f"{source} ({self.note})" if self.note else source, self.prediction) if part)
+
 
 def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> tuple[Any, str]:
     """`(config, source)` for `op` on `ba`; `source` names where it came from."""

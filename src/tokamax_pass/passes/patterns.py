@@ -48,7 +48,9 @@ class RewriteMatch:
     """One equation a pattern matched, and what the pass did with it.
 
     `implementation` is the implementation chosen per platform where the equation was
-    rewritten; `reason` says why it was left alone otherwise. `plain_calls`: where the
+    rewritten, and `reason` what chose it there (each op call's source, and why it
+    stands in for the implementation the target would run where this machine cannot
+    lower that one); otherwise `reason` says why it was left alone. `plain_calls`: where the
     plain path was chosen, the op calls the rewrite would make, unconfigured (what
     `autotune="always"` measures, so that a kernel measured faster is found).
     """

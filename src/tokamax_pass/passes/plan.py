@@ -60,9 +60,7 @@ class PlanRow:
             implementation=op.implementation,
             op=type(op).__name__,
             config=format_config(op.config),
-            source="; ".join(part for part in (
-                f"{decision.source} ({decision.choice.note})" if decision.choice.note
-                else decision.source, decision.choice.prediction) if part),
+            source=decision.choice.described(decision.source),
             bound=decision.choice.bound.to_spec(),
             fallback_from=decision.choice.fallback_from,
         )

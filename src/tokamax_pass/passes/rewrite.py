@@ -253,7 +253,9 @@ class Rewriter:
                 tuple(choice.bound.replace(op=choice.op.replace(config=None))
                       for _, choice in chosen))
             return None
-        note(True, implementation)
+        note(True, implementation, "; ".join(dict.fromkeys(
+            f"{target.platform}: {choice.described(source)}"
+            for _, choices, _ in resolved for target, choice, source in choices)))
         return traced
 
     def _resolve(self, call: OpCall, avals: Sequence[Any]) -> tuple[
