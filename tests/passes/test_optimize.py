@@ -12,13 +12,14 @@ import tokamax_pass as tk
 from _square_op import (
     ChunkConfig,
     ChunkedSquare,
+    Square,
     fastest_result,
     square,
     square_bound,
     square_loss,
     square_vjp_bound,
 )
-from conftest import assert_close, random_normal, reference_precision
+from conftest import assert_close, measured, random_normal, reference_precision
 
 
 @pytest.fixture
@@ -323,7 +324,8 @@ def test_autotune_always_measures_even_cached_configs(xs, tmp_path, monkeypatch)
     with result:  # an active result does not stop "always" from measuring
         (row,) = optimized.plan(x, scale)
     # Whichever implementation measured fastest is chosen; only the chunked one has a config.
-    assert (row.op, row.source) in {("ChunkedSquare", "autotuned"), ("Square", "no config")}
+    assert (row.op, row.source) in {("ChunkedSquare", "autotuned"),
+                                    ("Square", "no config; ranked by measurements")}
     (tuned,) = optimized._tuned
     measured = {type(ba.op).__name__: set(data) for ba, data in tuned}
     # The cached config 4 is timed again; 2, which the result measured losing to 4 at
@@ -331,6 +333,16 @@ def test_autotune_always_measures_even_cached_configs(xs, tmp_path, monkeypatch)
     assert measured["ChunkedSquare"] == {ChunkConfig(1), ChunkConfig(4)}
     assert "Square" in measured  # implementation=None: the XLA reference is timed too
     assert_close(optimized(x, scale), jax.jit(square_loss)(x, scale))
+
+
+def test_a_plan_says_when_measurements_chose_an_implementation_without_a_config(xs):
+    """An op with nothing to tune was chosen because a result measured it fastest: the
+    plan's source says so ("no config" alone hid that it was measured)."""
+    x, scale = xs
+    with measured(jax.devices()[0].device_kind, {Square(): 1.0, ChunkedSquare(): 5.0},
+                  x, scale):
+        (row,) = tk.optimize(square_loss).plan(x, scale)
+    assert (row.op, row.source) == ("Square", "no config; ranked by measurements")
 
 
 # --- cost of a cached call -------------------------------------------------------------------

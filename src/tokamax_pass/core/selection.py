@@ -44,6 +44,11 @@ from tokamax_pass.core.op import CannotLowerHere, Op
 # implementation this machine cannot lower (`CannotLowerHere`: cuDNN, when a CPU machine
 # exports for cuda): the program made here differs from the one the target would make.
 UNLOWERABLE_NOTE = "cannot be lowered here"
+# A choice's ranking where a config source's measurements ordered the candidates.
+MEASURED = "ranked by measurements"
+# Config sources that are no measurement: a config-less op's, and the heuristics'.
+NO_CONFIG = "no config"
+HEURISTICS = "heuristics"
 
 
 class ConfigSource(Protocol):
@@ -91,9 +96,10 @@ class Choice:
     note: str = ""
     # That implementation's name (`"cudnn"`), where `note` is set: the export falls back.
     fallback_from: str | None = None
-    # Set where predictions ordered the candidates: "predicted: " and each candidate's
-    # predicted time (`core.prediction`); shown beside the source in plans.
-    prediction: str = ""
+    # What ordered the candidates, where something did: `MEASURED` (a config source's
+    # timings at the shape or a measured neighbour), or "predicted: " and each
+    # candidate's predicted time (`core.prediction`); shown beside the source in plans.
+    ranking: str = ""
 
     @property
     def op(self) -> Op:
@@ -101,11 +107,14 @@ class Choice:
 
     def described(self, source: str | None = None) -> str:
         """Why this implementation: `source` (default: this choice's; a plan's may say
-        more, "autotuned"), the note, and the predictions, as plans and manifests show
+        more, "autotuned"), the note, and what ranked it, as plans and manifests show
         them."""
         source = self.source if source is None else source
+        # A measured config source already says the call was measured.
+        ranking = self.ranking if self.ranking != MEASURED or source in (
+            NO_CONFIG, HEURISTICS) else ""
         return "; ".join(part for part in (
-            f"{source} ({self.note})" if self.note else source, self.prediction) if part)
+            f"{source} ({self.note})" if self.note else source, ranking) if part)
 
 
 def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> tuple[Any, str]:
@@ -113,7 +122,7 @@ def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> 
     if op.config is not None:
         return op.config, "explicit"
     if op.config_cls is NullConfig:
-        return NullConfig(), "no config"
+        return NullConfig(), NO_CONFIG
     target = target or current_target()
     for source in _consulted_sources():
         hit = source.find_config(ba.replace(op=op), target.device_kind)
@@ -128,7 +137,7 @@ def resolve_config(op: Op, ba: BoundArguments, target: Target | None = None) -> 
     if fallback == "autotune":
         return _fastest_measured(ba.replace(op=op)), "autotuned on a cache miss"
     with lowering_for(target):
-        return op._get_heuristics_config(ba.replace(op=op)), "heuristics"
+        return op._get_heuristics_config(ba.replace(op=op)), HEURISTICS
 
 
 HOOKS.resolve_config = resolve_config
@@ -151,8 +160,8 @@ def _ranked(
     candidates: list[BoundArguments], target: Target, explicit: bool,
     evidence_only: Sequence[BoundArguments] = (),
 ) -> tuple[list[BoundArguments], str]:
-    """`(candidates, prediction)`: those `implementation=None` may use, best first (see
-    the module docstring), and the predicted times where predictions ordered them.
+    """`(candidates, ranking)`: those `implementation=None` may use, best first (see
+    the module docstring), and what ordered them (`Choice.ranking`).
 
     With no measurement and no prediction to go on, only the plain-JAX paths
     (`Op.runs_without_evidence`) remain. `evidence_only`: implementations the target runs
@@ -167,7 +176,7 @@ def _ranked(
     for source in _consulted_sources():
         order = source.rank(everything, target.device_kind, usable)
         if order is not None:
-            return [everything[i] for i in order if usable[i]], ""
+            return [everything[i] for i in order if usable[i]], MEASURED
     plain = [ba for ba in candidates if ba.op.runs_without_evidence]
     # Stable: the family's order, less the plain paths that lose unmeasured at this call.
     plain.sort(key=lambda ba: ba.op.unmeasured_plain_path_loses(ba))
@@ -301,9 +310,9 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
     unlowerable = None if explicit else _target_runs_unlowerable(on_target, evidence_only,
                                                                   target)
     if unlowerable is None:
-        order, predicted = _ranked(supported, target, explicit, evidence_only)
+        order, ranking = _ranked(supported, target, explicit, evidence_only)
     else:
-        order, predicted = _fallback_order(supported, target), ""
+        order, ranking = _fallback_order(supported, target), ""
     for ba in order:
         try:
             config, source = resolve_config(ba.op, ba, target)
@@ -312,7 +321,7 @@ def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bo
             continue
         note = "" if unlowerable is None else f"{unlowerable} on the target: {UNLOWERABLE_NOTE}"
         return Choice(ba.replace(op=ba.op.replace(config=config)), source, note,
-                      fallback_from=unlowerable, prediction=predicted)
+                      fallback_from=unlowerable, ranking=ranking)
     raise errors.all_failed(
         f"no implementation can run on {target.platform} ({target.device_kind}):", failures)
 

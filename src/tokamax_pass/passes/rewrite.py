@@ -269,7 +269,8 @@ class Rewriter:
                 choice = dataclasses.replace(choice, bound=choice.bound.replace(
                     op=_pin_forward_config(choice.op, choice.bound, target)))
                 source = choice.source
-                if source not in ("explicit", "no config") and self._autotuned(choice.bound):
+                if source not in ("explicit", selection.NO_CONFIG) and self._autotuned(
+                        choice.bound):
                     source = "autotuned"
                 choices.append((target, choice, source))
         ops = _ordered_ops(call.candidates, [c.op for _, c, _ in choices])
