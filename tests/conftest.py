@@ -174,10 +174,17 @@ def cases_named_in(args: list[str], invocation_dir: str) -> frozenset[tuple[str,
     named = set()
     for arg in args:
         path, sep, rest = arg.partition("::")
-        case = rest.rpartition("::")[2]
-        if sep and "[" in case:
-            named.add((os.path.realpath(os.path.join(invocation_dir, path)), case))
+        test, bracket, ids = rest.partition("[")  # ids may hold "::" themselves
+        if sep and bracket:
+            named.add((os.path.realpath(os.path.join(invocation_dir, path)),
+                       test.rpartition("::")[2] + bracket + ids))
     return frozenset(named)
+
+
+def items_named(items: list, named: frozenset[tuple[str, str]]) -> set[str]:
+    """The node ids of `items` that `named` (`cases_named_in`) names."""
+    return {item.nodeid for item in items
+            if (os.path.realpath(item.path), item.name) in named}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the `slow` marks added here
@@ -189,8 +196,7 @@ def pytest_collection_modifyitems(config, items):
             grids.setdefault((item.path, item.originalname), []).append(item)
     named = _cases_named_by_mutations() if grids else frozenset()
     on_command_line = cases_named_in(config.args, str(config.invocation_params.dir))
-    named |= {item.nodeid for grid in grids.values() for item in grid
-              if (os.path.realpath(item.path), item.name) in on_command_line}
+    named |= items_named([item for grid in grids.values() for item in grid], on_command_line)
     for grid in grids.values():
         kept = set(map(id, covering_cases(grid, named)))
         for item in grid:

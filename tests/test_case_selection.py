@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import types
 
-from conftest import cases_named_in, covering_cases
+from conftest import cases_named_in, covering_cases, items_named
 
 
-def _case(nodeid: str, *ids: str):
-    return types.SimpleNamespace(nodeid=nodeid, callspec=types.SimpleNamespace(_idlist=ids))
+def _case(nodeid: str, *ids: str, path: str = "tests/x.py"):
+    return types.SimpleNamespace(nodeid=nodeid, callspec=types.SimpleNamespace(_idlist=ids),
+                                 path=path, name=nodeid.rpartition("::")[2])
 
 
 def test_the_covering_subset_takes_every_value_and_keeps_required_cases():
@@ -30,3 +31,13 @@ def test_cases_named_one_by_one_on_the_command_line_are_found_by_file():
          "tests/x.py::test_h", "-k", "f"], here)
     assert named == {(os.path.realpath(os.path.join(here, "tests/x.py")), "test_f[a-b]"),
                      (os.path.realpath(os.path.join(here, "tests/x.py")), "test_g[1]")}
+
+
+def test_the_items_named_are_those_a_grid_keeps_whatever_the_covering():
+    """Three cases named of a grid whose covering subset needs two: all three kept."""
+    here = os.getcwd()
+    grid = [_case(f"tests/x.py::t[{a}-{b}]", a, b) for a in ("x", "y") for b in ("0", "1")]
+    named = cases_named_in([c.nodeid for c in grid[:3]] + ["tests/x.py::t[a::b]"], here)
+    assert (os.path.realpath(os.path.join(here, "tests/x.py")), "t[a::b]") in named
+    kept = covering_cases(grid, frozenset(items_named(grid, named)))
+    assert {c.nodeid for c in grid[:3]} <= {c.nodeid for c in kept}

@@ -280,8 +280,9 @@ def check_compatible(manifest: Mapping[str, Any], dev: jax.Device) -> None:
         raise ArtifactMismatchError(
             f"artifact {manifest.get('name')!r} was exported for {platforms}, not for "
             f"{platform} ({dev.device_kind}), and cannot run here; re-export it with "
-            f"tokamax_pass.export(..., platforms=[{platform!r}]) (the command line's "
-            f"--platforms {platform})"
+            f"{platform!r} among its platforms: tokamax_pass.export(..., "
+            f"platforms={[*platforms, platform]!r}) (the command line's --platforms "
+            f"{','.join([*platforms, platform])})"
         )
     wanted = manifest.get("device_kinds", {}).get(platform)
     if wanted is not None and wanted != dev.device_kind:

@@ -32,7 +32,7 @@ import jax
 
 from tokamax_pass.artifact import make_artifact
 from tokamax_pass.autotuning.result import AutotuningResult
-from tokamax_pass.core import checks, device, spec
+from tokamax_pass.core import checks, device, selection, spec
 from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax_pass.passes import emit, patterns, patterns_attention, transforms, walk
@@ -308,7 +308,7 @@ def _needs_tuning(decision: Decision, mode: Autotune) -> bool:
     if decision.source in ("explicit", "autotuned"):
         return False
     if mode == "missing":
-        return decision.source == "heuristics"
+        return decision.source == selection.HEURISTICS
     return (decision.choice.op.config_cls is not NullConfig
             or len(decision.alternatives) > 1)
 

@@ -311,18 +311,28 @@ def test_only_a_misspelled_shipped_device_kind_is_an_error(tmp_path):
 
     assert "NVIDIA H200" in device.shipped_device_kinds()
     for typo in ("H200", "h200", "nvidia_h200", "NVIDIA-H200", "nvidia h200", "NVIDIAH200",
-                 "NVIDIA H2000", "NVIDIA  H200 "):
+                 "NVIDIA  H200 "):
         assert device.misspelled_shipped_kind(typo) == "NVIDIA H200"
         with pytest.raises(ValueError, match="did you mean 'NVIDIA H200'"), \
                 device.targeting(typo):
             pass
+    # A typo away, naming no GPU model: an error where a user typed it (a target), not
+    # where a device or a file reports it (a GPU newer than the lists may).
+    for typo in ("NVIDIA H2000", "nvidia h2000"):
+        assert device.misspelled_shipped_kind(typo, typed=True) == "NVIDIA H200"
+        assert device.misspelled_shipped_kind(typo) is None
+        with pytest.raises(ValueError, match="did you mean 'NVIDIA H200'"), \
+                device.targeting(typo):
+            pass
+    assert tokamax.AutotuningResult("NVIDIA H2000", []).device_kind == "NVIDIA H2000"
     with pytest.raises(ValueError, match="did you mean 'NVIDIA H200'"), \
             device.targeting("H200", platform="cuda"):
         pass
     for real in ("NVIDIA H200", "NVIDIA H20", "NVIDIA H200 NVL", "NVIDIA GH200 480GB",
                  "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "TPU v6 lite", "TPU v5",
-                 "NVIDIA", "H 200", "NVIDIA B200", "NVIDIA GeForce RTX 4090", "NVIDIA L40S"):
-        assert device.misspelled_shipped_kind(real) is None
+                 "NVIDIA", "H 200", "NVIDIA B200", "NVIDIA GeForce RTX 4090", "NVIDIA L40S",
+                 "NVIDIA H100", "NVIDIA H800", "NVIDIA H100 PCIe", "NVIDIA GB10"):
+        assert device.misspelled_shipped_kind(real, typed=True) is None
     artifact = tokamax.export(_loss, X, S, device_kind="NVIDIA H20")
     assert artifact.manifest["device_kinds"] == {"cuda": "NVIDIA H20"}
     # The user cache: clearing a misspelled kind's file that is not there.

@@ -192,6 +192,12 @@ def test_targeting_sets_the_device_kind():
         assert core.Target("cuda", kind).is_hopper
     for kind in ("NVIDIA H2000", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S"):
         assert not core.Target("cuda", kind).is_hopper
+    for kind in ("Tesla V100-SXM2-16GB", "Tesla T4", "NVIDIA GeForce RTX 2080 Ti",
+                 "Quadro RTX 8000", "NVIDIA TITAN RTX", "NVIDIA TITAN V"):
+        assert not core.Target("cuda", kind).is_ampere_or_newer, kind
+    for kind in ("NVIDIA RTX 2000 Ada Generation", "NVIDIA A10G", "NVIDIA H200",
+                 "NVIDIA GeForce RTX 4090", "NVIDIA RTX A6000"):
+        assert core.Target("cuda", kind).is_ampere_or_newer, kind
 
 
 def test_spec_encoding():

@@ -280,6 +280,8 @@ def test_export_records_the_rewrite_and_its_cpu_program_computes_the_same(calibr
     assert entry["implementation"]["cpu"] == "xla" and entry["implementation"]["cuda"] != "xla"
     assert entry["source_line"].endswith("(causal)")
     # What chose the kernel, per platform: the predicted times.
-    assert "cuda: " in entry["reason"] and "predicted" in entry["reason"]
+    cpu, cuda = entry["reason"].split(" | ")
+    assert cpu.startswith("cpu DotProductAttention: ")
+    assert cuda.startswith("cuda Pallas") and "predicted" in cuda
     expected = jax.jit(causal)(*(a.astype(jnp.float32) for a in (q, k, v)))
     assert_close(artifact.exported.call(q, k, v), expected, jnp.bfloat16)

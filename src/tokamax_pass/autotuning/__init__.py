@@ -4,7 +4,7 @@ Importing this package registers the cache stack (active results, user cache,
 library cache) as a config source of `tokamax_pass.core.selection`.
 """
 
-from tokamax_pass.autotuning.api import autotune
+from tokamax_pass.autotuning.api import NothingToTuneWarning, autotune
 from tokamax_pass.autotuning.autotuner import Autotuner
 from tokamax_pass.autotuning.cache import CacheError, UnsavedResultError
 from tokamax_pass.autotuning.cache import save as save_to_cache
@@ -28,6 +28,7 @@ __all__ = [
     "AutotuningResult",
     "CacheError",
     "Measurement",
+    "NothingToTuneWarning",
     "UnsavedResultError",
     "active_results",
     "autotune",

@@ -236,7 +236,7 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
           max_configs: int | None, lowering_processes: int | None,
           exporters: lowering.ExportWorkers | None, search_losers: bool) -> AutotuningResult:
     bound = _collect(f, args, kwargs)
-    if not bound and callable(f):
+    if not bound and callable(f) and not isinstance(f, jax.stages.Compiled):
         warnings.warn(
             "autotune: the function makes no tokamax_pass op calls, so there is nothing to "
             "measure. autotune measures the ops a function calls (tokamax_pass."

@@ -147,7 +147,7 @@ def clear(directory: str | os.PathLike | None = None, device_kind: str | None = 
         removed.append(str(path))
     _USER.invalidate()
     if device_kind and not removed:
-        check_device_kind(device_kind)
+        check_device_kind(device_kind, typed=True)
     return removed
 
 

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         path = cache.cache_file(kind, args.cache_dir)
         result = cache.read(path, kind_key=path.stem)
         if result is None and args.device_kind:
-            check_device_kind(args.device_kind)  # "H200" found no file, silently
+            check_device_kind(args.device_kind, typed=True)  # "H200" found no file, silently
         print(f"{path}: no cache file" if result is None else result)
         return 0
     if args.action == "clear":

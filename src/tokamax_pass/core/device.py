@@ -25,7 +25,10 @@ _HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 # (`_known_gpu_models`): a kind naming none of them is a candidate misspelling.
 _OTHER_GPU_MODELS = ("A100", "A800", "A10", "A10G", "A30", "A40", "L4", "L40", "L40S",
                      "V100", "T4", "P100", "K80", "P4", "B100", "B200", "GB200")
-_PRE_AMPERE_KINDS = ("V100", "T4", "P100", "K80", "P4", "RTX 20", "TITAN V")
+# Pre-Ampere GPUs by their model word: Volta, Turing, Pascal and Kepler datacenter cards
+# and the GeForce RTX 20 series; Turing's Quadro RTX and TITAN RTX, and the TITAN V, are
+# matched by two words (`_is_pre_ampere`).
+_PRE_AMPERE_MODELS = ("v100", "t4", "p100", "p40", "p4", "k80", "2060", "2070", "2080")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +55,15 @@ class Target:
 
     @property
     def is_ampere_or_newer(self) -> bool:
-        kind = self.device_kind or ""
-        return self.platform == "cuda" and not any(k in kind for k in _PRE_AMPERE_KINDS)
+        return self.platform == "cuda" and not _is_pre_ampere(_words(self.device_kind or ""))
+
+
+def _is_pre_ampere(words: Sequence[str]) -> bool:
+    """Whether a device kind's words name a GPU older than Ampere (`_PRE_AMPERE_MODELS`,
+    a Quadro RTX, a TITAN RTX or TITAN V); "NVIDIA RTX 2000 Ada Generation" is not."""
+    names = set(words)
+    return bool(names & set(_PRE_AMPERE_MODELS)) or (
+        "rtx" in names and bool(names & {"quadro", "titan"})) or {"titan", "v"} <= names
 
 
 def _abstract_device():
@@ -174,14 +184,19 @@ def _known_gpu_models() -> frozenset[str]:
     return frozenset(models | {_words(v.value)[-1] for v in gpu_info.GpuVersion})
 
 
-def misspelled_shipped_kind(device_kind: str) -> str | None:
+def misspelled_shipped_kind(device_kind: str, *, typed: bool = False) -> str | None:
     """The shipped device kind (`shipped_device_kinds`) that `device_kind` names another
     way, or `None`: the same words in another case or with other separators
-    (`"nvidia_h200"`, `"nvidia-h200"`), the kind without its leading word(s) (`"H200"`),
-    or, for a GPU kind that names no GPU model anyone makes (`_known_gpu_models`), one a
-    typo away (`"NVIDIA H2000"`). JAX reports a device's kind whole and spelled one way,
-    so no device reports such a name; a kind that is merely similar (`"NVIDIA H20"`,
-    `"NVIDIA H200 NVL"`, both real devices) is not matched."""
+    (`"nvidia_h200"`, `"nvidia-h200"`), or the kind without its leading word(s)
+    (`"H200"`). JAX reports a device's kind whole and spelled one way, so no device
+    reports such a name; a kind that is merely similar (`"NVIDIA H20"`, `"NVIDIA H200
+    NVL"`, both real devices) is not matched.
+
+    `typed`: the kind was typed by a user (a target to export for, a cache to clear), not
+    read from a device or a file, so a GPU kind that names no GPU model we or JAX know
+    (`_known_gpu_models`) and is a typo away from a shipped one (`"NVIDIA H2000"`) is
+    matched too, unless it is this machine's GPU's: a GPU newer than both lists may
+    report such a name."""
     if device_kind in shipped_device_kinds():
         return None
     words = _words(device_kind)
@@ -191,19 +206,21 @@ def misspelled_shipped_kind(device_kind: str) -> str | None:
                       or (len(words) < len(known_words)
                           and known_words[len(known_words) - len(words):] == words)):
             return known
-    if platform_of_kind(device_kind) == "cuda" and not set(words) & _known_gpu_models():
-        gpus = [k for k in shipped_device_kinds() if platform_of_kind(k) == "cuda"]
-        close = difflib.get_close_matches(device_kind, gpus, n=1, cutoff=0.9)
+    if (typed and platform_of_kind(device_kind) == "cuda"
+            and not set(words) & _known_gpu_models()
+            and device_kind != _local_device_kind("cuda")):
+        gpus = {k.lower(): k for k in shipped_device_kinds() if platform_of_kind(k) == "cuda"}
+        close = difflib.get_close_matches(device_kind.lower(), list(gpus), n=1, cutoff=0.9)
         if close:
-            return close[0]
+            return gpus[close[0]]
     return None
 
 
-def check_device_kind(device_kind: str) -> None:
+def check_device_kind(device_kind: str, *, typed: bool = False) -> None:
     """`ValueError` for a device kind that misspells a shipped one
-    (`misspelled_shipped_kind`): it was taken as a device of its own, whose library cache
-    does not exist, so every op silently ran heuristic configs."""
-    known = misspelled_shipped_kind(device_kind)
+    (`misspelled_shipped_kind`, `typed` as there): it was taken as a device of its own,
+    whose library cache does not exist, so every op silently ran heuristic configs."""
+    known = misspelled_shipped_kind(device_kind, typed=typed)
     if known is not None:
         raise ValueError(
             f"device_kind {device_kind!r} is not a device kind JAX reports; did you mean "
@@ -226,7 +243,7 @@ def kinds_by_platform(device_kinds: str | Sequence[str]) -> dict[str, str]:
         device_kinds = [k for k in device_kinds.split(",") if k.strip()]
     kinds: dict[str, str] = {}
     for kind in (k.strip() for k in device_kinds):
-        check_device_kind(kind)
+        check_device_kind(kind, typed=True)
         platform = platform_of_kind(kind)
         if platform in kinds:
             raise ValueError(f"device_kind names two {platform} devices ({kinds[platform]!r} and "
@@ -269,7 +286,7 @@ def targeting(device_kind: str | Sequence[str], platform: str | None = None) -> 
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     if platform is not None and isinstance(device_kind, str):
-        check_device_kind(device_kind)
+        check_device_kind(device_kind, typed=True)
         kinds = {_canonical_platform(platform): device_kind}
     else:
         kinds = kinds_by_platform(device_kind)

@@ -48,9 +48,11 @@ class RewriteMatch:
     """One equation a pattern matched, and what the pass did with it.
 
     `implementation` is the implementation chosen per platform where the equation was
-    rewritten, and `reason` what chose it there (each op call's source, and why it
-    stands in for the implementation the target would run where this machine cannot
-    lower that one); otherwise `reason` says why it was left alone. `plain_calls`: where the
+    rewritten, and `reason` what chose it there ("cuda PallasMosaicGpuFlashAttention:
+    heuristics; predicted: ...", one entry per platform and op call, joined by " | ":
+    each call's source, what ranked it, and why it stands in for the implementation the
+    target would run where this machine cannot lower that one); otherwise `reason` says
+    why it was left alone. `plain_calls`: where the
     plain path was chosen, the op calls the rewrite would make, unconfigured (what
     `autotune="always"` measures, so that a kernel measured faster is found).
     """

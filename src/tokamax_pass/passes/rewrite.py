@@ -253,8 +253,8 @@ class Rewriter:
                 tuple(choice.bound.replace(op=choice.op.replace(config=None))
                       for _, choice in chosen))
             return None
-        note(True, implementation, "; ".join(dict.fromkeys(
-            f"{target.platform}: {choice.described(source)}"
+        note(True, implementation, " | ".join(dict.fromkeys(
+            f"{target.platform} {type(choice.op).__name__}: {choice.described(source)}"
             for _, choices, _ in resolved for target, choice, source in choices)))
         return traced
 
