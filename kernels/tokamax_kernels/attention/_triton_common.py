@@ -73,9 +73,9 @@ def check_pipeline_fits(what: str, fields: str, *, stages: int, rows: int,
     """`NotImplementedError` naming the config fields where the streamed tiles alone need
     more shared memory than the GPU has (`pipeline_fits`): raised when the kernel is
     lowered for the GPU, not as a compile failure deep inside XLA."""
-    if pipeline_fits(stages=stages, rows=rows, head_dims=head_dims, dtype=dtype):
-        return
     needed = pipeline_bytes(stages=stages, rows=rows, head_dims=head_dims, dtype=dtype)
+    if needed <= shared_memory_per_block():
+        return
     raise NotImplementedError(
         f"{what}: {fields} ({rows} rows, {stages} stages) need {needed // 1024} KiB of "
         f"shared memory for head dims {head_dims} in {jnp.dtype(dtype).name}, more than "

@@ -97,6 +97,13 @@ def clamp(config: PallasTritonFlashAttentionVjpConfig, seq_q: int, seq_k: int
         block_k_dq=common.clamp_block(config.block_k_dq, seq_k))
 
 
+def _pipelines(config: PallasTritonFlashAttentionVjpConfig) -> tuple[tuple[str, int, int], ...]:
+    """`(fields, rows, stages)` of the two kernels' streamed pipelines: the queries of
+    the dK/dV kernel and the keys of the dQ kernel."""
+    return (("block_q_dkv and num_stages_dkv", config.block_q_dkv, config.num_stages_dkv),
+            ("block_k_dq and num_stages_dq", config.block_k_dq, config.num_stages_dq))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
     """dq, dk, dv (and dbias) of flash attention in Pallas Triton; `interpret=True` on CPU."""
@@ -127,7 +134,7 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
                 q.shape[1], k.shape[1])
             if all(common.pipeline_fits(stages=stages, rows=rows, head_dims=head_dims,
                                         dtype=q.dtype)
-                   for rows in (config.block_q_dkv, config.block_k_dq)):
+                   for _, rows, stages in _pipelines(config)):
                 configs.add(config)
         return configs
 
@@ -138,13 +145,10 @@ class PallasTritonFlashAttentionVjp(TritonKernel, DotProductAttentionVjp):
         del return_residuals
         config = clamp(config, query.shape[1], key.shape[1])
         if not self.interpret:
-            head_dims = (query.shape[-1], value.shape[-1])
-            common.check_pipeline_fits(_WHAT, "block_q_dkv and num_stages_dkv",
-                                       stages=config.num_stages_dkv, rows=config.block_q_dkv,
-                                       head_dims=head_dims, dtype=query.dtype)
-            common.check_pipeline_fits(_WHAT, "block_k_dq and num_stages_dq",
-                                       stages=config.num_stages_dq, rows=config.block_k_dq,
-                                       head_dims=head_dims, dtype=query.dtype)
+            for fields, rows, stages in _pipelines(config):
+                common.check_pipeline_fits(_WHAT, fields, stages=stages, rows=rows,
+                                           head_dims=(query.shape[-1], value.shape[-1]),
+                                           dtype=query.dtype)
         (lse,) = residuals
         batch, seq_q, heads, head_dim = query.shape
         seq_k = key.shape[1]
