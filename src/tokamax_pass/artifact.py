@@ -19,7 +19,6 @@ import importlib
 import json
 import os
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,13 +26,12 @@ from typing import Any
 import jax
 
 from tokamax_pass.core import atomic_io, checks, device, spec
+from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.passes.inspection import Inspection, custom_call_targets, inspect_path
 from tokamax_pass.version import __version__
 
 MANIFEST = "manifest.json"
 _SUFFIX = ".stablehlo"
-# Warnings name the first frame outside the package: the user's call.
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 __all__ = [
     "Artifact", "ArtifactIntegrityError", "ArtifactMismatchError", "LoadedArtifact",
@@ -352,11 +350,11 @@ def _warn_fallbacks(fallbacks: Sequence[Mapping[str, Any]]) -> None:
     if not fallbacks:
         return
     calls = "; ".join(describe_fallback(f) for f in fallbacks)
-    warnings.warn(
+    warn_at_caller(
         f"export: {len(fallbacks)} op call(s) hold another implementation than the target "
         f"would run, which cannot be lowered on this machine: {calls}. Export on the target "
         f"device for the same program it would run; the manifest lists these under "
-        f"'fallbacks'", ExportFallbackWarning, skip_file_prefixes=(_PACKAGE_DIR,))
+        f"'fallbacks'", ExportFallbackWarning)
 
 
 def function_name(fun: Any) -> str:

@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import tempfile
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,13 +20,10 @@ from tokamax_pass.autotuning.autotuner import Autotuner, candidate_configs
 from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, registry
 from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
+from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.core.device import current_target
 
 _log = logging.getLogger("tokamax_pass.autotuning")
-
-
-# Warnings name the first frame outside the package: the user's call.
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class NothingToTuneWarning(UserWarning):
@@ -237,14 +233,13 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
           exporters: lowering.ExportWorkers | None, search_losers: bool) -> AutotuningResult:
     bound = _collect(f, args, kwargs)
     if not bound and callable(f) and not isinstance(f, jax.stages.Compiled):
-        warnings.warn(
+        warn_at_caller(
             "autotune: the function makes no tokamax_pass op calls, so there is nothing to "
             "measure. autotune measures the ops a function calls (tokamax_pass."
             "dot_product_attention, layer_norm, ...); for a function written in plain JAX "
             "(jax.nn.dot_product_attention, a norm or a gated MLP in jax.numpy), "
             "tokamax_pass.optimize(f, autotune='always') rewrites those patterns into op "
-            "calls and measures them", NothingToTuneWarning,
-            skip_file_prefixes=(_PACKAGE_DIR,))
+            "calls and measures them", NothingToTuneWarning)
     if all_implementations:
         groups = _expand(bound, target)
     else:
