@@ -144,3 +144,35 @@ def test_an_op_written_against_upstreams_generic_op_subclasses_ours():
     assert_close(Doubled()(x), 2.0 * x)
     assert typing.get_args(Doubled.__orig_bases__[0]) == typing.get_args(
         Plain.__orig_bases__[0]) == (Config,)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TileConfig:
+    tile: int
+
+
+class _UpstreamStyleOp(tokamax.Op[Any, jax.Array, None, _TileConfig, Any]):
+    """Written as upstream's autotuning tests write an op: the config named only in the
+    generic base, no `config_cls`."""
+
+    def _fwd(self, x, *, config, return_residuals):
+        return x + config.tile, None
+
+    def _get_heuristics_config(self, ba):
+        return _TileConfig(4)
+
+    def _get_autotuning_configs(self, ba):
+        return {_TileConfig(1), _TileConfig(2)}
+
+
+def test_an_op_naming_its_config_only_in_upstreams_generic_base_is_tuned():
+    assert _UpstreamStyleOp.config_cls is _TileConfig
+    x = jnp.zeros((2, 3))
+    ba = _UpstreamStyleOp().bind(x)
+    assert ba.default_config == _TileConfig(4)
+    assert_close(_UpstreamStyleOp()(x), x + 4.0)
+    result = tokamax.autotune([ba], progress=False, iterations=1)
+    ((_, data),) = result.data
+    assert set(data) == {_TileConfig(1), _TileConfig(2), _TileConfig(4)}
+    with result:
+        assert ba.default_config == data.fastest_config

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, cast
 
@@ -54,6 +55,19 @@ def snake_case_name(op_or_cls: Op | type[Op] = checks.NOT_GIVEN, *,
     op_or_cls = checks.one_of("snake_case_name", "op_or_cls", op_or_cls, "op", op)
     cls = op_or_cls if isinstance(op_or_cls, type) else type(op_or_cls)
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", cls.__name__).lower()
+
+
+def _subscripted_config_cls(cls: type) -> type | None:
+    """The config class `cls` names in its `Op[Config]` (or upstream Tokamax's
+    `Op[P, T, R, Config, K]`) base, or `None` where it names none (`Op[Any]`, a type
+    variable) or does not subclass a subscripted `Op`: upstream's ops name their config
+    there, not in `config_cls`."""
+    for base in getattr(cls, "__orig_bases__", ()):
+        if typing.get_origin(base) is Op:
+            (config_cls,) = typing.get_args(base)
+            return config_cls if dataclasses.is_dataclass(config_cls) and isinstance(
+                config_cls, type) else None
+    return None
 
 
 class _OpOrClassMethod:
@@ -159,6 +173,10 @@ class Op[C]:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "config_cls" not in cls.__dict__:
+            subscripted = _subscripted_config_cls(cls)
+            if subscripted is not None:
+                cls.config_cls = subscripted
         if "bind" in cls.__dict__ and not isinstance(cls.__dict__["bind"], _OpOrClassMethod):
             # A descriptor in place of the method: mypy allows no assignment to a method.
             cls.bind = _OpOrClassMethod(cls.__dict__["bind"])  # type: ignore[method-assign]
