@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import tokamax_pass as tokamax
-from tokamax_pass.autotuning import autotuner
+from tokamax_pass.autotuning import autotuner, timing_inputs
 
 
 def bound_of(args: tuple[Any, ...]) -> Any:
@@ -46,7 +46,7 @@ class Timeline:
         cls = autotuner.Autotuner
         cls._compile_one = staticmethod(self.wrap("candidate", cls._compile_one))
         cls._reference_output = self.wrap("reference", cls._reference_output)
-        autotuner.timing_arguments = self.wrap("inputs", autotuner.timing_arguments)
+        timing_inputs.timing_arguments = self.wrap("inputs", timing_inputs.timing_arguments)
         if timings:
             cls._time = self.wrap("time", cls._time, lambda args: args[1].ba)
 

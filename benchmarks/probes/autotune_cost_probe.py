@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from benchmarks.probes._probe import seed_f_grad_loss as _loss
 from tokamax_pass import benchmarking
 from tokamax_pass.autotuning import get_bound_args, keys
-from tokamax_pass.autotuning.autotuner import call_op, candidate_configs, timing_arguments
+from tokamax_pass.autotuning.autotuner import call_op, candidate_configs
+from tokamax_pass.autotuning.timing_inputs import timing_arguments
 
 OUT = os.environ.get("OUT", "/tmp")
 

@@ -26,7 +26,7 @@ import jax
 
 from benchmarks.models import MODELS, ops, run
 from tokamax_pass import benchmarking
-from tokamax_pass.autotuning import api, autotuner, discovery, lowering
+from tokamax_pass.autotuning import api, autotuner, discovery, lowering, timing_inputs
 from tokamax_pass.core.device import current_target
 
 # XLA's GEMM autotuning off: what the candidate costs without it.
@@ -53,7 +53,7 @@ def _timed(fn: Any) -> tuple[Any, float, float]:
 
 def _compile_alone(log: _Log, ba: Any, config: Any, stage: int, options: Any = None) -> None:
     op = ba.op.replace(config=config)
-    arguments = autotuner._operand_shapes(ba)
+    arguments = timing_inputs.operand_shapes(ba)
     f_std, specs = benchmarking.standardize_function(
         lowering.call_op(op, ba.vmap, arguments), arguments, seed=None)
     error = None

@@ -439,7 +439,7 @@ def test_untimed_programs_compile_without_xla_gemm_autotuning(monkeypatch):
     """A VJP call's residuals and the reference outputs run once: they skip XLA's GEMM
     autotuning (which serializes with the candidates' compiles on a GPU); the candidates,
     which are timed, keep it."""
-    from tokamax_pass.autotuning import autotuner
+    from tokamax_pass.autotuning import timing_inputs
 
     options = []
     original_jit = jax.jit
@@ -456,7 +456,7 @@ def test_untimed_programs_compile_without_xla_gemm_autotuning(monkeypatch):
                               iterations=1)
     assert {type(ba.op).__name__ for ba, _ in result} == {
         "XlaChunkedDotProductAttention", "XlaChunkedDotProductAttentionVjp"}
-    untimed = [o for o in options if o == autotuner.UNTIMED_COMPILER_OPTIONS]
+    untimed = [o for o in options if o == timing_inputs.UNTIMED_COMPILER_OPTIONS]
     assert len(untimed) == 3  # two references and the VJP call's residuals
     assert None in options  # the candidates
 
@@ -465,13 +465,13 @@ def test_a_reference_that_fails_on_the_device_leaves_numerics_unchecked(monkeypa
     """A reference output whose device run fails (out of memory) only says so when it is
     awaited: the call's configs are then timed unchecked, not all failed in their
     numerics checks."""
-    from tokamax_pass.autotuning import autotuner
+    from tokamax_pass.autotuning import autotuner, timing_inputs
 
     class FailsWhenAwaited:
         def block_until_ready(self):
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 48.00GiB")
 
-    monkeypatch.setattr(autotuner, "_run_untimed", lambda *args: FailsWhenAwaited())
+    monkeypatch.setattr(timing_inputs, "run_untimed", lambda *args: FailsWhenAwaited())
     x, w = _inputs()
     [entry] = autotuner.Autotuner(iterations=2).tune_many(
         [(keys.canonical(XlaChunkedMatmul().bind(x, w)), None)])
@@ -515,7 +515,7 @@ def test_calls_differing_only_in_dtype_are_timed_on_inputs_of_their_own_dtype():
 def test_the_numerics_check_rejects_one_wrong_element_among_many_right_ones():
     """The check bounds the largest error, not the average: one element off by a third
     of the output's scale in a 64 x 64 output is wrong numerics; float32 rounding is not."""
-    from tokamax_pass.autotuning.autotuner import numerics_error
+    from tokamax_pass.autotuning.numerics import numerics_error
 
     expected = random_normal(3, (64, 64))
     scale = float(jnp.max(jnp.abs(expected)))
@@ -613,14 +613,14 @@ def test_a_worker_exports_a_mosaic_kernel_for_the_h200():
 def test_shared_inputs_are_timed_on_one_array():
     """A VJP call whose forward got one array as query, key and value is timed and
     checked with one array under the three names, its gradient summed into the first."""
-    from tokamax_pass.autotuning import autotuner
+    from tokamax_pass.autotuning import timing_inputs
 
     x = random_normal(0, (1, 64, 2, 16))
     f = jax.grad(lambda x: tokamax.dot_product_attention(
         x, x, x, implementation="xla_chunked").sum())
     (vjp_ba,) = [ba for ba in tokamax.autotuning.get_bound_args(f, x)
                  if "shared_inputs" in ba.arguments]
-    arguments = autotuner.timing_arguments(vjp_ba, seed=3)
+    arguments = timing_inputs.timing_arguments(vjp_ba, seed=3)
     assert arguments["key"] is arguments["query"] and arguments["value"] is arguments["query"]
     result = tokamax.autotune(f, x, ignore_cache=True, progress=False, max_configs=2,
                               iterations=1)

@@ -141,11 +141,11 @@ def test_every_wave_runs_untimed_programs_compiled_ahead(monkeypatch):
     program, the forward reference (a VJP call's residuals) and the reference output
     compiled ahead from abstract shapes; the results are those of compiling them when
     prepared: the chunk that drops K's remainder is still caught as wrong numerics."""
-    from tokamax_pass.autotuning import autotuner
+    from tokamax_pass.autotuning import autotuner, timing_inputs
 
     used, inputs_ahead = [], []
-    original = autotuner._run_untimed
-    original_random = autotuner.benchmarking.random_initialize
+    original = timing_inputs.run_untimed
+    original_random = timing_inputs.benchmarking.random_initialize
 
     def run_untimed(f_std, arrays, compiled=None):
         used.append(compiled is not None)
@@ -155,8 +155,8 @@ def test_every_wave_runs_untimed_programs_compiled_ahead(monkeypatch):
         inputs_ahead.append(program is not None)
         return original_random(arrays, seed, program)
 
-    monkeypatch.setattr(autotuner, "_run_untimed", run_untimed)
-    monkeypatch.setattr(autotuner.benchmarking, "random_initialize", random_initialize)
+    monkeypatch.setattr(timing_inputs, "run_untimed", run_untimed)
+    monkeypatch.setattr(timing_inputs.benchmarking, "random_initialize", random_initialize)
     monkeypatch.setattr(autotuner, "OPS_PER_WAVE", 1)
     q = random_normal(0, (2, 32, 2, 16))
     f = jax.grad(lambda q: tokamax.dot_product_attention(
@@ -181,10 +181,10 @@ def test_one_calls_implementations_share_untimed_programs_and_inputs_in_both_sta
     """The implementations of one op call are timed on one set of inputs against one
     reference output: compiled once for the tuner (stage two reuses stage one's) and
     prepared once per wave."""
-    from tokamax_pass.autotuning import autotuner
+    from tokamax_pass.autotuning import autotuner, timing_inputs
 
     compiled, prepared = [], []
-    original_compile, original_prepare = autotuner._compile_untimed, autotuner.Autotuner._prepare
+    original_compile, original_prepare = timing_inputs.compile_untimed, autotuner.Autotuner._prepare
 
     def compile_untimed(ba, *args):
         compiled.append(type(ba.op).__name__)
@@ -194,7 +194,7 @@ def test_one_calls_implementations_share_untimed_programs_and_inputs_in_both_sta
         prepared.append(type(ba.op).__name__)
         return original_prepare(self, ba, untimed)
 
-    monkeypatch.setattr(autotuner, "_compile_untimed", compile_untimed)
+    monkeypatch.setattr(timing_inputs, "compile_untimed", compile_untimed)
     monkeypatch.setattr(autotuner.Autotuner, "_prepare", prepare)
     x, w = random_normal(1, (M, K)), random_normal(2, (K, N))
     chunked, plain = (keys.canonical(op.bind(x, w)) for op in (XlaChunkedMatmul(), ChunkedMatmul()))

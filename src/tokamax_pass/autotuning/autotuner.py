@@ -1,24 +1,13 @@
 """The `Autotuner`: time every candidate config of one op call, keep every failure.
 
 Candidates are compiled from abstract shapes in parallel threads while the inputs
-and the reference output are prepared, then timed one at a time on the device on
-the same random inputs. A config that fails (compile error, timeout,
-out of memory, wrong numerics against the family's XLA reference) is recorded
-with its reason instead of raising. A config whose fastest of the first few
-runs is already `early_stop_ratio` times the best median so far stops there.
-
-Inputs: concrete arrays in the `BoundArguments` are used as given (valid
-integer data such as group sizes); abstract ones are random (normal floats,
-ints in [0, 128), fair bools). An op that needs structured inputs defines
-`random_arguments(self, ba, seed) -> dict[str, Any]` returning the arguments
-to time with (written in jax, traceable with a traced `seed`, so it compiles ahead as
-one program); the autotuner calls it when present. A VJP op
-gets real `out` and `residuals` from its forward family's XLA reference (found
-through a `forward` op field, like `AutodiffVjp`'s, or the registered family whose
-VJP op it is), and the same array for the argument names grouped in its
-`shared_inputs`. Those residuals and the reference outputs run once and are never
-timed, so they compile without XLA's GEMM autotuning. The implementations of one call
-(one family, one argument spec) share them, and the inputs made from them.
+and the reference output are prepared (`timing_inputs`), then timed one at a time on
+the device on the same random inputs. A config that fails (compile error, timeout,
+out of memory, wrong numerics against the family's XLA reference: `numerics`) is
+recorded with its reason instead of raising. A config whose fastest of the first few
+runs is already `early_stop_ratio` times the best median so far stops there. The
+implementations of one call (one family, one argument spec) share their inputs and
+reference output.
 """
 
 from __future__ import annotations
@@ -26,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import functools
 import itertools
 import os
 import time
@@ -34,26 +22,17 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from tokamax_pass import benchmarking
-from tokamax_pass.autotuning import keys, lowering
+from tokamax_pass.autotuning import keys, lowering, numerics, timing_inputs
 from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.autotuning.lowering import call_op
-from tokamax_pass.core import registry, spec
+from tokamax_pass.core import spec
 from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.core.device import current_target
-from tokamax_pass.core.op import Op, family_class
-from tokamax_pass.core.vjp import RESERVED_NAMES, VjpOp
-
-# Allowed max error relative to the reference output's largest magnitude.
-NUMERICS_RTOL = {jnp.dtype(jnp.float32): 1e-2, jnp.dtype(jnp.float64): 1e-6}
-DEFAULT_NUMERICS_RTOL = 6e-2
-# Compiler options of the programs that run once and are never timed (a VJP call's
-# residuals, the reference outputs): XLA's GEMM autotuning, which runs on the device
-# and serializes with the candidates' compiles, would only make them compile slower.
-UNTIMED_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
+from tokamax_pass.core.op import family_class
+from tokamax_pass.core.vjp import VjpOp
 
 
 def _distance(config: Any, anchor: Any) -> float:
@@ -84,194 +63,6 @@ def candidate_configs(ba: BoundArguments, max_configs: int | None = None) -> lis
         rest = sorted(rest, key=lambda c: _distance(c, configs[0]))[: max_configs - 1]
     return configs + rest
 
-
-def _operand_shapes(ba: BoundArguments) -> dict[str, Any]:
-    """Abstract arguments with the vmapped axes of `ba.vmap` put back in front."""
-    arguments = dict(ba.arguments)
-    if not ba.vmap:
-        return arguments
-    leaves, treedef = jax.tree.flatten(arguments, is_leaf=lambda v: v is None)
-    operand = [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
-    for level in reversed(ba.vmap):
-        for axis, i in zip(level.axes, operand, strict=True):
-            if axis is not None:
-                leaf = leaves[i]
-                leaves[i] = jax.ShapeDtypeStruct((level.size, *leaf.shape), leaf.dtype)
-    return jax.tree.unflatten(treedef, leaves)
-
-
-def _array_leaves(arguments: dict[str, Any]) -> tuple[list[Any], Any, list[int]]:
-    leaves, treedef = jax.tree.flatten(arguments, is_leaf=lambda v: v is None)
-    return leaves, treedef, [i for i, leaf in enumerate(leaves) if spec.is_array(leaf)]
-
-
-def _randomize(arguments: dict[str, Any], seed: int,
-               program: Callable[[int], list[Any]] | None = None) -> dict[str, Any]:
-    """`arguments` with their abstract arrays made random (by `program`, compiled ahead,
-    where given)."""
-    leaves, treedef, index = _array_leaves(arguments)
-    made = benchmarking.random_initialize([leaves[i] for i in index], seed, program)
-    for i, value in zip(index, made, strict=True):
-        leaves[i] = value
-    return jax.tree.unflatten(treedef, leaves)
-
-
-def forward_reference(op: Op) -> Op | None:
-    """The XLA reference of the forward op whose gradient the VJP op `op` computes."""
-    forward = getattr(op, "forward", None)
-    if isinstance(forward, Op):
-        return forward.reference_op()
-    vjp_family = family_class(type(op))
-    for family in registry.families().values():
-        for cls in family.implementations.values():
-            try:
-                if isinstance(cls().vjp_op(), vjp_family):
-                    return cls().reference_op()
-            except Exception:  # noqa: BLE001 - an op that cannot say is not the one
-                continue
-    return None
-
-
-def _forward_program(ba: BoundArguments, arguments: dict[str, Any]
-                     ) -> tuple[Callable[[Any], Any], list[Any]] | None:
-    """`(f_std, arrays)` of the forward reference that gives the VJP call `ba` its `out`
-    and `residuals` (arrays abstract where `arguments` are), or `None` (no such forward)."""
-    reference = forward_reference(ba.op)
-    if reference is None or ba.vmap:
-        return None
-    forward_args = {k: v for k, v in arguments.items() if k not in RESERVED_NAMES}
-    config = reference._get_heuristics_config(BoundArguments(reference, forward_args))
-
-    def forward(**kwargs: Any) -> Any:
-        return reference._fwd(**kwargs, config=config, return_residuals=True)
-
-    return benchmarking.standardize_function(forward, kwargs=forward_args, seed=None)
-
-
-def _with_real_residuals(ba: BoundArguments, arguments: dict[str, Any],
-                         compiled: Callable[[Any], Any] | None = None) -> dict[str, Any]:
-    """A VJP op's arguments with `out` and `residuals` from its forward reference (run by
-    `compiled`, the program compiled ahead from abstract shapes, where given)."""
-    program = _forward_program(ba, arguments)
-    if program is None:
-        return arguments
-    out, residuals = _run_untimed(*program, compiled)
-    return {**arguments, "out": out, "residuals": residuals}
-
-
-def _untimed_jit(f_std: Callable[[Any], Any]) -> Any:
-    return jax.jit(f_std, compiler_options=UNTIMED_COMPILER_OPTIONS)
-
-
-def _run_untimed(f_std: Callable[[Any], Any], arrays: Any,
-                 compiled: Callable[[Any], Any] | None = None) -> Any:
-    """`f_std(arrays)` run once, by the program compiled ahead where it takes these arrays
-    (a call whose concrete arguments differ from its abstract ones compiles here)."""
-    if compiled is not None:
-        try:
-            return compiled(arrays)
-        except (TypeError, ValueError):
-            pass
-    return _untimed_jit(f_std)(arrays)
-
-
-def _vjp_arguments(ba: BoundArguments, arguments: dict[str, Any]) -> dict[str, Any]:
-    """Names the forward call got one array under stay one array (`shared_inputs`)."""
-    for first, *rest in arguments.get("shared_inputs", ()):
-        arguments.update(dict.fromkeys(rest, arguments[first]))
-    return arguments
-
-
-def timing_arguments(ba: BoundArguments, seed: int,
-                     forward: Callable[[Any], Any] | None = None,
-                     random: Callable[[int], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The arguments every config of `ba` is timed and checked on (`random` and
-    `forward`: the call's random arguments and the VJP call's forward reference, compiled
-    ahead: `_Untimed`). An op's `random_arguments` hook gives a VJP call's residuals
-    itself."""
-    hook = getattr(ba.op, "random_arguments", None)
-    if random is not None:
-        arguments = dict(random(seed))
-    elif hook is not None:
-        arguments = dict(hook(ba, seed))
-    else:
-        arguments = _randomize(_operand_shapes(ba), seed)
-    if hook is None and isinstance(ba.op, VjpOp):
-        arguments = _with_real_residuals(ba, _vjp_arguments(ba, arguments), forward)
-    return arguments
-
-
-def _compiled_hook(ba: BoundArguments, seed: int) -> Callable[[int], dict[str, Any]] | None:
-    """The op's `random_arguments` hook compiled now as one program (`None` where it
-    cannot be traced: it then runs as written when the wave is prepared). Run op by op,
-    each of its random draws and casts compiled a program of its own when prepared."""
-    hook = getattr(ba.op, "random_arguments", None)
-    if hook is None:
-        return None
-    traced: dict[str, Any] = {}
-
-    def arrays(seed: jax.Array) -> list[jax.Array]:
-        leaves, treedef = jax.tree.flatten(dict(hook(ba, seed)), is_leaf=lambda v: v is None)
-        index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-        traced.update(leaves=leaves, treedef=treedef, index=index)
-        return [leaves[i] for i in index]
-
-    try:
-        compiled = _untimed_jit(arrays).lower(seed).compile()
-    except Exception:  # noqa: BLE001 - a hook that needs concrete values runs eagerly
-        return None
-
-    def make(seed: int) -> dict[str, Any]:
-        leaves = list(traced["leaves"])
-        for i, value in zip(traced["index"], compiled(seed), strict=True):
-            leaves[i] = value
-        return jax.tree.unflatten(traced["treedef"], leaves)
-
-    return make
-
-
-@dataclasses.dataclass(frozen=True)
-class _Untimed:
-    """A call's programs that run once and are never timed (the random inputs, the VJP
-    call's forward reference, the reference output), compiled ahead from abstract shapes
-    while earlier calls are timed, so preparing a wave runs them without compiling them."""
-
-    forward: Callable[[Any], Any] | None
-    reference: Callable[[Any], Any] | None
-    random: Callable[[int], dict[str, Any]] | None = None
-
-
-def _compile_untimed(ba: BoundArguments, check_numerics: bool, seed: int) -> _Untimed:
-    """`_Untimed` of `ba` (a part that cannot be compiled ahead is left to `_prepare`)."""
-    arguments = _operand_shapes(ba)
-    forward: Callable[[Any], Any] | None = None
-    random: Callable[[int], dict[str, Any]] | None
-    program: Any  # the random inputs' program, then the VJP call's forward
-    own_inputs = getattr(ba.op, "random_arguments", None) is None
-    if own_inputs:
-        leaves, _, index = _array_leaves(arguments)
-        program = benchmarking.compile_random_initialize([leaves[i] for i in index], seed)
-        random = functools.partial(_randomize, arguments, program=program)
-    else:
-        random = _compiled_hook(ba, seed)
-    if isinstance(ba.op, VjpOp) and own_inputs:
-        program = _forward_program(ba, _vjp_arguments(ba, arguments))
-        if program is not None:
-            f_std, specs = program
-            forward = _untimed_jit(f_std).lower(specs).compile()
-            out, residuals = jax.eval_shape(f_std, specs)
-            arguments = {**arguments, "out": out, "residuals": residuals}
-    reference = None
-    if check_numerics:
-        try:
-            f_std, specs = benchmarking.standardize_function(
-                call_op(ba.op.reference_op(), ba.vmap, arguments), arguments, seed=None)
-            reference = _untimed_jit(f_std).lower(specs).compile()
-        except Exception:  # noqa: BLE001 - compiled when prepared, or left unchecked there
-            reference = None
-    return _Untimed(forward, reference, random)
-
-
 def _inputs_key(ba: BoundArguments) -> tuple[type, str]:
     """Calls with one key are timed on the same inputs and checked against the same
     reference output: the implementations of one op call (one family, one argument spec,
@@ -285,38 +76,6 @@ def _describe(kind: str, error: BaseException) -> str:
     if "RESOURCE_EXHAUSTED" in message or "out of memory" in message.lower():
         kind = "out of memory"
     return f"{kind}: {message}"
-
-
-@jax.jit
-def _error_statistics(actual: jax.Array, expected: jax.Array) -> tuple[jax.Array, ...]:
-    """(finite pattern differs, any finite, reference scale, max error) over finite entries.
-
-    Reduced on the device, so checking a config moves four scalars to the host rather
-    than both outputs (a large op's output is hundreds of MB).
-    """
-    a32, e32 = actual.astype(jnp.float32), expected.astype(jnp.float32)
-    finite = jnp.isfinite(e32)
-    return (jnp.any(jnp.isfinite(a32) != finite), jnp.any(finite),
-            jnp.max(jnp.where(finite, jnp.abs(e32), 0.0), initial=0.0),
-            jnp.max(jnp.where(finite, jnp.abs(a32 - e32), 0.0), initial=0.0))
-
-
-def numerics_error(actual: Any, expected: Any) -> str | None:
-    """Why `actual` does not match the reference `expected`, or `None`."""
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        if jnp.shape(a) != jnp.shape(e):
-            return f"wrong numerics: shape {jnp.shape(a)} != reference {jnp.shape(e)}"
-        differs, any_finite, scale, err = jax.device_get(_error_statistics(a, e))
-        if differs:
-            return "wrong numerics: non-finite values where the reference is finite (or vice versa)"
-        if not any_finite:
-            continue
-        rtol = NUMERICS_RTOL.get(jnp.dtype(a.dtype), DEFAULT_NUMERICS_RTOL)
-        scale = max(float(scale), 1e-6)
-        if err > rtol * scale:
-            return f"wrong numerics: max error {err:.3g} > {rtol:g} x reference scale {scale:.3g}"
-    return None
-
 
 # Op calls whose inputs and reference outputs are on the device at once (bounds the
 # device memory they hold). Candidates of all calls compile together regardless.
@@ -347,7 +106,7 @@ class _Job:
     compiled: dict[Any, Any] = dataclasses.field(default_factory=dict)
     failed: dict[Any, Measurement] = dataclasses.field(default_factory=dict)
     prepared: concurrent.futures.Future | None = None
-    untimed: concurrent.futures.Future | None = None  # `_Untimed`, compiled ahead
+    untimed: concurrent.futures.Future | None = None  # `Untimed`, compiled ahead
 
     def prepared_inputs(self) -> Any:
         """The prepared `(arrays, expected output)`, waited for."""
@@ -410,7 +169,7 @@ class Autotuner:
     lowering_processes: int | None = None
     # Export workers started by the caller (and closed by it); None: per call, as above.
     exporters: lowering.ExportWorkers | None = None
-    # `_Untimed` futures by `_inputs_key`, kept across `tune_many` calls.
+    # `timing_inputs.Untimed` futures by `_inputs_key`, kept across `tune_many` calls.
     _untimed: dict[Any, concurrent.futures.Future] = dataclasses.field(
         default_factory=dict, init=False, repr=False)
 
@@ -490,11 +249,11 @@ class Autotuner:
 
     def _untimed_programs(self, ba: BoundArguments,
                           pool: concurrent.futures.Executor) -> concurrent.futures.Future:
-        """The future `_Untimed` of `ba`, compiled once per `_inputs_key` in `pool`."""
+        """The future `Untimed` of `ba`, compiled once per `_inputs_key` in `pool`."""
         key = _inputs_key(ba)
         future = self._untimed.get(key)
         if future is None or future.cancelled():
-            future = self._untimed[key] = pool.submit(_compile_untimed, ba,
+            future = self._untimed[key] = pool.submit(timing_inputs.compile_untimed, ba,
                                                       self.check_numerics, self.seed)
         return future
 
@@ -567,8 +326,8 @@ class Autotuner:
         """The flat input arrays every config of `ba` is timed on, and the reference output
         (None when numerics go unchecked), run by the programs compiled ahead (`untimed`)
         where they were."""
-        ahead = _result_or_none(untimed) or _Untimed(None, None)
-        arguments = timing_arguments(ba, self.seed, ahead.forward, ahead.random)
+        ahead = _result_or_none(untimed) or timing_inputs.Untimed(None, None)
+        arguments = timing_inputs.timing_arguments(ba, self.seed, ahead.forward, ahead.random)
         _, arrays = benchmarking.standardize_function(
             call_op(ba.op, ba.vmap, arguments), arguments, seed=None)
         expected = (self._reference_output(ba, arguments, ahead.reference)
@@ -580,7 +339,7 @@ class Autotuner:
                      workers: lowering.ExportWorkers | None) -> Any:
         """`compile_benchmark`'s runner of one candidate, compiled for `ba`'s shapes."""
         op = ba.op.replace(config=config)
-        arguments = _operand_shapes(ba)
+        arguments = timing_inputs.operand_shapes(ba)
         f_std, specs = benchmarking.standardize_function(
             call_op(op, ba.vmap, arguments), arguments, seed=None)
         if workers is not None and op.slow_lowering:
@@ -619,7 +378,7 @@ class Autotuner:
         try:
             f_std, arrays = benchmarking.standardize_function(
                 call_op(reference, ba.vmap, arguments), arguments, seed=None)
-            return jax.block_until_ready(_run_untimed(f_std, arrays, compiled))
+            return jax.block_until_ready(timing_inputs.run_untimed(f_std, arrays, compiled))
         except Exception:  # noqa: BLE001 - without a reference, numerics go unchecked
             return None
 
@@ -630,7 +389,7 @@ class Autotuner:
         try:
             out = jax.block_until_ready(run.compiled(f_args))
             if expected is not None:
-                error = numerics_error(out, expected)
+                error = numerics.numerics_error(out, expected)
                 if error is not None:
                     return Measurement(error=error)
             start = time.perf_counter()

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 import tokamax_pass as tokamax
 from tokamax_pass import benchmarking
-from tokamax_pass.autotuning import autotuner, discovery
+from tokamax_pass.autotuning import discovery, timing_inputs
 from tokamax_pass.commands import _argtypes
 from tokamax_pass.core import BoundArguments, current_target, registry, spec
 from tokamax_pass.tables import render_table
@@ -93,7 +93,7 @@ def op_calls(f: Any, *args: Any) -> list[BoundArguments]:
 
 
 def op_time_ms(ba: BoundArguments, iterations: int) -> float:
-    arguments = autotuner.timing_arguments(ba, seed=0)
+    arguments = timing_inputs.timing_arguments(ba, seed=0)
     data = benchmarking.benchmark(lambda a: ba.op(**a), arguments, iterations=iterations)
     return data.median_evaluation_time_ms
 

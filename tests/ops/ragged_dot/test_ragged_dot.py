@@ -278,13 +278,13 @@ def test_export_for_cuda_lowers_each_gradient_with_a_kernel_that_runs_there(batc
 
 
 def test_autotuning_inputs_fill_every_row_unevenly():
-    from tokamax_pass.autotuning import autotuner
+    from tokamax_pass.autotuning import timing_inputs
 
     ba = tokamax.RaggedDot().bind(
         jax.ShapeDtypeStruct((1000, 8), jnp.bfloat16),
         jax.ShapeDtypeStruct((6, 8, 16), jnp.bfloat16),
         jax.ShapeDtypeStruct((6,), jnp.int32))
-    arguments = autotuner.timing_arguments(ba, seed=3)
+    arguments = timing_inputs.timing_arguments(ba, seed=3)
     sizes = np.asarray(arguments["group_sizes"])
     assert sizes.sum() == 1000 and (sizes > 0).all() and len(set(sizes.tolist())) > 1
     assert arguments["lhs"].dtype == jnp.bfloat16 and float(jnp.abs(arguments["lhs"]).sum()) > 0
