@@ -89,7 +89,7 @@ def test_a_user_cache_entry_with_a_bad_provenance_is_reported_and_skipped():
     path = cache_lib.cache_file("cpu")
     path.parent.mkdir(parents=True)
     path.write_text(_document(lambda e: e.update(provenance="abc")))
-    with pytest.warns(UserWarning, match="skipping cache file .*entry 0: .*provenance"):
+    with pytest.warns(UserWarning, match="skipping an entry .*cache file .*entry 0: .*provenance"):
         out = tokamax.dot_product_attention(Q, Q, Q)
     assert out.shape == Q.shape
 

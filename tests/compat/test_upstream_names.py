@@ -13,6 +13,7 @@ import pytest
 
 import tokamax_pass as tokamax
 from conftest import assert_close, random_normal
+from tokamax_pass.core import spec
 
 
 def _lce_reference(x, labels, weights):
@@ -176,3 +177,44 @@ def test_an_op_naming_its_config_only_in_upstreams_generic_base_is_tuned():
     assert set(data) == {_TileConfig(1), _TileConfig(2), _TileConfig(4)}
     with result:
         assert ba.default_config == data.fastest_config
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShiftConfig:
+    shift: int
+
+
+class _UnregisteredOp(tokamax.Op[Any, jax.Array, None, _ShiftConfig, Any]):
+    """A user's op, never passed to `register_serializable`."""
+
+    def _fwd(self, x, *, config, return_residuals):
+        return x + config.shift, None
+
+    def _get_heuristics_config(self, ba):
+        return _ShiftConfig(1)
+
+    def _get_autotuning_configs(self, ba):
+        return {_ShiftConfig(2)}
+
+
+class _NeverLoweredOp(_UnregisteredOp):
+    """Defined, never called."""
+
+
+def test_an_unregistered_op_is_tuned_from_the_programs_it_lowers_in_this_process():
+    """`autotune(f)` reads the op calls back from the program `f` lowers: a user's op
+    reads back without registration once this process has lowered it (upstream tunes
+    such ops), while a spec naming an op class this process never ran stays an error."""
+    path = f"{__name__}._UnregisteredOp"
+    with pytest.raises(tokamax.SpecError, match="not a registered serializable"):
+        spec.resolve(path, kind="dataclass")
+    x = random_normal(0, (2, 3))
+    f = jax.jit(lambda x: _UnregisteredOp()(x) * 2.0)
+    result = tokamax.autotune(f, x, ignore_cache=True, progress=False, iterations=1)
+    ((ba, data),) = result.data
+    assert type(ba.op) is _UnregisteredOp
+    assert set(data) == {_ShiftConfig(1), _ShiftConfig(2)}
+    assert spec.resolve(path, kind="dataclass") is _UnregisteredOp
+    assert not spec.is_registered(_UnregisteredOp)
+    with pytest.raises(tokamax.SpecError, match="not a registered serializable"):
+        spec.resolve(f"{__name__}._NeverLoweredOp", kind="dataclass")

@@ -313,7 +313,7 @@ def test_a_user_cache_with_a_bad_config_is_reported_and_skipped(tmp_path, monkey
     cache_lib._USER.invalidate()
     path = cache_lib.cache_file(tokamax.core.current_target().device_kind)
     path.write_text(_result_json(BAD_RESULT_CONFIGS[0][0]))
-    with pytest.warns(UserWarning, match="skipping cache file .*entry 0: .*was rejected"):
+    with pytest.warns(UserWarning, match="skipping an entry .*file .*entry 0: .*was rejected"):
         tokamax.layer_norm(X, None, None)
     cache_lib._USER.invalidate()
 

@@ -311,5 +311,6 @@ def bound_args_from_json(source: str | os.PathLike | IO[str] = checks.NOT_GIVEN,
             error = spec.SpecError(f"{what}: entry {i}: {e}")
             if strict:
                 raise error from None
-            warnings.warn(f"skipping {error}", result.BadEntryWarning, stacklevel=2)
+            warnings.warn(f"skipping an entry that cannot be read (the others load): {error}",
+                          result.BadEntryWarning, stacklevel=2)
     return found

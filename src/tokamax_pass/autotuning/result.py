@@ -244,7 +244,8 @@ class AutotuningResult:
             except spec.SpecError as e:
                 if strict:
                     raise
-                warnings.warn(f"skipping {e}", BadEntryWarning, stacklevel=2)
+                warnings.warn(f"skipping an entry that cannot be read (the others load): {e}",
+                              BadEntryWarning, stacklevel=2)
         return cls(
             device_kind, entries,
             tokamax_version=data.get("tokamax_pass_version"),

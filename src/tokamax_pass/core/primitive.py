@@ -244,6 +244,7 @@ def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence
     # A spec records concrete shapes; a symbolic call is stamped with none, so inspection
     # and autotuning, which key everything by shape, do not see it.
     encoded = None if symbolic else choice.bound.to_json()
+    spec.remember_lowered(type(choice.op))
     for recorder in _RECORDERS:
         if encoded is not None:
             recorder.append(encoded)

@@ -138,6 +138,10 @@ def import_path(obj: Any) -> str:
 _REGISTER_FIX = ("register it with `tokamax_pass.register_serializable(obj)` in the code "
                  "that loads the file (before loading)")
 _ALLOWED: dict[str, Any] = {}
+# Op classes (and their config classes) this process has lowered calls of, by import
+# path: a spec may name them unregistered, as they are code the program already ran
+# (`remember_lowered`). The latest class of a path wins (a redefined class).
+_LOWERED_HERE: dict[str, Any] = {}
 # Library modules whose import registers the built-in op families (fixed here; never
 # taken from a file).
 _BUILTIN_MODULES = (
@@ -207,6 +211,23 @@ def register_serializable[T](obj: T, *, name: str | None = None) -> T:
     return obj
 
 
+def remember_lowered(op_cls: type) -> None:
+    """Lets specs name `op_cls` and its `config_cls` without registration: this process
+    lowered a call of it, so a spec naming it names code the program already ran (an op
+    a user wrote reads back from the programs `autotune(f)` lowers, as upstream
+    Tokamax's do). Registered objects keep their entries; classes without an import
+    path (local classes) are left out."""
+    for cls in (op_cls, getattr(op_cls, "config_cls", None)):
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            continue
+        try:
+            path = import_path(cls)
+        except SpecError:
+            continue
+        if path not in _ALLOWED:
+            _LOWERED_HERE[path] = cls
+
+
 def is_registered(obj: Any) -> bool:
     try:
         return _ALLOWED.get(import_path(obj)) is obj
@@ -235,7 +256,7 @@ def resolve(path: Any, *, kind: str) -> Any:
         raise SpecError(f"a {kind!r} entry must name a registered object, got {path!r}")
     if path not in _ALLOWED:
         _load_builtins()
-    obj = _ALLOWED.get(path)
+    obj = _ALLOWED.get(path, _LOWERED_HERE.get(path))
     if obj is None:
         raise SpecError(f"{kind} {path!r} is not a registered serializable object, so it is "
                         f"not loaded (files never name code to import); if it is yours, "
