@@ -75,6 +75,12 @@ def test_bound_arguments_autotune_measures_and_caches():
     assert XlaChunkedLinearSoftmaxCrossEntropyLoss(
         config=configs[0]).get_autotuning_cache() == cached  # pinned configs aside
     assert LayerNorm().get_autotuning_cache() == {}
+    # Upstream hands out its in-memory cache; ours is a snapshot, so a write that would
+    # change nothing raises rather than being dropped.
+    with pytest.raises(TypeError, match="read-only snapshot.*cache_results=True"):
+        cached[ba.autotuning_cache_key] = {}
+    with pytest.raises(TypeError, match="read-only snapshot"):
+        del cached[ba.autotuning_cache_key]
 
 
 def test_bound_arguments_autotune_without_caching_leaves_the_cache():

@@ -9,7 +9,7 @@ arguments; `Op.get_autotuning_cache` reads an op's measurements from the caches.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -70,7 +70,40 @@ def _same_op(a: Op, b: Op) -> bool:
         config=None, vjp=None)
 
 
-def cached_measurements(op: Op, device_kind: str | None) -> dict[str, Mapping[Any, Any]]:
+class CacheSnapshot(Mapping[str, Mapping[Any, Any]]):
+    """What `Op.get_autotuning_cache` returns: the caches' measurements when it was called,
+    read-only. Upstream Tokamax hands out its in-memory cache, which a write changes; a
+    write here would change nothing the op reads, so it raises and names what does."""
+
+    def __init__(self, found: dict[str, Mapping[Any, Any]]) -> None:
+        self._found = found
+
+    def __getitem__(self, key: str) -> Mapping[Any, Any]:
+        return self._found[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._found)
+
+    def __len__(self) -> int:
+        return len(self._found)
+
+    def __repr__(self) -> str:
+        return f"CacheSnapshot({self._found!r})"
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise TypeError(_READ_ONLY)
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError(_READ_ONLY)
+
+
+_READ_ONLY = ("get_autotuning_cache() returns a read-only snapshot of the caches: a write "
+              "would not change the configs ops run; tune with "
+              "BoundArguments.autotune(cache_results=True), or run under an "
+              "AutotuningResult (`with result:`)")
+
+
+def cached_measurements(op: Op, device_kind: str | None) -> CacheSnapshot:
     """`op`'s measurements in the caches (see `Op.get_autotuning_cache`)."""
     if device_kind is None:
         device_kind = device.current_target().device_kind
@@ -81,7 +114,7 @@ def cached_measurements(op: Op, device_kind: str | None) -> dict[str, Mapping[An
         for entry in layer.result.entries:
             if _same_op(entry.bound.op, op):
                 found[entry.bound.cache_key] = entry.data
-    return found
+    return CacheSnapshot(found)
 
 
 HOOKS.tune_bound = tune_bound

@@ -316,11 +316,12 @@ class Op[C]:
     def replace(self, **changes: Any) -> Op:
         return dataclasses.replace(self, **changes)
 
-    def get_autotuning_cache(self, device_kind: str | None = None) -> dict[str, Mapping]:
+    def get_autotuning_cache(self, device_kind: str | None = None) -> Mapping[str, Mapping]:
         """This op's measurements in the user and library caches for `device_kind` (default:
         the default device's), as upstream Tokamax's `Op.get_autotuning_cache`: `{cache key
         (the call's canonical JSON, `BoundArguments.cache_key`): {config: Measurement}}`,
-        the user cache's entry winning over the library's."""
+        the user cache's entry winning over the library's. A read-only snapshot: a write
+        raises `TypeError` (it would change no config an op runs)."""
         return HOOKS.cached_measurements(self, device_kind)
 
     def vjp_op(self) -> Op:
