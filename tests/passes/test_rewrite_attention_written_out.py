@@ -225,6 +225,30 @@ def test_near_misses_are_left_as_written(rewritten, f):
     assert_close(optimized(*args), jax.jit(f)(*args))
 
 
+def float32_softmax_against_bfloat16_values(q, k, v):
+    logits = einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.25
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def numpy_float64_scale_on_bfloat16_logits(q, k, v):
+    """The NumPy scale promotes the logits, and so the probabilities, to float32."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k) * np.float64(0.25)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+@pytest.mark.parametrize("f", [float32_softmax_against_bfloat16_values,
+                               numpy_float64_scale_on_bfloat16_logits],
+                         ids=lambda f: f.__name__)
+def test_probabilities_wider_than_the_values_are_left_as_written(rewritten, f):
+    """float32 probabilities against bfloat16 values: plain JAX multiplies them in float32
+    (a float32 result); the op would round the probabilities to bfloat16."""
+    q, k, v = (random_normal(i, (B, T, N, H)).astype(jnp.bfloat16) for i in range(3))
+    optimized = tokamax.optimize(f)
+    (match,) = optimized.plan(q, k, v).matches
+    assert not match.rewritten and "wider than the values' bfloat16" in match.reason
+    assert op_names(optimized, q, k, v) == []
+
+
 def test_probabilities_used_elsewhere_are_named(rewritten):
     def also_returns_probabilities(q, k, v, mask):
         probabilities = jax.nn.softmax(einsum("bqhd,bkhd->bhqk", q, k) * 0.25, axis=-1)

@@ -2,7 +2,8 @@
 followed by softmax cross-entropy with integer labels, written in plain JAX
 (`log_softmax` + `take_along_axis`, as optax spells it, also under the user's `jax.vmap`
 or in a `jax.shard_map` body, the label's log-probability negated after its mean, the
-label picked by fancy indexing, or against one-hot labels), into the
+label picked by fancy indexing, or against one-hot labels, negated there or after the
+mean), into the
 `linear_softmax_cross_entropy_loss` op where `implementation=None` picks a kernel for
 it, and leaves near-misses as written.
 
@@ -66,6 +67,13 @@ def one_hot_loss_summed_by_jnp(x, w, labels):
     return -jnp.sum(jax.nn.log_softmax(logits_of(x, w)) * jax.nn.one_hot(labels, V), axis=-1)
 
 
+def negated_mean_of_one_hot_log_probabilities(x, w, labels):
+    """The minus applied after the mean, as `-(one_hot * log_probs).sum(-1).mean()`
+    parses."""
+    one_hot = jax.nn.one_hot(labels, V)
+    return -(one_hot * jax.nn.log_softmax(logits_of(x, w))).sum(-1).mean()
+
+
 def soft_capped_loss(x, w, labels):
     """Gemma 2's final-logit soft cap before the loss."""
     logits = 3.0 * jnp.tanh(logits_of(x, w) / 3.0)
@@ -124,7 +132,8 @@ def operands(seed=0, dtype=jnp.float32):
 @pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, mean_loss,
                                negated_mean_log_probability,
                                negated_mean_of_unsqueezed_log_probabilities, one_hot_loss,
-                               one_hot_loss_summed_by_jnp, soft_capped_loss,
+                               one_hot_loss_summed_by_jnp,
+                               negated_mean_of_one_hot_log_probabilities, soft_capped_loss,
                                indexed_log_softmax_loss, indexed_negated_mean,
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
                                optax_per_example_under_vmap, optax_per_token_under_vmap],
@@ -151,6 +160,7 @@ def test_values_and_gradients_match_jit(rewritten, f):
 
 @pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, negated_mean_log_probability,
                                negated_mean_of_unsqueezed_log_probabilities, one_hot_loss,
+                               negated_mean_of_one_hot_log_probabilities,
                                indexed_log_softmax_loss, indexed_negated_mean,
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
                                optax_per_token_under_vmap],

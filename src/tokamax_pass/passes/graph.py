@@ -287,11 +287,19 @@ def _bodies(params: dict[str, Any]) -> list[str]:
     return [name for name, value in params.items() if isinstance(value, (Jaxpr, ClosedJaxpr))]
 
 
+# Parameters placing a result on devices (`jnp.zeros_like` of a sharded value, `iota`
+# under a mesh), which keep its values: a reference traced from unsharded shapes has none.
+_PLACEMENT = frozenset({"sharding", "out_sharding"})
+
+
 def _params_key(params: dict[str, Any]) -> dict[str, str]:
     """Parameters comparable across traces, but for the jaxprs (compared by
-    `same_function`): functions by kind, NumPy integers as numbers."""
+    `same_function`) and placements (`_PLACEMENT`): functions by kind, NumPy integers as
+    numbers."""
     key = {}
     for name, value in params.items():
+        if name in _PLACEMENT:
+            continue
         if isinstance(value, (Jaxpr, ClosedJaxpr)):
             key[name] = "jaxpr"
         elif isinstance(value, lu.WrappedFun) or callable(value):

@@ -10,9 +10,11 @@ a Gemma-2 soft cap `cap * tanh(logits / cap)`, a mask applied last by
 `jnp.where(mask, logits, fill)` with `fill` `-inf` or at most `-1e9` (or several in turn,
 one fill for all: the keys every one keeps), then
 `jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
-second product. The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`),
-and the logits cast to another float type for the softmax (`.astype(jnp.float32)`). The
-logits may come out of the product transposed (as `jnp.einsum` writes them).
+second product (probabilities wider than the values there, as a float32 softmax against
+bfloat16 values gives, are a near-miss: the product is then float32, the op's bfloat16).
+The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), and the
+logits cast to another float type for the softmax (`.astype(jnp.float32)`). The logits
+may come out of the product transposed (as `jnp.einsum` writes them).
 Grouped-query attention: q may have more free axes than the query rows
 (`(..., kv_heads, group, head_dim)` against un-repeated k and v), which become the op's
 query heads; keys and values repeated (`jnp.repeat`) are taken as repeated.
@@ -117,6 +119,12 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         return Candidate(NAME, None, "values inside the attention are used elsewhere (a "
                                      "gradient traced inside optimize keeps them for its "
                                      "backward)")
+    probabilities = eqn.invars[1] if eqn.invars[0] is attention.value else eqn.invars[0]
+    wide, narrow = (jnp.dtype(v.aval.dtype) for v in (probabilities, attention.value))
+    if jnp.issubdtype(narrow, jnp.floating) and jnp.finfo(wide).bits > jnp.finfo(narrow).bits:
+        return Candidate(NAME, None, f"the probabilities meet the values in {wide}, wider "
+                                     f"than the values' {narrow}, which the op would round "
+                                     "them to")
     arrays = [attention.query, attention.key, attention.value]
     arrays += [a for a in (attention.bias,) if a is not None]
     arrays += [condition for condition, _ in attention.masks]

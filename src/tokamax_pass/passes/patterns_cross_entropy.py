@@ -18,8 +18,9 @@ Two more spellings: the label's log-probability `take_along_axis(log_softmax(log
 ...)[..., 0]` (or left `(..., 1)`, without the `[..., 0]`) negated later
 (`-log_probs.mean()`, `-jnp.sum(...)`), replaced by the op's loss negated; and the
 one-hot form `-(jax.nn.one_hot(labels, V) * log_softmax(logits)).sum(-1)` (optax's
-`softmax_cross_entropy` of one-hot labels), where a label outside `[0, V)` has an
-all-zero one-hot row, so no loss and no gradient (the op ignores it).
+`softmax_cross_entropy` of one-hot labels, also negated later:
+`-(one_hot * log_softmax(logits)).sum(-1).mean()`), where a label outside `[0, V)` has
+an all-zero one-hot row, so no loss and no gradient (the op ignores it).
 
 The label picked by fancy indexing from `(n, V)` logits, `log_softmax(logits)[
 jnp.arange(n), labels]` (negated there or later) and `logsumexp(logits, -1) -
@@ -53,7 +54,7 @@ from tokamax_pass.passes.graph import (
 )
 
 NAME = "linear_softmax_cross_entropy_loss"
-PRIMITIVES = frozenset({"neg", "sub", "squeeze", "jit", "gather"})
+PRIMITIVES = frozenset({"neg", "sub", "squeeze", "jit", "gather", "reduce_sum"})
 
 
 def _expanded(labels: Any, expand: str) -> Any:
@@ -117,11 +118,20 @@ def _indexed_logit_spelling(logits: Any, labels: Any) -> Any:
     return jax.nn.logsumexp(logits, axis=-1) - _indexed(logits, labels)
 
 
-def _one_hot_spelling(one_hot_first: bool) -> Callable[[Any, Any], Any]:
-    def loss(logits: Any, labels: Any) -> Any:
+def _one_hot_log_probability_spelling(one_hot_first: bool) -> Callable[[Any, Any], Any]:
+    def log_probability(logits: Any, labels: Any) -> Any:
         one_hot = jax.nn.one_hot(labels, logits.shape[-1])
         log_probs = jax.nn.log_softmax(logits, axis=-1)
-        return -(one_hot * log_probs if one_hot_first else log_probs * one_hot).sum(-1)
+        return (one_hot * log_probs if one_hot_first else log_probs * one_hot).sum(-1)
+
+    return log_probability
+
+
+def _one_hot_spelling(one_hot_first: bool) -> Callable[[Any, Any], Any]:
+    log_probability = _one_hot_log_probability_spelling(one_hot_first)
+
+    def loss(logits: Any, labels: Any) -> Any:
+        return -log_probability(logits, labels)
 
     return loss
 
@@ -192,6 +202,8 @@ _SPELLINGS = {
                          negated=True),),
     "squeeze": tuple(_Spelling(_log_probability_spelling(e, s), _LOG_PROBABILITY, negated=True)
                      for e, s in _FORMS),
+    "reduce_sum": tuple(_Spelling(_one_hot_log_probability_spelling(first), _Labels.ONE_HOT,
+                                  negated=True) for first in (True, False)),
     "jit": tuple(_Spelling(_picked_log_probability_spelling(e), _LOG_PROBABILITY, negated=True,
                            keeps_axis=True) for e in ("index", "expand_dims")),
 }
@@ -204,7 +216,7 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     (out,) = eqn.outvars
     if out.aval.dtype != jnp.float32:
         return None
-    if eqn.primitive.name in ("squeeze", "gather") and any(
+    if eqn.primitive.name in ("squeeze", "gather", "reduce_sum") and any(
             user.primitive.name == "neg" for user in graph.users(out)):
         return None  # the loss itself, matched at that negation
     if eqn.primitive.name == "jit" and (

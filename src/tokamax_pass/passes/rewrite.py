@@ -170,13 +170,16 @@ class Rewriter:
             return None
         candidate, inputs, traced = kept
         values = [read(v) for v in inputs]
-        if any(jax.typeof(value).mat.varying for value in values):
+        if any(_placed(jax.typeof(value)) for value in values):
             assert candidate.function is not None  # kept: it has one
-            # Inside a `shard_map` under `check_vma`: traced again at the values' types,
-            # so that jnp marks its constants varying where they meet varying values.
+            # Traced again at the values' types: inside a `shard_map` under `check_vma`,
+            # so that jnp marks its constants varying where they meet varying values;
+            # with sharded values (Explicit mesh axes), so that its equations place their
+            # results as the values are placed.
             traced = walk.trace_plain(jax.make_jaxpr(candidate.function),
                                       *map(jax.typeof, values))
-        return emit.emit(self, traced, values, path)
+        outs = emit.emit(self, traced, values, path)
+        return [_placed_as(out, var.aval) for out, var in zip(outs, eqn.outvars, strict=True)]
 
     def kept_pattern(self, eqn: Any, path: str, graph: Graph | None,
                      names: frozenset[str] | None = None, *, differentiated: bool = False
@@ -320,6 +323,34 @@ class Rewriter:
             if name == "bwd":
                 return emit.wrap_bwd(self, value, path)
         return value
+
+
+def _placed(aval: Any) -> bool:
+    """Whether a value's type says where it lives: varying over `shard_map` axes, or split
+    over Explicit mesh axes."""
+    spec = _explicit_spec(aval)
+    return bool(aval.mat.varying) or (spec is not None
+                                      and any(axis is not None for axis in spec))
+
+
+def _explicit_spec(aval: Any) -> Any:
+    """The `PartitionSpec` of a value typed over a mesh of Explicit axes, else `None`."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not mesh.axis_types or any(
+            kind != jax.sharding.AxisType.Explicit for kind in mesh.axis_types):
+        return None
+    return getattr(sharding, "spec", None)
+
+
+def _placed_as(out: Any, aval: Any) -> Any:
+    """`out` (computed by an op) resharded as the user's equation placed its result
+    (`aval`), where the op placed it otherwise (an `out_sharding` written inside the
+    matched region): the values downstream meet keep their types."""
+    spec = _explicit_spec(aval)
+    if spec is None or _explicit_spec(jax.typeof(out)) == spec:
+        return out
+    return jax.sharding.reshard(out, spec)
 
 
 def rewrite_wins(chosen: Iterable[BoundArguments]) -> bool:
