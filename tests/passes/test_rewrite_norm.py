@@ -137,6 +137,31 @@ def test_bfloat16_input_with_float32_statistics(rewritten):
                                jnp.bfloat16)
 
 
+def rms_flax_float32_output(x, scale):
+    """`flax.linen.RMSNorm` with float32 parameters: the input upcast, the result left in
+    float32 (the promotion of the input's and the parameters' dtypes)."""
+    x32 = jnp.asarray(x, jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(jax.lax.square(x32), axis=-1, keepdims=True) + 1e-6)
+    return normed * scale
+
+
+def layer_norm_float32_output(x, scale, offset):
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    factor = jax.lax.rsqrt(jnp.var(x32, axis=-1, keepdims=True) + 1e-5)
+    return (x32 - mean) * factor * scale + offset
+
+
+@pytest.mark.parametrize("f", [rms_flax_float32_output, layer_norm_float32_output],
+                         ids=lambda f: f.__name__)
+def test_bfloat16_input_left_in_float32(rewritten, f):
+    """The norm of the upcast input, kept in float32: the op normalizes the upcast, so
+    its float32 result is the expression's, not a bfloat16 rounding of it."""
+    args = operands(f, jnp.bfloat16)
+    assert jax.jit(f)(*args).dtype == jnp.float32
+    check_values_and_gradients(f, args, random_normal(9, (B, T, D)))
+
+
 def test_vmap_scan_and_remat_bodies(rewritten):
     x = random_normal(0, (B, T, D))
     scales = random_normal(1, (3, D))

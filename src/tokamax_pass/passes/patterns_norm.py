@@ -2,7 +2,9 @@
 float32 statistics, replaced by the `layer_norm` op.
 
 Matched (from the equation that ends it), `x` possibly upcast to float32 first and the
-result rounded back to `x`'s dtype at the end:
+result rounded back to `x`'s dtype at the end, or left in float32 (as Flax's `RMSNorm`
+and `LayerNorm` with float32 parameters leave a bfloat16 input's norm: the op then
+normalizes the upcast input):
 
 - statistics: `mean(x)` as `jnp.mean` (`sum / n`, with or without `keepdims`), the
   variance as `mean(square(x - mean))` (`square`, `** 2` or a product) or `jnp.var`
@@ -57,6 +59,8 @@ class _Norm:
     scale_offset: float = 0.0
     epsilon: float = 0.0
     subtract_mean: bool = False
+    # `x` is upcast to float32 and the result left there: the op takes the upcast.
+    upcast: bool = False
     core: list[Any] = dataclasses.field(default_factory=list)
 
 
@@ -105,6 +109,8 @@ def _function(norm: _Norm) -> Any:
         vectors_left = list(vectors)
         scale = vectors_left.pop(0) if has_scale else None
         offset = vectors_left.pop(0) if has_offset else None
+        if norm.upcast:
+            x = x.astype(jnp.float32)
         return layer_norm(x, scale, offset, epsilon=norm.epsilon,
                           scale_offset=norm.scale_offset, subtract_mean=norm.subtract_mean)
 
@@ -130,8 +136,10 @@ def _parse(root: Any, graph: Graph) -> _Norm:
     if root.primitive.name == "convert_element_type":
         if norm.x.aval.dtype != out.aval.dtype:
             raise _NoMatch
-    elif norm.x.aval.dtype != jnp.float32:
+    elif out.aval.dtype != jnp.float32:
         raise _NoMatch
+    else:
+        norm.upcast = norm.x.aval.dtype != jnp.float32
     return norm
 
 
