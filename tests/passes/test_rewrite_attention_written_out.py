@@ -69,8 +69,14 @@ def softmax_written_out_max_stopped(q, k, v, mask):
     return einsum("bhqk,bkhd->bqhd", weights, v)
 
 
+def scaled_after_the_mask(q, k, v, mask):
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k), -jnp.inf) / np.sqrt(H)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
 SPELLINGS = [einsum_scaled_after, einsum_ellipsis_flax_style, matmul_heads_first_soft_cap,
-             grouped_query_by_repeat, with_bias, softmax_written_out_max_stopped]
+             grouped_query_by_repeat, with_bias, softmax_written_out_max_stopped,
+             scaled_after_the_mask]
 
 
 def operands(f, seed=0, hide_a_row=False):
@@ -208,6 +214,25 @@ def mask_before_the_soft_cap(q, k, v, mask):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
 
+def fill_scaled_out_of_reach(q, k, v, mask):
+    """-1e9 hides a key; scaled by 1/4 after the mask it is a fill the op does not take."""
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k), -1e9) / np.sqrt(H)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def soft_cap_under_a_scale_after_the_mask(q, k, v, mask):
+    """The scale multiplies the capped logits: the op scales before it caps."""
+    logits = 20.0 * jnp.tanh(einsum("bqhd,bkhd->bhqk", q, k) / 20.0)
+    logits = jnp.where(mask, logits, -jnp.inf) * 0.3
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def negative_scale_after_the_mask(q, k, v, mask):
+    """-inf times a negative number is +inf: the masked keys would win."""
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k), -1e30) * -0.25
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
 def logits_rounded_to_bfloat16(q, k, v, mask):
     """float32 logits rounded to bfloat16 and back: the op's float32 logits would not."""
     logits = einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.bfloat16) * 0.3
@@ -215,7 +240,9 @@ def logits_rounded_to_bfloat16(q, k, v, mask):
 
 
 @pytest.mark.parametrize("f", [fill_not_large_enough, softmax_over_queries, scale_from_the_data,
-                               dropout, mask_before_the_soft_cap, logits_rounded_to_bfloat16],
+                               dropout, mask_before_the_soft_cap, logits_rounded_to_bfloat16,
+                               fill_scaled_out_of_reach, soft_cap_under_a_scale_after_the_mask,
+                               negative_scale_after_the_mask],
                          ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     args = operands(f)

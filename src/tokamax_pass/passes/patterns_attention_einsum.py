@@ -8,7 +8,8 @@ heads included, shared by q, k and v; one query, one key and one feature axis), 
 scale a number multiplying (or dividing) the logits or q, a `bias` added to the logits,
 a Gemma-2 soft cap `cap * tanh(logits / cap)`, a mask applied last by
 `jnp.where(mask, logits, fill)` with `fill` `-inf` or at most `-1e9` (or several in turn,
-one fill for all: the keys every one keeps), then
+one fill for all: the keys every one keeps), the scale also after the mask where no bias
+or soft cap is under it and the scaled fill is still at most `-1e9`, then
 `jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
 second product (probabilities wider than the values there, as a float32 softmax against
 bfloat16 values gives, are a near-miss: the product is then float32, the op's bfloat16).
@@ -228,6 +229,11 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     anyway."""
     shape = tuple(logits.aval.shape)
     logits = _unwidened(graph, logits, attention.region)
+    after_mask = 1.0
+    scaled = _scaled_after_mask(graph, attention, logits)
+    if scaled is not None:
+        after_mask, logits = scaled
+        logits = _unwidened(graph, logits, attention.region)
     bands: list[band_mask.Band | None] = []
     while (where := graph.producer(logits, "jit")) is not None and where.params.get(
             "name") == "_where":
@@ -264,6 +270,12 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
                 break
         else:
             raise _NoMatch
+    if after_mask != 1.0:
+        if attention.bias is not None or attention.soft_cap is not None:
+            raise _NoMatch  # the scale would apply to the bias or cap too: not the op's
+        if not attention.fill * after_mask <= _LARGEST_FILL:
+            raise _NoMatch  # the scaled fill no longer hides its keys
+        attention.scale *= after_mask
     logits = _unwidened(graph, _scaled(graph, attention, logits), attention.region)
     product, transpose = _product(graph, logits)
     if product is None:
@@ -366,6 +378,25 @@ def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
             attention.region.append(eqn)
             return body
     return logits
+
+
+def _scaled_after_mask(graph: Graph, attention: _Attention, logits: Any
+                       ) -> tuple[float, Any] | None:
+    """`(scale, masked logits)` where `logits` are masked logits times a constant
+    (`jnp.where(mask, l, -inf) / jnp.sqrt(d)`), else `None`. The caller checks the scaled
+    fill still hides its keys (a negative scale makes it the largest logit) and that no
+    bias or soft cap sits under the scale."""
+    eqn = graph.producer(logits, "mul", "div")
+    if eqn is None:
+        return None
+    for body, factor in _operand_orders(eqn):
+        value = scalar_constant(graph, factor)
+        where = graph.producer(_unwidened(graph, body, []), "jit")
+        if (value is not None and np.ndim(value) == 0
+                and where is not None and where.params.get("name") == "_where"):
+            attention.region.append(eqn)
+            return (float(value) if eqn.primitive.name == "mul" else 1 / float(value)), body
+    return None
 
 
 def _operand_orders(eqn: Any) -> list[tuple[Any, Any]]:
