@@ -57,6 +57,20 @@ def negated_mean_of_unsqueezed_log_probabilities(x, w, labels):
     return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1).mean()
 
 
+def log_softmax_by_lse(logits):
+    return logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def lse_log_softmax_mean_loss(x, w, labels):
+    """The log-softmax written as `logits - logsumexp(logits)`, the label's picked."""
+    log_probs = log_softmax_by_lse(logits_of(x, w))
+    return -jnp.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0].mean()
+
+
+def lse_one_hot_loss(x, w, labels):
+    return -(jax.nn.one_hot(labels, V) * log_softmax_by_lse(logits_of(x, w))).sum(-1)
+
+
 def one_hot_loss(x, w, labels):
     """`optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, V))`: a label outside
     [0, V) has an all-zero row, so no loss."""
@@ -136,7 +150,8 @@ def operands(seed=0, dtype=jnp.float32):
                                negated_mean_of_one_hot_log_probabilities, soft_capped_loss,
                                indexed_log_softmax_loss, indexed_negated_mean,
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
-                               optax_per_example_under_vmap, optax_per_token_under_vmap],
+                               optax_per_example_under_vmap, optax_per_token_under_vmap,
+                               lse_log_softmax_mean_loss, lse_one_hot_loss],
                          ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):
     x, w, labels = operands()
@@ -163,7 +178,8 @@ def test_values_and_gradients_match_jit(rewritten, f):
                                negated_mean_of_one_hot_log_probabilities,
                                indexed_log_softmax_loss, indexed_negated_mean,
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
-                               optax_per_token_under_vmap],
+                               optax_per_token_under_vmap, lse_log_softmax_mean_loss,
+                               lse_one_hot_loss],
                          ids=lambda f: f.__name__)
 def test_labels_out_of_range_have_the_values_and_gradients_of_jit(rewritten, f):
     """Labels past either end: `take_along_axis` gives NaN there (negative ones in range

@@ -12,7 +12,9 @@ op's `logits_soft_cap`) first, spelled as `-take_along_axis(jax.nn.log_softmax(l
 labels[..., None], -1)[..., 0]` or as optax spells it, `jax.nn.logsumexp(logits, -1) -
 take_along_axis(logits, labels[..., None], -1)[..., 0]` (`jnp.expand_dims` and `squeeze`
 too). Labels index as `take_along_axis` does: a negative one counts from the end, and
-one out of range gives NaN.
+one out of range gives NaN. Wherever a spelling below takes `log_softmax(logits)`, it
+may be `jax.nn.log_softmax(logits)` or `logits - jax.nn.logsumexp(logits, -1,
+keepdims=True)`.
 
 Two more spellings: the label's log-probability `take_along_axis(log_softmax(logits),
 ...)[..., 0]` (or left `(..., 1)`, without the `[..., 0]`) negated later
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -65,9 +68,20 @@ def _squeezed(picked: Any, squeeze: str) -> Any:
     return picked[..., 0] if squeeze == "index" else picked.squeeze(-1)
 
 
-def _log_softmax_spelling(expand: str, squeeze: str) -> Callable[[Any, Any], Any]:
+def _log_softmax_by_lse(logits: Any) -> Any:
+    """The log-softmax as hand-written code often spells it."""
+    return logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+
+# The log-softmax as `jax.nn` computes it, and as `logits - logsumexp(logits)`.
+_LOG_SOFTMAXES: tuple[Callable[[Any], Any], ...] = (
+    functools.partial(jax.nn.log_softmax, axis=-1), _log_softmax_by_lse)
+
+
+def _log_softmax_spelling(expand: str, squeeze: str, log_softmax: Callable[[Any], Any]
+                          ) -> Callable[[Any, Any], Any]:
     def loss(logits: Any, labels: Any) -> Any:
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        log_probs = log_softmax(logits)
         return -_squeezed(jnp.take_along_axis(log_probs, _expanded(labels, expand), axis=-1),
                           squeeze)
 
@@ -82,18 +96,20 @@ def _optax_spelling(expand: str, squeeze: str) -> Callable[[Any, Any], Any]:
     return loss
 
 
-def _log_probability_spelling(expand: str, squeeze: str) -> Callable[[Any, Any], Any]:
+def _log_probability_spelling(expand: str, squeeze: str, log_softmax: Callable[[Any], Any]
+                              ) -> Callable[[Any, Any], Any]:
     def log_probability(logits: Any, labels: Any) -> Any:
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        log_probs = log_softmax(logits)
         return _squeezed(jnp.take_along_axis(log_probs, _expanded(labels, expand), axis=-1),
                          squeeze)
 
     return log_probability
 
 
-def _picked_log_probability_spelling(expand: str) -> Callable[[Any, Any], Any]:
+def _picked_log_probability_spelling(expand: str, log_softmax: Callable[[Any], Any]
+                                     ) -> Callable[[Any, Any], Any]:
     def picked(logits: Any, labels: Any) -> Any:
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        log_probs = log_softmax(logits)
         return jnp.take_along_axis(log_probs, _expanded(labels, expand), axis=-1)
 
     return picked
@@ -106,29 +122,41 @@ def _indexed(array: Any, labels: Any) -> Any:
     return array.at[jnp.arange(array.shape[0]), labels].get(mode="promise_in_bounds")
 
 
-def _indexed_log_probability_spelling(logits: Any, labels: Any) -> Any:
-    return _indexed(jax.nn.log_softmax(logits, axis=-1), labels)
+def _indexed_log_probability_spelling(log_softmax: Callable[[Any], Any]
+                                      ) -> Callable[[Any, Any], Any]:
+    def log_probability(logits: Any, labels: Any) -> Any:
+        return _indexed(log_softmax(logits), labels)
+
+    return log_probability
 
 
-def _indexed_log_softmax_spelling(logits: Any, labels: Any) -> Any:
-    return -_indexed_log_probability_spelling(logits, labels)
+def _indexed_log_softmax_spelling(log_softmax: Callable[[Any], Any]
+                                  ) -> Callable[[Any, Any], Any]:
+    log_probability = _indexed_log_probability_spelling(log_softmax)
+
+    def loss(logits: Any, labels: Any) -> Any:
+        return -log_probability(logits, labels)
+
+    return loss
 
 
 def _indexed_logit_spelling(logits: Any, labels: Any) -> Any:
     return jax.nn.logsumexp(logits, axis=-1) - _indexed(logits, labels)
 
 
-def _one_hot_log_probability_spelling(one_hot_first: bool) -> Callable[[Any, Any], Any]:
+def _one_hot_log_probability_spelling(one_hot_first: bool, log_softmax: Callable[[Any], Any]
+                                      ) -> Callable[[Any, Any], Any]:
     def log_probability(logits: Any, labels: Any) -> Any:
         one_hot = jax.nn.one_hot(labels, logits.shape[-1])
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        log_probs = log_softmax(logits)
         return (one_hot * log_probs if one_hot_first else log_probs * one_hot).sum(-1)
 
     return log_probability
 
 
-def _one_hot_spelling(one_hot_first: bool) -> Callable[[Any, Any], Any]:
-    log_probability = _one_hot_log_probability_spelling(one_hot_first)
+def _one_hot_spelling(one_hot_first: bool, log_softmax: Callable[[Any], Any]
+                      ) -> Callable[[Any, Any], Any]:
+    log_probability = _one_hot_log_probability_spelling(one_hot_first, log_softmax)
 
     def loss(logits: Any, labels: Any) -> Any:
         return -log_probability(logits, labels)
@@ -190,22 +218,28 @@ class _Spelling:
 
 _FORMS = [(e, s) for e in ("index", "expand_dims") for s in ("index", "squeeze")]
 _LOG_PROBABILITY = _Labels.PICKED_LOG_PROBABILITY
+_FIRSTS = (True, False)
 _SPELLINGS = {
-    "neg": (*(_Spelling(_log_softmax_spelling(e, s), _LOG_PROBABILITY) for e, s in _FORMS),
-            *(_Spelling(_one_hot_spelling(first), _Labels.ONE_HOT) for first in (True, False)),
-            _Spelling(_indexed_log_softmax_spelling, _Labels.INDEXED_LOG_PROBABILITY)),
+    "neg": (*(_Spelling(_log_softmax_spelling(e, s, f), _LOG_PROBABILITY)
+              for e, s in _FORMS for f in _LOG_SOFTMAXES),
+            *(_Spelling(_one_hot_spelling(first, f), _Labels.ONE_HOT)
+              for first in _FIRSTS for f in _LOG_SOFTMAXES),
+            *(_Spelling(_indexed_log_softmax_spelling(f), _Labels.INDEXED_LOG_PROBABILITY)
+              for f in _LOG_SOFTMAXES)),
     "sub": (*(_Spelling(_optax_spelling(e, s), _Labels.PICKED_LOGIT) for e, s in _FORMS),
             *(_Spelling(jax.vmap(_optax_spelling(e, s)), _Labels.PICKED_LOGIT, mapped=True)
               for e, s in _FORMS),
             _Spelling(_indexed_logit_spelling, _Labels.INDEXED_LOGIT)),
-    "gather": (_Spelling(_indexed_log_probability_spelling, _Labels.INDEXED_LOG_PROBABILITY,
-                         negated=True),),
-    "squeeze": tuple(_Spelling(_log_probability_spelling(e, s), _LOG_PROBABILITY, negated=True)
-                     for e, s in _FORMS),
-    "reduce_sum": tuple(_Spelling(_one_hot_log_probability_spelling(first), _Labels.ONE_HOT,
-                                  negated=True) for first in (True, False)),
-    "jit": tuple(_Spelling(_picked_log_probability_spelling(e), _LOG_PROBABILITY, negated=True,
-                           keeps_axis=True) for e in ("index", "expand_dims")),
+    "gather": tuple(_Spelling(_indexed_log_probability_spelling(f),
+                              _Labels.INDEXED_LOG_PROBABILITY, negated=True)
+                    for f in _LOG_SOFTMAXES),
+    "squeeze": tuple(_Spelling(_log_probability_spelling(e, s, f), _LOG_PROBABILITY,
+                               negated=True) for e, s in _FORMS for f in _LOG_SOFTMAXES),
+    "reduce_sum": tuple(_Spelling(_one_hot_log_probability_spelling(first, f), _Labels.ONE_HOT,
+                                  negated=True) for first in _FIRSTS for f in _LOG_SOFTMAXES),
+    "jit": tuple(_Spelling(_picked_log_probability_spelling(e, f), _LOG_PROBABILITY,
+                           negated=True, keeps_axis=True)
+                 for e in ("index", "expand_dims") for f in _LOG_SOFTMAXES),
 }
 
 
