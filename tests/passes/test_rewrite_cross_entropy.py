@@ -71,6 +71,11 @@ def lse_one_hot_loss(x, w, labels):
     return -(jax.nn.one_hot(labels, V) * log_softmax_by_lse(logits_of(x, w))).sum(-1)
 
 
+def one_hot_loss_summed_over_every_axis(x, w, labels):
+    """Every token's loss summed in one reduction, as `-jnp.sum(one_hot * log_probs)`."""
+    return -jnp.sum(jax.nn.log_softmax(logits_of(x, w)) * jax.nn.one_hot(labels, V))
+
+
 def one_hot_loss(x, w, labels):
     """`optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, V))`: a label outside
     [0, V) has an all-zero row, so no loss."""
@@ -151,7 +156,8 @@ def operands(seed=0, dtype=jnp.float32):
                                indexed_log_softmax_loss, indexed_negated_mean,
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
                                optax_per_example_under_vmap, optax_per_token_under_vmap,
-                               lse_log_softmax_mean_loss, lse_one_hot_loss],
+                               lse_log_softmax_mean_loss, lse_one_hot_loss,
+                               one_hot_loss_summed_over_every_axis],
                          ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):
     x, w, labels = operands()
@@ -179,7 +185,7 @@ def test_values_and_gradients_match_jit(rewritten, f):
                                indexed_log_softmax_loss, indexed_negated_mean,
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
                                optax_per_token_under_vmap, lse_log_softmax_mean_loss,
-                               lse_one_hot_loss],
+                               lse_one_hot_loss, one_hot_loss_summed_over_every_axis],
                          ids=lambda f: f.__name__)
 def test_labels_out_of_range_have_the_values_and_gradients_of_jit(rewritten, f):
     """Labels past either end: `take_along_axis` gives NaN there (negative ones in range

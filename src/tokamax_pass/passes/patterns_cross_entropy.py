@@ -21,8 +21,9 @@ Two more spellings: the label's log-probability `take_along_axis(log_softmax(log
 (`-log_probs.mean()`, `-jnp.sum(...)`), replaced by the op's loss negated; and the
 one-hot form `-(jax.nn.one_hot(labels, V) * log_softmax(logits)).sum(-1)` (optax's
 `softmax_cross_entropy` of one-hot labels, also negated later:
-`-(one_hot * log_softmax(logits)).sum(-1).mean()`), where a label outside `[0, V)` has
-an all-zero one-hot row, so no loss and no gradient (the op ignores it).
+`-(one_hot * log_softmax(logits)).sum(-1).mean()`, or summed over every axis at once,
+`-jnp.sum(one_hot * log_softmax(logits))`), where a label outside `[0, V)` has an
+all-zero one-hot row, so no loss and no gradient (the op ignores it).
 
 The label picked by fancy indexing from `(n, V)` logits, `log_softmax(logits)[
 jnp.arange(n), labels]` (negated there or later) and `logsumexp(logits, -1) -
@@ -144,14 +145,35 @@ def _indexed_logit_spelling(logits: Any, labels: Any) -> Any:
     return jax.nn.logsumexp(logits, axis=-1) - _indexed(logits, labels)
 
 
-def _one_hot_log_probability_spelling(one_hot_first: bool, log_softmax: Callable[[Any], Any]
-                                      ) -> Callable[[Any, Any], Any]:
-    def log_probability(logits: Any, labels: Any) -> Any:
+def _one_hot_product(one_hot_first: bool, log_softmax: Callable[[Any], Any]
+                     ) -> Callable[[Any, Any], Any]:
+    def product(logits: Any, labels: Any) -> Any:
         one_hot = jax.nn.one_hot(labels, logits.shape[-1])
         log_probs = log_softmax(logits)
-        return (one_hot * log_probs if one_hot_first else log_probs * one_hot).sum(-1)
+        return one_hot * log_probs if one_hot_first else log_probs * one_hot
+
+    return product
+
+
+def _one_hot_log_probability_spelling(one_hot_first: bool, log_softmax: Callable[[Any], Any]
+                                      ) -> Callable[[Any, Any], Any]:
+    product = _one_hot_product(one_hot_first, log_softmax)
+
+    def log_probability(logits: Any, labels: Any) -> Any:
+        return product(logits, labels).sum(-1)
 
     return log_probability
+
+
+def _one_hot_total_spelling(one_hot_first: bool, log_softmax: Callable[[Any], Any]
+                            ) -> Callable[[Any, Any], Any]:
+    """`-jnp.sum(one_hot * log_softmax(logits))`: every token's loss summed at once."""
+    product = _one_hot_product(one_hot_first, log_softmax)
+
+    def loss(logits: Any, labels: Any) -> Any:
+        return -product(logits, labels).sum()
+
+    return loss
 
 
 def _one_hot_spelling(one_hot_first: bool, log_softmax: Callable[[Any], Any]
@@ -197,6 +219,8 @@ class _Spelling:
     negated: bool = False
     # The value keeps `take_along_axis`'s trailing axis of 1 (`(..., 1)`, not squeezed).
     keeps_axis: bool = False
+    # The value is the sum of every token's (one reduction over all the axes).
+    summed: bool = False
     # `function` is mapped by `jax.vmap` over the logits' and labels' leading axis.
     mapped: bool = False
 
@@ -223,6 +247,8 @@ _SPELLINGS = {
     "neg": (*(_Spelling(_log_softmax_spelling(e, s, f), _LOG_PROBABILITY)
               for e, s in _FORMS for f in _LOG_SOFTMAXES),
             *(_Spelling(_one_hot_spelling(first, f), _Labels.ONE_HOT)
+              for first in _FIRSTS for f in _LOG_SOFTMAXES),
+            *(_Spelling(_one_hot_total_spelling(first, f), _Labels.ONE_HOT, summed=True)
               for first in _FIRSTS for f in _LOG_SOFTMAXES),
             *(_Spelling(_indexed_log_softmax_spelling(f), _Labels.INDEXED_LOG_PROBABILITY)
               for f in _LOG_SOFTMAXES)),
@@ -292,9 +318,9 @@ def _input_avals(eqn: Any, graph: Graph, spelling: _Spelling
     """The `(logits, labels)` shapes and dtypes a loss of `eqn`'s shape may come from: the
     logits' vocabulary read off the equation the labels enter (`_Spelling.enters`),
     `eqn` or one before it."""
-    shape = tuple(eqn.outvars[0].aval.shape)
-    if spelling.keeps_axis:
-        shape = shape[:-1]
+    out_shape = tuple(eqn.outvars[0].aval.shape)
+    # The tokens' shape (`None` for a sum over them: read off the logits).
+    shape = None if spelling.summed else out_shape[:-1] if spelling.keeps_axis else out_shape
     seen = []
     stack, visited = list(eqn.outvars), set[Any]()
     while stack and len(visited) < 64:
@@ -310,13 +336,16 @@ def _input_avals(eqn: Any, graph: Graph, spelling: _Spelling
     return list(dict.fromkeys(seen))
 
 
-def _entry_avals(graph: Graph, entry: Any, spelling: _Spelling, shape: tuple[int, ...]
-                 ) -> list[tuple[tuple[tuple[int, ...], Any], ...]]:
+def _entry_avals(graph: Graph, entry: Any, spelling: _Spelling,
+                 shape: tuple[int, ...] | None) -> list[tuple[tuple[tuple[int, ...], Any], ...]]:
     """The `(logits, labels)` shapes and dtypes read off `entry`, the equation the labels
     enter: `take_along_axis`'s and the fancy index's array is the logits (or their
-    log-softmax, of their shape), `_one_hot`'s result has their shape."""
+    log-softmax, of their shape), `_one_hot`'s result has their shape. `shape` is the
+    tokens' (`None`: any)."""
     logits = (entry.outvars if spelling.labels is _Labels.ONE_HOT else entry.invars)[0]
     logits_shape = tuple(logits.aval.shape)
+    if shape is None:
+        shape = logits_shape[:-1]
     if logits_shape[:-1] != shape or not spelling.fits(len(logits_shape)):
         return []
     indices = entry.invars[-1]  # the labels, or the fancy index's rows and labels
@@ -406,6 +435,8 @@ def _function(product: _LogitsMatmul, spelling: _Spelling) -> Callable[[Any, Any
             losses = _clamped_gradient(spelling.labels, losses, outside, x, w, op_labels,
                                        precision, cap)
         losses = -losses if spelling.negated else losses
+        if spelling.summed:
+            return losses.sum()
         return losses[..., None] if spelling.keeps_axis else losses
 
     return function
