@@ -218,3 +218,17 @@ def test_an_unregistered_op_is_tuned_from_the_programs_it_lowers_in_this_process
     assert not spec.is_registered(_UnregisteredOp)
     with pytest.raises(tokamax.SpecError, match="not a registered serializable"):
         spec.resolve(f"{__name__}._NeverLoweredOp", kind="dataclass")
+
+
+class _OwnConfigOp(_UpstreamStyleOp):
+    config_cls = _ShiftConfig
+
+
+class _SubclassOfOwnConfigOp(_OwnConfigOp):
+    """Sets no `config_cls` and names no generic base of its own."""
+
+
+def test_a_subclass_keeps_its_parents_config_cls_over_a_grandparents_generic_base():
+    """Only a class's own `Op[...]` base names its config: a subclass inherits the
+    `__orig_bases__` attribute of the first class that wrote one."""
+    assert _SubclassOfOwnConfigOp.config_cls is _ShiftConfig

@@ -62,7 +62,9 @@ def _subscripted_config_cls(cls: type) -> type | None:
     `Op[P, T, R, Config, K]`) base, or `None` where it names none (`Op[Any]`, a type
     variable) or does not subclass a subscripted `Op`: upstream's ops name their config
     there, not in `config_cls`."""
-    for base in getattr(cls, "__orig_bases__", ()):
+    # `__dict__`: a subclass of such a class inherits its `__orig_bases__` attribute, and
+    # with it would take its parent's generic base over its parent's `config_cls`.
+    for base in cls.__dict__.get("__orig_bases__", ()):
         if typing.get_origin(base) is Op:
             (config_cls,) = typing.get_args(base)
             return config_cls if dataclasses.is_dataclass(config_cls) and isinstance(
