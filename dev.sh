@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh machine, then runs one job:
 #   ./dev.sh demo    the seed example end to end, with a table of op calls
-#   ./dev.sh test    ruff and mypy, the CPU test suite, the mutation check, then `bazel test //...`
+#   ./dev.sh test    ruff and mypy, the CPU test suite, the mutation check (one breakage of
+#                    each patched file), then `bazel test //...`
 #   ./dev.sh test --full   the same with every CPU test: also those marked slow, among them
-#                    the cases of exhaustive grids beyond their covering subset
+#                    the cases of exhaustive grids beyond their covering subset, and every
+#                    breakage of the mutation check
 # Both create (or reuse) .venv with Python 3.12 and the pinned dependencies.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -84,8 +86,11 @@ case "${1:-}" in
     wait "$typecheck" || { cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"; exit 1; }
     background=""  # reaped: its process ID may be another process's now
     cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"
-    # Deliberate breakages (tests/mutation/patches/), each of which a test must catch.
-    .venv/bin/python tests/mutation/run_mutations.py --jobs 2
+    # Deliberate breakages (tests/mutation/patches/), each of which a test must catch: in
+    # CI a covering subset, one breakage of each patched file; with --full, all of them.
+    mutations=(--covering)
+    [ "${2:-}" = "--full" ] && mutations=()
+    .venv/bin/python tests/mutation/run_mutations.py --jobs 2 "${mutations[@]}"
     # bf16 here; the test suite runs the smoke in float16 and float32 (test_models.py;
     # test_plan_audit.py's under `pytest -m slow`). It runs beside bazel, which mostly
     # waits on one core.

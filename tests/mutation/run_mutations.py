@@ -40,6 +40,7 @@ from mutation.mutation_patch import (  # noqa: E402
     StaleMutation,
     all_mutations,
     apply,
+    covering,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -253,11 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds allowed for one mutation's tests")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--covering", action="store_true",
+                        help="only a subset in which every patched file is patched once "
+                        "(what CI runs)")
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error(f"--jobs must be >= 1, got {args.jobs}")
     mutations = [m for m in all_mutations()
                  if not args.only or any(t in m.name or t in m.patch.stem for t in args.only)]
+    if args.covering:
+        mutations = covering(mutations)
     if not mutations:
         parser.error(f"--only {' '.join(args.only)} matches no mutation (see --list)")
     if args.list:

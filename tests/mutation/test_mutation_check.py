@@ -14,7 +14,15 @@ import shutil
 import pytest
 
 from mutation import run_mutations
-from mutation.mutation_patch import Mutation, StaleMutation, all_mutations, apply, check, load
+from mutation.mutation_patch import (
+    Mutation,
+    StaleMutation,
+    all_mutations,
+    apply,
+    check,
+    covering,
+    load,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MUTATIONS = all_mutations()
@@ -125,3 +133,13 @@ def test_runner_reports_a_stale_patch(tmp_path):
 def test_mutation_names_its_patch_in_errors():
     with pytest.raises(ValueError, match="toy.patch"):
         Mutation("toy", pathlib.Path("toy.patch"), ())
+
+
+def test_the_covering_subset_patches_every_file_some_mutation_patches():
+    everything = all_mutations()
+    kept = covering(everything)
+    assert {p for m in kept for p in m.paths} == {p for m in everything for p in m.paths}
+    assert len(kept) < len(everything)
+    # Each kept mutation patches a file no mutation kept before it does.
+    for i, mutation in enumerate(kept):
+        assert not {p for m in kept[:i] for p in m.paths}.issuperset(mutation.paths)
