@@ -72,6 +72,22 @@ def test_save_merges_writes_atomically_and_records_provenance():
     assert [p.name for p in cache.cache_dir().iterdir() if p.name.endswith(".tmp")] == []
 
 
+def test_a_save_keeps_the_entries_of_ops_this_process_cannot_name():
+    """Another program's op (registered, or called, only there) stays in the file through
+    this program's save, as written: its measurements are not this save's to drop."""
+    path = pathlib.Path(_result(16).save_to_cache())
+    data = json.loads(path.read_text())
+    theirs = json.loads(json.dumps(data["entries"][0]))
+    theirs["op"]["dataclass"] = "their_models.layers.TheirOp"
+    data["entries"].append(theirs)
+    path.write_text(json.dumps(data))
+    cache._USER.invalidate()
+    with pytest.warns(UserWarning, match="TheirOp"):
+        _result(8, _ba(m=32)).save_to_cache()
+    entries = json.loads(path.read_text())["entries"]
+    assert theirs in entries and len(entries) == 3
+
+
 def test_concurrent_writers_lose_nothing():
     threads = [threading.Thread(target=lambda m=m: _result(16, _ba(m=m)).save_to_cache())
                for m in (1, 2, 3, 4, 5, 6)]

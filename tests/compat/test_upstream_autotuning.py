@@ -81,6 +81,9 @@ def test_bound_arguments_autotune_measures_and_caches():
         cached[ba.autotuning_cache_key] = {}
     with pytest.raises(TypeError, match="read-only snapshot"):
         del cached[ba.autotuning_cache_key]
+    with pytest.raises(TypeError):  # each call's measurements too
+        cached[ba.autotuning_cache_key][configs[0]] = None
+    assert set(op.get_autotuning_cache()[ba.autotuning_cache_key]) == set(configs)
 
 
 def test_bound_arguments_autotune_without_caching_leaves_the_cache():

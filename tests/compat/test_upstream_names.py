@@ -13,7 +13,7 @@ import pytest
 
 import tokamax_pass as tokamax
 from conftest import assert_close, random_normal
-from tokamax_pass.core import spec
+from tokamax_pass.core import NullConfig, spec
 
 
 def _lce_reference(x, labels, weights):
@@ -232,3 +232,49 @@ def test_a_subclass_keeps_its_parents_config_cls_over_a_grandparents_generic_bas
     """Only a class's own `Op[...]` base names its config: a subclass inherits the
     `__orig_bases__` attribute of the first class that wrote one."""
     assert _SubclassOfOwnConfigOp.config_cls is _ShiftConfig
+
+
+class _CachedUnregisteredOp(_UnregisteredOp):
+    """A user's op with a measurement in the user cache, never registered."""
+
+
+def test_an_unregistered_ops_user_cache_entry_is_used_from_its_first_call(tmp_path,
+                                                                           monkeypatch):
+    """The user cache read before the op was first called (its entry unreadable then) is
+    read again when it is: the measured config runs from the first call on."""
+    from tokamax_pass.autotuning import cache, keys
+    from tokamax_pass.autotuning.entry import Entry, Measurement
+
+    monkeypatch.setenv("TOKAMAX_PASS_CACHE_DIR", str(tmp_path))
+    cache._USER.invalidate()
+    x = random_normal(1, (2, 3))
+    ba = keys.canonical(_CachedUnregisteredOp().bind(x))
+    entry = Entry(ba, {_ShiftConfig(5): Measurement((1.0,))}, keys.provenance(ba.op))
+    tokamax.AutotuningResult(tokamax.core.current_target().device_kind,
+                             [entry]).save_to_cache()
+    with pytest.warns(UserWarning, match="_CachedUnregisteredOp"):
+        assert not cache._USER.result(tokamax.core.current_target().device_kind).entries
+    assert_close(jax.jit(lambda x: _CachedUnregisteredOp()(x))(x), x + 5.0)
+    cache._USER.invalidate()
+
+
+class _UpstreamStyleFamily[C, K](tokamax.Op[Any, jax.Array, None, C, K]):
+    """A family generic in its config, as upstream writes its families (`Normalization[C,
+    K]`, `GatedLinearUnit[C, K]`)."""
+
+    def _fwd(self, x, *, config, return_residuals):
+        return x + config.shift, None
+
+    def _get_heuristics_config(self, ba):
+        return _ShiftConfig(3)
+
+
+class _FamilyImplementation(_UpstreamStyleFamily[_ShiftConfig, Any]):
+    """An implementation naming its config in the family's generic base."""
+
+
+def test_an_implementation_naming_its_config_in_a_generic_familys_base_takes_it():
+    assert _UpstreamStyleFamily.config_cls is NullConfig
+    assert _FamilyImplementation.config_cls is _ShiftConfig
+    x = random_normal(2, (2, 3))
+    assert _FamilyImplementation().bind(x).default_config == _ShiftConfig(3)

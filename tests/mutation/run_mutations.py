@@ -1,6 +1,9 @@
 """The mutation check: every breakage in `tests/mutation/patches/` must fail a test.
 
-    python tests/mutation/run_mutations.py [--jobs N] [--only TEXT ...] [--list]
+    python tests/mutation/run_mutations.py [--jobs N] [--only TEXT ...] [--covering] [--list]
+
+`--covering` runs a subset in which every patched file is patched once (what CI runs;
+`./dev.sh test --full` runs every mutation).
 
 For each mutation (`mutation_patch.py` describes the patch files): copy `src/`, `kernels/`,
 `tests/`, `benchmarks/` and `pyproject.toml` to a temporary directory, apply the patch there

@@ -1,8 +1,9 @@
 """The mutation check (`tests/mutation/`): every patch still applies to the code and names
 tests that exist, and the runner tells caught, surviving and broken mutations apart.
 
-The check itself (every mutation caught by the real tests) runs in `./dev.sh test`
-after pytest: `python tests/mutation/run_mutations.py`.
+The check itself (every mutation caught by the real tests) runs after pytest:
+`python tests/mutation/run_mutations.py --covering` in `./dev.sh test` (one mutation of
+each patched file), every mutation in `./dev.sh test --full`.
 """
 
 from __future__ import annotations

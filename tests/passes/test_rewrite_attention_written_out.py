@@ -227,6 +227,19 @@ def soft_cap_under_a_scale_after_the_mask(q, k, v, mask):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
 
+def bias_under_a_scale_after_the_mask(q, k, v, mask):
+    """The scale multiplies the bias too: the op adds its bias after the scale."""
+    bias = jnp.arange(S, dtype=q.dtype) / S
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k) + bias, -jnp.inf) * 0.3
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def divided_by_zero_after_the_mask(q, k, v, mask):
+    """Not a scale (infinite logits): left as written, and `optimize` runs it."""
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k), -jnp.inf) / 0.0
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
 def negative_scale_after_the_mask(q, k, v, mask):
     """-inf times a negative number is +inf: the masked keys would win."""
     logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k), -1e30) * -0.25
@@ -242,7 +255,8 @@ def logits_rounded_to_bfloat16(q, k, v, mask):
 @pytest.mark.parametrize("f", [fill_not_large_enough, softmax_over_queries, scale_from_the_data,
                                dropout, mask_before_the_soft_cap, logits_rounded_to_bfloat16,
                                fill_scaled_out_of_reach, soft_cap_under_a_scale_after_the_mask,
-                               negative_scale_after_the_mask],
+                               negative_scale_after_the_mask,
+                               bias_under_a_scale_after_the_mask],
                          ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     args = operands(f)
@@ -250,6 +264,14 @@ def test_near_misses_are_left_as_written(rewritten, f):
     assert not any(m.rewritten for m in optimized.plan(*args).matches)
     assert op_names(optimized, *args) == []
     assert_close(optimized(*args), jax.jit(f)(*args))
+
+
+def test_a_division_by_zero_after_the_mask_is_left_as_written(rewritten):
+    args = operands(divided_by_zero_after_the_mask)
+    optimized = tokamax.optimize(divided_by_zero_after_the_mask)
+    assert not any(m.rewritten for m in optimized.plan(*args).matches)
+    np.testing.assert_array_equal(np.asarray(optimized(*args)),
+                                  np.asarray(jax.jit(divided_by_zero_after_the_mask)(*args)))
 
 
 def float32_softmax_against_bfloat16_values(q, k, v):

@@ -23,9 +23,15 @@ pytestmark = pytest.mark.usefixtures("fake_devices")  # fails, never skips, with
 B, T, D, V = 4, 3, 16, 8
 
 
-def _mesh():
-    return jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
-                         devices=jax.devices()[:2])
+def _mesh(model_axis=None):
+    """"data" Explicit over 2 devices; with `model_axis` (an axis type), a "model" axis of
+    2 more devices beside it (Auto: the mixed meshes of data and model parallelism)."""
+    if model_axis is None:
+        return jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,),
+                             devices=jax.devices()[:2])
+    return jax.make_mesh((2, 2), ("data", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit, model_axis),
+                         devices=jax.devices()[:4])
 
 
 def _rms_norm(x, scale):
@@ -59,10 +65,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_patterns_over_explicit_axes_match_and_agree_with_jit(name, rewritten):
+@pytest.mark.parametrize("name, model_axis", [(name, None) for name in CASES]
+                         + [("layer_norm", jax.sharding.AxisType.Auto)])
+def test_patterns_over_explicit_axes_match_and_agree_with_jit(name, model_axis, rewritten):
     loss, make, pattern = CASES[name]
-    mesh = _mesh()
+    mesh = _mesh(model_axis)
     first, *rest = make()
     first = jax.device_put(first, NamedSharding(mesh, P("data")))
     rest = [jax.device_put(a, NamedSharding(mesh, P("data") if a.ndim == 2 else P()))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.resources
+import json
 import logging
 import os
 import pathlib
@@ -107,11 +108,33 @@ def _merged(existing: AutotuningResult | None, new: AutotuningResult) -> Autotun
     return AutotuningResult(new.device_kind, existing.entries) | new
 
 
+def _entries_of_unknown_ops(path: pathlib.Path) -> list[Any]:
+    """The entries (as JSON) of the cache file at `path` whose op this process cannot
+    name: an op registered, or called, only in the programs that tuned it. A save keeps
+    them as they are, so one program's save never drops another's measurements."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return []
+    kept = []
+    for item in data.get("entries", ()) if isinstance(data, dict) else ():
+        op = item.get("op") if isinstance(item, dict) else None
+        name = op.get("dataclass") if isinstance(op, dict) else None
+        if not isinstance(name, str):
+            continue
+        try:
+            spec.resolve(name, kind="dataclass")
+        except spec.SpecError:
+            kept.append(item)
+    return kept
+
+
 def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -> str:
     """Merges `result` (failures dropped) into the user cache file of its device kind.
 
     Holds a file lock across read-merge-write and replaces the file atomically, so
-    concurrent writers lose nothing. A corrupt existing file raises `CacheError`.
+    concurrent writers lose nothing; entries of ops this process cannot name are kept as
+    they are (`_entries_of_unknown_ops`). A corrupt existing file raises `CacheError`.
     """
     if not isinstance(result, AutotuningResult):
         raise TypeError(f"save_to_cache: result must be an AutotuningResult, got "
@@ -128,7 +151,13 @@ def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -
                 f"{e}; the file was left in place: move it away or run "
                 f"`tokamax-pass cache clear` before saving to this cache"
             ) from None
-        write_atomic(path, _merged(existing, result.with_provenance()).dumps())
+        text = _merged(existing, result.with_provenance()).dumps()
+        unknown = _entries_of_unknown_ops(path) if existing is not None else []
+        if unknown:
+            document = json.loads(text)
+            document["entries"] = [*unknown, *document["entries"]]
+            text = json.dumps(document, indent=1, sort_keys=True)
+        write_atomic(path, text)
     _USER.invalidate()
     return str(path)
 
@@ -182,7 +211,9 @@ class _UserCache:
             return None
         except OSError:
             return None
-        stamp = (stat.st_mtime_ns, stat.st_size)
+        # Read again once this process lowers an op class for the first time: the file
+        # may hold entries of it that could not be read before (`spec.remember_lowered`).
+        stamp = (stat.st_mtime_ns, stat.st_size, spec.lowered_classes())
         cached = self._parsed.get(path)
         if cached is not None and cached[0] == stamp:
             return cached[1]

@@ -9,6 +9,7 @@ arguments; `Op.get_autotuning_cache` reads an op's measurements from the caches.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -72,8 +73,9 @@ def _same_op(a: Op, b: Op) -> bool:
 
 class CacheSnapshot(Mapping[str, Mapping[Any, Any]]):
     """What `Op.get_autotuning_cache` returns: the caches' measurements when it was called,
-    read-only. Upstream Tokamax hands out its in-memory cache, which a write changes; a
-    write here would change nothing the op reads, so it raises and names what does."""
+    read-only, each call's `{config: Measurement}` too (a `MappingProxyType` of a copy).
+    Upstream Tokamax hands out its in-memory cache, which a write changes; a write here
+    would change nothing the op reads, so it raises and names what does."""
 
     def __init__(self, found: dict[str, Mapping[Any, Any]]) -> None:
         self._found = found
@@ -113,7 +115,7 @@ def cached_measurements(op: Op, device_kind: str | None) -> CacheSnapshot:
             continue
         for entry in layer.result.entries:
             if _same_op(entry.bound.op, op):
-                found[entry.bound.cache_key] = entry.data
+                found[entry.bound.cache_key] = types.MappingProxyType(dict(entry.data))
     return CacheSnapshot(found)
 
 

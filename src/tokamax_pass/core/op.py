@@ -59,16 +59,34 @@ def snake_case_name(op_or_cls: Op | type[Op] = checks.NOT_GIVEN, *,
 
 def _subscripted_config_cls(cls: type) -> type | None:
     """The config class `cls` names in its `Op[Config]` (or upstream Tokamax's
-    `Op[P, T, R, Config, K]`) base, or `None` where it names none (`Op[Any]`, a type
-    variable) or does not subclass a subscripted `Op`: upstream's ops name their config
-    there, not in `config_cls`."""
+    `Op[P, T, R, Config, K]`) base, or through a generic family's (`Family[Config]` where
+    `class Family[C](Op[..., C, ...])`, as upstream's families are written); `None` where
+    it names none (`Op[Any]`, a type variable): upstream's ops name their config there,
+    not in `config_cls`."""
     # `__dict__`: a subclass of such a class inherits its `__orig_bases__` attribute, and
     # with it would take its parent's generic base over its parent's `config_cls`.
     for base in cls.__dict__.get("__orig_bases__", ()):
-        if typing.get_origin(base) is Op:
-            (config_cls,) = typing.get_args(base)
-            return config_cls if dataclasses.is_dataclass(config_cls) and isinstance(
-                config_cls, type) else None
+        config_cls = _config_argument(base)
+        if isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls):
+            return config_cls
+    return None
+
+
+def _config_argument(base: Any) -> Any:
+    """What the subscripted base `base` puts in `Op`'s config slot: `Op[X]`'s `X`; for a
+    generic subclass `Family[..., X, ...]`, the argument of the type parameter that
+    `Family`'s own bases put there; `None` where that is no parameter of `Family`."""
+    origin = typing.get_origin(base)
+    if origin is Op:
+        (config,) = typing.get_args(base)
+        return config
+    if not (isinstance(origin, type) and issubclass(origin, Op)):
+        return None
+    parameters = getattr(origin, "__parameters__", ())
+    for inner in origin.__dict__.get("__orig_bases__", ()):
+        slot = _config_argument(inner)
+        if isinstance(slot, typing.TypeVar) and slot in parameters:
+            return typing.get_args(base)[parameters.index(slot)]
     return None
 
 

@@ -238,13 +238,14 @@ def _lowering(ctx: Any, *operands: Any, call: OpCall, platform: str) -> Sequence
     if partitioned is not None:
         return mlir.lower_fun(partitioned, multiple_results=True)(ctx, *operands)
     target = device.lowering_target(platform)
+    for op in call.candidates:  # before resolving: a cache may hold this program's own ops
+        spec.remember_lowered(type(op))
     candidates = [call.bound(op, ctx.avals_in) for op in call.candidates]
     symbolic = spec.has_symbolic_dims(ctx.avals_in)
     choice = call.choose(candidates, target, symbolic)
     # A spec records concrete shapes; a symbolic call is stamped with none, so inspection
     # and autotuning, which key everything by shape, do not see it.
     encoded = None if symbolic else choice.bound.to_json()
-    spec.remember_lowered(type(choice.op))
     for recorder in _RECORDERS:
         if encoded is not None:
             recorder.append(encoded)

@@ -228,6 +228,12 @@ def remember_lowered(op_cls: type) -> None:
             _LOWERED_HERE[path] = cls
 
 
+def lowered_classes() -> int:
+    """How many classes `remember_lowered` lets specs name: a file read before another
+    joined them may read otherwise after."""
+    return len(_LOWERED_HERE)
+
+
 def is_registered(obj: Any) -> bool:
     try:
         return _ALLOWED.get(import_path(obj)) is obj
@@ -260,7 +266,7 @@ def resolve(path: Any, *, kind: str) -> Any:
     if obj is None:
         raise SpecError(f"{kind} {path!r} is not a registered serializable object, so it is "
                         f"not loaded (files never name code to import); if it is yours, "
-                        f"{_REGISTER_FIX}")
+                        f"{_REGISTER_FIX}, or run a call of it in this process first")
     if _kind_of(obj) != kind:
         raise SpecError(f"{path!r} is registered as a {_kind_of(obj)}, not a {kind}")
     return obj

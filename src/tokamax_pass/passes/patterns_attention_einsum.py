@@ -372,7 +372,7 @@ def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
         return logits
     for body, factor in _operand_orders(eqn):
         value = scalar_constant(graph, factor)
-        if (value is not None and np.ndim(value) == 0
+        if (value is not None and np.ndim(value) == 0 and float(value) != 0
                 and _product(graph, _unwidened(graph, body, []))[0] is not None):
             attention.scale *= float(value) if eqn.primitive.name == "mul" else 1 / float(value)
             attention.region.append(eqn)
@@ -392,7 +392,7 @@ def _scaled_after_mask(graph: Graph, attention: _Attention, logits: Any
     for body, factor in _operand_orders(eqn):
         value = scalar_constant(graph, factor)
         where = graph.producer(_unwidened(graph, body, []), "jit")
-        if (value is not None and np.ndim(value) == 0
+        if (value is not None and np.ndim(value) == 0 and float(value) != 0
                 and where is not None and where.params.get("name") == "_where"):
             attention.region.append(eqn)
             return (float(value) if eqn.primitive.name == "mul" else 1 / float(value)), body
@@ -412,8 +412,8 @@ def _unscaled_query(graph: Graph, attention: _Attention, query: Any) -> Any:
         return query
     for body, factor in _operand_orders(eqn):
         value = scalar_constant(graph, factor)
-        if value is not None and np.ndim(value) == 0 and tuple(body.aval.shape) == tuple(
-                query.aval.shape):
+        if (value is not None and np.ndim(value) == 0 and float(value) != 0
+                and tuple(body.aval.shape) == tuple(query.aval.shape)):
             attention.scale *= float(value) if eqn.primitive.name == "mul" else 1 / float(value)
             attention.region.append(eqn)
             return body

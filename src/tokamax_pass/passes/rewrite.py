@@ -334,11 +334,12 @@ def _placed(aval: Any) -> bool:
 
 
 def _explicit_spec(aval: Any) -> Any:
-    """The `PartitionSpec` of a value typed over a mesh of Explicit axes, else `None`."""
+    """The `PartitionSpec` of a value typed over a mesh with an Explicit axis (the type
+    names only those), else `None`."""
     sharding = getattr(aval, "sharding", None)
     mesh = getattr(sharding, "mesh", None)
-    if mesh is None or not mesh.axis_types or any(
-            kind != jax.sharding.AxisType.Explicit for kind in mesh.axis_types):
+    if mesh is None or not any(kind == jax.sharding.AxisType.Explicit
+                               for kind in mesh.axis_types or ()):
         return None
     return getattr(sharding, "spec", None)
 
@@ -346,11 +347,12 @@ def _explicit_spec(aval: Any) -> Any:
 def _placed_as(out: Any, aval: Any) -> Any:
     """`out` (computed by an op) resharded as the user's equation placed its result
     (`aval`), where the op placed it otherwise (an `out_sharding` written inside the
-    matched region): the values downstream meet keep their types."""
+    matched region): the values downstream meet keep their types. Resharded to the
+    type's own sharding, which names its mesh: no mesh context is needed."""
     spec = _explicit_spec(aval)
     if spec is None or _explicit_spec(jax.typeof(out)) == spec:
         return out
-    return jax.sharding.reshard(out, spec)
+    return jax.sharding.reshard(out, aval.sharding)
 
 
 def rewrite_wins(chosen: Iterable[BoundArguments]) -> bool:
