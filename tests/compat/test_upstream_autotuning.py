@@ -83,6 +83,7 @@ def test_bound_arguments_autotune_measures_and_caches():
         del cached[ba.autotuning_cache_key]
     with pytest.raises(TypeError):  # each call's measurements too
         cached[ba.autotuning_cache_key][configs[0]] = None
+    assert cached[ba.autotuning_cache_key].fastest_config in configs  # upstream's type
     assert set(op.get_autotuning_cache()[ba.autotuning_cache_key]) == set(configs)
 
 

@@ -9,7 +9,6 @@ arguments; `Op.get_autotuning_cache` reads an op's measurements from the caches.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -71,16 +70,16 @@ def _same_op(a: Op, b: Op) -> bool:
         config=None, vjp=None)
 
 
-class CacheSnapshot(Mapping[str, Mapping[Any, Any]]):
+class CacheSnapshot(Mapping[str, AutotuningData]):
     """What `Op.get_autotuning_cache` returns: the caches' measurements when it was called,
-    read-only, each call's `{config: Measurement}` too (a `MappingProxyType` of a copy).
+    read-only, each call's `{config: Measurement}` too (an `AutotuningData`, as upstream's).
     Upstream Tokamax hands out its in-memory cache, which a write changes; a write here
     would change nothing the op reads, so it raises and names what does."""
 
-    def __init__(self, found: dict[str, Mapping[Any, Any]]) -> None:
+    def __init__(self, found: dict[str, AutotuningData]) -> None:
         self._found = found
 
-    def __getitem__(self, key: str) -> Mapping[Any, Any]:
+    def __getitem__(self, key: str) -> AutotuningData:
         return self._found[key]
 
     def __iter__(self) -> Iterator[str]:
@@ -109,13 +108,13 @@ def cached_measurements(op: Op, device_kind: str | None) -> CacheSnapshot:
     """`op`'s measurements in the caches (see `Op.get_autotuning_cache`)."""
     if device_kind is None:
         device_kind = device.current_target().device_kind
-    found: dict[str, Mapping[Any, Any]] = {}
+    found: dict[str, AutotuningData] = {}
     for layer in reversed(cache.layers(device_kind)):
         if layer.label == "autotuning result":
             continue
         for entry in layer.result.entries:
             if _same_op(entry.bound.op, op):
-                found[entry.bound.cache_key] = types.MappingProxyType(dict(entry.data))
+                found[entry.bound.cache_key] = AutotuningData(entry.data)
     return CacheSnapshot(found)
 
 
