@@ -187,21 +187,38 @@ def items_named(items: list, named: frozenset[tuple[str, str]]) -> set[str]:
             if (os.path.realpath(item.path), item.name) in named}
 
 
+def kept_cases(grids: list[list], variants: list[list], named: frozenset[str]) -> set[int]:
+    """The `id`s of the cases CI runs: each `exhaustive` grid's covering subset, each
+    `variants` function's first case, and every case whose node id is in `named`."""
+    kept = set()
+    for grid in grids:
+        kept |= set(map(id, covering_cases(grid, named)))
+    for group in variants:
+        kept |= {id(group[0])} | {id(item) for item in group if item.nodeid in named}
+    return kept
+
+
+def _parametrized(items: list, marker: str) -> dict[tuple, list]:
+    """The cases of each test function marked `marker` that are not marked slow already."""
+    functions: dict[tuple, list] = {}
+    for item in items:
+        if (item.get_closest_marker(marker) and hasattr(item, "callspec")
+                and not item.get_closest_marker("slow")):
+            functions.setdefault((item.path, item.originalname), []).append(item)
+    return functions
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the `slow` marks added here
 def pytest_collection_modifyitems(config, items):
-    grids: dict[tuple, list] = {}
-    for item in items:
-        if (item.get_closest_marker("exhaustive") and hasattr(item, "callspec")
-                and not item.get_closest_marker("slow")):
-            grids.setdefault((item.path, item.originalname), []).append(item)
-    named = _cases_named_by_mutations() if grids else frozenset()
+    grids, variants = _parametrized(items, "exhaustive"), _parametrized(items, "variants")
+    cases = [item for group in (*grids.values(), *variants.values()) for item in group]
+    named = _cases_named_by_mutations() if cases else frozenset()
     on_command_line = cases_named_in(config.args, str(config.invocation_params.dir))
-    named |= items_named([item for grid in grids.values() for item in grid], on_command_line)
-    for grid in grids.values():
-        kept = set(map(id, covering_cases(grid, named)))
-        for item in grid:
-            if id(item) not in kept:
-                item.add_marker(pytest.mark.slow)
+    named |= items_named(cases, on_command_line)
+    kept = kept_cases(list(grids.values()), list(variants.values()), named)
+    for item in cases:
+        if id(item) not in kept:
+            item.add_marker(pytest.mark.slow)
     if gpu_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")

@@ -1,12 +1,13 @@
-"""How the suite picks cases of `exhaustive` grids (`conftest.py`): a covering subset,
-plus every case a mutation patch or the command line names."""
+"""How the suite picks the cases CI runs (`conftest.py`): of `exhaustive` grids a covering
+subset, of `variants` functions the first case, plus every case a mutation patch or the
+command line names."""
 
 from __future__ import annotations
 
 import os
 import types
 
-from conftest import cases_named_in, covering_cases, items_named
+from conftest import cases_named_in, covering_cases, items_named, kept_cases
 
 
 def _case(nodeid: str, *ids: str, path: str = "tests/x.py"):
@@ -41,3 +42,12 @@ def test_the_items_named_are_those_a_grid_keeps_whatever_the_covering():
     assert (os.path.realpath(os.path.join(here, "tests/x.py")), "t[a::b]") in named
     kept = covering_cases(grid, frozenset(items_named(grid, named)))
     assert {c.nodeid for c in grid[:3]} <= {c.nodeid for c in kept}
+
+
+def test_a_variants_function_keeps_its_first_case_and_the_named_ones():
+    variants = [_case(f"tests/x.py::v[{i}]", str(i)) for i in range(4)]
+    grid = [_case(f"tests/x.py::g[{a}-{b}]", a, b) for a in ("x", "y") for b in ("0", "1")]
+    kept = kept_cases([grid], [variants], frozenset({variants[2].nodeid}))
+    assert {c.nodeid for c in variants if id(c) in kept} == {variants[0].nodeid,
+                                                               variants[2].nodeid}
+    assert {id(c) for c in covering_cases(grid)} <= kept

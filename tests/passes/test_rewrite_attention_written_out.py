@@ -62,6 +62,11 @@ def with_bias(q, k, v, bias):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
 
+def bias_before_the_scale(q, k, v, bias):
+    logits = (einsum("bqhd,bkhd->bhqk", q, k) + bias) / np.sqrt(H)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
 def softmax_written_out_max_stopped(q, k, v, mask):
     logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k) * 0.25, -jnp.inf)
     weights = jnp.exp(logits - jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True)))
@@ -76,13 +81,13 @@ def scaled_after_the_mask(q, k, v, mask):
 
 SPELLINGS = [einsum_scaled_after, einsum_ellipsis_flax_style, matmul_heads_first_soft_cap,
              grouped_query_by_repeat, with_bias, softmax_written_out_max_stopped,
-             scaled_after_the_mask]
+             scaled_after_the_mask, bias_before_the_scale]
 
 
 def operands(f, seed=0, hide_a_row=False):
     q = random_normal(seed, (B, T, N, H))
     k, v = random_normal(seed + 1, (B, S, N, H)), random_normal(seed + 2, (B, S, N, H))
-    if f is with_bias:
+    if f in (with_bias, bias_before_the_scale):
         return q, k, v, random_normal(seed + 3, (B, N, T, S))
     mask = np.array(jax.random.bernoulli(jax.random.key(seed + 3), 0.7, (B, 1, T, S)))
     mask[:, :, :, 0] = True  # every row sees a key ...

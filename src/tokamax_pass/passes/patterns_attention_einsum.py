@@ -5,7 +5,8 @@
 Matched at the second product, from the equations JAX traces them to, so any spelling
 that traces alike is one: `jnp.einsum` or `@`/`jnp.matmul`, any layout (each batch axis,
 heads included, shared by q, k and v; one query, one key and one feature axis), the
-scale a number multiplying (or dividing) the logits or q, a `bias` added to the logits,
+scale a number multiplying (or dividing) the logits or q, a `bias` added to the logits
+(also before the scale, `(q @ k^T + bias) * scale`: the op is given the bias scaled),
 a Gemma-2 soft cap `cap * tanh(logits / cap)`, a mask applied last by
 `jnp.where(mask, logits, fill)` with `fill` `-inf` or at most `-1e9` (or several in turn,
 one fill for all: the keys every one keeps), the scale also after the mask where no bias
@@ -86,6 +87,8 @@ class _Attention:
     key: Any = None
     value: Any = None
     bias: Any = None
+    # What the bias is multiplied by: the scale of `(q @ k^T + bias) * scale`.
+    bias_scale: float = 1.0
     # `(condition, negated)` of each `jnp.where` applied in turn: a key is kept where
     # every condition (negated where `negated`) holds.
     masks: list[tuple[Any, bool]] = dataclasses.field(default_factory=list)
@@ -259,6 +262,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     capped = _soft_cap(graph, attention, logits)
     if capped is not None:
         logits = capped
+    logits = _scaled_sum(graph, attention, logits)
     add = graph.producer(logits, "add")
     if add is not None:
         for body, bias in (add.invars, add.invars[::-1]):
@@ -380,6 +384,30 @@ def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
     return logits
 
 
+def _scaled_sum(graph: Graph, attention: _Attention, logits: Any) -> Any:
+    """The sum under a constant scale of `(q @ k^T + bias) * scale`, the scale taken as the
+    op's and the bias's (`bias_scale`: the op adds its bias after scaling), else
+    `logits`."""
+    eqn = graph.producer(logits, "mul", "div")
+    if eqn is None:
+        return logits
+    for body, factor in _operand_orders(eqn):
+        value = scalar_constant(graph, factor)
+        add = graph.producer(_unwidened(graph, body, []), "add")
+        if (value is not None and np.ndim(value) == 0 and float(value) != 0
+                and add is not None and any(
+                    literal_value(bias) is None and (
+                        graph.producer(summand, "mul", "div") is not None
+                        or _product(graph, _unwidened(graph, summand, []))[0] is not None)
+                    for summand, bias in (add.invars, add.invars[::-1]))):
+            scale = float(value) if eqn.primitive.name == "mul" else 1 / float(value)
+            attention.scale *= scale
+            attention.bias_scale = scale
+            attention.region.append(eqn)
+            return _unwidened(graph, body, attention.region)
+    return logits
+
+
 def _scaled_after_mask(graph: Graph, attention: _Attention, logits: Any
                        ) -> tuple[float, Any] | None:
     """`(scale, masked logits)` where `logits` are masked logits times a constant
@@ -471,6 +499,8 @@ def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, 
     bias = mask = None
     if attention.bias is not None:
         bias = per_head(extra_arrays.pop(0))
+        if attention.bias_scale != 1.0:
+            bias = bias * jnp.asarray(attention.bias_scale, bias.dtype)
     for _, negated in attention.masks:
         kept = per_head(extra_arrays.pop(0))
         kept = ~kept if negated else kept

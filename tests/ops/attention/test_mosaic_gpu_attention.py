@@ -48,6 +48,7 @@ def _mosaic(q, k, v, **kwargs):
     return dot_product_attention(q, k, v, implementation="mosaic", **kwargs)
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("head_dim,kv_heads,causal", [
     (64, 4, False), (128, 4, True), (256, 4, False), (64, 2, True), (128, 1, False),
 ])
@@ -59,6 +60,7 @@ def test_forward_lowers_to_mosaic_gpu(head_dim, kv_heads, causal):
     assert "tokamax_pass_spec" in text and "PallasMosaicGpuFlashAttention" in text
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("head_dim,kv_heads,causal", [
     (64, 4, True), (128, 4, False), (64, 2, False), (128, 1, True),
 ])
@@ -74,6 +76,7 @@ def test_gradient_lowers_to_three_mosaic_kernels(head_dim, kv_heads, causal):
     assert "PallasMosaicGpuFlashAttentionVjp" in text
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_self_attention_gradient_lowers_to_one_backward_kernel(head_dim):
     """attention(x, x, x): dq + dk + dv come from one kernel (the shared-input VJP)."""
@@ -104,6 +107,7 @@ def test_shared_kernel_configs_tune_its_own_tiles():
     assert not vjp_module.runs_shared_kernel({**ba.arguments, "is_causal": True})
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("lengths", ["query", "key_value", "both"])
 def test_sequence_lengths_lower_forward_and_gradient(lengths):
     q, kv = _sds((2, 256, 4, 64)), _sds((2, 256, 2, 64))
@@ -363,6 +367,7 @@ def test_a_4096_key_window_over_8192_keys_loads_about_half_the_tiles():
     assert causal / (num_tiles * seq // rows) <= 0.53  # against 1 for full attention
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("head_dim, kv_heads, causal, window, cap", [
     (64, 2, True, (128, 0), 50.0), (128, 4, False, (64, 64), None),
     pytest.param(128, 1, False, None, 30.0, marks=pytest.mark.slow),
@@ -465,6 +470,7 @@ _D256_LOWERED = [
 # The split dq at every mask; the whole dq at the two windowed calls, which between them
 # hold causal and not, the soft cap, key lengths and GQA (its dq kernel's K/V range and
 # masks are the split one's; the plain and MQA calls add nothing the whole dq reads).
+@pytest.mark.variants
 @pytest.mark.parametrize(("kv_heads", "causal", "window", "cap", "lengths", "vjp_config"), [
     pytest.param(*case, config,
                  id=f"{case[0]}-{case[1]}-window{i}-{case[3]}-{case[4]}-{name}")

@@ -105,6 +105,7 @@ def test_dkv_matches_the_per_query_head_kernel():
         np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max())
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("fields, head_dim, kv_heads, kwargs", [
     (dict(), 128, 2, dict()),
     (dict(compute_wgs=1, num_stages=3), 64, 1, dict(local_window_size=(200, 0))),
@@ -227,6 +228,7 @@ def _separate_kernels(case: int) -> int:
     return export_vjp(MosaicAttentionVjpConfig(), **kwargs).mlir_module().count("mosaic_gpu_v2")
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("mode", ["ordered", pytest.param("atomic", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("fields, kwargs", [
     pytest.param(*case, id=f"fields{i}-kwargs{i}") for i, case in enumerate(_FUSED_LOWERED)])
@@ -406,6 +408,7 @@ def _gradient_text(head_dim, *, through_lse=False, config=None):
                                  )(q, kv, kv).mlir_module()
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("head_dim, through_lse, config, delta_pass", [
     (128, False, None, False),
     (64, False, V(compute_wgs=1), False),

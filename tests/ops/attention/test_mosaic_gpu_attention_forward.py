@@ -132,6 +132,7 @@ _GRID_CASES = [
 # cases (the ring wrapping at different tiles), which walk the same loop with one Q buffer:
 # the window, cap and key-length cases differ only in the K/V range of a tile, which
 # does not depend on the prefetch.
+@pytest.mark.variants
 @pytest.mark.parametrize(("prefetch", "shape", "causal", "fields", "kwargs"), [
     pytest.param(prefetch, *case, id=f"{prefetch}-shape{i}-{case[1]}-fields{i}-kwargs{i}")
     for prefetch in (False, True) for i, case in enumerate(_GRID_CASES)
@@ -243,6 +244,7 @@ _LOWERED = [
 
 # Every head dim and mask with the prefetch; without it once (d128 causal): the window,
 # cap, key lengths and d256 change the tile's K/V range and tiles, not the Q load.
+@pytest.mark.variants
 @pytest.mark.parametrize(("prefetch", "head_dim", "causal", "kwargs"), [
     pytest.param(prefetch, *case, id=f"{prefetch}-{case[0]}-{case[1]}-kwargs{i}")
     for prefetch in (False, True) for i, case in enumerate(_LOWERED) if prefetch or i == 0])
@@ -379,6 +381,7 @@ def test_group_in_block_interpreted_matches_reference(shape, causal, window, cap
                 MosaicAttentionVjpConfig(compute_wgs=1), seed=23)
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("shape, causal, fields, kwargs", [
     ((2, 256, 256, 4, 2, 64), True, dict(longest_first=True), {}),
     ((2, 128, 256, 4, 1, 64), False, dict(num_stages=3), {}),
@@ -434,6 +437,7 @@ def test_groups_that_do_not_divide_are_refused():
     assert dataclasses.replace(_grouped(), group_in_block=False).rows_per_block == 128
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("launch", [{}, dict(persistent=True, prefetch_query=True)])
 def test_group_in_block_lowers_for_h200(launch):
     """Causal GQA with the default backward, lowered for an H200: grid-launched, and
@@ -503,6 +507,7 @@ def _export(fn, *args):
                                  disabled_checks=tokamax.DISABLE_JAX_EXPORT_CHECKS)(*args)
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("head_dim, kv_heads, causal, cap, config", [
     (128, 4, False, None, _overlap(block_kv=128)),
     (128, 1, True, None, _overlap(block_kv=128)),
@@ -666,6 +671,7 @@ def test_the_dkv_kernel_ignores_it(kernel, fields):
     assert _program(kernel, on, causal=True) == _program(kernel, off, causal=True)
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("head_dim, kv_heads, kwargs", [
     (128, 2, dict()),
     (64, 1, dict(local_window_size=(200, 0))),

@@ -75,6 +75,7 @@ def _kernel_specs(text: str) -> list[str]:
 
 # --- lowering for the H200 --------------------------------------------------------------
 
+@pytest.mark.variants
 @pytest.mark.parametrize("fused, activation", [(True, jax.nn.swish), (False, jax.nn.gelu)])
 @pytest.mark.parametrize("shape", ["small", "bench"])
 def test_forward_lowers_to_one_kernel(fused, activation, shape):
