@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -368,44 +369,63 @@ def _window(band: band_mask.Band, rows: int, keys: int
     return False, (left, right)
 
 
+def _constant_factor(graph: Graph, var: Any, accepts: Callable[[Any], bool]
+                     ) -> tuple[float, Any, Any] | None:
+    """`(factor, body, eqn)` where `var` is `body` times (or over: the factor is then the
+    reciprocal) a nonzero scalar constant, by the equation `eqn`, and `accepts(body)`;
+    else `None`."""
+    eqn = graph.producer(var, "mul", "div")
+    if eqn is None:
+        return None
+    for body, factor in _operand_orders(eqn):
+        value = scalar_constant(graph, factor)
+        if value is not None and np.ndim(value) == 0 and float(value) != 0 and accepts(body):
+            return (float(value) if eqn.primitive.name == "mul" else 1 / float(value)), body, eqn
+    return None
+
+
 def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
     """The logits before a constant scale (the product, possibly cast to a wider float
     type first: `einsum(q, k).astype(jnp.float32) / sqrt(d)`), else `logits`."""
-    eqn = graph.producer(logits, "mul", "div")
-    if eqn is None:
-        return logits
-    for body, factor in _operand_orders(eqn):
-        value = scalar_constant(graph, factor)
-        if (value is not None and np.ndim(value) == 0 and float(value) != 0
-                and _product(graph, _unwidened(graph, body, []))[0] is not None):
-            attention.scale *= float(value) if eqn.primitive.name == "mul" else 1 / float(value)
-            attention.region.append(eqn)
-            return body
-    return logits
+    return _taken_scale(attention, logits, _constant_factor(
+        graph, logits, lambda body: _product(graph, _unwidened(graph, body, []))[0] is not None))
+
+
+def _taken_scale(attention: _Attention, var: Any, found: tuple[float, Any, Any] | None) -> Any:
+    """The body of `found` (`_constant_factor`), its factor taken into the op's scale, or
+    `var` where nothing was found."""
+    if found is None:
+        return var
+    scale, body, eqn = found
+    attention.scale *= scale
+    attention.region.append(eqn)
+    return body
+
+
+def _biased_product(graph: Graph, var: Any) -> bool:
+    """Whether `var` is a (possibly scaled) `q . k` product plus an array (a bias)."""
+    add = graph.producer(_unwidened(graph, var, []), "add")
+    return add is not None and any(
+        literal_value(bias) is None and (
+            graph.producer(summand, "mul", "div") is not None
+            or _product(graph, _unwidened(graph, summand, []))[0] is not None)
+        for summand, bias in (add.invars, add.invars[::-1]))
 
 
 def _scaled_sum(graph: Graph, attention: _Attention, logits: Any) -> Any:
     """The sum under a constant scale of `(q @ k^T + bias) * scale`, the scale taken as the
     op's and the bias's (`bias_scale`: the op adds its bias after scaling), else
     `logits`."""
-    eqn = graph.producer(logits, "mul", "div")
-    if eqn is None:
+    found = _constant_factor(graph, logits, lambda body: _biased_product(graph, body))
+    if found is None:
         return logits
-    for body, factor in _operand_orders(eqn):
-        value = scalar_constant(graph, factor)
-        add = graph.producer(_unwidened(graph, body, []), "add")
-        if (value is not None and np.ndim(value) == 0 and float(value) != 0
-                and add is not None and any(
-                    literal_value(bias) is None and (
-                        graph.producer(summand, "mul", "div") is not None
-                        or _product(graph, _unwidened(graph, summand, []))[0] is not None)
-                    for summand, bias in (add.invars, add.invars[::-1]))):
-            scale = float(value) if eqn.primitive.name == "mul" else 1 / float(value)
-            attention.scale *= scale
-            attention.bias_scale = scale
-            attention.region.append(eqn)
-            return _unwidened(graph, body, attention.region)
-    return logits
+    attention.bias_scale = found[0]
+    return _unwidened(graph, _taken_scale(attention, logits, found), attention.region)
+
+
+def _is_where(graph: Graph, var: Any) -> bool:
+    where = graph.producer(_unwidened(graph, var, []), "jit")
+    return where is not None and where.params.get("name") == "_where"
 
 
 def _scaled_after_mask(graph: Graph, attention: _Attention, logits: Any
@@ -414,17 +434,12 @@ def _scaled_after_mask(graph: Graph, attention: _Attention, logits: Any
     (`jnp.where(mask, l, -inf) / jnp.sqrt(d)`), else `None`. The caller checks the scaled
     fill still hides its keys (a negative scale makes it the largest logit) and that no
     bias or soft cap sits under the scale."""
-    eqn = graph.producer(logits, "mul", "div")
-    if eqn is None:
+    found = _constant_factor(graph, logits, lambda body: _is_where(graph, body))
+    if found is None:
         return None
-    for body, factor in _operand_orders(eqn):
-        value = scalar_constant(graph, factor)
-        where = graph.producer(_unwidened(graph, body, []), "jit")
-        if (value is not None and np.ndim(value) == 0 and float(value) != 0
-                and where is not None and where.params.get("name") == "_where"):
-            attention.region.append(eqn)
-            return (float(value) if eqn.primitive.name == "mul" else 1 / float(value)), body
-    return None
+    scale, body, eqn = found
+    attention.region.append(eqn)
+    return scale, body
 
 
 def _operand_orders(eqn: Any) -> list[tuple[Any, Any]]:
@@ -435,17 +450,10 @@ def _operand_orders(eqn: Any) -> list[tuple[Any, Any]]:
 
 
 def _unscaled_query(graph: Graph, attention: _Attention, query: Any) -> Any:
-    eqn = graph.producer(query, "mul", "div")
-    if eqn is None or len(graph.users(query)) != 1:
+    if len(graph.users(query)) != 1:
         return query
-    for body, factor in _operand_orders(eqn):
-        value = scalar_constant(graph, factor)
-        if (value is not None and np.ndim(value) == 0 and float(value) != 0
-                and tuple(body.aval.shape) == tuple(query.aval.shape)):
-            attention.scale *= float(value) if eqn.primitive.name == "mul" else 1 / float(value)
-            attention.region.append(eqn)
-            return body
-    return query
+    return _taken_scale(attention, query, _constant_factor(
+        graph, query, lambda body: tuple(body.aval.shape) == tuple(query.aval.shape)))
 
 
 def _soft_cap(graph: Graph, attention: _Attention, logits: Any) -> Any:
