@@ -172,7 +172,7 @@ def without_explicit_shardings(ctx: Any) -> Any:
     call that is not partitioned: its body then traces as on one device (some JAX ops,
     such as `jax.lax.ragged_dot_general`, cannot infer their output sharding there)."""
     avals = list(ctx.avals_in) + list(ctx.avals_out)
-    if not any(_has_explicit_mesh(a) for a in avals):
+    if not any(has_explicit_mesh(a) for a in avals):
         return ctx
     with meshless():
         return ctx.replace(avals_in=[_plain(a) for a in ctx.avals_in],
@@ -186,20 +186,27 @@ def like_operand(grad: Any, operand: Any) -> Any:
     computed whole along K where `lhs` was sharded over it)."""
     if isinstance(grad, np.ndarray) or not hasattr(grad, "shape"):
         return grad
-    wanted = jax.typeof(operand)
-    if not _has_explicit_mesh(wanted) or jax.typeof(grad).sharding == wanted.sharding:
-        return grad
-    return jax.sharding.reshard(grad, wanted.sharding.spec)
+    return placed_like(grad, jax.typeof(operand))
 
 
-def _has_explicit_mesh(aval: Any) -> bool:
+def placed_like(value: Any, aval: Any) -> Any:
+    """`value` resharded to the sharding of the type `aval` where that type carries one
+    (Explicit axes) and `value`'s differs. The type's own sharding names its mesh, so no
+    mesh context is needed."""
+    if not has_explicit_mesh(aval) or jax.typeof(value).sharding == aval.sharding:
+        return value
+    return jax.sharding.reshard(value, aval.sharding)
+
+
+def has_explicit_mesh(aval: Any) -> bool:
+    """Whether the type `aval` is placed over a mesh with an Explicit axis."""
     mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
     return mesh is not None and not mesh.empty and (
         jax.sharding.AxisType.Explicit in mesh.axis_types)
 
 
 def _plain(aval: Any) -> Any:
-    if not _has_explicit_mesh(aval):
+    if not has_explicit_mesh(aval):
         return aval
     return jax.core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
@@ -287,7 +294,7 @@ def _typed_as_partitioned(call: Any, operands: Sequence[Any],
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     assignment = assignment_from_specs(specs, [x.shape for x in operands], operand_dims, sizes,
                                        call.candidates[0].family_name())
-    return [o if _has_explicit_mesh(jax.typeof(o)) else jax.sharding.reshard(
+    return [o if has_explicit_mesh(jax.typeof(o)) else jax.sharding.reshard(
                 o, _out_spec(d, assignment))
             for o, d in zip(outs, out_dims, strict=True)]
 

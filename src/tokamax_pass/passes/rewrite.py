@@ -26,7 +26,7 @@ import jax
 from jax.extend import linear_util as lu
 from jax.extend.core import Jaxpr
 
-from tokamax_pass.core import selection, spec
+from tokamax_pass.core import selection, sharding, spec
 from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.core.device import Target
 from tokamax_pass.core.op import Op
@@ -179,7 +179,10 @@ class Rewriter:
             traced = walk.trace_plain(jax.make_jaxpr(candidate.function),
                                       *map(jax.typeof, values))
         outs = emit.emit(self, traced, values, path)
-        return [_placed_as(out, var.aval) for out, var in zip(outs, eqn.outvars, strict=True)]
+        # Placed as the user's equation placed its results, where the op placed them
+        # otherwise (an `out_sharding` inside the matched region).
+        return [sharding.placed_like(out, var.aval)
+                for out, var in zip(outs, eqn.outvars, strict=True)]
 
     def kept_pattern(self, eqn: Any, path: str, graph: Graph | None,
                      names: frozenset[str] | None = None, *, differentiated: bool = False
@@ -328,31 +331,8 @@ class Rewriter:
 def _placed(aval: Any) -> bool:
     """Whether a value's type says where it lives: varying over `shard_map` axes, or split
     over Explicit mesh axes."""
-    spec = _explicit_spec(aval)
-    return bool(aval.mat.varying) or (spec is not None
-                                      and any(axis is not None for axis in spec))
-
-
-def _explicit_spec(aval: Any) -> Any:
-    """The `PartitionSpec` of a value typed over a mesh with an Explicit axis (the type
-    names only those), else `None`."""
-    sharding = getattr(aval, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or not any(kind == jax.sharding.AxisType.Explicit
-                               for kind in mesh.axis_types or ()):
-        return None
-    return getattr(sharding, "spec", None)
-
-
-def _placed_as(out: Any, aval: Any) -> Any:
-    """`out` (computed by an op) resharded as the user's equation placed its result
-    (`aval`), where the op placed it otherwise (an `out_sharding` written inside the
-    matched region): the values downstream meet keep their types. Resharded to the
-    type's own sharding, which names its mesh: no mesh context is needed."""
-    spec = _explicit_spec(aval)
-    if spec is None or _explicit_spec(jax.typeof(out)) == spec:
-        return out
-    return jax.sharding.reshard(out, aval.sharding)
+    return bool(aval.mat.varying) or (sharding.has_explicit_mesh(aval) and any(
+        axis is not None for axis in aval.sharding.spec))
 
 
 def rewrite_wins(chosen: Iterable[BoundArguments]) -> bool:
