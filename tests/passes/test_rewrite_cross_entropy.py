@@ -41,6 +41,24 @@ def optax_spelling(x, w, labels):
     return jax.nn.logsumexp(logits, axis=-1) - label_logits.squeeze(-1)
 
 
+def optax_shifted_spelling(x, w, labels):
+    """`optax.softmax_cross_entropy_with_integer_labels` as optax computes it: the logits
+    shifted by their gradient-stopped max, `log(sum(exp))` minus the label's."""
+    logits = logits_of(x, w)
+    logits -= jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return jnp.log(jnp.sum(jnp.exp(logits), axis=-1)) - label_logits
+
+
+def optax_shifted_spelling_with_initial(x, w, labels):
+    """optax's versions taking `where=`: the max with `initial=-jnp.inf`."""
+    logits = logits_of(x, w)
+    logits_max = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
+    logits -= jax.lax.stop_gradient(logits_max)
+    label_logits = jnp.take_along_axis(logits, jnp.expand_dims(labels, -1), axis=-1)
+    return jnp.log(jnp.sum(jnp.exp(logits), axis=-1)) - label_logits.squeeze(-1)
+
+
 def mean_loss(x, w, labels):
     return optax_spelling(x, w, labels).mean()
 
@@ -80,6 +98,13 @@ def one_hot_loss(x, w, labels):
     """`optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, V))`: a label outside
     [0, V) has an all-zero row, so no loss."""
     return -(jax.nn.one_hot(labels, V) * jax.nn.log_softmax(logits_of(x, w))).sum(-1)
+
+
+def bfloat16_one_hot_loss(x, w, labels):
+    """The one-hot in bfloat16, which holds its zeros and ones exactly: the product
+    promotes it to the float32 log-probabilities'."""
+    one_hot = jax.nn.one_hot(labels, V, dtype=jnp.bfloat16)
+    return -jnp.sum(one_hot * jax.nn.log_softmax(logits_of(x, w)), axis=-1)
 
 
 def one_hot_loss_summed_by_jnp(x, w, labels):
@@ -149,7 +174,8 @@ def operands(seed=0, dtype=jnp.float32):
 
 
 @pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, mean_loss,
-                               negated_mean_log_probability,
+                               optax_shifted_spelling, negated_mean_log_probability,
+                               bfloat16_one_hot_loss,
                                negated_mean_of_unsqueezed_log_probabilities, one_hot_loss,
                                one_hot_loss_summed_by_jnp,
                                negated_mean_of_one_hot_log_probabilities, soft_capped_loss,
@@ -180,6 +206,7 @@ def test_values_and_gradients_match_jit(rewritten, f):
 
 
 @pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, negated_mean_log_probability,
+                               optax_shifted_spelling_with_initial, bfloat16_one_hot_loss,
                                negated_mean_of_unsqueezed_log_probabilities, one_hot_loss,
                                negated_mean_of_one_hot_log_probabilities,
                                indexed_log_softmax_loss, indexed_negated_mean,
@@ -420,6 +447,21 @@ def indexed_in_clip_mode(x, w, labels):
     return -log_probs.at[jnp.arange(x.shape[0]), labels].get(mode="clip")
 
 
+def smoothed_bfloat16_one_hot(x, w, labels):
+    """Label smoothing of a bfloat16 one-hot (`0.1 / V` rounded): no one-hot."""
+    one_hot = jax.nn.one_hot(labels, V, dtype=jnp.bfloat16) * 0.9 + 0.1 / V
+    return -jnp.sum(one_hot * jax.nn.log_softmax(logits_of(x, w)), axis=-1)
+
+
+def smoothed_shifted_optax(x, w, labels):
+    """optax's shifted spelling with label smoothing: the shifted logits read again."""
+    logits = logits_of(x, w)
+    logits -= jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    label_logits = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    log_normalizers = jnp.log(jnp.sum(jnp.exp(logits), axis=-1))
+    return log_normalizers - (0.9 * label_logits + 0.1 * logits.mean(-1))
+
+
 def smoothed_optax_under_vmap(x, w, labels):
     """Label smoothing in the user's `jax.vmap`: the log-sum-exp is read again."""
     def per_example(x, labels):
@@ -443,6 +485,7 @@ def embedding_against_the_wrong_axis(x, w, labels):
                                float32_logits_of_a_bfloat16_product, soft_capped_in_bfloat16,
                                indexed_in_reversed_rows, indexed_along_the_rows,
                                indexed_in_clip_mode, smoothed_optax_under_vmap,
+                               smoothed_shifted_optax, smoothed_bfloat16_one_hot,
                                embedding_against_the_wrong_axis],
                          ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):

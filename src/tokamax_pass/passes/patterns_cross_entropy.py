@@ -9,17 +9,21 @@ Matched at the loss, in float32, the logits `x @ w` (`x`'s last axis against a `
 layout of its own for it, and its kernels read the transposed copy) possibly cast to
 float32 and then soft-capped (`cap * tanh(logits / cap)`, Gemma 2's final-logit cap, the
 op's `logits_soft_cap`) first, spelled as `-take_along_axis(jax.nn.log_softmax(logits),
-labels[..., None], -1)[..., 0]` or as optax spells it, `jax.nn.logsumexp(logits, -1) -
+labels[..., None], -1)[..., 0]`, as `jax.nn.logsumexp(logits, -1) -
 take_along_axis(logits, labels[..., None], -1)[..., 0]` (`jnp.expand_dims` and `squeeze`
-too). Labels index as `take_along_axis` does: a negative one counts from the end, and
-one out of range gives NaN. Wherever a spelling below takes `log_softmax(logits)`, it
+too), or as `optax.softmax_cross_entropy_with_integer_labels` computes it: the logits
+shifted by their gradient-stopped row max (`jnp.max(..., initial=-jnp.inf)` too), then
+`log(sum(exp(shifted)))` minus the label's shifted logit. Labels index as
+`take_along_axis` does: a negative one counts from the end, and one out of range gives
+NaN. Wherever a spelling below takes `log_softmax(logits)`, it
 may be `jax.nn.log_softmax(logits)` or `logits - jax.nn.logsumexp(logits, -1,
 keepdims=True)`.
 
 Two more spellings: the label's log-probability `take_along_axis(log_softmax(logits),
 ...)[..., 0]` (or left `(..., 1)`, without the `[..., 0]`) negated later
 (`-log_probs.mean()`, `-jnp.sum(...)`), replaced by the op's loss negated; and the
-one-hot form `-(jax.nn.one_hot(labels, V) * log_softmax(logits)).sum(-1)` (optax's
+one-hot form `-(jax.nn.one_hot(labels, V) * log_softmax(logits)).sum(-1)` (the one-hot
+float32 or bfloat16, whose zeros and ones are exact; optax's
 `softmax_cross_entropy` of one-hot labels, also negated later:
 `-(one_hot * log_softmax(logits)).sum(-1).mean()`, or summed over every axis at once,
 `-jnp.sum(one_hot * log_softmax(logits))`), where a label outside `[0, V)` has an
@@ -97,6 +101,25 @@ def _optax_spelling(expand: str, squeeze: str) -> Callable[[Any, Any], Any]:
     return loss
 
 
+def _shifted_optax_spelling(expand: str, squeeze: str, initial: bool
+                            ) -> Callable[[Any, Any], Any]:
+    """`optax.softmax_cross_entropy_with_integer_labels` as optax computes it: the
+    logits shifted by their (gradient-stopped) row max, `log(sum(exp(shifted)))` minus
+    the label's shifted logit. `initial`: the max taken with `initial=-jnp.inf`, as
+    optax's versions taking `where=` write it (a no-op on the values)."""
+    def loss(logits: Any, labels: Any) -> Any:
+        if initial:
+            logits_max = jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf)
+        else:
+            logits_max = jnp.max(logits, axis=-1, keepdims=True)
+        shifted = logits - jax.lax.stop_gradient(logits_max)
+        picked = jnp.take_along_axis(shifted, _expanded(labels, expand), axis=-1)
+        log_normalizers = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1))
+        return log_normalizers - _squeezed(picked, squeeze)
+
+    return loss
+
+
 def _log_probability_spelling(expand: str, squeeze: str, log_softmax: Callable[[Any], Any]
                               ) -> Callable[[Any, Any], Any]:
     def log_probability(logits: Any, labels: Any) -> Any:
@@ -145,19 +168,22 @@ def _indexed_logit_spelling(logits: Any, labels: Any) -> Any:
     return jax.nn.logsumexp(logits, axis=-1) - _indexed(logits, labels)
 
 
-def _one_hot_product(one_hot_first: bool, log_softmax: Callable[[Any], Any]
+def _one_hot_product(one_hot_first: bool, dtype: Any, log_softmax: Callable[[Any], Any]
                      ) -> Callable[[Any, Any], Any]:
+    """`one_hot * log_softmax(logits)`, the one-hot of `dtype` (a narrower float holds its
+    zeros and ones exactly: the product promotes it to the log-probabilities' float32)."""
     def product(logits: Any, labels: Any) -> Any:
-        one_hot = jax.nn.one_hot(labels, logits.shape[-1])
+        one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=dtype)
         log_probs = log_softmax(logits)
         return one_hot * log_probs if one_hot_first else log_probs * one_hot
 
     return product
 
 
-def _one_hot_log_probability_spelling(one_hot_first: bool, log_softmax: Callable[[Any], Any]
+def _one_hot_log_probability_spelling(one_hot_first: bool, dtype: Any,
+                                      log_softmax: Callable[[Any], Any]
                                       ) -> Callable[[Any, Any], Any]:
-    product = _one_hot_product(one_hot_first, log_softmax)
+    product = _one_hot_product(one_hot_first, dtype, log_softmax)
 
     def log_probability(logits: Any, labels: Any) -> Any:
         return product(logits, labels).sum(-1)
@@ -165,10 +191,10 @@ def _one_hot_log_probability_spelling(one_hot_first: bool, log_softmax: Callable
     return log_probability
 
 
-def _one_hot_total_spelling(one_hot_first: bool, log_softmax: Callable[[Any], Any]
+def _one_hot_total_spelling(one_hot_first: bool, dtype: Any, log_softmax: Callable[[Any], Any]
                             ) -> Callable[[Any, Any], Any]:
     """`-jnp.sum(one_hot * log_softmax(logits))`: every token's loss summed at once."""
-    product = _one_hot_product(one_hot_first, log_softmax)
+    product = _one_hot_product(one_hot_first, dtype, log_softmax)
 
     def loss(logits: Any, labels: Any) -> Any:
         return -product(logits, labels).sum()
@@ -176,9 +202,9 @@ def _one_hot_total_spelling(one_hot_first: bool, log_softmax: Callable[[Any], An
     return loss
 
 
-def _one_hot_spelling(one_hot_first: bool, log_softmax: Callable[[Any], Any]
+def _one_hot_spelling(one_hot_first: bool, dtype: Any, log_softmax: Callable[[Any], Any]
                       ) -> Callable[[Any, Any], Any]:
-    log_probability = _one_hot_log_probability_spelling(one_hot_first, log_softmax)
+    log_probability = _one_hot_log_probability_spelling(one_hot_first, dtype, log_softmax)
 
     def loss(logits: Any, labels: Any) -> Any:
         return -log_probability(logits, labels)
@@ -242,27 +268,31 @@ class _Spelling:
 
 _FORMS = [(e, s) for e in ("index", "expand_dims") for s in ("index", "squeeze")]
 _LOG_PROBABILITY = _Labels.PICKED_LOG_PROBABILITY
-_FIRSTS = (True, False)
+# One-hot labels: the one-hot's factor first or second, and its dtype.
+_ONE_HOTS = [(first, dtype) for first in (True, False) for dtype in (jnp.float32, jnp.bfloat16)]
 _SPELLINGS = {
     "neg": (*(_Spelling(_log_softmax_spelling(e, s, f), _LOG_PROBABILITY)
               for e, s in _FORMS for f in _LOG_SOFTMAXES),
-            *(_Spelling(_one_hot_spelling(first, f), _Labels.ONE_HOT)
-              for first in _FIRSTS for f in _LOG_SOFTMAXES),
-            *(_Spelling(_one_hot_total_spelling(first, f), _Labels.ONE_HOT, summed=True)
-              for first in _FIRSTS for f in _LOG_SOFTMAXES),
+            *(_Spelling(_one_hot_spelling(first, dtype, f), _Labels.ONE_HOT)
+              for first, dtype in _ONE_HOTS for f in _LOG_SOFTMAXES),
+            *(_Spelling(_one_hot_total_spelling(first, dtype, f), _Labels.ONE_HOT, summed=True)
+              for first, dtype in _ONE_HOTS for f in _LOG_SOFTMAXES),
             *(_Spelling(_indexed_log_softmax_spelling(f), _Labels.INDEXED_LOG_PROBABILITY)
               for f in _LOG_SOFTMAXES)),
     "sub": (*(_Spelling(_optax_spelling(e, s), _Labels.PICKED_LOGIT) for e, s in _FORMS),
             *(_Spelling(jax.vmap(_optax_spelling(e, s)), _Labels.PICKED_LOGIT, mapped=True)
               for e, s in _FORMS),
+            *(_Spelling(_shifted_optax_spelling(e, s, initial), _Labels.PICKED_LOGIT)
+              for e, s in _FORMS for initial in (False, True)),
             _Spelling(_indexed_logit_spelling, _Labels.INDEXED_LOGIT)),
     "gather": tuple(_Spelling(_indexed_log_probability_spelling(f),
                               _Labels.INDEXED_LOG_PROBABILITY, negated=True)
                     for f in _LOG_SOFTMAXES),
     "squeeze": tuple(_Spelling(_log_probability_spelling(e, s, f), _LOG_PROBABILITY,
                                negated=True) for e, s in _FORMS for f in _LOG_SOFTMAXES),
-    "reduce_sum": tuple(_Spelling(_one_hot_log_probability_spelling(first, f), _Labels.ONE_HOT,
-                                  negated=True) for first in _FIRSTS for f in _LOG_SOFTMAXES),
+    "reduce_sum": tuple(_Spelling(_one_hot_log_probability_spelling(first, dtype, f),
+                                  _Labels.ONE_HOT, negated=True)
+                        for first, dtype in _ONE_HOTS for f in _LOG_SOFTMAXES),
     "jit": tuple(_Spelling(_picked_log_probability_spelling(e, f), _LOG_PROBABILITY,
                            negated=True, keeps_axis=True)
                  for e in ("index", "expand_dims") for f in _LOG_SOFTMAXES),
@@ -344,6 +374,9 @@ def _entry_avals(graph: Graph, entry: Any, spelling: _Spelling,
     tokens' (`None`: any)."""
     logits = (entry.outvars if spelling.labels is _Labels.ONE_HOT else entry.invars)[0]
     logits_shape = tuple(logits.aval.shape)
+    # A one-hot's dtype may be narrower than the logits': a loss matched is float32, and
+    # so are its logits (the op's).
+    dtype = jnp.float32 if spelling.labels is _Labels.ONE_HOT else logits.aval.dtype
     if shape is None:
         shape = logits_shape[:-1]
     if logits_shape[:-1] != shape or not spelling.fits(len(logits_shape)):
@@ -351,8 +384,8 @@ def _entry_avals(graph: Graph, entry: Any, spelling: _Spelling,
     indices = entry.invars[-1]  # the labels, or the fancy index's rows and labels
     dtypes = (_index_dtypes(graph, indices) if spelling.labels in _INDEXED
               else [indices.aval.dtype])
-    return [((logits_shape, logits.aval.dtype), (shape, dtype)) for dtype in dtypes
-            if jnp.issubdtype(dtype, jnp.integer)]
+    return [((logits_shape, dtype), (shape, label_dtype)) for label_dtype in dtypes
+            if jnp.issubdtype(label_dtype, jnp.integer)]
 
 
 def _index_dtypes(graph: Graph, indices: Any) -> list[Any]:
