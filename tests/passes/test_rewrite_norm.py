@@ -88,9 +88,22 @@ def rms_reciprocal(x, scale):
     return x * jnp.reciprocal(jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)) * scale
 
 
+def equinox_layer_norm(x, weight, bias):
+    """`equinox.nn.LayerNorm`, one row at a time under the user's `jax.vmap`: statistics
+    over the whole row, the variance clipped at zero."""
+    def one(x):
+        mean = jnp.mean(x, keepdims=True)
+        variance = jnp.maximum(0.0, jnp.var(x, keepdims=True))
+        out = (x - mean) * jax.lax.rsqrt(variance + 1e-5)
+        return bias + weight * out
+
+    return jax.vmap(jax.vmap(one))(x)
+
+
 SPELLINGS = [rms_power, rms_reciprocal, rms_rsqrt, rms_sqrt_no_keepdims, rms_gemma,
              rms_gemma_reference, rms_no_scale, layer_norm_var, layer_norm_spelled_out,
-             layer_norm_scale_before_the_divisor, rms_scale_before_rsqrt, layer_norm_flax]
+             layer_norm_scale_before_the_divisor, rms_scale_before_rsqrt, layer_norm_flax,
+             equinox_layer_norm]
 
 
 def operands(f, dtype=jnp.float32, seed=0):
@@ -145,6 +158,16 @@ def rms_flax_float32_output(x, scale):
     return normed * scale
 
 
+def rms_flax_normalize(x, scale):
+    """`flax.linen.RMSNorm` as Flax computes it: the statistics of the upcast input, then
+    the normalization LayerNorm shares, `x - mean` with a mean of `jnp.zeros_like`."""
+    variance = jnp.mean(jax.lax.square(jnp.asarray(x, jnp.float32)), axis=(2,))
+    mean = jnp.zeros_like(variance).reshape(B, T, 1)
+    y = x - mean
+    factor = jax.lax.rsqrt(variance.reshape(B, T, 1) + 1e-6) * scale.reshape(1, 1, -1)
+    return jnp.asarray(y * factor, jnp.float32)
+
+
 def layer_norm_float32_output(x, scale, offset):
     x32 = x.astype(jnp.float32)
     mean = jnp.mean(x32, axis=-1, keepdims=True)
@@ -160,6 +183,17 @@ def test_bfloat16_input_left_in_float32(rewritten, f):
     args = operands(f, jnp.bfloat16)
     assert jax.jit(f)(*args).dtype == jnp.float32
     check_values_and_gradients(f, args, random_normal(9, (B, T, D)))
+
+
+def test_flax_rms_norm_subtracting_a_mean_of_zeros(rewritten):
+    """`x - zeros` is `x`: the op normalizes the upcast input. Flax upcasts the bfloat16
+    input twice (for the statistics, and in `x - mean`), so plain JAX's gradient sums
+    the two uses' bfloat16 cotangents, rounding twice where the op rounds once: bfloat16
+    tolerances."""
+    args = operands(rms_flax_normalize, jnp.bfloat16)
+    assert jax.jit(rms_flax_normalize)(*args).dtype == jnp.float32
+    check_values_and_gradients(rms_flax_normalize, args, random_normal(9, (B, T, D)),
+                               jnp.bfloat16)
 
 
 def test_vmap_scan_and_remat_bodies(rewritten):
@@ -227,6 +261,20 @@ def flax_fast_variance(x, scale, offset):
     return (x - jnp.expand_dims(mean, -1)) * factor + offset.reshape(1, 1, -1)
 
 
+def rms_minus_a_nonzero_constant(x, scale):
+    """Flax's normalization with a mean of halves, not zeros: no RMSNorm."""
+    variance = jnp.mean(jax.lax.square(x), axis=-1, keepdims=True)
+    y = x - jnp.full_like(variance, 0.5)
+    return y * (jax.lax.rsqrt(variance + 1e-6) * scale)
+
+
+def variance_clipped_above_zero(x, scale, offset):
+    """The variance clipped at a floor above zero, which changes small ones."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    variance = jnp.maximum(1e-3, jnp.var(x, axis=-1, keepdims=True))
+    return (x - mean) * jax.lax.rsqrt(variance + 1e-5) * scale + offset
+
+
 def over_the_first_axis(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=0, keepdims=True) + 1e-6) * scale
 
@@ -245,6 +293,8 @@ def masked_variance(x, scale, offset):
     (unbiased_variance, jnp.float32, "the variance divides by n - 1"),
     (flax_fast_variance, jnp.float32, "the variance is Flax's fast one"),
     (masked_variance, jnp.float32, "the variance is masked"),
+    (rms_minus_a_nonzero_constant, jnp.float32, None),
+    (variance_clipped_above_zero, jnp.float32, None),
 ], ids=lambda p: getattr(p, "__name__", ""))
 def test_near_misses_are_left_as_written(rewritten, f, dtype, reason):
     args = operands(f, dtype)

@@ -8,9 +8,12 @@ normalizes the upcast input):
 
 - statistics: `mean(x)` as `jnp.mean` (`sum / n`, with or without `keepdims`), the
   variance as `mean(square(x - mean))` (`square`, `** 2` or a product) or `jnp.var`
-  (`ddof=0`), RMSNorm's as `mean(square(x))`; Flax's fast variance
+  (`ddof=0`), RMSNorm's as `mean(square(x))`, either possibly clipped at zero
+  (`jnp.maximum(0.0, variance)`, Equinox's `LayerNorm`); Flax's fast variance
   `max(0, mean(square(x)) - square(mean))` is a near-miss (it loses precision where the
   op's does not);
+- centering: `x - mean(x)` (LayerNorm), none, or `x - zeros` (RMSNorm through Flax's
+  normalization shared with LayerNorm, the mean `jnp.zeros_like`);
 - normalization: `x_c * rsqrt(var + eps)`, `x_c / sqrt(var + eps)`,
   `x_c * (1 / sqrt(var + eps))`, `x_c * (var + eps) ** -0.5` or
   `x_c * jnp.reciprocal(jnp.sqrt(var + eps))`;
@@ -271,7 +274,8 @@ def _normalized(graph: Graph, norm: _Norm, eqn: Any) -> None:
     variance, eps = with_epsilon[0]
     norm.epsilon = float(literal_value(eps))
     x32 = _centered(graph, norm, centered)
-    _variance(graph, norm, variance, x32, centered)
+    # RMSNorm's variance squares `x` itself (`x - zeros` is `x`).
+    _variance(graph, norm, variance, x32, centered if norm.subtract_mean else x32)
     x = x32
     convert = graph.producer(x32, "convert_element_type")
     if convert is not None and jnp.issubdtype(convert.invars[0].aval.dtype, jnp.floating):
@@ -366,7 +370,9 @@ def _reciprocal_sqrt(graph: Graph, norm: _Norm, var: Any) -> Any:
 
 
 def _centered(graph: Graph, norm: _Norm, var: Any) -> Any:
-    """`x` of `x - mean(x)` (LayerNorm, `subtract_mean`), else `var` itself (RMSNorm)."""
+    """`x` of `x - mean(x)` (LayerNorm, `subtract_mean`), or of `x - zeros` (Flax's
+    `RMSNorm`, whose shared normalization subtracts a mean of zeros: exact, `x - 0` is
+    `x`), else `var` itself (RMSNorm)."""
     sub = graph.producer(var, "sub")
     if sub is not None:
         x, mean = sub.invars
@@ -375,7 +381,22 @@ def _centered(graph: Graph, norm: _Norm, var: Any) -> Any:
             norm.subtract_mean = True
             _is_mean_of(graph, mean, x, norm.core)
             return x
+        zeros = _zeros(graph, mean)
+        if zeros is not None:
+            norm.core.extend([sub, *zeros])
+            return x
     return var
+
+
+def _zeros(graph: Graph, var: Any) -> list[Any] | None:
+    """The equations broadcasting (or reshaping) a literal zero into `var`
+    (`jnp.zeros_like`), else `None`."""
+    eqns = []
+    while (eqn := graph.producer(var, *SHAPE_ONLY)) is not None:
+        eqns.append(eqn)
+        var = eqn.invars[0]
+    value = literal_value(var)
+    return eqns if eqns and value is not None and float(value) == 0.0 else None
 
 
 def _is_mean_of(graph: Graph, var: Any, x: Any, core: list[Any]) -> bool:
@@ -405,8 +426,10 @@ def _is_mean_of(graph: Graph, var: Any, x: Any, core: list[Any]) -> bool:
 
 def _variance(graph: Graph, norm: _Norm, var: Any, x: Any, centered: Any) -> None:
     """`var` is the variance of `x` (`mean(square(centered))`, `jnp.var`), or for RMSNorm
-    the mean of `square(x)`."""
-    var = _unbroadcast(graph, norm, var)
+    the mean of `square(x)`; also clipped at zero, `jnp.maximum(0.0, variance)` (as
+    Equinox's `LayerNorm` writes it: a mean of squares is never negative, so the clip
+    changes no value, and the gradient it halves at zero meets centered values of 0)."""
+    var = _unclipped(graph, norm, _unbroadcast(graph, norm, var))
     jnp_var = graph.producer(var, "jit")
     if jnp_var is not None and jnp_var.params.get("name") == "_var":
         if len(jnp_var.invars) != 2:
@@ -439,6 +462,19 @@ def _variance(graph: Graph, norm: _Norm, var: Any, x: Any, centered: Any) -> Non
         norm.core.append(again)
         if again.primitive.name == "sub":  # with its own broadcast of the mean
             _is_mean_of(graph, again.invars[1], again.invars[0], norm.core)
+
+
+def _unclipped(graph: Graph, norm: _Norm, var: Any) -> Any:
+    """`v` of `jnp.maximum(0.0, v)` where `v` is no difference (Flax's fast variance is
+    one, a near-miss `_variance` names), the `max` recorded; else `var` itself."""
+    maximum = graph.producer(var, "max")
+    if maximum is None:
+        return var
+    for zero, clipped in (maximum.invars, maximum.invars[::-1]):
+        if literal_value(zero) == 0 and graph.producer(clipped, "sub") is None:
+            norm.core.append(maximum)
+            return _unbroadcast(graph, norm, clipped)
+    return var
 
 
 def _fast_variance(graph: Graph, var: Any, x: Any) -> bool:
