@@ -102,11 +102,17 @@ def tril_and_triu_of_ones(rows, cols):
     return jnp.tril(jnp.ones((T, S), bool)) & jnp.triu(jnp.ones((T, S), bool), -WINDOW)
 
 
+def band_cast_to_float(rows, cols):
+    """A float32 mask, as Flax's `make_causal_mask` gives: kept where nonzero."""
+    return rows_minus_cols(rows, cols).astype(jnp.float32)
+
+
 def negated_comparisons(rows, cols):
     return ~(cols > rows) & ~(rows - cols > WINDOW)
 
 
-@pytest.mark.parametrize("keep", [tril_and_triu_of_ones, negated_comparisons],
+@pytest.mark.parametrize("keep", [tril_and_triu_of_ones, negated_comparisons,
+                                  band_cast_to_float],
                          ids=lambda f: f.__name__)
 def test_other_spellings_of_the_causal_window(rewritten, keep):
     def f(q, k, v):

@@ -62,6 +62,27 @@ def with_bias(q, k, v, bias):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
 
+def bias_subtracted(q, k, v, bias):
+    """`logits - bias`: the op's bias is `-bias` (a negation is exact)."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k) * 0.25 - bias
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def float_mask_flax_style(q, k, v, mask):
+    """Flax's masks are float32 (`make_attention_mask(..., dtype=jnp.float32)`), and
+    `jnp.where` keeps the keys where they are nonzero: the boolean they were cast from."""
+    logits = einsum("...qhd,...khd->...hqk", q / np.sqrt(H), k)
+    logits = jnp.where(mask.astype(jnp.float32), logits, jnp.finfo(jnp.float32).min)
+    return einsum("...hqk,...khd->...qhd", jax.nn.softmax(logits), v)
+
+
+def integer_mask(q, k, v, mask):
+    """A mask given as integers (an `attention_mask` of 0 and 1, here of 0 and 2): kept
+    where nonzero."""
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k) * 0.25, -1e9)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
 def bias_before_the_scale(q, k, v, bias):
     logits = (einsum("bqhd,bkhd->bhqk", q, k) + bias) / np.sqrt(H)
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
@@ -81,18 +102,21 @@ def scaled_after_the_mask(q, k, v, mask):
 
 SPELLINGS = [einsum_scaled_after, einsum_ellipsis_flax_style, matmul_heads_first_soft_cap,
              grouped_query_by_repeat, with_bias, softmax_written_out_max_stopped,
-             scaled_after_the_mask, bias_before_the_scale]
+             scaled_after_the_mask, bias_before_the_scale, bias_subtracted,
+             float_mask_flax_style, integer_mask]
 
 
 def operands(f, seed=0, hide_a_row=False):
     q = random_normal(seed, (B, T, N, H))
     k, v = random_normal(seed + 1, (B, S, N, H)), random_normal(seed + 2, (B, S, N, H))
-    if f in (with_bias, bias_before_the_scale):
+    if f in (with_bias, bias_before_the_scale, bias_subtracted, logits_subtracted_from_bias):
         return q, k, v, random_normal(seed + 3, (B, N, T, S))
     mask = np.array(jax.random.bernoulli(jax.random.key(seed + 3), 0.7, (B, 1, T, S)))
     mask[:, :, :, 0] = True  # every row sees a key ...
     if hide_a_row:
         mask[0, 0, 3, :] = False  # ... but this one
+    if f is integer_mask:
+        return q, k, v, jnp.asarray(mask, jnp.int32) * 2
     return q, k, v, jnp.asarray(mask)
 
 
@@ -251,6 +275,12 @@ def negative_scale_after_the_mask(q, k, v, mask):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
 
+def logits_subtracted_from_bias(q, k, v, bias):
+    """`bias - logits`: the logits negated, no attention."""
+    logits = bias - einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
 def logits_rounded_to_bfloat16(q, k, v, mask):
     """float32 logits rounded to bfloat16 and back: the op's float32 logits would not."""
     logits = einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.bfloat16) * 0.3
@@ -261,7 +291,7 @@ def logits_rounded_to_bfloat16(q, k, v, mask):
                                dropout, mask_before_the_soft_cap, logits_rounded_to_bfloat16,
                                fill_scaled_out_of_reach, soft_cap_under_a_scale_after_the_mask,
                                negative_scale_after_the_mask,
-                               bias_under_a_scale_after_the_mask],
+                               bias_under_a_scale_after_the_mask, logits_subtracted_from_bias],
                          ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     args = operands(f)

@@ -6,10 +6,12 @@ Matched at the second product, from the equations JAX traces them to, so any spe
 that traces alike is one: `jnp.einsum` or `@`/`jnp.matmul`, any layout (each batch axis,
 heads included, shared by q, k and v; one query, one key and one feature axis), the
 scale a number multiplying (or dividing) the logits or q, a `bias` added to the logits
-(also before the scale, `(q @ k^T + bias) * scale`: the op is given the bias scaled),
-a Gemma-2 soft cap `cap * tanh(logits / cap)`, a mask applied last by
-`jnp.where(mask, logits, fill)` with `fill` `-inf` or at most `-1e9` (or several in turn,
-one fill for all: the keys every one keeps), the scale also after the mask where no bias
+(also before the scale, `(q @ k^T + bias) * scale`: the op is given the bias scaled) or
+subtracted from them (`logits - bias`: the op is given `-bias`, exactly), a Gemma-2 soft
+cap `cap * tanh(logits / cap)`, a mask applied last by `jnp.where(mask, logits, fill)`
+(the mask boolean, or numbers kept where nonzero, as Flax's float32 masks cast from a
+boolean are) with `fill` `-inf` or at most `-1e9` (or several in turn, one fill for
+all: the keys every one keeps), the scale also after the mask where no bias
 or soft cap is under it and the scaled fill is still at most `-1e9`, then
 `jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
 second product (probabilities wider than the values there, as a float32 softmax against
@@ -250,7 +252,8 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
             negated, fill, logits = True, literal_value(on_true), on_false
         else:
             raise _NoMatch
-        if condition.aval.dtype != jnp.bool_ or not float(fill) <= _LARGEST_FILL:
+        condition = _boolean(graph, condition, attention.region)
+        if condition is None or not float(fill) <= _LARGEST_FILL:
             raise _NoMatch
         if attention.masks and float(fill) != attention.fill:
             raise _NoMatch  # masks of different fills hide different values
@@ -264,13 +267,15 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     if capped is not None:
         logits = capped
     logits = _scaled_sum(graph, attention, logits)
-    add = graph.producer(logits, "add")
+    add = graph.producer(logits, "add", "sub")
     if add is not None:
-        for body, bias in (add.invars, add.invars[::-1]):
+        for body, bias in _summands(add):
             if (tuple(body.aval.shape) == shape and literal_value(bias) is None
                     and (graph.producer(body, "mul", "div") is not None
                          or _product(graph, _unwidened(graph, body, []))[0] is not None)):
                 attention.bias, logits = bias, body
+                if add.primitive.name == "sub":  # `logits - b`: the bias `-b`, exactly
+                    attention.bias_scale = -attention.bias_scale
                 attention.region.append(add)
                 break
         else:
@@ -402,14 +407,39 @@ def _taken_scale(attention: _Attention, var: Any, found: tuple[float, Any, Any] 
     return body
 
 
+def _summands(eqn: Any) -> list[tuple[Any, Any]]:
+    """`(body, bias)` pairs of a sum (either order) or a difference (`body - bias`: the
+    bias subtracted, the op's bias its negation)."""
+    if eqn.primitive.name == "add":
+        return [tuple(eqn.invars), tuple(eqn.invars[::-1])]
+    return [tuple(eqn.invars)]
+
+
 def _biased_product(graph: Graph, var: Any) -> bool:
-    """Whether `var` is a (possibly scaled) `q . k` product plus an array (a bias)."""
-    add = graph.producer(_unwidened(graph, var, []), "add")
+    """Whether `var` is a (possibly scaled) `q . k` product plus (or minus) an array (a
+    bias)."""
+    add = graph.producer(_unwidened(graph, var, []), "add", "sub")
     return add is not None and any(
         literal_value(bias) is None and (
             graph.producer(summand, "mul", "div") is not None
             or _product(graph, _unwidened(graph, summand, []))[0] is not None)
-        for summand, bias in (add.invars, add.invars[::-1]))
+        for summand, bias in _summands(add))
+
+
+def _boolean(graph: Graph, condition: Any, region: list[Any]) -> Any:
+    """The mask a `jnp.where` condition keeps keys by: a boolean one itself, the boolean
+    a float one was cast from (`mask.astype(jnp.float32)`, as Flax's `make_causal_mask`
+    gives: nonzero exactly where the boolean is true), or another number array (kept
+    where nonzero, as `jnp.where` reads it); `None` for anything else."""
+    if condition.aval.dtype == jnp.bool_:
+        return condition
+    if not jnp.issubdtype(condition.aval.dtype, jnp.number):
+        return None
+    cast = graph.producer(condition, "convert_element_type")
+    if cast is not None and cast.invars[0].aval.dtype == jnp.bool_:
+        region.append(cast)
+        return cast.invars[0]
+    return condition
 
 
 def _scaled_sum(graph: Graph, attention: _Attention, logits: Any) -> Any:
@@ -511,6 +541,7 @@ def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, 
             bias = bias * jnp.asarray(attention.bias_scale, bias.dtype)
     for _, negated in attention.masks:
         kept = per_head(extra_arrays.pop(0))
+        kept = kept if kept.dtype == jnp.bool_ else kept != 0
         kept = ~kept if negated else kept
         mask = kept if mask is None else mask & kept
     out = dot_product_attention(q, k, v, bias, mask, scale=attention.scale,
