@@ -58,19 +58,35 @@ def fused_silu_written_out_sigmoid_first(x, w):
     return up * (jax.nn.sigmoid(gate) * gate)
 
 
+def gemma_gating_einsum(x, w):
+    """Gemma's `FeedForward`: weights stacked first, `(2, N, K)` (its transposed
+    `gating_einsum`), projected at once and indexed."""
+    gate = jnp.einsum("...F,NHF->...NH", x, w, precision=HIGHEST)
+    return jax.nn.gelu(gate[..., 0, :]) * gate[..., 1, :]
+
+
+def stacked_second_up_first(x, w):
+    """A `(K, 2, N)` kernel (MaxText's fused MLP), the gate at index 1."""
+    h = jnp.einsum("btk,kan->btan", x, w, precision=HIGHEST)
+    return h[:, :, 0, :] * jax.nn.silu(h[:, :, 1, :])
+
+
 SEPARATE = [separate(a) for a in (jax.nn.silu, jax.nn.swish, jax.nn.gelu, jax.nn.relu,
                                   jax.nn.sigmoid)] + [up_first, bilinear, silu_written_out]
 FUSED = [fused_split, fused_slices_gate_second, fused_silu_written_out_sigmoid_first]
+STACKED = {gemma_gating_einsum: (2, N, K), stacked_second_up_first: (K, 2, N)}
 
 
 def operands(f, seed=0):
     x = random_normal(seed, (B, T, K))
     if f in FUSED:
         return x, random_normal(seed + 1, (K, 2 * N))
+    if f in STACKED:
+        return x, random_normal(seed + 1, STACKED[f])
     return x, random_normal(seed + 1, (K, N)), random_normal(seed + 2, (K, N))
 
 
-@pytest.mark.parametrize("f", SEPARATE + FUSED, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("f", SEPARATE + FUSED + list(STACKED), ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):
     args = operands(f)
     cotangent = random_normal(9, (B, T, N))
@@ -150,13 +166,20 @@ def float32_from_bfloat16(x, w_gate, w_up):
     return jax.nn.silu(gate) * up
 
 
+def one_stacked_row_twice(x, w):
+    """`act(h[..., 0, :]) * h[..., 0, :]`: the gate's row again, no up projection."""
+    h = jnp.einsum("btk,kan->btan", x, w, precision=HIGHEST)
+    return jax.nn.silu(h[:, :, 0, :]) * h[:, :, 0, :]
+
+
 @pytest.mark.parametrize("f,reason", [
     (tanh_gate, None), (two_inputs, None), (uneven_halves, None),
-    (one_half_times_its_own_sigmoid, None),
+    (one_half_times_its_own_sigmoid, None), (one_stacked_row_twice, None),
     (float32_from_bfloat16, "the op's output shapes or dtypes differ"),
 ], ids=lambda p: getattr(p, "__name__", ""))
 def test_near_misses_are_left_as_written(rewritten, f, reason):
-    args = operands(fused_split if f in (uneven_halves, one_half_times_its_own_sigmoid) else f)
+    args = operands(fused_split if f in (uneven_halves, one_half_times_its_own_sigmoid) else
+                    stacked_second_up_first if f is one_stacked_row_twice else f)
     optimized = tokamax.optimize(f)
     assert outcomes(optimized, *args) == ([] if reason is None else [f"left alone: {reason}"])
     assert op_names(optimized, *args) == []

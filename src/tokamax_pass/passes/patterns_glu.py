@@ -2,8 +2,11 @@
 by the `gated_linear_unit` op.
 
 Matched at the product, either operand order: two matmuls of one `x` (its last axis
-against the first of a `(K, N)` weight), or one matmul with a `(K, 2N)` weight split in
-two halves (`jnp.split`, or slices) whose halves are the gate and the up projection;
+against the first of a `(K, N)` weight), one matmul with a `(K, 2N)` weight split in
+two halves (`jnp.split`, or slices) whose halves are the gate and the up projection, or
+one onto two stacked outputs indexed on the second-to-last axis (`h[..., 0, :]`,
+`h[..., 1, :]`: Gemma's `gating_einsum` of `(2, K, N)` or `(2, N, K)` weights, MaxText's
+fused `(K, 2, N)` kernel);
 `act` is `jax.nn.silu`/`swish` (or written out, `g * jax.nn.sigmoid(g)`), `jax.nn.gelu`
 (tanh or exact), `jax.nn.relu` or `jax.nn.sigmoid` (recognized by the equations they
 trace to), or none (the bilinear GLU).
@@ -17,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import Literal
 
 from tokamax_pass.passes.candidate import Candidate
@@ -68,11 +72,10 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         if found is None:
             continue
         activation, projected, region = found
-        candidate = _separate(graph, eqn, projected, up, activation, region)
-        if candidate is None:
-            candidate = _fused(graph, eqn, projected, up, activation, region)
-        if candidate is not None:
-            return candidate
+        for kind in (_separate, _fused, _stacked):
+            candidate = kind(graph, eqn, projected, up, activation, region)
+            if candidate is not None:
+                return candidate
     return None
 
 
@@ -132,6 +135,71 @@ def _fused(graph: Graph, root: Any, gate: Any, up: Any,
     return _candidate(graph, root, region, (x, w), function)
 
 
+def _stacked(graph: Graph, root: Any, gate: Any, up: Any,
+             activation: Callable[[Any], Any] | None, region: list[Any]) -> Candidate | None:
+    """A projection onto two stacked outputs, `h = jnp.einsum("...K,K2N->...2N", x, w)`
+    (MaxText's fused MLP kernel, the op's own `(K, 2, N)` layout) or of weights stacked
+    first, `"...F,NFH->...NH"` or `"...F,NHF->...NH"` (Gemma's `gating_einsum`), then
+    `act(h[..., 0, :]) * h[..., 1, :]` (either index the gate's). The op is given the
+    weights as `(K, 2, N)`, the contracted axis moved first."""
+    picked = _stacked_rows(graph, gate, up)
+    if picked is None:
+        return None
+    projected, gate_index, pick_eqns = picked
+    dot = graph.producer(projected, "dot_general")
+    if dot is None:
+        return None
+    x, w = dot.invars
+    rank = len(x.aval.shape)
+    ((x_contract, w_contract), batch) = dot.params["dimension_numbers"]
+    if len(w.aval.shape) != 3 or batch != ((), ()) or tuple(x_contract) != (rank - 1,):
+        return None
+    (contracted,) = w_contract
+    stack_axis = 1 if contracted == 0 else 0  # w's first free axis: `h`'s stacked one
+    if w.aval.shape[stack_axis] != 2:
+        return None
+    precision = dot.params["precision"]
+    region = [*region, *pick_eqns, dot]
+
+    def function(x: Any, w: Any) -> Any:
+        from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
+
+        w = jnp.moveaxis(w, contracted, 0)
+        weights = w if gate_index == 0 else w[:, ::-1]
+        return gated_linear_unit(x, weights, activation=activation, precision=precision)
+
+    return _candidate(graph, root, region, (x, w), function)
+
+
+def _stacked_rows(graph: Graph, gate: Any, up: Any) -> tuple[Any, int, list[Any]] | None:
+    """`(h, gate_index, equations)` where `gate` and `up` are `h[..., i, :]` and
+    `h[..., 1 - i, :]` of an `h` whose second-to-last axis has length 2 (a slice of it,
+    squeezed), `i` the gate's index."""
+    picks = []
+    for var in (gate, up):
+        squeeze = graph.producer(var, "squeeze")
+        sliced = None if squeeze is None else graph.producer(squeeze.invars[0], "slice")
+        if sliced is None:
+            return None
+        h = sliced.invars[0]
+        shape = tuple(h.aval.shape)
+        axis = len(shape) - 2
+        p = sliced.params
+        if (axis < 0 or shape[axis] != 2 or tuple(squeeze.params["dimensions"]) != (axis,)
+                or p["strides"] not in (None, (1,) * len(shape))):
+            return None
+        index = int(p["start_indices"][axis])
+        picked = [(0, size) for size in shape]
+        picked[axis] = (index, index + 1)
+        if list(zip(p["start_indices"], p["limit_indices"], strict=True)) != picked:
+            return None
+        picks.append((h, index, [squeeze, sliced]))
+    (h, gate_index, gate_eqns), (h_up, up_index, up_eqns) = picks
+    if h is not h_up or gate_index == up_index:
+        return None
+    return h, gate_index, [*gate_eqns, *up_eqns]
+
+
 def _halves(graph: Graph, gate: Any, up: Any) -> tuple[Any, bool, list[Any]] | None:
     """`(h, gate_first, equations)` where `gate` and `up` are the two halves of `h`'s
     last axis (`jnp.split` or slices); one half times itself is not a GLU's product."""
@@ -170,12 +238,16 @@ def _halves(graph: Graph, gate: Any, up: Any) -> tuple[Any, bool, list[Any]] | N
     return None
 
 
+# What a gate's projection is made by: a matmul, or a part of a fused one.
+_PROJECTIONS = ("dot_general", "split", "slice", "squeeze")
+
+
 def _activation(graph: Graph, gate: Any
                 ) -> tuple[Callable[[Any], Any] | None, Any, list[Any]] | None:
     """`(activation, its operand, its equations)` where `gate` is an activation of
     `SPELLINGS` applied to a matmul or a half of one (`None`, no equations: `gate` is
     that itself)."""
-    if graph.producer(gate, "dot_general", "split", "slice") is not None:
+    if graph.producer(gate, *_PROJECTIONS) is not None:
         return None, gate, []
     for spelling, activation in SPELLINGS:
         reference = reference_jaxpr(spelling, (tuple(gate.aval.shape), gate.aval.dtype))
@@ -183,8 +255,7 @@ def _activation(graph: Graph, gate: Any
         region: list[Any] = []
         if same_structure(graph, gate, reference, reference.outvars[0], bound, region):
             (operand,) = bound.values() or (None,)
-            if operand is not None and graph.producer(operand, "dot_general", "split",
-                                                      "slice") is not None:
+            if operand is not None and graph.producer(operand, *_PROJECTIONS) is not None:
                 return activation, operand, list({id(e): e for e in region}.values())
     return None
 
