@@ -6,7 +6,9 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from typing import TextIO
 
 # Subcommand modules; each defines `add_parser(subparsers)` and `run(args) -> int`.
 COMMANDS = ("demo", "autotune", "cache", "bound-args", "export", "inspect")
@@ -27,7 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         modules[name] = module
     args = parser.parse_args(argv)
     try:
-        return modules[args.command].run(args)
+        with warnings.catch_warnings():
+            if not os.environ.get(TRACEBACK_ENV):
+                warnings.showwarning = _warning_line(args.command)
+            return modules[args.command].run(args)
     except SystemExit as e:
         if not isinstance(e.code, str):
             raise
@@ -42,6 +47,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(e).split()) or type(e).__name__
         raise SystemExit(f"tokamax-pass {args.command}: {type(e).__name__}: {message} "
                          f"(set {TRACEBACK_ENV}=1 for the traceback)") from None
+
+
+def _warning_line(command: str) -> Callable[..., None]:
+    """`warnings.showwarning` for `command`: one line, `tokamax-pass CMD: Category: message`,
+    as its errors are, in place of Python's `file:line: Category: message` and the source
+    line, which name the library's code (or `<frozen runpy>`), not the user's input."""
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        del filename, lineno, line  # the library's code, not what the user can change
+        text = " ".join(str(message).split())
+        print(f"tokamax-pass {command}: {category.__name__}: {text}",
+              file=file or sys.stderr)
+
+    return show
 
 
 if __name__ == "__main__":

@@ -215,3 +215,20 @@ def test_a_mismatch_names_an_option_that_exists(tmp_path, artifact):
                        match=r"device_kind=.*load_artifact\(\.\.\., check=False\)") as e:
         tokamax.load_artifact(other)
     assert "--no-check" not in str(e.value)
+
+
+# --- warnings ------------------------------------------------------------------------------
+
+def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys):
+    """A warning printed Python's `.../result.py:291: BadEntryWarning: ...` and the
+    library's source line under it (`<frozen runpy>:88:` for autotune's), as if the
+    library's code were at fault rather than the file the user gave."""
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({
+        "format": "tokamax_pass.AutotuningResult", "schema_version": 1, "device_kind": "cpu",
+        "entries": [{"op": {"dataclass": "no_such_module.NoSuchOp", "fields": {}},
+                     "arguments": {}, "configs": []}]}))
+    assert main(["cache", "import", str(result)]) == 0
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("tokamax-pass cache: BadEntryWarning: skipping an entry")
+    assert "no_such_module.NoSuchOp" in line and ".py:" not in line
