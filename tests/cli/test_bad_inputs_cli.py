@@ -232,3 +232,20 @@ def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys):
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("tokamax-pass cache: BadEntryWarning: skipping an entry")
     assert "no_such_module.NoSuchOp" in line and ".py:" not in line
+
+
+# --- output paths ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command,option", [
+    (["export", "-o"], "--output"),
+    (["bound-args", "-o"], "--output_file"),
+])
+def test_an_output_under_a_file_is_refused_before_any_work(command, option, tmp_path):
+    """`export` found out only when it saved the artifact, after planning and lowering
+    the function (and `bound-args` after tracing it): here the module is never imported."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match=f"^tokamax-pass {command[0]}: NotADirectoryError: "
+                                         f".*{option} .*{blocker.name}.* is a file"):
+        main([command[0], "no_such_module_here:f", "--args", "f32[4]", *command[1:],
+              str(blocker / "out")])
