@@ -44,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # it, as argparse's errors do, not a traceback through our modules.
         if os.environ.get(TRACEBACK_ENV):
             raise
-        message = " ".join(str(e).split()) or type(e).__name__
+        message = " ".join(str(e).split()).removeprefix(f"{args.command}: ")
+        message = message or type(e).__name__
         raise SystemExit(f"tokamax-pass {args.command}: {type(e).__name__}: {message} "
                          f"(set {TRACEBACK_ENV}=1 for the traceback)") from None
 

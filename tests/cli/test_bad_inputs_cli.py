@@ -138,7 +138,8 @@ def test_a_platform_named_twice(platforms, twice):
 
 def test_cli_errors_are_prefixed_once(tmp_path):
     """Every error line starts `tokamax-pass CMD: `, once (not `export: export: platforms
-    ...`, nor a bare `inspect: ... neither a file`, nor `cannot import ...`)."""
+    ...`, nor `autotune: ValueError: autotune: ...`, nor a bare `inspect: ... neither a
+    file`, nor `cannot import ...`)."""
     with pytest.raises(SystemExit, match="^tokamax-pass export: platforms names cpu more "
                                          "than once"):
         main(["export", TARGET, "--args", "f32[4]", "--platforms", "cpu,cpu",
@@ -149,6 +150,9 @@ def test_cli_errors_are_prefixed_once(tmp_path):
     with pytest.raises(SystemExit, match="^tokamax-pass export: cannot import "):
         main(["export", "no_such_module_here:f", "--args", "f32[4]",
               "-o", str(tmp_path / "art")])
+    # An error raised in the library, named by its type (not `ValueError: autotune: ...`).
+    with pytest.raises(SystemExit, match="^tokamax-pass autotune: ValueError: max_configs "):
+        main(["autotune", TARGET, "--args", "f32[4]", "--max-configs", "-1"])
 
 
 def test_bound_args_xplane_file_is_a_directory(tmp_path):
