@@ -341,7 +341,8 @@ class ExportFallbackWarning(UserWarning):
 
 def describe_fallback(fallback: Mapping[str, Any]) -> str:
     """One entry of a manifest's `fallbacks`, as the export warning and the CLI say it."""
-    return (f"{fallback['path']} on {fallback['platform']} ({fallback['device_kind']}): "
+    device_kind = fallback["device_kind"] or "any device kind"
+    return (f"{fallback['path']} on {fallback['platform']} ({device_kind}): "
             f"{fallback['exported']} in place of {fallback['target_runs']}")
 
 
