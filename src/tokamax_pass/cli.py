@@ -8,7 +8,6 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TextIO
 
 # Subcommand modules; each defines `add_parser(subparsers)` and `run(args) -> int`.
 COMMANDS = ("demo", "autotune", "cache", "bound-args", "export", "inspect")
@@ -28,11 +27,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         module.add_parser(subparsers)
         modules[name] = module
     args = parser.parse_args(argv)
+    formatwarning = warnings.formatwarning
+    if not os.environ.get(TRACEBACK_ENV):
+        # The format only: code that records warnings (`catch_warnings(record=True)`)
+        # still gets them.
+        warnings.formatwarning = _warning_line(args.command)
     try:
-        with warnings.catch_warnings():
-            if not os.environ.get(TRACEBACK_ENV):
-                warnings.showwarning = _warning_line(args.command)
-            return modules[args.command].run(args)
+        return modules[args.command].run(args)
     except SystemExit as e:
         if not isinstance(e.code, str):
             raise
@@ -48,21 +49,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = message or type(e).__name__
         raise SystemExit(f"tokamax-pass {args.command}: {type(e).__name__}: {message} "
                          f"(set {TRACEBACK_ENV}=1 for the traceback)") from None
+    finally:
+        warnings.formatwarning = formatwarning
 
 
-def _warning_line(command: str) -> Callable[..., None]:
-    """`warnings.showwarning` for `command`: one line, `tokamax-pass CMD: Category: message`,
-    as its errors are, in place of Python's `file:line: Category: message` and the source
-    line, which name the library's code (or `<frozen runpy>`), not the user's input."""
+def _warning_line(command: str) -> Callable[..., str]:
+    """`warnings.formatwarning` for `command`: one line, `tokamax-pass CMD: Category:
+    message`, as its errors are, in place of Python's `file:line: Category: message` and
+    the source line, which name the library's code (or `<frozen runpy>`), not the user's
+    input."""
 
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-             file: TextIO | None = None, line: str | None = None) -> None:
+    def format_line(message: Warning | str, category: type[Warning], filename: str,
+                    lineno: int, line: str | None = None) -> str:
         del filename, lineno, line  # the library's code, not what the user can change
-        text = " ".join(str(message).split())
-        print(f"tokamax-pass {command}: {category.__name__}: {text}",
-              file=file or sys.stderr)
+        text = " ".join(str(message).split()).removeprefix(f"{command}: ")
+        return f"tokamax-pass {command}: {category.__name__}: {text}\n"
 
-    return show
+    return format_line
 
 
 if __name__ == "__main__":

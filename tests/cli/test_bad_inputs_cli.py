@@ -4,6 +4,8 @@ argument, never a crash deep in JAX, a silently lost result or deleted files."""
 from __future__ import annotations
 
 import json
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -232,10 +234,19 @@ def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys):
         "format": "tokamax_pass.AutotuningResult", "schema_version": 1, "device_kind": "cpu",
         "entries": [{"op": {"dataclass": "no_such_module.NoSuchOp", "fields": {}},
                      "arguments": {}, "configs": []}]}))
-    assert main(["cache", "import", str(result)]) == 0
-    [line] = capsys.readouterr().err.splitlines()
-    assert line.startswith("tokamax-pass cache: BadEntryWarning: skipping an entry")
-    assert "no_such_module.NoSuchOp" in line and ".py:" not in line
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show  # as Python shows a warning (pytest records them)
+        assert main(["cache", "import", str(result)]) == 0
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith("tokamax-pass cache: BadEntryWarning: skipping an entry")
+        assert "no_such_module.NoSuchOp" in line and ".py:" not in line
+        assert main(["autotune", TARGET, "--args", "f32[4]", "--no-progress"]) == 0
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith("tokamax-pass autotune: NothingToTuneWarning: the function ")
 
 
 # --- output paths ------------------------------------------------------------------------
