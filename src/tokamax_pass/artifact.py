@@ -163,8 +163,9 @@ def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
 
 
 def inspect(source: str | os.PathLike[str] | Artifact) -> Inspection:
-    """The ops, kernels and configs in an artifact (object or directory), a `.stablehlo`
-    file, a `.mlir`/lowered-text file, or StableHLO text itself."""
+    """The ops, kernels and configs in an artifact (object, directory or its
+    `manifest.json`), a `.stablehlo` file, a `.mlir`/lowered-text file, or StableHLO text
+    itself."""
     if isinstance(source, Artifact):
         return Inspection.from_text(source.mlir_text(), manifest=source.manifest)
     if not isinstance(source, (str, os.PathLike)):
@@ -174,6 +175,8 @@ def inspect(source: str | os.PathLike[str] | Artifact) -> Inspection:
                         f".stablehlo or text file) or StableHLO text, got "
                         f"{type(source).__name__}{hint}")
     _require_non_empty("inspect", "source", source)
+    if os.path.basename(source) == MANIFEST and os.path.isfile(source):
+        source = os.path.dirname(source) or "."  # an artifact's manifest: its artifact
     return inspect_path(source, load_artifact_dir=Artifact.load, deserialize=_deserialize_text)
 
 
@@ -341,7 +344,8 @@ class ExportFallbackWarning(UserWarning):
 
 def describe_fallback(fallback: Mapping[str, Any]) -> str:
     """One entry of a manifest's `fallbacks`, as the export warning and the CLI say it."""
-    return (f"{fallback['path']} on {fallback['platform']} ({fallback['device_kind']}): "
+    device_kind = fallback["device_kind"] or "any device kind"
+    return (f"{fallback['path']} on {fallback['platform']} ({device_kind}): "
             f"{fallback['exported']} in place of {fallback['target_runs']}")
 
 

@@ -6,7 +6,8 @@ import argparse
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 # Subcommand modules; each defines `add_parser(subparsers)` and `run(args) -> int`.
 COMMANDS = ("demo", "autotune", "cache", "bound-args", "export", "inspect")
@@ -26,6 +27,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         module.add_parser(subparsers)
         modules[name] = module
     args = parser.parse_args(argv)
+    formatwarning = warnings.formatwarning
+    if not os.environ.get(TRACEBACK_ENV):
+        # The format only: code that records warnings (`catch_warnings(record=True)`)
+        # still gets them.
+        warnings.formatwarning = _warning_line(args.command)
     try:
         return modules[args.command].run(args)
     except SystemExit as e:
@@ -39,9 +45,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         # it, as argparse's errors do, not a traceback through our modules.
         if os.environ.get(TRACEBACK_ENV):
             raise
-        message = " ".join(str(e).split()) or type(e).__name__
+        message = " ".join(str(e).split()).removeprefix(f"{args.command}: ")
+        message = message or type(e).__name__
         raise SystemExit(f"tokamax-pass {args.command}: {type(e).__name__}: {message} "
                          f"(set {TRACEBACK_ENV}=1 for the traceback)") from None
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+def _warning_line(command: str) -> Callable[..., str]:
+    """`warnings.formatwarning` for `command`: one line, `tokamax-pass CMD: Category:
+    message`, as its errors are, in place of Python's `file:line: Category: message` and
+    the source line, which name the library's code (or `<frozen runpy>`), not the user's
+    input."""
+
+    def format_line(message: Warning | str, category: type[Warning], filename: str,
+                    lineno: int, line: str | None = None) -> str:
+        del filename, lineno, line  # the library's code, not what the user can change
+        text = " ".join(str(message).split()).removeprefix(f"{command}: ")
+        return f"tokamax-pass {command}: {category.__name__}: {text}\n"
+
+    return format_line
 
 
 if __name__ == "__main__":

@@ -480,7 +480,7 @@ def test_benchmarking_bad_arguments(call, error, match):
     (["autotune", "--bound-args", "bad"], "autotune: SpecError: .*not valid JSON"),
     (["autotune", "--bound-args", "dir"], "autotune: IsADirectoryError: .*source"),
     (["autotune", "json:loads", "--args", "f32[8]", "--max-configs", "-3"],
-     "autotune: ValueError: autotune: max_configs must be an int >= 1"),
+     "autotune: ValueError: max_configs must be an int >= 1"),
     (["autotune", "json:loads", "--args", "f32[8]", "-o", "dir"],
      "autotune: IsADirectoryError: .*--output"),
     (["cache", "import", "missing"], "cache: FileNotFoundError: .*path_or_file"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import threading
 
@@ -110,12 +111,16 @@ def test_stale_entry_is_reported_once_and_ignored():
         assert _resolve() == (ChunkConfig(32), "heuristics")  # reported only once
 
 
-def test_corrupt_file_is_reported_left_in_place_and_not_overwritten():
+def test_corrupt_file_is_reported_left_in_place_and_not_overwritten(caplog):
+    """Reported once, as a warning: a log record of it as well printed the message twice
+    where logging is not configured."""
     path = cache.cache_file(current_target().device_kind)
     path.parent.mkdir(parents=True)
     path.write_text('{"format": "tokamax_pass.AutotuningResult", "entr')
-    with pytest.warns(UserWarning, match="ignoring the user autotuning cache"):
+    with (caplog.at_level(logging.DEBUG),
+          pytest.warns(UserWarning, match="ignoring the user autotuning cache")):
         assert _resolve() == (ChunkConfig(32), "heuristics")
+    assert "ignoring the user autotuning cache" not in caplog.text
     with pytest.raises(cache.CacheError, match="left in place"):
         _result(16).save_to_cache()
     assert path.read_text() == '{"format": "tokamax_pass.AutotuningResult", "entr'

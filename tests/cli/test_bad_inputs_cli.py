@@ -4,6 +4,8 @@ argument, never a crash deep in JAX, a silently lost result or deleted files."""
 from __future__ import annotations
 
 import json
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -138,7 +140,8 @@ def test_a_platform_named_twice(platforms, twice):
 
 def test_cli_errors_are_prefixed_once(tmp_path):
     """Every error line starts `tokamax-pass CMD: `, once (not `export: export: platforms
-    ...`, nor a bare `inspect: ... neither a file`, nor `cannot import ...`)."""
+    ...`, nor `autotune: ValueError: autotune: ...`, nor a bare `inspect: ... neither a
+    file`, nor `cannot import ...`)."""
     with pytest.raises(SystemExit, match="^tokamax-pass export: platforms names cpu more "
                                          "than once"):
         main(["export", TARGET, "--args", "f32[4]", "--platforms", "cpu,cpu",
@@ -149,6 +152,9 @@ def test_cli_errors_are_prefixed_once(tmp_path):
     with pytest.raises(SystemExit, match="^tokamax-pass export: cannot import "):
         main(["export", "no_such_module_here:f", "--args", "f32[4]",
               "-o", str(tmp_path / "art")])
+    # An error raised in the library, named by its type (not `ValueError: autotune: ...`).
+    with pytest.raises(SystemExit, match="^tokamax-pass autotune: ValueError: max_configs "):
+        main(["autotune", TARGET, "--args", "f32[4]", "--max-configs", "-1"])
 
 
 def test_bound_args_xplane_file_is_a_directory(tmp_path):
@@ -215,3 +221,46 @@ def test_a_mismatch_names_an_option_that_exists(tmp_path, artifact):
                        match=r"device_kind=.*load_artifact\(\.\.\., check=False\)") as e:
         tokamax.load_artifact(other)
     assert "--no-check" not in str(e.value)
+
+
+# --- warnings ------------------------------------------------------------------------------
+
+def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys):
+    """A warning printed Python's `.../result.py:291: BadEntryWarning: ...` and the
+    library's source line under it (`<frozen runpy>:88:` for autotune's), as if the
+    library's code were at fault rather than the file the user gave."""
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({
+        "format": "tokamax_pass.AutotuningResult", "schema_version": 1, "device_kind": "cpu",
+        "entries": [{"op": {"dataclass": "no_such_module.NoSuchOp", "fields": {}},
+                     "arguments": {}, "configs": []}]}))
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show  # as Python shows a warning (pytest records them)
+        assert main(["cache", "import", str(result)]) == 0
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith("tokamax-pass cache: BadEntryWarning: skipping an entry")
+        assert "no_such_module.NoSuchOp" in line and ".py:" not in line
+        assert main(["autotune", TARGET, "--args", "f32[4]", "--no-progress"]) == 0
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith("tokamax-pass autotune: NothingToTuneWarning: the function ")
+
+
+# --- output paths ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command,option", [
+    (["export", "-o"], "--output"),
+    (["bound-args", "-o"], "--output_file"),
+])
+def test_an_output_under_a_file_is_refused_before_any_work(command, option, tmp_path):
+    """`export` found out only when it saved the artifact, after planning and lowering
+    the function (and `bound-args` after tracing it): here the module is never imported."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match=f"^tokamax-pass {command[0]}: NotADirectoryError: "
+                                         f".*{option} .*{blocker.name}.* is a file"):
+        main([command[0], "no_such_module_here:f", "--args", "f32[4]", *command[1:],
+              str(blocker / "out")])

@@ -151,3 +151,18 @@ def test_not_a_profile_is_a_clear_error(tmp_path):
     bogus.write_bytes(b"\xff\xff not a profile")
     with pytest.raises(ValueError, match="not an XSpace profile"):
         xplane_to_bound_args.bound_args_from_xplane(bogus)
+
+
+def test_autotune_says_why_nothing_was_timed(tmp_path, monkeypatch, capsys):
+    """A layer norm on CPU runs `xla`, which has no configs: the command printed an empty
+    table and nothing else, not the options that time more."""
+    (tmp_path / "norm_only.py").write_text(
+        "import tokamax_pass\n\n"
+        "def f(x):\n"
+        "    return tokamax_pass.layer_norm(x, None, None).sum()\n")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["autotune", "norm_only:f", "--args", "f32[4,8]", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "0 ops" in printed
+    assert "note: nothing was timed" in printed
+    assert "--all-implementations" in printed and "--ignore-cache" in printed

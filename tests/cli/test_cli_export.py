@@ -57,6 +57,9 @@ def test_export_then_inspect(model, tmp_path, capsys):
     assert main(["inspect", str(out / "loss.stablehlo"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [o["op"] for o in data["ops"]] == ["LayerNorm", "AutodiffVjp"]
+    # The manifest stands for its artifact (it was "not StableHLO/MLIR or HLO text").
+    assert main(["inspect", str(out / "manifest.json")]) == 0
+    assert capsys.readouterr().out == printed
 
 
 def test_export_for_cpu_and_h200_with_results(model, tmp_path, capsys):

@@ -378,7 +378,7 @@ def test_cli_checks_the_library_cache_directory_before_tuning(tmp_path, monkeypa
     (tmp_path / "file").write_text("x")
     argv = ["autotune", "json:loads", "--args", "f32[8]", "--write-library-cache",
             str(tmp_path / "file" / "lib")]
-    with pytest.raises(SystemExit, match="NotADirectoryError: autotune: "
+    with pytest.raises(SystemExit, match="NotADirectoryError: "
                                          "--write-library-cache .* is a file"):
         main(argv)
 

@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import importlib.resources
 import json
-import logging
 import os
 import pathlib
 import warnings
@@ -35,7 +34,6 @@ from tokamax_pass.core.device import check_device_kind, device_kind_key
 from tokamax_pass.core.op import snake_case_name
 
 ENV_CACHE_DIR = "TOKAMAX_PASS_CACHE_DIR"
-_log = logging.getLogger("tokamax_pass.autotuning")
 
 
 class CacheError(RuntimeError):
@@ -74,9 +72,10 @@ _reported: set[Any] = set()
 
 
 def _report_once(key: Any, message: str) -> None:
+    """Warns `message` once per `key`: a warning, not also a log record, which logging
+    left unconfigured prints to stderr as well (its last-resort handler)."""
     if key not in _reported:
         _reported.add(key)
-        _log.warning(message)
         warnings.warn(message, stacklevel=3)
 
 

@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.output}")
         raise
     print(result)
+    if not len(result) and (note := _nothing_timed_note(args)):
+        print(note)
     print(f"autotuning took {time.perf_counter() - start:.1f} s")
     if args.output:
         result.dump(args.output)
@@ -89,3 +91,17 @@ def run(args: argparse.Namespace) -> int:
         for path in cache.write_library_cache(result, args.write_library_cache):
             print(f"wrote {path}")
     return 0
+
+
+def _nothing_timed_note(args: argparse.Namespace) -> str | None:
+    """Why an empty result can be right, and the option that times more; `None` where
+    both options were given (then no op call was found, which autotune warns about)."""
+    reasons = []
+    if not args.all_implementations:
+        reasons.append("runs an implementation that has no configs (on a CPU, usually "
+                       "xla; --all-implementations times every implementation of each op)")
+    if not args.ignore_cache:
+        reasons.append("is answered by the caches (--ignore-cache times it again)")
+    if not reasons:
+        return None
+    return f"note: nothing was timed: each op call found {' or '.join(reasons)}"

@@ -27,6 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.function is None) == (args.xplane_file is None):
         raise SystemExit("give either --xplane_file FILE or MODULE:FUNCTION (with --args)")
+    checks.file_to_write("bound-args", "--output_file", args.output_file)  # before the work
     if args.xplane_file:
         # A directory failed with a bare `[Errno 21] Is a directory` naming no option.
         checks.file_to_read("bound-args", "--xplane_file", args.xplane_file)

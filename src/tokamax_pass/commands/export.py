@@ -32,9 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tokamax_pass.artifact import ExportFallbackWarning, describe_fallback
+    from tokamax_pass.core import checks
     from tokamax_pass.export import export
     from tokamax_pass.optimize import optimize
 
+    checks.directory_to_write("export", "--output", args.output)  # before the work
     fun = _target.load_function(args.function, args.grad)
     arg_specs = _target.parse_args(args.args)
     results = [_load_result(path) for path in args.results]
