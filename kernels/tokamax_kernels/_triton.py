@@ -36,8 +36,8 @@ class TritonKernel:
             # export for `platforms=["cuda"]` with no device kind names none.
             raise NotImplementedError(
                 f"{type(self).__name__} lowers for a known GPU: name it (export's "
-                f"device_kind=, or an abstract mesh's AbstractDevice); use "
-                f"implementation='xla' or None")
+                f"device_kind=, tokamax-pass export --device-kind, or an abstract mesh's "
+                f"AbstractDevice); use implementation='xla' or None")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,6 +80,21 @@ def test_empty_cache_options_delete_nothing(tmp_path, monkeypatch, capsys):
     assert (work / "precious.json").exists() and (cache_dir / "nvidia_h200.json").exists()
 
 
+def test_an_unreadable_cache_file_is_named_with_the_command_that_removes_it(tmp_path, capsys):
+    (tmp_path / "nvidia_h200.json").write_text("{not json")
+    assert main(["cache", "--cache-dir", str(tmp_path), "list"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "nvidia_h200.json: unreadable" in line and "`tokamax-pass cache clear`" in line
+    with pytest.raises(SystemExit) as raised:
+        main(["cache", "--cache-dir", str(tmp_path), "show", "--device-kind", "NVIDIA H200"])
+    assert str(raised.value).startswith("tokamax-pass cache: cache file ")
+    assert str(raised.value).endswith(
+        "`tokamax-pass cache clear --device-kind 'NVIDIA H200'` removes it")
+    assert main(["cache", "--cache-dir", str(tmp_path), "clear", "--device-kind",
+                 "NVIDIA H200"]) == 0
+    assert not (tmp_path / "nvidia_h200.json").exists()
+
+
 @pytest.mark.parametrize("call", [
     lambda: tokamax.export(jnp.sum, "f32[4]").save(""),
     lambda: tokamax.load_artifact(""),
@@ -247,6 +262,7 @@ def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys):
         assert main(["autotune", TARGET, "--args", "f32[4]", "--no-progress"]) == 0
         [line] = capsys.readouterr().err.splitlines()
         assert line.startswith("tokamax-pass autotune: NothingToTuneWarning: the function ")
+        assert "tokamax-pass export --autotune always" in line
 
 
 # --- output paths ------------------------------------------------------------------------

@@ -310,6 +310,7 @@ def test_a_gpu_kernel_exported_from_cpu_says_how_to_name_the_device():
     with pytest.raises(NotImplementedError) as raised:
         tokamax.dot_product_attention(Q, KV, KV, implementation="triton")
     assert "tokamax_pass.export(fun" in str(raised.value)
+    assert "tokamax-pass export --platforms cuda --device-kind 'NVIDIA H200'" in str(raised.value)
     with tokamax.core.targeting("TPU v6 lite"), pytest.raises(NotImplementedError) as raised:
         jax.jit(f).trace(Q, KV, KV)
     assert "not on tpu" in str(raised.value) and "device_kind" not in str(raised.value)

@@ -238,8 +238,9 @@ def _tune(f: Any, args: Sequence[Any], kwargs: dict[str, Any], target: Any, *,
             "measure. autotune measures the ops a function calls (tokamax_pass."
             "dot_product_attention, layer_norm, ...); for a function written in plain JAX "
             "(jax.nn.dot_product_attention, a norm or a gated MLP in jax.numpy), "
-            "tokamax_pass.optimize(f, autotune='always') rewrites those patterns into op "
-            "calls and measures them", NothingToTuneWarning)
+            "tokamax_pass.optimize(f, autotune='always') (on the command line, "
+            "tokamax-pass export --autotune always) rewrites those patterns into op calls "
+            "and measures them", NothingToTuneWarning)
     if all_implementations:
         groups = _expand(bound, target)
     else:
@@ -324,10 +325,10 @@ def with_current_config(ba: BoundArguments, configs: list[Any], max_configs: int
     kept to `max_configs`.
 
     Tuned must not lose to untuned: the search around the heuristics config can miss the
-    shipped config (on the H200, 12 of the library cache's 93 entries hold their best
-    outside the default 6 candidates, among them the gemma2 and Llama attention calls),
-    and then the tuned program would never have timed what it replaces. First, because
-    stage one compares implementations at their first config."""
+    shipped config (`python -m benchmarks.search_reach` counts, over the library cache,
+    the entries whose best config lies outside the first k candidates), and then the
+    tuned program would never have timed what it replaces. First, because stage one
+    compares implementations at their first config."""
     found = cache_lib.SOURCE.find_config(ba, device_kind)
     if found is None or not isinstance(found[0], ba.op.config_cls):
         return configs

@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
                 if result is not None:  # None: removed since it was listed
                     print(f"  {path.name}: {result.device_kind!r}, {len(result)} entries")
             except spec.SpecError as e:
-                print(f"  {path.name}: unreadable ({e})")
+                print(f"  {path.name}: unreadable ({e}); `tokamax-pass cache clear` "
+                      f"removes it (--device-kind: only one kind's file)")
         if not files:
             print("  (empty)")
         return 0
@@ -51,7 +52,11 @@ def run(args: argparse.Namespace) -> int:
 
         kind = args.device_kind or current_target().device_kind
         path = cache.cache_file(kind, args.cache_dir)
-        result = cache.read(path, kind_key=path.stem)
+        try:
+            result = cache.read(path, kind_key=path.stem)
+        except spec.SpecError as e:
+            raise SystemExit(f"cache: {e}; `tokamax-pass cache clear --device-kind "
+                             f"'{kind}'` removes it") from None
         if result is None and args.device_kind:
             check_device_kind(args.device_kind, typed=True)  # "H200" found no file, silently
         print(f"{path}: no cache file" if result is None else result)

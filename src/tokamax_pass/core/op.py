@@ -411,8 +411,9 @@ def _export_hint(platforms: frozenset[str]) -> str:
         return ""
     kind = _EXAMPLE_KINDS[platform]
     return (f"; to export it for {platform} from this machine, name the device: "
-            f"tokamax_pass.export(fun, *args, platforms=['{platform}'], device_kind='{kind}'), "
-            f"or trace under tokamax_pass.core.targeting('{kind}')")
+            f"tokamax_pass.export(fun, *args, platforms=['{platform}'], device_kind='{kind}') "
+            f"(tokamax-pass export --platforms {platform} --device-kind '{kind}'), or trace "
+            f"under tokamax_pass.core.targeting('{kind}')")
 
 
 def family_class(cls: type[Op]) -> type[Op]:
