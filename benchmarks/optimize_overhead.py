@@ -34,7 +34,8 @@ def per_call_us(f: Callable[..., Any], args: tuple[Any, ...], calls: int) -> flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.optimize_overhead",
+                                     description=__doc__)
     parser.add_argument("--calls", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=21)
     args = parser.parse_args(argv)

@@ -418,7 +418,8 @@ def _check_markers(texts: dict[pathlib.Path, str]) -> None:
 
 def main(argv: list[str] | None = None, readme: pathlib.Path = README,
          docs: pathlib.Path = DOCS) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="fail when a page's tables or figures differ from the results files")
     args = parser.parse_args(argv)

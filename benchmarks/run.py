@@ -162,7 +162,7 @@ def _write(out: pathlib.Path, device: Any, rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
     parser.add_argument("--only", nargs="*", default=[], help="run workloads whose name has these")
     parser.add_argument("--modes", default="fwd,fwd+bwd")
     parser.add_argument("--iterations", type=int, default=20)

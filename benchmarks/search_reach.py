@@ -68,7 +68,7 @@ def reaches(device_kind: str, k: int, min_configs: int = 5) -> list[Reach]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.search_reach", description=__doc__)
     parser.add_argument("--device-kind", default="NVIDIA H200")
     parser.add_argument("--min-configs", type=int, default=5)
     args = parser.parse_args(argv)

@@ -77,7 +77,7 @@ def artifact_kernels(directory: str) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.seed_e2e", description=__doc__)
     parser.add_argument("--artifact", help="an artifact directory exported for cuda")
     parser.add_argument("--output", default="seed_e2e.json")
     args = parser.parse_args(argv)

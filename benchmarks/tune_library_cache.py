@@ -61,7 +61,8 @@ LIBRARY_MAX_CONFIGS = 16
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tune_library_cache",
+                                     description=__doc__)
     parser.add_argument("--only", nargs="*", default=[], help="workloads whose name has these")
     parser.add_argument("--output", default=str(PACKAGE_CACHE), help="the data/autotuning dir")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script")

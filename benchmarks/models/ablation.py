@@ -41,7 +41,8 @@ def _families_called(model, params, batch) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.models.ablation",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=["llama"], choices=sorted(MODELS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=10)

@@ -118,7 +118,8 @@ def profile_step(step: Any, args: tuple, steps: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.models.breakdown",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=["llama"], choices=sorted(MODELS))
     parser.add_argument("--variants", default="plain,ours")
     parser.add_argument("--steps", type=int, default=3)

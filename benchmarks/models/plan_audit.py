@@ -414,7 +414,8 @@ def _counts(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.models.plan_audit",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(MODELS), help="models to audit")
     parser.add_argument("--limit", type=int,
                         help="grid points per model and dtype (default: all)")

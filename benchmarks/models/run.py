@@ -310,7 +310,8 @@ def benchmark_name(names: Sequence[str], overrides: Sequence[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.models",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(MODELS), help="models to run")
     parser.add_argument("--list", action="store_true", help="print the model names and exit")
     parser.add_argument("--smoke", action="store_true",

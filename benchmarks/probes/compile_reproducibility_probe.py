@@ -119,7 +119,9 @@ def summarize(records: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.probes.compile_reproducibility_probe",
+        description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

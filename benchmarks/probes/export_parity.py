@@ -106,7 +106,8 @@ def check(directory: pathlib.Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.export_parity",
+                                     description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     make_parser = commands.add_parser("make", help="export from this (CPU) machine")
     make_parser.add_argument("directory", type=pathlib.Path)

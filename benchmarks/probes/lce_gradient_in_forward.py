@@ -142,7 +142,7 @@ def hand_written(chunks: tuple[int, ...]) -> dict[str, Callable[..., jax.Array]]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.lce_gradient_in_forward")
     parser.add_argument("--out", required=True)
     parser.add_argument("--tiny", action="store_true", help="small shapes (any machine)")
     parser.add_argument("--hand-written", action="store_true",

@@ -132,7 +132,7 @@ def _sweep(out: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.lce_probe")
     parser.add_argument("--out", required=True)
     parser.add_argument("--inner", default=None, help=argparse.SUPPRESS)
     parser.add_argument("phases", nargs="*", default=list(PHASES))

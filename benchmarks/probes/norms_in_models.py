@@ -53,7 +53,8 @@ class ForcedNorms(ops.Library):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.norms_in_models",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", default=["llama", "encoder", "gemma2"],
                         choices=sorted(MODELS))
     parser.add_argument("--rounds", type=int, default=3)

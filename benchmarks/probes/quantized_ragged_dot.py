@@ -234,7 +234,8 @@ def summary(w: Workload, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.quantized_ragged_dot",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--iterations", type=int, default=20)

@@ -57,7 +57,9 @@ def timed(row: dict[str, Any], fn: Any, args: tuple, reference: np.ndarray, flop
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.probes.quantized_ragged_dot_variants",
+        description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args(argv)

@@ -135,7 +135,8 @@ def measure(shape: Shape, impl: str, config: str, fn: Callable[..., Any], args: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probes.ragged_dot_small_rows",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU)")
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--iterations", type=int, default=10)
