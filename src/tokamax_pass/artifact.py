@@ -11,6 +11,7 @@ function first.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -349,11 +350,18 @@ def describe_fallback(fallback: Mapping[str, Any]) -> str:
             f"{fallback['exported']} in place of {fallback['target_runs']}")
 
 
+def describe_fallbacks(fallbacks: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A manifest's `fallbacks` as lines, each distinct one once, with its count where
+    several calls (a model's layers) fall back alike."""
+    counts = collections.Counter(describe_fallback(f) for f in fallbacks)
+    return [line if n == 1 else f"{line} ({n} calls)" for line, n in counts.items()]
+
+
 def _warn_fallbacks(fallbacks: Sequence[Mapping[str, Any]]) -> None:
     """Says at export time which op calls fall back (also in the manifest's `fallbacks`)."""
     if not fallbacks:
         return
-    calls = "; ".join(describe_fallback(f) for f in fallbacks)
+    calls = "; ".join(describe_fallbacks(fallbacks))
     warn_at_caller(
         f"export: {len(fallbacks)} op call(s) hold another implementation than the target "
         f"would run, which cannot be lowered on this machine: {calls}. Export on the target "

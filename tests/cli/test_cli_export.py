@@ -89,6 +89,18 @@ def test_export_for_cpu_and_h200_with_results(model, tmp_path, capsys):
     assert (op["config"], op["source"]) == ("ChunkConfig(chunk=4)", "autotuning result")
 
 
+def test_fallbacks_alike_are_said_once_with_their_count():
+    """A model's layers fall back alike: one line each, counted, not one per call."""
+    from tokamax_pass.artifact import describe_fallbacks
+
+    forward = dict(path="dot_product_attention", platform="cuda", device_kind=H200,
+                   exported="mosaic", target_runs="cudnn")
+    backward = {**forward, "path": "dot_product_attention_vjp"}
+    assert describe_fallbacks([forward, backward, forward]) == [
+        f"dot_product_attention on cuda ({H200}): mosaic in place of cudnn (2 calls)",
+        f"dot_product_attention_vjp on cuda ({H200}): mosaic in place of cudnn"]
+
+
 def test_export_from_cpu_says_where_the_target_would_run_cudnn(tmp_path, capsys):
     """The seed model for the H200 from this CPU machine: the shipped cache ranks cuDNN's
     attention forward first, which cannot be lowered here; the export runs the next

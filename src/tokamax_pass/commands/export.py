@@ -31,7 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokamax_pass.artifact import ExportFallbackWarning, describe_fallback
+    from tokamax_pass.artifact import ExportFallbackWarning, describe_fallbacks
     from tokamax_pass.core import checks
     from tokamax_pass.export import export
     from tokamax_pass.optimize import optimize
@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {len(fallbacks)} op call(s) run another implementation than the "
               f"target's own plan, which this machine cannot lower ('fallbacks' in "
               f"manifest.json); export on the target machine to include it:")
-        for fallback in fallbacks:
-            print(f"  {describe_fallback(fallback)}")
+        for line in describe_fallbacks(fallbacks):
+            print(f"  {line}")
     return 0
 
 
