@@ -1,8 +1,10 @@
 """`optimize` rewrites attention written as Gemma-2's is when `jax.nn` cannot take its
 soft cap: grouped query heads by reshaping q against un-repeated k and v, float32 logits,
 the cap, a causal and a sliding-window mask of `arange` rows and columns, softmax cast
-back. A mask that is a band of key offsets becomes the op's `is_causal` and
-`local_window_size`; any other mask is passed to the op as an array.
+back; also Gemma's reference code, which merges each key head's group of logits into
+the query heads between the products and reshapes the probabilities back. A mask that
+is a band of key offsets becomes the op's `is_causal` and `local_window_size`; any other
+mask is passed to the op as an array.
 
 On CPU the plain path is chosen, so `rewritten` keeps every candidate: values and
 gradients of the rewritten program are compared with `jax.jit` of the user's function,
@@ -244,3 +246,61 @@ def test_the_gemma2_twins_attention_plans_the_hand_ported_calls(calibration_dir)
     assert (arguments["is_causal"], arguments["local_window_size"], arguments["mask"],
             arguments["logits_soft_cap"], arguments["scale"]) == (True, [512, 0], None,
                                                                   50.0, 1 / 16)
+
+
+
+GEMMA_FILL = -2.3819763e38  # Gemma's `K_MASK`
+
+
+def gemma_attention(q, k, v, positions, *, layout, swap_back=False):
+    """Gemma's reference grouped attention: q scaled and reshaped to `(B, T, K, G, H)`,
+    the logits of each key head's group merged into `(B, T, N, S)` (`layout` `"BTKGS"`)
+    or `(B, N, T, S)` (`"BKGTS"`) for the soft cap, mask and softmax, the probabilities
+    reshaped back before the second product (with K and G swapped, a different
+    attention, where `swap_back`); the mask causal and a sliding window of `positions`,
+    as Gemma's `create_sliding_mask` builds it."""
+    b, t, n, h = q.shape
+    grouped_q = (q * h**-0.5).reshape(b, t, K, n // K, h)
+    logits = jnp.einsum(f"BTKGH,BSKH->{layout}", grouped_q, k, precision=HIGHEST)
+    product_shape = logits.shape
+    logits = logits.reshape((b, t, n, -1) if layout == "BTKGS" else (b, n, t, -1))
+    logits = jnp.tanh(logits / SOFT_CAP) * SOFT_CAP
+    cache_positions = jnp.arange(k.shape[1])
+    sliding = cache_positions > positions[..., None] - WINDOW
+    sliding *= cache_positions < positions[..., None] + WINDOW
+    mask = jnp.tril(jnp.ones((t, k.shape[1]), bool)) * sliding
+    mask = jnp.expand_dims(mask, -2 if layout == "BTKGS" else -3)
+    probs = jax.nn.softmax(jnp.where(mask, logits, GEMMA_FILL), axis=-1).astype(k.dtype)
+    probs = probs.reshape(product_shape)
+    if swap_back:
+        probs = jnp.swapaxes(probs, layout.index("K"), layout.index("G"))
+    encoded = jnp.einsum(f"{layout},BSKH->BTKGH", probs, v, precision=HIGHEST)
+    return encoded.reshape(b, t, n, h)
+
+
+@pytest.mark.parametrize(("layout", "positions_given", "arguments"), [
+    ("BTKGS", False, (True, (WINDOW - 1, 0), False)),
+    ("BKGTS", True, (False, None, True)),
+])
+def test_gemmas_logits_merged_between_the_products(rewritten, layout, positions_given,
+                                                   arguments):
+    """Positions made from `arange` in the function give a band (the op's causal
+    window); positions passed in, a mask array."""
+    def f(q, k, v, positions):
+        if not positions_given:
+            positions = jnp.broadcast_to(jnp.arange(T), positions.shape)
+        return gemma_attention(q, k, v, positions, layout=layout)
+
+    args = (*operands(17), jnp.broadcast_to(jnp.arange(T), (B, T)))
+    assert attention_arguments(tokamax.optimize(f), *args) == {arguments}
+    check_values_and_gradients(f, args, random_normal(9, (B, T, N, H)))
+
+
+def test_probabilities_reshaped_back_to_other_heads_are_left_as_written(rewritten):
+    def f(q, k, v, positions):
+        return gemma_attention(q, k, v, positions, layout="BTKGS", swap_back=True)
+
+    args = (*operands(17), jnp.broadcast_to(jnp.arange(T), (B, T)))
+    optimized = tokamax.optimize(f)
+    assert attention_arguments(optimized, *args) == set()
+    assert_close(optimized(*args), jax.jit(f)(*args))

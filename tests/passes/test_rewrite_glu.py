@@ -1,5 +1,6 @@
 """`optimize` rewrites gated linear units written in plain JAX, `act(x @ w_gate) *
-(x @ w_up)` and the fused `x @ w` split in two, into the `gated_linear_unit` op where
+(x @ w_up)` and the fused `x @ w` split in two (also over `jax.lax.ragged_dot`, MoE
+experts: the grouped op), into the `gated_linear_unit` op where
 `implementation=None` picks a kernel for it, and leaves near-misses as written.
 
 On CPU the plain path is chosen, so `rewritten` keeps every candidate: values and
@@ -184,6 +185,111 @@ def test_near_misses_are_left_as_written(rewritten, f, reason):
     assert outcomes(optimized, *args) == ([] if reason is None else [f"left alone: {reason}"])
     assert op_names(optimized, *args) == []
     assert_close(optimized(*args), jax.jit(f)(*args))
+
+
+# --- MoE experts: units over ragged dots ----------------------------------------------
+
+M, G = 12, 3
+GROUP_SIZES = (3, 4, 3)  # two rows past the groups: zeros in both
+
+
+def ragged(x, w, sizes):
+    return jax.lax.ragged_dot(x, w, sizes, precision=HIGHEST)
+
+
+def moe_swiglu(x, w_gate, w_up, sizes):
+    return jax.nn.silu(ragged(x, w_gate, sizes)) * ragged(x, w_up, sizes)
+
+
+def moe_fused_gelu(x, w, sizes):
+    gate, up = jnp.split(ragged(x, w, sizes), 2, axis=-1)
+    return jax.nn.gelu(gate) * up
+
+
+def moe_fused_up_first(x, w, sizes):
+    h = ragged(x, w, sizes)
+    return h[:, :N] * jax.nn.silu(h[:, N:])
+
+
+def moe_operands(f, dtype=jnp.float32, seed=0):
+    x = random_normal(seed, (M, K), dtype)
+    sizes = jnp.array(GROUP_SIZES, jnp.int32)
+    if f is moe_swiglu or f is moe_float32_products or f is moe_two_group_sizes:
+        return (x, random_normal(seed + 1, (G, K, N), dtype),
+                random_normal(seed + 2, (G, K, N), dtype), sizes)
+    return x, random_normal(seed + 1, (G, K, 2 * N), dtype), sizes
+
+
+def moe_float32_products(x, w_gate, w_up, sizes):
+    """Products kept in float32 from bfloat16 operands: the op rounds them to bfloat16."""
+    gate = jax.lax.ragged_dot(x, w_gate, sizes, preferred_element_type=jnp.float32)
+    up = jax.lax.ragged_dot(x, w_up, sizes, preferred_element_type=jnp.float32)
+    return jax.nn.silu(gate) * up
+
+
+def moe_two_group_sizes(x, w_gate, w_up, sizes):
+    return jax.nn.silu(ragged(x, w_gate, sizes)) * ragged(x, w_up, sizes[::-1])
+
+
+def patterns_matched(optimized, *args):
+    return [(m.pattern, m.rewritten) for m in optimized.plan(*args).matches]
+
+
+@pytest.mark.parametrize("f", [moe_swiglu, moe_fused_gelu, moe_fused_up_first],
+                         ids=lambda f: f.__name__)
+def test_a_moe_unit_over_ragged_dots_is_one_grouped_unit(rewritten, f):
+    """The unit's ragged dots are the grouped unit's, not the `ragged_dot` pattern's."""
+    args = moe_operands(f)
+    cotangent = random_normal(9, (M, N))
+    argnums = tuple(range(len(args) - 1))
+    loss = weighted(f, cotangent)
+    expected = jax.jit(jax.value_and_grad(loss, argnums=argnums))(*args)
+    optimized = tokamax.optimize(f)
+    assert patterns_matched(optimized, *args) == [("gated_linear_unit", True)]
+    assert op_names(optimized, *args) == ["GatedLinearUnit"]
+    assert_close(optimized(*args), jax.jit(f)(*args))
+    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=argnums)(*args)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
+
+
+def test_a_moe_unit_in_bfloat16_and_inside_value_and_grad(rewritten):
+    """Both products rounded to bfloat16, as the plain code rounds them; the gradient
+    traced inside `optimize` runs the op's VJP, and the ragged dots JAX leaves dead in
+    the differentiated program are no matches."""
+    args = moe_operands(moe_swiglu, jnp.bfloat16, seed=4)
+    step = jax.value_and_grad(weighted(moe_swiglu, random_normal(9, (M, N))),
+                              argnums=(0, 1, 2))
+    optimized = tokamax.optimize(step)
+    assert [(m.path, m.rewritten) for m in optimized.plan(*args).matches] == [
+        ("vjp/gated_linear_unit", True)]
+    expected, actual = jax.jit(step)(*args), optimized(*args)
+    assert_close(actual[0], expected[0], jnp.bfloat16)
+    for got, wanted in zip(actual[1], expected[1], strict=True):
+        assert_close(got, wanted, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("f", [moe_float32_products, moe_two_group_sizes],
+                         ids=lambda f: f.__name__)
+def test_moe_near_misses_leave_the_ragged_dots_to_their_pattern(rewritten, f):
+    args = moe_operands(f, jnp.bfloat16)
+    optimized = tokamax.optimize(f)
+    assert patterns_matched(optimized, *args) == [("ragged_dot", True)] * 2
+    assert_close(optimized(*args), jax.jit(f)(*args), jnp.bfloat16)
+
+
+def test_a_moe_unit_left_as_written_leaves_its_ragged_dots_to_their_pattern(monkeypatch):
+    """Where the rule keeps the plain unit, each ragged dot is decided on its own."""
+    from tokamax_pass.passes import rewrite
+
+    monkeypatch.setattr(rewrite, "rewrite_wins", lambda chosen: all(
+        type(ba.op).__name__ != "GatedLinearUnit" for ba in chosen))
+    args = moe_operands(moe_swiglu)
+    optimized = tokamax.optimize(moe_swiglu)
+    assert patterns_matched(optimized, *args) == [
+        ("gated_linear_unit", False), ("ragged_dot", True), ("ragged_dot", True)]
+    assert_close(optimized(*args), jax.jit(moe_swiglu)(*args))
 
 
 # --- selection: only where a kernel is chosen ------------------------------------------

@@ -15,7 +15,8 @@ Patterns:
   function is traced (`patterns_attention`).
 - `"layer_norm"`: LayerNorm and RMSNorm written in `jnp` (`patterns_norm`).
 - `"gated_linear_unit"`: `act(x @ w_gate) * (x @ w_up)` and the fused weight split in
-  two (`patterns_glu`).
+  two, also over ragged dots (MoE experts: the grouped op, which then takes the ragged
+  dots from the `"ragged_dot"` pattern; `enclosing_root`) (`patterns_glu`).
 - `"linear_softmax_cross_entropy_loss"`: the per-token softmax cross-entropy of `x @ w`
   against integer labels (`patterns_cross_entropy`).
 - `"attention"`: attention written out, `softmax(scale * q @ k^T ...) @ v`
@@ -204,6 +205,17 @@ def match(eqn: Any, names: frozenset[str], graph: Graph | None = None) -> Candid
             if candidate is not None:
                 return candidate
     return None
+
+
+def enclosing_root(eqn: Any, names: frozenset[str], graph: Graph | None) -> Any:
+    """The equation ending a larger match of `names` whose region holds `eqn`, or
+    `None`: a ragged dot that is a grouped gated linear unit's projection
+    (`patterns_glu.grouped_unit_root`). The larger match takes `eqn` where it is kept;
+    else `eqn` is matched on its own."""
+    if (graph is None or eqn.primitive.name != "ragged_dot_general"
+            or "gated_linear_unit" not in names):
+        return None
+    return patterns_glu.grouped_unit_root(graph, eqn)
 
 
 def _replicated(sharding: Any) -> bool:

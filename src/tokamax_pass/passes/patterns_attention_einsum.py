@@ -21,7 +21,12 @@ logits cast to another float type for the softmax (`.astype(jnp.float32)`). The 
 may come out of the product transposed (as `jnp.einsum` writes them).
 Grouped-query attention: q may have more free axes than the query rows
 (`(..., kv_heads, group, head_dim)` against un-repeated k and v), which become the op's
-query heads; keys and values repeated (`jnp.repeat`) are taken as repeated.
+query heads; keys and values repeated (`jnp.repeat`) are taken as repeated. The logits
+of such a product may be reshaped between the two products, as Gemma's reference code
+does: merged after the first (`(B, T, K, G, S)` to `(B, T, K * G, S)`, or `(B, K, G, T,
+S)` to `(B, K * G, T, S)`), soft-capped, masked and softmaxed so, and the probabilities
+reshaped back to the product's shape before the second (the keys' axis kept as it is:
+the softmax then reads the same rows).
 
 A mask that is a band of key offsets built from indices (`band_mask`), where every query
 row sees a key, becomes `is_causal` and `local_window_size` (masks applied in turn that
@@ -102,6 +107,10 @@ class _Attention:
     is_causal: bool = False
     local_window_size: tuple[int, int] | None = None
     axes: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    # The shape the logits are reshaped to between the products (masks and biases are
+    # of that shape), or `None` where they keep the product's shape.
+    merged_shape: tuple[int, ...] | None = None
+    preferred_row: int | None = None  # the query axis to take as the rows, if any
     query_numbers: Any = None  # (batch axes, contracting axis) of q
     key_numbers: Any = None  # (batch axes, contracting axis) of k
     value_numbers: Any = None  # ({logits axis: v axis} of the batch axes, keys, features)
@@ -151,12 +160,19 @@ def _parse(root: Any, graph: Graph) -> _Attention:
             continue
         if len(value.aval.shape) != len(p_batch) + 2:
             continue
-        softmax_input = _softmax_input(graph, _uncast(graph, probabilities, attention.region),
+        uncast = _uncast(graph, probabilities, attention.region)
+        unmerged = _unmerged(graph, uncast, attention.region)
+        softmax_input = _softmax_input(graph, _uncast(graph, unmerged, attention.region),
                                        attention.region)
         if softmax_input is None:
             continue
         attention.value = value
         _logits(graph, attention, softmax_input)
+        if (unmerged is uncast) != (attention.merged_shape is None):
+            raise _NoMatch  # the logits reshaped, the probabilities not back (or the reverse)
+        if unmerged is not uncast and tuple(uncast.aval.shape) != tuple(
+                _sizes(attention, attention.query.aval, attention.key.aval)):
+            raise _NoMatch  # the probabilities reshaped to another shape than the product's
         batch = {j for j, (role, _) in enumerate(attention.axes) if role == "batch"}
         if set(p_batch) != batch:
             raise _NoMatch
@@ -174,6 +190,22 @@ def _parse(root: Any, graph: Graph) -> _Attention:
             attention.output_axes = [*p_batch, "features", *rows]
         return attention
     raise _NoMatch
+
+
+def _unmerged(graph: Graph, var: Any, region: list[Any]) -> Any:
+    """`var` before a reshape that keeps its last axis (the keys), else `var`."""
+    reshape = graph.producer(var, "reshape")
+    if (reshape is None or reshape.params.get("dimensions") is not None
+            or not var.aval.shape or not reshape.invars[0].aval.shape
+            or var.aval.shape[-1] != reshape.invars[0].aval.shape[-1]):
+        return var
+    region.append(reshape)
+    return reshape.invars[0]
+
+
+def _is_product(graph: Graph, var: Any) -> bool:
+    """Whether `var` is the `q . k` product, possibly cast wider or reshaped after."""
+    return _product(graph, _unwidened(graph, _unmerged(graph, var, []), []))[0] is not None
 
 
 def _uncast(graph: Graph, var: Any, region: list[Any]) -> Any:
@@ -272,7 +304,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
         for body, bias in _summands(add):
             if (tuple(body.aval.shape) == shape and literal_value(bias) is None
                     and (graph.producer(body, "mul", "div") is not None
-                         or _product(graph, _unwidened(graph, body, []))[0] is not None)):
+                         or _is_product(graph, body))):
                 attention.bias, logits = bias, body
                 if add.primitive.name == "sub":  # `logits - b`: the bias `-b`, exactly
                     attention.bias_scale = -attention.bias_scale
@@ -287,12 +319,43 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
             raise _NoMatch  # the scaled fill no longer hides its keys
         attention.scale *= after_mask
     logits = _unwidened(graph, _scaled(graph, attention, logits), attention.region)
+    unmerged = _unmerged(graph, logits, attention.region)
+    if unmerged is not logits:
+        attention.merged_shape = shape
+        logits = _unwidened(graph, _scaled(graph, attention, unmerged), attention.region)
     product, transpose = _product(graph, logits)
     if product is None:
         raise _NoMatch
     attention.region += [e for e in (product, transpose) if e is not None]
     _operands(graph, attention, product, transpose)
+    if attention.merged_shape is not None:
+        _unmerge_band(attention, tuple(logits.aval.shape))
+        shape = tuple(logits.aval.shape)
     _mask_as_band(attention, shape)
+
+
+def _kept_axes(merged: tuple[int, ...], shape: tuple[int, ...]) -> dict[int, int]:
+    """`{merged axis: shape axis}` of the axes a row-major reshape from `shape` to
+    `merged` leaves whole: the same size after the same number of elements."""
+    def spans(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+        return [(math.prod(sizes[:a]), size) for a, size in enumerate(sizes)]
+
+    unmerged = spans(shape)
+    return {a: unmerged.index(span) for a, span in enumerate(spans(merged))
+            if span in unmerged}
+
+
+def _unmerge_band(attention: _Attention, shape: tuple[int, ...]) -> None:
+    """The band of the merged logits' mask as one of the product's axes, the query rows
+    preferably the query axis the reshape left whole; no band where its rows are merged."""
+    assert attention.merged_shape is not None
+    kept = _kept_axes(attention.merged_shape, shape)
+    band = attention.band
+    if band is not None:
+        attention.band = (dataclasses.replace(band, row_axis=kept[band.row_axis])
+                          if band.row_axis in kept else None)
+    whole = [a for a in kept.values() if attention.axes[a][0] == "query"]
+    attention.preferred_row = whole[0] if len(whole) == 1 else None
 
 
 def _operands(graph: Graph, attention: _Attention, product: Any, transpose: Any) -> None:
@@ -328,7 +391,8 @@ def _mask_as_band(attention: _Attention, shape: tuple[int, ...]) -> None:
     """Picks the query rows' axis; a mask that is a band of the rows and keys whose every
     row sees a key becomes `is_causal` and `local_window_size` (no mask array)."""
     rows = [j for j, (role, _) in enumerate(attention.axes) if role == "query"]
-    attention.row = len(shape) - 2 if len(shape) - 2 in rows else rows[0]
+    attention.row = (attention.preferred_row if attention.preferred_row is not None
+                     else len(shape) - 2 if len(shape) - 2 in rows else rows[0])
     band = attention.band
     if band is None or band.row_axis not in rows:
         attention.band = None
@@ -393,7 +457,7 @@ def _scaled(graph: Graph, attention: _Attention, logits: Any) -> Any:
     """The logits before a constant scale (the product, possibly cast to a wider float
     type first: `einsum(q, k).astype(jnp.float32) / sqrt(d)`), else `logits`."""
     return _taken_scale(attention, logits, _constant_factor(
-        graph, logits, lambda body: _product(graph, _unwidened(graph, body, []))[0] is not None))
+        graph, logits, lambda body: _is_product(graph, body)))
 
 
 def _taken_scale(attention: _Attention, var: Any, found: tuple[float, Any, Any] | None) -> Any:
@@ -422,7 +486,7 @@ def _biased_product(graph: Graph, var: Any) -> bool:
     return add is not None and any(
         literal_value(bias) is None and (
             graph.producer(summand, "mul", "div") is not None
-            or _product(graph, _unwidened(graph, summand, []))[0] is not None)
+            or _is_product(graph, summand))
         for summand, bias in _summands(add))
 
 
@@ -529,6 +593,8 @@ def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, 
 
     def per_head(x: Any) -> Any:
         """A bias or mask of the logits, as the op's `(*batch, heads, rows, keys)`."""
+        if attention.merged_shape is not None:
+            x = jnp.broadcast_to(x, attention.merged_shape).reshape(logits_shape)
         x = jnp.transpose(jnp.broadcast_to(x, logits_shape),
                           (*others, *heads, *groups, row, len(axes) - 1))
         return x.reshape(*other_sizes, head_count, logits_shape[row], logits_shape[-1])

@@ -10,6 +10,13 @@ fused `(K, 2, N)` kernel);
 `act` is `jax.nn.silu`/`swish` (or written out, `g * jax.nn.sigmoid(g)`), `jax.nn.gelu`
 (tanh or exact), `jax.nn.relu` or `jax.nn.sigmoid` (recognized by the equations they
 trace to), or none (the bilinear GLU).
+MoE experts' units over ragged dots are grouped ones (the op's `group_sizes`):
+`act(jax.lax.ragged_dot(x, w_gate, sizes)) * jax.lax.ragged_dot(x, w_up, sizes)` of
+`(G, K, N)` weights, or one `jax.lax.ragged_dot(x, w, sizes)` of a `(G, K, 2N)` weight
+split in halves; each ragged dot in its operands' dtype (the op rounds both products so),
+of one `x` and one `sizes`. Their ragged dots then belong to the unit
+(`grouped_unit_root`): the `"ragged_dot"` pattern takes them only where the unit is left
+as written.
 Matmuls whose values feed anything else (a gradient traced inside `optimize` keeps
 them for its backward) are left as written.
 """
@@ -72,7 +79,7 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         if found is None:
             continue
         activation, projected, region = found
-        for kind in (_separate, _fused, _stacked):
+        for kind in (_separate, _fused, _stacked, _grouped_separate, _grouped_fused):
             candidate = kind(graph, eqn, projected, up, activation, region)
             if candidate is not None:
                 return candidate
@@ -133,6 +140,123 @@ def _fused(graph: Graph, root: Any, gate: Any, up: Any,
         return gated_linear_unit(x, weights, activation=activation, precision=precision)
 
     return _candidate(graph, root, region, (x, w), function)
+
+
+def _ragged_product(graph: Graph, var: Any) -> Any:
+    """The `jax.lax.ragged_dot(x, w, sizes)` equation making `var` (`x` `(M, K)` in
+    consecutive groups against `(G, K, N)` weights, no group offset, the product in the
+    operands' floating dtype), or `None`."""
+    eqn = graph.producer(var, "ragged_dot_general")
+    if eqn is None:
+        return None
+    params = eqn.params
+    numbers = params["ragged_dot_dimension_numbers"]
+    if (numbers.dot_dimension_numbers != (((1,), (1,)), ((), ()))
+            or tuple(numbers.lhs_ragged_dimensions) != (0,)
+            or tuple(numbers.rhs_group_dimensions) != (0,)):
+        return None
+    if params.get("group_offset") is not None or params.get("out_sharding") is not None:
+        return None
+    x, w, _ = eqn.invars
+    dtypes = {jnp.dtype(a.aval.dtype) for a in (x, w, var)}
+    if len(dtypes) != 1 or not jnp.issubdtype(dtypes.pop(), jnp.floating):
+        return None
+    return eqn
+
+
+def _grouped_separate(graph: Graph, root: Any, gate: Any, up: Any,
+                      activation: Callable[[Any], Any] | None, region: list[Any]
+                      ) -> Candidate | None:
+    """`act(ragged_dot(x, w_gate, sizes)) * ragged_dot(x, w_up, sizes)`: the op is given
+    the pair `(w_gate, w_up)` and `group_sizes=sizes`."""
+    gate_dot, up_dot = _ragged_product(graph, gate), _ragged_product(graph, up)
+    if gate_dot is None or up_dot is None or gate_dot is up_dot:
+        return None
+    x, w_gate, sizes = gate_dot.invars
+    x_up, w_up, sizes_up = up_dot.invars
+    if (not same_value(graph, x, x_up) or not same_value(graph, sizes, sizes_up)
+            or tuple(w_gate.aval.shape) != tuple(w_up.aval.shape)
+            or gate_dot.params["precision"] != up_dot.params["precision"]):
+        return None
+    precision = gate_dot.params["precision"]
+    region = [*region, gate_dot, up_dot]
+    region += [graph.producer(a) for a, b in ((x_up, x), (sizes_up, sizes))
+               if a is not b and graph.producer(a) is not None]
+
+    def function(x: Any, w_gate: Any, w_up: Any, sizes: Any) -> Any:
+        from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
+
+        return gated_linear_unit(x, (w_gate, w_up), activation=activation,
+                                 group_sizes=sizes, precision=precision)
+
+    return _candidate(graph, root, region, (x, w_gate, w_up, sizes), function)
+
+
+def _grouped_fused(graph: Graph, root: Any, gate: Any, up: Any,
+                   activation: Callable[[Any], Any] | None, region: list[Any]
+                   ) -> Candidate | None:
+    """One `ragged_dot(x, w, sizes)` of a `(G, K, 2N)` weight split in halves: the op is
+    given `w` as `(G, K, 2, N)` (gate first) or the pair of its halves."""
+    halves = _halves(graph, gate, up)
+    if halves is None:
+        return None
+    projected, gate_first, split_eqns = halves
+    dot = _ragged_product(graph, projected)
+    if dot is None:
+        return None
+    x, w, sizes = dot.invars
+    precision = dot.params["precision"]
+    region = [*region, *split_eqns, dot]
+
+    def function(x: Any, w: Any, sizes: Any) -> Any:
+        from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
+
+        g, k, two_n = w.shape
+        n = two_n // 2
+        weights = w.reshape(g, k, 2, n) if gate_first else (w[..., n:], w[..., :n])
+        return gated_linear_unit(x, weights, activation=activation, group_sizes=sizes,
+                                 precision=precision)
+
+    return _candidate(graph, root, region, (x, w, sizes), function)
+
+
+# How many equations deep `grouped_unit_root` looks for the unit's product: past an
+# activation written out (`g * jax.nn.sigmoid(g)`: two), or one `jax.nn` call (one).
+_ACTIVATION_DEPTH = 3
+
+
+def grouped_unit_root(graph: Graph, eqn: Any) -> Any:
+    """The product ending a grouped unit this pattern would replace whose gate or up
+    projection is the ragged dot `eqn`, or `None`: searched among the equations using
+    its result, through the activation's."""
+    frontier, seen = list(eqn.outvars), set[int]()
+    for _ in range(_ACTIVATION_DEPTH):
+        users = [u for var in frontier for u in graph.users(var) if id(u) not in seen]
+        seen.update(id(u) for u in users)
+        for user in users:
+            if user.primitive.name not in PRIMITIVES:
+                continue
+            candidate = match(user, graph)
+            if (candidate is not None and candidate.function is not None
+                    and any(dot is eqn for dot in _ragged_dots(graph, user))):
+                return user
+        frontier = [var for u in users for var in u.outvars]
+    return None
+
+
+def _ragged_dots(graph: Graph, root: Any) -> list[Any]:
+    """The ragged dots making the gate and up projections of the product `root` (or the
+    one whose halves they are)."""
+    dots = []
+    for gate, up in (root.invars, root.invars[::-1]):
+        found = _activation(graph, gate)
+        if found is None:
+            continue
+        projected = found[1]
+        halves = _halves(graph, projected, up)
+        made = (projected, up) if halves is None else (halves[0],)
+        dots += [_ragged_product(graph, var) for var in made]
+    return [dot for dot in dots if dot is not None]
 
 
 def _stacked(graph: Graph, root: Any, gate: Any, up: Any,
@@ -238,8 +362,8 @@ def _halves(graph: Graph, gate: Any, up: Any) -> tuple[Any, bool, list[Any]] | N
     return None
 
 
-# What a gate's projection is made by: a matmul, or a part of a fused one.
-_PROJECTIONS = ("dot_general", "split", "slice", "squeeze")
+# What a gate's projection is made by: a matmul (a ragged one too), or a part of a fused one.
+_PROJECTIONS = ("dot_general", "ragged_dot_general", "split", "slice", "squeeze")
 
 
 def _activation(graph: Graph, gate: Any

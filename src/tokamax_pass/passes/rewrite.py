@@ -104,6 +104,12 @@ class Rewriter:
         self._autotuned = autotuned
         # Tracebacks (by id, kept alive) of equations matched before a transformation.
         self._matched_before_transform: dict[int, Any] = {}
+        # Decisions taken at an equation inside a larger match before its root was
+        # reached (`patterns.enclosing_root`), by the root's id: `(root, kept)`.
+        self._decided_roots: dict[int, tuple[Any, Any]] = {}
+        # Tracebacks (by id, kept alive) of equations a kept larger match took: what JAX
+        # leaves of them in a differentiated program (a dead primal) is no match either.
+        self._taken: dict[int, Any] = {}
         self._memo: dict[Any, tuple[OpCall, list[tuple[Target, selection.Choice, str]],
                                     tuple[BoundArguments, ...]]] = {}
         # Set when a call is partitioned by `custom_partitioning`: its per-device calls
@@ -191,12 +197,29 @@ class Rewriter:
         at `eqn`, its input variables and the jaxpr of its function, where the rewrite
         is kept (`choose_rewrite`); `None` otherwise (the match, if any, is recorded
         either way). Equations derived from ones already matched before a
-        transformation (`transforms`) are not matched by `patterns.REGIONS` again."""
+        transformation (`transforms`) are not matched by `patterns.REGIONS` again. An
+        equation inside a larger match (`patterns.enclosing_root`) is left to it where
+        that match is kept (decided there and then, once, for its root)."""
         if eqn.primitive.name not in self.pattern_primitives:
             return None
         names = self.rewrite_patterns if names is None else names
         if id(eqn.source_info.traceback) in self._matched_before_transform:
             names = names - patterns.REGIONS
+        if id(eqn) in self._decided_roots:
+            return self._decided_roots.pop(id(eqn))[1]
+        traceback = eqn.source_info.traceback
+        if id(traceback) in self._taken:
+            return None
+        root = patterns.enclosing_root(eqn, names, graph)
+        if root is not None:
+            if id(root) not in self._decided_roots:
+                kept = self.kept_pattern(root, path, graph, names,
+                                         differentiated=differentiated)
+                self._decided_roots[id(root)] = (root, kept)
+            if self._decided_roots[id(root)][1] is not None:
+                if traceback is not None:
+                    self._taken[id(traceback)] = traceback
+                return None
         candidate = patterns.match(eqn, names, graph)
         if candidate is None:
             return None
