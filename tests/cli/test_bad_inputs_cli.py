@@ -241,9 +241,9 @@ def test_a_mismatch_names_an_option_that_exists(tmp_path, artifact):
 # --- warnings ------------------------------------------------------------------------------
 
 def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys):
-    """A warning printed Python's `.../result.py:291: BadEntryWarning: ...` and the
-    library's source line under it (`<frozen runpy>:88:` for autotune's), as if the
-    library's code were at fault rather than the file the user gave."""
+    """A warning is one line naming the command, as errors are: no library file and line
+    (`.../result.py:291:`, `<frozen runpy>:88:`) or source line, which would point at
+    the library's code rather than the file the user gave."""
     result = tmp_path / "result.json"
     result.write_text(json.dumps({
         "format": "tokamax_pass.AutotuningResult", "schema_version": 1, "device_kind": "cpu",
@@ -272,8 +272,8 @@ def test_a_warning_is_one_line_naming_the_command(tmp_path, capsys):
     (["bound-args", "-o"], "--output_file"),
 ])
 def test_an_output_under_a_file_is_refused_before_any_work(command, option, tmp_path):
-    """`export` found out only when it saved the artifact, after planning and lowering
-    the function (and `bound-args` after tracing it): here the module is never imported."""
+    """The output path is checked before the function is imported, planned, lowered or
+    traced: here the module is never imported."""
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     with pytest.raises(SystemExit, match=f"^tokamax-pass {command[0]}: NotADirectoryError: "

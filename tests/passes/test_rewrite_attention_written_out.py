@@ -76,6 +76,19 @@ def float_mask_flax_style(q, k, v, mask):
     return einsum("...hqk,...khd->...qhd", jax.nn.softmax(logits), v)
 
 
+def bias_subtracted_before_the_scale(q, k, v, bias):
+    """`(logits - bias) * scale`: the op's bias is `-bias * scale`."""
+    logits = (einsum("bqhd,bkhd->bhqk", q, k) - bias) * 0.25
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def float_mask_argument(q, k, v, mask):
+    """A float mask passed in (Flax's masks are built outside the attention), with
+    values other than 0 and 1: `jnp.where` keeps the keys where it is nonzero."""
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k) * 0.25, -jnp.inf)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
 def integer_mask(q, k, v, mask):
     """A mask given as integers (an `attention_mask` of 0 and 1, here of 0 and 2): kept
     where nonzero."""
@@ -103,13 +116,15 @@ def scaled_after_the_mask(q, k, v, mask):
 SPELLINGS = [einsum_scaled_after, einsum_ellipsis_flax_style, matmul_heads_first_soft_cap,
              grouped_query_by_repeat, with_bias, softmax_written_out_max_stopped,
              scaled_after_the_mask, bias_before_the_scale, bias_subtracted,
-             float_mask_flax_style, integer_mask]
+             bias_subtracted_before_the_scale, float_mask_flax_style, float_mask_argument,
+             integer_mask]
 
 
 def operands(f, seed=0, hide_a_row=False):
     q = random_normal(seed, (B, T, N, H))
     k, v = random_normal(seed + 1, (B, S, N, H)), random_normal(seed + 2, (B, S, N, H))
-    if f in (with_bias, bias_before_the_scale, bias_subtracted, logits_subtracted_from_bias):
+    if f in (with_bias, bias_before_the_scale, bias_subtracted, bias_subtracted_before_the_scale,
+             logits_subtracted_from_bias):
         return q, k, v, random_normal(seed + 3, (B, N, T, S))
     mask = np.array(jax.random.bernoulli(jax.random.key(seed + 3), 0.7, (B, 1, T, S)))
     mask[:, :, :, 0] = True  # every row sees a key ...
@@ -117,6 +132,10 @@ def operands(f, seed=0, hide_a_row=False):
         mask[0, 0, 3, :] = False  # ... but this one
     if f is integer_mask:
         return q, k, v, jnp.asarray(mask, jnp.int32) * 2
+    if f is float_mask_argument:  # kept keys 0.5 or -2, hidden ones 0 (-0.0 for some)
+        kept = np.where(np.arange(S) % 2, 0.5, -2.0)
+        return q, k, v, jnp.asarray(np.where(mask, kept, np.where(np.arange(T)[:, None] % 2,
+                                                                   -0.0, 0.0)), jnp.float32)
     return q, k, v, jnp.asarray(mask)
 
 

@@ -185,15 +185,15 @@ def test_bfloat16_input_left_in_float32(rewritten, f):
     check_values_and_gradients(f, args, random_normal(9, (B, T, D)))
 
 
-def test_flax_rms_norm_subtracting_a_mean_of_zeros(rewritten):
-    """`x - zeros` is `x`: the op normalizes the upcast input. Flax upcasts the bfloat16
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_flax_rms_norm_subtracting_a_mean_of_zeros(rewritten, dtype):
+    """`x - zeros` is `x`: the op normalizes the (upcast) input. Flax upcasts a bfloat16
     input twice (for the statistics, and in `x - mean`), so plain JAX's gradient sums
     the two uses' bfloat16 cotangents, rounding twice where the op rounds once: bfloat16
-    tolerances."""
-    args = operands(rms_flax_normalize, jnp.bfloat16)
+    tolerances there, float32's for a float32 input."""
+    args = operands(rms_flax_normalize, dtype)
     assert jax.jit(rms_flax_normalize)(*args).dtype == jnp.float32
-    check_values_and_gradients(rms_flax_normalize, args, random_normal(9, (B, T, D)),
-                               jnp.bfloat16)
+    check_values_and_gradients(rms_flax_normalize, args, random_normal(9, (B, T, D)), dtype)
 
 
 def test_vmap_scan_and_remat_bodies(rewritten):

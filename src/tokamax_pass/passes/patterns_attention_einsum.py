@@ -301,7 +301,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     logits = _scaled_sum(graph, attention, logits)
     add = graph.producer(logits, "add", "sub")
     if add is not None:
-        for body, bias in _summands(add):
+        for body, bias in _operand_orders(add):
             if (tuple(body.aval.shape) == shape and literal_value(bias) is None
                     and (graph.producer(body, "mul", "div") is not None
                          or _is_product(graph, body))):
@@ -471,14 +471,6 @@ def _taken_scale(attention: _Attention, var: Any, found: tuple[float, Any, Any] 
     return body
 
 
-def _summands(eqn: Any) -> list[tuple[Any, Any]]:
-    """`(body, bias)` pairs of a sum (either order) or a difference (`body - bias`: the
-    bias subtracted, the op's bias its negation)."""
-    if eqn.primitive.name == "add":
-        return [tuple(eqn.invars), tuple(eqn.invars[::-1])]
-    return [tuple(eqn.invars)]
-
-
 def _biased_product(graph: Graph, var: Any) -> bool:
     """Whether `var` is a (possibly scaled) `q . k` product plus (or minus) an array (a
     bias)."""
@@ -487,7 +479,7 @@ def _biased_product(graph: Graph, var: Any) -> bool:
         literal_value(bias) is None and (
             graph.producer(summand, "mul", "div") is not None
             or _is_product(graph, summand))
-        for summand, bias in _summands(add))
+        for summand, bias in _operand_orders(add))
 
 
 def _boolean(graph: Graph, condition: Any, region: list[Any]) -> Any:
@@ -537,8 +529,9 @@ def _scaled_after_mask(graph: Graph, attention: _Attention, logits: Any
 
 
 def _operand_orders(eqn: Any) -> list[tuple[Any, Any]]:
-    """`(body, factor)` pairs of a product (either order) or a quotient."""
-    if eqn.primitive.name == "mul":
+    """`(body, operand)` pairs of a binary equation: both orders of a product or sum,
+    the written order of a quotient or difference (`body / factor`, `body - bias`)."""
+    if eqn.primitive.name in ("mul", "add"):
         return [tuple(eqn.invars), tuple(eqn.invars[::-1])]
     return [tuple(eqn.invars)]
 
