@@ -332,6 +332,7 @@ def test_nothing_picks_the_one_pass_unasked():
 V = MosaicAttentionVjpConfig
 
 
+@pytest.mark.variants
 @pytest.mark.parametrize("shape, causal, window, cap, lengths, config, dtype", [
     pytest.param((2, 256, 4, 2, 64), True, None, None, None, V(), jnp.bfloat16,
                  id="gqa-causal-d64"),
