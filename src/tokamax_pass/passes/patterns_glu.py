@@ -23,6 +23,7 @@ them for its backward) are left as written.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -79,7 +80,8 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         if found is None:
             continue
         activation, projected, region = found
-        for kind in (_separate, _fused, _stacked, _grouped_separate, _grouped_fused):
+        for kind in (_separate, _fused, _stacked, _grouped_separate,
+                     functools.partial(_fused, grouped=True)):
             candidate = kind(graph, eqn, projected, up, activation, region)
             if candidate is not None:
                 return candidate
@@ -119,27 +121,31 @@ def _separate(graph: Graph, root: Any, gate: Any, up: Any,
 
 
 def _fused(graph: Graph, root: Any, gate: Any, up: Any,
-           activation: Callable[[Any], Any] | None, region: list[Any]) -> Candidate | None:
+           activation: Callable[[Any], Any] | None, region: list[Any], *,
+           grouped: bool = False) -> Candidate | None:
+    """One projection `x @ w` (`ragged_dot(x, w, sizes)` where `grouped`) of a
+    `(..., K, 2N)` weight split in halves: the op is given `w` as `(..., K, 2, N)` (gate
+    first) or the pair of its halves."""
     halves = _halves(graph, gate, up)
     if halves is None:
         return None
     projected, gate_first, split_eqns = halves
-    dot = dense_matmul(graph, projected)
+    dot = _ragged_product(graph, projected) if grouped else dense_matmul(graph, projected)
     if dot is None:
         return None
-    x, w = dot.invars
     precision = dot.params["precision"]
     region = [*region, *split_eqns, dot]
 
-    def function(x: Any, w: Any) -> Any:
+    def function(x: Any, w: Any, *sizes: Any) -> Any:
         from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
 
-        k, two_n = w.shape
-        n = two_n // 2
-        weights = w.reshape(k, 2, n) if gate_first else (w[:, n:], w[:, :n])
-        return gated_linear_unit(x, weights, activation=activation, precision=precision)
+        n = w.shape[-1] // 2
+        weights = (w.reshape(*w.shape[:-1], 2, n) if gate_first
+                   else (w[..., n:], w[..., :n]))
+        return gated_linear_unit(x, weights, activation=activation,
+                                 group_sizes=sizes[0] if sizes else None, precision=precision)
 
-    return _candidate(graph, root, region, (x, w), function)
+    return _candidate(graph, root, region, tuple(dot.invars), function)
 
 
 def _ragged_product(graph: Graph, var: Any) -> Any:
@@ -190,34 +196,6 @@ def _grouped_separate(graph: Graph, root: Any, gate: Any, up: Any,
                                  group_sizes=sizes, precision=precision)
 
     return _candidate(graph, root, region, (x, w_gate, w_up, sizes), function)
-
-
-def _grouped_fused(graph: Graph, root: Any, gate: Any, up: Any,
-                   activation: Callable[[Any], Any] | None, region: list[Any]
-                   ) -> Candidate | None:
-    """One `ragged_dot(x, w, sizes)` of a `(G, K, 2N)` weight split in halves: the op is
-    given `w` as `(G, K, 2, N)` (gate first) or the pair of its halves."""
-    halves = _halves(graph, gate, up)
-    if halves is None:
-        return None
-    projected, gate_first, split_eqns = halves
-    dot = _ragged_product(graph, projected)
-    if dot is None:
-        return None
-    x, w, sizes = dot.invars
-    precision = dot.params["precision"]
-    region = [*region, *split_eqns, dot]
-
-    def function(x: Any, w: Any, sizes: Any) -> Any:
-        from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
-
-        g, k, two_n = w.shape
-        n = two_n // 2
-        weights = w.reshape(g, k, 2, n) if gate_first else (w[..., n:], w[..., :n])
-        return gated_linear_unit(x, weights, activation=activation, group_sizes=sizes,
-                                 precision=precision)
-
-    return _candidate(graph, root, region, (x, w, sizes), function)
 
 
 # How many equations deep `grouped_unit_root` looks for the unit's product: past an
