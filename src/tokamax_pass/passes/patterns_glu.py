@@ -80,7 +80,7 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         if found is None:
             continue
         activation, projected, region = found
-        for kind in (_separate, _fused, _stacked, _grouped_separate,
+        for kind in (_separate, _fused, _stacked, functools.partial(_separate, grouped=True),
                      functools.partial(_fused, grouped=True)):
             candidate = kind(graph, eqn, projected, up, activation, region)
             if candidate is not None:
@@ -93,31 +93,36 @@ def _candidate(graph: Graph, root: Any, region: list[Any], inputs: tuple[Any, ..
     if not graph.private(region, root):
         return Candidate(NAME, None, "the matmuls' values are used elsewhere (a gradient "
                                      "traced inside optimize keeps them for its backward)")
-    return Candidate(NAME, function, inputs=inputs)
+    return Candidate(NAME, function, inputs=inputs, region=tuple(region))
 
 
 def _separate(graph: Graph, root: Any, gate: Any, up: Any,
-              activation: Callable[[Any], Any] | None, region: list[Any]) -> Candidate | None:
-    gate_dot, up_dot = dense_matmul(graph, gate), dense_matmul(graph, up)
+              activation: Callable[[Any], Any] | None, region: list[Any], *,
+              grouped: bool = False) -> Candidate | None:
+    """`act(x @ w_gate) * (x @ w_up)` (`ragged_dot(x, w, sizes)` products of one `sizes`
+    where `grouped`): the op is given the pair `(w_gate, w_up)`."""
+    product = _ragged_product if grouped else dense_matmul
+    gate_dot, up_dot = product(graph, gate), product(graph, up)
     if gate_dot is None or up_dot is None or gate_dot is up_dot:
         return None
-    x, w_gate = gate_dot.invars
-    x_up, w_up = up_dot.invars
-    if not same_value(graph, x, x_up) or tuple(w_gate.aval.shape) != tuple(w_up.aval.shape):
-        return None
-    if gate_dot.params["precision"] != up_dot.params["precision"]:
+    (x, w_gate, *sizes), (x_up, w_up, *sizes_up) = gate_dot.invars, up_dot.invars
+    shared = list(zip((x, *sizes), (x_up, *sizes_up), strict=True))
+    if (not all(same_value(graph, a, b) for a, b in shared)
+            or tuple(w_gate.aval.shape) != tuple(w_up.aval.shape)
+            or gate_dot.params["precision"] != up_dot.params["precision"]):
         return None
     precision = gate_dot.params["precision"]
     region = [*region, gate_dot, up_dot]
-    if x_up is not x:
-        region.append(graph.producer(x_up))
+    region += [graph.producer(b) for a, b in shared
+               if a is not b and graph.producer(b) is not None]
 
-    def function(x: Any, w_gate: Any, w_up: Any) -> Any:
+    def function(x: Any, w_gate: Any, w_up: Any, *sizes: Any) -> Any:
         from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
 
-        return gated_linear_unit(x, (w_gate, w_up), activation=activation, precision=precision)
+        return gated_linear_unit(x, (w_gate, w_up), activation=activation,
+                                 group_sizes=sizes[0] if sizes else None, precision=precision)
 
-    return _candidate(graph, root, region, (x, w_gate, w_up), function)
+    return _candidate(graph, root, region, (x, w_gate, w_up, *sizes), function)
 
 
 def _fused(graph: Graph, root: Any, gate: Any, up: Any,
@@ -170,34 +175,6 @@ def _ragged_product(graph: Graph, var: Any) -> Any:
     return eqn
 
 
-def _grouped_separate(graph: Graph, root: Any, gate: Any, up: Any,
-                      activation: Callable[[Any], Any] | None, region: list[Any]
-                      ) -> Candidate | None:
-    """`act(ragged_dot(x, w_gate, sizes)) * ragged_dot(x, w_up, sizes)`: the op is given
-    the pair `(w_gate, w_up)` and `group_sizes=sizes`."""
-    gate_dot, up_dot = _ragged_product(graph, gate), _ragged_product(graph, up)
-    if gate_dot is None or up_dot is None or gate_dot is up_dot:
-        return None
-    x, w_gate, sizes = gate_dot.invars
-    x_up, w_up, sizes_up = up_dot.invars
-    if (not same_value(graph, x, x_up) or not same_value(graph, sizes, sizes_up)
-            or tuple(w_gate.aval.shape) != tuple(w_up.aval.shape)
-            or gate_dot.params["precision"] != up_dot.params["precision"]):
-        return None
-    precision = gate_dot.params["precision"]
-    region = [*region, gate_dot, up_dot]
-    region += [graph.producer(a) for a, b in ((x_up, x), (sizes_up, sizes))
-               if a is not b and graph.producer(a) is not None]
-
-    def function(x: Any, w_gate: Any, w_up: Any, sizes: Any) -> Any:
-        from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
-
-        return gated_linear_unit(x, (w_gate, w_up), activation=activation,
-                                 group_sizes=sizes, precision=precision)
-
-    return _candidate(graph, root, region, (x, w_gate, w_up, sizes), function)
-
-
 # How many equations deep `grouped_unit_root` looks for the unit's product: past an
 # activation written out (`g * jax.nn.sigmoid(g)`: two), or one `jax.nn` call (one).
 _ACTIVATION_DEPTH = 3
@@ -216,25 +193,10 @@ def grouped_unit_root(graph: Graph, eqn: Any) -> Any:
                 continue
             candidate = match(user, graph)
             if (candidate is not None and candidate.function is not None
-                    and any(dot is eqn for dot in _ragged_dots(graph, user))):
+                    and any(e is eqn for e in candidate.region)):
                 return user
         frontier = [var for u in users for var in u.outvars]
     return None
-
-
-def _ragged_dots(graph: Graph, root: Any) -> list[Any]:
-    """The ragged dots making the gate and up projections of the product `root` (or the
-    one whose halves they are)."""
-    dots = []
-    for gate, up in (root.invars, root.invars[::-1]):
-        found = _activation(graph, gate)
-        if found is None:
-            continue
-        projected = found[1]
-        halves = _halves(graph, projected, up)
-        made = (projected, up) if halves is None else (halves[0],)
-        dots += [_ragged_product(graph, var) for var in made]
-    return [dot for dot in dots if dot is not None]
 
 
 def _stacked(graph: Graph, root: Any, gate: Any, up: Any,

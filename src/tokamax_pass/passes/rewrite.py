@@ -203,11 +203,11 @@ class Rewriter:
         if eqn.primitive.name not in self.pattern_primitives:
             return None
         names = self.rewrite_patterns if names is None else names
-        if id(eqn.source_info.traceback) in self._matched_before_transform:
+        traceback = eqn.source_info.traceback
+        if id(traceback) in self._matched_before_transform:
             names = names - patterns.REGIONS
         if id(eqn) in self._decided_roots:
             return self._decided_roots.pop(id(eqn))[1]
-        traceback = eqn.source_info.traceback
         if id(traceback) in self._taken:
             return None
         root = patterns.enclosing_root(eqn, names, graph)
