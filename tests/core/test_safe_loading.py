@@ -391,6 +391,30 @@ def test_configs_are_bounded_in_code_and_from_files():
     assert [type(e.bound.op).__name__ for e in result.entries] == ["LayerNorm"]
 
 
+@pytest.mark.parametrize("field, value, match", [
+    ("num_warps", None, r"num_warps must be int, got None"),
+    ("num_warps", "8", r"num_warps must be int, got '8'"),
+    ("num_stages", 2.5, r"num_stages must be int, got 2.5"),
+    ("num_stages", True, r"num_stages must be int, got True"),
+    ("num_stages", 0, r"num_stages=0 must be at least 1"),
+    ("num_warps", -4, r"num_warps=-4 must be at least 1"),
+    ("num_warps", 6, r"num_warps=6 must be a power of 2"),
+])
+def test_a_config_field_of_the_wrong_kind_fails_when_read(field, value, match):
+    """A Triton attention config's warp and stage counts were kept whatever they held
+    (`null`, `"8"`, `true`, `0`) and reached Triton's compiler."""
+    triton_cls = tk.PallasTritonFlashAttention.config_cls
+    with pytest.raises((TypeError, ValueError), match=match):
+        tk.PallasTritonFlashAttention(config=dataclasses.replace(triton_cls(), **{field: value}))
+    fields = {**spec.encode_config(triton_cls()), field: value}
+    op = {"dataclass": spec.import_path(tk.PallasTritonFlashAttention),
+          "fields": {"config": {"dataclass": spec.import_path(triton_cls), "fields": fields}}}
+    with pytest.raises(SpecError, match=match):
+        spec.decode(op)
+    with pytest.raises((TypeError, ValueError), match=match):
+        spec.decode_config(triton_cls, fields)
+
+
 @pytest.mark.parametrize("edit, why", [
     (lambda arguments: arguments.update(x="f32[2,8,3"), "'f32\\[2,8,3' is not an array spec"),
     (lambda arguments: arguments.update(x="float32[2,8,32]"), "is not an array spec"),
