@@ -479,22 +479,37 @@ def _deserialize_text(data: bytes) -> str:
     return _deserialize(data, "the .stablehlo file").mlir_module()
 
 
+# The fields of each of a manifest's `ops` that `inspect` prints.
+_OP_ROW_FIELDS = ("path", "platform", "arguments", "implementation", "op", "config", "source")
+# The longest file name most file systems take (bytes).
+_MAX_FILE_NAME = 255
+
+
 def _check_manifest(manifest: Mapping[str, Any], *, what: str) -> None:
-    """A `SpecError` for a manifest whose fields `load_artifact` reads have the wrong types
-    (it failed with an `AttributeError` or `KeyError` in the checks)."""
+    """A `SpecError` for a manifest whose fields `load_artifact` and `inspect` read have
+    the wrong types (it failed with an `AttributeError`, `KeyError` or `TypeError` in the
+    checks or in `inspect`'s table)."""
     for key, kind in (("name", str), ("file", str), ("versions", Mapping),
-                      ("platforms", list), ("device_kinds", Mapping), ("custom_calls", list)):
+                      ("platforms", list), ("device_kinds", Mapping), ("custom_calls", list),
+                      ("ops", list)):
         if key in ("name", "file") and key not in manifest:
             raise spec.SpecError(f"{what} has no {key!r}")
         if key in manifest and not isinstance(manifest[key], kind):
             raise spec.SpecError(f"{what}: {key!r} must be a {kind.__name__}, got "
                                  f"{manifest[key]!r:.80}")
-    if Path(manifest["file"]).name != manifest["file"]:
-        raise spec.SpecError(f"{what}: 'file' must name a file in the artifact directory, "
-                             f"got {manifest['file']!r}")
-    if not all(isinstance(t, str) for t in manifest.get("custom_calls", ())):
-        raise spec.SpecError(f"{what}: 'custom_calls' must be a list of strs, got "
-                             f"{manifest['custom_calls']!r:.80}")
+    file = manifest["file"]
+    if (Path(file).name != file or not file.endswith(_SUFFIX)
+            or len(file.encode(errors="replace")) > _MAX_FILE_NAME):
+        raise spec.SpecError(f"{what}: 'file' must name a {_SUFFIX} file in the artifact "
+                             f"directory, got {file!r:.300}")
+    for key in ("platforms", "custom_calls"):
+        if not all(isinstance(t, str) for t in manifest.get(key, ())):
+            raise spec.SpecError(f"{what}: {key!r} must be a list of strs, got "
+                                 f"{manifest[key]!r:.80}")
+    for i, row in enumerate(manifest.get("ops", ())):
+        if not isinstance(row, Mapping) or not all(k in row for k in _OP_ROW_FIELDS):
+            raise spec.SpecError(f"{what}: ops[{i}] must be an object with the fields "
+                                 f"{list(_OP_ROW_FIELDS)}, got {row!r:.120}")
     for package, version in manifest.get("versions", {}).items():
         if package in ("jax", "tokamax_pass") and not (
                 isinstance(version, str) and re.match(r"\d+(\.\d+)*", version)):

@@ -201,11 +201,27 @@ def _with_manifest(directory, **changes):
     # An AttributeError ('int' object has no attribute 'startswith') or a TypeError.
     ({"custom_calls": [5]}, SpecError, "'custom_calls' must be a list of strs"),
     ({"custom_calls": 5}, SpecError, "'custom_calls' must be a list"),
+    # A TypeError from `", ".join` in the platform check.
+    ({"platforms": [1]}, SpecError, "'platforms' must be a list of strs"),
+    # An OSError ("File name too long") from the file system.
+    ({"file": "x" * 300 + ".stablehlo"}, SpecError, "'file' must name a .stablehlo file"),
+    ({"file": ""}, SpecError, "'file' must name a .stablehlo file"),
 ])
 def test_load_artifact_bad_manifest_fields(tmp_path, artifact, changes, error, match):
     directory = _with_manifest(artifact.save(tmp_path / "art"), **changes)
     with pytest.raises(error, match=match):
         tokamax.load_artifact(directory)
+
+
+@pytest.mark.parametrize("ops", [[{}], "x", [None]], ids=["no fields", "str", "null row"])
+def test_inspect_refuses_a_manifest_whose_ops_it_cannot_print(tmp_path, artifact, ops):
+    """`inspect` printed the manifest's `ops` as they were: a `KeyError` traceback from
+    the command line, a `TypeError` from the API."""
+    directory = _with_manifest(artifact.save(tmp_path / "art"), ops=ops)
+    with pytest.raises(SpecError, match=r"manifest.json: .*ops"):
+        tokamax.inspect(directory)
+    with pytest.raises(SystemExit, match=r"^tokamax-pass inspect: .*manifest.json: .*ops"):
+        main(["inspect", str(directory)])
 
 
 @pytest.mark.parametrize("manifest,dev,match", [
