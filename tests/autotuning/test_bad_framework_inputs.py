@@ -368,7 +368,7 @@ def _break(directory, how):
     ("stablehlo", SpecError, r"_loss.stablehlo does not match its manifest"),
     ("manifest not json", SpecError, "manifest.json is not valid JSON"),
     ("manifest a list", SpecError, "manifest.json must hold a JSON object"),
-    (("file", "../../x.stablehlo"), SpecError, "'file' must name a file in the artifact"),
+    (("file", "../../x.stablehlo"), SpecError, "'file' must name a .stablehlo file in the"),
     (("file", None), SpecError, "manifest.json has no 'file'"),
     (("versions", "x"), SpecError, "'versions' must be a Mapping"),
 ])
