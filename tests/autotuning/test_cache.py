@@ -89,6 +89,26 @@ def test_a_save_keeps_the_entries_of_ops_this_process_cannot_name():
     assert theirs in entries and len(entries) == 3
 
 
+@pytest.mark.parametrize("writer", ["user cache", "library cache"])
+def test_a_save_keeps_the_entries_of_another_version_this_process_cannot_read(tmp_path,
+                                                                              writer):
+    """An entry whose config has a field this version's config lacks (a newer version's)
+    is skipped on reading, and a save kept it no more: the file lost it."""
+    save = (cache.save if writer == "user cache"
+            else lambda result: cache.write_library_cache(result, tmp_path / "lib")[0])
+    path = pathlib.Path(save(_result(16)))
+    data = json.loads(path.read_text())
+    newer = json.loads(json.dumps(data["entries"][0]))
+    newer["configs"][0]["config"]["split_k"] = 2
+    data["entries"] = [newer]
+    path.write_text(json.dumps(data))
+    cache._USER.invalidate()
+    with pytest.warns(UserWarning, match="has no fields \\['split_k'\\]"):
+        save(_result(8, _ba(m=32)))
+    entries = json.loads(path.read_text())["entries"]
+    assert newer in entries and len(entries) == 2
+
+
 def test_concurrent_writers_lose_nothing():
     threads = [threading.Thread(target=lambda m=m: _result(16, _ba(m=m)).save_to_cache())
                for m in (1, 2, 3, 4, 5, 6)]

@@ -26,7 +26,12 @@ import platformdirs
 
 from tokamax_pass.autotuning import keys, neighbours
 from tokamax_pass.autotuning.entry import Entry
-from tokamax_pass.autotuning.result import AutotuningResult, active_results, register_cache_writer
+from tokamax_pass.autotuning.result import (
+    AutotuningResult,
+    active_results,
+    loads_keeping_skipped,
+    register_cache_writer,
+)
 from tokamax_pass.core import checks, selection, spec
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.bound_arguments import BoundArguments
@@ -84,6 +89,13 @@ def read(path: str | os.PathLike, *, kind_key: str | None = None) -> AutotuningR
     (not JSON, not UTF-8, not a result, or a directory where the file should be), or where
     `kind_key` is given and the file's device kind does not map to it
     (`device_kind_key`): a file of another device's configs under this one's name."""
+    found = _read_keeping_skipped(path, kind_key=kind_key)
+    return None if found is None else found[0]
+
+
+def _read_keeping_skipped(path: str | os.PathLike, *, kind_key: str | None
+                          ) -> tuple[AutotuningResult, list[Any]] | None:
+    """`read`, and the entries (as JSON) it skipped (`result.loads_keeping_skipped`)."""
     what = f"cache file {os.fspath(path)!r}"
     try:
         text = pathlib.Path(path).read_bytes()
@@ -91,12 +103,12 @@ def read(path: str | os.PathLike, *, kind_key: str | None = None) -> AutotuningR
         return None
     except IsADirectoryError:
         raise spec.SpecError(f"{what} is a directory, not a file") from None
-    result = AutotuningResult.loads(text, what=what)
+    result, skipped = loads_keeping_skipped(text, what=what)
     if kind_key is not None and device_kind_key(result.device_kind) != kind_key:
         raise spec.SpecError(
             f"{what} records device kind {result.device_kind!r}, whose configs belong in "
             f"{device_kind_key(result.device_kind)}.json, not in {pathlib.Path(path).name}")
-    return result
+    return result, skipped
 
 
 def _merged(existing: AutotuningResult | None, new: AutotuningResult) -> AutotuningResult:
@@ -107,33 +119,27 @@ def _merged(existing: AutotuningResult | None, new: AutotuningResult) -> Autotun
     return AutotuningResult(new.device_kind, existing.entries) | new
 
 
-def _entries_of_unknown_ops(path: pathlib.Path) -> list[Any]:
-    """The entries (as JSON) of the cache file at `path` whose op this process cannot
-    name: an op registered, or called, only in the programs that tuned it. A save keeps
-    them as they are, so one program's save never drops another's measurements."""
-    try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return []
-    kept = []
-    for item in data.get("entries", ()) if isinstance(data, dict) else ():
-        op = item.get("op") if isinstance(item, dict) else None
-        name = op.get("dataclass") if isinstance(op, dict) else None
-        if not isinstance(name, str):
-            continue
-        try:
-            spec.resolve(name, kind="dataclass")
-        except spec.SpecError:
-            kept.append(item)
-    return kept
+def _merged_text(path: pathlib.Path, new: AutotuningResult, *, kind_key: str) -> str:
+    """The text of the file at `path` merged with `new` (`_merged`). The entries of the file
+    this process cannot read (ops registered, or called, only in the programs that tuned
+    them; configs of another version's fields) are kept as they are: one program's save
+    never drops another's measurements. `spec.SpecError` for a corrupt file."""
+    found = _read_keeping_skipped(path, kind_key=kind_key)
+    existing, skipped = (None, []) if found is None else found
+    text = _merged(existing, new).dumps()
+    if not skipped:
+        return text
+    document = json.loads(text)
+    document["entries"] = [*skipped, *document["entries"]]
+    return json.dumps(document, indent=1, sort_keys=True)
 
 
 def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -> str:
     """Merges `result` (failures dropped) into the user cache file of its device kind.
 
     Holds a file lock across read-merge-write and replaces the file atomically, so
-    concurrent writers lose nothing; entries of ops this process cannot name are kept as
-    they are (`_entries_of_unknown_ops`). A corrupt existing file raises `CacheError`.
+    concurrent writers lose nothing; entries this process cannot read are kept as they
+    are (`_merged_text`). A corrupt existing file raises `CacheError`.
     """
     if not isinstance(result, AutotuningResult):
         raise TypeError(f"save_to_cache: result must be an AutotuningResult, got "
@@ -144,18 +150,12 @@ def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -
     path.parent.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(f"{path}.lock"):
         try:
-            existing = read(path, kind_key=path.stem)
+            text = _merged_text(path, result.with_provenance(), kind_key=path.stem)
         except spec.SpecError as e:
             raise CacheError(
                 f"{e}; the file was left in place: move it away or run "
                 f"`tokamax-pass cache clear` before saving to this cache"
             ) from None
-        text = _merged(existing, result.with_provenance()).dumps()
-        unknown = _entries_of_unknown_ops(path) if existing is not None else []
-        if unknown:
-            document = json.loads(text)
-            document["entries"] = [*unknown, *document["entries"]]
-            text = json.dumps(document, indent=1, sort_keys=True)
         write_atomic(path, text)
     _USER.invalidate()
     return str(path)
@@ -278,8 +278,7 @@ def write_library_cache(result: AutotuningResult, directory: str | os.PathLike) 
         # Locked across read-merge-write, like the user cache: concurrent tuning runs
         # that write one file each keep every entry.
         with filelock.FileLock(f"{path}.lock"):
-            existing = read(path, kind_key=folder.name)
-            write_atomic(path, _merged(existing, new).dumps())
+            write_atomic(path, _merged_text(path, new, kind_key=folder.name))
         written.append(str(path))
     library_result.cache_clear()
     return written

@@ -218,39 +218,7 @@ class AutotuningResult:
             raise TypeError(f"AutotuningResult.loads: text must be a JSON str or bytes, got "
                             f"{type(text).__name__} (AutotuningResult.load reads a path or "
                             f"an open file)")
-        data = spec.loads(decode_text(text, what=what), what=what)
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise spec.SpecError(f"{what} is not a tokamax_pass AutotuningResult JSON document")
-        spec.check_schema(data, what=what)
-        device_kind = data.get("device_kind")
-        if device_kind is not None and not isinstance(device_kind, str):
-            raise spec.SpecError(f"{what}: 'device_kind' must be a string or null, got "
-                                 f"{device_kind!r}")
-        _check_device_kind(device_kind, spec.SpecError, f"{what}: ")
-        for name in ("tokamax_pass_version", "jax_version"):
-            if not isinstance(data.get(name), (str, type(None))):
-                raise spec.SpecError(f"{what}: {name!r} must be a string or null, got "
-                                     f"{data[name]!r:.80}")
-        if not isinstance(data.get("entries", []), list):
-            raise spec.SpecError(f"{what}: 'entries' must be a list, got "
-                                 f"{type(data['entries']).__name__}")
-        if len(data.get("entries", ())) > MAX_ENTRIES:
-            raise spec.SpecError(f"{what} has {len(data['entries'])} entries, above the "
-                                 f"{MAX_ENTRIES} a result may hold")
-        entries = []
-        for i, item in enumerate(data.get("entries", ())):
-            try:
-                entries.append(_entry_from_json(item, i, what=what))
-            except spec.SpecError as e:
-                if strict:
-                    raise
-                warnings.warn(f"skipping an entry that cannot be read (the others load): {e}",
-                              BadEntryWarning, stacklevel=2)
-        return cls(
-            device_kind, entries,
-            tokamax_version=data.get("tokamax_pass_version"),
-            jax_version=data.get("jax_version"),
-        )
+        return _parse(cls, text, what=what, strict=strict, skipped=[])
 
     def dump(self, path_or_file: str | os.PathLike | IO[str] | IO[bytes] = checks.NOT_GIVEN,
              *, prune_errors: bool = False,
@@ -322,6 +290,54 @@ class AutotuningResult:
         table = render_table(("op", "arguments", "best config", "median ms", "ok/configs"),
                              rows, right_aligned=("median ms", "ok/configs"), indent=2)
         return f"AutotuningResult(device_kind={self.device_kind!r}, {len(self)} ops)\n{table}"
+
+
+def loads_keeping_skipped(text: str | bytes, *, what: str
+                          ) -> tuple[AutotuningResult, list[Any]]:
+    """`AutotuningResult.loads(text)` and the entries (as JSON) it skipped: what a cache
+    save keeps as written, so one program's save never drops the entries another program
+    (its own ops) or another version (configs of other fields) can read."""
+    skipped: list[Any] = []
+    return _parse(AutotuningResult, text, what=what, strict=False, skipped=skipped), skipped
+
+
+def _parse(cls: type[AutotuningResult], text: str | bytes | bytearray, *, what: str,
+           strict: bool, skipped: list[Any]) -> AutotuningResult:
+    """`AutotuningResult.loads` of a text; each entry it skips is appended to `skipped`."""
+    data = spec.loads(decode_text(text, what=what), what=what)
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise spec.SpecError(f"{what} is not a tokamax_pass AutotuningResult JSON document")
+    spec.check_schema(data, what=what)
+    device_kind = data.get("device_kind")
+    if device_kind is not None and not isinstance(device_kind, str):
+        raise spec.SpecError(f"{what}: 'device_kind' must be a string or null, got "
+                             f"{device_kind!r}")
+    _check_device_kind(device_kind, spec.SpecError, f"{what}: ")
+    for name in ("tokamax_pass_version", "jax_version"):
+        if not isinstance(data.get(name), (str, type(None))):
+            raise spec.SpecError(f"{what}: {name!r} must be a string or null, got "
+                                 f"{data[name]!r:.80}")
+    if not isinstance(data.get("entries", []), list):
+        raise spec.SpecError(f"{what}: 'entries' must be a list, got "
+                             f"{type(data['entries']).__name__}")
+    if len(data.get("entries", ())) > MAX_ENTRIES:
+        raise spec.SpecError(f"{what} has {len(data['entries'])} entries, above the "
+                             f"{MAX_ENTRIES} a result may hold")
+    entries = []
+    for i, item in enumerate(data.get("entries", ())):
+        try:
+            entries.append(_entry_from_json(item, i, what=what))
+        except spec.SpecError as e:
+            if strict:
+                raise
+            skipped.append(item)
+            warnings.warn(f"skipping an entry that cannot be read (the others load): {e}",
+                          BadEntryWarning, stacklevel=3)
+    return cls(
+        device_kind, entries,
+        tokamax_version=data.get("tokamax_pass_version"),
+        jax_version=data.get("jax_version"),
+    )
 
 
 def _as_entry(item: Any) -> Entry:
