@@ -239,6 +239,32 @@ def test_a_corrupt_user_cache_file_is_reported_and_skipped(tmp_path, corrupt):
             AutotuningResult("cpu").save_to_cache()
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_pipe_in_place_of_the_user_cache_file_is_reported_not_read():
+    """Reading a pipe waits for a writer: every op call (and `cache list`) hung on it."""
+    path = cache_lib.cache_file("cpu")
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    errors: list[Exception] = []
+
+    def read() -> None:
+        try:
+            cache_lib.read(path)
+        except SpecError as e:
+            errors.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    if reader.is_alive():
+        with open(path, "wb"):  # a writer that closes at once: the reader sees the end
+            pass
+        pytest.fail("reading the user cache waited on a pipe")
+    assert "is not a regular file (a pipe or a device)" in str(errors[0])
+    with pytest.warns(UserWarning, match="ignoring the user autotuning cache: .*pipe"):
+        assert float(jax.jit(lambda x, s: _loss_default(x, s))(X, S)) == float(_loss(X, S))
+
+
 def test_a_cache_directory_that_is_a_file(tmp_path, monkeypatch):
     (tmp_path / "cachefile").write_text("x")
     monkeypatch.setenv(cache_lib.ENV_CACHE_DIR, str(tmp_path / "cachefile"))

@@ -17,6 +17,7 @@ import importlib.resources
 import json
 import os
 import pathlib
+import stat
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,7 +87,8 @@ def _report_once(key: Any, message: str) -> None:
 
 def read(path: str | os.PathLike, *, kind_key: str | None = None) -> AutotuningResult | None:
     """The result stored at `path`, `None` if there is no file; `spec.SpecError` if corrupt
-    (not JSON, not UTF-8, not a result, or a directory where the file should be), or where
+    (not JSON, not UTF-8, not a result, or a directory or a pipe where the file should
+    be), or where
     `kind_key` is given and the file's device kind does not map to it
     (`device_kind_key`): a file of another device's configs under this one's name."""
     found = _read_keeping_skipped(path, kind_key=kind_key)
@@ -98,11 +100,15 @@ def _read_keeping_skipped(path: str | os.PathLike, *, kind_key: str | None
     """`read`, and the entries (as JSON) it skipped (`result.loads_keeping_skipped`)."""
     what = f"cache file {os.fspath(path)!r}"
     try:
-        text = pathlib.Path(path).read_bytes()
+        mode = os.stat(path).st_mode
     except FileNotFoundError:
         return None
-    except IsADirectoryError:
-        raise spec.SpecError(f"{what} is a directory, not a file") from None
+    if stat.S_ISDIR(mode):
+        raise spec.SpecError(f"{what} is a directory, not a file")
+    if not stat.S_ISREG(mode):
+        # A pipe's read waits for a writer: every op call hung reading the user cache.
+        raise spec.SpecError(f"{what} is not a regular file (a pipe or a device)")
+    text = pathlib.Path(path).read_bytes()
     result, skipped = loads_keeping_skipped(text, what=what)
     if kind_key is not None and device_kind_key(result.device_kind) != kind_key:
         raise spec.SpecError(
