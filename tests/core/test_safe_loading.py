@@ -221,6 +221,20 @@ def test_profiles_name_no_code(tmp_path, marker, monkeypatch):
     assert LAYER_NORM not in json.dumps(listed) and name not in json.dumps(listed)
 
 
+def test_a_damaged_profile_entry_is_skipped_and_the_others_load(tmp_path):
+    """An XSpace whose spec entry is not UTF-8, or ends inside its length, raised a bare
+    `UnicodeDecodeError` or `ValueError("truncated varint")`, and lost every op call."""
+    path = _poisoned_profile(tmp_path, LAYER_NORM)
+    profile, prefix = path.read_bytes(), xplane_to_bound_args._ENTRY_PREFIX
+    for damaged, why in ((prefix + b"\x02\xff\xfe", "codec can't decode"),
+                         (prefix + b"\xff", "runs past the end of the file")):
+        # An unknown field (15, length-delimited) of the XSpace: it still parses.
+        path.write_bytes(profile + bytes([0x7A, len(damaged)]) + damaged)
+        with pytest.warns(UserWarning, match=f"poisoned.xplane.pb: skipped a .* {why}"):
+            bound = xplane_to_bound_args.bound_args_from_xplane(path)
+        assert [type(b.op).__name__ for b in bound] == ["LayerNorm"]
+
+
 # --- StableHLO metadata and manifests -----------------------------------------------------
 
 def _poisoned_stablehlo(name: str) -> str:

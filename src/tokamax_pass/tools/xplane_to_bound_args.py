@@ -34,7 +34,8 @@ _KEY = METADATA_KEY.encode()
 _ENTRY_PREFIX = b"\x0a" + bytes([len(_KEY)]) + _KEY + b"\x12"
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
+def _varint(data: bytes, pos: int) -> tuple[int, int] | None:
+    """The varint at `pos` and the position after it; `None` where the data ends in it."""
     value, shift = 0, 0
     while pos < len(data):
         byte = data[pos]
@@ -43,17 +44,29 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return value, pos
         shift += 7
-    raise ValueError("truncated varint")
+    return None
 
 
-def specs_from_xspace(data: bytes) -> list[str]:
-    """The distinct spec JSON strings in a serialized XSpace, in file order."""
+def specs_from_xspace(data: bytes, *, what: str = "the profile") -> list[str]:
+    """The distinct spec JSON strings in a serialized XSpace, in file order.
+
+    An entry that cannot be read (its length runs past the end of the data, or its value
+    is not UTF-8 text) is skipped with a warning naming `what`: it raised a bare
+    `ValueError` or `UnicodeDecodeError` that lost the other op calls too."""
     specs: dict[str, None] = {}
     start = data.find(_ENTRY_PREFIX)
     while start != -1:
-        length, pos = _varint(data, start + len(_ENTRY_PREFIX))
-        specs.setdefault(data[pos:pos + length].decode("utf-8"))
-        start = data.find(_ENTRY_PREFIX, pos + length)
+        found = _varint(data, start + len(_ENTRY_PREFIX))
+        end = None if found is None else found[1] + found[0]
+        try:
+            if found is None or end is None or end > len(data):
+                raise ValueError("its length runs past the end of the file")
+            specs.setdefault(data[found[1]:end].decode("utf-8"))
+        except ValueError as e:  # `UnicodeDecodeError` too
+            warnings.warn(f"{what}: skipped a {METADATA_KEY} entry at byte {start} that "
+                          f"cannot be read: {e}", stacklevel=3)
+            end = start + 1
+        start = data.find(_ENTRY_PREFIX, end)
     return list(specs)
 
 
@@ -68,7 +81,7 @@ def bound_args_from_xplane(path: str | pathlib.Path) -> list[BoundArguments]:
     except Exception as e:  # noqa: BLE001 - any parse failure means "not a profile"
         raise ValueError(f"{path} is not an XSpace profile (.xplane.pb): {e}") from None
     bound = []
-    for encoded in specs_from_xspace(data):
+    for encoded in specs_from_xspace(data, what=str(path)):
         try:
             bound.append(BoundArguments.from_json(encoded))
         except spec.SpecError as e:  # one unloadable op (a local class) spoils nothing else
