@@ -34,7 +34,8 @@ from tokamax_pass.core import BoundArguments, NullConfig, Op
 
 @dataclasses.dataclass(frozen=True)
 class XlaChunkedConfig:
-    """Query rows and key/value rows per block (any positive sizes; shapes are padded)."""
+    """Query rows and key/value rows per block (any positive sizes; shapes are padded, and
+    a chunk past a sequence's next power of 2 counts as that power)."""
 
     chunk_q: int
     chunk_k: int
@@ -167,8 +168,13 @@ def _problem(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array
              statics: dict[str, Any]) -> _Problem:
     batch, q_len, heads, _ = query.shape
     kv_len, kv_heads = key.shape[1], key.shape[2]
-    q_pad = math.ceil(q_len / config.chunk_q) * config.chunk_q
-    k_pad = math.ceil(kv_len / config.chunk_k) * config.chunk_k
+    # A chunk past the sequence's next power of 2 is one block either way: clamped, a
+    # pinned or cached chunk of 2**20 at 24 rows pads to 32 rows, not to 2**20 (a logits
+    # block of terabytes).
+    chunk_q, chunk_k = min(config.chunk_q, _next_pow2(q_len)), min(config.chunk_k,
+                                                                  _next_pow2(kv_len))
+    q_pad = math.ceil(q_len / chunk_q) * chunk_q
+    k_pad = math.ceil(kv_len / chunk_k) * chunk_k
     kv_lengths = key_value_seq_lengths
     if k_pad != kv_len:  # padded keys must never be attended to
         full = jnp.full((batch,), kv_len, jnp.int32)
@@ -185,7 +191,7 @@ def _problem(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array
         bias=_pad_axis(_pad_axis(bias, 2, q_pad), 3, k_pad),
         mask=_pad_axis(_pad_axis(mask, 2, q_pad), 3, k_pad),
         q_lengths=q_lengths, kv_lengths=kv_lengths, statics=statics,
-        chunk_q=config.chunk_q, chunk_k=config.chunk_k, q_len=q_len, kv_len=kv_len)
+        chunk_q=chunk_q, chunk_k=chunk_k, q_len=q_len, kv_len=kv_len)
 
 
 def problem_for(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,

@@ -360,6 +360,22 @@ def test_chunked_search_space_configs_agree():
         XlaChunkedConfig(0, 8)
 
 
+def test_a_chunk_past_the_sequence_pads_to_its_next_power_of_2():
+    """A chunk of 2**20 (within the config limits, as a cache file may hold it) at 24
+    queries and 40 keys padded both to 2**20: XLA asked for a logits block of terabytes.
+    It now runs as one block of 32 x 64, forward and backward."""
+    q = jax.ShapeDtypeStruct((B, 24, 2, 16), jnp.float32)
+    k = jax.ShapeDtypeStruct((B, 40, 2, 16), jnp.float32)
+    huge = XlaChunkedConfig(2**20, 2**20)
+    op = XlaChunkedDotProductAttention(config=huge,
+                                       vjp=XlaChunkedDotProductAttentionVjp(config=huge))
+    loss = jax.grad(lambda q, k, v: jnp.sum(dot_product_attention(q, k, v, implementation=op)),
+                    argnums=(0, 1, 2))
+    shapes = re.findall(r"tensor<([0-9x]+)x", jax.jit(loss).lower(q, k, k).as_text())
+    assert not any(str(2**20) in shape for shape in shapes)
+    assert any(shape.endswith("32x64") for shape in shapes)
+
+
 def _max_square_dim(text: str, size: int) -> bool:
     return bool(re.search(rf"\b{size}x{size}x", text))
 
