@@ -153,3 +153,17 @@ def test_get_bound_args_skips_an_unreadable_spec_in_text_and_reads_the_others(ba
     assert ba.arguments["query"].shape == (2, 64, 2, 64)
     with pytest.raises(SpecError, match=match):
         get_bound_args("module {\n" + bad + "}")
+
+
+def test_a_key_given_twice_in_one_object_is_refused_not_dropped():
+    """A hand-merged file with two `"entries"` lists loaded the last one alone, and an
+    entry naming an argument twice kept its last value, silently."""
+    text = _result(_measured())
+    doubled = text.replace('"entries": [', '"entries": [], "entries": [', 1)
+    assert json.loads(doubled)["entries"]  # what json alone keeps: the last list
+    with pytest.raises(SpecError, match="gives the key 'entries' twice in one object"):
+        AutotuningResult.loads(doubled)
+    twice = json.dumps([_ATTENTION]).replace('"is_causal": true', '"is_causal": true, '
+                                             '"is_causal": false')
+    with pytest.raises(SpecError, match="gives the key 'is_causal' twice"):
+        bound_args_from_json(twice)

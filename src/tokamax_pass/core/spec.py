@@ -404,17 +404,33 @@ def dumps(obj: Any) -> str:
 
 def loads(text: str, *, what: str) -> Any:
     """`json.loads` of a text within `MAX_JSON_CHARS` and `MAX_DEPTH` (checked first, so a
-    deeply nested document is a `SpecError`, not a `RecursionError`)."""
+    deeply nested document is a `SpecError`, not a `RecursionError`), whose objects name
+    each key once."""
     if len(text) > MAX_JSON_CHARS:
         raise SpecError(f"{what} is {len(text)} characters long, above the {MAX_JSON_CHARS} "
                         f"a loader reads")
     check_depth(text, what=what)
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_object_of_unique_keys)
+    except _RepeatedKey as e:
+        raise SpecError(f"{what} gives the key {e.args[0]!r:.80} twice in one object (JSON "
+                        f"keeps the last: the first value would be dropped, silently)") from None
     except ValueError as e:  # `JSONDecodeError`, or an integer too long to convert
         raise SpecError(f"{what} is not valid JSON: {e}") from None
     except RecursionError:
         raise SpecError(f"{what} is nested too deeply") from None
+
+
+class _RepeatedKey(Exception):
+    """A JSON object that names one key twice (hand-merged files: two `"entries"`)."""
+
+
+def _object_of_unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        keys = [k for k, _ in pairs]
+        raise _RepeatedKey(next(k for i, k in enumerate(keys) if k in keys[:i]))
+    return found
 
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?')
