@@ -416,30 +416,11 @@ def _platforms(platforms: Sequence[str] | str | None,
     return result
 
 
-# XLA's dimensions are int64: a larger one failed deep in MLIR with a pybind TypeError.
-MAX_DIM = 2**63 - 1
-
-
-def parse_array_spec(text: str) -> jax.ShapeDtypeStruct:
-    """`'bf16[32,2048]'` as a `jax.ShapeDtypeStruct` for `export` and the CLI's `--args`:
-    `spec.parse_array_spec` plus what it leaves to XLA. `SpecError` lists the dtype
-    spellings (`i32[4]` named none) and names a dimension past int64."""
-    try:
-        parsed = spec.parse_array_spec(text)
-    except spec.SpecError as e:
-        raise spec.SpecError(f"{e} (dtypes as StableHLO spells them: bf16, f16, f32, f64, "
-                             f"s8, s32, s64, u8, u32, bool, ...)") from None
-    if any(d > MAX_DIM for d in parsed.shape):
-        raise spec.SpecError(f"{text!r} has a dimension above {MAX_DIM} (2**63 - 1), the "
-                             f"largest XLA can hold")
-    return parsed
-
-
 def _abstract(arg: Any) -> Any:
     def leaf(x: Any) -> Any:
         if isinstance(x, str):
             try:
-                return parse_array_spec(x)
+                return spec.parse_array_spec(x)
             except spec.SpecError as e:
                 raise spec.SpecError(f"export: {e}") from None
         if spec.is_array(x) and not isinstance(x, jax.ShapeDtypeStruct):

@@ -47,6 +47,11 @@ _BAD_ARGUMENTS = [
     ({"scale": float("nan")}, r"bind rejects these arguments: .*scale must be a finite"),
     ({"scale": 10**400}, r"bind rejects these arguments: .*"),
     ({"logits_soft_cap": -1.0}, r"bind rejects these arguments: .*logits_soft_cap"),
+    # Loaded, then autotuning failed deep in MLIR (`TypeError: get(): incompatible
+    # function arguments`) or in drawing the random inputs.
+    ({"key": "bf16[2,99999999999999999999,2,64]"},
+     r"has a dimension above 9223372036854775807 \(2\*\*63 - 1\)"),
+    ({"key": "bf16[2,9223372036854775807,2,64]"}, r"holds more than 9223372036854775807"),
 ]
 
 

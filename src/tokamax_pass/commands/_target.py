@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 
-from tokamax_pass.artifact import parse_array_spec
 from tokamax_pass.core import spec
 
 
@@ -54,6 +53,6 @@ def load_function(target: str, grad: bool = False) -> Callable[..., Any]:
 def parse_args(specs: list[str]) -> list[jax.ShapeDtypeStruct]:
     """`--args` specs as `jax.ShapeDtypeStruct`s; a one-line `SystemExit` naming a bad one."""
     try:
-        return [parse_array_spec(s) for s in specs]
+        return [spec.parse_array_spec(s) for s in specs]
     except spec.SpecError as e:
         raise SystemExit(f"--args: {e}") from None

@@ -18,6 +18,7 @@ import enum
 import functools
 import importlib
 import json
+import math
 import re
 import types
 from collections.abc import Callable, Mapping
@@ -36,10 +37,12 @@ MAX_JSON_CHARS = 256 * 2**20
 MAX_DEPTH = 64
 MAX_ITEMS = 2**16
 MAX_STRING_CHARS = 2**12
-# An array spec's rank and the digits of each dimension (XLA's own limit, 2**63 - 1, is
-# checked where a spec becomes a program: `artifact`).
+# An array spec's rank and the digits of each dimension; XLA's own limit on a dimension
+# and on an array's bytes (an int64) is checked too: a spec becomes a program (autotuning
+# a bound-arguments file, an export's arguments), where a larger one failed deep in MLIR.
 MAX_RANK = 16
 MAX_DIM_DIGITS = 20
+MAX_XLA_SIZE = 2**63 - 1
 
 _DTYPE_NAMES: dict[str, str] = {
     "bool": "bool",
@@ -108,15 +111,26 @@ def array_spec(value: Any) -> str:
 
 
 def parse_array_spec(text: str) -> jax.ShapeDtypeStruct:
+    """The `jax.ShapeDtypeStruct` of `"bf16[32,2048]"`; `SpecError` for a text that is
+    not one (listing the dtype spellings), or an array XLA cannot hold: a dimension, or
+    the array's bytes, above `MAX_XLA_SIZE`."""
     match = _ARRAY_SPEC.match(text.replace(" ", ""))
     if match is None or match.group(1) not in _SHORT_TO_DTYPE:
-        raise SpecError(f"{text!r} is not an array spec like 'bf16[32,2048,16,64]'")
+        raise SpecError(f"{text[:80]!r} is not an array spec like 'bf16[32,2048,16,64]' "
+                        f"(dtypes as StableHLO spells them: bf16, f16, f32, f64, s8, s32, "
+                        f"s64, u8, u32, bool, ...)")
     dims = match.group(2).split(",") if match.group(2) else []
     if len(dims) > MAX_RANK or not all(d.isdigit() and len(d) <= MAX_DIM_DIGITS for d in dims):
         raise SpecError(f"{text[:80]!r}: an array spec has at most {MAX_RANK} dimensions, "
                         f"each an integer of at most {MAX_DIM_DIGITS} digits")
     shape = tuple(int(d) for d in dims)
     dtype = jax.numpy.dtype(_SHORT_TO_DTYPE[match.group(1)])
+    if any(d > MAX_XLA_SIZE for d in shape):
+        raise SpecError(f"{text!r} has a dimension above {MAX_XLA_SIZE} (2**63 - 1), the "
+                        f"largest XLA can hold")
+    if math.prod(shape) * dtype.itemsize > MAX_XLA_SIZE:
+        raise SpecError(f"{text!r} holds more than {MAX_XLA_SIZE} (2**63 - 1) bytes, the "
+                        f"most XLA can address")
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
