@@ -13,6 +13,7 @@ import pytest
 import tokamax_pass as tokamax
 from _tunable_ops import ChunkConfig, XlaChunkedMatmul
 from tokamax_pass.autotuning import cache, keys
+from tokamax_pass.autotuning import result as result_lib
 from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.core import current_target, selection
 
@@ -107,6 +108,17 @@ def test_a_save_keeps_the_entries_of_another_version_this_process_cannot_read(tm
         save(_result(8, _ba(m=32)))
     entries = json.loads(path.read_text())["entries"]
     assert newer in entries and len(entries) == 2
+
+
+def test_a_save_past_the_entries_a_file_may_hold_leaves_the_file_readable(monkeypatch):
+    """A save that merged the file past `MAX_ENTRIES` wrote a file no reader loads: the
+    user cache was ignored from then on, and every later save failed on it."""
+    monkeypatch.setattr(result_lib, "MAX_ENTRIES", 2)
+    path = _result(16).save_to_cache()
+    _result(8, _ba(m=32)).save_to_cache()
+    with pytest.raises(cache.CacheError, match="would hold 3 entries, above the 2"):
+        _result(8, _ba(m=48)).save_to_cache()
+    assert len(cache.read(path)) == 2
 
 
 def test_concurrent_writers_lose_nothing():

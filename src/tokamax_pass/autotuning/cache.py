@@ -26,6 +26,7 @@ import filelock
 import platformdirs
 
 from tokamax_pass.autotuning import keys, neighbours
+from tokamax_pass.autotuning import result as results
 from tokamax_pass.autotuning.entry import Entry
 from tokamax_pass.autotuning.result import (
     AutotuningResult,
@@ -129,10 +130,18 @@ def _merged_text(path: pathlib.Path, new: AutotuningResult, *, kind_key: str) ->
     """The text of the file at `path` merged with `new` (`_merged`). The entries of the file
     this process cannot read (ops registered, or called, only in the programs that tuned
     them; configs of another version's fields) are kept as they are: one program's save
-    never drops another's measurements. `spec.SpecError` for a corrupt file."""
+    never drops another's measurements. `spec.SpecError` for a corrupt file; `CacheError`
+    where the merged file would hold more entries than a result may (`MAX_ENTRIES`): the
+    file written would be one no reader loads, and every later save would fail on it."""
     found = _read_keeping_skipped(path, kind_key=kind_key)
     existing, skipped = (None, []) if found is None else found
-    text = _merged(existing, new).dumps()
+    merged = _merged(existing, new)
+    if len(merged) + len(skipped) > results.MAX_ENTRIES:
+        raise CacheError(
+            f"{path} would hold {len(merged) + len(skipped)} entries, above the "
+            f"{results.MAX_ENTRIES} a cache file may hold; it was left as it is: clear it "
+            f"(`tokamax-pass cache clear`) or save to another directory")
+    text = merged.dumps()
     if not skipped:
         return text
     document = json.loads(text)
