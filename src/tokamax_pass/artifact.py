@@ -115,8 +115,9 @@ class Artifact:
         manifest_path = directory / MANIFEST
         if not manifest_path.is_file():
             raise FileNotFoundError(f"{directory} is not a tokamax_pass artifact: no {MANIFEST}")
+        data = spec.read_file(manifest_path, what=str(manifest_path))
         try:
-            manifest = spec.loads(manifest_path.read_text(), what=str(manifest_path))
+            manifest = spec.loads(data.decode("utf-8"), what=str(manifest_path))
         except UnicodeDecodeError as e:
             raise spec.SpecError(f"{manifest_path} is not UTF-8 JSON text: {e.reason}") from None
         if not isinstance(manifest, dict):

@@ -381,6 +381,22 @@ def test_sizes_are_bounded(monkeypatch):
         BoundArguments.from_json(json.dumps(_bound_spec()))
 
 
+def test_a_file_above_the_size_bound_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """Loaders read a whole file before bounding its text: a sparse file of a terabyte
+    raised a bare `MemoryError` (in the user cache: on every op call)."""
+    monkeypatch.setattr(spec, "MAX_JSON_CHARS", 1000)
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(2**20)  # sparse where the file system allows it
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    (artifact / "manifest.json").symlink_to(big)
+    for load in (tk.AutotuningResult.load, tk.autotuning.bound_args_from_json,
+                 cache_lib.read, tk.load_artifact):
+        with pytest.raises(SpecError, match=r"is 1048576 bytes long, above the 1000"):
+            load(artifact if load is tk.load_artifact else big)
+
+
 def test_configs_are_bounded_in_code_and_from_files():
     config_cls = tk.XlaChunkedDotProductAttention.config_cls
     with pytest.raises(ValueError, match=r"XlaChunkedConfig.chunk_q=1000000000 is above its "

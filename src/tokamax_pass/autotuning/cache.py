@@ -109,7 +109,7 @@ def _read_keeping_skipped(path: str | os.PathLike, *, kind_key: str | None
     if not stat.S_ISREG(mode):
         # A pipe's read waits for a writer: every op call hung reading the user cache.
         raise spec.SpecError(f"{what} is not a regular file (a pipe or a device)")
-    text = pathlib.Path(path).read_bytes()
+    text = spec.read_file(path, what=what)
     result, skipped = loads_keeping_skipped(text, what=what)
     if kind_key is not None and device_kind_key(result.device_kind) != kind_key:
         raise spec.SpecError(

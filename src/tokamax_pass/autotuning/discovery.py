@@ -286,7 +286,7 @@ def bound_args_from_json(source: str | os.PathLike | IO[str] = checks.NOT_GIVEN,
             isinstance(source, str) and not source.lstrip().startswith(("{", "["))):
         what = f"bound-arguments file {os.fspath(source)!r}"
         path = checks.file_to_read("bound_args_from_json", "source", source)
-        text = result.decode_text(path.read_bytes(), what=what)
+        text = result.decode_text(spec.read_file(path, what=what), what=what)
     elif isinstance(source, str):
         text = source
     else:

@@ -256,8 +256,8 @@ class AutotuningResult:
                                      "fp", fp)
         if isinstance(path_or_file, (str, os.PathLike)):
             path = checks.file_to_read("AutotuningResult.load", "path_or_file", path_or_file)
-            return cls.loads(path.read_bytes(),
-                             what=f"autotuning result {os.fspath(path_or_file)!r}")
+            what = f"autotuning result {os.fspath(path_or_file)!r}"
+            return cls.loads(spec.read_file(path, what=what), what=what)
         if not callable(getattr(path_or_file, "read", None)):
             raise TypeError(f"AutotuningResult.load: path_or_file must be a path or a readable "
                             f"file, got {path_or_file!r}")

@@ -19,6 +19,7 @@ import functools
 import importlib
 import json
 import math
+import os
 import re
 import types
 from collections.abc import Callable, Mapping
@@ -414,6 +415,19 @@ def decode_config(config_cls: type, data: Mapping[str, Any] | None) -> Any:
 def dumps(obj: Any) -> str:
     """Canonical JSON (sorted keys, no spaces): equal specs give equal strings."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def read_file(path: str | os.PathLike[str], *, what: str) -> bytes:
+    """The bytes of the JSON file at `path`: `SpecError` for one above `MAX_JSON_CHARS`
+    bytes, found before it is read (a sparse file of a terabyte raised a bare
+    `MemoryError`; every writer here writes ASCII JSON, a byte per character)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(size + 1) if size <= MAX_JSON_CHARS else b""
+    if size > MAX_JSON_CHARS or len(data) > MAX_JSON_CHARS:
+        raise SpecError(f"{what} is {max(size, len(data))} bytes long, above the "
+                        f"{MAX_JSON_CHARS} a loader reads")
+    return data
 
 
 def loads(text: str, *, what: str) -> Any:
