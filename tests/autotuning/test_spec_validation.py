@@ -132,6 +132,12 @@ def test_result_loads_rejects_times_no_float_holds_or_not_finite(fields):
     ("schema_version", 0, "schema version 0, which no tokamax_pass writes"),
     ("tokamax_pass_version", 3, "'tokamax_pass_version' must be a string or null"),
     ("jax_version", [], "'jax_version' must be a string or null"),
+    # Loaded, then saved to a cache file named after it: `ValueError: embedded null byte`,
+    # `OSError: File name too long`, a file name with a newline.
+    ("device_kind", "cpu\x00", r"device_kind 'cpu\\x00' is not a device kind JAX reports"),
+    ("device_kind", "cpu\n", r"device_kind 'cpu\\n' is not a device kind JAX reports"),
+    ("device_kind", "x" * 300, r"is not a device kind JAX reports \(printable text of at "
+                               r"most 200 characters"),
 ])
 def test_result_loads_rejects_header_fields_of_the_wrong_kind(field, value, match):
     document = json.loads(_result(_measured()))

@@ -20,6 +20,9 @@ from collections.abc import Iterator, Sequence
 
 import jax
 
+# The longest device kind a result or a command names (JAX's are a few words).
+MAX_DEVICE_KIND_CHARS = 200
+
 _HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 # NVIDIA GPU models by the word a device kind names them with, besides JAX's GPU table's
 # (`_known_gpu_models`): a kind naming none of them is a candidate misspelling.
@@ -219,7 +222,14 @@ def misspelled_shipped_kind(device_kind: str, *, typed: bool = False) -> str | N
 def check_device_kind(device_kind: str, *, typed: bool = False) -> None:
     """`ValueError` for a device kind that misspells a shipped one
     (`misspelled_shipped_kind`, `typed` as there): it was taken as a device of its own,
-    whose library cache does not exist, so every op silently ran heuristic configs."""
+    whose library cache does not exist, so every op silently ran heuristic configs. Also
+    for one no device reports: control characters, or above `MAX_DEVICE_KIND_CHARS` (a
+    result holding one saved to a cache file named after it: a NUL byte or a name too
+    long failed in the file system, a newline made a file name with one)."""
+    if not device_kind.isprintable() or len(device_kind) > MAX_DEVICE_KIND_CHARS:
+        raise ValueError(f"device_kind {device_kind[:80]!r} is not a device kind JAX reports "
+                         f"(printable text of at most {MAX_DEVICE_KIND_CHARS} characters, "
+                         f"like 'NVIDIA H200')")
     known = misspelled_shipped_kind(device_kind, typed=typed)
     if known is not None:
         raise ValueError(
