@@ -110,6 +110,24 @@ def test_a_save_keeps_the_entries_of_another_version_this_process_cannot_read(tm
     assert newer in entries and len(entries) == 2
 
 
+def test_concurrent_writers_through_links_to_one_shared_file_lose_nothing(tmp_path):
+    """Two cache directories whose files link to one shared file: each save locked its
+    own link's name, and concurrent saves through the two lost entries."""
+    shared = tmp_path / "shared" / cache.cache_file(current_target().device_kind).name
+    shared.parent.mkdir()
+    shared.write_text(_result(16).dumps())
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / shared.name).symlink_to(shared)
+    threads = [threading.Thread(target=lambda m=m: cache.save(
+        _result(16, _ba(m=m)), tmp_path / ("a" if m % 2 else "b"))) for m in range(1, 25)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(cache.read(shared)) == 24
+
+
 def test_a_save_past_the_entries_a_file_may_hold_leaves_the_file_readable(monkeypatch):
     """A save that merged the file past `MAX_ENTRIES` wrote a file no reader loads: the
     user cache was ignored from then on, and every later save failed on it."""

@@ -149,6 +149,13 @@ def _merged_text(path: pathlib.Path, new: AutotuningResult, *, kind_key: str) ->
     return json.dumps(document, indent=1, sort_keys=True)
 
 
+def _write_lock(path: pathlib.Path) -> filelock.FileLock:
+    """The lock a read-merge-write of `path` holds: beside the file `path` resolves to, so
+    two cache paths linked to one shared file take one lock (each locked its own name,
+    and concurrent saves through them lost entries)."""
+    return filelock.FileLock(f"{os.path.realpath(path)}.lock")
+
+
 def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -> str:
     """Merges `result` (failures dropped) into the user cache file of its device kind.
 
@@ -163,7 +170,7 @@ def save(result: AutotuningResult, directory: str | os.PathLike | None = None) -
     checks.directory_to_write("save_to_cache", "the cache directory (directory= or $"
                               f"{ENV_CACHE_DIR})", path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with filelock.FileLock(f"{path}.lock"):
+    with _write_lock(path):
         try:
             text = _merged_text(path, result.with_provenance(), kind_key=path.stem)
         except spec.SpecError as e:
@@ -185,7 +192,7 @@ def clear(directory: str | os.PathLike | None = None, device_kind: str | None = 
     pattern = f"{device_kind_key(device_kind)}.json" if device_kind else "*.json"
     removed = []
     for path in sorted(folder.glob(pattern)):
-        with filelock.FileLock(f"{path}.lock"):
+        with _write_lock(path):
             path.unlink()
         removed.append(str(path))
     _USER.invalidate()
@@ -292,7 +299,7 @@ def write_library_cache(result: AutotuningResult, directory: str | os.PathLike) 
         new = AutotuningResult(result.device_kind, entries)
         # Locked across read-merge-write, like the user cache: concurrent tuning runs
         # that write one file each keep every entry.
-        with filelock.FileLock(f"{path}.lock"):
+        with _write_lock(path):
             write_atomic(path, _merged_text(path, new, kind_key=folder.name))
         written.append(str(path))
     library_result.cache_clear()
