@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -9,6 +10,16 @@ import socket
 import subprocess
 import sys
 import textwrap
+
+import jax
+import pytest
+
+import tokamax_pass as tk
+from _tunable_ops import ChunkConfig, XlaChunkedMatmul
+from tokamax_pass.autotuning import distributed, keys
+from tokamax_pass.autotuning.entry import Entry, Measurement
+from tokamax_pass.core import spec
+from tokamax_pass.core.spec import SpecError
 
 TESTS = pathlib.Path(__file__).resolve().parents[1]  # where `_tunable_ops` lives
 
@@ -71,3 +82,38 @@ def test_process_zero_tunes_and_every_process_gets_the_same_result(tmp_path):
     assert reports[0]["tuned"] == 1 and reports[1]["tuned"] == 0  # only process 0 measured
     assert reports[0]["result"] == reports[1]["result"]
     assert len(json.loads(reports[0]["result"])["entries"]) == 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class UsersMatmul(XlaChunkedMatmul):
+    """An op of the user's: neither registered nor lowered in this process."""
+
+
+class _ProcessZero:
+    """The key-value store as a process other than 0 sees it: process 0's result text."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        return self.text
+
+
+def test_other_processes_read_process_zeros_result_as_process_zero_does(monkeypatch):
+    """Process 1 skipped (a warning) the entries of a user's op that only process 0 had
+    lowered, tuning: its configs differed from process 0's, silently. It now finds the
+    calls itself first, and an entry it still cannot read is an error."""
+    x, w = jax.ShapeDtypeStruct((64, 32), "float32"), jax.ShapeDtypeStruct((32, 16), "float32")
+    ba = keys.canonical(UsersMatmul().bind(x, w))
+    kind = jax.devices()[0].device_kind
+    text = tk.AutotuningResult(kind, [Entry(ba, {ChunkConfig(16): Measurement((1.0,))},
+                                            keys.provenance(ba.op))]).dumps()
+    monkeypatch.setattr(distributed, "is_multiprocess", lambda: True)
+    monkeypatch.setattr(distributed.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(distributed, "_client", lambda: _ProcessZero(text))
+    result = tk.autotune([ba], progress=False)
+    assert [type(b.op) for b, _ in result] == [UsersMatmul]
+    monkeypatch.setattr(distributed, "_client", lambda: _ProcessZero(
+        text.replace(spec.import_path(UsersMatmul), "their_models.TheirMatmul")))
+    with pytest.raises(SpecError, match="read by process 1.*TheirMatmul"):
+        tk.autotune([ba], progress=False)

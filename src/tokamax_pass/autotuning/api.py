@@ -18,7 +18,7 @@ from tokamax_pass.autotuning import cache as cache_lib
 from tokamax_pass.autotuning import discovery, distributed, keys, lowering, staging
 from tokamax_pass.autotuning.autotuner import Autotuner, candidate_configs
 from tokamax_pass.autotuning.result import AutotuningResult
-from tokamax_pass.core import checks, registry
+from tokamax_pass.core import checks, registry, spec
 from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.core.device import current_target
@@ -47,6 +47,14 @@ def _collect(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[BoundA
             raise TypeError("autotune: a list must hold only BoundArguments (Op.bind(...))")
         return discovery.dedupe(f)
     return discovery.get_bound_args(f, *args, **kwargs)
+
+
+def _name_ops_of(f: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """What a process other than 0 runs before reading process 0's result: finds the op
+    calls `f` makes (lowering it), so the result may name their op classes here as it
+    does on process 0 (`spec.remember_lowered`; a list of calls' ops, never lowered)."""
+    for ba in _collect(f, args, kwargs):
+        spec.remember_lowered(type(ba.op))
 
 
 def _expand(bound: list[BoundArguments], target: Any) -> list[list[BoundArguments]]:
@@ -124,7 +132,7 @@ def autotune(f: Any, *args: Any, ignore_cache: bool = False, all_implementations
         f, args, kwargs, ignore_cache=ignore_cache, all_implementations=all_implementations,
         timeout=timeout, max_workers=max_workers, progress=progress, iterations=iterations,
         method=method, max_configs=max_configs, lowering_processes=lowering_processes,
-        search_losers=search_losers))
+        search_losers=search_losers), discover=lambda: _name_ops_of(f, args, kwargs))
     if cache:
         _save_or_keep(result)
     return result

@@ -38,10 +38,15 @@ def _client():
 
 
 def tune_once(tune: Callable[[], AutotuningResult], *,
+              discover: Callable[[], object] = lambda: None,
               timeout_s: float = 3600.0) -> AutotuningResult:
     """`tune()` on process 0; every process returns process 0's result.
 
-    `timeout_s` bounds how long the other processes wait for it.
+    The other processes run `discover()` (lowering the tuned function, which lets them
+    name the ops it calls: `spec.remember_lowered`) and read the result strictly: an
+    entry one of them skipped (an op of the user's that only process 0 had lowered) left
+    its configs differing from process 0's, silently. `timeout_s` bounds how long the
+    other processes wait for it.
     """
     if not is_multiprocess():
         return tune()
@@ -55,7 +60,10 @@ def tune_once(tune: Callable[[], AutotuningResult], *,
             raise
         client.key_value_set(key, text)
         return AutotuningResult.loads(text)
+    discover()
     text = client.blocking_key_value_get(key, int(timeout_s * 1000))
     if text.startswith("error: "):
         raise RuntimeError(f"autotune failed on process 0: {text[len('error: '):]}")
-    return AutotuningResult.loads(text)
+    return AutotuningResult.loads(
+        text, what=f"process 0's autotuning result (read by process {jax.process_index()})",
+        strict=True)
