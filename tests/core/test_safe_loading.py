@@ -381,6 +381,15 @@ def test_sizes_are_bounded(monkeypatch):
         BoundArguments.from_json(json.dumps(_bound_spec()))
 
 
+def test_a_spec_sets_no_field_that_specs_leave_out():
+    """`bypass_device_check` is how a call is made, never written to a spec: a file that
+    set it had autotuning time a GPU kernel on the CPU."""
+    data = _bound_spec()
+    data["op"]["fields"]["bypass_device_check"] = True
+    with pytest.raises(SpecError, match=r"no fields \['bypass_device_check'\] a spec may give"):
+        BoundArguments.from_spec(data)
+
+
 def test_a_file_above_the_size_bound_is_refused_before_it_is_read(tmp_path, monkeypatch):
     """Loaders read a whole file before bounding its text: a sparse file of a terabyte
     raised a bare `MemoryError` (in the user cache: on every op call)."""

@@ -380,11 +380,14 @@ def _decode_object(value: dict[str, Any], depth: int) -> Any:
 
 
 def construct(cls: type, fields: Mapping[str, Any]) -> Any:
-    """`cls(**fields)` for a registered dataclass, its own checks' errors as `SpecError`."""
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    """`cls(**fields)` for a registered dataclass, its own checks' errors as `SpecError`.
+
+    A field `encode` leaves out (`NOT_IN_SPEC`: how to call an op, like
+    `bypass_device_check`) is not taken from a file either."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init and not f.metadata.get(NOT_IN_SPEC)}
     unknown = set(fields) - names
     if unknown:
-        raise SpecError(f"{cls.__name__} has no fields {sorted(unknown)}")
+        raise SpecError(f"{cls.__name__} has no fields {sorted(unknown)} a spec may give")
     try:
         return cls(**fields)  # an op checks its config's limits itself (`Op.__post_init__`)
     except (TypeError, ValueError) as e:
