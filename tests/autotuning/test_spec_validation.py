@@ -178,3 +178,22 @@ def test_a_key_given_twice_in_one_object_is_refused_not_dropped():
                                              '"is_causal": false')
     with pytest.raises(SpecError, match="gives the key 'is_causal' twice"):
         bound_args_from_json(twice)
+
+
+@pytest.mark.parametrize("fields,match", [
+    ({"interpret": "no"}, "field 'interpret' must be bool, got 'no'"),
+    ({"vjp": 5}, r"field 'vjp' must be tokamax_pass.core.op.Op \| None, got 5"),
+    ({"config": {"dataclass": "tokamax_kernels.attention.xla_chunked.XlaChunkedConfig",
+                 "fields": {"chunk_q": 64, "chunk_k": 64}}},
+     r"field 'config' must be .*PallasTritonFlashAttentionConfig \| None, got XlaChunkedConfig"),
+    ({"vjp": {"dataclass": "tokamax_pass.core.vjp.AutodiffVjp", "fields": {"forward": 5}}},
+     "AutodiffVjp: field 'forward' must be Op, got 5"),
+])
+def test_an_op_field_of_the_wrong_kind_is_refused(fields, match):
+    """An op's fields were taken as a file gave them: `interpret: "no"` ran the kernel
+    interpreted, and another op's config (or a `vjp` of 5) failed when the op ran."""
+    entry = copy.deepcopy(_ATTENTION)
+    entry["op"]["dataclass"] = "tokamax_kernels.attention.pallas_triton.PallasTritonFlashAttention"
+    entry["op"]["fields"].update(fields)
+    with pytest.raises(SpecError, match=rf"entry 0: .*{match}"):
+        bound_args_from_json(json.dumps([entry]))

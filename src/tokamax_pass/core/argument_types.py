@@ -147,3 +147,37 @@ def check_arguments(op_cls: type, arguments: Mapping[str, Any]) -> None:
         if not fits(value, hint):
             raise spec.SpecError(f"{name}: argument {key!r} must be {type_name(hint)}, got "
                                  f"{describe(value)}")
+
+
+def check_op_fields(op: Any, op_base: type) -> None:
+    """`spec.SpecError` naming the field where an op read from a spec holds a value of
+    another kind than its class annotates, through the ops it holds (`vjp`, an
+    `AutodiffVjp`'s `forward`): `interpret: "no"` was taken as true, and a `config` of
+    another op's config class (or `5`) or a `vjp` of `5` loaded and failed when the op
+    ran. `op_base` is `Op` (its type parameter names a config's annotation)."""
+    cls: type = type(op)
+    hints = _op_field_types(cls, op_base)
+    for field in dataclasses.fields(op):
+        if not field.init or field.metadata.get(spec.NOT_IN_SPEC):
+            continue
+        value = getattr(op, field.name)
+        config_cls = getattr(cls, "config_cls", None)
+        if field.name == "config" and isinstance(config_cls, type):
+            hint: Any = config_cls | None
+        else:
+            hint = hints.get(field.name, Any)
+        if not fits(value, hint):
+            raise spec.SpecError(f"{cls.__name__}: field {field.name!r} must be "
+                                 f"{type_name(hint)}, got {describe(value)}")
+        if isinstance(value, op_base):
+            check_op_fields(value, op_base)
+
+
+@functools.cache
+def _op_field_types(cls: type, op_base: type) -> dict[str, Any]:
+    """The resolved annotations of an op class's fields (none where they do not resolve)."""
+    params = {p.__name__: p for p in getattr(op_base, "__type_params__", ())}
+    try:
+        return typing.get_type_hints(cls, localns=params)
+    except Exception:  # noqa: BLE001 - any failure to evaluate an annotation
+        return {}

@@ -135,6 +135,7 @@ class BoundArguments:
                                "sets it was imported (import tokamax_pass first)")
         if not isinstance(op, HOOKS.op_base):
             raise spec.SpecError(f"{data['op']!r} does not name an Op")
+        argument_types.check_op_fields(op, HOOKS.op_base)
         if not isinstance(data["arguments"], Mapping):
             raise spec.SpecError(f"a bound-arguments spec's 'arguments' must be an object, got "
                                  f"{data['arguments']!r}")
