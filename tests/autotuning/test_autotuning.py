@@ -648,6 +648,30 @@ def test_export_workers_start_without_warnings():
     assert done.returncode == 0 and done.stderr == b"" and done.stdout == b"", done.stderr
 
 
+def test_an_export_worker_answers_apart_from_what_is_written_to_its_stdout():
+    """A line native code wrote to the worker's stdout (a compiler's) went into the pickle
+    stream the tuning process reads its answers from."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    worker = ("import os, sys\n"
+              "from tokamax_pass.autotuning import export_worker\n"
+              "def noisy(*request):\n"
+              "    os.write(1, b'cuda_helpers.cc:12] a line written to fd 1\\n')\n"
+              "    return bytearray(b'program')\n"
+              "export_worker.export_candidate = noisy\n"
+              "export_worker.serve()\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", worker], input=pickle.dumps(("request",)),
+                          capture_output=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert pickle.loads(done.stdout) == (True, bytearray(b"program"))
+    assert b"a line written to fd 1" in done.stderr
+
+
 def test_a_function_without_op_calls_is_a_warning_naming_optimize():
     """A model in plain JAX gave an empty result and no hint; the warning names
     `optimize(f, autotune='always')`, which rewrites plain-JAX patterns and tunes them,
