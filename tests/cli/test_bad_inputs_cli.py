@@ -80,8 +80,14 @@ def test_empty_cache_options_delete_nothing(tmp_path, monkeypatch, capsys):
     assert (work / "precious.json").exists() and (cache_dir / "nvidia_h200.json").exists()
 
 
-def test_an_unreadable_cache_file_is_named_with_the_command_that_removes_it(tmp_path, capsys):
-    (tmp_path / "nvidia_h200.json").write_text("{not json")
+@pytest.mark.parametrize("damage", ["not json", "a link to itself"])
+def test_an_unreadable_cache_file_is_named_with_the_command_that_removes_it(tmp_path, capsys,
+                                                                            damage):
+    """A link that loops ended `cache list` (every file's line) in one `OSError` line."""
+    if damage == "not json":
+        (tmp_path / "nvidia_h200.json").write_text("{not json")
+    else:
+        (tmp_path / "nvidia_h200.json").symlink_to("nvidia_h200.json")
     assert main(["cache", "--cache-dir", str(tmp_path), "list"]) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert "nvidia_h200.json: unreadable" in line and "`tokamax-pass cache clear`" in line
@@ -92,6 +98,7 @@ def test_an_unreadable_cache_file_is_named_with_the_command_that_removes_it(tmp_
         "`tokamax-pass cache clear --device-kind 'NVIDIA H200'` removes it")
     assert main(["cache", "--cache-dir", str(tmp_path), "clear", "--device-kind",
                  "NVIDIA H200"]) == 0
+    assert not (tmp_path / "nvidia_h200.json").is_symlink()
     assert not (tmp_path / "nvidia_h200.json").exists()
 
 

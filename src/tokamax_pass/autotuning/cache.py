@@ -88,8 +88,8 @@ def _report_once(key: Any, message: str) -> None:
 
 def read(path: str | os.PathLike, *, kind_key: str | None = None) -> AutotuningResult | None:
     """The result stored at `path`, `None` if there is no file; `spec.SpecError` if corrupt
-    (not JSON, not UTF-8, not a result, or a directory or a pipe where the file should
-    be), or where
+    (not JSON, not UTF-8, not a result, a directory or a pipe where the file should be,
+    or a file that cannot be read: a link that loops, no permission), or where
     `kind_key` is given and the file's device kind does not map to it
     (`device_kind_key`): a file of another device's configs under this one's name."""
     found = _read_keeping_skipped(path, kind_key=kind_key)
@@ -102,14 +102,16 @@ def _read_keeping_skipped(path: str | os.PathLike, *, kind_key: str | None
     what = f"cache file {os.fspath(path)!r}"
     try:
         mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise spec.SpecError(f"{what} is a directory, not a file")
+        if not stat.S_ISREG(mode):
+            # A pipe's read waits for a writer: every op call hung reading the user cache.
+            raise spec.SpecError(f"{what} is not a regular file (a pipe or a device)")
+        text = spec.read_file(path, what=what)
     except FileNotFoundError:
         return None
-    if stat.S_ISDIR(mode):
-        raise spec.SpecError(f"{what} is a directory, not a file")
-    if not stat.S_ISREG(mode):
-        # A pipe's read waits for a writer: every op call hung reading the user cache.
-        raise spec.SpecError(f"{what} is not a regular file (a pipe or a device)")
-    text = spec.read_file(path, what=what)
+    except OSError as e:  # a link that loops, a file this user may not read
+        raise spec.SpecError(f"{what} cannot be read: {e.strerror}") from None
     result, skipped = loads_keeping_skipped(text, what=what)
     if kind_key is not None and device_kind_key(result.device_kind) != kind_key:
         raise spec.SpecError(
