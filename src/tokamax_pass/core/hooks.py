@@ -27,7 +27,7 @@ def _hook_not_set(*args: Any, **kwargs: Any) -> Any:
 class _Hooks:
     """What `Op` and `BoundArguments` use from the modules built on them. `op_base` is `Op`
     itself (set by `core.op`: `BoundArguments.from_spec` checks that a spec names an op).
-    `call_ops` binds the primitive (`core.primitive`); `autodiff_vjp` and `vjp_base` are
+    `call_ops` makes an op call (`core.calls`); `autodiff_vjp` and `vjp_base` are
     `core.vjp`'s `AutodiffVjp` and `VjpOp`. `tune_bound` and `cached_measurements` are
     `tokamax_pass.autotuning.compat`'s (`BoundArguments.autotune`,
     `Op.get_autotuning_cache`), set when the autotuning package is imported, as are

@@ -291,7 +291,7 @@ class Op[C]:
         its own VJP op (`vjp_op()`, which says the same) reads, in place of the family's
         (gradients computed in the forward pass). A call's residuals must have one form
         when it is traced, so a differentiated call that picks such an op is traced with
-        that op alone, its config pinned (`primitive.bind_with_vjp`)."""
+        that op alone, its config pinned (`calls.bind_with_vjp`)."""
         return False
 
     def reruns_forward(self, ba: BoundArguments) -> bool:

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokamax_pass.core import primitive, spec
+from tokamax_pass.core import calls, spec
 from tokamax_pass.core.op import Op, family_class
 
 Implementation = str | Op | Sequence[str | Op] | None
@@ -89,9 +89,9 @@ class Family:
     def __call__(self, implementation: Implementation, *args: Any,
                  return_residuals: bool = False, **kwargs: Any) -> Any:
         """Calls the family; `return_residuals=True` returns `(out, residuals)` with the
-        residuals in the family's own form, differentiable (`primitive.bind_with_vjp`)."""
+        residuals in the family's own form, differentiable (`calls.bind_with_vjp`)."""
         ops, explicit = self.resolve(implementation)
-        return primitive.call_ops(ops, args, kwargs, explicit=explicit,
+        return calls.call_ops(ops, args, kwargs, explicit=explicit,
                                   return_residuals=return_residuals)
 
 
