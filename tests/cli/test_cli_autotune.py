@@ -147,9 +147,12 @@ def test_xplane_skips_op_calls_it_cannot_load(tmp_path):
 
 
 def test_not_a_profile_is_a_clear_error(tmp_path):
+    """The library's own error (a `SpecError`, as every loader's), naming the file."""
+    from tokamax_pass.core.spec import SpecError
+
     bogus = tmp_path / "x.xplane.pb"
     bogus.write_bytes(b"\xff\xff not a profile")
-    with pytest.raises(ValueError, match="not an XSpace profile"):
+    with pytest.raises(SpecError, match="x.xplane.pb is not an XSpace profile"):
         xplane_to_bound_args.bound_args_from_xplane(bogus)
 
 

@@ -74,12 +74,13 @@ def bound_args_from_xplane(path: str | pathlib.Path) -> list[BoundArguments]:
     """Every distinct op call (config stripped) recorded in an `.xplane.pb` file.
 
     A profile holds every program the process had loaded; a call whose op cannot be
-    loaded here (a class defined inside a function) is skipped with a warning."""
+    loaded here (a class defined inside a function) is skipped with a warning. A file that
+    is not a profile is a `spec.SpecError` naming it."""
     data = pathlib.Path(path).read_bytes()
     try:
         jax.profiler.ProfileData.from_serialized_xspace(data)
     except Exception as e:  # noqa: BLE001 - any parse failure means "not a profile"
-        raise ValueError(f"{path} is not an XSpace profile (.xplane.pb): {e}") from None
+        raise spec.SpecError(f"{path} is not an XSpace profile (.xplane.pb): {e}") from None
     bound = []
     for encoded in specs_from_xspace(data, what=str(path)):
         try:
