@@ -218,6 +218,9 @@ def _write(folder, text):
     calibration_file([], schema="something else"),
     calibration_file([], version=2),
     calibration_file([("K", "bfloat16", 1e9, 1e9, 0.5)], ceilings={"bf16_tflops": 1.0}),
+    # Roofline times overflowed: every prediction was infinite, silently.
+    calibration_file([("K", "bfloat16", 1e9, 1e9, 0.5)],
+                     ceilings={**CEILINGS, "bf16_tflops": 1e-300}),
     calibration_file([("K", "bfloat16", 1e9, 1e9, -0.5)]),
     calibration_file([("K", "bfloat16", 1e9, 1e9, 50.0)]),
     calibration_file([("K", "bfloat16", 1e9, 1e9, "0.5")]),

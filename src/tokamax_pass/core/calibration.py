@@ -4,7 +4,8 @@ efficiency (roofline time over measured time) at the calls a sweep timed.
 One plain JSON file per device kind, `<device_kind_key>.json`, in the package's
 `data/calibration/` folder or, where set, in the folder `TOKAMAX_PASS_CALIBRATION_DIR`
 names. Loading never imports or evaluates anything: the file must be an object of the
-schema below, numbers finite and positive, names short strings, sizes bounded. A file
+schema below, numbers finite and positive (ceilings within `CEILING_RANGE`), names
+short strings, sizes bounded. A file
 that is not is reported once (a warning) and ignored: the device then has no
 calibration, and `implementation=None` chooses as it does without one.
 
@@ -39,6 +40,9 @@ MAX_POINTS = 100_000
 MAX_NAME_CHARS = 200
 # An efficiency above this is a measurement error (the roofline is a bound), not data.
 MAX_EFFICIENCY = 4.0
+# A ceiling (TFLOP/s, TB/s) outside this range is no device's: below it, roofline times
+# overflowed to infinity and every prediction tied; above it, they all rounded to zero.
+CEILING_RANGE = (1e-3, 1e6)
 MAX_FEATURES = 8
 # Shape features are log2 sizes (`roofline.FeatureRule`).
 MAX_FEATURE = 64.0
@@ -121,10 +125,12 @@ def _finite(value: Any, where: str) -> float:
     return number
 
 
-def _positive(value: Any, where: str, maximum: float = math.inf) -> float:
+def _positive(value: Any, where: str, maximum: float = math.inf,
+              minimum: float = 0.0) -> float:
     number = _finite(value, where)
-    if not 0 < number <= maximum:
-        raise CalibrationError(f"{where} must be finite, > 0 and <= {maximum}, got {value!r}")
+    if not minimum < number <= maximum:
+        raise CalibrationError(f"{where} must be finite, > {minimum} and <= {maximum}, got "
+                               f"{value!r}")
     return number
 
 
@@ -182,7 +188,8 @@ def parse(text: str | bytes) -> Calibration:
         raise CalibrationError("provenance must be an object of short strings")
     return Calibration(
         device_kind=_name(data.get("device_kind"), "device_kind"),
-        ceilings=Ceilings(**{n: _positive(ceilings[n], f"ceilings.{n}") for n in _CEILING_NAMES}),
+        ceilings=Ceilings(**{n: _positive(ceilings[n], f"ceilings.{n}", CEILING_RANGE[1],
+                                          CEILING_RANGE[0]) for n in _CEILING_NAMES}),
         points=tuple(parsed))
 
 
