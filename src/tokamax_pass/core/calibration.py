@@ -5,9 +5,9 @@ One plain JSON file per device kind, `<device_kind_key>.json`, in the package's
 `data/calibration/` folder or, where set, in the folder `TOKAMAX_PASS_CALIBRATION_DIR`
 names. Loading never imports or evaluates anything: the file must be an object of the
 schema below, numbers finite and positive (ceilings within `CEILING_RANGE`), names
-short strings, sizes bounded. A file
-that is not is reported once (a warning) and ignored: the device then has no
-calibration, and `implementation=None` chooses as it does without one.
+short strings, sizes bounded. A file that is not is reported once (a warning) and
+ignored: the device then has no calibration, and `implementation=None` chooses as it
+does without one.
 
     {"schema": "tokamax_pass.calibration", "version": 1, "device_kind": "NVIDIA H200",
      "ceilings": {"bf16_tflops": ..., "f32_tflops": ..., "hbm_tbps": ...},
