@@ -1,0 +1,126 @@
+"""Masks spelled as additive biases: `logits + lax.select(mask, zeros, full(fill))`, as
+Hugging Face's Flax models (and EasyLM, T5 ports) turn a boolean mask into a bias of
+0 and `jnp.finfo(dtype).min`, or `jnp.where(mask, 0.0, fill)`.
+
+Added to the logits, a fill of at most `SWALLOWING_FILL` swallows them whole: every key
+it hides gets the same logit, the fill, so a row hidden entirely gets uniform
+probabilities (the mean of the values), as a mask's fill gives. What differs from a
+mask is the gradient there: autodiff of `logits + bias` differentiates the logits the
+sum rounded away, the softmax's gradient at uniform probabilities, where a mask
+(`jnp.where`) stops it. `hidden_row_gradient` gives the attention that gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tokamax_pass.passes.graph import Graph, literal_value, scalar_constant
+
+# A fill added to logits of any size a model computes leaves the fill alone.
+SWALLOWING_FILL = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class AdditiveMask:
+    """`bias` is `rest` (or nothing) plus 0 where `condition` holds (does not hold, where
+    `negated`) and `fill` elsewhere."""
+
+    condition: Any
+    negated: bool
+    fill: float
+    rest: Any = None
+
+
+def read(graph: Graph, bias: Any) -> AdditiveMask | None:
+    """The mask `bias` spells, alone or added to another bias (T5's position bias plus
+    its mask's), else `None`."""
+    found = _select(graph, bias)
+    if found is not None:
+        return found
+    add = graph.producer(bias, "add")
+    if add is None:
+        return None
+    for rest, summand in (add.invars, add.invars[::-1]):
+        found = _select(graph, summand)
+        if found is not None:
+            return dataclasses.replace(found, rest=rest)
+    return None
+
+
+def _select(graph: Graph, var: Any) -> AdditiveMask | None:
+    """`var` as 0 or a negative constant chosen by a boolean, possibly cast (the fill read
+    in the cast's type: `finfo(float32).min` in bfloat16 is `-inf`)."""
+    dtypes = []
+    while (cast := graph.producer(var, "convert_element_type")) is not None:
+        dtypes.append(var.aval.dtype)
+        var = cast.invars[0]
+    select = graph.producer(var, "select_n")
+    where = graph.producer(var, "jit")
+    if select is not None and len(select.invars) == 3:
+        condition, on_false, on_true = select.invars
+        values = [_filled(graph, v) for v in (on_false, on_true)]
+    elif where is not None and where.params.get("name") == "_where" and len(where.invars) == 3:
+        condition, on_true, on_false = where.invars
+        values = [literal_value(v) for v in (on_false, on_true)]
+    else:
+        return None
+    if condition.aval.dtype != jnp.bool_ or any(v is None for v in values):
+        return None
+    values = [_cast(v, [var.aval.dtype, *reversed(dtypes)]) for v in values]
+    for negated, (fill, zero) in enumerate((values, values[::-1])):
+        if zero == 0.0 and fill < 0.0:
+            return AdditiveMask(condition, bool(negated), fill)
+    return None
+
+
+def _filled(graph: Graph, var: Any) -> Any:
+    """The number every element of `var` holds, where it is a constant broadcast (and
+    cast, the casts applied) to its shape (`jnp.full(shape, 0.0).astype(dtype)`)."""
+    dtypes = []
+    while (eqn := graph.producer(var, "broadcast_in_dim", "convert_element_type")) is not None:
+        if eqn.primitive.name == "convert_element_type":
+            dtypes.append(var.aval.dtype)
+        var = eqn.invars[0]
+    value = scalar_constant(graph, var)
+    return None if value is None else _cast(value, [var.aval.dtype, *reversed(dtypes)])
+
+
+def _cast(value: Any, dtypes: list[Any]) -> float:
+    for dtype in dtypes:
+        value = np.asarray(value).astype(dtype)
+    return float(value)
+
+
+def hidden_row_gradient(query: Any, key: Any, value: Any, bias: Any, scale: float) -> Any:
+    """`(*batch, T, heads, Hv)` zeros whose gradient is what autodiff of the plain
+    attention gives a row an additive mask hides whole: there the probabilities are
+    uniform, and the logits `x = scale * q . k + bias` move the output by the softmax's
+    gradient at uniform probabilities, `sum_j (x_j - mean(x)) (v_j - mean(v)) / S`,
+    linear in `x`, so computed through `K^T (V - mean(V))` (one small matrix per head),
+    the bias (`(*batch, heads, T, S)`, or `None`) against `V - mean(V)`. Operands in the
+    op's layout: `(*batch, seq, heads, head_dim)`, key and value with fewer heads (GQA)."""
+    kv_heads, keys = key.shape[-2], key.shape[-3]
+    groups = query.shape[-2] // kv_heads
+    v = jax.lax.stop_gradient(value.astype(jnp.float32))
+    centered = v - jnp.mean(v, axis=-3, keepdims=True)
+    moments = jnp.einsum("...skh,...skd->...khd", key.astype(jnp.float32), centered)
+    q = query.astype(jnp.float32).reshape(*query.shape[:-2], kv_heads, groups, query.shape[-1])
+    term = scale * jnp.einsum("...tkgh,...khd->...tkgd", q, moments)
+    if bias is not None:
+        b = bias.astype(jnp.float32).reshape(*bias.shape[:-3], kv_heads, groups,
+                                             *bias.shape[-2:])
+        term = term + jnp.einsum("...kgts,...skd->...tkgd", b, centered)
+    term = term.reshape(*query.shape[:-1], value.shape[-1]) / keys
+    return term - jax.lax.stop_gradient(term)
+
+
+def swallows(fill: float) -> bool:
+    """Whether a fill hides its keys exactly when added to logits (`-inf`, or a number
+    that absorbs them)."""
+    return fill == -math.inf or fill <= SWALLOWING_FILL
