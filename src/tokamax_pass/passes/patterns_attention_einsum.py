@@ -17,8 +17,9 @@ where no bias or soft cap is under it and the scaled fill is still at most `-1e9
 `jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
 second product (probabilities wider than the values there, as a float32 softmax against
 bfloat16 values gives, are a near-miss: the product is then float32, the op's bfloat16).
-The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), and the
-logits cast to another float type for the softmax (`.astype(jnp.float32)`). The logits
+The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), the
+logits cast to another float type for the softmax (`.astype(jnp.float32)`), and q and k
+cast to a wider one from the values' before the product. The logits
 may come out of the product transposed (as `jnp.einsum` writes them).
 Grouped-query attention: q may have more free axes than the query rows
 (`(..., kv_heads, group, head_dim)` against un-repeated k and v), which become the op's
@@ -415,10 +416,23 @@ def _operands(graph: Graph, attention: _Attention, product: Any, transpose: Any)
         (xb, xc[0]), (yb, yc[0]))
     attention.axes = [(role if role == "batch" else "key" if role == key_side else "query",
                        int(a)) for role, a in axes]
-    attention.query = _unscaled_query(graph, attention, query)
-    attention.key = key
+    attention.query, attention.key = _narrowed(graph, attention,
+                                               _unscaled_query(graph, attention, query), key)
     attention.query_numbers = (tuple(int(a) for a in q_numbers[0]), int(q_numbers[1]))
     attention.key_numbers = (tuple(int(a) for a in k_numbers[0]), int(k_numbers[1]))
+
+
+def _narrowed(graph: Graph, attention: _Attention, query: Any, key: Any) -> tuple[Any, Any]:
+    """q and k before casts from the values' narrower float type, `(query, key)` where both
+    are cast so (Flax's `dot_product_attention_weights(..., dtype=jnp.float32)` on
+    bfloat16 q and k, Hugging Face's `attention_softmax_in_fp32`): the product of the
+    upcast values is exact in float32, as the op's float32 accumulation of theirs."""
+    casts: list[Any] = []
+    uncast = [_unwidened(graph, var, casts) for var in (query, key)]
+    if len(casts) != 2 or any(v.aval.dtype != attention.value.aval.dtype for v in uncast):
+        return query, key
+    attention.region.extend(casts)
+    return uncast[0], uncast[1]
 
 
 def _mask_as_band(attention: _Attention, shape: tuple[int, ...]) -> None:
