@@ -107,6 +107,36 @@ def bfloat16_one_hot_loss(x, w, labels):
     return -jnp.sum(one_hot * jax.nn.log_softmax(logits_of(x, w)), axis=-1)
 
 
+def flax_one_hot(labels, num_classes):
+    """`flax.training.common_utils.onehot`: a comparison selecting 1.0 or 0.0."""
+    x = labels[..., None] == jnp.arange(num_classes).reshape((1,) * labels.ndim + (-1,))
+    return jax.lax.select(x, jnp.full(x.shape, 1.0), jnp.full(x.shape, 0.0)).astype(jnp.float32)
+
+
+def flax_one_hot_loss(x, w, labels):
+    """Hugging Face's Flax training scripts: `optax.softmax_cross_entropy(logits,
+    onehot(labels, V))`."""
+    return -jnp.sum(flax_one_hot(labels, V) * jax.nn.log_softmax(logits_of(x, w)), axis=-1)
+
+
+def compared_one_hot_loss(x, w, labels):
+    one_hot = (labels[..., None] == jnp.arange(V)).astype(jnp.float32)
+    return -(jax.nn.log_softmax(logits_of(x, w)) * one_hot).sum(-1)
+
+
+def next_token_loss(x, w, labels):
+    """Hugging Face's `run_clm_flax.py`: the logits of every token but the last against
+    the labels of every token but the first."""
+    logits = logits_of(x, w)[..., :-1, :]
+    return -(flax_one_hot(labels[..., 1:], V) * jax.nn.log_softmax(logits)).sum(-1)
+
+
+def next_token_log_softmax_loss(x, w, labels):
+    logits = logits_of(x, w)[:, 1::2]
+    log_probs = jax.nn.log_softmax(logits)
+    return -jnp.take_along_axis(log_probs, labels[:, 1::2, None], axis=-1)[..., 0]
+
+
 def one_hot_loss_summed_by_jnp(x, w, labels):
     return -jnp.sum(jax.nn.log_softmax(logits_of(x, w)) * jax.nn.one_hot(labels, V), axis=-1)
 
@@ -183,7 +213,9 @@ def operands(seed=0, dtype=jnp.float32):
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
                                optax_per_example_under_vmap, optax_per_token_under_vmap,
                                lse_log_softmax_mean_loss, lse_one_hot_loss,
-                               one_hot_loss_summed_over_every_axis],
+                               one_hot_loss_summed_over_every_axis, flax_one_hot_loss,
+                               compared_one_hot_loss, next_token_loss,
+                               next_token_log_softmax_loss],
                          ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):
     x, w, labels = operands()
@@ -212,7 +244,8 @@ def test_values_and_gradients_match_jit(rewritten, f):
                                indexed_log_softmax_loss, indexed_negated_mean,
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
                                optax_per_token_under_vmap, lse_log_softmax_mean_loss,
-                               lse_one_hot_loss, one_hot_loss_summed_over_every_axis],
+                               lse_one_hot_loss, one_hot_loss_summed_over_every_axis,
+                               flax_one_hot_loss, compared_one_hot_loss],
                          ids=lambda f: f.__name__)
 def test_labels_out_of_range_have_the_values_and_gradients_of_jit(rewritten, f):
     """Labels past either end: `take_along_axis` gives NaN there (negative ones in range
@@ -473,6 +506,19 @@ def smoothed_optax_under_vmap(x, w, labels):
     return jax.vmap(per_example)(x, labels)
 
 
+def a_slice_of_the_vocabulary(x, w, labels):
+    """The logits' last column dropped: a softmax over fewer classes than `w` gives."""
+    logits = logits_of(x, w)[..., :-1]
+    return -(flax_one_hot(labels, V - 1) * jax.nn.log_softmax(logits)).sum(-1)
+
+
+def one_hot_of_other_values(x, w, labels):
+    """A comparison selecting 0.9 and 0.1 / (V - 1): label smoothing, not a one-hot."""
+    hit = labels[..., None] == jnp.arange(V)
+    smoothed = jax.lax.select(hit, jnp.full(hit.shape, 0.9), jnp.full(hit.shape, 0.1 / (V - 1)))
+    return -(smoothed * jax.nn.log_softmax(logits_of(x, w))).sum(-1)
+
+
 def embedding_against_the_wrong_axis(x, w, labels):
     """A `(V, H)` embedding contracted with `x`'s middle axis, not its last (of the same
     length: the last would give other logits of the same shape)."""
@@ -486,7 +532,8 @@ def embedding_against_the_wrong_axis(x, w, labels):
                                indexed_in_reversed_rows, indexed_along_the_rows,
                                indexed_in_clip_mode, smoothed_optax_under_vmap,
                                smoothed_shifted_optax, smoothed_bfloat16_one_hot,
-                               embedding_against_the_wrong_axis],
+                               embedding_against_the_wrong_axis, a_slice_of_the_vocabulary,
+                               one_hot_of_other_values],
                          ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     x, w, labels = operands()

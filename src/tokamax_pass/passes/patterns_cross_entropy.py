@@ -8,22 +8,24 @@ Matched at the loss, in float32, the logits `x @ w` (`x`'s last axis against a `
 `jnp.einsum("btd,vd->btv", x, embedding)`, whose `w.T` the op takes: the op has no
 layout of its own for it, and its kernels read the transposed copy) possibly cast to
 float32 and then soft-capped (`cap * tanh(logits / cap)`, Gemma 2's final-logit cap, the
-op's `logits_soft_cap`) first, spelled as `-take_along_axis(jax.nn.log_softmax(logits),
-labels[..., None], -1)[..., 0]`, as `jax.nn.logsumexp(logits, -1) -
-take_along_axis(logits, labels[..., None], -1)[..., 0]` (`jnp.expand_dims` and `squeeze`
-too), or as `optax.softmax_cross_entropy_with_integer_labels` computes it: the logits
-shifted by their gradient-stopped row max (`jnp.max(..., initial=-jnp.inf)` too), then
+op's `logits_soft_cap`), then possibly sliced along the tokens (`logits[..., :-1, :]`, a
+next-token loss: the op takes those rows of `x`) first, spelled as
+`-take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]`, as
+`jax.nn.logsumexp(logits, -1) - take_along_axis(logits, labels[..., None], -1)[..., 0]`
+(`jnp.expand_dims` and `squeeze` too), or as
+`optax.softmax_cross_entropy_with_integer_labels` computes it: the logits shifted by
+their gradient-stopped row max (`jnp.max(..., initial=-jnp.inf)` too), then
 `log(sum(exp(shifted)))` minus the label's shifted logit. Labels index as
 `take_along_axis` does: a negative one counts from the end, and one out of range gives
-NaN. Wherever a spelling below takes `log_softmax(logits)`, it
-may be `jax.nn.log_softmax(logits)` or `logits - jax.nn.logsumexp(logits, -1,
-keepdims=True)`.
+NaN. Wherever a spelling below takes `log_softmax(logits)`, it may be
+`jax.nn.log_softmax(logits)` or `logits - jax.nn.logsumexp(logits, -1, keepdims=True)`.
 
 Two more spellings: the label's log-probability `take_along_axis(log_softmax(logits),
 ...)[..., 0]` (or left `(..., 1)`, without the `[..., 0]`) negated later
 (`-log_probs.mean()`, `-jnp.sum(...)`), replaced by the op's loss negated; and the
 one-hot form `-(jax.nn.one_hot(labels, V) * log_softmax(logits)).sum(-1)` (the one-hot
-float32 or bfloat16, whose zeros and ones are exact; optax's
+float32 or bfloat16, whose zeros and ones are exact, or by comparison with `jnp.arange(V)`
+cast to float32, also selecting 1.0 or 0.0 as Flax's `common_utils.onehot` does; optax's
 `softmax_cross_entropy` of one-hot labels, also negated later:
 `-(one_hot * log_softmax(logits)).sum(-1).mean()`, or summed over every axis at once,
 `-jnp.sum(one_hot * log_softmax(logits))`), where a label outside `[0, V)` has an
@@ -168,22 +170,43 @@ def _indexed_logit_spelling(logits: Any, labels: Any) -> Any:
     return jax.nn.logsumexp(logits, axis=-1) - _indexed(logits, labels)
 
 
-def _one_hot_product(one_hot_first: bool, dtype: Any, log_softmax: Callable[[Any], Any]
-                     ) -> Callable[[Any, Any], Any]:
-    """`one_hot * log_softmax(logits)`, the one-hot of `dtype` (a narrower float holds its
-    zeros and ones exactly: the product promotes it to the log-probabilities' float32)."""
+def _compared_one_hot(labels: Any, vocabulary: int) -> Any:
+    """`(labels[..., None] == jnp.arange(V)).astype(jnp.float32)`, a one-hot by hand."""
+    return (labels[..., None] == jnp.arange(vocabulary)).astype(jnp.float32)
+
+
+def _flax_one_hot(labels: Any, vocabulary: int) -> Any:
+    """`flax.training.common_utils.onehot` (Hugging Face's Flax training scripts): the
+    comparison selecting `1.0` or `0.0`, cast to float32."""
+    x = labels[..., None] == jnp.arange(vocabulary).reshape((1,) * labels.ndim + (-1,))
+    chosen = jax.lax.select(x, jnp.full(x.shape, 1.0), jnp.full(x.shape, 0.0))
+    return chosen.astype(jnp.float32)
+
+
+# The one-hots of labels (each a label outside `[0, V)` makes an all-zero row):
+# `jax.nn.one_hot` of float32 or bfloat16 (a narrower float holds its zeros and ones
+# exactly: the product promotes it to the log-probabilities' float32), and by comparison.
+_ONE_HOT_BUILDERS: tuple[Callable[[Any, int], Any], ...] = (
+    functools.partial(jax.nn.one_hot, dtype=jnp.float32),
+    functools.partial(jax.nn.one_hot, dtype=jnp.bfloat16),
+    _compared_one_hot, _flax_one_hot)
+
+
+def _one_hot_product(one_hot_first: bool, one_hot: Callable[[Any, int], Any],
+                     log_softmax: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    """`one_hot * log_softmax(logits)`, the one-hot built by `one_hot(labels, V)`."""
     def product(logits: Any, labels: Any) -> Any:
-        one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=dtype)
+        one_hot_labels = one_hot(labels, logits.shape[-1])
         log_probs = log_softmax(logits)
-        return one_hot * log_probs if one_hot_first else log_probs * one_hot
+        return one_hot_labels * log_probs if one_hot_first else log_probs * one_hot_labels
 
     return product
 
 
-def _one_hot_log_probability_spelling(one_hot_first: bool, dtype: Any,
+def _one_hot_log_probability_spelling(one_hot_first: bool, one_hot: Callable[[Any, int], Any],
                                       log_softmax: Callable[[Any], Any]
                                       ) -> Callable[[Any, Any], Any]:
-    product = _one_hot_product(one_hot_first, dtype, log_softmax)
+    product = _one_hot_product(one_hot_first, one_hot, log_softmax)
 
     def log_probability(logits: Any, labels: Any) -> Any:
         return product(logits, labels).sum(-1)
@@ -191,10 +214,10 @@ def _one_hot_log_probability_spelling(one_hot_first: bool, dtype: Any,
     return log_probability
 
 
-def _one_hot_total_spelling(one_hot_first: bool, dtype: Any, log_softmax: Callable[[Any], Any]
-                            ) -> Callable[[Any, Any], Any]:
+def _one_hot_total_spelling(one_hot_first: bool, one_hot: Callable[[Any, int], Any],
+                            log_softmax: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
     """`-jnp.sum(one_hot * log_softmax(logits))`: every token's loss summed at once."""
-    product = _one_hot_product(one_hot_first, dtype, log_softmax)
+    product = _one_hot_product(one_hot_first, one_hot, log_softmax)
 
     def loss(logits: Any, labels: Any) -> Any:
         return -product(logits, labels).sum()
@@ -202,9 +225,9 @@ def _one_hot_total_spelling(one_hot_first: bool, dtype: Any, log_softmax: Callab
     return loss
 
 
-def _one_hot_spelling(one_hot_first: bool, dtype: Any, log_softmax: Callable[[Any], Any]
-                      ) -> Callable[[Any, Any], Any]:
-    log_probability = _one_hot_log_probability_spelling(one_hot_first, dtype, log_softmax)
+def _one_hot_spelling(one_hot_first: bool, one_hot: Callable[[Any, int], Any],
+                      log_softmax: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    log_probability = _one_hot_log_probability_spelling(one_hot_first, one_hot, log_softmax)
 
     def loss(logits: Any, labels: Any) -> Any:
         return -log_probability(logits, labels)
@@ -222,7 +245,8 @@ class _Labels(enum.Enum):
     # `take_along_axis` of `log_softmax(logits)`: a NaN loss and no gradient (the gather's
     # transpose drops the token's cotangent before the log-softmax).
     PICKED_LOG_PROBABILITY = enum.auto()
-    # `jax.nn.one_hot`: negative labels too select nothing, so no loss and no gradient.
+    # A one-hot (`jax.nn.one_hot`, or by comparison): negative labels too select nothing,
+    # so no loss and no gradient.
     ONE_HOT = enum.auto()
     # `log_softmax(logits)[jnp.arange(n), labels]`: XLA's gather clamps the label into
     # `[0, V)`, and the scatter of its transpose drops it: that loss and no gradient.
@@ -252,9 +276,12 @@ class _Spelling:
 
     def enters(self, eqn: Any) -> bool:
         """Whether the labels enter the spelling at `eqn`, which holds the vocabulary: the
-        fancy index's `gather`, else the jitted `take_along_axis` or `_one_hot` call."""
+        fancy index's `gather`, else the jitted `take_along_axis` or `_one_hot` call, or a
+        one-hot's comparison with `jnp.arange(V)`."""
         if self.labels in _INDEXED:
             return eqn.primitive.name == "gather"
+        if self.labels is _Labels.ONE_HOT and eqn.primitive.name == "eq":
+            return True  # a one-hot by comparison with `jnp.arange(V)`
         name = "_one_hot" if self.labels is _Labels.ONE_HOT else "take_along_axis"
         return eqn.primitive.name == "jit" and eqn.params.get("name") == name
 
@@ -268,15 +295,15 @@ class _Spelling:
 
 _FORMS = [(e, s) for e in ("index", "expand_dims") for s in ("index", "squeeze")]
 _LOG_PROBABILITY = _Labels.PICKED_LOG_PROBABILITY
-# One-hot labels: the one-hot's factor first or second, and its dtype.
-_ONE_HOTS = [(first, dtype) for first in (True, False) for dtype in (jnp.float32, jnp.bfloat16)]
+# One-hot labels: the one-hot's factor first or second, and how it is built.
+_ONE_HOTS = [(first, one_hot) for first in (True, False) for one_hot in _ONE_HOT_BUILDERS]
 _SPELLINGS = {
     "neg": (*(_Spelling(_log_softmax_spelling(e, s, f), _LOG_PROBABILITY)
               for e, s in _FORMS for f in _LOG_SOFTMAXES),
-            *(_Spelling(_one_hot_spelling(first, dtype, f), _Labels.ONE_HOT)
-              for first, dtype in _ONE_HOTS for f in _LOG_SOFTMAXES),
-            *(_Spelling(_one_hot_total_spelling(first, dtype, f), _Labels.ONE_HOT, summed=True)
-              for first, dtype in _ONE_HOTS for f in _LOG_SOFTMAXES),
+            *(_Spelling(_one_hot_spelling(first, one_hot, f), _Labels.ONE_HOT)
+              for first, one_hot in _ONE_HOTS for f in _LOG_SOFTMAXES),
+            *(_Spelling(_one_hot_total_spelling(first, one_hot, f), _Labels.ONE_HOT, summed=True)
+              for first, one_hot in _ONE_HOTS for f in _LOG_SOFTMAXES),
             *(_Spelling(_indexed_log_softmax_spelling(f), _Labels.INDEXED_LOG_PROBABILITY)
               for f in _LOG_SOFTMAXES)),
     "sub": (*(_Spelling(_optax_spelling(e, s), _Labels.PICKED_LOGIT) for e, s in _FORMS),
@@ -290,9 +317,9 @@ _SPELLINGS = {
                     for f in _LOG_SOFTMAXES),
     "squeeze": tuple(_Spelling(_log_probability_spelling(e, s, f), _LOG_PROBABILITY,
                                negated=True) for e, s in _FORMS for f in _LOG_SOFTMAXES),
-    "reduce_sum": tuple(_Spelling(_one_hot_log_probability_spelling(first, dtype, f),
+    "reduce_sum": tuple(_Spelling(_one_hot_log_probability_spelling(first, one_hot, f),
                                   _Labels.ONE_HOT, negated=True)
-                        for first, dtype in _ONE_HOTS for f in _LOG_SOFTMAXES),
+                        for first, one_hot in _ONE_HOTS for f in _LOG_SOFTMAXES),
     "jit": tuple(_Spelling(_picked_log_probability_spelling(e, f), _LOG_PROBABILITY,
                            negated=True, keeps_axis=True)
                  for e in ("index", "expand_dims") for f in _LOG_SOFTMAXES),
@@ -417,11 +444,30 @@ class _LogitsMatmul:
     cap: float | None
     transposed: bool
     equations: list[Any]
+    # The `slice` equation taking some tokens' logits (`logits[:, :-1]`), or `None`.
+    tokens: Any = None
 
 
 def _logits_matmul(graph: Graph, logits: Any) -> _LogitsMatmul | None:
     """The product `logits` are, possibly cast to float32, then possibly soft-capped
-    (`cap * tanh(logits / cap)`)."""
+    (`cap * tanh(logits / cap)`), then possibly sliced along the tokens' axes, the whole
+    vocabulary kept (`logits[..., :-1, :]`, the next-token loss of Hugging Face's
+    training scripts: the op takes the tokens' rows of `x`)."""
+    tokens = graph.producer(logits, "slice")
+    if tokens is not None:
+        vocabulary = tokens.invars[0].aval.shape[-1]
+        if (tokens.params["start_indices"][-1] != 0
+                or tokens.params["limit_indices"][-1] != vocabulary
+                or (tokens.params["strides"] or (1,))[-1] != 1):
+            return None
+        logits = tokens.invars[0]
+    found = _product_of_logits(graph, logits)
+    if found is None or tokens is None:
+        return found
+    return dataclasses.replace(found, equations=[tokens, *found.equations], tokens=tokens)
+
+
+def _product_of_logits(graph: Graph, logits: Any) -> _LogitsMatmul | None:
     plumbing: list[Any] = []
     cap = None
     capped = soft_capped(graph, logits)
@@ -457,6 +503,8 @@ def _function(product: _LogitsMatmul, spelling: _Spelling) -> Callable[[Any, Any
         # The op takes `(H, V)` weights: a `(V, H)` one is passed transposed (the op has
         # no layout of its own for it), so its gradient arrives in its own layout.
         w = w.T if transposed else w
+        if product.tokens is not None:
+            x = _token_rows(x, product.tokens.params)
         labels = labels.astype(jnp.int32)
         outside = _outside(labels, w.shape[-1])
         op_labels, nan = _labels_for_op(spelling.labels, labels, outside, w.shape[-1])
@@ -473,6 +521,14 @@ def _function(product: _LogitsMatmul, spelling: _Spelling) -> Callable[[Any, Any
         return losses[..., None] if spelling.keeps_axis else losses
 
     return function
+
+
+def _token_rows(x: Any, params: dict[str, Any]) -> Any:
+    """The rows of `x` whose logits a `slice` of them with `params` takes."""
+    strides = params["strides"]
+    return jax.lax.slice(x, (*params["start_indices"][:-1], 0),
+                         (*params["limit_indices"][:-1], x.shape[-1]),
+                         None if strides is None else (*strides[:-1], 1))
 
 
 def _outside(labels: Any, vocabulary: int) -> Any:
