@@ -71,6 +71,13 @@ def where_bias_under_the_scale(q, k, v, padding):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
 
 
+def bias_expanded_after_the_select(q, k, v, padding):
+    """The `(B, S)` padding's bias expanded to the logits' rank after it is made."""
+    bias = bias_of(padding)[:, None, None, :]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) * 0.3 + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
+
+
 def operands(f, dtype=jnp.float32):
     q = random_normal(0, (B, T, N, H), dtype)
     heads = K if f is hugging_face_llama else N
@@ -79,7 +86,8 @@ def operands(f, dtype=jnp.float32):
     return (q, k, v, jnp.asarray(PADDING), *extra)
 
 
-@pytest.mark.parametrize("f", [hugging_face_llama, t5_position_bias, where_bias_under_the_scale],
+@pytest.mark.parametrize("f", [hugging_face_llama, t5_position_bias, where_bias_under_the_scale,
+                               bias_expanded_after_the_select],
                          ids=lambda f: f.__name__)
 def test_rows_the_bias_hides_whole_have_the_values_and_gradients_of_jit(rewritten, f):
     args = operands(f)

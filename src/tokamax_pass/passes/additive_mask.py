@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokamax_pass.passes.graph import Graph, literal_value, scalar_constant
+from tokamax_pass.passes.graph import SHAPE_ONLY, Graph, literal_value, scalar_constant
 
 # A fill added to logits of any size a model computes leaves the fill alone.
 SWALLOWING_FILL = -1e30
@@ -28,11 +28,10 @@ SWALLOWING_FILL = -1e30
 
 @dataclasses.dataclass(frozen=True)
 class AdditiveMask:
-    """`bias` is `rest` (or nothing) plus 0 where `condition` holds (does not hold, where
-    `negated`) and `fill` elsewhere."""
+    """`bias` is `rest` (or nothing) plus `values`: 0 where a key is kept and `fill`
+    elsewhere (so the keys kept are where `values == 0`, whatever shape it has)."""
 
-    condition: Any
-    negated: bool
+    values: Any
     fill: float
     rest: Any = None
 
@@ -40,31 +39,33 @@ class AdditiveMask:
 def read(graph: Graph, bias: Any) -> AdditiveMask | None:
     """The mask `bias` spells, alone or added to another bias (T5's position bias plus
     its mask's), else `None`."""
-    found = _select(graph, bias)
-    if found is not None:
-        return found
+    fill = _fill(graph, bias)
+    if fill is not None:
+        return AdditiveMask(bias, fill)
     add = graph.producer(bias, "add")
     if add is None:
         return None
-    for rest, summand in (add.invars, add.invars[::-1]):
-        found = _select(graph, summand)
-        if found is not None:
-            return dataclasses.replace(found, rest=rest)
+    for rest, values in (add.invars, add.invars[::-1]):
+        fill = _fill(graph, values)
+        if fill is not None:
+            return AdditiveMask(values, fill, rest)
     return None
 
 
-def _select(graph: Graph, var: Any) -> AdditiveMask | None:
-    """`var` as 0 or a negative constant chosen by a boolean, possibly cast (the fill read
-    in the cast's type: `finfo(float32).min` in bfloat16 is `-inf`)."""
+def _fill(graph: Graph, var: Any) -> float | None:
+    """The negative constant of `var` where it is 0 or that constant as a boolean
+    chooses, possibly cast, broadcast or reshaped after (the fill read in the cast's
+    type: `finfo(float32).min` in bfloat16 is `-inf`); else `None`."""
     dtypes = []
-    while (cast := graph.producer(var, "convert_element_type")) is not None:
-        dtypes.append(var.aval.dtype)
-        var = cast.invars[0]
+    while (eqn := graph.producer(var, "convert_element_type", *SHAPE_ONLY)) is not None:
+        if eqn.primitive.name == "convert_element_type":
+            dtypes.append(var.aval.dtype)
+        var = eqn.invars[0]
     select = graph.producer(var, "select_n")
     where = graph.producer(var, "jit")
     if select is not None and len(select.invars) == 3:
-        condition, on_false, on_true = select.invars
-        values = [_filled(graph, v) for v in (on_false, on_true)]
+        condition, *cases = select.invars
+        values = [_filled(graph, v) for v in cases]
     elif where is not None and where.params.get("name") == "_where" and len(where.invars) == 3:
         condition, on_true, on_false = where.invars
         values = [literal_value(v) for v in (on_false, on_true)]
@@ -72,11 +73,8 @@ def _select(graph: Graph, var: Any) -> AdditiveMask | None:
         return None
     if condition.aval.dtype != jnp.bool_ or any(v is None for v in values):
         return None
-    values = [_cast(v, [var.aval.dtype, *reversed(dtypes)]) for v in values]
-    for negated, (fill, zero) in enumerate((values, values[::-1])):
-        if zero == 0.0 and fill < 0.0:
-            return AdditiveMask(condition, bool(negated), fill)
-    return None
+    low, high = sorted(_cast(v, [var.aval.dtype, *reversed(dtypes)]) for v in values)
+    return low if high == 0.0 and low < 0.0 else None
 
 
 def _filled(graph: Graph, var: Any) -> Any:

@@ -323,7 +323,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
         else:
             raise _NoMatch
         if attention.soft_cap is None:
-            _additive_mask(graph, attention, bands, shape)
+            _additive_mask(graph, attention, bands)
     attention.band = _intersection(bands)
     if after_mask != 1.0:
         if attention.bias is not None or attention.soft_cap is not None:
@@ -347,8 +347,8 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     _mask_as_band(attention, shape)
 
 
-def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Band | None],
-                   shape: tuple[int, ...]) -> None:
+def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Band | None]
+                   ) -> None:
     """A bias that spells a mask with a fill swallowing the logits (`additive_mask`) taken
     as the op's mask, the rest of the bias (if any) staying its bias. A smaller fill
     (`-1e9`) leaves a row it hides whole the logits it rounds, which the op does not
@@ -364,9 +364,9 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
         return
     if attention.masks:
         raise _NoMatch
-    attention.masks.append((found.condition, found.negated))
+    attention.masks.append((found.values, True))  # keys kept where the values are 0
     attention.fill, attention.additive, attention.bias = fill, True, found.rest
-    bands.append(None if found.negated else band_mask.band(graph, found.condition, shape))
+    bands.append(None)
 
 
 def _kept_axes(merged: tuple[int, ...], shape: tuple[int, ...]) -> dict[int, int]:
