@@ -450,33 +450,26 @@ class _LogitsMatmul:
 
 def _logits_matmul(graph: Graph, logits: Any) -> _LogitsMatmul | None:
     """The product `logits` are, possibly cast to float32, then possibly soft-capped
-    (`cap * tanh(logits / cap)`), then possibly sliced along the tokens' axes, the whole
-    vocabulary kept (`logits[..., :-1, :]`, the next-token loss of Hugging Face's
-    training scripts: the op takes the tokens' rows of `x`)."""
-    tokens = graph.producer(logits, "slice")
-    if tokens is not None:
-        vocabulary = tokens.invars[0].aval.shape[-1]
-        if (tokens.params["start_indices"][-1] != 0
-                or tokens.params["limit_indices"][-1] != vocabulary
-                or (tokens.params["strides"] or (1,))[-1] != 1):
-            return None
-        logits = tokens.invars[0]
-    found = _product_of_logits(graph, logits)
-    if found is None or tokens is None:
-        return found
-    return dataclasses.replace(found, equations=[tokens, *found.equations], tokens=tokens)
-
-
-def _product_of_logits(graph: Graph, logits: Any) -> _LogitsMatmul | None:
+    (`cap * tanh(logits / cap)`); possibly sliced along the tokens' axes, the whole
+    vocabulary kept, last or before the cast (`logits[..., :-1, :]`, the next-token loss
+    of Hugging Face's training scripts: the op takes the tokens' rows of `x`)."""
     plumbing: list[Any] = []
+    tokens = _token_slice(graph, logits)
+    if tokens is not None:
+        logits = tokens.invars[0]
     cap = None
     capped = soft_capped(graph, logits)
     if capped is not None:
-        logits, cap, plumbing = capped
+        logits, cap, eqns = capped
+        plumbing += eqns
     convert = graph.producer(logits, "convert_element_type")
     if convert is not None:
         plumbing.append(convert)
         logits = convert.invars[0]
+    if tokens is None and cap is None:
+        tokens = _token_slice(graph, logits)
+        if tokens is not None:
+            logits = tokens.invars[0]
     transposed = False
     dot = dense_matmul(graph, logits)
     if dot is None:
@@ -489,7 +482,21 @@ def _product_of_logits(graph: Graph, logits: Any) -> _LogitsMatmul | None:
     # `preferred_element_type` does.
     if x.aval.dtype != w.aval.dtype or dot.outvars[0].aval.dtype != x.aval.dtype:
         return None
-    return _LogitsMatmul(x, w, dot.params["precision"], cap, transposed, [*plumbing, dot])
+    equations = [*plumbing, dot] + ([] if tokens is None else [tokens])
+    return _LogitsMatmul(x, w, dot.params["precision"], cap, transposed, equations, tokens)
+
+
+def _token_slice(graph: Graph, var: Any) -> Any:
+    """The `slice` equation making `var` that keeps the whole last axis (the vocabulary),
+    else `None`."""
+    eqn = graph.producer(var, "slice")
+    if eqn is None:
+        return None
+    vocabulary = eqn.invars[0].aval.shape[-1]
+    if (eqn.params["start_indices"][-1] != 0 or eqn.params["limit_indices"][-1] != vocabulary
+            or (eqn.params["strides"] or (1,))[-1] != 1):
+        return None
+    return eqn
 
 
 def _function(product: _LogitsMatmul, spelling: _Spelling) -> Callable[[Any, Any, Any], Any]:
