@@ -144,6 +144,13 @@ def next_token_loss_of_bfloat16_logits(x, w, labels):
     return -jnp.take_along_axis(log_probs, labels[:, 1:, None], axis=-1)[..., 0]
 
 
+def one_hot_logit_loss(x, w, labels):
+    """Levanter's spelling: the log-sum-exp minus the label's logit picked by its one-hot
+    (a label outside [0, V) picks nothing: the log-sum-exp alone)."""
+    logits = logits_of(x, w)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.one_hot(labels, V) * logits, -1)
+
+
 def one_hot_loss_summed_by_jnp(x, w, labels):
     return -jnp.sum(jax.nn.log_softmax(logits_of(x, w)) * jax.nn.one_hot(labels, V), axis=-1)
 
@@ -222,7 +229,7 @@ def operands(seed=0, dtype=jnp.float32):
                                lse_log_softmax_mean_loss, lse_one_hot_loss,
                                one_hot_loss_summed_over_every_axis, flax_one_hot_loss,
                                compared_one_hot_loss, next_token_loss,
-                               next_token_log_softmax_loss],
+                               next_token_log_softmax_loss, one_hot_logit_loss],
                          ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):
     x, w, labels = operands()
@@ -271,7 +278,7 @@ def test_bfloat16_logits_sliced_before_their_cast(rewritten):
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
                                optax_per_token_under_vmap, lse_log_softmax_mean_loss,
                                lse_one_hot_loss, one_hot_loss_summed_over_every_axis,
-                               flax_one_hot_loss, compared_one_hot_loss],
+                               flax_one_hot_loss, compared_one_hot_loss, one_hot_logit_loss],
                          ids=lambda f: f.__name__)
 def test_labels_out_of_range_have_the_values_and_gradients_of_jit(rewritten, f):
     """Labels past either end: `take_along_axis` gives NaN there (negative ones in range
@@ -545,6 +552,12 @@ def one_hot_of_other_values(x, w, labels):
     return -(smoothed * jax.nn.log_softmax(logits_of(x, w))).sum(-1)
 
 
+def smoothed_one_hot_logit(x, w, labels):
+    logits = logits_of(x, w)
+    smoothed = jax.nn.one_hot(labels, V) * 0.9 + 0.1 / V
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(smoothed * logits, -1)
+
+
 def embedding_against_the_wrong_axis(x, w, labels):
     """A `(V, H)` embedding contracted with `x`'s middle axis, not its last (of the same
     length: the last would give other logits of the same shape)."""
@@ -559,7 +572,7 @@ def embedding_against_the_wrong_axis(x, w, labels):
                                indexed_in_clip_mode, smoothed_optax_under_vmap,
                                smoothed_shifted_optax, smoothed_bfloat16_one_hot,
                                embedding_against_the_wrong_axis, a_slice_of_the_vocabulary,
-                               one_hot_of_other_values],
+                               one_hot_of_other_values, smoothed_one_hot_logit],
                          ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     x, w, labels = operands()

@@ -29,7 +29,9 @@ cast to float32, also selecting 1.0 or 0.0 as Flax's `common_utils.onehot` does;
 `softmax_cross_entropy` of one-hot labels, also negated later:
 `-(one_hot * log_softmax(logits)).sum(-1).mean()`, or summed over every axis at once,
 `-jnp.sum(one_hot * log_softmax(logits))`), where a label outside `[0, V)` has an
-all-zero one-hot row, so no loss and no gradient (the op ignores it).
+all-zero one-hot row, so no loss and no gradient (the op ignores it). A one-hot may
+also pick the label's logit, `logsumexp(logits, -1) - (one_hot * logits).sum(-1)` (as
+Levanter writes the loss), where such a label's loss is the log-sum-exp alone.
 
 The label picked by fancy indexing from `(n, V)` logits, `log_softmax(logits)[
 jnp.arange(n), labels]` (negated there or later) and `logsumexp(logits, -1) -
@@ -203,6 +205,18 @@ def _one_hot_product(one_hot_first: bool, one_hot: Callable[[Any, int], Any],
     return product
 
 
+def _one_hot_logit_spelling(one_hot_first: bool, one_hot: Callable[[Any, int], Any]
+                             ) -> Callable[[Any, Any], Any]:
+    """`logsumexp(logits, -1) - (one_hot * logits).sum(-1)`, the label's logit picked by
+    its one-hot (as Levanter writes its loss)."""
+    def loss(logits: Any, labels: Any) -> Any:
+        one_hot_labels = one_hot(labels, logits.shape[-1])
+        picked = one_hot_labels * logits if one_hot_first else logits * one_hot_labels
+        return jax.nn.logsumexp(logits, axis=-1) - picked.sum(-1)
+
+    return loss
+
+
 def _one_hot_log_probability_spelling(one_hot_first: bool, one_hot: Callable[[Any, int], Any],
                                       log_softmax: Callable[[Any], Any]
                                       ) -> Callable[[Any, Any], Any]:
@@ -248,6 +262,9 @@ class _Labels(enum.Enum):
     # A one-hot (`jax.nn.one_hot`, or by comparison): negative labels too select nothing,
     # so no loss and no gradient.
     ONE_HOT = enum.auto()
+    # A one-hot picking the label's logit (`lse - (one_hot * logits).sum(-1)`): a label
+    # outside `[0, V)` picks nothing, so the log-sum-exp is its loss and its gradient.
+    ONE_HOT_LOGIT = enum.auto()
     # `log_softmax(logits)[jnp.arange(n), labels]`: XLA's gather clamps the label into
     # `[0, V)`, and the scatter of its transpose drops it: that loss and no gradient.
     INDEXED_LOG_PROBABILITY = enum.auto()
@@ -257,6 +274,7 @@ class _Labels(enum.Enum):
 
 
 _INDEXED = frozenset({_Labels.INDEXED_LOG_PROBABILITY, _Labels.INDEXED_LOGIT})
+_ONE_HOT_LABELS = frozenset({_Labels.ONE_HOT, _Labels.ONE_HOT_LOGIT})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,9 +298,9 @@ class _Spelling:
         one-hot's comparison with `jnp.arange(V)`."""
         if self.labels in _INDEXED:
             return eqn.primitive.name == "gather"
-        if self.labels is _Labels.ONE_HOT and eqn.primitive.name == "eq":
+        if self.labels in _ONE_HOT_LABELS and eqn.primitive.name == "eq":
             return True  # a one-hot by comparison with `jnp.arange(V)`
-        name = "_one_hot" if self.labels is _Labels.ONE_HOT else "take_along_axis"
+        name = "_one_hot" if self.labels in _ONE_HOT_LABELS else "take_along_axis"
         return eqn.primitive.name == "jit" and eqn.params.get("name") == name
 
     def fits(self, rank: int) -> bool:
@@ -311,7 +329,9 @@ _SPELLINGS = {
               for e, s in _FORMS),
             *(_Spelling(_shifted_optax_spelling(e, s, initial), _Labels.PICKED_LOGIT)
               for e, s in _FORMS for initial in (False, True)),
-            _Spelling(_indexed_logit_spelling, _Labels.INDEXED_LOGIT)),
+            _Spelling(_indexed_logit_spelling, _Labels.INDEXED_LOGIT),
+            *(_Spelling(_one_hot_logit_spelling(first, one_hot), _Labels.ONE_HOT_LOGIT)
+              for first, one_hot in _ONE_HOTS)),
     "gather": tuple(_Spelling(_indexed_log_probability_spelling(f),
                               _Labels.INDEXED_LOG_PROBABILITY, negated=True)
                     for f in _LOG_SOFTMAXES),
@@ -399,11 +419,11 @@ def _entry_avals(graph: Graph, entry: Any, spelling: _Spelling,
     enter: `take_along_axis`'s and the fancy index's array is the logits (or their
     log-softmax, of their shape), `_one_hot`'s result has their shape. `shape` is the
     tokens' (`None`: any)."""
-    logits = (entry.outvars if spelling.labels is _Labels.ONE_HOT else entry.invars)[0]
+    logits = (entry.outvars if spelling.labels in _ONE_HOT_LABELS else entry.invars)[0]
     logits_shape = tuple(logits.aval.shape)
     # A one-hot's dtype may be narrower than the logits': a loss matched is float32, and
     # so are its logits (the op's).
-    dtype = jnp.float32 if spelling.labels is _Labels.ONE_HOT else logits.aval.dtype
+    dtype = jnp.float32 if spelling.labels in _ONE_HOT_LABELS else logits.aval.dtype
     if shape is None:
         shape = logits_shape[:-1]
     if logits_shape[:-1] != shape or not spelling.fits(len(logits_shape)):
@@ -522,6 +542,10 @@ def _function(product: _LogitsMatmul, spelling: _Spelling) -> Callable[[Any, Any
         if spelling.labels in _INDEXED:
             losses = _clamped_gradient(spelling.labels, losses, outside, x, w, op_labels,
                                        precision, cap)
+        if spelling.labels is _Labels.ONE_HOT_LOGIT:  # label 0's loss, its logit added back
+            picks_nothing = outside | (labels < 0)
+            losses = losses + jnp.where(
+                picks_nothing, _label_logits(x, w, op_labels, precision, cap), 0.0)
         losses = -losses if spelling.negated else losses
         if spelling.summed:
             return losses.sum()
@@ -548,10 +572,13 @@ def _labels_for_op(read: _Labels, labels: Any, outside: Any, vocabulary: int
     """`(labels, nan)`: the op's labels giving the loss and gradient the spelling gives
     (the op ignores a negative label and gives a label >= V a NaN loss and its
     log-sum-exp's gradient; a fancy index's clamped label then has its gradient fixed
-    by `_clamped_gradient`), and the tokens whose loss must be made NaN besides
+    by `_clamped_gradient`, and a one-hot's label picking no logit is given label 0,
+    whose logit is added back), and the tokens whose loss must be made NaN besides
     (`None`: none). `outside`: the labels outside `[-V, V)` (`_outside`)."""
     if read is _Labels.ONE_HOT:
         return jnp.where(outside | (labels < 0), -1, labels), None
+    if read is _Labels.ONE_HOT_LOGIT:
+        return jnp.where(outside | (labels < 0), 0, labels), None
     wrapped = jnp.where(labels < 0, labels + vocabulary, labels)
     if read in _INDEXED:
         return jnp.clip(wrapped, 0, vocabulary - 1), None
@@ -569,8 +596,13 @@ def _clamped_gradient(read: _Labels, losses: Any, outside: Any, x: Any, w: Any,
     is one more `w`-sized array in the backward."""
     if read is _Labels.INDEXED_LOG_PROBABILITY:
         return jnp.where(outside, jax.lax.stop_gradient(losses), losses)
+    logits = _label_logits(x, w, labels, precision, cap)
+    return losses + jnp.where(outside, logits - jax.lax.stop_gradient(logits), 0.0)
+
+
+def _label_logits(x: Any, w: Any, labels: Any, precision: Any, cap: float | None) -> Any:
+    """Each token's (float32, soft-capped) logit of its label in `[0, V)`: a column of `w`
+    a token (`n x H` read), whose gradient is one more `w`-sized array in the backward."""
     logits = jnp.einsum("...h,...h->...", x, w.T[labels], precision=precision)
     logits = logits.astype(jnp.float32)
-    if cap is not None:
-        logits = cap * jnp.tanh(logits / cap)
-    return losses + jnp.where(outside, logits - jax.lax.stop_gradient(logits), 0.0)
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
