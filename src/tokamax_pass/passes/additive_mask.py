@@ -13,6 +13,7 @@ sum rounded away, the softmax's gradient at uniform probabilities, where a mask
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -99,23 +100,47 @@ def hidden_row_gradient(query: Any, key: Any, value: Any, bias: Any, scale: floa
     """`(*batch, T, heads, Hv)` zeros whose gradient is what autodiff of the plain
     attention gives a row an additive mask hides whole: there the probabilities are
     uniform, and the logits `x = scale * q . k + bias` move the output by the softmax's
-    gradient at uniform probabilities, `sum_j (x_j - mean(x)) (v_j - mean(v)) / S`,
-    linear in `x`, so computed through `K^T (V - mean(V))` (one small matrix per head),
-    the bias (`(*batch, heads, T, S)`, or `None`) against `V - mean(V)`. Operands in the
-    op's layout: `(*batch, seq, heads, head_dim)`, key and value with fewer heads (GQA)."""
+    gradient at uniform probabilities, `sum_j (x_j - mean(x)) (v_j - mean(v)) / S`
+    (the values' own gradient is the mean's). Computed in the backward alone, through
+    `K^T (V - mean(V))` (one small matrix per head), and for the bias (`(*batch, heads,
+    T, S)`, or `None`) one product as large as the bias. Operands in the op's layout,
+    `(*batch, seq, heads, head_dim)`, key and value with fewer heads (GQA)."""
+    return _linearized(scale, query, key, value, bias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _linearized(scale: float, query: Any, key: Any, value: Any, bias: Any) -> Any:
+    return jnp.zeros((*query.shape[:-1], value.shape[-1]), value.dtype)
+
+
+def _linearized_fwd(scale: float, query: Any, key: Any, value: Any, bias: Any
+                    ) -> tuple[Any, Any]:
+    return _linearized(scale, query, key, value, bias), (query, key, value, bias)
+
+
+def _linearized_bwd(scale: float, saved: Any, cotangent: Any) -> tuple[Any, ...]:
+    query, key, value, bias = saved
     kv_heads, keys = key.shape[-2], key.shape[-3]
     groups = query.shape[-2] // kv_heads
-    v = jax.lax.stop_gradient(value.astype(jnp.float32))
-    centered = v - jnp.mean(v, axis=-3, keepdims=True)
+    v = value.astype(jnp.float32)
+    centered = (v - jnp.mean(v, axis=-3, keepdims=True)) / keys
+    g = cotangent.astype(jnp.float32).reshape(*cotangent.shape[:-2], kv_heads, groups,
+                                              cotangent.shape[-1])
+    q = query.astype(jnp.float32).reshape(*query.shape[:-2], kv_heads, groups,
+                                          query.shape[-1])
     moments = jnp.einsum("...skh,...skd->...khd", key.astype(jnp.float32), centered)
-    q = query.astype(jnp.float32).reshape(*query.shape[:-2], kv_heads, groups, query.shape[-1])
-    term = scale * jnp.einsum("...tkgh,...khd->...tkgd", q, moments)
+    dq = scale * jnp.einsum("...tkgd,...khd->...tkgh", g, moments)
+    dk = scale * jnp.einsum("...khd,...skd->...skh",
+                            jnp.einsum("...tkgh,...tkgd->...khd", q, g), centered)
+    dbias = None
     if bias is not None:
-        b = bias.astype(jnp.float32).reshape(*bias.shape[:-3], kv_heads, groups,
-                                             *bias.shape[-2:])
-        term = term + jnp.einsum("...kgts,...skd->...tkgd", b, centered)
-    term = term.reshape(*query.shape[:-1], value.shape[-1]) / keys
-    return term - jax.lax.stop_gradient(term)
+        dbias = jnp.einsum("...tkgd,...skd->...kgts", g, centered).reshape(bias.shape)
+        dbias = dbias.astype(bias.dtype)
+    return (dq.reshape(query.shape).astype(query.dtype), dk.astype(key.dtype),
+            jnp.zeros_like(value), dbias)
+
+
+_linearized.defvjp(_linearized_fwd, _linearized_bwd)
 
 
 def swallows(fill: float) -> bool:
