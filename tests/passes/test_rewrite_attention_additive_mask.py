@@ -78,6 +78,14 @@ def bias_expanded_after_the_select(q, k, v, padding):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
 
 
+def complement_of_the_mask(q, k, v, padding):
+    """The mask's complement scaled, `(1.0 - mask) * finfo.min`, as ports of BERT write it."""
+    mask = (jnp.expand_dims(padding, (-3, -2)) > 0).astype(jnp.float32)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) * 0.3
+    logits = logits + (1.0 - mask) * jnp.finfo(jnp.float32).min
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
+
+
 def operands(f, dtype=jnp.float32):
     q = random_normal(0, (B, T, N, H), dtype)
     heads = K if f is hugging_face_llama else N
@@ -87,7 +95,7 @@ def operands(f, dtype=jnp.float32):
 
 
 @pytest.mark.parametrize("f", [hugging_face_llama, t5_position_bias, where_bias_under_the_scale,
-                               bias_expanded_after_the_select],
+                               bias_expanded_after_the_select, complement_of_the_mask],
                          ids=lambda f: f.__name__)
 def test_rows_the_bias_hides_whole_have_the_values_and_gradients_of_jit(rewritten, f):
     args = operands(f)

@@ -1,6 +1,7 @@
 """Masks spelled as additive biases: `logits + lax.select(mask, zeros, full(fill))`, as
 Hugging Face's Flax models (and EasyLM, T5 ports) turn a boolean mask into a bias of
-0 and `jnp.finfo(dtype).min`, or `jnp.where(mask, 0.0, fill)`.
+0 and `jnp.finfo(dtype).min`, `jnp.where(mask, 0.0, fill)`, or `(1.0 - mask) * fill`
+(ports of BERT).
 
 Added to the logits, a fill of at most `SWALLOWING_FILL` swallows them whole: every key
 it hides gets the same logit, the fill, so a row hidden entirely gets uniform
@@ -62,20 +63,36 @@ def _fill(graph: Graph, var: Any) -> float | None:
         if eqn.primitive.name == "convert_element_type":
             dtypes.append(var.aval.dtype)
         var = eqn.invars[0]
-    select = graph.producer(var, "select_n")
-    where = graph.producer(var, "jit")
-    if select is not None and len(select.invars) == 3:
-        condition, *cases = select.invars
-        values = [_filled(graph, v) for v in cases]
-    elif where is not None and where.params.get("name") == "_where" and len(where.invars) == 3:
-        condition, on_true, on_false = where.invars
-        values = [literal_value(v) for v in (on_false, on_true)]
-    else:
+    chosen = _chosen(graph, var)
+    if chosen is None:
         return None
+    condition, values = chosen
     if condition.aval.dtype != jnp.bool_ or any(v is None for v in values):
         return None
     low, high = sorted(_cast(v, [var.aval.dtype, *reversed(dtypes)]) for v in values)
     return low if high == 0.0 and low < 0.0 else None
+
+
+def _chosen(graph: Graph, var: Any) -> tuple[Any, list[Any]] | None:
+    """`(condition, values)`: the boolean and the two constants it chooses between to make
+    `var`, by `lax.select`, `jnp.where`, or `(1.0 - condition) * c` (the boolean cast to
+    a float: 0 where it holds, `c` elsewhere); else `None`."""
+    select = graph.producer(var, "select_n")
+    if select is not None and len(select.invars) == 3:
+        condition, *cases = select.invars
+        return condition, [_filled(graph, v) for v in cases]
+    where = graph.producer(var, "jit")
+    if where is not None and where.params.get("name") == "_where" and len(where.invars) == 3:
+        condition, on_true, on_false = where.invars
+        return condition, [literal_value(v) for v in (on_false, on_true)]
+    product = graph.producer(var, "mul")
+    for complement, factor in ([] if product is None else (product.invars,
+                                                           product.invars[::-1])):
+        sub = graph.producer(complement, "sub")
+        cast = None if sub is None else graph.producer(sub.invars[1], "convert_element_type")
+        if cast is not None and literal_value(sub.invars[0]) == 1:
+            return cast.invars[0], [0.0, scalar_constant(graph, factor)]
+    return None
 
 
 def _filled(graph: Graph, var: Any) -> Any:
