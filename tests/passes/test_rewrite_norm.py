@@ -302,6 +302,13 @@ def distributed_over_another_mean(x, scale, offset):
     return x * inv + (-mean * inv + offset)
 
 
+def mean_moved_by_the_input(x, scale, offset):
+    """Keras's distributed centering with `x` in place of the factor: `-mean * x`."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    inv = jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + 1e-3) * scale
+    return x * inv + (-mean * x + offset)
+
+
 def over_the_first_axis(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=0, keepdims=True) + 1e-6) * scale
 
@@ -324,6 +331,7 @@ def masked_variance(x, scale, offset):
     (variance_clipped_above_zero, jnp.float32, None),
     (keras_rms_scaling, jnp.float32, None),
     (distributed_over_another_mean, jnp.float32, None),
+    (mean_moved_by_the_input, jnp.float32, None),
 ], ids=lambda p: getattr(p, "__name__", ""))
 def test_near_misses_are_left_as_written(rewritten, f, dtype, reason):
     args = operands(f, dtype)

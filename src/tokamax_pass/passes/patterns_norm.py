@@ -66,9 +66,10 @@ class _Norm:
     subtract_mean: bool = False
     # `x` is upcast to float32 and the result left there: the op takes the upcast.
     upcast: bool = False
-    # The mean of Keras's `x * inv + (-mean * inv + offset)`, which centers `x` (`None`:
-    # `x - mean` is written, or there is none).
+    # The mean and factor of Keras's `x * inv + (-mean * inv + offset)`, which centers
+    # `x` (`None`: `x - mean` is written, or there is none).
     distributed_mean: Any = None
+    distributed_factor: Any = None
     core: list[Any] = dataclasses.field(default_factory=list)
 
 
@@ -203,6 +204,7 @@ def _distributed(graph: Graph, norm: _Norm, eqn: Any) -> Any:
             negation = graph.producer(negated, "neg")
             if negation is not None and factor in normalized.invars:
                 norm.distributed_mean, norm.offset = negation.invars[0], offset
+                norm.distributed_factor = factor
                 norm.core += [e for e in (shifted, moved, negation, normalized)
                               if e is not None]
                 return normalized
@@ -298,6 +300,8 @@ def _normalized(graph: Graph, norm: _Norm, eqn: Any) -> None:
                 break
         else:
             raise _NoMatch
+        if norm.distributed_mean is not None and factor is not norm.distributed_factor:
+            raise _NoMatch  # the mean moved by another factor than the one normalizing
         variance_plus = _reciprocal_sqrt(graph, norm, statistic)
     else:
         raise _NoMatch
