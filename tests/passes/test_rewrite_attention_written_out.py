@@ -177,13 +177,24 @@ def logits_cast_to_float32_before_a_bias(q, k, v, bias):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
 
 
+def query_and_key_cast_to_float32(q, k, v, mask):
+    """Flax's `dot_product_attention_weights(..., dtype=jnp.float32)` on bfloat16 q and k
+    (Hugging Face's `attention_softmax_in_fp32`): both cast before the scale and the
+    product, the probabilities cast back to the values' dtype."""
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    logits = einsum("...qhd,...khd->...hqk", q / jnp.sqrt(H).astype(jnp.float32), k)
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    return einsum("...hqk,...khd->...qhd", jax.nn.softmax(logits).astype(v.dtype), v)
+
+
 @pytest.mark.parametrize("f", [softmax_in_float32_scale_by_sqrt,
                                logits_cast_to_float32_before_the_scale,
-                               logits_cast_to_float32_before_a_bias], ids=lambda f: f.__name__)
+                               logits_cast_to_float32_before_a_bias,
+                               query_and_key_cast_to_float32], ids=lambda f: f.__name__)
 def test_bfloat16_softmax_in_float32_with_a_computed_scale(rewritten, f):
-    """The casts around the softmax (before or after the scale, mask or bias) and a scale
-    spelled `1 / sqrt(d)` in jnp are read through; in bfloat16 the rewrite matches the
-    float32 reference as plain JAX does."""
+    """The casts around the softmax (before or after the scale, mask or bias), of q and k
+    before the product, and a scale spelled `1 / sqrt(d)` in jnp are read through; in
+    bfloat16 the rewrite matches the float32 reference as plain JAX does."""
     args = operands(with_bias if f is logits_cast_to_float32_before_a_bias else f)
     low = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
     cotangent = random_normal(9, (B, T, N, H))

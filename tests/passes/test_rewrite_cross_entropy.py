@@ -107,6 +107,50 @@ def bfloat16_one_hot_loss(x, w, labels):
     return -jnp.sum(one_hot * jax.nn.log_softmax(logits_of(x, w)), axis=-1)
 
 
+def flax_one_hot(labels, num_classes):
+    """`flax.training.common_utils.onehot`: a comparison selecting 1.0 or 0.0."""
+    x = labels[..., None] == jnp.arange(num_classes).reshape((1,) * labels.ndim + (-1,))
+    return jax.lax.select(x, jnp.full(x.shape, 1.0), jnp.full(x.shape, 0.0)).astype(jnp.float32)
+
+
+def flax_one_hot_loss(x, w, labels):
+    """Hugging Face's Flax training scripts: `optax.softmax_cross_entropy(logits,
+    onehot(labels, V))`."""
+    return -jnp.sum(flax_one_hot(labels, V) * jax.nn.log_softmax(logits_of(x, w)), axis=-1)
+
+
+def compared_one_hot_loss(x, w, labels):
+    one_hot = (labels[..., None] == jnp.arange(V)).astype(jnp.float32)
+    return -(jax.nn.log_softmax(logits_of(x, w)) * one_hot).sum(-1)
+
+
+def next_token_loss(x, w, labels):
+    """Hugging Face's `run_clm_flax.py`: the logits of every token but the last against
+    the labels of every token but the first."""
+    logits = logits_of(x, w)[..., :-1, :]
+    return -(flax_one_hot(labels[..., 1:], V) * jax.nn.log_softmax(logits)).sum(-1)
+
+
+def next_token_log_softmax_loss(x, w, labels):
+    logits = logits_of(x, w)[:, 1::2]
+    log_probs = jax.nn.log_softmax(logits)
+    return -jnp.take_along_axis(log_probs, labels[:, 1::2, None], axis=-1)[..., 0]
+
+
+def next_token_loss_of_bfloat16_logits(x, w, labels):
+    """A bfloat16 model's logits sliced, then cast to float32 for the loss."""
+    logits = jnp.matmul(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))[:, :-1]
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.take_along_axis(log_probs, labels[:, 1:, None], axis=-1)[..., 0]
+
+
+def one_hot_logit_loss(x, w, labels):
+    """Levanter's spelling: the log-sum-exp minus the label's logit picked by its one-hot
+    (a label outside [0, V) picks nothing: the log-sum-exp alone)."""
+    logits = logits_of(x, w)
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jax.nn.one_hot(labels, V) * logits, -1)
+
+
 def one_hot_loss_summed_by_jnp(x, w, labels):
     return -jnp.sum(jax.nn.log_softmax(logits_of(x, w)) * jax.nn.one_hot(labels, V), axis=-1)
 
@@ -183,7 +227,9 @@ def operands(seed=0, dtype=jnp.float32):
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
                                optax_per_example_under_vmap, optax_per_token_under_vmap,
                                lse_log_softmax_mean_loss, lse_one_hot_loss,
-                               one_hot_loss_summed_over_every_axis],
+                               one_hot_loss_summed_over_every_axis, flax_one_hot_loss,
+                               compared_one_hot_loss, next_token_loss,
+                               next_token_log_softmax_loss, one_hot_logit_loss],
                          ids=lambda f: f.__name__)
 def test_values_and_gradients_match_jit(rewritten, f):
     x, w, labels = operands()
@@ -205,6 +251,25 @@ def test_values_and_gradients_match_jit(rewritten, f):
         assert_close(actual, wanted)
 
 
+def test_bfloat16_logits_sliced_before_their_cast(rewritten):
+    """The slice read between the product and the cast; gradients within bfloat16's
+    rounding of the product's operands."""
+    f = next_token_loss_of_bfloat16_logits
+    x, w, labels = operands()
+    cotangent = random_normal(9, (B, T - 1))
+
+    def loss(fn, x, w):
+        return (fn(x, w, labels) * cotangent).sum()
+
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, x, w, labels) == [REWRITTEN]
+    assert_close(optimized(x, w, labels), jax.jit(f)(x, w, labels))
+    wanted = jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1)))(x, w)
+    grads = jax.grad(functools.partial(loss, optimized), argnums=(0, 1))(x, w)
+    for got, want in zip(grads, wanted, strict=True):
+        assert_close(got, want, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("f", [log_softmax_loss, optax_spelling, negated_mean_log_probability,
                                optax_shifted_spelling_with_initial, bfloat16_one_hot_loss,
                                negated_mean_of_unsqueezed_log_probabilities, one_hot_loss,
@@ -212,7 +277,8 @@ def test_values_and_gradients_match_jit(rewritten, f):
                                indexed_log_softmax_loss, indexed_negated_mean,
                                indexed_logit_loss, indexed_soft_capped_logit_loss,
                                optax_per_token_under_vmap, lse_log_softmax_mean_loss,
-                               lse_one_hot_loss, one_hot_loss_summed_over_every_axis],
+                               lse_one_hot_loss, one_hot_loss_summed_over_every_axis,
+                               flax_one_hot_loss, compared_one_hot_loss, one_hot_logit_loss],
                          ids=lambda f: f.__name__)
 def test_labels_out_of_range_have_the_values_and_gradients_of_jit(rewritten, f):
     """Labels past either end: `take_along_axis` gives NaN there (negative ones in range
@@ -473,6 +539,25 @@ def smoothed_optax_under_vmap(x, w, labels):
     return jax.vmap(per_example)(x, labels)
 
 
+def a_slice_of_the_vocabulary(x, w, labels):
+    """The logits' last column dropped: a softmax over fewer classes than `w` gives."""
+    logits = logits_of(x, w)[..., :-1]
+    return -(flax_one_hot(labels, V - 1) * jax.nn.log_softmax(logits)).sum(-1)
+
+
+def one_hot_of_other_values(x, w, labels):
+    """A comparison selecting 0.9 and 0.1 / (V - 1): label smoothing, not a one-hot."""
+    hit = labels[..., None] == jnp.arange(V)
+    smoothed = jax.lax.select(hit, jnp.full(hit.shape, 0.9), jnp.full(hit.shape, 0.1 / (V - 1)))
+    return -(smoothed * jax.nn.log_softmax(logits_of(x, w))).sum(-1)
+
+
+def smoothed_one_hot_logit(x, w, labels):
+    logits = logits_of(x, w)
+    smoothed = jax.nn.one_hot(labels, V) * 0.9 + 0.1 / V
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(smoothed * logits, -1)
+
+
 def embedding_against_the_wrong_axis(x, w, labels):
     """A `(V, H)` embedding contracted with `x`'s middle axis, not its last (of the same
     length: the last would give other logits of the same shape)."""
@@ -486,7 +571,8 @@ def embedding_against_the_wrong_axis(x, w, labels):
                                indexed_in_reversed_rows, indexed_along_the_rows,
                                indexed_in_clip_mode, smoothed_optax_under_vmap,
                                smoothed_shifted_optax, smoothed_bfloat16_one_hot,
-                               embedding_against_the_wrong_axis],
+                               embedding_against_the_wrong_axis, a_slice_of_the_vocabulary,
+                               one_hot_of_other_values, smoothed_one_hot_logit],
                          ids=lambda f: f.__name__)
 def test_near_misses_are_left_as_written(rewritten, f):
     x, w, labels = operands()

@@ -100,10 +100,22 @@ def equinox_layer_norm(x, weight, bias):
     return jax.vmap(jax.vmap(one))(x)
 
 
+def keras_layer_normalization(x, gamma, beta):
+    """Keras 3's `LayerNormalization` as its JAX backend computes it: the statistics of the
+    upcast input (`ops.moments`), the centering distributed over the factor,
+    `x * inv + (-mean * inv + beta)`, the result cast back."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, [2], keepdims=True)
+    variance = jnp.var(x32, axis=[2], keepdims=True)
+    inv = jax.lax.rsqrt(variance + 1e-3) * gamma.astype(x32.dtype)
+    res = -mean * inv + beta.astype(x32.dtype)
+    return (x32 * inv + res).astype(x.dtype)
+
+
 SPELLINGS = [rms_power, rms_reciprocal, rms_rsqrt, rms_sqrt_no_keepdims, rms_gemma,
              rms_gemma_reference, rms_no_scale, layer_norm_var, layer_norm_spelled_out,
              layer_norm_scale_before_the_divisor, rms_scale_before_rsqrt, layer_norm_flax,
-             equinox_layer_norm]
+             equinox_layer_norm, keras_layer_normalization]
 
 
 def operands(f, dtype=jnp.float32, seed=0):
@@ -144,10 +156,11 @@ def test_the_scale_and_offset_go_into_the_op(rewritten, f):
     assert {a.split("=")[0] for a in row.arguments.split(", ")} == {"x"} | vectors
 
 
-def test_bfloat16_input_with_float32_statistics(rewritten):
-    args = operands(layer_norm_var, jnp.bfloat16)
-    check_values_and_gradients(layer_norm_var, args, random_normal(9, (B, T, D)),
-                               jnp.bfloat16)
+@pytest.mark.parametrize("f", [layer_norm_var, keras_layer_normalization],
+                         ids=lambda f: f.__name__)
+def test_bfloat16_input_with_float32_statistics(rewritten, f):
+    args = operands(f, jnp.bfloat16)
+    check_values_and_gradients(f, args, random_normal(9, (B, T, D)), jnp.bfloat16)
 
 
 def rms_flax_float32_output(x, scale):
@@ -275,6 +288,27 @@ def variance_clipped_above_zero(x, scale, offset):
     return (x - mean) * jax.lax.rsqrt(variance + 1e-5) * scale + offset
 
 
+def keras_rms_scaling(x, scale):
+    """Keras 3.0's `LayerNormalization(rms_scaling=True)`: the variance, not the mean of
+    squares, so no RMSNorm (and no LayerNorm: `x` is not centered)."""
+    inv = jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + 1e-3)
+    return x * inv * scale
+
+
+def distributed_over_another_mean(x, scale, offset):
+    """Keras's distributed centering with the mean of another row."""
+    mean = jnp.mean(x[:, ::-1], axis=-1, keepdims=True)
+    inv = jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + 1e-3) * scale
+    return x * inv + (-mean * inv + offset)
+
+
+def mean_moved_by_the_input(x, scale, offset):
+    """Keras's distributed centering with `x` in place of the factor: `-mean * x`."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    inv = jax.lax.rsqrt(jnp.var(x, axis=-1, keepdims=True) + 1e-3) * scale
+    return x * inv + (-mean * x + offset)
+
+
 def over_the_first_axis(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=0, keepdims=True) + 1e-6) * scale
 
@@ -295,6 +329,9 @@ def masked_variance(x, scale, offset):
     (masked_variance, jnp.float32, "the variance is masked"),
     (rms_minus_a_nonzero_constant, jnp.float32, None),
     (variance_clipped_above_zero, jnp.float32, None),
+    (keras_rms_scaling, jnp.float32, None),
+    (distributed_over_another_mean, jnp.float32, None),
+    (mean_moved_by_the_input, jnp.float32, None),
 ], ids=lambda p: getattr(p, "__name__", ""))
 def test_near_misses_are_left_as_written(rewritten, f, dtype, reason):
     args = operands(f, dtype)

@@ -11,13 +11,15 @@ subtracted from them (`logits - bias`: the op is given `-bias`, exactly), a Gemm
 cap `cap * tanh(logits / cap)`, a mask applied last by `jnp.where(mask, logits, fill)`
 (the mask boolean, or numbers kept where nonzero, as Flax's float32 masks cast from a
 boolean are) with `fill` `-inf` or at most `-1e9` (or several in turn, one fill for
-all: the keys every one keeps), the scale also after the mask where no bias
-or soft cap is under it and the scaled fill is still at most `-1e9`, then
+all: the keys every one keeps) or added as a bias of 0 and a fill that swallows the
+logits (`additive_mask`: Hugging Face's Flax models), the scale also after the mask
+where no bias or soft cap is under it and the scaled fill is still at most `-1e9`, then
 `jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
 second product (probabilities wider than the values there, as a float32 softmax against
 bfloat16 values gives, are a near-miss: the product is then float32, the op's bfloat16).
-The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), and the
-logits cast to another float type for the softmax (`.astype(jnp.float32)`). The logits
+The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), the
+logits cast to another float type for the softmax (`.astype(jnp.float32)`), and q and k
+cast to a wider one from the values' before the product. The logits
 may come out of the product transposed (as `jnp.einsum` writes them).
 Grouped-query attention: q may have more free axes than the query rows
 (`(..., kv_heads, group, head_dim)` against un-repeated k and v), which become the op's
@@ -48,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tokamax_pass.passes import band_mask
+from tokamax_pass.passes import additive_mask, band_mask
 from tokamax_pass.passes.candidate import Candidate
 from tokamax_pass.passes.graph import (
     Graph,
@@ -101,6 +103,9 @@ class _Attention:
     # every condition (negated where `negated`) holds.
     masks: list[tuple[Any, bool]] = dataclasses.field(default_factory=list)
     fill: float = 0.0
+    # Whether the mask was added to the logits as a bias (`additive_mask`): a row it hides
+    # whole then has autodiff's gradient through the logits.
+    additive: bool = False
     scale: float = 1.0
     soft_cap: float | None = None
     band: band_mask.Band | None = None
@@ -123,6 +128,10 @@ class _NoMatch(Exception):
     """The equations are no attention."""
 
 
+class _LeftAlone(Exception):
+    """The equations are an attention the op computes otherwise (the message says how)."""
+
+
 def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     """The op's candidate of the attention whose second product is `eqn`, if it is one."""
     if graph is None or not graph.live(eqn):
@@ -131,6 +140,8 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         attention = _parse(eqn, graph)
     except _NoMatch:
         return None
+    except _LeftAlone as refusal:
+        return Candidate(NAME, None, str(refusal))
     if not graph.private([e for e in attention.region if e is not eqn], eqn):
         return Candidate(NAME, None, "values inside the attention are used elsewhere (a "
                                      "gradient traced inside optimize keeps them for its "
@@ -294,7 +305,6 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
         attention.region.append(where)
         bands.append(None if negated else band_mask.band(graph, condition, shape))
         logits = _unwidened(graph, logits, attention.region)
-    attention.band = _intersection(bands)
     capped = _soft_cap(graph, attention, logits)
     if capped is not None:
         logits = capped
@@ -312,6 +322,9 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
                 break
         else:
             raise _NoMatch
+        if attention.soft_cap is None:
+            _additive_mask(graph, attention, bands)
+    attention.band = _intersection(bands)
     if after_mask != 1.0:
         if attention.bias is not None or attention.soft_cap is not None:
             raise _NoMatch  # the scale would apply to the bias or cap too: not the op's
@@ -332,6 +345,28 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
         _unmerge_band(attention, tuple(logits.aval.shape))
         shape = tuple(logits.aval.shape)
     _mask_as_band(attention, shape)
+
+
+def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Band | None]
+                   ) -> None:
+    """A bias that spells a mask with a fill swallowing the logits (`additive_mask`) taken
+    as the op's mask, the rest of the bias (if any) staying its bias. A smaller fill
+    (`-1e9`) leaves a row it hides whole the logits it rounds, which the op does not
+    compute; masks applied by `jnp.where` too stop the gradient of some of those keys."""
+    found = additive_mask.read(graph, attention.bias)
+    if found is None or attention.bias_scale <= 0:
+        return
+    fill = found.fill * attention.bias_scale
+    if not additive_mask.swallows(fill):
+        if fill <= _LARGEST_FILL:
+            raise _LeftAlone(f"the bias hides keys by {fill:g}, which the logits are not "
+                             "rounded into: a row it hides whole has no uniform probabilities")
+        return
+    if attention.masks:
+        raise _NoMatch
+    attention.masks.append((found.values, True))  # keys kept where the values are 0
+    attention.fill, attention.additive, attention.bias = fill, True, found.rest
+    bands.append(None)
 
 
 def _kept_axes(merged: tuple[int, ...], shape: tuple[int, ...]) -> dict[int, int]:
@@ -381,10 +416,23 @@ def _operands(graph: Graph, attention: _Attention, product: Any, transpose: Any)
         (xb, xc[0]), (yb, yc[0]))
     attention.axes = [(role if role == "batch" else "key" if role == key_side else "query",
                        int(a)) for role, a in axes]
-    attention.query = _unscaled_query(graph, attention, query)
-    attention.key = key
+    attention.query, attention.key = _narrowed(graph, attention,
+                                               _unscaled_query(graph, attention, query), key)
     attention.query_numbers = (tuple(int(a) for a in q_numbers[0]), int(q_numbers[1]))
     attention.key_numbers = (tuple(int(a) for a in k_numbers[0]), int(k_numbers[1]))
+
+
+def _narrowed(graph: Graph, attention: _Attention, query: Any, key: Any) -> tuple[Any, Any]:
+    """q and k before casts from the values' narrower float type, `(query, key)` where both
+    are cast so (Flax's `dot_product_attention_weights(..., dtype=jnp.float32)` on
+    bfloat16 q and k, Hugging Face's `attention_softmax_in_fp32`): the product of the
+    upcast values is exact in float32, as the op's float32 accumulation of theirs."""
+    casts: list[Any] = []
+    uncast = [_unwidened(graph, var, casts) for var in (query, key)]
+    if len(casts) != 2 or any(v.aval.dtype != attention.value.aval.dtype for v in uncast):
+        return query, key
+    attention.region.extend(casts)
+    return uncast[0], uncast[1]
 
 
 def _mask_as_band(attention: _Attention, shape: tuple[int, ...]) -> None:
@@ -614,6 +662,9 @@ def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, 
         else:
             plain = jnp.mean(v.astype(jnp.float32), axis=-3, keepdims=True)
             plain = jnp.repeat(plain, head_count // v.shape[-2], axis=-2)
+            if attention.additive:
+                plain = plain + additive_mask.hidden_row_gradient(q, k, v, bias,
+                                                                  attention.scale)
         out = jnp.where(hidden, plain.astype(out.dtype), out)
     out = out.reshape(*other_sizes, logits_shape[row],
                       *[logits_shape[j] for j in (*heads, *groups)], out.shape[-1])

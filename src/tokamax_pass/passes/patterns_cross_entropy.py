@@ -8,26 +8,30 @@ Matched at the loss, in float32, the logits `x @ w` (`x`'s last axis against a `
 `jnp.einsum("btd,vd->btv", x, embedding)`, whose `w.T` the op takes: the op has no
 layout of its own for it, and its kernels read the transposed copy) possibly cast to
 float32 and then soft-capped (`cap * tanh(logits / cap)`, Gemma 2's final-logit cap, the
-op's `logits_soft_cap`) first, spelled as `-take_along_axis(jax.nn.log_softmax(logits),
-labels[..., None], -1)[..., 0]`, as `jax.nn.logsumexp(logits, -1) -
-take_along_axis(logits, labels[..., None], -1)[..., 0]` (`jnp.expand_dims` and `squeeze`
-too), or as `optax.softmax_cross_entropy_with_integer_labels` computes it: the logits
-shifted by their gradient-stopped row max (`jnp.max(..., initial=-jnp.inf)` too), then
+op's `logits_soft_cap`), then possibly sliced along the tokens (`logits[..., :-1, :]`, a
+next-token loss: the op takes those rows of `x`) first, spelled as
+`-take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]`, as
+`jax.nn.logsumexp(logits, -1) - take_along_axis(logits, labels[..., None], -1)[..., 0]`
+(`jnp.expand_dims` and `squeeze` too), or as
+`optax.softmax_cross_entropy_with_integer_labels` computes it: the logits shifted by
+their gradient-stopped row max (`jnp.max(..., initial=-jnp.inf)` too), then
 `log(sum(exp(shifted)))` minus the label's shifted logit. Labels index as
 `take_along_axis` does: a negative one counts from the end, and one out of range gives
-NaN. Wherever a spelling below takes `log_softmax(logits)`, it
-may be `jax.nn.log_softmax(logits)` or `logits - jax.nn.logsumexp(logits, -1,
-keepdims=True)`.
+NaN. Wherever a spelling below takes `log_softmax(logits)`, it may be
+`jax.nn.log_softmax(logits)` or `logits - jax.nn.logsumexp(logits, -1, keepdims=True)`.
 
 Two more spellings: the label's log-probability `take_along_axis(log_softmax(logits),
 ...)[..., 0]` (or left `(..., 1)`, without the `[..., 0]`) negated later
 (`-log_probs.mean()`, `-jnp.sum(...)`), replaced by the op's loss negated; and the
 one-hot form `-(jax.nn.one_hot(labels, V) * log_softmax(logits)).sum(-1)` (the one-hot
-float32 or bfloat16, whose zeros and ones are exact; optax's
+float32 or bfloat16, whose zeros and ones are exact, or by comparison with `jnp.arange(V)`
+cast to float32, also selecting 1.0 or 0.0 as Flax's `common_utils.onehot` does; optax's
 `softmax_cross_entropy` of one-hot labels, also negated later:
 `-(one_hot * log_softmax(logits)).sum(-1).mean()`, or summed over every axis at once,
 `-jnp.sum(one_hot * log_softmax(logits))`), where a label outside `[0, V)` has an
-all-zero one-hot row, so no loss and no gradient (the op ignores it).
+all-zero one-hot row, so no loss and no gradient (the op ignores it). A one-hot may
+also pick the label's logit, `logsumexp(logits, -1) - (one_hot * logits).sum(-1)` (as
+Levanter writes the loss), where such a label's loss is the log-sum-exp alone.
 
 The label picked by fancy indexing from `(n, V)` logits, `log_softmax(logits)[
 jnp.arange(n), labels]` (negated there or later) and `logsumexp(logits, -1) -
@@ -168,22 +172,55 @@ def _indexed_logit_spelling(logits: Any, labels: Any) -> Any:
     return jax.nn.logsumexp(logits, axis=-1) - _indexed(logits, labels)
 
 
-def _one_hot_product(one_hot_first: bool, dtype: Any, log_softmax: Callable[[Any], Any]
-                     ) -> Callable[[Any, Any], Any]:
-    """`one_hot * log_softmax(logits)`, the one-hot of `dtype` (a narrower float holds its
-    zeros and ones exactly: the product promotes it to the log-probabilities' float32)."""
+def _compared_one_hot(labels: Any, vocabulary: int) -> Any:
+    """`(labels[..., None] == jnp.arange(V)).astype(jnp.float32)`, a one-hot by hand."""
+    return (labels[..., None] == jnp.arange(vocabulary)).astype(jnp.float32)
+
+
+def _flax_one_hot(labels: Any, vocabulary: int) -> Any:
+    """`flax.training.common_utils.onehot` (Hugging Face's Flax training scripts): the
+    comparison selecting `1.0` or `0.0`, cast to float32."""
+    x = labels[..., None] == jnp.arange(vocabulary).reshape((1,) * labels.ndim + (-1,))
+    chosen = jax.lax.select(x, jnp.full(x.shape, 1.0), jnp.full(x.shape, 0.0))
+    return chosen.astype(jnp.float32)
+
+
+# The one-hots of labels (each a label outside `[0, V)` makes an all-zero row):
+# `jax.nn.one_hot` of float32 or bfloat16 (a narrower float holds its zeros and ones
+# exactly: the product promotes it to the log-probabilities' float32), and by comparison.
+_ONE_HOT_BUILDERS: tuple[Callable[[Any, int], Any], ...] = (
+    functools.partial(jax.nn.one_hot, dtype=jnp.float32),
+    functools.partial(jax.nn.one_hot, dtype=jnp.bfloat16),
+    _compared_one_hot, _flax_one_hot)
+
+
+def _one_hot_product(one_hot_first: bool, one_hot: Callable[[Any, int], Any],
+                     log_softmax: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    """`one_hot * log_softmax(logits)`, the one-hot built by `one_hot(labels, V)`."""
     def product(logits: Any, labels: Any) -> Any:
-        one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=dtype)
+        one_hot_labels = one_hot(labels, logits.shape[-1])
         log_probs = log_softmax(logits)
-        return one_hot * log_probs if one_hot_first else log_probs * one_hot
+        return one_hot_labels * log_probs if one_hot_first else log_probs * one_hot_labels
 
     return product
 
 
-def _one_hot_log_probability_spelling(one_hot_first: bool, dtype: Any,
+def _one_hot_logit_spelling(one_hot_first: bool, one_hot: Callable[[Any, int], Any]
+                             ) -> Callable[[Any, Any], Any]:
+    """`logsumexp(logits, -1) - (one_hot * logits).sum(-1)`, the label's logit picked by
+    its one-hot (as Levanter writes its loss)."""
+    def loss(logits: Any, labels: Any) -> Any:
+        one_hot_labels = one_hot(labels, logits.shape[-1])
+        picked = one_hot_labels * logits if one_hot_first else logits * one_hot_labels
+        return jax.nn.logsumexp(logits, axis=-1) - picked.sum(-1)
+
+    return loss
+
+
+def _one_hot_log_probability_spelling(one_hot_first: bool, one_hot: Callable[[Any, int], Any],
                                       log_softmax: Callable[[Any], Any]
                                       ) -> Callable[[Any, Any], Any]:
-    product = _one_hot_product(one_hot_first, dtype, log_softmax)
+    product = _one_hot_product(one_hot_first, one_hot, log_softmax)
 
     def log_probability(logits: Any, labels: Any) -> Any:
         return product(logits, labels).sum(-1)
@@ -191,10 +228,10 @@ def _one_hot_log_probability_spelling(one_hot_first: bool, dtype: Any,
     return log_probability
 
 
-def _one_hot_total_spelling(one_hot_first: bool, dtype: Any, log_softmax: Callable[[Any], Any]
-                            ) -> Callable[[Any, Any], Any]:
+def _one_hot_total_spelling(one_hot_first: bool, one_hot: Callable[[Any, int], Any],
+                            log_softmax: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
     """`-jnp.sum(one_hot * log_softmax(logits))`: every token's loss summed at once."""
-    product = _one_hot_product(one_hot_first, dtype, log_softmax)
+    product = _one_hot_product(one_hot_first, one_hot, log_softmax)
 
     def loss(logits: Any, labels: Any) -> Any:
         return -product(logits, labels).sum()
@@ -202,9 +239,9 @@ def _one_hot_total_spelling(one_hot_first: bool, dtype: Any, log_softmax: Callab
     return loss
 
 
-def _one_hot_spelling(one_hot_first: bool, dtype: Any, log_softmax: Callable[[Any], Any]
-                      ) -> Callable[[Any, Any], Any]:
-    log_probability = _one_hot_log_probability_spelling(one_hot_first, dtype, log_softmax)
+def _one_hot_spelling(one_hot_first: bool, one_hot: Callable[[Any, int], Any],
+                      log_softmax: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    log_probability = _one_hot_log_probability_spelling(one_hot_first, one_hot, log_softmax)
 
     def loss(logits: Any, labels: Any) -> Any:
         return -log_probability(logits, labels)
@@ -222,8 +259,12 @@ class _Labels(enum.Enum):
     # `take_along_axis` of `log_softmax(logits)`: a NaN loss and no gradient (the gather's
     # transpose drops the token's cotangent before the log-softmax).
     PICKED_LOG_PROBABILITY = enum.auto()
-    # `jax.nn.one_hot`: negative labels too select nothing, so no loss and no gradient.
+    # A one-hot (`jax.nn.one_hot`, or by comparison): negative labels too select nothing,
+    # so no loss and no gradient.
     ONE_HOT = enum.auto()
+    # A one-hot picking the label's logit (`lse - (one_hot * logits).sum(-1)`): a label
+    # outside `[0, V)` picks nothing, so the log-sum-exp is its loss and its gradient.
+    ONE_HOT_LOGIT = enum.auto()
     # `log_softmax(logits)[jnp.arange(n), labels]`: XLA's gather clamps the label into
     # `[0, V)`, and the scatter of its transpose drops it: that loss and no gradient.
     INDEXED_LOG_PROBABILITY = enum.auto()
@@ -233,6 +274,7 @@ class _Labels(enum.Enum):
 
 
 _INDEXED = frozenset({_Labels.INDEXED_LOG_PROBABILITY, _Labels.INDEXED_LOGIT})
+_ONE_HOT_LABELS = frozenset({_Labels.ONE_HOT, _Labels.ONE_HOT_LOGIT})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,10 +294,13 @@ class _Spelling:
 
     def enters(self, eqn: Any) -> bool:
         """Whether the labels enter the spelling at `eqn`, which holds the vocabulary: the
-        fancy index's `gather`, else the jitted `take_along_axis` or `_one_hot` call."""
+        fancy index's `gather`, else the jitted `take_along_axis` or `_one_hot` call, or a
+        one-hot's comparison with `jnp.arange(V)`."""
         if self.labels in _INDEXED:
             return eqn.primitive.name == "gather"
-        name = "_one_hot" if self.labels is _Labels.ONE_HOT else "take_along_axis"
+        if self.labels in _ONE_HOT_LABELS and eqn.primitive.name == "eq":
+            return True  # a one-hot by comparison with `jnp.arange(V)`
+        name = "_one_hot" if self.labels in _ONE_HOT_LABELS else "take_along_axis"
         return eqn.primitive.name == "jit" and eqn.params.get("name") == name
 
     def fits(self, rank: int) -> bool:
@@ -268,15 +313,15 @@ class _Spelling:
 
 _FORMS = [(e, s) for e in ("index", "expand_dims") for s in ("index", "squeeze")]
 _LOG_PROBABILITY = _Labels.PICKED_LOG_PROBABILITY
-# One-hot labels: the one-hot's factor first or second, and its dtype.
-_ONE_HOTS = [(first, dtype) for first in (True, False) for dtype in (jnp.float32, jnp.bfloat16)]
+# One-hot labels: the one-hot's factor first or second, and how it is built.
+_ONE_HOTS = [(first, one_hot) for first in (True, False) for one_hot in _ONE_HOT_BUILDERS]
 _SPELLINGS = {
     "neg": (*(_Spelling(_log_softmax_spelling(e, s, f), _LOG_PROBABILITY)
               for e, s in _FORMS for f in _LOG_SOFTMAXES),
-            *(_Spelling(_one_hot_spelling(first, dtype, f), _Labels.ONE_HOT)
-              for first, dtype in _ONE_HOTS for f in _LOG_SOFTMAXES),
-            *(_Spelling(_one_hot_total_spelling(first, dtype, f), _Labels.ONE_HOT, summed=True)
-              for first, dtype in _ONE_HOTS for f in _LOG_SOFTMAXES),
+            *(_Spelling(_one_hot_spelling(first, one_hot, f), _Labels.ONE_HOT)
+              for first, one_hot in _ONE_HOTS for f in _LOG_SOFTMAXES),
+            *(_Spelling(_one_hot_total_spelling(first, one_hot, f), _Labels.ONE_HOT, summed=True)
+              for first, one_hot in _ONE_HOTS for f in _LOG_SOFTMAXES),
             *(_Spelling(_indexed_log_softmax_spelling(f), _Labels.INDEXED_LOG_PROBABILITY)
               for f in _LOG_SOFTMAXES)),
     "sub": (*(_Spelling(_optax_spelling(e, s), _Labels.PICKED_LOGIT) for e, s in _FORMS),
@@ -284,15 +329,17 @@ _SPELLINGS = {
               for e, s in _FORMS),
             *(_Spelling(_shifted_optax_spelling(e, s, initial), _Labels.PICKED_LOGIT)
               for e, s in _FORMS for initial in (False, True)),
-            _Spelling(_indexed_logit_spelling, _Labels.INDEXED_LOGIT)),
+            _Spelling(_indexed_logit_spelling, _Labels.INDEXED_LOGIT),
+            *(_Spelling(_one_hot_logit_spelling(first, one_hot), _Labels.ONE_HOT_LOGIT)
+              for first, one_hot in _ONE_HOTS)),
     "gather": tuple(_Spelling(_indexed_log_probability_spelling(f),
                               _Labels.INDEXED_LOG_PROBABILITY, negated=True)
                     for f in _LOG_SOFTMAXES),
     "squeeze": tuple(_Spelling(_log_probability_spelling(e, s, f), _LOG_PROBABILITY,
                                negated=True) for e, s in _FORMS for f in _LOG_SOFTMAXES),
-    "reduce_sum": tuple(_Spelling(_one_hot_log_probability_spelling(first, dtype, f),
+    "reduce_sum": tuple(_Spelling(_one_hot_log_probability_spelling(first, one_hot, f),
                                   _Labels.ONE_HOT, negated=True)
-                        for first, dtype in _ONE_HOTS for f in _LOG_SOFTMAXES),
+                        for first, one_hot in _ONE_HOTS for f in _LOG_SOFTMAXES),
     "jit": tuple(_Spelling(_picked_log_probability_spelling(e, f), _LOG_PROBABILITY,
                            negated=True, keeps_axis=True)
                  for e in ("index", "expand_dims") for f in _LOG_SOFTMAXES),
@@ -372,11 +419,11 @@ def _entry_avals(graph: Graph, entry: Any, spelling: _Spelling,
     enter: `take_along_axis`'s and the fancy index's array is the logits (or their
     log-softmax, of their shape), `_one_hot`'s result has their shape. `shape` is the
     tokens' (`None`: any)."""
-    logits = (entry.outvars if spelling.labels is _Labels.ONE_HOT else entry.invars)[0]
+    logits = (entry.outvars if spelling.labels in _ONE_HOT_LABELS else entry.invars)[0]
     logits_shape = tuple(logits.aval.shape)
     # A one-hot's dtype may be narrower than the logits': a loss matched is float32, and
     # so are its logits (the op's).
-    dtype = jnp.float32 if spelling.labels is _Labels.ONE_HOT else logits.aval.dtype
+    dtype = jnp.float32 if spelling.labels in _ONE_HOT_LABELS else logits.aval.dtype
     if shape is None:
         shape = logits_shape[:-1]
     if logits_shape[:-1] != shape or not spelling.fits(len(logits_shape)):
@@ -417,20 +464,32 @@ class _LogitsMatmul:
     cap: float | None
     transposed: bool
     equations: list[Any]
+    # The `slice` equation taking some tokens' logits (`logits[:, :-1]`), or `None`.
+    tokens: Any = None
 
 
 def _logits_matmul(graph: Graph, logits: Any) -> _LogitsMatmul | None:
     """The product `logits` are, possibly cast to float32, then possibly soft-capped
-    (`cap * tanh(logits / cap)`)."""
+    (`cap * tanh(logits / cap)`); possibly sliced along the tokens' axes, the whole
+    vocabulary kept, last or before the cast (`logits[..., :-1, :]`, the next-token loss
+    of Hugging Face's training scripts: the op takes the tokens' rows of `x`)."""
     plumbing: list[Any] = []
+    tokens = _token_slice(graph, logits)
+    if tokens is not None:
+        logits = tokens.invars[0]
     cap = None
     capped = soft_capped(graph, logits)
     if capped is not None:
-        logits, cap, plumbing = capped
+        logits, cap, eqns = capped
+        plumbing += eqns
     convert = graph.producer(logits, "convert_element_type")
     if convert is not None:
         plumbing.append(convert)
         logits = convert.invars[0]
+    if tokens is None and cap is None:
+        tokens = _token_slice(graph, logits)
+        if tokens is not None:
+            logits = tokens.invars[0]
     transposed = False
     dot = dense_matmul(graph, logits)
     if dot is None:
@@ -443,7 +502,21 @@ def _logits_matmul(graph: Graph, logits: Any) -> _LogitsMatmul | None:
     # `preferred_element_type` does.
     if x.aval.dtype != w.aval.dtype or dot.outvars[0].aval.dtype != x.aval.dtype:
         return None
-    return _LogitsMatmul(x, w, dot.params["precision"], cap, transposed, [*plumbing, dot])
+    equations = [*plumbing, dot] + ([] if tokens is None else [tokens])
+    return _LogitsMatmul(x, w, dot.params["precision"], cap, transposed, equations, tokens)
+
+
+def _token_slice(graph: Graph, var: Any) -> Any:
+    """The `slice` equation making `var` that keeps the whole last axis (the vocabulary),
+    else `None`."""
+    eqn = graph.producer(var, "slice")
+    if eqn is None:
+        return None
+    vocabulary = eqn.invars[0].aval.shape[-1]
+    if (eqn.params["start_indices"][-1] != 0 or eqn.params["limit_indices"][-1] != vocabulary
+            or (eqn.params["strides"] or (1,))[-1] != 1):
+        return None
+    return eqn
 
 
 def _function(product: _LogitsMatmul, spelling: _Spelling) -> Callable[[Any, Any, Any], Any]:
@@ -457,6 +530,8 @@ def _function(product: _LogitsMatmul, spelling: _Spelling) -> Callable[[Any, Any
         # The op takes `(H, V)` weights: a `(V, H)` one is passed transposed (the op has
         # no layout of its own for it), so its gradient arrives in its own layout.
         w = w.T if transposed else w
+        if product.tokens is not None:
+            x = _token_rows(x, product.tokens.params)
         labels = labels.astype(jnp.int32)
         outside = _outside(labels, w.shape[-1])
         op_labels, nan = _labels_for_op(spelling.labels, labels, outside, w.shape[-1])
@@ -467,12 +542,24 @@ def _function(product: _LogitsMatmul, spelling: _Spelling) -> Callable[[Any, Any
         if spelling.labels in _INDEXED:
             losses = _clamped_gradient(spelling.labels, losses, outside, x, w, op_labels,
                                        precision, cap)
+        if spelling.labels is _Labels.ONE_HOT_LOGIT:  # label 0's loss, its logit added back
+            picks_nothing = outside | (labels < 0)
+            losses = losses + jnp.where(
+                picks_nothing, _label_logits(x, w, op_labels, precision, cap), 0.0)
         losses = -losses if spelling.negated else losses
         if spelling.summed:
             return losses.sum()
         return losses[..., None] if spelling.keeps_axis else losses
 
     return function
+
+
+def _token_rows(x: Any, params: dict[str, Any]) -> Any:
+    """The rows of `x` whose logits a `slice` of them with `params` takes."""
+    strides = params["strides"]
+    return jax.lax.slice(x, (*params["start_indices"][:-1], 0),
+                         (*params["limit_indices"][:-1], x.shape[-1]),
+                         None if strides is None else (*strides[:-1], 1))
 
 
 def _outside(labels: Any, vocabulary: int) -> Any:
@@ -485,10 +572,13 @@ def _labels_for_op(read: _Labels, labels: Any, outside: Any, vocabulary: int
     """`(labels, nan)`: the op's labels giving the loss and gradient the spelling gives
     (the op ignores a negative label and gives a label >= V a NaN loss and its
     log-sum-exp's gradient; a fancy index's clamped label then has its gradient fixed
-    by `_clamped_gradient`), and the tokens whose loss must be made NaN besides
+    by `_clamped_gradient`, and a one-hot's label picking no logit is given label 0,
+    whose logit is added back), and the tokens whose loss must be made NaN besides
     (`None`: none). `outside`: the labels outside `[-V, V)` (`_outside`)."""
     if read is _Labels.ONE_HOT:
         return jnp.where(outside | (labels < 0), -1, labels), None
+    if read is _Labels.ONE_HOT_LOGIT:
+        return jnp.where(outside | (labels < 0), 0, labels), None
     wrapped = jnp.where(labels < 0, labels + vocabulary, labels)
     if read in _INDEXED:
         return jnp.clip(wrapped, 0, vocabulary - 1), None
@@ -506,8 +596,13 @@ def _clamped_gradient(read: _Labels, losses: Any, outside: Any, x: Any, w: Any,
     is one more `w`-sized array in the backward."""
     if read is _Labels.INDEXED_LOG_PROBABILITY:
         return jnp.where(outside, jax.lax.stop_gradient(losses), losses)
+    logits = _label_logits(x, w, labels, precision, cap)
+    return losses + jnp.where(outside, logits - jax.lax.stop_gradient(logits), 0.0)
+
+
+def _label_logits(x: Any, w: Any, labels: Any, precision: Any, cap: float | None) -> Any:
+    """Each token's (float32, soft-capped) logit of its label in `[0, V)`: a column of `w`
+    a token (`n x H` read), whose gradient is one more `w`-sized array in the backward."""
     logits = jnp.einsum("...h,...h->...", x, w.T[labels], precision=precision)
     logits = logits.astype(jnp.float32)
-    if cap is not None:
-        logits = cap * jnp.tanh(logits / cap)
-    return losses + jnp.where(outside, logits - jax.lax.stop_gradient(logits), 0.0)
+    return logits if cap is None else cap * jnp.tanh(logits / cap)

@@ -20,7 +20,9 @@ normalizes the upcast input):
 - then optionally `* scale` (or `* (scale + c)`, Gemma's `1 + scale`) and `+ offset`,
   each a vector of the last axis' length; the scale may also be multiplied in before
   the division (`scale * x_c / sqrt(...)`) or into the factor (`x_c * (rsqrt(...) *
-  scale)`, as Flax's `LayerNorm` does).
+  scale)`, as Flax's `LayerNorm` does); or the centering distributed over the factor,
+  `x * inv + (-mean * inv + offset)` with `inv = rsqrt(var + eps) * scale`, as Keras's
+  `LayerNormalization` computes it.
 
 A norm whose values feed anything but the next step (a gradient traced inside
 `optimize` keeps `rsqrt(var + eps)` for its backward) is left as written.
@@ -64,6 +66,10 @@ class _Norm:
     subtract_mean: bool = False
     # `x` is upcast to float32 and the result left there: the op takes the upcast.
     upcast: bool = False
+    # The mean and factor of Keras's `x * inv + (-mean * inv + offset)`, which centers
+    # `x` (`None`: `x - mean` is written, or there is none).
+    distributed_mean: Any = None
+    distributed_factor: Any = None
     core: list[Any] = dataclasses.field(default_factory=list)
 
 
@@ -132,7 +138,8 @@ def _parse(root: Any, graph: Graph) -> _Norm:
             raise _NoMatch
         eqn = _take(graph, norm, inner, "add", "mul", "div")
     if eqn.primitive.name == "add":
-        eqn = _offset(graph, norm, eqn)
+        distributed = _distributed(graph, norm, eqn)
+        eqn = distributed if distributed is not None else _offset(graph, norm, eqn)
     if eqn.primitive.name == "mul":
         eqn = _scale(graph, norm, eqn)
     _normalized(graph, norm, eqn)
@@ -180,6 +187,39 @@ def _vector(graph: Graph, var: Any, length: int) -> Any:
     if literal_value(var) is not None:
         return None
     return var if shape == (length,) and jnp.issubdtype(var.aval.dtype, jnp.floating) else None
+
+
+def _distributed(graph: Graph, norm: _Norm, eqn: Any) -> Any:
+    """The `x * inv` equation of `x * inv + (-mean * inv [+ offset])`, the centering
+    distributed over the factor as Keras's `LayerNormalization` computes it (the op
+    centers first, which where |mean| >> std rounds less), the mean and offset recorded;
+    else `None`."""
+    for product, rest in (eqn.invars, eqn.invars[::-1]):
+        normalized = graph.producer(product, "mul")
+        shift, offset, shifted = _offset_split(graph, rest, eqn.outvars[0].aval.shape[-1])
+        moved = graph.producer(shift, "mul")
+        if normalized is None or moved is None:
+            continue
+        for negated, factor in (moved.invars, moved.invars[::-1]):
+            negation = graph.producer(negated, "neg")
+            if negation is not None and factor in normalized.invars:
+                norm.distributed_mean, norm.offset = negation.invars[0], offset
+                norm.distributed_factor = factor
+                norm.core += [e for e in (shifted, moved, negation, normalized)
+                              if e is not None]
+                return normalized
+    return None
+
+
+def _offset_split(graph: Graph, var: Any, length: int) -> tuple[Any, Any, Any]:
+    """`(body, offset, eqn)` where `var` is `body + offset` by `eqn`, the offset a vector
+    of the last axis; else `(var, None, None)`."""
+    add = graph.producer(var, "add")
+    for body, other in ([] if add is None else (add.invars, add.invars[::-1])):
+        offset = _vector(graph, other, length)
+        if offset is not None:
+            return body, offset, add
+    return var, None, None
 
 
 def _without_leading_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -260,6 +300,8 @@ def _normalized(graph: Graph, norm: _Norm, eqn: Any) -> None:
                 break
         else:
             raise _NoMatch
+        if norm.distributed_mean is not None and factor is not norm.distributed_factor:
+            raise _NoMatch  # the mean moved by another factor than the one normalizing
         variance_plus = _reciprocal_sqrt(graph, norm, statistic)
     else:
         raise _NoMatch
@@ -373,6 +415,11 @@ def _centered(graph: Graph, norm: _Norm, var: Any) -> Any:
     """`x` of `x - mean(x)` (LayerNorm, `subtract_mean`), or of `x - zeros` (Flax's
     `RMSNorm`, whose shared normalization subtracts a mean of zeros: exact, `x - 0` is
     `x`), else `var` itself (RMSNorm)."""
+    if norm.distributed_mean is not None:
+        if not _is_mean_of(graph, norm.distributed_mean, var, norm.core):
+            raise _NoMatch
+        norm.subtract_mean = True
+        return var
     sub = graph.producer(var, "sub")
     if sub is not None:
         x, mean = sub.invars
