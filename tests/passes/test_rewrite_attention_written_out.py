@@ -352,6 +352,48 @@ def test_probabilities_wider_than_the_values_are_left_as_written(rewritten, f):
     assert op_names(optimized, q, k, v) == []
 
 
+def logits_product_into_bfloat16(q, k, v):
+    """float32 q and k multiplied into bfloat16 logits (`preferred_element_type`): the
+    product rounds them, the op's float32 logits would not."""
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.bfloat16,
+                        precision=HIGHEST)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits.astype(jnp.float32) * 0.25), v)
+
+
+def probabilities_rounded_to_bfloat16_and_back(q, k, v):
+    """float32 probabilities rounded to bfloat16 and back against float32 values."""
+    probabilities = jax.nn.softmax(einsum("bqhd,bkhd->bhqk", q, k) * 0.25, axis=-1)
+    return einsum("bhqk,bkhd->bqhd", probabilities.astype(jnp.bfloat16).astype(jnp.float32), v)
+
+
+def output_accumulated_into_float32(q, k, v):
+    """bfloat16 probabilities and values multiplied into a float32 result: the op's is
+    bfloat16."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.25
+    probabilities = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probabilities, v, preferred_element_type=jnp.float32,
+                      precision=HIGHEST)
+
+
+@pytest.mark.parametrize("f, dtype, reason", [
+    (logits_product_into_bfloat16, jnp.float32, None),
+    (probabilities_rounded_to_bfloat16_and_back, jnp.float32, "rounded to bfloat16"),
+    (output_accumulated_into_float32, jnp.bfloat16, "second product's result is float32"),
+], ids=lambda a: getattr(a, "__name__", None))
+def test_products_and_probabilities_rounded_otherwise_are_left_as_written(
+        rewritten, f, dtype, reason):
+    """Where the user's products or casts round otherwise than the op (its logits float32,
+    its probabilities and result in the values' dtype), the attention stays as written."""
+    q, k, v = (random_normal(i, (B, T, N, H)).astype(dtype) for i in range(3))
+    optimized = tokamax.optimize(f)
+    matches = optimized.plan(q, k, v).matches
+    assert not any(m.rewritten for m in matches)
+    if reason is not None:
+        (match,) = matches
+        assert reason in match.reason
+    assert op_names(optimized, q, k, v) == []
+
+
 def test_probabilities_used_elsewhere_are_named(rewritten):
     def also_returns_probabilities(q, k, v, mask):
         probabilities = jax.nn.softmax(einsum("bqhd,bkhd->bhqk", q, k) * 0.25, axis=-1)

@@ -14,10 +14,14 @@ boolean are) with `fill` `-inf` or at most `-1e9` (or several in turn, one fill 
 all: the keys every one keeps), the scale also after the mask where no bias
 or soft cap is under it and the scaled fill is still at most `-1e9`, then
 `jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
-second product (probabilities wider than the values there, as a float32 softmax against
-bfloat16 values gives, are a near-miss: the product is then float32, the op's bfloat16).
+second product. The op's logits are float32, its probabilities and result in the
+values' dtype: what rounds otherwise is a near-miss (probabilities wider than the values
+at the product, as a float32 softmax against bfloat16 values gives: the product is then
+float32, the op's bfloat16; probabilities rounded to a narrower type on the way; logits
+rounded by a narrower `preferred_element_type` of `q . k`; the second product's result
+of another type than the values').
 The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), and the
-logits cast to another float type for the softmax (`.astype(jnp.float32)`). The logits
+logits cast to a wider float type for the softmax (`.astype(jnp.float32)`). The logits
 may come out of the product transposed (as `jnp.einsum` writes them).
 Grouped-query attention: q may have more free axes than the query rows
 (`(..., kv_heads, group, head_dim)` against un-repeated k and v), which become the op's
@@ -115,6 +119,9 @@ class _Attention:
     key_numbers: Any = None  # (batch axes, contracting axis) of k
     value_numbers: Any = None  # ({logits axis: v axis} of the batch axes, keys, features)
     row: int = 0  # the logits axis of the query rows
+    # The probabilities' dtype out of the softmax, after each cast on the way to the
+    # second product (the last: at the product).
+    probability_dtypes: tuple[Any, ...] = ()
     output_axes: list[Any] = dataclasses.field(default_factory=list)
     region: list[Any] = dataclasses.field(default_factory=list)
 
@@ -135,12 +142,9 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         return Candidate(NAME, None, "values inside the attention are used elsewhere (a "
                                      "gradient traced inside optimize keeps them for its "
                                      "backward)")
-    probabilities = eqn.invars[1] if eqn.invars[0] is attention.value else eqn.invars[0]
-    wide, narrow = (jnp.dtype(v.aval.dtype) for v in (probabilities, attention.value))
-    if jnp.issubdtype(narrow, jnp.floating) and jnp.finfo(wide).bits > jnp.finfo(narrow).bits:
-        return Candidate(NAME, None, f"the probabilities meet the values in {wide}, wider "
-                                     f"than the values' {narrow}, which the op would round "
-                                     "them to")
+    rounding = _rounded_otherwise(attention, eqn)
+    if rounding is not None:
+        return Candidate(NAME, None, rounding)
     arrays = [attention.query, attention.key, attention.value]
     arrays += [a for a in (attention.bias,) if a is not None]
     arrays += [condition for condition, _ in attention.masks]
@@ -162,10 +166,12 @@ def _parse(root: Any, graph: Graph) -> _Attention:
             continue
         uncast = _uncast(graph, probabilities, attention.region)
         unmerged = _unmerged(graph, uncast, attention.region)
-        softmax_input = _softmax_input(graph, _uncast(graph, unmerged, attention.region),
-                                       attention.region)
+        softmaxed = _uncast(graph, unmerged, attention.region)
+        softmax_input = _softmax_input(graph, softmaxed, attention.region)
         if softmax_input is None:
             continue
+        attention.probability_dtypes = tuple(
+            jnp.dtype(v.aval.dtype) for v in (softmaxed, uncast, probabilities))
         attention.value = value
         _logits(graph, attention, softmax_input)
         if (unmerged is uncast) != (attention.merged_shape is None):
@@ -227,7 +233,7 @@ def _unwidened(graph: Graph, var: Any, region: list[Any]) -> Any:
         return var
     before, after = jnp.dtype(cast.invars[0].aval.dtype), jnp.dtype(var.aval.dtype)
     if not (jnp.issubdtype(before, jnp.floating) and jnp.issubdtype(after, jnp.floating)
-            and jnp.finfo(after).bits >= jnp.finfo(before).bits):
+            and not _rounds(before, after)):
         return var
     region.append(cast)
     return cast.invars[0]
@@ -249,15 +255,44 @@ def _softmax_input(graph: Graph, probabilities: Any, region: list[Any]) -> Any:
 def _product(graph: Graph, var: Any) -> tuple[Any, Any]:
     """`(dot_general, transpose)` making `var`: a product, possibly transposed after (as
     `jnp.einsum` writes an output order the product does not give), or `(None, None)`."""
-    product = graph.producer(var, "dot_general")
-    if product is not None:
-        return product, None
-    transpose = graph.producer(var, "transpose")
-    if transpose is not None:
-        product = graph.producer(transpose.invars[0], "dot_general")
-        if product is not None:
-            return product, transpose
-    return None, None
+    product, transpose = graph.producer(var, "dot_general"), None
+    if product is None:
+        transpose = graph.producer(var, "transpose")
+        if transpose is not None:
+            product = graph.producer(transpose.invars[0], "dot_general")
+    if product is None or any(_rounds(a.aval.dtype, product.outvars[0].aval.dtype)
+                              for a in product.invars):
+        return None, None  # none, or one rounding its logits (a narrower result type)
+    return product, transpose
+
+
+def _rounds(source: Any, target: Any) -> bool:
+    """Whether a value of the float type `source` may change in `target`: another type,
+    not wider."""
+    source, target = jnp.dtype(source), jnp.dtype(target)
+    return target != source and jnp.finfo(target).bits <= jnp.finfo(source).bits
+
+
+def _rounded_otherwise(attention: _Attention, product: Any) -> str | None:
+    """Why the op, which multiplies the probabilities in the values' dtype (rounding them
+    to it) and returns that product in it, would round otherwise than the equations
+    matched, or `None` where it would not."""
+    values = jnp.dtype(attention.value.aval.dtype)
+    if not jnp.issubdtype(values, jnp.floating):
+        return None
+    *on_the_way, at_product = attention.probability_dtypes
+    if jnp.finfo(at_product).bits > jnp.finfo(values).bits:
+        return (f"the probabilities meet the values in {at_product}, wider than the "
+                f"values' {values}, which the op would round them to")
+    rounded = [d for d in on_the_way if _rounds(values, d)]
+    if rounded:
+        return (f"the probabilities are rounded to {rounded[0]} before they meet the "
+                f"values' {values}; the op's are not")
+    out = jnp.dtype(product.outvars[0].aval.dtype)
+    if out != values:
+        return (f"the second product's result is {out}, the op's the values' {values} "
+                "(preferred_element_type)")
+    return None
 
 
 def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
