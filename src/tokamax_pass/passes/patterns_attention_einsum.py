@@ -37,7 +37,7 @@ row sees a key, becomes `is_causal` and `local_window_size` (masks applied in tu
 are all bands, their shared band); any other mask is passed as an array (several: each,
 and the op is given the keys all of them keep). A query row whose keys the mask all
 hides gets plain JAX's value there: the mean of the values for a finite fill, NaN for
-`-inf`.
+`-inf` (also a fill the scale after the mask overflows to it).
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     anyway."""
     shape = tuple(logits.aval.shape)
     logits = _unwidened(graph, logits, attention.region)
-    after_mask = 1.0
+    after_mask, scaled_dtype = 1.0, logits.aval.dtype
     scaled = _scaled_after_mask(graph, attention, logits)
     if scaled is not None:
         after_mask, logits = scaled
@@ -350,9 +350,12 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     if after_mask != 1.0:
         if attention.bias is not None or attention.soft_cap is not None:
             raise _NoMatch  # the scale would apply to the bias or cap too: not the op's
-        if not attention.fill * after_mask <= _LARGEST_FILL:
+        with np.errstate(over="ignore"):
+            fill = np.asarray(attention.fill, scaled_dtype) * np.asarray(after_mask, scaled_dtype)
+        if not fill <= _LARGEST_FILL:
             raise _NoMatch  # the scaled fill no longer hides its keys
         attention.scale *= after_mask
+        attention.fill = float(fill)  # `-inf` where the scale overflows it: NaN rows
     logits = _unwidened(graph, _scaled(graph, attention, logits), attention.region)
     unmerged = _unmerged(graph, logits, attention.region)
     if unmerged is not logits:
