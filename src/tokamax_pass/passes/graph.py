@@ -129,6 +129,13 @@ def dense_matmul(graph: Graph, var: Any, *, transposed: bool = False) -> Any:
     return eqn
 
 
+def rounds(source: Any, target: Any) -> bool:
+    """Whether a value of the float type `source` may change in `target`: another type,
+    not wider."""
+    source, target = jnp.dtype(source), jnp.dtype(target)
+    return target != source and jnp.finfo(target).bits <= jnp.finfo(source).bits
+
+
 def literal_value(var: Any) -> Any:
     """The Python value of a literal (a constant written into the jaxpr), else `None`."""
     if isinstance(var, Literal):

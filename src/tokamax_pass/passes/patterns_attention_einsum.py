@@ -58,6 +58,7 @@ from tokamax_pass.passes.graph import (
     Graph,
     literal_value,
     reference_jaxpr,
+    rounds,
     same_structure,
     scalar_constant,
     soft_capped,
@@ -233,7 +234,7 @@ def _unwidened(graph: Graph, var: Any, region: list[Any]) -> Any:
         return var
     before, after = jnp.dtype(cast.invars[0].aval.dtype), jnp.dtype(var.aval.dtype)
     if not (jnp.issubdtype(before, jnp.floating) and jnp.issubdtype(after, jnp.floating)
-            and not _rounds(before, after)):
+            and not rounds(before, after)):
         return var
     region.append(cast)
     return cast.invars[0]
@@ -260,17 +261,10 @@ def _product(graph: Graph, var: Any) -> tuple[Any, Any]:
         transpose = graph.producer(var, "transpose")
         if transpose is not None:
             product = graph.producer(transpose.invars[0], "dot_general")
-    if product is None or any(_rounds(a.aval.dtype, product.outvars[0].aval.dtype)
+    if product is None or any(rounds(a.aval.dtype, product.outvars[0].aval.dtype)
                               for a in product.invars):
         return None, None  # none, or one rounding its logits (a narrower result type)
     return product, transpose
-
-
-def _rounds(source: Any, target: Any) -> bool:
-    """Whether a value of the float type `source` may change in `target`: another type,
-    not wider."""
-    source, target = jnp.dtype(source), jnp.dtype(target)
-    return target != source and jnp.finfo(target).bits <= jnp.finfo(source).bits
 
 
 def _rounded_otherwise(attention: _Attention, product: Any) -> str | None:
@@ -284,7 +278,7 @@ def _rounded_otherwise(attention: _Attention, product: Any) -> str | None:
     if jnp.finfo(at_product).bits > jnp.finfo(values).bits:
         return (f"the probabilities meet the values in {at_product}, wider than the "
                 f"values' {values}, which the op would round them to")
-    rounded = [d for d in on_the_way if _rounds(values, d)]
+    rounded = [d for d in on_the_way if rounds(values, d)]
     if rounded:
         return (f"the probabilities are rounded to {rounded[0]} before they meet the "
                 f"values' {values}; the op's are not")
