@@ -400,6 +400,26 @@ def test_products_and_probabilities_rounded_otherwise_are_left_as_written(
     assert op_names(optimized, q, k, v) == []
 
 
+def products_at(first, second):
+    def attention(q, k, v):
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=first) * 0.25
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=second)
+
+    return attention
+
+
+def test_the_products_precision_is_the_ops(rewritten):
+    """`precision=HIGHEST` on both products is the op's (float32 attention stays float32 on
+    a GPU, where the default rounds to TF32); products of different precisions are left
+    as written."""
+    q, k, v = (random_normal(i, (B, T, N, H)) for i in range(3))
+    with jax.default_matmul_precision("default"):
+        (row,) = tokamax.optimize(products_at(HIGHEST, HIGHEST)).plan(q, k, v)
+        assert row.bound["arguments"]["precision"]["name"] == "HIGHEST"
+        (match,) = tokamax.optimize(products_at(HIGHEST, None)).plan(q, k, v).matches
+    assert not match.rewritten and "precisions differ" in match.reason
+
+
 def test_probabilities_used_elsewhere_are_named(rewritten):
     def also_returns_probabilities(q, k, v, mask):
         probabilities = jax.nn.softmax(einsum("bqhd,bkhd->bhqk", q, k) * 0.25, axis=-1)

@@ -19,7 +19,8 @@ values' dtype: what rounds otherwise is a near-miss (probabilities wider than th
 at the product, as a float32 softmax against bfloat16 values gives: the product is then
 float32, the op's bfloat16; probabilities rounded to a narrower type on the way; logits
 rounded by a narrower `preferred_element_type` of `q . k`; the second product's result
-of another type than the values').
+of another type than the values'). The op takes the products' `precision`; products
+of different precisions are a near-miss.
 The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), and the
 logits cast to a wider float type for the softmax (`.astype(jnp.float32)`). The logits
 may come out of the product transposed (as `jnp.einsum` writes them).
@@ -120,6 +121,7 @@ class _Attention:
     key_numbers: Any = None  # (batch axes, contracting axis) of k
     value_numbers: Any = None  # ({logits axis: v axis} of the batch axes, keys, features)
     row: int = 0  # the logits axis of the query rows
+    precision: Any = None  # the `q . k` product's (the second product's must match)
     # The probabilities' dtype out of the softmax, after each cast on the way to the
     # second product (the last: at the product).
     probability_dtypes: tuple[Any, ...] = ()
@@ -146,6 +148,9 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     rounding = _rounded_otherwise(attention, eqn)
     if rounding is not None:
         return Candidate(NAME, None, rounding)
+    if eqn.params["precision"] != attention.precision:
+        return Candidate(NAME, None, f"the products' precisions differ ({attention.precision} "
+                                     f"and {eqn.params['precision']}); the op takes one")
     arrays = [attention.query, attention.key, attention.value]
     arrays += [a for a in (attention.bias,) if a is not None]
     arrays += [condition for condition, _ in attention.masks]
@@ -359,6 +364,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     if product is None:
         raise _NoMatch
     attention.region += [e for e in (product, transpose) if e is not None]
+    attention.precision = product.params["precision"]
     _operands(graph, attention, product, transpose)
     if attention.merged_shape is not None:
         _unmerge_band(attention, tuple(logits.aval.shape))
@@ -638,7 +644,8 @@ def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, 
     out = dot_product_attention(q, k, v, bias, mask, scale=attention.scale,
                                 is_causal=attention.is_causal,
                                 local_window_size=attention.local_window_size,
-                                logits_soft_cap=attention.soft_cap)
+                                logits_soft_cap=attention.soft_cap,
+                                precision=attention.precision)
     if mask is not None:
         hidden = jnp.swapaxes(~jnp.any(mask, axis=-1), -1, -2)[..., None]
         if attention.fill == -np.inf:
