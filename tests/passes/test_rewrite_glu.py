@@ -150,6 +150,30 @@ def tanh_gate(x, w_gate, w_up):
     return jnp.tanh(dot(x, w_gate)) * dot(x, w_up)
 
 
+def _straight_through_relu():
+    """`jax.nn.relu`'s equations (a `custom_jvp` of a jitted `relu`) with another JVP:
+    the tangent passed straight through."""
+    @jax.custom_jvp
+    @jax.jit
+    def relu(x):
+        return jnp.maximum(x, 0)
+
+    relu.defjvps(lambda tangent, out, x: tangent)
+    return relu
+
+
+STRAIGHT_THROUGH_RELU = _straight_through_relu()
+
+
+def straight_through_relu_gate(x, w_gate, w_up):
+    return STRAIGHT_THROUGH_RELU(dot(x, w_gate)) * dot(x, w_up)
+
+
+def gate_and_up_at_different_precisions(x, w_gate, w_up):
+    """The op takes one precision for both products."""
+    return jax.nn.silu(dot(x, w_gate)) * jnp.matmul(x, w_up, precision="default")
+
+
 def two_inputs(x, w_gate, w_up):
     return jax.nn.silu(dot(x, w_gate)) * dot(jnp.flip(x, 0), w_up)
 
@@ -185,7 +209,9 @@ def one_stacked_row_twice(x, w):
 
 
 @pytest.mark.parametrize("f,reason", [
-    (tanh_gate, None), (two_inputs, None), (uneven_halves, None),
+    (tanh_gate, None), (straight_through_relu_gate, None), (two_inputs, None),
+    (gate_and_up_at_different_precisions, None),
+    (uneven_halves, None),
     (every_other_column_of_the_halves, None),
     (one_half_times_its_own_sigmoid, None), (one_stacked_row_twice, None),
     (float32_from_bfloat16, "the op's output shapes or dtypes differ"),
