@@ -150,9 +150,16 @@ def strictly_causal(rows, cols):
     return cols < rows  # row 0 sees no key: plain JAX gives NaN there
 
 
+def unsigned_window(rows, cols):
+    """`rows - cols` in uint32 wraps around where `cols > rows`: a causal window, which
+    the same expression in signed integers is not."""
+    return rows.astype(jnp.uint32) - cols.astype(jnp.uint32) <= WINDOW
+
+
 @pytest.mark.parametrize(("keep", "fill"), [(anti_diagonal, -jnp.inf), (strictly_causal, -jnp.inf),
-                                            (strictly_causal, -1e30)],
-                         ids=["anti_diagonal", "strictly_causal", "strictly_causal_finite_fill"])
+                                            (strictly_causal, -1e30), (unsigned_window, -jnp.inf)],
+                         ids=["anti_diagonal", "strictly_causal", "strictly_causal_finite_fill",
+                              "unsigned_window"])
 def test_a_mask_that_is_no_band_is_passed_as_an_array(rewritten, keep, fill):
     """A row that sees no key gets plain JAX's value: NaN for `-inf`, else the mean of
     its key head's values."""
@@ -165,6 +172,23 @@ def test_a_mask_that_is_no_band_is_passed_as_an_array(rewritten, keep, fill):
     expected, actual = jax.jit(f)(*args), optimized(*args)
     assert np.array_equal(np.isnan(actual), np.isnan(expected))
     assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+
+def test_a_band_of_rounded_float_indices_is_passed_as_an_array(rewritten):
+    """bfloat16 holds the integers up to 256 exactly: an `arange` of 260 rounds its last
+    indices, and their rows see other keys than a causal mask's."""
+    t = 260
+
+    def f(q, k, v):
+        indices = jnp.arange(t, dtype=jnp.bfloat16)
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) * 0.25
+        logits = jnp.where(indices[None, :] <= indices[:, None], logits, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
+
+    args = tuple(random_normal(seed, (1, t, 1, 8)) for seed in range(3))
+    optimized = tokamax.optimize(f)
+    assert attention_arguments(optimized, *args) == {(False, None, True)}
+    assert_close(optimized(*args), jax.jit(f)(*args))
 
 
 def causal(rows, cols):

@@ -208,8 +208,14 @@ def test_bfloat16_softmax_in_float32_with_a_computed_scale(rewritten, f):
         assert_close(actual, wanted, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("f", [einsum_scaled_after, matmul_heads_first_soft_cap],
-                         ids=lambda f: f.__name__)
+def fill_scaled_to_minus_infinity(q, k, v, mask):
+    """The largest finite fill doubled after the mask: `-inf`, as a fill of `-inf` is."""
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k), jnp.finfo(jnp.float32).min)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits * 2.0, axis=-1), v)
+
+
+@pytest.mark.parametrize("f", [einsum_scaled_after, matmul_heads_first_soft_cap,
+                               fill_scaled_to_minus_infinity], ids=lambda f: f.__name__)
 def test_a_row_with_every_key_hidden_is_plain_jaxs(rewritten, f):
     """A finite fill averages the values there; `-inf` gives NaN."""
     args = operands(f, hide_a_row=True)
@@ -217,7 +223,7 @@ def test_a_row_with_every_key_hidden_is_plain_jaxs(rewritten, f):
     actual = tokamax.optimize(f)(*args)
     assert outcomes(tokamax.optimize(f), *args) == [REWRITTEN]
     assert np.array_equal(np.isnan(actual), np.isnan(expected))
-    assert np.isnan(expected).any() == (f is matmul_heads_first_soft_cap)
+    assert np.isnan(expected).any() == (f is not einsum_scaled_after)
     assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
 
 
@@ -361,6 +367,68 @@ def test_probabilities_wider_than_the_values_are_left_as_written(rewritten, f):
     (match,) = optimized.plan(q, k, v).matches
     assert not match.rewritten and "wider than the values' bfloat16" in match.reason
     assert op_names(optimized, q, k, v) == []
+
+
+def logits_product_into_bfloat16(q, k, v):
+    """float32 q and k multiplied into bfloat16 logits (`preferred_element_type`): the
+    product rounds them, the op's float32 logits would not."""
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.bfloat16,
+                        precision=HIGHEST)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits.astype(jnp.float32) * 0.25), v)
+
+
+def probabilities_rounded_to_bfloat16_and_back(q, k, v):
+    """float32 probabilities rounded to bfloat16 and back against float32 values."""
+    probabilities = jax.nn.softmax(einsum("bqhd,bkhd->bhqk", q, k) * 0.25, axis=-1)
+    return einsum("bhqk,bkhd->bqhd", probabilities.astype(jnp.bfloat16).astype(jnp.float32), v)
+
+
+def output_accumulated_into_float32(q, k, v):
+    """bfloat16 probabilities and values multiplied into a float32 result: the op's is
+    bfloat16."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * 0.25
+    probabilities = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probabilities, v, preferred_element_type=jnp.float32,
+                      precision=HIGHEST)
+
+
+@pytest.mark.parametrize("f, dtype, reason", [
+    (logits_product_into_bfloat16, jnp.float32, None),
+    (probabilities_rounded_to_bfloat16_and_back, jnp.float32, "rounded to bfloat16"),
+    (output_accumulated_into_float32, jnp.bfloat16, "second product's result is float32"),
+], ids=lambda a: getattr(a, "__name__", None))
+def test_products_and_probabilities_rounded_otherwise_are_left_as_written(
+        rewritten, f, dtype, reason):
+    """Where the user's products or casts round otherwise than the op (its logits float32,
+    its probabilities and result in the values' dtype), the attention stays as written."""
+    q, k, v = (random_normal(i, (B, T, N, H)).astype(dtype) for i in range(3))
+    optimized = tokamax.optimize(f)
+    matches = optimized.plan(q, k, v).matches
+    assert not any(m.rewritten for m in matches)
+    if reason is not None:
+        (match,) = matches
+        assert reason in match.reason
+    assert op_names(optimized, q, k, v) == []
+
+
+def products_at(first, second):
+    def attention(q, k, v):
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=first) * 0.25
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=second)
+
+    return attention
+
+
+def test_the_products_precision_is_the_ops(rewritten):
+    """`precision=HIGHEST` on both products is the op's (float32 attention stays float32 on
+    a GPU, where the default rounds to TF32); products of different precisions are left
+    as written."""
+    q, k, v = (random_normal(i, (B, T, N, H)) for i in range(3))
+    with jax.default_matmul_precision("default"):
+        (row,) = tokamax.optimize(products_at(HIGHEST, HIGHEST)).plan(q, k, v)
+        assert row.bound["arguments"]["precision"]["name"] == "HIGHEST"
+        (match,) = tokamax.optimize(products_at(HIGHEST, None)).plan(q, k, v).matches
+    assert not match.rewritten and "precisions differ" in match.reason
 
 
 def test_probabilities_used_elsewhere_are_named(rewritten):

@@ -362,15 +362,36 @@ def offset_along_the_rows(x, scale, offset):
 def test_a_vector_reshaped_onto_another_axis_is_not_the_norms(rewritten, f):
     """Square rows (`T == D`), where the shapes alone cannot tell the axes apart: the
     norm may be rewritten, the vector stays outside the op."""
-    x = random_normal(0, (B, D, D))
+    assert_values_and_gradients_match(f, random_normal(0, (B, D, D)))
+
+
+def scale_rounded_to_bfloat16(x, scale):
+    normed = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
+    return normed * scale.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def offset_rounded_to_bfloat16(x, scale, offset):
+    normed = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
+    return normed * scale + offset.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+@pytest.mark.parametrize("f", [scale_rounded_to_bfloat16, offset_rounded_to_bfloat16],
+                         ids=lambda f: f.__name__)
+def test_a_vector_rounded_on_the_way_is_not_the_norms(rewritten, f):
+    """A scale or offset rounded to bfloat16 and back: the op would take it unrounded."""
+    assert_values_and_gradients_match(f, random_normal(0, (B, T, D)))
+
+
+def assert_values_and_gradients_match(f, x):
+    """`optimize(f)` against `jax.jit(f)` on `x` and random `(D,)` vectors."""
     vectors = [random_normal(1 + i, (D,)) for i in range(f.__code__.co_argcount - 1)]
     optimized = tokamax.optimize(f)
     assert_close(optimized(x, *vectors), jax.jit(f)(x, *vectors))
-    loss = weighted(f, random_normal(9, (B, D, D)))
+    cotangent = random_normal(9, x.shape)
     argnums = tuple(range(1 + len(vectors)))
     with jax.default_matmul_precision("highest"):
-        expected = jax.grad(loss, argnums=argnums)(x, *vectors)
-    for actual, wanted in zip(jax.grad(weighted(optimized, random_normal(9, (B, D, D))),
+        expected = jax.grad(weighted(f, cotangent), argnums=argnums)(x, *vectors)
+    for actual, wanted in zip(jax.grad(weighted(optimized, cotangent),
                                        argnums=argnums)(x, *vectors), expected, strict=True):
         assert_close(actual, wanted)
 

@@ -7,7 +7,8 @@ whose offset `col - row` lies in one interval `[low, high]`, which the attention
 as `is_causal` and `local_window_size` instead of a mask array. The mask's equations are
 read symbolically (integer values as affine functions of the array's indices, booleans
 as intervals of such functions), so no mask array is built; any other mask (one reading
-data, a comparison that is no band, `|`) is not a band.
+data, a comparison that is no band, `|`, integers its dtype does not hold exactly: an
+unsigned `rows - cols` wraps around) is not a band.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
@@ -121,7 +123,29 @@ def _evaluate(closed: ClosedJaxpr, operands: list[Any]) -> list[Any]:
 
 
 def _apply(eqn: Any, operands: list[Any]) -> Any:
-    """The symbolic value of `eqn`'s one result, or `None` where it is not one."""
+    """The symbolic value of `eqn`'s one result, or `None` where it is not one (also an
+    integer the result's dtype cannot hold: unsigned `rows - cols` wraps around)."""
+    result = _symbolic(eqn, operands)
+    if isinstance(result, _Affine) and not _held(result, eqn.outvars[0].aval):
+        return None
+    return result
+
+
+def _held(value: _Affine, aval: Any) -> bool:
+    """Whether every entry of `value`, an array of `aval`'s shape, is exact in its dtype:
+    within an integer type's range, or a float's range of consecutive integers."""
+    spans = [c * (size - 1) for c, size in zip(value.coefficients, aval.shape, strict=True)]
+    low = value.constant + sum(min(0, s) for s in spans)
+    high = value.constant + sum(max(0, s) for s in spans)
+    dtype = np.dtype(aval.dtype)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return int(info.min) <= low and high <= int(info.max)
+    largest = 2 ** (jnp.finfo(dtype).nmant + 1)
+    return -largest <= low and high <= largest
+
+
+def _symbolic(eqn: Any, operands: list[Any]) -> Any:
     name = eqn.primitive.name
     out_shape = tuple(eqn.outvars[0].aval.shape)
     if name == "iota":

@@ -3,6 +3,7 @@ several equations (a region ending at the equation where the pattern is matched)
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import linear_util as lu
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, jaxpr_as_fun
 
 # Equations that only move or repeat values: a pattern looks through them where it says so.
 SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape"})
@@ -129,6 +130,13 @@ def dense_matmul(graph: Graph, var: Any, *, transposed: bool = False) -> Any:
     return eqn
 
 
+def rounds(source: Any, target: Any) -> bool:
+    """Whether a value of the float type `source` may change in `target`: another type,
+    not wider."""
+    source, target = jnp.dtype(source), jnp.dtype(target)
+    return target != source and jnp.finfo(target).bits <= jnp.finfo(source).bits
+
+
 def literal_value(var: Any) -> Any:
     """The Python value of a literal (a constant written into the jaxpr), else `None`."""
     if isinstance(var, Literal):
@@ -237,6 +245,8 @@ def same_structure(graph: Graph, var: Any, reference: Jaxpr, ref_var: Any,
         return False
     if _params_key(eqn.params) != _params_key(ref_eqn.params):
         return False
+    if not _same_rules(eqn, ref_eqn):
+        return False
     if not all(same_function(eqn.params[name], ref_eqn.params[name])
                for name in _bodies(ref_eqn.params)):
         return False
@@ -267,6 +277,40 @@ def same_function(body: Jaxpr | ClosedJaxpr, reference: Jaxpr | ClosedJaxpr) -> 
     bound = dict(zip(ref_inputs, inputs, strict=True))
     return all(same_structure(graph, out, ref_jaxpr, ref_out, bound, [])
                for out, ref_out in zip(jaxpr.outvars, ref_jaxpr.outvars, strict=True))
+
+
+_CUSTOM_DERIVATIVES = frozenset({"custom_jvp_call", "custom_vjp_call"})
+# Set while `_same_rules` compares two JVPs: the `custom_jvp` call inside each (its
+# primal, already compared) is not compared again.
+_IN_RULES: contextvars.ContextVar[bool] = contextvars.ContextVar("tokamax_pass_in_rules",
+                                                                 default=False)
+
+
+def _same_rules(eqn: Any, ref_eqn: Any) -> bool:
+    """Whether the derivative rule `eqn` carries is the reference's: `_params_key` tells
+    functions apart by kind alone, so a `custom_jvp` function computing the reference's
+    values with another JVP (a straight-through `relu`) would read as it. Their JVPs,
+    traced, must compute alike; `custom_vjp` rules are not compared (none is matched).
+    Both equations are of one primitive."""
+    if _IN_RULES.get() or eqn.primitive.name not in _CUSTOM_DERIVATIVES:
+        return True
+    if eqn.primitive.name != "custom_jvp_call" or not all(
+            jnp.issubdtype(v.aval.dtype, jnp.floating) for v in eqn.invars):
+        return False
+    token = _IN_RULES.set(True)
+    try:
+        return same_function(_jvp_jaxpr(eqn), _jvp_jaxpr(ref_eqn))
+    finally:
+        _IN_RULES.reset(token)
+
+
+def _jvp_jaxpr(eqn: Any) -> ClosedJaxpr:
+    """The jaxpr of `jax.jvp` of the one equation `eqn` (primals, then tangents)."""
+    body = _opened(eqn.params["call_jaxpr"])[0]  # its debug info names the same operands
+    alone = ClosedJaxpr(Jaxpr([], list(eqn.invars), list(eqn.outvars), [eqn],
+                              debug_info=body.debug_info), [])
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    return jax.make_jaxpr(lambda p, t: jax.jvp(jaxpr_as_fun(alone), p, t))(avals, avals)
 
 
 def _opened(body: Jaxpr | ClosedJaxpr) -> tuple[Jaxpr, list[Any]]:

@@ -15,10 +15,15 @@ all: the keys every one keeps) or added as a bias of 0 and a fill that swallows 
 logits (`additive_mask`: Hugging Face's Flax models), the scale also after the mask
 where no bias or soft cap is under it and the scaled fill is still at most `-1e9`, then
 `jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
-second product (probabilities wider than the values there, as a float32 softmax against
-bfloat16 values gives, are a near-miss: the product is then float32, the op's bfloat16).
+second product. The op's logits are float32, its probabilities and result in the
+values' dtype: what rounds otherwise is a near-miss (probabilities wider than the values
+at the product, as a float32 softmax against bfloat16 values gives: the product is then
+float32, the op's bfloat16; probabilities rounded to a narrower type on the way; logits
+rounded by a narrower `preferred_element_type` of `q . k`; the second product's result
+of another type than the values'). The op takes the products' `precision`; products
+of different precisions are a near-miss.
 The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), the
-logits cast to another float type for the softmax (`.astype(jnp.float32)`), and q and k
+logits cast to a wider float type for the softmax (`.astype(jnp.float32)`), and q and k
 cast to a wider one from the values' before the product. The logits
 may come out of the product transposed (as `jnp.einsum` writes them).
 Grouped-query attention: q may have more free axes than the query rows
@@ -35,7 +40,7 @@ row sees a key, becomes `is_causal` and `local_window_size` (masks applied in tu
 are all bands, their shared band); any other mask is passed as an array (several: each,
 and the op is given the keys all of them keep). A query row whose keys the mask all
 hides gets plain JAX's value there: the mean of the values for a finite fill, NaN for
-`-inf`.
+`-inf` (also a fill the scale after the mask overflows to it).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from tokamax_pass.passes.graph import (
     Graph,
     literal_value,
     reference_jaxpr,
+    rounds,
     same_structure,
     scalar_constant,
     soft_capped,
@@ -120,6 +126,10 @@ class _Attention:
     key_numbers: Any = None  # (batch axes, contracting axis) of k
     value_numbers: Any = None  # ({logits axis: v axis} of the batch axes, keys, features)
     row: int = 0  # the logits axis of the query rows
+    precision: Any = None  # the `q . k` product's (the second product's must match)
+    # The probabilities' dtype out of the softmax, after each cast on the way to the
+    # second product (the last: at the product).
+    probability_dtypes: tuple[Any, ...] = ()
     output_axes: list[Any] = dataclasses.field(default_factory=list)
     region: list[Any] = dataclasses.field(default_factory=list)
 
@@ -146,12 +156,12 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         return Candidate(NAME, None, "values inside the attention are used elsewhere (a "
                                      "gradient traced inside optimize keeps them for its "
                                      "backward)")
-    probabilities = eqn.invars[1] if eqn.invars[0] is attention.value else eqn.invars[0]
-    wide, narrow = (jnp.dtype(v.aval.dtype) for v in (probabilities, attention.value))
-    if jnp.issubdtype(narrow, jnp.floating) and jnp.finfo(wide).bits > jnp.finfo(narrow).bits:
-        return Candidate(NAME, None, f"the probabilities meet the values in {wide}, wider "
-                                     f"than the values' {narrow}, which the op would round "
-                                     "them to")
+    rounding = _rounded_otherwise(attention, eqn)
+    if rounding is not None:
+        return Candidate(NAME, None, rounding)
+    if eqn.params["precision"] != attention.precision:
+        return Candidate(NAME, None, f"the products' precisions differ ({attention.precision} "
+                                     f"and {eqn.params['precision']}); the op takes one")
     arrays = [attention.query, attention.key, attention.value]
     arrays += [a for a in (attention.bias,) if a is not None]
     arrays += [condition for condition, _ in attention.masks]
@@ -173,10 +183,12 @@ def _parse(root: Any, graph: Graph) -> _Attention:
             continue
         uncast = _uncast(graph, probabilities, attention.region)
         unmerged = _unmerged(graph, uncast, attention.region)
-        softmax_input = _softmax_input(graph, _uncast(graph, unmerged, attention.region),
-                                       attention.region)
+        softmaxed = _uncast(graph, unmerged, attention.region)
+        softmax_input = _softmax_input(graph, softmaxed, attention.region)
         if softmax_input is None:
             continue
+        attention.probability_dtypes = tuple(
+            jnp.dtype(v.aval.dtype) for v in (softmaxed, uncast, probabilities))
         attention.value = value
         _logits(graph, attention, softmax_input)
         if (unmerged is uncast) != (attention.merged_shape is None):
@@ -238,7 +250,7 @@ def _unwidened(graph: Graph, var: Any, region: list[Any]) -> Any:
         return var
     before, after = jnp.dtype(cast.invars[0].aval.dtype), jnp.dtype(var.aval.dtype)
     if not (jnp.issubdtype(before, jnp.floating) and jnp.issubdtype(after, jnp.floating)
-            and jnp.finfo(after).bits >= jnp.finfo(before).bits):
+            and not rounds(before, after)):
         return var
     region.append(cast)
     return cast.invars[0]
@@ -260,15 +272,37 @@ def _softmax_input(graph: Graph, probabilities: Any, region: list[Any]) -> Any:
 def _product(graph: Graph, var: Any) -> tuple[Any, Any]:
     """`(dot_general, transpose)` making `var`: a product, possibly transposed after (as
     `jnp.einsum` writes an output order the product does not give), or `(None, None)`."""
-    product = graph.producer(var, "dot_general")
-    if product is not None:
-        return product, None
-    transpose = graph.producer(var, "transpose")
-    if transpose is not None:
-        product = graph.producer(transpose.invars[0], "dot_general")
-        if product is not None:
-            return product, transpose
-    return None, None
+    product, transpose = graph.producer(var, "dot_general"), None
+    if product is None:
+        transpose = graph.producer(var, "transpose")
+        if transpose is not None:
+            product = graph.producer(transpose.invars[0], "dot_general")
+    if product is None or any(rounds(a.aval.dtype, product.outvars[0].aval.dtype)
+                              for a in product.invars):
+        return None, None  # none, or one rounding its logits (a narrower result type)
+    return product, transpose
+
+
+def _rounded_otherwise(attention: _Attention, product: Any) -> str | None:
+    """Why the op, which multiplies the probabilities in the values' dtype (rounding them
+    to it) and returns that product in it, would round otherwise than the equations
+    matched, or `None` where it would not."""
+    values = jnp.dtype(attention.value.aval.dtype)
+    if not jnp.issubdtype(values, jnp.floating):
+        return None
+    *on_the_way, at_product = attention.probability_dtypes
+    if jnp.finfo(at_product).bits > jnp.finfo(values).bits:
+        return (f"the probabilities meet the values in {at_product}, wider than the "
+                f"values' {values}, which the op would round them to")
+    rounded = [d for d in on_the_way if rounds(values, d)]
+    if rounded:
+        return (f"the probabilities are rounded to {rounded[0]} before they meet the "
+                f"values' {values}; the op's are not")
+    out = jnp.dtype(product.outvars[0].aval.dtype)
+    if out != values:
+        return (f"the second product's result is {out}, the op's the values' {values} "
+                "(preferred_element_type)")
+    return None
 
 
 def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
@@ -278,7 +312,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     anyway."""
     shape = tuple(logits.aval.shape)
     logits = _unwidened(graph, logits, attention.region)
-    after_mask = 1.0
+    after_mask, scaled_dtype = 1.0, logits.aval.dtype
     scaled = _scaled_after_mask(graph, attention, logits)
     if scaled is not None:
         after_mask, logits = scaled
@@ -328,9 +362,12 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     if after_mask != 1.0:
         if attention.bias is not None or attention.soft_cap is not None:
             raise _NoMatch  # the scale would apply to the bias or cap too: not the op's
-        if not attention.fill * after_mask <= _LARGEST_FILL:
+        with np.errstate(over="ignore"):
+            fill = np.asarray(attention.fill, scaled_dtype) * np.asarray(after_mask, scaled_dtype)
+        if not fill <= _LARGEST_FILL:
             raise _NoMatch  # the scaled fill no longer hides its keys
         attention.scale *= after_mask
+        attention.fill = float(fill)  # `-inf` where the scale overflows it: NaN rows
     logits = _unwidened(graph, _scaled(graph, attention, logits), attention.region)
     unmerged = _unmerged(graph, logits, attention.region)
     if unmerged is not logits:
@@ -340,6 +377,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     if product is None:
         raise _NoMatch
     attention.region += [e for e in (product, transpose) if e is not None]
+    attention.precision = product.params["precision"]
     _operands(graph, attention, product, transpose)
     if attention.merged_shape is not None:
         _unmerge_band(attention, tuple(logits.aval.shape))
@@ -654,7 +692,8 @@ def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, 
     out = dot_product_attention(q, k, v, bias, mask, scale=attention.scale,
                                 is_causal=attention.is_causal,
                                 local_window_size=attention.local_window_size,
-                                logits_soft_cap=attention.soft_cap)
+                                logits_soft_cap=attention.soft_cap,
+                                precision=attention.precision)
     if mask is not None:
         hidden = jnp.swapaxes(~jnp.any(mask, axis=-1), -1, -2)[..., None]
         if attention.fill == -np.inf:

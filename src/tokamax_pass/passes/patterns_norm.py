@@ -18,11 +18,12 @@ normalizes the upcast input):
   `x_c * (1 / sqrt(var + eps))`, `x_c * (var + eps) ** -0.5` or
   `x_c * jnp.reciprocal(jnp.sqrt(var + eps))`;
 - then optionally `* scale` (or `* (scale + c)`, Gemma's `1 + scale`) and `+ offset`,
-  each a vector of the last axis' length; the scale may also be multiplied in before
-  the division (`scale * x_c / sqrt(...)`) or into the factor (`x_c * (rsqrt(...) *
-  scale)`, as Flax's `LayerNorm` does); or the centering distributed over the factor,
-  `x * inv + (-mean * inv + offset)` with `inv = rsqrt(var + eps) * scale`, as Keras's
-  `LayerNormalization` computes it.
+  each a vector of the last axis' length (possibly cast to a wider float type; one
+  rounded on the way, `scale.astype(jnp.bfloat16).astype(jnp.float32)`, stays outside);
+  the scale may also be multiplied in before the division (`scale * x_c / sqrt(...)`)
+  or into the factor (`x_c * (rsqrt(...) * scale)`, as Flax's `LayerNorm` does); or the
+  centering distributed over the factor, `x * inv + (-mean * inv + offset)` with
+  `inv = rsqrt(var + eps) * scale`, as Keras's `LayerNormalization` computes it.
 
 A norm whose values feed anything but the next step (a gradient traced inside
 `optimize` keeps `rsqrt(var + eps)` for its backward) is left as written.
@@ -36,7 +37,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from tokamax_pass.passes.candidate import Candidate
-from tokamax_pass.passes.graph import SHAPE_ONLY, Graph, literal_value, same_value
+from tokamax_pass.passes.graph import SHAPE_ONLY, Graph, literal_value, rounds, same_value
 
 NAME = "layer_norm"
 PRIMITIVES = frozenset({"convert_element_type", "add", "mul", "div"})
@@ -179,8 +180,9 @@ def _vector(graph: Graph, var: Any, length: int) -> Any:
             if _without_leading_ones(eqn.invars[0].aval.shape) != _without_leading_ones(
                     eqn.outvars[0].aval.shape):
                 return None
-        elif not jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
-            return None
+        elif not jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating) or rounds(
+                eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype):
+            return None  # not a float, or rounded (`scale.astype(jnp.bfloat16)`)
         var = eqn.invars[0]
         rank = len(var.aval.shape)
     shape = tuple(var.aval.shape)
