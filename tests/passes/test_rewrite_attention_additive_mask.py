@@ -119,7 +119,7 @@ def test_a_bfloat16_bias_of_its_own_minimum(rewritten):
     """`finfo(bfloat16).min` in a bfloat16 bias, as a Flax model of bfloat16 computes it."""
     def f(q, k, v, padding):
         weights = flax_weights(q, k, bias_of(jnp.expand_dims(padding, (-3, -2)), q.dtype))
-        return jnp.einsum("...hqk,...khd->...qhd", weights, v)
+        return jnp.einsum("...hqk,...khd->...qhd", weights, v, precision=HIGHEST)
 
     args = operands(where_bias_under_the_scale)
     low = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
