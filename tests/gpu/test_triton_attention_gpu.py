@@ -78,3 +78,32 @@ def test_bias_and_mask_at_head_dim_128_match_reference(dtype):
         for i in range(b):
             err = _rel_err(x[i], r[i])
             assert err < 1e-2, f"{name}[{i}]: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("fill", [float(jnp.finfo(jnp.float32).min), -1e10])
+def test_a_padding_bias_with_an_example_all_padding_matches_reference(fill):
+    """Hugging Face's padding bias with one example all padding (compiled Triton contracts
+    `s - max` into one instruction): the forward matches everywhere, the all-padding
+    example's rows the mean of its values, and the gradients of a loss leaving that
+    example out match."""
+    b, s, h, d = 2, 1024, 8, 128
+    keys = jax.random.split(jax.random.key(2), 4)
+    q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
+    do = do * jnp.array([1.0, 0.0], jnp.bfloat16)[:, None, None, None]
+    keep = jnp.arange(s)[None, :] < jnp.array([[700], [0]])
+    bias = jnp.where(keep, 0.0, fill)[:, None, None, :]
+
+    def fwd_bwd(impl, q, k, v, do):
+        def f(q, k, v):
+            return dot_product_attention(q, k, v, bias, implementation=impl)
+        out, pull = jax.vjp(f, q, k, v)
+        return (out, *pull(do))
+
+    results = jax.jit(lambda *a: fwd_bwd("triton", *a))(q, k, v, do)
+    with reference_precision():
+        ref = fwd_bwd("xla", *(x.astype(jnp.float32) for x in (q, k, v, do)))
+    assert np.allclose(np.asarray(results[0][1], np.float32),
+                       np.asarray(v[1].astype(jnp.float32).mean(0))[None], atol=2e-2)
+    for name, x, r in zip(("out", "dq", "dk", "dv"), results, ref, strict=True):
+        err = _rel_err(x[0], r[0])
+        assert err < 1e-2, f"{name}[0]: relative error {err:.3g}"

@@ -17,6 +17,8 @@ from jax import lax
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+# Natural-log logits below this (after the scale and a bias) count as hidden; see `logits2`.
+HIDDEN_LOGIT = -1e5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,11 @@ def logits2(spec: KernelSpec, qk: jax.Array, bias: jax.Array | None) -> tuple[ja
     if bias is not None:
         x = x + bias.astype(jnp.float32)
     if spec.soft_cap is None:
-        return x * LOG2E, None
+        # Held at a floor the compiler cannot blur: a row hidden by a bias (Hugging Face's
+        # padding bias, `finfo(float32).min`, overflowed to -inf here and gave NaN; a bias
+        # of -1e10 left logits whose fused `s - max` was off by thousands, inf or 0) has
+        # every logit exactly there, so it averages its values, as plain JAX does.
+        return jnp.maximum(x * LOG2E, HIDDEN_LOGIT * LOG2E), None
     t = jnp.tanh(x * (1.0 / spec.soft_cap))
     return t * (spec.soft_cap * LOG2E), t
 

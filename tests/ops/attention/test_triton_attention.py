@@ -15,6 +15,7 @@ from tokamax_kernels.attention import (
     PallasTritonFlashAttentionConfig,
     PallasTritonFlashAttentionVjp,
     PallasTritonFlashAttentionVjpConfig,
+    _flash_tiles,
 )
 from tokamax_kernels.attention.api import dot_product_attention
 from tokamax_pass import core
@@ -276,3 +277,48 @@ def test_a_config_whose_pipeline_cannot_fit_is_refused_before_it_reaches_xla():
     with core.targeting(A100):
         assert "__gpu$xla.gpu.triton" in export(forward("triton"), bf16, bf16,
                                                 bf16).mlir_module()
+
+
+
+def test_logits_a_bias_hides_are_held_at_one_floor():
+    """A bias at float32's lowest value times log2(e) overflowed to -inf (a row of them
+    gave NaN); a bias of -1e10 left logits so large that the fused `s - max` of a row
+    of them was off by thousands (inf or 0). Every hidden logit is one exact floor."""
+    spec = _flash_tiles.KernelSpec(
+        scale=0.125, left=None, right=None, offset=0, soft_cap=None, seq_q=2, seq_k=4,
+        has_bias=True, has_mask=False, has_q_lengths=False, has_kv_lengths=False,
+        precision=None)
+    qk = jnp.array([[1.0, -2.0, 0.5, 3.0], [0.0, 1.0, 2.0, -1.0]])
+    lowest = jnp.finfo(jnp.float32).min
+    bias = jnp.array([[0.0, lowest, 0.0, -1e10], [lowest, -1e10, lowest, -1e6]])
+    s2, _ = _flash_tiles.logits2(spec, qk, bias)
+    visible = bias == 0
+    assert_close(s2[visible], (qk * 0.125)[visible] * _flash_tiles.LOG2E, scale_rtol=1e-6)
+    floor = jnp.float32(_flash_tiles.HIDDEN_LOGIT * _flash_tiles.LOG2E)
+    assert bool((s2[~visible] == floor).all()), s2
+
+
+@pytest.mark.parametrize("fill", [float(jnp.finfo(jnp.float32).min), -1e10])
+def test_a_padding_bias_with_an_example_all_padding_matches_xla(fill):
+    """Hugging Face's padding bias (0, or a fill on padding keys) with one example all
+    padding: the forward matches XLA's everywhere (the padded example's rows average the
+    values, as plain JAX's do; the kernel gave NaN or zeros there), and so do the
+    gradients of a loss that leaves that example out, as training does (NaN times the
+    loss's zero weight was NaN)."""
+    q, k, v = inputs()
+    keep = jnp.arange(32)[None, :] < jnp.array([[20], [0]])  # example 1: all padding
+    bias = jnp.where(keep, 0.0, fill)[:, None, None, :]
+    weight = random_normal(7, q.shape) * jnp.array([1.0, 0.0])[:, None, None, None]
+
+    def loss(impl, q, k, v):
+        out = dot_product_attention(q, k, v, bias, implementation=impl, precision="highest")
+        return jnp.sum(out * weight), out
+
+    with reference_precision():
+        (_, out), grads = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)(
+            OP, q, k, v)
+        (_, ref), refs = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)(
+            "xla", q, k, v)
+    assert_close(out, ref, scale_rtol=1e-4)
+    for g, r in zip(grads, refs, strict=True):
+        assert_close(g, r, scale_rtol=1e-4)
