@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 
 import tokamax_pass as tokamax
-from conftest import H200
+from conftest import H200, assert_close
 from tokamax_pass import core
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -30,3 +30,16 @@ def op_names(optimized, *args):
     """The ops the optimized program runs, read back from its StableHLO."""
     text = optimized.lower(*args).as_text()
     return [o.op for o in tokamax.inspect(text).ops]
+
+
+def assert_gradients_match_jit(f, optimized, cotangent, argnums, args, reference_args=None,
+                               dtype=None):
+    """`optimized`'s loss (`weighted` by `cotangent`) and its gradients in `argnums` at
+    `args` match `jax.jit(f)`'s at `reference_args` (the float32 inputs of a bfloat16
+    run; default `args`) within `dtype`'s tolerance."""
+    loss = jax.value_and_grad(weighted(f, cotangent), argnums=argnums)
+    expected = jax.jit(loss)(*(args if reference_args is None else reference_args))
+    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=argnums)(*args)
+    assert_close(value, expected[0], dtype)
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted, dtype)

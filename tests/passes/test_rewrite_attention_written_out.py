@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import HIGHEST, REWRITTEN, h200_plan, op_names, outcomes, weighted
+from _rewriting import (
+    HIGHEST,
+    REWRITTEN,
+    assert_gradients_match_jit,
+    h200_plan,
+    op_names,
+    outcomes,
+    weighted,
+)
 from conftest import assert_close, calibrate, random_normal
 
 B, T, S, N, K, H = 2, 8, 10, 4, 2, 16
@@ -197,15 +205,11 @@ def test_bfloat16_softmax_in_float32_with_a_computed_scale(rewritten, f):
     bfloat16 the rewrite matches the float32 reference as plain JAX does."""
     args = operands(with_bias if f is logits_cast_to_float32_before_a_bias else f)
     low = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
-    cotangent = random_normal(9, (B, T, N, H))
     optimized = tokamax.optimize(f)
     assert outcomes(optimized, *low) == [REWRITTEN]
     assert op_names(optimized, *low) == ["DotProductAttention"]
-    expected = jax.jit(jax.value_and_grad(weighted(f, cotangent), argnums=(0, 1, 2)))(*args)
-    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=(0, 1, 2))(*low)
-    assert_close(value, expected[0], jnp.bfloat16)
-    for actual, wanted in zip(grads, expected[1], strict=True):
-        assert_close(actual, wanted, jnp.bfloat16)
+    assert_gradients_match_jit(f, optimized, random_normal(9, (B, T, N, H)), (0, 1, 2), low,
+                               args, jnp.bfloat16)
 
 
 def fill_scaled_to_minus_infinity(q, k, v, mask):

@@ -13,7 +13,15 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import HIGHEST, REWRITTEN, h200_plan, op_names, outcomes, weighted
+from _rewriting import (
+    HIGHEST,
+    REWRITTEN,
+    assert_gradients_match_jit,
+    h200_plan,
+    op_names,
+    outcomes,
+    weighted,
+)
 from conftest import assert_close, calibrate, random_normal
 
 B, T, K, N = 2, 6, 16, 8
@@ -98,15 +106,10 @@ def test_values_and_gradients_match_jit(rewritten, f):
 def check_the_unit(f, args, cotangent, argnums):
     """`optimize(f)` runs one `GatedLinearUnit` and matches `jax.jit(f)`'s values and its
     gradients in `argnums` under `cotangent`."""
-    loss = weighted(f, cotangent)
-    expected = jax.jit(jax.value_and_grad(loss, argnums=argnums))(*args)
     optimized = tokamax.optimize(f)
     assert op_names(optimized, *args) == ["GatedLinearUnit"]
     assert_close(optimized(*args), jax.jit(f)(*args))
-    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=argnums)(*args)
-    assert_close(value, expected[0])
-    for actual, wanted in zip(grads, expected[1], strict=True):
-        assert_close(actual, wanted)
+    assert_gradients_match_jit(f, optimized, cotangent, argnums, args)
 
 
 def test_vmap_scan_and_remat_bodies(rewritten):
