@@ -139,3 +139,19 @@ def test_a_fill_the_logits_round_into_is_left_as_written(rewritten):
     assert not match.rewritten and "-1e+09" in match.reason
     assert op_names(optimized, *args) == []
     assert_close(optimized(*args), jax.jit(bias_of_minus_1e9)(*args))
+
+
+def causal_bias_plus_padding_bias(q, k, v, padding):
+    """Two masks spelled as biases and added: where both hide a key the fills add to -inf,
+    so a row the padding hides whole averages only the keys the causal mask keeps."""
+    bias = bias_of(causal(T)) + bias_of(jnp.expand_dims(padding, (-3, -2)))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) * 0.3 + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
+
+
+def test_two_masks_spelled_as_biases_added_are_left_as_written(rewritten):
+    args = operands(causal_bias_plus_padding_bias)
+    optimized = tokamax.optimize(causal_bias_plus_padding_bias)
+    (match,) = optimized.plan(*args).matches
+    assert not match.rewritten and "two masks" in match.reason
+    assert_close(optimized(*args), jax.jit(causal_bias_plus_padding_bias)(*args))

@@ -467,3 +467,17 @@ def test_a_kernel_predicted_faster_replaces_the_attention(calibration_dir):
     assert match.source_line.endswith("(causal_attention)")
     for option in (False, ("layer_norm",)):
         assert not h200_plan(causal_attention, Q, Q, Q, rewrite=option).matches
+
+
+def test_integer_queries_and_keys_are_left_as_written(rewritten):
+    """An int8 q . k into float32 logits: the op takes floats; `optimize` runs it."""
+    def f(q, k, v):
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits * 0.1), v)
+
+    q = jax.random.randint(jax.random.key(0), (B, T, N, H), -8, 8, jnp.int8)
+    k = jax.random.randint(jax.random.key(1), (B, S, N, H), -8, 8, jnp.int8)
+    v = random_normal(2, (B, S, N, H))
+    optimized = tokamax.optimize(f)
+    assert not any(m.rewritten for m in optimized.plan(q, k, v).matches)
+    assert_close(optimized(q, k, v), jax.jit(f)(q, k, v))

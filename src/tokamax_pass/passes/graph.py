@@ -131,9 +131,11 @@ def dense_matmul(graph: Graph, var: Any, *, transposed: bool = False) -> Any:
 
 
 def rounds(source: Any, target: Any) -> bool:
-    """Whether a value of the float type `source` may change in `target`: another type,
-    not wider."""
+    """Whether a value of the type `source` may change in `target`: another float type
+    not wider, or any other type where either is not a float."""
     source, target = jnp.dtype(source), jnp.dtype(target)
+    if not (jnp.issubdtype(source, jnp.floating) and jnp.issubdtype(target, jnp.floating)):
+        return target != source
     return target != source and jnp.finfo(target).bits <= jnp.finfo(source).bits
 
 
@@ -290,7 +292,7 @@ def _same_rules(eqn: Any, ref_eqn: Any) -> bool:
     """Whether the derivative rule `eqn` carries is the reference's: `_params_key` tells
     functions apart by kind alone, so a `custom_jvp` function computing the reference's
     values with another JVP (a straight-through `relu`) would read as it. Their JVPs,
-    traced, must compute alike; `custom_vjp` rules are not compared (none is matched).
+    traced, must compute alike; a `custom_vjp` call never matches (no reference holds one).
     Both equations are of one primitive."""
     if _IN_RULES.get() or eqn.primitive.name not in _CUSTOM_DERIVATIVES:
         return True

@@ -401,7 +401,11 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
                              "rounded into: a row it hides whole has no uniform probabilities")
         return
     if attention.masks:
-        raise _NoMatch
+        raise _LeftAlone("a bias-spelled mask beside a jnp.where mask: a row they hide "
+                         "whole gets a gradient that depends on which hid each key")
+    if found.rest is not None and additive_mask.read(graph, found.rest) is not None:
+        raise _LeftAlone("two masks spelled as biases added: keys both hide are -inf, so "
+                         "a row one hides whole averages only the keys the other keeps")
     attention.masks.append((found.values, True))  # keys kept where the values are 0
     attention.fill, attention.additive, attention.bias = fill, True, found.rest
     bands.append(None)
