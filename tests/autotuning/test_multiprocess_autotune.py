@@ -100,9 +100,9 @@ class _ProcessZero:
 
 
 def test_other_processes_read_process_zeros_result_as_process_zero_does(monkeypatch):
-    """Process 1 skipped (a warning) the entries of a user's op that only process 0 had
-    lowered, tuning: its configs differed from process 0's, silently. It now finds the
-    calls itself first, and an entry it still cannot read is an error."""
+    """Process 1 finds the calls of a user's op that only process 0 lowered itself
+    before reading process 0's result, so it runs process 0's configs; an entry it still
+    cannot read is an error, not skipped with a warning."""
     x, w = jax.ShapeDtypeStruct((64, 32), "float32"), jax.ShapeDtypeStruct((32, 16), "float32")
     ba = keys.canonical(UsersMatmul().bind(x, w))
     kind = jax.devices()[0].device_kind

@@ -68,10 +68,11 @@ def logits2(spec: KernelSpec, qk: jax.Array, bias: jax.Array | None) -> tuple[ja
     if bias is not None:
         x = x + bias.astype(jnp.float32)
     if spec.soft_cap is None:
-        # Held at a floor the compiler cannot blur: a row hidden by a bias (Hugging Face's
-        # padding bias, `finfo(float32).min`, overflowed to -inf here and gave NaN; a bias
-        # of -1e10 left logits whose fused `s - max` was off by thousands, inf or 0) has
-        # every logit exactly there, so it averages its values, as plain JAX does.
+        # Held at a floor the compiler cannot blur: a bias near float32's lowest value
+        # (Hugging Face's padding bias) would overflow to -inf here, a row of them to NaN,
+        # and one of -1e10 leaves logits so large that a fused `s - max` is off by
+        # thousands (inf or 0). A row a bias hides whole has every logit exactly at the
+        # floor, so it averages its values, as plain JAX does.
         return jnp.maximum(x * LOG2E, HIDDEN_LOGIT * LOG2E), None
     t = jnp.tanh(x * (1.0 / spec.soft_cap))
     return t * (spec.soft_cap * LOG2E), t

@@ -105,7 +105,7 @@ def _read_keeping_skipped(path: str | os.PathLike, *, kind_key: str | None
         if stat.S_ISDIR(mode):
             raise spec.SpecError(f"{what} is a directory, not a file")
         if not stat.S_ISREG(mode):
-            # A pipe's read waits for a writer: every op call hung reading the user cache.
+            # A pipe's read waits for a writer: every op call would hang reading it.
             raise spec.SpecError(f"{what} is not a regular file (a pipe or a device)")
         text = spec.read_file(path, what=what)
     except FileNotFoundError:
@@ -153,8 +153,8 @@ def _merged_text(path: pathlib.Path, new: AutotuningResult, *, kind_key: str) ->
 
 def _write_lock(path: pathlib.Path) -> filelock.FileLock:
     """The lock a read-merge-write of `path` holds: beside the file `path` resolves to, so
-    two cache paths linked to one shared file take one lock (each locked its own name,
-    and concurrent saves through them lost entries)."""
+    two cache paths linked to one shared file take one lock (locking each name apart,
+    concurrent saves through them would lose entries)."""
     return filelock.FileLock(f"{os.path.realpath(path)}.lock")
 
 

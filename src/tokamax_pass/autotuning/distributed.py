@@ -43,9 +43,9 @@ def tune_once(tune: Callable[[], AutotuningResult], *,
     """`tune()` on process 0; every process returns process 0's result.
 
     The other processes run `discover()` (lowering the tuned function, which lets them
-    name the ops it calls: `spec.remember_lowered`) and read the result strictly: an
-    entry one of them skipped (an op of the user's that only process 0 had lowered) left
-    its configs differing from process 0's, silently. `timeout_s` bounds how long the
+    name the ops it calls: `spec.remember_lowered`) and read the result strictly, so no
+    process skips an entry (an op of the user's that only process 0 had lowered) and runs
+    other configs than process 0's. `timeout_s` bounds how long the
     other processes wait for it.
     """
     if not is_multiprocess():

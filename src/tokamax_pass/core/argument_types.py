@@ -152,9 +152,9 @@ def check_arguments(op_cls: type, arguments: Mapping[str, Any]) -> None:
 def check_op_fields(op: Any, op_base: type) -> None:
     """`spec.SpecError` naming the field where an op read from a spec holds a value of
     another kind than its class annotates, through the ops it holds (`vjp`, an
-    `AutodiffVjp`'s `forward`): `interpret: "no"` was taken as true, and a `config` of
-    another op's config class (or `5`) or a `vjp` of `5` loaded and failed when the op
-    ran. `op_base` is `Op` (its type parameter names a config's annotation)."""
+    `AutodiffVjp`'s `forward`): unchecked, `interpret: "no"` would be taken as true, and a
+    `config` of another op's config class (or `5`) or a `vjp` of `5` would load and fail
+    only when the op runs. `op_base` is `Op` (its type parameter names a config's annotation)."""
     cls: type = type(op)
     hints = _op_field_types(cls, op_base)
     for field in dataclasses.fields(op):

@@ -41,7 +41,7 @@ MAX_NAME_CHARS = 200
 # An efficiency above this is a measurement error (the roofline is a bound), not data.
 MAX_EFFICIENCY = 4.0
 # A ceiling (TFLOP/s, TB/s) outside this range is no device's: below it, roofline times
-# overflowed to infinity and every prediction tied; above it, they all rounded to zero.
+# overflow to infinity and every prediction ties; above it, they all round to zero.
 CEILING_RANGE = (1e-3, 1e6)
 MAX_FEATURES = 8
 # Shape features are log2 sizes (`roofline.FeatureRule`).

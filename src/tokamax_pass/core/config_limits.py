@@ -2,8 +2,8 @@
 op built with `config=`) and from a file (`spec.decode_config`, `spec.decode`).
 
 A field annotated `int`, `bool` or `str` holds a value of that kind (`true`, `1.5` or
-`"64"` where an int goes reached the kernel's compiler and failed there, or never, and a
-Triton warp count of `null` was kept). A config's own class checks what its kernel
+`"64"` where an int goes would reach the kernel's compiler and fail there, or never, and
+a Triton warp count of `null` would be kept). A config's own class checks what its kernel
 needs (multiples, powers of two, minimums); these bounds stop sizes no hardware runs,
 which would otherwise be sized into memory (a chunk of 1e9 asks for hundreds of GiB)
 before anything fails, and pipeline depths and warp counts no compiler takes.

@@ -221,11 +221,12 @@ def misspelled_shipped_kind(device_kind: str, *, typed: bool = False) -> str | N
 
 def check_device_kind(device_kind: str, *, typed: bool = False) -> None:
     """`ValueError` for a device kind that misspells a shipped one
-    (`misspelled_shipped_kind`, `typed` as there): it was taken as a device of its own,
-    whose library cache does not exist, so every op silently ran heuristic configs. Also
-    for one no device reports: control characters, or above `MAX_DEVICE_KIND_CHARS` (a
-    result holding one saved to a cache file named after it: a NUL byte or a name too
-    long failed in the file system, a newline made a file name with one)."""
+    (`misspelled_shipped_kind`, `typed` as there): it would be taken as a device of its
+    own, whose library cache does not exist, so every op would silently run heuristic
+    configs. Also for one no device reports: control characters, or above
+    `MAX_DEVICE_KIND_CHARS` (the cache file of a result is named after its device kind:
+    a NUL byte or a name too long fails in the file system, a newline makes a file name
+    with one)."""
     if not device_kind.isprintable() or len(device_kind) > MAX_DEVICE_KIND_CHARS:
         raise ValueError(f"device_kind {device_kind[:80]!r} is not a device kind JAX reports "
                          f"(printable text of at most {MAX_DEVICE_KIND_CHARS} characters, "

@@ -51,16 +51,15 @@ def specs_from_xspace(data: bytes, *, what: str = "the profile") -> list[str]:
     """The distinct spec JSON strings in a serialized XSpace, in file order.
 
     An entry that cannot be read (its length runs past the end of the data, or its value
-    is not UTF-8 text) is skipped with a warning naming `what`: it raised a bare
-    `ValueError` or `UnicodeDecodeError` that lost the other op calls too."""
+    is not UTF-8 text) is skipped with a warning naming `what`, and the others are read."""
     specs: dict[str, None] = {}
     start = data.find(_ENTRY_PREFIX)
     while start != -1:
         found = _varint(data, start + len(_ENTRY_PREFIX))
-        end = None if found is None else found[1] + found[0]
         try:
-            if found is None or end is None or end > len(data):
+            if found is None or found[1] + found[0] > len(data):
                 raise ValueError("its length runs past the end of the file")
+            end = found[1] + found[0]
             specs.setdefault(data[found[1]:end].decode("utf-8"))
         except ValueError as e:  # `UnicodeDecodeError` too
             warnings.warn(f"{what}: skipped a {METADATA_KEY} entry at byte {start} that "

@@ -362,8 +362,8 @@ def test_chunked_search_space_configs_agree():
 
 def test_a_chunk_past_the_sequence_pads_to_its_next_power_of_2():
     """A chunk of 2**20 (within the config limits, as a cache file may hold it) at 24
-    queries and 40 keys padded both to 2**20: XLA asked for a logits block of terabytes.
-    It now runs as one block of 32 x 64, forward and backward."""
+    queries and 40 keys runs as one block of 32 x 64, forward and backward, not padded to
+    2**20 (a logits block of terabytes)."""
     q = jax.ShapeDtypeStruct((B, 24, 2, 16), jnp.float32)
     k = jax.ShapeDtypeStruct((B, 40, 2, 16), jnp.float32)
     huge = XlaChunkedConfig(2**20, 2**20)
