@@ -155,3 +155,15 @@ def test_two_masks_spelled_as_biases_added_are_left_as_written(rewritten):
     (match,) = optimized.plan(*args).matches
     assert not match.rewritten and "two masks" in match.reason
     assert_close(optimized(*args), jax.jit(causal_bias_plus_padding_bias)(*args))
+
+
+def test_logits_of_no_product_with_a_mask_bias_are_no_attention_near_miss():
+    """`softmax(a * 2 + where(mask, 0, -1e9)) @ v` reads as far as its bias like attention,
+    but its logits are no `q . k`: `plan()` lists no attention left alone."""
+    def f(a, mask, v):
+        logits = a * 2 + jnp.where(mask, 0.0, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
+
+    args = (random_normal(0, (B, N, T, T)), jnp.ones((B, 1, T, T), bool),
+            random_normal(1, (B, T, N, H)))
+    assert not tokamax.optimize(f).plan(*args).matches

@@ -122,6 +122,9 @@ class _Attention:
     # of that shape), or `None` where they keep the product's shape.
     merged_shape: tuple[int, ...] | None = None
     preferred_row: int | None = None  # the query axis to take as the rows, if any
+    # Why a spelling read as far as its bias is not the op's: said once the logits are
+    # known to be `q . k`, so other functions are not listed as attention near-misses.
+    left_alone: str | None = None
     query_numbers: Any = None  # (batch axes, contracting axis) of q
     key_numbers: Any = None  # (batch axes, contracting axis) of k
     value_numbers: Any = None  # ({logits axis: v axis} of the batch axes, keys, features)
@@ -379,6 +382,8 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
     attention.region += [e for e in (product, transpose) if e is not None]
     attention.precision = product.params["precision"]
     _operands(graph, attention, product, transpose)
+    if attention.left_alone is not None:
+        raise _LeftAlone(attention.left_alone)
     if attention.merged_shape is not None:
         _unmerge_band(attention, tuple(logits.aval.shape))
         shape = tuple(logits.aval.shape)
@@ -397,15 +402,19 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
     fill = found.fill * attention.bias_scale
     if not additive_mask.swallows(fill):
         if fill <= _LARGEST_FILL:
-            raise _LeftAlone(f"the bias hides keys by {fill:g}, which the logits are not "
-                             "rounded into: a row it hides whole has no uniform probabilities")
+            attention.left_alone = (
+                f"the bias hides keys by {fill:g}, which the logits are not rounded into: "
+                "a row it hides whole has no uniform probabilities")
         return
     if attention.masks:
-        raise _LeftAlone("a bias-spelled mask beside a jnp.where mask: a row they hide "
-                         "whole gets a gradient that depends on which hid each key")
+        attention.left_alone = ("a bias-spelled mask beside a jnp.where mask: a row they "
+                                "hide whole gets a gradient that depends on which hid each key")
+        return
     if found.rest is not None and additive_mask.read(graph, found.rest) is not None:
-        raise _LeftAlone("two masks spelled as biases added: keys both hide are -inf, so "
-                         "a row one hides whole averages only the keys the other keeps")
+        attention.left_alone = ("two masks spelled as biases added: keys both hide are -inf, "
+                                "so a row one hides whole averages only the keys the other "
+                                "keeps")
+        return
     attention.masks.append((found.values, True))  # keys kept where the values are 0
     attention.fill, attention.additive, attention.bias = fill, True, found.rest
     bands.append(None)
