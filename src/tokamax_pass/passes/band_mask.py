@@ -77,6 +77,50 @@ def band(graph: Graph, mask: Any, shape: tuple[int, ...]) -> Band | None:
     return Band(row_axis, low, high)
 
 
+def intersection(bands: list[Band | None]) -> Band | None:
+    """The band every one of `bands` keeps (masks applied in turn), or `None` where one is
+    no band, they hold their rows on different axes, or there are none."""
+    if not bands or any(b is None for b in bands):
+        return None
+    rows = {b.row_axis for b in bands if b is not None}
+    if len(rows) != 1:
+        return None
+    return Band(rows.pop(), max(b.low for b in bands if b is not None),
+                          min(b.high for b in bands if b is not None))
+
+
+def window(band: Band, rows: int, keys: int
+            ) -> tuple[bool, tuple[int, int] | None] | None:
+    """`(is_causal, local_window_size)` keeping the band's entries (`local_window_size`:
+    query i sees keys i-left .. i+right), or `None` where some row sees no key (plain
+    JAX's value there differs from the op's) or the band does not hold the diagonal
+    within the op's non-negative window."""
+    low, high = band.low, band.high
+    if low > high or high < 0 or low > keys - 1 or rows - 1 + low > keys - 1:
+        return None
+    unbounded = rows + keys
+    left = unbounded if low == -math.inf else int(min(-low, unbounded))
+    right = unbounded if high == math.inf else int(min(high, unbounded))
+    if left < 0:
+        return None
+    if low == -math.inf and high == math.inf:
+        return False, None
+    if right == 0:
+        return True, None if low == -math.inf else (left, 0)
+    return False, (left, right)
+
+
+def kept_axes(merged: tuple[int, ...], shape: tuple[int, ...]) -> dict[int, int]:
+    """`{merged axis: shape axis}` of the axes a row-major reshape from `shape` to
+    `merged` leaves whole: the same size after the same number of elements."""
+    def spans(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+        return [(math.prod(sizes[:a]), size) for a, size in enumerate(sizes)]
+
+    unmerged = spans(shape)
+    return {a: unmerged.index(span) for a, span in enumerate(spans(merged))
+            if span in unmerged}
+
+
 class _Reader:
     """Symbolic values of the variables of `graph` (and of `jit` calls' jaxprs)."""
 

@@ -361,7 +361,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
             raise _NoMatch
         if attention.soft_cap is None:
             _additive_mask(graph, attention, bands)
-    attention.band = _intersection(bands)
+    attention.band = band_mask.intersection(bands)
     if after_mask != 1.0:
         if attention.bias is not None or attention.soft_cap is not None:
             raise _NoMatch  # the scale would apply to the bias or cap too: not the op's
@@ -420,22 +420,11 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
     bands.append(None)
 
 
-def _kept_axes(merged: tuple[int, ...], shape: tuple[int, ...]) -> dict[int, int]:
-    """`{merged axis: shape axis}` of the axes a row-major reshape from `shape` to
-    `merged` leaves whole: the same size after the same number of elements."""
-    def spans(sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-        return [(math.prod(sizes[:a]), size) for a, size in enumerate(sizes)]
-
-    unmerged = spans(shape)
-    return {a: unmerged.index(span) for a, span in enumerate(spans(merged))
-            if span in unmerged}
-
-
 def _unmerge_band(attention: _Attention, shape: tuple[int, ...]) -> None:
     """The band of the merged logits' mask as one of the product's axes, the query rows
     preferably the query axis the reshape left whole; no band where its rows are merged."""
     assert attention.merged_shape is not None
-    kept = _kept_axes(attention.merged_shape, shape)
+    kept = band_mask.kept_axes(attention.merged_shape, shape)
     band = attention.band
     if band is not None:
         attention.band = (dataclasses.replace(band, row_axis=kept[band.row_axis])
@@ -496,45 +485,12 @@ def _mask_as_band(attention: _Attention, shape: tuple[int, ...]) -> None:
     if band is None or band.row_axis not in rows:
         attention.band = None
         return
-    window = _window(band, shape[band.row_axis], shape[-1])
+    window = band_mask.window(band, shape[band.row_axis], shape[-1])
     if window is None:
         attention.band = None
         return
     attention.row, attention.masks = band.row_axis, []
     attention.is_causal, attention.local_window_size = window
-
-
-def _intersection(bands: list[band_mask.Band | None]) -> band_mask.Band | None:
-    """The band every one of `bands` keeps (masks applied in turn), or `None` where one is
-    no band, they hold their rows on different axes, or there are none."""
-    if not bands or any(b is None for b in bands):
-        return None
-    rows = {b.row_axis for b in bands if b is not None}
-    if len(rows) != 1:
-        return None
-    return band_mask.Band(rows.pop(), max(b.low for b in bands if b is not None),
-                          min(b.high for b in bands if b is not None))
-
-
-def _window(band: band_mask.Band, rows: int, keys: int
-            ) -> tuple[bool, tuple[int, int] | None] | None:
-    """`(is_causal, local_window_size)` keeping the band's entries (`local_window_size`:
-    query i sees keys i-left .. i+right), or `None` where some row sees no key (plain
-    JAX's value there differs from the op's) or the band does not hold the diagonal
-    within the op's non-negative window."""
-    low, high = band.low, band.high
-    if low > high or high < 0 or low > keys - 1 or rows - 1 + low > keys - 1:
-        return None
-    unbounded = rows + keys
-    left = unbounded if low == -math.inf else int(min(-low, unbounded))
-    right = unbounded if high == math.inf else int(min(high, unbounded))
-    if left < 0:
-        return None
-    if low == -math.inf and high == math.inf:
-        return False, None
-    if right == 0:
-        return True, None if low == -math.inf else (left, 0)
-    return False, (left, right)
 
 
 def _constant_factor(graph: Graph, var: Any, accepts: Callable[[Any], bool]
