@@ -443,6 +443,12 @@ class XlaDotProductAttentionVjp(DotProductAttentionVjp):
         probs = jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0))
         if keep is not None:  # fully masked rows (lse -inf) are all masked: probs 0
             probs = jnp.where(keep, probs, 0.0)
+        if bias is not None:
+            # A row a bias hides whole (a padding bias near float32's lowest value) has an
+            # lse that lost `log(keys)` to rounding: its probabilities sum to the key count
+            # until divided by their sum, which is 1 in every other row.
+            total = jnp.sum(probs, axis=-1, keepdims=True)
+            probs = probs / jnp.where(total > 0.0, total, 1.0)
         q = query.reshape(batch, q_len, kv_heads, groups, head_dim)
         do = dout.reshape(*q.shape[:4], dout.shape[3])
         dv = jnp.einsum("bhgqk,bqhgd->bkhd", probs.astype(value.dtype), do, **mm)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from conftest import random_normal
+from conftest import assert_close, random_normal
 from tokamax_kernels.attention import PallasTritonFlashAttention, PallasTritonFlashAttentionVjp
 
 S, N = 128, 4
@@ -63,3 +63,32 @@ def test_bias_gradient_at_least_as_close_as_jax_nn(implementation, batch, head_d
     errors = _errors(jax.jit(ours), x, bias, cotangent, want)
     for name, error, limit in zip(("out", "dx", "dbias"), errors, bound, strict=True):
         assert error <= limit, f"{name}: {error} > jax.nn's {limit}"
+
+
+def test_a_row_a_bias_hides_whole_gets_jax_nn_gradients_in_xla():
+    """Hugging Face's padding bias (`finfo(float32).min` on padding keys) with an example
+    all padding, every row in the loss: `xla` matches `jax.nn`'s values and gradients
+    there too (its backward's probabilities summed to the key count, whose log the
+    log-sum-exp had lost to rounding)."""
+    b, t, n, d = 2, 8, 2, 16
+    q, k, v = (random_normal(seed, (b, t, n, d)) for seed in range(3))
+    keep = jnp.arange(t)[None, :] < jnp.array([[5], [0]])  # example 1: all padding
+    bias = jnp.where(keep, 0.0, jnp.finfo(jnp.float32).min)[:, None, None, :]
+    bias = jnp.broadcast_to(bias, (b, n, t, t))
+    cotangent = random_normal(3, (b, t, n, d))
+
+    def loss(f):
+        return lambda *args: jnp.sum(f(*args) * cotangent)
+
+    def ours(q, k, v, bias):
+        return tokamax.dot_product_attention(q, k, v, bias=bias, implementation="xla")
+
+    def plain(q, k, v, bias):
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="xla")
+
+    with jax.default_matmul_precision("highest"):
+        got = jax.value_and_grad(loss(ours), argnums=(0, 1, 2, 3))(q, k, v, bias)
+        want = jax.value_and_grad(loss(plain), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    assert_close(got[0], want[0])
+    for g, w in zip(got[1], want[1], strict=True):
+        assert_close(g, w)
