@@ -260,6 +260,14 @@ def test_too_many_points_are_refused():
         calibration.parse(json.dumps(calibration_file([point] * (calibration.MAX_POINTS + 1))))
 
 
+def test_ceilings_of_a_slow_machine_load():
+    """A CPU timing tiny calls by wall clock measures well under a gigabyte a second (a
+    sweep fitted there read 0.00074 TB/s); such ceilings are a machine's, not damage."""
+    slow = {"bf16_tflops": 0.05, "f32_tflops": 0.02, "hbm_tbps": 0.0005}
+    loaded = calibration.parse(json.dumps(calibration_file([], ceilings=slow)))
+    assert loaded.ceilings == Ceilings(**slow)
+
+
 def test_a_good_file_loads_for_its_device_kind_only(calibration_dir):
     _write(calibration_dir, calibration_file([("K", "float32", 1e9, 1e9, 0.5)], floor=None,
                                              provenance={"commit": "abc"}))

@@ -40,9 +40,11 @@ MAX_POINTS = 100_000
 MAX_NAME_CHARS = 200
 # An efficiency above this is a measurement error (the roofline is a bound), not data.
 MAX_EFFICIENCY = 4.0
-# A ceiling (TFLOP/s, TB/s) outside this range is no device's: below it, roofline times
-# overflow to infinity and every prediction ties; above it, they all round to zero.
-CEILING_RANGE = (1e-3, 1e6)
+# A ceiling (TFLOP/s, TB/s) outside this range is no device's: near zero, roofline times
+# overflow to infinity and every prediction ties; past the top, they all round to zero. The
+# floor sits far below any device: a CPU timing tiny calls by wall clock (a calibration
+# fitted there in tests) measures well under a gigabyte a second.
+CEILING_RANGE = (1e-9, 1e6)
 MAX_FEATURES = 8
 # Shape features are log2 sizes (`roofline.FeatureRule`).
 MAX_FEATURE = 64.0
