@@ -128,7 +128,7 @@ class Artifact:
         program = directory / manifest["file"]
         if not program.is_file():
             raise FileNotFoundError(f"{manifest_path} names {manifest['file']}, which is missing")
-        serialized = program.read_bytes()
+        serialized = spec.read_binary_file(program, what=str(program))
         _check_digest(manifest, serialized, manifest_path=manifest_path, program=program)
         return cls(manifest["name"], serialized, manifest)
 
@@ -526,7 +526,11 @@ def _check_digest(manifest: Mapping[str, Any], serialized: bytes, *, manifest_pa
                                          f"{name!r}: {wanted!r:.80}")
         if not path.is_file():
             raise FileNotFoundError(f"{manifest_path} digests {name}, which is missing")
-        actual = hashlib.sha256(serialized if path == program else path.read_bytes())
+        if path == program:
+            actual = hashlib.sha256(serialized)
+        else:  # read in blocks: a file beside the program may be of any size
+            with open(path, "rb") as f:
+                actual = hashlib.file_digest(f, "sha256")
         if actual.hexdigest() != wanted:
             raise ArtifactIntegrityError(
                 f"{path} does not match its manifest {manifest_path}: SHA-256 "

@@ -326,3 +326,20 @@ def test_a_manifest_of_a_schema_version_below_1_is_refused(tmp_path, programs):
     (directory / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(spec.SpecError, match="schema version -5, which no tokamax_pass"):
         Artifact.load(directory)
+
+
+def test_a_program_larger_than_memory_is_refused_before_it_is_read(tmp_path, programs,
+                                                                    monkeypatch):
+    """A program file is read whole: one past this machine's memory (a sparse file of a
+    terabyte raised a bare `MemoryError`) is a clear error, from `load_artifact` and from
+    `inspect` of the directory or of the file itself. Files beside it that the manifest
+    digests are hashed in blocks, never read whole."""
+    directory = programs[0].save(tmp_path / "art")
+    monkeypatch.setattr(spec, "physical_memory_bytes", lambda: 1 << 20)
+    program = directory / "prog.stablehlo"
+    with open(program, "r+b") as f:
+        f.truncate((1 << 20) + 1)  # sparse where the file system allows it
+    for load in (tokamax.load_artifact, tokamax.inspect, lambda _: tokamax.inspect(program)):
+        with pytest.raises(spec.SpecError, match=r"is 1048577 bytes long, more than this "
+                                                 r"machine's 1048576 bytes of memory"):
+            load(directory)

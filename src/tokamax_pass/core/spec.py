@@ -433,6 +433,27 @@ def read_file(path: str | os.PathLike[str], *, what: str) -> bytes:
     return data
 
 
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory, where the OS tells it."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # no such name here, or no `sysconf`
+        return None
+
+
+def read_binary_file(path: str | os.PathLike[str], *, what: str) -> bytes:
+    """The bytes of a binary file a loader reads whole (a serialized program): `SpecError`
+    for one larger than this machine's memory, found before it is read (a sparse file of a
+    terabyte raised a bare `MemoryError`)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        memory = physical_memory_bytes()
+        if memory is not None and size > memory:
+            raise SpecError(f"{what} is {size} bytes long, more than this machine's "
+                            f"{memory} bytes of memory: not a file a loader reads whole")
+        return f.read()
+
+
 def loads(text: str, *, what: str) -> Any:
     """`json.loads` of a text within `MAX_JSON_CHARS` and `MAX_DEPTH` (checked first, so a
     deeply nested document is a `SpecError`, not a `RecursionError`), whose objects name

@@ -159,7 +159,7 @@ def inspect_path(source: str | os.PathLike[str], *,
         return Inspection.from_text(artifact.mlir_text(), manifest=artifact.manifest)
     if not path.is_file():
         raise FileNotFoundError(f"inspect: {path} is neither a file nor an artifact directory")
-    data = path.read_bytes()
+    data = spec.read_binary_file(path, what=str(path))
     try:
         text = data.decode()
     except UnicodeDecodeError:
