@@ -109,12 +109,18 @@ def band_cast_to_float(rows, cols):
     return rows_minus_cols(rows, cols).astype(jnp.float32)
 
 
+def float_tril_and_triu_of_ones(rows, cols):
+    """Masks of float ones, multiplied: kept where the product is nonzero."""
+    ones = jnp.ones((T, S))
+    return jnp.tril(ones) * jnp.triu(ones, -WINDOW)
+
+
 def negated_comparisons(rows, cols):
     return ~(cols > rows) & ~(rows - cols > WINDOW)
 
 
 @pytest.mark.parametrize("keep", [tril_and_triu_of_ones, negated_comparisons,
-                                  band_cast_to_float],
+                                  band_cast_to_float, float_tril_and_triu_of_ones],
                          ids=lambda f: f.__name__)
 def test_other_spellings_of_the_causal_window(rewritten, keep):
     def f(q, k, v):
@@ -123,6 +129,34 @@ def test_other_spellings_of_the_causal_window(rewritten, keep):
     args = operands(3)
     assert attention_arguments(tokamax.optimize(f), *args) == {(True, (WINDOW, 0), False)}
     assert_close(tokamax.optimize(f)(*args), jax.jit(f)(*args))
+
+
+def hidden_where_zero(q, k, v, mask):
+    """nanoGPT's spelling: a float `jnp.tril` of ones, its zeros filled."""
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) / math.sqrt(H)
+    logits = jnp.where(mask == 0, -jnp.inf, logits)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v,
+                      precision=HIGHEST)
+
+
+def test_a_float_tril_of_ones_is_the_ops_causal_mask(rewritten):
+    def f(q, k, v):
+        return hidden_where_zero(q, k, v, jnp.tril(jnp.ones((T, T)))[None, None])
+
+    args = tuple(random_normal(seed, (B, T, N, H)) for seed in range(3))
+    assert attention_arguments(tokamax.optimize(f), *args) == {(True, None, False)}
+    check_values_and_gradients(f, args, random_normal(9, (B, T, N, H)))
+
+
+def test_a_float_union_of_masks_is_passed_as_an_array(rewritten):
+    """`tril + triu` of float ones keeps the keys either keeps: two bands, not one."""
+    def f(q, k, v):
+        ones = jnp.ones((T, T))
+        return hidden_where_zero(q, k, v, jnp.tril(ones) + jnp.triu(ones, WINDOW))
+
+    args = tuple(random_normal(seed, (B, T, N, H)) for seed in range(3))
+    assert attention_arguments(tokamax.optimize(f), *args) == {(False, None, True)}
+    check_values_and_gradients(f, args, random_normal(9, (B, T, N, H)))
 
 
 def test_inside_value_and_grad_the_attention_and_its_gradient_are_the_op(rewritten):

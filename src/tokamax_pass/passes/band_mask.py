@@ -2,11 +2,14 @@
 
 Causal and sliding-window masks are written as comparisons of `jnp.arange` rows and
 columns (`cols <= rows`, `rows - cols <= window`, `cols > rows - window - 1`) combined
-with `&`, or as `jnp.tril`/`jnp.triu` of ones. Each such mask keeps exactly the entries
-whose offset `col - row` lies in one interval `[low, high]`, which the attention op takes
-as `is_causal` and `local_window_size` instead of a mask array. The mask's equations are
-read symbolically (integer values as affine functions of the array's indices, booleans
-as intervals of such functions), so no mask array is built; any other mask (one reading
+with `&`, or as `jnp.tril`/`jnp.triu` of ones (boolean, or numbers multiplied, kept
+where nonzero or compared with 0 or 1: `jnp.where(jnp.tril(jnp.ones((t, t))) == 0,
+-jnp.inf, logits)`). Each such mask keeps exactly the entries whose offset `col - row`
+lies in one interval `[low, high]`, which the attention op takes as `is_causal` and
+`local_window_size` instead of a mask array. The mask's equations are read symbolically
+(integer values as affine functions of the array's indices, booleans as intervals of
+such functions, 0/1 numbers as indicators of those intervals), so no mask array is
+built; any other mask (one reading
 data, a comparison that is no band, `|`, integers its dtype does not hold exactly: an
 unsigned `rows - cols` wraps around) is not a band.
 """
@@ -14,7 +17,9 @@ unsigned `rows - cols` wraps around) is not a band.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 from typing import Any
 
 import jax.numpy as jnp
@@ -45,6 +50,13 @@ class _Intervals:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Indicator:
+    """A numeric array: 1 where `kept` is True, 0 elsewhere (`jnp.tril` of float ones)."""
+
+    kept: _Intervals
+
+
+@dataclasses.dataclass(frozen=True)
 class Band:
     """`col - row` in `[low, high]` (either may be infinite) keeps an entry; `row_axis`
     is the axis (of the array the mask is broadcast to) holding the rows, the last axis
@@ -55,9 +67,16 @@ class Band:
     high: float
 
 
-def band(graph: Graph, mask: Any, shape: tuple[int, ...]) -> Band | None:
-    """The band `mask` keeps once broadcast (right-aligned) to `shape`, or `None`."""
+def band(graph: Graph, mask: Any, shape: tuple[int, ...], *, negated: bool = False
+         ) -> Band | None:
+    """The band `mask` (a where's condition: booleans, or numbers kept where nonzero)
+    keeps once broadcast (right-aligned) to `shape`, or `None`; `negated`: the band its
+    negation keeps (`jnp.where(mask == 0, fill, logits)`)."""
     value = _Reader(graph).value(mask, 0)
+    if isinstance(value, _Indicator):
+        value = value.kept
+    if negated:
+        value = _negation(value)
     if not isinstance(value, _Intervals) or value.false:
         return None
     offset = len(shape) - len(mask.aval.shape)
@@ -148,7 +167,8 @@ def _literal(var: Any) -> Any:
         return None
     if value.dtype == np.bool_:
         return _Intervals((), false=not bool(value))
-    if np.issubdtype(value.dtype, np.integer):
+    if np.issubdtype(value.dtype, np.integer) or (
+            np.issubdtype(value.dtype, np.floating) and float(value).is_integer()):
         return _Affine((), int(value))
     return None
 
@@ -203,13 +223,18 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
         return result
     if any(o is None for o in operands):
         return None
+    if isinstance(operands[0], _Indicator) and name in ("broadcast_in_dim", "reshape"):
+        kept = _symbolic(eqn, [operands[0].kept])
+        return None if kept is None else _Indicator(kept)
     if name == "broadcast_in_dim":
         return _remap(operands[0], dict(enumerate(eqn.params["broadcast_dimensions"])),
                       len(out_shape), out_shape)
     if name == "reshape":
         return _reshape(operands[0], tuple(eqn.invars[0].aval.shape), out_shape)
     if name == "convert_element_type":
-        return operands[0] if _same_kind(eqn) else None
+        return _converted(eqn, operands[0])
+    if any(isinstance(o, _Indicator) for o in operands):
+        return _indicator_op(name, operands)
     if name in ("add", "sub", "mul", "neg"):
         return _arithmetic(name, operands, out_shape)
     if name in ("lt", "le", "gt", "ge", "eq"):
@@ -222,6 +247,57 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
     if name == "select_n" and len(operands) == 3:
         return _select(*operands)
     return None
+
+
+def _converted(eqn: Any, value: Any) -> Any:
+    """A conversion's value: a boolean mask to numbers an indicator, an indicator to
+    booleans its mask; otherwise the value where the conversion keeps it."""
+    to_bool = eqn.outvars[0].aval.dtype == np.bool_
+    if isinstance(value, _Intervals) and not to_bool:
+        return _Indicator(value)
+    if isinstance(value, _Indicator):
+        return value.kept if to_bool else value
+    return value if _same_kind(eqn) else None
+
+
+def _constant(value: Any) -> int | None:
+    """The value of an integer array equal everywhere, else `None`."""
+    if isinstance(value, _Affine) and not any(value.coefficients):
+        return value.constant
+    return None
+
+
+def _indicator_op(name: str, operands: list[Any]) -> Any:
+    """An equation of an indicator: a product with another one (or with 1), or a
+    comparison with a number (true where the indicator's 0 or 1 compares so)."""
+    if name == "mul":
+        masks = []
+        for operand in operands:
+            if isinstance(operand, _Indicator):
+                masks.append(operand.kept)
+            elif _constant(operand) != 1:
+                return None
+        return _Indicator(functools.reduce(_conjunction, masks))
+    comparisons = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt,
+                   "le": operator.le, "gt": operator.gt, "ge": operator.ge}
+    if name not in comparisons or len(operands) != 2:
+        return None
+    (indicator, other), compare = operands, comparisons[name]
+    if not isinstance(indicator, _Indicator):
+        indicator, other = other, indicator
+        compare = {"lt": operator.gt, "le": operator.ge, "gt": operator.lt,
+                   "ge": operator.le}.get(name, compare)
+    number = _constant(other)
+    if not isinstance(indicator, _Indicator) or number is None:
+        return None
+    where_one, where_zero = compare(1, number), compare(0, number)
+    if where_one and where_zero:
+        return _Intervals(())
+    if where_one:
+        return indicator.kept
+    if where_zero:
+        return _negation(indicator.kept)
+    return _Intervals((), false=True)
 
 
 def _same_kind(eqn: Any) -> bool:
@@ -342,7 +418,18 @@ def _negation(value: Any) -> Any:
 
 
 def _select(predicate: Any, on_false: Any, on_true: Any) -> Any:
-    """`select_n(p, a, b)` (`b` where `p`) of booleans, one of `a` and `b` all False."""
+    """`select_n(p, a, b)` (`b` where `p`) of booleans, one of `a` and `b` all False; or
+    of numbers, one of them all 0 and the other all 1 or an indicator (`jnp.tril`)."""
+    if isinstance(predicate, _Intervals) and not isinstance(on_false, _Intervals):
+        kept = [_Intervals(()) if _constant(o) == 1 else o.kept
+                if isinstance(o, _Indicator) else None for o in (on_false, on_true)]
+        if _constant(on_false) == 0 and kept[1] is not None:
+            selected = _select(predicate, _Intervals((), false=True), kept[1])
+        elif _constant(on_true) == 0 and kept[0] is not None:
+            selected = _select(predicate, kept[0], _Intervals((), false=True))
+        else:
+            return None
+        return None if selected is None else _Indicator(selected)
     if not all(isinstance(o, _Intervals) for o in (predicate, on_false, on_true)):
         return None
     if on_false.false:

@@ -340,7 +340,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
         attention.fill = float(fill)
         attention.masks.append((condition, negated))
         attention.region.append(where)
-        bands.append(None if negated else band_mask.band(graph, condition, shape))
+        bands.append(band_mask.band(graph, condition, shape, negated=negated))
         logits = _unwidened(graph, logits, attention.region)
     capped = _soft_cap(graph, attention, logits)
     if capped is not None:
