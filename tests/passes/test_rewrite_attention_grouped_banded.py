@@ -115,12 +115,19 @@ def float_tril_and_triu_of_ones(rows, cols):
     return jnp.tril(ones) * jnp.triu(ones, -WINDOW)
 
 
+def float_tril_minus_tril_of_ones(rows, cols):
+    """A band as a difference of float masks, the one taken away within the other."""
+    ones = jnp.ones((T, S))
+    return jnp.tril(ones) - jnp.tril(ones, -WINDOW - 1)
+
+
 def negated_comparisons(rows, cols):
     return ~(cols > rows) & ~(rows - cols > WINDOW)
 
 
 @pytest.mark.parametrize("keep", [tril_and_triu_of_ones, negated_comparisons,
-                                  band_cast_to_float, float_tril_and_triu_of_ones],
+                                  band_cast_to_float, float_tril_and_triu_of_ones,
+                                  float_tril_minus_tril_of_ones],
                          ids=lambda f: f.__name__)
 def test_other_spellings_of_the_causal_window(rewritten, keep):
     def f(q, k, v):
@@ -148,11 +155,20 @@ def test_a_float_tril_of_ones_is_the_ops_causal_mask(rewritten):
     check_values_and_gradients(f, args, random_normal(9, (B, T, N, H)))
 
 
-def test_a_float_union_of_masks_is_passed_as_an_array(rewritten):
-    """`tril + triu` of float ones keeps the keys either keeps: two bands, not one."""
+def union_of_float_masks(ones):
+    return jnp.tril(ones) + jnp.triu(ones, WINDOW)
+
+
+def difference_of_overlapping_float_masks(ones):
+    """1 above the diagonal, -1 below the window, 0 between: nonzero on two bands."""
+    return jnp.triu(ones, -WINDOW) - jnp.tril(ones)
+
+
+@pytest.mark.parametrize("mask", [union_of_float_masks, difference_of_overlapping_float_masks],
+                         ids=lambda f: f.__name__)
+def test_float_masks_nonzero_off_one_band_are_passed_as_arrays(rewritten, mask):
     def f(q, k, v):
-        ones = jnp.ones((T, T))
-        return hidden_where_zero(q, k, v, jnp.tril(ones) + jnp.triu(ones, WINDOW))
+        return hidden_where_zero(q, k, v, mask(jnp.ones((T, T))))
 
     args = tuple(random_normal(seed, (B, T, N, H)) for seed in range(3))
     assert attention_arguments(tokamax.optimize(f), *args) == {(False, None, True)}

@@ -2,14 +2,14 @@
 
 Causal and sliding-window masks are written as comparisons of `jnp.arange` rows and
 columns (`cols <= rows`, `rows - cols <= window`, `cols > rows - window - 1`) combined
-with `&`, or as `jnp.tril`/`jnp.triu` of ones (boolean, or numbers multiplied, kept
-where nonzero or compared with 0 or 1: `jnp.where(jnp.tril(jnp.ones((t, t))) == 0,
--jnp.inf, logits)`). Each such mask keeps exactly the entries whose offset `col - row`
-lies in one interval `[low, high]`, which the attention op takes as `is_causal` and
-`local_window_size` instead of a mask array. The mask's equations are read symbolically
-(integer values as affine functions of the array's indices, booleans as intervals of
-such functions, 0/1 numbers as indicators of those intervals), so no mask array is
-built; any other mask (one reading
+with `&`, or as `jnp.tril`/`jnp.triu` of ones (boolean, or numbers multiplied or one
+minus another within it, kept where nonzero or compared with 0 or 1:
+`jnp.where(jnp.tril(jnp.ones((t, t))) == 0, -jnp.inf, logits)`). Each such mask keeps
+exactly the entries whose offset `col - row` lies in one interval `[low, high]`, which
+the attention op takes as `is_causal` and `local_window_size` instead of a mask array.
+The mask's equations are read symbolically (integer values as affine functions of the
+array's indices, booleans as intervals of such functions, 0/1 numbers as indicators of
+those intervals), so no mask array is built; any other mask (one reading
 data, a comparison that is no band, `|`, integers its dtype does not hold exactly: an
 unsigned `rows - cols` wraps around) is not a band.
 """
@@ -278,6 +278,8 @@ def _indicator_op(name: str, operands: list[Any]) -> Any:
             elif _constant(operand) != 1:
                 return None
         return _Indicator(functools.reduce(_conjunction, masks))
+    if name == "sub":
+        return _difference(*operands)
     comparisons = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt,
                    "le": operator.le, "gt": operator.gt, "ge": operator.ge}
     if name not in comparisons or len(operands) != 2:
@@ -298,6 +300,29 @@ def _indicator_op(name: str, operands: list[Any]) -> Any:
     if where_zero:
         return _negation(indicator.kept)
     return _Intervals((), false=True)
+
+
+def _difference(minuend: Any, subtrahend: Any) -> Any:
+    """`a - b` of indicators (`a` also all 1) where `b`'s mask lies within `a`'s: the
+    indicator of `a`'s mask without `b`'s (`jnp.tril(ones) - jnp.tril(ones, -w)`)."""
+    if _constant(minuend) == 1:
+        minuend = _Indicator(_Intervals(()))
+    if not (isinstance(minuend, _Indicator) and isinstance(subtrahend, _Indicator)
+            and _within(subtrahend.kept, minuend.kept)):
+        return None
+    outside = _negation(subtrahend.kept)
+    return None if outside is None else _Indicator(_conjunction(minuend.kept, outside))
+
+
+def _within(inner: _Intervals, outer: _Intervals) -> bool:
+    """Whether every entry `inner` keeps, `outer` keeps: each of `outer`'s constraints
+    narrowed by one of `inner`'s on the same form (a sufficient condition)."""
+    if inner.false or not outer.constraints:
+        return True
+    bounds = {form: (low, high) for form, low, high in inner.constraints}
+    return not outer.false and all(
+        form in bounds and low <= bounds[form][0] and bounds[form][1] <= high
+        for form, low, high in outer.constraints)
 
 
 def _same_kind(eqn: Any) -> bool:
