@@ -420,17 +420,25 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
-def read_file(path: str | os.PathLike[str], *, what: str) -> bytes:
-    """The bytes of the JSON file at `path`: `SpecError` for one above `MAX_JSON_CHARS`
-    bytes, found before it is read (a sparse file of a terabyte raised a bare
-    `MemoryError`; every writer here writes ASCII JSON, a byte per character)."""
+def _read_bounded(path: str | os.PathLike[str], *, limit: int | None, what: str,
+                  beyond: str) -> bytes:
+    """The bytes of the file at `path`: `SpecError` (`what` is N bytes long, `beyond`) for
+    one above `limit` bytes, found before it is read (a sparse file of a terabyte raised a
+    bare `MemoryError`), or while it is read (a file that grows)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        data = f.read(size + 1) if size <= MAX_JSON_CHARS else b""
-    if size > MAX_JSON_CHARS or len(data) > MAX_JSON_CHARS:
-        raise SpecError(f"{what} is {max(size, len(data))} bytes long, above the "
-                        f"{MAX_JSON_CHARS} a loader reads")
+        data = f.read(size + 1) if limit is None or size <= limit else b""
+    length = max(size, len(data))
+    if limit is not None and length > limit:
+        raise SpecError(f"{what} is {length} bytes long, {beyond}")
     return data
+
+
+def read_file(path: str | os.PathLike[str], *, what: str) -> bytes:
+    """The bytes of the JSON file at `path`: `SpecError` for one above `MAX_JSON_CHARS`
+    bytes (every writer here writes ASCII JSON, a byte per character)."""
+    return _read_bounded(path, limit=MAX_JSON_CHARS, what=what,
+                         beyond=f"above the {MAX_JSON_CHARS} a loader reads")
 
 
 def physical_memory_bytes() -> int | None:
@@ -443,15 +451,11 @@ def physical_memory_bytes() -> int | None:
 
 def read_binary_file(path: str | os.PathLike[str], *, what: str) -> bytes:
     """The bytes of a binary file a loader reads whole (a serialized program): `SpecError`
-    for one larger than this machine's memory, found before it is read (a sparse file of a
-    terabyte raised a bare `MemoryError`)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        memory = physical_memory_bytes()
-        if memory is not None and size > memory:
-            raise SpecError(f"{what} is {size} bytes long, more than this machine's "
-                            f"{memory} bytes of memory: not a file a loader reads whole")
-        return f.read()
+    for one larger than this machine's memory."""
+    memory = physical_memory_bytes()
+    return _read_bounded(path, limit=memory, what=what,
+                         beyond=f"more than this machine's {memory} bytes of memory: not a "
+                                f"file a loader reads whole")
 
 
 def loads(text: str, *, what: str) -> Any:
