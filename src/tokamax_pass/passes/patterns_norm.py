@@ -368,15 +368,26 @@ def _prescaled(graph: Graph, norm: _Norm, centered: Any) -> Any:
     return body
 
 
+# Element-wise steps from the variance to its factor, each of one array and numbers.
+_FACTOR_STEPS = ("rsqrt", "sqrt", "add", "div", "pow", "integer_pow")
+
+
 def _statistic(graph: Graph, var: Any) -> bool:
     """Whether `var` is one value per row (last axis 1), possibly broadcast to the rows'
-    length: a `(..., 1)` array, or the broadcast of one along the last axis."""
-    if len(var.aval.shape) >= 1 and var.aval.shape[-1] == 1:
-        return True
-    eqn = graph.producer(var, "broadcast_in_dim")
-    if eqn is not None:
-        var = eqn.invars[0]
-    return len(var.aval.shape) >= 1 and var.aval.shape[-1] == 1
+    length: a `(..., 1)` array, the broadcast of one along the last axis, or a value
+    computed element by element from such a broadcast and numbers (Haiku's `RMSNorm`
+    broadcasts its mean of squares to `x`'s shape before `rsqrt(ms + eps)`)."""
+    while not (len(var.aval.shape) >= 1 and var.aval.shape[-1] == 1):
+        eqn = graph.producer(var, "broadcast_in_dim")
+        if eqn is not None:
+            var = eqn.invars[0]
+            return len(var.aval.shape) >= 1 and var.aval.shape[-1] == 1
+        eqn = graph.producer(var, *_FACTOR_STEPS)
+        arrays = [] if eqn is None else [v for v in eqn.invars if literal_value(v) is None]
+        if len(arrays) != 1:
+            return False
+        (var,) = arrays
+    return True
 
 
 def _through(graph: Graph, norm: _Norm, var: Any, primitive: str) -> Any:
