@@ -453,3 +453,35 @@ def test_maxtexts_additive_mask_compared_is_the_band_it_keeps(rewritten, keep, a
     for actual, wanted in zip(grads, expected[1], strict=True):
         assert_close(actual, wanted)
 
+
+
+def optax_integer_label_loss(logits, labels, where=None, axis=-1):
+    """`optax.softmax_cross_entropy_with_integer_labels` as optax 0.2.4 and later
+    compute it: the label's logit picked by `take_along_axis(...).take(0, axis)`, the
+    log-sum-exp taking `where`, rows `where` hides whole zeroed."""
+    label_logits = jnp.take_along_axis(logits, jnp.expand_dims(labels, axis),
+                                       axis=axis).take(0, axis=axis)
+    out = jax.nn.logsumexp(logits, axis=axis, where=where) - label_logits
+    if where is not None:
+        out = jnp.where(jnp.any(where, axis), out, 0.0)
+    return out
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["every_logit", "where_given"])
+def test_optaxs_integer_label_loss(rewritten, masked):
+    """The op computes the loss of every logit; a `where=` that leaves some out (the
+    op has none) stays as written."""
+    def loss(x, w, labels, where):
+        logits = (x @ w).astype(jnp.float32)
+        return optax_integer_label_loss(logits, labels, where if masked else None).mean()
+
+    args = (random_normal(0, (B, T, D)), random_normal(1, (D, V)),
+            jax.random.randint(jax.random.key(2), (B, T), 0, V),
+            jnp.arange(V) < V - 3)
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    optimized = tokamax.optimize(step)
+    assert rewritten_patterns(optimized, *args) == ([] if masked else [LOSS])
+    (value, grads), (expected_value, expected_grads) = optimized(*args), jax.jit(step)(*args)
+    assert_close(value, expected_value)
+    for actual, wanted in zip(grads, expected_grads, strict=True):
+        assert_close(actual, wanted)
