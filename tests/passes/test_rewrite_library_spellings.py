@@ -485,3 +485,39 @@ def test_optaxs_integer_label_loss(rewritten, masked):
     assert_close(value, expected_value)
     for actual, wanted in zip(grads, expected_grads, strict=True):
         assert_close(actual, wanted)
+
+
+def haiku_parameterless_rms_norm(x, scale=1.0, eps=1e-5):
+    """`hk.RMSNorm(create_scale=False)`: `x * 1. * rsqrt(...)`."""
+    mean_squared = jnp.broadcast_to(jnp.mean(jnp.square(x), -1, keepdims=True), x.shape)
+    return x * scale * lax.rsqrt(mean_squared + eps)
+
+
+def haiku_parameterless_layer_norm(x, scale=1.0, offset=0.0, eps=1e-5):
+    """`hk.LayerNorm(create_scale=False, create_offset=False)`: `np.array(1.)` and
+    `np.array(0.)` broadcast to `x`'s shape."""
+    return haiku_layer_norm(x, np.array(scale, x.dtype), np.array(offset, x.dtype), eps)
+
+
+@pytest.mark.parametrize(("f", "matched"), [
+    (haiku_parameterless_rms_norm, True),
+    (haiku_parameterless_layer_norm, True),
+    (functools.partial(haiku_parameterless_rms_norm, scale=2.0), False),
+    (functools.partial(haiku_parameterless_layer_norm, scale=2.0), False),
+    (functools.partial(haiku_parameterless_layer_norm, offset=0.5), True),
+], ids=["rms_norm", "layer_norm", "rms_norm_times_2", "layer_norm_times_2",
+        "layer_norm_plus_half"])
+def test_haikus_norms_without_parameters(rewritten, f, matched):
+    """Ones for the scale and zeros for the offset are the op's norm without them. The
+    op has no scalar scale or offset: a scale of another number in the factor leaves the
+    norm as written, an offset of another number stays outside the op (the norm before
+    it is matched)."""
+    x = random_normal(0, (B, T, D)) + 2.0
+    optimized = tokamax.optimize(f)
+    assert rewritten_patterns(optimized, x) == ([NORM] if matched else [])
+    cotangent = random_normal(1, (B, T, D))
+    loss = jax.value_and_grad(weighted(f, cotangent))
+    (value, grad), (expected_value, expected_grad) = (
+        jax.value_and_grad(weighted(optimized, cotangent))(x), jax.jit(loss)(x))
+    assert_close(value, expected_value)
+    assert_close(grad, expected_grad)
