@@ -373,12 +373,18 @@ def test_bfloat16_steps_are_as_close_to_float32_as_plain_jax(rewritten, model):
     assert rewritten_patterns(optimized, *args) == patterns
     reference = jax.jit(step)(*jax.tree.map(lambda a: a.astype(jnp.float32), args[:3]),
                               args[3])
-    for actual, plain, wanted in zip(*(jax.tree.leaves(r) for r in (
-            optimized(*args), jax.jit(step)(*args), reference)), strict=True):
-        actual, plain, wanted = (np.asarray(a, np.float32) for a in (actual, plain, wanted))
-        error, plain_error = np.abs(actual - wanted).max(), np.abs(plain - wanted).max()
+    assert_as_close_as_plain(optimized(*args), jax.jit(step)(*args), reference)
+
+
+def assert_as_close_as_plain(actual, plain, reference):
+    """Each leaf of `actual` is within twice plain JAX's error of the float32
+    `reference`, or within bfloat16's tolerance of it."""
+    for got, plain_leaf, wanted in zip(*(jax.tree.leaves(r) for r in (
+            actual, plain, reference)), strict=True):
+        got, plain_leaf, wanted = (np.asarray(a, np.float32) for a in (got, plain_leaf, wanted))
+        error, plain_error = np.abs(got - wanted).max(), np.abs(plain_leaf - wanted).max()
         tolerance = TOLERANCE[jnp.dtype(jnp.bfloat16)] * np.abs(wanted).max()
-        assert error <= max(2 * plain_error, tolerance), (actual.shape, error, plain_error)
+        assert error <= max(2 * plain_error, tolerance), (got.shape, error, plain_error)
 
 
 @pytest.mark.parametrize("spelling", ["haiku", "per_element_epsilon"])
@@ -521,3 +527,31 @@ def test_haikus_norms_without_parameters(rewritten, f, matched):
         jax.value_and_grad(weighted(optimized, cotangent))(x), jax.jit(loss)(x))
     assert_close(value, expected_value)
     assert_close(grad, expected_grad)
+
+
+def keras_masked_attention(fill):
+    """`keras.layers.MultiHeadAttention`'s attention with a mask: `Softmax` adds
+    `(1 - mask) * fill` in the logits' dtype (`-1e9`, `-3e4` in float16)."""
+    def f(q, k, v, mask):
+        q = jnp.multiply(q, jnp.asarray(1.0 / math.sqrt(float(HD)), q.dtype))
+        scores = jnp.einsum("aecd,abcd->acbe", k, q)
+        scores = scores + (1.0 - mask.astype(scores.dtype)) * fill
+        return jnp.einsum("acbe,aecd->abcd", jax.nn.softmax(scores, axis=-1), v)
+    return f
+
+
+@pytest.mark.parametrize(("dtype", "fill"), [(jnp.float32, -1e9), (jnp.bfloat16, -1e9),
+                                             (jnp.float16, -3e4)],
+                         ids=["float32", "bfloat16", "float16"])
+def test_a_mask_bias_that_rounds_the_logits_is_left_as_written(rewritten, dtype, fill):
+    """Keras 3's mask bias rounds the logits it is added to (in bfloat16 and float16 by
+    more than the logits' size), so an example that is all padding gets the mean of the
+    values where the op's float32 sum would keep its logits."""
+    f = keras_masked_attention(fill)
+    args = (*(random_normal(seed, (B, T, N, HD), dtype) * 4 for seed in range(3)),
+            jnp.ones((B, 1, T, T), bool).at[1].set(False))
+    optimized = tokamax.optimize(f)
+    (match,) = optimized.plan(*args).matches
+    assert not match.rewritten and "rounds the logits" in match.reason
+    assert_close(optimized(*args), jax.jit(f)(*args), dtype)
+

@@ -160,6 +160,15 @@ def _linearized_bwd(scale: float, saved: Any, cotangent: Any) -> tuple[Any, ...]
 _linearized.defvjp(_linearized_fwd, _linearized_bwd)
 
 
+def spacing(fill: float, dtype: Any) -> float:
+    """The distance between neighbouring numbers of `dtype` at `fill`: what a sum with the
+    fill rounds the logits to (64 for `-1e9` in float32)."""
+    if not math.isfinite(fill) or fill == 0:
+        return 0.0
+    exponent = math.frexp(abs(fill))[1] - 1
+    return 2.0 ** (exponent - jnp.finfo(dtype).nmant)
+
+
 def swallows(fill: float) -> bool:
     """Whether a fill hides its keys exactly when added to logits (`-inf`, or a number
     that absorbs them)."""

@@ -393,18 +393,24 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
 def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Band | None]
                    ) -> None:
     """A bias that spells a mask with a fill swallowing the logits (`additive_mask`) taken
-    as the op's mask, the rest of the bias (if any) staying its bias. A smaller fill
-    (`-1e9`) leaves a row it hides whole the logits it rounds, which the op does not
-    compute; masks applied by `jnp.where` too stop the gradient of some of those keys."""
+    as the op's mask, the rest of the bias (if any) staying its bias. A smaller fill that
+    rounds the logits it is added to (`-1e9` in float32, to multiples of 64; Keras 3's
+    `-1e9` in bfloat16, `-3e4` in float16) leaves a row it hides whole the logits it
+    rounds, which the op does not compute (its float32 logits round less, its kernels
+    hold logits below a floor); masks applied by `jnp.where` too stop the gradient of
+    some of those keys."""
     found = additive_mask.read(graph, attention.bias)
     if found is None or attention.bias_scale <= 0:
         return
     fill = found.fill * attention.bias_scale
     if not additive_mask.swallows(fill):
-        if fill <= _LARGEST_FILL:
+        spacing = additive_mask.spacing(found.fill, attention.bias.aval.dtype)
+        if spacing >= 1.0:
             attention.left_alone = (
-                f"the bias hides keys by {fill:g}, which the logits are not rounded into: "
-                "a row it hides whole has no uniform probabilities")
+                f"the bias hides keys by {fill:g}, which rounds the logits added to it to "
+                f"multiples of {spacing:g} ({jnp.dtype(attention.bias.aval.dtype).name}) "
+                "without swallowing every logit: a row it hides whole keeps what the "
+                "rounding leaves, which the op does not compute")
         return
     if attention.masks:
         attention.left_alone = ("a bias-spelled mask beside a jnp.where mask: a row they "
