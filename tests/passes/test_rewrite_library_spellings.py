@@ -555,3 +555,35 @@ def test_a_mask_bias_that_rounds_the_logits_is_left_as_written(rewritten, dtype,
     assert not match.rewritten and "rounds the logits" in match.reason
     assert_close(optimized(*args), jax.jit(f)(*args), dtype)
 
+
+
+def tensorflow_tutorial_attention(q, k, v, padding, factor=-1e9):
+    """The TensorFlow tutorial's attention as JAX ports write it: a float padding mask
+    read from the data (1 where a key is padding), `logits += mask * -1e9`."""
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(HD)
+    logits = logits + padding[:, None, None, :] * factor
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+@pytest.mark.parametrize(("dtype", "factor", "matched"), [
+    (jnp.float32, -1e9, False), (jnp.bfloat16, -1e9, False), (jnp.bfloat16, -0.25, True)],
+    ids=["float32", "bfloat16", "bfloat16_small_factor"])
+def test_a_mask_read_from_data_times_a_fill_that_rounds_is_left_as_written(
+        rewritten, dtype, factor, matched):
+    """A padding mask of numbers from the data times `-1e9` hides keys as Keras's does but
+    is no boolean choice: the same rounding leaves it as written. A small factor is a
+    bias like any other (ALiBi's slopes times distances)."""
+    def f(q, k, v, padding):
+        return tensorflow_tutorial_attention(q, k, v, padding, factor)
+
+    args = (*(random_normal(seed, (B, T, N, HD), dtype) * 4 for seed in range(3)),
+            jnp.zeros((B, T), dtype).at[1].set(1))
+    optimized = tokamax.optimize(f)
+    (match,) = optimized.plan(*args).matches
+    assert match.rewritten == matched, match.reason
+    if matched:
+        reference = jax.jit(f)(*(a.astype(jnp.float32) for a in args))
+        assert_as_close_as_plain(optimized(*args), jax.jit(f)(*args), reference)
+    else:
+        assert "rounds the logits" in match.reason
+        assert_close(optimized(*args), jax.jit(f)(*args), dtype)

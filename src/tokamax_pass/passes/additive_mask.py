@@ -160,6 +160,22 @@ def _linearized_bwd(scale: float, saved: Any, cotangent: Any) -> tuple[Any, ...]
 _linearized.defvjp(_linearized_fwd, _linearized_bwd)
 
 
+def data_mask_fill(graph: Graph, bias: Any) -> float | None:
+    """The negative number `c` of a bias `m * c` or `(1 - m) * c` (alone or added to
+    another bias) whose `m` is read as it is, numbers rather than a boolean cast (a
+    padding mask of 0s and 1s from the data: the TensorFlow tutorial's `logits += mask *
+    -1e9`, Keras 3's `Softmax` given a float mask), in the bias's dtype; else `None`.
+    Such a bias hides keys like a mask's but is passed as a bias."""
+    add = graph.producer(bias, "add")
+    for term in (bias, *([] if add is None else add.invars)):
+        product = graph.producer(term, "mul")
+        for _, factor in ([] if product is None else (product.invars, product.invars[::-1])):
+            value = _filled(graph, factor)
+            if value is not None and value < 0:
+                return _cast(value, [term.aval.dtype])
+    return None
+
+
 def spacing(fill: float, dtype: Any) -> float:
     """The distance between neighbouring numbers of `dtype` at `fill`: what a sum with the
     fill rounds the logits to (64 for `-1e9` in float32)."""

@@ -400,7 +400,15 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
     hold logits below a floor); masks applied by `jnp.where` too stop the gradient of
     some of those keys."""
     found = additive_mask.read(graph, attention.bias)
-    if found is None or attention.bias_scale <= 0:
+    if found is None:
+        fill = additive_mask.data_mask_fill(graph, attention.bias)
+        if fill is not None and additive_mask.spacing(fill, attention.bias.aval.dtype) >= 1:
+            attention.left_alone = (
+                f"the bias is a mask read from the data times {fill:g}, which rounds the "
+                "logits added to it without swallowing every logit: a row it hides whole "
+                "keeps what the rounding leaves, which the op does not compute")
+        return
+    if attention.bias_scale <= 0:
         return
     fill = found.fill * attention.bias_scale
     if not additive_mask.swallows(fill):
