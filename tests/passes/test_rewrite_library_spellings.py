@@ -362,12 +362,19 @@ def assert_steps_close(actual, expected):
         assert_close(got, wanted)
 
 
-@pytest.mark.parametrize("model", ["equinox", "maxtext", "palm_parallel"])
-def test_bfloat16_steps_are_as_close_to_float32_as_plain_jax(rewritten, model):
+@pytest.mark.parametrize(("model", "patterns"), [
+    ("haiku", [ATTENTION, LOSS]),
+    ("equinox", MODELS["equinox"][2]),
+    ("gemma", [ATTENTION, GLU, LOSS]),
+    ("maxtext", MODELS["maxtext"][2]),
+    ("palm_parallel", MODELS["palm_parallel"][2]),
+], ids=["haiku", "equinox", "gemma", "maxtext", "palm_parallel"])
+def test_bfloat16_steps_are_as_close_to_float32_as_plain_jax(rewritten, model, patterns):
     """The float32 step of the same (bfloat16-rounded) parameters is the reference:
     each rewritten gradient is within twice plain JAX's error of it, or bfloat16's
-    tolerance."""
-    layer, shapes, patterns = MODELS[model]
+    tolerance. Haiku's and Gemma's norms take their statistics in bfloat16, which the
+    op does not: they stay as written."""
+    layer, shapes, _ = MODELS[model]
     step, args = step_and_arguments(layer, shapes, jnp.bfloat16)
     optimized = tokamax.optimize(step)
     assert rewritten_patterns(optimized, *args) == patterns
