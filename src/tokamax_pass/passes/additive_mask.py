@@ -26,6 +26,10 @@ from tokamax_pass.passes.graph import SHAPE_ONLY, Graph, literal_value, scalar_c
 
 # A fill added to logits of any size a model computes leaves the fill alone.
 SWALLOWING_FILL = -1e30
+# The floor the `triton` attention kernels hold a logit at (`HIDDEN_LOGIT` in
+# `tokamax_kernels.attention._flash_tiles`): a row a bias hides whole below it averages
+# its values there.
+KERNEL_FLOOR = -1e5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +178,15 @@ def data_mask_fill(graph: Graph, bias: Any) -> float | None:
             if value is not None and value < 0:
                 return _cast(value, [term.aval.dtype])
     return None
+
+
+def keeps_hidden_logits(fill: float, dtype: Any, scale: float = 1.0) -> bool:
+    """Whether a row that a bias of `fill` (added in `dtype`, not swallowing the logits,
+    then multiplied by `scale` with them) hides whole keeps a softmax of its logits in
+    plain JAX that the op does not compute: the fill rounds them by a unit or more
+    (`spacing`), or the scaled fill lies at or below the floor the op's kernels hold
+    logits at (where they average the values)."""
+    return fill * scale <= KERNEL_FLOOR or spacing(fill, dtype) >= 1.0
 
 
 def spacing(fill: float, dtype: Any) -> float:
