@@ -7,7 +7,11 @@ layers in `lax.scan` under `jax.value_and_grad` of optax's one-hot cross-entropy
 On CPU the plain path is chosen, so `rewritten` keeps every candidate: the test lists
 what each spelling matches, and compares the rewritten step's loss and gradients with
 `jax.jit` of the same step (float32), or checks that they are as close to the float32
-step as plain JAX's (bfloat16, where rounding differs inside the ops).
+step as plain JAX's (bfloat16, where rounding differs inside the ops). The pieces these
+libraries spell their own way are tested one by one below: Haiku's broadcast statistic
+and parameterless norms, MaxText's additive mask compared back to booleans, optax's
+integer-label loss, and mask biases that hide keys without swallowing the logits
+(Keras 3's in bfloat16 and float16, the TensorFlow tutorial's `mask * -1e9`).
 """
 
 import functools
