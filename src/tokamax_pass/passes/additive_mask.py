@@ -26,6 +26,10 @@ from tokamax_pass.passes.graph import SHAPE_ONLY, Graph, literal_value, scalar_c
 
 # A fill added to logits of any size a model computes leaves the fill alone.
 SWALLOWING_FILL = -1e30
+# The floor the `triton` attention kernels hold a logit at (`HIDDEN_LOGIT` in
+# `tokamax_kernels.attention._flash_tiles`): a row a bias hides whole below it averages
+# its values there.
+KERNEL_FLOOR = -1e5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +162,40 @@ def _linearized_bwd(scale: float, saved: Any, cotangent: Any) -> tuple[Any, ...]
 
 
 _linearized.defvjp(_linearized_fwd, _linearized_bwd)
+
+
+def data_mask_fill(graph: Graph, bias: Any) -> float | None:
+    """The negative number `c` of a bias `m * c` or `(1 - m) * c` (alone or added to
+    another bias) whose `m` is read as it is, numbers rather than a boolean cast (a
+    padding mask of 0s and 1s from the data: the TensorFlow tutorial's `logits += mask *
+    -1e9`, Keras 3's `Softmax` given a float mask), in the bias's dtype; else `None`.
+    Such a bias hides keys like a mask's but is passed as a bias."""
+    add = graph.producer(bias, "add")
+    for term in (bias, *([] if add is None else add.invars)):
+        product = graph.producer(term, "mul")
+        for _, factor in ([] if product is None else (product.invars, product.invars[::-1])):
+            value = _filled(graph, factor)
+            if value is not None and value < 0:
+                return _cast(value, [term.aval.dtype])
+    return None
+
+
+def keeps_hidden_logits(fill: float, dtype: Any, scale: float = 1.0) -> bool:
+    """Whether a row that a bias of `fill` (added in `dtype`, not swallowing the logits,
+    then multiplied by `scale` with them) hides whole keeps a softmax of its logits in
+    plain JAX that the op does not compute: the fill rounds them by a unit or more
+    (`spacing`), or the scaled fill lies at or below the floor the op's kernels hold
+    logits at (where they average the values)."""
+    return fill * scale <= KERNEL_FLOOR or spacing(fill, dtype) >= 1.0
+
+
+def spacing(fill: float, dtype: Any) -> float:
+    """The distance between neighbouring numbers of `dtype` at `fill`: what a sum with the
+    fill rounds the logits to (64 for `-1e9` in float32)."""
+    if not math.isfinite(fill) or fill == 0:
+        return 0.0
+    exponent = math.frexp(abs(fill))[1] - 1
+    return 2.0 ** (exponent - jnp.finfo(dtype).nmant)
 
 
 def swallows(fill: float) -> bool:

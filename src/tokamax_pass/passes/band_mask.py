@@ -4,7 +4,9 @@ Causal and sliding-window masks are written as comparisons of `jnp.arange` rows 
 columns (`cols <= rows`, `rows - cols <= window`, `cols > rows - window - 1`) combined
 with `&`, or as `jnp.tril`/`jnp.triu` of ones (boolean, or numbers multiplied or one
 minus another within it, kept where nonzero or compared with 0 or 1:
-`jnp.where(jnp.tril(jnp.ones((t, t))) == 0, -jnp.inf, logits)`). Each such mask keeps
+`jnp.where(jnp.tril(jnp.ones((t, t))) == 0, -jnp.inf, logits)`), either possibly turned
+into two numbers and compared with a number (MaxText's additive mask read back,
+`jnp.where(cols <= rows, 0.0, fill) >= fill * 0.5`). Each such mask keeps
 exactly the entries whose offset `col - row` lies in one interval `[low, high]`, which
 the attention op takes as `is_causal` and `local_window_size` instead of a mask array.
 The mask's equations are read symbolically (integer values as affine functions of the
@@ -54,6 +56,24 @@ class _Indicator:
     """A numeric array: 1 where `kept` is True, 0 elsewhere (`jnp.tril` of float ones)."""
 
     kept: _Intervals
+
+
+@dataclasses.dataclass(frozen=True)
+class _Float:
+    """A floating array equal everywhere to `value` (a literal too large to be read as an
+    exact integer, as fills are)."""
+
+    value: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    """A numeric array: the number `on` where `kept` is True, `off` elsewhere
+    (`jnp.where(causal, 0.0, fill)`, the mask MaxText adds to its logits)."""
+
+    kept: _Intervals
+    on: float
+    off: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +211,9 @@ def _apply(eqn: Any, operands: list[Any]) -> Any:
     integer the result's dtype cannot hold: unsigned `rows - cols` wraps around)."""
     result = _symbolic(eqn, operands)
     if isinstance(result, _Affine) and not _held(result, eqn.outvars[0].aval):
-        return None
+        floating = jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)
+        return _Float(float(result.constant)) if floating and not any(
+            result.coefficients) else None
     return result
 
 
@@ -223,9 +245,12 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
         return result
     if any(o is None for o in operands):
         return None
-    if isinstance(operands[0], _Indicator) and name in ("broadcast_in_dim", "reshape"):
+    if isinstance(operands[0], _Float) and name in ("broadcast_in_dim", "reshape"):
+        return operands[0]
+    if isinstance(operands[0], _Indicator | _Choice) and name in ("broadcast_in_dim",
+                                                                  "reshape"):
         kept = _symbolic(eqn, [operands[0].kept])
-        return None if kept is None else _Indicator(kept)
+        return None if kept is None else dataclasses.replace(operands[0], kept=kept)
     if name == "broadcast_in_dim":
         return _remap(operands[0], dict(enumerate(eqn.params["broadcast_dimensions"])),
                       len(out_shape), out_shape)
@@ -233,6 +258,8 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
         return _reshape(operands[0], tuple(eqn.invars[0].aval.shape), out_shape)
     if name == "convert_element_type":
         return _converted(eqn, operands[0])
+    if any(isinstance(o, _Choice) for o in operands):
+        return _choice_compared(name, operands)
     if any(isinstance(o, _Indicator) for o in operands):
         return _indicator_op(name, operands)
     if name in ("add", "sub", "mul", "neg"):
@@ -245,7 +272,7 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
     if name == "not":
         return _negation(operands[0])
     if name == "select_n" and len(operands) == 3:
-        return _select(*operands)
+        return _select(*operands) or _choice(*operands)
     return None
 
 
@@ -257,6 +284,8 @@ def _converted(eqn: Any, value: Any) -> Any:
         return _Indicator(value)
     if isinstance(value, _Indicator):
         return value.kept if to_bool else value
+    if isinstance(value, _Float | _Choice):
+        return None  # the conversion may round its numbers
     return value if _same_kind(eqn) else None
 
 
@@ -463,3 +492,45 @@ def _select(predicate: Any, on_false: Any, on_true: Any) -> Any:
         negated = _negation(predicate)
         return None if negated is None else _conjunction(negated, on_false)
     return None
+
+
+def _number(value: Any) -> float | None:
+    """The number an array equal everywhere holds, else `None`."""
+    if isinstance(value, _Float):
+        return value.value
+    constant = _constant(value)
+    return None if constant is None else float(constant)
+
+
+def _choice(predicate: Any, on_false: Any, on_true: Any) -> _Choice | None:
+    """`select_n(p, a, b)` of two numbers: `b` where the interval `p` holds, else `a`."""
+    on, off = _number(on_true), _number(on_false)
+    if not isinstance(predicate, _Intervals) or on is None or off is None:
+        return None
+    return _Choice(predicate, on, off)
+
+
+def _choice_compared(name: str, operands: list[Any]) -> _Intervals | None:
+    """A choice compared with a number (of the same dtype, unconverted: the numbers as
+    the program holds them): true where the number the choice holds there compares so
+    (MaxText's `mask >= fill * 0.5`)."""
+    comparisons = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt,
+                   "le": operator.le, "gt": operator.gt, "ge": operator.ge}
+    if name not in comparisons or len(operands) != 2:
+        return None
+    (choice, other), compare = operands, comparisons[name]
+    if not isinstance(choice, _Choice):
+        choice, other = other, choice
+        compare = {"lt": operator.gt, "le": operator.ge, "gt": operator.lt,
+                   "ge": operator.le}.get(name, compare)
+    number = _number(other)
+    if not isinstance(choice, _Choice) or number is None:
+        return None
+    where_kept, where_not = compare(choice.on, number), compare(choice.off, number)
+    if where_kept and where_not:
+        return _Intervals(())
+    if where_kept:
+        return choice.kept
+    if where_not:
+        return _negation(choice.kept)
+    return _Intervals((), false=True)

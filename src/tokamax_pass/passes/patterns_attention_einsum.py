@@ -394,17 +394,27 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
                    ) -> None:
     """A bias that spells a mask with a fill swallowing the logits (`additive_mask`) taken
     as the op's mask, the rest of the bias (if any) staying its bias. A smaller fill
-    (`-1e9`) leaves a row it hides whole the logits it rounds, which the op does not
-    compute; masks applied by `jnp.where` too stop the gradient of some of those keys."""
-    found = additive_mask.read(graph, attention.bias)
-    if found is None or attention.bias_scale <= 0:
+    (`-1e9` in float32, rounding the logits to multiples of 64; Keras 3's `-1e9` in
+    bfloat16, `-3e4` in float16; any at or below the kernels' floor) leaves a row it
+    hides whole a softmax of the logits it rounds, which the op does not compute (its
+    float32 logits round less, its kernels hold logits below the floor); masks applied
+    by `jnp.where` too stop the gradient of some of those keys."""
+    if attention.bias_scale <= 0:
         return
-    fill = found.fill * attention.bias_scale
-    if not additive_mask.swallows(fill):
-        if fill <= _LARGEST_FILL:
+    found = additive_mask.read(graph, attention.bias)
+    dtype, scale = attention.bias.aval.dtype, attention.bias_scale
+    if found is None:
+        fill = additive_mask.data_mask_fill(graph, attention.bias)
+        if fill is not None and additive_mask.keeps_hidden_logits(fill, dtype, scale):
             attention.left_alone = (
-                f"the bias hides keys by {fill:g}, which the logits are not rounded into: "
-                "a row it hides whole has no uniform probabilities")
+                f"the bias is a mask read from the data times {fill:g}, "
+                f"{_hidden_logits(fill, dtype)}")
+        return
+    fill = found.fill * scale
+    if not additive_mask.swallows(fill):
+        if additive_mask.keeps_hidden_logits(found.fill, dtype, scale):
+            attention.left_alone = (f"the bias hides keys by {fill:g}, "
+                                    f"{_hidden_logits(found.fill, dtype)}")
         return
     if attention.masks:
         attention.left_alone = ("a bias-spelled mask beside a jnp.where mask: a row they "
@@ -418,6 +428,14 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
     attention.masks.append((found.values, True))  # keys kept where the values are 0
     attention.fill, attention.additive, attention.bias = fill, True, found.rest
     bands.append(None)
+
+
+def _hidden_logits(fill: float, dtype: Any) -> str:
+    """Why a bias-spelled mask of `fill` that does not swallow the logits is left alone."""
+    return (f"which does not swallow the logits added to it (it rounds them to multiples "
+            f"of {additive_mask.spacing(fill, dtype):g} in {jnp.dtype(dtype).name}): a row "
+            "it hides whole keeps a softmax of what is left, which the op does not compute "
+            f"(its kernels hold logits below {additive_mask.KERNEL_FLOOR:g} at one floor)")
 
 
 def _unmerge_band(attention: _Attention, shape: tuple[int, ...]) -> None:

@@ -12,8 +12,10 @@ op's `logits_soft_cap`), then possibly sliced along the tokens (`logits[..., :-1
 next-token loss: the op takes those rows of `x`) first, spelled as
 `-take_along_axis(jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0]`, as
 `jax.nn.logsumexp(logits, -1) - take_along_axis(logits, labels[..., None], -1)[..., 0]`
-(`jnp.expand_dims` and `squeeze` too), or as
-`optax.softmax_cross_entropy_with_integer_labels` computes it: the logits shifted by
+(`jnp.expand_dims` and `squeeze` too; `jnp.expand_dims` then `.take(0, axis=-1)` as
+`optax.softmax_cross_entropy_with_integer_labels` computes it from optax 0.2.4), or as
+older versions of
+`optax.softmax_cross_entropy_with_integer_labels` compute it: the logits shifted by
 their gradient-stopped row max (`jnp.max(..., initial=-jnp.inf)` too), then
 `log(sum(exp(shifted)))` minus the label's shifted logit. Labels index as
 `take_along_axis` does: a negative one counts from the end, and one out of range gives
@@ -74,6 +76,8 @@ def _expanded(labels: Any, expand: str) -> Any:
 
 
 def _squeezed(picked: Any, squeeze: str) -> Any:
+    if squeeze == "take":  # optax's `.take(0, axis=axis)`: index 0 of an axis of 1
+        return picked.take(0, axis=-1)
     return picked[..., 0] if squeeze == "index" else picked.squeeze(-1)
 
 
@@ -312,6 +316,9 @@ class _Spelling:
 
 
 _FORMS = [(e, s) for e in ("index", "expand_dims") for s in ("index", "squeeze")]
+# Optax's own forms of the label's logit: `take_along_axis(logits, jnp.expand_dims(labels,
+# axis), axis).take(0, axis)`, as `softmax_cross_entropy_with_integer_labels` picks it.
+_OPTAX_FORMS = [*_FORMS, ("expand_dims", "take")]
 _LOG_PROBABILITY = _Labels.PICKED_LOG_PROBABILITY
 # One-hot labels: the one-hot's factor first or second, and how it is built.
 _ONE_HOTS = [(first, one_hot) for first in (True, False) for one_hot in _ONE_HOT_BUILDERS]
@@ -324,9 +331,9 @@ _SPELLINGS = {
               for first, one_hot in _ONE_HOTS for f in _LOG_SOFTMAXES),
             *(_Spelling(_indexed_log_softmax_spelling(f), _Labels.INDEXED_LOG_PROBABILITY)
               for f in _LOG_SOFTMAXES)),
-    "sub": (*(_Spelling(_optax_spelling(e, s), _Labels.PICKED_LOGIT) for e, s in _FORMS),
+    "sub": (*(_Spelling(_optax_spelling(e, s), _Labels.PICKED_LOGIT) for e, s in _OPTAX_FORMS),
             *(_Spelling(jax.vmap(_optax_spelling(e, s)), _Labels.PICKED_LOGIT, mapped=True)
-              for e, s in _FORMS),
+              for e, s in _OPTAX_FORMS),
             *(_Spelling(_shifted_optax_spelling(e, s, initial), _Labels.PICKED_LOGIT)
               for e, s in _FORMS for initial in (False, True)),
             _Spelling(_indexed_logit_spelling, _Labels.INDEXED_LOGIT),

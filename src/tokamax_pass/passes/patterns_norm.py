@@ -35,6 +35,7 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from tokamax_pass.passes.candidate import Candidate
 from tokamax_pass.passes.graph import SHAPE_ONLY, Graph, literal_value, rounds, same_value
@@ -233,7 +234,9 @@ def _offset(graph: Graph, norm: _Norm, eqn: Any) -> Any:
     length = eqn.outvars[0].aval.shape[-1]
     for body, other in (eqn.invars, eqn.invars[::-1]):
         offset = _vector(graph, other, length)
-        if offset is not None and tuple(body.aval.shape) == tuple(eqn.outvars[0].aval.shape):
+        if tuple(body.aval.shape) != tuple(eqn.outvars[0].aval.shape):
+            continue
+        if offset is not None or _number(graph, other) == 0.0:  # zeros: no offset
             norm.offset = offset
             return _take(graph, norm, body, "mul", "div")
     raise _NoMatch
@@ -331,12 +334,24 @@ def _normalized(graph: Graph, norm: _Norm, eqn: Any) -> None:
 
 def _scale_of(graph: Graph, var: Any, length: int) -> tuple[Any, float] | None:
     """`(scale, c)` where `var` broadcasts `scale + c` (c 0 for a bare scale) along the
-    last axis, else `None`."""
+    last axis, `(None, 0.0)` where it is all ones, else `None`."""
     scale = _vector(graph, var, length)
     if scale is not None:
         return scale, 0.0
+    if _number(graph, var) == 1.0:
+        return None, 0.0  # ones: no scale
     scale, by = _shifted_vector(graph, var, length)
     return None if scale is None else (scale, by)
+
+
+def _number(graph: Graph, var: Any) -> float | None:
+    """The number `var` holds everywhere, a literal possibly broadcast or converted
+    (Haiku's norms without parameters multiply by `np.array(1.)` and add `np.array(0.)`,
+    broadcast to `x`'s shape), else `None`."""
+    while (eqn := graph.producer(var, "broadcast_in_dim", "convert_element_type")) is not None:
+        var = eqn.invars[0]
+    value = literal_value(var)
+    return None if value is None or np.ndim(value) else float(value)
 
 
 def _scaled_statistic(graph: Graph, norm: _Norm, factor: Any) -> Any:
@@ -368,15 +383,26 @@ def _prescaled(graph: Graph, norm: _Norm, centered: Any) -> Any:
     return body
 
 
+# Element-wise steps from the variance to its factor, each of one array and numbers.
+_FACTOR_STEPS = ("rsqrt", "sqrt", "add", "div", "pow", "integer_pow")
+
+
 def _statistic(graph: Graph, var: Any) -> bool:
     """Whether `var` is one value per row (last axis 1), possibly broadcast to the rows'
-    length: a `(..., 1)` array, or the broadcast of one along the last axis."""
-    if len(var.aval.shape) >= 1 and var.aval.shape[-1] == 1:
-        return True
-    eqn = graph.producer(var, "broadcast_in_dim")
-    if eqn is not None:
-        var = eqn.invars[0]
-    return len(var.aval.shape) >= 1 and var.aval.shape[-1] == 1
+    length: a `(..., 1)` array, the broadcast of one along the last axis, or a value
+    computed element by element from such a broadcast and numbers (Haiku's `RMSNorm`
+    broadcasts its mean of squares to `x`'s shape before `rsqrt(ms + eps)`)."""
+    while not (len(var.aval.shape) >= 1 and var.aval.shape[-1] == 1):
+        eqn = graph.producer(var, "broadcast_in_dim")
+        if eqn is not None:
+            var = eqn.invars[0]
+            return len(var.aval.shape) >= 1 and var.aval.shape[-1] == 1
+        eqn = graph.producer(var, *_FACTOR_STEPS)
+        arrays = [] if eqn is None else [v for v in eqn.invars if literal_value(v) is None]
+        if len(arrays) != 1:
+            return False
+        (var,) = arrays
+    return True
 
 
 def _through(graph: Graph, norm: _Norm, var: Any, primitive: str) -> Any:
