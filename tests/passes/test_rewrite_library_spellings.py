@@ -366,13 +366,14 @@ def assert_steps_close(actual, expected):
         assert_close(got, wanted)
 
 
+@pytest.mark.variants  # MaxText's step rewrites every pattern in bfloat16: CI runs it
 @pytest.mark.parametrize(("model", "patterns"), [
+    ("maxtext", MODELS["maxtext"][2]),
     ("haiku", [ATTENTION, LOSS]),
     ("equinox", MODELS["equinox"][2]),
     ("gemma", [ATTENTION, GLU, LOSS]),
-    ("maxtext", MODELS["maxtext"][2]),
     ("palm_parallel", MODELS["palm_parallel"][2]),
-], ids=["haiku", "equinox", "gemma", "maxtext", "palm_parallel"])
+], ids=["maxtext", "haiku", "equinox", "gemma", "palm_parallel"])
 def test_bfloat16_steps_are_as_close_to_float32_as_plain_jax(rewritten, model, patterns):
     """The float32 step of the same (bfloat16-rounded) parameters is the reference:
     each rewritten gradient is within twice plain JAX's error of it, or bfloat16's
