@@ -21,6 +21,18 @@ def outcomes(optimized, *args):
     return [m.outcome for m in optimized.plan(*args).matches]
 
 
+def attention_arguments(optimized, *args):
+    """The `is_causal`, `local_window_size` and whether a mask array is passed, of each
+    attention call the optimized program plans (forward and gradient alike)."""
+    found = set()
+    for row in optimized.plan(*args):
+        arguments = row.bound["arguments"]
+        window = arguments["local_window_size"]
+        found.add((arguments["is_causal"], None if window is None else tuple(window),
+                   arguments["mask"] is not None))
+    return found
+
+
 def h200_plan(f, *args, **options):
     with core.targeting(H200):
         return tokamax.optimize(f, **options).plan(*args)

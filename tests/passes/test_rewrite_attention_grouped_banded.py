@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import HIGHEST, h200_plan, weighted
+from _rewriting import HIGHEST, attention_arguments, h200_plan, weighted
 from benchmarks.models.ops import _jnp_attention
 from conftest import assert_close, calibrate, random_normal
 
@@ -62,18 +62,6 @@ def grouped(q, k, v, keep, *, cap=SOFT_CAP, softmax_axis=-1, fill=-jnp.inf):
 def operands(seed=0):
     return (random_normal(seed, (B, T, N, H)), random_normal(seed + 1, (B, S, K, H)),
             random_normal(seed + 2, (B, S, K, H)))
-
-
-def attention_arguments(optimized, *args):
-    """The `is_causal`, `local_window_size` and whether a mask array is passed, of each
-    attention call the optimized program plans (forward and gradient alike)."""
-    found = set()
-    for row in optimized.plan(*args):
-        arguments = row.bound["arguments"]
-        window = arguments["local_window_size"]
-        found.add((arguments["is_causal"], None if window is None else tuple(window),
-                   arguments["mask"] is not None))
-    return found
 
 
 def check_values_and_gradients(f, args, cotangent):
@@ -121,13 +109,21 @@ def float_tril_minus_tril_of_ones(rows, cols):
     return jnp.tril(ones) - jnp.tril(ones, -WINDOW - 1)
 
 
+def float_masks_compared_from_the_left(rows, cols):
+    """Float masks of ones compared with the number as the first operand (`0 < m` in
+    Python is `m > 0`): kept where `jnp.less(0, m)` and `jnp.less_equal(1, m)`."""
+    ones = jnp.ones((T, S))
+    return jnp.less(0, jnp.tril(ones)) & jnp.less_equal(1, jnp.triu(ones, -WINDOW))
+
+
 def negated_comparisons(rows, cols):
     return ~(cols > rows) & ~(rows - cols > WINDOW)
 
 
 @pytest.mark.parametrize("keep", [tril_and_triu_of_ones, negated_comparisons,
                                   band_cast_to_float, float_tril_and_triu_of_ones,
-                                  float_tril_minus_tril_of_ones],
+                                  float_tril_minus_tril_of_ones,
+                                  float_masks_compared_from_the_left],
                          ids=lambda f: f.__name__)
 def test_other_spellings_of_the_causal_window(rewritten, keep):
     def f(q, k, v):

@@ -25,7 +25,7 @@ import pytest
 from jax import lax
 
 import tokamax_pass as tokamax
-from _rewriting import weighted
+from _rewriting import attention_arguments, weighted
 from conftest import TOLERANCE, assert_close, random_normal
 
 B, T, D, N, KV, HD, F, V, LAYERS = 2, 8, 32, 4, 2, 8, 48, 64, 2
@@ -420,17 +420,6 @@ def test_a_mean_of_squares_broadcast_before_epsilon(rewritten, spelling):
     assert_close(value, expected[0])
     for actual, wanted in zip(grads, expected[1], strict=True):
         assert_close(actual, wanted)
-
-
-def attention_arguments(optimized, *args):
-    """`(is_causal, local_window_size, mask given)` of each attention call planned."""
-    found = set()
-    for row in optimized.plan(*args):
-        arguments = row.bound["arguments"]
-        window = arguments["local_window_size"]
-        found.add((arguments["is_causal"], None if window is None else tuple(window),
-                   arguments["mask"] is not None))
-    return found
 
 
 def maxtext_masked(keep_threshold):

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import math
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -309,25 +310,44 @@ def _indicator_op(name: str, operands: list[Any]) -> Any:
         return _Indicator(functools.reduce(_conjunction, masks))
     if name == "sub":
         return _difference(*operands)
-    comparisons = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt,
-                   "le": operator.le, "gt": operator.gt, "ge": operator.ge}
-    if name not in comparisons or len(operands) != 2:
+    found = _compared(name, operands, _Indicator, _constant)
+    if found is None:
         return None
-    (indicator, other), compare = operands, comparisons[name]
-    if not isinstance(indicator, _Indicator):
-        indicator, other = other, indicator
-        compare = {"lt": operator.gt, "le": operator.ge, "gt": operator.lt,
-                   "ge": operator.le}.get(name, compare)
-    number = _constant(other)
-    if not isinstance(indicator, _Indicator) or number is None:
+    indicator, holds = found
+    return _where_held(indicator.kept, holds(1), holds(0))
+
+
+_COMPARISONS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt,
+                "le": operator.le, "gt": operator.gt, "ge": operator.ge}
+_MIRRORED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
+
+
+def _compared(name: str, operands: list[Any], kind: type,
+              number_of: Callable[[Any], float | None]
+              ) -> tuple[Any, Callable[[float], bool]] | None:
+    """`(value, holds)` of a comparison of a `kind` value with a number (`number_of` the
+    other operand), on either side: `holds(v)` is whether `v` compares so with it."""
+    if name not in _COMPARISONS or len(operands) != 2:
         return None
-    where_one, where_zero = compare(1, number), compare(0, number)
-    if where_one and where_zero:
+    value, other = operands
+    if not isinstance(value, kind):
+        value, other, name = other, value, _MIRRORED.get(name, name)
+    number = number_of(other)
+    if not isinstance(value, kind) or number is None:
+        return None
+    compare = _COMPARISONS[name]
+    return value, lambda v: compare(v, number)
+
+
+def _where_held(kept: Any, held_on: bool, held_off: bool) -> Any:
+    """Where a comparison holds, of a value that is one number where the mask `kept` is
+    true and another elsewhere: `held_on` and `held_off` say where it holds for each."""
+    if held_on and held_off:
         return _Intervals(())
-    if where_one:
-        return indicator.kept
-    if where_zero:
-        return _negation(indicator.kept)
+    if held_on:
+        return kept
+    if held_off:
+        return _negation(kept)
     return _Intervals((), false=True)
 
 
@@ -514,23 +534,8 @@ def _choice_compared(name: str, operands: list[Any]) -> _Intervals | None:
     """A choice compared with a number (of the same dtype, unconverted: the numbers as
     the program holds them): true where the number the choice holds there compares so
     (MaxText's `mask >= fill * 0.5`)."""
-    comparisons = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt,
-                   "le": operator.le, "gt": operator.gt, "ge": operator.ge}
-    if name not in comparisons or len(operands) != 2:
+    found = _compared(name, operands, _Choice, _number)
+    if found is None:
         return None
-    (choice, other), compare = operands, comparisons[name]
-    if not isinstance(choice, _Choice):
-        choice, other = other, choice
-        compare = {"lt": operator.gt, "le": operator.ge, "gt": operator.lt,
-                   "ge": operator.le}.get(name, compare)
-    number = _number(other)
-    if not isinstance(choice, _Choice) or number is None:
-        return None
-    where_kept, where_not = compare(choice.on, number), compare(choice.off, number)
-    if where_kept and where_not:
-        return _Intervals(())
-    if where_kept:
-        return choice.kept
-    if where_not:
-        return _negation(choice.kept)
-    return _Intervals((), false=True)
+    choice, holds = found
+    return _where_held(choice.kept, holds(choice.on), holds(choice.off))
