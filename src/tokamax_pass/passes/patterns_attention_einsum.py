@@ -420,14 +420,23 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
         attention.left_alone = ("a bias-spelled mask beside a jnp.where mask: a row they "
                                 "hide whole gets a gradient that depends on which hid each key")
         return
-    if found.rest is not None and additive_mask.read(graph, found.rest) is not None:
-        attention.left_alone = ("two masks spelled as biases added: keys both hide are -inf, "
-                                "so a row one hides whole averages only the keys the other "
-                                "keeps")
+    other = None if found.rest is None else additive_mask.read(graph, found.rest)
+    if other is not None:
+        attention.left_alone = _two_additive_masks(found.fill, other.fill)
         return
     attention.masks.append((found.values, True))  # keys kept where the values are 0
     attention.fill, attention.additive, attention.bias = fill, True, found.rest
     bands.append(None)
+
+
+def _two_additive_masks(fill: float, other_fill: float) -> str:
+    """Why two masks spelled as biases and added are left alone."""
+    if fill == other_fill == -math.inf:
+        return ("two masks spelled as biases of -inf added: a row they hide whole is NaN in "
+                "plain JAX, and so are the gradients of its query, keys and values, where "
+                "the op's gradients are finite")
+    return ("two masks spelled as biases added: keys both hide are -inf, so a row one hides "
+            "whole averages only the keys the other keeps")
 
 
 def _hidden_logits(fill: float, dtype: Any) -> str:
