@@ -164,8 +164,19 @@ def causal_bias_plus_padding_bias_of_minus_inf(q, k, v, padding):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
 
 
-def test_two_mask_biases_of_minus_inf_added_are_left_as_written(rewritten):
-    f = causal_bias_plus_padding_bias_of_minus_inf
+def causal_bias_then_padding_bias_of_minus_inf(q, k, v, padding):
+    """The two `-inf` mask biases added to the logits one after the other."""
+    causal_bias = jnp.where(causal(T), 0.0, -jnp.inf)
+    padding_bias = jnp.where(jnp.expand_dims(padding, (-3, -2)) > 0, 0.0, -jnp.inf)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) * 0.3
+    logits = logits + causal_bias + padding_bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
+
+
+@pytest.mark.parametrize("f", [causal_bias_plus_padding_bias_of_minus_inf,
+                               causal_bias_then_padding_bias_of_minus_inf],
+                         ids=lambda f: f.__name__)
+def test_two_mask_biases_of_minus_inf_added_are_left_as_written(rewritten, f):
     args = operands(f)
     optimized = tokamax.optimize(f)
     (match,) = optimized.plan(*args).matches

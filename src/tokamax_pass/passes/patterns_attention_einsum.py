@@ -399,8 +399,8 @@ def _logits(graph: Graph, attention: _Attention, logits: Any, softmax_mask: Any 
                 attention.region.append(add)
                 break
         else:
-            raise _NoMatch
-        if attention.soft_cap is None:
+            logits = _mask_biases_added_in_turn(graph, attention, add, shape)
+        if attention.soft_cap is None and attention.bias is not None:
             _additive_mask(graph, attention, bands)
     if softmax_mask is not None:
         _softmax_where_mask(graph, attention, softmax_mask, bands, shape)
@@ -486,6 +486,29 @@ def _softmax_where_mask(graph: Graph, attention: _Attention, mask: Any,
     attention.masks.append((mask, False))
     attention.softmax_where = True
     bands.append(band_mask.band(graph, mask, shape, negated=False))
+
+
+def _mask_biases_added_in_turn(graph: Graph, attention: _Attention, add: Any,
+                               shape: tuple[int, ...]) -> Any:
+    """The logits under two masks spelled as biases and added one after the other
+    (`logits + causal_bias + padding_bias`), the attention then left alone
+    (`_two_additive_masks`); raises `_NoMatch` for any other sum."""
+    if add.primitive.name != "add":
+        raise _NoMatch
+    for inner_sum, outer_bias in _operand_orders(add):
+        inner = graph.producer(inner_sum, "add")
+        outer = additive_mask.read(graph, outer_bias)
+        if inner is None or outer is None or outer.rest is not None:
+            continue
+        for body, inner_bias in _operand_orders(inner):
+            found = additive_mask.read(graph, inner_bias)
+            if (found is not None and found.rest is None and tuple(body.aval.shape) == shape
+                    and (graph.producer(body, "mul", "div") is not None
+                         or _is_product(graph, body))):
+                attention.left_alone = _two_additive_masks(found.fill, outer.fill)
+                attention.region += [add, inner]
+                return body
+    raise _NoMatch
 
 
 def _two_additive_masks(fill: float, other_fill: float) -> str:
