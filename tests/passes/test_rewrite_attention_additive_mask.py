@@ -152,6 +152,39 @@ def test_near_misses_are_left_as_written_with_their_reason(rewritten, f, reason)
     assert_close(optimized(*args), jax.jit(f)(*args))
 
 
+def causal_bias_plus_padding_bias_of_minus_inf(q, k, v, padding):
+    """Two masks spelled as biases of `-inf` (`jnp.where(m, 0.0, -jnp.inf)`, weakly typed:
+    their sum is cast to float32) and added: a row they hide whole is NaN, and so are the
+    gradients of its query, keys and values."""
+    def bias(mask):
+        return jnp.where(mask, 0.0, -jnp.inf)
+
+    mask_bias = bias(causal(T)) + bias(jnp.expand_dims(padding, (-3, -2)) > 0)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) * 0.3 + mask_bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
+
+
+def causal_bias_then_padding_bias_of_minus_inf(q, k, v, padding):
+    """The two `-inf` mask biases added to the logits one after the other."""
+    causal_bias = jnp.where(causal(T), 0.0, -jnp.inf)
+    padding_bias = jnp.where(jnp.expand_dims(padding, (-3, -2)) > 0, 0.0, -jnp.inf)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) * 0.3
+    logits = logits + causal_bias + padding_bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits), v, precision=HIGHEST)
+
+
+@pytest.mark.parametrize("f", [causal_bias_plus_padding_bias_of_minus_inf,
+                               causal_bias_then_padding_bias_of_minus_inf],
+                         ids=lambda f: f.__name__)
+def test_two_mask_biases_of_minus_inf_added_are_left_as_written(rewritten, f):
+    args = operands(f)
+    optimized = tokamax.optimize(f)
+    (match,) = optimized.plan(*args).matches
+    assert not match.rewritten and "biases of -inf added" in match.reason
+    assert op_names(optimized, *args) == []
+    np.testing.assert_allclose(optimized(*args), jax.jit(f)(*args), rtol=1e-6, equal_nan=True)
+
+
 def test_logits_of_no_product_with_a_mask_bias_are_no_attention_near_miss():
     """`softmax(a * 2 + where(mask, 0, -1e9)) @ v` reads as far as its bias like attention,
     but its logits are no `q . k`: `plan()` lists no attention left alone."""

@@ -19,7 +19,13 @@ import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import HIGHEST, attention_arguments, h200_plan, weighted
+from _rewriting import (
+    HIGHEST,
+    assert_gradients_match_jit,
+    attention_arguments,
+    h200_plan,
+    weighted,
+)
 from benchmarks.models.ops import _jnp_attention
 from conftest import assert_close, calibrate, random_normal
 
@@ -264,6 +270,31 @@ def test_a_band_then_a_mask_reading_data_are_passed_as_arrays(rewritten):
     assert np.isnan(expected).any()  # rows 0 and 1 of the second sequence see no key
     assert np.array_equal(np.isnan(actual), np.isnan(expected))
     assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+
+def causal_plus_padding_above_one(q, k, v, padding):
+    """A float causal mask plus a float padding mask, kept where both are 1: `(causal +
+    padding) > 1`, with a fill of `-1e30` (a row it hides whole averages the values)."""
+    def keep(rows, cols):
+        causal_ones = (cols <= rows).astype(jnp.float32)
+        return causal_ones + padding[:, None, None, None, :] > 1
+
+    return grouped(q, k, v, keep, fill=-1e30)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: d.__name__)
+def test_a_causal_mask_plus_a_padding_mask_compared_is_passed_as_an_array(rewritten, dtype):
+    """The sum reads the padding (data): no band, the keys both keep passed as an array;
+    the first sequence's first key is padding, so its first row is hidden whole."""
+    padding = np.ones((B, S), np.float32)
+    padding[0, :2] = 0
+    padding[1, -3:] = 0
+    args = (*operands(17), jnp.asarray(padding))
+    low = tuple(a.astype(dtype) for a in args[:3]) + args[3:]
+    optimized = tokamax.optimize(causal_plus_padding_above_one)
+    assert attention_arguments(optimized, *low) == {(False, None, True)}
+    assert_gradients_match_jit(causal_plus_padding_above_one, optimized,
+                               random_normal(9, (B, T, N, H)), (0, 1, 2), low, args, dtype)
 
 
 def test_masks_of_different_fills_are_left_as_written(rewritten):

@@ -121,11 +121,18 @@ def scaled_after_the_mask(q, k, v, mask):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
 
+def mask_given_to_the_softmax(q, k, v, mask):
+    """`jax.nn.softmax(logits, where=mask)`: 0 for the keys the mask hides, and for every
+    key of a row it hides whole (whose result is then 0)."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k) * H ** -0.5
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1, where=mask), v)
+
+
 SPELLINGS = [einsum_scaled_after, einsum_ellipsis_flax_style, matmul_heads_first_soft_cap,
              grouped_query_by_repeat, with_bias, softmax_written_out_max_stopped,
              scaled_after_the_mask, bias_before_the_scale, bias_subtracted,
              bias_subtracted_before_the_scale, float_mask_flax_style, float_mask_argument,
-             integer_mask]
+             integer_mask, mask_given_to_the_softmax]
 
 
 def operands(f, seed=0, hide_a_row=False):
@@ -229,6 +236,35 @@ def test_a_row_with_every_key_hidden_is_plain_jaxs(rewritten, f):
     assert np.array_equal(np.isnan(actual), np.isnan(expected))
     assert np.isnan(expected).any() == (f is not einsum_scaled_after)
     assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: d.__name__)
+def test_a_row_the_softmax_where_hides_whole_is_zero_as_in_jit(rewritten, dtype):
+    """The op gives a row the softmax's `where=` hides whole zeros and no gradient, as
+    `jax.nn.softmax` does; in bfloat16 the rewrite matches the float32 reference as plain
+    JAX does."""
+    f = mask_given_to_the_softmax
+    args = operands(f, hide_a_row=True)
+    low = tuple(a.astype(dtype) if a.dtype == jnp.float32 else a for a in args)
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, *low) == [REWRITTEN]
+    actual = np.asarray(optimized(*low), np.float32)
+    assert not np.any(actual[0, 3]) and not np.any(np.asarray(jax.jit(f)(*low))[0, 3])
+    assert_close(actual, jax.jit(f)(*args), dtype)
+    assert_gradients_match_jit(f, optimized, random_normal(9, (B, T, N, H)), (0, 1, 2), low,
+                               args, dtype)
+
+
+def test_a_band_given_to_the_softmax_is_the_ops_causal_mask(rewritten):
+    def f(q, k, v):
+        return mask_given_to_the_softmax(q, k, v, jnp.tril(jnp.ones((T, S), bool)))
+
+    args = operands(f)[:3]
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, *args) == [REWRITTEN]
+    (row,) = optimized.plan(*args)
+    assert row.bound["arguments"]["is_causal"] and row.bound["arguments"]["mask"] is None
+    assert_gradients_match_jit(f, optimized, random_normal(9, (B, T, N, H)), (0, 1, 2), args)
 
 
 def test_vmap_scan_and_remat_bodies(rewritten):
@@ -337,6 +373,24 @@ def test_near_misses_are_left_as_written(rewritten, f):
     args = operands(f)
     optimized = tokamax.optimize(f)
     assert not any(m.rewritten for m in optimized.plan(*args).matches)
+    assert op_names(optimized, *args) == []
+    assert_close(optimized(*args), jax.jit(f)(*args))
+
+
+def softmax_where_beside_a_where_mask(q, k, v, mask):
+    """A `jnp.where` mask of `-1e30` then the softmax's `where=`: a row the first hides
+    whole among the keys `where=` keeps averages their values."""
+    logits = jnp.where(mask, einsum("bqhd,bkhd->bhqk", q, k), -1e30)
+    causal = jnp.tril(jnp.ones((T, S), bool))
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1, where=causal), v)
+
+
+def test_a_softmax_where_beside_another_mask_is_left_as_written_with_its_reason(rewritten):
+    f = softmax_where_beside_a_where_mask
+    args = operands(f, hide_a_row=True)
+    optimized = tokamax.optimize(f)
+    (match,) = optimized.plan(*args).matches
+    assert not match.rewritten and "softmax (where=) beside another mask" in match.reason
     assert op_names(optimized, *args) == []
     assert_close(optimized(*args), jax.jit(f)(*args))
 

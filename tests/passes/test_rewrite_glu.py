@@ -80,10 +80,31 @@ def stacked_second_up_first(x, w):
     return h[:, :, 0, :] * jax.nn.silu(h[:, :, 1, :])
 
 
+def silu_regrouped_with_up(x, w_gate, w_up):
+    """`g * (jax.nn.sigmoid(g) * up)`: silu's factors regrouped with the up projection."""
+    gate = dot(x, w_gate)
+    return gate * (jax.nn.sigmoid(gate) * dot(x, w_up))
+
+
+def stacked_last(x, w):
+    """Gate and up weights stacked on the last axis, `(K, N, 2)`."""
+    h = jnp.einsum("...k,knt->...nt", x, w, precision=HIGHEST)
+    return jax.nn.silu(h[..., 0]) * h[..., 1]
+
+
+def interleaved_up_first(x, w):
+    """`x @ w.reshape(K, 2 * N)` of `(K, N, 2)` weights reshaped back to `(..., N, 2)`:
+    gate and up columns interleaved, the gate at index 1."""
+    h = dot(x, w.reshape(K, 2 * N)).reshape(*x.shape[:-1], N, 2)
+    return h[..., 0] * jax.nn.gelu(h[..., 1])
+
+
 SEPARATE = [separate(a) for a in (jax.nn.silu, jax.nn.swish, jax.nn.gelu, jax.nn.relu,
-                                  jax.nn.sigmoid)] + [up_first, bilinear, silu_written_out]
+                                  jax.nn.sigmoid)] + [up_first, bilinear, silu_written_out,
+                                                      silu_regrouped_with_up]
 FUSED = [fused_split, fused_slices_gate_second, fused_silu_written_out_sigmoid_first]
-STACKED = {gemma_gating_einsum: (2, N, K), stacked_second_up_first: (K, 2, N)}
+STACKED = {gemma_gating_einsum: (2, N, K), stacked_second_up_first: (K, 2, N),
+           stacked_last: (K, N, 2), interleaved_up_first: (K, N, 2)}
 
 
 def operands(f, seed=0):
@@ -101,6 +122,17 @@ def test_values_and_gradients_match_jit(rewritten, f):
     optimized = tokamax.optimize(f)
     assert outcomes(optimized, *args) == [REWRITTEN]
     check_the_unit(f, args, random_normal(9, (B, T, N)), tuple(range(len(args))))
+
+
+@pytest.mark.parametrize("f", [silu_regrouped_with_up, stacked_last, interleaved_up_first],
+                         ids=lambda f: f.__name__)
+def test_bfloat16_values_and_gradients_match_jit(rewritten, f):
+    args = tuple(a.astype(jnp.bfloat16) for a in operands(f, seed=3))
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, *args) == [REWRITTEN]
+    assert_close(optimized(*args), jax.jit(f)(*args), jnp.bfloat16)
+    assert_gradients_match_jit(f, optimized, random_normal(9, (B, T, N)),
+                               tuple(range(len(args))), args, dtype=jnp.bfloat16)
 
 
 def check_the_unit(f, args, cotangent, argnums):
@@ -211,8 +243,22 @@ def one_stacked_row_twice(x, w):
     return jax.nn.silu(h[:, :, 0, :]) * h[:, :, 0, :]
 
 
+def quick_gelu_regrouped_with_up(x, w_gate, w_up):
+    """`g * (jax.nn.sigmoid(1.702 * g) * up)`: Hugging Face's `quick_gelu` regrouped, no
+    silu."""
+    gate = dot(x, w_gate)
+    return gate * (jax.nn.sigmoid(1.702 * gate) * dot(x, w_up))
+
+
+def three_stacked_last(x, w):
+    """`(K, N, 3)` weights stacked last, two of the three outputs used."""
+    h = jnp.einsum("...k,knt->...nt", x, w, precision=HIGHEST)
+    return jax.nn.silu(h[..., 0]) * h[..., 2]
+
+
 @pytest.mark.parametrize("f,reason", [
-    (tanh_gate, None), (straight_through_relu_gate, None), (two_inputs, None),
+    (tanh_gate, None), (quick_gelu_regrouped_with_up, None), (three_stacked_last, None),
+    (straight_through_relu_gate, None), (two_inputs, None),
     (gate_and_up_at_different_precisions, None),
     (uneven_halves, None),
     (every_other_column_of_the_halves, None),
@@ -223,6 +269,8 @@ def test_near_misses_are_left_as_written(rewritten, f, reason):
     args = operands(fused_split if f in (uneven_halves, every_other_column_of_the_halves,
                                          one_half_times_its_own_sigmoid) else
                     stacked_second_up_first if f is one_stacked_row_twice else f)
+    if f is three_stacked_last:
+        args = (args[0], random_normal(1, (K, N, 3)))
     optimized = tokamax.optimize(f)
     assert outcomes(optimized, *args) == ([] if reason is None else [f"left alone: {reason}"])
     assert op_names(optimized, *args) == []

@@ -48,7 +48,7 @@ def read(graph: Graph, bias: Any) -> AdditiveMask | None:
     fill = _fill(graph, bias)
     if fill is not None:
         return AdditiveMask(bias, fill)
-    add = graph.producer(bias, "add")
+    add = graph.producer(_unweakened(graph, bias), "add")
     if add is None:
         return None
     for rest, values in (add.invars, add.invars[::-1]):
@@ -56,6 +56,15 @@ def read(graph: Graph, bias: Any) -> AdditiveMask | None:
         if fill is not None:
             return AdditiveMask(values, fill, rest)
     return None
+
+
+def _unweakened(graph: Graph, var: Any) -> Any:
+    """`var` before a cast to its own dtype (a weakly typed sum made strong: `causal +
+    padding` of two `jnp.where(m, 0.0, -jnp.inf)` biases), else `var`."""
+    cast = graph.producer(var, "convert_element_type")
+    if cast is None or cast.invars[0].aval.dtype != var.aval.dtype:
+        return var
+    return cast.invars[0]
 
 
 def _fill(graph: Graph, var: Any) -> float | None:

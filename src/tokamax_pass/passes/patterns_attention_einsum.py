@@ -14,8 +14,10 @@ boolean are) with `fill` `-inf` or at most `-1e9` (or several in turn, one fill 
 all: the keys every one keeps) or added as a bias of 0 and a fill that swallows the
 logits (`additive_mask`: Hugging Face's Flax models), the scale also after the mask
 where no bias or soft cap is under it and the scaled fill is still at most `-1e9`, then
-`jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, possibly cast before the
-second product. The op's logits are float32, its probabilities and result in the
+`jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, or `jax.nn.softmax(l,
+where=mask)` of a boolean mask (taken as the op's mask; alone: beside another, a row the
+other hides whole gets its fill, not `where=`'s zeros), possibly cast before the second
+product. The op's logits are float32, its probabilities and result in the
 values' dtype: what rounds otherwise is a near-miss (probabilities wider than the values
 at the product, as a float32 softmax against bfloat16 values gives: the product is then
 float32, the op's bfloat16; probabilities rounded to a narrower type on the way; logits
@@ -40,7 +42,8 @@ row sees a key, becomes `is_causal` and `local_window_size` (masks applied in tu
 are all bands, their shared band); any other mask is passed as an array (several: each,
 and the op is given the keys all of them keep). A query row whose keys the mask all
 hides gets plain JAX's value there: the mean of the values for a finite fill, NaN for
-`-inf` (also a fill the scale after the mask overflows to it).
+`-inf` (also a fill the scale after the mask overflows to it), zeros for the softmax's
+`where=`.
 """
 
 from __future__ import annotations
@@ -90,6 +93,12 @@ def _softmax_written_out_max_stopped(logits: Any) -> Any:
 _SOFTMAXES = (_softmax, _softmax_written_out, _softmax_written_out_max_stopped)
 
 
+def _softmax_where(logits: Any, mask: Any) -> Any:
+    """`jax.nn.softmax` over the keys a boolean `mask` keeps: 0 for the keys it hides, and
+    for every key of a row it hides whole."""
+    return jax.nn.softmax(logits, axis=-1, where=mask)
+
+
 @dataclasses.dataclass
 class _Attention:
     """What a matched attention computes, and the equations it spans.
@@ -112,6 +121,9 @@ class _Attention:
     # Whether the mask was added to the logits as a bias (`additive_mask`): a row it hides
     # whole then has autodiff's gradient through the logits.
     additive: bool = False
+    # Whether the mask was given to the softmax (`jax.nn.softmax(l, where=mask)`): a row it
+    # hides whole then has zero probabilities, a zero result and no gradient.
+    softmax_where: bool = False
     scale: float = 1.0
     soft_cap: float | None = None
     band: band_mask.Band | None = None
@@ -187,13 +199,13 @@ def _parse(root: Any, graph: Graph) -> _Attention:
         uncast = _uncast(graph, probabilities, attention.region)
         unmerged = _unmerged(graph, uncast, attention.region)
         softmaxed = _uncast(graph, unmerged, attention.region)
-        softmax_input = _softmax_input(graph, softmaxed, attention.region)
+        softmax_input, softmax_mask = _softmax_input(graph, softmaxed, attention.region)
         if softmax_input is None:
             continue
         attention.probability_dtypes = tuple(
             jnp.dtype(v.aval.dtype) for v in (softmaxed, uncast, probabilities))
         attention.value = value
-        _logits(graph, attention, softmax_input)
+        _logits(graph, attention, softmax_input, softmax_mask)
         if (unmerged is uncast) != (attention.merged_shape is None):
             raise _NoMatch  # the logits reshaped, the probabilities not back (or the reverse)
         if unmerged is not uncast and tuple(uncast.aval.shape) != tuple(
@@ -259,7 +271,10 @@ def _unwidened(graph: Graph, var: Any, region: list[Any]) -> Any:
     return cast.invars[0]
 
 
-def _softmax_input(graph: Graph, probabilities: Any, region: list[Any]) -> Any:
+def _softmax_input(graph: Graph, probabilities: Any, region: list[Any]
+                   ) -> tuple[Any, Any]:
+    """`(logits, mask)` of a softmax (`_SOFTMAXES`, or `_softmax_where` of a boolean
+    `mask`, else `None` for it) making `probabilities`; `(None, None)` for no softmax."""
     for softmax in _SOFTMAXES:
         reference = reference_jaxpr(softmax, (tuple(probabilities.aval.shape),
                                               probabilities.aval.dtype))
@@ -268,8 +283,33 @@ def _softmax_input(graph: Graph, probabilities: Any, region: list[Any]) -> Any:
         if same_structure(graph, probabilities, reference, reference.outvars[0], bound, found):
             (logits,) = bound.values()
             region.extend({id(e): e for e in found}.values())
-            return logits
-    return None
+            return logits, None
+    return _softmax_where_input(graph, probabilities, region)
+
+
+def _softmax_where_input(graph: Graph, probabilities: Any, region: list[Any]
+                         ) -> tuple[Any, Any]:
+    """`(logits, mask)` where `probabilities` is `jax.nn.softmax(logits, axis=-1,
+    where=mask)` of a boolean `mask` (read from its last `jnp.where(mask, p, 0)`, whose
+    shape the reference is traced at), else `(None, None)`."""
+    where = graph.producer(probabilities, "jit")
+    if where is None or where.params.get("name") != "_where" or len(where.invars) != 3:
+        return None, None
+    mask = where.invars[0]
+    if mask.aval.dtype != jnp.bool_:
+        return None, None
+    reference = reference_jaxpr(_softmax_where, (tuple(probabilities.aval.shape),
+                                                 probabilities.aval.dtype),
+                                (tuple(mask.aval.shape), mask.aval.dtype))
+    bound: dict[Any, Any] = {}
+    found: list[Any] = []
+    if not same_structure(graph, probabilities, reference, reference.outvars[0], bound, found):
+        return None, None
+    logits, bound_mask = (bound.get(v) for v in reference.invars)
+    if bound_mask is not mask:
+        return None, None
+    region.extend({id(e): e for e in found}.values())
+    return logits, mask
 
 
 def _product(graph: Graph, var: Any) -> tuple[Any, Any]:
@@ -308,11 +348,12 @@ def _rounded_otherwise(attention: _Attention, product: Any) -> str | None:
     return None
 
 
-def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
+def _logits(graph: Graph, attention: _Attention, logits: Any, softmax_mask: Any = None
+            ) -> None:
     """Reads the mask, soft cap, bias and scale back to the `q . k` product; a cast of the
     logits to a wider float type (`.astype(jnp.float32)` for the softmax) after the
     product, scale, bias or mask is read through, the op computing them in float32
-    anyway."""
+    anyway. `softmax_mask`: the mask given to the softmax (`where=`), if any."""
     shape = tuple(logits.aval.shape)
     logits = _unwidened(graph, logits, attention.region)
     after_mask, scaled_dtype = 1.0, logits.aval.dtype
@@ -358,9 +399,11 @@ def _logits(graph: Graph, attention: _Attention, logits: Any) -> None:
                 attention.region.append(add)
                 break
         else:
-            raise _NoMatch
-        if attention.soft_cap is None:
+            logits = _mask_biases_added_in_turn(graph, attention, add, shape)
+        if attention.soft_cap is None and attention.bias is not None:
             _additive_mask(graph, attention, bands)
+    if softmax_mask is not None:
+        _softmax_where_mask(graph, attention, softmax_mask, bands, shape)
     attention.band = band_mask.intersection(bands)
     if after_mask != 1.0:
         if attention.bias is not None or attention.soft_cap is not None:
@@ -420,14 +463,62 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
         attention.left_alone = ("a bias-spelled mask beside a jnp.where mask: a row they "
                                 "hide whole gets a gradient that depends on which hid each key")
         return
-    if found.rest is not None and additive_mask.read(graph, found.rest) is not None:
-        attention.left_alone = ("two masks spelled as biases added: keys both hide are -inf, "
-                                "so a row one hides whole averages only the keys the other "
-                                "keeps")
+    other = None if found.rest is None else additive_mask.read(graph, found.rest)
+    if other is not None:
+        attention.left_alone = _two_additive_masks(found.fill, other.fill)
         return
     attention.masks.append((found.values, True))  # keys kept where the values are 0
     attention.fill, attention.additive, attention.bias = fill, True, found.rest
     bands.append(None)
+
+
+def _softmax_where_mask(graph: Graph, attention: _Attention, mask: Any,
+                        bands: list[band_mask.Band | None], shape: tuple[int, ...]) -> None:
+    """Takes the mask given to the softmax (`where=`) as the op's; beside another mask
+    (`jnp.where` or a bias), the attention is left alone: a row the other hides whole
+    among the keys `where=` keeps gets the other's fill there (the mean of those values,
+    or NaN), where the op would give the zeros of a row hidden whole."""
+    if attention.masks:
+        attention.left_alone = ("a mask given to the softmax (where=) beside another mask: "
+                                "a row the other hides whole among the keys where= keeps "
+                                "gets the other's fill there, not where='s zeros")
+        return
+    attention.masks.append((mask, False))
+    attention.softmax_where = True
+    bands.append(band_mask.band(graph, mask, shape, negated=False))
+
+
+def _mask_biases_added_in_turn(graph: Graph, attention: _Attention, add: Any,
+                               shape: tuple[int, ...]) -> Any:
+    """The logits under two masks spelled as biases and added one after the other
+    (`logits + causal_bias + padding_bias`), the attention then left alone
+    (`_two_additive_masks`); raises `_NoMatch` for any other sum."""
+    if add.primitive.name != "add":
+        raise _NoMatch
+    for inner_sum, outer_bias in _operand_orders(add):
+        inner = graph.producer(inner_sum, "add")
+        outer = additive_mask.read(graph, outer_bias)
+        if inner is None or outer is None or outer.rest is not None:
+            continue
+        for body, inner_bias in _operand_orders(inner):
+            found = additive_mask.read(graph, inner_bias)
+            if (found is not None and found.rest is None and tuple(body.aval.shape) == shape
+                    and (graph.producer(body, "mul", "div") is not None
+                         or _is_product(graph, body))):
+                attention.left_alone = _two_additive_masks(found.fill, outer.fill)
+                attention.region += [add, inner]
+                return body
+    raise _NoMatch
+
+
+def _two_additive_masks(fill: float, other_fill: float) -> str:
+    """Why two masks spelled as biases and added are left alone."""
+    if fill == other_fill == -math.inf:
+        return ("two masks spelled as biases of -inf added: a row they hide whole is NaN in "
+                "plain JAX, and so are the gradients of its query, keys and values, where "
+                "the op's gradients are finite")
+    return ("two masks spelled as biases added: keys both hide are -inf, so a row one hides "
+            "whole averages only the keys the other keeps")
 
 
 def _hidden_logits(fill: float, dtype: Any) -> str:
@@ -683,7 +774,9 @@ def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, 
                                 precision=attention.precision)
     if mask is not None:
         hidden = jnp.swapaxes(~jnp.any(mask, axis=-1), -1, -2)[..., None]
-        if attention.fill == -np.inf:
+        if attention.softmax_where:
+            plain = jnp.zeros_like(out)
+        elif attention.fill == -np.inf:
             plain = jnp.full_like(out, np.nan)
         else:
             plain = jnp.mean(v.astype(jnp.float32), axis=-3, keepdims=True)

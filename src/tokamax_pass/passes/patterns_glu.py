@@ -6,8 +6,10 @@ against the first of a `(K, N)` weight), one matmul with a `(K, 2N)` weight spli
 two halves (`jnp.split`, or slices) whose halves are the gate and the up projection, or
 one onto two stacked outputs indexed on the second-to-last axis (`h[..., 0, :]`,
 `h[..., 1, :]`: Gemma's `gating_einsum` of `(2, K, N)` or `(2, N, K)` weights, MaxText's
-fused `(K, 2, N)` kernel);
-`act` is `jax.nn.silu`/`swish` (or written out, `g * jax.nn.sigmoid(g)`), `jax.nn.gelu`
+fused `(K, 2, N)` kernel) or on the last (`h[..., 0]`, `h[..., 1]`: `(K, N, 2)` weights,
+or a `(K, 2N)` weight's product reshaped to `(..., N, 2)`, interleaved);
+`act` is `jax.nn.silu`/`swish` (or written out, `g * jax.nn.sigmoid(g)`, also regrouped
+with the up projection, `g * (jax.nn.sigmoid(g) * up)`), `jax.nn.gelu`
 (tanh or exact), `jax.nn.relu` or `jax.nn.sigmoid` (recognized by the equations they
 trace to), or none (the bilinear GLU).
 MoE experts' units over ragged dots are grouped ones (the op's `group_sizes`):
@@ -75,17 +77,64 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
     full = tuple(eqn.outvars[0].aval.shape)
     if any(tuple(v.aval.shape) != full or isinstance(v, Literal) for v in eqn.invars):
         return None
+    if _inside_regrouped_silu(graph, eqn):
+        return None
     for gate, up in (eqn.invars, eqn.invars[::-1]):
         found = _activation(graph, gate)
         if found is None:
             continue
-        activation, projected, region = found
-        for kind in (_separate, _fused, _stacked, functools.partial(_separate, grouped=True),
-                     functools.partial(_fused, grouped=True)):
-            candidate = kind(graph, eqn, projected, up, activation, region)
-            if candidate is not None:
-                return candidate
+        candidate = _unit(graph, eqn, up, *found)
+        if candidate is not None:
+            return candidate
+    regrouped = _regrouped_silu(graph, eqn)
+    if regrouped is not None:
+        projected, up, region = regrouped
+        return _unit(graph, eqn, up, jax.nn.silu, projected, region)
     return None
+
+
+def _unit(graph: Graph, root: Any, up: Any, activation: Callable[[Any], Any] | None,
+          projected: Any, region: list[Any]) -> Candidate | None:
+    """The candidate of the unit ending at `root` whose gate is `activation(projected)`
+    (by the equations `region`) and whose up projection is `up`, of any kind of
+    projection; `None` where `projected` and `up` are no unit's projections."""
+    for kind in (_separate, _fused, _stacked, functools.partial(_separate, grouped=True),
+                 functools.partial(_fused, grouped=True)):
+        candidate = kind(graph, root, projected, up, activation, region)
+        if candidate is not None:
+            return candidate
+    return None
+
+
+def _regrouped_silu(graph: Graph, eqn: Any) -> tuple[Any, Any, list[Any]] | None:
+    """`(g, up, equations)` where `eqn` is `g * (jax.nn.sigmoid(g) * up)`, silu's factors
+    regrouped with the up projection (either product's factors in either order), `g` a
+    projection; else `None`."""
+    for gate, inner in (eqn.invars, eqn.invars[::-1]):
+        product = graph.producer(inner, "mul")
+        if product is None or graph.producer(gate, *_PROJECTIONS) is None:
+            continue
+        for sigmoid, up in (product.invars, product.invars[::-1]):
+            if tuple(up.aval.shape) != tuple(gate.aval.shape):
+                continue
+            reference = reference_jaxpr(jax.nn.sigmoid, (tuple(gate.aval.shape),
+                                                         gate.aval.dtype))
+            bound: dict[Any, Any] = {}
+            region: list[Any] = [product]
+            if (same_structure(graph, sigmoid, reference, reference.outvars[0], bound,
+                               region) and list(bound.values()) == [gate]):
+                return gate, up, region
+    return None
+
+
+def _inside_regrouped_silu(graph: Graph, eqn: Any) -> bool:
+    """Whether `eqn` is the inner product `jax.nn.sigmoid(g) * up` of a regrouped silu
+    unit (`_regrouped_silu`), which is matched (or left alone) where it ends."""
+    users = graph.users(eqn.outvars[0])
+    if len(users) != 1 or users[0].primitive.name not in PRIMITIVES:
+        return False
+    regrouped = _regrouped_silu(graph, users[0])
+    return regrouped is not None and regrouped[2][0] is eqn
 
 
 def _candidate(graph: Graph, root: Any, region: list[Any], inputs: tuple[Any, ...],
@@ -201,16 +250,54 @@ def grouped_unit_root(graph: Graph, eqn: Any) -> Any:
 
 def _stacked(graph: Graph, root: Any, gate: Any, up: Any,
              activation: Callable[[Any], Any] | None, region: list[Any]) -> Candidate | None:
-    """A projection onto two stacked outputs, `h = jnp.einsum("...K,K2N->...2N", x, w)`
-    (MaxText's fused MLP kernel, the op's own `(K, 2, N)` layout) or of weights stacked
-    first, `"...F,NFH->...NH"` or `"...F,NHF->...NH"` (Gemma's `gating_einsum`), then
-    `act(h[..., 0, :]) * h[..., 1, :]` (either index the gate's). The op is given the
-    weights as `(K, 2, N)`, the contracted axis moved first."""
+    """A projection onto two stacked outputs, then `act(h[..., 0, :]) * h[..., 1, :]`
+    (either index the gate's), or stacked last, `act(h[..., 0]) * h[..., 1]`: `h =
+    jnp.einsum("...K,K2N->...2N", x, w)` (MaxText's fused MLP kernel, the op's own `(K,
+    2, N)` layout), of weights stacked first, `"...F,NFH->...NH"` or `"...F,NHF->...NH"`
+    (Gemma's `gating_einsum`), or last, `"...k,knt->...nt"` of `(K, N, 2)` weights; or
+    `x @ w` of a `(K, 2N)` weight reshaped to `(..., 2, N)` or to `(..., N, 2)` (gate
+    and up interleaved). The op is given the weights as `(K, 2, N)`, their axes moved
+    so (the products it computes are the plain ones, in another order)."""
     picked = _stacked_rows(graph, gate, up)
     if picked is None:
         return None
-    projected, gate_index, pick_eqns = picked
-    dot = graph.producer(projected, "dot_general")
+    projected, gate_index, stacked_last, pick_eqns = picked
+    found = _stacked_product(graph, projected, stacked_last)
+    if found is None:
+        return None
+    dot, as_stacked = found
+    region = [*region, *pick_eqns, *(e for e in (graph.producer(projected),) if e is not dot),
+              dot]
+    precision = dot.params["precision"]
+
+    def function(x: Any, w: Any) -> Any:
+        from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
+
+        weights = as_stacked(w)
+        weights = weights if gate_index == 0 else weights[:, ::-1]
+        return gated_linear_unit(x, weights, activation=activation, precision=precision)
+
+    return _candidate(graph, root, region, tuple(dot.invars), function)
+
+
+def _stacked_product(graph: Graph, h: Any, stacked_last: bool
+                     ) -> tuple[Any, Callable[[Any], Any]] | None:
+    """`(dot, as_stacked)` where `h` (stacked on its last axis where `stacked_last`, else
+    on the one before) is `x`'s last axis contracted with a 3-D weight, or `x @ w` of a
+    `(K, 2N)` weight reshaped to split its last axis in two; `as_stacked(w)` is that
+    weight as `(K, 2, N)`. `None` otherwise."""
+    reshape = graph.producer(h, "reshape")
+    if reshape is not None:
+        dot = dense_matmul(graph, reshape.invars[0])
+        shape, flat = tuple(h.aval.shape), tuple(reshape.invars[0].aval.shape)
+        if (dot is None or reshape.params.get("dimensions") is not None
+                or shape[:-2] != flat[:-1]):
+            return None
+        k, n = dot.invars[1].aval.shape[0], shape[-2] if stacked_last else shape[-1]
+        if stacked_last:
+            return dot, lambda w: jnp.swapaxes(w.reshape(k, n, 2), 1, 2)
+        return dot, lambda w: w.reshape(k, 2, n)
+    dot = graph.producer(h, "dot_general")
     if dot is None:
         return None
     x, w = dot.invars
@@ -219,49 +306,40 @@ def _stacked(graph: Graph, root: Any, gate: Any, up: Any,
     if len(w.aval.shape) != 3 or batch != ((), ()) or tuple(x_contract) != (rank - 1,):
         return None
     (contracted,) = w_contract
-    stack_axis = 1 if contracted == 0 else 0  # w's first free axis: `h`'s stacked one
-    if w.aval.shape[stack_axis] != 2:
-        return None
-    precision = dot.params["precision"]
-    region = [*region, *pick_eqns, dot]
-
-    def function(x: Any, w: Any) -> Any:
-        from tokamax_kernels.gated_linear_unit.api import gated_linear_unit
-
-        w = jnp.moveaxis(w, contracted, 0)
-        weights = w if gate_index == 0 else w[:, ::-1]
-        return gated_linear_unit(x, weights, activation=activation, precision=precision)
-
-    return _candidate(graph, root, region, (x, w), function)
+    free = [a for a in range(3) if a != contracted]  # `h`'s last two axes, in order
+    stack_axis, n_axis = free[::-1] if stacked_last else free
+    return dot, lambda w: jnp.transpose(w, (contracted, stack_axis, n_axis))
 
 
-def _stacked_rows(graph: Graph, gate: Any, up: Any) -> tuple[Any, int, list[Any]] | None:
-    """`(h, gate_index, equations)` where `gate` and `up` are `h[..., i, :]` and
-    `h[..., 1 - i, :]` of an `h` whose second-to-last axis has length 2 (a slice of it,
+def _stacked_rows(graph: Graph, gate: Any, up: Any
+                  ) -> tuple[Any, int, bool, list[Any]] | None:
+    """`(h, gate_index, stacked_last, equations)` where `gate` and `up` are `h[..., i, :]`
+    and `h[..., 1 - i, :]` of an `h` whose second-to-last axis has length 2, or `h[...,
+    i]` and `h[..., 1 - i]` of one whose last axis has (`stacked_last`) (a slice of it,
     squeezed), `i` the gate's index."""
     picks = []
     for var in (gate, up):
         squeeze = graph.producer(var, "squeeze")
         sliced = None if squeeze is None else graph.producer(squeeze.invars[0], "slice")
-        if sliced is None:
+        if sliced is None or len(squeeze.params["dimensions"]) != 1:
             return None
         h = sliced.invars[0]
         shape = tuple(h.aval.shape)
-        axis = len(shape) - 2
+        (axis,) = squeeze.params["dimensions"]
         p = sliced.params
-        if (axis < 0 or shape[axis] != 2 or tuple(squeeze.params["dimensions"]) != (axis,)
-                or p["strides"] not in (None, (1,) * len(shape))):
+        if (axis not in (len(shape) - 2, len(shape) - 1) or len(shape) < 2
+                or shape[axis] != 2 or p["strides"] not in (None, (1,) * len(shape))):
             return None
         index = int(p["start_indices"][axis])
         picked = [(0, size) for size in shape]
         picked[axis] = (index, index + 1)
         if list(zip(p["start_indices"], p["limit_indices"], strict=True)) != picked:
             return None
-        picks.append((h, index, [squeeze, sliced]))
-    (h, gate_index, gate_eqns), (h_up, up_index, up_eqns) = picks
-    if h is not h_up or gate_index == up_index:
+        picks.append((h, index, axis == len(shape) - 1, [squeeze, sliced]))
+    (h, gate_index, last, gate_eqns), (h_up, up_index, up_last, up_eqns) = picks
+    if h is not h_up or gate_index == up_index or last != up_last:
         return None
-    return h, gate_index, [*gate_eqns, *up_eqns]
+    return h, gate_index, last, [*gate_eqns, *up_eqns]
 
 
 def _halves(graph: Graph, gate: Any, up: Any) -> tuple[Any, bool, list[Any]] | None:
