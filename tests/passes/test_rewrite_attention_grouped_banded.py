@@ -272,6 +272,39 @@ def test_a_band_then_a_mask_reading_data_are_passed_as_arrays(rewritten):
     assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
 
 
+def causal_against_a_rounded_threshold(rows, cols):
+    """Two numbers chosen by a causal comparison, compared with a threshold float32
+    rounds: `2.0**24 + 1` is `2.0**24` there, so `chosen < threshold` keeps exactly the
+    causal keys (read as `2.0**24 + 1`, it would keep every key)."""
+    chosen = jnp.where(cols <= rows, 0.0, 2.0**24)
+    threshold = jnp.full(chosen.shape, 2.0**24) + 1.0
+    return chosen < threshold
+
+
+def against_a_rounded_literal(rows, cols):
+    """Two numbers chosen by a causal comparison, one a literal float32 rounds: it holds
+    `3.0000001e38` and `3e38` as one number, so `chosen <= 3e38` keeps every key (read as
+    the literal's float64 value, it would keep only the causal ones)."""
+    chosen = jnp.where(cols <= rows, 0.0, 3.0000001e38)
+    return chosen <= 3e38
+
+
+@pytest.mark.parametrize(("keep", "arguments"), [
+    (causal_against_a_rounded_threshold, (False, None, True)),
+    (against_a_rounded_literal, (False, None, False)),
+], ids=lambda x: getattr(x, "__name__", str(x)))
+def test_a_number_the_dtype_rounds_is_compared_as_the_program_holds_it(rewritten, keep,
+                                                                        arguments):
+    """Numbers are compared as the program's dtype holds them: a sum it rounds is not
+    read as a band (its mask is passed as an array), a literal is read rounded."""
+    def f(q, k, v):
+        return grouped(q, k, v, keep)
+
+    args = operands(19)
+    assert attention_arguments(tokamax.optimize(f), *args) == {arguments}
+    check_values_and_gradients(f, args, random_normal(9, (B, T, N, H)))
+
+
 def causal_plus_padding_above_one(q, k, v, padding):
     """A float causal mask plus a float padding mask, kept where both are 1: `(causal +
     padding) > 1`, with a fill of `-1e30` (a row it hides whole averages the values)."""

@@ -183,7 +183,9 @@ class _Reader:
 
 
 def _literal(var: Any) -> Any:
-    value = np.asarray(var.val)
+    """The symbolic value of a scalar literal, as its dtype holds it (a weakly typed
+    Python float keeps its float64 value in the jaxpr: `-0.7 * float32 max` rounds)."""
+    value = np.asarray(var.val, var.aval.dtype)
     if value.ndim != 0:
         return None
     if value.dtype == np.bool_:
@@ -212,10 +214,20 @@ def _apply(eqn: Any, operands: list[Any]) -> Any:
     integer the result's dtype cannot hold: unsigned `rows - cols` wraps around)."""
     result = _symbolic(eqn, operands)
     if isinstance(result, _Affine) and not _held(result, eqn.outvars[0].aval):
-        floating = jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)
-        return _Float(float(result.constant)) if floating and not any(
-            result.coefficients) else None
+        return _exact_float(result, eqn.outvars[0].aval.dtype)
     return result
+
+
+def _exact_float(value: _Affine, dtype: Any) -> _Float | None:
+    """`value` as a `_Float` where it is one number that the floating `dtype` holds
+    exactly (a fill such as `-1e9` in float32), else `None`: a sum the dtype rounds
+    (`2.0**24 + 1` is `2.0**24` in float32) is not the number the program compares."""
+    if not jnp.issubdtype(dtype, jnp.floating) or any(value.coefficients):
+        return None
+    held = float(np.asarray(float(value.constant), dtype))
+    if not math.isfinite(held) or int(held) != value.constant:
+        return None
+    return _Float(held)
 
 
 def _held(value: _Affine, aval: Any) -> bool:
