@@ -7,9 +7,11 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import os
 import pathlib
 import subprocess
 import sys
+import threading
 import uuid
 import warnings
 
@@ -404,6 +406,34 @@ def test_a_file_above_the_size_bound_is_refused_before_it_is_read(tmp_path, monk
                  cache_lib.read, tk.load_artifact):
         with pytest.raises(SpecError, match=r"is 1048576 bytes long, above the 1000"):
             load(artifact if load is tk.load_artifact else big)
+
+
+def _pipe_of(tmp_path, data):
+    """A named pipe (its size reads 0) a thread writes `data` into once it is opened."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+
+    def write():
+        with open(pipe, "wb") as f:
+            f.write(data)
+
+    threading.Thread(target=write, daemon=True).start()
+    return pipe
+
+
+@pytest.mark.parametrize("reader", [spec.read_file, spec.read_binary_file],
+                         ids=lambda f: f.__name__)
+def test_a_pipe_is_read_whole(tmp_path, reader):
+    """A file whose size reads 0 (a pipe, `/dev/stdin`) is read to its end, not cut to
+    the one byte past its stated size."""
+    data = b'{"serialized": "program"}'
+    assert reader(_pipe_of(tmp_path, data), what="pipe") == data
+
+
+def test_a_pipe_above_the_size_bound_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(spec, "MAX_JSON_CHARS", 10)
+    with pytest.raises(SpecError, match=r"pipe is 11 bytes long, above the 10"):
+        spec.read_file(_pipe_of(tmp_path, b"x" * 100), what="pipe")
 
 
 def test_configs_are_bounded_in_code_and_from_files():

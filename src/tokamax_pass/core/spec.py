@@ -423,15 +423,34 @@ def dumps(obj: Any) -> str:
 def _read_bounded(path: str | os.PathLike[str], *, limit: int | None, what: str,
                   beyond: str) -> bytes:
     """The bytes of the file at `path`: `SpecError` (`what` is N bytes long, `beyond`) for
-    one above `limit` bytes, found before it is read (a sparse file of a terabyte raised a
-    bare `MemoryError`), or while it is read (a file that grows)."""
+    one above `limit` bytes, found before it is read where its size is known (a sparse
+    file of a terabyte is never read into memory), or while it is read (a pipe, whose
+    size reads 0, or a file that grows)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        data = f.read(size + 1) if limit is None or size <= limit else b""
+        data = _read_at_most(f, size, limit) if limit is None or size <= limit else b""
     length = max(size, len(data))
     if limit is not None and length > limit:
         raise SpecError(f"{what} is {length} bytes long, {beyond}")
     return data
+
+
+# How many bytes a read asks for once a file has given its stated size (a pipe states 0).
+_READ_BLOCK = 1 << 20
+
+
+def _read_at_most(f: Any, size: int, limit: int | None) -> bytes:
+    """`f`'s bytes to its end or to one past `limit`: its stated `size` (and one more) in
+    one read, then blocks, none asking for more than is left below the limit."""
+    chunks, length = [], 0
+    while limit is None or length <= limit:
+        wanted = max(size + 1 - length, _READ_BLOCK)
+        chunk = f.read(wanted if limit is None else min(wanted, limit + 1 - length))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        length += len(chunk)
+    return b"".join(chunks)
 
 
 def read_file(path: str | os.PathLike[str], *, what: str) -> bytes:
