@@ -393,8 +393,9 @@ def test_a_spec_sets_no_field_that_specs_leave_out():
 
 
 def test_a_file_above_the_size_bound_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    """Loaders read a whole file before bounding its text: a sparse file of a terabyte
-    raised a bare `MemoryError` (in the user cache: on every op call)."""
+    """A file above the bound is refused from its size, before it is read: a sparse file
+    of a terabyte is a clear error, not a `MemoryError` (in the user cache: on every op
+    call)."""
     monkeypatch.setattr(spec, "MAX_JSON_CHARS", 1000)
     big = tmp_path / "big.json"
     with open(big, "wb") as f:

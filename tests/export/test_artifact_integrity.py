@@ -331,7 +331,7 @@ def test_a_manifest_of_a_schema_version_below_1_is_refused(tmp_path, programs):
 def test_a_program_larger_than_memory_is_refused_before_it_is_read(tmp_path, programs,
                                                                     monkeypatch):
     """A program file is read whole: one past this machine's memory (a sparse file of a
-    terabyte raised a bare `MemoryError`) is a clear error, from `load_artifact` and from
+    terabyte) is a clear error, not a `MemoryError`, from `load_artifact` and from
     `inspect` of the directory or of the file itself. Files beside it that the manifest
     digests are hashed in blocks, never read whole."""
     directory = programs[0].save(tmp_path / "art")
