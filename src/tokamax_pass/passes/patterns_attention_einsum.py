@@ -278,13 +278,22 @@ def _softmax_input(graph: Graph, probabilities: Any, region: list[Any]
     for softmax in _SOFTMAXES:
         reference = reference_jaxpr(softmax, (tuple(probabilities.aval.shape),
                                               probabilities.aval.dtype))
-        bound: dict[Any, Any] = {}
-        found: list[Any] = []
-        if same_structure(graph, probabilities, reference, reference.outvars[0], bound, found):
-            (logits,) = bound.values()
-            region.extend({id(e): e for e in found}.values())
-            return logits, None
+        inputs = _spelled_as(graph, probabilities, reference, region)
+        if inputs is not None:
+            return inputs[0], None
     return _softmax_where_input(graph, probabilities, region)
+
+
+def _spelled_as(graph: Graph, var: Any, reference: Any, region: list[Any]
+                ) -> list[Any] | None:
+    """The user's values bound to `reference`'s inputs, in order, where `var` is computed
+    as `reference` computes its output (its equations added to `region`); else `None`."""
+    bound: dict[Any, Any] = {}
+    found: list[Any] = []
+    if not same_structure(graph, var, reference, reference.outvars[0], bound, found):
+        return None
+    region.extend({id(e): e for e in found}.values())
+    return [bound.get(v) for v in reference.invars]
 
 
 def _softmax_where_input(graph: Graph, probabilities: Any, region: list[Any]
@@ -301,15 +310,12 @@ def _softmax_where_input(graph: Graph, probabilities: Any, region: list[Any]
     reference = reference_jaxpr(_softmax_where, (tuple(probabilities.aval.shape),
                                                  probabilities.aval.dtype),
                                 (tuple(mask.aval.shape), mask.aval.dtype))
-    bound: dict[Any, Any] = {}
-    found: list[Any] = []
-    if not same_structure(graph, probabilities, reference, reference.outvars[0], bound, found):
+    matched: list[Any] = []
+    inputs = _spelled_as(graph, probabilities, reference, matched)
+    if inputs is None or inputs[1] is not mask:
         return None, None
-    logits, bound_mask = (bound.get(v) for v in reference.invars)
-    if bound_mask is not mask:
-        return None, None
-    region.extend({id(e): e for e in found}.values())
-    return logits, mask
+    region.extend(matched)
+    return inputs[0], mask
 
 
 def _product(graph: Graph, var: Any) -> tuple[Any, Any]:

@@ -114,11 +114,11 @@ def _regrouped_silu(graph: Graph, eqn: Any) -> tuple[Any, Any, list[Any]] | None
         product = graph.producer(inner, "mul")
         if product is None or graph.producer(gate, *_PROJECTIONS) is None:
             continue
+        reference = reference_jaxpr(jax.nn.sigmoid, (tuple(gate.aval.shape),
+                                                     gate.aval.dtype))
         for sigmoid, up in (product.invars, product.invars[::-1]):
             if tuple(up.aval.shape) != tuple(gate.aval.shape):
                 continue
-            reference = reference_jaxpr(jax.nn.sigmoid, (tuple(gate.aval.shape),
-                                                         gate.aval.dtype))
             bound: dict[Any, Any] = {}
             region: list[Any] = [product]
             if (same_structure(graph, sigmoid, reference, reference.outvars[0], bound,
@@ -265,9 +265,8 @@ def _stacked(graph: Graph, root: Any, gate: Any, up: Any,
     found = _stacked_product(graph, projected, stacked_last)
     if found is None:
         return None
-    dot, as_stacked = found
-    region = [*region, *pick_eqns, *(e for e in (graph.producer(projected),) if e is not dot),
-              dot]
+    dot, as_stacked, product_eqns = found
+    region = [*region, *pick_eqns, *product_eqns]
     precision = dot.params["precision"]
 
     def function(x: Any, w: Any) -> Any:
@@ -281,11 +280,12 @@ def _stacked(graph: Graph, root: Any, gate: Any, up: Any,
 
 
 def _stacked_product(graph: Graph, h: Any, stacked_last: bool
-                     ) -> tuple[Any, Callable[[Any], Any]] | None:
-    """`(dot, as_stacked)` where `h` (stacked on its last axis where `stacked_last`, else
+                     ) -> tuple[Any, Callable[[Any], Any], list[Any]] | None:
+    """`(dot, as_stacked, equations)` where `h` (stacked on its last axis where `stacked_last`, else
     on the one before) is `x`'s last axis contracted with a 3-D weight, or `x @ w` of a
     `(K, 2N)` weight reshaped to split its last axis in two; `as_stacked(w)` is that
-    weight as `(K, 2, N)`. `None` otherwise."""
+    weight as `(K, 2, N)`; `equations`: the product's (and its reshape's). `None`
+    otherwise."""
     reshape = graph.producer(h, "reshape")
     if reshape is not None:
         dot = dense_matmul(graph, reshape.invars[0])
@@ -295,8 +295,8 @@ def _stacked_product(graph: Graph, h: Any, stacked_last: bool
             return None
         k, n = dot.invars[1].aval.shape[0], shape[-2] if stacked_last else shape[-1]
         if stacked_last:
-            return dot, lambda w: jnp.swapaxes(w.reshape(k, n, 2), 1, 2)
-        return dot, lambda w: w.reshape(k, 2, n)
+            return dot, lambda w: jnp.swapaxes(w.reshape(k, n, 2), 1, 2), [reshape, dot]
+        return dot, lambda w: w.reshape(k, 2, n), [reshape, dot]
     dot = graph.producer(h, "dot_general")
     if dot is None:
         return None
@@ -308,7 +308,7 @@ def _stacked_product(graph: Graph, h: Any, stacked_last: bool
     (contracted,) = w_contract
     free = [a for a in range(3) if a != contracted]  # `h`'s last two axes, in order
     stack_axis, n_axis = free[::-1] if stacked_last else free
-    return dot, lambda w: jnp.transpose(w, (contracted, stack_axis, n_axis))
+    return dot, lambda w: jnp.transpose(w, (contracted, stack_axis, n_axis)), [dot]
 
 
 def _stacked_rows(graph: Graph, gate: Any, up: Any
