@@ -195,3 +195,12 @@ def test_logits_of_no_product_with_a_mask_bias_are_no_attention_near_miss():
     args = (random_normal(0, (B, N, T, T)), jnp.ones((B, 1, T, T), bool),
             random_normal(1, (B, T, N, H)))
     assert not tokamax.optimize(f).plan(*args).matches
+
+
+def test_the_fill_the_pass_reads_as_hidden_is_the_floor_the_kernels_hold_logits_at():
+    """A bias at or below `KERNEL_FLOOR` is read as hiding its keys because the `triton`
+    kernels hold every logit at `HIDDEN_LOGIT`: two names for one fact, kept equal."""
+    from tokamax_kernels.attention import _flash_tiles
+    from tokamax_pass.passes import additive_mask
+
+    assert additive_mask.KERNEL_FLOOR == _flash_tiles.HIDDEN_LOGIT
