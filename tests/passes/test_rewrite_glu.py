@@ -92,6 +92,13 @@ def stacked_last(x, w):
     return jax.nn.silu(h[..., 0]) * h[..., 1]
 
 
+def stacked_last_silu_written_out(x, w):
+    """`h[..., 0] * sigmoid(h[..., 0]) * h[..., 1]`: silu written out on a `(K, N, 2)`
+    product, the gate's row sliced once for each of its factors."""
+    h = jnp.einsum("...k,knt->...nt", x, w, precision=HIGHEST)
+    return h[..., 0] * jax.nn.sigmoid(h[..., 0]) * h[..., 1]
+
+
 def interleaved_up_first(x, w):
     """`x @ w.reshape(K, 2 * N)` of `(K, N, 2)` weights reshaped back to `(..., N, 2)`:
     gate and up columns interleaved, the gate at index 1."""
@@ -104,7 +111,8 @@ SEPARATE = [separate(a) for a in (jax.nn.silu, jax.nn.swish, jax.nn.gelu, jax.nn
                                                       silu_regrouped_with_up]
 FUSED = [fused_split, fused_slices_gate_second, fused_silu_written_out_sigmoid_first]
 STACKED = {gemma_gating_einsum: (2, N, K), stacked_second_up_first: (K, 2, N),
-           stacked_last: (K, N, 2), interleaved_up_first: (K, N, 2)}
+           stacked_last: (K, N, 2), stacked_last_silu_written_out: (K, N, 2),
+           interleaved_up_first: (K, N, 2)}
 
 
 def operands(f, seed=0):
@@ -256,8 +264,16 @@ def three_stacked_last(x, w):
     return jax.nn.silu(h[..., 0]) * h[..., 2]
 
 
+def silu_written_out_of_two_stacked_rows(x, w):
+    """`h[..., 0] * sigmoid(h[..., 2]) * h[..., 1]`: the sigmoid of another row than the
+    one it multiplies, no silu."""
+    h = jnp.einsum("...k,knt->...nt", x, w, precision=HIGHEST)
+    return h[..., 0] * jax.nn.sigmoid(h[..., 2]) * h[..., 1]
+
+
 @pytest.mark.parametrize("f,reason", [
     (tanh_gate, None), (quick_gelu_regrouped_with_up, None), (three_stacked_last, None),
+    (silu_written_out_of_two_stacked_rows, None),
     (straight_through_relu_gate, None), (two_inputs, None),
     (gate_and_up_at_different_precisions, None),
     (uneven_halves, None),
@@ -269,7 +285,7 @@ def test_near_misses_are_left_as_written(rewritten, f, reason):
     args = operands(fused_split if f in (uneven_halves, every_other_column_of_the_halves,
                                          one_half_times_its_own_sigmoid) else
                     stacked_second_up_first if f is one_stacked_row_twice else f)
-    if f is three_stacked_last:
+    if f in (three_stacked_last, silu_written_out_of_two_stacked_rows):
         args = (args[0], random_normal(1, (K, N, 3)))
     optimized = tokamax.optimize(f)
     assert outcomes(optimized, *args) == ([] if reason is None else [f"left alone: {reason}"])

@@ -185,6 +185,16 @@ def same_value(graph: Graph, a: Any, b: Any, depth: int = 8) -> bool:
         same_value(graph, x, y, depth - 1) for x, y in zip(ea.invars, eb.invars, strict=True))
 
 
+def _recomputed(graph: Graph, a: Any, b: Any) -> list[Any]:
+    """The equations computing `b` again where `same_value(graph, a, b)`: those of its
+    producers down to the variables it shares with `a`."""
+    if a is b or isinstance(b, Literal):
+        return []
+    ea, eb = graph.producer(a), graph.producer(b)
+    return [eb, *(e for x, y in zip(ea.invars, eb.invars, strict=True)
+                  for e in _recomputed(graph, x, y))]
+
+
 def soft_capped(graph: Graph, var: Any) -> tuple[Any, float, list[Any]] | None:
     """`(logits, cap, equations)` where `var` is `cap * tanh(logits / cap)` (Gemma 2's
     soft cap, `cap` a number), else `None`."""
@@ -223,15 +233,19 @@ def same_structure(graph: Graph, var: Any, reference: Jaxpr, ref_var: Any,
                    bound: dict[Any, Any], region: list[Any]) -> bool:
     """Whether `var` is computed as `reference` (a jaxpr traced from a known spelling)
     computes `ref_var`, each input of `reference` bound to one variable of `graph`
-    (recorded in `bound`); the equations are added to `region`. Casts that keep values
-    are read through, in `graph` and in the bodies of calls (`same_function`)."""
+    (recorded in `bound`; an input used twice may be two variables of one value,
+    `h[..., 0]` sliced twice); the equations are added to `region`. Casts that keep
+    values are read through, in `graph` and in the bodies of calls (`same_function`)."""
     if isinstance(ref_var, Literal):
         value = literal_value(var)
         return value is not None and var.aval == ref_var.aval and bool(
             np.all(np.asarray(value) == np.asarray(ref_var.val)))
     var = graph.source(var)
-    if ref_var in bound:
-        return bound[ref_var] is var
+    if ref_var in bound:  # an input the spelling reads twice, the user's maybe written twice
+        if not same_value(graph, bound[ref_var], var):
+            return False
+        region.extend(_recomputed(graph, bound[ref_var], var))
+        return True
     if ref_var in reference.invars:
         if isinstance(var, Literal):
             return False
