@@ -14,16 +14,16 @@ boolean are) with `fill` `-inf` or at most `-1e9` (or several in turn, one fill 
 all: the keys every one keeps) or added as a bias of 0 and a fill that swallows the
 logits (`additive_mask`: Hugging Face's Flax models), the scale also after the mask
 where no bias or soft cap is under it and the scaled fill is still at most `-1e9`, then
-`jax.nn.softmax` (or `exp(l - max) / sum`) over the keys, or `jax.nn.softmax(l,
-where=mask)` of a boolean mask (taken as the op's mask; alone: beside another, a row the
-other hides whole gets its fill, not `where=`'s zeros), possibly cast before the second
-product. The op's logits are float32, its probabilities and result in the
-values' dtype: what rounds otherwise is a near-miss (probabilities wider than the values
-at the product, as a float32 softmax against bfloat16 values gives: the product is then
-float32, the op's bfloat16; probabilities rounded to a narrower type on the way; logits
-rounded by a narrower `preferred_element_type` of `q . k`; the second product's result
-of another type than the values'). The op takes the products' `precision`; products
-of different precisions are a near-miss.
+`jax.nn.softmax` (or `exp(l - max) / sum`, or `exp(jax.nn.log_softmax(l))`) over the
+keys, or `jax.nn.softmax(l, where=mask)` of a boolean mask (taken as the op's mask;
+alone: beside another, a row the other hides whole gets its fill, not `where=`'s zeros),
+possibly cast before the second product. The op's logits are float32, its probabilities
+and result in the values' dtype: what rounds otherwise is a near-miss (probabilities
+wider than the values at the product, as a float32 softmax against bfloat16 values
+gives: the product is then float32, the op's bfloat16; probabilities rounded to a
+narrower type on the way; logits rounded by a narrower `preferred_element_type` of `q .
+k`; the second product's result of another type than the values'). The op takes the
+products' `precision`; products of different precisions are a near-miss.
 The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), the
 logits cast to a wider float type for the softmax (`.astype(jnp.float32)`), and q and k
 cast to a wider one from the values' before the product. The logits
@@ -90,7 +90,13 @@ def _softmax_written_out_max_stopped(logits: Any) -> Any:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-_SOFTMAXES = (_softmax, _softmax_written_out, _softmax_written_out_max_stopped)
+def _softmax_in_log_space(logits: Any) -> Any:
+    """The softmax as the exponential of the log-probabilities."""
+    return jnp.exp(jax.nn.log_softmax(logits, axis=-1))
+
+
+_SOFTMAXES = (_softmax, _softmax_written_out, _softmax_written_out_max_stopped,
+              _softmax_in_log_space)
 
 
 def _softmax_where(logits: Any, mask: Any) -> Any:
