@@ -21,8 +21,8 @@ possibly cast before the second product. The op's logits are float32, its probab
 and result in the values' dtype: what rounds otherwise is a near-miss (probabilities
 wider than the values at the product, as a float32 softmax against bfloat16 values
 gives: the product is then float32, the op's bfloat16; probabilities rounded to a
-narrower type on the way; logits rounded by a narrower `preferred_element_type` of `q .
-k`; the second product's result of another type than the values'). The op takes the
+narrower type on the way; logits rounded by a narrower `preferred_element_type` of
+`q . k`; the second product's result of another type than the values'). The op takes the
 products' `precision`; products of different precisions are a near-miss.
 The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), the
 logits cast to a wider float type for the softmax (`.astype(jnp.float32)`), and q and k
