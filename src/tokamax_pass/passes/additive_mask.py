@@ -78,7 +78,8 @@ def _fill(graph: Graph, var: Any) -> float | None:
         var = eqn.invars[0]
     chosen = _chosen(graph, var)
     if chosen is None:
-        return None
+        fill = _triangle_fill(graph, var)
+        return None if fill is None else _cast(fill, [var.aval.dtype, *reversed(dtypes)])
     condition, values = chosen
     if condition.aval.dtype != jnp.bool_ or any(v is None for v in values):
         return None
@@ -106,6 +107,17 @@ def _chosen(graph: Graph, var: Any) -> tuple[Any, list[Any]] | None:
         if cast is not None and literal_value(sub.invars[0]) == 1:
             return cast.invars[0], [0.0, scalar_constant(graph, factor)]
     return None
+
+
+def _triangle_fill(graph: Graph, var: Any) -> float | None:
+    """The negative constant `var` holds on a triangle and 0 elsewhere,
+    `jnp.triu(jnp.full((t, t), -jnp.inf), 1)` as Whisper spells its causal mask (or
+    `jnp.tril`), else `None`."""
+    eqn = graph.producer(var, "jit")
+    if eqn is None or eqn.params.get("name") not in ("tril", "triu"):
+        return None
+    fill = _filled(graph, eqn.invars[0])
+    return float(fill) if fill is not None and fill < 0 else None
 
 
 def _filled(graph: Graph, var: Any) -> Any:

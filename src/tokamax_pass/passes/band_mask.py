@@ -96,6 +96,10 @@ def band(graph: Graph, mask: Any, shape: tuple[int, ...], *, negated: bool = Fal
     value = _Reader(graph).value(mask, 0)
     if isinstance(value, _Indicator):
         value = value.kept
+    if isinstance(value, _Choice):  # kept where nonzero (where 0, `negated`)
+        value = _where_held(value.kept, (value.on != 0) != negated,
+                            (value.off != 0) != negated)
+        negated = False
     if negated:
         value = _negation(value)
     if not isinstance(value, _Intervals) or value.false:
@@ -190,6 +194,8 @@ def _literal(var: Any) -> Any:
         return None
     if value.dtype == np.bool_:
         return _Intervals((), false=not bool(value))
+    if np.issubdtype(value.dtype, np.floating) and np.isinf(value):
+        return _Float(float(value))  # a fill: `jnp.where(causal, 0.0, -jnp.inf)`
     if np.issubdtype(value.dtype, np.integer) or (
             np.issubdtype(value.dtype, np.floating) and float(value).is_integer()):
         return _Affine((), int(value))
@@ -292,6 +298,8 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
 def _converted(eqn: Any, value: Any) -> Any:
     """A conversion's value: a boolean mask to numbers an indicator, an indicator to
     booleans its mask; otherwise the value where the conversion keeps it."""
+    if eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype:
+        return value  # a weakly typed value made strong (`jnp.full(s, 0.0).astype(f32)`)
     to_bool = eqn.outvars[0].aval.dtype == np.bool_
     if isinstance(value, _Intervals) and not to_bool:
         return _Indicator(value)
