@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 

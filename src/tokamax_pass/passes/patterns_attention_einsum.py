@@ -519,8 +519,9 @@ def _mask_biases_added_in_turn(graph: Graph, attention: _Attention, add: Any,
             continue
         for body, inner_bias in _operand_orders(inner):
             found = additive_mask.read(graph, inner_bias)
-            if (tuple(body.aval.shape) != shape or literal_value(inner_bias) is not None
-                    or (found is None and outer is None)
+            mask, rest = (outer, inner_bias) if outer is not None else (found, outer_bias)
+            if (mask is None or tuple(body.aval.shape) != shape
+                    or literal_value(inner_bias) is not None
                     or (found is not None and found.rest is not None)
                     or (graph.producer(body, "mul", "div") is None
                         and not _is_product(graph, body))):
@@ -529,9 +530,8 @@ def _mask_biases_added_in_turn(graph: Graph, attention: _Attention, add: Any,
             if found is not None and outer is not None:
                 attention.left_alone = _two_additive_masks(found.fill, outer.fill)
                 return body, None
-            mask, attention.bias = (outer, inner_bias) if outer is not None else (
-                found, outer_bias)
-            return body, dataclasses.replace(mask, rest=attention.bias)
+            attention.bias = rest
+            return body, dataclasses.replace(mask, rest=rest)
     raise _NoMatch
 
 
