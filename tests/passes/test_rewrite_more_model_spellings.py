@@ -631,3 +631,57 @@ def test_a_band_spelled_as_a_bias_is_the_ops_band(rewritten, spelling):
     assert_close(value, expected[0])
     for actual, wanted in zip(grads, expected[1], strict=True):
         assert_close(actual, wanted)
+
+
+MAX_POSITIONS = 16
+
+
+def make_causal_mask(x):
+    """`flax.linen.make_causal_mask`: positions compared, of the longest sequence."""
+    idxs = jnp.broadcast_to(jnp.arange(x.shape[-1], dtype=jnp.int32), x.shape)
+    mask = jnp.greater_equal(jnp.expand_dims(idxs, -1), jnp.expand_dims(idxs, -2))
+    return jnp.expand_dims(mask, axis=-3).astype(bool)
+
+
+def hugging_face_flax_logits(q, k):
+    """`FlaxGPT2Attention` without padding: its causal mask of `max_position_embeddings`
+    sliced to the sequence, combined with the all-ones attention mask it makes, turned
+    into a bias."""
+    causal = make_causal_mask(jnp.ones((1, MAX_POSITIONS), dtype="bool"))[:, :, :T, :T]
+    attention_mask = jnp.broadcast_to(jnp.expand_dims(jnp.ones((B, T)), axis=(-3, -2)),
+                                      (B, 1, T, T))
+    bias = flax_mask_bias(jnp.logical_and(attention_mask, causal), q.dtype)
+    return jnp.einsum("...qhd,...khd->...hqk", q / jnp.sqrt(HD).astype(q.dtype), k) + bias
+
+
+def nanogpt_logits(q, k, rows=slice(0, T)):
+    """nanoGPT's `att.masked_fill(self.bias[:, :, :T, :T] == 0, -inf)` of a causal
+    buffer of `block_size` (`rows`: the buffer's rows taken)."""
+    buffer = jnp.tril(jnp.ones((MAX_POSITIONS, MAX_POSITIONS)))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(HD)
+    return jnp.where(buffer[rows, :T] == 0, -jnp.inf, logits)
+
+
+@pytest.mark.parametrize(("logits", "arguments"), [
+    (hugging_face_flax_logits, CAUSAL),
+    (nanogpt_logits, CAUSAL),
+    (functools.partial(nanogpt_logits, rows=slice(2, 2 + T)),
+     (False, (2 * T, 2), False, False)),  # no left bound: as many keys as rows and keys
+], ids=["hugging_face_flax", "nanogpt", "nanogpt_rows_offset"])
+def test_a_causal_mask_sliced_from_a_longer_one_is_the_ops_band(rewritten, logits, arguments):
+    """A causal mask made for the longest sequence and sliced to this one is the band the
+    slice keeps: the causal band where rows and keys start together, the band shifted
+    where the rows start later (row `i` of `buffer[2:2 + t]` keeps keys up to `i + 2`)."""
+    def f(q, k, v):
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits(q, k), axis=-1), v)
+
+    args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
+    optimized = tokamax.optimize(f)
+    assert attention_calls(optimized, *args) == {arguments}
+    cotangent = random_normal(3, (B, T, N, HD))
+    loss = jax.value_and_grad(weighted(f, cotangent), argnums=(0, 1, 2))
+    expected = jax.jit(loss)(*args)
+    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=(0, 1, 2))(*args)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)

@@ -264,10 +264,10 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
         return result
     if any(o is None for o in operands):
         return None
-    if isinstance(operands[0], _Float) and name in ("broadcast_in_dim", "reshape"):
+    if isinstance(operands[0], _Float) and name in ("broadcast_in_dim", "reshape", "slice"):
         return operands[0]
     if isinstance(operands[0], _Indicator | _Choice) and name in ("broadcast_in_dim",
-                                                                  "reshape"):
+                                                                  "reshape", "slice"):
         kept = _symbolic(eqn, [operands[0].kept])
         return None if kept is None else dataclasses.replace(operands[0], kept=kept)
     if name == "broadcast_in_dim":
@@ -275,6 +275,8 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
                       len(out_shape), out_shape)
     if name == "reshape":
         return _reshape(operands[0], tuple(eqn.invars[0].aval.shape), out_shape)
+    if name == "slice":
+        return _sliced(operands[0], eqn.params, out_shape)
     if name == "convert_element_type":
         return _converted(eqn, operands[0])
     if any(isinstance(o, _Choice) for o in operands):
@@ -283,7 +285,7 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
         return _indicator_op(name, operands)
     if name in ("add", "sub", "mul", "neg"):
         return _arithmetic(name, operands, out_shape)
-    if name in ("lt", "le", "gt", "ge", "eq"):
+    if name in ("lt", "le", "gt", "ge", "eq", "ne"):
         return _compare(name, operands, out_shape)
     if name == "and":
         return _conjunction(*operands) if all(isinstance(o, _Intervals)
@@ -438,6 +440,28 @@ def _reshape(value: Any, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) 
     return _remap(value, axis_map, len(out_shape), out_shape)
 
 
+def _sliced(value: Any, params: dict[str, Any], out_shape: tuple[int, ...]) -> Any:
+    """`value` sliced with unit strides (`causal[:t, :t]` of a longer causal mask, as
+    nanoGPT and Hugging Face's Flax models slice theirs): the entry at `i` is the one at
+    `i + start`; any other slice is none."""
+    strides, starts = params.get("strides"), params["start_indices"]
+    if strides is not None and any(stride != 1 for stride in strides):
+        return None
+
+    def shift(form: tuple[int, ...]) -> int:
+        return sum(c * start for c, start in zip(form, starts, strict=True))
+
+    if isinstance(value, _Affine):
+        value = _widened(value, len(out_shape))
+        return _Affine(_unit_axes_zeroed(value.coefficients, out_shape),
+                       value.constant + shift(value.coefficients))
+    if value.false:
+        return value
+    return functools.reduce(_conjunction, [
+        _constraint(_unit_axes_zeroed(form, out_shape), low - shift(form), high - shift(form))
+        for form, low, high in value.constraints], _Intervals(()))
+
+
 def _widened(value: _Affine, rank: int) -> _Affine:
     return value if value.coefficients else _Affine((0,) * rank, value.constant)
 
@@ -469,6 +493,8 @@ def _compare(name: str, operands: list[Any], out_shape: tuple[int, ...]) -> Any:
     if difference is None:
         return None
     form, k = difference.coefficients, difference.constant
+    if name == "ne":  # one interval only where it is everywhere true or everywhere false
+        return None if any(form) else _Intervals((), false=k == 0)
     low, high = {"lt": (-math.inf, -k - 1), "le": (-math.inf, -k), "gt": (-k + 1, math.inf),
                  "ge": (-k, math.inf), "eq": (-k, -k)}[name]
     return _constraint(form, low, high)
