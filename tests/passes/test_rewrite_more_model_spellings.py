@@ -685,3 +685,24 @@ def test_a_causal_mask_sliced_from_a_longer_one_is_the_ops_band(rewritten, logit
     assert_close(value, expected[0])
     for actual, wanted in zip(grads, expected[1], strict=True):
         assert_close(actual, wanted)
+
+
+def pytorch_port_padded_attention(q, k, v, padding):
+    """Hugging Face's PyTorch models ported to JAX: the integer padding mask cast to the
+    logits' dtype, `(1.0 - mask) * jnp.finfo(dtype).min`, added to the logits."""
+    mask = padding[:, None, None, :].astype(q.dtype)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(HD)
+    logits = logits + (1.0 - mask) * jnp.finfo(q.dtype).min
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def test_a_mask_read_from_the_data_times_finfo_min_is_left_alone_as_no_boolean(rewritten):
+    """`(1.0 - mask) * finfo.min` of a mask cast from integers swallows the logits where
+    the mask is 0, but other values of it (2, -1) are no mask: it stays as written, its
+    reason saying so rather than that it does not swallow the logits."""
+    args = (*(random_normal(seed, (B, T, N, HD)) for seed in range(3)), padding_of(jnp.int32))
+    optimized = tokamax.optimize(pytorch_port_padded_attention)
+    (match,) = optimized.plan(*args).matches
+    assert not match.rewritten
+    assert "not a boolean choice" in match.reason and "does not swallow" not in match.reason
+    assert_close(optimized(*args), jax.jit(pytorch_port_padded_attention)(*args))

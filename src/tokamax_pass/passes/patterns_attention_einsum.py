@@ -463,7 +463,7 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
         if fill is not None and additive_mask.keeps_hidden_logits(fill, dtype, scale):
             attention.left_alone = (
                 f"the bias is a mask read from the data times {fill:g}, "
-                f"{_hidden_logits(fill, dtype)}")
+                f"{_data_mask_fill(fill * scale, fill, dtype)}")
         return
     fill = found.fill * scale
     if not additive_mask.swallows(fill):
@@ -551,6 +551,15 @@ def _hidden_logits(fill: float, dtype: Any) -> str:
             f"of {additive_mask.spacing(fill, dtype):g} in {jnp.dtype(dtype).name}): a row "
             "it hides whole keeps a softmax of what is left, which the op does not compute "
             f"(its kernels hold logits below {additive_mask.KERNEL_FLOOR:g} at one floor)")
+
+
+def _data_mask_fill(scaled_fill: float, fill: float, dtype: Any) -> str:
+    """Why a bias of numbers from the data times `fill` that hides keys is left alone."""
+    if not additive_mask.swallows(scaled_fill):
+        return _hidden_logits(fill, dtype)
+    return ("which swallows the logits but is numbers, not a boolean choice: the op "
+            "cannot take it as its mask, and as a bias it lies below the floor the op's "
+            f"kernels hold logits at ({additive_mask.KERNEL_FLOOR:g})")
 
 
 def _unmerge_band(attention: _Attention, shape: tuple[int, ...]) -> None:
