@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -706,3 +707,55 @@ def test_a_mask_read_from_the_data_times_finfo_min_is_left_alone_as_no_boolean(r
     assert not match.rewritten
     assert "not a boolean choice" in match.reason and "does not swallow" not in match.reason
     assert_close(optimized(*args), jax.jit(pytorch_port_padded_attention)(*args))
+
+
+CAUSAL_BUFFER = jnp.tril(jnp.ones((MAX_POSITIONS, MAX_POSITIONS)))  # made before tracing
+NO_BAND = np.random.default_rng(0).random((T, T)) < 0.5
+CONSTANT_MASKS = {
+    "numpy_causal": (np.tril(np.ones((T, T), bool)), CAUSAL),
+    "numpy_sliding_window": (np.triu(np.tril(np.ones((T, T))), -WINDOW) != 0,
+                             (True, (WINDOW, 0), False, False)),
+    "buffer_sliced": (CAUSAL_BUFFER[:T, :T] != 0, CAUSAL),
+    "numpy_no_band": (NO_BAND | np.eye(T, dtype=bool), PADDED),
+    "numpy_first_row_hidden": (np.tril(np.ones((T, T), bool), -1), PADDED),
+}
+
+
+def masked_by(mask):
+    def f(q, k, v):
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(HD)
+        logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+    return f
+
+
+@pytest.mark.parametrize("spelling", CONSTANT_MASKS)
+def test_a_constant_mask_is_the_band_it_keeps(rewritten, spelling):
+    """A mask the function closes over, made with NumPy or computed before tracing, is
+    read from its values: one band of key offsets that gives every row a key becomes
+    `is_causal` and `local_window_size`; any other constant (no band, or the strict lower
+    triangle that hides the first row) is passed as an array."""
+    mask, arguments = CONSTANT_MASKS[spelling]
+    f = masked_by(mask)
+    args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
+    optimized = tokamax.optimize(f)
+    assert attention_calls(optimized, *args) == {arguments}
+    cotangent = random_normal(3, (B, T, N, HD))
+    loss = jax.value_and_grad(weighted(f, cotangent), argnums=(0, 1, 2))
+    expected = jax.jit(loss)(*args)
+    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=(0, 1, 2))(*args)
+    assert_close(value, expected[0])
+    for actual, wanted in zip(grads, expected[1], strict=True):
+        assert_close(actual, wanted)
+
+
+@pytest.mark.xfail(strict=True, reason="a lax.scan body receives the constants it closes "
+                                       "over as operands: the mask is passed as an array")
+def test_a_constant_mask_inside_a_scanned_layer_is_the_band_it_keeps(rewritten):
+    f = masked_by(np.tril(np.ones((T, T), bool)))
+
+    def layers(q, k, v):
+        return lax.scan(lambda carry, _: (f(carry, k, v), None), q, None, length=LAYERS)[0]
+
+    args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
+    assert attention_calls(tokamax.optimize(layers), *args) == {CAUSAL}

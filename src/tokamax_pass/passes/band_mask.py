@@ -32,6 +32,8 @@ from jax.extend.core import ClosedJaxpr, Literal
 from tokamax_pass.passes.graph import Graph
 
 _MAX_DEPTH = 64
+# The most entries of a constant mask read for its band (a (4096, 4096) causal mask).
+_LARGEST_CONSTANT = 4096 * 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +184,35 @@ class _Reader:
         if eqn is not None and depth < _MAX_DEPTH and len(eqn.outvars) == 1:
             operands = [self.value(v, depth + 1) for v in eqn.invars]
             result = _apply(eqn, operands)
+        elif eqn is None and (constant := self._graph.constant(var)) is not None:
+            result = _constant_band(constant)
         self._memo[var] = result
         return result
+
+
+def _constant_band(value: np.ndarray) -> Any:
+    """The symbolic value of a constant mask (`np.tril(np.ones((t, t), bool))`, a buffer
+    computed before tracing): booleans, or 0s and 1s, keeping one band of key offsets
+    `col - row` on its last two axes (any others of size 1); else `None`."""
+    if (value.ndim < 2 or value.size > _LARGEST_CONSTANT or min(value.shape[-2:]) < 2
+            or any(size != 1 for size in value.shape[:-2])):
+        return None
+    kept = value.reshape(value.shape[-2:])
+    if value.dtype != np.bool_:
+        if not np.all((kept == 0) | (kept == 1)):
+            return None
+        kept = kept != 0
+    if not kept.any():
+        return None
+    rows, cols = value.shape[-2], value.shape[-1]
+    offsets = np.arange(cols)[None, :] - np.arange(rows)[:, None]
+    low, high = int(offsets[kept].min()), int(offsets[kept].max())
+    if not np.array_equal(kept, (offsets >= low) & (offsets <= high)):
+        return None
+    band = _constraint((0,) * (value.ndim - 2) + (-1, 1),
+                       -math.inf if low <= -(rows - 1) else low,
+                       math.inf if high >= cols - 1 else high)
+    return band if value.dtype == np.bool_ else _Indicator(band)
 
 
 def _literal(var: Any) -> Any:
