@@ -604,6 +604,9 @@ MASK_BIASES = {
     "where_minus_inf": (lambda dtype: jnp.where(jnp.tril(jnp.ones((T, T), bool)), 0.0,
                                                 -jnp.inf), CAUSAL),
     "whisper_triu": (lambda dtype: jnp.triu(jnp.full((T, T), -jnp.inf), 1), CAUSAL),
+    "mistral_reference_log": (
+        lambda dtype: jnp.log(jnp.triu(jnp.tril(jnp.ones((T, T), dtype)), -WINDOW)),
+        (True, (WINDOW, 0), False, False)),
     "triu_hiding_the_first_row": (
         lambda dtype: jnp.triu(jnp.full((T, T), jnp.finfo(dtype).min), 0), PADDED),
 }
@@ -612,8 +615,9 @@ MASK_BIASES = {
 @pytest.mark.parametrize("spelling", MASK_BIASES)
 def test_a_band_spelled_as_a_bias_is_the_ops_band(rewritten, spelling):
     """A mask bias of a band, Hugging Face Flax's `lax.select(mask > 0, 0, finfo.min)` of
-    a causal or sliding-window mask, `jnp.where(causal, 0.0, -inf)` or Whisper's
-    `jnp.triu(jnp.full((t, t), -inf), 1)`, becomes `is_causal` and `local_window_size`:
+    a causal or sliding-window mask, `jnp.where(causal, 0.0, -inf)`, Whisper's
+    `jnp.triu(jnp.full((t, t), -inf), 1)` or Mistral's reference `jnp.log` of a band of
+    float ones, becomes `is_causal` and `local_window_size`:
     every row keeps a key, so no row takes the hidden rows' gradient. One that hides the
     first row whole is passed as an array (that row gets the mean of the values)."""
     bias_of, arguments = MASK_BIASES[spelling]

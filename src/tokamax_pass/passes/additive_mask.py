@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tokamax_pass.passes import band_mask
 from tokamax_pass.passes.graph import SHAPE_ONLY, Graph, literal_value, scalar_constant
 
 # A fill added to logits of any size a model computes leaves the fill alone.
@@ -78,8 +79,7 @@ def _fill(graph: Graph, var: Any) -> float | None:
         var = eqn.invars[0]
     chosen = _chosen(graph, var)
     if chosen is None:
-        fill = _triangle_fill(graph, var)
-        return None if fill is None else _cast(fill, [var.aval.dtype, *reversed(dtypes)])
+        return _banded_fill(graph, var, dtypes)
     condition, values = chosen
     if condition.aval.dtype != jnp.bool_ or any(v is None for v in values):
         return None
@@ -109,15 +109,16 @@ def _chosen(graph: Graph, var: Any) -> tuple[Any, list[Any]] | None:
     return None
 
 
-def _triangle_fill(graph: Graph, var: Any) -> float | None:
-    """The negative constant `var` holds on a triangle and 0 elsewhere,
-    `jnp.triu(jnp.full((t, t), -jnp.inf), 1)` as Whisper spells its causal mask (or
-    `jnp.tril`), else `None`."""
-    eqn = graph.producer(var, "jit")
-    if eqn is None or eqn.params.get("name") not in ("tril", "triu"):
+def _banded_fill(graph: Graph, var: Any, dtypes: list[Any]) -> float | None:
+    """The negative number `var` holds off a band of indices, 0 on it
+    (`jnp.triu(jnp.full((t, t), -jnp.inf), 1)` as Whisper spells its causal mask,
+    `jnp.log(jnp.tril(ones))` as Mistral's reference does), read in the casts' types;
+    else `None`."""
+    numbers = band_mask.two_numbers(graph, var)
+    if numbers is None:
         return None
-    fill = _filled(graph, eqn.invars[0])
-    return float(fill) if fill is not None and fill < 0 else None
+    low, high = sorted(_cast(v, [var.aval.dtype, *reversed(dtypes)]) for v in numbers)
+    return low if high == 0.0 and low < 0.0 else None
 
 
 def _filled(graph: Graph, var: Any) -> Any:

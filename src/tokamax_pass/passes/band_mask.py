@@ -123,6 +123,18 @@ def band(graph: Graph, mask: Any, shape: tuple[int, ...], *, negated: bool = Fal
     return Band(row_axis, low, high)
 
 
+def two_numbers(graph: Graph, var: Any) -> tuple[float, float] | None:
+    """`(on, off)` where `var` holds one number on a band of indices and another elsewhere
+    (`jnp.triu(jnp.full((t, t), -jnp.inf), 1)`, `jnp.log(jnp.tril(ones))`: 0 and
+    `-inf`), else `None`."""
+    value = _Reader(graph).value(var, 0)
+    if isinstance(value, _Indicator):
+        return 1.0, 0.0
+    if isinstance(value, _Choice):
+        return value.on, value.off
+    return None
+
+
 def intersection(bands: list[Band | None]) -> Band | None:
     """The band every one of `bands` keeps (masks applied in turn), or `None` where one is
     no band, they hold their rows on different axes, or there are none."""
@@ -308,8 +320,12 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
         return _sliced(operands[0], eqn.params, out_shape)
     if name == "convert_element_type":
         return _converted(eqn, operands[0])
+    if name == "select_n" and len(operands) == 3:
+        return _select(*operands) or _choice(*operands)
     if any(isinstance(o, _Choice) for o in operands):
         return _choice_compared(name, operands)
+    if name == "log" and isinstance(operands[0], _Indicator):  # Mistral's reference
+        return _Choice(operands[0].kept, 0.0, -math.inf)
     if any(isinstance(o, _Indicator) for o in operands):
         return _indicator_op(name, operands)
     if name in ("add", "sub", "mul", "neg"):
@@ -321,8 +337,6 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
                                               for o in operands) else None
     if name == "not":
         return _negation(operands[0])
-    if name == "select_n" and len(operands) == 3:
-        return _select(*operands) or _choice(*operands)
     return None
 
 
