@@ -17,7 +17,9 @@ what the spelling matches and which masks become the op's `is_causal` and
 `local_window_size`, and compares the rewritten step's loss and gradients with `jax.jit`
 of the same step (float32), or checks that they are as close to the float32 step as plain
 JAX's (bfloat16). The spellings these models brought out are tested one by one below:
-T5's mask bias added after its position bias, and band masks spelled as additive biases.
+T5's mask bias added after its position bias, band masks spelled as additive biases,
+causal masks sliced from longer ones (nanoGPT, Hugging Face's Flax models), constant
+masks made with NumPy, and the reason given for a data mask times `finfo.min`.
 """
 
 import dataclasses
