@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tokamax_pass.passes import band_mask
 from tokamax_pass.passes.graph import SHAPE_ONLY, Graph, literal_value, scalar_constant
 
 # A fill added to logits of any size a model computes leaves the fill alone.
@@ -78,7 +79,7 @@ def _fill(graph: Graph, var: Any) -> float | None:
         var = eqn.invars[0]
     chosen = _chosen(graph, var)
     if chosen is None:
-        return None
+        return _banded_fill(graph, var, dtypes)
     condition, values = chosen
     if condition.aval.dtype != jnp.bool_ or any(v is None for v in values):
         return None
@@ -106,6 +107,18 @@ def _chosen(graph: Graph, var: Any) -> tuple[Any, list[Any]] | None:
         if cast is not None and literal_value(sub.invars[0]) == 1:
             return cast.invars[0], [0.0, scalar_constant(graph, factor)]
     return None
+
+
+def _banded_fill(graph: Graph, var: Any, dtypes: list[Any]) -> float | None:
+    """The negative number `var` holds off a band of indices, 0 on it
+    (`jnp.triu(jnp.full((t, t), -jnp.inf), 1)` as Whisper spells its causal mask,
+    `jnp.log(jnp.tril(ones))` as Mistral's reference does), read in the casts' types;
+    else `None`."""
+    numbers = band_mask.two_numbers(graph, var)
+    if numbers is None:
+        return None
+    low, high = sorted(_cast(v, [var.aval.dtype, *reversed(dtypes)]) for v in numbers)
+    return low if high == 0.0 and low < 0.0 else None
 
 
 def _filled(graph: Graph, var: Any) -> Any:

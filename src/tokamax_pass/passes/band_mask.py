@@ -32,6 +32,8 @@ from jax.extend.core import ClosedJaxpr, Literal
 from tokamax_pass.passes.graph import Graph
 
 _MAX_DEPTH = 64
+# The most entries of a constant mask read for its band (a (4096, 4096) causal mask).
+_LARGEST_CONSTANT = 4096 * 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +98,10 @@ def band(graph: Graph, mask: Any, shape: tuple[int, ...], *, negated: bool = Fal
     value = _Reader(graph).value(mask, 0)
     if isinstance(value, _Indicator):
         value = value.kept
+    if isinstance(value, _Choice):  # kept where nonzero (where 0, `negated`)
+        value = _where_held(value.kept, (value.on != 0) != negated,
+                            (value.off != 0) != negated)
+        negated = False
     if negated:
         value = _negation(value)
     if not isinstance(value, _Intervals) or value.false:
@@ -115,6 +121,18 @@ def band(graph: Graph, mask: Any, shape: tuple[int, ...], *, negated: bool = Fal
     if row_axis is None:
         return Band(len(shape) - 2, low, high) if len(shape) >= 2 else None
     return Band(row_axis, low, high)
+
+
+def two_numbers(graph: Graph, var: Any) -> tuple[float, float] | None:
+    """`(on, off)` where `var` holds one number on a band of indices and another elsewhere
+    (`jnp.triu(jnp.full((t, t), -jnp.inf), 1)`, `jnp.log(jnp.tril(ones))`: 0 and
+    `-inf`), else `None`."""
+    value = _Reader(graph).value(var, 0)
+    if isinstance(value, _Indicator):
+        return 1.0, 0.0
+    if isinstance(value, _Choice):
+        return value.on, value.off
+    return None
 
 
 def intersection(bands: list[Band | None]) -> Band | None:
@@ -178,8 +196,35 @@ class _Reader:
         if eqn is not None and depth < _MAX_DEPTH and len(eqn.outvars) == 1:
             operands = [self.value(v, depth + 1) for v in eqn.invars]
             result = _apply(eqn, operands)
+        elif eqn is None and (constant := self._graph.constant(var)) is not None:
+            result = _constant_band(constant)
         self._memo[var] = result
         return result
+
+
+def _constant_band(value: np.ndarray) -> Any:
+    """The symbolic value of a constant mask (`np.tril(np.ones((t, t), bool))`, a buffer
+    computed before tracing): booleans, or 0s and 1s, keeping one band of key offsets
+    `col - row` on its last two axes (any others of size 1); else `None`."""
+    if (value.ndim < 2 or value.size > _LARGEST_CONSTANT or min(value.shape[-2:]) < 2
+            or any(size != 1 for size in value.shape[:-2])):
+        return None
+    kept = value.reshape(value.shape[-2:])
+    if value.dtype != np.bool_:
+        if not np.all((kept == 0) | (kept == 1)):
+            return None
+        kept = kept != 0
+    if not kept.any():
+        return None
+    rows, cols = value.shape[-2], value.shape[-1]
+    offsets = np.arange(cols)[None, :] - np.arange(rows)[:, None]
+    low, high = int(offsets[kept].min()), int(offsets[kept].max())
+    if not np.array_equal(kept, (offsets >= low) & (offsets <= high)):
+        return None
+    band = _constraint((0,) * (value.ndim - 2) + (-1, 1),
+                       -math.inf if low <= -(rows - 1) else low,
+                       math.inf if high >= cols - 1 else high)
+    return band if value.dtype == np.bool_ else _Indicator(band)
 
 
 def _literal(var: Any) -> Any:
@@ -190,6 +235,8 @@ def _literal(var: Any) -> Any:
         return None
     if value.dtype == np.bool_:
         return _Intervals((), false=not bool(value))
+    if np.issubdtype(value.dtype, np.floating) and np.isinf(value):
+        return _Float(float(value))  # a fill: `jnp.where(causal, 0.0, -jnp.inf)`
     if np.issubdtype(value.dtype, np.integer) or (
             np.issubdtype(value.dtype, np.floating) and float(value).is_integer()):
         return _Affine((), int(value))
@@ -258,10 +305,10 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
         return result
     if any(o is None for o in operands):
         return None
-    if isinstance(operands[0], _Float) and name in ("broadcast_in_dim", "reshape"):
+    if isinstance(operands[0], _Float) and name in ("broadcast_in_dim", "reshape", "slice"):
         return operands[0]
     if isinstance(operands[0], _Indicator | _Choice) and name in ("broadcast_in_dim",
-                                                                  "reshape"):
+                                                                  "reshape", "slice"):
         kept = _symbolic(eqn, [operands[0].kept])
         return None if kept is None else dataclasses.replace(operands[0], kept=kept)
     if name == "broadcast_in_dim":
@@ -269,29 +316,35 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
                       len(out_shape), out_shape)
     if name == "reshape":
         return _reshape(operands[0], tuple(eqn.invars[0].aval.shape), out_shape)
+    if name == "slice":
+        return _sliced(operands[0], eqn.params, out_shape)
     if name == "convert_element_type":
         return _converted(eqn, operands[0])
+    if name == "select_n" and len(operands) == 3:
+        return _select(*operands) or _choice(*operands)
     if any(isinstance(o, _Choice) for o in operands):
         return _choice_compared(name, operands)
+    if name == "log" and isinstance(operands[0], _Indicator):  # Mistral's reference
+        return _Choice(operands[0].kept, 0.0, -math.inf)
     if any(isinstance(o, _Indicator) for o in operands):
         return _indicator_op(name, operands)
     if name in ("add", "sub", "mul", "neg"):
         return _arithmetic(name, operands, out_shape)
-    if name in ("lt", "le", "gt", "ge", "eq"):
+    if name in ("lt", "le", "gt", "ge", "eq", "ne"):
         return _compare(name, operands, out_shape)
     if name == "and":
         return _conjunction(*operands) if all(isinstance(o, _Intervals)
                                               for o in operands) else None
     if name == "not":
         return _negation(operands[0])
-    if name == "select_n" and len(operands) == 3:
-        return _select(*operands) or _choice(*operands)
     return None
 
 
 def _converted(eqn: Any, value: Any) -> Any:
     """A conversion's value: a boolean mask to numbers an indicator, an indicator to
     booleans its mask; otherwise the value where the conversion keeps it."""
+    if eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype:
+        return value  # a weakly typed value made strong (`jnp.full(s, 0.0).astype(f32)`)
     to_bool = eqn.outvars[0].aval.dtype == np.bool_
     if isinstance(value, _Intervals) and not to_bool:
         return _Indicator(value)
@@ -430,6 +483,28 @@ def _reshape(value: Any, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) 
     return _remap(value, axis_map, len(out_shape), out_shape)
 
 
+def _sliced(value: Any, params: dict[str, Any], out_shape: tuple[int, ...]) -> Any:
+    """`value` sliced with unit strides (`causal[:t, :t]` of a longer causal mask, as
+    nanoGPT and Hugging Face's Flax models slice theirs): the entry at `i` is the one at
+    `i + start`; any other slice is none."""
+    strides, starts = params.get("strides"), params["start_indices"]
+    if strides is not None and any(stride != 1 for stride in strides):
+        return None
+
+    def shift(form: tuple[int, ...]) -> int:
+        return sum(c * start for c, start in zip(form, starts, strict=True))
+
+    if isinstance(value, _Affine):
+        value = _widened(value, len(out_shape))
+        return _Affine(_unit_axes_zeroed(value.coefficients, out_shape),
+                       value.constant + shift(value.coefficients))
+    if value.false:
+        return value
+    return functools.reduce(_conjunction, [
+        _constraint(_unit_axes_zeroed(form, out_shape), low - shift(form), high - shift(form))
+        for form, low, high in value.constraints], _Intervals(()))
+
+
 def _widened(value: _Affine, rank: int) -> _Affine:
     return value if value.coefficients else _Affine((0,) * rank, value.constant)
 
@@ -461,6 +536,8 @@ def _compare(name: str, operands: list[Any], out_shape: tuple[int, ...]) -> Any:
     if difference is None:
         return None
     form, k = difference.coefficients, difference.constant
+    if name == "ne":  # one interval only where it is everywhere true or everywhere false
+        return None if any(form) else _Intervals((), false=k == 0)
     low, high = {"lt": (-math.inf, -k - 1), "le": (-math.inf, -k), "gt": (-k + 1, math.inf),
                  "ge": (-k, math.inf), "eq": (-k, -k)}[name]
     return _constraint(form, low, high)

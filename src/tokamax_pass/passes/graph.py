@@ -31,6 +31,9 @@ class Graph:
     def __init__(self, jaxpr: Jaxpr) -> None:
         self._producers: dict[Any, Any] = {}
         self._users: dict[Any, list[Any]] = defaultdict(list)
+        self._constants = {var: value for var, value in zip(
+            jaxpr.constvars, getattr(jaxpr, "consts", None) or (), strict=False)
+            if not isinstance(value, jax.core.Tracer)}
         self._views: dict[int, Any] = {}
         eqns = self._read_through_casts(jaxpr.eqns)
         self._outputs = {v for v in map(self.source, jaxpr.outvars)
@@ -92,6 +95,12 @@ class Graph:
         if eqn is None or (primitives and eqn.primitive.name not in primitives):
             return None
         return eqn
+
+    def constant(self, var: Any) -> np.ndarray | None:
+        """The value of a constant of the jaxpr known while tracing (an array the function
+        closes over: a mask made with NumPy, a buffer computed before), else `None`."""
+        value = None if isinstance(var, Literal) else self._constants.get(var)
+        return None if value is None else np.asarray(value)
 
     def users(self, var: Any) -> list[Any]:
         return [] if isinstance(var, Literal) else self._users.get(var, [])

@@ -400,6 +400,7 @@ def _logits(graph: Graph, attention: _Attention, logits: Any, softmax_mask: Any 
         logits = capped
     logits = _scaled_sum(graph, attention, logits)
     add = graph.producer(logits, "add", "sub")
+    in_turn = None
     if add is not None:
         for body, bias in _operand_orders(add):
             if (tuple(body.aval.shape) == shape and literal_value(bias) is None
@@ -411,9 +412,11 @@ def _logits(graph: Graph, attention: _Attention, logits: Any, softmax_mask: Any 
                 attention.region.append(add)
                 break
         else:
-            logits = _mask_biases_added_in_turn(graph, attention, add, shape)
+            logits, in_turn = _mask_biases_added_in_turn(graph, attention, add, shape)
         if attention.soft_cap is None and attention.bias is not None:
-            _additive_mask(graph, attention, bands)
+            _additive_mask(graph, attention, bands, shape, in_turn)
+        if in_turn is not None and not attention.additive and attention.left_alone is None:
+            raise _NoMatch  # the mask stays a bias beside the other: the op takes one bias
     if softmax_mask is not None:
         _softmax_where_mask(graph, attention, softmax_mask, bands, shape)
     attention.band = band_mask.intersection(bands)
@@ -445,7 +448,8 @@ def _logits(graph: Graph, attention: _Attention, logits: Any, softmax_mask: Any 
     _mask_as_band(attention, shape)
 
 
-def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Band | None]
+def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Band | None],
+                   shape: tuple[int, ...], in_turn: additive_mask.AdditiveMask | None = None
                    ) -> None:
     """A bias that spells a mask with a fill swallowing the logits (`additive_mask`) taken
     as the op's mask, the rest of the bias (if any) staying its bias. A smaller fill
@@ -453,17 +457,19 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
     bfloat16, `-3e4` in float16; any at or below the kernels' floor) leaves a row it
     hides whole a softmax of the logits it rounds, which the op does not compute (its
     float32 logits round less, its kernels hold logits below the floor); masks applied
-    by `jnp.where` too stop the gradient of some of those keys."""
+    by `jnp.where` too stop the gradient of some of those keys. `in_turn`: the mask and
+    the other bias read from two sums (`_mask_biases_added_in_turn`), else the mask is
+    read from the bias."""
     if attention.bias_scale <= 0:
         return
-    found = additive_mask.read(graph, attention.bias)
+    found = in_turn or additive_mask.read(graph, attention.bias)
     dtype, scale = attention.bias.aval.dtype, attention.bias_scale
     if found is None:
         fill = additive_mask.data_mask_fill(graph, attention.bias)
         if fill is not None and additive_mask.keeps_hidden_logits(fill, dtype, scale):
             attention.left_alone = (
                 f"the bias is a mask read from the data times {fill:g}, "
-                f"{_hidden_logits(fill, dtype)}")
+                f"{_data_mask_fill(fill * scale, fill, dtype)}")
         return
     fill = found.fill * scale
     if not additive_mask.swallows(fill):
@@ -481,7 +487,7 @@ def _additive_mask(graph: Graph, attention: _Attention, bands: list[band_mask.Ba
         return
     attention.masks.append((found.values, True))  # keys kept where the values are 0
     attention.fill, attention.additive, attention.bias = fill, True, found.rest
-    bands.append(None)
+    bands.append(band_mask.band(graph, found.values, shape, negated=True))
 
 
 def _softmax_where_mask(graph: Graph, attention: _Attention, mask: Any,
@@ -501,25 +507,37 @@ def _softmax_where_mask(graph: Graph, attention: _Attention, mask: Any,
 
 
 def _mask_biases_added_in_turn(graph: Graph, attention: _Attention, add: Any,
-                               shape: tuple[int, ...]) -> Any:
-    """The logits under two masks spelled as biases and added one after the other
-    (`logits + causal_bias + padding_bias`), the attention then left alone
-    (`_two_additive_masks`); raises `_NoMatch` for any other sum."""
+                               shape: tuple[int, ...]
+                               ) -> tuple[Any, additive_mask.AdditiveMask | None]:
+    """The logits under two biases added one after the other, and the mask one of them
+    spells with the other as its rest: `logits + position_bias + mask_bias` (T5's, in
+    either order) reads as `logits + (position_bias + mask_bias)` does, the fill
+    swallowing the other bias where it hides a key. Two masks spelled as biases leave the
+    attention alone (`_two_additive_masks`; no mask is returned); raises `_NoMatch` for
+    any other sum."""
     if add.primitive.name != "add":
         raise _NoMatch
     for inner_sum, outer_bias in _operand_orders(add):
         inner = graph.producer(inner_sum, "add")
         outer = additive_mask.read(graph, outer_bias)
-        if inner is None or outer is None or outer.rest is not None:
+        if inner is None or literal_value(outer_bias) is not None or (
+                outer is not None and outer.rest is not None):
             continue
         for body, inner_bias in _operand_orders(inner):
             found = additive_mask.read(graph, inner_bias)
-            if (found is not None and found.rest is None and tuple(body.aval.shape) == shape
-                    and (graph.producer(body, "mul", "div") is not None
-                         or _is_product(graph, body))):
+            mask, rest = (outer, inner_bias) if outer is not None else (found, outer_bias)
+            if (mask is None or tuple(body.aval.shape) != shape
+                    or literal_value(inner_bias) is not None
+                    or (found is not None and found.rest is not None)
+                    or (graph.producer(body, "mul", "div") is None
+                        and not _is_product(graph, body))):
+                continue
+            attention.region += [add, inner]
+            if found is not None and outer is not None:
                 attention.left_alone = _two_additive_masks(found.fill, outer.fill)
-                attention.region += [add, inner]
-                return body
+                return body, None
+            attention.bias = rest
+            return body, dataclasses.replace(mask, rest=rest)
     raise _NoMatch
 
 
@@ -539,6 +557,15 @@ def _hidden_logits(fill: float, dtype: Any) -> str:
             f"of {additive_mask.spacing(fill, dtype):g} in {jnp.dtype(dtype).name}): a row "
             "it hides whole keeps a softmax of what is left, which the op does not compute "
             f"(its kernels hold logits below {additive_mask.KERNEL_FLOOR:g} at one floor)")
+
+
+def _data_mask_fill(scaled_fill: float, fill: float, dtype: Any) -> str:
+    """Why a bias of numbers from the data times `fill` that hides keys is left alone."""
+    if not additive_mask.swallows(scaled_fill):
+        return _hidden_logits(fill, dtype)
+    return ("which swallows the logits but is numbers, not a boolean choice: the op "
+            "cannot take it as its mask, and as a bias it lies below the floor the op's "
+            f"kernels hold logits at ({additive_mask.KERNEL_FLOOR:g})")
 
 
 def _unmerge_band(attention: _Attention, shape: tuple[int, ...]) -> None:
