@@ -33,7 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # still gets them.
         warnings.formatwarning = _warning_line(args.command)
     try:
-        return modules[args.command].run(args)
+        status = modules[args.command].run(args)
+        sys.stdout.flush()  # a reader that left is found here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        return _reader_left()
     except SystemExit as e:
         if not isinstance(e.code, str):
             raise
@@ -51,6 +55,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"(set {TRACEBACK_ENV}=1 for the traceback)") from None
     finally:
         warnings.formatwarning = formatwarning
+
+
+def _reader_left() -> int:
+    """The reader of standard output closed it (`tokamax-pass inspect DIR | head`): stop
+    without an error line, as Unix tools do, with a failing status, as Python's own
+    `BrokenPipeError` exit has. Standard output is pointed at the null device, so the
+    flush at interpreter exit writes nowhere instead of raising again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+    return 1
 
 
 def _warning_line(command: str) -> Callable[..., str]:

@@ -4,6 +4,8 @@ argument, never a crash deep in JAX, a silently lost result or deleted files."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import warnings
 
@@ -303,3 +305,21 @@ def test_an_output_under_a_file_is_refused_before_any_work(command, option, tmp_
                                          f".*{option} .*{blocker.name}.* is a file"):
         main([command[0], "no_such_module_here:f", "--args", "f32[4]", *command[1:],
               str(blocker / "out")])
+
+
+@pytest.mark.parametrize("argv", [["cache", "list"], ["cache", "show"]])
+def test_a_reader_that_closes_the_output_ends_the_command_quietly(argv, tmp_path):
+    """`tokamax-pass inspect DIR | head` printed `tokamax-pass inspect: BrokenPipeError:
+    [Errno 32] Broken pipe` once `head` had read its lines: the closed pipe is no bad
+    input. The output here is a pipe whose reader has already closed it."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {**os.environ, "TOKAMAX_PASS_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "tokamax_pass", *argv], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    finally:
+        os.close(write_end)
+    assert "Broken pipe" not in done.stderr and "tokamax-pass" not in done.stderr, done.stderr
+    assert done.returncode != 0
