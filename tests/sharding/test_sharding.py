@@ -219,6 +219,30 @@ def test_explicit_mesh_uses_shard_map(name):
         assert _spec(g) == _spec(sharded[i]) == _spec(o), (i, _spec(g), _spec(o))
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_operands_placed_on_an_explicit_mesh_without_set_mesh(name):
+    """Operands `jax.device_put` onto a mesh with Explicit axes, then `jax.jit` (or an
+    eager call, or `optimize`) with no `jax.set_mesh`, as plain JAX takes them: the call
+    is split over the mesh their types name (it raised `KeyError: 'data'`, reading the
+    mesh axes from the empty context)."""
+    fn, inputs, specs, argnums = CASES[name]
+    with reference_precision():
+        expected, expected_grads = fn(*inputs), _loss(fn, argnums)(*inputs)
+    sharded = _put(_mesh(AxisType.Explicit), inputs, specs)
+    with reference_precision():
+        eager = fn(*sharded)
+        out = jax.jit(fn)(*sharded)
+        grads = jax.jit(_loss(fn, argnums))(*sharded)
+        optimized = tk.optimize(_loss(fn, argnums))(*sharded)
+    assert_close(eager, expected)
+    assert_close(out, expected)
+    assert _spec(out)[0] is not None  # the rows stay split
+    for i, g, o, e in zip(argnums, grads, optimized, expected_grads, strict=True):
+        assert_close(g, e)
+        assert_close(o, e)
+        assert _spec(g) == _spec(sharded[i]) == _spec(o), (i, _spec(g), _spec(o))
+
+
 @pytest.mark.parametrize("wrap", [jax.jit, tk.optimize], ids=["jit", "optimize"])
 def test_explicit_mesh_output_type_inside_a_traced_vjp(wrap):
     """Code traced after an op call sees its output typed as partitioned, under `optimize`

@@ -235,6 +235,12 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
     """
     explicit_specs = [getattr(jax.typeof(x).sharding, "spec", None) for x in operands]
     explicit = any(s is not None and any(e is not None for e in s) for s in explicit_specs)
+    if explicit and jax.sharding.get_abstract_mesh().empty:
+        # Operands placed over a mesh with Explicit axes, no mesh in context
+        # (`jax.device_put` onto it, then `jax.jit` without `jax.set_mesh`): their types
+        # name the mesh, which the call is split over as under `jax.set_mesh`.
+        with jax.sharding.use_abstract_mesh(_operands_mesh(operands)):
+            return bind(call, operands, bind_local, bind_global)
     if not _ENABLED.get():
         return _typed_as_partitioned(call, operands, explicit_specs, bind_local(*operands))
     mode = _mode()
@@ -270,6 +276,15 @@ def bind(call: Any, operands: Sequence[Any], bind_local: Callable[..., Sequence[
     local = _local_function(call, rule, out_dims, assignment, sizes, bind_local)
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)(*operands)
+
+
+def _operands_mesh(operands: Sequence[Any]) -> Any:
+    """The abstract mesh the first operand placed over Explicit axes names in its type."""
+    for x in operands:
+        aval = jax.typeof(x)
+        if has_explicit_mesh(aval):
+            return aval.sharding.mesh.abstract_mesh
+    raise ValueError("no operand is placed over a mesh with Explicit axes")
 
 
 def _out_spec(d: Dims, assignment: Mapping[str, tuple[str, ...]]) -> Any:
