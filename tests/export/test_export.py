@@ -233,3 +233,35 @@ def test_an_artifact_with_symbolic_batch_and_sequence_runs_at_any_size(tmp_path)
             want = jax.jit(grad)(x, scale, labels)
         for got, expected in zip(loaded(x, scale, labels), want, strict=True):
             assert_close(got, expected)
+
+
+def test_a_symbolic_moe_gradient_exports_for_the_h200_and_runs_here(tmp_path):
+    """Exported for cpu and cuda (H200) with a symbolic row count (8 rows a token), the
+    grouped GLU and the ragged dot's gradient run their XLA references on both platforms:
+    the grouped GLU's Mosaic check compared the rows with its tile (`8*b < 64`, an
+    inconclusive comparison that stopped the export) and the ragged dot's VJP op holding
+    the Triton kernel passed for the XLA reference, then failed with 'no implementation
+    takes symbolic shapes'."""
+    (b,) = jax.export.symbolic_shape("b")
+
+    def moe(x, w_in, w_out, sizes):
+        h = tk.gated_linear_unit(x, w_in, activation=jax.nn.silu, group_sizes=sizes)
+        return jnp.sum(jnp.sin(tk.ragged_dot(h, w_out, sizes).astype(jnp.float32)))
+
+    grad = jax.grad(moe, argnums=(0, 1, 2))
+    specs = (jax.ShapeDtypeStruct((8 * b, 64), jnp.bfloat16),
+             jax.ShapeDtypeStruct((4, 64, 2, 128), jnp.bfloat16),
+             jax.ShapeDtypeStruct((4, 128, 64), jnp.bfloat16),
+             jax.ShapeDtypeStruct((4,), jnp.int32))
+    artifact = tk.export(grad, *specs, platforms=("cpu", "cuda"), device_kind=H200)
+    assert {(row["platform"], row["source"]) for row in artifact.manifest["ops"]} == {
+        (platform, "symbolic shapes: the XLA reference") for platform in ("cpu", "cuda")}
+    loaded = tk.load_artifact(artifact.save(tmp_path / "moe"))
+    w_in = (0.1 * random_normal(1, (4, 64, 2, 128))).astype(jnp.bfloat16)
+    w_out = (0.1 * random_normal(2, (4, 128, 64))).astype(jnp.bfloat16)
+    for rows, sizes in ((24, [8, 0, 10, 6]), (40, [3, 17, 0, 20])):
+        x = random_normal(rows, (rows, 64)).astype(jnp.bfloat16)
+        group_sizes = jnp.array(sizes, jnp.int32)
+        want = jax.jit(grad)(x, w_in, w_out, group_sizes)
+        for got, expected in zip(loaded(x, w_in, w_out, group_sizes), want, strict=True):
+            assert_close(got, expected)

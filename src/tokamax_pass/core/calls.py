@@ -209,6 +209,19 @@ def _require_values(ba: BoundArguments) -> None:
                 f"jax.eval_shape, tokamax_pass.autotune or export to trace it with shapes")
 
 
+def _check_supported(op: Op, ba: BoundArguments, target: Any) -> None:
+    """`op.check_supported`, where a kernel's check that compares a symbolic dimension
+    (`jax.export.symbolic_shape`: a multiple of 8 for some sizes, not for others) is a
+    `NotImplementedError`, so the next implementation runs the call, as the lowering
+    keeps the XLA reference for symbolic shapes."""
+    try:
+        op.check_supported(ba, target)
+    except jax.errors.InconclusiveDimensionOperation as e:
+        raise NotImplementedError(
+            f"needs every dimension known (symbolic shapes run the XLA reference, "
+            f"implementation='xla'): {' '.join(str(e).split()[:8])}") from None
+
+
 def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
              explicit: bool, partition_as: Op | None = None, through_vjp_ops: bool = True,
              return_residuals: bool = False) -> Any:
@@ -235,7 +248,7 @@ def call_ops(ops: Sequence[Op], args: Sequence[Any], kwargs: dict[str, Any], *,
         try:
             ba = op.bind(*args, **kwargs)
             _require_values(ba)
-            op.check_supported(ba, target if device_check else None)
+            _check_supported(op, ba, target if device_check else None)
         except NotImplementedError as e:
             if explicit and len(ops) == 1:
                 raise

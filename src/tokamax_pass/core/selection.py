@@ -271,8 +271,8 @@ def choose_for_symbolic_shapes(candidates: Sequence[BoundArguments], target: Tar
     """
     failures: list[tuple[str, Exception]] = []
     for ba in candidates:
-        name = type(ba.op).__name__
-        if ba.op.implementation != "xla" or ba.op.config_cls is not NullConfig:
+        name = prediction.op_name(ba.op)
+        if not _computes_with_symbolic_shapes(ba.op):
             failures.append((name, NotImplementedError(
                 "needs every dimension known (symbolic shapes run the XLA reference, "
                 "implementation='xla')")))
@@ -285,6 +285,16 @@ def choose_for_symbolic_shapes(candidates: Sequence[BoundArguments], target: Tar
         config = ba.op.config if ba.op.config is not None else NullConfig()
         return Choice(ba.replace(op=ba.op.replace(config=config)), SYMBOLIC_SOURCE)
     raise errors.all_failed("no implementation takes symbolic shapes:", failures)
+
+
+def _computes_with_symbolic_shapes(op: Op) -> bool:
+    """Whether `op` is an `xla` implementation without a config, as is every op it wraps
+    (a ragged dot's VJP op runs its gradients with the kernel it holds)."""
+    if op.implementation != "xla" or op.config_cls is not NullConfig:
+        return False
+    wrapped = [getattr(op, f.name) for f in dataclasses.fields(op)
+               if f.name not in ("config", "vjp") and isinstance(getattr(op, f.name), Op)]
+    return all(_computes_with_symbolic_shapes(inner) for inner in wrapped)
 
 
 def choose(candidates: Sequence[BoundArguments], target: Target, *, explicit: bool) -> Choice:
