@@ -146,6 +146,7 @@ def make_artifact(optimized: Any, arg_specs: Sequence[Any], *,
     # A static argument is passed as it is: a static str is not an array spec.
     static = optimized.static_positions(len(arg_specs))
     args = tuple(a if i in static else _abstract(a) for i, a in enumerate(arg_specs))
+    _check_placements(args, static, platforms)
     with device.targeting(device_kind) if device_kind is not None else contextlib.nullcontext():
         gpu_kind = device.lowering_target("cuda").device_kind if "cuda" in platforms else None
         try:
@@ -429,6 +430,30 @@ def _abstract(arg: Any) -> Any:
         return x
 
     return jax.tree.map(leaf, arg)
+
+
+def _check_placements(args: Sequence[Any], static: frozenset[int],
+                      platforms: Sequence[str]) -> None:
+    """A `ValueError` for an argument spec placed over devices of a platform the artifact
+    is not lowered for (a `NamedSharding` over this CPU machine's mesh in an export for
+    `cuda`), which JAX refuses deep in the trace as a mismatch of meshes."""
+    for i, arg in enumerate(args):
+        if i in static:
+            continue
+        for leaf in jax.tree.leaves(arg):
+            mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+            if mesh is None or mesh.empty:
+                continue
+            placed_on = getattr(mesh.abstract_mesh.abstract_device, "platform", None)
+            others = [p for p in platforms if placed_on is not None and p != placed_on]
+            if others:
+                raise ValueError(
+                    f"export: argument {i} is placed over a mesh of {placed_on} devices, but "
+                    f"the artifact is also for {others}: give its spec a NamedSharding over an "
+                    f"abstract mesh of the target's devices, jax.sharding.AbstractMesh(sizes, "
+                    f"names, abstract_device=jax.sharding.AbstractDevice(device_kind, None, "
+                    f"platform)), and export under jax.sharding.use_abstract_mesh(that mesh) "
+                    f"(docs/export.md)")
 
 
 def _require_non_empty(who: str, name: str, value: Any) -> None:

@@ -265,3 +265,20 @@ def test_a_symbolic_moe_gradient_exports_for_the_h200_and_runs_here(tmp_path):
         want = jax.jit(grad)(x, w_in, w_out, group_sizes)
         for got, expected in zip(loaded(x, w_in, w_out, group_sizes), want, strict=True):
             assert_close(got, expected)
+
+
+def test_a_spec_placed_over_this_machines_devices_is_refused_for_another_platform():
+    """A `NamedSharding` over this CPU machine's mesh, in an export for cuda: a
+    `ValueError` naming the argument and the abstract mesh to use instead (JAX raised a
+    mismatch of meshes from inside the trace, naming neither)."""
+    mesh = jax.make_mesh((1,), ("data",))
+    spec = jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.bfloat16,
+                                sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))
+
+    def loss(q):
+        return tk.dot_product_attention(q, q, q).astype(jnp.float32).sum()
+
+    with pytest.raises(ValueError, match=r"argument 0 is placed over a mesh of cpu devices, "
+                                         r"but the artifact is also for \['cuda'\].*AbstractMesh"):
+        tk.export(loss, spec, platforms=("cpu", "cuda"), device_kind=H200)
+    assert tk.export(loss, spec).manifest["platforms"] == ["cpu"]
