@@ -24,6 +24,7 @@ import functools
 import inspect
 import itertools
 import os
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -124,6 +125,14 @@ class Optimized:
         if self.autotune != "never":
             self._autotune_for(args, kwargs)
         return self._jitted(*args, **kwargs)
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """A method when read from an instance (`model.apply(x)` calls it with `model`
+        first), as a function or `jax.jit` object is: a method decorated with
+        `@functools.partial(optimize, static_argnums=0)` was called without `self`."""
+        if instance is None:
+            return self
+        return types.MethodType(self, instance)
 
     def __repr__(self) -> str:
         return f"optimize({getattr(self.fun, '__name__', self.fun)!r}, autotune={self.autotune!r})"

@@ -266,6 +266,27 @@ def test_statics_kwargs_and_donation(xs):
     assert len(optimized.plan(x, scale, power=1, twice=False)) == 1
 
 
+def test_a_method_is_called_with_its_instance(xs):
+    """`optimize` decorating a method binds the instance, as `jax.jit` does: with
+    `static_argnums=0` (the instance static) `model.apply(x)` passed `x` as `self`."""
+    x, scale = xs
+
+    def apply(model, x, scale):
+        return jnp.sum(square(x, scale) ** model.power)
+
+    class Model:
+        power = 3
+        apply_optimized = tk.optimize(apply, static_argnums=0)
+        apply_jitted = jax.jit(apply, static_argnums=0)
+
+    model = Model()
+    with reference_precision():
+        assert_close(model.apply_optimized(x, scale), model.apply_jitted(x, scale))
+        assert_close(jax.grad(model.apply_optimized, argnums=1)(x, scale),
+                     jax.grad(model.apply_jitted, argnums=1)(x, scale))
+    assert Model.apply_optimized is Model.__dict__["apply_optimized"]  # unbound on the class
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="autotune must be one of"):
         tk.optimize(square_loss, autotune="sometimes")
