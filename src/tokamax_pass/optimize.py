@@ -128,8 +128,8 @@ class Optimized:
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         """A method when read from an instance (`model.apply(x)` calls it with `model`
-        first), as a function or `jax.jit` object is: a method decorated with
-        `@functools.partial(optimize, static_argnums=0)` was called without `self`."""
+        first), as a function or `jax.jit` object is, so `optimize` decorates methods
+        (`@functools.partial(optimize, static_argnums=0)` makes the instance static)."""
         if instance is None:
             return self
         return types.MethodType(self, instance)

@@ -238,10 +238,9 @@ def test_an_artifact_with_symbolic_batch_and_sequence_runs_at_any_size(tmp_path)
 def test_a_symbolic_moe_gradient_exports_for_the_h200_and_runs_here(tmp_path):
     """Exported for cpu and cuda (H200) with a symbolic row count (8 rows a token), the
     grouped GLU and the ragged dot's gradient run their XLA references on both platforms:
-    the grouped GLU's Mosaic check compared the rows with its tile (`8*b < 64`, an
-    inconclusive comparison that stopped the export) and the ragged dot's VJP op holding
-    the Triton kernel passed for the XLA reference, then failed with 'no implementation
-    takes symbolic shapes'."""
+    a kernel check comparing the rows with its tile (`8*b < 64`, inconclusive) rules the
+    kernel out, and the ragged dot's VJP op holding the Triton kernel is no XLA
+    reference. The artifact matches `jax.jit` here at two row counts."""
     (b,) = jax.export.symbolic_shape("b")
 
     def moe(x, w_in, w_out, sizes):
@@ -269,8 +268,8 @@ def test_a_symbolic_moe_gradient_exports_for_the_h200_and_runs_here(tmp_path):
 
 def test_a_spec_placed_over_this_machines_devices_is_refused_for_another_platform():
     """A `NamedSharding` over this CPU machine's mesh, in an export for cuda: a
-    `ValueError` naming the argument and the abstract mesh to use instead (JAX raised a
-    mismatch of meshes from inside the trace, naming neither)."""
+    `ValueError` naming the argument and the abstract mesh to use instead, before the
+    trace (where JAX's mismatch of meshes names neither). For cpu alone it exports."""
     mesh = jax.make_mesh((1,), ("data",))
     spec = jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.bfloat16,
                                 sharding=jax.sharding.NamedSharding(mesh, jax.P("data")))

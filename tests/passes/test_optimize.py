@@ -268,7 +268,8 @@ def test_statics_kwargs_and_donation(xs):
 
 def test_a_method_is_called_with_its_instance(xs):
     """`optimize` decorating a method binds the instance, as `jax.jit` does: with
-    `static_argnums=0` (the instance static) `model.apply(x)` passed `x` as `self`."""
+    `static_argnums=0` (the instance static), `model.apply(x)` calls it with `model`
+    first, and the attribute read from the class is the optimized function itself."""
     x, scale = xs
 
     def apply(model, x, scale):

@@ -223,8 +223,8 @@ def test_explicit_mesh_uses_shard_map(name):
 def test_operands_placed_on_an_explicit_mesh_without_set_mesh(name):
     """Operands `jax.device_put` onto a mesh with Explicit axes, then `jax.jit` (or an
     eager call, or `optimize`) with no `jax.set_mesh`, as plain JAX takes them: the call
-    is split over the mesh their types name (it raised `KeyError: 'data'`, reading the
-    mesh axes from the empty context)."""
+    is split over the mesh their types name, not over the empty mesh in context; values,
+    gradients and their shardings as under `jax.set_mesh`."""
     fn, inputs, specs, argnums = CASES[name]
     with reference_precision():
         expected, expected_grads = fn(*inputs), _loss(fn, argnums)(*inputs)
