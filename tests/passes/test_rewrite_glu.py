@@ -143,6 +143,28 @@ def test_bfloat16_values_and_gradients_match_jit(rewritten, f):
                                tuple(range(len(args))), args, dtype=jnp.bfloat16)
 
 
+def normed_twice(x, scale, w_gate, w_up):
+    """The input of each projection normed again (an RMSNorm with float32 statistics cast
+    back to the input's dtype), as a model that calls its norm inside each projection
+    computes it."""
+    def rms(x):
+        wide = x.astype(jnp.float32)
+        normed = wide * jax.lax.rsqrt(jnp.mean(wide ** 2, -1, keepdims=True) + 1e-6)
+        return (normed * scale).astype(x.dtype)
+    return jax.nn.gelu(dot(rms(x), w_gate)) * dot(rms(x), w_up)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: d.__name__)
+def test_projections_of_one_input_computed_twice_are_one_unit(rewritten, dtype):
+    x, w_gate, w_up = (a.astype(dtype) for a in operands(separate(jax.nn.gelu), seed=5))
+    args = (x, random_normal(6, (K,)), w_gate, w_up)
+    optimized = tokamax.optimize(normed_twice)
+    assert "GatedLinearUnit" in op_names(optimized, *args)
+    assert_close(optimized(*args), jax.jit(normed_twice)(*args), dtype)
+    assert_gradients_match_jit(normed_twice, optimized, random_normal(9, (B, T, N)),
+                               (0, 1, 2, 3), args, dtype=dtype)
+
+
 def check_the_unit(f, args, cotangent, argnums):
     """`optimize(f)` runs one `GatedLinearUnit` and matches `jax.jit(f)`'s values and its
     gradients in `argnums` under `cotangent`."""

@@ -177,31 +177,58 @@ def scalar_constant(graph: Graph, var: Any, depth: int = 6) -> Any:
         return np.asarray(eqn.primitive.bind(*operands, **eqn.params)).item()
 
 
-def same_value(graph: Graph, a: Any, b: Any, depth: int = 8) -> bool:
+# How many equations deep `same_value` compares: a norm with float32 statistics cast
+# back to bfloat16 is a dozen.
+SAME_VALUE_DEPTH = 32
+
+
+def same_value(graph: Graph, a: Any, b: Any) -> bool:
     """Whether `a` and `b` are one variable, or made by equal equations of equal inputs
-    (`x - mean` spelled twice)."""
+    (`x - mean` spelled twice; a norm computed again for each of two products), through
+    at most `SAME_VALUE_DEPTH` equations. Equations with effects make no equal values."""
+    return _same_value(graph, a, b, SAME_VALUE_DEPTH, {})
+
+
+def _same_value(graph: Graph, a: Any, b: Any, depth: int,
+                compared: dict[tuple[int, int], bool]) -> bool:
     if a is b:
         return True
     if isinstance(a, Literal) or isinstance(b, Literal):
         return (isinstance(a, Literal) and isinstance(b, Literal) and a.aval == b.aval
                 and bool(np.all(np.asarray(a.val) == np.asarray(b.val))))
+    key = (id(a), id(b))
+    if key not in compared:
+        compared[key] = _same_equation(graph, a, b, depth, compared)
+    return compared[key]
+
+
+def _same_equation(graph: Graph, a: Any, b: Any, depth: int,
+                   compared: dict[tuple[int, int], bool]) -> bool:
     ea, eb = graph.producer(a), graph.producer(b)
     if depth == 0 or ea is None or eb is None or ea.primitive != eb.primitive:
         return False
-    if len(ea.outvars) != 1 or repr(ea.params) != repr(eb.params):
+    if (len(ea.outvars) != 1 or ea.effects or eb.effects
+            or repr(ea.params) != repr(eb.params)):
         return False
     return len(ea.invars) == len(eb.invars) and all(
-        same_value(graph, x, y, depth - 1) for x, y in zip(ea.invars, eb.invars, strict=True))
+        _same_value(graph, x, y, depth - 1, compared)
+        for x, y in zip(ea.invars, eb.invars, strict=True))
 
 
 def _recomputed(graph: Graph, a: Any, b: Any) -> list[Any]:
     """The equations computing `b` again where `same_value(graph, a, b)`: those of its
-    producers down to the variables it shares with `a`."""
-    if a is b or isinstance(b, Literal):
-        return []
-    ea, eb = graph.producer(a), graph.producer(b)
-    return [eb, *(e for x, y in zip(ea.invars, eb.invars, strict=True)
-                  for e in _recomputed(graph, x, y))]
+    producers down to the variables it shares with `a`, each once."""
+    found: dict[int, Any] = {}
+    pending = [(a, b)]
+    while pending:
+        a, b = pending.pop()
+        if a is b or isinstance(b, Literal):
+            continue
+        ea, eb = graph.producer(a), graph.producer(b)
+        if id(eb) not in found:
+            found[id(eb)] = eb
+            pending.extend(zip(ea.invars, eb.invars, strict=True))
+    return list(found.values())
 
 
 def soft_capped(graph: Graph, var: Any) -> tuple[Any, float, list[Any]] | None:
