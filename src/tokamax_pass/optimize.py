@@ -25,7 +25,6 @@ import inspect
 import itertools
 import os
 import types
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -35,6 +34,7 @@ from tokamax_pass.artifact import make_artifact
 from tokamax_pass.autotuning.result import AutotuningResult
 from tokamax_pass.core import checks, device, selection, spec
 from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
+from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.export_checks import DISABLE_JAX_EXPORT_CHECKS
 from tokamax_pass.passes import emit, patterns, patterns_attention, transforms, walk
 from tokamax_pass.passes.plan import Plan
@@ -335,10 +335,10 @@ def _warn_if_no_results_apply(results: Sequence[Any], targets: Sequence[device.T
     kinds = {target.device_kind for target in targets}
     if results and all(r.device_kind is not None and r.device_kind not in kinds
                        for r in results):
-        warnings.warn(
+        warn_at_caller(
             f"optimize: results= are for {sorted({r.device_kind for r in results})}, but "
             f"this program is compiled for {sorted(map(str, kinds))}: none of them is used (an "
-            f"AutotuningResult applies to the device kind it was tuned on)", stacklevel=2)
+            f"AutotuningResult applies to the device kind it was tuned on)")
 
 
 def _as_results(results: Any) -> tuple[Any, ...]:

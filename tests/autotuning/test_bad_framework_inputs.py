@@ -228,10 +228,12 @@ def test_a_corrupt_user_cache_file_is_reported_and_skipped(tmp_path, corrupt):
     # A bad entry is skipped alone; a file that cannot be read at all is skipped whole.
     message = ("skipping an entry .*cache file .*entry 0" if corrupt == "unknown op"
                else "ignoring the user autotuning cache")
-    with pytest.warns(UserWarning, match=message):
+    with pytest.warns(UserWarning, match=message) as warned:
         # Every op call reads the user cache: a directory or non-UTF-8 bytes where the
         # file should be must not crash it; it runs without the cache.
         assert float(jax.jit(lambda x, s: _loss_default(x, s))(X, S)) == float(_loss(X, S))
+    # The warning points at the user's line, not at the library's (or its kernels') own.
+    assert {w.filename for w in warned if "cache" in str(w.message)} == {__file__}
     if corrupt == "unknown op":
         AutotuningResult("cpu").save_to_cache()
     else:

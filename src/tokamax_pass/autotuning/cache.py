@@ -18,7 +18,6 @@ import json
 import os
 import pathlib
 import stat
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +36,7 @@ from tokamax_pass.autotuning.result import (
 from tokamax_pass.core import checks, selection, spec
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.bound_arguments import BoundArguments
+from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.core.device import check_device_kind, device_kind_key
 from tokamax_pass.core.op import snake_case_name
 
@@ -83,7 +83,7 @@ def _report_once(key: Any, message: str) -> None:
     left unconfigured prints to stderr as well (its last-resort handler)."""
     if key not in _reported:
         _reported.add(key)
-        warnings.warn(message, stacklevel=3)
+        warn_at_caller(message)
 
 
 def read(path: str | os.PathLike, *, kind_key: str | None = None) -> AutotuningResult | None:

@@ -19,7 +19,6 @@ import json
 import os
 import pathlib
 import re
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import IO, Any
 
@@ -29,6 +28,7 @@ from tokamax_pass.autotuning import keys, result
 from tokamax_pass.core import checks, spec
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.bound_arguments import BoundArguments
+from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.core.primitive import METADATA_KEY, recording_lowerings, specs_only
 
 BOUND_ARGS_FORMAT = "tokamax_pass.BoundArgumentsList"
@@ -75,8 +75,7 @@ def specs_from_text(text: str) -> list[str]:
     if unreadable and not specs:
         raise unreadable[0]
     for error in unreadable:
-        warnings.warn(f"skipping an op call whose metadata cannot be read: {error}",
-                      UserWarning, stacklevel=2)
+        warn_at_caller(f"skipping an op call whose metadata cannot be read: {error}")
     return list(specs)
 
 
@@ -103,8 +102,7 @@ def bound_args_from_specs(specs: Iterable[str]) -> list[BoundArguments]:
     if unreadable and not found:
         raise unreadable[0][1]
     for name, error in unreadable:
-        warnings.warn(f"skipping a {name} call, which cannot be tuned: {error}", UserWarning,
-                      stacklevel=2)
+        warn_at_caller(f"skipping a {name} call, which cannot be tuned: {error}")
     return dedupe(found)
 
 
@@ -311,6 +309,6 @@ def bound_args_from_json(source: str | os.PathLike | IO[str] = checks.NOT_GIVEN,
             error = spec.SpecError(f"{what}: entry {i}: {e}")
             if strict:
                 raise error from None
-            warnings.warn(f"skipping an entry that cannot be read (the others load): {error}",
-                          result.BadEntryWarning, stacklevel=2)
+            warn_at_caller(f"skipping an entry that cannot be read (the others load): {error}",
+                           result.BadEntryWarning)
     return found

@@ -12,7 +12,6 @@ import dataclasses
 import io
 import itertools
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import IO, Any, cast
 
@@ -23,6 +22,7 @@ from tokamax_pass.autotuning.entry import Entry, Measurement
 from tokamax_pass.core import checks, device, spec
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.bound_arguments import BoundArguments
+from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.tables import render_table
 
 FORMAT = "tokamax_pass.AutotuningResult"
@@ -331,8 +331,8 @@ def _parse(cls: type[AutotuningResult], text: str | bytes | bytearray, *, what: 
             if strict:
                 raise
             skipped.append(item)
-            warnings.warn(f"skipping an entry that cannot be read (the others load): {e}",
-                          BadEntryWarning, stacklevel=3)
+            warn_at_caller(f"skipping an entry that cannot be read (the others load): {e}",
+                           BadEntryWarning)
     return cls(
         device_kind, entries,
         tokamax_version=data.get("tokamax_pass_version"),

@@ -25,10 +25,10 @@ import json
 import math
 import os
 import pathlib
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.core.device import device_kind_key
 from tokamax_pass.core.roofline import Ceilings, Work
 
@@ -213,7 +213,7 @@ def _load_file(path: str, stamp: tuple[int, int]) -> Calibration | None:
             text = f.read(MAX_FILE_BYTES + 1)
         return parse(text)
     except (OSError, CalibrationError, UnicodeDecodeError) as e:
-        warnings.warn(f"tokamax_pass: ignoring the calibration file {path}: {e}", stacklevel=2)
+        warn_at_caller(f"tokamax_pass: ignoring the calibration file {path}: {e}")
         return None
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
-import warnings
 from collections.abc import Sequence
 
 import jax
@@ -27,6 +26,7 @@ import jax
 from tokamax_pass.autotuning import discovery
 from tokamax_pass.core import spec
 from tokamax_pass.core.bound_arguments import BoundArguments
+from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.core.primitive import METADATA_KEY
 
 _KEY = METADATA_KEY.encode()
@@ -62,8 +62,8 @@ def specs_from_xspace(data: bytes, *, what: str = "the profile") -> list[str]:
             end = found[1] + found[0]
             specs.setdefault(data[found[1]:end].decode("utf-8"))
         except ValueError as e:  # `UnicodeDecodeError` too
-            warnings.warn(f"{what}: skipped a {METADATA_KEY} entry at byte {start} that "
-                          f"cannot be read: {e}", stacklevel=3)
+            warn_at_caller(f"{what}: skipped a {METADATA_KEY} entry at byte {start} that "
+                           f"cannot be read: {e}")
             end = start + 1
         start = data.find(_ENTRY_PREFIX, end)
     return list(specs)
@@ -85,8 +85,7 @@ def bound_args_from_xplane(path: str | pathlib.Path) -> list[BoundArguments]:
         try:
             bound.append(BoundArguments.from_json(encoded))
         except spec.SpecError as e:  # one unloadable op (a local class) spoils nothing else
-            warnings.warn(f"{path}: skipped an op call that cannot be loaded here: {e}",
-                          stacklevel=2)
+            warn_at_caller(f"{path}: skipped an op call that cannot be loaded here: {e}")
     return discovery.dedupe(bound)
 
 
