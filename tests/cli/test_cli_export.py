@@ -62,6 +62,29 @@ def test_export_then_inspect(model, tmp_path, capsys):
     assert capsys.readouterr().out == printed
 
 
+def test_export_with_symbolic_dimensions_runs_at_every_size(model, tmp_path, capsys):
+    """A dimension named in `--args` is one symbol in every spec (`b`), an expression of
+    names is one (`2*t`); the artifact runs at any sizes they take. `autotune` measures
+    concrete shapes only, and a spec that is no symbolic shape is a one-line error."""
+    out = tmp_path / "art"
+    assert main(["export", "cli_model:loss", "--grad", "--args", "f32[b,2*t,32]", "f32[32]",
+                 "-o", str(out)]) == 0
+    assert "kernels: XLA only" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["in_specs"][0] == "f32[b,2*t,32]"
+    artifact = tk.load_artifact(out)
+    for shape in ((2, 4, 32), (3, 6, 32)):
+        x, scale = random_normal(0, shape), random_normal(1, (32,))
+        with reference_precision():
+            assert_close(artifact(x, scale), jax.jit(jax.grad(model.loss))(x, scale))
+    with pytest.raises(SystemExit, match="no symbolic shape"):
+        main(["export", "cli_model:loss", "--args", "f32[b,2*,32]", "f32[32]", "-o",
+              str(tmp_path / "bad")])
+    with pytest.raises(SystemExit, match="names a dimension: this command runs concrete"):
+        main(["autotune", "cli_model:loss", "--args", "f32[b,32]", "f32[32]", "-o",
+              str(tmp_path / "tuned.json")])
+
+
 def test_export_for_cpu_and_h200_with_results(model, tmp_path, capsys):
     x, scale = random_normal(0, (8, 16)), random_normal(1, (16,))
     tuned = tmp_path / "tuned.json"

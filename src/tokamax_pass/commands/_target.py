@@ -50,9 +50,37 @@ def load_function(target: str, grad: bool = False) -> Callable[..., Any]:
     return jax.grad(obj) if grad else obj
 
 
-def parse_args(specs: list[str]) -> list[jax.ShapeDtypeStruct]:
-    """`--args` specs as `jax.ShapeDtypeStruct`s; a one-line `SystemExit` naming a bad one."""
+def parse_args(specs: list[str], *, symbolic: bool = False) -> list[jax.ShapeDtypeStruct]:
+    """`--args` specs as `jax.ShapeDtypeStruct`s; a one-line `SystemExit` naming a bad one.
+    Where `symbolic`, a dimension may be a name or an expression of names, as
+    `jax.export.symbolic_shape` reads them (`'f32[b,2*t,64]'`): one name is one dimension
+    in every spec."""
+    named = [s for s in specs if _has_names(s)]
+    if named and not symbolic:
+        raise SystemExit(f"--args: {named[0][:80]!r} names a dimension: this command runs "
+                         f"concrete shapes (`export` takes symbolic ones)")
+    scope = jax.export.SymbolicScope()
     try:
-        return [spec.parse_array_spec(s) for s in specs]
+        return [_symbolic_spec(s, scope) if s in named else spec.parse_array_spec(s)
+                for s in specs]
     except spec.SpecError as e:
         raise SystemExit(f"--args: {e}") from None
+
+
+def _has_names(text: str) -> bool:
+    _, _, dims = text.partition("[")
+    return any(character.isalpha() or character == "_" for character in dims)
+
+
+def _symbolic_spec(text: str, scope: Any) -> jax.ShapeDtypeStruct:
+    """`_has_names` `text` with its dimensions read by `jax.export.symbolic_shape`; its
+    dtype and rank checked as a concrete spec's."""
+    dtype_text, _, rest = text.replace(" ", "").partition("[")
+    dims = rest.removesuffix("]")
+    concrete = spec.parse_array_spec(f"{dtype_text}[{','.join('1' for _ in dims.split(','))}]")
+    try:
+        shape = jax.export.symbolic_shape(dims, scope=scope)
+    except (ValueError, TypeError) as e:
+        raise spec.SpecError(f"{text[:80]!r}: its dimensions are no symbolic shape: "
+                             f"{' '.join(str(e).split())[:200]}") from None
+    return jax.ShapeDtypeStruct(shape, concrete.dtype)

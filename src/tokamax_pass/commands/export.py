@@ -30,6 +30,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="directory to write the artifact into")
 
 
+# Custom calls JAX's export adds that run no kernel: the checks of symbolic dimensions.
+_NOT_KERNELS = frozenset({"shape_assertion"})
+
+
 def run(args: argparse.Namespace) -> int:
     from tokamax_pass.artifact import ExportFallbackWarning, describe_fallbacks
     from tokamax_pass.core import checks
@@ -38,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     checks.directory_to_write("export", "--output", args.output)  # before the work
     fun = _target.load_function(args.function, args.grad)
-    arg_specs = _target.parse_args(args.args)
+    arg_specs = _target.parse_args(args.args, symbolic=True)
     results = [_load_result(path) for path in args.results]
     optimized = optimize(fun, autotune=args.autotune, results=results or None)
     try:
@@ -53,8 +57,9 @@ def run(args: argparse.Namespace) -> int:
     directory = artifact.save(args.output)
     print(f"wrote {directory / artifact.manifest['file']} and {directory / 'manifest.json'}")
     ops = artifact.manifest["ops"]
+    kernels = [name for name in artifact.manifest["custom_calls"] if name not in _NOT_KERNELS]
     print(f"{len(ops)} op(s) on {', '.join(artifact.manifest['platforms'])}; kernels: "
-          f"{', '.join(artifact.manifest['custom_calls']) or 'XLA only'}")
+          f"{', '.join(kernels) or 'XLA only'}")
     fallbacks = artifact.manifest["fallbacks"]
     if fallbacks:
         print(f"note: {len(fallbacks)} op call(s) run another implementation than the "
