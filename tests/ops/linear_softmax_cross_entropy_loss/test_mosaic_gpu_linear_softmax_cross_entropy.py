@@ -103,6 +103,17 @@ def test_gradient_lowers_forward_and_dlogits_kernels(reduction, lead, h, v):
     assert any("PallasMosaicGpuLinearSoftmaxCrossEntropyLossVjp" in s for s in specs)
 
 
+def test_label_smoothing_and_z_loss_lower_the_same_two_kernels():
+    """The options are terms around the op's call: the gradient still lowers one forward
+    kernel and one dlogits kernel."""
+    def f(x, labels, w):
+        return lce(x, labels, w, implementation="mosaic", reduction="mean",
+                   label_smoothing=0.1, z_loss=1e-4)
+
+    text = _export_text(jax.value_and_grad(f, argnums=(0, 2)), *_shapes())
+    assert text.count("mosaic_gpu_v2") == 2
+
+
 def test_vmap_lowers_and_keeps_per_example_gradients():
     def per_example(x, labels, w):
         return _loss(reduction="mean")(x, labels, w)
