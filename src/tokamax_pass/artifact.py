@@ -447,6 +447,18 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
 
 
+# The most digits a part of a version `_version_tuple` reads may have.
+_MAX_VERSION_DIGITS = 9
+
+
+def _is_version(value: Any) -> bool:
+    """Whether `value` is a version string `_version_tuple` reads: digits first, and
+    parts of a few digits (one of thousands failed converting to an int, a bare
+    `ValueError` from `load_artifact`'s checks)."""
+    return (isinstance(value, str) and re.match(r"\d+(\.\d+)*", value) is not None
+            and all(len(p) <= _MAX_VERSION_DIGITS for p in re.findall(r"\d+", value)[:3]))
+
+
 def _deserialize(data: bytes, what: str) -> jax.export.Exported:
     """`jax.export.deserialize`, with a `SpecError` naming `what` for bytes that are not a
     serialized program (it fails deep in flatbuffers on a corrupt or truncated file). The
@@ -502,8 +514,7 @@ def _check_manifest(manifest: Mapping[str, Any], *, what: str) -> None:
             raise spec.SpecError(f"{what}: ops[{i}] must be an object with the fields "
                                  f"{list(_OP_ROW_FIELDS)}, got {row!r:.120}")
     for package, version in manifest.get("versions", {}).items():
-        if package in ("jax", "tokamax_pass") and not (
-                isinstance(version, str) and re.match(r"\d+(\.\d+)*", version)):
+        if package in ("jax", "tokamax_pass") and not _is_version(version):
             raise spec.SpecError(f"{what}: versions[{package!r}] must be a version string "
                                  f"like '0.4.30', got {version!r:.80}")
 

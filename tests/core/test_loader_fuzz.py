@@ -137,9 +137,10 @@ POISONS: dict[str, Callable[[Any, random.Random], bytes]] = {
 }
 
 
-def _poisoned(data: bytes, rng: random.Random, poison: str) -> tuple[bytes, str]:
+def _poisoned(data: bytes, rng: random.Random, poison: str, focus: tuple
+              ) -> tuple[bytes, str]:
     document = json.loads(data)
-    path = rng.choice(_nodes(document))
+    path = rng.choice([path for path in _nodes(document) if path[:len(focus)] == focus])
     raw = POISONS[poison](_at(document, path), rng)
     text = json.dumps(_replaced(document, path, _SLOT), indent=1).encode()
     return text.replace(json.dumps(_SLOT).encode(), raw, 1), f"{poison} at {list(path)}"
@@ -158,15 +159,16 @@ def _flipped(data: bytes, rng: random.Random) -> tuple[bytes, str]:
     return bytes(damaged), f"bytes flipped at {offsets}"
 
 
-def mutations(data: bytes, *, is_json: bool, seed: int) -> list[tuple[bytes, str]]:
+def mutations(data: bytes, *, is_json: bool, seed: int, focus: tuple = ()
+              ) -> list[tuple[bytes, str]]:
     """`MUTATIONS` damaged copies of `data`, each with what was done to it: cut, bytes
-    flipped, and (for JSON) each poison in turn at a random value."""
+    flipped, and (for JSON) each poison in turn at a random value (under `focus`)."""
     rng = random.Random(seed)
     poisons = itertools.cycle(sorted(POISONS))
     found = []
     for i in range(MUTATIONS):
         if is_json and i % 3:
-            found.append(_poisoned(data, rng, next(poisons)))
+            found.append(_poisoned(data, rng, next(poisons), focus))
         else:
             found.append(rng.choice([_truncated, _flipped])(data, rng))
     return found
@@ -296,6 +298,7 @@ class Loader:
     errors: tuple[type[Exception], ...]  # what it may raise (naming the file); () for none
     is_json: bool = True
     reads_a_path: bool = True  # its errors name the file (a loader of text cannot)
+    focus: tuple = ()  # the part of a JSON document poisoned (a few values among many)
 
 
 LOADERS = {
@@ -313,6 +316,9 @@ LOADERS = {
             errors="replace")), (SpecError, ValueError), is_json=False, reads_a_path=False),
     "load_artifact manifest": Loader("artifact/manifest.json", lambda p: tk.load_artifact(
         p.parent), (SpecError, ArtifactMismatchError, FileNotFoundError)),
+    "load_artifact manifest versions": Loader(
+        "artifact/manifest.json", lambda p: tk.load_artifact(p.parent),
+        (SpecError, ArtifactMismatchError), focus=("versions",)),
     "load_artifact program": Loader("artifact/prog.stablehlo", lambda p: tk.load_artifact(
         p.parent), (SpecError,), is_json=False),
     "inspect artifact": Loader("artifact/manifest.json", lambda p: _inspect(p.parent),
@@ -341,8 +347,9 @@ def _damaged_copies(originals: pathlib.Path, tmp_path: pathlib.Path, name: str):
     """For each mutation: a fresh copy of the originals with the loader's file damaged."""
     loader = LOADERS[name]
     data = (originals / loader.file).read_bytes()
-    for i, (damaged, how) in enumerate(mutations(data, is_json=loader.is_json,
-                                                 seed=SEED + sorted(LOADERS).index(name))):
+    seed = SEED + sorted(LOADERS).index(name)
+    for i, (damaged, how) in enumerate(mutations(data, is_json=loader.is_json, seed=seed,
+                                                 focus=loader.focus)):
         root = tmp_path / str(i)
         shutil.copytree(originals, root)
         (root / loader.file).write_bytes(damaged)
