@@ -472,18 +472,34 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
 
 
+# The most digits a part of a version `_version_tuple` reads may have.
+_MAX_VERSION_DIGITS = 9
+
+
+def _is_version(value: Any) -> bool:
+    """Whether `value` is a version string `_version_tuple` reads: digits first, and
+    parts of a few digits (one of thousands failed converting to an int, a bare
+    `ValueError` from `load_artifact`'s checks)."""
+    return (isinstance(value, str) and re.match(r"\d+(\.\d+)*", value) is not None
+            and all(len(p) <= _MAX_VERSION_DIGITS for p in re.findall(r"\d+", value)[:3]))
+
+
 def _deserialize(data: bytes, what: str) -> jax.export.Exported:
     """`jax.export.deserialize`, with a `SpecError` naming `what` for bytes that are not a
-    serialized program (it fails deep in flatbuffers on a corrupt or truncated file)."""
+    serialized program (it fails deep in flatbuffers on a corrupt or truncated file). The
+    StableHLO module inside is parsed here too: `deserialize` reads it only when it is
+    first used, and a damaged one raised XLA's bare "Failed to deserialize StableHLO"."""
     try:
-        return jax.export.deserialize(bytearray(data))
+        exported = jax.export.deserialize(bytearray(data))
+        exported.mlir_module()
     except Exception as e:  # noqa: BLE001 - flatbuffers raises struct.error, IndexError, ...
         raise spec.SpecError(f"{what} is not a serialized jax.export program (corrupt or "
                              f"truncated?): {type(e).__name__}: {e}") from None
+    return exported
 
 
-def _deserialize_text(data: bytes) -> str:
-    return _deserialize(data, "the .stablehlo file").mlir_module()
+def _deserialize_text(data: bytes, what: str) -> str:
+    return _deserialize(data, what).mlir_module()
 
 
 # The fields of each of a manifest's `ops` that `inspect` prints.
@@ -513,13 +529,17 @@ def _check_manifest(manifest: Mapping[str, Any], *, what: str) -> None:
         if not all(isinstance(t, str) for t in manifest.get(key, ())):
             raise spec.SpecError(f"{what}: {key!r} must be a list of strs, got "
                                  f"{manifest[key]!r:.80}")
+    # A kind of another type was read as a device the artifact was tuned for ("tuned for
+    # 2.5, but this device is 'cpu'"), naming neither the file nor what is wrong in it.
+    if not all(isinstance(k, str | None) for k in manifest.get("device_kinds", {}).values()):
+        raise spec.SpecError(f"{what}: 'device_kinds' must map platforms to device kinds "
+                             f"(strs) or null, got {manifest['device_kinds']!r:.80}")
     for i, row in enumerate(manifest.get("ops", ())):
         if not isinstance(row, Mapping) or not all(k in row for k in _OP_ROW_FIELDS):
             raise spec.SpecError(f"{what}: ops[{i}] must be an object with the fields "
                                  f"{list(_OP_ROW_FIELDS)}, got {row!r:.120}")
     for package, version in manifest.get("versions", {}).items():
-        if package in ("jax", "tokamax_pass") and not (
-                isinstance(version, str) and re.match(r"\d+(\.\d+)*", version)):
+        if package in ("jax", "tokamax_pass") and not _is_version(version):
             raise spec.SpecError(f"{what}: versions[{package!r}] must be a version string "
                                  f"like '0.4.30', got {version!r:.80}")
 

@@ -268,7 +268,9 @@ def library_result(device_kind: str | None) -> AutotuningResult | None:
         if not item.name.endswith(".json"):
             continue
         try:
-            result = AutotuningResult.loads(item.read_text(), what=f"library cache {item.name}")
+            # Bytes: their decoding fails as a `SpecError` (`read_text` raised a bare
+            # `UnicodeDecodeError`, which nothing here caught).
+            result = AutotuningResult.loads(item.read_bytes(), what=f"library cache {item.name}")
             if device_kind_key(result.device_kind) != device_kind_key(device_kind):
                 raise spec.SpecError(f"library cache {item.name} records device kind "
                                      f"{result.device_kind!r}, not {device_kind!r}")

@@ -486,7 +486,7 @@ def loads(text: str, *, what: str) -> Any:
                         f"a loader reads")
     check_depth(text, what=what)
     try:
-        return json.loads(text, object_pairs_hook=_object_of_unique_keys)
+        data = json.loads(text, object_pairs_hook=_object_of_unique_keys)
     except _RepeatedKey as e:
         raise SpecError(f"{what} gives the key {e.args[0]!r:.80} twice in one object (JSON "
                         f"keeps the last: the first value would be dropped, silently)") from None
@@ -494,6 +494,24 @@ def loads(text: str, *, what: str) -> Any:
         raise SpecError(f"{what} is not valid JSON: {e}") from None
     except RecursionError:
         raise SpecError(f"{what} is nested too deeply") from None
+    if _SURROGATE.search(text):
+        _check_unicode(data, what=what)
+    return data
+
+
+# A surrogate code point, escaped (`\ud800`) or as it is: half of a pair at best.
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]|[\ud800-\udfff]")
+
+
+def _check_unicode(data: Any, *, what: str) -> None:
+    """`SpecError` where a string of `data` holds a lone surrogate (JSON's `"\\ud800"`
+    escape reads as one): it is no Unicode text, and printing it or writing it as UTF-8
+    raised a bare `UnicodeEncodeError` far from the file (`tokamax-pass inspect`)."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecError(f"{what} holds a string with a lone surrogate (a \\ud800-\\udfff "
+                        f"escape that is not half of a pair): not Unicode text") from None
 
 
 class _RepeatedKey(Exception):

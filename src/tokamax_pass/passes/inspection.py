@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tokamax_pass.core import spec
+from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.core.primitive import METADATA_KEY
 from tokamax_pass.passes.plan import format_table
 
@@ -55,30 +56,41 @@ class FoundOp:
     spec: Mapping[str, Any]
 
 
-def find_ops(text: str) -> list[FoundOp]:
+def find_ops(text: str, *, what: str = "the StableHLO text") -> list[FoundOp]:
     """The distinct op specs stamped in `text`, in order of first appearance."""
     counts: dict[str, int] = {}
-    for raw in _spec_strings(text):
+    for raw in _spec_strings(text, what=what):
         counts[raw] = counts.get(raw, 0) + 1
     return [_found(raw, n) for raw, n in counts.items()]
 
 
-def _spec_strings(text: str) -> list[str]:
-    """Each stamped spec's JSON: a quoted MLIR string, or HLO text's bare JSON object."""
-    found = []
+def _spec_strings(text: str, *, what: str) -> list[str]:
+    """Each stamped spec's JSON: a quoted MLIR string, or HLO text's bare JSON object.
+
+    One that cannot be read (damaged, cut off) is skipped with a warning naming `what`
+    and why, so the program's other ops are still listed; where none can be read, its
+    `SpecError` is raised (a bare object was skipped silently, and a program whose every
+    spec was damaged was listed as holding no ops)."""
+    found, unreadable = [], []
+    attribute = f"{what}: a {METADATA_KEY} attribute"
     for match in _SPEC_KEY.finditer(text):
         start = match.end()
-        if text.startswith('"', start):
-            quoted = _MLIR_STRING.match(text, start)
-            if quoted is not None:
+        try:
+            if text.startswith('"', start):
+                quoted = _MLIR_STRING.match(text, start)
+                if quoted is None:
+                    raise spec.SpecError(f"{attribute} is a string that never ends")
                 found.append(spec.dumps(spec.loads(_unescape(quoted.group(1)),
-                                                   what=f"a {METADATA_KEY} attribute")))
-        elif text.startswith("{", start):
-            try:
-                data, _ = spec.raw_decode(text, start, what=f"a {METADATA_KEY} attribute")
-            except spec.SpecError:
-                continue
-            found.append(spec.dumps(data))
+                                                   what=attribute)))
+            elif text.startswith("{", start):
+                data, _ = spec.raw_decode(text, start, what=attribute)
+                found.append(spec.dumps(data))
+        except spec.SpecError as e:
+            unreadable.append(e)
+    if unreadable and not found:
+        raise unreadable[0]
+    for error in unreadable:
+        warn_at_caller(f"skipping an op whose metadata cannot be read: {error}", UserWarning)
     return found
 
 
@@ -120,8 +132,11 @@ class Inspection:
     manifest: Mapping[str, Any] | None = None
 
     @classmethod
-    def from_text(cls, text: str, manifest: Mapping[str, Any] | None = None) -> Inspection:
-        return cls(tuple(find_ops(text)), tuple(custom_call_targets(text)), manifest)
+    def from_text(cls, text: str, manifest: Mapping[str, Any] | None = None, *,
+                  what: str = "the StableHLO text") -> Inspection:
+        """The ops in `text`; errors and warnings name it as `what` (a file's path)."""
+        return cls(tuple(find_ops(text, what=what)), tuple(custom_call_targets(text)),
+                   manifest)
 
     def __str__(self) -> str:
         parts = []
@@ -149,14 +164,17 @@ class Inspection:
 
 def inspect_path(source: str | os.PathLike[str], *,
                  load_artifact_dir: Callable[[Path], Any],
-                 deserialize: Callable[[bytes], str]) -> Inspection:
-    """Inspects an artifact directory, a serialized `.stablehlo` file, a text file, or text."""
+                 deserialize: Callable[[bytes, str], str]) -> Inspection:
+    """Inspects an artifact directory, a serialized `.stablehlo` file, a text file, or text.
+    `deserialize(data, what)` is the module text of a serialized program; its errors name
+    `what` (the file)."""
     path = Path(source) if not _looks_like_text(source) else None
     if path is None:
         return Inspection.from_text(str(source))
     if path.is_dir():
         artifact = load_artifact_dir(path)
-        return Inspection.from_text(artifact.mlir_text(), manifest=artifact.manifest)
+        return Inspection.from_text(artifact.mlir_text(), manifest=artifact.manifest,
+                                    what=f"the artifact {path}")
     if not path.is_file():
         raise FileNotFoundError(f"inspect: {path} is neither a file nor an artifact directory")
     data = spec.read_binary_file(path, what=str(path))
@@ -165,13 +183,13 @@ def inspect_path(source: str | os.PathLike[str], *,
     except UnicodeDecodeError:
         text = None
     if text is None or (path.suffix == ".stablehlo" and not _is_text(text)):
-        return Inspection.from_text(deserialize(data))
+        return Inspection.from_text(deserialize(data, str(path)), what=str(path))
     if not (_is_text(text) or METADATA_KEY in text):
         # A JSON file or notes: "no tokamax_pass ops" would be a wrong answer.
         raise ValueError(f"inspect: {path} is not StableHLO/MLIR or HLO text (it starts "
                          f"{text.lstrip()[:30]!r}), a serialized .stablehlo file or an "
                          f"artifact directory")
-    return Inspection.from_text(text)
+    return Inspection.from_text(text, what=str(path))
 
 
 def _looks_like_text(source: Any) -> bool:
