@@ -234,6 +234,8 @@ def _write(folder, text):
     calibration_file([], extra={"code": "import os"}),
     calibration_file([], provenance={"commit": {"nested": "object"}}),
     {**calibration_file([]), "points": {"not": "a list"}},
+    # A file with its points given twice (hand-merged) would load the last list alone.
+    json.dumps(calibration_file([("K", "bfloat16", 1e9, 1e9, 0.5)]))[:-1] + ', "points": []}',
     '{"schema": "tokamax_pass.calibration", "version": 1, "device_kind": "NVIDIA H200", '
     '"ceilings": {"bf16_tflops": NaN, "f32_tflops": 1, "hbm_tbps": 1}, "points": []}',
     '{"schema": "tokamax_pass.calibration", "version": 1, "device_kind": "NVIDIA H200", '

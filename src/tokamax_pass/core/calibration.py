@@ -28,6 +28,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from tokamax_pass.core import spec
 from tokamax_pass.core.caller_warnings import warn_at_caller
 from tokamax_pass.core.device import device_kind_key
 from tokamax_pass.core.roofline import Ceilings, Work
@@ -156,7 +157,11 @@ def parse(text: str | bytes) -> Calibration:
     if len(text) > MAX_FILE_BYTES:
         raise CalibrationError(f"larger than {MAX_FILE_BYTES} bytes")
     try:
-        data = json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant,
+                          object_pairs_hook=spec.object_of_unique_keys)
+    except spec.RepeatedKeyError as e:
+        raise CalibrationError(f"gives the key {e.args[0]!r:.80} twice in one object (JSON "
+                               f"keeps the last: the first value would be dropped)") from None
     except RecursionError:
         raise CalibrationError("nested too deeply") from None
     except ValueError as e:  # not JSON, or an integer past Python's digit limit

@@ -486,8 +486,8 @@ def loads(text: str, *, what: str) -> Any:
                         f"a loader reads")
     check_depth(text, what=what)
     try:
-        data = json.loads(text, object_pairs_hook=_object_of_unique_keys)
-    except _RepeatedKey as e:
+        data = json.loads(text, object_pairs_hook=object_of_unique_keys)
+    except RepeatedKeyError as e:
         raise SpecError(f"{what} gives the key {e.args[0]!r:.80} twice in one object (JSON "
                         f"keeps the last: the first value would be dropped, silently)") from None
     except ValueError as e:  # `JSONDecodeError`, or an integer too long to convert
@@ -514,15 +514,15 @@ def _check_unicode(data: Any, *, what: str) -> None:
                         f"escape that is not half of a pair): not Unicode text") from None
 
 
-class _RepeatedKey(Exception):
+class RepeatedKeyError(Exception):
     """A JSON object that names one key twice (hand-merged files: two `"entries"`)."""
 
 
-def _object_of_unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def object_of_unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     found = dict(pairs)
     if len(found) != len(pairs):
         keys = [k for k, _ in pairs]
-        raise _RepeatedKey(next(k for i, k in enumerate(keys) if k in keys[:i]))
+        raise RepeatedKeyError(next(k for i, k in enumerate(keys) if k in keys[:i]))
     return found
 
 
