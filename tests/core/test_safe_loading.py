@@ -240,6 +240,18 @@ def test_a_damaged_profile_entry_is_skipped_and_the_others_load(tmp_path):
         assert bound == undamaged
 
 
+def test_a_profile_larger_than_memory_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    """A profile is read whole: one past this machine's memory (a sparse file) is a clear
+    error naming it, not a `MemoryError`."""
+    path = _poisoned_profile(tmp_path, LAYER_NORM)
+    monkeypatch.setattr(spec, "physical_memory_bytes", lambda: 1 << 20)
+    with open(path, "r+b") as f:
+        f.truncate((1 << 20) + 1)  # sparse where the file system allows it
+    with pytest.raises(spec.SpecError, match=r"poisoned.xplane.pb is 1048577 bytes long, "
+                                             r"more than this machine's 1048576 bytes"):
+        xplane_to_bound_args.bound_args_from_xplane(path)
+
+
 # --- StableHLO metadata and manifests -----------------------------------------------------
 
 def _poisoned_stablehlo(name: str) -> str:

@@ -74,8 +74,9 @@ def bound_args_from_xplane(path: str | pathlib.Path) -> list[BoundArguments]:
 
     A profile holds every program the process had loaded; a call whose op cannot be
     loaded here (a class defined inside a function) is skipped with a warning. A file that
-    is not a profile is a `spec.SpecError` naming it."""
-    data = pathlib.Path(path).read_bytes()
+    is not a profile, or is larger than this machine's memory, is a `spec.SpecError`
+    naming it."""
+    data = spec.read_binary_file(path, what=str(path))
     try:
         jax.profiler.ProfileData.from_serialized_xspace(data)
     except Exception as e:  # noqa: BLE001 - any parse failure means "not a profile"
