@@ -10,6 +10,7 @@ gradients of the rewritten program (the op's `xla` path and its VJP) are compare
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import tokamax_pass as tokamax
@@ -234,6 +235,26 @@ def straight_through_relu_gate(x, w_gate, w_up):
     return STRAIGHT_THROUGH_RELU(dot(x, w_gate)) * dot(x, w_up)
 
 
+def relu_and_straight_through_relu_inputs(x, w_gate, w_up):
+    """The projections' inputs one value computed by two functions that differentiate it
+    differently (`jax.nn.relu` and a straight-through relu of the same equations)."""
+    return jax.nn.silu(dot(jax.nn.relu(x), w_gate)) * dot(STRAIGHT_THROUGH_RELU(x), w_up)
+
+
+def _scaled_by(constant):
+    """A jitted function closing over `constant`: its equation prints as any other's."""
+    return jax.jit(lambda x: x * constant)
+
+
+SCALED_BY_ONES = _scaled_by(np.ones(K, np.float32))
+SCALED_BY_TWOS = _scaled_by(np.full(K, 2.0, np.float32))
+
+
+def inputs_scaled_by_two_closed_over_constants(x, w_gate, w_up):
+    """The projections' inputs scaled by two jitted functions of other constants."""
+    return jax.nn.silu(dot(SCALED_BY_ONES(x), w_gate)) * dot(SCALED_BY_TWOS(x), w_up)
+
+
 def gate_and_up_at_different_precisions(x, w_gate, w_up):
     """The op takes one precision for both products."""
     return jax.nn.silu(dot(x, w_gate)) * jnp.matmul(x, w_up, precision="default")
@@ -296,7 +317,8 @@ def silu_written_out_of_two_stacked_rows(x, w):
 @pytest.mark.parametrize("f,reason", [
     (tanh_gate, None), (quick_gelu_regrouped_with_up, None), (three_stacked_last, None),
     (silu_written_out_of_two_stacked_rows, None),
-    (straight_through_relu_gate, None), (two_inputs, None),
+    (straight_through_relu_gate, None), (relu_and_straight_through_relu_inputs, None),
+    (inputs_scaled_by_two_closed_over_constants, None), (two_inputs, None),
     (gate_and_up_at_different_precisions, None),
     (uneven_halves, None),
     (every_other_column_of_the_halves, None),

@@ -207,12 +207,55 @@ def _same_equation(graph: Graph, a: Any, b: Any, depth: int,
     ea, eb = graph.producer(a), graph.producer(b)
     if depth == 0 or ea is None or eb is None or ea.primitive != eb.primitive:
         return False
-    if (len(ea.outvars) != 1 or ea.effects or eb.effects
-            or repr(ea.params) != repr(eb.params)):
+    if len(ea.outvars) != 1 or ea.effects or eb.effects or not _same_params(ea, eb):
         return False
     return len(ea.invars) == len(eb.invars) and all(
         _same_value(graph, x, y, depth - 1, compared)
         for x, y in zip(ea.invars, eb.invars, strict=True))
+
+
+def _same_params(ea: Any, eb: Any) -> bool:
+    """Whether two equations of one primitive take the same parameters. Their printed
+    forms leave out what a body closes over and what a function does: the constants and
+    literals of bodies (a `jax.jit` function closing over an array) are compared by
+    value, a `custom_jvp` call's rule by its traced JVP (`_same_rules`), and any other
+    function must be one object."""
+    if repr(ea.params) != repr(eb.params):
+        return False
+    if ea.primitive.name in _CUSTOM_DERIVATIVES and not _same_rules(ea, eb):
+        return False
+    rules_compared = ea.primitive.name in _CUSTOM_DERIVATIVES
+    return all(_same_param(ea.params[name], eb.params[name], rules_compared)
+               for name in ea.params)
+
+
+def _same_param(a: Any, b: Any, rules_compared: bool) -> bool:
+    """Whether two parameter values that print alike are alike (`_same_params`)."""
+    if isinstance(a, ClosedJaxpr) and isinstance(b, ClosedJaxpr):
+        return len(a.consts) == len(b.consts) and all(
+            _same_array(x, y) for x, y in zip(a.consts, b.consts, strict=True)
+        ) and _same_param(a.jaxpr, b.jaxpr, rules_compared)
+    if isinstance(a, Jaxpr) and isinstance(b, Jaxpr):
+        return len(a.eqns) == len(b.eqns) and all(
+            _same_body_equation(x, y) for x, y in zip(a.eqns, b.eqns, strict=True))
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list):
+        return len(a) == len(b) and all(_same_param(x, y, rules_compared)
+                                        for x, y in zip(a, b, strict=True))
+    if isinstance(a, lu.WrappedFun) or callable(a):
+        return rules_compared or a is b
+    return True
+
+
+def _same_body_equation(ea: Any, eb: Any) -> bool:
+    """Whether two equations at one place of two bodies that print alike compute alike:
+    their literals equal, their parameters alike (`_same_params`)."""
+    return all(not isinstance(x, Literal) or _same_array(x.val, y.val)
+               for x, y in zip(ea.invars, eb.invars, strict=True)) and _same_params(ea, eb)
+
+
+def _same_array(a: Any, b: Any) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and bool(np.all(a == b))
 
 
 def _recomputed(graph: Graph, a: Any, b: Any) -> list[Any]:
