@@ -166,6 +166,20 @@ def test_projections_of_one_input_computed_twice_are_one_unit(rewritten, dtype):
                                (0, 1, 2, 3), args, dtype=dtype)
 
 
+def relu_twice(x, w_gate, w_up):
+    """The input of each projection made again by one function (`jax.nn.relu`, a
+    `custom_jvp` of a jitted body)."""
+    return jax.nn.gelu(dot(jax.nn.relu(x), w_gate)) * dot(jax.nn.relu(x), w_up)
+
+
+def test_projections_of_one_function_called_twice_are_one_unit(rewritten):
+    args = operands(relu_twice, seed=5)
+    optimized = tokamax.optimize(relu_twice)
+    assert "GatedLinearUnit" in op_names(optimized, *args)
+    assert_gradients_match_jit(relu_twice, optimized, random_normal(9, (B, T, N)),
+                               (0, 1, 2), args)
+
+
 def check_the_unit(f, args, cotangent, argnums):
     """`optimize(f)` runs one `GatedLinearUnit` and matches `jax.jit(f)`'s values and its
     gradients in `argnums` under `cotangent`."""

@@ -231,13 +231,12 @@ def _same_params(ea: Any, eb: Any) -> bool:
 
 def _same_param(a: Any, b: Any, rules_compared: bool) -> bool:
     """Whether two parameter values that print alike are alike (`_same_params`)."""
-    if isinstance(a, ClosedJaxpr) and isinstance(b, ClosedJaxpr):
-        return len(a.consts) == len(b.consts) and all(
-            _same_array(x, y) for x, y in zip(a.consts, b.consts, strict=True)
-        ) and _same_param(a.jaxpr, b.jaxpr, rules_compared)
-    if isinstance(a, Jaxpr) and isinstance(b, Jaxpr):
-        return len(a.eqns) == len(b.eqns) and all(
-            _same_body_equation(x, y) for x, y in zip(a.eqns, b.eqns, strict=True))
+    if isinstance(a, Jaxpr | ClosedJaxpr) and isinstance(b, Jaxpr | ClosedJaxpr):
+        (jaxpr_a, consts_a), (jaxpr_b, consts_b) = _opened(a), _opened(b)
+        return (len(consts_a) == len(consts_b) and len(jaxpr_a.eqns) == len(jaxpr_b.eqns)
+                and all(_same_array(x, y) for x, y in zip(consts_a, consts_b, strict=True))
+                and all(_same_body_equation(x, y)
+                        for x, y in zip(jaxpr_a.eqns, jaxpr_b.eqns, strict=True)))
     if isinstance(a, tuple | list) and isinstance(b, tuple | list):
         return len(a) == len(b) and all(_same_param(x, y, rules_compared)
                                         for x, y in zip(a, b, strict=True))
