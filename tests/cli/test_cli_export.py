@@ -80,6 +80,9 @@ def test_export_with_symbolic_dimensions_runs_at_every_size(model, tmp_path, cap
     with pytest.raises(SystemExit, match="no symbolic shape"):
         main(["export", "cli_model:loss", "--args", "f32[b,2*,32]", "f32[32]", "-o",
               str(tmp_path / "bad")])
+    with pytest.raises(SystemExit, match=r"dimensions end with '\]'"):
+        main(["export", "cli_model:loss", "--args", "f32[b,32", "f32[32]", "-o",
+              str(tmp_path / "bad")])
     with pytest.raises(SystemExit, match="names a dimension: this command runs concrete"):
         main(["autotune", "cli_model:loss", "--args", "f32[b,32]", "f32[32]", "-o",
               str(tmp_path / "tuned.json")])

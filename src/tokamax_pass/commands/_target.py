@@ -76,6 +76,9 @@ def _symbolic_spec(text: str, scope: Any) -> jax.ShapeDtypeStruct:
     """`_has_names` `text` with its dimensions read by `jax.export.symbolic_shape`; its
     dtype and rank checked as a concrete spec's."""
     dtype_text, _, rest = text.replace(" ", "").partition("[")
+    if not rest.endswith("]"):
+        raise spec.SpecError(f"{text[:80]!r} is not an array spec like 'f32[b,2048]': its "
+                             f"dimensions end with ']'")
     dims = rest.removesuffix("]")
     concrete = spec.parse_array_spec(f"{dtype_text}[{','.join('1' for _ in dims.split(','))}]")
     try:
