@@ -342,7 +342,14 @@ def rewritten_patterns(optimized, *args):
     return [m.pattern for m in optimized.plan(*args).matches if m.rewritten]
 
 
-@pytest.mark.parametrize("model", MODELS)
+# The models CI steps through (`pytest -m slow` steps through the others): each spelling
+# the others hold is also checked alone by a test below.
+IN_CI = ("haiku", "maxtext", "palm_parallel")
+
+
+@pytest.mark.parametrize("model", [model if model in IN_CI else
+                                   pytest.param(model, marks=pytest.mark.slow)
+                                   for model in MODELS])
 def test_float32_steps_match_jit(rewritten, model):
     layer, shapes, patterns = MODELS[model]
     step, args = step_and_arguments(layer, shapes, jnp.float32)
