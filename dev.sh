@@ -82,7 +82,9 @@ case "${1:-}" in
     # trap runs under `set -e`, where a `kill` of an ended job would fail the run.
     background=$typecheck
     trap 'kill $background 2>/dev/null || true; rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
-    .venv/bin/python -m pytest -q -n 2 --durations=20 "${selection[@]}" tests
+    # worksteal: a worker that runs out of tests takes some of the other's, rather than
+    # idling while the other ends a queue of long cases.
+    .venv/bin/python -m pytest -q -n 2 --dist worksteal --durations=20 "${selection[@]}" tests
     wait "$typecheck" || { cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"; exit 1; }
     background=""  # reaped: its process ID may be another process's now
     cat "$JAX_COMPILATION_CACHE_DIR/mypy.log"

@@ -534,7 +534,7 @@ def test_float32_steps_match_jit(rewritten, name):
         assert_close(actual, wanted)
 
 
-@pytest.mark.variants  # the first case runs in CI
+@pytest.mark.slow  # bfloat16 rewrites are checked pattern by pattern in CI
 @pytest.mark.parametrize(("name", "patterns"), [
     ("mistral", MODELS["mistral"].patterns),
     ("gpt2", [ATTENTION, LOSS]),
