@@ -34,7 +34,7 @@ import pytest
 from jax import lax
 
 import tokamax_pass as tokamax
-from _rewriting import weighted
+from _rewriting import assert_gradients_match_jit, weighted
 from conftest import assert_close, random_normal
 from test_rewrite_library_spellings import assert_as_close_as_plain, rewritten_patterns
 
@@ -638,13 +638,8 @@ def test_a_band_spelled_as_a_bias_is_the_ops_band(rewritten, spelling):
     args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
     optimized = tokamax.optimize(f)
     assert attention_calls(optimized, *args) == {arguments}
-    cotangent = random_normal(3, (B, T, N, HD))
-    loss = jax.value_and_grad(weighted(f, cotangent), argnums=(0, 1, 2))
-    expected = jax.jit(loss)(*args)
-    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=(0, 1, 2))(*args)
-    assert_close(value, expected[0])
-    for actual, wanted in zip(grads, expected[1], strict=True):
-        assert_close(actual, wanted)
+    assert_gradients_match_jit(f, optimized, random_normal(3, (B, T, N, HD)), (0, 1, 2),
+                               args)
 
 
 MAX_POSITIONS = 16
@@ -692,13 +687,8 @@ def test_a_causal_mask_sliced_from_a_longer_one_is_the_ops_band(rewritten, logit
     args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
     optimized = tokamax.optimize(f)
     assert attention_calls(optimized, *args) == {arguments}
-    cotangent = random_normal(3, (B, T, N, HD))
-    loss = jax.value_and_grad(weighted(f, cotangent), argnums=(0, 1, 2))
-    expected = jax.jit(loss)(*args)
-    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=(0, 1, 2))(*args)
-    assert_close(value, expected[0])
-    for actual, wanted in zip(grads, expected[1], strict=True):
-        assert_close(actual, wanted)
+    assert_gradients_match_jit(f, optimized, random_normal(3, (B, T, N, HD)), (0, 1, 2),
+                               args)
 
 
 def pytorch_port_padded_attention(q, k, v, padding):
@@ -753,13 +743,8 @@ def test_a_constant_mask_is_the_band_it_keeps(rewritten, spelling):
     args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
     optimized = tokamax.optimize(f)
     assert attention_calls(optimized, *args) == {arguments}
-    cotangent = random_normal(3, (B, T, N, HD))
-    loss = jax.value_and_grad(weighted(f, cotangent), argnums=(0, 1, 2))
-    expected = jax.jit(loss)(*args)
-    value, grads = jax.value_and_grad(weighted(optimized, cotangent), argnums=(0, 1, 2))(*args)
-    assert_close(value, expected[0])
-    for actual, wanted in zip(grads, expected[1], strict=True):
-        assert_close(actual, wanted)
+    assert_gradients_match_jit(f, optimized, random_normal(3, (B, T, N, HD)), (0, 1, 2),
+                               args)
 
 
 @pytest.mark.xfail(strict=True, reason="a lax.scan body receives the constants it closes "
