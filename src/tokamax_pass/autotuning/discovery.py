@@ -28,7 +28,7 @@ from tokamax_pass.autotuning import keys, result
 from tokamax_pass.core import checks, spec
 from tokamax_pass.core.atomic_io import write_atomic
 from tokamax_pass.core.bound_arguments import BoundArguments
-from tokamax_pass.core.caller_warnings import warn_at_caller
+from tokamax_pass.core.caller_warnings import skip_unreadable, warn_at_caller
 from tokamax_pass.core.primitive import METADATA_KEY, recording_lowerings, specs_only
 
 BOUND_ARGS_FORMAT = "tokamax_pass.BoundArgumentsList"
@@ -72,10 +72,7 @@ def specs_from_text(text: str) -> list[str]:
                 specs.setdefault(spec.dumps(value))
         except spec.SpecError as e:
             unreadable.append(e)
-    if unreadable and not specs:
-        raise unreadable[0]
-    for error in unreadable:
-        warn_at_caller(f"skipping an op call whose metadata cannot be read: {error}")
+    skip_unreadable(specs, unreadable, "an op call")
     return list(specs)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
+from collections.abc import Sequence, Sized
 
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,3 +30,14 @@ def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
     """`warnings.warn(message, category)`, attributed to the first frame outside
     `tokamax_pass`, `tokamax_kernels` and JAX."""
     warnings.warn(message, category, skip_file_prefixes=_SKIPPED_DIRS)
+
+
+def skip_unreadable(found: Sized, unreadable: Sequence[Exception], what: str) -> None:
+    """Raise the first of `unreadable` where nothing was `found`, else warn once for each
+    (`skipping <what> whose metadata cannot be read: <error>`): one damaged record of
+    many is skipped so the rest are still read, and a source with no readable record
+    fails with the reason."""
+    if unreadable and not found:
+        raise unreadable[0]
+    for error in unreadable:
+        warn_at_caller(f"skipping {what} whose metadata cannot be read: {error}")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tokamax_pass.core import spec
-from tokamax_pass.core.caller_warnings import warn_at_caller
+from tokamax_pass.core.caller_warnings import skip_unreadable
 from tokamax_pass.core.primitive import METADATA_KEY
 from tokamax_pass.passes.plan import format_table
 
@@ -69,8 +69,7 @@ def _spec_strings(text: str, *, what: str) -> list[str]:
 
     One that cannot be read (damaged, cut off) is skipped with a warning naming `what`
     and why, so the program's other ops are still listed; where none can be read, its
-    `SpecError` is raised (a bare object was skipped silently, and a program whose every
-    spec was damaged was listed as holding no ops)."""
+    `SpecError` is raised, so a damaged program is never listed as holding no ops."""
     found, unreadable = [], []
     attribute = f"{what}: a {METADATA_KEY} attribute"
     for match in _SPEC_KEY.finditer(text):
@@ -87,10 +86,7 @@ def _spec_strings(text: str, *, what: str) -> list[str]:
                 found.append(spec.dumps(data))
         except spec.SpecError as e:
             unreadable.append(e)
-    if unreadable and not found:
-        raise unreadable[0]
-    for error in unreadable:
-        warn_at_caller(f"skipping an op whose metadata cannot be read: {error}", UserWarning)
+    skip_unreadable(found, unreadable, "an op")
     return found
 
 
