@@ -57,13 +57,26 @@ class Prediction:
     near: bool
 
 
+def wrapped_ops(op: Op) -> list[Op]:
+    """The ops `op` runs inside it (a `RaggedDotVjp`'s `inner`, an `AutodiffVjp`'s
+    `forward`), its config and VJP aside."""
+    return [getattr(op, f.name) for f in dataclasses.fields(op)
+            if f.name not in ("config", "vjp") and isinstance(getattr(op, f.name), Op)]
+
+
 def op_name(op: Op) -> str:
     """The name calibration points carry for `op`: its class, with the ops it wraps
     (`RaggedDotVjp(PallasTritonRaggedDot)`), configs aside."""
-    inner = [getattr(op, f.name) for f in dataclasses.fields(op)
-             if f.name not in ("config", "vjp") and isinstance(getattr(op, f.name), Op)]
+    inner = wrapped_ops(op)
     name = type(op).__name__
     return f"{name}({','.join(op_name(o) for o in inner)})" if inner else name
+
+
+def kernel_implementation(op: Op) -> str:
+    """The implementation that does `op`'s work: that of the one op it wraps (a ragged
+    dot's VJP is XLA code around two ragged dots of its `inner` kernel), else its own."""
+    inner = wrapped_ops(op)
+    return kernel_implementation(inner[0]) if len(inner) == 1 else op.implementation
 
 
 def call_dtype(ba: BoundArguments) -> str | None:

@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from tokamax_pass.core import spec
+from tokamax_pass.core import prediction, spec
 from tokamax_pass.core.bound_arguments import BoundArguments, NullConfig
 from tokamax_pass.passes.patterns import RewriteMatch
 from tokamax_pass.passes.rewrite import Decision
@@ -57,8 +57,8 @@ class PlanRow:
             platform=decision.target.platform,
             device_kind=decision.target.device_kind,
             arguments=format_arguments(decision.choice.bound),
-            implementation=op.implementation,
-            op=type(op).__name__,
+            implementation=prediction.kernel_implementation(op),
+            op=prediction.op_name(op),
             config=format_config(op.config),
             source=decision.choice.described(decision.source),
             bound=decision.choice.bound.to_spec(),
