@@ -122,8 +122,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, bias_ref, mask_ref, qlen_ref, kvlen_ref, do_
         d = jnp.where(r0 < q_len, d, a)
         bb, c = jnp.minimum(bb, d), jnp.minimum(c, d)
     if dbias_ref is not None:
-        # Blocks the loops skip get no gradient; write zeros there first.
-        dbias_ref[...] = jnp.zeros(dbias_ref.shape, dbias_ref.dtype)
+        # Blocks the loops skip get no gradient: zeros, one (block_q, block_k) tile at a
+        # time (Triton's arrays are powers of 2 long; the padded key length need not be).
+        def zero(kb: Any, carry: None) -> None:
+            c0 = pl.multiple_of(kb * block_k, block_k)
+            dbias_ref[:, pl.ds(c0, block_k)] = jnp.zeros((block_q, block_k), dbias_ref.dtype)
+            return carry
+
+        lax.fori_loop(0, a, zero, None)
+        lax.fori_loop(d, num_kb, zero, None)
     dq = jnp.zeros(q.shape, jnp.float32)
     needs_edges = spec.positional or spec.has_kv_lengths or spec.seq_k % block_k
     masked = functools.partial(body, positional=True)

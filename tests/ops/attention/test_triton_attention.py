@@ -143,6 +143,35 @@ def test_lowers_for_cuda_forward_and_gradient(causal):
             assert "PallasTritonFlashAttentionVjp" in text
 
 
+def test_causal_bias_gradient_is_zero_in_the_blocks_the_kernel_skips():
+    """Causal with a bias over 48 keys in 16-wide blocks: the dq kernel never visits the
+    blocks above the diagonal, so it writes their bias gradient as zeros itself."""
+    q, k, v = inputs(seq_q=48, seq_k=48)
+    check(q, k, v, random_normal(3, (BATCH, 2, 48, 48)), is_causal=True)
+
+
+def test_a_bias_gradient_lowers_for_cuda_at_any_padded_key_length():
+    """A bias gradient at 384 keys (three 128-key blocks: no power of 2) lowers for the
+    GPU; Triton's arrays are powers of 2 long, so the kernel never makes one the length
+    of the padded key axis."""
+    import tokamax_pass
+
+    q = jax.ShapeDtypeStruct((2, 384, 4, 128), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((2, 4, 384, 384), jnp.bfloat16)
+
+    def gradient(q, k, v, bias):
+        def loss(*args):
+            out = dot_product_attention(*args, is_causal=True, implementation="triton")
+            return out.astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    with core.targeting(H200):
+        text = jax.export.export(jax.jit(gradient), platforms=["cuda"],
+                                 disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(
+                                     q, q, q, bias).mlir_module()
+    assert "PallasTritonFlashAttentionVjp" in text
+
+
 def test_gradient_through_lse_with_bias_mask_and_lengths():
     """`return_residual=True`, both outputs in the loss: dq, dk, dv and dbias against the
     reference (the lse cotangent enters the kernels' delta; rows that see nothing, from
