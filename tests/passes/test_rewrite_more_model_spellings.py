@@ -747,13 +747,38 @@ def test_a_constant_mask_is_the_band_it_keeps(rewritten, spelling):
                                args)
 
 
-@pytest.mark.xfail(strict=True, reason="a lax.scan body receives the constants it closes "
-                                       "over as operands: the mask is passed as an array")
-def test_a_constant_mask_inside_a_scanned_layer_is_the_band_it_keeps(rewritten):
-    f = masked_by(np.tril(np.ones((T, T), bool)))
-
+def scanned_layers(mask, wrap):
+    """`LAYERS` attention layers in `lax.scan`, each masked by `mask`: closed over by the
+    body (`"scan"`), by a `jax.checkpoint` body inside it (`"checkpointed_scan"`), or
+    one layer's slice of masks scanned over (`"scanned_over"`)."""
     def layers(q, k, v):
-        return lax.scan(lambda carry, _: (f(carry, k, v), None), q, None, length=LAYERS)[0]
+        if wrap == "scanned_over":
+            stacked = np.stack([mask] * LAYERS)
+            return lax.scan(lambda carry, m: (masked_by(m)(carry, k, v), None), q,
+                            stacked)[0]
+        layer = masked_by(mask)
+        layer = jax.checkpoint(layer) if wrap == "checkpointed_scan" else layer
+        return lax.scan(lambda carry, _: (layer(carry, k, v), None), q, None,
+                        length=LAYERS)[0]
+    return layers
 
+
+@pytest.mark.parametrize(("wrap", "arguments"), [
+    ("scan", CAUSAL),
+    pytest.param("checkpointed_scan", CAUSAL, marks=pytest.mark.slow),
+    ("scanned_over", PADDED),
+], ids=["scan", "checkpointed_scan", "scanned_over"])
+def test_a_constant_mask_inside_a_scanned_layer_is_the_band_it_keeps(rewritten, wrap,
+                                                                     arguments):
+    """A `lax.scan` body, and a `jax.checkpoint` body inside it, receives the constants it
+    closes over as operands: they are read as the constants they are, a causal mask as
+    the band it keeps, forward and under `jax.value_and_grad`. A mask scanned over reaches
+    the body as a slice of the scanned array, no constant: it is passed as an array."""
+    layers = scanned_layers(np.tril(np.ones((T, T), bool)), wrap)
     args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
-    assert attention_calls(tokamax.optimize(layers), *args) == {CAUSAL}
+    cotangent = random_normal(3, (B, T, N, HD))
+    step = jax.value_and_grad(weighted(layers, cotangent), argnums=(0, 1, 2))
+    assert attention_calls(tokamax.optimize(step), *args) == {arguments}
+    optimized = tokamax.optimize(layers)
+    assert attention_calls(optimized, *args) == {arguments}
+    assert_gradients_match_jit(layers, optimized, cotangent, (0, 1, 2), args)
