@@ -613,6 +613,10 @@ MASK_BIASES = {
     "where_minus_inf": (lambda dtype: jnp.where(jnp.tril(jnp.ones((T, T), bool)), 0.0,
                                                 -jnp.inf), CAUSAL),
     "whisper_triu": (lambda dtype: jnp.triu(jnp.full((T, T), -jnp.inf), 1), CAUSAL),
+    "triu_cast_from_bfloat16": (lambda dtype: jnp.triu(
+        jnp.full((T, T), -jnp.inf, jnp.bfloat16), 1).astype(dtype), CAUSAL),
+    "fill_rounded_by_a_cast": (lambda dtype: jnp.triu(
+        jnp.full((T, T), -1e30), 1).astype(jnp.bfloat16).astype(dtype), PADDED),
     "mistral_reference_log": (
         lambda dtype: jnp.log(jnp.triu(jnp.tril(jnp.ones((T, T), dtype)), -WINDOW)),
         (True, (WINDOW, 0), False, False)),
@@ -625,10 +629,12 @@ MASK_BIASES = {
 def test_a_band_spelled_as_a_bias_is_the_ops_band(rewritten, spelling):
     """A mask bias of a band, Hugging Face Flax's `lax.select(mask > 0, 0, finfo.min)` of
     a causal or sliding-window mask, `jnp.where(causal, 0.0, -inf)`, Whisper's
-    `jnp.triu(jnp.full((t, t), -inf), 1)` or Mistral's reference `jnp.log` of a band of
+    `jnp.triu(jnp.full((t, t), -inf), 1)` (also made in bfloat16 and cast to float32:
+    0 and `-inf` are exact in both) or Mistral's reference `jnp.log` of a band of
     float ones, becomes `is_causal` and `local_window_size`:
     every row keeps a key, so no row takes the hidden rows' gradient. One that hides the
-    first row whole is passed as an array (that row gets the mean of the values)."""
+    first row whole is passed as an array (that row gets the mean of the values), as is
+    one whose fill a cast rounds (`-1e30` to bfloat16): no band is read through it."""
     bias_of, arguments = MASK_BIASES[spelling]
 
     def f(q, k, v):

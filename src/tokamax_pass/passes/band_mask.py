@@ -244,10 +244,10 @@ def _scalar(number: Any, dtype: Any) -> Any:
         return None
     if value.dtype == np.bool_:
         return _Intervals((), false=not bool(value))
-    if np.issubdtype(value.dtype, np.floating) and np.isinf(value):
+    floating = jnp.issubdtype(value.dtype, jnp.floating)  # bfloat16 too
+    if floating and math.isinf(float(value)):
         return _Float(float(value))  # a fill: `jnp.where(causal, 0.0, -jnp.inf)`
-    if np.issubdtype(value.dtype, np.integer) or (
-            np.issubdtype(value.dtype, np.floating) and float(value).is_integer()):
+    if np.issubdtype(value.dtype, np.integer) or (floating and float(value).is_integer()):
         return _Affine((), int(value))
     return None
 
@@ -366,8 +366,17 @@ def _converted(eqn: Any, value: Any) -> Any:
     if isinstance(value, _Indicator):
         return value.kept if to_bool else value
     if isinstance(value, _Float | _Choice):
-        return None  # the conversion may round its numbers
+        return value if _held_exactly(value, eqn.outvars[0].aval.dtype) else None
     return value if _same_kind(eqn) else None
+
+
+def _held_exactly(value: _Float | _Choice, dtype: Any) -> bool:
+    """Whether the floating `dtype` holds each number of `value` as it is (a mask of 0
+    and `-inf` made in bfloat16 and cast to float32); a conversion that rounds one, or
+    any to integers, is no such value."""
+    numbers = [value.value] if isinstance(value, _Float) else [value.on, value.off]
+    return jnp.issubdtype(dtype, jnp.floating) and all(
+        float(np.asarray(n, dtype)) == n for n in numbers)
 
 
 def _constant(value: Any) -> int | None:
