@@ -613,6 +613,10 @@ MASK_BIASES = {
     "where_minus_inf": (lambda dtype: jnp.where(jnp.tril(jnp.ones((T, T), bool)), 0.0,
                                                 -jnp.inf), CAUSAL),
     "whisper_triu": (lambda dtype: jnp.triu(jnp.full((T, T), -jnp.inf), 1), CAUSAL),
+    "triu_cast_from_bfloat16": (lambda dtype: jnp.triu(
+        jnp.full((T, T), -jnp.inf, jnp.bfloat16), 1).astype(dtype), CAUSAL),
+    "fill_rounded_by_a_cast": (lambda dtype: jnp.triu(
+        jnp.full((T, T), -1e30), 1).astype(jnp.bfloat16).astype(dtype), PADDED),
     "mistral_reference_log": (
         lambda dtype: jnp.log(jnp.triu(jnp.tril(jnp.ones((T, T), dtype)), -WINDOW)),
         (True, (WINDOW, 0), False, False)),
@@ -625,10 +629,12 @@ MASK_BIASES = {
 def test_a_band_spelled_as_a_bias_is_the_ops_band(rewritten, spelling):
     """A mask bias of a band, Hugging Face Flax's `lax.select(mask > 0, 0, finfo.min)` of
     a causal or sliding-window mask, `jnp.where(causal, 0.0, -inf)`, Whisper's
-    `jnp.triu(jnp.full((t, t), -inf), 1)` or Mistral's reference `jnp.log` of a band of
+    `jnp.triu(jnp.full((t, t), -inf), 1)` (also made in bfloat16 and cast to float32:
+    0 and `-inf` are exact in both) or Mistral's reference `jnp.log` of a band of
     float ones, becomes `is_causal` and `local_window_size`:
     every row keeps a key, so no row takes the hidden rows' gradient. One that hides the
-    first row whole is passed as an array (that row gets the mean of the values)."""
+    first row whole is passed as an array (that row gets the mean of the values), as is
+    one whose fill a cast rounds (`-1e30` to bfloat16): no band is read through it."""
     bias_of, arguments = MASK_BIASES[spelling]
 
     def f(q, k, v):
@@ -747,13 +753,38 @@ def test_a_constant_mask_is_the_band_it_keeps(rewritten, spelling):
                                args)
 
 
-@pytest.mark.xfail(strict=True, reason="a lax.scan body receives the constants it closes "
-                                       "over as operands: the mask is passed as an array")
-def test_a_constant_mask_inside_a_scanned_layer_is_the_band_it_keeps(rewritten):
-    f = masked_by(np.tril(np.ones((T, T), bool)))
-
+def scanned_layers(mask, wrap):
+    """`LAYERS` attention layers in `lax.scan`, each masked by `mask`: closed over by the
+    body (`"scan"`), by a `jax.checkpoint` body inside it (`"checkpointed_scan"`), or
+    one layer's slice of masks scanned over (`"scanned_over"`)."""
     def layers(q, k, v):
-        return lax.scan(lambda carry, _: (f(carry, k, v), None), q, None, length=LAYERS)[0]
+        if wrap == "scanned_over":
+            stacked = np.stack([mask] * LAYERS)
+            return lax.scan(lambda carry, m: (masked_by(m)(carry, k, v), None), q,
+                            stacked)[0]
+        layer = masked_by(mask)
+        layer = jax.checkpoint(layer) if wrap == "checkpointed_scan" else layer
+        return lax.scan(lambda carry, _: (layer(carry, k, v), None), q, None,
+                        length=LAYERS)[0]
+    return layers
 
+
+@pytest.mark.parametrize(("wrap", "arguments"), [
+    ("scan", CAUSAL),
+    pytest.param("checkpointed_scan", CAUSAL, marks=pytest.mark.slow),
+    ("scanned_over", PADDED),
+], ids=["scan", "checkpointed_scan", "scanned_over"])
+def test_a_constant_mask_inside_a_scanned_layer_is_the_band_it_keeps(rewritten, wrap,
+                                                                     arguments):
+    """A `lax.scan` body, and a `jax.checkpoint` body inside it, receives the constants it
+    closes over as operands: they are read as the constants they are, a causal mask as
+    the band it keeps, forward and under `jax.value_and_grad`. A mask scanned over reaches
+    the body as a slice of the scanned array, no constant: it is passed as an array."""
+    layers = scanned_layers(np.tril(np.ones((T, T), bool)), wrap)
     args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
-    assert attention_calls(tokamax.optimize(layers), *args) == {CAUSAL}
+    cotangent = random_normal(3, (B, T, N, HD))
+    step = jax.value_and_grad(weighted(layers, cotangent), argnums=(0, 1, 2))
+    assert attention_calls(tokamax.optimize(step), *args) == {arguments}
+    optimized = tokamax.optimize(layers)
+    assert attention_calls(optimized, *args) == {arguments}
+    assert_gradients_match_jit(layers, optimized, cotangent, (0, 1, 2), args)

@@ -6,7 +6,8 @@ with `&`, or as `jnp.tril`/`jnp.triu` of ones (boolean, or numbers multiplied or
 minus another within it, kept where nonzero or compared with 0 or 1:
 `jnp.where(jnp.tril(jnp.ones((t, t))) == 0, -jnp.inf, logits)`), either possibly turned
 into two numbers and compared with a number (MaxText's additive mask read back,
-`jnp.where(cols <= rows, 0.0, fill) >= fill * 0.5`). Each such mask keeps
+`jnp.where(cols <= rows, 0.0, fill) >= fill * 0.5`; Praxis's `(rows < cols).astype(dtype)
+* fill`, of indices `jnp.tile`d along axes of size 1). Each such mask keeps
 exactly the entries whose offset `col - row` lies in one interval `[low, high]`, which
 the attention op takes as `is_causal` and `local_window_size` instead of a mask array.
 The mask's equations are read symbolically (integer values as affine functions of the
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
-from tokamax_pass.passes.graph import Graph
+from tokamax_pass.passes.graph import Graph, scalar_constant
 
 _MAX_DEPTH = 64
 # The most entries of a constant mask read for its band (a (4096, 4096) causal mask).
@@ -193,7 +194,10 @@ class _Reader:
             return self._memo[var]
         eqn = self._graph.producer(var)
         result = None
-        if eqn is not None and depth < _MAX_DEPTH and len(eqn.outvars) == 1:
+        folded = None if var.aval.shape else scalar_constant(self._graph, var)
+        if folded is not None:  # arithmetic on numbers: Praxis's `large_negative * 0.5`
+            result = _scalar(folded, var.aval.dtype)
+        elif eqn is not None and depth < _MAX_DEPTH and len(eqn.outvars) == 1:
             operands = [self.value(v, depth + 1) for v in eqn.invars]
             result = _apply(eqn, operands)
         elif eqn is None and (constant := self._graph.constant(var)) is not None:
@@ -230,15 +234,20 @@ def _constant_band(value: np.ndarray) -> Any:
 def _literal(var: Any) -> Any:
     """The symbolic value of a scalar literal, as its dtype holds it (a weakly typed
     Python float keeps its float64 value in the jaxpr: `-0.7 * float32 max` rounds)."""
-    value = np.asarray(var.val, var.aval.dtype)
+    return _scalar(var.val, var.aval.dtype)
+
+
+def _scalar(number: Any, dtype: Any) -> Any:
+    """The symbolic value of a scalar `number` of `dtype`, as the dtype holds it."""
+    value = np.asarray(number, dtype)
     if value.ndim != 0:
         return None
     if value.dtype == np.bool_:
         return _Intervals((), false=not bool(value))
-    if np.issubdtype(value.dtype, np.floating) and np.isinf(value):
+    floating = jnp.issubdtype(value.dtype, jnp.floating)  # bfloat16 too
+    if floating and math.isinf(float(value)):
         return _Float(float(value))  # a fill: `jnp.where(causal, 0.0, -jnp.inf)`
-    if np.issubdtype(value.dtype, np.integer) or (
-            np.issubdtype(value.dtype, np.floating) and float(value).is_integer()):
+    if np.issubdtype(value.dtype, np.integer) or (floating and float(value).is_integer()):
         return _Affine((), int(value))
     return None
 
@@ -291,6 +300,10 @@ def _held(value: _Affine, aval: Any) -> bool:
     return -largest <= low and high <= largest
 
 
+# Equations that move or repeat an array's entries, read for each kind of value.
+_MOVES = ("broadcast_in_dim", "reshape", "slice", "tile")
+
+
 def _symbolic(eqn: Any, operands: list[Any]) -> Any:
     name = eqn.primitive.name
     out_shape = tuple(eqn.outvars[0].aval.shape)
@@ -305,10 +318,9 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
         return result
     if any(o is None for o in operands):
         return None
-    if isinstance(operands[0], _Float) and name in ("broadcast_in_dim", "reshape", "slice"):
+    if isinstance(operands[0], _Float) and name in _MOVES:
         return operands[0]
-    if isinstance(operands[0], _Indicator | _Choice) and name in ("broadcast_in_dim",
-                                                                  "reshape", "slice"):
+    if isinstance(operands[0], _Indicator | _Choice) and name in _MOVES:
         kept = _symbolic(eqn, [operands[0].kept])
         return None if kept is None else dataclasses.replace(operands[0], kept=kept)
     if name == "broadcast_in_dim":
@@ -318,6 +330,9 @@ def _symbolic(eqn: Any, operands: list[Any]) -> Any:
         return _reshape(operands[0], tuple(eqn.invars[0].aval.shape), out_shape)
     if name == "slice":
         return _sliced(operands[0], eqn.params, out_shape)
+    if name == "tile":
+        return _tiled(operands[0], tuple(eqn.invars[0].aval.shape), eqn.params["reps"],
+                      out_shape)
     if name == "convert_element_type":
         return _converted(eqn, operands[0])
     if name == "select_n" and len(operands) == 3:
@@ -351,8 +366,17 @@ def _converted(eqn: Any, value: Any) -> Any:
     if isinstance(value, _Indicator):
         return value.kept if to_bool else value
     if isinstance(value, _Float | _Choice):
-        return None  # the conversion may round its numbers
+        return value if _held_exactly(value, eqn.outvars[0].aval.dtype) else None
     return value if _same_kind(eqn) else None
+
+
+def _held_exactly(value: _Float | _Choice, dtype: Any) -> bool:
+    """Whether the floating `dtype` holds each number of `value` as it is (a mask of 0
+    and `-inf` made in bfloat16 and cast to float32); a conversion that rounds one, or
+    any to integers, is no such value."""
+    numbers = [value.value] if isinstance(value, _Float) else [value.on, value.off]
+    return jnp.issubdtype(dtype, jnp.floating) and all(
+        float(np.asarray(n, dtype)) == n for n in numbers)
 
 
 def _constant(value: Any) -> int | None:
@@ -366,13 +390,7 @@ def _indicator_op(name: str, operands: list[Any]) -> Any:
     """An equation of an indicator: a product with another one (or with 1), or a
     comparison with a number (true where the indicator's 0 or 1 compares so)."""
     if name == "mul":
-        masks = []
-        for operand in operands:
-            if isinstance(operand, _Indicator):
-                masks.append(operand.kept)
-            elif _constant(operand) != 1:
-                return None
-        return _Indicator(functools.reduce(_conjunction, masks))
+        return _indicator_product(operands)
     if name == "sub":
         return _difference(*operands)
     found = _compared(name, operands, _Indicator, _constant)
@@ -380,6 +398,25 @@ def _indicator_op(name: str, operands: list[Any]) -> Any:
         return None
     indicator, holds = found
     return _where_held(indicator.kept, holds(1), holds(0))
+
+
+def _indicator_product(operands: list[Any]) -> Any:
+    """A product of indicators (and 1s): the indicator of their masks' conjunction; an
+    indicator times another finite number `c`: `c` on its mask and 0 elsewhere (Praxis's
+    additive causal mask, `(rows < cols).astype(dtype) * large_negative_number`). A
+    product of infinite `c` is no choice (`0 * -inf` is NaN)."""
+    masks, numbers = [], []
+    for operand in operands:
+        if isinstance(operand, _Indicator):
+            masks.append(operand.kept)
+        elif _constant(operand) != 1:
+            numbers.append(_number(operand))
+    kept = functools.reduce(_conjunction, masks)
+    if not numbers:
+        return _Indicator(kept)
+    if len(numbers) != 1 or numbers[0] is None or not math.isfinite(numbers[0]):
+        return None
+    return _Choice(kept, numbers[0], 0.0)
 
 
 _COMPARISONS = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt,
@@ -503,6 +540,17 @@ def _sliced(value: Any, params: dict[str, Any], out_shape: tuple[int, ...]) -> A
     return functools.reduce(_conjunction, [
         _constraint(_unit_axes_zeroed(form, out_shape), low - shift(form), high - shift(form))
         for form, low, high in value.constraints], _Intervals(()))
+
+
+def _tiled(value: Any, in_shape: tuple[int, ...], reps: tuple[int, ...],
+           out_shape: tuple[int, ...]) -> Any:
+    """`jnp.tile` that repeats only axes of size 1 (Praxis's `jnp.tile(jnp.arange(t)[None,
+    :], [t, 1])`): a broadcast, the entry at `i` the one at `i` with those axes at 0; a
+    tile repeating a longer axis is periodic, no affine value or band."""
+    if len(reps) != len(in_shape) or any(
+            r != 1 and size != 1 for r, size in zip(reps, in_shape, strict=True)):
+        return None
+    return _remap(value, {a: a for a in range(len(in_shape))}, len(out_shape), out_shape)
 
 
 def _widened(value: _Affine, rank: int) -> _Affine:

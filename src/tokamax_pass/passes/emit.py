@@ -12,7 +12,9 @@ the shapes it sees), or bound as is. Sub-jaxprs holding op calls (`jit`, `scan`,
 selected plain-JAX pattern (`dot_general`, arithmetic: most bodies; a `shard_map`
 function made before `optimize`, which `transforms` does not see, among them) is mapped
 again with its body re-emitted, each device's matches and calls decided for the shapes
-it sees; other bodies are rewritten in place.
+it sees; other bodies are rewritten in place. A body's patterns read the constants its
+equation passes it as operands (what a `lax.scan` or `jax.checkpoint` body closes over:
+a mask made with NumPy) as the constants they are.
 """
 
 from __future__ import annotations
@@ -53,8 +55,11 @@ class Binder(Protocol):
     def rewrite_eqn(self, eqn: Any, path: str) -> Any: ...
 
 
-def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") -> list[Any]:
-    """Evaluates `jaxpr` on `args` in the current trace, op calls bound by `rewriter`."""
+def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "",
+         known: dict[int, Any] | None = None) -> list[Any]:
+    """Evaluates `jaxpr` on `args` in the current trace, op calls bound by `rewriter`;
+    `known`: the values, known while tracing, of inputs (by position) that the caller
+    passes constants to (patterns read them as the jaxpr's own constants)."""
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
@@ -62,7 +67,9 @@ def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") ->
 
     for var, value in zip(jaxpr.all_invars, [*jaxpr.consts, *args], strict=True):
         env[var] = value
-    graph = Graph(jaxpr) if rewriter.pattern_primitives else None
+    graph = None
+    if rewriter.pattern_primitives:
+        graph = Graph(jaxpr, {jaxpr.invars[i]: v for i, v in (known or {}).items()})
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -76,7 +83,7 @@ def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") ->
             elif (mapped := _shard_map(rewriter, eqn, invals, path)) is not None:
                 outs = mapped
             else:
-                params = _params(rewriter, eqn, path)
+                params = _params(rewriter, eqn, path, _known_operands(eqn, graph))
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
                 if not eqn.primitive.multiple_results:
                     outs = [outs]
@@ -85,13 +92,15 @@ def emit(rewriter: Binder, jaxpr: Jaxpr, args: Sequence[Any], path: str = "") ->
     return [read(v) for v in jaxpr.outvars]
 
 
-def retrace(rewriter: Binder, jaxpr: Jaxpr, path: str) -> Jaxpr:
-    """`jaxpr` traced again with its op calls re-emitted (the same object if it holds none)."""
+def retrace(rewriter: Binder, jaxpr: Jaxpr, path: str, known: dict[int, Any] | None = None
+            ) -> Jaxpr:
+    """`jaxpr` traced again with its op calls re-emitted (the same object if it holds
+    none); `known`: as `emit` takes it."""
     if not holds_calls(jaxpr, rewriter.pattern_primitives):
         return jaxpr
 
     def fn(*args: Any) -> list[Any]:
-        return emit(rewriter, jaxpr, args, path)
+        return emit(rewriter, jaxpr, args, path, known)
 
     new, _, consts = pe.trace_to_jaxpr_dynamic(
         lu.wrap_init(fn, debug_info=jaxpr.debug_info), jaxpr.in_avals)
@@ -120,18 +129,51 @@ def _shard_map(rewriter: Binder, eqn: Any, args: Sequence[Any], path: str
     return list(mapped(*args))
 
 
-def _params(rewriter: Binder, eqn: Any, path: str) -> dict[str, Any]:
+# Primitives whose body takes the equation's operands as its inputs, each unchanged: all
+# of them, or (`scan`) the first `num_consts`, the constants its body closes over.
+_OPERANDS_PASSED = frozenset({"jit", "pjit", "remat2", "checkpoint"})
+
+
+def _known_operands(eqn: Any, graph: Graph | None) -> dict[int, Any]:
+    """The values known while tracing (constants of the jaxpr: a mask made with NumPy)
+    of the operands `eqn` passes its body unchanged, by position: so a constant a
+    `lax.scan` or `jax.checkpoint` body closes over, which it receives as an operand,
+    reads as the constant it is."""
+    name = eqn.primitive.name
+    if graph is None or (name != "scan" and name not in _OPERANDS_PASSED):
+        return {}
+    passed = eqn.invars[:_scan_constants(eqn.params)] if name == "scan" else eqn.invars
+    values = {i: graph.held_constant(var) for i, var in enumerate(passed)}
+    return {i: value for i, value in values.items() if value is not None}
+
+
+def _scan_constants(params: dict[str, Any]) -> int:
+    """How many of a `scan`'s operands are the constants its body closes over: its
+    `num_consts`, or the leaves of the first of its `ft_in` groups (constants, carry,
+    scanned); none where neither reads so."""
+    if "num_consts" in params:
+        return int(params["num_consts"])
+    try:
+        return len(list(params["ft_in"].unpack()[0]))
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return 0
+
+
+def _params(rewriter: Binder, eqn: Any, path: str, known: dict[int, Any] | None = None
+            ) -> dict[str, Any]:
     if eqn.primitive.name in OPAQUE:
         return eqn.params
     if eqn.primitive.name == "shard_map":  # already per device: rewrite in place
         return rewriter.rewrite_eqn(eqn, path).params
     sub = path if is_op_wrapper(eqn) else "/".join(p for p in (path, path_label(eqn)) if p)
-    return {name: _param(rewriter, name, value, sub) for name, value in eqn.params.items()}
+    return {name: _param(rewriter, name, value, sub, known)
+            for name, value in eqn.params.items()}
 
 
-def _param(rewriter: Binder, name: str, value: Any, path: str) -> Any:
+def _param(rewriter: Binder, name: str, value: Any, path: str,
+           known: dict[int, Any] | None = None) -> Any:
     if isinstance(value, Jaxpr):
-        return retrace(rewriter, value, path)
+        return retrace(rewriter, value, path, known)
     if isinstance(value, tuple) and value and all(isinstance(v, Jaxpr) for v in value):
         return tuple(retrace(rewriter, v, f"{path}/{name}{i}") for i, v in enumerate(value))
     if isinstance(value, lu.WrappedFun):

@@ -28,12 +28,15 @@ class Graph:
     """The producers and users of every variable of `jaxpr` (its top level), read through
     `_SAME_VALUES` casts: `view(eqn)` is the equation as patterns see it."""
 
-    def __init__(self, jaxpr: Jaxpr) -> None:
+    def __init__(self, jaxpr: Jaxpr, known: dict[Any, Any] | None = None) -> None:
+        """`known`: values of inputs of `jaxpr` known while tracing (constants its caller
+        passes it), read as its own constants are."""
         self._producers: dict[Any, Any] = {}
         self._users: dict[Any, list[Any]] = defaultdict(list)
-        self._constants = {var: value for var, value in zip(
-            jaxpr.constvars, getattr(jaxpr, "consts", None) or (), strict=False)
-            if not isinstance(value, jax.core.Tracer)}
+        given = [*zip(jaxpr.constvars, getattr(jaxpr, "consts", None) or (), strict=False),
+                 *(known or {}).items()]
+        self._constants = {var: value for var, value in given
+                           if not isinstance(value, jax.core.Tracer)}
         self._views: dict[int, Any] = {}
         eqns = self._read_through_casts(jaxpr.eqns)
         self._outputs = {v for v in map(self.source, jaxpr.outvars)
@@ -99,8 +102,13 @@ class Graph:
     def constant(self, var: Any) -> np.ndarray | None:
         """The value of a constant of the jaxpr known while tracing (an array the function
         closes over: a mask made with NumPy, a buffer computed before), else `None`."""
-        value = None if isinstance(var, Literal) else self._constants.get(var)
+        value = self.held_constant(var)
         return None if value is None else np.asarray(value)
+
+    def held_constant(self, var: Any) -> Any:
+        """`constant(var)` as the jaxpr holds it, not copied to the host (a device array
+        stays where it is), else `None`."""
+        return None if isinstance(var, Literal) else self._constants.get(var)
 
     def users(self, var: Any) -> list[Any]:
         return [] if isinstance(var, Literal) else self._users.get(var, [])

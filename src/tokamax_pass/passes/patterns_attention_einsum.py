@@ -2,38 +2,40 @@
 `softmax(scale * q @ k^T [+ bias] [soft cap] [masked]) @ v`, replaced by the
 `dot_product_attention` op.
 
-Matched at the second product, from the equations JAX traces them to, so any spelling
-that traces alike is one: `jnp.einsum` or `@`/`jnp.matmul`, any layout (each batch axis,
-heads included, shared by q, k and v; one query, one key and one feature axis), the
-scale a number multiplying (or dividing) the logits or q, a `bias` added to the logits
-(also before the scale, `(q @ k^T + bias) * scale`: the op is given the bias scaled) or
-subtracted from them (`logits - bias`: the op is given `-bias`, exactly), a Gemma-2 soft
-cap `cap * tanh(logits / cap)`, a mask applied last by `jnp.where(mask, logits, fill)`
-(the mask boolean, or numbers kept where nonzero, as Flax's float32 masks cast from a
-boolean are) with `fill` `-inf` or at most `-1e9` (or several in turn, one fill for
-all: the keys every one keeps) or added as a bias of 0 and a fill that swallows the
-logits (`additive_mask`: Hugging Face's Flax models), the scale also after the mask
-where no bias or soft cap is under it and the scaled fill is still at most `-1e9`, then
-`jax.nn.softmax` (or `exp(l - max) / sum`, or `exp(jax.nn.log_softmax(l))`) over the
-keys, or `jax.nn.softmax(l, where=mask)` of a boolean mask (taken as the op's mask;
-alone: beside another, a row the other hides whole gets its fill, not `where=`'s zeros),
-possibly cast before the second product. The op's logits are float32, its probabilities
-and result in the values' dtype: what rounds otherwise is a near-miss (probabilities
-wider than the values at the product, as a float32 softmax against bfloat16 values
-gives: the product is then float32, the op's bfloat16; probabilities rounded to a
-narrower type on the way; logits rounded by a narrower `preferred_element_type` of
-`q . k`; the second product's result of another type than the values'). The op takes the
-products' `precision`; products of different precisions are a near-miss.
-The scale may be spelled as arithmetic on numbers (`1 / jnp.sqrt(64.0)`), the
-logits cast to a wider float type for the softmax (`.astype(jnp.float32)`), and q and k
-cast to a wider one from the values' before the product. The logits
-may come out of the product transposed (as `jnp.einsum` writes them).
-Grouped-query attention: q may have more free axes than the query rows
-(`(..., kv_heads, group, head_dim)` against un-repeated k and v), which become the op's
-query heads; keys and values repeated (`jnp.repeat`) are taken as repeated. The logits
-of such a product may be reshaped between the two products, as Gemma's reference code
-does: merged after the first (`(B, T, K, G, S)` to `(B, T, K * G, S)`, or `(B, K, G, T,
-S)` to `(B, K * G, T, S)`), soft-capped, masked and softmaxed so, and the probabilities
+Matched at the second product (or at the division after it, where the softmax's
+numerators `exp(l - max)` meet the values unnormalized and the product is divided by
+their row sums, as MaxText's `compute_local_attention` does), from the equations JAX
+traces them to, so any spelling that traces alike is one: `jnp.einsum` or
+`@`/`jnp.matmul`, any layout (each batch axis, heads included, shared by q, k and v; one
+query, one key and one feature axis), the scale a number multiplying (or dividing) the
+logits or q, a `bias` added to the logits (also before the scale, `(q @ k^T + bias) *
+scale`: the op is given the bias scaled) or subtracted from them (`logits - bias`: the
+op is given `-bias`, exactly), a Gemma-2 soft cap `cap * tanh(logits / cap)`, a mask
+applied last by `jnp.where(mask, logits, fill)` (the mask boolean, or numbers kept where
+nonzero, as Flax's float32 masks cast from a boolean are) with `fill` `-inf` or at most
+`-1e9` (or several in turn, one fill for all: the keys every one keeps) or added as a
+bias of 0 and a fill that swallows the logits (`additive_mask`: Hugging Face's Flax
+models), the scale also after the mask where no bias or soft cap is under it and the
+scaled fill is still at most `-1e9`, then `jax.nn.softmax` (or `exp(l - max) / sum`, or
+`exp(jax.nn.log_softmax(l))`) over the keys, or `jax.nn.softmax(l, where=mask)` of a
+boolean mask (taken as the op's mask; alone: beside another, a row the other hides whole
+gets its fill, not `where=`'s zeros), possibly cast before the second product. The op's
+logits are float32, its probabilities and result in the values' dtype: what rounds
+otherwise is a near-miss (probabilities wider than the values at the product, as a
+float32 softmax against bfloat16 values gives: the product is then float32, the op's
+bfloat16; probabilities rounded to a narrower type on the way; logits rounded by a
+narrower `preferred_element_type` of `q . k`; the second product's result of another
+type than the values'). The op takes the products' `precision`; products of different
+precisions are a near-miss. The scale may be spelled as arithmetic on numbers (`1 /
+jnp.sqrt(64.0)`), the logits cast to a wider float type for the softmax
+(`.astype(jnp.float32)`), and q and k cast to a wider one from the values' before the
+product. The logits may come out of the product transposed (as `jnp.einsum` writes
+them). Grouped-query attention: q may have more free axes than the query rows (`(...,
+kv_heads, group, head_dim)` against un-repeated k and v), which become the op's query
+heads; keys and values repeated (`jnp.repeat`) are taken as repeated. The logits of such
+a product may be reshaped between the two products, as Gemma's reference code does:
+merged after the first (`(B, T, K, G, S)` to `(B, T, K * G, S)`, or `(B, K, G, T, S)` to
+`(B, K * G, T, S)`), soft-capped, masked and softmaxed so, and the probabilities
 reshaped back to the product's shape before the second (the keys' axis kept as it is:
 the softmax then reads the same rows).
 
@@ -71,7 +73,7 @@ from tokamax_pass.passes.graph import (
 )
 
 NAME = "attention"
-PRIMITIVES = frozenset({"dot_general"})
+PRIMITIVES = frozenset({"dot_general", "div"})
 _LARGEST_FILL = -1e9
 
 
@@ -97,6 +99,16 @@ def _softmax_in_log_space(logits: Any) -> Any:
 
 _SOFTMAXES = (_softmax, _softmax_written_out, _softmax_written_out_max_stopped,
               _softmax_in_log_space)
+
+
+def _exponentials(logits: Any) -> Any:
+    """The softmax's numerators, `exp(l - max)`, left unnormalized (MaxText's
+    `compute_local_attention` divides the second product by their sums instead)."""
+    return jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+
+
+def _exponentials_max_stopped(logits: Any) -> Any:
+    return jnp.exp(logits - jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True)))
 
 
 def _softmax_where(logits: Any, mask: Any) -> Any:
@@ -148,6 +160,7 @@ class _Attention:
     value_numbers: Any = None  # ({logits axis: v axis} of the batch axes, keys, features)
     row: int = 0  # the logits axis of the query rows
     precision: Any = None  # the `q . k` product's (the second product's must match)
+    probabilities: Any = None  # the softmax's output, before any cast
     # The probabilities' dtype out of the softmax, after each cast on the way to the
     # second product (the last: at the product).
     probability_dtypes: tuple[Any, ...] = ()
@@ -164,11 +177,15 @@ class _LeftAlone(Exception):
 
 
 def match(eqn: Any, graph: Graph | None) -> Candidate | None:
-    """The op's candidate of the attention whose second product is `eqn`, if it is one."""
+    """The op's candidate of the attention whose second product is `eqn`, or whose second
+    product of unnormalized probabilities `eqn` divides by their sums, if it is one."""
     if graph is None or not graph.live(eqn):
         return None
     try:
-        attention = _parse(eqn, graph)
+        if eqn.primitive.name == "div":
+            attention, product, reshaped = _parse_normalized_after(eqn, graph)
+        else:
+            attention, product, reshaped = _parse(eqn, graph), eqn, []
     except _NoMatch:
         return None
     except _LeftAlone as refusal:
@@ -177,21 +194,28 @@ def match(eqn: Any, graph: Graph | None) -> Candidate | None:
         return Candidate(NAME, None, "values inside the attention are used elsewhere (a "
                                      "gradient traced inside optimize keeps them for its "
                                      "backward)")
-    rounding = _rounded_otherwise(attention, eqn)
+    rounding = _rounded_otherwise(attention, product)
     if rounding is not None:
         return Candidate(NAME, None, rounding)
-    if eqn.params["precision"] != attention.precision:
+    if product.params["precision"] != attention.precision:
         return Candidate(NAME, None, f"the products' precisions differ ({attention.precision} "
-                                     f"and {eqn.params['precision']}); the op takes one")
+                                     f"and {product.params['precision']}); the op takes one")
     arrays = [attention.query, attention.key, attention.value]
     arrays += [a for a in (attention.bias,) if a is not None]
     arrays += [condition for condition, _ in attention.masks]
-    out = eqn.outvars[0].aval
-    return Candidate(NAME, functools.partial(_compute, attention, tuple(out.shape), out.dtype),
-                     inputs=tuple(arrays))
+    out = product.outvars[0].aval
+    compute = functools.partial(_compute, attention, tuple(out.shape), out.dtype)
+    if reshaped:
+        compute = functools.partial(_shaped, compute, reshaped)
+    return Candidate(NAME, compute, inputs=tuple(arrays))
 
 
-def _parse(root: Any, graph: Graph) -> _Attention:
+def _parse(root: Any, graph: Graph,
+           read_softmax: Callable[[Graph, Any, list[Any]], tuple[Any, Any]] | None = None
+           ) -> _Attention:
+    """The attention whose second product is `root`; `read_softmax` reads the logits (and
+    a mask given to the softmax) back from the probabilities (`_softmax_input`)."""
+    read_softmax = read_softmax or _softmax_input
     attention = _Attention(region=[root])
     ((lc, rc), (lb, rb)) = root.params["dimension_numbers"]
     for first, (probabilities, value) in enumerate((root.invars, root.invars[::-1])):
@@ -205,9 +229,10 @@ def _parse(root: Any, graph: Graph) -> _Attention:
         uncast = _uncast(graph, probabilities, attention.region)
         unmerged = _unmerged(graph, uncast, attention.region)
         softmaxed = _uncast(graph, unmerged, attention.region)
-        softmax_input, softmax_mask = _softmax_input(graph, softmaxed, attention.region)
+        softmax_input, softmax_mask = read_softmax(graph, softmaxed, attention.region)
         if softmax_input is None:
             continue
+        attention.probabilities = softmaxed
         attention.probability_dtypes = tuple(
             jnp.dtype(v.aval.dtype) for v in (softmaxed, uncast, probabilities))
         attention.value = value
@@ -234,6 +259,107 @@ def _parse(root: Any, graph: Graph) -> _Attention:
             attention.output_axes = [*p_batch, "features", *rows]
         return attention
     raise _NoMatch
+
+
+def _parse_normalized_after(root: Any, graph: Graph) -> tuple[_Attention, Any, list[Any]]:
+    """`(attention, second product, reshapes)` where `root` divides the product of the
+    softmax's numerators `exp(l - max)` and the values, possibly transposed and reshaped
+    (`reshapes`, in order), by the numerators' row sums, each element by its own row's
+    (MaxText's `compute_local_attention`, normalized after the product: the op's result,
+    rounded otherwise)."""
+    numerator, denominator = root.invars
+    if tuple(numerator.aval.shape) != tuple(root.outvars[0].aval.shape):
+        raise _NoMatch
+    reshapes, product_out = _moved(graph, numerator, ("transpose", "reshape"))
+    product = graph.producer(product_out, "dot_general")
+    if product is None:
+        raise _NoMatch
+    attention = _parse(product, graph, _exponentials_input)
+    exponentials = attention.probabilities
+    spread, sums = _moved(graph, denominator, ("transpose", "reshape", "broadcast_in_dim"))
+    total = graph.producer(sums, "reduce_sum")
+    if (attention.merged_shape is not None or total is None
+            or total.invars[0] is not exponentials
+            or tuple(total.params["axes"]) != (len(exponentials.aval.shape) - 1,)):
+        raise _NoMatch
+    if not _rows_line_up(attention, product, reshapes, spread, root):
+        raise _NoMatch
+    attention.region.extend([*reshapes, *spread, total])
+    return attention, product, reshapes
+
+
+def _exponentials_input(graph: Graph, var: Any, region: list[Any]) -> tuple[Any, Any]:
+    """`(logits, None)` where `var` is `exp(logits - max)` over the keys, else
+    `(None, None)`."""
+    for spelling in (_exponentials, _exponentials_max_stopped):
+        reference = reference_jaxpr(spelling, (tuple(var.aval.shape), var.aval.dtype))
+        inputs = _spelled_as(graph, var, reference, region)
+        if inputs is not None:
+            return inputs[0], None
+    return None, None
+
+
+def _moved(graph: Graph, var: Any, primitives: tuple[str, ...]) -> tuple[list[Any], Any]:
+    """`(equations, source)` where `var` is `source` moved by `equations` (in order), each
+    one of `primitives`, which move or repeat values but change none."""
+    moves = []
+    while (eqn := graph.producer(var, *primitives)) is not None:
+        if eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is not None:
+            break
+        moves.append(eqn)
+        var = eqn.invars[0]
+    return moves[::-1], var
+
+
+def _rows_line_up(attention: _Attention, product: Any, reshapes: list[Any],
+                  spread: list[Any], root: Any) -> bool:
+    """Whether each element of the product that `root` divides meets the sum of its own
+    row of the probabilities: the logits rows numbered, moved as the product's rows and
+    as the sums are, agree wherever the sums are not repeated across the features."""
+    rows_shape = tuple(attention.probabilities.aval.shape[:-1])
+    rows = np.arange(math.prod(rows_shape)).reshape(rows_shape)
+    logit_axes = [a for a in attention.output_axes if a != "features"]
+    by_product = np.broadcast_to(
+        np.expand_dims(np.transpose(rows, logit_axes), attention.output_axes.index("features")),
+        product.outvars[0].aval.shape)
+    numerator, denominator = _replayed(reshapes, by_product), _replayed(spread, rows)
+    out_shape = tuple(root.outvars[0].aval.shape)
+    if numerator is None or denominator is None or denominator.ndim != len(out_shape):
+        return False
+    repeated = [a for a, (size, full) in enumerate(zip(denominator.shape, out_shape,
+                                                       strict=True)) if size != full]
+    if any(denominator.shape[a] != 1 or numerator.strides[a] != 0 for a in repeated):
+        return False  # the sums repeat along an axis the product's rows do not
+    first = tuple(slice(0, 1) if a in repeated else slice(None) for a in range(len(out_shape)))
+    return bool(np.array_equal(numerator[first], denominator))
+
+
+def _replayed(moves: list[Any], x: np.ndarray) -> np.ndarray | None:
+    """`x` moved as the equations `moves` (`_moved`) move their operand, as NumPy views (a
+    repeated axis stays repeated: stride 0); `None` where a reshape would copy."""
+    for eqn in moves:
+        name, params = eqn.primitive.name, eqn.params
+        if name == "transpose":
+            x = np.transpose(x, params["permutation"])
+        elif name == "broadcast_in_dim":
+            kept = params["broadcast_dimensions"]
+            x = x.reshape([x.shape[kept.index(a)] if a in kept else 1
+                           for a in range(len(params["shape"]))], copy=False)
+            x = np.broadcast_to(x, params["shape"])
+        else:
+            try:
+                x = np.reshape(x, params["new_sizes"], copy=False)
+            except ValueError:
+                return None
+    return x
+
+
+def _shaped(compute: Callable[..., Any], reshapes: list[Any], *arrays: Any) -> Any:
+    """`compute(*arrays)` moved as the equations `reshapes` move their operand."""
+    out = compute(*arrays)
+    for eqn in reshapes:
+        out = eqn.primitive.bind(out, **eqn.params)
+    return out
 
 
 def _unmerged(graph: Graph, var: Any, region: list[Any]) -> Any:
