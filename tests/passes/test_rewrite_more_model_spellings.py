@@ -509,6 +509,18 @@ def attention_calls(optimized, *args):
     return found
 
 
+def assert_attention_calls_match_jit(f, arguments, args=None):
+    """`f` through `optimize` plans attention with `arguments` alone (`attention_calls`),
+    and its values and gradients at `args` (default: three random (B, T, N, HD) arrays)
+    match `jax.jit`'s under a random cotangent."""
+    if args is None:
+        args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
+    optimized = tokamax.optimize(f)
+    assert attention_calls(optimized, *args) == {arguments}
+    assert_gradients_match_jit(f, optimized, random_normal(3, (B, T, N, HD)), (0, 1, 2),
+                               args)
+
+
 def step_and_arguments(model, dtype):
     return (jax.value_and_grad(model.loss, argnums=(0, 1, 2)), model.arguments(dtype))
 
@@ -641,11 +653,7 @@ def test_a_band_spelled_as_a_bias_is_the_ops_band(rewritten, spelling):
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(HD) + bias_of(q.dtype)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
 
-    args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
-    optimized = tokamax.optimize(f)
-    assert attention_calls(optimized, *args) == {arguments}
-    assert_gradients_match_jit(f, optimized, random_normal(3, (B, T, N, HD)), (0, 1, 2),
-                               args)
+    assert_attention_calls_match_jit(f, arguments)
 
 
 MAX_POSITIONS = 16
@@ -690,11 +698,7 @@ def test_a_causal_mask_sliced_from_a_longer_one_is_the_ops_band(rewritten, logit
     def f(q, k, v):
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits(q, k), axis=-1), v)
 
-    args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
-    optimized = tokamax.optimize(f)
-    assert attention_calls(optimized, *args) == {arguments}
-    assert_gradients_match_jit(f, optimized, random_normal(3, (B, T, N, HD)), (0, 1, 2),
-                               args)
+    assert_attention_calls_match_jit(f, arguments)
 
 
 def pytorch_port_padded_attention(q, k, v, padding):
@@ -746,11 +750,7 @@ def test_a_constant_mask_is_the_band_it_keeps(rewritten, spelling):
     triangle that hides the first row) is passed as an array."""
     mask, arguments = CONSTANT_MASKS[spelling]
     f = masked_by(mask)
-    args = tuple(random_normal(seed, (B, T, N, HD)) for seed in range(3))
-    optimized = tokamax.optimize(f)
-    assert attention_calls(optimized, *args) == {arguments}
-    assert_gradients_match_jit(f, optimized, random_normal(3, (B, T, N, HD)), (0, 1, 2),
-                               args)
+    assert_attention_calls_match_jit(f, arguments)
 
 
 def scanned_layers(mask, wrap):
