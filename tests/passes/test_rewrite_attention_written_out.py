@@ -203,6 +203,13 @@ def logits_cast_to_float32_before_a_bias(q, k, v, bias):
     return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
 
 
+def scaled_in_bfloat16_before_a_float32_bias(q, k, v, bias):
+    """bfloat16 logits scaled in bfloat16, then widened by the float32 bias they meet."""
+    logits = einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(H).astype(q.dtype)
+    logits = logits + bias.astype(jnp.float32)
+    return einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+
+
 def query_and_key_cast_to_float32(q, k, v, mask):
     """Flax's `dot_product_attention_weights(..., dtype=jnp.float32)` on bfloat16 q and k
     (Hugging Face's `attention_softmax_in_fp32`): both cast before the scale and the
@@ -216,12 +223,14 @@ def query_and_key_cast_to_float32(q, k, v, mask):
 @pytest.mark.parametrize("f", [softmax_in_float32_scale_by_sqrt,
                                logits_cast_to_float32_before_the_scale,
                                logits_cast_to_float32_before_a_bias,
+                               scaled_in_bfloat16_before_a_float32_bias,
                                query_and_key_cast_to_float32], ids=lambda f: f.__name__)
 def test_bfloat16_softmax_in_float32_with_a_computed_scale(rewritten, f):
     """The casts around the softmax (before or after the scale, mask or bias), of q and k
     before the product, and a scale spelled `1 / sqrt(d)` in jnp are read through; in
     bfloat16 the rewrite matches the float32 reference as plain JAX does."""
-    args = operands(with_bias if f is logits_cast_to_float32_before_a_bias else f)
+    biased = (logits_cast_to_float32_before_a_bias, scaled_in_bfloat16_before_a_float32_bias)
+    args = operands(with_bias if f in biased else f)
     low = tuple(a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in args)
     optimized = tokamax.optimize(f)
     assert outcomes(optimized, *low) == [REWRITTEN]

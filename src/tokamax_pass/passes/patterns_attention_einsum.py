@@ -530,9 +530,10 @@ def _logits(graph: Graph, attention: _Attention, logits: Any, softmax_mask: Any 
     if add is not None:
         for body, bias in _operand_orders(add):
             if (tuple(body.aval.shape) == shape and literal_value(bias) is None
-                    and (graph.producer(body, "mul", "div") is not None
+                    and (graph.producer(_unwidened(graph, body, []), "mul", "div") is not None
                          or _is_product(graph, body))):
-                attention.bias, logits = bias, body
+                # A product scaled in bf16, widened by the float32 bias it meets.
+                attention.bias, logits = bias, _unwidened(graph, body, attention.region)
                 if add.primitive.name == "sub":  # `logits - b`: the bias `-b`, exactly
                     attention.bias_scale = -attention.bias_scale
                 attention.region.append(add)
@@ -806,7 +807,7 @@ def _biased_product(graph: Graph, var: Any) -> bool:
     add = graph.producer(_unwidened(graph, var, []), "add", "sub")
     return add is not None and any(
         literal_value(bias) is None and (
-            graph.producer(summand, "mul", "div") is not None
+            graph.producer(_unwidened(graph, summand, []), "mul", "div") is not None
             or _is_product(graph, summand))
         for summand, bias in _operand_orders(add))
 
