@@ -426,6 +426,10 @@ def _norm_case(r: random.Random, inputs: _Inputs) -> Case:
     twin = r.random() < 0.08
     if twin:
         near.append("the statistic of x * 2, x * 3 normalized")
+    # Rows as many as features: a `(B, T)` mean broadcast as `mean[:, None, :]` fits.
+    square_rows = kind == "layer" and axis == -1 and r.random() < 0.15
+    if square_rows:
+        near.append("the mean broadcast along the features")
     if eps_at == "outside":
         near.append("eps outside the square root")
     if stat == "sum_n1":
@@ -459,6 +463,8 @@ def _norm_case(r: random.Random, inputs: _Inputs) -> Case:
 
         if kind == "layer":
             mu = jnp.mean(xs, axis=-2 if centered_by_other_axis else axis, keepdims=True)
+            if square_rows:
+                mu = jnp.mean(xs, axis=-1)[:, None, :]
             if stat == "var":
                 var = jnp.var(xs, axis=axis, keepdims=True)
             elif stat == "e_x2":
@@ -493,9 +499,10 @@ def _norm_case(r: random.Random, inputs: _Inputs) -> Case:
             y = y + offset_sign * b
         return y
 
-    args = [inputs.normal(*NORM_SHAPE, scale=r.choice([1.0, 3.0])) + r.choice([0.0, 2.0])]
+    shape = (2, 16, 16) if square_rows else NORM_SHAPE
+    args = [inputs.normal(*shape, scale=r.choice([1.0, 3.0])) + r.choice([0.0, 2.0])]
     if scale_how != "none":
-        args.append(inputs.normal(*((2, 6, 1) if scale_how == "row" else (16,))))
+        args.append(inputs.normal(*((*shape[:-1], 1) if scale_how == "row" else (16,))))
     if offset:
         args.append(inputs.normal(16))
     if traced_eps:
@@ -504,7 +511,7 @@ def _norm_case(r: random.Random, inputs: _Inputs) -> Case:
                    f"scale={scale_how} offset={offset} inv={inv} cast={cast} "
                    f"other_axis_mean={centered_by_other_axis} other_normalized={other_normalized} "
                    f"stopped_stat={stopped_stat} traced_eps={traced_eps} "
-                   f"offset_sign={offset_sign} twin={twin}")
+                   f"offset_sign={offset_sign} twin={twin} square_rows={square_rows}")
     return Case(description, norm, tuple(args), None if near else "layer_norm")
 
 
@@ -730,6 +737,52 @@ def _ragged_dot_case(r: random.Random, inputs: _Inputs) -> Case:
                 "ragged_dot")
 
 
+def _block_case(r: random.Random, inputs: _Inputs) -> Case:
+    """Several spellings chained, as a transformer block and its loss write them: the
+    norm's result read by the attention's q, k and v alike and by the residual, the
+    unit's output by the loss; some intermediate results also returned."""
+    t, features, heads, hidden, vocab = 6, 16, 2, 8, 12
+    attend = r.random() < 0.6
+    causal = r.choice(["tril", "arange", "none"])
+    act = r.choice([jax.nn.silu, jax.nn.gelu, jax.nn.relu])
+    escape = r.choice([None, None, "normed", "logits"])
+    loss = r.choice(["take_along", "one_hot"])
+
+    def rms(x, scale):
+        return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6) * scale
+
+    def self_attention(h):
+        q = k = v = h.reshape(h.shape[0], t, heads, features // heads)
+        logits = einsum("bthd,bshd->bhts", q, k) / np.sqrt(features // heads)
+        rows, cols = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+        mask = {"tril": jnp.tril(jnp.ones((t, t), bool)), "arange": cols <= rows,
+                "none": None}[causal]
+        if mask is not None:
+            logits = jnp.where(mask, logits, -1e30)
+        out = einsum("bhts,bshd->bthd", jax.nn.softmax(logits, -1), v)
+        return out.reshape(h.shape)
+
+    def block(x, scale, w_gate, w_up, w_out, labels):
+        normed = rms(x, scale)
+        x = x + self_attention(normed) if attend else x
+        h = rms(x, scale) if attend else normed
+        logits = matmul(act(matmul(h, w_gate)) * matmul(h, w_up), w_out)
+        log_probs = jax.nn.log_softmax(logits, -1)
+        if loss == "take_along":
+            per = -jnp.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
+        else:
+            per = -(jax.nn.one_hot(labels, vocab) * log_probs).sum(-1)
+        extra = {"normed": normed, "logits": logits}.get(escape)
+        return per.mean() if extra is None else (per.mean(), extra)
+
+    args = (inputs.normal(2, t, features), inputs.normal(features),
+            inputs.normal(features, hidden, scale=0.3), inputs.normal(features, hidden, scale=0.3),
+            inputs.normal(hidden, vocab, scale=0.3), inputs.integers(vocab, 2, t))
+    description = (f"block attend={attend} causal={causal} act={act.__name__} "
+                   f"escape={escape} loss={loss}")
+    return Case(description, block, args, "layer_norm")
+
+
 GENERATORS = {
     "attention": _attention_case,
     "nn_attention": _nn_attention_case,
@@ -737,9 +790,10 @@ GENERATORS = {
     "glu": _glu_case,
     "cross_entropy": _cross_entropy_case,
     "ragged_dot": _ragged_dot_case,
+    "block": _block_case,
 }
 WEIGHTS = {"attention": 5, "nn_attention": 1, "norm": 3, "glu": 3, "cross_entropy": 3,
-           "ragged_dot": 1}
+           "ragged_dot": 1, "block": 2}
 
 
 # Transformations ------------------------------------------------------------------------
@@ -810,11 +864,11 @@ def generate(seed: int, family: str | None = None) -> Case:
 
 
 def _largest(arrays) -> float:
-    """The largest finite magnitude among `arrays`: the scale each of them is compared
-    at, so that a gradient that is zero but for rounding (of a bias constant along the
-    keys) is not compared with its own rounding."""
+    """The largest finite magnitude among `arrays`, at least 1 (the inputs' scale): the
+    scale each of them is compared at, so that a gradient that is zero but for rounding
+    (of a bias constant along the keys) is not compared with its own rounding."""
     finite = [np.abs(a[np.isfinite(a)]) for a in map(np.asarray, arrays)]
-    return max([float(a.max()) for a in finite if a.size] + [1e-6])
+    return max([float(a.max()) for a in finite if a.size] + [1.0])
 
 
 def _difference(actual, expected, scale: float) -> str | None:

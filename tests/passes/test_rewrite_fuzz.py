@@ -14,7 +14,7 @@ from _spelling_fuzz import check, generate
 
 # Seeds whose functions cover each family (attention written out and `jax.nn`'s, norms,
 # gated linear units, cross-entropy, ragged dots), rewritten ones and near misses.
-CI_SEEDS = [0, 1, 4, 10, 15, 16, 17, 37]
+CI_SEEDS = [0, 1, 2, 6, 10, 36, 40]
 
 
 def _slow_seeds() -> range:
