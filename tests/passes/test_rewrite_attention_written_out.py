@@ -260,6 +260,26 @@ def test_a_row_with_every_key_hidden_is_plain_jaxs(rewritten, f):
     assert_close(jnp.nan_to_num(actual), jnp.nan_to_num(expected))
 
 
+@pytest.mark.parametrize("f", [einsum_scaled_after, matmul_heads_first_soft_cap,
+                               fill_scaled_to_minus_infinity, softmax_in_log_space,
+                               softmax_in_log_space_finite_fill], ids=lambda f: f.__name__)
+def test_a_row_with_every_key_hidden_has_plain_jaxs_gradients(rewritten, f):
+    """Autodiff of plain JAX multiplies the NaN probabilities of a row a fill of `-inf`
+    hides whole into the values' gradient (every key and feature of that batch element
+    and head, though the row's cotangent be zero): the rewrite's gradients are NaN where
+    `jax.jit`'s are, and match them elsewhere."""
+    args = operands(f, hide_a_row=True)
+    cotangent = random_normal(9, (B, T, N, H))
+    loss = jax.grad(weighted(f, cotangent), argnums=(0, 1, 2))
+    optimized = tokamax.optimize(f)
+    assert outcomes(optimized, *args) == [REWRITTEN]
+    expected = jax.jit(loss)(*args)
+    actual = jax.grad(weighted(optimized, cotangent), argnums=(0, 1, 2))(*args)
+    for got, wanted in zip(actual, expected, strict=True):
+        assert np.array_equal(np.isnan(got), np.isnan(wanted))
+        assert_close(jnp.nan_to_num(got), jnp.nan_to_num(wanted))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: d.__name__)
 def test_a_row_the_softmax_where_hides_whole_is_zero_as_in_jit(rewritten, dtype):
     """The op gives a row the softmax's `where=` hides whole zeros and no gradient, as

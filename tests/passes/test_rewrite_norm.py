@@ -11,7 +11,14 @@ import jax.numpy as jnp
 import pytest
 
 import tokamax_pass as tokamax
-from _rewriting import REWRITTEN, h200_plan, op_names, outcomes, weighted
+from _rewriting import (
+    REWRITTEN,
+    assert_gradients_match_jit,
+    h200_plan,
+    op_names,
+    outcomes,
+    weighted,
+)
 from conftest import assert_close, calibrate, random_normal
 
 B, T, D = 2, 6, 32
@@ -344,6 +351,23 @@ def test_near_misses_are_left_as_written(rewritten, f, dtype, reason):
     assert reason is None or matches
     assert op_names(optimized, *args) == []
     assert_close(optimized(*args), jax.jit(f)(*args), dtype)
+
+
+def mean_broadcast_onto_the_features(x, scale, offset):
+    """A `(B, T)` mean given its unit axis before the rows, `mean[:, None, :]`: with `T`
+    equal to `D` it broadcasts, and feature `j` is centered by row `j`'s mean (a norm of
+    those centered values, not LayerNorm of `x`)."""
+    mean = jnp.mean(x, axis=-1)
+    centered = x - mean[:, None, :]
+    variance = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+    return centered * jax.lax.rsqrt(variance + 1e-5) * scale + offset
+
+
+def test_a_mean_broadcast_onto_the_features_is_not_the_rows(rewritten):
+    args = (random_normal(0, (B, D, D)), random_normal(1, (D,)), random_normal(2, (D,)))
+    f = mean_broadcast_onto_the_features
+    assert_gradients_match_jit(f, tokamax.optimize(f), random_normal(3, (B, D, D)),
+                               (0, 1, 2), args)
 
 
 def scale_along_the_rows(x, scale):

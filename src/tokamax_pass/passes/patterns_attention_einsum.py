@@ -943,7 +943,7 @@ def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, 
         if attention.softmax_where:
             plain = jnp.zeros_like(out)
         elif attention.fill == -np.inf:
-            plain = jnp.full_like(out, np.nan)
+            plain = _nan_through_the_values(v, hidden, head_count)
         else:
             plain = jnp.mean(v.astype(jnp.float32), axis=-3, keepdims=True)
             plain = jnp.repeat(plain, head_count // v.shape[-2], axis=-2)
@@ -956,6 +956,17 @@ def _compute(attention: _Attention, out_shape: tuple[int, ...], out_dtype: Any, 
     labels = [*others, row, *heads, *groups, "features"]
     out = jnp.transpose(out, [labels.index(a) for a in attention.output_axes])
     return out.reshape(out_shape).astype(out_dtype)
+
+
+def _nan_through_the_values(value: Any, hidden: Any, head_count: int) -> Any:
+    """NaN in the query rows a fill of `-inf` hides whole (`hidden`), as plain JAX's
+    softmax gives them, computed from the values so that their gradient is NaN too:
+    autodiff of plain JAX multiplies those rows' NaN probabilities into the gradient of
+    every key and feature of the values of their batch element and head, even where the
+    rows' cotangent is zero."""
+    summed = jnp.sum(value.astype(jnp.float32), axis=-3, keepdims=True)
+    summed = jnp.repeat(summed, head_count // value.shape[-2], axis=-2)
+    return jnp.where(hidden, jnp.nan, 0.0) * summed
 
 
 def _sizes(attention: _Attention, query: Any, key: Any) -> list[int]:

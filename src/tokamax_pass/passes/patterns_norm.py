@@ -477,17 +477,17 @@ def _zeros(graph: Graph, var: Any) -> list[Any] | None:
 def _is_mean_of(graph: Graph, var: Any, x: Any, core: list[Any]) -> bool:
     """Whether `var` is the mean of `x` over its last axis (`sum / n`, broadcasts aside);
     the equations are added to `core`."""
-    eqns = []
+    after = []
     while (eqn := graph.producer(var, *SHAPE_ONLY)) is not None:
-        eqns.append(eqn)
+        after.append(eqn)
         var = eqn.invars[0]
     div = graph.producer(var, "div")
     if div is None:
         return False
-    eqns.append(div)
     total, count = div.invars
+    before = []
     while (eqn := graph.producer(total, *SHAPE_ONLY)) is not None:
-        eqns.append(eqn)
+        before.append(eqn)
         total = eqn.invars[0]
     reduce = graph.producer(total, "reduce_sum")
     if reduce is None or not same_value(graph, reduce.invars[0], x):
@@ -495,8 +495,38 @@ def _is_mean_of(graph: Graph, var: Any, x: Any, core: list[Any]) -> bool:
     rank = len(x.aval.shape)
     if tuple(reduce.params["axes"]) != (rank - 1,) or literal_value(count) != x.aval.shape[-1]:
         return False
-    core.extend([*eqns, reduce])
+    if not _keeps_rows([*reversed(before), *reversed(after)], x.aval.shape):
+        return False
+    core.extend([*after, div, *before, reduce])
     return True
+
+
+def _keeps_rows(eqns: list[Any], shape: tuple[int, ...]) -> bool:
+    """Whether the shape-only `eqns` (in the order they run) take a statistic of each
+    row of an array of `shape` (its leading axes; the last one reduced) to that row's
+    place: every leading axis stays where it is, and only axes of size one, or the last
+    axis, are added. `mean[:, None, :]` of a `(B, T)` mean broadcasts against `(B, T, T)`
+    with the rows along the features: each feature gets another row's statistic."""
+    # Which leading axis of `shape` each axis holds (`None`: one of size one, or added).
+    axes: list[int | None] = [i if n != 1 else None for i, n in enumerate(shape[:-1])]
+    for eqn in eqns:
+        source, target = eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape
+        if eqn.primitive.name == "broadcast_in_dim":
+            moved: list[int | None] = [None] * len(target)
+            for i, d in enumerate(eqn.params["broadcast_dimensions"]):
+                moved[d] = axes[i] if source[i] == target[d] else None
+            axes = moved
+        else:
+            if eqn.params.get("dimensions") is not None:
+                return False
+            kept = [a for a, n in zip(axes, source, strict=True) if n != 1]
+            if [n for n in source if n != 1] != [n for n in target if n != 1]:
+                return False
+            placed = iter(kept)
+            axes = [next(placed) if n != 1 else None for n in target]
+    return (len(axes) in (len(shape) - 1, len(shape))
+            and all(a in (None, i) for i, a in enumerate(axes))
+            and all(i in axes for i, n in enumerate(shape[:-1]) if n != 1))
 
 
 def _variance(graph: Graph, norm: _Norm, var: Any, x: Any, centered: Any) -> None:
