@@ -339,7 +339,7 @@ def test_the_rule_keeps_a_norm_whose_kernel_wins_under_a_gradient(calibration_di
     assert [m.outcome for m in plan.matches] == [
         "rewritten: cuda layer_norm triton, layer_norm_vjp xla"]
     assert [(row.path, row.op) for row in plan] == [("layer_norm", "PallasTritonLayerNorm"),
-                                                    ("layer_norm_vjp", "AutodiffVjp")]
+                                                    ("layer_norm_vjp", "AutodiffVjp(LayerNorm)")]
     artifact = tokamax.optimize(step).export(X, SCALE, platforms=["cpu", "cuda"],
                                              device_kind=H200)
     (entry,) = artifact.manifest["rewrites"]
