@@ -107,6 +107,21 @@ def interleaved_up_first(x, w):
     return h[..., 0] * jax.nn.gelu(h[..., 1])
 
 
+def activation_in_float32(x, w_gate, w_up):
+    """The activation computed in float32 and cast back, `act(g.astype(f32)).astype(g.dtype)`,
+    as bfloat16 models write it (a no-op in float32)."""
+    gate = dot(x, w_gate)
+    return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * dot(x, w_up)
+
+
+def activation_and_product_in_float32(x, w_gate, w_up):
+    """The activation and the product in float32 (a float32 unit of bfloat16 inputs): the
+    op's output is in the inputs' dtype."""
+    x, w_gate, w_up = (a.astype(jnp.bfloat16) for a in (x, w_gate, w_up))
+    gate, up = dot(x, w_gate).astype(jnp.float32), dot(x, w_up).astype(jnp.float32)
+    return jax.nn.silu(gate) * up
+
+
 SEPARATE = [separate(a) for a in (jax.nn.silu, jax.nn.swish, jax.nn.gelu, jax.nn.relu,
                                   jax.nn.sigmoid)] + [up_first, bilinear, silu_written_out,
                                                       silu_regrouped_with_up]
@@ -133,8 +148,8 @@ def test_values_and_gradients_match_jit(rewritten, f):
     check_the_unit(f, args, random_normal(9, (B, T, N)), tuple(range(len(args))))
 
 
-@pytest.mark.parametrize("f", [silu_regrouped_with_up, stacked_last, interleaved_up_first],
-                         ids=lambda f: f.__name__)
+@pytest.mark.parametrize("f", [silu_regrouped_with_up, stacked_last, interleaved_up_first,
+                               activation_in_float32], ids=lambda f: f.__name__)
 def test_bfloat16_values_and_gradients_match_jit(rewritten, f):
     args = tuple(a.astype(jnp.bfloat16) for a in operands(f, seed=3))
     optimized = tokamax.optimize(f)
@@ -338,6 +353,7 @@ def silu_written_out_of_two_stacked_rows(x, w):
     (every_other_column_of_the_halves, None),
     (one_half_times_its_own_sigmoid, None), (one_stacked_row_twice, None),
     (float32_from_bfloat16, "the op's output shapes or dtypes differ"),
+    (activation_and_product_in_float32, None),
 ], ids=lambda p: getattr(p, "__name__", ""))
 def test_near_misses_are_left_as_written(rewritten, f, reason):
     args = operands(fused_split if f in (uneven_halves, every_other_column_of_the_halves,

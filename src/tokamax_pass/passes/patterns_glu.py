@@ -11,7 +11,8 @@ or a `(K, 2N)` weight's product reshaped to `(..., N, 2)`, interleaved);
 `act` is `jax.nn.silu`/`swish` (or written out, `g * jax.nn.sigmoid(g)`, also regrouped
 with the up projection, `g * (jax.nn.sigmoid(g) * up)`), `jax.nn.gelu`
 (tanh or exact), `jax.nn.relu` or `jax.nn.sigmoid` (recognized by the equations they
-trace to), or none (the bilinear GLU).
+trace to), or none (the bilinear GLU); the activation possibly computed in float32 and
+cast back to the projection's dtype, as the op computes it.
 MoE experts' units over ragged dots are grouped ones (the op's `group_sizes`):
 `act(jax.lax.ragged_dot(x, w_gate, sizes)) * jax.lax.ragged_dot(x, w_up, sizes)` of
 `(G, K, N)` weights, or one `jax.lax.ragged_dot(x, w, sizes)` of a `(G, K, 2N)` weight
@@ -38,6 +39,7 @@ from tokamax_pass.passes.graph import (
     Graph,
     dense_matmul,
     reference_jaxpr,
+    rounds,
     same_structure,
     same_value,
 )
@@ -388,16 +390,46 @@ def _activation(graph: Graph, gate: Any
                 ) -> tuple[Callable[[Any], Any] | None, Any, list[Any]] | None:
     """`(activation, its operand, its equations)` where `gate` is an activation of
     `SPELLINGS` applied to a matmul or a half of one (`None`, no equations: `gate` is
-    that itself)."""
+    that itself), possibly computed in a wider float type and cast back
+    (`_activation_computed_wider`)."""
     if graph.producer(gate, *_PROJECTIONS) is not None:
         return None, gate, []
+    found = _spelled_activation(graph, gate)
+    if found is not None and graph.producer(found[1], *_PROJECTIONS) is not None:
+        return found
+    return _activation_computed_wider(graph, gate)
+
+
+def _spelled_activation(graph: Graph, gate: Any
+                        ) -> tuple[Callable[[Any], Any], Any, list[Any]] | None:
+    """`(activation, its operand, its equations)` where `gate` is an activation of
+    `SPELLINGS` of one operand, else `None`."""
     for spelling, activation in SPELLINGS:
         reference = reference_jaxpr(spelling, (tuple(gate.aval.shape), gate.aval.dtype))
         bound: dict[Any, Any] = {}
         region: list[Any] = []
         if same_structure(graph, gate, reference, reference.outvars[0], bound, region):
             (operand,) = bound.values() or (None,)
-            if operand is not None and graph.producer(operand, *_PROJECTIONS) is not None:
+            if operand is not None:
                 return activation, operand, list({id(e): e for e in region}.values())
     return None
+
+
+def _activation_computed_wider(graph: Graph, gate: Any
+                               ) -> tuple[Callable[[Any], Any], Any, list[Any]] | None:
+    """`act(g.astype(jnp.float32)).astype(g.dtype)` of a projection `g`: the activation
+    computed in a wider float type and rounded back, as the op computes it (which then
+    multiplies by the up projection in that type too and rounds once)."""
+    narrow = graph.producer(gate, "convert_element_type")
+    if narrow is None or not rounds(narrow.invars[0].aval.dtype, gate.aval.dtype):
+        return None
+    found = _spelled_activation(graph, narrow.invars[0])
+    if found is None:
+        return None
+    activation, operand, region = found
+    widen = graph.producer(operand, "convert_element_type")
+    if (widen is None or widen.invars[0].aval.dtype != gate.aval.dtype
+            or graph.producer(widen.invars[0], *_PROJECTIONS) is None):
+        return None
+    return activation, widen.invars[0], [*region, widen, narrow]
 
