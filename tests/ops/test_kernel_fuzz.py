@@ -28,6 +28,8 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 import tokamax_pass
 from conftest import H200, TOLERANCE, random_normal, reference_precision
 from tokamax_kernels.attention import (
+    PallasMosaicGpuFlashAttention,
+    PallasMosaicGpuFlashAttentionVjp,
     PallasTritonFlashAttention,
     PallasTritonFlashAttentionConfig,
     PallasTritonFlashAttentionVjp,
@@ -380,8 +382,9 @@ def h200():
         abstract_device=AbstractDevice(H200, None, "cuda")))
 
 
-def lowers_or_refuses(fn: Callable[..., Any], *args: Any) -> None:
-    """`fn` exports for cuda with a Triton call in it, or raises `NotImplementedError`."""
+def lowers_or_refuses(fn: Callable[..., Any], *args: Any, kernel: str = "__gpu$xla.gpu.triton"
+                      ) -> None:
+    """`fn` exports for cuda with a `kernel` call in it, or raises `NotImplementedError`."""
     try:
         with h200(), core.targeting(H200):
             exported = jax.export.export(
@@ -389,7 +392,7 @@ def lowers_or_refuses(fn: Callable[..., Any], *args: Any) -> None:
                 disabled_checks=tokamax_pass.DISABLE_JAX_EXPORT_CHECKS)(*args)
     except NotImplementedError:
         return
-    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+    assert kernel in exported.mlir_module()
 
 
 def tuned(rng: random.Random, op_cls: Any, *args: Any, **keywords: Any) -> tuple[Any, Any]:
@@ -408,6 +411,39 @@ def summed_gradient(fn: Callable[..., Any], argnums: tuple[int, ...]) -> Callabl
     return jax.grad(loss, argnums=argnums)
 
 
+def lower_attention(rng: random.Random, case: Case, fwd_cls: Any, vjp_cls: Any,
+                    kernel: str) -> Case:
+    """`case`'s attention and its gradient exported with `fwd_cls` and `vjp_cls`, their
+    heuristic configs or ones drawn from their autotuning spaces."""
+    q, k, v, bias = attention_inputs_shapes(case)
+    mask = None if case["mask"] is None else jax.ShapeDtypeStruct(case["mask"], jnp.bool_)
+    options = dict(case["options"])
+    lengths = {name: jax.ShapeDtypeStruct((case["batch"],), jnp.int32)
+               for name in ("query_seq_lengths", "key_value_seq_lengths")
+               if options.pop(name, None) is not None}
+    op = fwd_cls()
+    if rng.random() < 0.6:
+        with core.targeting(H200):
+            try:
+                bound = op.bind(q, k, v, bias, mask, **lengths,
+                                is_causal=options.get("is_causal", False))
+                vjp_bound = vjp_cls().bind((None,), None, None, **bound.arguments)
+                configs = (rng.choice(sorted(bound.autotuning_configs, key=str)),
+                           rng.choice(sorted(vjp_bound.autotuning_configs, key=str)))
+            except NotImplementedError:
+                return case
+        op = fwd_cls(config=configs[0], vjp=vjp_cls(config=configs[1]))
+        case["configs"] = configs
+
+    def attention(q, k, v, bias, mask, lengths):
+        return dot_product_attention(q, k, v, bias, mask, implementation=op, **lengths,
+                                     **options)
+    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+    for fn in (attention, summed_gradient(attention, argnums)):
+        lowers_or_refuses(fn, q, k, v, bias, mask, lengths, kernel=kernel)
+    return case
+
+
 def lower_triton_attention(rng: random.Random) -> Case:
     """Long sequences (200 to 700) and head dims to 256, or the small cases' sizes."""
     case = attention_case(rng)
@@ -419,33 +455,20 @@ def lower_triton_attention(rng: random.Random) -> Case:
         for name in ("bias", "mask"):
             if case[name] is not None:
                 case[name] = (*case[name][:2], case["seq_q"], case["seq_k"])
-    q, k, v, bias = (None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
-                     for x in attention_inputs_shapes(case))
-    mask = None if case["mask"] is None else jax.ShapeDtypeStruct(case["mask"], jnp.bool_)
-    options = dict(case["options"])
-    lengths = {name: jax.ShapeDtypeStruct((case["batch"],), jnp.int32)
-               for name in ("query_seq_lengths", "key_value_seq_lengths")
-               if options.pop(name, None) is not None}
-    op = PallasTritonFlashAttention()
-    if rng.random() < 0.6:
-        with core.targeting(H200):
-            bound = op.bind(q, k, v, bias, mask, **lengths,
-                            is_causal=options.get("is_causal", False))
-            vjp_bound = PallasTritonFlashAttentionVjp().bind((None,), None, None,
-                                                              **bound.arguments)
-            configs = (rng.choice(sorted(bound.autotuning_configs, key=str)),
-                       rng.choice(sorted(vjp_bound.autotuning_configs, key=str)))
-        op = PallasTritonFlashAttention(config=configs[0],
-                                        vjp=PallasTritonFlashAttentionVjp(config=configs[1]))
-        case["configs"] = configs
+    return lower_attention(rng, case, PallasTritonFlashAttention, PallasTritonFlashAttentionVjp,
+                           "__gpu$xla.gpu.triton")
 
-    def attention(q, k, v, bias, mask, lengths):
-        return dot_product_attention(q, k, v, bias, mask, implementation=op, **lengths,
-                                     **options)
-    argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
-    for fn in (attention, summed_gradient(attention, argnums)):
-        lowers_or_refuses(fn, q, k, v, bias, mask, lengths)
-    return case
+
+def lower_mosaic_gpu_attention(rng: random.Random) -> Case:
+    """Within what the Mosaic GPU kernels take (no bias, head dims 64, 128 or 256 for
+    queries and values, sequences in 128-row blocks), at 16-bit dtypes."""
+    case = attention_case(rng, bias_and_mask=False)
+    case["seq_q"] = 128 * rng.randint(1, 6)
+    case["seq_k"] = rng.choice((case["seq_q"], 128 * rng.randint(1, 6)))
+    case["head_dim"] = case["value_dim"] = rng.choice((64, 128, 256))
+    case["dtype"] = rng.choice(("bfloat16", "float16"))
+    return lower_attention(rng, case, PallasMosaicGpuFlashAttention,
+                           PallasMosaicGpuFlashAttentionVjp, "mosaic_gpu")
 
 
 def attention_inputs_shapes(case: Case) -> tuple:
@@ -527,14 +550,16 @@ def lower_triton_ragged_dot(rng: random.Random) -> Case:
                 blocks=blocks, quantized_lhs=quantized_lhs)
 
 
-# Seeds: the first of each list runs in CI, the rest are slow.
+# Seeds: those in `ci` run in CI (drawn cases that are small, yet take several options at
+# once: seed 7's attention has a per-batch key mask, causal, a soft cap, a value head dim
+# unlike the query's and the lse), the rest are slow.
 
 
 def seeds(ci: list[int], slow: range) -> list[Any]:
     return [*ci, *(pytest.param(s, marks=pytest.mark.slow) for s in slow if s not in ci)]
 
 
-@pytest.mark.parametrize("seed", seeds([0], range(1, 60)))
+@pytest.mark.parametrize("seed", seeds([7], range(0, 60)))
 def test_triton_attention_matches_xla(seed):
     check_attention(*triton_attention(random.Random(seed)))
 
@@ -549,22 +574,22 @@ def test_mosaic_tpu_cross_entropy_matches_xla(seed):
     check_mosaic_tpu_cross_entropy(random.Random(seed))
 
 
-@pytest.mark.parametrize("seed", seeds([0], range(1, 40)))
+@pytest.mark.parametrize("seed", seeds([6], range(0, 40)))
 def test_triton_layer_norm_matches_xla(seed):
     check_triton_layer_norm(random.Random(seed))
 
 
-@pytest.mark.parametrize("seed", seeds([0], range(1, 40)))
+@pytest.mark.parametrize("seed", seeds([1], range(0, 40)))
 def test_triton_gated_linear_unit_matches_xla(seed):
     check_triton_gated_linear_unit(random.Random(seed))
 
 
-@pytest.mark.parametrize("seed", seeds([0], range(1, 40)))
+@pytest.mark.parametrize("seed", seeds([19], range(0, 40)))
 def test_triton_ragged_dot_matches_xla(seed):
     check_triton_ragged_dot(random.Random(seed))
 
 
-@pytest.mark.parametrize("seed", seeds([0], range(1, 100)))
+@pytest.mark.parametrize("seed", seeds([9], range(0, 100)))
 @pytest.mark.parametrize("family", ["attention", "layer_norm", "gated_linear_unit",
                                     "ragged_dot"])
 def test_triton_lowers_for_cuda_or_refuses(family, seed):
@@ -572,3 +597,8 @@ def test_triton_lowers_for_cuda_or_refuses(family, seed):
              "gated_linear_unit": lower_triton_gated_linear_unit,
              "ragged_dot": lower_triton_ragged_dot}[family]
     lower(random.Random(seed))
+
+
+@pytest.mark.parametrize("seed", seeds([], range(0, 30)))
+def test_mosaic_gpu_attention_lowers_for_cuda_or_refuses(seed):
+    lower_mosaic_gpu_attention(random.Random(seed))
