@@ -162,6 +162,9 @@ def _check(op: Op, ba: BoundArguments, backward: bool) -> None:
     if jnp.dtype(x.dtype) not in _DTYPES:
         raise NotImplementedError(
             f"{type(op).__name__} supports bf16 and f32 x and weights, not {x.dtype}")
+    if x.shape[-1] == 0:
+        # No H block fits (the config's blocks are positive multiples of 128).
+        raise NotImplementedError(f"{type(op).__name__} needs x with a hidden axis, got H = 0")
     config = op.config
     if config is not None:
         tl = tiling(config, *_sizes(ba))

@@ -80,6 +80,11 @@ class PallasMosaicGpuRaggedDot(RaggedDot):
                 f"Mosaic GPU ragged dot writes {dtype}; preferred_element_type={out_dtype} is not "
                 "supported")
         rows, contraction, columns = _problem(lhs, rhs, variant)
+        if 0 in (rows, contraction, columns):
+            # An empty contraction set up no pipeline barriers: Pallas failed to lower it.
+            raise NotImplementedError(
+                f"Mosaic GPU ragged dot needs non-empty operands, got {variant} rows {rows}, "
+                f"contraction {contraction}, columns {columns}")
         if args["group_sizes"].shape[0] == 0:  # lowers, but no kernel was run without groups
             raise NotImplementedError(
                 "Mosaic GPU ragged dot needs at least one group; implementation='xla' (or "

@@ -68,7 +68,8 @@ class QuantizedArray:
 
         `channelwise_axes` keep one scale per index; `tiled_axes` maps an axis to its tile
         size (one scale per tile); every other axis shares one scale. Scales take `x`'s
-        dtype. Tiles of zeros get scale 1."""
+        dtype. Tiles of zeros get scale 1, and an empty axis one scale (a scale per index
+        of it would be no scale, which `QuantizedArray` does not take)."""
         qtype = jnp.dtype(qtype)
         signed = [d for d in VALUE_DTYPES if d != jnp.dtype(jnp.uint8)]
         if qtype not in signed:
@@ -84,10 +85,11 @@ class QuantizedArray:
                 scale_shape.append(size // tiled[axis])
             else:
                 scale_shape.append(size if axis in channelwise_axes else 1)
+        scale_shape = [max(s, 1) for s in scale_shape]
         tile = tuple(o // s for o, s in zip(x.shape, scale_shape, strict=True))
         blocks = jnp.abs(x.astype(jnp.float32)).reshape(
             [d for s, t in zip(scale_shape, tile, strict=True) for d in (s, t)])
-        absmax = blocks.max(axis=tuple(range(1, 2 * x.ndim, 2)))
+        absmax = blocks.max(axis=tuple(range(1, 2 * x.ndim, 2)), initial=0.0)
         largest = float(jnp.finfo(qtype).max if jnp.issubdtype(qtype, jnp.floating)
                         else jnp.iinfo(qtype).max)
         scale = jnp.where(absmax > 0, absmax / largest, 1.0).astype(x.dtype)

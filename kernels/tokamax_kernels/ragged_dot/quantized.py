@@ -67,6 +67,15 @@ def group_of_rows(group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.minimum(groups, group_sizes.shape[0] - 1).astype(jnp.int32)
 
 
+def scales_of_rows(rhs_scale: jax.Array, group_sizes: jax.Array, m: int) -> jax.Array:
+    """Each of the `m` rows' scales `(m, N)` from per-group ones `(G, 1, N)`: its group's.
+    Without groups every row is past them (a zero product) and takes 0: there is no last
+    group to read."""
+    if rhs_scale.shape[0] == 0:
+        return jnp.zeros((m, rhs_scale.shape[2]), rhs_scale.dtype)
+    return rhs_scale[:, 0, :][group_of_rows(group_sizes, m)]
+
+
 @dataclasses.dataclass(frozen=True)
 class XlaBackend:
     """Row-grouped ragged dots (forward, dlhs) in plain XLA, scales after the dot."""
@@ -102,7 +111,7 @@ class XlaBackend:
         if lhs_scale is not None:
             out = out * lhs_scale.astype(jnp.float32)
         if rhs_scale is not None:
-            per_row = rhs_scale[:, 0, :][group_of_rows(group_sizes, lhs.shape[0])]
+            per_row = scales_of_rows(rhs_scale, group_sizes, lhs.shape[0])
             out = out * per_row.astype(jnp.float32)
         return out.astype(out_dtype)
 
@@ -222,7 +231,7 @@ def _differentiable(backend: XlaBackend | TritonBackend, precision: Any,
             rhs_values, rhs_scale = q.post_scale(rhs, 1)
             scaled = dout.astype(jnp.float32)
             if rhs_scale is not None:
-                per_row = rhs_scale[:, 0, :][group_of_rows(group_sizes, lhs.shape[0])]
+                per_row = scales_of_rows(rhs_scale, group_sizes, lhs.shape[0])
                 scaled = scaled * per_row.astype(jnp.float32)
             dlhs = backend.dlhs(scaled.astype(lhs.dtype), rhs_values, group_sizes,
                                 precision=precision, out_dtype=lhs.dtype)

@@ -201,5 +201,5 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, 
         return None, jax.lax.dot_general(a, w, (((2,), (contract,)), ((0,), (0,))), **dot)
 
     _, tiles = jax.lax.scan(rows_step, None, (index, group))
-    tiles = tiles.reshape(-1, out_shape[1]).astype(out_dtype)
+    tiles = tiles.reshape(math.prod(tiles.shape[:-1]), out_shape[1]).astype(out_dtype)
     return jnp.zeros(out_shape, out_dtype).at[index.reshape(-1)].set(tiles, mode="drop")

@@ -195,3 +195,16 @@ def test_none_runs_the_tpu_kernel_only_where_measured_faster():
                       *args, reduction="mean", logits_soft_cap=30.0)
     with faster:
         assert "tpu_custom_call" in _export(None, kind="TPU v5p")
+
+
+def test_no_hidden_axis_is_refused_and_a_sequence_moves_on():
+    """H = 0 (every logit 0): the kernels refuse it with a NotImplementedError (no block
+    config could be made: a ValueError), so a sequence moves on to `xla`."""
+    x, weights = jnp.zeros((B, S, 0)), jnp.zeros((0, V))
+    labels = jax.random.randint(jax.random.key(0), (B, S), 0, V)
+    with pytest.raises(NotImplementedError, match="H = 0"):
+        lce(x, labels, weights, implementation=PallasMosaicTpuLinearSoftmaxCrossEntropyLoss(
+            interpret=True))
+    loss = lce(x, labels, weights, implementation=[
+        PallasMosaicTpuLinearSoftmaxCrossEntropyLoss(interpret=True), "xla"])
+    assert_close(loss, B * S * np.log(V))

@@ -137,6 +137,11 @@ def test_none_backward_runs_mosaic_where_its_gradient_calls_were_measured_faster
     ("forward", _shapes("forward", m=300), "multiple of 8"),
     ("drhs", _shapes("drhs", m=300), "multiple of 8"),
     ("drhs", _shapes("drhs", k=96), "multiple of 64"),
+    # Empty operands (a K of 0 failed in Pallas's lowering: no pipeline barriers).
+    ("forward", _shapes("forward", k=0), "non-empty"),
+    ("dlhs", _shapes("dlhs", k=0), "non-empty"),
+    ("drhs", _shapes("drhs", k=0), "non-empty"),
+    ("forward", _shapes("forward", n=0), "non-empty"),
 ])
 def test_unsupported_inputs_raise_not_implemented(variant, shapes, why):
     op = PallasMosaicGpuRaggedDot()

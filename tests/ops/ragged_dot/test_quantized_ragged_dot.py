@@ -380,3 +380,27 @@ def test_none_runs_triton_for_a_gpu_target_and_xla_on_cpu():
     assert "tokamax_quantized_ragged_dot_forward" in exported.mlir_module()
     here = jax.jit(f).lower(*args).as_text()
     assert "triton" not in here
+
+
+def test_quantize_an_empty_axis_takes_one_scale():
+    """Weights with no columns quantized per column: a scale per index of an empty axis
+    would be none (which `QuantizedArray` refuses), so the axis takes one scale; the
+    ragged dot through them is (M, 0) (the Triton kernel refuses empty operands with a
+    NotImplementedError, and `None` runs `xla`)."""
+    rhs = QuantizedArray.quantize(jnp.zeros((G, K, 0)), INT8, channelwise_axes=(0, 2))
+    assert rhs.qvalue.shape == (G, K, 0) and rhs.scale.shape == (G, 1, 1)
+    assert tokamax_pass.ragged_dot(activations(), rhs, SIZES).shape == (M, 0)
+    with pytest.raises(NotImplementedError, match="non-empty"):
+        tokamax_pass.ragged_dot(activations(), rhs, SIZES, implementation=TRITON)
+
+
+def test_no_groups_give_zeros_and_zero_gradients():
+    """Quantized weights of no groups: every row is past the groups, so the product and
+    the lhs gradient are zeros (the per-row scales were read from the last group, which
+    there is not: a gather error)."""
+    rhs = QuantizedArray.quantize(jnp.zeros((0, K, N)), INT8, channelwise_axes=(0, 2))
+    sizes = jnp.zeros((0,), jnp.int32)
+    lhs = activations()
+    np.testing.assert_array_equal(np.asarray(tokamax_pass.ragged_dot(lhs, rhs, sizes)), 0.0)
+    dlhs = jax.grad(lambda x: tokamax_pass.ragged_dot(x, rhs, sizes).sum())(lhs)
+    np.testing.assert_array_equal(np.asarray(dlhs), 0.0)

@@ -209,3 +209,20 @@ def test_op_on_cpu_runs_tiled_under_vmap_with_gradients():
         want_dlhs, want_drhs = want_vjp(cotangent[i])
         assert_close(dlhs[i], want_dlhs, scale_rtol=1e-5)
         assert_close(drhs[i], want_drhs, scale_rtol=1e-5)
+
+
+def test_an_empty_output_axis_gives_an_empty_product_and_zero_gradients():
+    """rhs with no columns (N = 0): the product is (M, 0) and the lhs gradient zeros, as
+    `jax.lax.ragged_dot` gives; the row tiles' products are flattened to rows without
+    inferring a length from an empty array (a ZeroDivisionError)."""
+    lhs, rhs = random_normal(0, (9, 12)), jnp.zeros((3, 12, 0))
+    sizes = jnp.asarray([4, 0, 3], jnp.int32)
+
+    def grads(impl):
+        return jax.grad(lambda lhs, rhs: impl(lhs, rhs, sizes).sum(), argnums=(0, 1))(lhs, rhs)
+
+    tiled = lambda lhs, rhs, sizes: ragged_dot(lhs, rhs, sizes, implementation="xla")
+    assert tiled(lhs, rhs, sizes).shape == (9, 0)
+    for got, want in zip(grads(tiled), grads(jax.lax.ragged_dot), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
