@@ -87,7 +87,7 @@ TRITON_CALLS = {
                    ["triton", "triton"]),
     "gated_linear_unit": (_glu, [_sds((2, 64, 128)), _sds((128, 2, 128))],
                           ["triton", "triton"]),
-    "ragged_dot": (_ragged_dot, [_sds((256, 128)), _sds((4, 128, 128))], ["triton", "xla"]),
+    "ragged_dot": (_ragged_dot, [_sds((256, 128)), _sds((4, 128, 128))], ["triton", "triton"]),
 }
 
 

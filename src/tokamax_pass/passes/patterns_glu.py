@@ -421,7 +421,10 @@ def _activation_computed_wider(graph: Graph, gate: Any
     computed in a wider float type and rounded back, as the op computes it (which then
     multiplies by the up projection in that type too and rounds once)."""
     narrow = graph.producer(gate, "convert_element_type")
-    if narrow is None or not rounds(narrow.invars[0].aval.dtype, gate.aval.dtype):
+    if narrow is None or not all(jnp.issubdtype(v.aval.dtype, jnp.floating)
+                                 for v in (narrow.invars[0], gate)):
+        return None
+    if not rounds(narrow.invars[0].aval.dtype, gate.aval.dtype):
         return None
     found = _spelled_activation(graph, narrow.invars[0])
     if found is None:
