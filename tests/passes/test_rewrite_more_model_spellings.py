@@ -527,7 +527,7 @@ def step_and_arguments(model, dtype):
 
 # The models CI steps through (`pytest -m slow` steps through the others): each spelling
 # the others hold is also checked alone by a test below.
-IN_CI = ("t5", "deepseek_v2")
+IN_CI = ("deepseek_v2",)
 
 
 @pytest.mark.parametrize("name", [name if name in IN_CI else
